@@ -1,0 +1,206 @@
+"""Checkpoints: HF safetensors directories (`kimi_linear`, `kimi_k3`) and Orbax directories.
+
+HF tensors are memory-mapped and streamed one parameter at a time into the abstract model's
+layout: per-expert tensors are stacked into `[E, out, in]`, MXFP4 experts stay packed (uint8),
+`A_log` is flattened and its zero padding dropped. A missing or mis-shaped tensor is an error that
+names the tensor and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from typing import Any, Callable, Iterable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from k3jax.config import ModelConfig, load_hf_config
+
+log = logging.getLogger(__name__)
+
+K3JAX_CONFIG = "k3jax_config.json"
+ORBAX_PARAMS = "params"
+_NO_WEIGHT_SUFFIX = {"A_log", "dt_bias", "e_score_correction_bias"}
+_ATTN_RES = {"self_attention_res", "mlp_res", "output_attn_res"}
+_EXPERT_MATS = {"w1", "w2", "w3"}
+
+
+class CheckpointError(ValueError):
+    """A tensor is missing, mis-shaped, or the directory is not a checkpoint this loader knows."""
+
+
+# ---- safetensors index --------------------------------------------------------------------
+
+class SafetensorsDir:
+    """Tensor name -> lazily opened, memory-mapped file, for single-file or sharded directories."""
+
+    def __init__(self, path: str):
+        self.path = path
+        index = os.path.join(path, "model.safetensors.index.json")
+        if os.path.exists(index):
+            with open(index) as f:
+                self.where = dict(json.load(f)["weight_map"])
+        else:
+            files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
+            if not files:
+                raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
+            self.where = {}
+            for fn in files:
+                with safe_open(os.path.join(path, fn), framework="numpy") as f:
+                    self.where.update({k: fn for k in f.keys()})
+        self._open: dict[str, Any] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def get(self, name: str) -> np.ndarray:
+        return self._file(name).get_tensor(name)
+
+    def _file(self, name: str):
+        fn = self.where[name]
+        if fn not in self._open:
+            self._open[fn] = safe_open(os.path.join(self.path, fn), framework="numpy")
+        return self._open[fn]
+
+
+# ---- name mapping ---------------------------------------------------------------------------
+
+def hf_name(path: tuple, prefix: str) -> str:
+    """Map an NNX state path to the HF tensor name (experts: with `{e}` for the expert index)."""
+    parts = [str(p) for p in path]
+    if parts == ["lm_head"]:
+        return f"{prefix}lm_head.weight"
+    if len(parts) >= 2 and parts[-2] in _ATTN_RES:
+        parts = parts[:-2] + [f"{parts[-2]}_{parts[-1]}", "weight"]
+    elif len(parts) >= 2 and parts[-2] in _EXPERT_MATS and parts[-1] in ("weight_packed", "weight_scale"):
+        parts = parts[:-2] + ["experts", "{e}", parts[-2], parts[-1]]
+    elif parts[-1] in _EXPERT_MATS:
+        parts = parts[:-1] + ["experts", "{e}", parts[-1], "weight"]
+    elif parts[-1] not in _NO_WEIGHT_SUFFIX and parts[-1] != "weight":
+        parts.append("weight")
+    return f"{prefix}model." + ".".join(parts)
+
+
+def _aliases(name: str) -> list[str]:
+    """HF transformers 5.x writes the dense layer-0 MLP under `block_sparse_moe.`; releases use `mlp.`."""
+    if ".mlp." in name:
+        return [name, name.replace(".mlp.", ".block_sparse_moe.")]
+    return [name]
+
+
+def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], fix: Callable | None = None) -> np.ndarray:
+    for cand in _aliases(name):
+        if cand in st:
+            got = st.shape(cand)
+            arr = st.get(cand)
+            if fix is not None:
+                arr = fix(arr)
+            if tuple(arr.shape) != want:
+                raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
+            return arr
+    raise CheckpointError(f"tensor {name} is missing from the checkpoint (expected shape {want})")
+
+
+def _fix_a_log(n: int):
+    def fix(a: np.ndarray) -> np.ndarray:
+        flat = a.reshape(-1)
+        if flat.size < n:
+            raise CheckpointError(f"A_log has {flat.size} entries for {n} heads")
+        return flat[:n]  # K3 stores F32[128] with only the first num_heads live
+    return fix
+
+
+def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, progress: bool = True) -> nnx.State:
+    """Fill `abstract` (from `nnx.eval_shape`) with tensors from an HF safetensors directory."""
+    st = SafetensorsDir(path)
+    prefix = "language_model." if cfg.family == "kimi_k3" else ""
+    flat = list(abstract.flat_state())
+    used: set[str] = set()
+    values = {}
+    for key, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
+                         disable=not progress):
+        shape, target = tuple(var.shape), var.dtype
+        name = hf_name(key, prefix)
+        if "{e}" in name:
+            per = shape[1:]
+            arr = np.stack([_read(st, name.format(e=e), per) for e in range(shape[0])])
+            used.update(name.format(e=e) for e in range(shape[0]))
+        else:
+            fix = _fix_a_log(shape[0]) if key[-1] == "A_log" else None
+            arr = _read(st, name, shape, fix)
+            used.update(a for a in _aliases(name) if a in st)
+        if arr.dtype == np.uint8 and target != jnp.uint8:
+            raise CheckpointError(f"tensor {name}: packed uint8 data where the model expects {target}; "
+                                  f"check text_config.quantization_config")
+        values[key] = jnp.asarray(arr.astype(target) if arr.dtype != target else arr)
+    leftover = [k for k in st.where if k not in used and k.startswith(prefix + "model.layers.")]
+    if leftover:
+        log.warning("%d checkpoint tensors were not used, e.g. %s", len(leftover), leftover[:3])
+    return _fill(abstract, values)
+
+
+def _fill(abstract: nnx.State, values: dict) -> nnx.State:
+    state = nnx.State.from_flat_path({k: v.replace(value=values[k]) for k, v in abstract.flat_state()})
+    return state
+
+
+# ---- Orbax ----------------------------------------------------------------------------------
+
+def is_orbax_dir(path: str) -> bool:
+    return os.path.exists(os.path.join(path, K3JAX_CONFIG)) and os.path.isdir(os.path.join(path, ORBAX_PARAMS))
+
+
+def save_orbax(path: str, cfg: ModelConfig, params: nnx.State, dtype) -> None:
+    """Write params with Orbax plus the k3jax config (used by `k3jax convert`)."""
+    import orbax.checkpoint as ocp
+
+    path = os.path.abspath(path)
+    os.makedirs(path, exist_ok=True)
+    with ocp.StandardCheckpointer() as ckpt:
+        ckpt.save(os.path.join(path, ORBAX_PARAMS), nnx.to_pure_dict(params), force=True)
+    with open(os.path.join(path, K3JAX_CONFIG), "w") as f:
+        json.dump({"config": cfg.to_dict(), "dtype": jnp.dtype(dtype).name}, f, indent=1)
+
+
+def load_orbax_params(path: str, abstract: nnx.State) -> nnx.State:
+    """Restore into abstract targets (shape, dtype and sharding come from `abstract`)."""
+    import orbax.checkpoint as ocp
+
+    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                          nnx.to_pure_dict(abstract))
+    with ocp.StandardCheckpointer() as ckpt:
+        restored = ckpt.restore(os.path.join(os.path.abspath(path), ORBAX_PARAMS), target)
+    nnx.replace_by_pure_dict(abstract, restored)
+    return abstract
+
+
+def read_orbax_config(path: str) -> tuple[ModelConfig, str]:
+    with open(os.path.join(path, K3JAX_CONFIG)) as f:
+        d = json.load(f)
+    return ModelConfig.from_dict(d["config"]), d["dtype"]
+
+
+# ---- entry point ----------------------------------------------------------------------------
+
+def load_checkpoint(path: str, dtype, progress: bool = True):
+    """-> (cfg, graphdef, params) for an HF safetensors or Orbax directory."""
+    from k3jax.runtime import abstract_model
+
+    if is_orbax_dir(path):
+        cfg, _ = read_orbax_config(path)
+        graphdef, abstract = abstract_model(cfg, dtype)
+        return cfg, graphdef, load_orbax_params(path, abstract)
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: no config.json (HF) and no {K3JAX_CONFIG} (Orbax)")
+    cfg = load_hf_config(path)
+    graphdef, abstract = abstract_model(cfg, dtype)
+    return cfg, graphdef, load_hf_params(path, cfg, abstract, dtype, progress)

@@ -1,0 +1,354 @@
+"""Model configuration for Kimi K3 and Kimi-Linear, read from HF `config.json` or named presets.
+
+One frozen dataclass covers both families. Layer schedules are stored 0-based (HF lists are
+1-based). A K3 config that lacks one of K3's switches is an error naming the key: a silent default
+would give a runnable but wrong model (spec §5).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+FAMILIES = ("kimi_k3", "kimi_linear")
+
+
+class ConfigError(ValueError):
+    """A config key is missing or has a value this implementation cannot honour."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Everything the math needs. Sizes follow the spec's names (§1)."""
+
+    family: str  # "kimi_k3" | "kimi_linear"
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    intermediate_size: int  # dense FFN width (layers < first_k_dense_replace)
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = False
+    # MLA
+    num_attention_heads: int = 0
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    mla_use_output_gate: bool = False
+    mla_layers: tuple[int, ...] = ()  # 0-based
+    # KDA
+    kda_num_heads: int = 0
+    kda_head_dim: int = 128
+    short_conv_kernel_size: int = 4
+    gate_lower_bound: float | None = None  # K3: -5.0 selects the sigmoid gate; None: softplus gate
+    kda_full_rank_output_gate: bool = False  # K3: g_proj [P, H]; Kimi-Linear: g_a/g_b rank head_dim
+    # MoE
+    num_experts: int = 0
+    num_experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    num_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    moe_renormalize: bool = True
+    first_k_dense_replace: int = 1
+    moe_layer_freq: int = 1
+    routed_expert_hidden_size: int | None = None  # K3 latent MoE width; None: experts act on hidden
+    latent_moe_use_norm: bool = False
+    expert_format: str = "dense"  # "dense" | "mxfp4" (routed experts only)
+    mxfp4_group_size: int = 32
+    # activations
+    hidden_act: str = "silu"  # "silu" | "situ" (MLPs only; the short conv always uses SiLU)
+    situ_beta: float = 4.0
+    situ_linear_beta: float = 25.0
+    # residual stream
+    attn_res_block_size: int | None = None  # K3 Block AttnRes; None: classic pre-norm residuals
+    # tokens
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    pad_token_id: int | None = None
+    max_position_embeddings: int = 1 << 20
+    tokenizer: str = "byte"  # "byte" | "kimi" (tiktoken vocabulary beside the checkpoint)
+
+    def __post_init__(self):
+        if self.family not in FAMILIES:
+            raise ConfigError(f"family must be one of {FAMILIES}, got {self.family!r}")
+        if self.hidden_act not in ("silu", "situ"):
+            raise ConfigError(f"hidden_act must be 'silu' or 'situ', got {self.hidden_act!r}")
+        if self.expert_format not in ("dense", "mxfp4"):
+            raise ConfigError(f"expert_format must be 'dense' or 'mxfp4', got {self.expert_format!r}")
+        for l in self.mla_layers:
+            if not 0 <= l < self.num_hidden_layers:
+                raise ConfigError(f"full_attn_layers entry {l + 1} is outside 1..{self.num_hidden_layers}")
+        if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
+            raise ConfigError(
+                f"num_experts_per_token={self.num_experts_per_token} must be in 1..num_experts={self.num_experts}")
+        if self.expert_format == "mxfp4":
+            for name, width in (("routed expert input", self.expert_in_size), ("moe_intermediate_size", self.moe_intermediate_size)):
+                if width % self.mxfp4_group_size:
+                    raise ConfigError(f"MXFP4 needs {name} ({width}) divisible by group size {self.mxfp4_group_size}")
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def kda_layers(self) -> tuple[int, ...]:
+        return tuple(l for l in range(self.num_hidden_layers) if l not in set(self.mla_layers))
+
+    def is_mla(self, layer: int) -> bool:
+        return layer in self.mla_layers
+
+    def is_moe(self, layer: int) -> bool:
+        return (self.num_experts > 0 and layer >= self.first_k_dense_replace
+                and layer % self.moe_layer_freq == 0)
+
+    @property
+    def kda_proj_size(self) -> int:
+        return self.kda_num_heads * self.kda_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def mla_latent_size(self) -> int:
+        """Width of one token's absorbed MLA cache entry (K3: 512 + 64 = 576)."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def expert_in_size(self) -> int:
+        return self.routed_expert_hidden_size or self.hidden_size
+
+    @property
+    def uses_attn_res(self) -> bool:
+        return self.attn_res_block_size is not None
+
+    @property
+    def num_kda_layers(self) -> int:
+        return len(self.kda_layers)
+
+    @property
+    def num_mla_layers(self) -> int:
+        return len(self.mla_layers)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ---- (de)serialisation ---------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> "ModelConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - names
+        if unknown:
+            raise ConfigError(f"unknown k3jax config keys: {sorted(unknown)}")
+        d = dict(d)
+        for k in ("mla_layers", "eos_token_ids"):
+            if k in d and d[k] is not None:
+                d[k] = tuple(d[k])
+        return cls(**d)
+
+
+# ---- reading HF config.json ---------------------------------------------------------------
+
+_K3_REQUIRED_TEXT_KEYS = (
+    "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm",
+    "attn_res_block_size", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
+)
+_K3_REQUIRED_LINEAR_KEYS = ("gate_lower_bound", "use_full_rank_gate")
+
+
+def _req(d: Mapping[str, Any], key: str, where: str):
+    if key not in d or d[key] is None:
+        raise ConfigError(f"{where}: required key {key!r} is missing")
+    return d[key]
+
+
+def _one_based_to_zero(layers, key: str, n: int) -> tuple[int, ...]:
+    out = []
+    for x in layers:
+        if not isinstance(x, int) or not 1 <= x <= n:
+            raise ConfigError(f"linear_attn_config.{key}: entry {x!r} is not a 1-based layer index in 1..{n}")
+        out.append(x - 1)
+    return tuple(sorted(out))
+
+
+def _eos_ids(*vals) -> tuple[int, ...]:
+    out: list[int] = []
+    for v in vals:
+        for x in (v if isinstance(v, (list, tuple)) else [v]):
+            if isinstance(x, int) and x not in out:
+                out.append(x)
+    return tuple(out)
+
+
+def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
+    """Build a ModelConfig from a parsed HF `config.json` (K3 with `text_config`, or flat Kimi-Linear)."""
+    top_type = cfg.get("model_type")
+    if top_type == "kimi_k3" or "text_config" in cfg:
+        family = "kimi_k3"
+        if "text_config" not in cfg:
+            raise ConfigError("config.json: model_type 'kimi_k3' needs a 'text_config' section")
+        tc = cfg["text_config"]
+        where = "config.json text_config"
+    elif top_type == "kimi_linear":
+        family, tc, where = "kimi_linear", cfg, "config.json"
+    else:
+        raise ConfigError(f"config.json: model_type {top_type!r} is not 'kimi_k3' or 'kimi_linear'")
+
+    n = int(_req(tc, "num_hidden_layers", where))
+    lac = _req(tc, "linear_attn_config", where)
+    lwhere = f"{where}.linear_attn_config"
+    mla = _one_based_to_zero(_req(lac, "full_attn_layers", lwhere), "full_attn_layers", n)
+    if "kda_layers" in lac and lac["kda_layers"] is not None:
+        kda = _one_based_to_zero(lac["kda_layers"], "kda_layers", n)
+        if set(kda) & set(mla) or len(kda) + len(mla) != n:
+            raise ConfigError(f"{lwhere}: kda_layers and full_attn_layers must partition 1..{n}")
+    if tc.get("mla_use_nope") is False:
+        raise ConfigError(f"{where}: mla_use_nope=false (rotary MLA) is not supported; K3/Kimi-Linear are NoPE")
+
+    common = dict(
+        vocab_size=int(_req(tc, "vocab_size", where)),
+        hidden_size=int(_req(tc, "hidden_size", where)),
+        num_hidden_layers=n,
+        intermediate_size=int(_req(tc, "intermediate_size", where)),
+        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-5)),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
+        num_attention_heads=int(_req(tc, "num_attention_heads", where)),
+        q_lora_rank=tc.get("q_lora_rank"),
+        kv_lora_rank=int(_req(tc, "kv_lora_rank", where)),
+        qk_nope_head_dim=int(_req(tc, "qk_nope_head_dim", where)),
+        qk_rope_head_dim=int(_req(tc, "qk_rope_head_dim", where)),
+        v_head_dim=int(_req(tc, "v_head_dim", where)),
+        mla_layers=mla,
+        kda_num_heads=int(_req(lac, "num_heads", lwhere)),
+        kda_head_dim=int(_req(lac, "head_dim", lwhere)),
+        short_conv_kernel_size=int(lac.get("short_conv_kernel_size", 4)),
+        num_experts=int(tc.get("num_experts") or 0),
+        num_experts_per_token=int(tc.get("num_experts_per_token") or 0),
+        moe_intermediate_size=int(tc.get("moe_intermediate_size") or 0),
+        num_shared_experts=int(tc.get("num_shared_experts") or 0),
+        routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0)),
+        moe_renormalize=bool(tc.get("moe_renormalize", True)),
+        first_k_dense_replace=int(tc.get("first_k_dense_replace", 0)),
+        moe_layer_freq=int(tc.get("moe_layer_freq", 1)),
+        bos_token_id=cfg.get("bos_token_id", tc.get("bos_token_id")),
+        pad_token_id=cfg.get("pad_token_id", tc.get("pad_token_id")),
+        max_position_embeddings=int(tc.get("max_position_embeddings", tc.get("model_max_length", 1 << 20))),
+    )
+    if tc.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        raise ConfigError(f"{where}: moe_router_activation_func must be 'sigmoid'")
+    if tc.get("use_grouped_topk") and int(tc.get("num_expert_group") or 1) != 1:
+        raise ConfigError(f"{where}: grouped top-k with num_expert_group > 1 is not supported")
+
+    if family == "kimi_k3":
+        for k in _K3_REQUIRED_TEXT_KEYS:
+            _req(tc, k, where)
+        for k in _K3_REQUIRED_LINEAR_KEYS:
+            _req(lac, k, lwhere)
+        act = tc["hidden_act"]
+        qc = tc.get("quantization_config")
+        expert_format, group = "dense", 32
+        if qc:
+            fmt = qc.get("format")
+            if fmt != "mxfp4-pack-quantized":
+                raise ConfigError(f"{where}.quantization_config.format {fmt!r} is not 'mxfp4-pack-quantized'")
+            expert_format = "mxfp4"
+            try:
+                group = int(qc["config_groups"]["group_0"]["weights"]["group_size"])
+            except (KeyError, TypeError):
+                group = 32
+        return ModelConfig(
+            family=family, **common,
+            mla_use_output_gate=bool(tc["mla_use_output_gate"]),
+            gate_lower_bound=float(lac["gate_lower_bound"]),
+            kda_full_rank_output_gate=bool(lac["use_full_rank_gate"]),
+            routed_expert_hidden_size=int(tc["routed_expert_hidden_size"]),
+            latent_moe_use_norm=bool(tc["latent_moe_use_norm"]),
+            expert_format=expert_format, mxfp4_group_size=group,
+            hidden_act=act, situ_beta=float(tc["activation_situ_beta"]),
+            situ_linear_beta=float(tc["activation_situ_linear_beta"]),
+            attn_res_block_size=int(tc["attn_res_block_size"]),
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id"), 163585, 163586),
+            tokenizer="kimi",
+        )
+    return ModelConfig(
+        family=family, **common,
+        mla_use_output_gate=bool(tc.get("mla_use_output_gate", False)),
+        gate_lower_bound=lac.get("gate_lower_bound"),
+        kda_full_rank_output_gate=bool(lac.get("use_full_rank_gate", False)),
+        hidden_act=tc.get("hidden_act", "silu"),
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
+        tokenizer="kimi",
+    )
+
+
+def load_hf_config(path: str | os.PathLike) -> ModelConfig:
+    p = os.path.join(path, "config.json") if os.path.isdir(path) else path
+    with open(p) as f:
+        return from_hf_config(json.load(f))
+
+
+# ---- presets -------------------------------------------------------------------------------
+
+def _k3_mla_layers(n: int, period: int = 4) -> tuple[int, ...]:
+    """K3 places MLA every `period` layers (1-based 4, 8, ...) and also at the last layer."""
+    return tuple(sorted({l for l in range(period - 1, n, period)} | {n - 1}))
+
+
+_BYTE_SPECIALS = dict(bos_token_id=256, eos_token_ids=(257,), pad_token_id=258)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Every K3 feature at test size: K3 gate, full-rank KDA output gate, gated NoPE MLA with q-LoRA,
+    # latent MoE with SiTU and post-combine norm, shared experts, MXFP4 experts, AttnRes blocks,
+    # two MLA layers at the end (like K3's 92-93).
+    "tiny-k3": ModelConfig(
+        family="kimi_k3", vocab_size=320, hidden_size=64, num_hidden_layers=8, intermediate_size=128,
+        num_attention_heads=4, q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, mla_use_output_gate=True, mla_layers=(3, 6, 7),
+        kda_num_heads=4, kda_head_dim=16, gate_lower_bound=-5.0, kda_full_rank_output_gate=True,
+        num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=2,
+        routed_scaling_factor=1.0, routed_expert_hidden_size=32, latent_moe_use_norm=True,
+        expert_format="mxfp4", hidden_act="situ", attn_res_block_size=3, **_BYTE_SPECIALS,
+        max_position_embeddings=4096),
+    "tiny-kimi-linear": ModelConfig(
+        family="kimi_linear", vocab_size=320, hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+        v_head_dim=16, mla_layers=(3,), kda_num_heads=4, kda_head_dim=16,
+        num_experts=8, num_experts_per_token=2, moe_intermediate_size=32, num_shared_experts=1,
+        routed_scaling_factor=2.446, hidden_act="silu", **_BYTE_SPECIALS, max_position_embeddings=4096),
+    # ~100M parameters with K3's structure (KDA head dim 128, 576-wide MLA latent), for CPU benchmarks.
+    "k3-small": ModelConfig(
+        family="kimi_k3", vocab_size=512, hidden_size=512, num_hidden_layers=12, intermediate_size=1536,
+        num_attention_heads=4, q_lora_rank=256, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_use_output_gate=True, mla_layers=_k3_mla_layers(12),
+        kda_num_heads=4, kda_head_dim=128, gate_lower_bound=-5.0, kda_full_rank_output_gate=True,
+        num_experts=32, num_experts_per_token=4, moe_intermediate_size=256, num_shared_experts=2,
+        routed_expert_hidden_size=256, latent_moe_use_norm=True, expert_format="mxfp4",
+        hidden_act="situ", attn_res_block_size=4, **_BYTE_SPECIALS, max_position_embeddings=32768),
+    "kimi-linear-48b-a3b": ModelConfig(
+        family="kimi_linear", vocab_size=163840, hidden_size=2304, num_hidden_layers=27, intermediate_size=9216,
+        num_attention_heads=32, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_layers=(3, 7, 11, 15, 19, 23, 26), kda_num_heads=32, kda_head_dim=128,
+        num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024, num_shared_experts=1,
+        routed_scaling_factor=2.446, hidden_act="silu", bos_token_id=163584,
+        eos_token_ids=(163586, 163585), pad_token_id=163839, tokenizer="kimi"),
+    "k3": ModelConfig(
+        family="kimi_k3", vocab_size=163840, hidden_size=7168, num_hidden_layers=93, intermediate_size=33792,
+        num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, mla_use_output_gate=True, mla_layers=_k3_mla_layers(93),
+        kda_num_heads=96, kda_head_dim=128, gate_lower_bound=-5.0, kda_full_rank_output_gate=True,
+        num_experts=896, num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
+        routed_scaling_factor=1.0, routed_expert_hidden_size=3584, latent_moe_use_norm=True,
+        expert_format="mxfp4", hidden_act="situ", attn_res_block_size=12, bos_token_id=163584,
+        eos_token_ids=(163586, 163585), pad_token_id=163839, tokenizer="kimi"),
+}
+
+
+def get_preset(name: str) -> ModelConfig:
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(f"unknown preset {name!r}; known: {sorted(PRESETS)}") from None

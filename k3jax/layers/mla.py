@@ -1,0 +1,106 @@
+"""Multi-head Latent Attention, NoPE (spec §2.4), with an optional q-LoRA and sigmoid output gate.
+
+The cache holds one 576-wide (kv_lora + rope) latent per token per layer: the normed compressed KV
+`c` and the shared, un-rotated key part `k_r`. Two equivalent attention forms:
+- expanded (full-sequence forward without a cache): per-head K/V are materialised from `c`;
+- absorbed (against a cache, decode and chunked prefill): `W_uk` is folded into the query and
+  `W_uv` applied after the softmax, so attention reads only the latent cache.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers.linear import Linear
+from k3jax.layers.norms import LORA_NORM_EPS, rms_norm
+
+NEG_INF = -1e30
+
+
+class MLA(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg = cfg
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(h, cfg.q_lora_rank, ("q_lora", "embed"), dtype=dtype, rngs=rngs)
+            self.q_a_layernorm = nnx.Param(jnp.ones((cfg.q_lora_rank,), dtype), axes=("q_lora",))
+            self.q_b_proj = Linear(cfg.q_lora_rank, nh * cfg.qk_head_dim, ("heads", "q_lora"), dtype=dtype, rngs=rngs)
+        else:
+            self.q_proj = Linear(h, nh * cfg.qk_head_dim, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.kv_a_proj_with_mqa = Linear(h, cfg.mla_latent_size, ("kv_latent", "embed"), dtype=dtype, rngs=rngs)
+        self.kv_a_layernorm = nnx.Param(jnp.ones((cfg.kv_lora_rank,), dtype), axes=("kv_latent",))
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, nh * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                ("heads", "kv_latent"), dtype=dtype, rngs=rngs)
+        if cfg.mla_use_output_gate:
+            self.g_proj = Linear(h, nh * cfg.v_head_dim, ("heads", "embed"), dtype=dtype, rngs=rngs)
+        self.o_proj = Linear(nh * cfg.v_head_dim, h, ("embed", "heads"), dtype=dtype, rngs=rngs)
+
+    # ---- pieces -----------------------------------------------------------------------------
+    def queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """x [B, T, H] -> (q_nope [B, T, nh, dn], q_rope [B, T, nh, dr])."""
+        cfg = self.cfg
+        if cfg.q_lora_rank:
+            q = self.q_b_proj(rms_norm(self.q_a_proj(x), self.q_a_layernorm[...], LORA_NORM_EPS))
+        else:
+            q = self.q_proj(x)
+        q = q.reshape(*x.shape[:2], cfg.num_attention_heads, cfg.qk_head_dim)
+        return q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+
+    def latent(self, x: jax.Array) -> jax.Array:
+        """x [B, T, H] -> cache entries [B, T, kv_lora + rope] = [normed c ; k_r]."""
+        r = self.cfg.kv_lora_rank
+        c = self.kv_a_proj_with_mqa(x)
+        return jnp.concatenate([rms_norm(c[..., :r], self.kv_a_layernorm[...], LORA_NORM_EPS), c[..., r:]], -1)
+
+    def _w_uk_uv(self) -> tuple[jax.Array, jax.Array]:
+        cfg = self.cfg
+        w = self.kv_b_proj.weight[...].reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                               cfg.kv_lora_rank)
+        return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # [nh, dn, r], [nh, dv, r]
+
+    def _finish(self, x: jax.Array, o: jax.Array) -> jax.Array:
+        """o [B, T, nh, dv] -> output gate (K3) -> o_proj."""
+        o = o.reshape(*o.shape[:2], -1).astype(x.dtype)
+        if self.cfg.mla_use_output_gate:
+            o = o * jax.nn.sigmoid(self.g_proj(x))
+        return self.o_proj(o)
+
+    @property
+    def scale(self) -> float:
+        return self.cfg.qk_head_dim ** -0.5
+
+    # ---- attention forms --------------------------------------------------------------------
+    def expanded(self, x: jax.Array, latent: jax.Array, mask: jax.Array) -> jax.Array:
+        """Attention over `latent` [B, S, 576] with per-head K/V materialised. mask: [B, T, S] bool."""
+        cfg = self.cfg
+        q_n, q_r = self.queries(x)
+        w_uk, w_uv = self._w_uk_uv()
+        c, k_r = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
+        k_n = jnp.einsum("bsr,hdr->bshd", c, w_uk)
+        v = jnp.einsum("bsr,hdr->bshd", c, w_uv)
+        s = (jnp.einsum("bthd,bshd->bhts", q_n, k_n, preferred_element_type=jnp.float32)
+             + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=jnp.float32)) * self.scale
+        p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(v.dtype)
+        return self._finish(x, jnp.einsum("bhts,bshd->bthd", p, v))
+
+    def absorbed(self, x: jax.Array, latent: jax.Array, mask: jax.Array) -> jax.Array:
+        """Same attention with W_uk folded into the query: reads only the latent cache."""
+        cfg = self.cfg
+        q_n, q_r = self.queries(x)
+        w_uk, w_uv = self._w_uk_uv()
+        q_lat = jnp.einsum("bthd,hdr->bthr", q_n, w_uk)  # [B, T, nh, r]
+        c, k_r = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
+        s = (jnp.einsum("bthr,bsr->bhts", q_lat, c, preferred_element_type=jnp.float32)
+             + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=jnp.float32)) * self.scale
+        p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(c.dtype)
+        ctx = jnp.einsum("bhts,bsr->bthr", p, c)  # [B, T, nh, r]
+        return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w_uv))
+
+
+def causal_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
+    """q_pos: [B, T] absolute query positions; kv_len: [B] keys that exist. -> [B, T, S] bool."""
+    s = jnp.arange(num_keys)[None, None, :]
+    return (s <= q_pos[:, :, None]) & (s < kv_len[:, None, None])

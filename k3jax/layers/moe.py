@@ -1,0 +1,123 @@
+"""Sigmoid-routed MoE (spec §2.5): fp32 router with selection-only correction bias, sorted grouped
+matmul over stacked experts (dense or MXFP4-packed), shared experts, and K3's latent down/up path
+with a post-combine RMSNorm."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.config import ModelConfig
+from k3jax.layers.activations import glu
+from k3jax.layers import initializers as init
+from k3jax.layers.linear import Linear
+from k3jax.layers.mlp import MLP
+from k3jax.layers.norms import rms_norm
+from pallas_kernels.moe import MXFP4Weight, gmm
+
+
+def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, top_k: int, renormalize: bool,
+          scaling: float) -> tuple[jax.Array, jax.Array]:
+    """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32).
+
+    Scores are fp32 sigmoids; the correction bias only picks the experts; the weights are the raw
+    scores of the chosen experts, renormalised, times the scaling factor.
+    """
+    logits = jnp.einsum("nh,eh->ne", x.astype(jnp.float32), router_w.astype(jnp.float32))
+    scores = jax.nn.sigmoid(logits)
+    _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+    w = jnp.take_along_axis(scores, ids, axis=-1)
+    if renormalize and top_k > 1:
+        w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
+    return ids.astype(jnp.int32), w * scaling
+
+
+def _init_experts(rngs, shape, dtype, fmt: str, group: int):
+    """Random stacked expert weights [E, out, in] (seeded presets).
+
+    MXFP4 experts are drawn directly in the packed format: uniform random E2M1 nibbles (rms ~2.93)
+    with one E8M0 scale per group picked so the weight rms is ~ in**-0.5.
+    """
+    std = shape[-1] ** -0.5
+    if fmt == "dense":
+        return nnx.Param(init.normal(rngs, shape, dtype, std), axes=("experts", "expert_mlp", None))
+    e, out, cin = shape
+    packed = init.randint(rngs, (e, out, cin // 2), jnp.uint8, 0, 256)
+    base = 127 + int(round(math.log2(std / 2.93)))
+    scale = init.randint(rngs, (e, out, cin // group), jnp.uint8, base - 1, base + 2)
+    return MXFP4Params(packed, scale)
+
+
+class MXFP4Params(nnx.Module):
+    """Routed-expert weights kept packed: uint8 E2M1 pairs + one E8M0 byte per 32 inputs."""
+
+    def __init__(self, packed: jax.Array, scale: jax.Array):
+        self.weight_packed = nnx.Param(packed, axes=("experts", "expert_mlp", None))
+        self.weight_scale = nnx.Param(scale, axes=("experts", "expert_mlp", None))
+
+    def value(self) -> MXFP4Weight:
+        return MXFP4Weight(self.weight_packed[...], self.weight_scale[...])
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, rngs: nnx.Rngs):
+        h, e, i, din = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size, cfg.expert_in_size
+        self.cfg = cfg
+        self.gate = Router(h, e, dtype=dtype, rngs=rngs)
+        fmt, grp = cfg.expert_format, cfg.mxfp4_group_size
+        self.w1 = _init_experts(rngs, (e, i, din), dtype, fmt, grp)  # gate  [E, I, Din]
+        self.w3 = _init_experts(rngs, (e, i, din), dtype, fmt, grp)  # up    [E, I, Din]
+        self.w2 = _init_experts(rngs, (e, din, i), dtype, fmt, grp)  # down  [E, Din, I]
+        if cfg.routed_expert_hidden_size:
+            self.routed_expert_down_proj = Linear(h, din, ("latent", "embed"), dtype=dtype, rngs=rngs)
+            self.routed_expert_up_proj = Linear(din, h, ("embed", "latent"), dtype=dtype, rngs=rngs)
+            if cfg.latent_moe_use_norm:
+                self.routed_expert_norm = nnx.Param(jnp.ones((din,), dtype), axes=("latent",))
+        if cfg.num_shared_experts:
+            self.shared_experts = MLP(cfg, h, cfg.num_shared_experts * i, dtype=dtype, rngs=rngs)
+
+    def _expert_weight(self, w):
+        return w.value() if isinstance(w, MXFP4Params) else w[...]
+
+    def experts(self, z: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
+        """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din]."""
+        cfg = self.cfg
+        n, k = ids.shape
+        flat = ids.reshape(-1)
+        order = jnp.argsort(flat, stable=True)  # [N*k] assignment slots sorted by expert
+        group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+        xs = z[order // k]
+        h1 = gmm(xs, self._expert_weight(self.w1), group_sizes, preferred_element_type=jnp.float32)
+        h3 = gmm(xs, self._expert_weight(self.w3), group_sizes, preferred_element_type=jnp.float32)
+        a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype)
+        out = gmm(a, self._expert_weight(self.w2), group_sizes, preferred_element_type=jnp.float32)
+        out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+        return jnp.einsum("nkd,nk->nd", out, weights)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        """x [B, T, H] normed -> [B, T, H]."""
+        cfg = self.cfg
+        b, t, h = x.shape
+        xf = x.reshape(b * t, h)
+        ids, w = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...],
+                       cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+        if cfg.routed_expert_hidden_size:
+            z = self.routed_expert_down_proj(xf)
+            y = self.experts(z, ids, w).astype(x.dtype)
+            if cfg.latent_moe_use_norm:
+                y = rms_norm(y, self.routed_expert_norm[...], cfg.rms_norm_eps)
+            y = self.routed_expert_up_proj(y)
+        else:
+            y = self.experts(xf, ids, w).astype(x.dtype)
+        if cfg.num_shared_experts:
+            y = y + self.shared_experts(xf)
+        return y.reshape(b, t, h)
+
+
+class Router(nnx.Module):
+    def __init__(self, h: int, e: int, *, dtype, rngs: nnx.Rngs):
+        self.weight = nnx.Param(init.normal(rngs, (e, h), dtype, h ** -0.5), axes=("experts", "embed"))
+        self.e_score_correction_bias = nnx.Param(init.normal(rngs, (e,), jnp.float32, 0.1), axes=("experts",))

@@ -1,0 +1,133 @@
+"""The Kimi K3 / Kimi-Linear decoder as Flax NNX modules with explicit cache state.
+
+`KimiModel.__call__(tokens, cache, valid)` processes one chunk of tokens per row:
+- `cache=None`: a whole sequence from empty state (MLA in expanded form over the chunk itself);
+- with a `ModelCache`: continue each row from its cache (chunked prefill when T > 1, decode when
+  T == 1); MLA writes its latents into the cache and attends in absorbed form.
+Rows are right-padded: `valid[b]` tokens of row b are real; padded tokens change no state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from k3jax.cache import ModelCache
+from k3jax.config import ModelConfig
+from k3jax.layers.attn_res import AttnResMixer
+from k3jax.layers.kda import KDA
+from k3jax.layers import initializers as init
+from k3jax.layers.mla import MLA, causal_mask
+from k3jax.layers.mlp import MLP
+from k3jax.layers.moe import MoE
+from k3jax.layers.norms import RMSNorm
+
+
+class DecoderLayer(nnx.Module):
+    def __init__(self, cfg: ModelConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+        self.is_mla = cfg.is_mla(layer)
+        self.is_moe = cfg.is_moe(layer)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype=dtype)
+        self.self_attn = (MLA if self.is_mla else KDA)(cfg, dtype=dtype, rngs=rngs)
+        if self.is_moe:
+            self.block_sparse_moe = MoE(cfg, dtype=dtype, rngs=rngs)
+        else:
+            self.mlp = MLP(cfg, cfg.hidden_size, cfg.intermediate_size, dtype=dtype, rngs=rngs)
+        if cfg.uses_attn_res:
+            self.self_attention_res = AttnResMixer(cfg.hidden_size, dtype=dtype, rngs=rngs)
+            self.mlp_res = AttnResMixer(cfg.hidden_size, dtype=dtype, rngs=rngs)
+
+    def ffn(self, h: jax.Array) -> jax.Array:
+        x = self.post_attention_layernorm(h)
+        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+
+
+class KimiModel(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.dtype = jnp.dtype(dtype)
+        h = cfg.hidden_size
+        self.embed_tokens = nnx.Param(init.normal(rngs, (cfg.vocab_size, h), dtype, 1.0), axes=("vocab", "embed"))
+        self.layers = nnx.List([DecoderLayer(cfg, l, dtype=dtype, rngs=rngs) for l in range(cfg.num_hidden_layers)])
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
+        if not cfg.tie_word_embeddings:
+            self.lm_head = nnx.Param(init.normal(rngs, (cfg.vocab_size, h), dtype, h ** -0.5), axes=("vocab", "embed"))
+        if cfg.uses_attn_res:
+            self.output_attn_res = AttnResMixer(h, dtype=dtype, rngs=rngs)
+        # index of each layer inside the stacked per-kind cache arrays
+        self.cache_index = tuple(
+            (cfg.mla_layers.index(l) if cfg.is_mla(l) else cfg.kda_layers.index(l)) for l in range(cfg.num_hidden_layers))
+
+    # ---- attention with explicit state ------------------------------------------------------
+    def _attention(self, l: int, x: jax.Array, cache: ModelCache | None, new: dict, valid: jax.Array) -> jax.Array:
+        layer, j = self.layers[l], self.cache_index[l]
+        b, t, _ = x.shape
+        if layer.is_mla:
+            attn: MLA = layer.self_attn
+            latent = attn.latent(x)  # [B, T, 576]
+            if cache is None:
+                q_pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
+                return attn.expanded(x, latent, causal_mask(q_pos, valid, t))
+            pos = cache.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+            real = jnp.arange(t)[None, :] < valid[:, None]
+            write = jnp.where(real, pos, cache.max_len)  # padded tokens fall off the end (dropped)
+            rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+            kv = new["mla_kv"][j].at[rows, write].set(latent.astype(new["mla_kv"].dtype), mode="drop")
+            new["mla_kv"] = new["mla_kv"].at[j].set(kv)
+            return attn.absorbed(x, kv, causal_mask(pos, cache.lengths + valid, cache.max_len))
+        attn: KDA = layer.self_attn
+        if cache is None:
+            cfg = self.cfg
+            p, d, n, w = cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
+            window = jnp.zeros((b, 3, w - 1, p), jnp.float32)
+            state = jnp.zeros((b, n, d, d), jnp.float32)
+            y, _, _ = attn(x, window, state, valid)
+            return y
+        y, window, state = attn(x, new["kda_conv"][j], new["kda_state"][j], valid)
+        new["kda_conv"] = new["kda_conv"].at[j].set(window)
+        new["kda_state"] = new["kda_state"].at[j].set(state)
+        return y
+
+    # ---- the residual stream ------------------------------------------------------------------
+    def _classic(self, x, cache, new, valid):
+        for l, layer in enumerate(self.layers):
+            x = x + self._attention(l, layer.input_layernorm(x), cache, new, valid)
+            x = x + layer.ffn(x)
+        return x
+
+    def _attn_res(self, emb, cache, new, valid):
+        """Block AttnRes (spec §2.2): `bank` holds closed block sums (bank[0] = embedding)."""
+        eps, block = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
+        bank: list[jax.Array] = []
+        p = emb
+        for l, layer in enumerate(self.layers):
+            h = layer.self_attention_res(bank + [p], eps) if bank else p
+            if l % block == 0:
+                bank.append(p)
+                p = None
+            a = self._attention(l, layer.input_layernorm(h), cache, new, valid)
+            p = a if p is None else p + a
+            h = layer.mlp_res(bank + [p], eps)
+            p = p + layer.ffn(h)
+        return self.output_attn_res(bank + [p], eps)
+
+    def __call__(self, tokens: jax.Array, cache: ModelCache | None = None, valid: jax.Array | None = None,
+                 last_only: bool = False) -> tuple[jax.Array, ModelCache | None]:
+        """tokens [B, T] int32 -> (logits fp32 [B, T, V] or [B, V] if last_only, updated cache)."""
+        b, t = tokens.shape
+        if valid is None:
+            valid = jnp.full((b,), t, jnp.int32)
+        new = None if cache is None else {"kda_conv": cache.kda_conv, "kda_state": cache.kda_state,
+                                          "mla_kv": cache.mla_kv}
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        x = self._attn_res(x, cache, new, valid) if self.cfg.uses_attn_res else self._classic(x, cache, new, valid)
+        if last_only:
+            x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
+        x = self.norm(x)
+        head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
+        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+        if cache is None:
+            return logits, None
+        return logits, ModelCache(new["kda_conv"], new["kda_state"], new["mla_kv"], cache.lengths + valid)

@@ -1,0 +1,156 @@
+"""`Model`: a loaded model (config, split params, tokenizer) with the simple offline entry points, and
+`load_model(path_or_preset)`."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax import steps
+from k3jax.cache import init_cache
+from k3jax.config import ModelConfig, PRESETS, get_preset
+from k3jax.model import KimiModel
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def parse_dtype(dtype) -> jnp.dtype:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+        return jnp.dtype(DTYPES[dtype])
+    return jnp.dtype(dtype)
+
+
+def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
+    """Shapes and dtypes of every parameter without materialising any (works for full K3)."""
+    model = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    return nnx.split(model)
+
+
+def init_model(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
+    """Seeded random weights (presets); values are drawn on the host (see layers/initializers.py)."""
+    return nnx.split(KimiModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed)))
+
+
+@dataclass
+class Model:
+    cfg: ModelConfig
+    graphdef: Any
+    params: Any
+    dtype: jnp.dtype
+    tokenizer: Any = None
+    source: str = ""
+    prefill_chunk: int = 256
+
+    # ---- full-sequence forward ---------------------------------------------------------------
+    def forward(self, token_ids) -> np.ndarray:
+        """token_ids [B, T] -> float32 logits [B, T, V] (no cache)."""
+        ids = self._ids(token_ids)
+        return np.asarray(steps.forward(self.graphdef, self.params, ids), dtype=np.float32)
+
+    # ---- cached generation ------------------------------------------------------------------
+    def prefill(self, token_ids, max_len: int):
+        """Chunked prefill of [B, T] prompts into a fresh cache; returns (last logits [B, V], cache)."""
+        ids = self._ids(token_ids)
+        b, t = ids.shape
+        if t > max_len:
+            raise ValueError(f"prompt length {t} exceeds the cache length {max_len}")
+        cache = init_cache(self.cfg, b, max_len, self.dtype)
+        chunk = min(self.prefill_chunk, _next_pow2(t))
+        logits = None
+        for start in range(0, t, chunk):
+            piece = np.zeros((b, chunk), np.int32)
+            n = min(chunk, t - start)
+            piece[:, :n] = ids[:, start:start + n]
+            valid = jnp.full((b,), n, jnp.int32)
+            logits, cache = steps.prefill_step(self.graphdef, self.params, cache, jnp.asarray(piece), valid)
+        return logits, cache
+
+    def generate_greedy(self, token_ids, max_new_tokens: int) -> np.ndarray:
+        """Greedy continuation: chunked prefill, then recurrent decode through the explicit cache."""
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        ids = self._ids(token_ids)
+        logits, cache = self.prefill(ids, ids.shape[1] + max_new_tokens)
+        tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        out = [tok]
+        for _ in range(max_new_tokens - 1):
+            tok, cache = steps.greedy_decode_step(self.graphdef, self.params, cache, tok)
+            out.append(tok)
+        return np.asarray(jnp.stack(out, axis=1))
+
+    def generate_text(self, prompt: str, max_new_tokens: int) -> str:
+        if self.tokenizer is None:
+            raise ValueError(f"{self.source}: no tokenizer (no tiktoken.model beside the weights); use token ids")
+        ids = self.tokenizer.encode(prompt)
+        if not ids:
+            raise ValueError("prompt encodes to zero tokens")
+        new = self.generate_greedy(np.asarray([ids], np.int32), max_new_tokens)[0].tolist()
+        stop = set(self.cfg.eos_token_ids)
+        for i, t in enumerate(new):
+            if t in stop:
+                new = new[:i]
+                break
+        return self.tokenizer.decode(new)
+
+    # ---- helpers ----------------------------------------------------------------------------
+    def _ids(self, token_ids) -> np.ndarray:
+        ids = np.asarray(token_ids)
+        if ids.ndim != 2 or ids.shape[1] == 0:
+            raise ValueError(f"token_ids must be a non-empty [B, T] integer array, got shape {ids.shape}")
+        if not np.issubdtype(ids.dtype, np.integer):
+            raise ValueError(f"token_ids must be integers, got {ids.dtype}")
+        if ids.min() < 0 or ids.max() >= self.cfg.vocab_size:
+            raise ValueError(f"token ids must be in [0, {self.cfg.vocab_size}), got range "
+                             f"[{ids.min()}, {ids.max()}]")
+        return ids.astype(np.int32)
+
+    @property
+    def num_params(self) -> int:
+        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def load_model(path_or_preset: str, dtype="float32", seed: int = 0) -> Model:
+    """Load a preset name (seeded random weights), an HF safetensors directory (`kimi_linear` or
+    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything."""
+    from k3jax import checkpoint
+    from k3jax.tokenizer import load_tokenizer
+
+    dt = parse_dtype(dtype)
+    if path_or_preset in PRESETS:
+        cfg = get_preset(path_or_preset)
+        if cfg.vocab_size > 1 << 16 or cfg.hidden_size > 4096:
+            raise ValueError(f"preset {path_or_preset!r} has the real model's shapes; use it for planning "
+                             f"(k3jax.runtime.abstract_model), it cannot be materialised with random weights here")
+        graphdef, params = init_model(cfg, dt, seed)
+        tok = load_tokenizer(None, family="byte", vocab_size=cfg.vocab_size)
+        return Model(cfg, graphdef, params, dt, tok, source=path_or_preset)
+    if not os.path.isdir(path_or_preset):
+        raise FileNotFoundError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
+    cfg, graphdef, params = checkpoint.load_checkpoint(path_or_preset, dt)
+    return Model(cfg, graphdef, params, dt, _checkpoint_tokenizer(path_or_preset, cfg), source=path_or_preset)
+
+
+def _checkpoint_tokenizer(path: str, cfg: ModelConfig):
+    """The Kimi tiktoken vocabulary beside the weights, else the byte tokenizer when the vocab fits it;
+    None (token ids only) for tiny test checkpoints with neither."""
+    from k3jax.tokenizer import ByteTokenizer, load_tokenizer
+
+    if os.path.isfile(os.path.join(path, "tiktoken.model")):
+        return load_tokenizer(path, family="k3" if cfg.family == "kimi_k3" else "kimi_linear",
+                              vocab_size=cfg.vocab_size)
+    try:
+        return ByteTokenizer(cfg.vocab_size)
+    except ValueError:
+        return None

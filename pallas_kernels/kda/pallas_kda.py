@@ -1,0 +1,469 @@
+"""Pallas kernels for KDA: chunked prefill, recurrent decode, pooled decode.
+
+One generic kernel scheme serves all three ops: a *segmented scan over blocks of C tokens*.
+Tokens are laid out per head as ``[H, NB*C, D]`` (dense batches are flattened row after
+row, varlen sequences are packed chunk-aligned, each sequence padded to a multiple of C with
+g=0, beta=0, k=v=0, which leaves the state unchanged). Every block belongs to one *row*
+(a batch element / sequence / decode request) whose state lives in ``states[state_idx]``;
+``states`` ``[S, H, K, V]`` fp32 is aliased input->output (``input_output_aliases``), so
+states that no row touches keep their value (empty sequences keep their initial state; pool
+slots not named stay untouched).
+
+The per-block math is one of:
+
+* ``_chunk_math`` -- WY/UT chunked form on a ``C x C`` tile (C a power of two, default 64).
+  Everything is 2-D matmuls, ``exp``, masks and reductions. Numerically safe for *any*
+  ``g <= 0`` (K3's -5 lower bound over 64 tokens gives -320; Kimi-Linear's is unbounded):
+  ``exp(Gamma_i - Gamma_j)`` is split at the lowest-common-ancestor split point ``r`` of
+  ``i`` and ``j`` in a binary tree over the chunk, ``exp(Gamma_i - Gamma_r) *
+  exp(Gamma_r - Gamma_j)``, both factors ``<= 1`` and each exponent computed directly as a
+  masked *sum of g over a range* (one ``C x C @ C x K`` matmul per tree level), never as a
+  difference of two large cumulative sums and never as ``exp(Gamma_i) * exp(-Gamma_j)``.
+  The unit-lower-triangular inverse ``(I + A)^-1`` is built by recursive block doubling
+  (``T <- T - T A_off T`` per level), which is blocked forward substitution: every
+  intermediate is a sub-block of the exact inverse (no Neumann series cancellation).
+* ``_recurrent_math`` -- the token-by-token delta rule over a block of C (default 8) tokens,
+  unrolled, written with masked reductions only (no dynamic lane slicing).
+
+Two pallas_call plumbings ("variants") drive the same math:
+
+* ``"tpu"`` (Mosaic TPU; also the default under ``interpret=True`` on CPU): grid
+  ``(H, V/block_v, NB)`` with the block axis last and ``arbitrary``; ``q/k/v/g/beta/o``
+  tiles are pipelined per block, the state is carried in a VMEM scratch, per-block metadata
+  (state index, first-block flag, mode) comes in through scalar prefetch
+  (``PrefetchScalarGridSpec``) and drives the state ``BlockSpec`` index maps. Consecutive
+  blocks of a row revisit the same state block, so it is written back once per row. Padded
+  pool rows (slot < 0) are re-pointed at a neighbouring row's slot and do nothing.
+* ``"gpu"`` (Pallas Triton lowering, the default ``pallas_call`` lowering on GPU in JAX
+  0.10/0.11; Triton is deprecated in 0.11 and emits a warning; a Mosaic-GPU port is future
+  work): grid ``(H, V/block_v, rows)``; each program loops over its row's blocks with
+  ``lax.fori_loop`` (dynamic bounds) carrying the state in registers, reads its slot id as
+  a regular int32 input and indexes the aliased state array directly (no scalar prefetch on
+  Triton). Tiles must be powers of two (C, K, block_v).
+
+Neither hardware lowering could be exercised in the session that wrote this file (no
+accelerator); both variants are verified in interpret mode against the jnp reference.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.kda import reference as ref
+
+_HI = lax.Precision.HIGHEST
+_F32 = jnp.float32
+
+
+# ----------------------------------------------------------------------------------------
+# in-kernel math (pure functions on values)
+# ----------------------------------------------------------------------------------------
+def _mm(a, b):
+    """[m,k] @ [k,n] in fp32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
+                           preferred_element_type=_F32)
+
+
+def _mm_nt(a, b):
+    """[m,k] @ [n,k]^T in fp32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
+                           preferred_element_type=_F32)
+
+
+def _tree_levels(C):
+    s = 1
+    while s < C:
+        yield s
+        s *= 2
+
+
+def _chunk_math(S, q, k, v, g, beta):
+    """One chunk of the WY form. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1]."""
+    C = q.shape[0]
+    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    zero = jnp.zeros((C, C), _F32)
+
+    # pair masks per tree level: i in the 2nd half, j in the 1st half of the same 2s-block
+    # (iotas are non-negative and s a power of two: shifts instead of // and %, which
+    # lower through `sign` on Mosaic)
+    pairs = []
+    for s in _tree_levels(C):
+        lg = s.bit_length() - 1
+        same = (row >> (lg + 1)) == (col >> (lg + 1))
+        pairs.append((s, same & (((row >> lg) & 1) == 1) & (((col >> lg) & 1) == 0)))
+
+    Akk = zero
+    Aqk = zero
+    for s, pair in pairs:
+        lg = s.bit_length() - 1
+        ref_r = ((row >> (lg + 1)) << (lg + 1)) + (s - 1)     # split point of row i's block
+        second = ((row >> lg) & 1) == 1
+        rng = jnp.where(second, (col > ref_r) & (col <= row), (col > row) & (col <= ref_r))
+        F = jnp.exp(_mm(rng.astype(_F32), g))                 # exponent = sum of g <= 0
+        kF = k * F
+        Akk = Akk + jnp.where(pair, _mm_nt(kF, kF), zero)
+        Aqk = Aqk + jnp.where(pair, _mm_nt(q * F, kF), zero)
+    Aqk = Aqk + jnp.where(row == col, jnp.sum(q * k, axis=1, keepdims=True), zero)
+
+    # (I + A)^-1 with A = Diag(beta) * strict_lower(Akk), by recursive block doubling
+    A = jnp.where(row > col, Akk * beta, zero)
+    Tinv = jnp.where(row == col, 1.0, zero)
+    for _, pair in pairs:
+        Tinv = Tinv - _mm(_mm(Tinv, jnp.where(pair, A, zero)), Tinv)
+
+    G = _mm(jnp.where(row >= col, 1.0, zero), g)              # inclusive cumsum [C,K]
+    eG = jnp.exp(G)
+    W = _mm(Tinv, beta * (k * eG))
+    U = _mm(Tinv, beta * v)
+    Vn = U - _mm(W, S)
+    o = _mm(q * eG, S) + _mm(Aqk, Vn)
+    kd = k * jnp.exp(_mm(jnp.where(col > row, 1.0, zero), g))  # exp(Gamma_C - Gamma_j)
+    gl = jnp.sum(g.T, axis=1, keepdims=True)                    # [K,1] = Gamma_C
+    S = jnp.exp(gl) * S + _mm(kd.T, Vn)
+    return S, o
+
+
+def _recurrent_math(S, q, k, v, g, beta):
+    """Token-by-token over a block. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1]."""
+    C, K = q.shape
+    Vb = v.shape[1]
+    qT, kT, gT = q.T, k.T, g.T                                  # [K, C]
+    colK = lax.broadcasted_iota(jnp.int32, (K, C), 1)
+    rowV = lax.broadcasted_iota(jnp.int32, (C, Vb), 0)
+    rowB = lax.broadcasted_iota(jnp.int32, (C, 1), 0)
+    o = jnp.zeros((C, Vb), _F32)
+    for t in range(C):
+        selK = colK == t
+        gt = jnp.sum(jnp.where(selK, gT, 0.0), axis=1, keepdims=True)      # [K,1]
+        kt = jnp.sum(jnp.where(selK, kT, 0.0), axis=1, keepdims=True)
+        qt = jnp.sum(jnp.where(selK, qT, 0.0), axis=1, keepdims=True)
+        vt = jnp.sum(jnp.where(rowV == t, v, 0.0), axis=0, keepdims=True)   # [1,Vb]
+        bt = jnp.sum(jnp.where(rowB == t, beta, 0.0), axis=0, keepdims=True)  # [1,1]
+        S = S * jnp.exp(gt)
+        kS = jnp.sum(kt * S, axis=0, keepdims=True)
+        S = S + kt * (bt * (vt - kS))
+        ot = jnp.sum(qt * S, axis=0, keepdims=True)
+        o = o + jnp.where(rowV == t, ot, 0.0)
+    return S, o
+
+
+_MATH = {"chunk": _chunk_math, "recurrent": _recurrent_math}
+
+
+# ----------------------------------------------------------------------------------------
+# pallas_call plumbing
+# ----------------------------------------------------------------------------------------
+def _call_tpu(math, q, k, v, g, beta, states, meta, *, C, block_v, chunk_states, interpret):
+    H, TT, K = q.shape
+    V = v.shape[-1]
+    NB = TT // C
+    nV = V // block_v
+    st, first, mode = meta
+
+    def kernel(st_ref, first_ref, mode_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref,
+               o_ref, s_out_ref, *rest):
+        cs_ref, s_scr = (rest[0], rest[1]) if chunk_states else (None, rest[0])
+        c = pl.program_id(2)
+        md = mode_ref[c]
+
+        @pl.when((md == 1) & (first_ref[c] == 1))
+        def _():
+            s_scr[...] = s_in_ref[...]
+
+        @pl.when(md == 1)
+        def _():
+            S, o = math(s_scr[...], q_ref[...], k_ref[...], v_ref[...], g_ref[...],
+                        b_ref[...])
+            s_scr[...] = S
+            s_out_ref[...] = S
+            o_ref[...] = o.astype(o_ref.dtype)
+            if cs_ref is not None:
+                cs_ref[...] = S
+
+        @pl.when(md != 1)
+        def _():
+            o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+            if cs_ref is not None:
+                cs_ref[...] = jnp.zeros(cs_ref.shape, cs_ref.dtype)
+
+        @pl.when(md == 2)
+        def _():
+            s_out_ref[...] = s_in_ref[...]
+
+    tok = lambda D: pl.BlockSpec((None, C, D), lambda h, j, c, *_: (h, c, 0))
+    vtok = pl.BlockSpec((None, C, block_v), lambda h, j, c, *_: (h, c, j))
+    sspec = pl.BlockSpec((None, None, K, block_v),
+                         lambda h, j, c, st_ref, *_: (st_ref[c], h, 0, j))
+    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32),
+                 jax.ShapeDtypeStruct(states.shape, _F32)]
+    out_specs = [vtok, sspec]
+    if chunk_states:
+        out_shape.append(jax.ShapeDtypeStruct((NB, H, K, V), _F32))
+        out_specs.append(pl.BlockSpec((None, None, K, block_v),
+                                      lambda h, j, c, *_: (c, h, 0, j)))
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(H, nV, NB),
+        in_specs=[tok(K), tok(K), vtok, tok(K), tok(1), sspec],
+        out_specs=out_specs,
+        scratch_shapes=[pltpu.VMEM((K, block_v), _F32)],
+    )
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid_spec=grid_spec,
+        input_output_aliases={3 + 5: 1},          # states (after 3 scalar-prefetch args)
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="kda_scan_tpu",
+    )(st, first, mode, q, k, v, g, beta, states)
+
+
+def triton_available() -> bool:
+    """Whether this JAX still ships the Pallas Triton lowering (deprecated in 0.11)."""
+    try:
+        from jax.experimental.pallas import triton as pltriton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _triton_params():
+    """Select the Pallas Triton lowering explicitly (JAX >= 0.10 defaults to Mosaic GPU,
+    which stages every block in shared memory -- wrong for this whole-row kernel)."""
+    from jax.experimental.pallas import triton as pltriton
+    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+
+
+def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret):
+    H, TT, K = q.shape
+    V = v.shape[-1]
+    NB = TT // C
+    nV = V // block_v
+    S_n = states.shape[0]
+    r_start, r_end, r_state, r_valid = rows
+    R = r_start.shape[0]
+
+    def kernel(rs_ref, re_ref, st_ref, va_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref,
+               o_ref, s_out_ref, *rest):
+        cs_ref = rest[0] if chunk_states else None
+        r = pl.program_id(2)
+        slot = st_ref[r]
+
+        @pl.when(va_ref[r] == 1)
+        def _():
+            def body(c, S):
+                off = pl.multiple_of(c * C, C)
+                sl = pl.ds(off, C)
+                S, o = math(S, q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :],
+                            b_ref[sl, :])
+                o_ref[sl, :] = o.astype(o_ref.dtype)
+                if cs_ref is not None:
+                    cs_ref[c] = S
+                return S
+
+            S = lax.fori_loop(rs_ref[r], re_ref[r], body, s_in_ref[slot])
+            s_out_ref[slot] = S
+
+    meta_spec = pl.BlockSpec((R,), lambda h, j, r: (0,))
+    tok = lambda D: pl.BlockSpec((None, TT, D), lambda h, j, r: (h, 0, 0))
+    vtok = pl.BlockSpec((None, TT, block_v), lambda h, j, r: (h, 0, j))
+    sspec = pl.BlockSpec((S_n, None, K, block_v), lambda h, j, r: (0, h, 0, j))
+    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32),
+                 jax.ShapeDtypeStruct(states.shape, _F32)]
+    out_specs = [vtok, sspec]
+    if chunk_states:
+        out_shape.append(jax.ShapeDtypeStruct((NB, H, K, V), _F32))
+        out_specs.append(pl.BlockSpec((NB, None, K, block_v), lambda h, j, r: (0, h, 0, j)))
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(H, nV, R),
+        in_specs=[meta_spec] * 4 + [tok(K), tok(K), vtok, tok(K), tok(1), sspec],
+        out_specs=out_specs,
+        input_output_aliases={4 + 5: 1},
+        compiler_params=None if interpret else _triton_params(),
+        interpret=interpret,
+        name="kda_scan_gpu",
+    )(r_start, r_end, r_state, r_valid, q, k, v, g, beta, states)
+
+
+def _block_meta(rows, NB):
+    """Per-block (state index, first flag, mode) for the TPU variant from per-row data."""
+    r_start, r_end, r_state, r_valid = rows
+    R = r_start.shape[0]
+    ridx = jnp.arange(R, dtype=jnp.int32)
+    valid = r_valid == 1
+    any_valid = jnp.any(valid)
+    # invalid rows point at the previous valid row's state (else the next one's, else 0),
+    # so that on TPU the state block is revisited, not written back with stale contents
+    prev = lax.cummax(jnp.where(valid, ridx, -1), axis=0)
+    nxt = lax.cummin(jnp.where(valid, ridx, R), axis=0, reverse=True)
+    nb = jnp.where(prev >= 0, prev, jnp.where(nxt < R, nxt, 0))
+    mapped = jnp.where(valid, r_state, jnp.where(any_valid, r_state[jnp.clip(nb, 0, R - 1)], 0))
+    blk = jnp.arange(NB, dtype=jnp.int32)
+    row_of = jnp.clip(jnp.searchsorted(r_end, blk, side="right"), 0, R - 1).astype(jnp.int32)
+    st = mapped[row_of].astype(jnp.int32)
+    first = (blk == r_start[row_of]).astype(jnp.int32)
+    mode = jnp.where(valid[row_of], 1, jnp.where(any_valid, 0, 2)).astype(jnp.int32)
+    return st, first, mode
+
+
+def _default_variant():
+    return "gpu" if jax.default_backend() == "gpu" else "tpu"
+
+
+def _pick_block_v(V, block_v, variant):
+    if block_v is None:
+        # TPU: one lane-dense 128-wide tile; GPU (Triton): the state lives in registers, so
+        # keep it at K x 32 per program and get parallelism from more programs instead.
+        block_v = min(V, 128 if variant == "tpu" else 32)
+    if V % block_v:
+        raise ValueError(f"block_v={block_v} must divide V={V}")
+    return block_v
+
+
+def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
+          variant):
+    """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32."""
+    math = _MATH[kind]
+    variant = variant or _default_variant()
+    NB = q.shape[1] // C
+    kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
+              chunk_states=chunk_states,
+              interpret=interpret)
+    if variant == "tpu":
+        return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
+    if variant == "gpu":
+        if not interpret and not triton_available():
+            raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
+        return _call_gpu(math, q, k, v, g, beta, states, rows, **kw)
+    raise ValueError(f"variant={variant!r}")
+
+
+# ----------------------------------------------------------------------------------------
+# layouts
+# ----------------------------------------------------------------------------------------
+def _prep_dense(q, k, v, g, beta, scale, C):
+    """[B,T,H,D] -> [H, B*NCb*C, D] fp32 (T padded to a multiple of C with zeros)."""
+    B, T, H, K = q.shape
+    NCb = max(1, -(-T // C))
+    pad = NCb * C - T
+
+    def f(x):
+        x = x.astype(_F32)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = jnp.moveaxis(x, 2, 0)                 # [H, B, Tp, ...]
+        return x.reshape((H, B * NCb * C) + x.shape[3:])
+
+    out = [f(q) * scale, f(k), f(v), f(g), f(beta)[..., None]]
+    rows = (jnp.arange(B, dtype=jnp.int32) * NCb,
+            jnp.arange(1, B + 1, dtype=jnp.int32) * NCb,
+            jnp.arange(B, dtype=jnp.int32),
+            jnp.ones((B,), jnp.int32))
+    return out, rows, NCb
+
+
+def _unprep_dense(o, B, T, NCb, C):
+    H, _, V = o.shape
+    o = o.reshape(H, B, NCb * C, V)[:, :, :T]
+    return jnp.moveaxis(o, 0, 2)                  # [B, T, H, V]
+
+
+def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
+         return_chunk_states, interpret, block_v, variant):
+    B, T, H, K = q.shape
+    V = v.shape[-1]
+    scale = float(K) ** -0.5 if scale is None else scale
+    if C & (C - 1):
+        raise ValueError(f"chunk size {C} must be a power of two for the Pallas kernels")
+    if cu_seqlens is None:
+        xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
+        states = (jnp.zeros((B, H, K, V), _F32) if initial_state is None
+                  else initial_state.astype(_F32))
+        res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
+                    chunk_states=return_chunk_states, interpret=interpret, variant=variant)
+        o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
+        out = (o, res[1] if output_final_state else None)
+        if return_chunk_states:
+            out = out + (res[2].reshape(B, NCb, H, K, V),)
+        return out
+
+    if B != 1:
+        raise ValueError("cu_seqlens requires B == 1 (packed sequences)")
+    N = cu_seqlens.shape[0] - 1
+    lay = ref.varlen_layout(cu_seqlens, T, C)
+
+    def f(x):   # [T, H, ...] -> [H, NC*C, ...]
+        x = ref.pack_varlen(x.astype(_F32), lay, C)
+        x = x.reshape((-1,) + x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    xs = [f(q[0]) * scale, f(k[0]), f(v[0]), f(g[0]), f(beta[0])[..., None]]
+    off = lay.chunk_offsets
+    rows = (off[:-1], off[1:], jnp.arange(N, dtype=jnp.int32), jnp.ones((N,), jnp.int32))
+    states = (jnp.zeros((N, H, K, V), _F32) if initial_state is None
+              else initial_state.astype(_F32))
+    res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
+                chunk_states=return_chunk_states, interpret=interpret, variant=variant)
+    o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
+    o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
+    out = (o, res[1] if output_final_state else None)
+    if return_chunk_states:
+        out = out + (res[2][None],)
+    return out
+
+
+# ----------------------------------------------------------------------------------------
+# public entry points (called by ops.py)
+# ----------------------------------------------------------------------------------------
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
+                                             "return_chunk_states", "interpret", "block_v",
+                                             "variant"))
+def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
+                     output_final_state=False, cu_seqlens=None, chunk_size=64,
+                     return_chunk_states=False, interpret=False, block_v=None,
+                     variant=None):
+    """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2)."""
+    return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
+                cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
+                variant)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
+                                             "block_t", "block_v", "variant"))
+def fused_recurrent_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
+                               output_final_state=False, cu_seqlens=None, interpret=False,
+                               block_t=8, block_v=None, variant=None):
+    """Pallas recurrent KDA (token loop in blocks of ``block_t`` tokens)."""
+    return _run("recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
+                cu_seqlens, int(block_t), False, interpret, block_v, variant)
+
+
+@functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_t", "block_v",
+                                             "variant"))
+def fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids, scale=None,
+                                    interpret=False, block_t=8, block_v=None, variant=None):
+    """Pallas pooled decode. ``state_pool`` [S,H,K,V] fp32 is aliased to the new pool
+    (donate it in the enclosing jit for a true in-place update). Rows with ``slot_ids < 0``
+    are skipped (nothing written, output zero)."""
+    B, T, H, K = q.shape
+    scale = float(K) ** -0.5 if scale is None else scale
+    C = int(block_t)
+    xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
+    slot_ids = slot_ids.astype(jnp.int32)
+    valid = slot_ids >= 0
+    rows = (rows[0], rows[1], jnp.where(valid, slot_ids, 0), valid.astype(jnp.int32))
+    res = _scan("recurrent", *xs, state_pool.astype(_F32), rows, C=C, block_v=block_v,
+                chunk_states=False, interpret=interpret, variant=variant)
+    o = _unprep_dense(res[0], B, T, NCb, C)
+    o = jnp.where(valid[:, None, None, None], o, 0.0).astype(v.dtype)
+    return o, res[1].astype(state_pool.dtype)

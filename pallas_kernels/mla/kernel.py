@@ -1,0 +1,249 @@
+"""Pallas paged MLA decode (absorbed form, spec §2.4) with fp32 online softmax.
+
+Semantics are those of :func:`pallas_kernels.mla.reference.paged_mla_decode_reference`:
+``ctx[b, h] = softmax_s((q_latent·c̄_s + q_rope·k_r,s) * scale) · c̄`` over the first
+``seq_lens[b]`` tokens, gathered through ``page_table``; one latent KV head
+(``[c̄ ; k_r]``, width L + R = 576 for K3) is shared by all query heads.
+
+Two variants:
+
+``"mosaic"`` (TPU Mosaic, also the CPU ``interpret=True`` path).
+  Grid ``(B, H / block_h, max_pages)``; the page axis is innermost and sequential.
+  ``page_table`` and ``seq_lens`` are scalar-prefetched into SMEM; the KV BlockSpec's
+  index map reads ``page_table[b, min(p, last_page(b))]`` so the pipeline DMAs one
+  ``[page_size, L + R]`` page per step and never fetches a page past the sequence
+  (the clamped index repeats, so the copy is skipped). Pages past the sequence skip
+  compute. Running max / denominator / ``[block_h, L]`` accumulator live in fp32
+  VMEM scratch; the output block is written once at the last page.
+  Dimension semantics ``("parallel", "parallel", "arbitrary")``.
+
+``"triton"`` (GPU, Pallas Triton backend).
+  Grid ``(B, H / block_h)``; each program loops over its ``cdiv(seq_len, page_size)``
+  pages with dynamically indexed loads of ``c̄`` (``[page_size, L]``) and ``k_r``
+  (``[page_size, R]``) straight from HBM; fp32 register accumulators. Needs
+  power-of-two ``block_h >= 16``, ``page_size >= 16``, ``L`` and ``R``
+  (K3: 512 and 64). Lowering checked with ``jax.export(platforms=["cuda"])``.
+
+Common: page-table entries are clamped to ``[0, num_pages)`` in the wrapper (cheap:
+the table is tiny) so garbage entries can never address outside the pool; cache
+slots past ``seq_lens[b]`` in the last page are masked with ``where`` on both the
+scores and the values (stale NaN/Inf cannot leak). ``seq_lens == 0`` gives zeros.
+fp32 inputs use ``Precision.HIGHEST``; bf16 inputs feed bf16 MXU dots with fp32
+accumulation (probabilities cast to the cache dtype for the PV product, as in the
+reference model).
+"""
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from pallas_kernels.mla.reference import check_paged_mla_args
+
+__all__ = ["paged_mla_decode_pallas"]
+
+_SQUEEZED = getattr(pl, "squeezed", None)
+_NEG_INF = float("-inf")
+
+
+def _nt(a, b, precision):
+    """a [m, k] . b [n, k]^T -> [m, n] fp32."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _nn(a, b, precision):
+    """a [m, k] . b [k, n] -> [m, n] fp32."""
+    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
+
+
+def _page_update(q_lat, q_rope, c, kr, pos0, seq_len, m, l, acc, *, scale, page_size, precision):
+    """One online-softmax step over a page. Returns new (m, l, acc)."""
+    bh = q_lat.shape[0]
+    s = (_nt(q_lat, c, precision) + _nt(q_rope, kr, precision)) * scale  # [bh, ps]
+    pos = pos0 + lax.broadcasted_iota(jnp.int32, (bh, page_size), 1)
+    valid = pos < seq_len
+    s = jnp.where(valid, s, _NEG_INF)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1, keepdims=True))  # finite: page has >= 1 valid slot
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
+    l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
+    rows = pos0 + lax.broadcasted_iota(jnp.int32, c.shape, 0)
+    c_masked = jnp.where(rows < seq_len, c, jnp.zeros((), c.dtype))
+    acc_new = alpha * acc + _nn(p.astype(c.dtype), c_masked, precision)
+    return m_new, l_new, acc_new
+
+
+# ----------------------------------------------------------------------------- mosaic / interpret
+def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, m_ref, l_ref, acc_ref, *,
+                       scale, page_size, lat, precision):
+    del pt_ref
+    b = pl.program_id(0)
+    p = pl.program_id(2)
+    np_ = pl.num_programs(2)
+    seq_len = sl_ref[b]
+
+    @pl.when(p == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, _NEG_INF, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+    @pl.when(p * page_size < seq_len)
+    def _compute():
+        kv = kv_ref[...]
+        m, l, acc = _page_update(ql_ref[...], qr_ref[...], kv[:, :lat], kv[:, lat:], p * page_size, seq_len,
+                                 m_ref[...], l_ref[...], acc_ref[...], scale=scale, page_size=page_size,
+                                 precision=precision)
+        m_ref[...] = m
+        l_ref[...] = l
+        acc_ref[...] = acc
+
+    @pl.when(p == np_ - 1)
+    def _store():
+        l = l_ref[...]
+        out_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
+
+
+def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, block_h, out_dtype,
+                precision, interpret):
+    from jax.experimental.pallas import tpu as pltpu
+
+    b, h, lat = q_latent.shape
+    r = q_rope.shape[-1]
+    _, page_size, width = kv_pages.shape
+    max_pages = page_table.shape[1]
+
+    def kv_map(bi, hi, p, pt, sl):
+        last = jnp.maximum(lax.div(sl[bi] + page_size - 1, page_size) - 1, 0)  # lax.div: no sign op
+        return (pt[bi, jnp.minimum(p, last)], 0, 0)
+
+    kernel = functools.partial(_mla_mosaic_kernel, scale=float(scale), page_size=page_size, lat=lat,
+                               precision=precision)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, h, lat), out_dtype),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b, h // block_h, max_pages),
+            in_specs=[
+                pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi, p, pt, sl: (bi, hi, 0)),
+                pl.BlockSpec((_SQUEEZED, block_h, r), lambda bi, hi, p, pt, sl: (bi, hi, 0)),
+                pl.BlockSpec((_SQUEEZED, page_size, width), kv_map),
+            ],
+            out_specs=pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi, p, pt, sl: (bi, hi, 0)),
+            scratch_shapes=[
+                pltpu.VMEM((block_h, 1), jnp.float32),
+                pltpu.VMEM((block_h, 1), jnp.float32),
+                pltpu.VMEM((block_h, lat), jnp.float32),
+            ],
+        ),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel", "arbitrary")),
+        interpret=interpret,
+        name="k3_paged_mla_decode",
+    )(page_table, seq_lens, q_latent, q_rope, kv_pages)
+
+
+# ----------------------------------------------------------------------------- triton
+def _mla_triton_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *, scale, page_size, lat, rope,
+                       block_h, precision):
+    b = pl.program_id(0)
+    hb = pl.program_id(1)
+    seq_len = sl_ref[b]
+    h0 = hb * block_h
+    q_lat = ql_ref[b, pl.ds(h0, block_h), :]
+    q_rope = qr_ref[b, pl.ds(h0, block_h), :]
+    n_pages = lax.div(seq_len + page_size - 1, page_size)
+
+    def body(p, carry):
+        m, l, acc = carry
+        page = pt_ref[b, p]
+        c = kv_ref[page, :, pl.ds(0, lat)]
+        kr = kv_ref[page, :, pl.ds(lat, rope)]
+        return _page_update(q_lat, q_rope, c, kr, p * page_size, seq_len, m, l, acc, scale=scale,
+                            page_size=page_size, precision=precision)
+
+    init = (jnp.full((block_h, 1), _NEG_INF, jnp.float32), jnp.zeros((block_h, 1), jnp.float32),
+            jnp.zeros((block_h, lat), jnp.float32))
+    m, l, acc = lax.fori_loop(0, n_pages, body, init)
+    out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
+
+
+def _mla_triton(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, block_h, out_dtype,
+                precision, interpret, num_warps=4, num_stages=2):
+    b, h, lat = q_latent.shape
+    r = q_rope.shape[-1]
+    page_size = kv_pages.shape[1]
+    kernel = functools.partial(_mla_triton_kernel, scale=float(scale), page_size=page_size, lat=lat, rope=r,
+                               block_h=block_h, precision=precision)
+    compiler_params = None
+    if not interpret:
+        from jax.experimental.pallas import triton as pltriton
+
+        compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((b, h, lat), out_dtype),
+        grid=(b, h // block_h),
+        in_specs=[any_spec] * 5,
+        out_specs=pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi: (bi, hi, 0)),
+        compiler_params=compiler_params,
+        interpret=interpret,
+        name="k3_paged_mla_decode_triton",
+    )(page_table, seq_lens, q_latent, q_rope, kv_pages)
+
+
+# ----------------------------------------------------------------------------- wrapper
+def _default_block_h(h: int, variant: str) -> int:
+    if variant == "triton":
+        for cand in (32, 16):
+            if h % cand == 0:
+                return cand
+        return h
+    if h <= 128:
+        return h
+    for cand in range(128, 7, -8):
+        if h % cand == 0:
+            return cand
+    return h
+
+
+def paged_mla_decode_pallas(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    out_dtype=None,
+    block_h: Optional[int] = None,
+    interpret: bool = False,
+    variant: str = "auto",
+) -> jax.Array:
+    """Pallas paged MLA decode; ``variant``: auto | mosaic | triton (auto = triton on GPU)."""
+    b, h, lat, r, num_pages, page_size, max_pages = check_paged_mla_args(
+        q_latent, q_rope, kv_pages, page_table, seq_lens)
+    out_dtype = q_latent.dtype if out_dtype is None else out_dtype
+    if variant == "auto":
+        variant = "triton" if (not interpret and jax.default_backend() == "gpu") else "mosaic"
+    if variant not in ("mosaic", "triton"):
+        raise ValueError(f"variant={variant!r}")
+    block_h = block_h or _default_block_h(h, variant)
+    if h % block_h:
+        raise ValueError(f"block_h={block_h} must divide H={h}")
+    dt = kv_pages.dtype
+    q_latent = q_latent.astype(dt)
+    q_rope = q_rope.astype(dt)
+    page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
+    precision = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
+    impl = _mla_triton if variant == "triton" else _mla_mosaic
+    return impl(q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, block_h=block_h,
+                out_dtype=out_dtype, precision=precision, interpret=interpret)

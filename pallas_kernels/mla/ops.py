@@ -1,0 +1,42 @@
+"""Public MLA ops: paged absorbed decode with backend dispatch."""
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+
+from pallas_kernels.dispatch import resolve_backend, resolve_interpret
+from pallas_kernels.mla.reference import paged_mla_decode_reference
+
+__all__ = ["paged_mla_decode"]
+
+
+def paged_mla_decode(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    backend: str = "auto",
+    interpret: bool = False,
+    out_dtype=None,
+    block_h: Optional[int] = None,
+) -> jax.Array:
+    """Absorbed MLA decode over a paged latent cache -> ``ctx [B, H, L]``.
+
+    See :func:`pallas_kernels.mla.reference.paged_mla_decode_reference` for the exact
+    semantics (fp32 softmax over the first ``seq_lens[b]`` tokens gathered through
+    ``page_table``; zero rows for ``seq_lens == 0``; stale page-table entries ignored).
+    ``backend``: ``"auto"`` | ``"reference"`` | ``"pallas"`` | ``"interpret"``.
+    ``block_h``: query heads per kernel program (Pallas only).
+    """
+    if resolve_backend(backend) == "reference":
+        return paged_mla_decode_reference(
+            q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype)
+    from pallas_kernels.mla import kernel  # local import
+
+    return kernel.paged_mla_decode_pallas(
+        q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype,
+        block_h=block_h, interpret=resolve_interpret(backend, interpret))

@@ -1,0 +1,73 @@
+"""Plain-jnp reference for absorbed (latent) MLA decode over a paged cache (spec §2.4)."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["paged_mla_decode_reference", "check_paged_mla_args"]
+
+
+def check_paged_mla_args(q_latent, q_rope, kv_pages, page_table, seq_lens):
+    """Static shape validation. Returns (B, H, L, R, num_pages, page_size, max_pages)."""
+    if q_latent.ndim != 3 or q_rope.ndim != 3:
+        raise ValueError(f"q_latent/q_rope must be [B, H, *], got {q_latent.shape}, {q_rope.shape}")
+    b, h, l = q_latent.shape
+    if q_rope.shape[:2] != (b, h):
+        raise ValueError(f"q_rope {q_rope.shape} does not match q_latent {q_latent.shape}")
+    r = q_rope.shape[2]
+    if kv_pages.ndim != 3 or kv_pages.shape[2] != l + r:
+        raise ValueError(f"kv_pages must be [num_pages, page_size, {l}+{r}], got {kv_pages.shape}")
+    num_pages, page_size, _ = kv_pages.shape
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [{b}, max_pages], got {page_table.shape}")
+    if seq_lens.shape != (b,):
+        raise ValueError(f"seq_lens must be [{b}], got {seq_lens.shape}")
+    return b, h, l, r, num_pages, page_size, page_table.shape[1]
+
+
+def paged_mla_decode_reference(
+    q_latent: jax.Array,
+    q_rope: jax.Array,
+    kv_pages: jax.Array,
+    page_table: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    out_dtype=None,
+) -> jax.Array:
+    """One decode step of absorbed MLA against a paged latent cache.
+
+    ``q_latent [B, H, L]`` (= W_uk^T q_nope per head), ``q_rope [B, H, R]``,
+    ``kv_pages [P, page_size, L + R]`` (per token ``[c̄ ; k_r]``, one KV head shared by
+    all query heads), ``page_table [B, max_pages]`` int32, ``seq_lens [B]`` int32.
+    Token ``s`` of sequence ``b`` lives at ``kv_pages[page_table[b, s // ps], s % ps]``.
+
+    ``score[b,h,s] = (q_latent·c̄_s + q_rope·k_r,s) * scale``; fp32 softmax over
+    ``s < seq_lens[b]``; ``ctx[b,h] = Σ_s p · c̄_s`` (fp32 accumulate), returned as
+    ``out_dtype`` (default ``q_latent.dtype``). Rows with ``seq_lens == 0`` give zeros.
+    Page-table entries past a sequence's last page and cache slots past its length are
+    never used (clamped + masked with ``where``, so stale/NaN contents cannot leak).
+    """
+    b, h, l, r, num_pages, page_size, max_pages = check_paged_mla_args(
+        q_latent, q_rope, kv_pages, page_table, seq_lens)
+    out_dtype = q_latent.dtype if out_dtype is None else out_dtype
+    seq_lens = seq_lens.astype(jnp.int32)
+    pt = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
+    kv = kv_pages[pt].reshape(b, max_pages * page_size, l + r)  # [B, S, L+R]
+    pos = jnp.arange(max_pages * page_size, dtype=jnp.int32)
+    valid = pos[None, :] < seq_lens[:, None]  # [B, S]
+    kv = jnp.where(valid[:, :, None], kv, jnp.zeros((), kv.dtype))
+    c_bar, k_r = kv[..., :l], kv[..., l:]
+    hp = jax.lax.Precision.HIGHEST
+    s = jnp.einsum("bhl,bsl->bhs", q_latent, c_bar, precision=hp, preferred_element_type=jnp.float32)
+    s = s + jnp.einsum("bhr,bsr->bhs", q_rope, k_r, precision=hp, preferred_element_type=jnp.float32)
+    s = s * jnp.float32(scale)
+    s = jnp.where(valid[:, None, :], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.where(valid[:, None, :], jnp.exp(s - m), 0.0)
+    denom = jnp.sum(p, axis=-1, keepdims=True)
+    ctx = jnp.einsum("bhs,bsl->bhl", p, c_bar.astype(jnp.float32), precision=hp,
+                     preferred_element_type=jnp.float32)
+    ctx = ctx / jnp.where(denom > 0, denom, 1.0)
+    return ctx.astype(out_dtype)

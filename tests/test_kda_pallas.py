@@ -1,0 +1,181 @@
+"""KDA Pallas kernels in interpret mode vs. the jnp reference (both grid variants)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_kda_pool
+from pallas_kernels.kda import reference as ref
+from pallas_kernels.kda.pallas_kda import (
+    chunk_kda_pallas,
+    fused_recurrent_kda_pallas,
+    fused_recurrent_kda_pool_pallas,
+)
+from pallas_kernels.kda.testing import make_inputs, make_state, rel_err, token_states
+
+TOL = 1e-5
+B, H, K, V = 2, 2, 16, 32
+VARIANTS = ["tpu", "gpu"]
+naive = jax.jit(ref.naive_recurrent_kda)
+
+
+@pytest.fixture(scope="module")
+def dense_case():
+    T = 100
+    cases = {}
+    for gate in ("k3", "kimi", "k3_floor"):
+        x = make_inputs(101 + len(gate), B, T, H, K, V, gate=gate)
+        S0 = make_state(102, B, H, K, V)
+        cases[gate] = (x, S0, naive(*x, None, S0))
+    return cases
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("gate", ["k3", "kimi", "k3_floor"])
+def test_chunk_dense_gates(dense_case, variant, gate):
+    x, S0, (o_ref, s_ref) = dense_case[gate]
+    C = 32
+    o, s, cs = chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=C,
+                                return_chunk_states=True, interpret=True, variant=variant)
+    assert o.shape == o_ref.shape and cs.shape == (B, 4, H, K, V)
+    assert rel_err(o, o_ref) <= TOL
+    assert rel_err(s, s_ref) <= TOL
+    if gate == "k3":   # chunk boundary states (T=100 is not a multiple of 32)
+        states = token_states(*x, S0)
+        for c, end in enumerate([32, 64, 96, 100]):
+            assert rel_err(cs[:, c], states[:, end - 1]) <= TOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunk_default_chunk64_no_init_block_v(variant):
+    T = 130
+    x = make_inputs(111, 1, T, H, K, V)
+    o_ref, s_ref = naive(*x)
+    o, s = chunk_kda_pallas(*x, output_final_state=True, interpret=True, variant=variant,
+                            block_v=16)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunk_single_token(variant):
+    x = make_inputs(121, B, 1, H, K, V, gate="kimi")
+    S0 = make_state(122, B, H, K, V)
+    o_ref, s_ref = naive(*x, None, S0)
+    o, s = chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=16,
+                            interpret=True, variant=variant)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+@pytest.fixture(scope="module")
+def varlen_case():
+    lens = [5, 40, 0, 70, 1, 33]
+    T = sum(lens)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    x = make_inputs(131, 1, T, H, K, V, gate="kimi")
+    init = make_state(132, len(lens), H, K, V)
+    expect = ref.chunk_kda_reference(*x, initial_state=init, output_final_state=True,
+                                     cu_seqlens=cu, chunk_size=16, return_chunk_states=True)
+    return cu, x, init, expect
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_chunk_varlen(varlen_case, variant):
+    cu, x, init, (o_ref, s_ref, cs_ref) = varlen_case
+    o, s, cs = chunk_kda_pallas(*x, initial_state=init, output_final_state=True,
+                                cu_seqlens=cu, chunk_size=16, return_chunk_states=True,
+                                interpret=True, variant=variant)
+    assert rel_err(o, o_ref) <= TOL
+    assert rel_err(s, s_ref) <= TOL
+    used = int(ref.varlen_chunk_offsets(cu, 16)[-1])
+    assert rel_err(cs[:, :used], cs_ref[:, :used]) <= TOL
+    np.testing.assert_array_equal(np.asarray(s[2]), np.asarray(init[2]))   # empty sequence
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_recurrent_dense_and_varlen(varlen_case, variant):
+    T = 11
+    x = make_inputs(141, B, T, H, K, V, gate="k3")
+    S0 = make_state(142, B, H, K, V)
+    o_ref, s_ref = naive(*x, None, S0)
+    o, s = fused_recurrent_kda_pallas(*x, initial_state=S0, output_final_state=True,
+                                      interpret=True, variant=variant)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    cu, xv, init, (o_ref, s_ref, _) = varlen_case
+    o, s = fused_recurrent_kda_pallas(*xv, initial_state=init, output_final_state=True,
+                                      cu_seqlens=cu, interpret=True, variant=variant)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+
+
+POOL_CASES = {
+    "mixed": [3, -1, 0, -1, 5],
+    "leading_pad": [-1, -1, 2, 6, -1],
+    "all_pad": [-1, -1, -1, -1, -1],
+}
+
+
+@pytest.fixture(scope="module")
+def pool_inputs():
+    S = 7
+    pool = make_state(151, S, H, K, V)
+    x = make_inputs(152, 5, 1, H, K, V, gate="kimi")
+    return pool, x
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("case", list(POOL_CASES))
+def test_pool_decode(pool_inputs, variant, case):
+    pool, x = pool_inputs
+    slots = jnp.asarray(POOL_CASES[case], jnp.int32)
+    o, new_pool = fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True,
+                                                  variant=variant)
+    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*x, pool, slots)
+    assert o.shape == (5, 1, H, V)
+    assert rel_err(o, o_ref) <= TOL if float(jnp.abs(o_ref).max()) > 0 else True
+    touched = {s for s in POOL_CASES[case] if s >= 0}
+    for sid in range(pool.shape[0]):
+        if sid in touched:
+            assert rel_err(new_pool[sid], pool_ref[sid]) <= TOL
+        else:   # stale / free slots: bit-identical
+            np.testing.assert_array_equal(np.asarray(new_pool[sid]), np.asarray(pool[sid]))
+    for b, sid in enumerate(POOL_CASES[case]):
+        if sid < 0:
+            assert float(jnp.abs(o[b]).max()) == 0.0
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_pool_multi_token_donated(variant):
+    """T=3 speculative-style decode, pool donated through an enclosing jit."""
+    S = 4
+    pool = make_state(161, S, H, K, V)
+    x = make_inputs(162, 3, 3, H, K, V, gate="k3_floor")
+    slots = jnp.asarray([2, 0, -1], jnp.int32)
+    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*x, pool, slots)
+    step = jax.jit(lambda p, *a: fused_recurrent_kda_pool_pallas(*a, p, slots, interpret=True,
+                                                                variant=variant)[::-1],
+                   donate_argnums=0)
+    new_pool, o = step(jnp.array(pool), *x)
+    assert rel_err(o, o_ref) <= TOL
+    assert rel_err(new_pool, pool_ref) <= TOL
+    np.testing.assert_array_equal(np.asarray(new_pool[1]), np.asarray(pool[1]))
+    np.testing.assert_array_equal(np.asarray(new_pool[3]), np.asarray(pool[3]))
+
+
+def test_ops_dispatch_interpret(monkeypatch, varlen_case):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    cu, x, init, (o_ref, s_ref, _) = varlen_case
+    o, s = chunk_kda(*x, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                     chunk_size=16, backend="interpret")
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    monkeypatch.setenv(dispatch.ENV_VAR, "interpret")
+    o, s = fused_recurrent_kda(*x, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                               backend="reference")   # env forces the Pallas kernel
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    pool = make_state(171, 3, H, K, V)
+    xd = [a[:, :2].reshape((2, 1) + a.shape[2:]) for a in x]
+    o, p = fused_recurrent_kda_pool(*xd, pool, jnp.asarray([1, -1], jnp.int32))
+    o_r, p_r = ref.fused_recurrent_kda_pool_reference(*xd, pool, jnp.asarray([1, -1]))
+    assert rel_err(o, o_r) <= TOL and rel_err(p, p_r) <= TOL

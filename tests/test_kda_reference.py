@@ -1,0 +1,227 @@
+"""KDA reference: chunked form vs. token-by-token scan, varlen, state carry, pool decode."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels import dispatch
+from pallas_kernels.kda import (
+    chunk_kda,
+    fused_recurrent_kda,
+    fused_recurrent_kda_pool,
+    naive_recurrent_kda,
+    varlen_chunk_offsets,
+)
+from pallas_kernels.kda.testing import make_inputs, make_state, rel_err, token_states
+
+TOL = 1e-5
+B, H, K, V = 2, 2, 16, 32
+REF = "reference"
+
+
+@pytest.fixture(scope="module")
+def naive_jit():
+    return jax.jit(naive_recurrent_kda)
+
+
+@pytest.mark.parametrize("T", [1, 63, 64, 65, 200])
+@pytest.mark.parametrize("with_init", [False, True])
+def test_chunk_matches_token_scan(T, with_init, naive_jit):
+    q, k, v, g, beta = make_inputs(T * 7 + with_init, B, T, H, K, V, gate="k3")
+    S0 = make_state(T + 1, B, H, K, V) if with_init else None
+    o_ref, s_ref = naive_jit(q, k, v, g, beta, None, S0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=REF)
+    assert o.shape == (B, T, H, V) and o.dtype == v.dtype
+    assert s.shape == (B, H, K, V) and s.dtype == jnp.float32
+    assert rel_err(o, o_ref) <= TOL
+    assert rel_err(s, s_ref) <= TOL
+
+
+def test_long_sequence_small_heads(naive_jit):
+    T = 1100
+    q, k, v, g, beta = make_inputs(11, 1, T, 1, 16, 16, gate="k3")
+    S0 = make_state(12, 1, 1, 16, 16)
+    o_ref, s_ref = naive_jit(q, k, v, g, beta, None, S0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=REF)
+    assert rel_err(o, o_ref) <= TOL
+    assert rel_err(s, s_ref) <= TOL
+
+
+@pytest.mark.parametrize("gate", ["k3_floor", "kimi"])
+def test_extreme_gates(gate, naive_jit):
+    """g == -4.999 for whole chunks (Gamma ~ -320) and Kimi-Linear's unbounded gate."""
+    T = 130
+    q, k, v, g, beta = make_inputs(21, B, T, H, K, V, gate=gate)
+    S0 = make_state(22, B, H, K, V)
+    if gate == "kimi":
+        assert float(jnp.min(jnp.sum(g[:, :64], axis=1))) < -100.0   # really extreme
+    o_ref, s_ref = naive_jit(q, k, v, g, beta, None, S0)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=REF)
+    assert bool(jnp.all(jnp.isfinite(o))) and bool(jnp.all(jnp.isfinite(s)))
+    assert rel_err(o, o_ref) <= TOL
+    assert rel_err(s, s_ref) <= TOL
+
+
+def test_split_in_halves_equals_whole():
+    T = 150
+    q, k, v, g, beta = make_inputs(31, B, T, H, K, V, gate="kimi")
+    S0 = make_state(32, B, H, K, V)
+    o, s = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True, backend=REF)
+    cut = 77
+    a = [x[:, :cut] for x in (q, k, v, g, beta)]
+    b = [x[:, cut:] for x in (q, k, v, g, beta)]
+    o1, s1 = chunk_kda(*a, initial_state=S0, output_final_state=True, backend=REF)
+    o2, s2 = chunk_kda(*b, initial_state=s1, output_final_state=True, backend=REF)
+    assert rel_err(jnp.concatenate([o1, o2], axis=1), o) <= TOL
+    assert rel_err(s2, s) <= TOL
+
+
+def test_chunk_states_match_token_scan(naive_jit):
+    T, C = 150, 32
+    q, k, v, g, beta = make_inputs(41, B, T, H, K, V)
+    S0 = make_state(42, B, H, K, V)
+    o, s, cs = chunk_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True,
+                         chunk_size=C, return_chunk_states=True, backend=REF)
+    nc = -(-T // C)
+    assert cs.shape == (B, nc, H, K, V)
+    states = token_states(q, k, v, g, beta, S0)
+    for c in range(nc):
+        end = min((c + 1) * C, T)
+        assert rel_err(cs[:, c], states[:, end - 1]) <= TOL
+    assert rel_err(cs[:, -1], s) <= TOL
+
+
+@pytest.fixture(scope="module")
+def varlen_case():
+    lens = [5, 64, 0, 70, 1, 33]
+    T = sum(lens)
+    N = len(lens)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
+    q, k, v, g, beta = make_inputs(51, 1, T, H, K, V, gate="k3")
+    init = make_state(52, N, H, K, V)
+    outs, finals = [], []
+    naive = jax.jit(naive_recurrent_kda)
+    for n in range(N):
+        s, e = int(cu[n]), int(cu[n + 1])
+        if e == s:
+            finals.append(init[n])
+            continue
+        o, st = naive(*(x[:, s:e] for x in (q, k, v, g, beta)), None, init[n:n + 1])
+        outs.append(o)
+        finals.append(st[0])
+    return dict(lens=lens, cu=cu, inputs=(q, k, v, g, beta), init=init,
+                o=jnp.concatenate(outs, axis=1), final=jnp.stack(finals))
+
+
+@pytest.mark.parametrize("with_init", [False, True])
+def test_varlen_chunk_equals_separate_calls(varlen_case, with_init):
+    c = varlen_case
+    init = c["init"] if with_init else None
+    o, s = chunk_kda(*c["inputs"], initial_state=init, output_final_state=True,
+                     cu_seqlens=c["cu"], backend=REF)
+    if with_init:
+        assert rel_err(o, c["o"]) <= TOL
+        assert rel_err(s, c["final"]) <= TOL
+    else:   # recompute the expectation from zeros
+        N = len(c["lens"])
+        o_ref, s_ref = chunk_kda(*c["inputs"], initial_state=jnp.zeros_like(c["init"]),
+                                 output_final_state=True, cu_seqlens=c["cu"], backend=REF)
+        assert rel_err(o, o_ref) == 0.0 and s.shape == (N, H, K, V)
+        q, k, v, g, beta = c["inputs"]
+        o1, s1 = naive_recurrent_kda(*(x[:, 5:69] for x in (q, k, v, g, beta)))
+        assert rel_err(o[:, 5:69], o1) <= TOL
+        assert rel_err(s[1], s1[0]) <= TOL
+        assert float(jnp.abs(s[2]).max()) == 0.0   # empty sequence keeps its (zero) state
+
+
+def test_varlen_chunk_states(varlen_case):
+    c = varlen_case
+    C = 32
+    q, k, v, g, beta = c["inputs"]
+    o, s, cs = chunk_kda(q, k, v, g, beta, initial_state=c["init"], output_final_state=True,
+                         cu_seqlens=c["cu"], chunk_size=C, return_chunk_states=True,
+                         backend=REF)
+    assert rel_err(o, c["o"]) <= TOL
+    off = np.asarray(varlen_chunk_offsets(c["cu"], C))
+    cu = np.asarray(c["cu"])
+    for n, L in enumerate(c["lens"]):
+        if L == 0:
+            continue
+        states = token_states(*(x[:, cu[n]:cu[n + 1]] for x in (q, k, v, g, beta)),
+                              c["init"][n:n + 1])
+        for j in range(off[n + 1] - off[n]):
+            end = min((j + 1) * C, L)
+            assert rel_err(cs[0, off[n] + j], states[0, end - 1]) <= TOL
+
+
+def test_fused_recurrent_matches(varlen_case, naive_jit):
+    T = 9
+    q, k, v, g, beta = make_inputs(61, B, T, H, K, V, gate="kimi")
+    S0 = make_state(62, B, H, K, V)
+    o_ref, s_ref = naive_jit(q, k, v, g, beta, None, S0)
+    o, s = fused_recurrent_kda(q, k, v, g, beta, initial_state=S0, output_final_state=True,
+                               backend=REF)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    _, none = fused_recurrent_kda(q, k, v, g, beta, backend=REF)
+    assert none is None
+    c = varlen_case
+    o, s = fused_recurrent_kda(*c["inputs"], initial_state=c["init"], output_final_state=True,
+                               cu_seqlens=c["cu"], backend=REF)
+    assert rel_err(o, c["o"]) <= TOL and rel_err(s, c["final"]) <= TOL
+
+
+def test_pool_decode_matches_and_leaves_other_slots():
+    Bd, S = 4, 7
+    pool = make_state(71, S, H, K, V)
+    slot_ids = jnp.asarray([3, 0, -1, 5], jnp.int32)
+    q, k, v, g, beta = make_inputs(72, Bd, 1, H, K, V, gate="k3")
+    o, new_pool = fused_recurrent_kda_pool(q, k, v, g, beta, pool, slot_ids, backend=REF)
+    assert o.shape == (Bd, 1, H, V) and new_pool.shape == pool.shape
+    for b, sid in enumerate(np.asarray(slot_ids)):
+        if sid < 0:
+            assert float(jnp.abs(o[b]).max()) == 0.0
+            continue
+        o_ref, s_ref = naive_recurrent_kda(*(x[b:b + 1] for x in (q, k, v, g, beta)),
+                                           initial_state=pool[sid:sid + 1])
+        assert rel_err(o[b:b + 1], o_ref) <= TOL
+        assert rel_err(new_pool[sid], s_ref[0]) <= TOL
+    for sid in (1, 2, 4, 6):
+        np.testing.assert_array_equal(np.asarray(new_pool[sid]), np.asarray(pool[sid]))
+
+
+def test_jit_and_dtypes():
+    T = 70
+    q, k, v, g, beta = make_inputs(81, 1, T, H, K, V, v_dtype=jnp.bfloat16)
+    f = jax.jit(chunk_kda, static_argnames=("scale", "output_final_state", "chunk_size",
+                                            "return_chunk_states", "backend", "interpret"))
+    o, s = f(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g, beta,
+             output_final_state=True, backend=REF)
+    assert o.dtype == jnp.bfloat16 and s.dtype == jnp.float32
+    o_ref, s_ref = naive_recurrent_kda(q.astype(jnp.bfloat16), k.astype(jnp.bfloat16), v, g,
+                                       beta)
+    assert rel_err(s, s_ref) <= TOL
+    assert rel_err(o, o_ref) <= 1e-2    # bf16 output rounding only
+
+
+def test_dispatch(monkeypatch):
+    monkeypatch.delenv(dispatch.ENV_VAR, raising=False)
+    expect = "pallas" if jax.default_backend() in ("gpu", "tpu") else "reference"
+    assert dispatch.resolve_backend("auto") == expect
+    assert dispatch.resolve_backend("reference") == "reference"
+    assert dispatch.resolve_backend("interpret") == "pallas"
+    assert dispatch.resolve_interpret("interpret", False)
+    assert dispatch.resolve_interpret("pallas", True)
+    monkeypatch.setenv(dispatch.ENV_VAR, "interpret")
+    assert dispatch.resolve_backend("reference") == "pallas"
+    assert dispatch.resolve_interpret("reference", False)
+    monkeypatch.setenv(dispatch.ENV_VAR, "reference")
+    assert dispatch.resolve_backend("pallas") == "reference"
+    monkeypatch.setenv(dispatch.ENV_VAR, "bogus")
+    with pytest.raises(ValueError):
+        dispatch.resolve_backend("auto")
+    monkeypatch.delenv(dispatch.ENV_VAR)
+    with pytest.raises(ValueError):
+        dispatch.resolve_backend("cuda")

@@ -1,0 +1,128 @@
+"""Paged absorbed-MLA decode: reference vs brute force, Pallas kernels (interpret) vs reference."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.mla import paged_mla_decode, paged_mla_decode_reference
+from pallas_kernels.mla.kernel import paged_mla_decode_pallas
+
+B, H, L, R, PS, MAX_PAGES, NUM_PAGES = 4, 16, 32, 8, 4, 3, 12
+SCALE = (L // 4 + R) ** -0.5
+SEQ_LENS = [9, 5, 0, 12]  # ragged, partial last page, a length-0 row, an exactly full table
+PAGE_TABLE = [
+    [1, 2, 3],     # 9 tokens: pages 1,2 full + 1 slot of page 3 (rest of page 3 is stale)
+    [4, 5, 11],    # 5 tokens: entry 2 is stale and points at a NaN-filled page
+    [7, -5, 100],  # length 0: every entry is garbage, some out of range
+    [10, 0, 6],    # 12 tokens: all three pages used
+]
+
+
+def _brute(q, qr, kv, pt, sl, scale):
+    q, qr, kv = (np.asarray(a, np.float64) for a in (q, qr, kv))
+    out = np.zeros((q.shape[0], q.shape[1], L))
+    for b in range(q.shape[0]):
+        n = sl[b]
+        if n == 0:
+            continue
+        toks = np.concatenate([kv[pt[b][j]] for j in range(-(-n // PS))])[:n]
+        s = (q[b] @ toks[:, :L].T + qr[b] @ toks[:, L:].T) * scale
+        p = np.exp(s - s.max(-1, keepdims=True))
+        out[b] = (p / p.sum(-1, keepdims=True)) @ toks[:, :L]
+    return out
+
+
+def _close(out, ref, rtol=1e-5):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    q = rng.standard_normal((B, H, L)).astype(np.float32)
+    qr = rng.standard_normal((B, H, R)).astype(np.float32)
+    kv = rng.standard_normal((NUM_PAGES, PS, L + R)).astype(np.float32)
+    kv[11] = np.nan  # only reachable through a stale entry
+    kv[3, 1:] = np.inf  # stale slots in the last page of sequence 0
+    args = dict(q_latent=jnp.asarray(q), q_rope=jnp.asarray(qr), kv_pages=jnp.asarray(kv),
+                page_table=jnp.asarray(PAGE_TABLE, jnp.int32), seq_lens=jnp.asarray(SEQ_LENS, jnp.int32))
+    ref = np.asarray(paged_mla_decode_reference(**args, scale=SCALE))
+    return dict(args=args, ref=ref, np=(q, qr, kv))
+
+
+def test_reference_matches_brute_force(data):
+    q, qr, kv = data["np"]
+    want = _brute(q, qr, kv, PAGE_TABLE, SEQ_LENS, SCALE)
+    _close(data["ref"], want)
+    assert np.all(data["ref"][2] == 0)
+
+
+@pytest.mark.parametrize("variant,block_h", [("mosaic", 8), ("triton", 16)])
+def test_kernel_matches_reference(data, variant, block_h):
+    fn = jax.jit(lambda a: paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant=variant,
+                                                    block_h=block_h))
+    out = np.asarray(fn(data["args"]))
+    assert out.shape == (B, H, L) and out.dtype == np.float32
+    _close(out, data["ref"])
+    assert np.all(out[2] == 0)
+
+
+def test_stale_entries_do_not_matter(data):
+    a = dict(data["args"])
+    pt = np.array(PAGE_TABLE)
+    pt[1, 2] = 9  # a different stale page
+    a["page_table"] = jnp.asarray(pt, jnp.int32)
+    kv = np.asarray(a["kv_pages"]).copy()
+    kv[3, 1:] = -7.0  # different stale slot contents
+    a["kv_pages"] = jnp.asarray(kv)
+    out = paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant="mosaic", block_h=16)
+    _close(out, data["ref"])
+    np.testing.assert_array_equal(np.asarray(paged_mla_decode_reference(**a, scale=SCALE)), data["ref"])
+
+
+def test_ops_dispatch_and_bf16(data, monkeypatch):
+    monkeypatch.delenv("K3JAX_KERNELS", raising=False)
+    out = paged_mla_decode(**data["args"], scale=SCALE, backend="reference")
+    np.testing.assert_array_equal(np.asarray(out), data["ref"])
+    a = {k: (v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v) for k, v in data["args"].items()}
+    a["kv_pages"] = jnp.nan_to_num(a["kv_pages"])  # bf16 run: finite cache
+    ref16 = paged_mla_decode(**a, scale=SCALE, backend="reference")
+    out16 = paged_mla_decode(**a, scale=SCALE, backend="interpret")
+    assert out16.dtype == jnp.bfloat16
+    _close(out16.astype(jnp.float32), ref16.astype(jnp.float32), rtol=3e-2)
+
+
+# ----------------------------------------------------------------------------- lowering / device
+_TRITON_CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+@pytest.mark.parametrize("platform,variant", [("tpu", "mosaic"), ("cuda", "triton")])
+def test_kernel_lowers_at_k3_shapes(platform, variant):
+    """Lower (not run) the kernel for TPU Mosaic / GPU Triton at K3 MLA shapes (96 heads, 512+64)."""
+    b, h, ps, mp, pages = 4, 96, 16, 8, 64
+    dt = jnp.bfloat16
+    args = (jax.ShapeDtypeStruct((b, h, 512), dt), jax.ShapeDtypeStruct((b, h, 64), dt),
+            jax.ShapeDtypeStruct((pages, ps, 576), dt), jax.ShapeDtypeStruct((b, mp), jnp.int32),
+            jax.ShapeDtypeStruct((b,), jnp.int32))
+    fn = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5, variant=variant))
+    exp = jax.export.export(fn, platforms=[platform], disabled_checks=_TRITON_CHECKS)(*args)
+    text = exp.mlir_module()
+    assert ("tpu_custom_call" in text) if platform == "tpu" else ("xla.gpu.triton" in text)
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU/TPU")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_device_compiled_kernel(dtype):
+    """Device check: compiled (non-interpret) kernel vs reference at K3 latent widths."""
+    rng = np.random.default_rng(6)
+    b, h, ps, mp, pages = 4, 32, 16, 8, 40
+    q = jnp.asarray(rng.standard_normal((b, h, 512)), dtype)
+    qr = jnp.asarray(rng.standard_normal((b, h, 64)), dtype)
+    kv = jnp.asarray(rng.standard_normal((pages, ps, 576)), dtype)
+    pt = jnp.asarray(rng.permutation(pages)[: b * mp].reshape(b, mp), jnp.int32)
+    sl = jnp.asarray([100, 0, 128, 17], jnp.int32)
+    out = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5))(q, qr, kv, pt, sl)
+    ref = paged_mla_decode_reference(q, qr, kv, pt, sl, scale=192 ** -0.5)
+    _close(out.astype(jnp.float32), ref.astype(jnp.float32), rtol=1e-5 if dtype == jnp.float32 else 3e-2)

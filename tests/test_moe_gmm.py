@@ -1,0 +1,191 @@
+"""Grouped matmul (MoE expert GEMM): reference, Pallas kernels (interpret), routing helper."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.moe import MXFP4Weight, gmm, gmm_reference, quantize_mxfp4, route_and_sort
+from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
+
+M, K, N = 40, 128, 32
+GROUPS = [5, 0, 13, 0, 9, 7]  # empty groups, sizes not multiples of tm=8; sum 34 < M (6 padded rows)
+TILING = (8, 64, 16)  # 2 K steps; MXFP4: 2 scale groups per K tile, 4 per row (full-K scale path)
+
+
+def _naive(x, w_nk, sizes):
+    """float64 loop reference: rows sorted by group, rows past the sum are zero."""
+    x = np.asarray(x, np.float64)
+    out = np.zeros((x.shape[0], w_nk.shape[1]))
+    off = 0
+    for g, sz in enumerate(sizes):
+        out[off:off + sz] = x[off:off + sz] @ np.asarray(w_nk[g], np.float64).T
+        off += sz
+    return out
+
+
+def _close(out, ref, rtol=1e-5):
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    assert np.all(np.isfinite(out))
+    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
+
+
+@pytest.fixture(scope="module")
+def data():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    x[sum(GROUPS):] = np.nan  # padded rows hold garbage; they must come out as exact zeros
+    w = rng.standard_normal((len(GROUPS), N, K)).astype(np.float32)
+    # MXFP4: every row spans 4 groups of 32 with distinct E8M0 bytes in 121..126
+    codes = rng.integers(0, 256, size=(len(GROUPS), N, K // 2), dtype=np.uint8)
+    scale = rng.integers(121, 127, size=(len(GROUPS), N, K // 32), dtype=np.uint8)
+    scale[..., 0], scale[..., 1] = 121, 126
+    wq = MXFP4Weight(packed=jnp.asarray(codes), scale=jnp.asarray(scale))
+    gs = jnp.asarray(GROUPS, jnp.int32)
+    ref_dense = np.asarray(gmm_reference(jnp.asarray(x), jnp.asarray(w), gs))
+    ref_q = np.asarray(gmm_reference(jnp.asarray(x), wq, gs))
+    return dict(x=jnp.asarray(x), w=jnp.asarray(w), wq=wq, gs=gs, ref_dense=ref_dense, ref_q=ref_q)
+
+
+def test_reference_matches_naive(data):
+    n = sum(GROUPS)
+    x = np.asarray(data["x"])
+    _close(data["ref_dense"][:n], _naive(x[:n], np.asarray(data["w"]), GROUPS)[:n])
+    wd = np.asarray(data["wq"].dequantize())
+    _close(data["ref_q"][:n], _naive(x[:n], wd, GROUPS)[:n])
+    assert np.all(data["ref_dense"][n:] == 0) and np.all(data["ref_q"][n:] == 0)
+
+
+def test_metadata_covers_every_row_once():
+    for sizes, m_pad, tm in [(GROUPS, 40, 8), ([0, 0, 0], 16, 8), ([16, 0, 0], 16, 8), ([1, 1, 1, 13], 16, 4)]:
+        gs = jnp.asarray(sizes, jnp.int32)
+        wt, wg, wr, st, en = map(np.asarray, jax.jit(make_group_metadata, static_argnums=(1, 2))(gs, m_pad, tm))
+        assert len(wt) == m_pad // tm + len(sizes) - 1
+        assert np.all(np.diff(wt) >= 0) and np.all(np.diff(wr) >= 0)
+        hits = np.zeros(m_pad, int)
+        for t, g in zip(wt, wg):
+            rows = np.arange(t * tm, (t + 1) * tm)
+            hits[rows[(rows >= st[g]) & (rows < en[g])]] += 1
+        np.testing.assert_array_equal(hits, (np.arange(m_pad) < sum(sizes)).astype(int))
+        assert set(range(m_pad // tm)) <= set(wt.tolist())  # every tile is written
+        ids, s, e, lo, hi = map(np.asarray, jax.jit(make_tile_group_ranges, static_argnums=(1, 2))(gs, m_pad, tm))
+        hits = np.zeros(m_pad, int)
+        for t in range(m_pad // tm):
+            for j in range(lo[t], hi[t]):
+                rows = np.arange(t * tm, (t + 1) * tm)
+                hits[rows[(rows >= s[j]) & (rows < e[j])]] += 1
+        np.testing.assert_array_equal(hits, (np.arange(m_pad) < sum(sizes)).astype(int))
+
+
+@pytest.mark.parametrize("variant", ["mosaic", "triton"])
+@pytest.mark.parametrize("quant", [False, True], ids=["dense", "mxfp4"])
+def test_kernel_matches_reference(data, variant, quant):
+    rhs = data["wq"] if quant else data["w"]
+    ref = data["ref_q"] if quant else data["ref_dense"]
+    fn = jax.jit(lambda x, r, g: gmm_pallas(x, r, g, tiling=TILING, interpret=True, variant=variant))
+    out = np.asarray(fn(data["x"], rhs, data["gs"]))
+    assert out.shape == (M, N) and out.dtype == np.float32
+    _close(out, ref)
+    assert np.all(out[sum(GROUPS):] == 0)
+
+
+@pytest.mark.parametrize("sizes", [[0, 0, 0], [24, 0, 0], [0, 3, 21]], ids=["all_empty", "one_full", "exact_sum"])
+def test_kernel_edge_group_sizes(sizes):
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((24, 64)), jnp.float32)
+    w = MXFP4Weight.from_float(rng.standard_normal((3, 16, 64)) * 0.05)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = gmm_pallas(x, w, gs, tiling=(8, 64, 16), interpret=True, variant="mosaic")
+    _close(out, gmm_reference(x, w, gs))
+
+
+def test_bf16_and_default_tiling():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((20, 64)), jnp.bfloat16)
+    w = MXFP4Weight.from_float(rng.standard_normal((3, 32, 64)) * 0.05)
+    gs = jnp.asarray([7, 0, 11], jnp.int32)
+    out = gmm_pallas(x, w, gs, interpret=True)  # default tiles (whole small dims)
+    ref = gmm_reference(x, w, gs)  # same bf16 inputs, fp32 accumulation
+    _close(out, ref, rtol=1e-2)
+    out16 = gmm_pallas(x, w, gs, interpret=True, preferred_element_type=jnp.bfloat16)
+    assert out16.dtype == jnp.bfloat16
+
+
+def test_ops_dispatch(data, monkeypatch):
+    monkeypatch.delenv("K3JAX_KERNELS", raising=False)
+    ref = gmm(data["x"], data["wq"], data["gs"], backend="reference")
+    np.testing.assert_array_equal(np.asarray(ref), data["ref_q"])
+    out = gmm(data["x"], data["wq"], data["gs"], backend="interpret", tiling=TILING)
+    _close(out, data["ref_q"])
+
+
+def test_route_and_sort_moe_roundtrip():
+    rng = np.random.default_rng(3)
+    t, k, e, d, n = 9, 2, 5, 32, 16
+    ids = np.stack([rng.choice(e, size=k, replace=False) for _ in range(t)])
+    ids[4, 1] = -1  # dropped slot
+    x = rng.standard_normal((t, d)).astype(np.float32)
+    w = rng.standard_normal((e, n, d)).astype(np.float32)
+    sort_idx, gs = route_and_sort(jnp.asarray(ids), e)
+    np.testing.assert_array_equal(np.asarray(gs), np.bincount(ids[ids >= 0], minlength=e))
+    sorted_ids = ids.reshape(-1)[np.asarray(sort_idx)]
+    assert np.all(np.diff(sorted_ids[: int(gs.sum())]) >= 0) and sorted_ids[-1] == -1
+    xs = jnp.asarray(x)[sort_idx // k]
+    y = gmm(xs, jnp.asarray(w), gs, backend="reference")
+    y = jnp.zeros_like(y).at[sort_idx].set(y).reshape(t, k, n)
+    want = np.stack([[x[i] @ w[j].T if j >= 0 else np.zeros(n) for j in ids[i]] for i in range(t)])
+    _close(y, want)
+
+
+def test_quantized_weights_from_quantizer_match_dense(data):
+    # gmm on an MXFP4Weight == gmm on its exact dequantisation
+    w = np.asarray(data["w"]) * 0.02
+    p, s = quantize_mxfp4(w)
+    wq = MXFP4Weight(packed=jnp.asarray(p), scale=jnp.asarray(s))
+    a = gmm_reference(data["x"], wq, data["gs"])
+    b = gmm_reference(data["x"], wq.dequantize(), data["gs"])
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------- lowering / device
+_TRITON_CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+
+@pytest.mark.parametrize("platform,variant", [("tpu", "mosaic"), ("cuda", "triton")])
+@pytest.mark.parametrize("quant", [False, True], ids=["dense", "mxfp4"])
+def test_kernel_lowers_at_k3_shapes(platform, variant, quant):
+    """Lower (not run) the compiled kernels for TPU Mosaic / GPU Triton at K3 expert shapes.
+
+    Catches block-shape / unsupported-op errors of the jax-side lowering on a CPU-only
+    host; the backend compilers (libtpu Mosaic, Triton->PTX) only run on a device.
+    """
+    m, k, n, g = 128, 3584, 3072, 8
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    if quant:
+        w = MXFP4Weight(jax.ShapeDtypeStruct((g, n, k // 2), jnp.uint8), jax.ShapeDtypeStruct((g, n, k // 32), jnp.uint8))
+    else:
+        w = jax.ShapeDtypeStruct((g, n, k), jnp.bfloat16)
+    fn = jax.jit(lambda a, b, c: gmm_pallas(a, b, c, variant=variant))
+    exp = jax.export.export(fn, platforms=[platform], disabled_checks=_TRITON_CHECKS)(
+        x, w, jax.ShapeDtypeStruct((g,), jnp.int32))
+    text = exp.mlir_module()
+    assert ("tpu_custom_call" in text) if platform == "tpu" else ("xla.gpu.triton" in text)
+
+
+@pytest.mark.skipif(jax.default_backend() not in ("gpu", "tpu"), reason="needs a GPU/TPU")
+@pytest.mark.parametrize("quant", [False, True], ids=["dense", "mxfp4"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_device_compiled_kernel(quant, dtype):
+    """Device check: compiled (non-interpret) kernel vs reference at a mid-size MoE shape."""
+    rng = np.random.default_rng(5)
+    m, k, n, g = 256, 1024, 512, 8
+    sizes = [40, 0, 77, 13, 0, 64, 31, 11]  # sum 236 < 256
+    x = jnp.asarray(rng.standard_normal((m, k)), dtype)
+    if quant:
+        w = MXFP4Weight.from_float(rng.standard_normal((g, n, k)) * 0.05)
+    else:
+        w = jnp.asarray(rng.standard_normal((g, n, k)) * 0.05, dtype)
+    gs = jnp.asarray(sizes, jnp.int32)
+    out = jax.jit(lambda a, b, c: gmm_pallas(a, b, c))(x, w, gs)
+    ref = gmm_reference(x, w, gs)
+    _close(out, ref, rtol=1e-5 if dtype == jnp.float32 else 2e-2)
+    assert np.all(np.asarray(out)[sum(sizes):] == 0)
