@@ -153,6 +153,106 @@ def _fill(abstract: nnx.State, values: dict) -> nnx.State:
     return state
 
 
+# ---- writing HF-format checkpoints ----------------------------------------------------------
+
+def hf_config_dict(cfg: ModelConfig) -> dict:
+    """The HF `config.json` for `cfg`: K3 nests its text model under `text_config`; lists are 1-based."""
+    one = lambda ls: [l + 1 for l in ls]
+    text = {
+        "model_type": "kimi_linear", "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size,
+        "num_hidden_layers": cfg.num_hidden_layers, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_attention_heads, "num_key_value_heads": cfg.num_attention_heads,
+        "q_lora_rank": cfg.q_lora_rank, "kv_lora_rank": cfg.kv_lora_rank,
+        "qk_nope_head_dim": cfg.qk_nope_head_dim, "qk_rope_head_dim": cfg.qk_rope_head_dim,
+        "v_head_dim": cfg.v_head_dim, "mla_use_nope": True,
+        "linear_attn_config": {
+            "num_heads": cfg.kda_num_heads, "head_dim": cfg.kda_head_dim,
+            "short_conv_kernel_size": cfg.short_conv_kernel_size,
+            "kda_layers": one(cfg.kda_layers), "full_attn_layers": one(cfg.mla_layers)},
+        "num_experts": cfg.num_experts, "num_experts_per_token": cfg.num_experts_per_token,
+        "moe_intermediate_size": cfg.moe_intermediate_size, "num_shared_experts": cfg.num_shared_experts,
+        "routed_scaling_factor": cfg.routed_scaling_factor, "moe_renormalize": cfg.moe_renormalize,
+        "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": cfg.moe_layer_freq,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1,
+        "topk_group": 1, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
+        "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
+        "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
+        "eos_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+    }
+    if cfg.family == "kimi_linear":
+        return {"architectures": ["KimiLinearForCausalLM"], **text}
+    text.update({
+        "mla_use_output_gate": cfg.mla_use_output_gate,
+        "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
+        "latent_moe_use_norm": cfg.latent_moe_use_norm, "attn_res_block_size": cfg.attn_res_block_size,
+        "activation_situ_beta": cfg.situ_beta, "activation_situ_linear_beta": cfg.situ_linear_beta,
+        "topk_method": "noaux_tc", "num_nextn_predict_layers": 0,
+    })
+    text["linear_attn_config"].update(gate_lower_bound=cfg.gate_lower_bound,
+                                      use_full_rank_gate=cfg.kda_full_rank_output_gate)
+    if cfg.expert_format == "mxfp4":
+        text["quantization_config"] = {
+            "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
+            "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "format": "mxfp4-pack-quantized",
+                                          "weights": {"type": "float", "num_bits": 4, "strategy": "group",
+                                                      "group_size": cfg.mxfp4_group_size, "symmetric": True,
+                                                      "dynamic": False, "scale_dtype": "torch.uint8"}}},
+            "ignore": ["re:.*self_attn.*", "re:.*shared_experts.*", "re:.*mlp\\.(gate|up|gate_up|down)_proj.*",
+                       "re:.*lm_head.*"]}
+    return {"architectures": ["KimiK3ForConditionalGeneration"], "model_type": "kimi_k3",
+            "bos_token_id": cfg.bos_token_id, "eos_token_id": text["eos_token_id"],
+            "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": cfg.tie_word_embeddings,
+            "text_config": text}
+
+
+def hf_tensors(cfg: ModelConfig, params: nnx.State, a_log_pad: int = 0) -> Iterable[tuple[str, np.ndarray]]:
+    """(name, array) pairs in the HF layout: experts unstacked, `A_log` zero-padded by `a_log_pad`
+    (K3 ships F32[128] for 96 heads)."""
+    prefix = "language_model." if cfg.family == "kimi_k3" else ""
+    for key, var in params.flat_state():
+        arr = np.asarray(jax.device_get(var[...]))
+        name = hf_name(key, prefix)
+        if "{e}" in name:
+            for e in range(arr.shape[0]):
+                yield name.format(e=e), np.ascontiguousarray(arr[e])
+        elif key[-1] == "A_log":
+            shaped = np.pad(arr, (0, a_log_pad)) if cfg.family == "kimi_k3" else arr.reshape(1, 1, -1, 1)
+            yield name, shaped
+        else:
+            yield name, arr
+
+
+def save_hf_checkpoint(path: str, cfg: ModelConfig, params: nnx.State, *, max_shard_bytes: int | None = None,
+                       a_log_pad: int = 0) -> None:
+    """Write `config.json` + safetensors in the released HF layout (sharded with an index when
+    `max_shard_bytes` is set). Used to make test checkpoints and to export converted weights."""
+    from safetensors.numpy import save_file
+
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(hf_config_dict(cfg), f, indent=1)
+    shards: list[dict[str, np.ndarray]] = [{}]
+    size = 0
+    for name, arr in hf_tensors(cfg, params, a_log_pad):
+        if max_shard_bytes and shards[-1] and size + arr.nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = arr
+        size += arr.nbytes
+    if len(shards) == 1:
+        save_file(shards[0], os.path.join(path, "model.safetensors"))
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards):
+        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fn))
+        weight_map.update({k: fn for k in shard})
+        total += sum(a.nbytes for a in shard.values())
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+
+
 # ---- Orbax ----------------------------------------------------------------------------------
 
 def is_orbax_dir(path: str) -> bool:

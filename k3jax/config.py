@@ -70,7 +70,6 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     pad_token_id: int | None = None
     max_position_embeddings: int = 1 << 20
-    tokenizer: str = "byte"  # "byte" | "kimi" (tiktoken vocabulary beside the checkpoint)
 
     def __post_init__(self):
         if self.family not in FAMILIES:
@@ -271,8 +270,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
             hidden_act=act, situ_beta=float(tc["activation_situ_beta"]),
             situ_linear_beta=float(tc["activation_situ_linear_beta"]),
             attn_res_block_size=int(tc["attn_res_block_size"]),
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id"), 163585, 163586),
-            tokenizer="kimi",
+            # K3's tokenizer_config says [EOS]=163585, the configs say <|end_of_msg|>=163586: stop on both.
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id"),
+                                   *[i for i in (163585, 163586) if i < common["vocab_size"]]),
         )
     return ModelConfig(
         family=family, **common,
@@ -280,8 +280,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         gate_lower_bound=lac.get("gate_lower_bound"),
         kda_full_rank_output_gate=bool(lac.get("use_full_rank_gate", False)),
         hidden_act=tc.get("hidden_act", "silu"),
-        eos_token_ids=_eos_ids(cfg.get("eos_token_id")),
-        tokenizer="kimi",
+        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id")),
     )
 
 
@@ -334,7 +333,7 @@ PRESETS: dict[str, ModelConfig] = {
         v_head_dim=128, mla_layers=(3, 7, 11, 15, 19, 23, 26), kda_num_heads=32, kda_head_dim=128,
         num_experts=256, num_experts_per_token=8, moe_intermediate_size=1024, num_shared_experts=1,
         routed_scaling_factor=2.446, hidden_act="silu", bos_token_id=163584,
-        eos_token_ids=(163586, 163585), pad_token_id=163839, tokenizer="kimi"),
+        eos_token_ids=(163586,), pad_token_id=163839),
     "k3": ModelConfig(
         family="kimi_k3", vocab_size=163840, hidden_size=7168, num_hidden_layers=93, intermediate_size=33792,
         num_attention_heads=96, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -343,7 +342,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=896, num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
         routed_scaling_factor=1.0, routed_expert_hidden_size=3584, latent_moe_use_norm=True,
         expert_format="mxfp4", hidden_act="situ", attn_res_block_size=12, bos_token_id=163584,
-        eos_token_ids=(163586, 163585), pad_token_id=163839, tokenizer="kimi"),
+        eos_token_ids=(163586,), pad_token_id=163839),
 }
 
 

@@ -179,3 +179,25 @@ def test_ops_dispatch_interpret(monkeypatch, varlen_case):
     o, p = fused_recurrent_kda_pool(*xd, pool, jnp.asarray([1, -1], jnp.int32))
     o_r, p_r = ref.fused_recurrent_kda_pool_reference(*xd, pool, jnp.asarray([1, -1]))
     assert rel_err(o, o_r) <= TOL and rel_err(p, p_r) <= TOL
+
+
+@pytest.mark.parametrize("platform,variant", [("tpu", "tpu"), ("cuda", "gpu")])
+def test_kernels_lower_for_accelerators(platform, variant):
+    """Cross-platform lowering smoke test (no device needed): the Pallas -> Mosaic TPU and
+    Pallas -> Triton lowerings accept the kernels at production tile sizes."""
+    from jax import export
+
+    Kp = Vp = 128
+    x = make_inputs(181, 1, 70, 1, Kp, Vp)
+    S0 = make_state(182, 1, 1, Kp, Vp)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+
+    def lower(f, *args):
+        export.export(jax.jit(f), platforms=[platform], disabled_checks=checks)(*args)
+
+    lower(lambda *a: chunk_kda_pallas(*a[:5], initial_state=a[5], output_final_state=True,
+                                      return_chunk_states=True, variant=variant), *x, S0)
+    pool = make_state(183, 3, 1, Kp, Vp)
+    xd = [a[:, :1] for a in x]
+    lower(lambda *a: fused_recurrent_kda_pool_pallas(*a, jnp.asarray([2], jnp.int32),
+                                                     variant=variant), *xd, pool)

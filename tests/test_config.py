@@ -1,0 +1,74 @@
+"""Config reading: K3 nesting, 1-based layer lists, missing K3 switches, presets, real shapes."""
+
+import copy
+import json
+
+import pytest
+
+from k3jax.cache import cache_bytes
+from k3jax.checkpoint import hf_config_dict
+from k3jax.config import PRESETS, ConfigError, from_hf_config, get_preset
+
+
+def test_k3_schedule_matches_spec():
+    cfg = get_preset("k3")
+    assert cfg.num_mla_layers == 24 and cfg.num_kda_layers == 69
+    assert cfg.mla_layers[:3] == (3, 7, 11) and cfg.mla_layers[-2:] == (91, 92)
+    assert cfg.is_mla(92) and not cfg.is_mla(0)
+    assert not cfg.is_moe(0) and all(cfg.is_moe(l) for l in range(1, 93))
+    assert cfg.mla_latent_size == 576 and cfg.kda_proj_size == 12288
+
+
+def test_k3_cache_bytes_match_spec():
+    b = cache_bytes(get_preset("k3"), batch=1, max_len=4096, dtype="bfloat16")
+    assert b["kda_state"] == 434_110_464  # 414 MiB fp32 (spec §4.1)
+    assert b["mla_kv"] == 27_648 * 4096  # 27,648 B/token bf16
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_hf_config_roundtrip(name):
+    cfg = get_preset(name)
+    assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))) == cfg
+
+
+def test_layer_lists_are_one_based():
+    d = hf_config_dict(get_preset("tiny-k3"))
+    assert d["text_config"]["linear_attn_config"]["full_attn_layers"] == [4, 7, 8]
+    bad = copy.deepcopy(d)
+    bad["text_config"]["linear_attn_config"]["full_attn_layers"] = [0, 4]
+    with pytest.raises(ConfigError, match="full_attn_layers"):
+        from_hf_config(bad)
+
+
+@pytest.mark.parametrize("key", ["mla_use_output_gate", "routed_expert_hidden_size", "attn_res_block_size",
+                                 "hidden_act", "activation_situ_beta", "latent_moe_use_norm"])
+def test_missing_k3_switch_is_named(key):
+    d = hf_config_dict(get_preset("tiny-k3"))
+    del d["text_config"][key]
+    with pytest.raises(ConfigError, match=key):
+        from_hf_config(d)
+
+
+@pytest.mark.parametrize("key", ["gate_lower_bound", "use_full_rank_gate"])
+def test_missing_k3_linear_switch_is_named(key):
+    d = hf_config_dict(get_preset("tiny-k3"))
+    del d["text_config"]["linear_attn_config"][key]
+    with pytest.raises(ConfigError, match=key):
+        from_hf_config(d)
+
+
+def test_kimi_linear_flat_config_has_defaults():
+    d = hf_config_dict(get_preset("kimi-linear-48b-a3b"))
+    assert "text_config" not in d
+    cfg = from_hf_config(d)
+    assert cfg.gate_lower_bound is None and not cfg.kda_full_rank_output_gate and cfg.hidden_act == "silu"
+    assert cfg.mla_layers == (3, 7, 11, 15, 19, 23, 26)
+
+
+def test_bad_values_are_rejected():
+    with pytest.raises(ConfigError, match="model_type"):
+        from_hf_config({"model_type": "llama"})
+    with pytest.raises(ConfigError, match="num_experts_per_token"):
+        get_preset("tiny-k3").replace(num_experts_per_token=9)
+    with pytest.raises(ConfigError, match="unknown preset"):
+        get_preset("k4")
