@@ -342,7 +342,7 @@ PRESETS: dict[str, ModelConfig] = {
         num_experts=896, num_experts_per_token=16, moe_intermediate_size=3072, num_shared_experts=2,
         routed_scaling_factor=1.0, routed_expert_hidden_size=3584, latent_moe_use_norm=True,
         expert_format="mxfp4", hidden_act="situ", attn_res_block_size=12, bos_token_id=163584,
-        eos_token_ids=(163586,), pad_token_id=163839),
+        eos_token_ids=(163586, 163585), pad_token_id=163839),
 }
 
 
