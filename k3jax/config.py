@@ -153,7 +153,7 @@ class ModelConfig:
 # ---- reading HF config.json ---------------------------------------------------------------
 
 _K3_REQUIRED_TEXT_KEYS = (
-    "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm",
+    "routed_scaling_factor", "first_k_dense_replace", "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm",
     "attn_res_block_size", "hidden_act", "activation_situ_beta", "activation_situ_linear_beta",
 )
 _K3_REQUIRED_LINEAR_KEYS = ("gate_lower_bound", "use_full_rank_gate")
@@ -229,9 +229,10 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         num_experts_per_token=int(tc.get("num_experts_per_token") or 0),
         moe_intermediate_size=int(tc.get("moe_intermediate_size") or 0),
         num_shared_experts=int(tc.get("num_shared_experts") or 0),
-        routed_scaling_factor=float(tc.get("routed_scaling_factor", 1.0)),
+        # HF's KimiLinearConfig defaults (K3 requires both keys, see _K3_REQUIRED_TEXT_KEYS)
+        routed_scaling_factor=float(tc.get("routed_scaling_factor", 2.446)),
         moe_renormalize=bool(tc.get("moe_renormalize", True)),
-        first_k_dense_replace=int(tc.get("first_k_dense_replace", 0)),
+        first_k_dense_replace=int(tc.get("first_k_dense_replace", 1)),
         moe_layer_freq=int(tc.get("moe_layer_freq", 1)),
         bos_token_id=cfg.get("bos_token_id", tc.get("bos_token_id")),
         pad_token_id=cfg.get("pad_token_id", tc.get("pad_token_id")),

@@ -295,7 +295,7 @@ def hf_greedy(hf_model, ids, n: int) -> np.ndarray:
 
 @torch.no_grad()
 def hf_greedy_full_forward(hf_model, ids, n: int) -> np.ndarray:
-    """Greedy by a manual loop of full (cache-free, chunked-KDA) forwards. Also returns nothing else."""
+    """Greedy by a manual loop of full (cache-free, chunked-KDA) forwards (HF self-consistency check)."""
     cur = torch.as_tensor(np.asarray(ids), dtype=torch.long)
     outs = []
     for _ in range(n):

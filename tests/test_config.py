@@ -40,7 +40,7 @@ def test_layer_lists_are_one_based():
         from_hf_config(bad)
 
 
-@pytest.mark.parametrize("key", ["mla_use_output_gate", "routed_expert_hidden_size", "attn_res_block_size",
+@pytest.mark.parametrize("key", ["routed_scaling_factor", "mla_use_output_gate", "routed_expert_hidden_size", "attn_res_block_size",
                                  "hidden_act", "activation_situ_beta", "latent_moe_use_norm"])
 def test_missing_k3_switch_is_named(key):
     d = hf_config_dict(get_preset("tiny-k3"))

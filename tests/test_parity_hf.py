@@ -126,7 +126,7 @@ def test_hf_checkpoint_layout(ref):
     assert kda and mla
     l = kda[0]
     assert names[f"model.layers.{l}.self_attn.A_log"] == (1, 1, n, 1)
-    assert names[f"model.layers.{l}.self_attn.q_conv1d.weight"] == (n * d, 1, 4)
+    assert names[f"model.layers.{l}.self_attn.q_conv1d.weight"] == (n * d, 1, cfg.linear_conv_kernel_dim)
     assert names[f"model.layers.{l}.self_attn.dt_bias"] == (n * d,)
     moe = 1
     assert names[f"model.layers.{moe}.block_sparse_moe.experts.0.w1.weight"] == (

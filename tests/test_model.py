@@ -1,0 +1,143 @@
+"""Whole-model behaviour: cache-free forward vs chunked prefill + decode, padding, checkpoints, CLI."""
+
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax
+from k3jax import steps
+from k3jax.cache import init_cache
+from k3jax.checkpoint import CheckpointError, save_hf_checkpoint, save_orbax
+
+T = 70  # longer than one 64-token KDA chunk, not a multiple of it
+
+
+@pytest.fixture(scope="module", params=["tiny-k3", "tiny-kimi-linear"])
+def model(request):
+    m = k3jax.load_model(request.param, dtype="float32", seed=0)
+    m.prefill_chunk = 32
+    return m
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return np.random.default_rng(0).integers(0, 256, (2, T)).astype(np.int32)
+
+
+@pytest.fixture(scope="module")
+def full_logits(model, ids):
+    return model.forward(ids)
+
+
+def rel(a, b):
+    return float(np.linalg.norm(np.asarray(a) - np.asarray(b)) / np.linalg.norm(np.asarray(b)))
+
+
+def test_forward_shape_and_finite(model, full_logits):
+    assert full_logits.shape == (2, T, model.cfg.vocab_size) and full_logits.dtype == np.float32
+    assert np.isfinite(full_logits).all()
+
+
+def test_prefill_then_decode_equals_forward(model, ids, full_logits):
+    """Chunked prefill of T-1 tokens (3 chunks of 32, last one padded) then one decode step."""
+    logits, cache = model.prefill(ids[:, :T - 1], max_len=80)
+    assert rel(logits, full_logits[:, T - 2]) < 1e-5
+    logits, cache = steps.decode_step(model.graphdef, model.params, cache, jnp.asarray(ids[:, T - 1]))
+    assert rel(logits, full_logits[:, T - 1]) < 1e-5
+    assert np.asarray(cache.lengths).tolist() == [T, T]
+
+
+def test_ragged_rows_match_their_own_forward(model, ids, full_logits):
+    """Two rows with different real lengths in one padded prefill chunk."""
+    cache = init_cache(model.cfg, 2, 80, model.dtype)
+    valid = jnp.array([T, 40], jnp.int32)
+    piece = ids.copy()
+    piece[1, 40:] = 7  # garbage after the real tokens must not matter
+    logits, cache = steps.prefill_step(model.graphdef, model.params, cache, jnp.asarray(piece), valid)
+    assert rel(logits[0], full_logits[0, T - 1]) < 1e-5
+    short = model.forward(ids[1:, :40])
+    assert rel(logits[1], short[0, 39]) < 1e-5
+    # decode continues each row from its own length
+    nxt = jnp.asarray([ids[0, 0], ids[1, 40]])
+    logits, cache = steps.decode_step(model.graphdef, model.params, cache, nxt)
+    ref = model.forward(ids[1:, :41])
+    assert rel(logits[1], ref[0, 40]) < 1e-5
+
+
+def test_generate_greedy_matches_forward_argmax(model, ids):
+    prompt = ids[:, :40]
+    out = model.generate_greedy(prompt, 8)
+    assert out.shape == (2, 8)
+    seq = prompt
+    for i in range(8):
+        nxt = model.forward(seq)[:, -1].argmax(-1)
+        np.testing.assert_array_equal(out[:, i], nxt)
+        seq = np.concatenate([seq, nxt[:, None]], 1).astype(np.int32)
+
+
+def test_hf_checkpoint_roundtrip(model, ids, full_logits, tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(path, model.cfg, model.params, max_shard_bytes=100_000, a_log_pad=4)
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))
+    names = json.load(open(os.path.join(path, "model.safetensors.index.json")))["weight_map"]
+    if model.cfg.family == "kimi_k3":
+        assert all(n.startswith("language_model.") for n in names)
+        assert "language_model.model.layers.1.block_sparse_moe.experts.3.w2.weight_packed" in names
+    m2 = k3jax.load_model(path)
+    assert m2.cfg == model.cfg
+    np.testing.assert_array_equal(m2.forward(ids), full_logits)
+
+
+def test_orbax_convert_roundtrip(model, ids, full_logits, tmp_path):
+    save_orbax(str(tmp_path / "orbax"), model.cfg, model.params, model.dtype)
+    m2 = k3jax.load_model(str(tmp_path / "orbax"))
+    np.testing.assert_array_equal(m2.forward(ids), full_logits)
+
+
+def _broken_checkpoint(model, tmp_path, mutate):
+    from safetensors.numpy import load_file, save_file
+
+    path = str(tmp_path / "broken")
+    save_hf_checkpoint(path, model.cfg, model.params)
+    f = os.path.join(path, "model.safetensors")
+    tensors = load_file(f)
+    mutate(tensors)
+    save_file(tensors, f)
+    return path
+
+
+def test_missing_tensor_is_named(model, tmp_path):
+    prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
+    name = f"{prefix}model.layers.1.self_attn.q_proj.weight"
+    path = _broken_checkpoint(model, tmp_path, lambda t: t.pop(name))
+    with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
+        k3jax.load_model(path)
+
+
+def test_misshaped_tensor_names_both_shapes(model, tmp_path):
+    prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
+    name = f"{prefix}model.norm.weight"
+    path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, np.ones(5, np.float32)))
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '.')}.*\(5,\).*\({model.cfg.hidden_size},\)"):
+        k3jax.load_model(path)
+
+
+def test_bad_inputs_are_clear(model):
+    with pytest.raises(ValueError, match="token ids"):
+        model.forward(np.array([[0, model.cfg.vocab_size]]))
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        model.forward(np.array([1, 2, 3]))
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        model.generate_greedy(np.array([[1, 2]]), 0)
+    with pytest.raises(FileNotFoundError):
+        k3jax.load_model("/nonexistent/dir")
+    with pytest.raises(ValueError, match="dtype"):
+        k3jax.load_model("tiny-k3", dtype="float16")
+
+
+def test_real_shapes_are_abstract_only():
+    with pytest.raises(ValueError, match="planning"):
+        k3jax.load_model("k3")
