@@ -123,7 +123,7 @@ def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, prog
     """Fill `abstract` (from `nnx.eval_shape`) with tensors from an HF safetensors directory."""
     st = SafetensorsDir(path)
     prefix = "language_model." if cfg.family == "kimi_k3" else ""
-    flat = list(abstract.flat_state())
+    flat = list(nnx.to_flat_state(abstract))
     used: set[str] = set()
     values = {}
     for key, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
@@ -149,8 +149,7 @@ def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, prog
 
 
 def _fill(abstract: nnx.State, values: dict) -> nnx.State:
-    state = nnx.State.from_flat_path({k: v.replace(value=values[k]) for k, v in abstract.flat_state()})
-    return state
+    return nnx.from_flat_state([(k, v.replace(value=values[k])) for k, v in nnx.to_flat_state(abstract)])
 
 
 # ---- writing HF-format checkpoints ----------------------------------------------------------
@@ -210,7 +209,7 @@ def hf_tensors(cfg: ModelConfig, params: nnx.State, a_log_pad: int = 0) -> Itera
     """(name, array) pairs in the HF layout: experts unstacked, `A_log` zero-padded by `a_log_pad`
     (K3 ships F32[128] for 96 heads)."""
     prefix = "language_model." if cfg.family == "kimi_k3" else ""
-    for key, var in params.flat_state():
+    for key, var in nnx.to_flat_state(params):
         arr = np.asarray(jax.device_get(var[...]))
         name = hf_name(key, prefix)
         if "{e}" in name:
