@@ -54,3 +54,81 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict[str, 
     s = cache_shapes(cfg, batch, max_len, dtype)
     return {k: math.prod(v.shape) * v.dtype.itemsize
             for k, v in (("kda_conv", s.kda_conv), ("kda_state", s.kda_state), ("mla_kv", s.mla_kv))}
+
+
+# ---- cache views: how the model reads and writes state, independent of storage ----------------
+
+class CacheView:
+    """What one forward pass needs from the cache, whatever stores it.
+
+    `kda(j, b)` / `set_kda(j, window, state)` read and replace the j-th KDA layer's conv windows
+    [B, 3, W-1, P] and recurrent state [B, N, K, V]; `mla(j, latent, valid)` stores the chunk's latents
+    for the j-th MLA layer and returns (keys/values to attend over [B, S, 576], mask [B, T, S]).
+    Views are trace-time objects: the arrays they hold are functional values inside one jit.
+    """
+
+    mla_form = "absorbed"
+
+    def kda(self, j: int, b: int):
+        raise NotImplementedError
+
+    def set_kda(self, j: int, window: jax.Array, state: jax.Array) -> None:
+        raise NotImplementedError
+
+    def mla(self, j: int, latent: jax.Array, valid: jax.Array):
+        raise NotImplementedError
+
+
+def causal_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
+    """q_pos: [B, T] absolute query positions; kv_len: [B] keys that exist. -> [B, T, S] bool."""
+    s = jnp.arange(num_keys)[None, None, :]
+    return (s <= q_pos[:, :, None]) & (s < kv_len[:, None, None])
+
+
+class FreshView(CacheView):
+    """Whole sequences from empty state, nothing kept: MLA attends over the chunk itself (expanded)."""
+
+    mla_form = "expanded"
+
+    def __init__(self, cfg: ModelConfig, t: int):
+        self.cfg, self.t = cfg, t
+
+    def kda(self, j, b):
+        cfg = self.cfg
+        return (jnp.zeros((b, 3, cfg.short_conv_kernel_size - 1, cfg.kda_proj_size), jnp.float32),
+                jnp.zeros((b, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_head_dim), jnp.float32))
+
+    def set_kda(self, j, window, state):
+        pass
+
+    def mla(self, j, latent, valid):
+        b, t = latent.shape[:2]
+        return latent, causal_mask(jnp.broadcast_to(jnp.arange(t)[None], (b, t)), valid, t)
+
+
+class ContiguousView(CacheView):
+    """A `ModelCache`: per-sequence contiguous latents, each row continuing from `lengths`."""
+
+    def __init__(self, cache: ModelCache):
+        self.cache = cache
+        self.kda_conv, self.kda_state, self.mla_kv = cache.kda_conv, cache.kda_state, cache.mla_kv
+
+    def kda(self, j, b):
+        return self.kda_conv[j], self.kda_state[j]
+
+    def set_kda(self, j, window, state):
+        self.kda_conv = self.kda_conv.at[j].set(window)
+        self.kda_state = self.kda_state.at[j].set(state)
+
+    def mla(self, j, latent, valid):
+        c = self.cache
+        b, t = latent.shape[:2]
+        pos = c.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+        write = jnp.where(jnp.arange(t)[None, :] < valid[:, None], pos, c.max_len)  # padding is dropped
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        kv = self.mla_kv[j].at[rows, write].set(latent.astype(self.mla_kv.dtype), mode="drop")
+        self.mla_kv = self.mla_kv.at[j].set(kv)
+        return kv, causal_mask(pos, c.lengths + valid, c.max_len)
+
+    def result(self, valid: jax.Array) -> ModelCache:
+        return ModelCache(self.kda_conv, self.kda_state, self.mla_kv, self.cache.lengths + valid)

@@ -13,12 +13,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.cache import ModelCache
+from k3jax.cache import CacheView, ContiguousView, FreshView, ModelCache
 from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import AttnResMixer
 from k3jax.layers.kda import KDA
 from k3jax.layers import initializers as init
-from k3jax.layers.mla import MLA, causal_mask
+from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
 from k3jax.layers.norms import RMSNorm
@@ -61,43 +61,27 @@ class KimiModel(nnx.Module):
             (cfg.mla_layers.index(l) if cfg.is_mla(l) else cfg.kda_layers.index(l)) for l in range(cfg.num_hidden_layers))
 
     # ---- attention with explicit state ------------------------------------------------------
-    def _attention(self, l: int, x: jax.Array, cache: ModelCache | None, new: dict, valid: jax.Array) -> jax.Array:
+    def _attention(self, l: int, x: jax.Array, view: CacheView, valid: jax.Array) -> jax.Array:
         layer, j = self.layers[l], self.cache_index[l]
-        b, t, _ = x.shape
         if layer.is_mla:
             attn: MLA = layer.self_attn
             latent = attn.latent(x)  # [B, T, 576]
-            if cache is None:
-                q_pos = jnp.broadcast_to(jnp.arange(t)[None], (b, t))
-                return attn.expanded(x, latent, causal_mask(q_pos, valid, t))
-            pos = cache.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-            real = jnp.arange(t)[None, :] < valid[:, None]
-            write = jnp.where(real, pos, cache.max_len)  # padded tokens fall off the end (dropped)
-            rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-            kv = new["mla_kv"][j].at[rows, write].set(latent.astype(new["mla_kv"].dtype), mode="drop")
-            new["mla_kv"] = new["mla_kv"].at[j].set(kv)
-            return attn.absorbed(x, kv, causal_mask(pos, cache.lengths + valid, cache.max_len))
-        attn: KDA = layer.self_attn
-        if cache is None:
-            cfg = self.cfg
-            p, d, n, w = cfg.kda_proj_size, cfg.kda_head_dim, cfg.kda_num_heads, cfg.short_conv_kernel_size
-            window = jnp.zeros((b, 3, w - 1, p), jnp.float32)
-            state = jnp.zeros((b, n, d, d), jnp.float32)
-            y, _, _ = attn(x, window, state, valid)
-            return y
-        y, window, state = attn(x, new["kda_conv"][j], new["kda_state"][j], valid)
-        new["kda_conv"] = new["kda_conv"].at[j].set(window)
-        new["kda_state"] = new["kda_state"].at[j].set(state)
+            kv, mask = view.mla(j, latent, valid)
+            form = attn.expanded if view.mla_form == "expanded" else attn.absorbed
+            return form(x, kv, mask)
+        window, state = view.kda(j, x.shape[0])
+        y, window, state = layer.self_attn(x, window, state, valid)
+        view.set_kda(j, window, state)
         return y
 
     # ---- the residual stream ------------------------------------------------------------------
-    def _classic(self, x, cache, new, valid):
+    def _classic(self, x, view, valid):
         for l, layer in enumerate(self.layers):
-            x = x + self._attention(l, layer.input_layernorm(x), cache, new, valid)
+            x = x + self._attention(l, layer.input_layernorm(x), view, valid)
             x = x + layer.ffn(x)
         return x
 
-    def _attn_res(self, emb, cache, new, valid):
+    def _attn_res(self, emb, view, valid):
         """Block AttnRes (spec §2.2): `bank` holds closed block sums (bank[0] = embedding)."""
         eps, block = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
         bank: list[jax.Array] = []
@@ -107,7 +91,7 @@ class KimiModel(nnx.Module):
             if l % block == 0:
                 bank.append(p)
                 p = None
-            a = self._attention(l, layer.input_layernorm(h), cache, new, valid)
+            a = self._attention(l, layer.input_layernorm(h), view, valid)
             p = a if p is None else p + a
             h = layer.mlp_res(bank + [p], eps)
             p = p + layer.ffn(h)
@@ -119,15 +103,16 @@ class KimiModel(nnx.Module):
         b, t = tokens.shape
         if valid is None:
             valid = jnp.full((b,), t, jnp.int32)
-        new = None if cache is None else {"kda_conv": cache.kda_conv, "kda_state": cache.kda_state,
-                                          "mla_kv": cache.mla_kv}
+        view = FreshView(self.cfg, t) if cache is None else ContiguousView(cache)
+        logits = self.run(tokens, view, valid, last_only)
+        return logits, (None if cache is None else view.result(valid))
+
+    def run(self, tokens: jax.Array, view: CacheView, valid: jax.Array, last_only: bool) -> jax.Array:
+        """The forward pass against any cache view (fresh, contiguous, or the engine's paged arena)."""
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-        x = self._attn_res(x, cache, new, valid) if self.cfg.uses_attn_res else self._classic(x, cache, new, valid)
+        x = self._attn_res(x, view, valid) if self.cfg.uses_attn_res else self._classic(x, view, valid)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
         x = self.norm(x)
         head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        logits = jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
-        if cache is None:
-            return logits, None
-        return logits, ModelCache(new["kda_conv"], new["kda_state"], new["mla_kv"], cache.lengths + valid)
+        return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)

@@ -10,7 +10,8 @@ from k3jax.config import get_preset
 from k3jax.layers.activations import situ_glu
 from k3jax.layers.attn_res import attn_res_mix
 from k3jax.layers.kda import causal_conv, kda_decay_gate
-from k3jax.layers.mla import MLA, causal_mask
+from k3jax.cache import causal_mask
+from k3jax.layers.mla import MLA
 from k3jax.layers.moe import route
 from k3jax.layers.norms import l2_norm, rms_norm
 

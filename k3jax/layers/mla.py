@@ -99,8 +99,3 @@ class MLA(nnx.Module):
         ctx = jnp.einsum("bhts,bsr->bthr", p, c)  # [B, T, nh, r]
         return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w_uv))
 
-
-def causal_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
-    """q_pos: [B, T] absolute query positions; kv_len: [B] keys that exist. -> [B, T, S] bool."""
-    s = jnp.arange(num_keys)[None, None, :]
-    return (s <= q_pos[:, :, None]) & (s < kv_len[:, None, None])

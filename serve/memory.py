@@ -1,0 +1,217 @@
+"""One cache arena for both kinds of sequence state, carved from a single byte budget.
+
+Mechanism: the arena is one device array `float32[num_units, unit_elems]`. A *unit* is one MLA page
+of one MLA layer (`page_size` tokens x the 576-wide latent, bf16 latents packed two per float32
+word). A KDA *state slot* (every KDA layer's fp32 recurrent state and conv windows for one
+sequence) spans `slot_units` consecutive units. The host allocator hands out pages from the low end
+and state slots from the high end (a two-ended arena), so there is no ratio flag: many short requests
+fill the arena with slots, a few long ones fill it with pages, and the same arrays and compiled
+steps serve both. Unit 0 is a scratch page and the top slot is a scratch slot that padded batch rows
+read and write.
+
+Device-side helpers gather the states of a batch into dense `[L, B, ...]` arrays for the model
+and scatter them back; MLA pages are read and written in place through per-layer page tables.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from k3jax.config import ModelConfig
+
+WORD = 4  # bytes per arena element (float32)
+
+
+@dataclass(frozen=True)
+class ArenaLayout:
+    num_units: int
+    unit_elems: int  # float32 words per unit (= one page of one MLA layer)
+    page_size: int  # tokens per MLA page
+    latent_width: int  # kv_lora + rope values per token
+    latent_words: int  # float32 words per token in the arena (bf16 packed in pairs)
+    latent_dtype: str
+    num_mla_layers: int
+    num_kda_layers: int
+    state_shape: tuple[int, ...]  # [Lk, N, K, V]
+    conv_shape: tuple[int, ...]  # [Lk, 3, W-1, P]
+    slot_units: int
+
+    @classmethod
+    def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype) -> "ArenaLayout":
+        dt = jnp.dtype(dtype)
+        lw = cfg.mla_latent_size
+        if (lw * dt.itemsize) % WORD:
+            raise ValueError(f"latent width {lw} x {dt.itemsize} B is not a whole number of 4-byte words")
+        latent_words = lw * dt.itemsize // WORD
+        unit_elems = page_size * latent_words
+        n, d, w, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_proj_size
+        lk = cfg.num_kda_layers
+        state_shape, conv_shape = (lk, n, d, d), (lk, 3, w - 1, p)
+        slot_elems = math.prod(state_shape) + math.prod(conv_shape)
+        slot_units = max(1, -(-slot_elems // unit_elems)) if lk else 0
+        num_units = budget_bytes // (unit_elems * WORD)
+        need = 2 + 2 * slot_units  # scratch page + scratch slot + at least one real slot/page
+        if num_units < need:
+            raise ValueError(f"cache budget {budget_bytes} B holds {num_units} units of "
+                             f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
+                             f"{slot_units} units)")
+        return cls(num_units, unit_elems, page_size, lw, latent_words, dt.name, cfg.num_mla_layers, lk,
+                   state_shape, conv_shape, slot_units)
+
+    @property
+    def unit_bytes(self) -> int:
+        return self.unit_elems * WORD
+
+    @property
+    def slot_elems(self) -> int:
+        return math.prod(self.state_shape) + math.prod(self.conv_shape)
+
+    @property
+    def scratch_page(self) -> int:
+        return 0
+
+    @property
+    def scratch_slot(self) -> int:
+        return self.num_units - self.slot_units
+
+    def pages_for(self, tokens: int) -> int:
+        """Units needed to hold `tokens` tokens of MLA cache (every MLA layer)."""
+        return -(-tokens // self.page_size) * self.num_mla_layers
+
+    def empty(self) -> jax.Array:
+        return jnp.zeros((self.num_units, self.unit_elems), jnp.float32)
+
+
+class OutOfMemory(Exception):
+    """Not enough free units; the scheduler preempts or waits."""
+
+
+class Arena:
+    """Host-side bookkeeping of which units hold pages, slots, or are free."""
+
+    FREE, PAGE, SLOT = 0, 1, 2
+
+    def __init__(self, layout: ArenaLayout):
+        self.layout = layout
+        self.owner = np.zeros(layout.num_units, np.int8)
+        self.owner[layout.scratch_page] = self.PAGE
+        self.owner[layout.scratch_slot:layout.scratch_slot + layout.slot_units] = self.SLOT
+        self._baseline = self.free_units
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def free_units(self) -> int:
+        return int(np.count_nonzero(self.owner == self.FREE))
+
+    @property
+    def baseline_free_units(self) -> int:
+        return self._baseline
+
+    def bytes_by_kind(self) -> dict[str, int]:
+        ub = self.layout.unit_bytes
+        return {"mla_pages": int(np.count_nonzero(self.owner == self.PAGE) - 1) * ub,
+                "kda_slots": int(np.count_nonzero(self.owner == self.SLOT) - self.layout.slot_units) * ub,
+                "free": self.free_units * ub, "total": self.layout.num_units * ub}
+
+    def can_fit(self, pages: int, slots: int) -> bool:
+        """Whether `pages` more pages and `slots` more slots can be allocated right now."""
+        if slots and len(self._free_slot_bases(slots)) < slots:
+            return False
+        return self.free_units - slots * self.layout.slot_units >= pages
+
+    # ---- allocation ---------------------------------------------------------------------------
+    def alloc_pages(self, n: int) -> list[int]:
+        free = np.flatnonzero(self.owner == self.FREE)
+        if len(free) < n:
+            raise OutOfMemory(f"need {n} pages, {len(free)} units free")
+        got = free[:n]  # low end
+        self.owner[got] = self.PAGE
+        return got.tolist()
+
+    def alloc_slot(self) -> int:
+        bases = self._free_slot_bases(1)
+        if not bases:
+            raise OutOfMemory("no contiguous run of units for a state slot")
+        b = bases[0]
+        self.owner[b:b + self.layout.slot_units] = self.SLOT
+        return b
+
+    def free_pages(self, units) -> None:
+        units = np.asarray(list(units), np.int64)
+        if len(units):
+            assert np.all(self.owner[units] == self.PAGE), "double free of a page"
+            self.owner[units] = self.FREE
+
+    def free_slot(self, base: int) -> None:
+        s = slice(base, base + self.layout.slot_units)
+        assert base != self.layout.scratch_slot and np.all(self.owner[s] == self.SLOT), "bad slot free"
+        self.owner[s] = self.FREE
+
+    def _free_slot_bases(self, want: int) -> list[int]:
+        """Slot-aligned runs (counted down from the top) whose units are all free, highest first."""
+        su, top = self.layout.slot_units, self.layout.scratch_slot
+        out = []
+        base = top - su
+        while base >= 1 and len(out) < want:
+            if not self.owner[base:base + su].any():
+                out.append(base)
+            base -= su
+        return out
+
+
+# ---- device-side views ----------------------------------------------------------------------
+
+def pack_latent(x: jax.Array) -> jax.Array:
+    """[..., W] model-dtype latents -> [..., W * itemsize / 4] float32 words (bit-exact)."""
+    if x.dtype == jnp.float32:
+        return x
+    ratio = WORD // x.dtype.itemsize
+    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, ratio), jnp.float32)
+
+
+def unpack_latent(w: jax.Array, dtype) -> jax.Array:
+    dtype = jnp.dtype(dtype)
+    if dtype == jnp.float32:
+        return w
+    out = jax.lax.bitcast_convert_type(w, dtype)  # [..., words, ratio]
+    return out.reshape(*w.shape[:-1], -1)
+
+
+def gather_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, fresh: jax.Array):
+    """Read the KDA slots of a batch -> (conv [Lk, B, 3, W-1, P], state [Lk, B, N, K, V]) fp32.
+
+    Rows with `fresh` set start a sequence: their state is zeros whatever the slot held before.
+    """
+    flat = arena.reshape(-1)
+    size = layout.slot_elems
+    rows = jax.vmap(lambda b: jax.lax.dynamic_slice(flat, (b * layout.unit_elems,), (size,)))(slot_base)
+    rows = jnp.where(fresh[:, None], 0.0, rows)
+    ns = math.prod(layout.state_shape)
+    state = rows[:, :ns].reshape(-1, *layout.state_shape)
+    conv = rows[:, ns:].reshape(-1, *layout.conv_shape)
+    return jnp.moveaxis(conv, 0, 1), jnp.moveaxis(state, 0, 1)
+
+
+def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, conv: jax.Array,
+                   state: jax.Array) -> jax.Array:
+    """Write dense per-batch states back into their slots (in place on a donated arena)."""
+    b = slot_base.shape[0]
+    rows = jnp.concatenate([jnp.moveaxis(state, 1, 0).reshape(b, -1), jnp.moveaxis(conv, 1, 0).reshape(b, -1)], 1)
+    flat = arena.reshape(-1)
+    for i in range(b):  # static batch bucket; each is one dynamic_update_slice on the donated buffer
+        flat = jax.lax.dynamic_update_slice(flat, rows[i], (slot_base[i] * layout.unit_elems,))
+    return flat.reshape(arena.shape)
+
+
+def copy_slots(arena: jax.Array, layout: ArenaLayout, src: jax.Array, dst: jax.Array) -> jax.Array:
+    """Copy whole state slots src[i] -> dst[i] inside the arena (copy-on-write of checkpoints)."""
+    flat = arena.reshape(-1)
+    for i in range(src.shape[0]):
+        row = jax.lax.dynamic_slice(flat, (src[i] * layout.unit_elems,), (layout.slot_elems,))
+        flat = jax.lax.dynamic_update_slice(flat, row, (dst[i] * layout.unit_elems,))
+    return flat.reshape(arena.shape)

@@ -1,0 +1,215 @@
+"""Token sampling on device: one pure, jit-able function over a bucket-padded batch.
+
+``sample(logits, batch, num_top_logprobs)`` turns a ``[B, V]`` block of next-token logits into
+``[B]`` tokens plus logprobs, one row per sequence, with per-row sampling parameters held in a
+:class:`SamplingBatch` (built on the host by :meth:`SamplingBatch.from_params`).
+
+Semantics (vLLM's):
+
+* ``temperature < GREEDY_EPS`` (0 in practice) is greedy: the token is ``jnp.argmax`` of the raw
+  logits, bit for bit; the row's top-k/top-p/min-p are ignored.
+* Otherwise the logits are divided by the temperature and filtered, in this order:
+  top-k (``top_k <= 0`` or ``>= V`` is off), top-p (the nucleus of the top-k-restricted
+  distribution: the smallest run of most-likely tokens whose mass reaches ``top_p``, never fewer
+  than one; ``top_p >= 1`` is off), and min-p (drop tokens with ``p < min_p * p_max``; ``0`` is
+  off). Top-k and top-p are applied as value thresholds, so tokens tied with the last kept one are
+  kept too. Min-p compares ratios to the most likely token, which the other two filters always
+  keep, so its place in the order does not matter.
+* The token is then drawn with the Gumbel-max trick using the row's own key,
+  ``fold_in(key(seed), step)`` (threefry2x32, whatever the global default PRNG is), where
+  ``step`` is the index of the token within its request. A request's samples therefore depend only
+  on its seed, its step and its logits: not on its batch row, the batch size or the padding.
+* ``logprob`` is ``log_softmax`` of the RAW logits (before temperature and filtering) at the
+  chosen token, and ``top_ids``/``top_logprobs`` are ``lax.top_k`` of that same ``log_softmax``
+  (vLLM's default "raw logprobs").
+
+The sort needed by top-k/top-p is skipped (``lax.cond``) when no sampled row in the batch uses
+either, and the whole random path is skipped when every row is greedy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from serve.types import SamplingParams
+
+__all__ = [
+    "GREEDY_EPS",
+    "KEY_IMPL",
+    "SamplingBatch",
+    "SampleResult",
+    "sample",
+    "seed_key_data",
+    "max_logprobs",
+]
+
+#: Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
+GREEDY_EPS = 1e-5
+#: PRNG implementation of the per-row keys; ``SamplingBatch.seeds`` holds its raw key data.
+KEY_IMPL = "threefry2x32"
+
+_U32 = 0xFFFFFFFF
+_U64 = 0xFFFFFFFFFFFFFFFF
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """Raw threefry2x32 key data ``[hi32, lo32]`` of an integer seed (up to 64 bits).
+
+    Equals ``jax.random.key_data(jax.random.key(seed, impl="threefry2x32"))`` wherever JAX accepts
+    the seed, and also covers 64-bit seeds when JAX's x64 mode is off.
+    """
+    s = int(seed) & _U64
+    return np.array([(s >> 32) & _U32, s & _U32], dtype=np.uint32)
+
+
+def max_logprobs(params: Sequence[Optional[SamplingParams]]) -> int:
+    """The largest ``logprobs`` requested by any row (0 when none asks): the least
+    ``num_top_logprobs`` that serves them all (the caller may round it up to a bucket)."""
+    return max((p.logprobs or 0 for p in params if p is not None), default=0)
+
+
+@jax.tree_util.register_dataclass
+@dataclass
+class SamplingBatch:
+    """Per-row sampling parameters of a padded batch (a pytree of arrays; every leaf has B rows)."""
+
+    temperature: jax.Array  # [B] f32, < GREEDY_EPS means greedy
+    top_k: jax.Array  # [B] i32, <= 0 is off
+    top_p: jax.Array  # [B] f32, >= 1 is off
+    min_p: jax.Array  # [B] f32, <= 0 is off
+    seeds: jax.Array  # [B, 2] u32 threefry2x32 key data of the row's seed (see seed_key_data)
+    steps: jax.Array  # [B] i32 index of the token being sampled within its request
+
+    @property
+    def size(self) -> int:
+        return self.temperature.shape[0]
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[Optional[SamplingParams]],
+        seeds: Sequence[Optional[int]],
+        steps: Sequence[int],
+        bucket: int,
+    ) -> "SamplingBatch":
+        """Host-side (numpy) builder: row ``i`` samples with ``params[i]``, ``seeds[i]`` and
+        ``steps[i]``; rows ``len(params)..bucket-1`` and ``None`` params are greedy padding.
+
+        ``seeds[i]`` is the request's seed (``SamplingParams.seed``, or one the engine drew for an
+        unseeded request); it may be ``None`` for greedy rows.
+        """
+        n = len(params)
+        if n > bucket:
+            raise ValueError(f"{n} rows do not fit in a bucket of {bucket}")
+        if len(seeds) != n or len(steps) != n:
+            raise ValueError(f"params, seeds and steps must have the same length ({n}, {len(seeds)}, {len(steps)})")
+        temperature = np.zeros(bucket, np.float32)
+        top_k = np.zeros(bucket, np.int32)
+        top_p = np.ones(bucket, np.float32)
+        min_p = np.zeros(bucket, np.float32)
+        seed_data = np.zeros((bucket, 2), np.uint32)
+        step = np.zeros(bucket, np.int32)
+        for i, (p, seed, st) in enumerate(zip(params, seeds, steps)):
+            step[i] = st
+            if seed is not None:
+                seed_data[i] = seed_key_data(seed)
+            if p is None or p.temperature < GREEDY_EPS:
+                continue  # greedy: the defaults above
+            temperature[i] = p.temperature
+            top_k[i] = p.top_k if p.top_k > 0 else 0
+            top_p[i] = p.top_p
+            min_p[i] = p.min_p
+        return cls(temperature, top_k, top_p, min_p, seed_data, step)
+
+
+class SampleResult(NamedTuple):
+    tokens: jax.Array  # [B] i32
+    logprob: jax.Array  # [B] f32 log_softmax(raw logits)[token]
+    top_ids: jax.Array  # [B, n] i32
+    top_logprobs: jax.Array  # [B, n] f32
+
+
+def _row_keys(batch: SamplingBatch) -> jax.Array:
+    keys = jax.random.wrap_key_data(batch.seeds.astype(jnp.uint32), impl=KEY_IMPL)
+    return jax.vmap(jax.random.fold_in)(keys, batch.steps.astype(jnp.uint32))
+
+
+def _topk_topp_threshold(x, top_k, top_p, use_k, use_p):
+    """Per-row value threshold: tokens with ``x >= thr`` survive top-k then top-p. [B]"""
+    v = x.shape[-1]
+    s = jnp.flip(jnp.sort(x, axis=-1), axis=-1)  # descending
+    k_idx = (jnp.clip(top_k, 1, v) - 1)[:, None]
+    thr_k = jnp.where(use_k, jnp.take_along_axis(s, k_idx, axis=-1)[:, 0], -jnp.inf)
+    s = jnp.where(s >= thr_k[:, None], s, -jnp.inf)
+    probs = jax.nn.softmax(s, axis=-1)
+    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
+    count = jnp.clip(jnp.sum(mass_before < top_p[:, None], axis=-1), 1, v)
+    thr_p = jnp.where(use_p, jnp.take_along_axis(s, (count - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
+    return jnp.maximum(thr_k, thr_p)
+
+
+def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
+    b, v = logits.shape
+    temperature = jnp.where(is_greedy, 1.0, batch.temperature.astype(jnp.float32))
+    x = logits / temperature[:, None]
+
+    top_k = batch.top_k.astype(jnp.int32)
+    top_p = batch.top_p.astype(jnp.float32)
+    use_k = ~is_greedy & (top_k > 0) & (top_k < v)
+    use_p = ~is_greedy & (top_p < 1.0)
+    thr = lax.cond(
+        jnp.any(use_k | use_p),
+        partial(_topk_topp_threshold, top_k=top_k, top_p=top_p, use_k=use_k, use_p=use_p),
+        lambda x: jnp.full((b,), -jnp.inf, jnp.float32),
+        x,
+    )
+    min_p = batch.min_p.astype(jnp.float32)
+    use_min_p = ~is_greedy & (min_p > 0)
+    # p >= min_p * p_max  <=>  x - x_max >= log(min_p)   (the max survives top-k/top-p)
+    log_min_p = jnp.where(use_min_p, jnp.log(jnp.where(use_min_p, min_p, 1.0)), -jnp.inf)
+    x_max = jnp.max(x, axis=-1, keepdims=True)
+    keep = (x >= thr[:, None]) & (x - x_max >= log_min_p[:, None])
+    masked = jnp.where(keep, x, -jnp.inf)
+
+    gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(_row_keys(batch))
+    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    return jnp.where(is_greedy, greedy_tokens, sampled)
+
+
+def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0) -> SampleResult:
+    """Sample one token per row. ``num_top_logprobs`` must be static under jit
+    (``jax.jit(sample, static_argnames="num_top_logprobs")``)."""
+    if logits.ndim != 2:
+        raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
+    n = int(num_top_logprobs)
+    if n < 0:
+        raise ValueError(f"num_top_logprobs must be >= 0, got {n}")
+    logits = logits.astype(jnp.float32)
+    b, v = logits.shape
+    if n > v:
+        raise ValueError(f"num_top_logprobs {n} exceeds the vocabulary ({v})")
+
+    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    is_greedy = batch.temperature < GREEDY_EPS
+    tokens = lax.cond(
+        jnp.all(is_greedy),
+        lambda: greedy_tokens,
+        lambda: _sample_random(logits, batch, is_greedy, greedy_tokens),
+    )
+
+    logprobs = jax.nn.log_softmax(logits, axis=-1)
+    logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    if n > 0:
+        top_logprobs, top_ids = lax.top_k(logprobs, n)
+        top_ids = top_ids.astype(jnp.int32)
+    else:
+        top_logprobs = jnp.zeros((b, 0), jnp.float32)
+        top_ids = jnp.zeros((b, 0), jnp.int32)
+    return SampleResult(tokens, logprob, top_ids, top_logprobs)
