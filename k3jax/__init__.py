@@ -3,5 +3,18 @@
 from k3jax.config import ModelConfig, PRESETS, get_preset, from_hf_config, load_hf_config
 from k3jax.runtime import Model, load_model
 
-__all__ = ["Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
+
+
+def __getattr__(name):
+    """The serving API lives in the `serve` package; import it lazily."""
+    if name == "LLM":
+        from serve.llm import LLM
+        return LLM
+    if name in ("SamplingParams", "RequestOutput"):
+        import serve.types
+        return getattr(serve.types, name)
+    raise AttributeError(f"module 'k3jax' has no attribute {name!r}")
+
+
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
 __version__ = "0.1.0"

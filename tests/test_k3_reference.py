@@ -32,8 +32,9 @@ Running this file against planted copies of the reference: score+bias fails 6 te
 trap check), nibble swap 4, A_log padding 4 (not the Kimi-Linear test: its A_log is [1,1,N,1]),
 missing d^-1/2 5, q_a/kv_a eps 1e-5 only test_eps_stress_*, no renormalisation test_router_* and
 the Kimi-Linear test.
-Runtime (2 cores): ~35 s, of which ~22 s is k3jax's own JIT compile (forward ~6 s, generate_greedy
-~15 s); the NumPy reference costs ~0.3 s per forward.
+Runtime on 2 cores (taskset), measured while other test runs shared the box (load ~6): 45 s wall /
+32 s user, 35 s / 29 s with -m "not slow". Most of it is k3jax's own JIT compile (forward ~6 s,
+generate_greedy ~15 s, standalone); the NumPy reference costs ~0.3 s per forward.
 Note: tiny-k3 expert rows are exactly one 32-group wide, so the MXFP4 group index is only exercised
 by tests/test_mxfp4.py (multi-group), not here.
 """
@@ -207,6 +208,7 @@ def test_eps_stress_checkpoint_matches_reference(k3, tmp_path):
 
 # ---- Kimi-Linear (classic residual, softplus gate, low-rank output gate, SiLU) -----------------
 
+@pytest.mark.slow  # ~4 s, nearly all k3jax JIT; Kimi-Linear is also covered by test_parity_hf.py
 def test_kimi_linear_roundtrip_matches_reference(tmp_path):
     m = k3jax.load_model("tiny-kimi-linear", dtype="float32")
     path = str(tmp_path / "tiny-kl-hf")

@@ -1,0 +1,149 @@
+"""`AsyncEngine`: the engine stepped by one background thread, with an asyncio streaming API.
+
+    async for out in engine.generate(prompt, params, request_id):   # RequestOutput per new token(s)
+        ...
+    engine.abort(request_id)                                       # frees the request's cache at once
+
+All engine mutations happen on the engine thread; the event loop only enqueues commands and receives
+outputs. A request that fails validation raises `RequestError` from `generate` before taking memory;
+an unexpected error inside a step fails the requests of that step and the engine keeps serving.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import uuid
+from typing import AsyncIterator, Optional
+
+from serve.engine import Engine
+from serve.types import RequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+class AsyncEngine:
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self._commands: "queue.Queue[tuple]" = queue.Queue()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = False
+        self.errors = 0
+        self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    # ---- public API (event-loop side) -------------------------------------------------------
+    async def generate(self, prompt, params: Optional[SamplingParams] = None,
+                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        done = loop.create_future()
+        with self._lock:
+            self._streams[request_id] = (loop, q)
+        self._commands.put(("add", request_id, prompt, params, done))
+        self._wake.set()
+        finished = False
+        try:
+            await done  # raises RequestError if the request was rejected
+            while True:
+                item = await q.get()
+                if isinstance(item, BaseException):
+                    finished = True
+                    raise item
+                if item.finished:
+                    finished = True
+                yield item
+                if finished:
+                    return
+        finally:
+            with self._lock:
+                self._streams.pop(request_id, None)
+            if not finished:  # consumer went away early (client disconnect): free its cache now
+                self.abort(request_id)
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+        self._wake.set()
+
+    def stats(self) -> dict:
+        return self.engine.stats()
+
+    def shutdown(self) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout=10)
+
+    # ---- engine thread ------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop:
+            self._drain_commands()
+            if not self.engine.has_unfinished():
+                self._wake.wait(timeout=0.05)
+                self._wake.clear()
+                continue
+            try:
+                outs = self.engine.step()
+            except Exception as e:  # never take the engine down: fail the in-flight requests
+                log.exception("engine step failed")
+                self.errors += 1
+                self._fail_all(e)
+                continue
+            for out in outs:
+                self._deliver(out.request_id, out)
+
+    def _drain_commands(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if cmd[0] == "add":
+                _, rid, prompt, params, done = cmd
+                try:
+                    self.engine.add_request(prompt, params, rid)
+                    err = None
+                except RequestError as e:
+                    err = e
+                except Exception as e:  # unexpected validation failure: still the client's request only
+                    err = RequestError(str(e))
+                self._resolve(rid, done, err)
+            elif cmd[0] == "abort":
+                self.engine.abort(cmd[1])
+                self.engine._reap()
+
+    def _resolve(self, rid: str, fut: asyncio.Future, err: Optional[Exception]) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is None:
+            if err is None:
+                self.engine.abort(rid)
+                self.engine._reap()
+            return
+        loop, _ = entry
+
+        def set_result():
+            if not fut.done():
+                fut.set_exception(err) if err else fut.set_result(None)
+        loop.call_soon_threadsafe(set_result)
+
+    def _deliver(self, rid: str, item) -> None:
+        with self._lock:
+            entry = self._streams.get(rid)
+        if entry is not None:
+            loop, q = entry
+            loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _fail_all(self, err: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self._deliver(rid, RuntimeError(f"engine step failed: {err}"))
+        self.engine._reap()

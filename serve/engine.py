@@ -1,0 +1,388 @@
+"""The serving engine: owns the params, the cache arena and the compiled steps; runs the scheduler's
+plans; turns sampled tokens into request outputs.
+
+Each `step()` runs at most two device programs (a decode batch, then a prefill batch), each padded to
+a bucket compiled at start-up. Host work per step is proportional to the number of requests in the
+step, never to layers or tokens of context.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from tqdm.auto import tqdm
+
+from k3jax.runtime import Model
+from serve.memory import Arena, ArenaLayout
+from serve.sampling import SamplingBatch
+from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
+from serve.step import StepBatch, engine_step
+from serve.stop_checker import StopChecker
+from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_model_len: int = 1024
+    page_size: int = 16
+    cache_bytes: int = 256 << 20  # the one budget for MLA pages and KDA state slots
+    max_num_seqs: int = 32  # concurrent decodes (largest decode bucket)
+    prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
+    max_prefill_seqs: int = 4  # prefill rows per step
+    max_num_batched_tokens: int = 512
+    decode_buckets: Optional[tuple[int, ...]] = None  # default: powers of 4 up to max_num_seqs
+    prefill_buckets: Optional[tuple[int, ...]] = None  # default: (1, max_prefill_seqs)
+    context_buckets: Optional[tuple[int, ...]] = None  # MLA pages per layer; default: powers of 4
+    max_logprobs: int = 5
+    seed: int = 0
+
+    def validate(self):
+        if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
+            raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+
+
+def _geometric(top: int, base: int = 4) -> tuple[int, ...]:
+    out, x = [], 1
+    while x < top:
+        out.append(x)
+        x *= base
+    return tuple(out) + (top,)
+
+
+@dataclass
+class Sequence:
+    rid: str  # engine-internal id (request id + sample index)
+    request_id: str
+    index: int
+    order: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    checker: StopChecker
+    metrics: RequestMetrics
+    output_ids: list[int] = field(default_factory=list)
+    computed: int = 0
+    slot: Optional[int] = None
+    pages: list[list[int]] = field(default_factory=list)  # per MLA layer: units in position order
+    logprobs: list = field(default_factory=list)
+    finished: bool = False
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None
+
+    @property
+    def all_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_units(self) -> int:
+        return sum(len(p) for p in self.pages)
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: Optional[str]
+    prompt_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence]
+    metrics: RequestMetrics
+
+    @property
+    def finished(self) -> bool:
+        return all(s.finished for s in self.seqs)
+
+
+class Engine:
+    def __init__(self, model: Model, config: EngineConfig = EngineConfig(), warmup: bool = True,
+                 progress: bool = True):
+        config.validate()
+        self.model, self.config, self.cfg = model, config, model.cfg
+        self.tokenizer = model.tokenizer
+        self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
+        self.allocator = Arena(self.layout)
+        self.arena = self.layout.empty()
+        max_pages = -(-config.max_model_len // config.page_size)
+        self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
+        self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))
+        self.context_buckets = tuple(sorted(config.context_buckets or _geometric(max_pages)))
+        if self.context_buckets[-1] < max_pages:
+            raise ValueError(f"context_buckets must reach {max_pages} pages (max_model_len / page_size)")
+        self.sched_cfg = SchedulerConfig(
+            max_num_seqs=self.decode_buckets[-1], max_prefill_seqs=self.prefill_buckets[-1],
+            prefill_chunk=config.prefill_chunk, token_budget=config.max_num_batched_tokens,
+            page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units)
+        self.requests: dict[str, Request] = {}
+        self.seqs: dict[str, Sequence] = {}
+        self._order = itertools.count()
+        self._ids = itertools.count()
+        self._seed_rng = np.random.default_rng(config.seed)
+        self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
+                             generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0)
+        self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
+        self._warm_cache_size = None
+        if warmup:
+            self.warmup(progress)
+
+    # ---- start-up -----------------------------------------------------------------------------
+    def bucket_shapes(self) -> list[tuple[int, int, int]]:
+        """Every (rows, tokens per row, pages per layer) program this engine may run."""
+        shapes = [(b, 1, p) for b in self.decode_buckets for p in self.context_buckets]
+        shapes += [(b, self.config.prefill_chunk, p) for b in self.prefill_buckets for p in self.context_buckets]
+        return shapes
+
+    def warmup(self, progress: bool = True) -> None:
+        """Compile every bucket once (on padding rows that touch only the scratch slot and page)."""
+        for rows, t, p in tqdm(self.bucket_shapes(), desc="compiling step buckets", disable=not progress):
+            batch = self._pad_batch(rows, t, p, [])
+            self.arena, res = engine_step(self.model.graphdef, self.layout, self.model.params, self.arena, batch,
+                                          self.config.max_logprobs)
+        jax.block_until_ready(self.arena)
+        self._warm_cache_size = engine_step._cache_size()
+
+    @property
+    def compiles_after_warmup(self) -> int:
+        return 0 if self._warm_cache_size is None else engine_step._cache_size() - self._warm_cache_size
+
+    # ---- requests -----------------------------------------------------------------------------
+    def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
+                    arrival_time: Optional[float] = None) -> str:
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        try:
+            if request_id in self.requests:
+                raise RequestError(f"request_id: {request_id!r} is already in use")
+            text, ids = self._prompt_ids(prompt)
+            params.validate(self.cfg.vocab_size, self.config.max_logprobs)
+            max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len - len(ids)
+            if len(ids) + max_tokens > self.config.max_model_len:
+                raise RequestError(
+                    f"prompt: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context window of "
+                    f"{self.config.max_model_len} tokens")
+            need = self.layout.slot_units + units_for(len(ids) + max_tokens, self.sched_cfg)
+            if need * params.n > self.allocator.baseline_free_units:
+                raise RequestError(f"request needs {need * params.n} cache units but the arena has "
+                                   f"{self.allocator.baseline_free_units}; it can never fit")
+        except RequestError:
+            self.counters["requests_rejected"] += 1
+            raise
+        now = arrival_time or time.monotonic()
+        metrics = RequestMetrics(arrival_time=now)
+        base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2 ** 62))
+        seqs = []
+        for i in range(params.n):
+            seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
+                           prompt_ids=list(ids), params=params, seed=base_seed + i,
+                           checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
+                                               max_tokens),
+                           metrics=RequestMetrics(arrival_time=now),
+                           pages=[[] for _ in range(self.cfg.num_mla_layers)])
+            seqs.append(seq)
+            self.seqs[seq.rid] = seq
+        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics)
+        self.counters["prompt_tokens"] += len(ids) * params.n
+        return request_id
+
+    def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise RequestError("prompt: this model has no tokenizer; pass token ids")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        elif isinstance(prompt, (list, tuple, np.ndarray)):
+            ids, text = [int(t) for t in prompt], None
+            bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
+            if bad:
+                raise RequestError(f"prompt: token id {bad[0]} is outside [0, {self.cfg.vocab_size})")
+        else:
+            raise RequestError(f"prompt: expected a string or a list of token ids, got {type(prompt).__name__}")
+        if not ids:
+            raise RequestError("prompt: empty prompt")
+        return text, ids
+
+    def abort(self, request_id: str) -> bool:
+        req = self.requests.get(request_id)
+        if req is None or req.finished:
+            return False
+        for s in req.seqs:
+            if not s.finished:
+                self._finish(s, "abort")
+        self.counters["requests_aborted"] += 1
+        return True
+
+    def has_unfinished(self) -> bool:
+        return any(not s.finished for s in self.seqs.values())
+
+    # ---- the step -------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; return outputs of requests that made progress."""
+        live = [s for s in self.seqs.values() if not s.finished]
+        views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, s.num_units) for s in live]
+        plan = schedule(views, Memory(self.allocator.free_units, self._free_slots()), self.sched_cfg)
+        touched: set[str] = set()
+        for rid in plan.preempt:
+            self._preempt(self.seqs[rid])
+        if plan.empty:
+            return []
+        self._allocate(plan)
+        now = time.monotonic()
+        for rid in plan.admit:
+            m = self.seqs[rid].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        if plan.decode:
+            self._run(plan.decode, [(rid, self.seqs[rid].computed, 1) for rid in plan.decode], 1, touched)
+            self.counters["decode_steps"] += 1
+        if plan.prefill:
+            self._run([r for r, _, _ in plan.prefill], plan.prefill, self.config.prefill_chunk, touched)
+            self.counters["prefill_steps"] += 1
+        self.counters["steps"] += 1
+        outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched})]
+        self._reap()
+        return outs
+
+    def _free_slots(self) -> int:
+        return len(self.allocator._free_slot_bases(self.sched_cfg.max_num_seqs + self.sched_cfg.max_prefill_seqs))
+
+    def _allocate(self, plan: StepPlan) -> None:
+        for rid in plan.admit:
+            self.seqs[rid].slot = self.allocator.alloc_slot()
+        for rid, units in plan.grow.items():
+            seq = self.seqs[rid]
+            got = self.allocator.alloc_pages(units)
+            per = units // self.cfg.num_mla_layers
+            for j in range(self.cfg.num_mla_layers):
+                seq.pages[j].extend(got[j * per:(j + 1) * per])
+
+    def _run(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, touched: set[str]) -> None:
+        seqs = [self.seqs[r] for r in rids]
+        need_pages = max(-(-(s + n) // self.config.page_size) for _, s, n in rows)
+        rows_bucket = _fit(len(rows), self.decode_buckets if t == 1 else self.prefill_buckets)
+        pages_bucket = _fit(need_pages, self.context_buckets)
+        batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
+        self.arena, res = engine_step(self.model.graphdef, self.layout, self.model.params, self.arena, batch,
+                                      self.config.max_logprobs)
+        tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
+        top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
+        now = time.monotonic()
+        for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
+            seq.computed = start + n
+            if seq.finished or seq.computed < len(seq.all_ids):
+                continue  # mid-prefill: the sample is not a new token
+            touched.add(seq.rid)
+            self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+
+    def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]]) -> StepBatch:
+        lay, lm = self.layout, max(1, self.cfg.num_mla_layers)
+        tokens = np.zeros((rows, t), np.int32)
+        valid = np.zeros(rows, np.int32)
+        lengths = np.zeros(rows, np.int32)
+        slot = np.full(rows, lay.scratch_slot, np.int32)
+        table = np.full((rows, lm, pages), lay.scratch_page, np.int32)
+        params, seeds, steps = [], [], []
+        for i, (seq, start, n) in enumerate(items):
+            ids = seq.all_ids
+            tokens[i, :n] = ids[start:start + n]
+            valid[i], lengths[i], slot[i] = n, start, seq.slot
+            for j in range(self.cfg.num_mla_layers):
+                held = seq.pages[j][:pages]
+                table[i, j, :len(held)] = held
+            params.append(seq.params)
+            seeds.append(seq.seed)
+            steps.append(len(seq.output_ids))
+        sb = SamplingBatch.from_params(params, seeds, steps, rows)
+        return StepBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(lengths), jnp.asarray(slot),
+                         jnp.asarray(table), sb)
+
+    def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
+        m = seq.metrics
+        if m.first_token_time is None:
+            m.first_token_time = now
+        elif m.last_token_time is not None:
+            self.latency["itl"].append(now - m.last_token_time)
+        m.last_token_time = now
+        seq.output_ids.append(tok)
+        self.counters["generation_tokens"] += 1
+        if seq.params.logprobs is not None:
+            n = seq.params.logprobs
+            dec = (lambda i: self.tokenizer.decode([i], skip_special=False)) if self.tokenizer else (lambda i: "")
+            seq.logprobs.append((Logprob(tok, lp, dec(tok)),
+                                 [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[:n], top_lps[:n])]))
+        r = seq.checker.append(tok)
+        if r.finished:
+            self._finish(seq, r.finish_reason, r.stop_reason)
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop_reason
+        seq.metrics.finished_time = time.monotonic()
+        self._release(seq)
+        req = self.requests[seq.request_id]
+        if req.finished and reason != "abort":
+            self.counters["requests_finished"] += 1
+            m = seq.metrics
+            for k, v in (("ttft", m.ttft), ("e2e", m.e2e), ("queue", m.queue_time)):
+                if v is not None:
+                    self.latency[k].append(v)
+
+    def _release(self, seq: Sequence) -> None:
+        if seq.slot is not None:
+            self.allocator.free_slot(seq.slot)
+            seq.slot = None
+        for p in seq.pages:
+            self.allocator.free_pages(p)
+            p.clear()
+
+    def _preempt(self, seq: Sequence) -> None:
+        """Free everything; the request is recomputed (prompt + outputs so far) when readmitted."""
+        self._release(seq)
+        seq.computed = 0
+        self.counters["preemptions"] += 1
+
+    def _reap(self) -> None:
+        """Forget requests whose outputs were delivered."""
+        for rid in [r for r, q in self.requests.items() if q.finished]:
+            for s in self.requests.pop(rid).seqs:
+                self.seqs.pop(s.rid, None)
+
+    def _output(self, req: Request) -> RequestOutput:
+        outs = [CompletionOutput(s.index, s.checker.text, list(s.output_ids), s.finish_reason, s.stop_reason,
+                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
+        first = min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None)
+        req.metrics.first_token_time = first
+        req.metrics.first_scheduled_time = min((s.metrics.first_scheduled_time for s in req.seqs
+                                                if s.metrics.first_scheduled_time), default=None)
+        if req.finished:
+            req.metrics.finished_time = max(s.metrics.finished_time for s in req.seqs)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics)
+
+    # ---- introspection --------------------------------------------------------------------------
+    def stats(self) -> dict:
+        live = [s for s in self.seqs.values() if not s.finished]
+        by_kind = self.allocator.bytes_by_kind()
+        return {
+            **self.counters,
+            "compiles_after_warmup": self.compiles_after_warmup,
+            "num_requests_running": sum(1 for s in live if s.slot is not None),
+            "num_requests_waiting": sum(1 for s in live if s.slot is None),
+            "arena_bytes": by_kind,
+            "arena_free_units": self.allocator.free_units,
+            "arena_baseline_free_units": self.allocator.baseline_free_units,
+            "kv_cache_usage": 1.0 - self.allocator.free_units / self.allocator.baseline_free_units,
+        }
+
+
+def _fit(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")

@@ -1,0 +1,40 @@
+"""`LLM`: offline batch generation over the engine (vLLM's `LLM.generate` shape)."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+from k3jax.runtime import Model, load_model
+from serve.engine import Engine, EngineConfig
+from serve.types import RequestOutput, SamplingParams
+
+Prompt = Union[str, Sequence[int]]
+
+
+class LLM:
+    """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields plus `dtype`/`seed`
+    when a path or preset is given."""
+
+    def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
+                 progress: bool = True, **engine_options):
+        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed)
+        self.engine = Engine(self.model, EngineConfig(**engine_options), progress=progress)
+
+    def generate(self, prompts: Union[Prompt, list[Prompt]],
+                 sampling_params: Union[SamplingParams, list[SamplingParams], None] = None) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        done: dict[str, RequestOutput] = {}
+        while len(done) < len(ids):
+            for out in self.engine.step():
+                if out.finished:
+                    done[out.request_id] = out
+        return [done[i] for i in ids]
+
+    def stats(self) -> dict:
+        return self.engine.stats()

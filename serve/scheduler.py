@@ -1,0 +1,112 @@
+"""The scheduler: a pure function from the scheduler's view of the requests and the free memory to
+one step plan. It never touches device arrays or the allocator; the engine carries the plan out.
+
+Policy:
+- decode first: every running request with one token left to compute decodes (up to max_num_seqs);
+- then prefill chunks, FCFS: partially prefilled running requests first, then waiting ones in
+  arrival order; a waiting request that does not fit blocks the ones behind it (no overtaking);
+- chunk ends sit on multiples of `prefill_chunk` in absolute positions, which is where the prefix
+  cache keeps KDA checkpoints; a prefill row also stops at `align_stop` points (prompt ends);
+- memory: a request needs a state slot once and MLA pages as its context grows; when decodes cannot
+  get their next pages, the newest running requests are preempted (their memory is freed and they
+  are recomputed later, never corrupted).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int  # rows of the largest decode bucket
+    max_prefill_seqs: int  # rows of the largest prefill bucket
+    prefill_chunk: int  # tokens per prefill row
+    token_budget: int  # tokens computed per step (decode + prefill)
+    page_size: int
+    num_mla_layers: int
+    slot_units: int
+
+
+@dataclass(frozen=True)
+class SeqView:
+    """What the scheduler needs to know about one request."""
+
+    rid: str
+    order: int  # arrival order (FCFS)
+    total: int  # tokens known (prompt + generated)
+    computed: int  # tokens whose state is in the cache
+    running: bool  # holds a state slot
+    pages: int  # MLA units held (all layers)
+
+
+@dataclass(frozen=True)
+class Memory:
+    free_units: int
+    free_slots: int  # slot-aligned free runs available for new state slots
+
+
+@dataclass
+class StepPlan:
+    decode: list[str] = field(default_factory=list)
+    prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (rid, start, length)
+    admit: list[str] = field(default_factory=list)  # need a state slot before this step
+    grow: dict[str, int] = field(default_factory=dict)  # rid -> MLA units to add
+    preempt: list[str] = field(default_factory=list)
+
+    @property
+    def empty(self) -> bool:
+        return not (self.decode or self.prefill)
+
+
+def units_for(tokens: int, cfg: SchedulerConfig) -> int:
+    return -(-tokens // cfg.page_size) * cfg.num_mla_layers
+
+
+def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan:
+    plan = StepPlan()
+    free_units, free_slots = mem.free_units, mem.free_slots
+    running = sorted((s for s in seqs if s.running), key=lambda s: s.order)
+    waiting = sorted((s for s in seqs if not s.running), key=lambda s: s.order)
+
+    # 1. decodes, oldest first; preempt the newest running requests while memory is short
+    decoders = [s for s in running if s.total - s.computed == 1][:cfg.max_num_seqs]
+    need = {s.rid: max(0, units_for(s.total, cfg) - s.pages) for s in decoders}
+    victims = [s for s in reversed(running)]
+    while sum(need.values()) > free_units and victims:
+        v = victims.pop(0)
+        plan.preempt.append(v.rid)
+        free_units += v.pages
+        free_slots += 1  # its slot run comes back (approximation: slots are slot-aligned)
+        need.pop(v.rid, None)
+    preempted = set(plan.preempt)
+    for s in decoders:
+        if s.rid in need:
+            plan.decode.append(s.rid)
+            if need[s.rid]:
+                plan.grow[s.rid] = need[s.rid]
+            free_units -= need[s.rid]
+    budget = cfg.token_budget - len(plan.decode)
+
+    # 2. prefill chunks: running partial prefills first, then admissions in FCFS order
+    candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted]
+    candidates += waiting
+    for s in candidates:
+        if len(plan.prefill) >= cfg.max_prefill_seqs or budget <= 0:
+            break
+        start = s.computed
+        aligned_end = (start // cfg.prefill_chunk + 1) * cfg.prefill_chunk
+        length = min(s.total - start, aligned_end - start, budget)
+        units = max(0, units_for(start + length, cfg) - s.pages)
+        slots = 0 if s.running else 1
+        if units + slots * cfg.slot_units > free_units or slots > free_slots:
+            break  # FCFS: nobody overtakes a request that does not fit
+        plan.prefill.append((s.rid, start, length))
+        if slots:
+            plan.admit.append(s.rid)
+        if units:
+            plan.grow[s.rid] = units
+        free_units -= units + slots * cfg.slot_units
+        free_slots -= slots
+        budget -= length
+    return plan
