@@ -83,11 +83,16 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     i.set_defaults(fn=_cmd_info)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    s.add_argument("--model", default="k3-small")
-    s.add_argument("--host", default="127.0.0.1")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)")
+    try:
+        from serve.cli import add_serve_arguments
+    except ImportError:  # serving stack not installed: the basic options only
+        s.add_argument("--model", default="k3-small")
+        s.add_argument("--host", default="127.0.0.1")
+        s.add_argument("--port", type=int, default=8000)
+        s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    else:
+        add_serve_arguments(s)
     s.set_defaults(fn=_cmd_serve)
     return p
 

@@ -20,7 +20,9 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from k3jax.runtime import Model
-from serve.memory import Arena, ArenaLayout
+from serve.memory import Arena, ArenaLayout, OutOfMemory
+from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
+                                PrefixHasher)
 from serve.sampling import SamplingBatch
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve.step import StepBatch, engine_step
@@ -28,6 +30,8 @@ from serve.stop_checker import StopChecker
 from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chunk_kda default)
 
 
 @dataclass(frozen=True)
@@ -44,12 +48,19 @@ class EngineConfig:
     context_buckets: Optional[tuple[int, ...]] = None  # MLA pages per layer; default: powers of 4
     max_logprobs: int = 5
     seed: int = 0
+    enable_prefix_caching: bool = True
+    prefix_hash_unit: int = 16  # tokens per chained-hash block (<= 128)
+    checkpoint_interval: int = 512  # KDA checkpoints every N prefill tokens
+    decode_checkpoint_interval: int = 256  # KDA checkpoints every N decode tokens
 
     def validate(self):
         if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
             raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.prefill_chunk % KDA_CHUNK and KDA_CHUNK % self.prefill_chunk:
+            raise ValueError(f"prefill_chunk must divide or be a multiple of the KDA chunk ({KDA_CHUNK}) so "
+                             f"prefill rows start on KDA chunk boundaries")
 
 
 def _geometric(top: int, base: int = 4) -> tuple[int, ...]:
@@ -76,6 +87,13 @@ class Sequence:
     slot: Optional[int] = None
     pages: list[list[int]] = field(default_factory=list)  # per MLA layer: units in position order
     logprobs: list = field(default_factory=list)
+    hasher: Optional[PrefixHasher] = None
+    hit: Optional[Hit] = None  # prefix-cache hit planned for admission / pinned until the first step
+    read_slot: Optional[int] = None  # slot to read the state from in the next step (a checkpoint)
+    read_pin: object = None  # the checkpoint entry pinned for that read
+    copies: list = field(default_factory=list)  # (src unit, dst unit) to copy before the next step
+    registered_pages: int = 0
+    captures: dict = field(default_factory=dict)  # position -> checkpoint kind
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -120,8 +138,13 @@ class Engine:
             raise ValueError(f"context_buckets must reach {max_pages} pages (max_model_len / page_size)")
         self.sched_cfg = SchedulerConfig(
             max_num_seqs=self.decode_buckets[-1], max_prefill_seqs=self.prefill_buckets[-1],
-            prefill_chunk=config.prefill_chunk, token_budget=config.max_num_batched_tokens,
+            prefill_chunk=config.prefill_chunk, align=min(config.prefill_chunk, KDA_CHUNK),
+            token_budget=config.max_num_batched_tokens,
             page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units)
+        self.align = self.sched_cfg.align
+        self.prefix_cache = (PrefixCache(self.allocator, self.layout, self.align, PrefixCacheConfig(
+            True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval))
+            if config.enable_prefix_caching else None)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -180,6 +203,7 @@ class Engine:
         now = arrival_time or time.monotonic()
         metrics = RequestMetrics(arrival_time=now)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2 ** 62))
+        config_unit = self.config.prefix_hash_unit
         seqs = []
         for i in range(params.n):
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
@@ -187,7 +211,8 @@ class Engine:
                            checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
                                                max_tokens),
                            metrics=RequestMetrics(arrival_time=now),
-                           pages=[[] for _ in range(self.cfg.num_mla_layers)])
+                           pages=[[] for _ in range(self.cfg.num_mla_layers)],
+                           hasher=PrefixHasher(config_unit) if self.prefix_cache else None)
             seqs.append(seq)
             self.seqs[seq.rid] = seq
         self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics)
@@ -228,8 +253,16 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return outputs of requests that made progress."""
         live = [s for s in self.seqs.values() if not s.finished]
-        views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, s.num_units) for s in live]
-        plan = schedule(views, Memory(self.allocator.free_units, self._free_slots()), self.sched_cfg)
+        for s in live:
+            if s.slot is None:
+                self._match(s)
+        views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
+                         self._next_stop(s)) for s in live]
+        free_units, free_slots = self.allocator.free_units, self._free_slots()
+        if self.prefix_cache:
+            eu, es = self.prefix_cache.evictable()
+            free_units, free_slots = free_units + eu, free_slots + es
+        plan = schedule(views, Memory(free_units, free_slots), self.sched_cfg)
         touched: set[str] = set()
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
@@ -254,12 +287,98 @@ class Engine:
     def _free_slots(self) -> int:
         return len(self.allocator._free_slot_bases(self.sched_cfg.max_num_seqs + self.sched_cfg.max_prefill_seqs))
 
+    # ---- prefix cache ---------------------------------------------------------------------------
+    def _match(self, seq: Sequence) -> None:
+        """Plan a waiting request's start from the deepest cached prefix, and its capture points."""
+        ids = seq.all_ids
+        seq.captures = {}
+        seq.hit, seq.computed = None, 0
+        if self.prefix_cache is None:
+            return
+        seq.hasher.extend(ids)
+        hit = self.prefix_cache.match(seq.hasher, len(ids))
+        seq.hit, seq.computed = hit, hit.pos
+        a, n = self.align, len(ids)
+        interval = self.prefix_cache.interval
+        seq.captures = {p: CHUNK_END for p in range(interval, n, interval)}
+        if len(seq.prompt_ids) >= a:
+            seq.captures[len(seq.prompt_ids) // a * a] = PROMPT_END
+        b = (hit.mla_tokens // a) * a
+        if b - hit.pos >= a and self.prefix_cache.ckpts.get(seq.hasher.key(b"K", b)) is None:
+            seq.captures[b] = BRANCH  # a branch seen before: capture it this time
+        seq.captures = {p: k for p, k in seq.captures.items() if p > hit.pos}
+
+    def _held_units(self, seq: Sequence) -> int:
+        if seq.slot is None and seq.hit is not None:
+            return len(seq.hit.pages) * self.cfg.num_mla_layers
+        return seq.num_units
+
+    def _next_stop(self, seq: Sequence) -> Optional[int]:
+        later = [p for p in seq.captures if p > seq.computed]
+        return min(later) if later else None
+
+    def _admit(self, seq: Sequence) -> None:
+        seq.slot = self.allocator.alloc_slot()
+        hit, pc = seq.hit, self.prefix_cache
+        if pc is None or hit is None:
+            return
+        pc.record_query(len(seq.all_ids), hit)
+        if hit.pos == 0:
+            seq.hit = None
+            return
+        pc.acquire(hit)
+        lm = self.cfg.num_mla_layers
+        for l in range(lm):
+            seq.pages[l] = [e.units[l] for e in hit.pages]
+        if hit.partial is not None:
+            fresh = self.allocator.alloc_pages(lm)
+            pc.ref(fresh)
+            seq.copies = list(zip(hit.partial.units, fresh))
+            for l in range(lm):
+                seq.pages[l].append(fresh[l])
+        seq.read_slot, seq.read_pin = hit.ckpt.slot, hit.ckpt
+        seq.registered_pages = len(hit.pages)
+
+    def _after_row(self, seq: Sequence, decoded: bool) -> None:
+        """Bookkeeping after a step computed rows of `seq`: drop pins, share pages, capture states."""
+        pc = self.prefix_cache
+        if pc is None:
+            return
+        if seq.hit is not None:
+            pc.unpin(seq.hit)
+            seq.hit = None
+        seq.read_slot = seq.read_pin = None
+        seq.copies = []
+        seq.hasher.extend(seq.all_ids)
+        seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
+        kind = seq.captures.pop(seq.computed, None)
+        if kind is None and decoded and seq.computed % pc.decode_interval == 0:
+            kind = DECODE
+        if kind is None or seq.finished:
+            return
+        pc.evict_for(0, 1)
+        try:
+            new_slot = self.allocator.alloc_slot()
+        except OutOfMemory:
+            return
+        if pc.register_checkpoint(seq.hasher, seq.computed, seq.slot, kind, seq.pages):
+            ck = pc.ckpts[seq.hasher.key(b"K", seq.computed)]
+            ck.pins += 1  # until the next step has read it into the new working slot
+            seq.read_slot, seq.read_pin, seq.slot = seq.slot, ck, new_slot
+        else:
+            self.allocator.free_slot(new_slot)
+
     def _allocate(self, plan: StepPlan) -> None:
+        if self.prefix_cache is not None:
+            units = sum(plan.grow.values()) + self.cfg.num_mla_layers * len(plan.admit)
+            self.prefix_cache.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit))
         for rid in plan.admit:
-            self.seqs[rid].slot = self.allocator.alloc_slot()
+            self._admit(self.seqs[rid])
         for rid, units in plan.grow.items():
             seq = self.seqs[rid]
             got = self.allocator.alloc_pages(units)
+            if self.prefix_cache is not None:
+                self.prefix_cache.ref(got)
             per = units // self.cfg.num_mla_layers
             for j in range(self.cfg.num_mla_layers):
                 seq.pages[j].extend(got[j * per:(j + 1) * per])
@@ -277,23 +396,28 @@ class Engine:
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
             seq.computed = start + n
-            if seq.finished or seq.computed < len(seq.all_ids):
-                continue  # mid-prefill: the sample is not a new token
-            touched.add(seq.rid)
-            self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+            if not seq.finished and seq.computed == len(seq.all_ids):
+                touched.add(seq.rid)
+                self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+            if seq.slot is not None:
+                self._after_row(seq, decoded=t == 1)
 
     def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]]) -> StepBatch:
         lay, lm = self.layout, max(1, self.cfg.num_mla_layers)
         tokens = np.zeros((rows, t), np.int32)
         valid = np.zeros(rows, np.int32)
         lengths = np.zeros(rows, np.int32)
-        slot = np.full(rows, lay.scratch_slot, np.int32)
+        read = np.full(rows, -1, np.int32)
+        write = np.full(rows, lay.scratch_slot, np.int32)
         table = np.full((rows, lm, pages), lay.scratch_page, np.int32)
+        copies = []
         params, seeds, steps = [], [], []
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
             tokens[i, :n] = ids[start:start + n]
-            valid[i], lengths[i], slot[i] = n, start, seq.slot
+            valid[i], lengths[i], write[i] = n, start, seq.slot
+            read[i] = seq.read_slot if seq.read_slot is not None else (-1 if start == 0 else seq.slot)
+            copies += seq.copies
             for j in range(self.cfg.num_mla_layers):
                 held = seq.pages[j][:pages]
                 table[i, j, :len(held)] = held
@@ -301,8 +425,13 @@ class Engine:
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids))
         sb = SamplingBatch.from_params(params, seeds, steps, rows)
-        return StepBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(lengths), jnp.asarray(slot),
-                         jnp.asarray(table), sb)
+        ncopy = rows * lm
+        src = np.full(ncopy, lay.scratch_page, np.int32)
+        dst = np.full(ncopy, lay.scratch_page, np.int32)
+        if copies:
+            src[:len(copies)], dst[:len(copies)] = zip(*copies)
+        return StepBatch(jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(lengths), jnp.asarray(read),
+                         jnp.asarray(write), jnp.asarray(table), jnp.asarray(src), jnp.asarray(dst), sb)
 
     def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
         m = seq.metrics
@@ -335,17 +464,26 @@ class Engine:
                     self.latency[k].append(v)
 
     def _release(self, seq: Sequence) -> None:
+        pc = self.prefix_cache
+        if pc is not None:
+            if seq.hit is not None and seq.slot is not None:
+                pc.unpin(seq.hit)  # admitted but never ran
+            if seq.read_pin is not None:
+                seq.read_pin.pins -= 1
+            seq.hit = seq.read_pin = seq.read_slot = None
+            seq.copies, seq.registered_pages = [], 0
         if seq.slot is not None:
             self.allocator.free_slot(seq.slot)
             seq.slot = None
         for p in seq.pages:
-            self.allocator.free_pages(p)
+            pc.unref(p) if pc is not None else self.allocator.free_pages(p)
             p.clear()
 
     def _preempt(self, seq: Sequence) -> None:
         """Free everything; the request is recomputed (prompt + outputs so far) when readmitted."""
         self._release(seq)
         seq.computed = 0
+        seq.captures = {}
         self.counters["preemptions"] += 1
 
     def _reap(self) -> None:
@@ -378,7 +516,13 @@ class Engine:
             "arena_free_units": self.allocator.free_units,
             "arena_baseline_free_units": self.allocator.baseline_free_units,
             "kv_cache_usage": 1.0 - self.allocator.free_units / self.allocator.baseline_free_units,
+            "arena_cached_units": self._cached_units(),
+            "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
+
+    def _cached_units(self) -> int:
+        """Units held only by the prefix cache (reclaimable by eviction)."""
+        return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
 
 
 def _fit(n: int, buckets: tuple[int, ...]) -> int:

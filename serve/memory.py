@@ -102,6 +102,7 @@ class Arena:
         self.owner[layout.scratch_page] = self.PAGE
         self.owner[layout.scratch_slot:layout.scratch_slot + layout.slot_units] = self.SLOT
         self._baseline = self.free_units
+        self.peak_used_units = 0
 
     # ---- queries ------------------------------------------------------------------------------
     @property
@@ -131,6 +132,7 @@ class Arena:
             raise OutOfMemory(f"need {n} pages, {len(free)} units free")
         got = free[:n]  # low end
         self.owner[got] = self.PAGE
+        self._track()
         return got.tolist()
 
     def alloc_slot(self) -> int:
@@ -139,6 +141,7 @@ class Arena:
             raise OutOfMemory("no contiguous run of units for a state slot")
         b = bases[0]
         self.owner[b:b + self.layout.slot_units] = self.SLOT
+        self._track()
         return b
 
     def free_pages(self, units) -> None:
@@ -151,6 +154,12 @@ class Arena:
         s = slice(base, base + self.layout.slot_units)
         assert base != self.layout.scratch_slot and np.all(self.owner[s] == self.SLOT), "bad slot free"
         self.owner[s] = self.FREE
+
+    def _track(self) -> None:
+        self.peak_used_units = max(self.peak_used_units, self._baseline - self.free_units)
+
+    def reset_peak(self) -> None:
+        self.peak_used_units = self._baseline - self.free_units
 
     def _free_slot_bases(self, want: int) -> list[int]:
         """Slot-aligned runs (counted down from the top) whose units are all free, highest first."""
@@ -207,11 +216,3 @@ def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, 
         flat = jax.lax.dynamic_update_slice(flat, rows[i], (slot_base[i] * layout.unit_elems,))
     return flat.reshape(arena.shape)
 
-
-def copy_slots(arena: jax.Array, layout: ArenaLayout, src: jax.Array, dst: jax.Array) -> jax.Array:
-    """Copy whole state slots src[i] -> dst[i] inside the arena (copy-on-write of checkpoints)."""
-    flat = arena.reshape(-1)
-    for i in range(src.shape[0]):
-        row = jax.lax.dynamic_slice(flat, (src[i] * layout.unit_elems,), (layout.slot_elems,))
-        flat = jax.lax.dynamic_update_slice(flat, row, (dst[i] * layout.unit_elems,))
-    return flat.reshape(arena.shape)

@@ -22,6 +22,7 @@ class SchedulerConfig:
     max_num_seqs: int  # rows of the largest decode bucket
     max_prefill_seqs: int  # rows of the largest prefill bucket
     prefill_chunk: int  # tokens per prefill row
+    align: int  # prefill rows start on multiples of this (the KDA chunk alignment)
     token_budget: int  # tokens computed per step (decode + prefill)
     page_size: int
     num_mla_layers: int
@@ -38,6 +39,7 @@ class SeqView:
     computed: int  # tokens whose state is in the cache
     running: bool  # holds a state slot
     pages: int  # MLA units held (all layers)
+    stop: int | None = None  # a position the next prefill row must end at (KDA checkpoint capture)
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,13 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
             break
         start = s.computed
         aligned_end = (start // cfg.prefill_chunk + 1) * cfg.prefill_chunk
-        length = min(s.total - start, aligned_end - start, budget)
+        length = min(s.total - start, aligned_end - start)
+        if s.stop is not None and start < s.stop:
+            length = min(length, s.stop - start)
+        if length > budget:  # keep rows on aligned boundaries when the token budget cuts one short
+            length = budget // cfg.align * cfg.align
+            if length == 0:
+                break
         units = max(0, units_for(start + length, cfg) - s.pages)
         slots = 0 if s.running else 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots:

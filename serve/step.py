@@ -24,9 +24,12 @@ from serve.sampling import SampleResult, SamplingBatch, sample
 class StepBatch:
     tokens: jax.Array  # [B, T] int32 (right-padded)
     valid: jax.Array  # [B] int32 real tokens per row (0 for padding rows)
-    lengths: jax.Array  # [B] int32 tokens already in the cache; 0 starts a fresh sequence
-    slot_base: jax.Array  # [B] int32 first unit of the row's KDA state slot
+    lengths: jax.Array  # [B] int32 tokens already in the cache
+    read_base: jax.Array  # [B] int32 first unit of the KDA slot to start from; -1: fresh (zero) state
+    write_base: jax.Array  # [B] int32 first unit of the row's private working slot
     page_table: jax.Array  # [B, Lm, P] int32 units holding the row's MLA pages, per MLA layer
+    copy_src: jax.Array  # [C] int32 units copied to copy_dst before the step (copy-on-write pages)
+    copy_dst: jax.Array  # [C] int32
     sampling: SamplingBatch
 
 
@@ -64,9 +67,13 @@ class PagedView(CacheView):
 def engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
                 num_top_logprobs: int) -> tuple[jax.Array, SampleResult]:
     model = nnx.merge(graphdef, params)
-    conv, state = gather_states(arena, layout, batch.slot_base, batch.lengths == 0)
+    arena = arena.at[batch.copy_dst].set(arena[batch.copy_src])
+    # Copy-on-write of KDA checkpoints: read from the (immutable) checkpoint slot, write to the
+    # row's working slot. A slot being written is never one being read in the same step.
+    fresh = batch.read_base < 0
+    conv, state = gather_states(arena, layout, jnp.where(fresh, batch.write_base, batch.read_base), fresh)
     view = PagedView(layout, arena, batch, conv, state)
     logits = model.run(batch.tokens, view, batch.valid, last_only=True)
     arena = view.pages.reshape(arena.shape)
-    arena = scatter_states(arena, layout, batch.slot_base, view.conv, view.state)
+    arena = scatter_states(arena, layout, batch.write_base, view.conv, view.state)
     return arena, sample(logits, batch.sampling, num_top_logprobs)

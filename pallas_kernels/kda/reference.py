@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 _HI = lax.Precision.HIGHEST
@@ -191,81 +192,201 @@ def pack_varlen(x, layout: VarlenLayout, chunk_size: int):
 # ----------------------------------------------------------------------------------------
 # chunked (WY / UT) form
 # ----------------------------------------------------------------------------------------
-def _chunk_step(S, qc, kc, vc, gc, bc):
-    """One chunk. S [..., K, V]; qc,kc,gc [..., C, K]; vc [..., C, V]; bc [..., C].
+# Internally the WY recurrence runs over *sub-chunks* of P = 16 tokens (P = the next power of
+# two >= max(16, C) when chunk_size C is not a multiple of 16); ``chunk_size`` only sets which
+# states ``return_chunk_states`` / varlen report. Per sub-chunk the state-independent part --
+# A_qk[i,j] = sum_c q_i[c] k_j[c] exp(Gamma_i[c] - Gamma_j[c]) (causal), the inverse
+# (I + Diag(beta) A_kk)^-1 and the W/U factors -- is a few small batched matmuls over
+# [B, G, H] (G sub-chunks per loop step); the loop carries the state through three matmuls
+# per sub-chunk. Exponents are same-sign sums of g over token ranges (a binary tree over the
+# sub-chunk: a pair (i, j) is split at the tree node separating them into two factors <= 1,
+# the Pallas kernel's scheme), so nothing overflows, no exponent is a difference of two
+# large cumulative sums and exp(Gamma_i) * exp(-Gamma_j) is never formed: exact for any
+# g <= 0 (K3's bound -5, Kimi-Linear's unbounded gate). Across sub-chunks only factors <= 1
+# occur (q_i exp(Gamma_i), k_j exp(Gamma_P - Gamma_j), exp(Gamma_P)).
+# Why 16 and not 64 on CPU: the chunked form costs ~(6 + 2P/K + ...) K*V FLOPs per token
+# against the token scan's ~7 K*V, so the only win is matmul efficiency; the sub-chunk
+# size trades intra-chunk FLOPs (grow with P) against the per-step state passes (shrink
+# with P), and 16 measured fastest at K = V = 128 (see benchmarks/README.md).
+_SUB = 16
+_STEP_TOKENS = 128          # sub-chunks per loop step: G = _STEP_TOKENS // P (>= chunk's)
 
-    Returns (S_next, o [..., C, V]). Numerically safe for any g <= 0.
+
+def _mm(spec, a, b):
+    return jnp.einsum(spec, a, b, precision=_HI)
+
+
+def _chunk_local(q, k, g, beta):
+    """State-independent part of a sub-chunk, exact for any ``g <= 0``.
+
+    ``q, k, g [..., P, K]``, ``beta [..., P]`` (P a power of two). Returns ``(A_qk [..., P, P]
+    causal, T [..., P, P] = (I + Diag(beta) A_kk)^-1, Gamma [..., P, K] inclusive cumsum,
+    Gamma_P - Gamma [..., P, K])``. Binary tree over the sub-chunk: at level s the pairs
+    (i in the 2nd half, j in the 1st half of a 2s-block) get exp(Gamma_i - Gamma_r) *
+    exp(Gamma_r - Gamma_j) (r = last token of the 1st half), whose exponents are a prefix sum
+    inside the 2nd half and a suffix sum inside the 1st; the inverse is assembled level by
+    level by block doubling ([[T0, 0], [Y, T1]], Y = -T1 A10 T0: blocked forward
+    substitution, every intermediate a sub-block of the exact inverse).
     """
-    C = qc.shape[-2]
-    G = jnp.cumsum(gc, axis=-2)                                   # Gamma [..., C, K]
-    i = jnp.arange(C)
-    causal = i[:, None] >= i[None, :]
-    strict = i[:, None] > i[None, :]
-    diff = G[..., :, None, :] - G[..., None, :, :]                # [..., C(i), C(j), K]
-    E = jnp.exp(jnp.where(causal[:, :, None], diff, -jnp.inf))    # mask BEFORE exp
-    kE = kc[..., None, :, :] * E                                  # k_j[c] exp(G_i - G_j)
-    Akk = jnp.einsum("...ic,...ijc->...ij", kc, kE, precision=_HI)
-    Akk = jnp.where(strict, Akk * bc[..., :, None], 0.0)
-    Aqk = jnp.einsum("...ic,...ijc->...ij", qc, kE, precision=_HI)
-    eG = jnp.exp(G)
-    rhs = jnp.concatenate([kc * eG, vc], axis=-1) * bc[..., None]
-    X = lax.linalg.triangular_solve(Akk, rhs, left_side=True, lower=True,
-                                    unit_diagonal=True)          # (I + Akk)^-1 Diag(b) [.]
-    K = kc.shape[-1]
-    W, U = X[..., :K], X[..., K:]
-    Vn = U - jnp.einsum("...ck,...kv->...cv", W, S, precision=_HI)
-    o = (jnp.einsum("...ck,...kv->...cv", qc * eG, S, precision=_HI)
-         + jnp.einsum("...ij,...jv->...iv", Aqk, Vn, precision=_HI))
-    gl = G[..., -1:, :]                                            # [..., 1, K]
-    kd = kc * jnp.exp(gl - G)
-    S = (jnp.exp(gl[..., 0, :])[..., :, None] * S
-         + jnp.einsum("...jk,...jv->...kv", kd, Vn, precision=_HI))
-    return S, o
+    *lead, P, K = q.shape
+    lead = tuple(lead)
+    L = g                                       # inclusive prefix sum inside each s-block
+    E = jnp.zeros_like(g)                       # exclusive suffix sum inside each s-block
+    Aqk = jnp.sum(q * k, axis=-1)[..., None, None]          # [..., P, 1, 1] diagonal
+    Tinv = jnp.ones(lead + (P, 1, 1), jnp.float32)
+    s = 1
+    while s < P:
+        nb = P // (2 * s)
+        r = lambda x: x.reshape(lead + (nb, 2, s) + x.shape[-1:])
+        Lr, Er, qr, kr = r(L), r(E), r(q), r(k)
+        br = beta.reshape(lead + (nb, 2, s))
+        a = jnp.exp(Lr[..., 1, :, :])           # i in the 2nd half: exp(Gamma_i - Gamma_r)
+        kb = kr[..., 0, :, :] * jnp.exp(Er[..., 0, :, :])    # j in the 1st: exp(G_r - G_j)
+        lhs = jnp.concatenate([kr[..., 1, :, :] * a, qr[..., 1, :, :] * a], -2)
+        X = _mm("...ik,...jk->...ij", lhs, kb)  # [..., nb, 2s, s]
+        Xkk, Xqk = X[..., :s, :], X[..., s:, :]
+        z = jnp.zeros(lead + (nb, s, s), jnp.float32)
+        Aq = Aqk.reshape(lead + (nb, 2, s, s))
+        Aqk = jnp.concatenate([jnp.concatenate([Aq[..., 0, :, :], z], -1),
+                               jnp.concatenate([Xqk, Aq[..., 1, :, :]], -1)], -2)
+        Tb = Tinv.reshape(lead + (nb, 2, s, s))
+        T0, T1 = Tb[..., 0, :, :], Tb[..., 1, :, :]
+        Y = -_mm("...ij,...jk->...ik",
+                 _mm("...ij,...jk->...ik", T1, br[..., 1, :, None] * Xkk), T0)
+        Tinv = jnp.concatenate([jnp.concatenate([T0, z], -1),
+                                jnp.concatenate([Y, T1], -1)], -2)
+        L = jnp.concatenate([Lr[..., 0, :, :], Lr[..., 1, :, :] + Lr[..., 0, -1:, :]], -2)
+        E = jnp.concatenate([Er[..., 0, :, :] + Lr[..., 1, -1:, :], Er[..., 1, :, :]], -2)
+        L, E = L.reshape(lead + (P, K)), E.reshape(lead + (P, K))
+        s *= 2
+    return Aqk.reshape(lead + (P, P)), Tinv.reshape(lead + (P, P)), L, E
+
+
+def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_states=False):
+    """Loop over steps of G sub-chunks of P tokens (R sub-chunks per reported chunk).
+
+    ``q, k, g [Bx, NG, G*P, H, K]``, ``v [Bx, NG, G*P, H, V]``, ``beta [Bx, NG, G*P, H]``
+    (plain reshapes of the ``[B, T, H, D]`` inputs when nothing is padded, so the loop reads
+    the caller's buffers in place), any float dtype. ``S0 [Bx, H, K, V]`` fp32. ``resets``:
+    ``(first [NG, G] bool, seq [NG, G] int32, init [N, H, K, V])`` -- the state is reset to
+    ``init[seq]`` before every sub-chunk flagged ``first`` (varlen). Returns ``(o [Bx, NG,
+    G*P, H, V] in v's dtype, S_final [Bx, H, K, V], states [Bx, NG, G//R, H, K, V] after
+    every R-th sub-chunk, or None)``. The state is carried transposed (``[V, K]``) so that
+    every matmul in the loop is a plain or rhs-transposed one.
+    """
+    Bx, NG, _, H, K = q.shape
+    V = v.shape[-1]
+    f32 = jnp.float32
+    xs = (q, k, v, g, beta)
+
+    def heads(y):                      # [Bx, G*P, H, D] -> [Bx, G, H, P, D]
+        return jnp.swapaxes(y.reshape((Bx, G, P) + y.shape[2:]), 2, 3)
+
+    def body(n, carry):
+        ST, o_all, cs_all = carry
+        x = [lax.dynamic_index_in_dim(y, n, 1, keepdims=False).astype(f32) for y in xs]
+        qc, kc, gc = (heads(y) for y in (x[0], x[1], x[3]))
+        vT = jnp.moveaxis(x[2].reshape(Bx, G, P, H, V), 2, 4)  # [Bx, G, H, V, P]
+        bc = heads(x[4][..., None])[..., 0]                     # [Bx, G, H, P]
+        qc = qc * scale
+        qc, kc, vT, gc, bc = lax.optimization_barrier((qc, kc, vT, gc, bc))
+        Aqk, Tinv, Gam, Esuf = _chunk_local(qc, kc, gc, bc)
+        eG = jnp.exp(Gam)
+        W = _mm("...ij,...jk->...ik", Tinv, kc * eG * bc[..., None])   # (I+A)^-1 D(b) k e^G
+        UT = _mm("...vj,...ij->...vi", vT * bc[..., None, :], Tinv)    # ((I+A)^-1 D(b) v)^T
+        WQ = jnp.concatenate([W, qc * eG], -2)                  # [Bx, G, H, 2P, K]
+        kd = kc * jnp.exp(Esuf)                                  # k_j exp(Gamma_P - Gamma_j)
+        eC = jnp.exp(Gam[..., -1:, :])                           # exp(Gamma_P) [..., 1, K]
+        os, states = [], []
+        for j in range(G):
+            if resets is not None:
+                first, seq, init = resets
+                ST = jnp.where(first[n, j], jnp.swapaxes(init[seq[n, j]], -1, -2)[None], ST)
+            ZT = _mm("...vk,...ck->...vc", ST, WQ[:, j])         # (S^T [W; q e^G]^T)
+            VnT = UT[:, j] - ZT[..., :P]
+            os.append(ZT[..., P:] + _mm("...vj,...ij->...vi", VnT, Aqk[:, j]))
+            ST = eC[:, j] * ST + _mm("...vc,...ck->...vk", VnT, kd[:, j])
+            if want_states and j % R == R - 1:
+                states.append(ST)
+        o = jnp.moveaxis(jnp.stack(os, 1), 4, 2).reshape(Bx, 1, G * P, H, V)
+        o_all = lax.dynamic_update_slice_in_dim(o_all, o.astype(o_all.dtype), n, 1)
+        if want_states:
+            cs = jnp.swapaxes(jnp.stack(states, 1), -1, -2)[:, None]
+            cs_all = lax.dynamic_update_slice_in_dim(cs_all, cs, n, 1)
+        return ST, o_all, cs_all
+
+    o_all = jnp.zeros((Bx, NG, G * P, H, V), v.dtype)
+    cs_all = jnp.zeros((Bx, NG, G // R, H, K, V) if want_states else (0,), f32)
+    ST, o_all, cs_all = lax.fori_loop(0, NG, body, (jnp.swapaxes(S0, -1, -2), o_all, cs_all))
+    return o_all, jnp.swapaxes(ST, -1, -2), (cs_all if want_states else None)
+
+
+def _sub_chunking(C):
+    """``(P, R, G)``: sub-chunk length, sub-chunks per chunk of C tokens, per loop step."""
+    if C % _SUB == 0:
+        P, R = _SUB, C // _SUB
+    else:
+        P, R = max(_SUB, 1 << (C - 1).bit_length()), 1
+    return P, R, R * max(1, _STEP_TOKENS // (P * R))
+
+
+def _to_groups(x, n_chunks, C, P, R, G):
+    """``[Bx, T, ...]`` (``T <= n_chunks*C``) -> ``[Bx, NG, G*P, ...]``: the last chunk
+    completed, chunks padded to ``R*P`` tokens and the sub-chunk count to a multiple of G,
+    all with zeros (identity tokens: g=0, beta=0, k=v=0 leave the state unchanged). A pure
+    reshape when nothing needs padding."""
+    Bx, T, tail = x.shape[0], x.shape[1], x.shape[2:]
+    n_sub = n_chunks * R
+    NG = -(-n_sub // G)
+    rest = [(0, 0)] * len(tail)
+    if P * R != C:
+        x = jnp.pad(x, [(0, 0), (0, n_chunks * C - T)] + rest)
+        x = x.reshape((Bx, n_chunks, C) + tail)
+        x = jnp.pad(x, [(0, 0), (0, 0), (0, P * R - C)] + rest)
+        x = x.reshape((Bx, n_sub * P) + tail)
+        T = n_sub * P
+    if NG * G * P != T:
+        x = jnp.pad(x, [(0, 0), (0, NG * G * P - T)] + rest)
+    return x.reshape((Bx, NG, G * P) + tail)
+
+
+def _from_groups(o, n_chunks, C, P, R):
+    """Inverse of :func:`_to_groups` for the output: -> ``[Bx, n_chunks*C, ...]``."""
+    Bx, tail = o.shape[0], o.shape[3:]
+    o = o.reshape((Bx, -1, R * P) + tail)[:, :n_chunks, :C]
+    return o.reshape((Bx, n_chunks * C) + tail)
 
 
 def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, chunk_size=64,
                         return_chunk_states=False):
-    """Chunked KDA (``lax.scan`` over chunks, unit-lower-triangular solve per chunk).
+    """Chunked KDA (WY form over 16-token sub-chunks; the loop carries only the state).
 
     Returns ``(o, final_state)`` or ``(o, final_state, chunk_states)`` when
     ``return_chunk_states``. ``final_state`` is ``None`` unless ``output_final_state``.
     ``chunk_states`` is ``[B, num_chunks, H, K, V]`` fp32 (state after each chunk); with
     ``cu_seqlens`` it is ``[1, num_chunks_bound, H, K, V]`` in the chunk-aligned varlen layout
     (see :func:`varlen_chunk_offsets`; entries past the last used chunk are unspecified).
+    Any ``chunk_size >= 1`` works.
     """
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = int(chunk_size)
+    P, R, G = _sub_chunking(C)
     scale = _default_scale(scale, K)
-    qf, kf, vf, gf, bf = _as_f32(q, k, v, g, beta)
-    qf = qf * scale
 
     if cu_seqlens is None:
         NC = max(1, -(-T // C))
-        pad = NC * C - T
-
-        def prep(x):  # [B,T,H,...] -> [NC, B, H, C, ...]
-            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-            x = x.reshape((B, NC, C) + x.shape[2:])
-            x = jnp.moveaxis(x, 2, 3)          # [B, NC, H, C, ...]
-            return jnp.moveaxis(x, 1, 0)       # [NC, B, H, C, ...]
-
-        xs = tuple(prep(x) for x in (qf, kf, vf, gf, bf))
+        G = min(G, R * NC)
+        xs = [_to_groups(x, NC, C, P, R, G) for x in (q, k, v, g, beta)]
         S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
-
-        def step(S, x):
-            S, o = _chunk_step(S, *x)
-            return S, ((o, S) if return_chunk_states else o)
-
-        S, ys = lax.scan(step, S0, xs)
-        o = ys[0] if return_chunk_states else ys          # [NC, B, H, C, V]
-        o = jnp.moveaxis(o, 0, 1)                          # [B, NC, H, C, V]
-        o = jnp.moveaxis(o, 2, 3).reshape(B, NC * C, H, V)[:, :T].astype(v.dtype)
+        o, S, cs = _scan_chunks(*xs, S0, scale, P=P, G=G, R=R,
+                                want_states=return_chunk_states)
+        o = _from_groups(o, NC, C, P, R)[:, :T]
         out = (o, S if output_final_state else None)
         if return_chunk_states:
-            out = out + (jnp.moveaxis(ys[1], 0, 1),)
+            out = out + (cs.reshape((B, -1, H, K, V))[:, :NC],)
         return out
 
     # ---- varlen: chunk-aligned layout, state reset at each sequence's first chunk ----
@@ -273,22 +394,24 @@ def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
         raise ValueError("cu_seqlens requires B == 1 (packed sequences)")
     N = cu_seqlens.shape[0] - 1
     lay = varlen_layout(cu_seqlens, T, C)
-    xs = tuple(jnp.moveaxis(pack_varlen(x[0], lay, C), 2, 1)      # [NC, H, C, ...]
-               for x in (qf, kf, vf, gf, bf))
+    NC = lay.chunk_seq.shape[0]
+    G = min(G, R * NC)
+    NG = -(-(NC * R) // G)
+    xs = [_to_groups(pack_varlen(x[0], lay, C).reshape((1, NC * C) + x.shape[2:]),
+                     NC, C, P, R, G)
+          for x in (q, k, v, g, beta)]
     init = (jnp.zeros((N, H, K, V), jnp.float32) if initial_state is None
             else initial_state.astype(jnp.float32))
-
-    def vstep(S, x):
-        first, n, *rest = x
-        S = jnp.where(first, init[jnp.clip(n, 0, N - 1)], S)
-        S, o = _chunk_step(S, *rest)
-        return S, (o, S)
-
-    S0 = jnp.zeros((H, K, V), jnp.float32)
-    _, (o, cs) = lax.scan(vstep, S0, (lay.chunk_first, lay.chunk_seq) + xs)
-    # o [NC, H, C, V] -> [NC*C, H, V] -> gather back to packed tokens
-    o = jnp.moveaxis(o, 1, 2).reshape(-1, H, V)
-    o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
+    sub_first = (lay.chunk_first[:, None] & (jnp.arange(R) == 0)[None, :]).reshape(-1)
+    sub_seq = jnp.repeat(jnp.clip(lay.chunk_seq, 0, N - 1), R)
+    first = jnp.pad(sub_first, (0, NG * G - NC * R)).reshape(NG, G)
+    seq = jnp.pad(sub_seq, (0, NG * G - NC * R)).reshape(NG, G)
+    S0 = jnp.zeros((1, H, K, V), jnp.float32)
+    o, _, cs = _scan_chunks(*xs, S0, scale, P=P, G=G, R=R, resets=(first, seq, init),
+                            want_states=True)
+    o = _from_groups(o, NC, C, P, R)[0]                             # [NC*C, H, V]
+    o = jnp.take(o, lay.dst, axis=0)[None]
+    cs = cs.reshape((-1, H, K, V))[:NC]                             # [NC, H, K, V]
     final = None
     if output_final_state:
         final = jnp.where((lay.last_chunk >= 0)[:, None, None, None],

@@ -1,0 +1,966 @@
+"""OpenAI-compatible HTTP API on FastAPI: `create_app(async_engine, model_name, ...)`.
+
+Endpoints
+  POST /v1/completions        text completion (prompt: string, token ids, or a batch of either)
+  POST /v1/chat/completions   chat (the model family's chat template: K3, Kimi-Linear, or the byte presets')
+  GET  /v1/models, /v1/models/{id}
+  GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died)
+  GET  /metrics               Prometheus text (serve/metrics.py)
+  POST /tokenize, /detokenize (vLLM's shapes)
+  GET  /openapi.json          the schema (FastAPI)
+
+Both generation endpoints stream with SSE (`stream: true`): `data: {json}` events ending with
+`data: [DONE]`, plus a final usage chunk with `stream_options.include_usage`. A client that disconnects
+(mid-stream or while waiting for a non-streamed answer) has its engine requests aborted at once, which
+frees their cache memory.
+
+Errors always use OpenAI's body `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
+every client fault: malformed JSON, unknown or mistyped fields, bad sampling values (400), unknown
+model (404), a prompt over the context window (400; the message gives both numbers), oversized body
+(413), missing/wrong API key (401), per-key rate limit (429 + Retry-After), full queue (503 +
+Retry-After).
+
+Admission control: a request is admitted when the sequences in flight (requests x n x prompts) stay
+within the engine's decode capacity (`max_num_seqs`) plus `max_waiting`; otherwise 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import time
+import uuid
+from collections import deque
+from typing import Any, Literal, Optional, Union
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
+from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from serve.types import RequestError, RequestOutput, SamplingParams
+
+log = logging.getLogger(__name__)
+
+__all__ = ["create_app", "ServerState", "APIError"]
+
+MAX_N = 16  # choices per prompt
+MAX_BATCH = 16  # prompts per completion request
+DEFAULT_MAX_BODY = 1 << 20
+LOGPROB_FLOOR = -9999.0  # JSON has no -inf
+
+
+# ---- errors ------------------------------------------------------------------------------------
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: Optional[str] = None,
+                 code: Optional[str] = None, headers: Optional[dict] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = headers or {}
+
+
+def _error_body(message: str, type: str, param=None, code=None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+def _error_response(e: APIError) -> JSONResponse:
+    return JSONResponse(_error_body(e.message, e.type, e.param, e.code), status_code=e.status, headers=e.headers)
+
+
+_STATUS_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                 404: "not_found_error", 405: "invalid_request_error", 413: "invalid_request_error",
+                 415: "invalid_request_error", 429: "rate_limit_error", 503: "server_overloaded"}
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: Optional[str] = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+_ERRORS = {s: {"model": ErrorResponse} for s in (400, 401, 404, 413, 429, 503)}
+
+
+# ---- request models -----------------------------------------------------------------------------
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _GenerationFields(_Strict):
+    model: Optional[str] = Field(None, description="must be the served model's id when given")
+    temperature: Optional[float] = Field(None, ge=0, description="0 = greedy; default 1")
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disable top-k")
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=MAX_N)
+    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    stop: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="only 0 is supported")
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="only 0 is supported")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported (must be empty)")
+    user: Optional[str] = None
+    # vLLM extensions
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+
+
+class CompletionRequest(_GenerationFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = Field(16, ge=1)
+    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    echo: bool = False
+    suffix: Optional[str] = Field(None, description="not supported (must be empty)")
+    best_of: Optional[int] = Field(None, ge=1, description="only best_of == n is supported")
+
+
+class TextContentPart(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    # Clients echo assistant messages back with fields such as `refusal`: ignore unknown keys here.
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: Optional[Union[str, list[TextContentPart]]] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[list[dict[str, Any]]] = None
+
+
+class ChatCompletionRequest(_GenerationFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: Optional[int] = Field(None, ge=1, description="default: the rest of the context window")
+    max_completion_tokens: Optional[int] = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    response_format: Optional[dict[str, Any]] = Field(None, description="only {'type': 'text'}")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (must be empty)")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description="only 'none'")
+    parallel_tool_calls: Optional[bool] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = Field(
+        None, description="thinking (K3), thinking_effort (K3), default_system")
+
+
+class TokenizeRequest(_Strict):
+    model: Optional[str] = None
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+
+
+class DetokenizeRequest(_Strict):
+    model: Optional[str] = None
+    tokens: list[int]
+
+
+# ---- server state -------------------------------------------------------------------------------
+
+class ServerState:
+    """What the routes share: the engine (attached once warm), admission counters, limits, metrics."""
+
+    def __init__(self, model_name: str, api_keys=None, limits: Optional[Limits] = None,
+                 max_waiting: Optional[int] = 256, max_model_len: Optional[int] = None):
+        self.model_name = model_name
+        keys = dict(api_keys) if isinstance(api_keys, dict) else {k: Limits() for k in (api_keys or [])}
+        self.keys = KeyStore(keys)
+        self.limiter = RateLimiter(limits or Limits(), keys)
+        self.max_waiting = max_waiting
+        self.max_model_len = max_model_len
+        self.engine = None
+        self.ready = False
+        self.error: Optional[str] = None
+        self.created = int(time.time())
+        self.requests_in_flight = 0
+        self.seqs_in_flight = 0
+        self.metrics = ServerMetrics(model_name, self.engine_stats, self._frontend)
+
+    # ---- engine ----
+    def attach(self, async_engine) -> None:
+        """Attach a warmed-up AsyncEngine; from now on /health answers 200."""
+        eng = async_engine.engine
+        self.engine = async_engine
+        self.tokenizer = getattr(eng, "tokenizer", None)
+        self.cfg = eng.cfg
+        self.max_model_len = eng.config.max_model_len
+        self.max_logprobs = eng.config.max_logprobs
+        self.capacity = int(getattr(eng, "decode_buckets", (eng.config.max_num_seqs,))[-1])
+        self.vocab_size = int(self.cfg.vocab_size)
+        fam = getattr(self.tokenizer, "chat_family", None)
+        self.chat_family = fam or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(self.cfg.family, "byte")
+        self.ready = True
+
+    def fail(self, message: str) -> None:
+        self.error = message
+        self.ready = False
+
+    @property
+    def healthy(self) -> bool:
+        if not self.ready or self.engine is None:
+            return False
+        thread = getattr(self.engine, "_thread", None)
+        return thread is None or thread.is_alive()
+
+    def engine_stats(self) -> dict:
+        eng = self.engine
+        if eng is None:
+            return {}
+        for _ in range(5):  # the engine thread may mutate its dicts while we read them
+            try:
+                return dict(eng.stats())
+            except (RuntimeError, ValueError, KeyError):
+                continue
+            except Exception:  # never break a scrape
+                log.exception("engine.stats() failed")
+                return {}
+        return {}
+
+    def _frontend(self) -> dict:
+        return {"ready": 1 if self.healthy else 0, "requests_in_flight": self.requests_in_flight,
+                "sequences_in_flight": self.seqs_in_flight}
+
+    # ---- checks ----
+    def check_ready(self) -> None:
+        if not self.healthy:
+            msg = self.error or ("the engine stopped" if self.ready else "the model is still loading/compiling")
+            raise APIError(503, f"server not ready: {msg}", "server_unavailable", code="not_ready",
+                           headers={"Retry-After": "5"})
+
+    def check_model(self, model: Optional[str]) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
+                           "not_found_error", "model", "model_not_found")
+
+    def admit(self, key: str, seqs: int, tokens: int):
+        cap = self.capacity + (self.max_waiting if self.max_waiting is not None else math.inf)
+        if seqs > cap:
+            raise APIError(400, f"the request needs {seqs} sequences but this server runs at most {cap} "
+                                f"at once (running + waiting)", param="n")
+        if self.seqs_in_flight + seqs > cap:
+            self.metrics.rejected("queue_full")
+            raise APIError(503, f"server busy: {self.seqs_in_flight} sequences in flight, the queue is full "
+                                f"({self.capacity} running + {self.max_waiting} waiting); retry later",
+                           "server_overloaded", code="queue_full", headers={"Retry-After": "1"})
+        try:
+            ticket = self.limiter.admit(key, tokens)
+        except RateLimited as e:
+            self.metrics.rejected("rate_limit")
+            raise APIError(429, e.message, "rate_limit_error", code="rate_limit_exceeded",
+                           headers={"Retry-After": str(e.retry_after)}) from None
+        self.seqs_in_flight += seqs
+        self.requests_in_flight += 1
+        return ticket
+
+    def release(self, seqs: int) -> None:
+        self.seqs_in_flight -= seqs
+        self.requests_in_flight -= 1
+
+
+# ---- helpers ------------------------------------------------------------------------------------
+
+def _finite_lp(x: float) -> float:
+    x = float(x)
+    return x if math.isfinite(x) and x > LOGPROB_FLOOR else LOGPROB_FLOOR
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
+    errs = exc.errors()
+    if not errs:
+        return "invalid request", None
+    e = errs[0]
+    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    if e.get("type") == "json_invalid":
+        ctx = e.get("ctx") or {}
+        return f"malformed JSON body: {ctx.get('error', e.get('msg', ''))}", None
+    if e.get("type") == "missing" and not loc:
+        return "a JSON request body is required", None
+    param = ".".join(loc) or None
+    msg = e.get("msg", "invalid value")
+    if e.get("type") == "extra_forbidden":
+        msg = "unknown field (not part of this API)"
+    more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
+    return (f"{param}: {msg}" if param else msg) + more, param
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
+
+
+class _ClientGone(Exception):
+    pass
+
+
+async def _unless_disconnected(request: Request, coro):
+    """Run `coro`; if the client disconnects first, cancel it and raise `_ClientGone`."""
+    task = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except BaseException:
+        pass
+    raise _ClientGone()
+
+
+class SSEResponse(StreamingResponse):
+    """A StreamingResponse that always closes its generator and runs `on_close`, however it ends
+    (normal end, client disconnect, send error): the engine requests are aborted at once."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, content, on_close=None, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            aclose = getattr(self.body_iterator, "aclose", None)
+            try:
+                if aclose is not None:
+                    await aclose()
+            finally:
+                if self._on_close is not None:
+                    self._on_close()
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+
+
+# ---- one API request's engine runs -----------------------------------------------------------------
+
+class _Run:
+    """The engine requests of one API request (one per prompt), merged into one stream of
+    (prompt index, RequestOutput); `close()` cancels them (aborting unfinished ones) and releases the
+    admission exactly once."""
+
+    def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
+                 ticket, arrival: float):
+        self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
+        self.ticket, self.arrival = ticket, arrival
+        self.nseqs = len(prompts) * params.n
+        self.q: asyncio.Queue = asyncio.Queue()
+        self.pending: deque = deque()
+        self.tasks: list[asyncio.Task] = []
+        self.latest: dict[int, RequestOutput] = {}
+        self.unfinished = set(range(len(prompts)))
+        self.closed = False
+        self._ntok = [[0] * params.n for _ in prompts]
+        self._last = [[None] * params.n for _ in prompts]
+        self._ttft_done = [False] * len(prompts)
+
+    def start(self) -> None:
+        for i, ids in enumerate(self.prompts):
+            self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
+
+    async def _pump(self, i: int, ids: list[int]) -> None:
+        gen = self.st.engine.generate(ids, self.params, f"{self.base_id}-{i}")
+        try:
+            async for out in gen:
+                self.q.put_nowait((i, out))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as e:
+            self.q.put_nowait((i, e))
+        finally:
+            await gen.aclose()  # aborts the engine request if it is not finished
+
+    async def _get(self):
+        i, item = self.pending.popleft() if self.pending else await self.q.get()
+        if isinstance(item, BaseException):
+            raise item
+        self._observe(i, item)
+        return i, item
+
+    async def prime(self) -> None:
+        """Wait until every prompt produced its first output (so it was accepted) or one was rejected."""
+        seen: set[int] = set()
+        while len(seen) < len(self.prompts):
+            i, item = await self.q.get()
+            if isinstance(item, BaseException):
+                raise item
+            seen.add(i)
+            self.pending.append((i, item))
+
+    async def items(self):
+        while self.unfinished:
+            yield await self._get()
+
+    def _observe(self, i: int, out: RequestOutput) -> None:
+        m, now = self.st.metrics, time.monotonic()
+        self.latest[i] = out
+        for j, o in enumerate(out.outputs):
+            k = len(o.token_ids) - self._ntok[i][j]
+            if k > 0:
+                if not self._ttft_done[i]:
+                    self._ttft_done[i] = True
+                    ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
+                    m.ttft.observe(max(0.0, (ft or now) - self.arrival))
+                    qs = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
+                    if qs is not None:
+                        m.queue.observe(max(0.0, qs - self.arrival))
+                if self._last[i][j] is not None:
+                    dt = (now - self._last[i][j]) / k
+                    for _ in range(k):
+                        m.itl.observe(dt)
+                self._last[i][j] = now
+                self._ntok[i][j] = len(o.token_ids)
+        if out.finished and i in self.unfinished:
+            self.unfinished.discard(i)
+            m.e2e.observe(now - self.arrival)
+            m.req_prompt.observe(len(out.prompt_token_ids))
+            m.req_gen.observe(sum(len(o.token_ids) for o in out.outputs))
+            for o in out.outputs:
+                m.finished(o.finish_reason)
+
+    def usage(self) -> dict:
+        p = sum(len(ids) for ids in self.prompts)
+        c = sum(len(o.token_ids) for out in self.latest.values() for o in out.outputs)
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        for t in self.tasks:
+            if not t.done():
+                t.cancel()
+        if self.tasks:
+            for _ in range(len(self.unfinished) * self.params.n):
+                self.st.metrics.finished("abort")
+        self.ticket.settle(self.usage()["total_tokens"])
+        self.st.release(self.nseqs)
+
+
+# ---- response formatting -------------------------------------------------------------------------
+
+class _Format:
+    """Shapes of one endpoint's objects (completion or chat), full and streamed."""
+
+    def __init__(self, st: ServerState, rid: str, n: int, logprobs: Optional[int], created: int):
+        self.st, self.id, self.n, self.logprobs, self.created = st, rid, n, logprobs, created
+        self.sent_text: dict[int, int] = {}
+        self.sent_tok: dict[int, int] = {}
+        self.finished: set[int] = set()
+
+    def index(self, i: int, j: int) -> int:
+        return i * self.n + j
+
+    def head(self, obj: str) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.st.model_name}
+
+    def token_bytes(self, tid: int) -> list[int]:
+        tok = self.st.tokenizer
+        try:
+            return list(tok.token_bytes(tid)) if tok is not None else []
+        except Exception:
+            return []
+
+
+class _CompletionFormat(_Format):
+    def __init__(self, *a, echo_texts: list[str], **kw):
+        super().__init__(*a, **kw)
+        self.echo_texts = echo_texts
+
+    def _logprobs(self, entries, offset: int) -> Optional[dict]:
+        if self.logprobs is None or entries is None:
+            return None
+        tokens, lps, tops, offs = [], [], [], []
+        for chosen, alts in entries:
+            tokens.append(chosen.decoded)
+            lps.append(_finite_lp(chosen.logprob))
+            top: dict[str, float] = {}
+            for a in alts:
+                top.setdefault(a.decoded, _finite_lp(a.logprob))
+            tops.append(top)
+            offs.append(offset)
+            offset += len(chosen.decoded)
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def full(self, run: _Run) -> dict:
+        choices = []
+        for i in range(len(run.prompts)):
+            out = run.latest[i]
+            for j, o in enumerate(out.outputs):
+                echo = self.echo_texts[i]
+                choices.append({"index": self.index(i, j), "text": echo + o.text,
+                                "logprobs": self._logprobs(o.logprobs, len(echo)),
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return {**self.head("text_completion"), "choices": choices, "usage": run.usage()}
+
+    def start(self) -> list[dict]:
+        return []
+
+    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
+        chunks = []
+        for j, o in enumerate(out.outputs):
+            idx = self.index(i, j)
+            if idx in self.finished:
+                continue
+            first = idx not in self.sent_text
+            t0, k0 = self.sent_text.get(idx, 0), self.sent_tok.get(idx, 0)
+            text = o.text[t0:]
+            new_lps = (o.logprobs or [])[k0:] if self.logprobs is not None else None
+            if first and self.echo_texts[i]:
+                text = self.echo_texts[i] + text
+            if not text and not new_lps and o.finish_reason is None and not first:
+                continue
+            self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
+            choice = {"index": idx, "text": text,
+                      "logprobs": self._logprobs(new_lps, (len(self.echo_texts[i]) if not first else 0) + t0)
+                      if self.logprobs is not None else None,
+                      "finish_reason": o.finish_reason}
+            if o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason
+                self.finished.add(idx)
+            chunk = {**self.head("text_completion"), "choices": [choice]}
+            if usage_field:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
+    def usage_chunk(self, run: _Run) -> dict:
+        return {**self.head("text_completion"), "choices": [], "usage": run.usage()}
+
+
+class _ChatFormat(_Format):
+    def _logprobs(self, entries) -> Optional[dict]:
+        if self.logprobs is None or entries is None:
+            return None
+        content = []
+        for chosen, alts in entries:
+            content.append({"token": chosen.decoded, "logprob": _finite_lp(chosen.logprob),
+                            "bytes": self.token_bytes(chosen.token_id),
+                            "top_logprobs": [{"token": a.decoded, "logprob": _finite_lp(a.logprob),
+                                              "bytes": self.token_bytes(a.token_id)} for a in alts]})
+        return {"content": content}
+
+    def full(self, run: _Run) -> dict:
+        choices = []
+        for i in range(len(run.prompts)):
+            for j, o in enumerate(run.latest[i].outputs):
+                choices.append({"index": self.index(i, j),
+                                "message": {"role": "assistant", "content": o.text, "tool_calls": []},
+                                "logprobs": self._logprobs(o.logprobs),
+                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+        return {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
+
+    def start(self, nprompts: int, usage_field: bool) -> list[dict]:
+        chunks = []
+        for i in range(nprompts):
+            for j in range(self.n):
+                chunk = {**self.head("chat.completion.chunk"),
+                         "choices": [{"index": self.index(i, j), "delta": {"role": "assistant", "content": ""},
+                                      "logprobs": None, "finish_reason": None}]}
+                if usage_field:
+                    chunk["usage"] = None
+                chunks.append(chunk)
+        return chunks
+
+    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
+        chunks = []
+        for j, o in enumerate(out.outputs):
+            idx = self.index(i, j)
+            if idx in self.finished:
+                continue
+            t0, k0 = self.sent_text.get(idx, 0), self.sent_tok.get(idx, 0)
+            text = o.text[t0:]
+            new_lps = (o.logprobs or [])[k0:] if self.logprobs is not None else None
+            if not text and not new_lps and o.finish_reason is None:
+                continue
+            self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
+            choice = {"index": idx, "delta": {"content": text} if text else {},
+                      "logprobs": self._logprobs(new_lps), "finish_reason": o.finish_reason}
+            if o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason
+                self.finished.add(idx)
+            chunk = {**self.head("chat.completion.chunk"), "choices": [choice]}
+            if usage_field:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
+    def usage_chunk(self, run: _Run) -> dict:
+        return {**self.head("chat.completion.chunk"), "choices": [], "usage": run.usage()}
+
+
+# ---- the app ------------------------------------------------------------------------------------
+
+class _BodyLimit:
+    """ASGI middleware: bodies over `max_bytes` get 413 (by Content-Length, or counted as they arrive)."""
+
+    def __init__(self, app, max_bytes: int):
+        self.app, self.max_bytes = app, max_bytes
+
+    async def _reject(self, send, size_note: str) -> None:
+        body = json.dumps(_error_body(f"request body {size_note} exceeds the limit of {self.max_bytes} bytes",
+                                      "invalid_request_error", None, "request_too_large")).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body})
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                try:
+                    n = int(value)
+                except ValueError:
+                    n = -1
+                if n > self.max_bytes:
+                    return await self._reject(send, f"of {n} bytes")
+        if scope.get("method") not in ("POST", "PUT", "PATCH"):
+            return await self.app(scope, receive, send)
+        buffered, total = [], 0
+        while True:
+            msg = await receive()
+            buffered.append(msg)
+            if msg["type"] != "http.request":
+                break
+            total += len(msg.get("body", b""))
+            if total > self.max_bytes:
+                return await self._reject(send, f"of more than {self.max_bytes} bytes")
+            if not msg.get("more_body", False):
+                break
+
+        async def replay():
+            return buffered.pop(0) if buffered else await receive()
+
+        return await self.app(scope, replay, send)
+
+
+def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, limits: Optional[Limits] = None,
+               max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
+               max_model_len: Optional[int] = None) -> FastAPI:
+    """The OpenAI-compatible app.
+
+    async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
+      `app.state.k3.attach(async_engine)` (until then /health and the API answer 503).
+    api_keys: None (open server), an iterable of keys, or {key: Limits} (per-key limits).
+    limits: default per-key `Limits(rpm, tpm)` (None: unlimited).
+    max_waiting: sequences allowed to wait beyond the engine's decode capacity; more get 503.
+    max_model_len: the context window shown before the engine is attached.
+    """
+    st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
+    if async_engine is not None:
+        st.attach(async_engine)
+
+    app = FastAPI(title="k3jax", version="0.1.0",
+                  description="OpenAI-compatible server for Kimi-K3-class hybrid models (k3jax).")
+    app.state.k3 = st
+    app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+
+    # ---- error mapping ----
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return _error_response(e)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        st.metrics.rejected("invalid")
+        msg, param = _validation_message(e)
+        return _error_response(APIError(400, msg, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        return JSONResponse(_error_body(str(e.detail), _STATUS_TYPES.get(e.status_code, "invalid_request_error")),
+                            status_code=e.status_code, headers=getattr(e, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        log.exception("unhandled error")
+        return JSONResponse(_error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500)
+
+    # ---- dependencies ----
+    def authenticate(request: Request) -> str:
+        key = st.keys.check(request.headers.get("authorization"))
+        if key is None:
+            st.metrics.rejected("auth")
+            given = request.headers.get("authorization")
+            raise APIError(401, "Incorrect API key provided." if given else
+                           "Missing API key: send 'Authorization: Bearer <key>'.",
+                           "authentication_error", code="invalid_api_key",
+                           headers={"WWW-Authenticate": "Bearer"})
+        return key
+
+    def ready() -> None:
+        st.check_ready()
+
+    # ---- routes ----
+    @app.get("/health", responses={503: {"model": ErrorResponse}})
+    async def health():
+        if st.healthy:
+            return {"status": "ok", "model": st.model_name}
+        msg = st.error or ("engine stopped" if st.ready else "loading")
+        return JSONResponse({"status": "unavailable", "detail": msg}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+    def _model_card() -> dict:
+        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "k3jax",
+                "root": st.model_name, "max_model_len": st.max_model_len}
+
+    @app.get("/v1/models", responses=_ERRORS)
+    async def models(key: str = Depends(authenticate)):
+        return {"object": "list", "data": [_model_card()]}
+
+    @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
+    async def model(model_id: str, key: str = Depends(authenticate)):
+        st.check_model(model_id)
+        return _model_card()
+
+    @app.post("/v1/completions", responses=_ERRORS)
+    async def completions(body: CompletionRequest, request: Request, key: str = Depends(authenticate),
+                          _r: None = Depends(ready)):
+        arrival = time.monotonic()
+        st.check_model(body.model)
+        if body.suffix:
+            raise APIError(400, "suffix is not supported", param="suffix")
+        if body.best_of is not None and body.best_of != body.n:
+            raise APIError(400, "best_of other than n is not supported", param="best_of")
+        texts, prompts = _completion_prompts(st, body.prompt)
+        params = _sampling(st, body, body.max_tokens, body.logprobs)
+        echo = texts if body.echo else [""] * len(texts)
+        fmt = _CompletionFormat(st, f"cmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
+                                echo_texts=echo)
+        return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
+
+    @app.post("/v1/chat/completions", responses=_ERRORS)
+    async def chat_completions(body: ChatCompletionRequest, request: Request, key: str = Depends(authenticate),
+                               _r: None = Depends(ready)):
+        arrival = time.monotonic()
+        st.check_model(body.model)
+        if body.tools:
+            raise APIError(400, "tools are not supported by this server", param="tools")
+        if body.tool_choice not in (None, "none"):
+            raise APIError(400, "tool_choice is not supported (only 'none')", param="tool_choice")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
+        ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        n_lp = (body.top_logprobs or 0) if body.logprobs else None
+        if body.top_logprobs is not None and not body.logprobs:
+            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+        params = _sampling(st, body, max_tokens, n_lp)
+        fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()))
+        return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
+
+    @app.post("/tokenize", responses=_ERRORS)
+    async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
+        st.check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise APIError(400, "give exactly one of prompt or messages", param="prompt")
+        if body.prompt is not None:
+            ids = _encode(st, body.prompt, "prompt")
+        else:
+            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
+
+    @app.post("/detokenize", responses=_ERRORS)
+    async def detokenize(body: DetokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
+        st.check_model(body.model)
+        _check_ids(st, body.tokens, "tokens")
+        if st.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer", param="tokens")
+        return {"prompt": st.tokenizer.decode(body.tokens)}
+
+    return app
+
+
+# ---- request handling -------------------------------------------------------------------------------
+
+def _check_ids(st: ServerState, ids: list[int], param: str) -> None:
+    for t in ids:
+        if not 0 <= t < st.vocab_size:
+            raise APIError(400, f"{param}: token id {t} is outside [0, {st.vocab_size})", param=param)
+
+
+def _encode(st: ServerState, text: str, param: str) -> list[int]:
+    if st.tokenizer is None:
+        raise APIError(400, f"{param}: this model has no tokenizer; pass token ids", param=param)
+    return list(st.tokenizer.encode(text))
+
+
+def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
+    if isinstance(prompt, str):
+        items = [prompt]
+    elif not prompt:
+        raise APIError(400, "prompt: must not be empty", param="prompt")
+    elif isinstance(prompt[0], int):
+        items = [list(prompt)]
+    else:
+        items = list(prompt)
+    if len(items) > MAX_BATCH:
+        raise APIError(400, f"prompt: at most {MAX_BATCH} prompts per request, got {len(items)}", param="prompt")
+    texts, ids = [], []
+    for p in items:
+        if isinstance(p, str):
+            t, x = p, _encode(st, p, "prompt")
+        else:
+            _check_ids(st, p, "prompt")
+            x = list(p)
+            t = st.tokenizer.decode(x) if st.tokenizer is not None else ""
+        if not x:
+            raise APIError(400, "prompt: must not be empty", param="prompt")
+        texts.append(t)
+        ids.append(x)
+    return texts, ids
+
+
+def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
+              kwargs: Optional[dict]) -> list[int]:
+    from k3jax.chat_template import encode_chat
+
+    if st.tokenizer is None:
+        raise APIError(400, "messages: this model has no tokenizer; use /v1/completions with token ids",
+                       param="messages")
+    kwargs = dict(kwargs or {})
+    unknown = sorted(set(kwargs) - {"thinking", "thinking_effort", "default_system"})
+    if unknown:
+        raise APIError(400, f"chat_template_kwargs: unknown keys {unknown} (known: thinking, thinking_effort, "
+                            f"default_system)", param="chat_template_kwargs")
+    msgs = []
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if d["role"] == "developer":
+            d["role"] = "system"
+        msgs.append(d)
+    try:
+        ids = encode_chat(st.tokenizer, msgs, family=st.chat_family, add_generation_prompt=add_generation_prompt,
+                          **kwargs)
+    except (ValueError, TypeError) as e:
+        raise APIError(400, str(e), param="messages") from None
+    if not ids:
+        raise APIError(400, "messages: the rendered prompt is empty", param="messages")
+    return ids
+
+
+def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int], logprobs: Optional[int]):
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+    if body.logit_bias:
+        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+    params = SamplingParams(
+        n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
+        min_p=0.0 if body.min_p is None else body.min_p, seed=body.seed, max_tokens=max_tokens,
+        stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
+        logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
+        skip_special_tokens=body.skip_special_tokens)
+    try:
+        params.validate(st.vocab_size, st.max_logprobs)
+    except RequestError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+    return params
+
+
+def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str) -> int:
+    """Raise 400 naming both numbers when a prompt does not fit; return the tokens to reserve."""
+    L, reserve = st.max_model_len, 0
+    for ids in prompts:
+        if params.max_tokens is None:
+            if len(ids) >= L:
+                raise APIError(400, f"This model's maximum context length is {L} tokens, but the {param} has "
+                                    f"{len(ids)} tokens (at least one token must be left for the completion).",
+                               param=param, code="context_length_exceeded")
+            gen = L - len(ids)
+        else:
+            if len(ids) + params.max_tokens > L:
+                raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
+                                    f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the {param}, "
+                                    f"{params.max_tokens} for the completion). Please reduce the length of the "
+                                    f"{param} or max_tokens.", param=param, code="context_length_exceeded")
+            gen = params.max_tokens
+        reserve += len(ids) + gen * params.n
+    return reserve
+
+
+async def _serve(st: ServerState, request: Request, key: str, prompts: list[list[int]], params: SamplingParams,
+                 body: _GenerationFields, fmt, arrival: float, param: str):
+    if body.stream_options is not None and not body.stream:
+        raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    reserve = _check_context(st, prompts, params, param)
+    ticket = st.admit(key, len(prompts) * params.n, reserve)
+    run = _Run(st, prompts, params, fmt.id, ticket, arrival)
+    handed_off = False
+    try:
+        run.start()
+        if not body.stream:
+            async def collect():
+                async for _ in run.items():
+                    pass
+            await _unless_disconnected(request, collect())
+            return JSONResponse(fmt.full(run))
+        await _unless_disconnected(request, run.prime())  # every prompt accepted (or a 400 below)
+        handed_off = True
+    except _ClientGone:
+        return Response(status_code=499)
+    except RequestError as e:
+        raise APIError(400, str(e), param=str(e).split(":", 1)[0] or None) from None
+    finally:
+        if not handed_off:
+            run.close()
+
+    async def events():
+        try:
+            start = fmt.start(len(prompts), include_usage) if isinstance(fmt, _ChatFormat) else fmt.start()
+            for chunk in start:
+                yield _sse(chunk)
+            async for i, out in run.items():
+                for chunk in fmt.deltas(i, out, include_usage):
+                    yield _sse(chunk)
+            if include_usage:
+                yield _sse(fmt.usage_chunk(run))
+        except Exception as e:  # an engine failure mid-stream: report it in the stream
+            log.warning("stream %s failed: %s", fmt.id, e)
+            status = 400 if isinstance(e, RequestError) else 500
+            yield _sse(_error_body(str(e), _STATUS_TYPES.get(status, "internal_error"), None, None)
+                       | {"status": status})
+        yield "data: [DONE]\n\n"
+
+    return SSEResponse(events(), on_close=run.close,
+                       headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

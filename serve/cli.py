@@ -1,0 +1,164 @@
+"""`k3jax serve`: the OpenAI-compatible HTTP server (uvicorn + serve/api.py).
+
+The server listens at once; the model is loaded and every step bucket compiled in a background thread
+afterwards, so `/health` answers 503 during warm-up and 200 once the engine serves. The persistent JAX
+compilation cache (`~/.cache/k3jax/jax`, `--compile-cache-dir`, off with `--no-compile-cache`) makes
+later starts much faster.
+
+The defaults fit a small CPU machine: `k3-small` (seeded weights, byte tokenizer), context 512,
+up to 8 concurrent sequences, decode buckets (1, 8), one prefill row of 128 tokens, context buckets of
+8 and 32 pages: six step programs in all.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Optional
+
+DEFAULTS = dict(
+    model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
+    max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=128, decode_buckets=None, prefill_buckets="1",
+    context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
+    max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, log_level="info",
+)
+
+
+def add_serve_arguments(s) -> None:
+    """The `serve` subcommand's options (used by k3jax/cli.py)."""
+    d = DEFAULTS
+    s.add_argument("--model", default=d["model"], help="preset name or checkpoint directory (default k3-small)")
+    s.add_argument("--host", default=d["host"])
+    s.add_argument("--port", type=int, default=d["port"])
+    s.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
+    s.add_argument("--seed", type=int, default=d["seed"], help="weight seed for presets")
+    s.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    e = s.add_argument_group("engine")
+    e.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="context window (tokens)")
+    e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="concurrent decodes")
+    e.add_argument("--page-size", type=int, default=d["page_size"])
+    e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
+    e.add_argument("--decode-buckets", default=None, help="comma-separated rows, default '1,MAX_NUM_SEQS'")
+    e.add_argument("--prefill-buckets", default=d["prefill_buckets"], help="comma-separated rows (default '1')")
+    e.add_argument("--context-buckets", default=None,
+                   help="comma-separated MLA pages per layer; default 'PAGES/4,PAGES' for the context window")
+    e.add_argument("--cache-mb", type=int, default=d["cache_mb"], help="cache arena budget (MiB)")
+    e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
+    e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
+                                                             "(default ~/.cache/k3jax/jax)")
+    e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
+    a = s.add_argument_group("access")
+    a.add_argument("--api-key-file", default=None,
+                   help="bearer keys, one per line 'KEY [rpm=N] [tpm=N]' (also: K3JAX_API_KEYS=k1,k2)")
+    a.add_argument("--rpm", type=int, default=None, help="default requests per minute per key")
+    a.add_argument("--tpm", type=int, default=None, help="default tokens per minute per key")
+    a.add_argument("--max-waiting", type=int, default=d["max_waiting"],
+                   help="sequences allowed to wait beyond --max-num-seqs; more get 503")
+    a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"])
+    s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
+
+
+def _ints(text: Optional[str], name: str) -> Optional[tuple[int, ...]]:
+    if text is None or text == "":
+        return None
+    try:
+        vals = tuple(sorted({int(x) for x in str(text).split(",") if x.strip()}))
+    except ValueError:
+        raise ValueError(f"--{name}: expected comma-separated integers, got {text!r}") from None
+    if not vals or vals[0] < 1:
+        raise ValueError(f"--{name}: expected positive integers, got {text!r}")
+    return vals
+
+
+def engine_config(o: dict):
+    from serve.engine import EngineConfig
+
+    pages = -(-o["max_model_len"] // o["page_size"])
+    decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({1, o["max_num_seqs"]}))
+    prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
+    context = _ints(o["context_buckets"], "context-buckets") or tuple(sorted({max(1, pages // 4), pages}))
+    return EngineConfig(
+        max_model_len=o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
+        max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
+        max_num_batched_tokens=max(512, decode[-1] + prefill[-1] * o["prefill_chunk"]),
+        decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
+        seed=o["seed"])
+
+
+def enable_compile_cache(path: Optional[str]) -> Optional[str]:
+    import jax
+
+    path = os.path.expanduser(path or os.path.join("~", ".cache", "k3jax", "jax"))
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        print(f"[k3jax serve] compilation cache disabled ({path}: {e})", file=sys.stderr, flush=True)
+        return None
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    return path
+
+
+def _say(msg: str) -> None:
+    print(f"[k3jax serve] {msg}", file=sys.stderr, flush=True)
+
+
+def serve_main(args) -> int:
+    import uvicorn
+
+    from serve.api import create_app
+    from serve.auth import Limits, load_api_keys
+
+    o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    t0 = time.monotonic()
+    cfg = engine_config(o)
+    cfg.validate()
+    cache_dir = None if o["no_compile_cache"] else enable_compile_cache(o["compile_cache_dir"])
+    keys = load_api_keys(o["api_key_file"])
+    name = o["served_model_name"] or o["model"]
+    app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
+                     max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len)
+    st = app.state.k3
+    server = uvicorn.Server(uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"],
+                                           timeout_graceful_shutdown=5))
+    holder: dict = {}
+
+    def warm() -> None:
+        while not server.started and not server.should_exit:  # serve /health (503) before compiling
+            time.sleep(0.02)
+        if server.should_exit:
+            return
+        try:
+            from k3jax.runtime import load_model
+            from serve.async_engine import AsyncEngine
+            from serve.engine import Engine
+
+            _say(f"loading {o['model']} ({o['dtype']}) ...")
+            model = load_model(o["model"], dtype=o["dtype"], seed=o["seed"])
+            eng = Engine(model, cfg, warmup=False)
+            shapes = eng.bucket_shapes()
+            _say(f"compiling {len(shapes)} step programs (decode rows {eng.decode_buckets}, prefill rows "
+                 f"{eng.prefill_buckets} x {cfg.prefill_chunk} tokens, context pages {eng.context_buckets}); "
+                 f"compilation cache: {cache_dir or 'off'}")
+            eng.warmup(progress=True)
+            holder["engine"] = AsyncEngine(eng)
+            st.attach(holder["engine"])
+            _say(f"ready: serving {name!r} on http://{o['host']}:{o['port']} "
+                 f"({time.monotonic() - t0:.1f}s after start)")
+        except BaseException as e:  # the server cannot become ready: say why and stop
+            st.fail(f"{type(e).__name__}: {e}")
+            _say(f"start-up failed: {type(e).__name__}: {e}")
+            holder["failed"] = True
+            server.should_exit = True
+
+    _say(f"listening on http://{o['host']}:{o['port']} (/health answers 503 until the engine is warm)")
+    threading.Thread(target=warm, name="k3jax-warmup", daemon=True).start()
+    try:
+        server.run()
+    finally:
+        if "engine" in holder:
+            holder["engine"].shutdown()
+    return 1 if holder.get("failed") else 0

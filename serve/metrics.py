@@ -1,0 +1,213 @@
+"""Prometheus metrics for the HTTP server (prometheus-client).
+
+Two sources, one registry per app (so several apps can live in one process, e.g. in tests):
+
+* frontend measurements, taken in the event loop as outputs reach the API (vLLM's design: request
+  timing is bookkept off the engine's hot loop): time to first token, inter-token latency, end-to-end
+  latency, queue time, per-request token counts, finished requests by reason, HTTP rejections;
+* an `EngineCollector` that reads `engine.stats()` at scrape time: running/waiting requests, token
+  counters, prefix cache, arena usage split into KDA state slots and MLA pages, per-expert token
+  counts, MoE dispatch time, inter-rank bytes, compiles after warm-up.
+
+vLLM's names are used where vLLM has the metric (so existing dashboards work); K3-specific ones are
+`k3jax:*`. Every metric family is always exported (possibly with no samples or zero values), so a
+scrape before warm-up or on an engine that does not report some statistic still lists the family.
+
+Engine statistics read (all optional; absent means 0 / no samples):
+  num_requests_running, num_requests_waiting, kv_cache_usage, prompt_tokens, generation_tokens,
+  preemptions, requests_aborted, compiles_after_warmup, arena_bytes{kda_slots, mla_pages, free,
+  total}, arena_free_units, arena_baseline_free_units,
+  arena_cached_units (held only by the prefix cache, reclaimable),
+  prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes} (token counts for
+  queries/hits, like vLLM; `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
+  expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}),
+  moe_dispatch_seconds, inter_rank_bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Mapping
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+__all__ = ["ServerMetrics", "EngineCollector", "CONTENT_TYPE_LATEST", "NAMES"]
+
+# Bucket edges follow vLLM's (seconds).
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+_ITL_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                40.0, 80.0)
+_E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
+
+# Every metric family name as it appears in the exposition (counters with their `_total` suffix).
+NAMES = (
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
+    "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "k3jax:expert_tokens_total", "k3jax:moe_dispatch_seconds_total", "k3jax:inter_rank_bytes_total",
+    "k3jax:kda_slot_usage_perc", "k3jax:mla_page_usage_perc", "k3jax:kda_slot_bytes", "k3jax:mla_page_bytes",
+    "k3jax:arena_bytes", "k3jax:arena_free_units", "k3jax:arena_baseline_free_units", "k3jax:arena_cached_units",
+    "k3jax:kda_checkpoint_bytes",
+    "k3jax:kda_checkpoint_hits_total", "k3jax:kda_checkpoint_misses_total", "k3jax:compiles_after_warmup",
+    "k3jax:requests_aborted_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
+    "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total",
+)
+
+
+def _num(x: Any, default: float = 0.0) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        return default
+    return v if v == v else default  # NaN -> default
+
+
+def _first(d: Mapping, *keys, default=0.0):
+    for k in keys:
+        if k in d and d[k] is not None:
+            return d[k]
+    return default
+
+
+class EngineCollector:
+    """Reads the engine's statistics at scrape time (a custom prometheus collector)."""
+
+    def __init__(self, stats: Callable[[], dict], model_name: str, frontend: Callable[[], dict]):
+        self._stats, self._model, self._frontend = stats, model_name, frontend
+
+    def describe(self):  # no describe-time scrape (stats may not exist yet)
+        return []
+
+    def collect(self) -> Iterable:
+        s = self._stats() or {}
+        fe = self._frontend() or {}
+        m = self._model
+        L = ["model_name"]
+
+        def gauge(name, doc, value, labels=None, label_values=None):
+            g = GaugeMetricFamily(name, doc, labels=L + (labels or []))
+            g.add_metric([m] + (label_values or []), _num(value))
+            return g
+
+        def counter(name, doc, value):
+            c = CounterMetricFamily(name, doc, labels=L)
+            c.add_metric([m], _num(value))
+            return c
+
+        yield gauge("vllm:num_requests_running", "Sequences holding a state slot (prefilling or decoding).",
+                    s.get("num_requests_running", 0))
+        yield gauge("vllm:num_requests_waiting", "Sequences waiting for a state slot.",
+                    s.get("num_requests_waiting", 0))
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the cache arena in use (MLA pages + KDA slots), 0-1.",
+                    s.get("kv_cache_usage", 0.0))
+        yield counter("vllm:prompt_tokens", "Prompt tokens admitted (per sequence).", s.get("prompt_tokens", 0))
+        yield counter("vllm:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
+        yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.get("preemptions", 0))
+
+        pc = s.get("prefix_cache") or {}
+        if not isinstance(pc, Mapping):
+            pc = {}
+        yield counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      _first(pc, "query_tokens", "queries", default=s.get("prefix_cache_queries", 0)))
+        yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      _first(pc, "hit_tokens", "hits", default=s.get("prefix_cache_hits", 0)))
+        yield counter("k3jax:kda_checkpoint_hits", "Prefix-cache lookups that resumed from a KDA state checkpoint.",
+                      _first(pc, "kda_hits", "kda_checkpoint_hits", default=s.get("kda_checkpoint_hits", 0)))
+        yield counter("k3jax:kda_checkpoint_misses", "Prefix-cache lookups with no usable KDA state checkpoint.",
+                      _first(pc, "kda_misses", "kda_checkpoint_misses",
+                             default=s.get("kda_checkpoint_misses", 0)))
+
+        # Arena: one byte budget, split by kind.
+        ab = s.get("arena_bytes") or {}
+        total = _num(ab.get("total", 0))
+        kda, mla = _num(ab.get("kda_slots", 0)), _num(ab.get("mla_pages", 0))
+        yield gauge("k3jax:kda_slot_usage_perc", "Fraction of the arena held by KDA state slots, 0-1.",
+                    kda / total if total else 0.0)
+        yield gauge("k3jax:mla_page_usage_perc", "Fraction of the arena held by MLA latent pages, 0-1.",
+                    mla / total if total else 0.0)
+        yield gauge("k3jax:kda_slot_bytes", "Bytes of the arena held by KDA state slots.", kda)
+        yield gauge("k3jax:mla_page_bytes", "Bytes of the arena held by MLA latent pages.", mla)
+        yield gauge("k3jax:arena_bytes", "Total bytes of the cache arena.", total)
+        yield gauge("k3jax:arena_free_units", "Free arena units now.", s.get("arena_free_units", 0))
+        yield gauge("k3jax:arena_baseline_free_units", "Free arena units with no request in flight.",
+                    s.get("arena_baseline_free_units", 0))
+        yield gauge("k3jax:arena_cached_units", "Arena units held only by the prefix cache (reclaimable).",
+                    s.get("arena_cached_units", 0))
+        yield gauge("k3jax:kda_checkpoint_bytes", "Bytes of the arena held by cached KDA state checkpoints.",
+                    pc.get("kda_checkpoint_bytes", 0))
+        yield gauge("k3jax:compiles_after_warmup", "Step programs compiled after warm-up (should stay 0).",
+                    s.get("compiles_after_warmup", 0))
+        yield counter("k3jax:requests_aborted", "Requests aborted (client disconnects included).",
+                      s.get("requests_aborted", 0))
+
+        # MoE.
+        ex = CounterMetricFamily("k3jax:expert_tokens", "Tokens routed to each expert, per MoE layer.",
+                                 labels=L + ["layer", "expert"])
+        counts = s.get("expert_counts")
+        if counts is not None:
+            items = counts.items() if isinstance(counts, Mapping) else enumerate(counts)
+            for layer, per_expert in items:
+                try:
+                    values = list(per_expert)
+                except TypeError:
+                    continue
+                for e, c in enumerate(values):
+                    ex.add_metric([m, str(layer), str(e)], _num(c))
+        yield ex
+        yield counter("k3jax:moe_dispatch_seconds", "Time spent in MoE token dispatch/combine.",
+                      s.get("moe_dispatch_seconds", 0.0))
+        yield counter("k3jax:inter_rank_bytes", "Bytes moved between ranks (0 on one device).",
+                      s.get("inter_rank_bytes", 0))
+
+        # Frontend state.
+        yield gauge("k3jax:engine_ready", "1 once the engine is warmed up and serving.", fe.get("ready", 0))
+        yield gauge("k3jax:api_requests_in_flight", "HTTP generation requests admitted and not finished.",
+                    fe.get("requests_in_flight", 0))
+        yield gauge("k3jax:api_sequences_in_flight", "Sequences (requests x n) admitted by the API, not finished.",
+                    fe.get("sequences_in_flight", 0))
+
+
+class ServerMetrics:
+    """The app's registry: frontend histograms/counters plus the engine collector."""
+
+    def __init__(self, model_name: str, stats: Callable[[], dict], frontend: Callable[[], dict]):
+        disable_created_metrics()  # no `*_created` series (as vLLM)
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)
+        r, L = self.registry, ["model_name"]
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
+                              L, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
+                             L, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
+                             L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
+                               L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
+                                    L, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.req_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
+                                 L, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
+                                L + ["finished_reason"], registry=r)
+        self._rejected = Counter("k3jax:http_requests_rejected", "HTTP requests refused, by reason.",
+                                 L + ["reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self._success.labels(model_name, reason)
+        for reason in ("auth", "rate_limit", "queue_full", "invalid"):
+            self._rejected.labels(model_name, reason)
+        r.register(EngineCollector(stats, model_name, frontend))
+
+    def finished(self, reason: str | None) -> None:
+        self._success.labels(self.model_name, reason or "unknown").inc()
+
+    def rejected(self, reason: str) -> None:
+        self._rejected.labels(self.model_name, reason).inc()
+
+    def exposition(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,322 @@
+"""Hybrid prefix cache: shared MLA pages plus immutable KDA state checkpoints.
+
+MLA's latent cache is append-only, so a full page of a prefix can be shared read-only by every
+request with that prefix. KDA's state is overwritten at every token, so it can only be reused from
+*checkpoints*: immutable snapshots of the whole recurrent state (and conv windows) at a position.
+
+Three separate sizes:
+- the MLA page size (arena layout);
+- where checkpoints may sit: multiples of `align` (= the KDA chunk alignment of the prefill, so a
+  warm resume runs exactly the chunks a cold recompute runs, see below), at an interval during
+  prefill, at every prompt end, every `decode_interval` decode tokens, and at a branch point the
+  second time it is seen (a prefix whose MLA pages are cached deeper than any checkpoint);
+- the hash unit (<= 128 tokens): keys are chained digests, so a boundary names the whole prefix,
+  plus the tail tokens past the last unit boundary; every key carries a kind tag (full page,
+  partial page, KDA checkpoint) so MLA and KDA entries never collide.
+
+A hit is `min(MLA hit, deepest checkpoint <= MLA hit)` capped at `len - 1`. Copy-on-write happens in
+the jitted step: the request reads the checkpoint slot and writes its private working slot. A
+partially filled page is copied into a private page. Registering a checkpoint transfers ownership
+of the request's working slot to the cache (no bytes move) and gives the request a fresh slot that
+the next step fills from the checkpoint.
+
+Bit-exactness: prefill rows start at multiples of `align` and the model's KDA chunking is relative
+to the row start, so a resume at a checkpoint runs the same arithmetic as a cold prefill. States
+captured during decode come from the token-by-token recurrence; resuming from them matches a cold
+chunked recompute to rounding (~1e-6), not bit for bit.
+
+Eviction is LRU with reference counts: checkpoint slots first (prompt-end states of recently
+active conversations last), then pages nobody holds; evicting a page evicts the checkpoints and
+deeper pages that depend on it. A checkpoint may be evicted without its pages.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+
+from serve.memory import Arena, ArenaLayout
+
+FULL, PARTIAL, KDA = b"M", b"P", b"K"  # kind tags of the keys
+PROMPT_END, CHUNK_END, DECODE, BRANCH = "prompt_end", "chunk_end", "decode_interval", "branch_point"
+
+
+@dataclass(frozen=True)
+class PrefixCacheConfig:
+    enabled: bool = True
+    hash_unit: int = 16
+    checkpoint_interval: int = 512  # prefill checkpoints every this many tokens (rounded to align)
+    decode_interval: int = 256  # decode checkpoints every this many tokens (rounded to align)
+
+
+class PrefixHasher:
+    """Chained digests of a growing token list at every `unit` boundary."""
+
+    def __init__(self, unit: int):
+        self.unit = unit
+        self.digests = [b"\0" * 16]
+        self.tokens: list[int] = []
+
+    def extend(self, tokens: list[int]) -> None:
+        self.tokens = tokens
+        while len(self.digests) * self.unit <= len(tokens):
+            i = len(self.digests)
+            block = np.asarray(tokens[(i - 1) * self.unit:i * self.unit], np.int64).tobytes()
+            self.digests.append(hashlib.blake2b(self.digests[-1] + block, digest_size=16).digest())
+
+    def key(self, kind: bytes, n: int) -> bytes:
+        """The key naming the prefix tokens[:n] (n <= len(tokens))."""
+        i = n // self.unit
+        tail = np.asarray(self.tokens[i * self.unit:n], np.int64).tobytes()
+        return kind + self.digests[i] + tail
+
+
+@dataclass
+class PageEntry:
+    key: bytes
+    units: list[int]  # one unit per MLA layer
+    index: int  # page index in the sequence
+    valid: int  # tokens of the page that belong to the prefix
+    last_used: int
+    parent: Optional[bytes]
+    children: set = field(default_factory=set)
+    dependents: set = field(default_factory=set)  # checkpoint keys needing this page
+
+
+@dataclass
+class CkptEntry:
+    key: bytes
+    slot: int
+    pos: int
+    kind: str
+    last_used: int
+    pins: int = 0
+    pages: list = field(default_factory=list)  # page keys this checkpoint depends on
+
+
+@dataclass
+class Hit:
+    pos: int  # logical prefix length reused (0: none)
+    ckpt: Optional[CkptEntry]
+    pages: list  # full PageEntry objects shared read-only
+    partial: Optional[PageEntry]  # page to copy (prefix ends inside it)
+    mla_tokens: int  # how deep the MLA pages alone matched
+
+
+class PrefixCache:
+    def __init__(self, allocator: Arena, layout: ArenaLayout, align: int, cfg: PrefixCacheConfig):
+        if not 1 <= cfg.hash_unit <= 128:
+            raise ValueError(f"hash_unit must be in 1..128, got {cfg.hash_unit}")
+        self.alloc, self.layout, self.cfg, self.align = allocator, layout, cfg, align
+        self.ps = layout.page_size
+        self.interval = max(align, cfg.checkpoint_interval // align * align)
+        self.decode_interval = max(align, cfg.decode_interval // align * align)
+        self.pages: dict[bytes, PageEntry] = {}
+        self.ckpts: dict[bytes, CkptEntry] = {}
+        self.unit_refs: dict[int, int] = {}
+        self._clock = itertools.count()
+        self.metrics = dict(queries=0, query_tokens=0, hit_tokens=0, mla_tokens_reused=0, kda_hits=0,
+                            kda_misses=0, recomputed_no_checkpoint=0, checkpoints_registered=0,
+                            checkpoints_evicted=0, pages_evicted=0)
+
+    # ---- unit reference counts (requests and cache entries both hold units) -------------------
+    def ref(self, units) -> None:
+        for u in units:
+            self.unit_refs[u] = self.unit_refs.get(u, 0) + 1
+
+    def unref(self, units) -> None:
+        free = []
+        for u in units:
+            n = self.unit_refs[u] - 1
+            if n:
+                self.unit_refs[u] = n
+            else:
+                del self.unit_refs[u]
+                free.append(u)
+        self.alloc.free_pages(free)
+
+    # ---- lookup -------------------------------------------------------------------------------
+    def match(self, h: PrefixHasher, n_tokens: int) -> Hit:
+        """Deepest reusable prefix of the first `n_tokens` tokens (capped at n_tokens - 1)."""
+        cap = n_tokens - 1
+        full = []
+        while (len(full) + 1) * self.ps <= cap:
+            e = self.pages.get(h.key(FULL, (len(full) + 1) * self.ps))
+            if e is None:
+                break
+            full.append(e)
+        mla = len(full) * self.ps
+        # deepest checkpoint at an aligned position whose pages are all present
+        pos = (min(cap, mla + self.ps - 1) // self.align) * self.align
+        while pos > 0:
+            c = self.ckpts.get(h.key(KDA, pos))
+            if c is not None:
+                partial = None
+                if pos % self.ps:
+                    partial = self.pages.get(h.key(PARTIAL, pos))
+                    if partial is None and pos // self.ps < len(full):
+                        partial = full[pos // self.ps]  # a full page holds the partial prefix too
+                    if partial is None:
+                        pos -= self.align
+                        continue
+                return Hit(pos, c, full[:pos // self.ps], partial, max(mla, pos))
+            pos -= self.align
+        return Hit(0, None, [], None, mla)
+
+    def record_query(self, n_tokens: int, hit: Hit) -> None:
+        m = self.metrics
+        m["queries"] += 1
+        m["query_tokens"] += n_tokens
+        m["hit_tokens"] += hit.pos
+        m["mla_tokens_reused"] += hit.pos
+        if hit.ckpt is not None:
+            m["kda_hits"] += 1
+        else:
+            m["kda_misses"] += 1
+        m["recomputed_no_checkpoint"] += max(0, min(hit.mla_tokens, n_tokens - 1) - hit.pos)
+
+    def acquire(self, hit: Hit) -> None:
+        """Pin what a newly admitted request will read in its first step."""
+        now = next(self._clock)
+        for e in hit.pages:
+            e.last_used = now
+            self.ref(e.units)
+        if hit.ckpt is not None:
+            hit.ckpt.pins += 1
+            hit.ckpt.last_used = now
+        if hit.partial is not None:
+            hit.partial.last_used = now
+            self.ref(hit.partial.units)  # held until the copy has run
+
+    def unpin(self, hit: Hit) -> None:
+        if hit.ckpt is not None:
+            hit.ckpt.pins -= 1
+        if hit.partial is not None:
+            self.unref(hit.partial.units)
+
+    # ---- registration -------------------------------------------------------------------------
+    def register_pages(self, h: PrefixHasher, seq_pages: list[list[int]], upto: int, start_index: int) -> int:
+        """Share the request's pages that are full below `upto`; returns the new registered count."""
+        n_full = upto // self.ps
+        now = next(self._clock)
+        for j in range(start_index, n_full):
+            key = h.key(FULL, (j + 1) * self.ps)
+            if key in self.pages:
+                continue  # an identical page is already shared; the request keeps its own copy
+            parent = h.key(FULL, j * self.ps) if j else None
+            units = [seq_pages[l][j] for l in range(len(seq_pages))]
+            self.ref(units)
+            self.pages[key] = PageEntry(key, units, j, self.ps, now, parent)
+            if parent in self.pages:
+                self.pages[parent].children.add(key)
+        return max(start_index, n_full)
+
+    def register_checkpoint(self, h: PrefixHasher, pos: int, slot: int, kind: str,
+                            seq_pages: list[list[int]]) -> bool:
+        """Take ownership of `slot` as the state at `pos`; False if an identical one exists."""
+        key = h.key(KDA, pos)
+        if key in self.ckpts or pos % self.align:
+            return False
+        deps = [h.key(FULL, (j + 1) * self.ps) for j in range(pos // self.ps)]
+        if pos % self.ps:
+            pkey = h.key(PARTIAL, pos)
+            if pkey not in self.pages:
+                j = pos // self.ps
+                units = [seq_pages[l][j] for l in range(len(seq_pages))]
+                self.ref(units)
+                parent = h.key(FULL, j * self.ps) if j else None
+                self.pages[pkey] = PageEntry(pkey, units, j, pos % self.ps, next(self._clock), parent)
+                if parent in self.pages:
+                    self.pages[parent].children.add(pkey)
+            deps.append(pkey)
+        if any(d not in self.pages for d in deps):
+            return False  # its pages are gone already
+        c = CkptEntry(key, slot, pos, kind, next(self._clock), pages=deps)
+        self.ckpts[key] = c
+        for d in deps:
+            self.pages[d].dependents.add(key)
+        self.metrics["checkpoints_registered"] += 1
+        return True
+
+    # ---- eviction -----------------------------------------------------------------------------
+    def _entry_refs(self) -> dict[int, int]:
+        refs: dict[int, int] = {}
+        for e in self.pages.values():
+            for u in e.units:
+                refs[u] = refs.get(u, 0) + 1
+        return refs
+
+    def evictable(self) -> tuple[int, int]:
+        """(units, slots) that eviction could free right now: unpinned checkpoint slots and pages
+        that only cache entries hold."""
+        slots = sum(1 for c in self.ckpts.values() if c.pins == 0)
+        units = sum(1 for u, n in self._entry_refs().items() if self.unit_refs.get(u) == n)
+        return units + slots * self.layout.slot_units, slots
+
+    def evict_for(self, units: int, slots: int) -> None:
+        """Evict LRU entries until `units` free units and `slots` free slot runs exist (best effort)."""
+        def short():
+            return (self.alloc.free_units < units
+                    or (slots and len(self.alloc._free_slot_bases(slots)) < slots))
+
+        order = sorted((c for c in self.ckpts.values() if c.pins == 0),
+                       key=lambda c: (c.kind == PROMPT_END, c.last_used))
+        for c in order:
+            if not short():
+                return
+            self._drop_ckpt(c)
+        refs = self._entry_refs()
+        leaves = sorted((e for e in self.pages.values()), key=lambda e: (-e.index, e.last_used))
+        for e in leaves:
+            if not short():
+                return
+            if e.key in self.pages and not e.dependents and all(
+                    self.unit_refs.get(u) == refs.get(u) for u in e.units):
+                self._drop_page(e)
+
+    def _drop_ckpt(self, c: CkptEntry) -> None:
+        if c.key not in self.ckpts or c.pins:
+            return
+        del self.ckpts[c.key]
+        for d in c.pages:
+            if d in self.pages:
+                self.pages[d].dependents.discard(c.key)
+        self.alloc.free_slot(c.slot)
+        self.metrics["checkpoints_evicted"] += 1
+
+    def _drop_page(self, e: PageEntry) -> None:
+        """Evict a page, the deeper pages of its chain and the checkpoints depending on any of them."""
+        if e.key not in self.pages:
+            return
+        for ck in list(e.dependents):
+            if ck in self.ckpts:
+                self._drop_ckpt(self.ckpts[ck])
+        for child in list(e.children):
+            if child in self.pages:
+                self._drop_page(self.pages[child])
+        if any(ck in self.ckpts for ck in e.dependents):
+            return  # a pinned checkpoint still needs this page
+        del self.pages[e.key]
+        if e.parent in self.pages:
+            self.pages[e.parent].children.discard(e.key)
+        self.unref(e.units)
+        self.metrics["pages_evicted"] += 1
+
+    def clear(self) -> None:
+        for c in list(self.ckpts.values()):
+            c.pins = 0
+            self._drop_ckpt(c)
+        for e in sorted(self.pages.values(), key=lambda e: -e.index):
+            self._drop_page(e)
+
+    def stats(self) -> dict:
+        m = dict(self.metrics)
+        m["hit_rate"] = m["hit_tokens"] / m["query_tokens"] if m["query_tokens"] else 0.0
+        m["checkpoints"] = len(self.ckpts)
+        m["pages"] = len(self.pages)
+        m["kda_checkpoint_bytes"] = len(self.ckpts) * self.layout.slot_units * self.layout.unit_bytes
+        return m

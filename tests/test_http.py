@@ -1,0 +1,519 @@
+"""The HTTP server end to end: the real `k3jax serve` in a subprocess on a free loopback port, driven
+with the official `openai` client, raw httpx, schemathesis and a bounded concurrent load.
+
+Two servers per module (tiny-k3, two step programs each, sharing one persistent compilation cache so
+the second starts warm): an open one for the API, metrics, schema fuzzing and load; one with API keys,
+per-key limits and a one-sequence waiting queue for auth, 429 and 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+
+from serve.metrics import NAMES
+
+MODEL = "tiny-k3"
+MAX_MODEL_LEN = 128
+CAPACITY = 8  # largest decode bucket
+# Two step programs (decode 8 rows, prefill 1 row x 32 tokens; 8 context pages): fast warm-up.
+SMALL = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CAPACITY),
+         "--decode-buckets", str(CAPACITY), "--prefill-buckets", "1", "--context-buckets", "8",
+         "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning"]
+START_TIMEOUT = 300
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, extra: list[str], cache_dir: str, log_path: str, env: dict | None = None):
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        cmd = [sys.executable, "-m", "k3jax.cli", "serve", *SMALL, "--port", str(self.port),
+               "--compile-cache-dir", cache_dir, *extra]
+        self.log = open(log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {})})
+        self.health_seen: list[int] = []
+        self.startup_s = self._wait_ready()
+
+    def _wait_ready(self) -> float:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < START_TIMEOUT:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.tail()}")
+            try:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if not self.health_seen or self.health_seen[-1] != r.status_code:
+                    self.health_seen.append(r.status_code)
+                if r.status_code == 200:
+                    return time.monotonic() - t0
+            except httpx.TransportError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"server not ready after {START_TIMEOUT}s:\n{self.tail()}")
+
+    def tail(self) -> str:
+        self.log.flush()
+        with open(self.log_path) as f:
+            return f.read()[-4000:]
+
+    def metrics(self) -> str:
+        return httpx.get(self.url + "/metrics", timeout=10).text
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        self.log.close()
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of `name` (exact name) whose labels include `labels`."""
+    total, found = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        m = re.match(r"^([^{\s]+)(\{[^}]*\})?\s+(\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        lab = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        if all(lab.get(k) == v for k, v in labels.items()):
+            total += float(m.group(3))
+            found = True
+    assert found, f"no sample of {name} {labels}"
+    return total
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("jax_compile_cache"))
+
+
+@pytest.fixture(scope="module")
+def server(cache_dir, tmp_path_factory):
+    s = Server([], cache_dir, str(tmp_path_factory.mktemp("logs") / "server.log"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def http(server):
+    with httpx.Client(base_url=server.url, timeout=60) as c:
+        yield c
+
+
+def n_tokens(http, text: str) -> int:
+    return http.post("/tokenize", json={"prompt": text}).json()["count"]
+
+
+# ---- health, models, tokenize ---------------------------------------------------------------------
+
+def test_health_is_503_while_warming_then_200(server, http):
+    assert 503 in server.health_seen and server.health_seen[-1] == 200, server.health_seen
+    r = http.get("/health")
+    assert r.status_code == 200
+
+
+def test_models(client, http):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert http.get(f"/v1/models/{MODEL}").json()["max_model_len"] == MAX_MODEL_LEN
+    r = http.get("/v1/models/nope")
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
+
+
+def test_tokenize_detokenize_roundtrip(http):
+    r = http.post("/tokenize", json={"prompt": "Hello, K3"}).json()
+    assert r["count"] == len("Hello, K3".encode()) and r["max_model_len"] == MAX_MODEL_LEN
+    assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello, K3"}
+    chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2 and 259 in chat["tokens"]  # <|im_user|> of the byte presets' template
+    assert http.post("/detokenize", json={"tokens": [1, 99999]}).status_code == 400
+    assert http.post("/tokenize", json={"prompt": "a", "messages": []}).status_code == 400
+
+
+def test_openapi_schema_served(http):
+    paths = http.get("/openapi.json").json()["paths"]
+    for p in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
+              "/detokenize"):
+        assert p in paths
+
+
+# ---- completions ----------------------------------------------------------------------------------
+
+def test_completion_usage_logprobs_and_greedy_determinism(client, http):
+    prompt = "The quick brown fox"
+    a = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0, logprobs=2,
+                                  extra_body={"ignore_eos": True})
+    b = client.completions.create(model=MODEL, prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
+    assert a.object == "text_completion" and a.model == MODEL
+    assert a.choices[0].text == b.choices[0].text
+    assert a.choices[0].finish_reason == "length"
+    assert a.usage.prompt_tokens == n_tokens(http, prompt) == len(prompt)
+    assert a.usage.completion_tokens == 6 and a.usage.total_tokens == a.usage.prompt_tokens + 6
+    lp = a.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
+    assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+
+
+def test_completion_seed_reproducible_and_n(client):
+    kw = dict(model=MODEL, prompt="seeded", max_tokens=5, temperature=1.0, seed=1234,
+              extra_body={"ignore_eos": True})
+    a, b = client.completions.create(**kw), client.completions.create(**kw)
+    assert a.choices[0].text == b.choices[0].text
+    c = client.completions.create(n=3, **kw)
+    assert sorted(ch.index for ch in c.choices) == [0, 1, 2]
+    assert c.usage.completion_tokens == 15 and c.usage.prompt_tokens == len("seeded")
+
+
+def test_completion_batch_prompts(client):
+    r = client.completions.create(model=MODEL, prompt=["ab", "cde"], max_tokens=3, temperature=0, n=2,
+                                  extra_body={"ignore_eos": True})
+    assert sorted(c.index for c in r.choices) == [0, 1, 2, 3]
+    assert r.usage.prompt_tokens == 5 and r.usage.completion_tokens == 12
+    # token-id prompts are accepted too
+    t = client.completions.create(model=MODEL, prompt=[72, 105], max_tokens=2, temperature=0)
+    assert t.usage.prompt_tokens == 2
+
+
+def test_completion_stream_matches_non_stream(client):
+    kw = dict(model=MODEL, prompt="Streaming test", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    full = client.completions.create(**kw)
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    finals = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 8
+    assert chunks[-1].usage.prompt_tokens == len("Streaming test")
+
+
+def test_stop_string_ends_text(client):
+    kw = dict(model=MODEL, prompt="stop here", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
+    g = client.completions.create(**kw).choices[0].text
+    cands = [ch for ch in g[1:] if ch.isprintable() and ch != "\ufffd"]
+    if not cands:
+        pytest.skip(f"greedy text {g!r} has no printable character to stop at")
+    stop = cands[0]
+    r = client.completions.create(stop=[stop], **kw).choices[0]
+    assert r.text == g[:g.index(stop)] and r.finish_reason == "stop"
+
+
+# ---- chat -----------------------------------------------------------------------------------------
+
+def test_chat_non_stream_and_stream(client, http):
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "Hello!"}]
+    full = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0,
+                                          extra_body={"ignore_eos": True}, logprobs=True, top_logprobs=2)
+    assert full.object == "chat.completion"
+    ch = full.choices[0]
+    assert ch.message.role == "assistant" and ch.finish_reason == "length"
+    assert len(ch.logprobs.content) == 6 and len(ch.logprobs.content[0].top_logprobs) == 2
+    want_prompt = http.post("/tokenize", json={"messages": msgs}).json()["count"]
+    assert full.usage.prompt_tokens == want_prompt and full.usage.completion_tokens == 6
+    stream = client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == ch.message.content
+    assert chunks[-1].usage.prompt_tokens == want_prompt and chunks[-1].usage.total_tokens == want_prompt + 6
+
+
+def test_chat_n_and_max_completion_tokens(client):
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2,
+                                       max_completion_tokens=3, seed=7, extra_body={"ignore_eos": True})
+    assert len(r.choices) == 2 and r.usage.completion_tokens == 6
+
+
+# ---- errors -----------------------------------------------------------------------------------------
+
+def _err(r, status):
+    assert r.status_code == status, (r.status_code, r.text)
+    body = r.json()["error"]
+    assert set(body) == {"message", "type", "param", "code"} and body["message"]
+    return body
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": "x", "max_tokens": 2, "bogus": 1}, "bogus"),
+    ({"prompt": "x", "max_tokens": "many"}, "max_tokens"),
+    ({"prompt": "x", "temperature": -1}, "temperature"),
+    ({"prompt": "x", "temperature": "hot"}, "temperature"),
+    ({"prompt": "x", "top_p": 0}, "top_p"),
+    ({"prompt": "x", "top_k": -7}, "top_k"),
+    ({"prompt": "x", "min_p": 2}, "min_p"),
+    ({"prompt": "x", "n": 0}, "n"),
+    ({"prompt": "x", "logprobs": 19}, "logprobs"),  # engine allows up to 5
+    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "stop": [""]}, "stop"),
+    ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"prompt": [], "max_tokens": 1}, "prompt"),
+    ({"prompt": [5, 100000]}, "prompt"),
+    ({"max_tokens": 1}, "prompt"),
+])
+def test_bad_requests_are_400_with_openai_body(http, body, param):
+    err = _err(http.post("/v1/completions", json=body), 400)
+    assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_malformed_json_and_wrong_content(http):
+    _err(http.post("/v1/completions", content=b'{"prompt": "x",', headers={"content-type": "application/json"}),
+         400)
+    _err(http.post("/v1/completions", content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
+    _err(http.post("/v1/chat/completions", json={"messages": []}), 400)
+    _err(http.post("/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]}), 400)
+    _err(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                "tools": [{"type": "function"}]}), 400)
+    _err(http.get("/v1/nothing-here"), 404)
+
+
+def test_unknown_model_404(client, http):
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="gpt-4", prompt="x", max_tokens=1)
+    assert _err(http.post("/v1/chat/completions", json={"model": "x", "messages": [{"role": "user", "content": "a"}]}),
+                404)["code"] == "model_not_found"
+
+
+def test_prompt_over_context_window_names_both_numbers(http):
+    err = _err(http.post("/v1/completions", json={"prompt": "a" * 100, "max_tokens": 50}), 400)
+    assert str(MAX_MODEL_LEN) in err["message"] and "100" in err["message"] and "150" in err["message"]
+    assert err["code"] == "context_length_exceeded"
+    err = _err(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a" * 300}]}), 400)
+    assert str(MAX_MODEL_LEN) in err["message"] and re.search(r"\b3\d\d\b", err["message"])
+
+
+def test_oversized_body_413(http):
+    err = _err(http.post("/v1/completions", json={"prompt": "a" * (2 << 20)}), 413)
+    assert err["code"] == "request_too_large"
+
+
+# ---- metrics --------------------------------------------------------------------------------------
+
+def test_metrics_has_every_metric(server, client):
+    client.completions.create(model=MODEL, prompt="metrics", max_tokens=3)
+    text = server.metrics()
+    missing = [n for n in NAMES if n not in text]
+    assert not missing, missing
+    for n in ("vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:time_to_first_token_seconds",
+              "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds", "vllm:prompt_tokens_total",
+              "vllm:generation_tokens_total", "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+              "vllm:kv_cache_usage_perc", "k3jax:expert_tokens_total", "k3jax:moe_dispatch_seconds_total",
+              "k3jax:inter_rank_bytes_total", "k3jax:kda_slot_usage_perc", "k3jax:mla_page_usage_perc",
+              "k3jax:kda_checkpoint_hits_total", "k3jax:kda_checkpoint_misses_total",
+              "k3jax:compiles_after_warmup"):
+        assert f"# TYPE {n} " in text or f"# TYPE {n.removesuffix('_total')} " in text, n
+    assert metric(text, "vllm:time_to_first_token_seconds_count") >= 1
+    assert metric(text, "vllm:generation_tokens_total") >= 3
+    assert metric(text, "k3jax:inter_rank_bytes_total") == 0
+    assert metric(text, "k3jax:compiles_after_warmup") == 0
+
+
+# ---- schemathesis -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("mode", ["positive", "negative"])
+def test_schemathesis_finds_no_server_errors(server, mode):
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_url(server.url + "/openapi.json")
+    strategy = schema.as_strategy(generation_mode=GenerationMode(mode))
+    failures = []
+
+    @settings(max_examples=30, deadline=None, database=None, derandomize=True,
+              suppress_health_check=list(HealthCheck))
+    @given(case=strategy)
+    def run(case):
+        body = case.body
+        if isinstance(body, dict):  # keep generation CPU-cheap: clamp valid-looking sizes
+            for k in ("max_tokens", "max_completion_tokens"):
+                if isinstance(body.get(k), int) and not isinstance(body.get(k), bool) and body[k] > 4:
+                    body[k] = 4
+            if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
+                body["max_tokens"] = 4
+            if isinstance(body.get("n"), int) and not isinstance(body.get("n"), bool) and body["n"] > 2:
+                body["n"] = 2
+        resp = case.call(base_url=server.url, timeout=60)
+        if resp.status_code >= 500:
+            failures.append((case.method, case.path, case.body, resp.status_code, resp.text[:300]))
+
+    run()
+    assert not failures, failures[:3]
+    assert httpx.get(server.url + "/health").status_code == 200
+
+
+# ---- load with disconnects ----------------------------------------------------------------------------
+
+def test_load_with_disconnects_leaves_server_healthy_and_arena_at_baseline(server):
+    rng = random.Random(0)
+    n_req, n_drop = 64, 16
+    drop = set(rng.sample(range(n_req), n_drop))
+
+    async def one(c: httpx.AsyncClient, i: int):
+        body = {"model": MODEL, "prompt": f"load test {i} " * rng.randint(1, 4), "max_tokens": rng.randint(4, 10),
+                "stream": True, "temperature": 0.8, "seed": i, "ignore_eos": True}
+        if i in drop and i % 4 == 0:  # disconnect before the response starts (while queued / prefilling)
+            task = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.sleep(rng.uniform(0.0, 0.5))
+            task.cancel()
+            try:
+                await task
+            except (asyncio.CancelledError, httpx.HTTPError):
+                pass
+            return "dropped"
+        stop_after = rng.randint(0, 4) if i in drop else None
+        finish, events = None, 0
+        async with c.stream("POST", "/v1/completions", json=body) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if stop_after is not None and events >= stop_after:
+                    return "dropped"  # leaving the block closes the connection mid-stream
+                events += 1
+                if line == "data: [DONE]":
+                    break
+                ch = json.loads(line[6:])["choices"]
+                if ch and ch[0]["finish_reason"]:
+                    finish = ch[0]["finish_reason"]
+        return finish
+
+    async def main():
+        limits = httpx.Limits(max_connections=n_req + 8, max_keepalive_connections=0)
+        async with httpx.AsyncClient(base_url=server.url, timeout=120, limits=limits) as c:
+            return await asyncio.gather(*(one(c, i) for i in range(n_req)))
+
+    before = server.metrics()
+    aborted0 = metric(before, "k3jax:requests_aborted_total")
+    results = asyncio.run(main())
+    kept = [r for i, r in enumerate(results) if i not in drop]
+    assert kept == ["length"] * (n_req - n_drop), results
+
+    # Healthy, nothing in flight, the arena back at its baseline (units the prefix cache keeps are
+    # reclaimable and count as free), no compiles.
+    deadline = time.monotonic() + 30
+    while True:
+        text = server.metrics()
+        free = metric(text, "k3jax:arena_free_units") + metric(text, "k3jax:arena_cached_units")
+        idle = (metric(text, "k3jax:api_requests_in_flight") == 0
+                and metric(text, "vllm:num_requests_running") == 0 and metric(text, "vllm:num_requests_waiting") == 0)
+        if idle and free == metric(text, "k3jax:arena_baseline_free_units") or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert idle, text
+    assert free == metric(text, "k3jax:arena_baseline_free_units")
+    assert metric(text, "k3jax:compiles_after_warmup") == 0
+    assert metric(text, "k3jax:requests_aborted_total") - aborted0 >= 1
+    assert httpx.get(server.url + "/health").status_code == 200
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "after", "max_tokens": 2}, timeout=60)
+    assert r.status_code == 200
+
+
+# ---- keys, limits, queue ----------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def limited(server, cache_dir, tmp_path_factory):
+    d = tmp_path_factory.mktemp("keys")
+    keys = d / "keys.txt"
+    keys.write_text("# team keys\nk-open\nk-rpm rpm=2\nk-tpm tpm=60\n")
+    s = Server(["--api-key-file", str(keys), "--max-waiting", "1"], cache_dir, str(d / "limited.log"),
+               env={"K3JAX_API_KEYS": "k-env1,k-env2"})
+    yield s
+    s.stop()
+
+
+def _post(s, key, body, path="/v1/completions"):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(s.url + path, json=body, headers=headers, timeout=60)
+
+
+def test_api_keys_401(limited):
+    _err(httpx.get(limited.url + "/v1/models"), 401)
+    _err(httpx.get(limited.url + "/v1/models", headers={"Authorization": "Bearer nope"}), 401)
+    _err(httpx.get(limited.url + "/v1/models", headers={"Authorization": "Basic k-open"}), 401)
+    assert _post(limited, None, {"prompt": "x", "max_tokens": 1}).status_code == 401
+    assert httpx.get(limited.url + "/v1/models", headers={"Authorization": "Bearer k-env2"}).status_code == 200
+    assert httpx.get(limited.url + "/health").status_code == 200  # health and metrics stay open
+    assert httpx.get(limited.url + "/metrics").status_code == 200
+    bad = openai.OpenAI(base_url=limited.url + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="x", max_tokens=1)
+    good = openai.OpenAI(base_url=limited.url + "/v1", api_key="k-open", max_retries=0)
+    assert good.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_requests_per_minute_429(limited):
+    for _ in range(2):
+        assert _post(limited, "k-rpm", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    r = _post(limited, "k-rpm", {"prompt": "x", "max_tokens": 1})
+    err = _err(r, 429)
+    assert err["code"] == "rate_limit_exceeded" and 1 <= int(r.headers["Retry-After"]) <= 60
+    assert _post(limited, "k-open", {"prompt": "x", "max_tokens": 1}).status_code == 200  # other keys unaffected
+
+
+def test_tokens_per_minute_429(limited):
+    err = _err(_post(limited, "k-tpm", {"prompt": "x", "max_tokens": 100}), 429)  # 101 > 60 on its own
+    assert "60" in err["message"]
+    assert _post(limited, "k-tpm", {"prompt": "xy", "max_tokens": 30, "ignore_eos": True}).status_code == 200
+    r = _post(limited, "k-tpm", {"prompt": "xy", "max_tokens": 30})  # 32 used + 32 > 60
+    _err(r, 429)
+    assert int(r.headers["Retry-After"]) >= 1
+
+
+def test_full_queue_503_and_recovery(limited):
+    capacity = CAPACITY + 1  # 8 decode rows + max_waiting 1
+    err = _err(_post(limited, "k-open", {"prompt": "x", "max_tokens": 1, "n": capacity + 1}), 400)
+    assert "n" == err["param"]
+
+    async def main():
+        async with httpx.AsyncClient(base_url=limited.url, timeout=120,
+                                     headers={"Authorization": "Bearer k-open"}) as c:
+            body = {"prompt": "hold the queue", "max_tokens": 100, "n": capacity, "stream": True, "ignore_eos": True}
+            async with c.stream("POST", "/v1/completions", json=body) as r:
+                assert r.status_code == 200
+                lines = r.aiter_lines()
+                await lines.__anext__()
+                full = await c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+                # the long stream is closed here (client disconnect -> abort)
+            return full
+
+    full = asyncio.run(main())
+    err = _err(full, 503)
+    assert err["code"] == "queue_full" and int(full.headers["Retry-After"]) >= 1
+    deadline = time.monotonic() + 20
+    while metric(limited.metrics(), "k3jax:api_sequences_in_flight") and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _post(limited, "k-open", {"prompt": "x", "max_tokens": 1}).status_code == 200
+    text = limited.metrics()
+    assert metric(text, "k3jax:http_requests_rejected_total", reason="queue_full") >= 1
+    assert metric(text, "k3jax:http_requests_rejected_total", reason="rate_limit") >= 1
+    assert metric(text, "k3jax:http_requests_rejected_total", reason="auth") >= 1
