@@ -22,7 +22,8 @@ DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=128, decode_buckets=None, prefill_buckets="1",
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
-    max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, log_level="info",
+    max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
+    log_level="info",
 )
 
 
@@ -46,6 +47,7 @@ def add_serve_arguments(s) -> None:
                    help="comma-separated MLA pages per layer; default 'PAGES/4,PAGES' for the context window")
     e.add_argument("--cache-mb", type=int, default=d["cache_mb"], help="cache arena budget (MiB)")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
+    e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
                                                              "(default ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
@@ -73,14 +75,19 @@ def _ints(text: Optional[str], name: str) -> Optional[tuple[int, ...]]:
 
 
 def engine_config(o: dict):
+    import dataclasses
+
     from serve.engine import EngineConfig
 
     pages = -(-o["max_model_len"] // o["page_size"])
     decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({1, o["max_num_seqs"]}))
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
     context = _ints(o["context_buckets"], "context-buckets") or tuple(sorted({max(1, pages // 4), pages}))
+    extra = {}
+    if o.get("no_prefix_caching") and "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
+        extra["enable_prefix_caching"] = False
     return EngineConfig(
-        max_model_len=o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
+        **extra, max_model_len=o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=max(512, decode[-1] + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],

@@ -336,7 +336,7 @@ class Engine:
             seq.copies = list(zip(hit.partial.units, fresh))
             for l in range(lm):
                 seq.pages[l].append(fresh[l])
-        seq.read_slot, seq.read_pin = hit.ckpt.slot, hit.ckpt
+        seq.read_slot = hit.ckpt.slot  # pinned through `seq.hit` until the first step has read it
         seq.registered_pages = len(hit.pages)
 
     def _after_row(self, seq: Sequence, decoded: bool) -> None:
@@ -347,6 +347,8 @@ class Engine:
         if seq.hit is not None:
             pc.unpin(seq.hit)
             seq.hit = None
+        if seq.read_pin is not None:
+            seq.read_pin.pins -= 1
         seq.read_slot = seq.read_pin = None
         seq.copies = []
         seq.hasher.extend(seq.all_ids)
@@ -519,6 +521,12 @@ class Engine:
             "arena_cached_units": self._cached_units(),
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
+
+    def slot_bytes(self, base: int) -> np.ndarray:
+        """Host copy of one KDA slot's contents (tests use it to check checkpoints never change)."""
+        flat = self.arena.reshape(-1)
+        start = base * self.layout.unit_elems
+        return np.asarray(flat[start:start + self.layout.slot_elems])
 
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""

@@ -175,6 +175,7 @@ class PrefixCache:
         m["mla_tokens_reused"] += hit.pos
         if hit.ckpt is not None:
             m["kda_hits"] += 1
+            m[f"kda_hits_{hit.ckpt.kind}"] = m.get(f"kda_hits_{hit.ckpt.kind}", 0) + 1
         else:
             m["kda_misses"] += 1
         m["recomputed_no_checkpoint"] += max(0, min(hit.mla_tokens, n_tokens - 1) - hit.pos)

@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def make_engine(model, chunk=64, units=450, **kw):
     cfg = dict(max_model_len=512, page_size=16, cache_bytes=units * 2560, max_num_seqs=32, prefill_chunk=chunk,
                max_prefill_seqs=4, max_num_batched_tokens=512, decode_buckets=(4, 32), prefill_buckets=(4,),
-               context_buckets=(32,), max_logprobs=3)
+               context_buckets=(32,), max_logprobs=3, enable_prefix_caching=False)
     cfg.update(kw)
     return Engine(model, EngineConfig(**cfg), progress=False)
 

@@ -230,21 +230,21 @@ def _chunk_local(q, k, g, beta):
     """
     *lead, P, K = q.shape
     lead = tuple(lead)
+    KQ = jnp.stack([k, q], axis=-3)             # [..., 2, P, K]
     L = g                                       # inclusive prefix sum inside each s-block
     E = jnp.zeros_like(g)                       # exclusive suffix sum inside each s-block
-    Aqk = jnp.sum(q * k, axis=-1)[..., None, None]          # [..., P, 1, 1] diagonal
+    Aqk = jnp.zeros(lead + (P, 1, 1), jnp.float32)
     Tinv = jnp.ones(lead + (P, 1, 1), jnp.float32)
     s = 1
     while s < P:
         nb = P // (2 * s)
-        r = lambda x: x.reshape(lead + (nb, 2, s) + x.shape[-1:])
-        Lr, Er, qr, kr = r(L), r(E), r(q), r(k)
-        br = beta.reshape(lead + (nb, 2, s))
-        a = jnp.exp(Lr[..., 1, :, :])           # i in the 2nd half: exp(Gamma_i - Gamma_r)
-        kb = kr[..., 0, :, :] * jnp.exp(Er[..., 0, :, :])    # j in the 1st: exp(G_r - G_j)
-        lhs = jnp.concatenate([kr[..., 1, :, :] * a, qr[..., 1, :, :] * a], -2)
-        X = _mm("...ik,...jk->...ij", lhs, kb)  # [..., nb, 2s, s]
-        Xkk, Xqk = X[..., :s, :], X[..., s:, :]
+        Lr = L.reshape(lead + (nb, 2, s, K))
+        Er = E.reshape(lead + (nb, 2, s, K))
+        KQr = KQ.reshape(lead + (2, nb, 2, s, K))
+        lhs = KQr[..., 1, :, :] * jnp.exp(Lr[..., None, :, 1, :, :])   # i in the 2nd half
+        kb = KQr[..., 0, :, 0, :, :] * jnp.exp(Er[..., 0, :, :])       # j in the 1st half
+        X = _mm("...xnik,...njk->...xnij", lhs, kb)             # [..., 2, nb, s, s]
+        Xkk, Xqk = X[..., 0, :, :, :], X[..., 1, :, :, :]
         z = jnp.zeros(lead + (nb, s, s), jnp.float32)
         Aq = Aqk.reshape(lead + (nb, 2, s, s))
         Aqk = jnp.concatenate([jnp.concatenate([Aq[..., 0, :, :], z], -1),
@@ -252,14 +252,21 @@ def _chunk_local(q, k, g, beta):
         Tb = Tinv.reshape(lead + (nb, 2, s, s))
         T0, T1 = Tb[..., 0, :, :], Tb[..., 1, :, :]
         Y = -_mm("...ij,...jk->...ik",
-                 _mm("...ij,...jk->...ik", T1, br[..., 1, :, None] * Xkk), T0)
+                 _mm("...ij,...jk->...ik", T1,
+                     beta.reshape(lead + (nb, 2, s))[..., 1, :, None] * Xkk), T0)
         Tinv = jnp.concatenate([jnp.concatenate([T0, z], -1),
                                 jnp.concatenate([Y, T1], -1)], -2)
-        L = jnp.concatenate([Lr[..., 0, :, :], Lr[..., 1, :, :] + Lr[..., 0, -1:, :]], -2)
-        E = jnp.concatenate([Er[..., 0, :, :] + Lr[..., 1, -1:, :], Er[..., 1, :, :]], -2)
-        L, E = L.reshape(lead + (P, K)), E.reshape(lead + (P, K))
+        second = jnp.asarray([0.0, 1.0], jnp.float32)[:, None, None]
+        L = (Lr + second * Lr[..., 0:1, s - 1:, :]).reshape(lead + (P, K))
+        E = (Er + (1.0 - second) * Lr[..., 1:2, s - 1:, :]).reshape(lead + (P, K))
+        # materialise: otherwise XLA fuses the whole recursion into each consumer and
+        # recomputes every broadcast block sum per element
+        L, E = lax.optimization_barrier((L, E))
         s *= 2
-    return Aqk.reshape(lead + (P, P)), Tinv.reshape(lead + (P, P)), L, E
+    i = np.arange(P)
+    qk = _mm("...ik,...jk->...ij", q, k)                        # diagonal: q_i . k_i
+    Aqk = Aqk.reshape(lead + (P, P)) + jnp.where(jnp.asarray(i[:, None] == i[None, :]), qk, 0.0)
+    return Aqk, Tinv.reshape(lead + (P, P)), L, E
 
 
 def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_states=False):

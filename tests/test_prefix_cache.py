@@ -1,0 +1,145 @@
+"""Hybrid prefix cache: warm resume equals cold recompute for every checkpoint kind, mid-page and
+page-aligned hits, randomized sharing trees with aborts and preemption, immutability, no leaks."""
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import k3jax
+from serve.engine import Engine, EngineConfig
+from serve.types import SamplingParams
+
+# (page_size, prefill_chunk): checkpoints sit on multiples of min(prefill_chunk, 64)
+LAYOUTS = {"mid_page": (64, 16), "page_aligned": (16, 32)}
+
+
+def config(page, chunk, units, **kw):
+    return EngineConfig(max_model_len=384, page_size=page, cache_bytes=units * page * 40 * 4, max_num_seqs=8,
+                        prefill_chunk=chunk, max_prefill_seqs=2, max_num_batched_tokens=256, decode_buckets=(8,),
+                        prefill_buckets=(2,), context_buckets=(384 // page,), max_logprobs=4,
+                        checkpoint_interval=256, decode_checkpoint_interval=32, **kw)
+
+
+@pytest.fixture(scope="module", params=[("tiny-k3", "mid_page"), ("tiny-kimi-linear", "page_aligned"),
+                                        ("tiny-k3", "page_aligned")], ids=lambda p: "-".join(p))
+def engines(request):
+    name, layout = request.param
+    model = k3jax.load_model(name, seed=2)
+    page, chunk = LAYOUTS[layout]
+    units = 6000 // page
+    on = Engine(model, config(page, chunk, units), progress=False)
+    off = Engine(model, config(page, chunk, units, enable_prefix_caching=False), progress=False)
+    return on, off
+
+
+def run(engine, prompt, n=8):
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=4))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return out
+
+
+def logprobs(out):
+    return [(c.token_id, c.logprob, [(t.token_id, t.logprob) for t in top]) for c, top in out.outputs[0].logprobs]
+
+
+def hits(engine, kind):
+    return engine.stats()["prefix_cache"].get(f"kda_hits_{kind}", 0)
+
+
+def toks(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def warm_vs_cold(engines, prompt, kind, exact=True):
+    on, off = engines
+    before = hits(on, kind)
+    warm, cold = run(on, prompt), run(off, prompt)
+    assert hits(on, kind) == before + 1, f"expected a {kind} checkpoint hit"
+    assert warm.token_ids == cold.token_ids
+    if exact:
+        assert logprobs(warm) == logprobs(cold)  # bit-identical logits (through their log-softmax)
+    else:
+        np.testing.assert_allclose([x[1] for x in logprobs(warm)], [x[1] for x in logprobs(cold)], atol=1e-5)
+
+
+def test_chunk_end_checkpoint(engines):
+    base = toks(1, 300)
+    run(engines[0], base)  # captures the chunk-end state at 256 (and the prompt end at 288)
+    warm_vs_cold(engines, base[:280] + toks(2, 20), "chunk_end")
+
+
+def test_prompt_end_checkpoint(engines):
+    base = toks(3, 100)  # prompt end 100 -> aligned checkpoint at 96
+    run(engines[0], base)
+    warm_vs_cold(engines, base + toks(4, 7), "prompt_end")
+
+
+def test_branch_point_checkpoint(engines):
+    system = toks(5, 150)
+    run(engines[0], system + toks(6, 30))  # states only at its own prompt end (176)
+    run(engines[0], system + toks(7, 30))  # second sighting: pages reach 128+, no state -> capture at 128
+    warm_vs_cold(engines, system + toks(8, 11), "branch_point")
+
+
+def test_decode_interval_checkpoint(engines):
+    """States captured by the token-by-token decode match a cold chunked prefill to rounding."""
+    on, _ = engines
+    p = toks(10, 40)
+    first = run(on, p, n=40)  # decode checkpoints at 64
+    warm_vs_cold(engines, p + first.token_ids + toks(11, 5), "decode_interval", exact=False)
+
+
+def test_metrics_and_clear(engines):
+    on, _ = engines
+    pc = on.stats()["prefix_cache"]
+    assert pc["mla_tokens_reused"] > 0 and pc["kda_hits"] > 0 and pc["kda_misses"] > 0
+    assert 0 < pc["hit_rate"] < 1
+    s = on.stats()
+    assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
+    on.prefix_cache.clear()
+    assert on.stats()["arena_free_units"] == on.stats()["arena_baseline_free_units"]
+
+
+@settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
+@given(data=st.data())
+def test_random_sharing_trees_match_caching_off(engines, data):
+    """Concurrent requests on random prefix trees, with aborts; a small arena forces eviction and
+    preemption. Outputs equal caching off; checkpoints never change; the arena returns to baseline."""
+    on, off = engines
+    seed = data.draw(st.integers(0, 10 ** 6))
+    rng = np.random.default_rng(seed)
+    roots = [toks(seed + i, int(rng.integers(20, 120))) for i in range(2)]
+    prompts = []
+    for _ in range(data.draw(st.integers(4, 10))):
+        base = roots[int(rng.integers(0, 2))]
+        cut = int(rng.integers(1, len(base) + 1))
+        prompts.append(base[:cut] + toks(int(rng.integers(0, 10 ** 6)), int(rng.integers(1, 60))))
+    aborts = set(data.draw(st.lists(st.integers(0, len(prompts) - 1), max_size=2)))
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    ids = [on.add_request(p, sp) for p in prompts]
+    seen: dict[int, bytes] = {}
+    outs, steps = {}, 0
+    while on.has_unfinished():
+        for o in on.step():
+            if o.finished:
+                outs[o.request_id] = o.token_ids
+        steps += 1
+        if steps == 2:
+            for a in aborts:
+                on.abort(ids[a])
+        for c in on.prefix_cache.ckpts.values():
+            digest = on.slot_bytes(c.slot).tobytes()
+            key = (c.slot, c.key)
+            assert seen.setdefault(key, digest) == digest, "a checkpoint changed after registration"
+    for i, p in enumerate(prompts):
+        if ids[i] in outs and i not in aborts:
+            assert outs[ids[i]] == run(off, p, 6).token_ids
+    s = on.stats()
+    assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
+    on.prefix_cache.clear()
+    assert on.stats()["arena_free_units"] == on.stats()["arena_baseline_free_units"]
