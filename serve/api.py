@@ -526,7 +526,7 @@ class _CompletionFormat(_Format):
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         return {**self.head("text_completion"), "choices": choices, "usage": run.usage()}
 
-    def start(self) -> list[dict]:
+    def start(self, nprompts: int, usage_field: bool) -> list[dict]:
         return []
 
     def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
@@ -811,6 +811,12 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 
 # ---- request handling -------------------------------------------------------------------------------
 
+def _param_of(message: str) -> Optional[str]:
+    """`"field: why"` -> "field" (the engine's and SamplingParams' message convention)."""
+    head, sep, _ = message.partition(":")
+    return head if sep and head.isidentifier() else None
+
+
 def _check_ids(st: ServerState, ids: list[int], param: str) -> None:
     for t in ids:
         if not 0 <= t < st.vocab_size:
@@ -893,7 +899,7 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0]) from None
+        raise APIError(400, str(e), param=_param_of(str(e))) from None
     return params
 
 
@@ -940,15 +946,14 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     except _ClientGone:
         return Response(status_code=499)
     except RequestError as e:
-        raise APIError(400, str(e), param=str(e).split(":", 1)[0] or None) from None
+        raise APIError(400, str(e), param=_param_of(str(e))) from None
     finally:
         if not handed_off:
             run.close()
 
     async def events():
         try:
-            start = fmt.start(len(prompts), include_usage) if isinstance(fmt, _ChatFormat) else fmt.start()
-            for chunk in start:
+            for chunk in fmt.start(len(prompts), include_usage):
                 yield _sse(chunk)
             async for i, out in run.items():
                 for chunk in fmt.deltas(i, out, include_usage):

@@ -154,7 +154,10 @@ class Engine:
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
-        self._warm_cache_size = None
+        n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
+        self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
+        self.warmed_up = False
+        self.compiles_after_warmup = 0
         if warmup:
             self.warmup(progress)
 
@@ -169,14 +172,19 @@ class Engine:
         """Compile every bucket once (on padding rows that touch only the scratch slot and page)."""
         for rows, t, p in tqdm(self.bucket_shapes(), desc="compiling step buckets", disable=not progress):
             batch = self._pad_batch(rows, t, p, [])
-            self.arena, res = engine_step(self.model.graphdef, self.layout, self.model.params, self.arena, batch,
-                                          self.config.max_logprobs)
+            self.arena, res, _ = self._step_fn(batch)
         jax.block_until_ready(self.arena)
-        self._warm_cache_size = engine_step._cache_size()
+        self.warmed_up = True
 
-    @property
-    def compiles_after_warmup(self) -> int:
-        return 0 if self._warm_cache_size is None else engine_step._cache_size() - self._warm_cache_size
+    def _step_fn(self, batch: StepBatch):
+        """Run the compiled step; a call that grows the jit cache after warm-up counts as a compile."""
+        before = engine_step._cache_size()
+        out = engine_step(self.model.graphdef, self.layout, self.model.params, self.arena, batch,
+                          self.config.max_logprobs)
+        if self.warmed_up and engine_step._cache_size() > before:
+            self.compiles_after_warmup += 1
+            log.warning("step shape %s compiled after warm-up", batch.tokens.shape)
+        return out
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
@@ -391,9 +399,9 @@ class Engine:
         rows_bucket = _fit(len(rows), self.decode_buckets if t == 1 else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
-        self.arena, res = engine_step(self.model.graphdef, self.layout, self.model.params, self.arena, batch,
-                                      self.config.max_logprobs)
+        self.arena, res, counts = self._step_fn(batch)
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
+        self.expert_counts += np.asarray(counts)
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
@@ -519,6 +527,8 @@ class Engine:
             "arena_baseline_free_units": self.allocator.baseline_free_units,
             "kv_cache_usage": 1.0 - self.allocator.free_units / self.allocator.baseline_free_units,
             "arena_cached_units": self._cached_units(),
+            "expert_counts": self.expert_counts.tolist(),
+            "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
 

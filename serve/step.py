@@ -65,7 +65,7 @@ class PagedView(CacheView):
 
 @partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(3,))
 def engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
-                num_top_logprobs: int) -> tuple[jax.Array, SampleResult]:
+                num_top_logprobs: int) -> tuple[jax.Array, SampleResult, jax.Array]:
     model = nnx.merge(graphdef, params)
     arena = arena.at[batch.copy_dst].set(arena[batch.copy_src])
     # Copy-on-write of KDA checkpoints: read from the (immutable) checkpoint slot, write to the
@@ -76,4 +76,15 @@ def engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: 
     logits = model.run(batch.tokens, view, batch.valid, last_only=True)
     arena = view.pages.reshape(arena.shape)
     arena = scatter_states(arena, layout, batch.write_base, view.conv, view.state)
-    return arena, sample(logits, batch.sampling, num_top_logprobs)
+    return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(model, batch)
+
+
+def expert_counts(model, batch: StepBatch) -> jax.Array:
+    """Tokens routed to each expert in each MoE layer this step, real tokens only: [L_moe, E] int32."""
+    sown = jax.tree.leaves(nnx.pop(model, nnx.Intermediate))
+    cfg = model.cfg
+    if not sown:
+        return jnp.zeros((0, cfg.num_experts), jnp.int32)
+    t = batch.tokens.shape[1]
+    real = (jnp.arange(t)[None, :] < batch.valid[:, None]).reshape(-1).astype(jnp.int32)  # [B*T]
+    return jnp.stack([jnp.zeros(cfg.num_experts, jnp.int32).at[ids].add(real[:, None]) for ids in sown])

@@ -104,6 +104,7 @@ class MoE(nnx.Module):
         xf = x.reshape(b * t, h)
         ids, w = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...],
                        cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+        self.sow(nnx.Intermediate, "expert_ids", ids)  # per-expert traffic for serving metrics
         if cfg.routed_expert_hidden_size:
             z = self.routed_expert_down_proj(xf)
             y = self.experts(z, ids, w).astype(x.dtype)

@@ -13,10 +13,12 @@ Conventions (flash-linear-attention names, k3 spec §2.3):
 
 * all compute is fp32; ``o`` has ``v``'s dtype; states are fp32.
 
-The chunked form (``chunk_kda_reference``) never forms ``exp(Gamma_i) * exp(-Gamma_j)``: it
-takes pairwise differences ``Gamma_i - Gamma_j`` masked to ``-inf`` above the diagonal
-*before* the exponential, so it stays exact when the cumulative log-decay of a chunk reaches
--320 (K3's gate lower bound of -5 over 64 tokens) or beyond (Kimi-Linear's unbounded gate).
+The chunked form (``chunk_kda_reference``, what ``chunk_kda`` runs on CPU) never forms
+``exp(Gamma_i) * exp(-Gamma_j)``: every exponent is a same-sign sum of ``g`` over a token range
+(a binary tree inside 16-token sub-chunks, factors <= 1 across them), so it is exact when the
+cumulative log-decay of a chunk reaches -320 (K3's gate lower bound of -5 over 64 tokens) or
+beyond (Kimi-Linear's unbounded gate). It is a few small batched matmuls per 16 tokens plus
+a state-only loop; see the section comment below for the layout and cost.
 """
 
 from __future__ import annotations
@@ -209,7 +211,7 @@ def pack_varlen(x, layout: VarlenLayout, chunk_size: int):
 # size trades intra-chunk FLOPs (grow with P) against the per-step state passes (shrink
 # with P), and 16 measured fastest at K = V = 128 (see benchmarks/README.md).
 _SUB = 16
-_STEP_TOKENS = 128          # sub-chunks per loop step: G = _STEP_TOKENS // P (>= chunk's)
+_STEP_TOKENS = 64           # tokens per loop step (G = sub-chunks per step, a multiple of R)
 
 
 def _mm(spec, a, b):

@@ -1,0 +1,96 @@
+"""HTTP pieces that need no engine: rate limiter, key file, metrics export, the app before warm-up."""
+
+import asyncio
+
+import httpx
+import pytest
+
+from serve.api import create_app
+from serve.auth import KeyStore, Limits, RateLimited, RateLimiter, load_api_keys, parse_key_file
+from serve.metrics import NAMES, ServerMetrics
+
+
+def test_rate_limiter_requests_per_minute_and_retry_after():
+    rl = RateLimiter(Limits(rpm=2))
+    rl.admit("a", 1, now=0.0)
+    rl.admit("a", 1, now=10.0)
+    with pytest.raises(RateLimited) as e:
+        rl.admit("a", 1, now=20.0)
+    assert e.value.retry_after == 40  # the first request leaves the window at t=60
+    rl.admit("b", 1, now=20.0)  # per key
+    rl.admit("a", 1, now=60.0)
+
+
+def test_rate_limiter_tokens_per_minute_reserve_then_settle():
+    rl = RateLimiter(Limits(tpm=100))
+    t = rl.admit("k", 80, now=0.0)  # reserved prompt + max_tokens
+    with pytest.raises(RateLimited):
+        rl.admit("k", 30, now=1.0)
+    t.settle(20)  # it used 20
+    rl.admit("k", 30, now=2.0)
+    with pytest.raises(RateLimited) as e:
+        rl.admit("k", 60, now=3.0)
+    assert e.value.retry_after == 57
+    with pytest.raises(RateLimited, match="exceeds"):
+        rl.admit("other", 101, now=0.0)
+
+
+def test_unlimited_by_default_and_per_key_overrides():
+    rl = RateLimiter(Limits(), {"slow": Limits(rpm=1)})
+    for i in range(100):
+        rl.admit("fast", 10 ** 6, now=float(i))
+    rl.admit("slow", 1, now=0.0)
+    with pytest.raises(RateLimited):
+        rl.admit("slow", 1, now=1.0)
+
+
+def test_key_file_and_env(tmp_path):
+    f = tmp_path / "keys"
+    f.write_text("# comment\nalpha\n\nbeta rpm=5 tpm=1000  # team b\n")
+    assert parse_key_file(str(f)) == {"alpha": Limits(), "beta": Limits(5, 1000)}
+    keys = load_api_keys(str(f), env={"K3JAX_API_KEYS": "x, y"})
+    assert set(keys) == {"alpha", "beta", "x", "y"}
+    assert load_api_keys(None, env={}) is None
+    f.write_text("gamma rpm=abc\n")
+    with pytest.raises(ValueError, match="rpm"):
+        parse_key_file(str(f))
+
+
+def test_keystore():
+    ks = KeyStore(["k1", "k2"])
+    assert ks.check("Bearer k2") == "k2" and ks.check("bearer k1") == "k1"
+    assert ks.check(None) is None and ks.check("Bearer k3") is None and ks.check("Basic k1") is None
+    assert KeyStore(None).check(None) == ""  # open server
+
+
+def test_metrics_export_expert_counts_and_arena_split():
+    stats = {"expert_counts": [[3, 0, 5], [1, 1, 1]], "arena_bytes": {"total": 1000, "kda_slots": 250, "mla_pages": 100},
+             "prefix_cache": {"query_tokens": 40, "hit_tokens": 16, "kda_hits": 2, "kda_misses": 3},
+             "inter_rank_bytes": 0, "moe_dispatch_seconds": 0.5}
+    text = ServerMetrics("m", lambda: stats, lambda: {"ready": 1}).exposition().decode()
+    assert 'k3jax:expert_tokens_total{expert="2",layer="0",model_name="m"} 5.0' in text
+    assert 'k3jax:kda_slot_usage_perc{model_name="m"} 0.25' in text
+    assert 'k3jax:mla_page_usage_perc{model_name="m"} 0.1' in text
+    assert 'vllm:prefix_cache_hits_total{model_name="m"} 16.0' in text
+    assert 'k3jax:kda_checkpoint_misses_total{model_name="m"} 3.0' in text
+    assert 'k3jax:moe_dispatch_seconds_total{model_name="m"} 0.5' in text
+    empty = ServerMetrics("m", lambda: {}, lambda: {}).exposition().decode()
+    assert all(n in empty for n in NAMES)  # every family is listed even with no engine statistics
+
+
+def test_app_before_warmup_answers_503_everywhere_but_metrics():
+    app = create_app(None, "m", max_model_len=64)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            h = await c.get("/health")
+            r = await c.post("/v1/completions", json={"prompt": "x"})
+            m = await c.get("/metrics")
+            s = await c.get("/openapi.json")
+            return h, r, m, s
+
+    h, r, m, s = asyncio.run(go())
+    assert h.status_code == 503
+    assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "Retry-After" in r.headers
+    assert m.status_code == 200 and 'k3jax:engine_ready{model_name="m"} 0.0' in m.text
+    assert s.status_code == 200 and "/v1/chat/completions" in s.json()["paths"]
