@@ -14,6 +14,8 @@ algorithm's arithmetic (formulas below); ``fraction`` = roofline time / measured
 
 Timing: ``jax.jit``, one warm-up call (compile + first run excluded), then ``--reps`` calls
 each ended by ``block_until_ready``; the median is reported (min and all samples kept).
+``chunk_kda`` and its token-scan reference are called alternately so that both see the
+same machine load (the CPU host this was written on is shared).
 On CPU the dispatched backend is the jnp reference (Pallas only runs there in interpret
 mode, an HLO emulator for testing, not a performance path, so it is not timed); the
 "reference" of ``chunk_kda`` is the token-by-token scan (the ground truth), of the other ops
@@ -67,6 +69,19 @@ def _time(fn, args, reps, *, chain=None):
             args = chain(out, args)
     return dict(median=statistics.median(samples), min=min(samples),
                 samples=[round(s, 6) for s in samples]), out
+
+
+def _time_pair(f1, f2, args, reps):
+    """Like :func:`_time` for two functions of the same arguments, calls interleaved."""
+    outs = [jax.block_until_ready(f(*args)) for f in (f1, f2)]
+    samples = ([], [])
+    for _ in range(reps):
+        for i, f in enumerate((f1, f2)):
+            t0 = time.perf_counter()
+            outs[i] = jax.block_until_ready(f(*args))
+            samples[i].append(time.perf_counter() - t0)
+    return tuple((dict(median=statistics.median(sm), min=min(sm),
+                       samples=[round(v, 6) for v in sm]), o) for sm, o in zip(samples, outs))
 
 
 # ----------------------------------------------------------------------------------------
@@ -134,11 +149,14 @@ def kda_inputs(seed, B, T, H, K, V):
 
 
 def kda_chunk_flops(T, H, K, V, P):
-    """FLOPs of the chunked WY form with P-token (sub-)chunks, per batch row: binary-tree
-    A_kk/A_qk (2*P*K*(P-1) each) + diagonal q.k^T (2P^2K), block-doubling inverse, W and U
-    (2P^2(K+V)), and per chunk [W; q e^G] S (4PKV), A_qk V_new (2P^2V), k_d^T V_new (2PKV)."""
+    """FLOPs of the chunked WY form with P-token (sub-)chunks, per batch row: exponent range
+    sums ((2 + log2 P) P x P x K matmul), binary-tree A_kk/A_qk (2*P*K*(P-1) each), diagonal
+    q.k^T (2P^2K), block-doubling inverse, W and U (2P^2(K+V)), and per chunk
+    [W; q e^G] S (4PKV), A_qk V_new (2P^2V), k_d^T V_new (2PKV). (The jnp reference's
+    algorithm with P = 16; for the Pallas kernel, P = 64 is an approximation.)"""
     n = -(-T // P)
-    tree = 2 * (2 * P * K * (P - 1)) + 2 * P * P * K
+    tree = (2 * (2 + P.bit_length() - 1) * P * P * K + 2 * (2 * P * K * (P - 1))
+            + 2 * P * P * K)
     inv = sum(2 * 2 * (P // (2 * s)) * s ** 3 for s in (2 ** i for i in range(P.bit_length() - 1)))
     wu = 2 * P * P * (K + V)
     state = 4 * P * K * V + 2 * P * P * V + 2 * P * K * V
@@ -156,22 +174,24 @@ def kda_io_bytes(B, T, H, K, V):
 
 
 def bench_kda_prefill(cfg, roof, reps, backend):
-    B, H, K, V = 1, cfg["kda_heads"], cfg["kda_dim"], cfg["kda_dim"]
+    B, K, V = 1, cfg["kda_dim"], cfg["kda_dim"]
     P = 16 if backend == "reference" else 64
     chunk = jax.jit(lambda q, k, v, g, b: chunk_kda(q, k, v, g, b, output_final_state=True))
     token = jax.jit(lambda q, k, v, g, b: kda_ref.naive_recurrent_kda(q, k, v, g, b))
     cases = []
-    for T in cfg["kda_T"]:
-        x = kda_inputs(T, B, T, H, K, V)
-        shape = dict(B=B, T=T, H=H, K=K, V=V, chunk_size=64, dtype="float32")
+    for H, T, with_ref in cfg["kda_prefill"]:
+        x = kda_inputs(T + H, B, T, H, K, V)
+        shape = dict(B=B, T=T, H=H, K=K, V=V, chunk_size=64, dtype="float32", gate="k3")
         io = kda_io_bytes(B, T, H, K, V)
-        tk, (o_k, s_k) = _time(chunk, x, reps)
-        c = _finish(dict(name=f"kda_chunk_prefill_T{T}", op="chunk_kda", impl=backend,
+        if with_ref:      # interleave kernel and reference calls: same load for both
+            (tk, (o_k, s_k)), (tr, (o_r, s_r)) = _time_pair(chunk, token, x, reps)
+        else:
+            tk, (o_k, s_k) = _time(chunk, x, reps)
+        c = _finish(dict(name=f"kda_chunk_prefill_H{H}_T{T}", op="chunk_kda", impl=backend,
                          shape=shape, time=tk), roof,
                     flops=kda_chunk_flops(T, H, K, V, P) * B, bytes_=io)
-        if T in cfg["kda_token_T"]:
-            tr, (o_r, s_r) = _time(token, x, max(1, reps // 2 + 1))
-            r = _finish(dict(name=f"kda_token_scan_T{T}", op="naive_recurrent_kda",
+        if with_ref:
+            r = _finish(dict(name=f"kda_token_scan_H{H}_T{T}", op="naive_recurrent_kda",
                              impl="reference (token scan)", shape=shape, time=tr), roof,
                         flops=kda_token_flops(T, H, K, V) * B, bytes_=io)
             c["reference"] = dict(op="naive_recurrent_kda (token scan, ground truth)",
@@ -186,7 +206,7 @@ def bench_kda_prefill(cfg, roof, reps, backend):
 
 
 def bench_kda_decode(cfg, roof, reps, backend):
-    H, K, V = cfg["kda_heads"], cfg["kda_dim"], cfg["kda_dim"]
+    H, K, V = cfg["kda_decode_heads"], cfg["kda_dim"], cfg["kda_dim"]
     step = jax.jit(lambda pool, slots, q, k, v, g, b:
                    fused_recurrent_kda_pool(q, k, v, g, b, pool, slots)[::-1],
                    donate_argnums=0)
@@ -294,13 +314,15 @@ def _line(c):
 def config(quick, backend):
     accel = backend in ("gpu", "tpu")
     if quick:
-        return dict(kda_heads=2, kda_dim=32, kda_T=[256, 1024], kda_token_T=[256, 1024],
-                    decode_batch=[1, 8], moe_experts=4, moe_d=128, moe_i=64, moe_M=[64],
-                    mla_heads=4, mla_page=16, mla_BS=[(2, 256)])
+        return dict(kda_dim=32, kda_prefill=[(2, 256, True), (2, 1024, True)],
+                    kda_decode_heads=2, decode_batch=[1, 8], moe_experts=4, moe_d=128,
+                    moe_i=64, moe_M=[64], mla_heads=4, mla_page=16, mla_BS=[(2, 256)])
+    # KDA prefill (H, T, time the token-scan reference too): K3 has 96 KDA heads of dim 128;
+    # on CPU a tensor-parallel shard of 8 heads up to T = 8192, plus one full-width case
+    prefill = ([(96, T, T in (1024, 4096)) for T in (1024, 2048, 4096, 8192)] if accel else
+               [(8, T, T != 2048) for T in (1024, 2048, 4096, 8192)] + [(96, 1024, True)])
     return dict(
-        # K3: 96 KDA heads, head dim 128; on CPU a tensor-parallel shard of 8 heads
-        kda_heads=96 if accel else 8, kda_dim=128,
-        kda_T=[1024, 2048, 4096, 8192], kda_token_T=[1024, 4096] + ([] if accel else [8192]),
+        kda_dim=128, kda_prefill=prefill, kda_decode_heads=96 if accel else 8,
         decode_batch=[1, 8, 32, 64, 128, 256],
         # latent MoE scaled down: 32 experts, latent width 1024, expert width 512;
         # M = routed rows (tokens * top-k)
@@ -341,7 +363,7 @@ def main(argv=None):
     ap.add_argument("--out", default=None, help="JSON path")
     ap.add_argument("--only", default="", help="comma list: prefill,decode,gmm,mla")
     a = ap.parse_args(argv)
-    reps = a.reps or (3 if a.quick else 5)
+    reps = a.reps or (3 if a.quick else 7)
     plat = jax.default_backend()
     backend = resolve_backend("auto")
     cfg = config(a.quick, plat)
@@ -362,7 +384,8 @@ def main(argv=None):
     summary = {}
     for c in cases:
         if c["op"] == "chunk_kda" and "speedup_vs_reference" in c:
-            summary[f"speedup_chunk_vs_token_scan_T{c['shape']['T']}"] = c["speedup_vs_reference"]
+            summary[f"speedup_chunk_vs_token_scan_H{c['shape']['H']}_T{c['shape']['T']}"] = \
+                c["speedup_vs_reference"]
     info["loadavg_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
     result = dict(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

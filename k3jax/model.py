@@ -39,9 +39,9 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResMixer(cfg.hidden_size, dtype=dtype, rngs=rngs)
             self.mlp_res = AttnResMixer(cfg.hidden_size, dtype=dtype, rngs=rngs)
 
-    def ffn(self, h: jax.Array) -> jax.Array:
+    def ffn(self, h: jax.Array, trace: list | None = None) -> jax.Array:
         x = self.post_attention_layernorm(h)
-        return self.block_sparse_moe(x) if self.is_moe else self.mlp(x)
+        return self.block_sparse_moe(x, trace) if self.is_moe else self.mlp(x)
 
 
 class KimiModel(nnx.Module):
@@ -75,13 +75,13 @@ class KimiModel(nnx.Module):
         return y
 
     # ---- the residual stream ------------------------------------------------------------------
-    def _classic(self, x, view, valid):
+    def _classic(self, x, view, valid, trace):
         for l, layer in enumerate(self.layers):
             x = x + self._attention(l, layer.input_layernorm(x), view, valid)
-            x = x + layer.ffn(x)
+            x = x + layer.ffn(x, trace)
         return x
 
-    def _attn_res(self, emb, view, valid):
+    def _attn_res(self, emb, view, valid, trace):
         """Block AttnRes (spec §2.2): `bank` holds closed block sums (bank[0] = embedding)."""
         eps, block = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
         bank: list[jax.Array] = []
@@ -94,7 +94,7 @@ class KimiModel(nnx.Module):
             a = self._attention(l, layer.input_layernorm(h), view, valid)
             p = a if p is None else p + a
             h = layer.mlp_res(bank + [p], eps)
-            p = p + layer.ffn(h)
+            p = p + layer.ffn(h, trace)
         return self.output_attn_res(bank + [p], eps)
 
     def __call__(self, tokens: jax.Array, cache: ModelCache | None = None, valid: jax.Array | None = None,
@@ -107,10 +107,12 @@ class KimiModel(nnx.Module):
         logits = self.run(tokens, view, valid, last_only)
         return logits, (None if cache is None else view.result(valid))
 
-    def run(self, tokens: jax.Array, view: CacheView, valid: jax.Array, last_only: bool) -> jax.Array:
-        """The forward pass against any cache view (fresh, contiguous, or the engine's paged arena)."""
+    def run(self, tokens: jax.Array, view: CacheView, valid: jax.Array, last_only: bool,
+            trace: list | None = None) -> jax.Array:
+        """The forward pass against any cache view (fresh, contiguous, or the engine's paged arena).
+        `trace`, when given, collects each MoE layer's routed expert ids."""
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
-        x = self._attn_res(x, view, valid) if self.cfg.uses_attn_res else self._classic(x, view, valid)
+        x = (self._attn_res if self.cfg.uses_attn_res else self._classic)(x, view, valid, trace)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
         x = self.norm(x)

@@ -20,7 +20,8 @@ Engine statistics read (all optional; absent means 0 / no samples):
   arena_cached_units (held only by the prefix cache, reclaimable),
   prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes} (token counts for
   queries/hits, like vLLM; `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
-  expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}),
+  expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}) with
+  moe_layers (the model layer index of each row; the row ordinal is used without it),
   moe_dispatch_seconds, inter_rank_bytes.
 """
 
@@ -151,7 +152,12 @@ class EngineCollector:
                                  labels=L + ["layer", "expert"])
         counts = s.get("expert_counts")
         if counts is not None:
-            items = counts.items() if isinstance(counts, Mapping) else enumerate(counts)
+            if isinstance(counts, Mapping):
+                items = counts.items()
+            else:  # one row per MoE layer; label rows with the model's layer index when the engine names them
+                counts = list(counts)
+                names = list(s.get("moe_layers") or [])
+                items = zip(names if len(names) == len(counts) else range(len(counts)), counts)
             for layer, per_expert in items:
                 try:
                     values = list(per_expert)

@@ -73,18 +73,17 @@ def engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: 
     fresh = batch.read_base < 0
     conv, state = gather_states(arena, layout, jnp.where(fresh, batch.write_base, batch.read_base), fresh)
     view = PagedView(layout, arena, batch, conv, state)
-    logits = model.run(batch.tokens, view, batch.valid, last_only=True)
+    routed: list = []
+    logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed)
     arena = view.pages.reshape(arena.shape)
     arena = scatter_states(arena, layout, batch.write_base, view.conv, view.state)
-    return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(model, batch)
+    return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(routed, batch, model.cfg.num_experts)
 
 
-def expert_counts(model, batch: StepBatch) -> jax.Array:
+def expert_counts(routed: list, batch: StepBatch, num_experts: int) -> jax.Array:
     """Tokens routed to each expert in each MoE layer this step, real tokens only: [L_moe, E] int32."""
-    sown = jax.tree.leaves(nnx.pop(model, nnx.Intermediate))
-    cfg = model.cfg
-    if not sown:
-        return jnp.zeros((0, cfg.num_experts), jnp.int32)
+    if not routed:
+        return jnp.zeros((0, num_experts), jnp.int32)
     t = batch.tokens.shape[1]
     real = (jnp.arange(t)[None, :] < batch.valid[:, None]).reshape(-1).astype(jnp.int32)  # [B*T]
-    return jnp.stack([jnp.zeros(cfg.num_experts, jnp.int32).at[ids].add(real[:, None]) for ids in sown])
+    return jnp.stack([jnp.zeros(num_experts, jnp.int32).at[ids].add(real[:, None]) for ids in routed])

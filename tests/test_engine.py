@@ -13,12 +13,12 @@ from serve.types import RequestError, SamplingParams
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
 
-def make_engine(model, chunk=64, units=450, **kw):
+def make_engine(model, chunk=64, units=450, warmup=True, **kw):
     cfg = dict(max_model_len=512, page_size=16, cache_bytes=units * 2560, max_num_seqs=32, prefill_chunk=chunk,
                max_prefill_seqs=4, max_num_batched_tokens=512, decode_buckets=(4, 32), prefill_buckets=(4,),
                context_buckets=(32,), max_logprobs=3, enable_prefix_caching=False)
     cfg.update(kw)
-    return Engine(model, EngineConfig(**cfg), progress=False)
+    return Engine(model, EngineConfig(**cfg), warmup=warmup, progress=False)
 
 
 @pytest.fixture(scope="module", params=["tiny-k3", "tiny-kimi-linear"])
@@ -28,7 +28,8 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    return make_engine(model)
+    # small enough that 32 concurrent requests cannot all fit (forces preemption)
+    return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250)
 
 
 @pytest.fixture(scope="module")
@@ -57,16 +58,27 @@ def test_alone_matches_model_generate_greedy(model, alone, prompts):
         assert out == model.generate_greedy(np.array([p]), 12)[0].tolist()
 
 
-def test_batch_of_32_with_preemption_is_token_identical(engine, prompts, alone):
-    """450 units cannot hold 32 requests at once: the engine preempts and recomputes."""
-    before = engine.stats()["preemptions"]
+def test_batch_of_32_mixed_lengths_is_token_identical(engine, prompts, alone):
     outs = run_all(engine, prompts)
     assert [o.token_ids for o in outs] == alone
-    assert engine.stats()["preemptions"] > before
     assert all(o.finish_reason == "length" for o in outs)
     st_ = engine.stats()
     assert st_["arena_free_units"] == st_["arena_baseline_free_units"]
     assert st_["compiles_after_warmup"] == 0
+
+
+def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
+    """16 requests admitted together outgrow the arena while decoding: the newest are preempted,
+    recomputed later (prompt + tokens so far), and still produce exactly the greedy continuation."""
+    rng = np.random.default_rng(21)
+    prompts = rng.integers(0, 256, (16, 100)).astype(np.int32)
+    before = engine.stats()["preemptions"]
+    outs = run_all(engine, prompts.tolist(), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
+    assert engine.stats()["preemptions"] > before
+    ref = model.generate_greedy(prompts, 60)
+    assert [o.token_ids for o in outs] == ref.tolist()
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
 @pytest.mark.parametrize("chunk", [16, 256])
@@ -120,7 +132,7 @@ def test_seeded_sampling_is_reproducible(engine, prompts):
 
 
 def test_logprobs_are_returned(engine, prompts):
-    out = run_all(engine, [prompts[1]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3))[0]
+    out = run_all(engine, [prompts[1]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, ignore_eos=True))[0]
     lps = out.outputs[0].logprobs
     assert len(lps) == 3 and all(len(top) == 3 for _, top in lps)
     for (chosen, top), tok in zip(lps, out.token_ids):
@@ -144,7 +156,7 @@ def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, matc
 
 
 def test_request_that_never_fits_is_rejected(model):
-    eng = make_engine(model, units=60)
+    eng = make_engine(model, units=30, warmup=False)  # rejected before any step: nothing to compile
     with pytest.raises(RequestError, match="never fit"):
         eng.add_request([1] * 400, SamplingParams(max_tokens=100))
 
@@ -168,3 +180,38 @@ def test_arena_returns_to_baseline_after_any_arrival_and_abort_order(engine, ops
     s = engine.stats()
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
     assert s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
+
+
+def test_async_engine_streams_and_aborts(model):
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+
+    eng = make_engine(model)
+    aeng = AsyncEngine(eng)
+    sp = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+    async def main():
+        chunks = [o async for o in aeng.generate([5, 6, 7, 8], sp, "a")]
+        assert [len(c.token_ids) for c in chunks] == list(range(1, 11)) and chunks[-1].finished
+        got = 0
+        async for _ in aeng.generate([9] * 50, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), "b"):
+            got += 1
+            if got == 3:
+                break  # consumer leaves early: the request is aborted and its memory freed
+        with pytest.raises(RequestError, match="max_tokens"):
+            async for _ in aeng.generate([1], SamplingParams(max_tokens=0), "c"):
+                pass
+        for _ in range(100):
+            await asyncio.sleep(0.05)
+            if not eng.has_unfinished():
+                break
+        return chunks[-1].token_ids
+
+    try:
+        tokens = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert tokens == model.generate_greedy(np.array([[5, 6, 7, 8]]), 10)[0].tolist()
+    s = eng.stats()
+    assert s["requests_aborted"] == 1 and s["arena_free_units"] == s["arena_baseline_free_units"]

@@ -69,6 +69,9 @@ def test_metrics_export_expert_counts_and_arena_split():
              "inter_rank_bytes": 0, "moe_dispatch_seconds": 0.5}
     text = ServerMetrics("m", lambda: stats, lambda: {"ready": 1}).exposition().decode()
     assert 'k3jax:expert_tokens_total{expert="2",layer="0",model_name="m"} 5.0' in text
+    named = ServerMetrics("m", lambda: {**stats, "moe_layers": [1, 3]}, dict).exposition().decode()
+    assert 'k3jax:expert_tokens_total{expert="2",layer="1",model_name="m"} 5.0' in named
+    assert 'layer="3"' in named and 'layer="0"' not in named
     assert 'k3jax:kda_slot_usage_perc{model_name="m"} 0.25' in text
     assert 'k3jax:mla_page_usage_perc{model_name="m"} 0.1' in text
     assert 'vllm:prefix_cache_hits_total{model_name="m"} 16.0' in text

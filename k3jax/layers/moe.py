@@ -97,14 +97,15 @@ class MoE(nnx.Module):
         out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
         return jnp.einsum("nkd,nk->nd", out, weights)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        """x [B, T, H] normed -> [B, T, H]."""
+    def __call__(self, x: jax.Array, trace: list | None = None) -> jax.Array:
+        """x [B, T, H] normed -> [B, T, H]. `trace`, when given, collects the routed expert ids [N, k]."""
         cfg = self.cfg
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
         ids, w = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...],
                        cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
-        self.sow(nnx.Intermediate, "expert_ids", ids)  # per-expert traffic for serving metrics
+        if trace is not None:
+            trace.append(ids)
         if cfg.routed_expert_hidden_size:
             z = self.routed_expert_down_proj(xf)
             y = self.experts(z, ids, w).astype(x.dtype)

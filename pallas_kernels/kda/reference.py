@@ -196,20 +196,23 @@ def pack_varlen(x, layout: VarlenLayout, chunk_size: int):
 # ----------------------------------------------------------------------------------------
 # Internally the WY recurrence runs over *sub-chunks* of P = 16 tokens (P = the next power of
 # two >= max(16, C) when chunk_size C is not a multiple of 16); ``chunk_size`` only sets which
-# states ``return_chunk_states`` / varlen report. Per sub-chunk the state-independent part --
-# A_qk[i,j] = sum_c q_i[c] k_j[c] exp(Gamma_i[c] - Gamma_j[c]) (causal), the inverse
-# (I + Diag(beta) A_kk)^-1 and the W/U factors -- is a few small batched matmuls over
-# [B, G, H] (G sub-chunks per loop step); the loop carries the state through three matmuls
-# per sub-chunk. Exponents are same-sign sums of g over token ranges (a binary tree over the
-# sub-chunk: a pair (i, j) is split at the tree node separating them into two factors <= 1,
-# the Pallas kernel's scheme), so nothing overflows, no exponent is a difference of two
-# large cumulative sums and exp(Gamma_i) * exp(-Gamma_j) is never formed: exact for any
-# g <= 0 (K3's bound -5, Kimi-Linear's unbounded gate). Across sub-chunks only factors <= 1
-# occur (q_i exp(Gamma_i), k_j exp(Gamma_P - Gamma_j), exp(Gamma_P)).
-# Why 16 and not 64 on CPU: the chunked form costs ~(6 + 2P/K + ...) K*V FLOPs per token
-# against the token scan's ~7 K*V, so the only win is matmul efficiency; the sub-chunk
-# size trades intra-chunk FLOPs (grow with P) against the per-step state passes (shrink
-# with P), and 16 measured fastest at K = V = 128 (see benchmarks/README.md).
+# states ``return_chunk_states`` / varlen report. A loop step takes G sub-chunks (64 tokens)
+# and computes their state-independent part batched over [G, B, H] with a few small matmuls
+# -- every exponent as an exact range sum of g (one matmul with a constant 0/1 matrix), the
+# causal A_qk[i,j] = sum_c q_i[c] k_j[c] exp(Gamma_i[c] - Gamma_j[c]), A_kk, the inverse
+# (I + Diag(beta) A_kk)^-1 by block doubling and the W/U factors -- then an inner scan over
+# the G sub-chunks carries the state through three matmuls each ([W; q e^Gamma] S,
+# A_qk V_new, k_d^T V_new). Inside a sub-chunk a pair (i, j) is split at the node of a binary
+# tree that separates them, exp(Gamma_i - Gamma_r) * exp(Gamma_r - Gamma_j), both factors
+# <= 1 (the Pallas kernel's scheme); across sub-chunks only factors <= 1 occur
+# (q_i e^Gamma_i, k_j e^(Gamma_P - Gamma_j), e^Gamma_P). Nothing overflows, no exponent is a
+# difference of two large cumulative sums, exp(Gamma_i) * exp(-Gamma_j) is never formed:
+# exact for any g <= 0 (K3's floor -5 for whole chunks, Kimi-Linear's unbounded gate).
+# Cost: ~9 K*V FLOPs per token at K = V = 128 (6.25 of them the three state matmuls,
+# independent of P) against the token scan's ~7 K*V -- the chunked form wins only through
+# matmul efficiency, so on CPU it is ~2x the token scan at K = V = 128, not 10x
+# (benchmarks/README.md). P = 16 measured fastest (or tied with 32) on CPU among 16/32/64:
+# a larger P adds intra-chunk FLOPs faster than it saves passes over the state.
 _SUB = 16
 _STEP_TOKENS = 64           # tokens per loop step (G = sub-chunks per step, a multiple of R)
 
@@ -218,33 +221,49 @@ def _mm(spec, a, b):
     return jnp.einsum(spec, a, b, precision=_HI)
 
 
+def _range_sum_matrix(P):
+    """Constant 0/1 ``[(2 + log2 P) * P, P]`` matrix whose product with ``g [P, K]`` gives,
+    exactly (sums of same-sign terms), every exponent the sub-chunk needs: rows ``[0, P)``
+    the inclusive prefix sums Gamma_i, rows ``[P, 2P)`` the exclusive suffix sums
+    Gamma_P - Gamma_i, then per tree level s = 1, 2, 4, ...: for i in the 2nd half of its
+    2s-block the prefix sum from that half's start to i, for i in the 1st half the sum from
+    i+1 to that half's end."""
+    i, t = np.arange(P)[:, None], np.arange(P)[None, :]
+    rows = [t <= i, t > i]
+    s = 1
+    while s < P:
+        start = (i // s) * s                      # start of i's s-block (= its half)
+        second = (i // s) % 2 == 1
+        rows.append(np.where(second, (t >= start) & (t <= i), (t > i) & (t < start + s)))
+        s *= 2
+    return np.concatenate(rows, 0).astype(np.float32)
+
+
 def _chunk_local(q, k, g, beta):
     """State-independent part of a sub-chunk, exact for any ``g <= 0``.
 
     ``q, k, g [..., P, K]``, ``beta [..., P]`` (P a power of two). Returns ``(A_qk [..., P, P]
-    causal, T [..., P, P] = (I + Diag(beta) A_kk)^-1, Gamma [..., P, K] inclusive cumsum,
-    Gamma_P - Gamma [..., P, K])``. Binary tree over the sub-chunk: at level s the pairs
+    causal, T [..., P, P] = (I + Diag(beta) A_kk)^-1, exp(Gamma) [..., P, K],
+    exp(Gamma_P - Gamma) [..., P, K])``. Binary tree over the sub-chunk: at level s the pairs
     (i in the 2nd half, j in the 1st half of a 2s-block) get exp(Gamma_i - Gamma_r) *
-    exp(Gamma_r - Gamma_j) (r = last token of the 1st half), whose exponents are a prefix sum
-    inside the 2nd half and a suffix sum inside the 1st; the inverse is assembled level by
-    level by block doubling ([[T0, 0], [Y, T1]], Y = -T1 A10 T0: blocked forward
-    substitution, every intermediate a sub-block of the exact inverse).
+    exp(Gamma_r - Gamma_j) (r = last token of the 1st half), both exponents range sums from
+    :func:`_range_sum_matrix` (one matmul); the inverse is assembled level by level by block
+    doubling ([[T0, 0], [Y, T1]], Y = -T1 A10 T0: blocked forward substitution, every
+    intermediate a sub-block of the exact inverse).
     """
     *lead, P, K = q.shape
     lead = tuple(lead)
+    F = jnp.exp(_mm("rp,...pk->...rk", jnp.asarray(_range_sum_matrix(P)), g))   # [..., nP, K]
     KQ = jnp.stack([k, q], axis=-3)             # [..., 2, P, K]
-    L = g                                       # inclusive prefix sum inside each s-block
-    E = jnp.zeros_like(g)                       # exclusive suffix sum inside each s-block
     Aqk = jnp.zeros(lead + (P, 1, 1), jnp.float32)
     Tinv = jnp.ones(lead + (P, 1, 1), jnp.float32)
-    s = 1
+    s, lvl = 1, 2
     while s < P:
         nb = P // (2 * s)
-        Lr = L.reshape(lead + (nb, 2, s, K))
-        Er = E.reshape(lead + (nb, 2, s, K))
+        Fr = F[..., lvl * P:(lvl + 1) * P, :].reshape(lead + (nb, 2, s, K))
         KQr = KQ.reshape(lead + (2, nb, 2, s, K))
-        lhs = KQr[..., 1, :, :] * jnp.exp(Lr[..., None, :, 1, :, :])   # i in the 2nd half
-        kb = KQr[..., 0, :, 0, :, :] * jnp.exp(Er[..., 0, :, :])       # j in the 1st half
+        lhs = KQr[..., 1, :, :] * Fr[..., None, :, 1, :, :]     # i in the 2nd half
+        kb = KQr[..., 0, :, 0, :, :] * Fr[..., 0, :, :]          # j in the 1st half
         X = _mm("...xnik,...njk->...xnij", lhs, kb)             # [..., 2, nb, s, s]
         Xkk, Xqk = X[..., 0, :, :, :], X[..., 1, :, :, :]
         z = jnp.zeros(lead + (nb, s, s), jnp.float32)
@@ -258,17 +277,11 @@ def _chunk_local(q, k, g, beta):
                      beta.reshape(lead + (nb, 2, s))[..., 1, :, None] * Xkk), T0)
         Tinv = jnp.concatenate([jnp.concatenate([T0, z], -1),
                                 jnp.concatenate([Y, T1], -1)], -2)
-        second = jnp.asarray([0.0, 1.0], jnp.float32)[:, None, None]
-        L = (Lr + second * Lr[..., 0:1, s - 1:, :]).reshape(lead + (P, K))
-        E = (Er + (1.0 - second) * Lr[..., 1:2, s - 1:, :]).reshape(lead + (P, K))
-        # materialise: otherwise XLA fuses the whole recursion into each consumer and
-        # recomputes every broadcast block sum per element
-        L, E = lax.optimization_barrier((L, E))
-        s *= 2
+        s, lvl = 2 * s, lvl + 1
     i = np.arange(P)
     qk = _mm("...ik,...jk->...ij", q, k)                        # diagonal: q_i . k_i
     Aqk = Aqk.reshape(lead + (P, P)) + jnp.where(jnp.asarray(i[:, None] == i[None, :]), qk, 0.0)
-    return Aqk, Tinv.reshape(lead + (P, P)), L, E
+    return Aqk, Tinv.reshape(lead + (P, P)), F[..., :P, :], F[..., P:2 * P, :]
 
 
 def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_states=False):
@@ -280,47 +293,54 @@ def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_stat
     ``(first [NG, G] bool, seq [NG, G] int32, init [N, H, K, V])`` -- the state is reset to
     ``init[seq]`` before every sub-chunk flagged ``first`` (varlen). Returns ``(o [Bx, NG,
     G*P, H, V] in v's dtype, S_final [Bx, H, K, V], states [Bx, NG, G//R, H, K, V] after
-    every R-th sub-chunk, or None)``. The state is carried transposed (``[V, K]``) so that
-    every matmul in the loop is a plain or rhs-transposed one.
+    every R-th sub-chunk, or None)``.
+
+    Each step computes the state-independent part of its G sub-chunks batched over
+    [G, Bx, H], then runs an inner ``lax.scan`` over the G sub-chunks carrying the state
+    (transposed, ``[V, K]``, so every matmul in it is a plain or rhs-transposed one; a
+    Python-unrolled inner loop lets XLA fuse the chain of state updates into each consumer
+    and recompute it, O(G^2) passes over the state).
     """
     Bx, NG, _, H, K = q.shape
     V = v.shape[-1]
     f32 = jnp.float32
     xs = (q, k, v, g, beta)
 
-    def heads(y):                      # [Bx, G*P, H, D] -> [Bx, G, H, P, D]
-        return jnp.swapaxes(y.reshape((Bx, G, P) + y.shape[2:]), 2, 3)
+    def heads(y):                      # [Bx, G*P, H, D] -> [G, Bx, H, P, D]
+        return jnp.transpose(y.reshape((Bx, G, P) + y.shape[2:]), (1, 0, 3, 2, 4))
+
+    def sub_chunk(ST, x):
+        WQ, UT, Aqk, kd, eC = x[:5]
+        if resets is not None:
+            first, seq = x[5:]
+            ST = jnp.where(first, jnp.swapaxes(resets[2][seq], -1, -2)[None], ST)
+        ZT = _mm("...vk,...ck->...vc", ST, WQ)                  # S^T [W; q e^Gamma]^T
+        VnT = UT - ZT[..., :P]                                   # (U - W S)^T
+        oT = ZT[..., P:] + _mm("...vj,...ij->...vi", VnT, Aqk)
+        ST = eC * ST + _mm("...vc,...ck->...vk", VnT, kd)
+        return ST, ((oT, ST) if want_states else oT)
 
     def body(n, carry):
         ST, o_all, cs_all = carry
         x = [lax.dynamic_index_in_dim(y, n, 1, keepdims=False).astype(f32) for y in xs]
         qc, kc, gc = (heads(y) for y in (x[0], x[1], x[3]))
-        vT = jnp.moveaxis(x[2].reshape(Bx, G, P, H, V), 2, 4)  # [Bx, G, H, V, P]
-        bc = heads(x[4][..., None])[..., 0]                     # [Bx, G, H, P]
-        qc = qc * scale
-        qc, kc, vT, gc, bc = lax.optimization_barrier((qc, kc, vT, gc, bc))
-        Aqk, Tinv, Gam, Esuf = _chunk_local(qc, kc, gc, bc)
-        eG = jnp.exp(Gam)
+        vT = jnp.transpose(x[2].reshape(Bx, G, P, H, V), (1, 0, 3, 4, 2))   # [G,Bx,H,V,P]
+        bc = heads(x[4][..., None])[..., 0]                                 # [G,Bx,H,P]
+        Aqk, Tinv, eG, eS = _chunk_local(qc * scale, kc, gc, bc)
         W = _mm("...ij,...jk->...ik", Tinv, kc * eG * bc[..., None])   # (I+A)^-1 D(b) k e^G
         UT = _mm("...vj,...ij->...vi", vT * bc[..., None, :], Tinv)    # ((I+A)^-1 D(b) v)^T
-        WQ = jnp.concatenate([W, qc * eG], -2)                  # [Bx, G, H, 2P, K]
-        kd = kc * jnp.exp(Esuf)                                  # k_j exp(Gamma_P - Gamma_j)
-        eC = jnp.exp(Gam[..., -1:, :])                           # exp(Gamma_P) [..., 1, K]
-        os, states = [], []
-        for j in range(G):
-            if resets is not None:
-                first, seq, init = resets
-                ST = jnp.where(first[n, j], jnp.swapaxes(init[seq[n, j]], -1, -2)[None], ST)
-            ZT = _mm("...vk,...ck->...vc", ST, WQ[:, j])         # (S^T [W; q e^G]^T)
-            VnT = UT[:, j] - ZT[..., :P]
-            os.append(ZT[..., P:] + _mm("...vj,...ij->...vi", VnT, Aqk[:, j]))
-            ST = eC[:, j] * ST + _mm("...vc,...ck->...vk", VnT, kd[:, j])
-            if want_states and j % R == R - 1:
-                states.append(ST)
-        o = jnp.moveaxis(jnp.stack(os, 1), 4, 2).reshape(Bx, 1, G * P, H, V)
+        WQ = jnp.concatenate([W, qc * scale * eG], -2)          # [G, Bx, H, 2P, K]
+        kd = kc * eS                                             # k_j exp(Gamma_P - Gamma_j)
+        eC = eG[..., -1:, :]                                     # exp(Gamma_P) [..., 1, K]
+        ins = (WQ, UT, Aqk, kd, eC)
+        if resets is not None:
+            ins = ins + (resets[0][n], resets[1][n])
+        ST, ys = lax.scan(sub_chunk, ST, ins)
+        oT, states = ys if want_states else (ys, None)           # oT [G, Bx, H, V, P]
+        o = jnp.transpose(oT, (1, 0, 4, 2, 3)).reshape(Bx, 1, G * P, H, V)
         o_all = lax.dynamic_update_slice_in_dim(o_all, o.astype(o_all.dtype), n, 1)
-        if want_states:
-            cs = jnp.swapaxes(jnp.stack(states, 1), -1, -2)[:, None]
+        if want_states:                                          # [G, Bx, H, V, K]
+            cs = jnp.moveaxis(jnp.swapaxes(states[R - 1::R], -1, -2), 0, 1)[:, None]
             cs_all = lax.dynamic_update_slice_in_dim(cs_all, cs, n, 1)
         return ST, o_all, cs_all
 
