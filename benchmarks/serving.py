@@ -84,6 +84,14 @@ def machine_info() -> dict:
         info["jaxlib"] = jaxlib.__version__
     except Exception:  # pragma: no cover
         pass
+    try:
+        import subprocess
+        info["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                                            text=True).stdout.strip()
+        info["git_dirty_files"] = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True,
+                                                 text=True).stdout.split("\n")[:20]
+    except Exception:
+        pass
     for mod in ("flax", "torch", "transformers"):
         try:
             info[mod] = __import__(mod).__version__
@@ -323,6 +331,33 @@ def hf_generate(hf_model, prompts: list[list[int]], n: int) -> tuple[float, np.n
 # --------------------------------------------------------------------------------------------
 
 
+def moe_layer_probe(model, tokens=(1, 32), reps: int = 7) -> dict:
+    """Wall time of one MoE block alone (jit, warm) at decode batch sizes: how much of a decode step the
+    routed experts cost on this backend (the CPU gmm path multiplies every row by every expert)."""
+    try:
+        from flax import nnx
+        net = nnx.merge(model.graphdef, model.params)
+        moes = [l.block_sparse_moe for l in net.layers if l.is_moe]
+        if not moes:
+            return {}
+        g, st = nnx.split(moes[0])
+        f = jax.jit(lambda st, x: nnx.merge(g, st)(x))
+        out = dict(num_moe_layers=len(moes))
+        for n in tokens:
+            x = jnp.ones((n, 1, model.cfg.hidden_size), model.dtype)
+            f(st, x).block_until_ready()
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                f(st, x).block_until_ready()
+                ts.append(time.perf_counter() - t0)
+            out[f"one_layer_{n}_tokens_s"] = med(ts)
+            out[f"all_layers_{n}_tokens_s"] = med(ts) * len(moes)
+        return out
+    except Exception as ex:  # internal module layout; never fail the benchmark on it
+        return dict(error=f"{type(ex).__name__}: {ex}")
+
+
 def count_arena_copies(engine: Engine, rows: int, t: int, pages: int) -> int | None:
     """Full-arena `copy` ops in the compiled step for one bucket (0 when the arena is updated in place)."""
     try:
@@ -461,6 +496,8 @@ def main(argv=None):
         info["model"] = dict(name=name, params=model.num_params, num_kda_layers=model.cfg.num_kda_layers,
                              num_mla_layers=model.cfg.num_mla_layers, num_experts=model.cfg.num_experts,
                              expert_format=model.cfg.expert_format, dtype="float32")
+        info["moe_layer_probe"] = moe_layer_probe(model, (1, conc[-1]))
+        log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
         result["models"][name] = info
         del eng, model
 
@@ -482,6 +519,8 @@ def main(argv=None):
                          num_mla_layers=model.cfg.num_mla_layers, num_experts=model.cfg.num_experts,
                          expert_format=model.cfg.expert_format, dtype="float32")
 
+    info["moe_layer_probe"] = moe_layer_probe(model, (1, conc[-1]))
+    log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
     if not args.skip_hf:
         import torch
         info["hf"] = dict(torch_threads=torch.get_num_threads(), attn_implementation="eager",
