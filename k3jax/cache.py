@@ -6,6 +6,7 @@ sequence here; the serving engine keeps the same per-token latent layout in page
 
 from __future__ import annotations
 
+import abc
 import math
 from dataclasses import dataclass
 
@@ -58,7 +59,7 @@ def cache_bytes(cfg: ModelConfig, batch: int, max_len: int, dtype) -> dict[str, 
 
 # ---- cache views: how the model reads and writes state, independent of storage ----------------
 
-class CacheView:
+class CacheView(abc.ABC):
     """What one forward pass needs from the cache, whatever stores it.
 
     `kda(j, b)` / `set_kda(j, window, state)` read and replace the j-th KDA layer's conv windows
@@ -69,14 +70,17 @@ class CacheView:
 
     mla_form = "absorbed"
 
+    @abc.abstractmethod
     def kda(self, j: int, b: int):
-        raise NotImplementedError
+        """-> (conv windows [B, 3, W-1, P], recurrent state [B, N, K, V]) of the j-th KDA layer."""
 
+    @abc.abstractmethod
     def set_kda(self, j: int, window: jax.Array, state: jax.Array) -> None:
-        raise NotImplementedError
+        """Replace the j-th KDA layer's state after the chunk."""
 
+    @abc.abstractmethod
     def mla(self, j: int, latent: jax.Array, valid: jax.Array):
-        raise NotImplementedError
+        """Store the chunk's latents; -> (latents to attend over [B, S, W], mask [B, T, S])."""
 
 
 def causal_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
