@@ -1,8 +1,9 @@
 """Prefix-cache benchmark (issue 5): a synthetic multi-turn coding-agent trace and a no-reuse trace,
 each run on two engines that differ only in `enable_prefix_caching`.
 
-    python benchmarks/prefix_cache.py          # full CPU run (k3-small), writes benchmarks/results/prefix_cache-cpu.json
-    python benchmarks/prefix_cache.py --quick  # smoke run on tiny-k3 (about a minute with compiles)
+    python benchmarks/prefix_cache.py --alignment-variant 16   # the recorded run (k3-small), ~9 min quiet, ~16 loaded
+    python benchmarks/prefix_cache.py          # without the alignment variant
+    python benchmarks/prefix_cache.py --quick  # smoke run on tiny-k3 (~20 s with compiles)
 
 Multi-turn trace: one shared "system prompt + tool list" (random byte tokens), `sessions` concurrent
 agent sessions of `turns` turns each. Turn 1 of a session is system + user message; turn t + 1 is the
@@ -311,11 +312,11 @@ def main(argv=None):
         prefix_cache_stats=pc_stats(engines[True]))
     log(f"no-reuse: on {thr_on:.1f} vs off {thr_off:.1f} tok/s -> cost {cost * 100:.1f}%")
 
-    result["machine"]["loadavg_end"] = _loadavg()
-    result["total_wall_s"] = time.perf_counter() - t_start
     if args.alignment_variant:
         del engines
         result["alignment_variant"] = alignment_variant(model, ecfg, P, args, args.alignment_variant, result, log)
+    result["machine"]["loadavg_end"] = _loadavg()
+    result["total_wall_s"] = time.perf_counter() - t_start
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1, default=float))
     log(f"wrote {out_path}")
