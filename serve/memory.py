@@ -10,7 +10,8 @@ steps serve both. Unit 0 is a scratch page and the top slot is a scratch slot th
 read and write.
 
 Device-side helpers gather the states of a batch into dense `[L, B, ...]` arrays for the model
-and scatter them back; MLA pages are read and written in place through per-layer page tables.
+and scatter them back; MLA pages are gathered through per-layer page tables and the pages a step
+touched are written back. Every device access is a whole-unit row gather or scatter.
 """
 
 from __future__ import annotations
@@ -173,7 +174,12 @@ class Arena:
         return out
 
 
-# ---- device-side views ----------------------------------------------------------------------
+# ---- device-side reads and writes -----------------------------------------------------------
+# The arena is only ever indexed by whole units (rows of the 2-D array): one row gather for the
+# reads at the start of a step and row scatters for the writes at its end. Taking the donated buffer
+# under a single shape and ordering every read before every write (the writes' values depend on the
+# reads through the model) lets XLA update it in place; mixed reshapes or read-after-write on the
+# big buffer make it copy the whole arena.
 
 def pack_latent(x: jax.Array) -> jax.Array:
     """[..., W] model-dtype latents -> [..., W * itemsize / 4] float32 words (bit-exact)."""
@@ -191,28 +197,32 @@ def unpack_latent(w: jax.Array, dtype) -> jax.Array:
     return out.reshape(*w.shape[:-1], -1)
 
 
+def slot_units(layout: ArenaLayout, slot_base: jax.Array) -> jax.Array:
+    """[B] first units -> [B, slot_units] the units each slot spans."""
+    return slot_base[:, None] + jnp.arange(layout.slot_units, dtype=slot_base.dtype)[None, :]
+
+
 def gather_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, fresh: jax.Array):
     """Read the KDA slots of a batch -> (conv [Lk, B, 3, W-1, P], state [Lk, B, N, K, V]) fp32.
 
     Rows with `fresh` set start a sequence: their state is zeros whatever the slot held before.
     """
-    flat = arena.reshape(-1)
-    size = layout.slot_elems
-    rows = jax.vmap(lambda b: jax.lax.dynamic_slice(flat, (b * layout.unit_elems,), (size,)))(slot_base)
+    b = slot_base.shape[0]
+    rows = arena[slot_units(layout, slot_base)].reshape(b, -1)[:, :layout.slot_elems]  # [B, slot_elems]
     rows = jnp.where(fresh[:, None], 0.0, rows)
     ns = math.prod(layout.state_shape)
-    state = rows[:, :ns].reshape(-1, *layout.state_shape)
-    conv = rows[:, ns:].reshape(-1, *layout.conv_shape)
+    state = rows[:, :ns].reshape(b, *layout.state_shape)
+    conv = rows[:, ns:].reshape(b, *layout.conv_shape)
     return jnp.moveaxis(conv, 0, 1), jnp.moveaxis(state, 0, 1)
 
 
 def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, conv: jax.Array,
                    state: jax.Array) -> jax.Array:
-    """Write dense per-batch states back into their slots (in place on a donated arena)."""
-    b = slot_base.shape[0]
-    rows = jnp.concatenate([jnp.moveaxis(state, 1, 0).reshape(b, -1), jnp.moveaxis(conv, 1, 0).reshape(b, -1)], 1)
-    flat = arena.reshape(-1)
-    for i in range(b):  # static batch bucket; each is one dynamic_update_slice on the donated buffer
-        flat = jax.lax.dynamic_update_slice(flat, rows[i], (slot_base[i] * layout.unit_elems,))
-    return flat.reshape(arena.shape)
+    """Write dense per-batch states back into their slots: one row scatter on the donated arena.
 
+    Rows that share a slot (padding rows all use the scratch slot) write the same units; which one
+    wins does not matter because nobody reads the scratch slot."""
+    b, su, ue = slot_base.shape[0], layout.slot_units, layout.unit_elems
+    rows = jnp.concatenate([jnp.moveaxis(state, 1, 0).reshape(b, -1), jnp.moveaxis(conv, 1, 0).reshape(b, -1)], 1)
+    rows = jnp.pad(rows, ((0, 0), (0, su * ue - layout.slot_elems))).reshape(b * su, ue)
+    return arena.at[slot_units(layout, slot_base).reshape(-1)].set(rows, mode="drop", unique_indices=False)

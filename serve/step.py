@@ -34,11 +34,13 @@ class StepBatch:
 
 
 class PagedView(CacheView):
-    """The model's view of the arena: dense per-batch KDA states, MLA latents in pages."""
+    """The model's view of one step's cache: dense per-batch KDA states and the batch's MLA pages,
+    gathered from the arena before the model runs; the model writes its new latents here and the
+    step writes the touched pages back afterwards."""
 
-    def __init__(self, layout: ArenaLayout, arena: jax.Array, batch: StepBatch, conv, state):
+    def __init__(self, layout: ArenaLayout, batch: StepBatch, kv: jax.Array, conv, state):
         self.layout, self.batch = layout, batch
-        self.pages = arena.reshape(layout.num_units, layout.page_size, layout.latent_words)
+        self.kv = list(kv)  # per MLA layer [B, P * page_size, words] packed latents
         self.conv, self.state = conv, state
 
     def kda(self, j, b):
@@ -51,32 +53,64 @@ class PagedView(CacheView):
     def mla(self, j, latent, valid):
         lay, bt = self.layout, self.batch
         b, t = latent.shape[:2]
-        table = bt.page_table[:, j]  # [B, P]
+        s = self.kv[j].shape[1]
         pos = bt.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-        real = jnp.arange(t)[None, :] < valid[:, None]
-        page = jnp.take_along_axis(table, jnp.minimum(pos // lay.page_size, table.shape[1] - 1), axis=1)
-        unit = jnp.where(real, page, lay.num_units)  # padding writes are dropped
-        self.pages = self.pages.at[unit, pos % lay.page_size].set(pack_latent(latent.astype(lay.latent_dtype)),
-                                                                   mode="drop")
-        kv = self.pages[table].reshape(b, -1, lay.latent_words)  # [B, P * page_size, words]
-        kv = unpack_latent(kv, lay.latent_dtype)
-        return kv, causal_mask(pos, bt.lengths + valid, kv.shape[1])
+        write = jnp.where(jnp.arange(t)[None, :] < valid[:, None], pos, s)  # padding is dropped
+        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+        self.kv[j] = self.kv[j].at[rows, write].set(pack_latent(latent.astype(lay.latent_dtype)), mode="drop")
+        return unpack_latent(self.kv[j], lay.latent_dtype), causal_mask(pos, bt.lengths + valid, s)
+
+
+def gather_pages(arena: jax.Array, layout: ArenaLayout, page_table: jax.Array) -> jax.Array:
+    """[B, Lm, P] units -> [Lm, B, P * page_size, words] packed latents of every page in the table."""
+    b, lm, p = page_table.shape
+    kv = arena[page_table].reshape(b, lm, p * layout.page_size, layout.latent_words)
+    return jnp.moveaxis(kv, 1, 0)
+
+
+def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:
+    """The pages holding this step's new tokens, as (units [N], contents [N, unit_elems]).
+
+    A row of T tokens starting at `lengths` touches at most (T - 1) // page + 2 pages; slots beyond
+    the row's real tokens get the out-of-range unit `num_units` and are dropped by the scatter.
+    Full shared pages are never touched: new tokens always land in pages the row owns."""
+    b, t = batch.tokens.shape
+    ps, ue = layout.page_size, layout.unit_elems
+    p = batch.page_table.shape[2]
+    n = min((t - 1) // ps + 2, p)
+    idx = batch.lengths[:, None] // ps + jnp.arange(n)[None, :]  # [B, n]
+    real = (idx * ps < (batch.lengths + batch.valid)[:, None]) & (idx < p) & (batch.valid[:, None] > 0)
+    idx = jnp.minimum(idx, p - 1)
+    units, rows = [], []
+    for j, kv_j in enumerate(kv):
+        pages = kv_j.reshape(b, p, ue)
+        rows.append(jnp.take_along_axis(pages, idx[:, :, None], axis=1).reshape(b * n, ue))
+        unit = jnp.take_along_axis(batch.page_table[:, j], idx, axis=1)
+        units.append(jnp.where(real, unit, layout.num_units).reshape(-1))
+    return jnp.concatenate(units), jnp.concatenate(rows)
 
 
 @partial(jax.jit, static_argnums=(0, 1, 5), donate_argnums=(3,))
 def engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
                 num_top_logprobs: int) -> tuple[jax.Array, SampleResult, jax.Array]:
+    """One model step over the arena `float32[num_units, unit_elems]` (donated, updated in place).
+
+    Order on the arena: copy-on-write page copies, then every read (KDA slots, MLA pages), then the
+    writes (touched pages, working slots), whose values depend on the reads."""
     model = nnx.merge(graphdef, params)
     arena = arena.at[batch.copy_dst].set(arena[batch.copy_src])
     # Copy-on-write of KDA checkpoints: read from the (immutable) checkpoint slot, write to the
     # row's working slot. A slot being written is never one being read in the same step.
     fresh = batch.read_base < 0
     conv, state = gather_states(arena, layout, jnp.where(fresh, batch.write_base, batch.read_base), fresh)
-    view = PagedView(layout, arena, batch, conv, state)
+    view = PagedView(layout, batch, gather_pages(arena, layout, batch.page_table), conv, state)
     routed: list = []
     logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed)
-    arena = view.pages.reshape(arena.shape)
-    arena = scatter_states(arena, layout, batch.write_base, view.conv, view.state)
+    if layout.num_mla_layers:
+        units, rows = touched_pages(layout, batch, view.kv)
+        arena = arena.at[units].set(rows, mode="drop")
+    if layout.num_kda_layers:
+        arena = scatter_states(arena, layout, batch.write_base, view.conv, view.state)
     return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(routed, batch, model.cfg.num_experts)
 
 
