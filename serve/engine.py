@@ -21,6 +21,7 @@ from tqdm.auto import tqdm
 
 from k3jax.runtime import Model
 from serve.memory import Arena, ArenaLayout, OutOfMemory
+from serve.moe_timing import time_moe_blocks
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
@@ -32,6 +33,7 @@ from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics,
 log = logging.getLogger(__name__)
 
 KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chunk_kda default)
+CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request
 
 
 @dataclass(frozen=True)
@@ -52,6 +54,7 @@ class EngineConfig:
     prefix_hash_unit: int = 16  # tokens per chained-hash block (<= 128)
     checkpoint_interval: int = 512  # KDA checkpoints every N prefill tokens
     decode_checkpoint_interval: int = 256  # KDA checkpoints every N decode tokens
+    measure_moe_time: bool = True  # time the MoE blocks per step shape at warm-up (serve/moe_timing.py)
 
     def validate(self):
         if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
@@ -94,6 +97,7 @@ class Sequence:
     copies: list = field(default_factory=list)  # (src unit, dst unit) to copy before the next step
     registered_pages: int = 0
     captures: dict = field(default_factory=dict)  # position -> checkpoint kind
+    internal: Optional[str] = None  # set on canonical re-prefill rows: the checkpoint kind they produce
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -152,10 +156,13 @@ class Engine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
-                             generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0)
+                             generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
+        self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
+        self.moe_dispatch_seconds = 0.0
+        self._canonical_pending: dict[str, bytes] = {}  # internal re-prefill rid -> checkpoint key
         self.warmed_up = False
         self.compiles_after_warmup = 0
         if warmup:
@@ -174,6 +181,11 @@ class Engine:
             batch = self._pad_batch(rows, t, p, [])
             self.arena, res, _ = self._step_fn(batch)
         jax.block_until_ready(self.arena)
+        if self.config.measure_moe_time and self.expert_counts.shape[0]:
+            for n in tqdm(sorted({rows * t for rows, t, _ in self.bucket_shapes()}), desc="timing MoE blocks",
+                          disable=not progress):
+                self.moe_step_seconds[n] = time_moe_blocks(self.model.graphdef, self.model.params,
+                                                           self.cfg.hidden_size, self.model.dtype, n)
         self.warmed_up = True
 
     def _step_fn(self, batch: StepBatch):
@@ -264,8 +276,9 @@ class Engine:
         for s in live:
             if s.slot is None:
                 self._match(s)
+        deferred = self._deferred(live)
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
-                         self._next_stop(s)) for s in live]
+                         self._next_stop(s)) for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
             eu, es = self.prefix_cache.evictable()
@@ -310,11 +323,36 @@ class Engine:
         interval = self.prefix_cache.interval
         seq.captures = {p: CHUNK_END for p in range(interval, n, interval)}
         if len(seq.prompt_ids) >= a:
-            seq.captures[len(seq.prompt_ids) // a * a] = PROMPT_END
+            seq.captures[len(seq.prompt_ids) // a * a] = seq.internal or PROMPT_END
         b = (hit.mla_tokens // a) * a
         if b - hit.pos >= a and self.prefix_cache.ckpts.get(seq.hasher.key(b"K", b)) is None:
             seq.captures[b] = BRANCH  # a branch seen before: capture it this time
         seq.captures = {p: k for p, k in seq.captures.items() if p > hit.pos}
+
+    def _deferred(self, live: list[Sequence]) -> set[str]:
+        """Waiting requests that should sit out this step because another request is about to
+        checkpoint a deeper point of their prefix.
+
+        Requests that share a prefix beyond the deepest checkpoint (a branch point) and arrive
+        together would otherwise all recompute from the same shallower checkpoint, each planning
+        the same capture that none of them can use. The first (running, or earliest waiting) one
+        computes and registers the checkpoint; the others wait until it exists, then resume from
+        it. A capture that is dropped (preemption, no free slot) disappears from the pending set,
+        so nobody waits on it for more than the step that would have produced it."""
+        if self.prefix_cache is None:
+            return set()
+        a, pending, out = self.align, {}, set()
+        for s in sorted(live, key=lambda s: (s.slot is None, s.order)):
+            if s.slot is None and s.hit is not None:
+                n = len(s.all_ids) - 1
+                if any(pending.get(s.hasher.key(b"K", p), s.rid) != s.rid
+                       for p in range(n // a * a, s.computed + a - 1, -a)):
+                    out.add(s.rid)
+                    continue
+            for p in s.captures:
+                if p > s.computed:
+                    pending.setdefault(s.hasher.key(b"K", p), s.rid)
+        return out
 
     def _held_units(self, seq: Sequence) -> int:
         if seq.slot is None and seq.hit is not None:
@@ -330,12 +368,12 @@ class Engine:
         hit, pc = seq.hit, self.prefix_cache
         if pc is None or hit is None:
             return
-        pc.record_query(len(seq.all_ids), hit)
+        if not seq.internal:
+            pc.record_query(len(seq.all_ids), hit)
         if hit.pos == 0:
             seq.hit = None
             return
-        pc.acquire(hit)
-        lm = self.cfg.num_mla_layers
+        lm = self.cfg.num_mla_layers  # the hit was pinned (acquired) by _allocate
         for l in range(lm):
             seq.pages[l] = [e.units[l] for e in hit.pages]
         if hit.partial is not None:
@@ -360,13 +398,19 @@ class Engine:
         seq.read_slot = seq.read_pin = None
         seq.copies = []
         seq.hasher.extend(seq.all_ids)
+        if decoded:
+            # Decode writes latents and states through the token-by-token recurrence, which rounds
+            # differently from the chunked prefill a cold request runs; none of it is shared.
+            # Every `decode_interval` tokens a canonical re-prefill row recomputes the span since the
+            # deepest shared checkpoint and registers its pages and state instead.
+            if seq.computed % pc.decode_interval == 0 and not seq.finished:
+                self._spawn_canonical(seq, seq.computed, DECODE)
+            return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
         kind = seq.captures.pop(seq.computed, None)
-        if kind is None and decoded and seq.computed % pc.decode_interval == 0:
-            kind = DECODE
-        if kind is None or seq.finished:
+        if kind is None or (seq.finished and not seq.internal):
             return
-        pc.evict_for(0, 1)
+        pc.evict_for(0, 1, keep=self._wanted())
         try:
             new_slot = self.allocator.alloc_slot()
         except OutOfMemory:
@@ -378,20 +422,70 @@ class Engine:
         else:
             self.allocator.free_slot(new_slot)
 
+    def _spawn_canonical(self, seq: Sequence, pos: int, kind: str) -> None:
+        """Queue an internal prefill-only row set over seq's first `pos` tokens that registers the
+        canonical (chunked-prefill) pages and KDA state at `pos`. It queues behind every real
+        request (and is preempted first), never produces output, and is dropped with its memory
+        when it finishes."""
+        key = seq.hasher.key(b"K", pos)
+        if key in self.prefix_cache.ckpts or key in self._canonical_pending.values():
+            return
+        ids = seq.all_ids[:pos]
+        rid = f"{seq.rid}@{pos}"
+        params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        shadow = Sequence(rid=rid, request_id=rid, index=0, order=CANONICAL_ORDER + next(self._order),
+                          prompt_ids=list(ids), params=params, seed=0,
+                          checker=StopChecker(params, self.tokenizer, (), 1), metrics=RequestMetrics(time.monotonic()),
+                          pages=[[] for _ in range(self.cfg.num_mla_layers)],
+                          hasher=PrefixHasher(self.config.prefix_hash_unit), internal=kind)
+        self.seqs[rid] = shadow
+        self._canonical_pending[rid] = key
+        self.counters["canonical_rows"] += 1
+
     def _allocate(self, plan: StepPlan) -> None:
-        if self.prefix_cache is not None:
-            units = sum(plan.grow.values()) + self.cfg.num_mla_layers * len(plan.admit)
-            self.prefix_cache.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit))
-        for rid in plan.admit:
-            self._admit(self.seqs[rid])
-        for rid, units in plan.grow.items():
+        """Carry out the plan's memory: evict, admit (slot, shared pages, copy-on-write page), grow.
+
+        Admitted requests pin what they will read *before* anything is evicted, so eviction can
+        never free a page or state a request is about to read. Pinning may leave eviction short of
+        what the scheduler counted on; an admission that then does not fit is dropped from this
+        step (the request stays waiting), never half-done."""
+        pc, lm = self.prefix_cache, self.cfg.num_mla_layers
+        if pc is not None:
+            for rid in plan.admit:
+                hit = self.seqs[rid].hit
+                if hit is not None and hit.pos:
+                    pc.acquire(hit)
+            units = sum(plan.grow.values()) + lm * len(plan.admit)
+            pc.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit), keep=self._wanted())
+        for rid in [r for r in plan.grow if r not in plan.admit]:
+            self._grow(self.seqs[rid], plan.grow[rid])
+        for rid in list(plan.admit):
             seq = self.seqs[rid]
-            got = self.allocator.alloc_pages(units)
-            if self.prefix_cache is not None:
-                self.prefix_cache.ref(got)
-            per = units // self.cfg.num_mla_layers
-            for j in range(self.cfg.num_mla_layers):
-                seq.pages[j].extend(got[j * per:(j + 1) * per])
+            partial = lm if seq.hit is not None and seq.hit.pos and seq.hit.partial is not None else 0
+            if not self.allocator.can_fit(partial + plan.grow.get(rid, 0), 1):
+                if pc is not None and seq.hit is not None and seq.hit.pos:
+                    pc.release_hit(seq.hit)
+                plan.admit.remove(rid)
+                plan.prefill = [r for r in plan.prefill if r[0] != rid]
+                plan.grow.pop(rid, None)
+                continue
+            self._admit(seq)
+            if rid in plan.grow:
+                self._grow(seq, plan.grow[rid])
+
+    def _wanted(self) -> set[bytes]:
+        """Checkpoints that waiting requests plan to resume from (evicted last)."""
+        return {s.hit.ckpt.key for s in self.seqs.values()
+                if s.slot is None and not s.finished and s.hit is not None and s.hit.ckpt is not None}
+
+    def _grow(self, seq: Sequence, units: int) -> None:
+        """Give `seq` `units` more MLA units (the same number of pages in every MLA layer)."""
+        got = self.allocator.alloc_pages(units)
+        if self.prefix_cache is not None:
+            self.prefix_cache.ref(got)
+        per = units // self.cfg.num_mla_layers
+        for j in range(self.cfg.num_mla_layers):
+            seq.pages[j].extend(got[j * per:(j + 1) * per])
 
     def _run(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, touched: set[str]) -> None:
         seqs = [self.seqs[r] for r in rids]
@@ -402,10 +496,16 @@ class Engine:
         self.arena, res, counts = self._step_fn(batch)
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         self.expert_counts += np.asarray(counts)
+        self.moe_dispatch_seconds += self.moe_step_seconds.get(rows_bucket * t, 0.0)
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
             seq.computed = start + n
+            if seq.internal:
+                self._after_row(seq, decoded=False)
+                if seq.computed == len(seq.all_ids):
+                    self._finish(seq, "canonical")
+                continue
             if not seq.finished and seq.computed == len(seq.all_ids):
                 touched.add(seq.rid)
                 self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
@@ -465,6 +565,10 @@ class Engine:
         seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop_reason
         seq.metrics.finished_time = time.monotonic()
         self._release(seq)
+        if seq.internal:
+            self.seqs.pop(seq.rid, None)
+            self._canonical_pending.pop(seq.rid, None)
+            return
         req = self.requests[seq.request_id]
         if req.finished and reason != "abort":
             self.counters["requests_finished"] += 1
@@ -515,7 +619,7 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------------
     def stats(self) -> dict:
-        live = [s for s in self.seqs.values() if not s.finished]
+        live = [s for s in self.seqs.values() if not s.finished and not s.internal]
         by_kind = self.allocator.bytes_by_kind()
         return {
             **self.counters,
@@ -529,6 +633,9 @@ class Engine:
             "arena_cached_units": self._cached_units(),
             "expert_counts": self.expert_counts.tolist(),
             "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
+            "moe_dispatch_seconds": self.moe_dispatch_seconds,
+            "moe_step_seconds": dict(self.moe_step_seconds),
+            "inter_rank_bytes": 0,  # one device: the MoE exchanges nothing between ranks
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
 

@@ -21,9 +21,12 @@ of the request's working slot to the cache (no bytes move) and gives the request
 the next step fills from the checkpoint.
 
 Bit-exactness: prefill rows start at multiples of `align` and the model's KDA chunking is relative
-to the row start, so a resume at a checkpoint runs the same arithmetic as a cold prefill. States
-captured during decode come from the token-by-token recurrence; resuming from them matches a cold
-chunked recompute to rounding (~1e-6), not bit for bit.
+to the row start, so a resume at a checkpoint runs the same arithmetic as a cold prefill. Only
+prefill-computed pages and states are ever shared. Decode runs the token-by-token recurrence, which
+rounds differently, so the engine shares nothing a decode wrote; at every `decode_interval` it
+queues an internal *canonical* prefill row over the conversation so far (from the deepest shared
+checkpoint), whose pages and state are registered as the decode-interval checkpoint. A warm resume
+from any checkpoint kind is therefore bit-identical to a cold recompute.
 
 Eviction is LRU with reference counts: checkpoint slots first (prompt-end states of recently
 active conversations last), then pages nobody holds; evicting a page evicts the checkpoints and
@@ -199,6 +202,12 @@ class PrefixCache:
         if hit.partial is not None:
             self.unref(hit.partial.units)
 
+    def release_hit(self, hit: Hit) -> None:
+        """Undo `acquire` for a request that was not admitted after all."""
+        self.unpin(hit)
+        for e in hit.pages:
+            self.unref(e.units)
+
     # ---- registration -------------------------------------------------------------------------
     def register_pages(self, h: PrefixHasher, seq_pages: list[list[int]], upto: int, start_index: int) -> int:
         """Share the request's pages that are full below `upto`; returns the new registered count."""
@@ -258,14 +267,15 @@ class PrefixCache:
         units = sum(1 for u, n in self._entry_refs().items() if self.unit_refs.get(u) == n)
         return units + slots * self.layout.slot_units, slots
 
-    def evict_for(self, units: int, slots: int) -> None:
-        """Evict LRU entries until `units` free units and `slots` free slot runs exist (best effort)."""
+    def evict_for(self, units: int, slots: int, keep: frozenset = frozenset()) -> None:
+        """Evict LRU entries until `units` free units and `slots` free slot runs exist (best effort).
+        Checkpoints in `keep` (what waiting requests plan to resume from) go last."""
         def short():
             return (self.alloc.free_units < units
                     or (slots and len(self.alloc._free_slot_bases(slots)) < slots))
 
         order = sorted((c for c in self.ckpts.values() if c.pins == 0),
-                       key=lambda c: (c.kind == PROMPT_END, c.last_used))
+                       key=lambda c: (c.key in keep, c.kind == PROMPT_END, c.last_used))
         for c in order:
             if not short():
                 return

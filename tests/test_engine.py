@@ -16,7 +16,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 def make_engine(model, chunk=64, units=450, warmup=True, **kw):
     cfg = dict(max_model_len=512, page_size=16, cache_bytes=units * 2560, max_num_seqs=32, prefill_chunk=chunk,
                max_prefill_seqs=4, max_num_batched_tokens=512, decode_buckets=(4, 32), prefill_buckets=(4,),
-               context_buckets=(32,), max_logprobs=3, enable_prefix_caching=False)
+               context_buckets=(32,), max_logprobs=3, enable_prefix_caching=False, measure_moe_time=False)
     cfg.update(kw)
     return Engine(model, EngineConfig(**cfg), warmup=warmup, progress=False)
 
@@ -29,7 +29,7 @@ def model(request):
 @pytest.fixture(scope="module")
 def engine(model):
     # small enough that 32 concurrent requests cannot all fit (forces preemption)
-    return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250)
+    return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250, measure_moe_time=True)
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +65,20 @@ def test_batch_of_32_mixed_lengths_is_token_identical(engine, prompts, alone):
     st_ = engine.stats()
     assert st_["arena_free_units"] == st_["arena_baseline_free_units"]
     assert st_["compiles_after_warmup"] == 0
+
+
+def test_moe_dispatch_time_is_measured_per_step_shape(engine, prompts):
+    """Every step program's token count (decode rows 4, 32; prefill 4 x 64) has a measured MoE time,
+    and each step adds the time of its shape."""
+    s = engine.stats()
+    assert set(s["moe_step_seconds"]) == {4, 32, 256}
+    assert all(v > 0 for v in s["moe_step_seconds"].values())
+    steps_before, before = s["steps"], s["moe_dispatch_seconds"]
+    run_all(engine, prompts[:2])
+    s = engine.stats()
+    assert s["moe_dispatch_seconds"] > before
+    assert s["moe_dispatch_seconds"] - before <= 2 * (s["steps"] - steps_before) * max(s["moe_step_seconds"].values()) + 1e-9
+    assert s["inter_rank_bytes"] == 0
 
 
 def test_preempted_and_recomputed_requests_are_token_identical(model, engine):

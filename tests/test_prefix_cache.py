@@ -86,12 +86,36 @@ def test_branch_point_checkpoint(engines):
     warm_vs_cold(engines, system + toks(8, 11), "branch_point")
 
 
+def test_branch_point_seen_by_several_requests_in_one_step(engines):
+    """Three requests reach an uncheckpointed shared prefix together: one computes and captures the
+    branch point, the other two wait a few steps and resume from it (bit-identical to cold)."""
+    on, off = engines
+    system = toks(20, 150)
+    run(on, system + toks(21, 30))  # pages past 128, a state only at its prompt end
+    before = hits(on, "branch_point")
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=4)
+    prompts = [system + toks(22 + i, 20) for i in range(3)]
+    ids = [on.add_request(p, sp) for p in prompts]
+    outs = {}
+    while on.has_unfinished():
+        for o in on.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert hits(on, "branch_point") == before + 2, str(on.stats()["prefix_cache"])
+    for rid, p in zip(ids, prompts):
+        assert logprobs(outs[rid]) == logprobs(run(off, p))
+
+
 def test_decode_interval_checkpoint(engines):
-    """States captured by the token-by-token decode match a cold chunked prefill to rounding."""
+    """Decode-interval checkpoints come from a canonical re-prefill of the conversation so far, so a
+    warm resume from one is bit-identical to a cold prefill (the decode's own states are not shared)."""
     on, _ = engines
     p = toks(10, 40)
-    first = run(on, p, n=40)  # decode checkpoints at 64
-    warm_vs_cold(engines, p + first.token_ids + toks(11, 5), "decode_interval", exact=False)
+    before = on.stats()["canonical_rows"]
+    first = run(on, p, n=40)  # decode reaches 64: a canonical row re-prefills [32 or 0, 64) and registers 64
+    assert on.stats()["canonical_rows"] == before + 1
+    assert not any(s.internal for s in on.seqs.values())  # finished and dropped with its memory
+    warm_vs_cold(engines, p + first.token_ids + toks(11, 5), "decode_interval")
 
 
 def test_metrics_and_clear(engines):

@@ -7,6 +7,7 @@ from pallas_kernels.moe.mxfp4 import (
     quantize_mxfp4,
 )
 from pallas_kernels.moe.ops import gmm, route_and_sort
+from pallas_kernels.moe.blocked import gmm_blocked
 from pallas_kernels.moe.reference import gmm_reference
 
 __all__ = [
@@ -16,6 +17,7 @@ __all__ = [
     "dequantize_mxfp4",
     "quantize_mxfp4",
     "gmm",
+    "gmm_blocked",
     "gmm_reference",
     "route_and_sort",
 ]

@@ -1,0 +1,69 @@
+"""Block-padded grouped matmul in plain jnp: the CPU path for ``gmm``.
+
+``jax.lax.ragged_dot`` (the reference) lowers on XLA:CPU to a product of every row with every
+group's weight, so a step routing a handful of tokens pays for all G experts (and, for MXFP4, for
+dequantising all of them). Here the sorted rows are cut into blocks of ``tm`` rows that never
+straddle a group boundary (each group padded to a multiple of ``tm``, megablocks-style); each block
+gathers only its own expert's weight -- dequantising just that expert when it is MXFP4 -- and the
+blocks run as one batched matmul. Work is ``num_blocks * tm`` rows instead of ``G * M``, and
+``num_blocks <= (M + min(G, M) * (tm - 1)) // tm`` is static, so the shapes do not depend on the
+routing. Every output row is the same dot product the reference computes (same dtype, precision).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe.mxfp4 import MXFP4Weight
+from pallas_kernels.moe.reference import RhsLike, check_gmm_args
+
+__all__ = ["gmm_blocked", "block_rows_for", "num_blocks"]
+
+
+def block_rows_for(m: int, g: int) -> int:
+    """Rows per block: about 2M / G (so ~G / 2 + G blocks in all), a power of two in [2, 64].
+
+    Never 1: XLA:CPU runs a one-row block as a matrix-vector product whose rounding differs from
+    the matrix-matrix path, while every block size >= 2 gives bit-identical rows, which keeps a
+    token's result independent of how many other tokens share the step."""
+    tm = 2
+    while tm * 2 <= min(64, 2 * m // max(g, 1)):
+        tm *= 2
+    return tm
+
+
+def num_blocks(m: int, g: int, tm: int) -> int:
+    """Upper bound on sum_g ceil(size_g / tm) over any split of M rows into G groups."""
+    return max(1, (m + min(g, m) * (tm - 1)) // tm)
+
+
+def gmm_blocked(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
+                block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
+    """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` -> ``[M, N]``; rows past the groups are 0."""
+    group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes)
+    tm = block_rows or block_rows_for(m, g)
+    nb = num_blocks(m, g, tm)
+
+    starts = jnp.cumsum(group_sizes) - group_sizes  # [G] first sorted row of each group
+    blocks = (group_sizes + tm - 1) // tm  # [G]
+    ends = jnp.cumsum(blocks)  # [G] one past each group's last block
+    b = jnp.arange(nb, dtype=jnp.int32)
+    expert = jnp.minimum(jnp.searchsorted(ends, b, side="right"), g - 1).astype(jnp.int32)  # [NB]
+    used = b < ends[-1]
+    first = starts[expert] + (b - (ends[expert] - blocks[expert])) * tm  # [NB]
+    rows = first[:, None] + jnp.arange(tm, dtype=jnp.int32)[None, :]  # [NB, tm]
+    real = used[:, None] & (rows < (starts + group_sizes)[expert][:, None])
+
+    x = jnp.where(real[..., None], lhs[jnp.minimum(rows, m - 1)], jnp.zeros((), lhs.dtype))  # [NB, tm, K]
+    if isinstance(rhs, MXFP4Weight) and nb < g:  # dequantise only the blocks' experts
+        w = MXFP4Weight(rhs.packed[expert], rhs.scale[expert], rhs.group_size).dequantize(dtype=lhs.dtype)
+    elif isinstance(rhs, MXFP4Weight):  # more blocks than experts: dequantise each expert once
+        w = rhs.dequantize(dtype=lhs.dtype)[expert]
+    else:
+        w = rhs[expert]
+        w = w.astype(lhs.dtype) if w.dtype != lhs.dtype else w  # [NB, N, K]
+    y = jnp.einsum("bmk,bnk->bmn", x, w, precision=precision, preferred_element_type=preferred_element_type)
+    out = jnp.zeros((m, n), y.dtype)
+    return out.at[jnp.where(real, rows, m).reshape(-1)].set(y.reshape(-1, n), mode="drop")
