@@ -26,7 +26,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, Pref
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
-from serve.step import StepBatch, engine_step
+from serve.step import StepBatch, bind_step
 from serve.stop_checker import StopChecker
 from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
 
@@ -134,6 +134,7 @@ class Engine:
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty()
+        self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs)
         max_pages = -(-config.max_model_len // config.page_size)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))
@@ -190,10 +191,9 @@ class Engine:
 
     def _step_fn(self, batch: StepBatch):
         """Run the compiled step; a call that grows the jit cache after warm-up counts as a compile."""
-        before = engine_step._cache_size()
-        out = engine_step(self.model.graphdef, self.layout, self.model.params, self.arena, batch,
-                          self.config.max_logprobs)
-        if self.warmed_up and engine_step._cache_size() > before:
+        before = self._step._cache_size()
+        out = self._step(self._leaves, self.arena, batch)
+        if self.warmed_up and self._step._cache_size() > before:
             self.compiles_after_warmup += 1
             log.warning("step shape %s compiled after warm-up", batch.tokens.shape)
         return out

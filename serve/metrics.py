@@ -166,7 +166,8 @@ class EngineCollector:
                 for e, c in enumerate(values):
                     ex.add_metric([m, str(layer), str(e)], _num(c))
         yield ex
-        yield counter("k3jax:moe_dispatch_seconds", "Time spent in MoE token dispatch/combine.",
+        yield counter("k3jax:moe_dispatch_seconds", "Time in the MoE blocks (routing, dispatch, expert GEMMs, combine): "
+                      "per step, the time measured at warm-up for the step's shape.",
                       s.get("moe_dispatch_seconds", 0.0))
         yield counter("k3jax:inter_rank_bytes", "Bytes moved between ranks (0 on one device).",
                       s.get("inter_rank_bytes", 0))
