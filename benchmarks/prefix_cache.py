@@ -1,7 +1,7 @@
 """Prefix-cache benchmark (issue 5): a synthetic multi-turn coding-agent trace and a no-reuse trace,
 each run on two engines that differ only in `enable_prefix_caching`.
 
-    python benchmarks/prefix_cache.py --alignment-variant 16   # the recorded run (k3-small), ~9 min quiet, ~16 loaded
+    python benchmarks/prefix_cache.py --alignment-variant 32   # the recorded run (k3-small), ~5 min quiet
     python benchmarks/prefix_cache.py          # without the alignment variant
     python benchmarks/prefix_cache.py --quick  # smoke run on tiny-k3 (~20 s with compiles)
 
@@ -199,6 +199,8 @@ def main(argv=None):
                          "(KDA checkpoint alignment = min(CHUNK, 64)) to show how alignment bounds the hit rate")
     ap.add_argument("--variant-only", action="store_true",
                     help="run only --alignment-variant and merge it into the existing --out JSON")
+    ap.add_argument("--chunk", type=int, default=None,
+                    help="prefill_chunk = decode_checkpoint_interval = KDA checkpoint alignment (default 16)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     q = args.quick
@@ -214,7 +216,7 @@ def main(argv=None):
         noreuse_requests=4 if q else 8, noreuse_len=(48, 96) if q else (128, 384), noreuse_gen=8 if q else 24,
         noreuse_reps=args.noreuse_reps or (1 if q else 2))
     mml = 256 if q else 1024
-    chunk = 16 if q else 32
+    chunk = args.chunk or 16
     ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=P["sessions"], prefill_chunk=chunk,
                 max_prefill_seqs=P["sessions"], max_num_batched_tokens=P["sessions"] * (chunk + 1),
                 decode_buckets=(P["sessions"],) if q else (1, P["sessions"]),
@@ -239,8 +241,8 @@ def main(argv=None):
     ecfg["cache_bytes"] = arena_budget(model, 16, mml, P["sessions"], extra_slots=8 * P["sessions"])
     result["engine_config"] = {k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.items()}
     result["engine_config_note"] = (
-        "both engines identical except enable_prefix_caching; prefill_chunk 32 puts KDA checkpoints on multiples "
-        "of 32 (align = min(prefill_chunk, 64)); decode checkpoints every 32 tokens so a response's state is "
+        f"both engines identical except enable_prefix_caching; prefill_chunk {chunk} puts KDA checkpoints on multiples "
+        f"of {chunk} (align = min(prefill_chunk, 64)); decode checkpoints every {chunk} tokens so a response's state is "
         "reusable by the next turn; chunk-end checkpoints every 256 prefill tokens; branch points captured on "
         "second sight")
 

@@ -152,6 +152,47 @@ def measure_bandwidth(mbytes: int = 512, reps: int = 7) -> dict:
     return out
 
 
+def measure_matmul_rate(n: int = 2048, reps: int = 5) -> float:
+    """fp32 matmul FLOP/s seen by XLA:CPU in this process (n^3 `jnp.dot` at HIGHEST, median)."""
+    a = jnp.asarray(np.random.default_rng(0).standard_normal((n, n)), jnp.float32)
+    f = jax.jit(lambda x: jnp.dot(x, x, precision=jax.lax.Precision.HIGHEST))
+    f(a).block_until_ready()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        f(a).block_until_ready()
+        ts.append(time.perf_counter() - t0)
+    return 2 * n ** 3 / med(ts)
+
+
+def active_matmul_params(model) -> float:
+    """Weights one token multiplies through: every matrix except the embedding lookup, routed experts
+    scaled by top-k / E (the lm_head counts; norms and biases are not matrices)."""
+    cfg = model.cfg
+    total = 0.0
+    for path, x in jax.tree_util.tree_flatten_with_path(model.params)[0]:
+        name = jax.tree_util.keystr(path)
+        if len(x.shape) < 2 or ("embed_tokens" in name and not cfg.tie_word_embeddings):
+            continue
+        n = float(np.prod(x.shape))
+        if "block_sparse_moe" in name and any(f"['{w}']" in name for w in ("w1", "w2", "w3")):
+            n *= cfg.num_experts_per_token / cfg.num_experts
+            if x.dtype == jnp.uint8:  # MXFP4: packed bytes hold two weights; scales are not weights
+                n = n * 2 if "packed" in name else 0.0
+        total += n
+    return total
+
+
+def wave_floor(model, c: int, prompt_len: float, gen: int, rate: float, bw: float, page_size: int) -> dict:
+    """A lower bound on the wall time of one offline wave on this machine: the prompt's weight FLOPs
+    at the measured matmul rate (attention and the recurrence left out) plus `gen - 1` decode steps
+    at their memory roofline. Nothing, HF or engine, can finish the wave faster."""
+    flops = 2 * active_matmul_params(model) * c * prompt_len
+    steps = sum(decode_bytes(model, c, prompt_len + i, page_size)["total_bytes"] for i in range(1, gen)) / (bw * 1e9)
+    return dict(prefill_weight_flops=flops, prefill_floor_s=flops / rate, decode_floor_s=steps,
+                wave_floor_s=flops / rate + steps, matmul_flops_per_s=rate)
+
+
 # --------------------------------------------------------------------------------------------
 # engine driving
 # --------------------------------------------------------------------------------------------
@@ -470,6 +511,9 @@ def main(argv=None):
     bw = measure_bandwidth(64 if quick else 512, 3 if quick else 7)
     result["bandwidth"] = bw
     log(f"bandwidth: read {bw['read_GBps']:.1f} GB/s, copy {bw['copy_GBps']:.1f} GB/s (median)")
+    mm_rate = measure_matmul_rate(512 if quick else 2048)
+    result["matmul_flops_per_s"] = mm_rate
+    log(f"matmul: {mm_rate / 1e9:.1f} GFLOP/s fp32")
 
     conc = (1, 4) if quick else (1, 8, 32)
     reps = {1: 1, 4: 1} if quick else {1: 3, 8: 2, 32: 2}
@@ -555,6 +599,13 @@ def main(argv=None):
                                       greedy_sequences_identical=f"{sum(x['identical'] for x in runs)}/{c * len(runs)}",
                                       runs=runs)
             log(f"[hf] c={c}: median {hf_tps:.2f} gen tok/s; engine/HF = {eng_tps / hf_tps:.2f}x")
+            floor = wave_floor(model, c, kl_len, gen, mm_rate, bw["GBps"], 16)
+            hf_wall = med([x["wall_s"] for x in runs])
+            floor.update(hf_wave_wall_s=hf_wall, max_possible_ratio_over_hf=hf_wall / floor["wave_floor_s"])
+            info["hf"][str(c)]["machine_floor"] = floor
+            log(f"[hf] c={c}: wave floor {floor['wave_floor_s']:.2f} s (prefill {floor['prefill_floor_s']:.2f} s at "
+                f"{mm_rate / 1e9:.0f} GFLOP/s + decode {floor['decode_floor_s']:.2f} s at roofline) vs HF "
+                f"{hf_wall:.2f} s: no engine can exceed {floor['max_possible_ratio_over_hf']:.1f}x HF here")
         info["hf"]["goal_ratio_at_max_concurrency"] = 10.0
         info["hf"]["meets_goal"] = info["hf"][str(conc[-1])]["ratio_engine_over_hf"] >= 10.0
 

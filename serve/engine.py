@@ -8,6 +8,7 @@ step, never to layers or tokens of context.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import logging
 import time
@@ -34,6 +35,7 @@ log = logging.getLogger(__name__)
 
 KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chunk_kda default)
 CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request
+MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
 
 
 @dataclass(frozen=True)
@@ -98,6 +100,7 @@ class Sequence:
     registered_pages: int = 0
     captures: dict = field(default_factory=dict)  # position -> checkpoint kind
     internal: Optional[str] = None  # set on canonical re-prefill rows: the checkpoint kind they produce
+    reused: bool = False  # its prompt resumed from the prefix cache (part of a reuse chain)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -164,6 +167,7 @@ class Engine:
         self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
         self.moe_dispatch_seconds = 0.0
         self._canonical_pending: dict[str, bytes] = {}  # internal re-prefill rid -> checkpoint key
+        self._tails: collections.OrderedDict[str, PrefixHasher] = collections.OrderedDict()  # finished, never reused
         self.warmed_up = False
         self.compiles_after_warmup = 0
         if warmup:
@@ -276,6 +280,11 @@ class Engine:
         for s in live:
             if s.slot is None:
                 self._match(s)
+        if self._canonicalize_shared_tails(live):
+            live = [s for s in self.seqs.values() if not s.finished]
+            for s in live:
+                if s.slot is None and s.hit is None:
+                    self._match(s)
         deferred = self._deferred(live)
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
                          self._next_stop(s)) for s in live if s.rid not in deferred]
@@ -329,6 +338,29 @@ class Engine:
             seq.captures[b] = BRANCH  # a branch seen before: capture it this time
         seq.captures = {p: k for p, k in seq.captures.items() if p > hit.pos}
 
+    def _canonicalize_shared_tails(self, live: list[Sequence]) -> bool:
+        """Decode checkpoints for conversations that turn out to be shared.
+
+        A request that did not resume from the cache gets no decode checkpoints (a workload without
+        reuse would only pay for them). When a waiting request then reuses a prefix of such a
+        finished conversation, the conversation is evidently part of a shared family (an agent's
+        system prompt, a common document), so its whole tail is canonicalised now: requests that
+        continue it wait for that row (see `_deferred`) and resume at its end."""
+        if not self._tails or self.prefix_cache is None:
+            return False
+        spawned = False
+        for s in live:
+            if s.slot is not None or s.internal or s.hit is None or s.hit.mla_tokens == 0:
+                continue
+            q = s.hit.mla_tokens
+            for rid, h in list(self._tails.items()):
+                ids = h.tokens
+                if len(ids) > q and h.key(b"K", q) == s.hasher.key(b"K", q):
+                    del self._tails[rid]
+                    self._spawn_canonical_ids(ids, h, (len(ids) - 1) // self.align * self.align, DECODE, rid)
+                    spawned = True
+        return spawned
+
     def _deferred(self, live: list[Sequence]) -> set[str]:
         """Waiting requests that should sit out this step because another request is about to
         checkpoint a deeper point of their prefix.
@@ -342,7 +374,7 @@ class Engine:
         if self.prefix_cache is None:
             return set()
         a, pending, out = self.align, {}, set()
-        for s in sorted(live, key=lambda s: (s.slot is None, s.order)):
+        for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.order)):
             if s.slot is None and s.hit is not None:
                 n = len(s.all_ids) - 1
                 if any(pending.get(s.hasher.key(b"K", p), s.rid) != s.rid
@@ -373,6 +405,7 @@ class Engine:
         if hit.pos == 0:
             seq.hit = None
             return
+        seq.reused = True
         lm = self.cfg.num_mla_layers  # the hit was pinned (acquired) by _allocate
         for l in range(lm):
             seq.pages[l] = [e.units[l] for e in hit.pages]
@@ -403,7 +436,9 @@ class Engine:
             # differently from the chunked prefill a cold request runs; none of it is shared.
             # Every `decode_interval` tokens a canonical re-prefill row recomputes the span since the
             # deepest shared checkpoint and registers its pages and state instead.
-            if seq.computed % pc.decode_interval == 0 and not seq.finished:
+            # Only requests that themselves resumed from the cache get them: continuing conversations
+            # and shared-prefix traffic reuse their tails, while a workload without reuse pays nothing.
+            if seq.reused and seq.computed % pc.decode_interval == 0 and not seq.finished:
                 self._spawn_canonical(seq, seq.computed, DECODE)
             return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
@@ -427,11 +462,14 @@ class Engine:
         canonical (chunked-prefill) pages and KDA state at `pos`. It queues behind every real
         request (and is preempted first), never produces output, and is dropped with its memory
         when it finishes."""
-        key = seq.hasher.key(b"K", pos)
+        self._spawn_canonical_ids(seq.all_ids, seq.hasher, pos, kind, seq.rid)
+
+    def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str) -> None:
+        key = hasher.key(b"K", pos)
         if key in self.prefix_cache.ckpts or key in self._canonical_pending.values():
             return
-        ids = seq.all_ids[:pos]
-        rid = f"{seq.rid}@{pos}"
+        ids = all_ids[:pos]
+        rid = f"{base}@{pos}"
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         shadow = Sequence(rid=rid, request_id=rid, index=0, order=CANONICAL_ORDER + next(self._order),
                           prompt_ids=list(ids), params=params, seed=0,
@@ -569,6 +607,12 @@ class Engine:
             self.seqs.pop(seq.rid, None)
             self._canonical_pending.pop(seq.rid, None)
             return
+        if self.prefix_cache is not None and reason != "abort" and not seq.reused:
+            h = PrefixHasher(self.config.prefix_hash_unit)
+            h.extend(list(seq.all_ids))
+            self._tails[seq.rid] = h  # see _canonicalize_shared_tails
+            while len(self._tails) > MAX_TAILS:
+                self._tails.popitem(last=False)
         req = self.requests[seq.request_id]
         if req.finished and reason != "abort":
             self.counters["requests_finished"] += 1

@@ -112,10 +112,36 @@ def test_decode_interval_checkpoint(engines):
     on, _ = engines
     p = toks(10, 40)
     before = on.stats()["canonical_rows"]
-    first = run(on, p, n=40)  # decode reaches 64: a canonical row re-prefills [32 or 0, 64) and registers 64
+    run(on, toks(9, 40), n=40)  # no reuse: decode checkpoints would only cost, none is made
+    assert on.stats()["canonical_rows"] == before
+    run(on, p[:36], n=1)  # leaves a prompt-end checkpoint at 32
+    first = run(on, p, n=40)  # resumes at 32; decode reaches 64: a canonical row re-prefills [32, 64)
     assert on.stats()["canonical_rows"] == before + 1
     assert not any(s.internal for s in on.seqs.values())  # finished and dropped with its memory
     warm_vs_cold(engines, p + first.token_ids + toks(11, 5), "decode_interval")
+
+
+def test_shared_conversation_tail_is_canonicalised_on_reuse(engines):
+    """A first request (no reuse, so no decode checkpoints) finishes; a second one reuses its prefix
+    while the conversation continues: the first's whole tail is canonicalised, the continuation waits
+    for it and resumes past the response (bit-identical to cold)."""
+    on, off = engines
+    system = toks(30, 100)
+    first = run(on, system + toks(31, 20), n=30)  # ends at 150, prompt-end state at 112 or 96
+    before, dec, hit_tokens = on.stats()["canonical_rows"], hits(on, "decode_interval"), \
+        on.stats()["prefix_cache"]["hit_tokens"]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=4)
+    cont = system + toks(31, 20) + first.token_ids + toks(32, 9)
+    ids = [on.add_request(system + toks(33, 12), sp), on.add_request(cont, sp)]
+    outs = {}
+    while on.has_unfinished():
+        for o in on.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert on.stats()["canonical_rows"] >= before + 1
+    assert hits(on, "decode_interval") == dec + 1  # the continuation resumed from the canonical tail
+    assert on.stats()["prefix_cache"]["hit_tokens"] - hit_tokens >= 144  # the continuation: (149 // 16) * 16
+    assert logprobs(outs[ids[1]]) == logprobs(run(off, cont))
 
 
 def test_metrics_and_clear(engines):
