@@ -89,6 +89,18 @@ def causal_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array
     return (s <= q_pos[:, :, None]) & (s < kv_len[:, None, None])
 
 
+def append_latents(kv: jax.Array, latent: jax.Array, lengths: jax.Array, valid: jax.Array):
+    """Write a chunk's latents [B, T, W] into per-row storage kv [B, S, W] at positions
+    lengths + t (padding tokens are dropped) -> (kv, causal mask [B, T, S])."""
+    b, t = latent.shape[:2]
+    s = kv.shape[1]
+    pos = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    write = jnp.where(jnp.arange(t)[None, :] < valid[:, None], pos, s)
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    kv = kv.at[rows, write].set(latent.astype(kv.dtype), mode="drop")
+    return kv, causal_mask(pos, lengths + valid, s)
+
+
 class FreshView(CacheView):
     """Whole sequences from empty state, nothing kept: MLA attends over the chunk itself (expanded)."""
 
@@ -125,14 +137,9 @@ class ContiguousView(CacheView):
         self.kda_state = self.kda_state.at[j].set(state)
 
     def mla(self, j, latent, valid):
-        c = self.cache
-        b, t = latent.shape[:2]
-        pos = c.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-        write = jnp.where(jnp.arange(t)[None, :] < valid[:, None], pos, c.max_len)  # padding is dropped
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        kv = self.mla_kv[j].at[rows, write].set(latent.astype(self.mla_kv.dtype), mode="drop")
+        kv, mask = append_latents(self.mla_kv[j], latent, self.cache.lengths, valid)
         self.mla_kv = self.mla_kv.at[j].set(kv)
-        return kv, causal_mask(pos, c.lengths + valid, c.max_len)
+        return kv, mask
 
     def result(self, valid: jax.Array) -> ModelCache:
         return ModelCache(self.kda_conv, self.kda_state, self.mla_kv, self.cache.lengths + valid)

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from k3jax.cache import CacheView, causal_mask
+from k3jax.cache import CacheView, append_latents
 from serve.memory import ArenaLayout, gather_states, pack_latent, scatter_states, unpack_latent
 from serve.sampling import SampleResult, SamplingBatch, sample
 
@@ -51,14 +51,9 @@ class PagedView(CacheView):
         self.state = self.state.at[j].set(state)
 
     def mla(self, j, latent, valid):
-        lay, bt = self.layout, self.batch
-        b, t = latent.shape[:2]
-        s = self.kv[j].shape[1]
-        pos = bt.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
-        write = jnp.where(jnp.arange(t)[None, :] < valid[:, None], pos, s)  # padding is dropped
-        rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-        self.kv[j] = self.kv[j].at[rows, write].set(pack_latent(latent.astype(lay.latent_dtype)), mode="drop")
-        return unpack_latent(self.kv[j], lay.latent_dtype), causal_mask(pos, bt.lengths + valid, s)
+        dtype = self.layout.latent_dtype
+        self.kv[j], mask = append_latents(self.kv[j], pack_latent(latent.astype(dtype)), self.batch.lengths, valid)
+        return unpack_latent(self.kv[j], dtype), mask
 
 
 def gather_pages(arena: jax.Array, layout: ArenaLayout, page_table: jax.Array) -> jax.Array:
