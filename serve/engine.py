@@ -443,7 +443,7 @@ class Engine:
             return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
         kind = seq.captures.pop(seq.computed, None)
-        if kind is None or (seq.finished and not seq.internal):
+        if kind is None:
             return
         pc.evict_for(0, 1, keep=self._wanted())
         try:
@@ -465,6 +465,8 @@ class Engine:
         self._spawn_canonical_ids(seq.all_ids, seq.hasher, pos, kind, seq.rid)
 
     def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str) -> None:
+        if pos < self.align:
+            return
         key = hasher.key(b"K", pos)
         if key in self.prefix_cache.ckpts or key in self._canonical_pending.values():
             return
@@ -544,11 +546,13 @@ class Engine:
                 if seq.computed == len(seq.all_ids):
                     self._finish(seq, "canonical")
                 continue
+            # Share pages and capture states before the sampled token is appended: a request that
+            # finishes on this token (max_tokens=1, a stop) releases its memory in `_append`.
+            if seq.slot is not None:
+                self._after_row(seq, decoded=t == 1)
             if not seq.finished and seq.computed == len(seq.all_ids):
                 touched.add(seq.rid)
                 self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
-            if seq.slot is not None:
-                self._after_row(seq, decoded=t == 1)
 
     def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]]) -> StepBatch:
         lay, lm = self.layout, max(1, self.cfg.num_mla_layers)

@@ -144,6 +144,25 @@ def test_shared_conversation_tail_is_canonicalised_on_reuse(engines):
     assert logprobs(outs[ids[1]]) == logprobs(run(off, cont))
 
 
+def test_single_token_request_shares_its_prompt(engines):
+    """A request that finishes on its first token (max_tokens=1) still leaves its prompt pages and
+    prompt-end state for the next one."""
+    base = toks(42, 100)  # prompt end 100 -> aligned checkpoint at 96
+    run(engines[0], base, n=1)
+    warm_vs_cold(engines, base + toks(43, 9), "prompt_end")
+
+
+def test_reuse_of_a_conversation_shorter_than_the_alignment(engines):
+    """A reused conversation too short to hold an aligned checkpoint gets no canonical row."""
+    on, off = engines
+    short = toks(40, 18)
+    run(on, short, n=1)  # 19 tokens: one full 16-token page at most, no aligned state past 0 (align >= 16)
+    before = on.stats()["canonical_rows"]
+    p = short[:16] + toks(41, 30)
+    assert run(on, p).token_ids == run(off, p).token_ids
+    assert on.stats()["canonical_rows"] == before
+
+
 def test_metrics_and_clear(engines):
     on, _ = engines
     pc = on.stats()["prefix_cache"]
