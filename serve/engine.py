@@ -490,15 +490,18 @@ class Engine:
         what the scheduler counted on; an admission that then does not fit is dropped from this
         step (the request stays waiting), never half-done."""
         pc, lm = self.prefix_cache, self.cfg.num_mla_layers
-        if pc is not None:
+        running = [r for r in plan.grow if r not in plan.admit]
+        if pc is not None:  # running requests first: the scheduler counted on all evictable memory
+            pc.evict_for(sum(plan.grow[r] for r in running), 0, keep=self._wanted())
+        for rid in running:
+            self._grow(self.seqs[rid], plan.grow[rid])
+        if pc is not None and plan.admit:
             for rid in plan.admit:
                 hit = self.seqs[rid].hit
                 if hit is not None and hit.pos:
                     pc.acquire(hit)
-            units = sum(plan.grow.values()) + lm * len(plan.admit)
+            units = sum(plan.grow.get(r, 0) for r in plan.admit) + lm * len(plan.admit)
             pc.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit), keep=self._wanted())
-        for rid in [r for r in plan.grow if r not in plan.admit]:
-            self._grow(self.seqs[rid], plan.grow[rid])
         for rid in list(plan.admit):
             seq = self.seqs[rid]
             partial = lm if seq.hit is not None and seq.hit.pos and seq.hit.partial is not None else 0
