@@ -694,7 +694,7 @@ class Engine:
         """Host copy of one KDA slot's contents (tests use it to check checkpoints never change)."""
         flat = self.arena.reshape(-1)
         start = base * self.layout.unit_elems
-        return np.asarray(flat[start:start + self.layout.slot_elems])
+        return np.asarray(flat[start:start + self.layout.slot_units * self.layout.unit_elems])
 
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.cache import CacheView, append_latents
-from serve.memory import ArenaLayout, gather_states, pack_latent, scatter_states, unpack_latent
+from serve.memory import ArenaLayout, gather_states, pack_latent, read_units, scatter_states, unpack_latent
 from serve.sampling import SampleResult, SamplingBatch, sample
 
 
@@ -38,17 +38,16 @@ class PagedView(CacheView):
     gathered from the arena before the model runs; the model writes its new latents here and the
     step writes the touched pages back afterwards."""
 
-    def __init__(self, layout: ArenaLayout, batch: StepBatch, kv: jax.Array, conv, state):
+    def __init__(self, layout: ArenaLayout, batch: StepBatch, kv: list, conv: list, state: list):
         self.layout, self.batch = layout, batch
         self.kv = list(kv)  # per MLA layer [B, P * page_size, words] packed latents
-        self.conv, self.state = conv, state
+        self.conv, self.state = list(conv), list(state)  # per KDA layer [B, 3, W-1, P], [B, N, K, V]
 
     def kda(self, j, b):
         return self.conv[j], self.state[j]
 
     def set_kda(self, j, window, state):
-        self.conv = self.conv.at[j].set(window)
-        self.state = self.state.at[j].set(state)
+        self.conv[j], self.state[j] = window, state
 
     def mla(self, j, latent, valid):
         dtype = self.layout.latent_dtype
@@ -56,11 +55,12 @@ class PagedView(CacheView):
         return unpack_latent(self.kv[j], dtype), mask
 
 
-def gather_pages(arena: jax.Array, layout: ArenaLayout, page_table: jax.Array) -> jax.Array:
-    """[B, Lm, P] units -> [Lm, B, P * page_size, words] packed latents of every page in the table."""
+def gather_pages(arena: jax.Array, layout: ArenaLayout, page_table: jax.Array) -> list:
+    """[B, Lm, P] units -> [Lm] x [B, P * page_size, words] packed latents of every page in the table
+    (one row gather per MLA layer, so no layer-major transpose of the gathered pages)."""
     b, lm, p = page_table.shape
-    kv = arena[page_table].reshape(b, lm, p * layout.page_size, layout.latent_words)
-    return jnp.moveaxis(kv, 1, 0)
+    return [read_units(arena, page_table[:, j]).reshape(b, p * layout.page_size, layout.latent_words)
+            for j in range(lm)]
 
 
 def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:

@@ -4,7 +4,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe import MXFP4Weight, gmm, gmm_blocked, gmm_reference, quantize_mxfp4, route_and_sort
+from pallas_kernels.moe import (MXFP4Weight, gmm, gmm_blocked, gmm_cpu, gmm_looped, gmm_reference, quantize_mxfp4,
+                                route_and_sort)
+
+CPU_FORMS = {"blocked": gmm_blocked, "looped": gmm_looped}
 from pallas_kernels.moe.blocked import block_rows_for, num_blocks
 from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
 
@@ -119,12 +122,15 @@ def test_ops_dispatch(data, monkeypatch):
     _close(out, data["ref_q"])
 
 
+@pytest.mark.parametrize("form", sorted(CPU_FORMS))
 @pytest.mark.parametrize("quant", [False, True], ids=["dense", "mxfp4"])
 @pytest.mark.parametrize("tm", [None, 2, 4, 8, 64])
-def test_blocked_matches_reference(data, quant, tm):
-    """The CPU path: block-padded gather-by-expert GEMM == ragged_dot on every row (NaN padding rows -> 0)."""
+def test_cpu_forms_match_reference(data, form, quant, tm):
+    """The CPU paths (block-padded gather-by-expert, loop over experts) == ragged_dot on every row
+    (NaN padding rows -> 0)."""
     ref = data["ref_q"] if quant else data["ref_dense"]
-    out = jax.jit(lambda x, w, g: gmm_blocked(x, w, g, block_rows=tm))(data["x"], data["wq"] if quant else data["w"], data["gs"])
+    fn = CPU_FORMS[form]
+    out = jax.jit(lambda x, w, g: fn(x, w, g, block_rows=tm))(data["x"], data["wq"] if quant else data["w"], data["gs"])
     _close(out, ref)
     assert np.all(np.asarray(out)[sum(GROUPS):] == 0)
 
@@ -141,7 +147,11 @@ def test_blocked_random_routings_and_block_bound():
             gs = jnp.asarray(sizes, jnp.int32)
             tm = block_rows_for(m, g)
             assert sum(-(-int(s) // tm) for s in sizes) <= num_blocks(m, g, tm)
-            _close(gmm_blocked(x, w, gs), _naive(x, np.asarray(w), sizes))
+            want = _naive(x, np.asarray(w), sizes)
+            blocked, looped = gmm_blocked(x, w, gs), gmm_looped(x, w, gs)
+            _close(blocked, want)
+            _close(looped, want)
+            np.testing.assert_array_equal(np.asarray(looped), np.asarray(blocked))  # same bits per row
 
 
 def test_blocked_rows_do_not_depend_on_batch():
@@ -156,16 +166,23 @@ def test_blocked_rows_do_not_depend_on_batch():
         for tm in (None, 2, 16, 64):
             sizes = np.zeros(g, np.int32)
             sizes[3] = m
-            out = gmm_blocked(x[:m], w, jnp.asarray(sizes), block_rows=tm)
-            np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(alone))
+            for fn in (gmm_blocked, gmm_looped):
+                out = fn(x[:m], w, jnp.asarray(sizes), block_rows=tm)
+                np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(alone))
+    # and with other groups in use: the row's block still sees only its own expert's weight
+    sizes = np.array([7, 0, 4, 1, 0, 30, 2, 0], np.int32)
+    xs = jnp.concatenate([x[1:8], x[8:12], x[:1], x[12:44]])
+    for fn in (gmm_blocked, gmm_looped, gmm_cpu):
+        np.testing.assert_array_equal(np.asarray(fn(xs, w, jnp.asarray(sizes))[11]), np.asarray(alone))
 
 
-def test_auto_on_cpu_is_blocked(data, monkeypatch):
+def test_auto_on_cpu_is_the_cpu_form(data, monkeypatch):
     monkeypatch.delenv("K3JAX_KERNELS", raising=False)
     if jax.default_backend() != "cpu":
         pytest.skip("CPU dispatch")
-    out = gmm(data["x"], data["wq"], data["gs"])
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(gmm_blocked(data["x"], data["wq"], data["gs"])))
+    for w in (data["wq"], data["w"]):
+        out = gmm(data["x"], w, data["gs"])
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(gmm_cpu(data["x"], w, data["gs"])))
 
 
 def test_route_and_sort_moe_roundtrip():

@@ -55,11 +55,16 @@ class MLA(nnx.Module):
         c = self.kv_a_proj_with_mqa(x)
         return jnp.concatenate([rms_norm(c[..., :r], self.kv_a_layernorm[...], LORA_NORM_EPS), c[..., r:]], -1)
 
-    def _w_uk_uv(self) -> tuple[jax.Array, jax.Array]:
+    def _w_ukv(self) -> jax.Array:
+        """kv_b_proj as [nh, dn + dv, r]: per head W_uk rows then W_uv rows (a free reshape)."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight[...].reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
-                                               cfg.kv_lora_rank)
-        return w[:, :cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]  # [nh, dn, r], [nh, dv, r]
+        return self.kv_b_proj.weight[...].reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+                                                  cfg.kv_lora_rank)
+
+    def _w_uk_uv(self) -> tuple[jax.Array, jax.Array]:
+        dn = self.cfg.qk_nope_head_dim
+        w = self._w_ukv()
+        return w[:, :dn], w[:, dn:]  # [nh, dn, r], [nh, dv, r]
 
     def _finish(self, x: jax.Array, o: jax.Array) -> jax.Array:
         """o [B, T, nh, dv] -> output gate (K3) -> o_proj."""
@@ -90,8 +95,13 @@ class MLA(nnx.Module):
         """Same attention with W_uk folded into the query: reads only the latent cache."""
         cfg = self.cfg
         q_n, q_r = self.queries(x)
-        w_uk, w_uv = self._w_uk_uv()
-        q_lat = jnp.einsum("bthd,hdr->bthr", q_n, w_uk)  # [B, T, nh, r]
+        # Both products use the whole per-head kv_b_proj block [nh, dn + dv, r] in place: slicing
+        # W_uk / W_uv out of it would copy the weight on every step (XLA:CPU cannot feed a strided
+        # slice to a dot). The query is zero-padded over the W_uv rows (exact: the extra terms are
+        # 0 * w), and the output keeps only the W_uv rows; the extra arithmetic is a few
+        # nh * r * dv FLOPs per token, far below the weight traffic it saves at decode.
+        dn, w = cfg.qk_nope_head_dim, self._w_ukv()
+        q_lat = jnp.einsum("bthd,hdr->bthr", jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),)), w)  # [B, T, nh, r]
         c, k_r = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
         s = (jnp.einsum("bthr,bsr->bhts", q_lat, c, preferred_element_type=jnp.float32)
              + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=jnp.float32)) * self.scale
@@ -99,5 +109,5 @@ class MLA(nnx.Module):
         # [B, nh, T, r] then transposed: XLA:CPU runs this contraction ~4x faster than one that
         # emits [B, T, nh, r] directly (the dot's natural output layout keeps heads next to batch)
         ctx = jnp.einsum("bhts,bsr->bhtr", p, c).transpose(0, 2, 1, 3)  # [B, T, nh, r]
-        return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w_uv))
+        return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w)[..., dn:])
 

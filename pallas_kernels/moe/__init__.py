@@ -7,7 +7,7 @@ from pallas_kernels.moe.mxfp4 import (
     quantize_mxfp4,
 )
 from pallas_kernels.moe.ops import gmm, route_and_sort
-from pallas_kernels.moe.blocked import gmm_blocked
+from pallas_kernels.moe.blocked import gmm_blocked, gmm_cpu, gmm_looped
 from pallas_kernels.moe.reference import gmm_reference
 
 __all__ = [
@@ -18,6 +18,8 @@ __all__ = [
     "quantize_mxfp4",
     "gmm",
     "gmm_blocked",
+    "gmm_cpu",
+    "gmm_looped",
     "gmm_reference",
     "route_and_sort",
 ]

@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.dispatch import ENV_VAR, resolve_backend, resolve_interpret
-from pallas_kernels.moe.blocked import gmm_blocked
+from pallas_kernels.moe.blocked import gmm_cpu
 from pallas_kernels.moe.reference import RhsLike, gmm_reference
 
 __all__ = ["gmm", "route_and_sort"]
@@ -33,14 +33,14 @@ def gmm(
     Pallas kernel dequantises per tile without materialising the bf16 weight.
 
     ``backend``: ``"auto"`` | ``"reference"`` | ``"pallas"`` | ``"interpret"`` (see
-    :mod:`pallas_kernels.dispatch`). On CPU ``"auto"`` runs :func:`gmm_blocked` (plain jnp, only
-    the routed experts' weights touched); ``"reference"`` is ``ragged_dot`` on every expert. ``tiling=(tm, tk, tn)`` overrides the kernel tiles.
+    :mod:`pallas_kernels.dispatch`). On CPU ``"auto"`` runs :func:`~pallas_kernels.moe.blocked.gmm_cpu`
+    (plain jnp, only the routed experts computed); ``"reference"`` is ``ragged_dot`` on every expert. ``tiling=(tm, tk, tn)`` overrides the kernel tiles.
     """
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
     resolved = resolve_backend(backend)
     if resolved == "reference" and backend == "auto" and os.environ.get(ENV_VAR, "").strip() == "":
-        # CPU: the block-padded jnp form computes only the routed experts (same per-row math).
-        return gmm_blocked(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+        # CPU: a jnp form that computes only the routed experts (same per-row math).
+        return gmm_cpu(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     if resolved == "reference":
         return gmm_reference(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
     from pallas_kernels.moe import kernel  # local import: keeps the reference path light
