@@ -136,9 +136,10 @@ def _rel_err(a, b):
 # ----------------------------------------------------------------------------------------
 # KDA
 # ----------------------------------------------------------------------------------------
-def kda_inputs(seed, B, T, H, K, V):
-    """K3-like inputs: L2-normalised q/k, K3 decay gate (-5 * sigmoid, pushed to the bound)."""
-    ks = jax.random.split(jax.random.PRNGKey(seed), 5)
+def kda_inputs(seed, B, T, H, K, V, key=None):
+    """K3-like inputs: L2-normalised q/k, K3 decay gate (-5 * sigmoid, pushed to the bound).
+    ``key``, if given, replaces ``PRNGKey(seed)`` (e.g. an RBG key: much faster to compile)."""
+    ks = jax.random.split(jax.random.PRNGKey(seed) if key is None else key, 5)
     l2 = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
     q = l2(jax.random.normal(ks[0], (B, T, H, K)))
     k = l2(jax.random.normal(ks[1], (B, T, H, K)))
@@ -233,6 +234,14 @@ def bench_kda_decode(cfg, roof, reps, backend):
 # ----------------------------------------------------------------------------------------
 # MoE grouped matmul
 # ----------------------------------------------------------------------------------------
+def gmm_cost(M, d, I, E, kind):
+    """(flops, bytes) of ``gmm`` with ``M`` routed bf16 rows of width ``d`` against ``E``
+    experts ``[I, d]``: the whole weight read once (bf16, or MXFP4 packed nibbles + one E8M0
+    scale byte per 32), the rows read, the fp32 output written."""
+    wbytes = E * I * d * 2 if kind == "dense_bf16" else E * I * (d // 2 + d // 32)
+    return 2 * M * d * I, M * d * 2 + wbytes + M * I * F32
+
+
 def bench_gmm(cfg, roof, reps, backend):
     E, d, I = cfg["moe_experts"], cfg["moe_d"], cfg["moe_i"]
     rng = np.random.default_rng(7)
@@ -247,15 +256,14 @@ def bench_gmm(cfg, roof, reps, backend):
         gs = jnp.asarray(np.bincount(rng.integers(0, E, M), minlength=E), jnp.int32)
         for kind, rhs in (("dense_bf16", w), ("mxfp4", wq)):
             t, _ = _time(f, (x, rhs, gs), reps)
-            wbytes = E * I * d * 2 if kind == "dense_bf16" else E * I * (d // 2 + d // 32)
+            flops, bytes_ = gmm_cost(M, d, I, E, kind)
             # on CPU `gmm(backend="auto")` runs the block-padded jnp path (moe/blocked.py), not ragged_dot
             c = _finish(dict(name=f"moe_gmm_{kind}_M{M}", op="gmm",
                              impl="blocked (jnp)" if backend == "reference" else backend,
                              shape=dict(M=M, K=d, N=I, G=E, lhs="bfloat16", rhs=kind,
                                         out="float32"),
                              time=t, reference="gmm_reference (ragged_dot)"), roof,
-                        flops=2 * M * d * I, bytes_=M * d * 2 + wbytes + M * I * F32,
-                        mm="matmul_bfloat16")
+                        flops=flops, bytes_=bytes_, mm="matmul_bfloat16")
             tr, _ = _time(jax.jit(lambda a, r, g_: gmm_reference(a, r, g_)), (x, rhs, gs), reps)
             c["reference"] = dict(op="gmm_reference", time=tr)
             c["speedup_vs_reference"] = tr["median"] / t["median"]
@@ -267,6 +275,15 @@ def bench_gmm(cfg, roof, reps, backend):
 # ----------------------------------------------------------------------------------------
 # paged MLA decode
 # ----------------------------------------------------------------------------------------
+def mla_cost(B, S, H, L, R, page_table_size):
+    """(flops, bytes) of one absorbed paged MLA decode step in bf16: scores over ``L + R``
+    and context over ``L`` per head and token; the ``B*S`` cached ``[L + R]`` rows read once,
+    the queries read, the context written, the int32 page table read."""
+    flops = 2 * B * H * S * (L + R) + 2 * B * H * S * L
+    bytes_ = B * S * (L + R) * 2 + B * H * (L + R) * 2 + B * H * L * 2 + page_table_size * 4
+    return flops, bytes_
+
+
 def bench_mla(cfg, roof, reps, backend):
     H, L, R, PS = cfg["mla_heads"], 512, 64, cfg["mla_page"]
     rng = np.random.default_rng(11)
@@ -280,14 +297,13 @@ def bench_mla(cfg, roof, reps, backend):
         pt = jnp.asarray(rng.permutation(npg).reshape(Bm, S // PS), jnp.int32)
         sl = jnp.full((Bm,), S, jnp.int32)
         t, _ = _time(f, (q, qr, kv, pt, sl), reps)
+        flops, bytes_ = mla_cost(Bm, S, H, L, R, pt.size)
         c = _finish(dict(name=f"mla_paged_decode_B{Bm}_S{S}", op="paged_mla_decode",
                          impl=backend, shape=dict(B=Bm, S=S, H=H, L=L, R=R, page_size=PS,
                                                   dtype="bfloat16"),
                          time=t, reference="paged_mla_decode_reference (same code)"
                          if backend == "reference" else None), roof,
-                    flops=2 * Bm * H * S * (L + R) + 2 * Bm * H * S * L,
-                    bytes_=Bm * S * (L + R) * 2 + Bm * H * (L + R) * 2 + Bm * H * L * 2
-                    + pt.size * 4, mm="matmul_bfloat16")
+                    flops=flops, bytes_=bytes_, mm="matmul_bfloat16")
         if backend != "reference":
             tr, _ = _time(jax.jit(lambda *a: paged_mla_decode_reference(
                 *a, scale=(128 + 64) ** -0.5)), (q, qr, kv, pt, sl), reps)

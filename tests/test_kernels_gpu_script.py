@@ -1,0 +1,213 @@
+"""CPU checks of ``benchmarks/kernels_gpu.py`` (the device kernel check + benchmark script).
+
+The script is meant for a lent GPU; here it runs in Pallas interpret mode at tiny shapes
+(``--quick --interpret --skip-peer``) so that every case, the correctness checks, the JSON
+layout and the time-budget path are exercised without one. The fla peer code (numpy -> torch
+conversion, comparison with our reference, timing) is exercised with a small pure-torch KDA
+recurrence standing in for fla's Triton kernels (fla itself needs Triton and a GPU).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_gpu.py"
+CHECK_CASES = [
+    "check_kda_chunk", "check_kda_chunk_varlen", "check_kda_recurrent", "check_kda_pool",
+    "check_gmm_float32", "check_gmm_bfloat16", "check_gmm_mxfp4",
+    "check_mla_float32", "check_mla_bfloat16",
+]
+TIMED_PREFIXES = ["kda_decode_pool_B", "kda_prefill_H", "moe_gmm_dense_bf16_M",
+                  "moe_gmm_mxfp4_M", "mla_paged_decode_H"]
+
+
+def _load_script():
+    spec = importlib.util.spec_from_file_location("kernels_gpu_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def kg():
+    return _load_script()
+
+
+@pytest.fixture(scope="module")
+def quick_run(kg, tmp_path_factory):
+    out = tmp_path_factory.mktemp("kernels_gpu") / "x.json"
+    returned = kg.main(["--quick", "--interpret", "--skip-peer", "--out", str(out)])
+    return returned, json.loads(out.read_text())
+
+
+# ----------------------------------------------------------------------------------------
+# the whole script, in-process
+# ----------------------------------------------------------------------------------------
+def test_quick_run_has_every_case(kg, quick_run):
+    _, res = quick_run
+    names = [c["name"] for c in res["cases"]]
+    planned = [n for n, _ in kg.plan(kg.config(True), None, True, None)]
+    assert names == planned
+    for n in CHECK_CASES:
+        assert n in names
+    for p in TIMED_PREFIXES:
+        assert any(n.startswith(p) for n in names), p
+
+
+def test_quick_run_every_case_passes(quick_run):
+    _, res = quick_run
+    for c in res["cases"]:
+        assert c["status"] == "ok", (c["name"], c.get("error"))
+        chk = c["check"]
+        assert chk["passed"], (c["name"], chk)
+        tol = chk["tol"]
+        assert chk["tensors"], c["name"]
+        for t, e in chk["tensors"].items():   # re-derive the verdict from the numbers
+            assert e["finite"], (c["name"], t)
+            assert math.isfinite(e["rel_l2"]) and e["rel_l2"] <= tol["rel_l2"], (c["name"], t, e)
+            assert math.isfinite(e["max_rel"]) and e["max_rel"] <= tol["max_rel"], (c["name"], t, e)
+        assert c["compile_s"] > 0
+
+
+def test_quick_run_timings_and_summary(quick_run):
+    returned, res = quick_run
+    assert returned["cases"] == res["cases"]
+    assert res["interpret"] and res["machine"]["interpret_effective"]
+    assert res["roofline"]["bandwidth"]["gbps"] > 0
+    timed = [c for c in res["cases"] if not c["name"].startswith("check_")]
+    assert timed
+    for c in timed:
+        assert c["time"]["median"] > 0 and c["time_blocked"]["median"] > 0, c["name"]
+        assert c["time"]["calls_per_sample"] >= 1
+        assert math.isfinite(c["gbps"]) and c["gbps"] > 0
+        assert 0 < c["fraction_of_bandwidth"] < math.inf
+    s = res["summary"]
+    assert s["all_checks_passed"] and not s["errors"] and not s["skipped"]
+    assert set(s["checks"]) == {c["name"] for c in res["cases"]}
+    assert s["goal_kda_decode"]["cases"] and s["goal_kda_prefill"]["cases"]
+
+
+def test_peer_recorded_as_skipped(quick_run):
+    _, res = quick_run
+    assert res["peer"]["status"] == "skipped"
+    assert all("peer" not in c for c in res["cases"])
+    for p in res["summary"]["goal_kda_prefill"]["cases"]:
+        assert p["ratio_ours_over_fla"] == {}
+
+
+def test_time_budget_skips_and_records(kg, tmp_path):
+    out = tmp_path / "b.json"
+    kg.main(["--quick", "--interpret", "--skip-peer", "--time-budget", "0", "--out", str(out)])
+    res = json.loads(out.read_text())
+    assert res["cases"] and all(c["status"] == "skipped" for c in res["cases"])
+    assert res["summary"]["skipped"] == [c["name"] for c in res["cases"]]
+    assert not res["summary"]["all_checks_passed"]
+
+
+def test_runner_records_exceptions(kg, tmp_path):
+    result = dict(cases=[])
+    runner = kg.Runner(result, [tmp_path / "r.json"], budget_s=1e9)
+
+    def boom():
+        raise NotImplementedError("no Pallas Triton lowering")
+
+    runner.run("boom", boom)
+    runner.run("fine", lambda: dict(op="x"))
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert [c["status"] for c in saved["cases"]] == ["error", "ok"]
+    assert saved["cases"][0]["error"] == "NotImplementedError: no Pallas Triton lowering"
+
+
+def test_check_fails_on_wrong_output(kg):
+    ref = np.random.default_rng(0).standard_normal((4, 8)).astype(np.float32)
+    assert kg.check({"o": (ref * (1 + 1e-7), ref)}, "kda_f32")["passed"]
+    assert not kg.check({"o": (ref * (1 + 1e-3), ref)}, "kda_f32")["passed"]
+    bad = ref.copy()
+    bad[0, 0] = np.nan
+    assert not kg.check({"o": (bad, ref)}, "kda_f32")["passed"]
+
+
+# ----------------------------------------------------------------------------------------
+# the peer path with a pure-torch stand-in for fla
+# ----------------------------------------------------------------------------------------
+def _torch_kda(torch, decay=True):
+    """fla-compatible ``(q,k,v,g,beta, scale, initial_state, output_final_state)`` token loop
+    of KDA, [B,T,H,K] layout; ``decay=False`` is a deliberately wrong peer."""
+
+    def fn(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False, **_):
+        B, T, H, K = q.shape
+        q, k, v, g, beta = (x.float() for x in (q, k, v, g, beta))
+        S = (initial_state.float().clone() if initial_state is not None
+             else torch.zeros(B, H, K, v.shape[-1]))
+        o = torch.empty(B, T, H, v.shape[-1])
+        for t in range(T):
+            if decay:
+                S = S * g[:, t].exp()[..., None]
+            u = beta[:, t, :, None] * (v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], S))
+            S = S + k[:, t, :, :, None] * u[:, :, None, :]
+            o[:, t] = torch.einsum("bhk,bhkv->bhv", q[:, t] * scale, S)
+        return o.to(v.dtype), (S if output_final_state else None)
+
+    return fn
+
+
+def _fake_peer(torch, decay=True):
+    fn = _torch_kda(torch, decay)
+
+    def pool_fwd(q, k, v, g, beta, scale, initial_state, inplace_final_state,
+                 ssm_state_indices, **_):
+        assert inplace_final_state
+        idx = ssm_state_indices.long()
+        o, S = fn(q, k, v, g, beta, scale=scale, initial_state=initial_state[idx],
+                  output_final_state=True)
+        initial_state[idx] = S
+        return o, initial_state
+
+    return SimpleNamespace(torch=torch, chunk_kda=fn, fused_recurrent_kda=fn,
+                           pool_fwd=pool_fwd, device="cpu")
+
+
+@pytest.mark.parametrize("decay", [True, False], ids=["correct", "wrong"])
+def test_peer_prefill_path(kg, decay):
+    torch = pytest.importorskip("torch")
+    from pallas_kernels.kda import chunk_kda
+
+    K = 8
+    x, S0 = kg.kda_case(3, 1, 20, 2, K, 1)
+    o, s = chunk_kda(*x, initial_state=S0, output_final_state=True, backend="reference")
+    x_np = [np.asarray(a) for a in x]
+    ref = (np.asarray(o), np.asarray(s))
+    for variant, tol in (("fp32", 1e-5), ("bf16_safe_gate", 5e-2)):
+        r = kg.peer_prefill(_fake_peer(torch, decay), x_np, np.asarray(S0), ref, variant,
+                            scale=K ** -0.5, reps=2, target_s=1e-3)
+        assert r["dtype"] == kg.PEER_PREFILL_VARIANTS[variant]["dtype"]
+        assert r["check"]["passed"] == decay, (variant, r["check"])
+        if decay:
+            assert all(e["rel_l2"] < tol for e in r["check"]["tensors"].values()), variant
+        assert r["time"]["median"] > 0 and r["time_events"]["median"] > 0
+
+
+@pytest.mark.parametrize("decay", [True, False], ids=["correct", "wrong"])
+def test_peer_decode_path(kg, decay):
+    torch = pytest.importorskip("torch")
+    from pallas_kernels.kda import fused_recurrent_kda_pool
+
+    K, S = 8, 6
+    x, pool = kg.kda_case(4, 3, 1, 2, K, S)
+    slots = np.array([4, 0, 2], np.int32)
+    ref = fused_recurrent_kda_pool(*x, pool, slots, backend="reference")
+    res = kg.peer_decode(_fake_peer(torch, decay), [np.asarray(a) for a in x],
+                         np.asarray(pool), slots, (np.asarray(ref[0]), np.asarray(ref[1])),
+                         scale=K ** -0.5, reps=2, target_s=1e-3)
+    for name in ("public", "pool_inplace"):
+        assert res[name]["check"]["passed"] == decay, (name, res[name]["check"])
+        if decay:
+            assert all(e["rel_l2"] < 1e-5 for e in res[name]["check"]["tensors"].values())
+        assert res[name]["time"]["median"] > 0
