@@ -36,6 +36,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -498,6 +499,8 @@ def main(argv=None):
                                                 "--quick: serving-cpu-quick.json in a temp dir)")
     ap.add_argument("--skip-hf", action="store_true", help="do not time HF transformers")
     ap.add_argument("--skip-k3-small", action="store_true")
+    ap.add_argument("--only", choices=["k3-small", "kimi-linear"], default=None,
+                    help="one model only (a full run measures each in its own process this way)")
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
@@ -505,6 +508,10 @@ def main(argv=None):
     quick = args.quick
     out_path = Path(args.out) if args.out else (
         Path(tempfile.gettempdir()) / "serving-cpu-quick.json" if quick else REPO / "benchmarks/results/serving-cpu.json")
+    if not quick and args.only is None and not args.skip_k3_small:
+        return run_isolated(args, out_path, log)
+    if args.only == "kimi-linear":
+        args.skip_k3_small = True
 
     result = dict(benchmark="serving", quick=quick, machine=machine_info())
     log(f"machine: {result['machine']['cpu']} x{result['machine']['cpu_count']}, load {result['machine']['loadavg_start']}")
@@ -549,6 +556,9 @@ def main(argv=None):
         log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
         result["models"][name] = info
         del eng, model
+
+    if args.only == "k3-small":
+        return _write(result, out_path, t_start, log)
 
     # ---------------- Kimi-Linear (HF-written checkpoint) ----------------
     tmp = tempfile.mkdtemp(prefix="k3jax_bench_kl_")
@@ -621,11 +631,46 @@ def main(argv=None):
     result["models"][name] = info
     del eng
 
+    return _write(result, out_path, t_start, log)
+
+
+def _write(result: dict, out_path: Path, t_start: float, log) -> dict:
     result["goals"] = dict(
         hf_ratio_at_32=">= 10x engine/HF generated tokens/s at concurrency 32 (Kimi-Linear checkpoint)",
         decode_roofline="measured decode step <= 2x (weights + cache bytes) / measured bandwidth",
         compiles_after_warmup="0")
     result["machine"]["loadavg_end"] = _loadavg()
+    result["total_wall_s"] = time.perf_counter() - t_start
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    out_path.write_text(json.dumps(result, indent=1, default=float))
+    log(f"wrote {out_path}")
+    print_table(result)
+    return result
+
+
+def run_isolated(args, out_path: Path, log) -> dict:
+    """Full run: each model in a fresh process, results merged into one JSON.
+
+    In one process the model measured second ran slower than alone (Kimi-Linear c = 1 decode
+    steps 9-10 ms after k3-small's engine, 5.5-6 ms alone, same compiled program), which is an
+    artefact of sharing the process, not of either engine. Each part measures the machine
+    (bandwidth, matmul rate) itself; the merged file keeps the Kimi-Linear run's top-level figures
+    and each part's own under `per_process`."""
+    t_start = time.perf_counter()
+    parts = {}
+    for part in ("k3-small", "kimi-linear"):
+        tmp = Path(tempfile.mkdtemp(prefix="k3jax_serving_")) / f"{part}.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--only", part, "--out", str(tmp), "--seed", str(args.seed)]
+        cmd += ["--skip-hf"] if args.skip_hf else []
+        log(f"running {part} in its own process")
+        subprocess.run(cmd, check=True)
+        parts[part] = json.loads(tmp.read_text())
+    result = parts["kimi-linear"]
+    result["models"] = {**parts["k3-small"]["models"], **result["models"]}
+    result["per_process"] = {part: dict(bandwidth=r["bandwidth"], matmul_flops_per_s=r["matmul_flops_per_s"],
+                                        loadavg=[r["machine"]["loadavg_start"], r["machine"]["loadavg_end"]],
+                                        wall_s=r["total_wall_s"]) for part, r in parts.items()}
+    result["isolation"] = "each model measured in its own process (run_isolated)"
     result["total_wall_s"] = time.perf_counter() - t_start
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1, default=float))
