@@ -92,6 +92,10 @@ def test_quick_run_timings_and_summary(quick_run):
     assert s["all_checks_passed"] and not s["errors"] and not s["skipped"]
     assert set(s["checks"]) == {c["name"] for c in res["cases"]}
     assert s["goal_kda_decode"]["cases"] and s["goal_kda_prefill"]["cases"]
+    for p in s["goal_kda_prefill"]["cases"]:  # tensor-core variants: checked (emulated) and timed
+        assert set(p["dot_precision_variants"]) == {"tf32x3", "tf32"}
+        for v in p["dot_precision_variants"].values():
+            assert v["check_passed"] is True and v["tokens_per_s"] > 0 and not v["error"]
 
 
 def test_peer_recorded_as_skipped(quick_run):

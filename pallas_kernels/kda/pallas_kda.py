@@ -64,16 +64,42 @@ _F32 = jnp.float32
 # ----------------------------------------------------------------------------------------
 # in-kernel math (pure functions on values)
 # ----------------------------------------------------------------------------------------
-def _mm(a, b):
-    """[m,k] @ [k,n] in fp32."""
-    return lax.dot_general(a, b, (((1,), (0,)), ((), ())), precision=_HI,
-                           preferred_element_type=_F32)
+# Precision of the chunk form's data products (the gate sums that feed exp() are always IEEE
+# fp32): "highest" = IEEE fp32 (CUDA cores on GPU), "tf32x3" = three TF32 tensor-core passes
+# (hi*hi + hi*lo + lo*hi, ~fp32 accuracy), "tf32" = one TF32 pass (~1e-3 relative).
+DOT_PRECISIONS = ("highest", "tf32x3", "tf32")
+_PRESET = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+           "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 
 
-def _mm_nt(a, b):
-    """[m,k] @ [n,k]^T in fp32."""
-    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=_HI,
-                           preferred_element_type=_F32)
+def _to_tf32(x):
+    """Round fp32 to TF32 (10 explicit mantissa bits, nearest) -- the interpret-mode stand-in for
+    the tensor cores' input conversion, which XLA:CPU's dot does not offer."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return lax.bitcast_convert_type((bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000), _F32)
+
+
+def _dot(a, b, dims, prec="highest", emulate=False):
+    if prec == "highest":
+        return lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=_F32)
+    if not emulate:
+        return lax.dot_general(a, b, dims, precision=_PRESET[prec], preferred_element_type=_F32)
+    hi = lambda x, y: lax.dot_general(x, y, dims, precision=_HI, preferred_element_type=_F32)
+    a1, b1 = _to_tf32(a), _to_tf32(b)
+    if prec == "tf32":
+        return hi(a1, b1)
+    a2, b2 = _to_tf32(a - a1), _to_tf32(b - b1)
+    return hi(a1, b1) + (hi(a1, b2) + hi(a2, b1))
+
+
+def _mm(a, b, prec="highest", emulate=False):
+    """[m,k] @ [k,n], fp32 accumulation."""
+    return _dot(a, b, (((1,), (0,)), ((), ())), prec, emulate)
+
+
+def _mm_nt(a, b, prec="highest", emulate=False):
+    """[m,k] @ [n,k]^T, fp32 accumulation."""
+    return _dot(a, b, (((1,), (1,)), ((), ())), prec, emulate)
 
 
 def _tree_levels(C):
@@ -83,9 +109,12 @@ def _tree_levels(C):
         s *= 2
 
 
-def _chunk_math(S, q, k, v, g, beta):
-    """One chunk of the WY form. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1]."""
+def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
+    """One chunk of the WY form. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1].
+    `prec` applies to the data products; the gate sums that feed exp() stay IEEE fp32."""
     C = q.shape[0]
+    mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     zero = jnp.zeros((C, C), _F32)
@@ -108,25 +137,25 @@ def _chunk_math(S, q, k, v, g, beta):
         rng = jnp.where(second, (col > ref_r) & (col <= row), (col > row) & (col <= ref_r))
         F = jnp.exp(_mm(rng.astype(_F32), g))                 # exponent = sum of g <= 0
         kF = k * F
-        Akk = Akk + jnp.where(pair, _mm_nt(kF, kF), zero)
-        Aqk = Aqk + jnp.where(pair, _mm_nt(q * F, kF), zero)
+        Akk = Akk + jnp.where(pair, mm_nt(kF, kF), zero)
+        Aqk = Aqk + jnp.where(pair, mm_nt(q * F, kF), zero)
     Aqk = Aqk + jnp.where(row == col, jnp.sum(q * k, axis=1, keepdims=True), zero)
 
     # (I + A)^-1 with A = Diag(beta) * strict_lower(Akk), by recursive block doubling
     A = jnp.where(row > col, Akk * beta, zero)
     Tinv = jnp.where(row == col, 1.0, zero)
     for _, pair in pairs:
-        Tinv = Tinv - _mm(_mm(Tinv, jnp.where(pair, A, zero)), Tinv)
+        Tinv = Tinv - mm(mm(Tinv, jnp.where(pair, A, zero)), Tinv)
 
     G = _mm(jnp.where(row >= col, 1.0, zero), g)              # inclusive cumsum [C,K]
     eG = jnp.exp(G)
-    W = _mm(Tinv, beta * (k * eG))
-    U = _mm(Tinv, beta * v)
-    Vn = U - _mm(W, S)
-    o = _mm(q * eG, S) + _mm(Aqk, Vn)
+    W = mm(Tinv, beta * (k * eG))
+    U = mm(Tinv, beta * v)
+    Vn = U - mm(W, S)
+    o = mm(q * eG, S) + mm(Aqk, Vn)
     kd = k * jnp.exp(_mm(jnp.where(col > row, 1.0, zero), g))  # exp(Gamma_C - Gamma_j)
     gl = jnp.sum(g.T, axis=1, keepdims=True)                    # [K,1] = Gamma_C
-    S = jnp.exp(gl) * S + _mm(kd.T, Vn)
+    S = jnp.exp(gl) * S + mm(kd.T, Vn)
     return S, o
 
 
@@ -332,10 +361,16 @@ def _pick_block_v(V, block_v, variant):
 
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-          variant):
+          variant, dot_precision="highest"):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32."""
-    math = _MATH[kind]
     variant = variant or _default_variant()
+    if dot_precision not in DOT_PRECISIONS:
+        raise ValueError(f"dot_precision={dot_precision!r}; expected one of {DOT_PRECISIONS}")
+    if dot_precision != "highest" and variant == "tpu" and not interpret:
+        raise ValueError("dot_precision other than 'highest' is a GPU (tensor-core) option")
+    math = _MATH[kind]
+    if kind == "chunk":
+        math = functools.partial(math, prec=dot_precision, emulate=interpret)
     NB = q.shape[1] // C
     kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
               chunk_states=chunk_states,
@@ -379,7 +414,7 @@ def _unprep_dense(o, B, T, NCb, C):
 
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
-         return_chunk_states, interpret, block_v, variant):
+         return_chunk_states, interpret, block_v, variant, dot_precision="highest"):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -390,7 +425,8 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         states = (jnp.zeros((B, H, K, V), _F32) if initial_state is None
                   else initial_state.astype(_F32))
         res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
-                    chunk_states=return_chunk_states, interpret=interpret, variant=variant)
+                    chunk_states=return_chunk_states, interpret=interpret, variant=variant,
+                    dot_precision=dot_precision)
         o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
@@ -413,7 +449,8 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     states = (jnp.zeros((N, H, K, V), _F32) if initial_state is None
               else initial_state.astype(_F32))
     res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
-                chunk_states=return_chunk_states, interpret=interpret, variant=variant)
+                chunk_states=return_chunk_states, interpret=interpret, variant=variant,
+                dot_precision=dot_precision)
     o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
@@ -427,15 +464,18 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
 # ----------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
-                                             "variant"))
+                                             "variant", "dot_precision"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
-                     variant=None):
-    """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2)."""
+                     variant=None, dot_precision="highest"):
+    """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
+
+    ``dot_precision`` (GPU): "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for
+    the chunk's data matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding."""
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant)
+                variant, dot_precision)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
