@@ -671,12 +671,7 @@ def run_isolated(args, out_path: Path, log) -> dict:
                                         loadavg=[r["machine"]["loadavg_start"], r["machine"]["loadavg_end"]],
                                         wall_s=r["total_wall_s"]) for part, r in parts.items()}
     result["isolation"] = "each model measured in its own process (run_isolated)"
-    result["total_wall_s"] = time.perf_counter() - t_start
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=float))
-    log(f"wrote {out_path}")
-    print_table(result)
-    return result
+    return _write(result, out_path, t_start, log)
 
 
 def print_table(result: dict) -> None:
