@@ -13,7 +13,8 @@ read and write.
 
 Device-side helpers gather each KDA layer's states of a batch into dense `[B, ...]` arrays for the
 model and scatter them back; MLA pages are gathered through per-layer page tables and the pages a step
-touched are written back. Every device access is a whole-unit row gather or scatter.
+touched are written back. Every device access gathers or scatters whole units (single MLA pages,
+or blocks of consecutive units for KDA slots).
 """
 
 from __future__ import annotations
