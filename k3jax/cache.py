@@ -82,6 +82,13 @@ class CacheView(abc.ABC):
     def mla(self, j: int, latent: jax.Array, valid: jax.Array):
         """Store the chunk's latents; -> (latents to attend over [B, S, W], mask [B, T, S])."""
 
+    def kda_recurrence(self, j: int):
+        """None: the j-th KDA layer runs its delta rule on the state `kda()` returned and hands the
+        result to `set_kda`. A view that updates states where they are stored instead returns
+        `fn(q, k, v, g, beta, window, scale) -> o`, which runs the recurrence, stores the new state
+        and conv `window` itself, and leaves `set_kda` nothing to do."""
+        return None
+
 
 def causal_mask(q_pos: jax.Array, kv_len: jax.Array, num_keys: int) -> jax.Array:
     """q_pos: [B, T] absolute query positions; kv_len: [B] keys that exist. -> [B, T, S] bool."""

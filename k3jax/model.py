@@ -70,7 +70,7 @@ class KimiModel(nnx.Module):
             form = attn.expanded if view.mla_form == "expanded" else attn.absorbed
             return form(x, kv, mask)
         window, state = view.kda(j, x.shape[0])
-        y, window, state = layer.self_attn(x, window, state, valid)
+        y, window, state = layer.self_attn(x, window, state, valid, view.kda_recurrence(j))
         view.set_kda(j, window, state)
         return y
 

@@ -26,6 +26,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, Pref
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
+from pallas_kernels.dispatch import resolve_backend
 from serve.step import StepBatch, bind_step
 from serve.stop_checker import StopChecker
 from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
@@ -56,8 +57,15 @@ class EngineConfig:
     checkpoint_interval: int = 512  # KDA checkpoints every N prefill tokens
     decode_checkpoint_interval: int = 256  # KDA checkpoints every N decode tokens
     measure_moe_time: bool = True  # time the MoE blocks per step shape at warm-up (serve/moe_timing.py)
+    # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
+    # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas
+    # decode kernel) and scatters them back; "auto" picks in_place when the kernels resolve to the
+    # reference (CPU) and gathered when they resolve to Pallas.
+    kda_decode: str = "auto"
 
     def validate(self):
+        if self.kda_decode not in ("auto", "in_place", "gathered"):
+            raise ValueError(f"kda_decode={self.kda_decode!r}: expected 'auto', 'in_place' or 'gathered'")
         if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
             raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -136,7 +144,10 @@ class Engine:
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty()
-        self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs)
+        self.kda_in_place = (config.kda_decode == "in_place" or
+                             (config.kda_decode == "auto" and resolve_backend("auto") == "reference"))
+        self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
+                                             self.kda_in_place)
         max_pages = -(-config.max_model_len // config.page_size)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))

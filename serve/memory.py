@@ -4,17 +4,18 @@ Mechanism: the arena is one device array `float32[num_units, unit_elems]`. A *un
 of one MLA layer (`page_size` tokens x the 576-wide latent, bf16 latents packed two per float32
 word). A KDA *state slot* (every KDA layer's fp32 recurrent state and conv windows for one
 sequence) spans `slot_units` consecutive units and holds, layer after layer, each KDA layer's state
-then its conv windows, so one layer's part is a contiguous run that the step reads as a block of
-whole units and slices, with no repacking. The host allocator hands out pages from the low end
+then its conv windows, each layer starting on a unit boundary (`layer_units` units per layer), so one
+layer's part is a block of whole units that a step reads, or rewrites in place, with no repacking. The host allocator hands out pages from the low end
 and state slots from the high end (a two-ended arena), so there is no ratio flag: many short requests
 fill the arena with slots, a few long ones fill it with pages, and the same arrays and compiled
 steps serve both. Unit 0 is a scratch page and the top slot is a scratch slot that padded batch rows
 read and write.
 
 Device-side helpers gather each KDA layer's states of a batch into dense `[B, ...]` arrays for the
-model and scatter them back; MLA pages are gathered through per-layer page tables and the pages a step
-touched are written back. Every device access gathers or scatters whole units (single MLA pages,
-or blocks of consecutive units for KDA slots).
+model and scatter them back (prefill), or rewrite one layer's part of each row's slot in place, row
+by row (decode on the reference path: `update_states_in_place`); MLA pages are gathered through
+per-layer page tables and the pages a step touched are written back. Every device access reads or
+writes whole units (single MLA pages, or blocks of consecutive units for KDA slots).
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class ArenaLayout:
     state_shape: tuple[int, ...]  # [Lk, N, K, V]
     conv_shape: tuple[int, ...]  # [Lk, 3, W-1, P]
     slot_units: int
+    layer_units: int  # units per KDA layer inside a slot (each layer starts on a unit boundary)
 
     @classmethod
     def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype) -> "ArenaLayout":
@@ -56,8 +58,9 @@ class ArenaLayout:
         n, d, w, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_proj_size
         lk = cfg.num_kda_layers
         state_shape, conv_shape = (lk, n, d, d), (lk, 3, w - 1, p)
-        slot_elems = math.prod(state_shape) + math.prod(conv_shape)
-        slot_units = max(1, -(-slot_elems // unit_elems)) if lk else 0
+        layer_elems = (math.prod(state_shape) + math.prod(conv_shape)) // max(lk, 1)
+        layer_units = -(-layer_elems // unit_elems) if lk else 0
+        slot_units = lk * layer_units
         num_units = budget_bytes // (unit_elems * WORD)
         need = 2 + 2 * slot_units  # scratch page + scratch slot + at least one real slot/page
         if num_units < need:
@@ -65,7 +68,7 @@ class ArenaLayout:
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
                              f"{slot_units} units)")
         return cls(num_units, unit_elems, page_size, lw, latent_words, dt.name, cfg.num_mla_layers, lk,
-                   state_shape, conv_shape, slot_units)
+                   state_shape, conv_shape, slot_units, layer_units)
 
     @property
     def unit_bytes(self) -> int:
@@ -184,11 +187,12 @@ class Arena:
 
 
 # ---- device-side reads and writes -----------------------------------------------------------
-# The arena is only ever indexed by whole units (rows of the 2-D array): one row gather for the
-# reads at the start of a step and row scatters for the writes at its end. Taking the donated buffer
-# under a single shape and ordering every read before every write (the writes' values depend on the
-# reads through the model) lets XLA update it in place; mixed reshapes or read-after-write on the
-# big buffer make it copy the whole arena.
+# The arena is only ever indexed by whole units (rows of the 2-D array): row gathers for reads and
+# row scatters or dynamic-update-slices of unit blocks for writes. Taking the donated buffer under a
+# single shape and making every read of one version of it an input of the write that replaces that
+# version (the writes' values depend on the reads through the model) lets XLA update it in place; a
+# read that can run after the write, mixed reshapes, or chained block scatters make it copy the
+# whole arena (tests/test_engine.py checks the compiled steps).
 
 def pack_latent(x: jax.Array) -> jax.Array:
     """[..., W] model-dtype latents -> [..., W * itemsize / 4] float32 words (bit-exact)."""
@@ -244,18 +248,16 @@ def write_blocks(arena: jax.Array, first: jax.Array, rows: jax.Array) -> jax.Arr
 def gather_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, fresh: jax.Array):
     """Read the KDA slots of a batch -> (conv [Lk] x [B, 3, W-1, P], state [Lk] x [B, N, K, V]) fp32.
 
-    One block read per layer of the units its part of the slot overlaps; the state and conv
-    windows are static slices of the block, so the model consumes them without a repacking copy.
-    Rows with `fresh` set start a sequence: their state is zeros whatever the slot held before."""
-    b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_elems
+    One block read per layer of that layer's units; the state and conv windows are static slices of
+    the block, so the model consumes them without a repacking copy. Rows with `fresh` set start a
+    sequence: their state is zeros whatever the slot held before."""
+    b, lu, le = slot_base.shape[0], layout.layer_units, layout.layer_elems
     _, n, k, v = layout.state_shape
     conv_shape = layout.conv_shape[1:]
     ns = n * k * v
     convs, states = [], []
     for j in range(layout.num_kda_layers):
-        first, end = j * le // ue, -(-(j + 1) * le // ue)  # units of the slot that layer j overlaps
-        off = j * le - first * ue
-        rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_elems]
+        rows = read_blocks(arena, slot_base + j * lu, lu)[:, :le]  # [B, layer_elems]
         rows = jnp.where(fresh[:, None], 0.0, rows)
         states.append(rows[:, :ns].reshape(b, n, k, v))
         convs.append(rows[:, ns:].reshape(b, *conv_shape))
@@ -264,12 +266,59 @@ def gather_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, f
 
 def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, convs, states) -> jax.Array:
     """Write the KDA layers' dense per-batch states and conv windows back into their slots: one block
-    write of whole slots (layers share boundary units, so they are written together).
+    write of whole slots (one scatter instead of one per layer; XLA:CPU copies the arena when block
+    scatters of the same step are chained).
 
     Rows that share a slot (padding rows all use the scratch slot) write the same units; which one
     wins does not matter because nobody reads the scratch slot."""
-    b = slot_base.shape[0]
-    parts = [x.reshape(b, -1) for conv, state in zip(convs, states) for x in (state, conv)]
-    rows = jnp.concatenate(parts, 1)
-    rows = jnp.pad(rows, ((0, 0), (0, layout.slot_units * layout.unit_elems - rows.shape[1])))
+    b, span = slot_base.shape[0], layout.layer_units * layout.unit_elems
+    rows = jnp.concatenate([_layer_block(state.reshape(b, -1), conv.reshape(b, -1), span)
+                            for conv, state in zip(convs, states)], 1)
     return write_blocks(arena, slot_base, rows)
+
+
+def _layer_block(state: jax.Array, conv: jax.Array, span: int) -> jax.Array:
+    """[..., N*K*V], [..., conv] -> [..., span]: one layer's part of a slot, zero-padded to whole units."""
+    pad = [(0, 0)] * (state.ndim - 1) + [(0, span - state.shape[-1] - conv.shape[-1])]
+    return jnp.pad(jnp.concatenate([state, conv], -1), pad)
+
+
+def read_conv(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, fresh: jax.Array) -> jax.Array:
+    """KDA layer j's conv windows of a batch -> [B, 3, W-1, P] (zeros where `fresh`): a block read
+    of only the units that hold them."""
+    b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_elems
+    ns = math.prod(layout.state_shape[1:])
+    u0, u1 = ns // ue, -(-le // ue)
+    rows = read_blocks(arena, slot_base + j * layout.layer_units + u0, u1 - u0)[:, ns - u0 * ue:le - u0 * ue]
+    return jnp.where(fresh[:, None], 0.0, rows).reshape(b, *layout.conv_shape[1:])
+
+
+def update_states_in_place(arena: jax.Array, layout: ArenaLayout, j: int, read_base: jax.Array,
+                           write_base: jax.Array, fresh: jax.Array, windows: jax.Array, update):
+    """Run KDA layer j's state update row by row on the arena itself -> (arena, out [B, ...]).
+
+    For row i in turn: read the layer's state from slot `read_base[i]` (zeros where `fresh[i]`),
+    `(out_i, new_state) = update(i, state [N, K, V])`, and write `[new_state | windows[i]]` over the
+    layer's units of slot `write_base[i]` with a dynamic-update-slice, which XLA performs in place
+    on the loop-carried arena. Each row's state is read once and written once while it sits in
+    cache, instead of the gather / batched update / concatenate / scatter round trips of the dense
+    path (measured ~4x less time for 32 rows on the 2-core CPU host), and a row's arithmetic does
+    not depend on the batch size. A row reads its own slot before any row writes it: a slot being
+    written is never another row's read slot in the same step."""
+    b, lu, ue = read_base.shape[0], layout.layer_units, layout.unit_elems
+    ns = math.prod(layout.state_shape[1:])
+    span = lu * ue
+    zero = jnp.zeros(layout.state_shape[1:], jnp.float32)
+    out_shape = jax.eval_shape(update, 0, zero)[0]
+
+    def row(i, carry):
+        arena, out = carry
+        blk = jax.lax.dynamic_slice_in_dim(arena, read_base[i] + j * lu, lu).reshape(span)
+        state = jnp.where(fresh[i], 0.0, blk[:ns]).reshape(zero.shape)
+        o, state = update(i, state)
+        new = _layer_block(state.reshape(-1), windows[i].reshape(-1), span).reshape(lu, ue)
+        arena = jax.lax.dynamic_update_slice_in_dim(arena, new, write_base[i] + j * lu, 0)
+        return arena, jax.lax.dynamic_update_index_in_dim(out, o.astype(out.dtype), i, 0)
+
+    out = jnp.zeros((b, *out_shape.shape), out_shape.dtype)
+    return jax.lax.fori_loop(0, b, row, (arena, out))

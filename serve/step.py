@@ -1,5 +1,6 @@
-"""The engine's jitted step: gather KDA states from the arena, run the model against paged MLA
-storage, scatter states back, sample on device. The arena is donated and returned.
+"""The engine's jitted step: run the model against the arena (MLA pages read per layer; KDA states
+gathered and scattered back, or on decode rewritten in place row by row), write the touched pages,
+sample on device. The arena is donated and returned.
 
 One program serves prefill chunks (T > 1) and decode (T == 1); shapes are fixed by the bucket
 (batch rows, tokens per row, MLA pages per layer), so every program is compiled at start-up.
@@ -15,7 +16,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.cache import CacheView, append_latents
-from serve.memory import ArenaLayout, gather_states, pack_latent, read_units, scatter_states, unpack_latent
+from pallas_kernels.kda.reference import kda_token_step
+from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, read_units, scatter_states, unpack_latent,
+                          update_states_in_place)
 from serve.sampling import SampleResult, SamplingBatch, sample
 
 
@@ -34,33 +37,56 @@ class StepBatch:
 
 
 class PagedView(CacheView):
-    """The model's view of one step's cache: dense per-batch KDA states and the batch's MLA pages,
-    gathered from the arena before the model runs; the model writes its new latents here and the
-    step writes the touched pages back afterwards."""
+    """The model's view of one step's cache, carrying the arena through the layers.
 
-    def __init__(self, layout: ArenaLayout, batch: StepBatch, kv: list, conv: list, state: list):
-        self.layout, self.batch = layout, batch
-        self.kv = list(kv)  # per MLA layer [B, P * page_size, words] packed latents
-        self.conv, self.state = list(conv), list(state)  # per KDA layer [B, 3, W-1, P], [B, N, K, V]
+    MLA layer j reads its pages from the arena when it runs and appends the chunk's latents to that
+    dense copy; the step writes the touched pages back afterwards. KDA states are either gathered
+    for the whole batch up front and scattered back after the model (`in_place=False`: prefill,
+    and decode where the Pallas kernel runs on the dense batch), or, for decode on the reference
+    path, updated row by row in the arena itself (`update_states_in_place`). Every read takes the
+    arena value current at that point of the model, so in-place writes never race an older read."""
+
+    def __init__(self, layout: ArenaLayout, batch: StepBatch, arena: jax.Array, in_place: bool):
+        self.layout, self.batch, self.arena = layout, batch, arena
+        self.in_place = in_place
+        self.fresh = batch.read_base < 0  # [B] rows starting a sequence: zero state
+        # Copy-on-write of KDA checkpoints: read from the (immutable) checkpoint slot, write to the
+        # row's working slot. A slot being written is never one being read in the same step.
+        self.read_base = jnp.where(self.fresh, batch.write_base, batch.read_base)
+        self.kv: list = [None] * layout.num_mla_layers  # per MLA layer [B, P * page_size, words]
+        self.conv, self.state = ([], []) if in_place else gather_states(arena, layout, self.read_base, self.fresh)
 
     def kda(self, j, b):
+        if self.in_place:
+            return read_conv(self.arena, self.layout, j, self.read_base, self.fresh), None
         return self.conv[j], self.state[j]
 
     def set_kda(self, j, window, state):
-        self.conv[j], self.state[j] = window, state
+        if not self.in_place:
+            self.conv[j], self.state[j] = window, state
+
+    def kda_recurrence(self, j):
+        if not self.in_place:
+            return None
+
+        def run(q, k, v, g, beta, window, scale):  # [B, 1, N, K] ... -> o [B, 1, N, V]
+            def update(i, state):  # one row: state [N, K, V]; inputs [1, N, .]
+                row = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False)[0] for x in (q, k, v, g, beta)]
+                o, state = kda_token_step(state, *row, scale=scale)
+                return o[None].astype(v.dtype), state
+
+            self.arena, o = update_states_in_place(self.arena, self.layout, j, self.read_base,
+                                                   self.batch.write_base, self.fresh, window, update)
+            return o
+
+        return run
 
     def mla(self, j, latent, valid):
-        dtype = self.layout.latent_dtype
-        self.kv[j], mask = append_latents(self.kv[j], pack_latent(latent.astype(dtype)), self.batch.lengths, valid)
-        return unpack_latent(self.kv[j], dtype), mask
-
-
-def gather_pages(arena: jax.Array, layout: ArenaLayout, page_table: jax.Array) -> list:
-    """[B, Lm, P] units -> [Lm] x [B, P * page_size, words] packed latents of every page in the table
-    (one row gather per MLA layer, so no layer-major transpose of the gathered pages)."""
-    b, lm, p = page_table.shape
-    return [read_units(arena, page_table[:, j]).reshape(b, p * layout.page_size, layout.latent_words)
-            for j in range(lm)]
+        lay, b = self.layout, latent.shape[0]
+        pt = self.batch.page_table[:, j]  # [B, P]
+        kv = read_units(self.arena, pt).reshape(b, pt.shape[1] * lay.page_size, lay.latent_words)
+        self.kv[j], mask = append_latents(kv, pack_latent(latent.astype(lay.latent_dtype)), self.batch.lengths, valid)
+        return unpack_latent(self.kv[j], lay.latent_dtype), mask
 
 
 def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:
@@ -85,20 +111,20 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.
     return jnp.concatenate(units), jnp.concatenate(rows)
 
 
-def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int):
+def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, kda_in_place: bool = True):
     """-> (step(leaves, arena, batch), leaves): `engine_step` jitted with the model graph, arena
-    layout and logprob width bound once and the parameters passed as flat leaves.
+    layout, logprob width and KDA decode form bound once and the parameters passed as flat leaves.
 
     Passing the NNX graph as a static argument costs a Python hash of the whole graph and a
     pytree flatten of the parameter state on every call (~8 ms per step for k3-small on CPU);
     the bound form's per-call work is the C++ dispatch of a flat list of arrays."""
     leaves, treedef = jax.tree.flatten(params)
-    key = (graphdef, treedef, layout, num_top_logprobs)
+    key = (graphdef, treedef, layout, num_top_logprobs, kda_in_place)
     if key not in _BOUND:  # engines over the same model and layout share their compiled programs
 
         def step(leaves, arena, batch):
             return _engine_step(graphdef, layout, jax.tree.unflatten(treedef, leaves), arena, batch,
-                                num_top_logprobs)
+                                num_top_logprobs, kda_in_place)
 
         _BOUND[key] = jax.jit(step, donate_argnums=(1,))
     return _BOUND[key], leaves
@@ -108,29 +134,28 @@ _BOUND: dict = {}
 
 
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
-                 num_top_logprobs: int) -> tuple[jax.Array, SampleResult, jax.Array]:
+                 num_top_logprobs: int, kda_in_place: bool = True) -> tuple[jax.Array, SampleResult, jax.Array]:
     """One model step over the arena `float32[num_units, unit_elems]` (donated, updated in place).
 
-    Order on the arena: copy-on-write page copies, then every read (KDA slots, MLA pages), then the
-    writes (touched pages, working slots), whose values depend on the reads."""
+    Order on the arena: copy-on-write page copies; then the model, whose layers read (and, for
+    in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
+    touched pages and, unless updated in place, of the working slots."""
     model = nnx.merge(graphdef, params)
     arena = arena.at[batch.copy_dst].set(arena[batch.copy_src])
-    # Copy-on-write of KDA checkpoints: read from the (immutable) checkpoint slot, write to the
-    # row's working slot. A slot being written is never one being read in the same step.
-    fresh = batch.read_base < 0
-    conv, state = gather_states(arena, layout, jnp.where(fresh, batch.write_base, batch.read_base), fresh)
-    view = PagedView(layout, batch, gather_pages(arena, layout, batch.page_table), conv, state)
+    in_place = kda_in_place and batch.tokens.shape[1] == 1 and layout.num_kda_layers > 0
+    view = PagedView(layout, batch, arena, in_place)
     routed: list = []
     logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed)
+    arena = view.arena
     if layout.num_mla_layers:
         units, rows = touched_pages(layout, batch, view.kv)
         arena = arena.at[units].set(rows, mode="drop")
-    if layout.num_kda_layers:
+    if layout.num_kda_layers and not in_place:
         arena = scatter_states(arena, layout, batch.write_base, view.conv, view.state)
     return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(routed, batch, model.cfg.num_experts)
 
 
-engine_step = jax.jit(_engine_step, static_argnums=(0, 1, 5), donate_argnums=(3,))
+engine_step = jax.jit(_engine_step, static_argnums=(0, 1, 5, 6), donate_argnums=(3,))
 
 
 def expert_counts(routed: list, batch: StepBatch, num_experts: int) -> jax.Array:

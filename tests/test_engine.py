@@ -95,6 +95,20 @@ def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+def test_gathered_kda_decode_is_token_identical(model, engine, prompts, alone):
+    """The two decode forms (per-row in-place state update, the CPU default; batched op on gathered
+    states, the accelerator default) give the same greedy tokens for a mixed batch."""
+    eng = make_engine(model, units=4000, kda_decode="gathered")
+    assert engine.kda_in_place and not eng.kda_in_place
+    outs = run_all(eng, prompts[:12])
+    assert [o.token_ids for o in outs] == alone[:12]
+
+
+def test_kda_decode_option_is_checked(model):
+    with pytest.raises(ValueError, match="kda_decode"):
+        make_engine(model, warmup=False, kda_decode="fast")
+
+
 @pytest.mark.parametrize("chunk", [16, 256])
 def test_prefill_chunk_size_invariance(model, prompts, alone, chunk):
     eng = make_engine(model, chunk=chunk, units=4000)
@@ -102,12 +116,16 @@ def test_prefill_chunk_size_invariance(model, prompts, alone, chunk):
     assert [o.token_ids for o in outs] == alone[:12]
 
 
-def test_step_updates_the_arena_in_place(model):
-    """The compiled step never copies the arena (it is donated, read by gathers before any write,
-    and written by scatters): one copy would cost a pass over the whole cache every step. Checked in
-    the optimised HLO for a 1-row and a 4-row decode and a prefill chunk (a 1-row read compiles to a
-    dynamic slice that XLA may fuse into later readers, which used to force two arena copies)."""
-    eng = make_engine(model, warmup=False, decode_buckets=(1, 4), prefill_buckets=(1,), context_buckets=(1, 32))
+@pytest.mark.parametrize("kda_decode", ["in_place", "gathered"])
+def test_step_updates_the_arena_in_place(model, kda_decode):
+    """The compiled step never copies the arena (it is donated, every read of it precedes the writes
+    that replace it, and it is written by scatters or in-place slice updates): one copy would cost a
+    pass over the whole cache every step. Checked in the optimised HLO for 1-row and 4-row decodes
+    (both KDA decode forms) and a prefill chunk. Two ways this failed before: a 1-row read compiles
+    to a dynamic slice that XLA may fuse into later readers; and an in-place state update whose
+    output was computed from the state *after* the update made XLA re-read the old state late."""
+    eng = make_engine(model, warmup=False, decode_buckets=(1, 4), prefill_buckets=(1,), context_buckets=(1, 32),
+                      kda_decode=kda_decode)
     lay = eng.layout
     arena_shape = f"f32[{lay.num_units},{lay.unit_elems}]"
     for rows, t, pages in ((1, 1, 1), (1, 1, 32), (4, 1, 32), (1, eng.config.prefill_chunk, 32)):
@@ -188,7 +206,7 @@ def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, matc
 
 
 def test_request_that_never_fits_is_rejected(model):
-    eng = make_engine(model, units=30, warmup=False)  # rejected before any step: nothing to compile
+    eng = make_engine(model, units=40, warmup=False)  # rejected before any step: nothing to compile
     with pytest.raises(RequestError, match="never fit"):
         eng.add_request([1] * 400, SamplingParams(max_tokens=100))
 

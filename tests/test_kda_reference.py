@@ -192,6 +192,21 @@ def test_pool_decode_matches_and_leaves_other_slots():
         np.testing.assert_array_equal(np.asarray(new_pool[sid]), np.asarray(pool[sid]))
 
 
+@pytest.mark.parametrize("gate", ["k3", "kimi"])
+def test_token_step_reading_the_state_once_matches_the_scan(gate):
+    """`kda_token_step` (both state projections from one product, used by the in-place serving
+    decode) equals one step of the token scan on random data, with the default and a given scale."""
+    from pallas_kernels.kda.reference import kda_token_step
+    Bd = 3
+    s0 = make_state(91, Bd, H, K, V)
+    q, k, v, g, beta = make_inputs(92, Bd, 1, H, K, V, gate=gate)
+    for scale in (None, 0.3):
+        o_ref, s_ref = naive_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=s0)
+        o, s = kda_token_step(s0, *(x[:, 0] for x in (q, k, v, g, beta)), scale=scale)
+        assert rel_err(o, o_ref[:, 0]) <= TOL and rel_err(s, s_ref) <= TOL
+        assert float(jnp.abs(s - s0).max()) > 1e-3  # the step changed the state
+
+
 def test_jit_and_dtypes():
     T = 70
     q, k, v, g, beta = make_inputs(81, 1, T, H, K, V, v_dtype=jnp.bfloat16)

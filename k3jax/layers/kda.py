@@ -80,9 +80,13 @@ class KDA(nnx.Module):
             return self.g_proj(x)
         return self.g_b_proj(self.g_a_proj(x))
 
-    def __call__(self, x: jax.Array, conv_window: jax.Array, state: jax.Array, valid: jax.Array):
+    def __call__(self, x: jax.Array, conv_window: jax.Array, state: jax.Array | None, valid: jax.Array,
+                 recurrence=None):
         """x: [B, T, H] normed input; conv_window: [B, 3, W-1, P] (q, k, v); state: [B, N, K, V] fp32;
-        valid: [B] real tokens per row. Returns (y [B, T, H], conv_window, state)."""
+        valid: [B] real tokens per row. Returns (y [B, T, H], conv_window, state).
+
+        `recurrence(q, k, v, g, beta, window, scale) -> o`, when given, replaces the delta-rule op
+        and owns the state (a cache view updating it in place); the returned state is then None."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, d = cfg.kda_num_heads, cfg.kda_head_dim
@@ -99,9 +103,13 @@ class KDA(nnx.Module):
         g = jnp.where(real[:, :, None, None], g, 0.0)
         beta = jnp.where(real[:, :, None], beta, 0.0)
 
-        op = fused_recurrent_kda if t == 1 else chunk_kda
-        o, state = op(q, k, v, g, beta, scale=d ** -0.5, initial_state=state, output_final_state=True)
+        window = jnp.stack([wq, wk, wv], axis=1)
+        if recurrence is not None:
+            o, state = recurrence(q, k, v, g, beta, window, d ** -0.5), None
+        else:
+            op = fused_recurrent_kda if t == 1 else chunk_kda
+            o, state = op(q, k, v, g, beta, scale=d ** -0.5, initial_state=state, output_final_state=True)
 
         o = gated_rms_norm(o.astype(jnp.float32), self.o_norm[...], heads(self.output_gate(x)), cfg.rms_norm_eps)
         y = self.o_proj(o.reshape(b, t, n * d).astype(x.dtype))
-        return y, jnp.stack([wq, wk, wv], axis=1), state
+        return y, window, state

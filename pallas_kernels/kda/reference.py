@@ -50,6 +50,28 @@ def _token_step(S, q, k, v, g, b):
     return S, o
 
 
+def kda_token_step(S, q, k, v, g, beta, scale=None):
+    """One decode token from state ``S [..., K, V]`` -> ``(o [..., V], S_new)``, fp32, reading ``S``
+    through a single product. q, k, g ``[..., K]``; v ``[..., V]``; beta ``[...]``.
+
+    The same recurrence as the token scan, with the output taken as
+    ``o = ((q * a)^T S) + (q . k) u`` (``a = exp(g)``, ``u = beta (v - (k * a)^T S)``) instead of
+    ``q^T S_new``: both projections of the old state come from one product, so nothing reads the
+    state after it is updated. The serving step relies on that to overwrite a state in place
+    (a later read of the old state would make XLA copy the buffer holding it). Agrees with
+    ``_token_step`` to fp32 rounding."""
+    K = q.shape[-1]
+    q, k, v, g, beta = _as_f32(q, k, v, g, beta)
+    q = q * _default_scale(scale, K)
+    a = jnp.exp(g)
+    S = S.astype(jnp.float32)
+    r = jnp.einsum("...ck,...kv->...cv", jnp.stack([k * a, q * a], -2), S, precision=_HI)  # [..., 2, V]
+    u = beta[..., None] * (v - r[..., 0, :])
+    S = a[..., :, None] * S + k[..., :, None] * u[..., None, :]
+    o = r[..., 1, :] + jnp.sum(q * k, -1, keepdims=True) * u
+    return o, S
+
+
 def _as_f32(*xs):
     return tuple(x.astype(jnp.float32) for x in xs)
 

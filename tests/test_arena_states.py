@@ -1,0 +1,98 @@
+"""KDA slot access in the arena: the dense gather/scatter path and the in-place row update agree,
+and the in-place update writes exactly one layer's units of each row's working slot."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import k3jax
+from pallas_kernels.kda.reference import kda_token_step
+from serve.memory import ArenaLayout, gather_states, read_conv, scatter_states, update_states_in_place
+
+
+@pytest.fixture(scope="module", params=[("tiny-k3", 16), ("tiny-kimi-linear", 64)], ids=lambda p: f"{p[0]}-p{p[1]}")
+def layout(request):
+    name, page = request.param
+    cfg = k3jax.load_model(name, seed=0).cfg
+    return ArenaLayout.plan(cfg, 400 * page * 40 * 4, page, jnp.float32)
+
+
+def random_arena(layout, seed):
+    return jnp.asarray(np.random.default_rng(seed).standard_normal((layout.num_units, layout.unit_elems)), jnp.float32)
+
+
+def batch_bases(layout):
+    """Rows: continuing in its own slot; fresh; copy-on-write from a checkpoint slot; two padding rows."""
+    su, top = layout.slot_units, layout.scratch_slot
+    own, fresh_slot, ckpt, work = top - su, top - 2 * su, top - 3 * su, top - 4 * su
+    read = jnp.asarray([own, -1, ckpt, -1, -1], jnp.int32)
+    write = jnp.asarray([own, fresh_slot, work, top, top], jnp.int32)
+    return read, write
+
+
+def test_layers_start_on_unit_boundaries(layout):
+    assert layout.layer_units * layout.unit_elems >= layout.layer_elems > (layout.layer_units - 1) * layout.unit_elems
+    assert layout.slot_units == layout.num_kda_layers * layout.layer_units
+
+
+def test_gather_then_scatter_round_trips_every_layer(layout):
+    arena = random_arena(layout, 1)
+    read, write = batch_bases(layout)
+    fresh = read < 0
+    base = jnp.where(fresh, write, read)
+    convs, states = gather_states(arena, layout, base, fresh)
+    assert float(jnp.abs(states[0][1]).max()) == 0.0 and float(jnp.abs(states[0][0]).max()) > 0.0
+    out = scatter_states(arena, layout, base[:3], [c[:3] for c in convs], [s[:3] for s in states])
+    for j in range(layout.num_kda_layers):
+        c2, s2 = gather_states(out, layout, base[:3], fresh[:3])
+        np.testing.assert_array_equal(np.asarray(s2[j]), np.asarray(states[j][:3]))
+        np.testing.assert_array_equal(np.asarray(c2[j]), np.asarray(convs[j][:3]))
+        np.testing.assert_array_equal(np.asarray(read_conv(out, layout, j, base[:3], fresh[:3])),
+                                      np.asarray(convs[j][:3]))
+
+
+@pytest.mark.parametrize("j", [0, -1])
+def test_in_place_row_update_matches_the_dense_path(layout, j):
+    j = j % layout.num_kda_layers
+    arena = random_arena(layout, 2)
+    read, write = batch_bases(layout)
+    fresh = read < 0
+    b = read.shape[0]
+    _, n, kd, vd = layout.state_shape
+    ks = jax.random.split(jax.random.PRNGKey(3), 6)
+    l2 = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+    q, k = l2(jax.random.normal(ks[0], (b, n, kd))), l2(jax.random.normal(ks[1], (b, n, kd)))
+    v = jax.random.normal(ks[2], (b, n, vd))
+    g = -jax.nn.softplus(jax.random.normal(ks[3], (b, n, kd)))
+    beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, n)))
+    windows = jax.random.normal(ks[5], (b, *layout.conv_shape[1:]))
+
+    def update(i, state):
+        return kda_token_step(state, q[i], k[i], v[i], g[i], beta[i])
+
+    step = jax.jit(lambda a: update_states_in_place(a, layout, j, jnp.where(fresh, write, read), write, fresh,
+                                                    windows, update))
+    new, out = step(arena)
+
+    _, states = gather_states(arena, layout, jnp.where(fresh, write, read), fresh)
+    o_ref, s_ref = kda_token_step(states[j], q, k, v, g, beta)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
+    conv, got = gather_states(new, layout, write, jnp.zeros_like(fresh))
+    for r in range(3):  # real rows: layer j of the working slot holds the new state and windows
+        np.testing.assert_allclose(np.asarray(got[j][r]), np.asarray(s_ref[r]), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(np.asarray(conv[j][r]), np.asarray(windows[r]))
+
+    # nothing else changed: every unit outside layer j of the three working slots and the scratch slot
+    touched = np.zeros(layout.num_units, bool)
+    for w in np.asarray(write):
+        touched[w + j * layout.layer_units:w + (j + 1) * layout.layer_units] = True
+    touched[layout.scratch_slot:] = True
+    np.testing.assert_array_equal(np.asarray(new)[~touched], np.asarray(arena)[~touched])
+    # the checkpoint slot read by row 2 is untouched and its state was the one used
+    assert math.isclose(float(jnp.abs(states[j][2]).sum()),
+                        float(jnp.abs(gather_states(new, layout, read[2:3], fresh[2:3])[1][j]).sum()))
