@@ -141,7 +141,10 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch:
     in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
     touched pages and, unless updated in place, of the working slots."""
     model = nnx.merge(graphdef, params)
-    arena = arena.at[batch.copy_dst].set(arena[batch.copy_src])
+    src, dst = batch.copy_src, batch.copy_dst
+    if src.shape[0] == 1:  # a one-index scatter becomes a dynamic-update-slice that XLA may duplicate
+        src, dst = jnp.tile(src, 2), jnp.tile(dst, 2)  # per view of the arena, copying the arena for it
+    arena = arena.at[dst].set(arena[src])
     in_place = kda_in_place and batch.tokens.shape[1] == 1 and layout.num_kda_layers > 0
     view = PagedView(layout, batch, arena, in_place)
     routed: list = []

@@ -35,9 +35,10 @@ def batch_bases(layout):
     return read, write
 
 
-def test_layers_start_on_unit_boundaries(layout):
-    assert layout.layer_units * layout.unit_elems >= layout.layer_elems > (layout.layer_units - 1) * layout.unit_elems
-    assert layout.slot_units == layout.num_kda_layers * layout.layer_units
+def test_slot_packs_layers_back_to_back(layout):
+    assert layout.slot_units == -(-layout.slot_elems // layout.unit_elems)
+    rw = layout.row_width
+    assert layout.unit_elems % rw == 0 and layout.state_elems % rw == 0 and layout.conv_elems % rw == 0
 
 
 def test_gather_then_scatter_round_trips_every_layer(layout):
@@ -87,12 +88,13 @@ def test_in_place_row_update_matches_the_dense_path(layout, j):
         np.testing.assert_allclose(np.asarray(got[j][r]), np.asarray(s_ref[r]), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(conv[j][r]), np.asarray(windows[r]))
 
-    # nothing else changed: every unit outside layer j of the three working slots and the scratch slot
-    touched = np.zeros(layout.num_units, bool)
+    # nothing else changed: every word outside layer j of the three working slots and the scratch slot
+    ue, le = layout.unit_elems, layout.layer_elems
+    touched = np.zeros(layout.num_units * ue, bool)
     for w in np.asarray(write):
-        touched[w + j * layout.layer_units:w + (j + 1) * layout.layer_units] = True
-    touched[layout.scratch_slot:] = True
-    np.testing.assert_array_equal(np.asarray(new)[~touched], np.asarray(arena)[~touched])
+        touched[w * ue + j * le:w * ue + (j + 1) * le] = True
+    touched[layout.scratch_slot * ue:] = True
+    np.testing.assert_array_equal(np.asarray(new).reshape(-1)[~touched], np.asarray(arena).reshape(-1)[~touched])
     # the checkpoint slot read by row 2 is untouched and its state was the one used
     assert math.isclose(float(jnp.abs(states[j][2]).sum()),
                         float(jnp.abs(gather_states(new, layout, read[2:3], fresh[2:3])[1][j]).sum()))

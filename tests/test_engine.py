@@ -206,7 +206,7 @@ def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, matc
 
 
 def test_request_that_never_fits_is_rejected(model):
-    eng = make_engine(model, units=40, warmup=False)  # rejected before any step: nothing to compile
+    eng = make_engine(model, units=30, warmup=False)  # rejected before any step: nothing to compile
     with pytest.raises(RequestError, match="never fit"):
         eng.add_request([1] * 400, SamplingParams(max_tokens=100))
 

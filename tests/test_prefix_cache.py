@@ -27,7 +27,7 @@ def engines(request):
     name, layout = request.param
     model = k3jax.load_model(name, seed=2)
     page, chunk = LAYOUTS[layout]
-    units = 7200 // page  # room for the checkpoints these scenarios keep
+    units = 6000 // page
     on = Engine(model, config(page, chunk, units), progress=False)
     off = Engine(model, config(page, chunk, units, enable_prefix_caching=False), progress=False)
     return on, off
