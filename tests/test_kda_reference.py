@@ -192,6 +192,29 @@ def test_pool_decode_matches_and_leaves_other_slots():
         np.testing.assert_array_equal(np.asarray(new_pool[sid]), np.asarray(pool[sid]))
 
 
+@pytest.mark.parametrize("t", [1, 3])
+def test_pool_decode_cpu_row_loop_matches_the_reference(t):
+    """`auto` on CPU runs the in-place row loop: same outputs and pool as the reference (padding rows
+    give zeros and leave the pool alone; unnamed slots untouched), and under donation the compiled
+    loop updates the pool without copying it."""
+    from pallas_kernels.kda.pool_cpu import fused_recurrent_kda_pool_cpu
+    Bd, S = 5, 9
+    pool = make_state(73, S, H, K, V)
+    slot_ids = jnp.asarray([6, -1, 0, 3, -1], jnp.int32)
+    q, k, v, g, beta = make_inputs(74, Bd, t, H, K, V, gate="k3")
+    o_ref, p_ref = fused_recurrent_kda_pool(q, k, v, g, beta, pool, slot_ids, backend=REF)
+    o, p = fused_recurrent_kda_pool(q, k, v, g, beta, pool, slot_ids)  # auto -> row loop on CPU
+    assert rel_err(o, o_ref) <= TOL and rel_err(p, p_ref) <= TOL
+    assert float(jnp.abs(p[6] - pool[6]).max()) > 1e-3
+    assert float(jnp.abs(o[1]).max()) == 0.0 and float(jnp.abs(o[4]).max()) == 0.0
+    for sid in (1, 2, 4, 5, 7, 8):
+        np.testing.assert_array_equal(np.asarray(p[sid]), np.asarray(pool[sid]))
+    f = jax.jit(fused_recurrent_kda_pool_cpu, donate_argnums=(5,))
+    hlo = f.lower(q, k, v, g, beta, pool, slot_ids).compile().as_text()
+    pool_shape = f"f32[{S},{H},{K},{V}]"
+    assert not [l for l in hlo.splitlines() if " copy(" in l and l.split("=", 1)[1].strip().startswith(pool_shape)]
+
+
 @pytest.mark.parametrize("gate", ["k3", "kimi"])
 def test_token_step_reading_the_state_once_matches_the_scan(gate):
     """`kda_token_step` (both state projections from one product, used by the in-place serving

@@ -14,13 +14,15 @@ caller; ``scale`` (default ``K**-0.5``) multiplies ``q`` inside the op.
 
 from __future__ import annotations
 
+import os
 import warnings
 from functools import partial
 
 import jax
 
-from pallas_kernels.dispatch import resolve_backend, resolve_interpret
+from pallas_kernels.dispatch import ENV_VAR, resolve_backend, resolve_interpret
 from pallas_kernels.kda import reference as ref
+from pallas_kernels.kda.pool_cpu import fused_recurrent_kda_pool_cpu
 
 
 def _resolve(backend, interpret):
@@ -106,6 +108,8 @@ def _fused_recurrent_kda_pool(q, k, v, g, beta, state_pool, slot_ids, *, scale, 
         from pallas_kernels.kda.pallas_kda import fused_recurrent_kda_pool_pallas
         return fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids,
                                                scale=scale, interpret=interpret)
+    if backend == "cpu":
+        return fused_recurrent_kda_pool_cpu(q, k, v, g, beta, state_pool, slot_ids, scale=scale)
     return ref.fused_recurrent_kda_pool_reference(q, k, v, g, beta, state_pool, slot_ids,
                                                   scale=scale)
 
@@ -119,9 +123,12 @@ def fused_recurrent_kda_pool(q, k, v, g, beta, state_pool, slot_ids, scale=None,
     rows with ``slot_ids[b] < 0`` are padding (skipped: nothing written, output zero); slots
     not named are untouched. Duplicate non-negative ids in one call are undefined. To update
     the pool in place, donate it in the enclosing jit (the Pallas kernel aliases it to its
-    output via ``input_output_aliases``).
+    output via ``input_output_aliases``; on CPU ``"auto"`` runs the row loop of
+    :mod:`pallas_kernels.kda.pool_cpu`, which updates the donated pool in place).
     """
     b, interp = _resolve(backend, interpret)
+    if b == "reference" and backend == "auto" and not os.environ.get(ENV_VAR, "").strip():
+        b = "cpu"  # auto on CPU: the in-place row loop (pool_cpu.py), same results as the reference
     return _fused_recurrent_kda_pool(q, k, v, g, beta, state_pool, slot_ids, scale=scale,
                                      backend=b, interpret=interp)
 
