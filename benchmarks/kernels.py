@@ -17,9 +17,10 @@ each ended by ``block_until_ready``; the median is reported (min and all samples
 ``chunk_kda`` and its token-scan reference are called alternately so that both see the
 same machine load (the CPU host this was written on is shared).
 On CPU the dispatched backend is the jnp reference (Pallas only runs there in interpret
-mode, an HLO emulator for testing, not a performance path, so it is not timed); the
-"reference" of ``chunk_kda`` is the token-by-token scan (the ground truth), of the other ops
-the jnp reference itself, timed separately only when the dispatched backend differs from it.
+mode, an HLO emulator for testing, not a performance path, so it is not timed), except where
+``auto`` picks a CPU form (``gmm`` -> ``gmm_cpu``, pool decode -> the row loop of
+``pool_cpu.py``), which are timed beside their reference; the "reference" of ``chunk_kda`` is
+the token-by-token scan (the ground truth).
 """
 
 from __future__ import annotations
@@ -208,24 +209,34 @@ def bench_kda_prefill(cfg, roof, reps, backend):
 
 def bench_kda_decode(cfg, roof, reps, backend):
     H, K, V = cfg["kda_decode_heads"], cfg["kda_dim"], cfg["kda_dim"]
-    step = jax.jit(lambda pool, slots, q, k, v, g, b:
-                   fused_recurrent_kda_pool(q, k, v, g, b, pool, slots)[::-1],
-                   donate_argnums=0)
+
+    def stepper(be):
+        return jax.jit(lambda pool, slots, q, k, v, g, b:
+                       fused_recurrent_kda_pool(q, k, v, g, b, pool, slots, backend=be)[::-1],
+                       donate_argnums=0)
+
+    step, ref_step = stepper("auto"), stepper("reference")
     cases = []
     for Bd in cfg["decode_batch"]:
         x = kda_inputs(100 + Bd, Bd, 1, H, K, V)
         pool = 0.1 * jax.random.normal(jax.random.PRNGKey(Bd), (Bd, H, K, V), jnp.float32)
         slots = jnp.asarray(np.random.default_rng(Bd).permutation(Bd), jnp.int32)
         chain = lambda out, args: (out[0],) + tuple(args[1:])   # donated pool -> next step
-        t, _ = _time(step, (pool, slots) + x, reps, chain=chain)
+        o_k = step(pool + 0, slots, *x)[1]
+        t, _ = _time(step, (pool + 0, slots) + x, reps, chain=chain)
         io = F32 * (Bd * H * (3 * K + V + 1) + Bd * H * V + 2 * Bd * H * K * V)
+        cpu = backend == "reference"
         c = _finish(dict(name=f"kda_decode_pool_B{Bd}", op="fused_recurrent_kda_pool",
-                         impl=backend, shape=dict(B=Bd, T=1, H=H, K=K, V=V, pool=Bd,
-                                                  dtype="float32", pool_donated=True),
-                         time=t, reference="same code as the kernel (dispatched backend is "
-                                           "the jnp reference)" if backend == "reference"
-                         else None), roof,
+                         impl="row loop (pool_cpu.py)" if cpu else backend,
+                         shape=dict(B=Bd, T=1, H=H, K=K, V=V, pool=Bd, dtype="float32", pool_donated=True),
+                         time=t), roof,
                     flops=kda_token_flops(1, H, K, V) * Bd, bytes_=io)
+        if cpu:  # auto on CPU is the row loop; time the gather -> scan -> scatter reference beside it
+            o_r = ref_step(pool + 0, slots, *x)[1]
+            tr, _ = _time(ref_step, (pool + 0, slots) + x, reps, chain=chain)
+            c["reference"] = dict(op="fused_recurrent_kda_pool_reference", time=tr)
+            c["speedup_vs_reference"] = tr["median"] / t["median"]
+            c["rel_err_vs_reference"] = dict(o=_rel_err(o_k, o_r))
         cases.append(c)
         print(_line(c), flush=True)
     return cases
