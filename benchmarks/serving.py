@@ -472,7 +472,7 @@ def bench_engine(name: str, model, ecfg: dict, waves: dict, sp: SamplingParams, 
                 after_wave(c, r, prompts, w)
         s = summarize(ws, c)
         ctx = mean([len(p) for rep in reps for p in rep]) + sp.max_tokens / 2
-        s["roofline"] = roofline(model, s, c, ctx, bw, eng.layout.page_size,
+        s["roofline"] = roofline(eng.model, s, c, ctx, bw, eng.layout.page_size,  # the weights the step reads
                                  _fit(c, eng.decode_buckets), eng.context_buckets[-1])
         res[str(c)] = s
         toks[c] = [w["token_ids"] for w in ws]
@@ -481,7 +481,8 @@ def bench_engine(name: str, model, ecfg: dict, waves: dict, sp: SamplingParams, 
         engine_config={k: (list(v) if isinstance(v, tuple) else v) for k, v in ecfg.items()},
         warmup_compile_s=warm, compiles_after_warmup=st["compiles_after_warmup"],
         arena_bytes=eng.layout.num_units * eng.layout.unit_bytes, slot_units=eng.layout.slot_units,
-        unit_bytes=eng.layout.unit_bytes, preemptions=st["preemptions"], results=res)
+        unit_bytes=eng.layout.unit_bytes, preemptions=st["preemptions"],
+        experts_in_step=st["expert_format"], results=res)
     return info, toks, eng
 
 

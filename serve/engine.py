@@ -19,14 +19,15 @@ import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from k3jax.dequantize import dequantize_experts
 from k3jax.runtime import Model
+from pallas_kernels.dispatch import resolve_backend
 from serve.memory import Arena, ArenaLayout, OutOfMemory
 from serve.moe_timing import time_moe_blocks
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
-from pallas_kernels.dispatch import resolve_backend
 from serve.step import StepBatch, bind_step
 from serve.stop_checker import StopChecker
 from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
@@ -62,10 +63,17 @@ class EngineConfig:
     # decode kernel) and scatters them back; "auto" picks in_place when the kernels resolve to the
     # reference (CPU) and gathered when they resolve to Pallas.
     kda_decode: str = "auto"
+    # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
+    # tile); "dequantized" expands them once at start-up to the model dtype (exact; 8x the bytes at
+    # fp32), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
+    # kernels resolve to the reference (CPU) and packed when they resolve to Pallas.
+    expert_weights: str = "auto"
 
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
             raise ValueError(f"kda_decode={self.kda_decode!r}: expected 'auto', 'in_place' or 'gathered'")
+        if self.expert_weights not in ("auto", "packed", "dequantized"):
+            raise ValueError(f"expert_weights={self.expert_weights!r}: expected 'auto', 'packed' or 'dequantized'")
         if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
             raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -139,13 +147,15 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), warmup: bool = True,
                  progress: bool = True):
         config.validate()
+        reference = resolve_backend("auto") == "reference"
+        if config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference):
+            model = dequantize_experts(model)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty()
-        self.kda_in_place = (config.kda_decode == "in_place" or
-                             (config.kda_decode == "auto" and resolve_backend("auto") == "reference"))
+        self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
                                              self.kda_in_place)
         max_pages = -(-config.max_model_len // config.page_size)
@@ -698,6 +708,7 @@ class Engine:
             "moe_dispatch_seconds": self.moe_dispatch_seconds,
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": 0,  # one device: the MoE exchanges nothing between ranks
+            "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
 

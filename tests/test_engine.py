@@ -107,6 +107,18 @@ def test_gathered_kda_decode_is_token_identical(model, engine, prompts, alone):
 def test_kda_decode_option_is_checked(model):
     with pytest.raises(ValueError, match="kda_decode"):
         make_engine(model, warmup=False, kda_decode="fast")
+    with pytest.raises(ValueError, match="expert_weights"):
+        make_engine(model, warmup=False, expert_weights="fp8")
+
+
+def test_packed_experts_are_token_identical(model, engine, prompts, alone):
+    """On CPU the engine expands MXFP4 experts once at start-up (`expert_weights="auto"`); keeping
+    them packed (dequantised inside every step) gives the same greedy tokens."""
+    eng = make_engine(model, units=4000, expert_weights="packed")
+    assert eng.stats()["expert_format"] == model.cfg.expert_format
+    assert engine.stats()["expert_format"] == "dense"
+    outs = run_all(eng, prompts[:12])
+    assert [o.token_ids for o in outs] == alone[:12]
 
 
 @pytest.mark.parametrize("chunk", [16, 256])
