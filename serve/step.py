@@ -9,7 +9,7 @@ One program serves prefill chunks (T > 1) and decode (T == 1); shapes are fixed 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import partial
+from collections import OrderedDict
 
 import jax
 import jax.numpy as jnp
@@ -120,17 +120,24 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, kda_
     the bound form's per-call work is the C++ dispatch of a flat list of arrays."""
     leaves, treedef = jax.tree.flatten(params)
     key = (graphdef, treedef, layout, num_top_logprobs, kda_in_place)
-    if key not in _BOUND:  # engines over the same model and layout share their compiled programs
+    if key in _BOUND:  # engines over the same model and layout share their compiled programs
+        _BOUND.move_to_end(key)
+    else:
 
         def step(leaves, arena, batch):
             return _engine_step(graphdef, layout, jax.tree.unflatten(treedef, leaves), arena, batch,
                                 num_top_logprobs, kda_in_place)
 
         _BOUND[key] = jax.jit(step, donate_argnums=(1,))
+        while len(_BOUND) > _BOUND_MAX:  # an engine keeps its own step; only sharing is forgotten
+            _BOUND.popitem(last=False)
     return _BOUND[key], leaves
 
 
-_BOUND: dict = {}
+# Recently bound steps. Bounded so that a process that builds engine after engine (a notebook, a
+# test run) does not keep every old engine's compiled programs, and their mapped code, alive.
+_BOUND: OrderedDict = OrderedDict()
+_BOUND_MAX = 8
 
 
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
