@@ -54,6 +54,7 @@ class KimiModel(nnx.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype=dtype)
         if not cfg.tie_word_embeddings:
             self.lm_head = nnx.Param(init.normal(rngs, (cfg.vocab_size, h), dtype, h ** -0.5), axes=("vocab", "embed"))
+        self.head_in_out = False  # lm_head held as [H, V] (k3jax/weight_layout.py)
         if cfg.uses_attn_res:
             self.output_attn_res = AttnResMixer(h, dtype=dtype, rngs=rngs)
         # index of each layer inside the stacked per-kind cache arrays
@@ -117,4 +118,5 @@ class KimiModel(nnx.Module):
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
         x = self.norm(x)
         head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        return jnp.einsum("...h,vh->...v", x, head, preferred_element_type=jnp.float32)
+        spec = "...h,hv->...v" if self.head_in_out else "...h,vh->...v"
+        return jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)

@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from k3jax.dequantize import dequantize_experts
+from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from serve.memory import Arena, ArenaLayout, OutOfMemory
@@ -68,12 +69,18 @@ class EngineConfig:
     # fp32), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
     # kernels resolve to the reference (CPU) and packed when they resolve to Pallas.
     expert_weights: str = "auto"
+    # Dense projection weights: "out_in" as checkpoints store them; "in_out" transposed once at
+    # start-up (exact; k3jax/weight_layout.py), which XLA:CPU multiplies faster at decode batch sizes;
+    # "auto" picks in_out when the kernels resolve to the reference (CPU) and out_in otherwise.
+    dense_weights: str = "auto"
 
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
             raise ValueError(f"kda_decode={self.kda_decode!r}: expected 'auto', 'in_place' or 'gathered'")
         if self.expert_weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"expert_weights={self.expert_weights!r}: expected 'auto', 'packed' or 'dequantized'")
+        if self.dense_weights not in ("auto", "out_in", "in_out"):
+            raise ValueError(f"dense_weights={self.dense_weights!r}: expected 'auto', 'out_in' or 'in_out'")
         if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
             raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -150,6 +157,9 @@ class Engine:
         reference = resolve_backend("auto") == "reference"
         if config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference):
             model = dequantize_experts(model)
+        self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
+        if self.dense_in_out:
+            model = transpose_dense_weights(model)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
@@ -709,6 +719,7 @@ class Engine:
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": 0,  # one device: the MoE exchanges nothing between ranks
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
+            "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
 

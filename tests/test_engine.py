@@ -109,14 +109,19 @@ def test_kda_decode_option_is_checked(model):
         make_engine(model, warmup=False, kda_decode="fast")
     with pytest.raises(ValueError, match="expert_weights"):
         make_engine(model, warmup=False, expert_weights="fp8")
+    with pytest.raises(ValueError, match="dense_weights"):
+        make_engine(model, warmup=False, dense_weights="column_major")
 
 
-def test_packed_experts_are_token_identical(model, engine, prompts, alone):
-    """On CPU the engine expands MXFP4 experts once at start-up (`expert_weights="auto"`); keeping
-    them packed (dequantised inside every step) gives the same greedy tokens."""
-    eng = make_engine(model, units=4000, expert_weights="packed")
+def test_checkpoint_form_weights_are_token_identical(model, engine, prompts, alone):
+    """On CPU the engine expands MXFP4 experts once at start-up (`expert_weights="auto"`) and holds
+    dense weights transposed (`dense_weights="auto"`); the weights as the checkpoint ships them
+    (experts packed and dequantised inside every step, projections [out, in]) give the same greedy
+    tokens."""
+    eng = make_engine(model, units=4000, expert_weights="packed", dense_weights="out_in")
     assert eng.stats()["expert_format"] == model.cfg.expert_format
     assert engine.stats()["expert_format"] == "dense"
+    assert (eng.stats()["dense_weight_layout"], engine.stats()["dense_weight_layout"]) == ("out_in", "in_out")
     outs = run_all(eng, prompts[:12])
     assert [o.token_ids for o in outs] == alone[:12]
 

@@ -185,6 +185,29 @@ def test_auto_on_cpu_is_the_cpu_form(data, monkeypatch):
         np.testing.assert_array_equal(np.asarray(out), np.asarray(gmm_cpu(data["x"], w, data["gs"])))
 
 
+@pytest.mark.parametrize("backend,form", [("auto", None), ("reference", None), ("interpret", None),
+                                          (None, "blocked"), (None, "looped")])
+def test_in_out_layout_matches_out_in(data, backend, form):
+    """Experts held transposed (`rhs [G, K, N]`, rhs_layout="in_out") give the rows of the [G, N, K]
+    form: same products (XLA may order the sums differently), padded rows exactly zero."""
+    w_kn = jnp.swapaxes(data["w"], 1, 2)
+    if form is None:
+        out = gmm(data["x"], w_kn, data["gs"], backend=backend, rhs_layout="in_out")
+    else:
+        out = CPU_FORMS[form](data["x"], w_kn, data["gs"], rhs_layout="in_out")
+    _close(out, data["ref_dense"])
+    assert np.all(np.asarray(out)[sum(GROUPS):] == 0)
+
+
+def test_in_out_layout_is_for_dense_weights(data):
+    with pytest.raises(ValueError, match="MXFP4"):
+        gmm(data["x"], data["wq"], data["gs"], rhs_layout="in_out")
+    with pytest.raises(ValueError, match="rhs_layout"):
+        gmm(data["x"], data["w"], data["gs"], rhs_layout="kn")
+    with pytest.raises(ValueError, match="contracting"):  # [G, N, K] passed as in_out: K=128 != N=32
+        gmm(data["x"], data["w"], data["gs"], rhs_layout="in_out")
+
+
 def test_route_and_sort_moe_roundtrip():
     rng = np.random.default_rng(3)
     t, k, e, d, n = 9, 2, 5, 32, 16

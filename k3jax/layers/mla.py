@@ -58,7 +58,7 @@ class MLA(nnx.Module):
     def _w_ukv(self) -> jax.Array:
         """kv_b_proj as [nh, dn + dv, r]: per head W_uk rows then W_uv rows (a free reshape)."""
         cfg = self.cfg
-        return self.kv_b_proj.weight[...].reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
+        return self.kv_b_proj.out_in().reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                                   cfg.kv_lora_rank)
 
     def _w_uk_uv(self) -> tuple[jax.Array, jax.Array]:

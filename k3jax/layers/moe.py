@@ -78,6 +78,7 @@ class MoE(nnx.Module):
                 self.routed_expert_norm = nnx.Param(jnp.ones((din,), dtype), axes=("latent",))
         if cfg.num_shared_experts:
             self.shared_experts = MLP(cfg, h, cfg.num_shared_experts * i, dtype=dtype, rngs=rngs)
+        self.experts_in_out = False  # dense experts held [E, in, out] (k3jax/weight_layout.py)
 
     def _expert_weight(self, w):
         return w.value() if isinstance(w, MXFP4Params) else w[...]
@@ -90,10 +91,11 @@ class MoE(nnx.Module):
         order = jnp.argsort(flat, stable=True)  # [N*k] assignment slots sorted by expert
         group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
         xs = z[order // k]
-        h1 = gmm(xs, self._expert_weight(self.w1), group_sizes, preferred_element_type=jnp.float32)
-        h3 = gmm(xs, self._expert_weight(self.w3), group_sizes, preferred_element_type=jnp.float32)
+        kw = dict(preferred_element_type=jnp.float32, rhs_layout="in_out" if self.experts_in_out else "out_in")
+        h1 = gmm(xs, self._expert_weight(self.w1), group_sizes, **kw)
+        h3 = gmm(xs, self._expert_weight(self.w3), group_sizes, **kw)
         a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype)
-        out = gmm(a, self._expert_weight(self.w2), group_sizes, preferred_element_type=jnp.float32)
+        out = gmm(a, self._expert_weight(self.w2), group_sizes, **kw)
         out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
         return jnp.einsum("nkd,nk->nd", out, weights)
 

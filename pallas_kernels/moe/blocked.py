@@ -48,23 +48,27 @@ def num_blocks(m: int, g: int, tm: int) -> int:
 
 
 def gmm_cpu(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
-            precision=jax.lax.Precision.HIGHEST) -> jax.Array:
+            precision=jax.lax.Precision.HIGHEST, rhs_layout: str = "out_in") -> jax.Array:
     """``gmm`` on CPU: the looped form for dense weights or when blocks > experts, else blocks."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    m, _, g, _ = check_gmm_args(lhs, rhs, group_sizes)
+    m, _, g, _ = check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
     tm = block_rows_for(m, g)
-    kw = dict(preferred_element_type=preferred_element_type, block_rows=tm, precision=precision)
+    kw = dict(preferred_element_type=preferred_element_type, block_rows=tm, precision=precision,
+              rhs_layout=rhs_layout)
     if not isinstance(rhs, MXFP4Weight) or num_blocks(m, g, tm) > g:
         return gmm_looped(lhs, rhs, group_sizes, **kw)
     return gmm_blocked(lhs, rhs, group_sizes, **kw)
 
 
 def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
-               block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
-    """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` -> ``[M, N]``, one ``tm``-row block at a
-    time in a loop over the non-empty groups; rows past the groups are 0."""
+               block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST,
+               rhs_layout: str = "out_in") -> jax.Array:
+    """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` (``[G, K, N]`` if ``rhs_layout="in_out"``)
+    -> ``[M, N]``, one ``tm``-row block at a time in a loop over the non-empty groups; rows past the
+    groups are 0."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes)
+    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
+    spec = "mk,kn->mn" if rhs_layout == "in_out" else "mk,nk->mn"
     tm = block_rows or block_rows_for(m, g)
     w_all = rhs.dequantize(dtype=lhs.dtype) if isinstance(rhs, MXFP4Weight) else rhs  # [G, N, K]
     starts = jnp.cumsum(group_sizes) - group_sizes  # [G]
@@ -74,7 +78,7 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
 
     def group(i, out):
         e = order[i]
-        w = jax.lax.dynamic_index_in_dim(w_all, e, keepdims=False)  # [N, K]
+        w = jax.lax.dynamic_index_in_dim(w_all, e, keepdims=False)  # [N, K] or [K, N]
         w = w.astype(lhs.dtype) if w.dtype != lhs.dtype else w
         first, size = starts[e], group_sizes[e]
 
@@ -82,7 +86,7 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
             r0 = first + j * tm
             real = (jnp.arange(tm) < size - j * tm)[:, None]  # [tm, 1]
             xb = jnp.where(real, jax.lax.dynamic_slice_in_dim(x, r0, tm), jnp.zeros((), x.dtype))
-            y = jnp.einsum("mk,nk->mn", xb, w, precision=precision, preferred_element_type=preferred_element_type)
+            y = jnp.einsum(spec, xb, w, precision=precision, preferred_element_type=preferred_element_type)
             keep = jax.lax.dynamic_slice_in_dim(out, r0, tm)
             return jax.lax.dynamic_update_slice_in_dim(out, jnp.where(real, y.astype(out.dtype), keep), r0, 0)
 
@@ -93,10 +97,12 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
 
 
 def gmm_blocked(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
-                block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST) -> jax.Array:
-    """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` -> ``[M, N]``; rows past the groups are 0."""
+                block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST,
+                rhs_layout: str = "out_in") -> jax.Array:
+    """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` (``[G, K, N]`` if ``rhs_layout="in_out"``)
+    -> ``[M, N]``; rows past the groups are 0."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes)
+    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
     tm = block_rows or block_rows_for(m, g)
     nb = num_blocks(m, g, tm)
 
@@ -117,7 +123,8 @@ def gmm_blocked(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferr
         w = rhs.dequantize(dtype=lhs.dtype)[expert]
     else:
         w = rhs[expert]
-        w = w.astype(lhs.dtype) if w.dtype != lhs.dtype else w  # [NB, N, K]
-    y = jnp.einsum("bmk,bnk->bmn", x, w, precision=precision, preferred_element_type=preferred_element_type)
+        w = w.astype(lhs.dtype) if w.dtype != lhs.dtype else w  # [NB, N, K] or [NB, K, N]
+    spec = "bmk,bkn->bmn" if rhs_layout == "in_out" else "bmk,bnk->bmn"
+    y = jnp.einsum(spec, x, w, precision=precision, preferred_element_type=preferred_element_type)
     out = jnp.zeros((m, n), y.dtype)
     return out.at[jnp.where(real, rows, m).reshape(-1)].set(y.reshape(-1, n), mode="drop")

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.dispatch import ENV_VAR, resolve_backend, resolve_interpret
 from pallas_kernels.moe.blocked import gmm_cpu
-from pallas_kernels.moe.reference import RhsLike, gmm_reference
+from pallas_kernels.moe.reference import RhsLike, check_gmm_args, gmm_reference
 
 __all__ = ["gmm", "route_and_sort"]
 
@@ -23,6 +23,7 @@ def gmm(
     backend: str = "auto",
     interpret: bool = False,
     tiling: Optional[Tuple[int, int, int]] = None,
+    rhs_layout: str = "out_in",
 ) -> jax.Array:
     """Grouped matmul ``lhs [M, K] x rhs [G, N, K] -> [M, N]``.
 
@@ -35,14 +36,21 @@ def gmm(
     ``backend``: ``"auto"`` | ``"reference"`` | ``"pallas"`` | ``"interpret"`` (see
     :mod:`pallas_kernels.dispatch`). On CPU ``"auto"`` runs :func:`~pallas_kernels.moe.blocked.gmm_cpu`
     (plain jnp, only the routed experts computed); ``"reference"`` is ``ragged_dot`` on every expert. ``tiling=(tm, tk, tn)`` overrides the kernel tiles.
+    ``rhs_layout="in_out"`` takes a dense ``rhs [G, K, N]`` (each expert transposed, the layout
+    XLA:CPU multiplies fastest; see ``k3jax/weight_layout.py``); the Pallas kernel reads the
+    ``[G, N, K]`` form and is handed a transposed copy.
     """
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
+    check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
     resolved = resolve_backend(backend)
     if resolved == "reference" and backend == "auto" and os.environ.get(ENV_VAR, "").strip() == "":
         # CPU: a jnp form that computes only the routed experts (same per-row math).
-        return gmm_cpu(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+        return gmm_cpu(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, rhs_layout=rhs_layout)
     if resolved == "reference":
-        return gmm_reference(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+        return gmm_reference(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
+                             rhs_layout=rhs_layout)
+    if rhs_layout == "in_out":
+        rhs = jnp.swapaxes(rhs, 1, 2)
     from pallas_kernels.moe import kernel  # local import: keeps the reference path light
 
     return kernel.gmm_pallas(
