@@ -261,6 +261,8 @@ def bench_gmm(cfg, roof, reps, backend):
                      scale=jnp.asarray(rng.integers(119, 125, (E, I, d // 32), dtype=np.uint8)),
                      group_size=32)
     f = jax.jit(lambda x, r, gs: gmm(x, r, gs, preferred_element_type=jnp.float32))
+    w_in_out = jnp.swapaxes(w, 1, 2)
+    f_in_out = jax.jit(lambda x, r, gs: gmm(x, r, gs, preferred_element_type=jnp.float32, rhs_layout="in_out"))
     cases = []
     for M in cfg["moe_M"]:
         x = jnp.asarray(rng.standard_normal((M, d)), jnp.bfloat16)
@@ -278,8 +280,13 @@ def bench_gmm(cfg, roof, reps, backend):
             tr, _ = _time(jax.jit(lambda a, r, g_: gmm_reference(a, r, g_)), (x, rhs, gs), reps)
             c["reference"] = dict(op="gmm_reference", time=tr)
             c["speedup_vs_reference"] = tr["median"] / t["median"]
+            if kind == "dense_bf16":  # the same experts held [E, K, N] (k3jax/weight_layout.py)
+                ti, _ = _time(f_in_out, (x, w_in_out, gs), reps)
+                c["in_out"] = dict(op='gmm(rhs_layout="in_out")', time=ti,
+                                   speedup_vs_out_in=t["median"] / ti["median"])
             cases.append(c)
-            print(_line(c), flush=True)
+            print(_line(c) + (f" | in_out {c['in_out']['speedup_vs_out_in']:.2f}x" if "in_out" in c else ""),
+                  flush=True)
     return cases
 
 
