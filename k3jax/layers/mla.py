@@ -102,12 +102,15 @@ class MLA(nnx.Module):
         # nh * r * dv FLOPs per token, far below the weight traffic it saves at decode.
         dn, w = cfg.qk_nope_head_dim, self._w_ukv()
         q_lat = jnp.einsum("bthd,hdr->bthr", jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),)), w)  # [B, T, nh, r]
-        c, k_r = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
-        s = (jnp.einsum("bthr,bsr->bhts", q_lat, c, preferred_element_type=jnp.float32)
-             + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=jnp.float32)) * self.scale
-        p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(c.dtype)
+        # Both contractions read the cache entries [c ; k_r] whole: slicing c and k_r out of the
+        # gathered context would copy it twice more per layer (XLA:CPU cannot feed a slice to a
+        # dot). Scores: [q_lat ; q_r] . [c ; k_r] in one product; context: p . [c ; k_r], keeping
+        # the first r columns of the (small) result.
+        q = jnp.concatenate([q_lat, q_r.astype(q_lat.dtype)], -1)  # [B, T, nh, r + dr]
+        s = jnp.einsum("bthr,bsr->bhts", q, latent, preferred_element_type=jnp.float32) * self.scale
+        p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(latent.dtype)
         # [B, nh, T, r] then transposed: XLA:CPU runs this contraction ~4x faster than one that
         # emits [B, T, nh, r] directly (the dot's natural output layout keeps heads next to batch)
-        ctx = jnp.einsum("bhts,bsr->bhtr", p, c).transpose(0, 2, 1, 3)  # [B, T, nh, r]
+        ctx = jnp.einsum("bhts,bsr->bhtr", p, latent)[..., :cfg.kv_lora_rank].transpose(0, 2, 1, 3)  # [B, T, nh, r]
         return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w)[..., dn:])
 
