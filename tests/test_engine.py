@@ -282,3 +282,21 @@ def test_async_engine_streams_and_aborts(model):
     assert tokens == model.generate_greedy(np.array([[5, 6, 7, 8]]), 10)[0].tolist()
     s = eng.stats()
     assert s["requests_aborted"] == 1 and s["arena_free_units"] == s["arena_baseline_free_units"]
+
+
+def test_shared_step_cache_is_bounded(model):
+    """Engines over the same model and layout share a bound step, but the process-wide table is
+    an LRU: a process that builds engine after engine does not keep every old one's compiled
+    programs alive (binding is lazy; nothing compiles here)."""
+    from serve import step as step_mod
+    from serve.memory import ArenaLayout
+
+    lay = ArenaLayout.plan(model.cfg, 2 << 20, 16, model.dtype)
+    first, _ = step_mod.bind_step(model.graphdef, lay, model.params, 0)
+    again, _ = step_mod.bind_step(model.graphdef, lay, model.params, 0)
+    assert again is first  # shared while recent
+    for n in range(1, step_mod._BOUND_MAX + 3):
+        step_mod.bind_step(model.graphdef, lay, model.params, n)
+        assert len(step_mod._BOUND) <= step_mod._BOUND_MAX
+    fresh, _ = step_mod.bind_step(model.graphdef, lay, model.params, 0)
+    assert fresh is not first  # evicted, rebound
