@@ -70,7 +70,8 @@ class EngineConfig:
     # kernels resolve to the reference (CPU) and packed when they resolve to Pallas.
     expert_weights: str = "auto"
     # Dense projection weights: "out_in" as checkpoints store them; "in_out" transposed once at
-    # start-up (exact; k3jax/weight_layout.py), which XLA:CPU multiplies faster at decode batch sizes;
+    # start-up (k3jax/weight_layout.py; same products, logits equal to fp32 rounding), which XLA:CPU
+    # multiplies faster at decode batch sizes;
     # "auto" picks in_out when the kernels resolve to the reference (CPU) and out_in otherwise.
     dense_weights: str = "auto"
 
