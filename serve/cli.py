@@ -24,7 +24,7 @@ DEFAULTS = dict(
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
-    log_level="info",
+    sharding=None, log_level="info",
 )
 
 
@@ -49,6 +49,8 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--cache-mb", type=int, default=d["cache_mb"], help="cache arena budget (MiB)")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    e.add_argument("--sharding", default=d["sharding"],
+                   help="device mesh: a config in sharding_configs/ (e.g. 'tp') or a YAML path (default: one device)")
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
                                                              "(default ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
@@ -95,7 +97,7 @@ def engine_config(o: dict):
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=max(512, decode[-1] + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
-        seed=o["seed"])
+        seed=o["seed"], sharding=o.get("sharding"))
 
 
 def enable_compile_cache(path: Optional[str]) -> Optional[str]:

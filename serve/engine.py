@@ -20,6 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from k3jax.dequantize import dequantize_experts
+from k3jax.sharding import load_sharding_config, replicated, shard_model
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
@@ -74,6 +75,10 @@ class EngineConfig:
     # multiplies faster at decode batch sizes;
     # "auto" picks in_out when the kernels resolve to the reference (CPU) and out_in otherwise.
     dense_weights: str = "auto"
+    # Device mesh: None runs on the default device; otherwise a config in sharding_configs/ (by name,
+    # e.g. "tp") or a YAML path. Parameters are placed by its logical-axis rules (k3jax/sharding.py)
+    # and every step is one SPMD program over the mesh; the cache arena is replicated on each device.
+    sharding: Optional[str] = None
 
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
@@ -86,6 +91,10 @@ class EngineConfig:
             raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.sharding is not None:
+            if not isinstance(self.sharding, str) or not self.sharding:
+                raise ValueError(f"sharding={self.sharding!r}: expected a config name in sharding_configs/ or a YAML path")
+            load_sharding_config(self.sharding)  # raises, naming the config key at fault
         if self.prefill_chunk % KDA_CHUNK and KDA_CHUNK % self.prefill_chunk:
             raise ValueError(f"prefill_chunk must divide or be a multiple of the KDA chunk ({KDA_CHUNK}) so "
                              f"prefill rows start on KDA chunk boundaries")
@@ -161,14 +170,20 @@ class Engine:
         self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
         if self.dense_in_out:
             model = transpose_dense_weights(model)
+        self.mesh, self.sharding_notes, arena_sharding = None, {}, None
+        if config.sharding:
+            self.mesh, model, self.sharding_notes = shard_model(model, load_sharding_config(config.sharding))
+            arena_sharding = replicated(self.mesh)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty()
+        if arena_sharding is not None:
+            self.arena = jax.device_put(self.arena, arena_sharding)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
-                                             self.kda_in_place)
+                                             self.kda_in_place, arena_sharding)
         max_pages = -(-config.max_model_len // config.page_size)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))
@@ -719,6 +734,8 @@ class Engine:
             "moe_dispatch_seconds": self.moe_dispatch_seconds,
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": 0,  # one device: the MoE exchanges nothing between ranks
+            "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
+            "sharding": self.config.sharding,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},

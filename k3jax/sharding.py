@@ -1,0 +1,175 @@
+"""Named device meshes and logical-axis rules: how a model's parameters spread over devices.
+
+Every parameter carries logical axis names (`nnx.Param(..., axes=("heads", "embed"))`: `vocab, embed,
+heads, head_dim, q_lora, kv_latent, latent, mlp, experts, expert_mlp`). A sharding config
+(`sharding_configs/<name>.yaml`) names a device mesh and maps each logical axis to a mesh axis or to
+nothing (replicated); code never hard-codes a mesh. Placing the parameters with those shardings is
+all it takes: the engine's jitted step is one SPMD program over the mesh (GSPMD partitions the
+matmuls and inserts the collectives), while the cache arena stays replicated on every device.
+
+A config file::
+
+    mesh:             # axis name -> size, in mesh order; at most one size may be -1 (the rest)
+      tensor: -1
+    rules:            # logical axis -> mesh axis, or null to replicate that dimension
+      heads: tensor
+      mlp: tensor
+
+A logical axis the rules omit is replicated. A dimension whose size the mesh axis does not divide is
+replicated too (reported by `plan_param_specs`), and a mesh axis shards at most one dimension of a
+parameter (the first that asks for it), as XLA requires.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Optional
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "q_lora", "kv_latent", "latent", "mlp", "experts",
+                "expert_mlp")
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sharding_configs")
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardingConfig:
+    """A device mesh (axis names and sizes; -1: the devices left over) and logical-axis rules."""
+    name: str
+    mesh_axes: tuple[tuple[str, int], ...]
+    rules: tuple[tuple[str, Optional[str]], ...]
+
+    def rule(self, logical: Optional[str]) -> Optional[str]:
+        return dict(self.rules).get(logical) if logical else None
+
+    def mesh_shape(self, num_devices: int) -> dict[str, int]:
+        """Axis sizes for `num_devices` devices (the -1 axis takes what the others leave)."""
+        sizes = dict(self.mesh_axes)
+        known = math.prod(s for s in sizes.values() if s != -1)
+        if -1 in sizes.values():
+            if num_devices % known:
+                raise ValueError(f"sharding config {self.name!r}: mesh {sizes} cannot use {num_devices} devices "
+                                 f"({num_devices} is not a multiple of {known})")
+            sizes = {a: (num_devices // known if s == -1 else s) for a, s in sizes.items()}
+        elif known != num_devices:
+            raise ValueError(f"sharding config {self.name!r}: mesh {sizes} needs {known} devices, "
+                             f"{num_devices} are available")
+        return sizes
+
+
+def parse_sharding_config(data: Any, name: str = "<dict>") -> ShardingConfig:
+    """A `ShardingConfig` from the parsed YAML mapping; errors name the offending key."""
+    if not isinstance(data, dict) or set(data) - {"mesh", "rules"} or "mesh" not in data:
+        keys = sorted(data) if isinstance(data, dict) else type(data).__name__
+        raise ValueError(f"sharding config {name!r}: expected the keys 'mesh' and 'rules', got {keys}")
+    mesh = data["mesh"]
+    if not isinstance(mesh, dict) or not mesh:
+        raise ValueError(f"sharding config {name!r}: 'mesh' must map axis names to sizes")
+    for axis, size in mesh.items():
+        if not isinstance(axis, str) or not isinstance(size, int) or isinstance(size, bool) or (size < 1 and size != -1):
+            raise ValueError(f"sharding config {name!r}: mesh.{axis}: size must be a positive integer or -1, got {size!r}")
+    if list(mesh.values()).count(-1) > 1:
+        raise ValueError(f"sharding config {name!r}: 'mesh' may leave at most one axis size as -1")
+    rules = data.get("rules") or {}
+    if not isinstance(rules, dict):
+        raise ValueError(f"sharding config {name!r}: 'rules' must map logical axes to mesh axes")
+    for logical, axis in rules.items():
+        if logical not in LOGICAL_AXES:
+            raise ValueError(f"sharding config {name!r}: rules.{logical}: unknown logical axis "
+                             f"(known: {', '.join(LOGICAL_AXES)})")
+        if axis is not None and axis not in mesh:
+            raise ValueError(f"sharding config {name!r}: rules.{logical}: {axis!r} is not a mesh axis "
+                             f"({', '.join(mesh)})")
+    return ShardingConfig(name, tuple(mesh.items()), tuple(rules.items()))
+
+
+def load_sharding_config(name_or_path: str) -> ShardingConfig:
+    """Read `sharding_configs/<name>.yaml`, or a YAML file by path."""
+    import yaml
+
+    path = name_or_path if name_or_path.endswith((".yaml", ".yml")) else os.path.join(CONFIG_DIR, f"{name_or_path}.yaml")
+    if not os.path.isfile(path):
+        known = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
+        raise ValueError(f"sharding: no config {name_or_path!r} (looked for {path}; known: {', '.join(known)})")
+    with open(path) as f:
+        return parse_sharding_config(yaml.safe_load(f), os.path.basename(path)[:-5] if path.endswith(".yaml") else path)
+
+
+def make_mesh(config: ShardingConfig, devices=None) -> Mesh:
+    """The config's mesh over `devices` (default: all), devices in `jax.devices()` order."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = config.mesh_shape(len(devices))
+    return Mesh(np.asarray(devices, dtype=object).reshape(tuple(sizes.values())), tuple(sizes))
+
+
+def spec_for(axes: tuple, shape: tuple, config: ShardingConfig, mesh_sizes: dict[str, int]) -> tuple[P, list[str]]:
+    """PartitionSpec of one parameter from its logical axes -> (spec, why dims were left replicated)."""
+    out, used, notes = [], set(), []
+    for dim, (logical, size) in enumerate(zip(axes, shape)):
+        axis = config.rule(logical)
+        if axis is None or mesh_sizes.get(axis, 1) == 1:
+            out.append(None)
+        elif axis in used:
+            out.append(None)
+            notes.append(f"dim {dim} ({logical}): mesh axis {axis!r} already shards another dim")
+        elif size % mesh_sizes[axis]:
+            out.append(None)
+            notes.append(f"dim {dim} ({logical}) of size {size} is not divisible by {axis}={mesh_sizes[axis]}")
+        else:
+            out.append(axis)
+            used.add(axis)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out), notes
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def plan_param_specs(params, config: ShardingConfig, mesh_sizes: dict[str, int]) -> tuple[Any, dict[str, list[str]]]:
+    """-> (a PartitionSpec per parameter, as a pytree like `params`; {param path: replicated-dim notes})."""
+    notes: dict[str, list[str]] = {}
+
+    def one(path, var):
+        value = var[...]
+        axes = tuple(getattr(var, "axes", None) or (None,) * value.ndim)
+        if len(axes) != value.ndim:
+            raise ValueError(f"parameter {jax.tree_util.keystr(path)}: logical axes {axes} do not match its "
+                             f"shape {value.shape}")
+        spec, why = spec_for(axes, value.shape, config, mesh_sizes)
+        if why:
+            notes[jax.tree_util.keystr(path)] = why
+        return spec
+
+    specs = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
+    return specs, notes
+
+
+def shard_params(params, mesh: Mesh, config: ShardingConfig):
+    """-> (params placed on `mesh` by the rules, {param path: replicated-dim notes})."""
+    specs, notes = plan_param_specs(params, config, dict(mesh.shape))
+
+    def put(var, spec):
+        var = var.copy() if hasattr(var, "copy") else var
+        var.value = jax.device_put(var[...], NamedSharding(mesh, spec))
+        return var
+
+    placed = jax.tree.map(put, params, specs, is_leaf=_is_var)
+    return placed, notes
+
+
+def shard_model(model, config: ShardingConfig, devices=None):
+    """-> (mesh, a `Model` whose parameters are placed on it, replicated-dim notes)."""
+    mesh = make_mesh(config, devices)
+    params, notes = shard_params(model.params, mesh, config)
+    return mesh, dataclasses.replace(model, params=params), notes
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

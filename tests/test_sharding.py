@@ -1,0 +1,155 @@
+"""Device meshes from sharding_configs/ and the engine on a mesh of simulated CPU devices."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax.runtime import load_model
+from k3jax.sharding import (CONFIG_DIR, load_sharding_config, make_mesh, parse_sharding_config, plan_param_specs,
+                            spec_for)
+from k3jax.weight_layout import transpose_dense_weights
+from serve.engine import EngineConfig
+
+TP = {"mesh": {"tensor": -1}, "rules": {"heads": "tensor", "mlp": "tensor", "vocab": "tensor", "experts": "tensor"}}
+
+
+def test_shipped_configs_load():
+    names = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
+    assert {"single", "tp", "tp_ep"} <= set(names)
+    for n in names:
+        cfg = load_sharding_config(n)
+        assert cfg.name == n and cfg.mesh_axes
+    tp_ep = load_sharding_config("tp_ep")
+    assert tp_ep.mesh_shape(8) == {"expert": 2, "tensor": 4}
+    assert tp_ep.rule("experts") == "expert" and tp_ep.rule("heads") == "tensor" and tp_ep.rule("kv_latent") is None
+    assert load_sharding_config(os.path.join(CONFIG_DIR, "tp.yaml")).mesh_shape(3) == {"tensor": 3}
+
+
+@pytest.mark.parametrize("data,match", [
+    ({"rules": {}}, "'mesh'"),
+    ({"mesh": {"tensor": -1}, "rulez": {}}, "'mesh' and 'rules'"),
+    ({"mesh": {"tensor": 0}}, r"mesh.tensor: size"),
+    ({"mesh": {"a": -1, "b": -1}}, "at most one"),
+    ({"mesh": {"tensor": -1}, "rules": {"head": "tensor"}}, "rules.head: unknown logical axis"),
+    ({"mesh": {"tensor": -1}, "rules": {"heads": "model"}}, "rules.heads: 'model' is not a mesh axis"),
+])
+def test_bad_configs_name_the_key(data, match):
+    with pytest.raises(ValueError, match=match):
+        parse_sharding_config(data, "bad")
+
+
+def test_mesh_sizes_must_fit_the_devices():
+    cfg = parse_sharding_config({"mesh": {"expert": 2, "tensor": -1}})
+    with pytest.raises(ValueError, match="not a multiple of 2"):
+        cfg.mesh_shape(3)
+    with pytest.raises(ValueError, match="needs 4 devices, 1 are available"):
+        parse_sharding_config({"mesh": {"tensor": 4}}).mesh_shape(1)
+    mesh = make_mesh(load_sharding_config("single"))
+    assert dict(mesh.shape) == {"tensor": 1}
+    with pytest.raises(ValueError, match="no config 'nope'"):
+        load_sharding_config("nope")
+    with pytest.raises(ValueError, match="no config 'nope'"):
+        EngineConfig(sharding="nope").validate()
+
+
+def test_spec_for_rules_divisibility_and_one_dim_per_axis():
+    cfg = parse_sharding_config(TP)
+    assert spec_for(("heads", "embed"), (96, 64), cfg, {"tensor": 4}) == (P("tensor"), [])
+    assert spec_for(("embed", "mlp"), (64, 128), cfg, {"tensor": 4}) == (P(None, "tensor"), [])
+    spec, why = spec_for(("heads", "embed"), (6, 64), cfg, {"tensor": 4})
+    assert spec == P() and "not divisible" in why[0]
+    spec, why = spec_for(("experts", "mlp", None), (8, 32, 16), cfg, {"tensor": 4})
+    assert spec == P("tensor") and "already shards" in why[0]
+    assert spec_for(("heads", "embed"), (96, 64), cfg, {"tensor": 1}) == (P(), [])  # a one-wide axis shards nothing
+
+
+def test_param_specs_follow_logical_axes_and_transposition():
+    """Each parameter's spec comes from its own logical axes, so the engine's transposed ([in, out])
+    weights are split on the same logical dimension as the checkpoint layout."""
+    model = load_model("tiny-k3", dtype="float32")
+    cfg = parse_sharding_config(TP)
+    specs, notes = plan_param_specs(model.params, cfg, {"tensor": 4})
+    t_specs, _ = plan_param_specs(transpose_dense_weights(model).params, cfg, {"tensor": 4})
+    flat = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    t_flat = {jax.tree_util.keystr(p): s for p, s in jax.tree_util.tree_flatten_with_path(
+        t_specs, is_leaf=lambda x: isinstance(x, P))[0]}
+    embed = next(k for k in flat if k.startswith("['embed_tokens']"))
+    assert flat[embed] == P("tensor")  # [vocab, embed]
+    o_proj = next(k for k in flat if "self_attn']['o_proj']['weight']" in k)
+    assert flat[o_proj] == P(None, "tensor") and t_flat[o_proj] == P("tensor")  # [embed, heads] -> [heads, embed]
+    gate = next(k for k in flat if "['mlp']['gate_proj']['weight']" in k)
+    assert flat[gate] == P("tensor") and t_flat[gate] == P(None, "tensor")
+    assert sum(s != P() for s in flat.values()) > len(flat) // 3
+    assert notes == {}  # tiny-k3's sizes all divide by 4
+
+
+_MULTI = textwrap.dedent("""
+    import json, os, sys
+    import jax, numpy as np
+    import k3jax
+    from k3jax import SamplingParams
+    assert len(jax.devices()) == 4, jax.devices()
+    prompts = [[1, 2, 3, 4, 5], list(range(10, 47)), [7] * 3, list(range(100, 120))]
+    sps = [SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_tokens=6, ignore_eos=True, logprobs=2),
+           SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True, logprobs=2)]
+    kw = dict(max_model_len=64, cache_bytes=8 << 20, max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=2,
+              decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(4,), measure_moe_time=False,
+              progress=False)
+    out = {}
+    for model in sys.argv[1:]:
+        for sh in (None, "tp", "tp_ep"):
+            llm = k3jax.LLM(model, sharding=sh, **kw)
+            eng = llm.engine
+            res = llm.generate(prompts, sps)
+            st = llm.stats()
+            leaves = jax.tree.leaves(eng.model.params)
+            split = [x for x in leaves if x.addressable_shards[0].data.shape != x.shape]
+            out[f"{model}/{sh}"] = dict(
+                tokens=[r.token_ids for r in res],
+                logprobs=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res],
+                mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
+                devices=sorted(d.id for d in eng.arena.sharding.device_set),
+                arena_replicated=eng.arena.sharding.is_fully_replicated,
+                free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"])
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def multi_device():
+    """Both test models served unsharded, tensor-parallel and TP x EP on 4 simulated CPU devices (a
+    fresh process: the device count is fixed when JAX starts)."""
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _MULTI, "tiny-k3", "tiny-kimi-linear"], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=1500)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+@pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
+def test_engine_on_a_mesh_matches_one_device(multi_device, model):
+    """Same greedy (and seeded) tokens on 1 device, a 4-way tensor mesh and a 2 x 2 expert x tensor mesh;
+    logprobs to fp32 rounding (partial sums are reduced across devices in another order); parameters
+    really split, arena replicated on all 4 devices, no compile after warm-up, no cache units leaked."""
+    one = multi_device[f"{model}/None"]
+    assert one["mesh"] is None
+    for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2})):
+        r = multi_device[f"{model}/{sh}"]
+        assert r["mesh"] == mesh
+        assert r["tokens"] == one["tokens"]
+        for a, b in zip(r["logprobs"], one["logprobs"]):
+            assert a == pytest.approx(b, abs=2e-4)
+        assert r["split"] > r["leaves"] // 4
+        assert r["devices"] == [0, 1, 2, 3] and r["arena_replicated"]
+        assert r["compiles"] == 0
+        assert r["free"] == r["baseline"]  # free + held only by the prefix cache
