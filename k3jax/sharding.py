@@ -165,10 +165,34 @@ def shard_params(params, mesh: Mesh, config: ShardingConfig):
 
 
 def shard_model(model, config: ShardingConfig, devices=None):
-    """-> (mesh, a `Model` whose parameters are placed on it, replicated-dim notes)."""
+    """-> (mesh, a `Model` whose parameters are placed on it, replicated-dim notes). Routed experts
+    split over a mesh axis run expert-parallel (`MoE.expert_parallel`)."""
     mesh = make_mesh(config, devices)
     params, notes = shard_params(model.params, mesh, config)
-    return mesh, dataclasses.replace(model, params=params), notes
+    return mesh, enable_expert_parallel(dataclasses.replace(model, params=params), mesh, config), notes
+
+
+def expert_axis(config: ShardingConfig, mesh: Mesh, num_experts: int) -> Optional[str]:
+    """The mesh axis the routed experts are split over, or None (one device's worth, or not divisible)."""
+    axis = config.rule("experts")
+    size = dict(mesh.shape).get(axis, 1) if axis else 1
+    return axis if size > 1 and num_experts % size == 0 else None
+
+
+def enable_expert_parallel(model, mesh: Mesh, config: ShardingConfig):
+    """-> `model` with every MoE block set to run its routed experts per rank of the experts' mesh axis
+    (inside `shard_map`, one all-reduce of the slot outputs), when that axis splits them."""
+    from k3jax.layers.moe import MoE
+
+    axis = expert_axis(config, mesh, model.cfg.num_experts)
+    if axis is None:
+        return model
+    module = nnx.merge(model.graphdef, model.params)
+    for _, node in list(nnx.iter_graph(module)):
+        if isinstance(node, MoE):
+            node.expert_parallel = (mesh, axis)
+    graphdef, params = nnx.split(module)
+    return dataclasses.replace(model, graphdef=graphdef, params=params)
 
 
 def replicated(mesh: Mesh) -> NamedSharding:

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from k3jax.dequantize import dequantize_experts
-from k3jax.sharding import load_sharding_config, replicated, shard_model
+from k3jax.sharding import expert_axis, load_sharding_config, replicated, shard_model
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
@@ -170,9 +170,10 @@ class Engine:
         self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
         if self.dense_in_out:
             model = transpose_dense_weights(model)
-        self.mesh, self.sharding_notes, arena_sharding = None, {}, None
+        self.mesh, self.sharding_config, self.sharding_notes, arena_sharding = None, None, {}, None
         if config.sharding:
-            self.mesh, model, self.sharding_notes = shard_model(model, load_sharding_config(config.sharding))
+            self.sharding_config = load_sharding_config(config.sharding)
+            self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config)
             arena_sharding = replicated(self.mesh)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
@@ -212,6 +213,7 @@ class Engine:
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
         self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
         self.moe_dispatch_seconds = 0.0
+        self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
         self._canonical_pending: dict[str, bytes] = {}  # internal re-prefill rid -> checkpoint key
         self._tails: collections.OrderedDict[str, PrefixHasher] = collections.OrderedDict()  # finished, never reused
         self.warmed_up = False
@@ -587,6 +589,7 @@ class Engine:
         self.expert_counts += np.asarray(counts)
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
         self.moe_dispatch_seconds += self.moe_step_seconds.get(rows_bucket * t, 0.0)
+        self.inter_rank_bytes += self._moe_exchange_bytes(rows_bucket * t)
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
             seq.computed = start + n
@@ -716,6 +719,21 @@ class Engine:
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics)
 
     # ---- introspection --------------------------------------------------------------------------
+    def _moe_exchange_bytes(self, tokens: int) -> int:
+        """Bytes the expert-parallel MoE sends between ranks in a step of `tokens` (padded) tokens, all
+        ranks together: per MoE layer one all-reduce of the fp32 slot outputs [tokens, k, Din] within
+        each group of `n` expert ranks, counted as a ring all-reduce (each rank sends 2 (n - 1) / n of
+        the payload). An estimate from the program's shapes, not a measurement; 0 without expert
+        parallelism. (Tensor-parallel collectives, which GSPMD inserts, are not counted.)"""
+        if self.mesh is None or self.sharding_config is None:
+            return 0
+        axis = expert_axis(self.sharding_config, self.mesh, self.cfg.num_experts)
+        if axis is None:
+            return 0
+        n, ranks = self.mesh.shape[axis], self.mesh.size
+        payload = tokens * self.cfg.num_experts_per_token * self.cfg.expert_in_size * 4
+        return self.expert_counts.shape[0] * (ranks // n) * 2 * (n - 1) * payload
+
     def stats(self) -> dict:
         live = [s for s in self.seqs.values() if not s.finished and not s.internal]
         by_kind = self.allocator.bytes_by_kind()
@@ -733,7 +751,7 @@ class Engine:
             "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
             "moe_dispatch_seconds": self.moe_dispatch_seconds,
             "moe_step_seconds": dict(self.moe_step_seconds),
-            "inter_rank_bytes": 0,  # one device: the MoE exchanges nothing between ranks
+            "inter_rank_bytes": self.inter_rank_bytes,  # expert-parallel MoE traffic; 0 on one device
             "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
             "sharding": self.config.sharding,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)

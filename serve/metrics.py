@@ -169,7 +169,8 @@ class EngineCollector:
         yield counter("k3jax:moe_dispatch_seconds", "Time in the MoE blocks (routing, dispatch, expert GEMMs, combine): "
                       "per step, the time measured at warm-up for the step's shape.",
                       s.get("moe_dispatch_seconds", 0.0))
-        yield counter("k3jax:inter_rank_bytes", "Bytes moved between ranks (0 on one device).",
+        yield counter("k3jax:inter_rank_bytes", "Bytes the expert-parallel MoE sends between ranks (all-reduce of the "
+                      "slot outputs, ring estimate from the step shapes; 0 on one device).",
                       s.get("inter_rank_bytes", 0))
 
         # Frontend state.

@@ -176,6 +176,22 @@ def test_blocked_rows_do_not_depend_on_batch():
         np.testing.assert_array_equal(np.asarray(fn(xs, w, jnp.asarray(sizes))[11]), np.asarray(alone))
 
 
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_rows_same_bits_for_every_block_size(layout):
+    """Within the block sizes the CPU forms use (2-32, `block_rows_for`), a row's bits do not depend on
+    the block size, in either weight layout; the engine's expert parallelism relies on it (a rank
+    holding 1/4 of the experts picks larger blocks for the same rows)."""
+    rng = np.random.default_rng(14)
+    assert {block_rows_for(m, g) for m in (1, 8, 64, 512, 4096) for g in (1, 2, 8, 256)} <= {2, 4, 8, 16, 32}
+    for k, n in ((16, 32), (32, 16), (128, 64)):
+        w = jnp.asarray(rng.standard_normal((1, k, n) if layout == "in_out" else (1, n, k)), jnp.float32)
+        x = jnp.asarray(rng.standard_normal((64, k)), jnp.float32)
+        gs = jnp.asarray([64], jnp.int32)
+        want = np.asarray(gmm_looped(x, w, gs, block_rows=2, rhs_layout=layout))
+        for tm in (4, 8, 16, 32):
+            np.testing.assert_array_equal(np.asarray(gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout)), want)
+
+
 def test_auto_on_cpu_is_the_cpu_form(data, monkeypatch):
     monkeypatch.delenv("K3JAX_KERNELS", raising=False)
     if jax.default_backend() != "cpu":

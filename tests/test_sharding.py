@@ -20,7 +20,7 @@ TP = {"mesh": {"tensor": -1}, "rules": {"heads": "tensor", "mlp": "tensor", "voc
 
 def test_shipped_configs_load():
     names = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml"))
-    assert {"single", "tp", "tp_ep"} <= set(names)
+    assert {"single", "tp", "tp_ep", "ep"} <= set(names)
     for n in names:
         cfg = load_sharding_config(n)
         assert cfg.name == n and cfg.mesh_axes
@@ -105,7 +105,7 @@ _MULTI = textwrap.dedent("""
               progress=False)
     out = {}
     for model in sys.argv[1:]:
-        for sh in (None, "tp", "tp_ep"):
+        for sh in (None, "tp", "tp_ep", "ep"):
             llm = k3jax.LLM(model, sharding=sh, **kw)
             eng = llm.engine
             res = llm.generate(prompts, sps)
@@ -118,7 +118,11 @@ _MULTI = textwrap.dedent("""
                 mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
                 devices=sorted(d.id for d in eng.arena.sharding.device_set),
                 arena_replicated=eng.arena.sharding.is_fully_replicated,
-                free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"])
+                free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"],
+                exchange=st["inter_rank_bytes"],
+                expert_parallel=[getattr(m, "expert_parallel", None) is not None for _, m in
+                                 __import__("flax").nnx.iter_graph(__import__("flax").nnx.merge(
+                                     eng.model.graphdef, eng.model.params)) if type(m).__name__ == "MoE"])
     print("RESULT" + json.dumps(out))
 """)
 
@@ -138,18 +142,32 @@ def multi_device():
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
 def test_engine_on_a_mesh_matches_one_device(multi_device, model):
-    """Same greedy (and seeded) tokens on 1 device, a 4-way tensor mesh and a 2 x 2 expert x tensor mesh;
-    logprobs to fp32 rounding (partial sums are reduced across devices in another order); parameters
-    really split, arena replicated on all 4 devices, no compile after warm-up, no cache units leaked."""
+    """Same greedy (and seeded) tokens on 1 device, a 4-way tensor mesh (experts split over it too) and a
+    2 x 2 expert x tensor mesh; logprobs to fp32 rounding (tensor-parallel partial sums are reduced in
+    another order); parameters really split, arena replicated on all 4 devices, MoE blocks expert-
+    parallel, no compile after warm-up, no cache units leaked."""
     one = multi_device[f"{model}/None"]
-    assert one["mesh"] is None
-    for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2})):
+    assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
+    for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4})):
         r = multi_device[f"{model}/{sh}"]
         assert r["mesh"] == mesh
         assert r["tokens"] == one["tokens"]
         for a, b in zip(r["logprobs"], one["logprobs"]):
             assert a == pytest.approx(b, abs=2e-4)
-        assert r["split"] > r["leaves"] // 4
+        assert r["split"] > (r["leaves"] // 4 if sh != "ep" else 0)
         assert r["devices"] == [0, 1, 2, 3] and r["arena_replicated"]
+        assert r["expert_parallel"] and all(r["expert_parallel"])
         assert r["compiles"] == 0
         assert r["free"] == r["baseline"]  # free + held only by the prefix cache
+
+
+@pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
+def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device, model):
+    """Experts split over 4 devices and nothing else: every slot's output is nonzero on one rank only,
+    so the all-reduce adds exact zeros and the logprobs are the one-device logprobs bit for bit. The
+    traffic estimate follows the ring all-reduce: 4 ranks in one group send 2 * 3 payloads per MoE
+    layer, 2 groups of 2 ranks send 2 * (2 * 1)."""
+    one, ep = multi_device[f"{model}/None"], multi_device[f"{model}/ep"]
+    assert ep["logprobs"] == one["logprobs"] and ep["tokens"] == one["tokens"]
+    assert ep["exchange"] > 0 and multi_device[f"{model}/tp"]["exchange"] == ep["exchange"]
+    assert multi_device[f"{model}/tp_ep"]["exchange"] * 6 == ep["exchange"] * 4

@@ -9,6 +9,7 @@ import math
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from k3jax.config import ModelConfig
 from k3jax.layers.activations import glu
@@ -79,25 +80,57 @@ class MoE(nnx.Module):
         if cfg.num_shared_experts:
             self.shared_experts = MLP(cfg, h, cfg.num_shared_experts * i, dtype=dtype, rngs=rngs)
         self.experts_in_out = False  # dense experts held [E, in, out] (k3jax/weight_layout.py)
+        # (mesh, axis) when the routed experts are split over a mesh axis (k3jax/sharding.py): each rank
+        # runs its own experts inside `shard_map` and the slots' outputs are summed across the axis.
+        self.expert_parallel = None
 
     def _expert_weight(self, w):
         return w.value() if isinstance(w, MXFP4Params) else w[...]
 
     def experts(self, z: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
         """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din]."""
+        ws = tuple(self._expert_weight(w) for w in (self.w1, self.w3, self.w2))
+        if self.expert_parallel is None:
+            out = self._slots(z, ids, ws, 0)
+        else:
+            out = self._slots_expert_parallel(z, ids, ws)
+        return jnp.einsum("nkd,nk->nd", out, weights)
+
+    def _slots(self, z: jax.Array, ids: jax.Array, ws: tuple, first: jax.Array | int) -> jax.Array:
+        """Each (token, slot)'s expert output [N, k, Din] fp32, for the experts `[first, first + G)` held
+        in `ws` (G = their leading size); slots routed elsewhere are exactly 0."""
         cfg = self.cfg
         n, k = ids.shape
-        flat = ids.reshape(-1)
+        g = ws[0].shape[0]
+        local = ids.reshape(-1) - first
+        flat = jnp.where((local >= 0) & (local < g), local, g)  # other experts' slots sort last, uncounted
         order = jnp.argsort(flat, stable=True)  # [N*k] assignment slots sorted by expert
-        group_sizes = jnp.bincount(flat, length=cfg.num_experts).astype(jnp.int32)
+        group_sizes = jnp.bincount(flat, length=g).astype(jnp.int32)
         xs = z[order // k]
         kw = dict(preferred_element_type=jnp.float32, rhs_layout="in_out" if self.experts_in_out else "out_in")
-        h1 = gmm(xs, self._expert_weight(self.w1), group_sizes, **kw)
-        h3 = gmm(xs, self._expert_weight(self.w3), group_sizes, **kw)
+        h1 = gmm(xs, ws[0], group_sizes, **kw)
+        h3 = gmm(xs, ws[1], group_sizes, **kw)
         a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype)
-        out = gmm(a, self._expert_weight(self.w2), group_sizes, **kw)
-        out = jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
-        return jnp.einsum("nkd,nk->nd", out, weights)
+        out = gmm(a, ws[2], group_sizes, **kw)  # rows past the groups (other ranks' slots) are 0
+        return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
+
+    def _slots_expert_parallel(self, z: jax.Array, ids: jax.Array, ws: tuple) -> jax.Array:
+        """`_slots` with the experts split over a mesh axis: tokens and routing replicated, each rank
+        multiplies its slots by its own experts, and one all-reduce of the [N, k, Din] slot outputs
+        combines them. Every slot is nonzero on exactly one rank, so the sum is exact: the same values
+        as one device, whatever the mesh."""
+        mesh, axis = self.expert_parallel
+        per_rank = self.cfg.num_experts // mesh.shape[axis]
+
+        def local(z, ids, ws):
+            first = jax.lax.axis_index(axis) * per_rank
+            return jax.lax.psum(self._slots(z, ids, ws, first), axis)
+
+        spec_w = jax.tree.map(lambda _: P(axis), ws)
+        # check_vma=False: the grouped matmul's loops start from replicated zeros and accumulate
+        # per-rank values, which the varying-axes type check rejects; the psum makes the result replicated.
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), spec_w), out_specs=P(),
+                             check_vma=False)(z, ids, ws)
 
     def __call__(self, x: jax.Array, trace: list | None = None) -> jax.Array:
         """x [B, T, H] normed -> [B, T, H]. `trace`, when given, collects the routed expert ids [N, k]."""

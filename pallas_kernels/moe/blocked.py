@@ -11,12 +11,12 @@ routing. Every output row is the same dot product the reference computes (same d
 
 When there are at least as many blocks as experts (most experts touched) or the weights are dense,
 ``gmm_looped`` does the same block products in a loop over the non-empty experts instead: each
-expert's weight is read in place (MXFP4: all experts dequantised once, before the loop) and only
-real blocks run, so neither the per-block weight copies nor the padding blocks are paid for
-(measured on the 2-core CPU host: 2-3.5x faster for dense fp32 experts at 8-2048 rows, 1.3-2x for
-MXFP4 once blocks > experts; the block form stays ahead for MXFP4 with few rows, where it
-dequantises only the touched experts). A block of ``tm >= 2`` rows gives every row the same bits
-in either form, whatever else shares the call.
+expert's weight is sliced out once (XLA:CPU copies it; MXFP4: all experts dequantised once, before
+the loop) and only real blocks run, so neither per-block weight copies nor padding blocks are paid
+for (measured on the 2-core CPU host: 2-3.5x faster for dense fp32 experts at 8-2048 rows, 1.3-2x
+for MXFP4 once blocks > experts; the block form stays ahead for MXFP4 with few rows, where it
+dequantises only the touched experts). Blocks of 2-32 rows (``block_rows_for``) give every row the
+same bits in either form, whatever else shares the call.
 """
 
 from __future__ import annotations
@@ -29,15 +29,20 @@ from pallas_kernels.moe.reference import RhsLike, check_gmm_args
 
 __all__ = ["gmm_cpu", "gmm_blocked", "gmm_looped", "block_rows_for", "num_blocks"]
 
+MAX_BLOCK_ROWS = 32
+
 
 def block_rows_for(m: int, g: int) -> int:
-    """Rows per block: about 2M / G (so ~G / 2 + G blocks in all), a power of two in [2, 64].
+    """Rows per block: about 2M / G (so ~G / 2 + G blocks in all), a power of two in [2, 32].
 
     Never 1: XLA:CPU runs a one-row block as a matrix-vector product whose rounding differs from
-    the matrix-matrix path, while every block size >= 2 gives bit-identical rows, which keeps a
-    token's result independent of how many other tokens share the step."""
+    the matrix-matrix path. Never 64: XLA:CPU multiplies a 64-row block by a transposed (``[K, N]``)
+    expert with another rounding too (seen from 16 x 32 experts up; 32-row blocks and the ``[N, K]``
+    layout were bit-identical to 2-row ones in every shape tried). Within [2, 32] a row gets the
+    same bits whatever the block size, so a token's result does not depend on how many other tokens
+    share the step, or on how many experts a rank holds (expert parallelism)."""
     tm = 2
-    while tm * 2 <= min(64, 2 * m // max(g, 1)):
+    while tm * 2 <= min(MAX_BLOCK_ROWS, 2 * m // max(g, 1)):
         tm *= 2
     return tm
 
