@@ -171,3 +171,19 @@ def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device, model):
     assert ep["logprobs"] == one["logprobs"] and ep["tokens"] == one["tokens"]
     assert ep["exchange"] > 0 and multi_device[f"{model}/tp"]["exchange"] == ep["exchange"]
     assert multi_device[f"{model}/tp_ep"]["exchange"] * 6 == ep["exchange"] * 4
+
+
+def test_serve_command_line_takes_a_sharding_config():
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, engine_config
+
+    def cfg(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+
+    assert cfg().sharding is None
+    c = cfg("--sharding", "tp_ep")
+    assert c.sharding == "tp_ep"
+    c.validate()
+    with pytest.raises(ValueError, match="no config 'tpp'"):
+        cfg("--sharding", "tpp").validate()
