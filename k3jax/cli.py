@@ -47,6 +47,11 @@ def _cmd_info(args) -> int:
         "param_bytes": sum(int(x.size) * x.dtype.itemsize for x in leaves),
         "cache_bytes_per_sequence_at_4096": cache_bytes(cfg, 1, 4096, dtype),
     }
+    if args.sharding:
+        from k3jax.sharding import bytes_per_device, load_sharding_config
+
+        info["sharding"] = bytes_per_device(abstract, load_sharding_config(args.sharding), args.devices)
+        info["sharding"]["note"] = "the cache arena is replicated on every device"
     print(json.dumps(info, indent=1))
     return 0
 
@@ -81,6 +86,8 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="parameter and cache sizes (abstract; works for the full K3)")
     i.add_argument("--model", default="k3")
     i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    i.add_argument("--sharding", default=None, help="also the bytes per device under this sharding config")
+    i.add_argument("--devices", type=int, default=8, help="devices for --sharding (default 8)")
     i.set_defaults(fn=_cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)")

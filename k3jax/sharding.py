@@ -132,12 +132,31 @@ def _is_var(x) -> bool:
     return isinstance(x, nnx.Variable)
 
 
+def _value(var):
+    """A Variable's array, or its `jax.ShapeDtypeStruct` for abstract parameters."""
+    return var.get_value() if hasattr(var, "get_value") else var.value
+
+
+def bytes_per_device(params, config: ShardingConfig, num_devices: int) -> dict:
+    """Parameter bytes in all and on each device under `config` on `num_devices` devices (works on
+    abstract parameters, e.g. the full K3's shapes)."""
+    sizes = config.mesh_shape(num_devices)
+    specs, notes = plan_param_specs(params, config, sizes)
+    total = per_device = 0
+    for var, spec in zip(jax.tree.leaves(params, is_leaf=_is_var), jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P))):
+        value = _value(var)
+        nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
+        total += nbytes
+        per_device += nbytes // math.prod(sizes[a] for a in spec if a is not None)
+    return dict(mesh=sizes, param_bytes=total, param_bytes_per_device=per_device, replicated_dims=len(notes))
+
+
 def plan_param_specs(params, config: ShardingConfig, mesh_sizes: dict[str, int]) -> tuple[Any, dict[str, list[str]]]:
     """-> (a PartitionSpec per parameter, as a pytree like `params`; {param path: replicated-dim notes})."""
     notes: dict[str, list[str]] = {}
 
     def one(path, var):
-        value = var[...]
+        value = _value(var)
         axes = tuple(getattr(var, "axes", None) or (None,) * value.ndim)
         if len(axes) != value.ndim:
             raise ValueError(f"parameter {jax.tree_util.keystr(path)}: logical axes {axes} do not match its "

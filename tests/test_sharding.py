@@ -187,3 +187,16 @@ def test_serve_command_line_takes_a_sharding_config():
     c.validate()
     with pytest.raises(ValueError, match="no config 'tpp'"):
         cfg("--sharding", "tpp").validate()
+
+
+def test_info_reports_bytes_per_device(capsys):
+    """`k3jax info --sharding` plans per-device parameter bytes from abstract shapes (no weights)."""
+    from k3jax.cli import main
+
+    assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "tp", "--devices", "4"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    sh = info["sharding"]
+    assert sh["mesh"] == {"tensor": 4} and sh["param_bytes"] == info["param_bytes"]
+    assert info["param_bytes"] // 4 < sh["param_bytes_per_device"] < info["param_bytes"]
+    assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "single", "--devices", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["sharding"]["param_bytes_per_device"] == info["param_bytes"]
