@@ -11,9 +11,10 @@ A config file::
 
     mesh:             # axis name -> size, in mesh order; at most one size may be -1 (the rest)
       tensor: -1
-    rules:            # logical axis -> mesh axis, or null to replicate that dimension
-      heads: tensor
+    rules:            # logical axis -> mesh axis, a list of mesh axes (split over their product),
+      heads: tensor   # or null to replicate that dimension
       mlp: tensor
+      experts: [expert, tensor]
 
 A logical axis the rules omit is replicated. A dimension whose size the mesh axis does not divide is
 replicated too (reported by `plan_param_specs`), and a mesh axis shards at most one dimension of a
@@ -32,6 +33,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+MeshAxes = "str | tuple[str, ...]"  # one mesh axis, or several (a dimension split over their product)
 LOGICAL_AXES = ("vocab", "embed", "heads", "head_dim", "q_lora", "kv_latent", "latent", "mlp", "experts",
                 "expert_mlp")
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "sharding_configs")
@@ -42,9 +44,9 @@ class ShardingConfig:
     """A device mesh (axis names and sizes; -1: the devices left over) and logical-axis rules."""
     name: str
     mesh_axes: tuple[tuple[str, int], ...]
-    rules: tuple[tuple[str, Optional[str]], ...]
+    rules: tuple[tuple[str, Optional[MeshAxes]], ...]
 
-    def rule(self, logical: Optional[str]) -> Optional[str]:
+    def rule(self, logical: Optional[str]) -> Optional[MeshAxes]:
         return dict(self.rules).get(logical) if logical else None
 
     def mesh_shape(self, num_devices: int) -> dict[str, int]:
@@ -78,14 +80,28 @@ def parse_sharding_config(data: Any, name: str = "<dict>") -> ShardingConfig:
     rules = data.get("rules") or {}
     if not isinstance(rules, dict):
         raise ValueError(f"sharding config {name!r}: 'rules' must map logical axes to mesh axes")
+    parsed = {}
     for logical, axis in rules.items():
         if logical not in LOGICAL_AXES:
             raise ValueError(f"sharding config {name!r}: rules.{logical}: unknown logical axis "
                              f"(known: {', '.join(LOGICAL_AXES)})")
-        if axis is not None and axis not in mesh:
-            raise ValueError(f"sharding config {name!r}: rules.{logical}: {axis!r} is not a mesh axis "
-                             f"({', '.join(mesh)})")
-    return ShardingConfig(name, tuple(mesh.items()), tuple(rules.items()))
+        axes = axis if isinstance(axis, list) else [] if axis is None else [axis]
+        if isinstance(axis, list) and (not axis or len(set(map(str, axis))) != len(axis)):
+            raise ValueError(f"sharding config {name!r}: rules.{logical}: a list of mesh axes must be non-empty "
+                             f"and without repeats, got {axis!r}")
+        for a in axes:
+            if a not in mesh:
+                raise ValueError(f"sharding config {name!r}: rules.{logical}: {a!r} is not a mesh axis "
+                                 f"({', '.join(mesh)})")
+        parsed[logical] = tuple(axes) if isinstance(axis, list) else axis
+    return ShardingConfig(name, tuple(mesh.items()), tuple(parsed.items()))
+
+
+def axes_size(axis: Optional[MeshAxes], mesh_sizes: dict[str, int]) -> int:
+    """Devices a rule's mesh axis (or tuple of axes) splits a dimension over."""
+    if axis is None:
+        return 1
+    return math.prod(mesh_sizes.get(a, 1) for a in ((axis,) if isinstance(axis, str) else axis))
 
 
 def load_sharding_config(name_or_path: str) -> ShardingConfig:
@@ -112,17 +128,19 @@ def spec_for(axes: tuple, shape: tuple, config: ShardingConfig, mesh_sizes: dict
     out, used, notes = [], set(), []
     for dim, (logical, size) in enumerate(zip(axes, shape)):
         axis = config.rule(logical)
-        if axis is None or mesh_sizes.get(axis, 1) == 1:
+        members = set((axis,) if isinstance(axis, str) else axis or ())
+        split = axes_size(axis, mesh_sizes)
+        if split == 1:
             out.append(None)
-        elif axis in used:
+        elif members & used:
             out.append(None)
-            notes.append(f"dim {dim} ({logical}): mesh axis {axis!r} already shards another dim")
-        elif size % mesh_sizes[axis]:
+            notes.append(f"dim {dim} ({logical}): mesh axis {sorted(members & used)} already shards another dim")
+        elif size % split:
             out.append(None)
-            notes.append(f"dim {dim} ({logical}) of size {size} is not divisible by {axis}={mesh_sizes[axis]}")
+            notes.append(f"dim {dim} ({logical}) of size {size} is not divisible by {axis}={split}")
         else:
             out.append(axis)
-            used.add(axis)
+            used |= members
     while out and out[-1] is None:
         out.pop()
     return P(*out), notes
@@ -147,7 +165,7 @@ def bytes_per_device(params, config: ShardingConfig, num_devices: int) -> dict:
         value = _value(var)
         nbytes = math.prod(value.shape) * np.dtype(value.dtype).itemsize
         total += nbytes
-        per_device += nbytes // math.prod(sizes[a] for a in spec if a is not None)
+        per_device += nbytes // math.prod(axes_size(a, sizes) for a in spec)
     return dict(mesh=sizes, param_bytes=total, param_bytes_per_device=per_device, replicated_dims=len(notes))
 
 
@@ -191,11 +209,22 @@ def shard_model(model, config: ShardingConfig, devices=None):
     return mesh, enable_expert_parallel(dataclasses.replace(model, params=params), mesh, config), notes
 
 
-def expert_axis(config: ShardingConfig, mesh: Mesh, num_experts: int) -> Optional[str]:
-    """The mesh axis the routed experts are split over, or None (one device's worth, or not divisible)."""
+def expert_axis(config: ShardingConfig, mesh: Mesh, num_experts: int) -> Optional[MeshAxes]:
+    """The mesh axis (or axes) the routed experts are split over, or None (not split, or not divisible)."""
     axis = config.rule("experts")
-    size = dict(mesh.shape).get(axis, 1) if axis else 1
+    size = axes_size(axis, dict(mesh.shape))
     return axis if size > 1 and num_experts % size == 0 else None
+
+
+def moe_exchange_bytes(num_moe_layers: int, tokens: int, top_k: int, width: int, ranks_per_group: int,
+                       num_devices: int, itemsize: int = 4) -> int:
+    """Bytes the expert-parallel MoE sends between ranks in one step, all ranks together: per MoE layer
+    one all-reduce of the slot outputs [tokens, top_k, width] within each group of `ranks_per_group`
+    expert ranks, counted as a ring all-reduce (each rank sends 2 (n - 1) / n of the payload)."""
+    n = ranks_per_group
+    if n <= 1:
+        return 0
+    return num_moe_layers * (num_devices // n) * 2 * (n - 1) * tokens * top_k * width * itemsize
 
 
 def enable_expert_parallel(model, mesh: Mesh, config: ShardingConfig):

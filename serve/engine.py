@@ -20,7 +20,8 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from k3jax.dequantize import dequantize_experts
-from k3jax.sharding import expert_axis, load_sharding_config, replicated, shard_model
+from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, replicated,
+                            shard_model)
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
@@ -720,19 +721,14 @@ class Engine:
 
     # ---- introspection --------------------------------------------------------------------------
     def _moe_exchange_bytes(self, tokens: int) -> int:
-        """Bytes the expert-parallel MoE sends between ranks in a step of `tokens` (padded) tokens, all
-        ranks together: per MoE layer one all-reduce of the fp32 slot outputs [tokens, k, Din] within
-        each group of `n` expert ranks, counted as a ring all-reduce (each rank sends 2 (n - 1) / n of
-        the payload). An estimate from the program's shapes, not a measurement; 0 without expert
-        parallelism. (Tensor-parallel collectives, which GSPMD inserts, are not counted.)"""
-        if self.mesh is None or self.sharding_config is None:
+        """Expert-parallel traffic of a step of `tokens` (padded) tokens (`k3jax.sharding.moe_exchange_bytes`:
+        a ring estimate from the program's shapes, not a measurement; tensor-parallel collectives, which
+        GSPMD inserts, are not counted). 0 without expert parallelism."""
+        if self.mesh is None:
             return 0
         axis = expert_axis(self.sharding_config, self.mesh, self.cfg.num_experts)
-        if axis is None:
-            return 0
-        n, ranks = self.mesh.shape[axis], self.mesh.size
-        payload = tokens * self.cfg.num_experts_per_token * self.cfg.expert_in_size * 4
-        return self.expert_counts.shape[0] * (ranks // n) * 2 * (n - 1) * payload
+        return moe_exchange_bytes(self.expert_counts.shape[0], tokens, self.cfg.num_experts_per_token,
+                                  self.cfg.expert_in_size, axes_size(axis, dict(self.mesh.shape)), self.mesh.size)
 
     def stats(self) -> dict:
         live = [s for s in self.seqs.values() if not s.finished and not s.internal]
