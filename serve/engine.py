@@ -176,6 +176,9 @@ class Engine:
             self.sharding_config = load_sharding_config(config.sharding)
             self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config)
             arena_sharding = replicated(self.mesh)
+        # ranks that share the routed experts (1: no expert parallelism), for the traffic estimate
+        self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, model.cfg.num_experts),
+                                    dict(self.mesh.shape)) if self.mesh is not None else 1)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
@@ -724,11 +727,8 @@ class Engine:
         """Expert-parallel traffic of a step of `tokens` (padded) tokens (`k3jax.sharding.moe_exchange_bytes`:
         a ring estimate from the program's shapes, not a measurement; tensor-parallel collectives, which
         GSPMD inserts, are not counted). 0 without expert parallelism."""
-        if self.mesh is None:
-            return 0
-        axis = expert_axis(self.sharding_config, self.mesh, self.cfg.num_experts)
         return moe_exchange_bytes(self.expert_counts.shape[0], tokens, self.cfg.num_experts_per_token,
-                                  self.cfg.expert_in_size, axes_size(axis, dict(self.mesh.shape)), self.mesh.size)
+                                  self.cfg.expert_in_size, self._ep_ranks, self.mesh.size if self.mesh is not None else 1)
 
     def stats(self) -> dict:
         live = [s for s in self.seqs.values() if not s.finished and not s.internal]

@@ -119,8 +119,10 @@ class MoE(nnx.Module):
         multiplies its slots by its own experts, and one all-reduce of the [N, k, Din] slot outputs
         combines them. Every slot is nonzero on exactly one rank, so the sum is exact: the same values
         as one device, whatever the mesh."""
+        from k3jax.sharding import axes_size
+
         mesh, axis = self.expert_parallel  # axis: a mesh axis name or a tuple of them
-        per_rank = self.cfg.num_experts // math.prod(mesh.shape[a] for a in ((axis,) if isinstance(axis, str) else axis))
+        per_rank = self.cfg.num_experts // axes_size(axis, dict(mesh.shape))
 
         def local(z, ids, ws):
             first = jax.lax.axis_index(axis) * per_rank
