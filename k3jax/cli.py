@@ -48,10 +48,17 @@ def _cmd_info(args) -> int:
         "cache_bytes_per_sequence_at_4096": cache_bytes(cfg, 1, 4096, dtype),
     }
     if args.sharding:
-        from k3jax.sharding import bytes_per_device, load_sharding_config
+        from k3jax.sharding import axes_size, bytes_per_device, load_sharding_config, state_axis
 
-        info["sharding"] = bytes_per_device(abstract, load_sharding_config(args.sharding), args.devices)
-        info["sharding"]["note"] = "the cache arena is replicated on every device"
+        sh = load_sharding_config(args.sharding)
+        info["sharding"] = bytes_per_device(abstract, sh, args.devices)
+        sizes = sh.mesh_shape(args.devices)
+        ranks = axes_size(state_axis(sh, sizes, cfg.kda_num_heads), sizes)
+        per_seq = cache_bytes(cfg, 1, 4096, dtype)
+        # the arena splits KDA states (and conv channels) by heads over `ranks`; MLA pages are whole
+        info["sharding"]["kda_state_ranks"] = ranks
+        info["sharding"]["cache_bytes_per_sequence_at_4096_per_device"] = {
+            k: (v // ranks if k.startswith("kda") else v) for k, v in per_seq.items()}
     print(json.dumps(info, indent=1))
     return 0
 

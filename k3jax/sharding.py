@@ -5,7 +5,9 @@ heads, head_dim, q_lora, kv_latent, latent, mlp, experts, expert_mlp`). A shardi
 (`sharding_configs/<name>.yaml`) names a device mesh and maps each logical axis to a mesh axis or to
 nothing (replicated); code never hard-codes a mesh. Placing the parameters with those shardings is
 all it takes: the engine's jitted step is one SPMD program over the mesh (GSPMD partitions the
-matmuls and inserts the collectives), while the cache arena stays replicated on every device.
+matmuls and inserts the collectives). The cache arena follows the `heads` rule: each rank of that
+axis keeps only its KDA heads' recurrent states (and conv channels) and a full copy of the MLA
+latent pages (`state_axis`, `serve/state_split.py`).
 
 A config file::
 
@@ -214,6 +216,14 @@ def expert_axis(config: ShardingConfig, mesh: Mesh, num_experts: int) -> Optiona
     axis = config.rule("experts")
     size = axes_size(axis, dict(mesh.shape))
     return axis if size > 1 and num_experts % size == 0 else None
+
+
+def state_axis(config: ShardingConfig, mesh_sizes: dict[str, int], num_kda_heads: int) -> Optional[MeshAxes]:
+    """The mesh axis (or axes) the KDA heads, and so the arena's state slots, are split over: the
+    `heads` rule when it divides the KDA head count, else None (every rank holds every head's state)."""
+    axis = config.rule("heads")
+    size = axes_size(axis, mesh_sizes)
+    return axis if size > 1 and num_kda_heads and num_kda_heads % size == 0 else None
 
 
 def moe_exchange_bytes(num_moe_layers: int, tokens: int, top_k: int, width: int, ranks_per_group: int,

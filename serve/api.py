@@ -454,7 +454,9 @@ class _Run:
     def usage(self) -> dict:
         p = sum(len(ids) for ids in self.prompts)
         c = sum(len(o.token_ids) for out in self.latest.values() for o in out.outputs)
-        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
+        cached = sum(out.num_cached_tokens for out in self.latest.values())
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     def close(self) -> None:
         if self.closed:

@@ -20,7 +20,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from k3jax.dequantize import dequantize_experts
-from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, replicated,
+from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, replicated, state_axis,
                             shard_model)
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
@@ -31,6 +31,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, Pref
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
+from serve.state_split import StateSplit
 from serve.step import StepBatch, bind_step
 from serve.stop_checker import StopChecker
 from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
@@ -78,7 +79,9 @@ class EngineConfig:
     dense_weights: str = "auto"
     # Device mesh: None runs on the default device; otherwise a config in sharding_configs/ (by name,
     # e.g. "tp") or a YAML path. Parameters are placed by its logical-axis rules (k3jax/sharding.py)
-    # and every step is one SPMD program over the mesh; the cache arena is replicated on each device.
+    # and every step is one SPMD program over the mesh. The cache arena is split by KDA heads over the
+    # `heads` rule's axis when it divides them (each rank: its heads' states, every MLA page; then
+    # `cache_bytes` is one rank's arena), otherwise replicated on each device.
     sharding: Optional[str] = None
 
     def validate(self):
@@ -134,6 +137,7 @@ class Sequence:
     captures: dict = field(default_factory=dict)  # position -> checkpoint kind
     internal: Optional[str] = None  # set on canonical re-prefill rows: the checkpoint kind they produce
     reused: bool = False  # its prompt resumed from the prefix cache (part of a reuse chain)
+    cached_tokens: Optional[int] = None  # prompt tokens its first admission took from the prefix cache
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -172,23 +176,25 @@ class Engine:
         if self.dense_in_out:
             model = transpose_dense_weights(model)
         self.mesh, self.sharding_config, self.sharding_notes, arena_sharding = None, None, {}, None
+        self.state_split = None  # the arena split over a mesh axis by KDA heads (serve/state_split.py)
         if config.sharding:
             self.sharding_config = load_sharding_config(config.sharding)
             self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config)
-            arena_sharding = replicated(self.mesh)
+            axis = state_axis(self.sharding_config, dict(self.mesh.shape), model.cfg.kda_num_heads)
+            self.state_split = StateSplit(self.mesh, axis) if axis is not None else None
+            arena_sharding = self.state_split.sharding() if self.state_split else replicated(self.mesh)
         # ranks that share the routed experts (1: no expert parallelism), for the traffic estimate
         self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, model.cfg.num_experts),
                                     dict(self.mesh.shape)) if self.mesh is not None else 1)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
-        self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype)
+        self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype,
+                                       self.state_split.ranks if self.state_split else 1)
         self.allocator = Arena(self.layout)
-        self.arena = self.layout.empty()
-        if arena_sharding is not None:
-            self.arena = jax.device_put(self.arena, arena_sharding)
+        self.arena = self.layout.empty(arena_sharding)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
-                                             self.kda_in_place, arena_sharding)
+                                             self.kda_in_place, arena_sharding, self.state_split)
         max_pages = -(-config.max_model_len // config.page_size)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))
@@ -450,6 +456,8 @@ class Engine:
     def _admit(self, seq: Sequence) -> None:
         seq.slot = self.allocator.alloc_slot()
         hit, pc = seq.hit, self.prefix_cache
+        if seq.cached_tokens is None:  # a preempted sequence's recompute does not change what it reports
+            seq.cached_tokens = hit.pos if hit is not None else 0
         if pc is None or hit is None:
             return
         if not seq.internal:
@@ -720,7 +728,8 @@ class Engine:
                                                 if s.metrics.first_scheduled_time), default=None)
         if req.finished:
             req.metrics.finished_time = max(s.metrics.finished_time for s in req.seqs)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics)
+        cached = max((s.cached_tokens or 0 for s in req.seqs), default=0)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics, cached)
 
     # ---- introspection --------------------------------------------------------------------------
     def _moe_exchange_bytes(self, tokens: int) -> int:
@@ -750,16 +759,17 @@ class Engine:
             "inter_rank_bytes": self.inter_rank_bytes,  # expert-parallel MoE traffic; 0 on one device
             "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
             "sharding": self.config.sharding,
+            # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
+            "arena_state_ranks": self.layout.state_ranks,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
 
     def slot_bytes(self, base: int) -> np.ndarray:
-        """Host copy of one KDA slot's contents (tests use it to check checkpoints never change)."""
-        flat = self.arena.reshape(-1)
-        start = base * self.layout.unit_elems
-        return np.asarray(flat[start:start + self.layout.slot_units * self.layout.unit_elems])
+        """Host copy of one KDA slot's contents, every rank's part (tests use it to check checkpoints
+        never change)."""
+        return np.asarray(self.arena[base:base + self.layout.slot_units]).reshape(-1)
 
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""

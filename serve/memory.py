@@ -17,6 +17,14 @@ by row (decode on the reference path: `update_states_in_place`); MLA pages are g
 per-layer page tables and the pages a step touched are written back. Reads and writes go through
 whole units (single MLA pages, or blocks of consecutive units for KDA slots), except the in-place
 update, which addresses a layer's run of words as rows of the arena viewed `[words / w, w]`.
+
+On a device mesh whose `heads` rule splits the KDA heads over R ranks (`state_ranks`), the arena is
+`float32[num_units, R * unit_elems]` split by columns: each rank holds a `[num_units, unit_elems]`
+arena of its own in which a unit is still one whole MLA page (the latent has one KV head, so every
+rank keeps every page, as tensor-parallel MLA engines do) and a state slot holds only that rank's
+N / R heads and their conv channels, so a slot spans about 1 / R of the units it would on one
+device. The same unit ids, slots and host bookkeeping serve every rank; the step runs the functions
+below on each rank's local arena (`serve/state_split.py`). `cache_bytes` is the budget of one rank.
 """
 
 from __future__ import annotations
@@ -44,11 +52,13 @@ class ArenaLayout:
     num_mla_layers: int
     num_kda_layers: int
     state_shape: tuple[int, ...]  # [Lk, N, K, V]
-    conv_shape: tuple[int, ...]  # [Lk, 3, W-1, P]
+    conv_shape: tuple[int, ...]  # [Lk, 3, W-1, P]  (one rank's heads and channels)
     slot_units: int
+    state_ranks: int = 1  # ranks the KDA heads are split over (each holds N / state_ranks heads)
 
     @classmethod
-    def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype) -> "ArenaLayout":
+    def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype, state_ranks: int = 1) -> "ArenaLayout":
+        """`budget_bytes` is one rank's arena; with `state_ranks` R > 1 a slot holds N / R KDA heads."""
         dt = jnp.dtype(dtype)
         lw = cfg.mla_latent_size
         if (lw * dt.itemsize) % WORD:
@@ -57,6 +67,9 @@ class ArenaLayout:
         unit_elems = page_size * latent_words
         n, d, w, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_proj_size
         lk = cfg.num_kda_layers
+        if state_ranks < 1 or (lk and n % state_ranks):
+            raise ValueError(f"state_ranks {state_ranks} does not divide the {n} KDA heads")
+        n, p = n // state_ranks, p // state_ranks
         state_shape, conv_shape = (lk, n, d, d), (lk, 3, w - 1, p)
         slot_elems = math.prod(state_shape) + math.prod(conv_shape)
         slot_units = max(1, -(-slot_elems // unit_elems)) if lk else 0
@@ -67,7 +80,7 @@ class ArenaLayout:
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
                              f"{slot_units} units)")
         return cls(num_units, unit_elems, page_size, lw, latent_words, dt.name, cfg.num_mla_layers, lk,
-                   state_shape, conv_shape, slot_units)
+                   state_shape, conv_shape, slot_units, state_ranks)
 
     @property
     def unit_bytes(self) -> int:
@@ -111,8 +124,15 @@ class ArenaLayout:
         """Units needed to hold `tokens` tokens of MLA cache (every MLA layer)."""
         return -(-tokens // self.page_size) * self.num_mla_layers
 
-    def empty(self) -> jax.Array:
-        return jnp.zeros((self.num_units, self.unit_elems), jnp.float32)
+    @property
+    def shape(self) -> tuple[int, int]:
+        """The whole arena's shape: every rank's `[num_units, unit_elems]` side by side."""
+        return self.num_units, self.state_ranks * self.unit_elems
+
+    def empty(self, sharding=None) -> jax.Array:
+        """A zeroed arena; with a sharding, made in place on the devices (no host copy of the whole)."""
+        zeros = lambda: jnp.zeros(self.shape, jnp.float32)
+        return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 
 
 class OutOfMemory(Exception):

@@ -182,6 +182,12 @@ def test_completion_usage_logprobs_and_greedy_determinism(client, http):
     lp = a.choices[0].logprobs
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 6
     assert all(x <= 0 for x in lp.token_logprobs) and all(1 <= len(t) <= 2 for t in lp.top_logprobs)
+    # usage.prompt_tokens_details.cached_tokens: the prompt tokens resumed from the prefix cache
+    long = prompt + " jumps over the lazy dog, and back"  # 53 byte tokens: a prompt-end checkpoint at 32
+    first = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0)
+    again = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens == 32
 
 
 def test_completion_seed_reproducible_and_n(client):

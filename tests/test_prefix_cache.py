@@ -79,6 +79,16 @@ def test_prompt_end_checkpoint(engines):
     warm_vs_cold(engines, base + toks(4, 7), "prompt_end")
 
 
+def test_outputs_report_the_prompt_tokens_taken_from_the_cache(engines):
+    """`RequestOutput.num_cached_tokens` (and so the HTTP usage's cached_tokens) is the position the
+    request resumed from: the aligned checkpoint, not the longer run of matching pages."""
+    on, off = engines
+    base = toks(5, 100)
+    assert run(on, base, n=1).num_cached_tokens == 0  # nothing cached yet
+    assert run(on, base + toks(6, 5), n=1).num_cached_tokens == 96  # prompt-end checkpoint at 96
+    assert run(off, base + toks(6, 5), n=1).num_cached_tokens == 0
+
+
 def test_branch_point_checkpoint(engines):
     system = toks(5, 150)
     run(engines[0], system + toks(6, 30))  # states only at its own prompt end (176)

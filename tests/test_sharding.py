@@ -118,11 +118,26 @@ _MULTI = textwrap.dedent("""
             llm = k3jax.LLM(model, sharding=sh, **kw)
             eng = llm.engine
             res = llm.generate(prompts, sps)
+            # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
+            again = llm.generate([list(range(10, 47)) + [3, 1, 4], list(range(10, 43)) + [9] * 9], sps[:2])
             st = llm.stats()
             leaves = jax.tree.leaves(eng.model.params)
             split = [x for x in leaves if x.addressable_shards[0].data.shape != x.shape]
+            # compiled decode and prefill programs: one rank's arena is never copied or communicated
+            local = "f32[%d,%d]" % (eng.layout.num_units, eng.layout.unit_elems)
+            arena_ops = bad = 0
+            for rows, t in (((4, 1), (2, 16)) if sh == "tp" else ()):
+                hlo = eng._step.lower(eng._leaves, eng.arena, eng._pad_batch(rows, t, 4, [])).compile().as_text()
+                made = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " = " in l]
+                ops = [m.split("(")[0].split()[-1] for m in made if m.startswith(local)]
+                arena_ops += len(ops)
+                bad += sum(o in ("copy", "all-gather", "all-reduce", "collective-permute", "all-to-all") for o in ops)
             out[f"{model}/{sh}"] = dict(
-                tokens=[r.token_ids for r in res],
+                tokens=[r.token_ids for r in res], again=[r.token_ids for r in again],
+                cached=[r.num_cached_tokens for r in again], arena_ops=arena_ops, arena_bad_ops=bad,
+                state_ranks=st["arena_state_ranks"], slot_units=eng.layout.slot_units,
+                arena_spec=str(getattr(eng.arena.sharding, "spec", "")), arena_local=list(eng.arena.addressable_shards[0].data.shape),
+                unit=[eng.layout.num_units, eng.layout.unit_elems],
                 logprobs=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res],
                 mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
                 devices=sorted(d.id for d in eng.arena.sharding.device_set),
@@ -152,22 +167,45 @@ def multi_device():
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
 def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     """Same greedy (and seeded) tokens on 1 device, a 4-way tensor mesh (experts split over it too) and a
-    2 x 2 expert x tensor mesh; logprobs to fp32 rounding (tensor-parallel partial sums are reduced in
-    another order); parameters really split, arena replicated on all 4 devices, MoE blocks expert-
-    parallel, no compile after warm-up, no cache units leaked."""
+    2 x 2 expert x tensor mesh, also when later prompts resume from the prefix cache; logprobs to fp32
+    rounding (tensor-parallel partial sums are reduced in another order); parameters really split, the
+    arena on all 4 devices, MoE blocks expert-parallel, no compile after warm-up, no cache units leaked."""
     one = multi_device[f"{model}/None"]
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4})):
         r = multi_device[f"{model}/{sh}"]
         assert r["mesh"] == mesh
-        assert r["tokens"] == one["tokens"]
+        assert r["tokens"] == one["tokens"] and r["again"] == one["again"]
+        assert r["cached"] == one["cached"] and all(c >= 16 for c in r["cached"])
         for a, b in zip(r["logprobs"], one["logprobs"]):
             assert a == pytest.approx(b, abs=2e-4)
         assert r["split"] > (r["leaves"] // 4 if sh != "ep" else 0)
-        assert r["devices"] == [0, 1, 2, 3] and r["arena_replicated"]
+        assert r["devices"] == [0, 1, 2, 3]
         assert r["expert_parallel"] and all(r["expert_parallel"])
         assert r["compiles"] == 0
         assert r["free"] == r["baseline"]  # free + held only by the prefix cache
+
+
+@pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
+def test_arena_state_slots_split_by_kda_heads(multi_device, model):
+    """Under the `heads` rule the arena is split by columns over that axis: each device holds a
+    [num_units, unit_elems] arena (every MLA page, its own KDA heads' states), so a state slot spans
+    fewer units (4 KDA heads: 1 per rank under tp, 2 under tp_ep) and the same per-device budget holds
+    more sequences. Without a heads split (ep) the arena is replicated as before."""
+    one = multi_device[f"{model}/None"]
+    assert one["state_ranks"] == 1 and one["arena_local"] == one["unit"]
+    for sh, ranks in (("tp", 4), ("tp_ep", 2), ("ep", 1)):
+        r = multi_device[f"{model}/{sh}"]
+        assert r["state_ranks"] == ranks and r["unit"] == one["unit"]
+        assert r["arena_local"] == one["unit"]  # one rank's arena: the same units as on one device
+        if ranks == 1:
+            assert r["arena_replicated"] and r["slot_units"] == one["slot_units"]
+        else:
+            assert not r["arena_replicated"] and "tensor" in r["arena_spec"]
+            assert r["slot_units"] <= -(-one["slot_units"] // ranks) + 1 < one["slot_units"]
+    # every arena access runs on the rank's own part: no copy of it and no collective over it
+    tp = multi_device[f"{model}/tp"]
+    assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
@@ -205,7 +243,7 @@ def test_serve_command_line_takes_a_sharding_config():
 
 
 def test_info_reports_bytes_per_device(capsys):
-    """`k3jax info --sharding` plans per-device parameter bytes from abstract shapes (no weights)."""
+    """`k3jax info --sharding` plans per-device parameter and cache bytes from abstract shapes (no weights)."""
     from k3jax.cli import main
 
     assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "tp", "--devices", "4"]) == 0
@@ -213,5 +251,8 @@ def test_info_reports_bytes_per_device(capsys):
     sh = info["sharding"]
     assert sh["mesh"] == {"tensor": 4} and sh["param_bytes"] == info["param_bytes"]
     assert info["param_bytes"] // 4 < sh["param_bytes_per_device"] < info["param_bytes"]
+    per_seq, per_dev = info["cache_bytes_per_sequence_at_4096"], sh["cache_bytes_per_sequence_at_4096_per_device"]
+    assert sh["kda_state_ranks"] == 4 and per_dev["kda_state"] * 4 == per_seq["kda_state"] > 0
+    assert per_dev["mla_kv"] == per_seq["mla_kv"]  # every rank keeps the whole latent cache
     assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "single", "--devices", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sharding"]["param_bytes_per_device"] == info["param_bytes"]
