@@ -403,11 +403,9 @@ def moe_layer_probe(model, tokens=(1, 32), reps: int = 7) -> dict:
 def count_arena_copies(engine: Engine, rows: int, t: int, pages: int) -> int | None:
     """Full-arena `copy` ops in the compiled step for one bucket (0 when the arena is updated in place)."""
     try:
-        from serve.step import engine_step
         lay = engine.layout
         batch = engine._pad_batch(rows, t, pages, [])
-        txt = engine_step.lower(engine.model.graphdef, lay, engine.model.params, engine.arena, batch,
-                                engine.config.max_logprobs).compile().as_text()
+        txt = engine._step.lower(engine._leaves, engine.arena, batch).compile().as_text()
         shapes = (f"f32[{lay.num_units},{lay.unit_elems}]",
                   f"f32[{lay.num_units},{lay.page_size},{lay.latent_words}]",
                   f"f32[{lay.num_units * lay.unit_elems}]")

@@ -82,6 +82,12 @@ class CacheView(abc.ABC):
     def mla(self, j: int, latent: jax.Array, valid: jax.Array):
         """Store the chunk's latents; -> (latents to attend over [B, S, W], mask [B, T, S])."""
 
+    def mla_paged(self, j: int, latent: jax.Array, valid: jax.Array):
+        """None: the j-th MLA layer attends over what `mla()` returns. A paged view may instead store a
+        decode token's latent [B, 1, W] itself and return `attend(q_lat, q_rope, scale) -> ctx [B, nh, r]`,
+        which runs the paged attention kernel over its pages (no gathered copy of the context)."""
+        return None
+
     def kda_recurrence(self, j: int):
         """None: the j-th KDA layer runs its delta rule on the state `kda()` returned and hands the
         result to `set_kda`. A view that updates states where they are stored instead returns

@@ -32,7 +32,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, Pref
 from serve.sampling import SamplingBatch
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve.state_split import StateSplit
-from serve.step import StepBatch, bind_step
+from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
 from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
 
@@ -67,6 +67,11 @@ class EngineConfig:
     # decode kernel) and scatters them back; "auto" picks in_place when the kernels resolve to the
     # reference (CPU) and gathered when they resolve to Pallas.
     kda_decode: str = "auto"
+    # Decode-step MLA attention: "paged" stores the token's latent in its page and runs the paged MLA
+    # kernel (pallas_kernels/mla) over the arena through the page tables; "gathered" gathers each row's
+    # pages into a dense copy and attends over it in jnp; "auto" picks paged when the kernels resolve to
+    # Pallas (GPU/TPU) and gathered on the reference path (CPU), where XLA needs the dense copy anyway.
+    mla_decode: str = "auto"
     # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
     # tile); "dequantized" expands them once at start-up to the model dtype (exact; 8x the bytes at
     # fp32), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
@@ -87,6 +92,8 @@ class EngineConfig:
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
             raise ValueError(f"kda_decode={self.kda_decode!r}: expected 'auto', 'in_place' or 'gathered'")
+        if self.mla_decode not in ("auto", "paged", "gathered"):
+            raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
         if self.expert_weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"expert_weights={self.expert_weights!r}: expected 'auto', 'packed' or 'dequantized'")
         if self.dense_weights not in ("auto", "out_in", "in_out"):
@@ -193,8 +200,10 @@ class Engine:
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty(arena_sharding)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
+        self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference)
+        options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
-                                             self.kda_in_place, arena_sharding, self.state_split)
+                                             options, arena_sharding)
         max_pages = -(-config.max_model_len // config.page_size)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))

@@ -286,19 +286,37 @@ def gather_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, f
     One block read per layer of the units its part of the slot overlaps; the state and conv
     windows are static slices of the block, so the model consumes them without a repacking copy.
     Rows with `fresh` set start a sequence: their state is zeros whatever the slot held before."""
+    layers = [read_layer_states(arena, layout, j, slot_base, fresh) for j in range(layout.num_kda_layers)]
+    return [c for c, _ in layers], [s for _, s in layers]
+
+
+def read_layer_states(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, fresh: jax.Array):
+    """KDA layer j's part of a batch's slots -> (conv [B, 3, W-1, P], state [B, N, K, V]): one block read
+    of the units it overlaps (zeros where `fresh`)."""
     b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_elems
-    _, n, k, v = layout.state_shape
-    conv_shape = layout.conv_shape[1:]
-    ns = n * k * v
-    convs, states = [], []
-    for j in range(layout.num_kda_layers):
-        first, end = j * le // ue, -(-(j + 1) * le // ue)  # units of the slot that layer j overlaps
-        off = j * le - first * ue
-        rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_elems]
-        rows = jnp.where(fresh[:, None], 0.0, rows)
-        states.append(rows[:, :ns].reshape(b, n, k, v))
-        convs.append(rows[:, ns:].reshape(b, *conv_shape))
-    return convs, states
+    first, end = j * le // ue, -(-(j + 1) * le // ue)  # units of the slot that layer j overlaps
+    off = j * le - first * ue
+    rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_elems]
+    rows = jnp.where(fresh[:, None], 0.0, rows)
+    ns = layout.state_elems
+    return rows[:, ns:].reshape(b, *layout.conv_shape[1:]), rows[:, :ns].reshape(b, *layout.state_shape[1:])
+
+
+def write_layer_states(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, conv: jax.Array,
+                       state: jax.Array) -> jax.Array:
+    """Write KDA layer j's new states and conv windows of a batch over its words of each row's slot: one
+    scatter of [layer_elems / w, w] rectangles into the arena viewed as rows of `row_width` words (a
+    layer's run may start mid-unit). Rows sharing a slot (padding rows) write the same words."""
+    b, rw = slot_base.shape[0], layout.row_width
+    per_unit, le = layout.unit_elems // rw, layout.layer_elems // rw
+    new = jnp.concatenate([state.reshape(b, -1, rw), conv.reshape(b, -1, rw)], 1)  # [B, le, rw]
+    start = slot_base * per_unit + j * le
+    if b == 1:  # see read_blocks: a one-index scatter would become a dynamic update XLA may duplicate
+        start, new = jnp.tile(start, 2), jnp.tile(new, (2, 1, 1))
+    dn = jax.lax.ScatterDimensionNumbers(update_window_dims=(1, 2), inserted_window_dims=(),
+                                         scatter_dims_to_operand_dims=(0,))
+    rows = jax.lax.scatter(arena.reshape(-1, rw), start[:, None], new, dn, mode=_BLOCKS)
+    return rows.reshape(arena.shape)
 
 
 def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, convs, states) -> jax.Array:

@@ -10,7 +10,9 @@ rank's state meets its own heads' q, k, v without communication.
 Each arena access of the step (`serve/memory.py`) is written for one rank's arena and runs here inside
 `jax.shard_map`: page reads leave every rank with its own (identical) copy and are declared
 replicated; page writes carry replicated contents to every rank; KDA reads and writes carry the head
-axis split like the arena. Nothing in the arena crosses devices. Without a split (`StateSplit` is None)
+axis split like the arena. The kernels that consume the arena run per rank too: the batched KDA op on
+the rank's heads and gathered states, the paged MLA kernel on the rank's query heads against its own
+pages (`serve/step.py`). Nothing in the arena crosses devices. Without a split (`StateSplit` is None)
 the functions are called directly on the whole arena, which is then replicated or on one device.
 """
 

@@ -18,9 +18,11 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.cache import CacheView, append_latents
+from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import kda_token_step
-from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, read_units, scatter_states, unpack_latent,
-                          update_states_in_place)
+from pallas_kernels.mla import paged_mla_decode
+from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, read_layer_states, read_units,
+                          scatter_states, unpack_latent, update_states_in_place, write_layer_states)
 from serve.sampling import SampleResult, SamplingBatch, sample
 from serve.state_split import StateSplit, on_ranks
 from jax.sharding import PartitionSpec as P
@@ -40,20 +42,37 @@ class StepBatch:
     sampling: SamplingBatch
 
 
+@dataclass(frozen=True)
+class StepOptions:
+    """How a step touches the arena (static: part of the compiled program)."""
+    kda_in_place: bool = True  # decode rewrites KDA states row by row in the arena (reference path)
+    mla_paged: bool = False  # decode attends with the paged MLA kernel over the arena's pages
+    split: StateSplit | None = None  # the arena split over a mesh axis by KDA heads
+    mla_heads: int = 0  # MLA query heads (the paged kernel splits them with the arena when it can)
+
+
 class PagedView(CacheView):
     """The model's view of one step's cache, carrying the arena through the layers.
 
     MLA layer j reads its pages from the arena when it runs and appends the chunk's latents to that
-    dense copy; the step writes the touched pages back afterwards. KDA states are either gathered
-    for the whole batch up front and scattered back after the model (`in_place=False`: prefill,
-    and decode where the Pallas kernel runs on the dense batch), or, for decode on the reference
-    path, updated row by row in the arena itself (`update_states_in_place`). Every read takes the
-    arena value current at that point of the model, so in-place writes never race an older read."""
+    dense copy; the step writes the touched pages back afterwards (or, with `paged_mla` at decode, it
+    stores the token's latent in its page and the paged kernel reads the arena). KDA states are either
+    gathered for the whole batch up front and scattered back after the model (`in_place=False`:
+    prefill, and decode where the Pallas kernel runs on the dense batch), or, for decode on the
+    reference path, updated row by row in the arena itself (`update_states_in_place`). When MLA layers
+    write the arena mid-model (paged decode), the batched KDA path reads and writes each layer's
+    states when that layer runs instead (`layered`): an up-front read or an end-of-step write would
+    not be ordered against those writes, and XLA would copy the arena to keep the old version. Every
+    read takes the arena value current at that point of the model, so writes never race an older
+    read."""
 
     def __init__(self, layout: ArenaLayout, batch: StepBatch, arena: jax.Array, in_place: bool,
-                 split: StateSplit | None = None):
+                 split: StateSplit | None = None, paged_mla: bool = False, mla_heads: int = 0):
         self.layout, self.batch, self.arena = layout, batch, arena
-        self.in_place, self.split = in_place, split
+        self.in_place, self.split, self.paged_mla = in_place, split, paged_mla
+        # MLA query heads split like the KDA heads when the split divides them (the kernel then runs
+        # on each rank's heads against its own copy of the pages), else whole on every rank
+        self._q = split.heads(1) if split and mla_heads % split.ranks == 0 else P()
         # specs for `on_ranks` (ignored without a split): arena, head-split dim d, whole on every rank
         self._a = split.arena if split else None
         self._h = split.heads if split else (lambda d: None)
@@ -62,27 +81,38 @@ class PagedView(CacheView):
         # row's working slot. A slot being written is never one being read in the same step.
         self.read_base = jnp.where(self.fresh, batch.write_base, batch.read_base)
         self.kv: list = [None] * layout.num_mla_layers  # per MLA layer [B, P * page_size, words]
-        self.conv, self.state = [], []
-        if not in_place:
+        self.layered = paged_mla and not in_place
+        self.conv, self.state = {}, {}  # per KDA layer j (batched path)
+        if not in_place and not self.layered:
             lk = layout.num_kda_layers
             gather = on_ranks(split, lambda a, base, fresh: gather_states(a, layout, base, fresh),
                               (self._a, P(), P()), ([self._h(3)] * lk, [self._h(1)] * lk))
-            self.conv, self.state = gather(arena, self.read_base, self.fresh)
+            self.conv, self.state = map(dict, map(enumerate, gather(arena, self.read_base, self.fresh)))
 
     def kda(self, j, b):
         if self.in_place:
             read = on_ranks(self.split, lambda a, base, fresh: read_conv(a, self.layout, j, base, fresh),
                             (self._a, P(), P()), self._h(3))
             return read(self.arena, self.read_base, self.fresh), None
+        if self.layered:
+            read = on_ranks(self.split, lambda a, base, fresh: read_layer_states(a, self.layout, j, base, fresh),
+                            (self._a, P(), P()), (self._h(3), self._h(1)))
+            self.conv[j], self.state[j] = read(self.arena, self.read_base, self.fresh)
         return self.conv[j], self.state[j]
 
     def set_kda(self, j, window, state):
-        if not self.in_place:
+        if self.in_place:
+            return
+        if state is not None:  # None: a recurrence of this view stored it
             self.conv[j], self.state[j] = window, state
+        if self.layered:
+            write = on_ranks(self.split, lambda a, base, c, st: write_layer_states(a, self.layout, j, base, c, st),
+                             (self._a, P(), self._h(3), self._h(1)), self._a)
+            self.arena = write(self.arena, self.batch.write_base, self.conv[j], self.state[j])
 
     def kda_recurrence(self, j):
         if not self.in_place:
-            return None
+            return self._recurrence_per_rank(j) if self.split else None
 
         def run(q, k, v, g, beta, window, scale):  # [B, 1, N, K] ... -> o [B, 1, N, V]
             def local(arena, read_base, write_base, fresh, q, k, v, g, beta, window):  # one rank's heads
@@ -101,6 +131,55 @@ class PagedView(CacheView):
             return o
 
         return run
+
+    def _recurrence_per_rank(self, j):
+        """On a split arena: the batched KDA op (the Pallas kernel on GPU/TPU) runs inside `shard_map` on
+        each rank's heads and gathered states. Under GSPMD alone a kernel call would gather every
+        head's inputs and states onto every rank."""
+        def run(q, k, v, g, beta, window, scale):  # [B, T, N, .] -> o [B, T, N, V]
+            op = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
+
+            def local(q, k, v, g, beta, state):
+                return op(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True)
+
+            h = self._h
+            o, self.state[j] = on_ranks(self.split, local, (h(2),) * 5 + (h(1),), (h(2), h(1)))(
+                q, k, v, g, beta, self.state[j])
+            self.conv[j] = window
+            return o
+
+        return run
+
+    def mla_paged(self, j, latent, valid):
+        """Decode: store the token's latent in its page in the arena (in place), then attend with the
+        paged MLA kernel over the arena's pages through the page table: no gathered copy."""
+        if not self.paged_mla:
+            return None
+        lay, batch = self.layout, self.batch
+        ps, lw = lay.page_size, lay.latent_words
+        pt = batch.page_table[:, j]  # [B, P]
+        pos = batch.lengths  # [B] the token's position
+        unit = jnp.take_along_axis(pt, jnp.minimum(pos // ps, pt.shape[1] - 1)[:, None], axis=1)[:, 0]
+        row = jnp.where(valid > 0, unit * ps + pos % ps, lay.num_units * ps)  # padding rows: dropped
+        words = pack_latent(latent[:, 0].astype(lay.latent_dtype))  # [B, lw]
+        if row.shape[0] == 1:  # see read_blocks: a one-index scatter must not become a dynamic update
+            row, words = jnp.tile(row, 2), jnp.tile(words, (2, 1))
+
+        def store(a, row, words):  # the arena viewed as token rows [num_units * page_size, lw]
+            return a.reshape(-1, lw).at[row].set(words, mode="drop").reshape(a.shape)
+
+        self.arena = on_ranks(self.split, store, (self._a, P(), P()), self._a)(self.arena, row, words)
+        seq_lens = pos + valid
+
+        def attend(q_lat, q_rope, scale):  # [B, nh, r], [B, nh, dr] -> [B, nh, r] fp32
+            def local(a, q_lat, q_rope, pt, seq_lens):
+                pages = unpack_latent(a.reshape(lay.num_units, ps, lw), lay.latent_dtype)  # [U, ps, 576]
+                return paged_mla_decode(q_lat, q_rope, pages, pt, seq_lens, scale=scale, out_dtype=jnp.float32)
+
+            run = on_ranks(self.split, local, (self._a, self._q, self._q, P(), P()), self._q)
+            return run(self.arena, q_lat, q_rope, pt, seq_lens)
+
+        return attend
 
     def mla(self, j, latent, valid):
         lay, b = self.layout, latent.shape[0]
@@ -133,26 +212,25 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.
     return jnp.concatenate(units), jnp.concatenate(rows)
 
 
-def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, kda_in_place: bool = True,
-              arena_sharding=None, split: StateSplit | None = None):
+def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, options: StepOptions = StepOptions(),
+              arena_sharding=None):
     """-> (step(leaves, arena, batch), leaves): `engine_step` jitted with the model graph, arena
-    layout, logprob width and KDA decode form bound once and the parameters passed as flat leaves.
+    layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
-    keeps one sharding from step to step (one program per bucket, updated in place). With `split`, the
-    arena is split by KDA heads and its accesses run per rank.
+    keeps one sharding from step to step (one program per bucket, updated in place).
 
     Passing the NNX graph as a static argument costs a Python hash of the whole graph and a
     pytree flatten of the parameter state on every call (~8 ms per step for k3-small on CPU);
     the bound form's per-call work is the C++ dispatch of a flat list of arrays."""
     leaves, treedef = jax.tree.flatten(params)
-    key = (graphdef, treedef, layout, num_top_logprobs, kda_in_place, arena_sharding, split)
+    key = (graphdef, treedef, layout, num_top_logprobs, options, arena_sharding)
     if key in _BOUND:  # engines over the same model and layout share their compiled programs
         _BOUND.move_to_end(key)
     else:
 
         def step(leaves, arena, batch):
             arena, res, counts = _engine_step(graphdef, layout, jax.tree.unflatten(treedef, leaves), arena, batch,
-                                              num_top_logprobs, kda_in_place, split)
+                                              num_top_logprobs, options)
             if arena_sharding is not None:
                 arena = jax.lax.with_sharding_constraint(arena, arena_sharding)
             return arena, res, counts
@@ -170,38 +248,42 @@ _BOUND_MAX = 8
 
 
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
-                 num_top_logprobs: int, kda_in_place: bool = True,
-                 split: StateSplit | None = None) -> tuple[jax.Array, SampleResult, jax.Array]:
+                 num_top_logprobs: int,
+                 options: StepOptions = StepOptions()) -> tuple[jax.Array, SampleResult, jax.Array]:
     """One model step over the arena `float32[num_units, state_ranks * unit_elems]` (donated, updated in
     place; split over `split`'s axis by KDA heads, or one rank's whole arena).
 
     Order on the arena: copy-on-write page copies; then the model, whose layers read (and, for
     in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
-    touched pages and, unless updated in place, of the working slots."""
+    touched pages (unless decode stored them through the paged MLA path) and, unless updated in place,
+    of the working slots."""
     model = nnx.merge(graphdef, params)
+    split = options.split
     src, dst = batch.copy_src, batch.copy_dst
     if src.shape[0] == 1:  # a one-index scatter becomes a dynamic-update-slice that XLA may duplicate
         src, dst = jnp.tile(src, 2), jnp.tile(dst, 2)  # per view of the arena, copying the arena for it
     a = split.arena if split else None
     arena = on_ranks(split, lambda ar, s, d: ar.at[d].set(ar[s]), (a, P(), P()), a)(arena, src, dst)
-    in_place = kda_in_place and batch.tokens.shape[1] == 1 and layout.num_kda_layers > 0
-    view = PagedView(layout, batch, arena, in_place, split)
+    decode = batch.tokens.shape[1] == 1
+    in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
+    paged = options.mla_paged and decode
+    view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads)
     routed: list = []
     logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed)
     arena = view.arena
-    if layout.num_mla_layers:
+    if layout.num_mla_layers and not paged:
         units, rows = touched_pages(layout, batch, view.kv)
         write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
         arena = write(arena, units, rows)
-    if layout.num_kda_layers and not in_place:
+    if layout.num_kda_layers and not in_place and not view.layered:
         lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
         scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),
                            (a, P(), [h(3)] * lk, [h(1)] * lk), a)
-        arena = scatter(arena, batch.write_base, view.conv, view.state)
+        arena = scatter(arena, batch.write_base, [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)])
     return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(routed, batch, model.cfg.num_experts)
 
 
-engine_step = jax.jit(_engine_step, static_argnums=(0, 1, 5, 6, 7), donate_argnums=(3,))
+engine_step = jax.jit(_engine_step, static_argnums=(0, 1, 5, 6), donate_argnums=(3,))
 
 
 def expert_counts(routed: list, batch: StepBatch, num_experts: int) -> jax.Array:

@@ -12,7 +12,8 @@ import pytest
 
 import k3jax
 from pallas_kernels.kda.reference import kda_token_step
-from serve.memory import ArenaLayout, gather_states, read_conv, scatter_states, update_states_in_place
+from serve.memory import (ArenaLayout, gather_states, read_conv, read_layer_states, scatter_states,
+                          update_states_in_place, write_layer_states)
 
 
 @pytest.fixture(scope="module", params=[("tiny-k3", 16), ("tiny-kimi-linear", 64)], ids=lambda p: f"{p[0]}-p{p[1]}")
@@ -55,6 +56,41 @@ def test_gather_then_scatter_round_trips_every_layer(layout):
         np.testing.assert_array_equal(np.asarray(c2[j]), np.asarray(convs[j][:3]))
         np.testing.assert_array_equal(np.asarray(read_conv(out, layout, j, base[:3], fresh[:3])),
                                       np.asarray(convs[j][:3]))
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_layer_by_layer_writes_equal_the_whole_slot_scatter(layout, rows):
+    """Paged decode's batched KDA path writes each layer's new states when the layer runs
+    (`write_layer_states`); after every layer the arena equals one whole-slot `scatter_states`, and
+    units outside the rows' working slots are untouched."""
+    arena = random_arena(layout, 3)
+    read, write = batch_bases(layout)
+    fresh = read < 0
+    base = jnp.where(fresh, write, read)[:rows]
+    rng = np.random.default_rng(4)
+    _, n, k, v = layout.state_shape
+    convs = [jnp.asarray(rng.standard_normal((rows, *layout.conv_shape[1:])), jnp.float32)
+             for _ in range(layout.num_kda_layers)]
+    states = [jnp.asarray(rng.standard_normal((rows, n, k, v)), jnp.float32) for _ in range(layout.num_kda_layers)]
+    layered = arena
+    for j in range(layout.num_kda_layers):
+        c, st = read_layer_states(layered, layout, j, base, fresh[:rows])
+        g = gather_states(layered, layout, base, fresh[:rows])
+        np.testing.assert_array_equal(np.asarray(st), np.asarray(g[1][j]))
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(g[0][j]))
+        layered = write_layer_states(layered, layout, j, write[:rows], convs[j], states[j])
+    whole = scatter_states(arena, layout, write[:rows], convs, states)
+    su, ue = layout.slot_units, layout.unit_elems
+    slot_words = np.zeros(layout.num_units, bool)
+    for b in np.asarray(write[:rows]):
+        slot_words[b:b + su] = True
+    got, want, old = (np.asarray(x) for x in (layered, whole, arena))
+    # the whole-slot scatter also zero-fills the slot's padding words; the layered writes leave them
+    used = np.zeros((layout.num_units, ue), bool)
+    for b in np.asarray(write[:rows]):
+        used[b:b + su].reshape(-1)[:layout.slot_elems] = True
+    np.testing.assert_array_equal(got[used], want[used])
+    np.testing.assert_array_equal(got[~slot_words], old[~slot_words])
 
 
 @pytest.mark.parametrize("j", [0, -1])

@@ -95,18 +95,23 @@ def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
-def test_gathered_kda_decode_is_token_identical(model, engine, prompts, alone):
-    """The two decode forms (per-row in-place state update, the CPU default; batched op on gathered
-    states, the accelerator default) give the same greedy tokens for a mixed batch."""
-    eng = make_engine(model, units=4000, kda_decode="gathered")
+def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone):
+    """The accelerator's decode forms (KDA: the batched op on gathered states; MLA: the token's latent
+    stored in its page and the paged MLA kernel run over the arena through the page tables) give the
+    CPU defaults' greedy tokens (per-row in-place state update; attention over gathered pages) for a
+    mixed batch."""
+    eng = make_engine(model, units=4000, kda_decode="gathered", mla_decode="paged")
     assert engine.kda_in_place and not eng.kda_in_place
+    assert eng.mla_paged and not engine.mla_paged
     outs = run_all(eng, prompts[:12])
     assert [o.token_ids for o in outs] == alone[:12]
 
 
-def test_kda_decode_option_is_checked(model):
+def test_step_form_options_are_checked(model):
     with pytest.raises(ValueError, match="kda_decode"):
         make_engine(model, warmup=False, kda_decode="fast")
+    with pytest.raises(ValueError, match="mla_decode"):
+        make_engine(model, warmup=False, mla_decode="flash")
     with pytest.raises(ValueError, match="expert_weights"):
         make_engine(model, warmup=False, expert_weights="fp8")
     with pytest.raises(ValueError, match="dense_weights"):
@@ -133,16 +138,20 @@ def test_prefill_chunk_size_invariance(model, prompts, alone, chunk):
     assert [o.token_ids for o in outs] == alone[:12]
 
 
-@pytest.mark.parametrize("kda_decode", ["in_place", "gathered"])
-def test_step_updates_the_arena_in_place(model, kda_decode):
+@pytest.mark.parametrize("kda_decode,mla_decode", [("in_place", "gathered"), ("gathered", "gathered"),
+                                                   ("gathered", "paged")])
+def test_step_updates_the_arena_in_place(model, kda_decode, mla_decode):
     """The compiled step never copies the arena (it is donated, every read of it precedes the writes
     that replace it, and it is written by scatters or in-place slice updates): one copy would cost a
     pass over the whole cache every step. Checked in the optimised HLO for 1-row and 4-row decodes
-    (both KDA decode forms) and a prefill chunk. Two ways this failed before: a 1-row read compiles
-    to a dynamic slice that XLA may fuse into later readers; and an in-place state update whose
-    output was computed from the state *after* the update made XLA re-read the old state late."""
+    (both KDA decode forms, both MLA decode forms: the CPU's and the accelerator's) and a prefill chunk.
+    Three ways this failed before: a 1-row read compiles to a dynamic slice that XLA may fuse into
+    later readers; an in-place state update whose output was computed from the state *after* the
+    update made XLA re-read the old state late; and with paged MLA decode (which writes the arena
+    mid-model) KDA states read up front and written at the end of the step (the batched path now
+    reads and writes each layer when it runs)."""
     eng = make_engine(model, warmup=False, decode_buckets=(1, 4), prefill_buckets=(1,), context_buckets=(1, 32),
-                      kda_decode=kda_decode)
+                      kda_decode=kda_decode, mla_decode=mla_decode)
     lay = eng.layout
     arena_shape = f"f32[{lay.num_units},{lay.unit_elems}]"
     for rows, t, pages in ((1, 1, 1), (1, 1, 32), (4, 1, 32), (1, eng.config.prefill_chunk, 32)):

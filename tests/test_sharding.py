@@ -114,8 +114,11 @@ _MULTI = textwrap.dedent("""
               progress=False)
     out = {}
     for model in sys.argv[1:]:
-        for sh in (None, "tp", "tp_ep", "ep"):
-            llm = k3jax.LLM(model, sharding=sh, **kw)
+        for sh, mla in ((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"),
+                        ("tp", "paged")):
+            # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states)
+            kda = "gathered" if mla == "paged" else "auto"
+            llm = k3jax.LLM(model, sharding=sh, mla_decode=mla, kda_decode=kda, **kw)
             eng = llm.engine
             res = llm.generate(prompts, sps)
             # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
@@ -126,13 +129,13 @@ _MULTI = textwrap.dedent("""
             # compiled decode and prefill programs: one rank's arena is never copied or communicated
             local = "f32[%d,%d]" % (eng.layout.num_units, eng.layout.unit_elems)
             arena_ops = bad = 0
-            for rows, t in (((4, 1), (2, 16)) if sh == "tp" else ()):
+            for rows, t in (((4, 1), (2, 16)) if sh == "tp" else ()):  # both MLA decode forms
                 hlo = eng._step.lower(eng._leaves, eng.arena, eng._pad_batch(rows, t, 4, [])).compile().as_text()
                 made = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " = " in l]
                 ops = [m.split("(")[0].split()[-1] for m in made if m.startswith(local)]
                 arena_ops += len(ops)
                 bad += sum(o in ("copy", "all-gather", "all-reduce", "collective-permute", "all-to-all") for o in ops)
-            out[f"{model}/{sh}"] = dict(
+            out[f"{model}/{sh}" + ("/paged" if mla == "paged" else "")] = dict(
                 tokens=[r.token_ids for r in res], again=[r.token_ids for r in again],
                 cached=[r.num_cached_tokens for r in again], arena_ops=arena_ops, arena_bad_ops=bad,
                 state_ranks=st["arena_state_ranks"], slot_units=eng.layout.slot_units,
@@ -167,12 +170,14 @@ def multi_device():
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
 def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     """Same greedy (and seeded) tokens on 1 device, a 4-way tensor mesh (experts split over it too) and a
-    2 x 2 expert x tensor mesh, also when later prompts resume from the prefix cache; logprobs to fp32
+    2 x 2 expert x tensor mesh, also when later prompts resume from the prefix cache and (tp) with the
+    accelerator's decode forms (paged MLA kernel, batched KDA op, each per rank); logprobs to fp32
     rounding (tensor-parallel partial sums are reduced in another order); parameters really split, the
     arena on all 4 devices, MoE blocks expert-parallel, no compile after warm-up, no cache units leaked."""
     one = multi_device[f"{model}/None"]
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
-    for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4})):
+    for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
+                     ("tp/paged", {"tensor": 4})):
         r = multi_device[f"{model}/{sh}"]
         assert r["mesh"] == mesh
         assert r["tokens"] == one["tokens"] and r["again"] == one["again"]
@@ -203,9 +208,10 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
         else:
             assert not r["arena_replicated"] and "tensor" in r["arena_spec"]
             assert r["slot_units"] <= -(-one["slot_units"] // ranks) + 1 < one["slot_units"]
-    # every arena access runs on the rank's own part: no copy of it and no collective over it
-    tp = multi_device[f"{model}/tp"]
-    assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
+    # every arena access runs on the rank's own part: no copy of it and no collective over it, also
+    # when decode stores latents and runs the paged MLA kernel per rank (on its query heads)
+    for tp in (multi_device[f"{model}/tp"], multi_device[f"{model}/tp/paged"]):
+        assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])

@@ -91,17 +91,27 @@ class MLA(nnx.Module):
         p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(v.dtype)
         return self._finish(x, jnp.einsum("bhts,bshd->bthd", p, v))
 
+    def _absorbed_queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """x [B, T, H] -> (q_lat [B, T, nh, r] = W_uk^T q_nope per head, q_rope [B, T, nh, dr], W [nh, dn + dv, r]).
+
+        The product uses the whole per-head kv_b_proj block [nh, dn + dv, r] in place: slicing W_uk / W_uv
+        out of it would copy the weight on every step (XLA:CPU cannot feed a strided slice to a dot). The
+        query is zero-padded over the W_uv rows (exact: the extra terms are 0 * w); the extra arithmetic
+        is a few nh * r * dv FLOPs per token, far below the weight traffic it saves at decode."""
+        cfg = self.cfg
+        q_n, q_r = self.queries(x)
+        w = self._w_ukv()
+        q_lat = jnp.einsum("bthd,hdr->bthr", jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),)), w)
+        return q_lat, q_r, w
+
+    def _absorbed_output(self, x: jax.Array, ctx: jax.Array, w: jax.Array) -> jax.Array:
+        """ctx [B, T, nh, r] (attention over the latents c) -> W_uv per head -> gate -> o_proj."""
+        return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w)[..., self.cfg.qk_nope_head_dim:])
+
     def absorbed(self, x: jax.Array, latent: jax.Array, mask: jax.Array) -> jax.Array:
         """Same attention with W_uk folded into the query: reads only the latent cache."""
         cfg = self.cfg
-        q_n, q_r = self.queries(x)
-        # Both products use the whole per-head kv_b_proj block [nh, dn + dv, r] in place: slicing
-        # W_uk / W_uv out of it would copy the weight on every step (XLA:CPU cannot feed a strided
-        # slice to a dot). The query is zero-padded over the W_uv rows (exact: the extra terms are
-        # 0 * w), and the output keeps only the W_uv rows; the extra arithmetic is a few
-        # nh * r * dv FLOPs per token, far below the weight traffic it saves at decode.
-        dn, w = cfg.qk_nope_head_dim, self._w_ukv()
-        q_lat = jnp.einsum("bthd,hdr->bthr", jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),)), w)  # [B, T, nh, r]
+        q_lat, q_r, w = self._absorbed_queries(x)  # [B, T, nh, r], [B, T, nh, dr]
         # Both contractions read the cache entries [c ; k_r] whole: slicing c and k_r out of the
         # gathered context would copy it twice more per layer (XLA:CPU cannot feed a slice to a
         # dot). Scores: [q_lat ; q_r] . [c ; k_r] in one product; context: p . [c ; k_r], keeping
@@ -112,5 +122,12 @@ class MLA(nnx.Module):
         # [B, nh, T, r] then transposed: XLA:CPU runs this contraction ~4x faster than one that
         # emits [B, T, nh, r] directly (the dot's natural output layout keeps heads next to batch)
         ctx = jnp.einsum("bhts,bsr->bhtr", p, latent)[..., :cfg.kv_lora_rank].transpose(0, 2, 1, 3)  # [B, T, nh, r]
-        return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w)[..., dn:])
+        return self._absorbed_output(x, ctx, w)
 
+    def paged(self, x: jax.Array, attend) -> jax.Array:
+        """One decode token (T = 1) attending through a paged cache's own kernel:
+        `attend(q_lat [B, nh, r], q_rope [B, nh, dr], scale) -> ctx [B, nh, r]` (the cache view has
+        already stored this token's latent, so the context includes it)."""
+        q_lat, q_r, w = self._absorbed_queries(x)
+        ctx = attend(q_lat[:, 0], q_r[:, 0].astype(q_lat.dtype), self.scale)
+        return self._absorbed_output(x, ctx[:, None].astype(q_lat.dtype), w)
