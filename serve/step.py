@@ -16,6 +16,7 @@ from collections import OrderedDict
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from k3jax.cache import CacheView, append_latents
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
@@ -25,7 +26,6 @@ from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, re
                           scatter_states, unpack_latent, update_states_in_place, write_layer_states)
 from serve.sampling import SampleResult, SamplingBatch, sample
 from serve.state_split import StateSplit, on_ranks
-from jax.sharding import PartitionSpec as P
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +87,8 @@ class PagedView(CacheView):
             lk = layout.num_kda_layers
             gather = on_ranks(split, lambda a, base, fresh: gather_states(a, layout, base, fresh),
                               (self._a, P(), P()), ([self._h(3)] * lk, [self._h(1)] * lk))
-            self.conv, self.state = map(dict, map(enumerate, gather(arena, self.read_base, self.fresh)))
+            convs, states = gather(arena, self.read_base, self.fresh)
+            self.conv, self.state = dict(enumerate(convs)), dict(enumerate(states))
 
     def kda(self, j, b):
         if self.in_place:
@@ -279,7 +280,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch:
         lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
         scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),
                            (a, P(), [h(3)] * lk, [h(1)] * lk), a)
-        arena = scatter(arena, batch.write_base, [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)])
+        convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
+        arena = scatter(arena, batch.write_base, convs, states)
     return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(routed, batch, model.cfg.num_experts)
 
 
