@@ -189,6 +189,11 @@ class Engine:
             self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config)
             axis = state_axis(self.sharding_config, dict(self.mesh.shape), model.cfg.kda_num_heads)
             self.state_split = StateSplit(self.mesh, axis) if axis is not None else None
+            heads = self.sharding_config.rule("heads")
+            if axis is None and axes_size(heads, dict(self.mesh.shape)) > 1 and model.cfg.num_kda_layers:
+                self.sharding_notes["cache arena"] = [
+                    f"{model.cfg.kda_num_heads} KDA heads not divisible by {heads}="
+                    f"{axes_size(heads, dict(self.mesh.shape))}: state slots replicated on every device"]
             arena_sharding = self.state_split.sharding() if self.state_split else replicated(self.mesh)
         # ranks that share the routed experts (1: no expert parallelism), for the traffic estimate
         self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, model.cfg.num_experts),

@@ -11,7 +11,7 @@ from jax.sharding import PartitionSpec as P
 
 from k3jax.runtime import load_model
 from k3jax.sharding import (CONFIG_DIR, load_sharding_config, make_mesh, moe_exchange_bytes, parse_sharding_config,
-                            plan_param_specs, spec_for)
+                            plan_param_specs, spec_for, state_axis)
 from k3jax.weight_layout import transpose_dense_weights
 from serve.engine import EngineConfig
 
@@ -75,6 +75,15 @@ def test_spec_for_rules_divisibility_and_one_dim_per_axis():
     assert spec_for(("experts", "expert_mlp", None), (16, 32, 8), two, sizes)[0] == P(("expert", "tensor"))
     spec, why = spec_for(("experts", "expert_mlp", None), (12, 32, 8), two, sizes)  # 12 % 8: experts stay whole
     assert spec == P(None, "tensor") and "not divisible by ('expert', 'tensor')=8" in why[0]
+
+
+def test_state_axis_splits_kda_heads_only_when_it_divides_them():
+    cfg = parse_sharding_config(TP)
+    assert state_axis(cfg, {"tensor": 4}, 96) == "tensor"
+    assert state_axis(cfg, {"tensor": 4}, 6) is None  # 6 heads over 4 ranks: slots stay replicated
+    assert state_axis(cfg, {"tensor": 1}, 96) is None and state_axis(cfg, {"tensor": 4}, 0) is None
+    ep = parse_sharding_config({"mesh": {"expert": -1}, "rules": {"experts": "expert"}})
+    assert state_axis(ep, {"expert": 4}, 96) is None  # heads not split: the arena is replicated
 
 
 def test_param_specs_follow_logical_axes_and_transposition():
