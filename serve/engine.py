@@ -777,6 +777,8 @@ class Engine:
             "arena_state_ranks": self.layout.state_ranks,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
+            "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",
+                             "mla": "paged" if self.mla_paged else "gathered"},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
         }
 

@@ -42,7 +42,7 @@ def runs(request, monkeypatch_module):
         first, again = serve(eng, PROMPTS), serve(eng, AGAIN)
         s = eng.stats()
         out[kernels] = dict(tokens=[o.token_ids for o in first + again], cached=[o.num_cached_tokens for o in again],
-                            paged=eng.mla_paged, in_place=eng.kda_in_place, experts=s["expert_format"],
+                            forms=s["decode_forms"], experts=s["expert_format"],
                             compiles=s["compiles_after_warmup"],
                             leaked=s["arena_free_units"] + s["arena_cached_units"] - s["arena_baseline_free_units"])
     monkeypatch_module.delenv("K3JAX_KERNELS")
@@ -59,8 +59,8 @@ def monkeypatch_module():
 def test_pallas_engine_matches_the_reference_engine(runs):
     model, out = runs
     ref, pal = out["reference"], out["interpret"]
-    assert (ref["paged"], ref["in_place"]) == (False, True)  # CPU defaults
-    assert (pal["paged"], pal["in_place"]) == (True, False)  # the accelerator's forms
+    assert ref["forms"] == {"kda": "in_place", "mla": "gathered"}  # CPU defaults
+    assert pal["forms"] == {"kda": "gathered", "mla": "paged"}  # the accelerator's forms
     assert pal["experts"] == model.cfg.expert_format  # MXFP4 stays packed for the grouped matmul
     assert pal["tokens"] == ref["tokens"]
     assert pal["cached"] == ref["cached"] and all(c > 0 for c in pal["cached"])
