@@ -24,7 +24,7 @@ DEFAULTS = dict(
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
-    sharding=None, log_level="info",
+    sharding=None, kda_decode="auto", mla_decode="auto", log_level="info",
 )
 
 
@@ -51,6 +51,12 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--sharding", default=d["sharding"],
                    help="device mesh: a config in sharding_configs/ (e.g. 'tp') or a YAML path (default: one device)")
+    e.add_argument("--kda-decode", default=d["kda_decode"], choices=["auto", "in_place", "gathered"],
+                   help="KDA decode form: in_place (row loop over the arena, the CPU default) or gathered "
+                        "(batched kernel on gathered states, the GPU/TPU default)")
+    e.add_argument("--mla-decode", default=d["mla_decode"], choices=["auto", "paged", "gathered"],
+                   help="MLA decode form: paged (paged kernel over the arena, the GPU/TPU default) or gathered "
+                        "(pages gathered into a dense copy, the CPU default)")
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
                                                              "(default ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
@@ -97,7 +103,8 @@ def engine_config(o: dict):
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=max(512, decode[-1] + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
-        seed=o["seed"], sharding=o.get("sharding"))
+        seed=o["seed"], sharding=o.get("sharding"), kda_decode=o.get("kda_decode", "auto"),
+        mla_decode=o.get("mla_decode", "auto"))
 
 
 def enable_compile_cache(path: Optional[str]) -> Optional[str]:

@@ -241,7 +241,7 @@ def test_moe_exchange_bytes_is_a_ring_all_reduce_per_group():
     assert moe_exchange_bytes(3, 10, 2, 16, 2, 8) == 3 * 4 * 2 * 1 * one_layer  # 4 groups of 2
 
 
-def test_serve_command_line_takes_a_sharding_config():
+def test_serve_command_line_takes_a_sharding_config_and_decode_forms():
     from k3jax.cli import build_parser
     from serve.cli import DEFAULTS, engine_config
 
@@ -249,7 +249,9 @@ def test_serve_command_line_takes_a_sharding_config():
         args = build_parser().parse_args(["serve", *argv])
         return engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
 
-    assert cfg().sharding is None
+    assert cfg().sharding is None and (cfg().kda_decode, cfg().mla_decode) == ("auto", "auto")
+    forms = cfg("--kda-decode", "gathered", "--mla-decode", "paged")
+    assert (forms.kda_decode, forms.mla_decode) == ("gathered", "paged")
     c = cfg("--sharding", "tp_ep")
     assert c.sharding == "tp_ep"
     c.validate()
