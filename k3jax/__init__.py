@@ -10,11 +10,14 @@ def __getattr__(name):
     if name == "LLM":
         from serve.llm import LLM
         return LLM
+    if name == "initialize_distributed":
+        from serve.multihost import initialize
+        return initialize
     if name in ("SamplingParams", "RequestOutput"):
         import serve.types
         return getattr(serve.types, name)
     raise AttributeError(f"module 'k3jax' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
+__all__ = ["LLM", "initialize_distributed", "SamplingParams", "RequestOutput", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
 __version__ = "0.1.0"

@@ -78,15 +78,21 @@ class AsyncEngine:
         return self.engine.stats()
 
     def shutdown(self) -> None:
+        """Stop the engine thread; then release a multi-process engine's followers."""
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        if self._thread.is_alive():  # a step still running: the channel is that thread's (closed at exit)
+            log.warning("engine thread still in a step after 10 s; followers are released at exit")
+        else:
+            self.engine.close()
 
     # ---- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
             self._drain_commands()
             if not self.engine.has_unfinished():
+                self.engine.idle()
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
                 continue

@@ -9,6 +9,10 @@ The defaults fit a small CPU machine: `k3-small` (seeded weights, byte tokenizer
 up to 8 concurrent sequences, one decode bucket of 8 rows and one prefill row of 64 tokens, both over
 the whole context (32 pages): two step programs in all. Add buckets (`--decode-buckets 1,8`,
 `--context-buckets 8,32`, ...) where steps are cheap enough for padding to matter (accelerators).
+
+Multi-host (`--coordinator-address`, `--num-processes`, `--process-id`, with a `--sharding` whose mesh
+spans every process): every host runs the same command; process 0 serves HTTP and schedules, the others
+build the same engine and replay process 0's steps (`serve/multihost.py`) until it shuts down.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ DEFAULTS = dict(
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", log_level="info",
+    coordinator_address=None, num_processes=1, process_id=0,
 )
 
 
@@ -60,6 +65,12 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
                                                              "(default ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
+    m = s.add_argument_group("multi-host (one mesh over several processes; run the same command on each)")
+    m.add_argument("--coordinator-address", default=None,
+                   help="host:port of process 0's coordinator (jax.distributed); needs --sharding")
+    m.add_argument("--num-processes", type=int, default=d["num_processes"])
+    m.add_argument("--process-id", type=int, default=d["process_id"],
+                   help="0 serves HTTP and schedules; the others run its steps on their devices")
     a = s.add_argument_group("access")
     a.add_argument("--api-key-file", default=None,
                    help="bearer keys, one per line 'KEY [rpm=N] [tpm=N]' (also: K3JAX_API_KEYS=k1,k2)")
@@ -126,6 +137,20 @@ def _say(msg: str) -> None:
     print(f"[k3jax serve] {msg}", file=sys.stderr, flush=True)
 
 
+def _follow(o: dict, cfg) -> int:
+    """Processes 1.. of a multi-host server: build the same engine, then run process 0's steps."""
+    from k3jax.runtime import load_model
+    from serve.engine import Engine
+
+    me = f"process {o['process_id']}/{o['num_processes']}"
+    _say(f"{me}: loading {o['model']} ({o['dtype']}) and compiling ...")
+    eng = Engine(load_model(o["model"], dtype=o["dtype"], seed=o["seed"]), cfg, progress=False)
+    _say(f"{me}: following process 0's steps")
+    n = eng.follow()
+    _say(f"{me}: process 0 closed after {n} steps ({eng.channel.pings} idle pings)")
+    return 0
+
+
 def serve_main(args) -> int:
     import uvicorn
 
@@ -136,7 +161,16 @@ def serve_main(args) -> int:
     t0 = time.monotonic()
     cfg = engine_config(o)
     cfg.validate()
+    if o["num_processes"] > 1 or o["coordinator_address"]:
+        if not o["coordinator_address"] or cfg.sharding is None:
+            raise ValueError("multi-host serving needs --coordinator-address HOST:PORT, --num-processes, "
+                             "--process-id and a --sharding whose mesh spans every process's devices")
+        from serve.multihost import initialize
+
+        initialize(o["coordinator_address"], o["num_processes"], o["process_id"])
     cache_dir = None if o["no_compile_cache"] else enable_compile_cache(o["compile_cache_dir"])
+    if o["process_id"] > 0:
+        return _follow(o, cfg)
     keys = load_api_keys(o["api_key_file"])
     name = o["served_model_name"] or o["model"]
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
@@ -178,6 +212,8 @@ def serve_main(args) -> int:
     threading.Thread(target=warm, name="k3jax-warmup", daemon=True).start()
     try:
         server.run()
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT: uvicorn has shut down gracefully and re-raised it
+        pass
     finally:
         if "engine" in holder:
             holder["engine"].shutdown()

@@ -8,10 +8,13 @@ step, never to layers or tokens of context.
 
 from __future__ import annotations
 
+import atexit
 import collections
+import hashlib
 import itertools
 import logging
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -27,6 +30,7 @@ from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from serve.memory import Arena, ArenaLayout, OutOfMemory
 from serve.moe_timing import time_moe_blocks
+from serve.multihost import StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
@@ -242,6 +246,17 @@ class Engine:
         self._tails: collections.OrderedDict[str, PrefixHasher] = collections.OrderedDict()  # finished, never reused
         self.warmed_up = False
         self.compiles_after_warmup = 0
+        # A mesh over several processes: process 0 leads, the others replay its steps (serve/multihost.py)
+        self.channel = None
+        if self.mesh is not None and len(mesh_processes(self.mesh)) > 1:
+            if mesh_processes(self.mesh) != set(range(jax.process_count())):
+                raise ValueError(f"sharding={config.sharding!r}: the mesh holds the devices of processes "
+                                 f"{sorted(mesh_processes(self.mesh))} of {jax.process_count()}; a multi-process "
+                                 f"mesh must span every process")
+            self.channel = StepChannel(lambda rows, t, pages: self._pad_batch(rows, t, pages, []))
+            self.channel.check(self._fingerprint())
+            if self.channel.leader:
+                atexit.register(_close_engine, weakref.ref(self))
         if warmup:
             self.warmup(progress)
 
@@ -257,6 +272,8 @@ class Engine:
         for rows, t, p in tqdm(self.bucket_shapes(), desc="compiling step buckets", disable=not progress):
             batch = self._pad_batch(rows, t, p, [])
             self.arena, res, _ = self._step_fn(batch)
+            if self.channel is not None:
+                self.channel.prime((rows, t, p))
         jax.block_until_ready(self.arena)
         if self.config.measure_moe_time and self.expert_counts.shape[0]:
             for n in tqdm(sorted({rows * t for rows, t, _ in self.bucket_shapes()}), desc="timing MoE blocks",
@@ -267,6 +284,8 @@ class Engine:
 
     def _step_fn(self, batch: StepBatch):
         """Run the compiled step; a call that grows the jit cache after warm-up counts as a compile."""
+        if self.channel is not None and self.channel.leader and self.warmed_up:
+            self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
         out = self._step(self._leaves, self.arena, batch)
         if self.warmed_up and self._step._cache_size() > before:
@@ -274,9 +293,58 @@ class Engine:
             log.warning("step shape %s compiled after warm-up", batch.tokens.shape)
         return out
 
+    def _fingerprint(self) -> str:
+        """What every process of a multi-process engine must agree on (model, config, layout, buckets)."""
+        shapes = [(tuple(x.shape), str(x.dtype)) for x in self._leaves]
+        return (f"{self.config!r} {self.layout!r} {self.bucket_shapes()} "
+                f"params={hashlib.sha256(repr(shapes).encode()).hexdigest()[:16]}")
+
+    # ---- multi-process (serve/multihost.py) ---------------------------------------------------
+    @property
+    def is_follower(self) -> bool:
+        """True on the processes other than 0 of a multi-process engine: they only run `follow()`."""
+        return self.channel is not None and not self.channel.leader
+
+    def follow(self) -> int:
+        """Follower processes: run the leader's steps until it closes the engine; -> steps run.
+
+        A step that fails here fails on the leader too (same program, same inputs); the follower logs
+        it and keeps following, as the leader keeps serving."""
+        if not self.is_follower:
+            raise RuntimeError("follow() is for processes 1.. of a multi-process engine; process 0 serves")
+        if not self.warmed_up:
+            raise RuntimeError("warm the engine up (as the leader does) before following")
+        n = 0
+        while (batch := self.channel.receive()) is not None:
+            try:
+                self.arena, _, _ = self._step_fn(batch)
+            except Exception:
+                log.exception("step %d failed on process %d", n, self.channel.process)
+            n += 1
+        jax.block_until_ready(self.arena)
+        return n
+
+    def close(self) -> None:
+        """Release the follower processes of a multi-process engine (a no-op otherwise); after it the
+        leader can no longer step. Also run at interpreter exit."""
+        if self.channel is not None and self.channel.leader:
+            self.channel.close()
+
+    def idle(self) -> None:
+        """Call when there is nothing to step (the async engine does): keeps a multi-process engine's
+        followers from waiting in one collective for long (serve/multihost.py)."""
+        if self.channel is not None and self.channel.leader and not self.channel.closed:
+            self.channel.keepalive()
+
+    def _leader_only(self, what: str) -> None:
+        if self.is_follower:
+            raise RuntimeError(f"{what}: process {self.channel.process} follows process 0's steps "
+                               f"(call follow()); requests go to process 0")
+
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None) -> str:
+        self._leader_only("add_request")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         try:
@@ -348,6 +416,7 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return outputs of requests that made progress."""
+        self._leader_only("step")
         live = [s for s in self.seqs.values() if not s.finished]
         for s in live:
             if s.slot is None:
@@ -772,6 +841,9 @@ class Engine:
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": self.inter_rank_bytes,  # expert-parallel MoE traffic; 0 on one device
             "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
+            "processes": len(mesh_processes(self.mesh)) if self.mesh is not None else 1,
+            # multi-process: host seconds the leader spent broadcasting step batches to the followers
+            "step_broadcast_seconds": self.channel.seconds if self.channel is not None else 0.0,
             "sharding": self.config.sharding,
             # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
             "arena_state_ranks": self.layout.state_ranks,
@@ -790,6 +862,15 @@ class Engine:
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
+
+
+def _close_engine(ref) -> None:
+    engine = ref()
+    if engine is not None:
+        try:
+            engine.close()
+        except Exception:  # interpreter exit: the followers' coordinator may be gone already
+            log.warning("could not release the follower processes", exc_info=True)
 
 
 def _fit(n: int, buckets: tuple[int, ...]) -> int:

@@ -13,7 +13,11 @@ Prompt = Union[str, Sequence[int]]
 
 class LLM:
     """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields plus `dtype`/`seed`
-    when a path or preset is given."""
+    when a path or preset is given.
+
+    On a mesh over several processes (`k3jax.initialize_distributed`, then `sharding=...`), every
+    process builds the same `LLM`; process 0 calls `generate` and finally `close()`, the others call
+    `follow()`, which returns when process 0 closes."""
 
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
                  progress: bool = True, **engine_options):
@@ -38,3 +42,18 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def follow(self) -> int:
+        """Processes 1.. of a multi-process mesh (serve/multihost.py): run process 0's steps until it
+        calls `close()` (or exits); -> steps run."""
+        return self.engine.follow()
+
+    def close(self) -> None:
+        """Process 0 of a multi-process mesh: release the followers. A no-op on one process."""
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

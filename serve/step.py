@@ -16,7 +16,7 @@ from collections import OrderedDict
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.cache import CacheView, append_latents
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
@@ -218,7 +218,8 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
     """-> (step(leaves, arena, batch), leaves): `engine_step` jitted with the model graph, arena
     layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
-    keeps one sharding from step to step (one program per bucket, updated in place).
+    keeps one sharding from step to step (one program per bucket, updated in place), and the sampled
+    tokens, logprobs and expert counts are replicated.
 
     Passing the NNX graph as a static argument costs a Python hash of the whole graph and a
     pytree flatten of the parameter state on every call (~8 ms per step for k3-small on CPU);
@@ -234,6 +235,9 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
                                               num_top_logprobs, options)
             if arena_sharding is not None:
                 arena = jax.lax.with_sharding_constraint(arena, arena_sharding)
+                # outputs whole on every device: each process (multi-host: the leader) reads them locally
+                whole = NamedSharding(arena_sharding.mesh, P())
+                res, counts = jax.lax.with_sharding_constraint((res, counts), whole)
             return arena, res, counts
 
         _BOUND[key] = jax.jit(step, donate_argnums=(1,))

@@ -1,0 +1,167 @@
+"""Multi-host serving: one engine over a device mesh that spans several processes (`jax.distributed`).
+
+JAX runs multi-host programs multi-controller: every process must launch the same compiled programs,
+in the same order, on the same global shapes. The engine keeps that contract with a leader and
+followers. Process 0 (the leader) owns everything on the host side: requests, the scheduler, the
+arena's bookkeeping, the prefix cache, sampling parameters, outputs. Before each step program it
+broadcasts the step's batch (the padded numpy arrays: tokens, page tables, slot bases, copy lists,
+sampling rows) over the `StepChannel`; every other process (a follower) sits in `Engine.follow()`,
+receives the batch and runs the same step program on its own devices. The followers keep no request
+state: everything a step does to the cache is named by its batch, so replaying the batches replays
+the cache. Outputs (sampled tokens, logprobs, expert counts) come back replicated, so the leader
+reads them locally.
+
+Start-up is symmetric: every process builds the engine from the same model and config and compiles
+the same buckets (the leader checks a fingerprint of the config and bucket set against each
+follower's before the first step and names the difference). The leader's `Engine.close()` (also run
+at interpreter exit) releases the followers.
+
+The channel is two `broadcast_one_to_all` collectives per step: a fixed header (command, rows,
+tokens per row, pages per layer) and the batch packed into one byte buffer. Both are small next to a
+step (a decode batch of 64 rows over 2048 pages per MLA layer is ~12 MB of page table for K3's 24
+MLA layers, most of it padding; the rest is KBs), and both programs are compiled during warm-up.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import time
+from typing import Callable, Optional
+
+import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+_STOP, _STEP, _IDLE = 0, 1, 2
+# an idle leader pings the followers this often (bounds how long a follower waits in one collective)
+KEEPALIVE_SECONDS = float(os.environ.get("K3JAX_MULTIHOST_KEEPALIVE", "10"))
+
+
+def initialize(coordinator_address: str, num_processes: int, process_id: int,
+               local_device_ids: Optional[list[int]] = None) -> None:
+    """`jax.distributed.initialize`, with CPU cross-process collectives (gloo) enabled, so the same
+    multi-process engine runs on GPU/TPU hosts and on CPU processes (tests, development)."""
+    if num_processes < 1 or not 0 <= process_id < num_processes:
+        raise ValueError(f"process_id={process_id} must be in [0, num_processes={num_processes})")
+    if ":" not in coordinator_address:
+        raise ValueError(f"coordinator_address={coordinator_address!r}: expected 'host:port'")
+    try:  # must be set before the CPU backend starts; a no-op for GPU/TPU devices
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    except Exception as e:  # pragma: no cover - older/newer JAX without the option
+        log.info("CPU collectives option not set: %s", e)
+    jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
+                               local_device_ids=local_device_ids)
+
+
+def mesh_processes(mesh) -> set[int]:
+    """Indices of the processes whose devices the mesh holds."""
+    return {d.process_index for d in mesh.devices.flat}
+
+
+def _broadcast(tree):
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(tree)
+
+
+def pack(leaves: list[np.ndarray]) -> np.ndarray:
+    """Leaves -> one uint8 buffer (their bytes back to back)."""
+    return np.concatenate([np.ascontiguousarray(x).reshape(-1).view(np.uint8) for x in leaves]) if leaves \
+        else np.zeros(0, np.uint8)
+
+
+def unpack(buf: np.ndarray, template: list[np.ndarray]) -> list[np.ndarray]:
+    """Inverse of `pack`, with shapes and dtypes from `template`."""
+    sizes = [x.size * x.dtype.itemsize for x in template]
+    if sum(sizes) != buf.size:
+        raise ValueError(f"step batch of {buf.size} bytes does not match the template's {sum(sizes)}")
+    out, at = [], 0
+    for x, n in zip(template, sizes):
+        out.append(buf[at:at + n].view(x.dtype).reshape(x.shape))
+        at += n
+    return out
+
+
+class StepChannel:
+    """The leader's step batches, replayed by every follower (see the module docstring).
+
+    `make_batch(rows, t, pages)` builds a padding batch of that bucket: the followers' template for
+    shapes and dtypes (the engine's `_pad_batch` with no rows)."""
+
+    def __init__(self, make_batch: Callable):
+        self.make_batch = make_batch
+        self.process = jax.process_index()
+        self.leader = self.process == 0
+        self.closed = False
+        self.steps = 0  # batches sent (leader) or received (follower)
+        self.pings = 0  # idle keepalives sent (leader) or received (follower)
+        self.seconds = 0.0  # host time spent in the channel's broadcasts
+        self.last = time.monotonic()  # last exchange
+
+    # ---- both sides ---------------------------------------------------------------------------
+    def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None):
+        """Broadcast a header and (for a step) its batch from the leader; -> (cmd, shape, batch)."""
+        t0 = time.monotonic()
+        head = _broadcast(np.asarray([cmd, *shape], np.int64))
+        cmd, shape = int(head[0]), tuple(int(x) for x in head[1:])
+        if cmd == _STEP:
+            leaves, treedef = jax.tree.flatten(batch if self.leader else self.make_batch(*shape))
+            leaves = [np.asarray(x) for x in leaves]
+            got = _broadcast(pack(leaves))
+            batch = jax.tree.unflatten(treedef, unpack(np.asarray(got), leaves))
+        self.last = time.monotonic()
+        if self.leader:
+            self.seconds += self.last - t0
+        return cmd, shape, batch if cmd == _STEP else None
+
+    def prime(self, shape: tuple[int, int, int]) -> None:
+        """Compile the channel's programs for one bucket (every process, in the same order: warm-up)."""
+        self._exchange(_STEP, shape, self.make_batch(*shape))
+
+    def check(self, fingerprint: str) -> None:
+        """Every process compares its engine fingerprint with the leader's; raises on a mismatch."""
+        from jax.experimental import multihost_utils
+
+        digest = np.frombuffer(hashlib.sha256(fingerprint.encode()).digest()[:8], np.int64)
+        every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)  # [processes]
+        bad = [i for i, d in enumerate(every) if d != every[0]]
+        if bad:
+            raise RuntimeError(f"process(es) {bad} built a different engine than process 0 (model, config or "
+                               f"buckets differ): every process must build the same engine. "
+                               f"Process {self.process}: {fingerprint}")
+
+    # ---- leader -------------------------------------------------------------------------------
+    def send(self, batch, shape: tuple[int, int, int]) -> None:
+        if self.closed:
+            raise RuntimeError("the step channel is closed (the followers were released)")
+        self._exchange(_STEP, shape, batch)
+        self.steps += 1
+
+    def keepalive(self) -> None:
+        """An idle leader's ping (every KEEPALIVE_SECONDS): no follower waits in one collective for
+        long, whatever the collectives' timeouts."""
+        if self.leader and not self.closed and time.monotonic() - self.last >= KEEPALIVE_SECONDS:
+            self._exchange(_IDLE, (0, 0, 0))
+            self.pings += 1
+
+    def close(self) -> None:
+        """Release the followers (their `follow()` returns)."""
+        if self.leader and not self.closed:
+            self.closed = True
+            self._exchange(_STOP, (0, 0, 0))
+
+    # ---- follower -----------------------------------------------------------------------------
+    def receive(self):
+        """-> the leader's next step batch, or None once the leader closed the channel."""
+        while True:
+            cmd, _, batch = self._exchange(_STOP, (0, 0, 0))
+            if cmd == _STOP:
+                self.closed = True
+                return None
+            if cmd == _STEP:
+                self.steps += 1
+                return batch
+            self.pings += 1

@@ -1,0 +1,165 @@
+"""One engine over a mesh spanning two processes (serve/multihost.py), on CPU: two `k3jax serve` processes
+(2 simulated devices each, `jax.distributed` with gloo collectives) form one 4-way tensor-parallel mesh;
+process 0 serves HTTP and schedules, process 1 replays its steps. Compared with one process on one
+device: same greedy and seeded tokens, logprobs to fp32 rounding, prefix-cache reuse, a clean shutdown
+that releases the follower."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from test_http import SMALL, _free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+           K3JAX_MULTIHOST_KEEPALIVE="0.3")
+PROMPTS = [("The quick brown fox", dict(temperature=0, max_tokens=8)),
+           ("Once upon a time, in a land far away", dict(temperature=0, max_tokens=5)),
+           ("abc", dict(temperature=0.8, top_p=0.9, seed=3, max_tokens=6)),
+           # 53 byte tokens: a prompt-end KDA checkpoint at 32; asked twice, the second resumes from it
+           ("The quick brown fox jumps over the lazy dog, and back", dict(temperature=0, max_tokens=4))]
+
+
+def _wait(proc, log, url, timeout=300):
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with {proc.returncode}:\n{open(log).read()[-4000:]}")
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"not ready after {timeout}s:\n{open(log).read()[-4000:]}")
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """Processes 0 (HTTP on a free port) and 1 of one `k3jax serve --sharding tp` over 2 x 2 devices."""
+    logs = tmp_path_factory.mktemp("multihost")
+    port, coord = _free_port(), _free_port()
+    base = [sys.executable, "-m", "k3jax.cli", "serve", *SMALL, "--sharding", "tp", "--no-compile-cache",
+            "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2"]
+    procs, paths = [], []
+    for pid in (1, 0):
+        paths.append(str(logs / f"process{pid}.log"))
+        procs.append(subprocess.Popen(base + ["--process-id", str(pid), "--port", str(port)], cwd=ROOT, env=ENV,
+                                      stdout=open(paths[-1], "w"), stderr=subprocess.STDOUT))
+    follower, leader = procs
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(leader, paths[1], url)
+        yield dict(url=url, leader=leader, follower=follower, leader_log=paths[1], follower_log=paths[0])
+    finally:
+        for p in (leader, follower):
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """The same engine on one process, one device."""
+    from k3jax.runtime import load_model
+    from serve.cli import DEFAULTS, engine_config
+    from serve.engine import Engine
+
+    o = dict(DEFAULTS, max_model_len=128, max_num_seqs=8, decode_buckets="8", prefill_buckets="1",
+             context_buckets="8", prefill_chunk=32, cache_mb=32)
+    cfg = engine_config(o)
+    return Engine(load_model("tiny-k3"), dataclasses.replace(cfg, measure_moe_time=False), progress=False)
+
+
+def _reference_outputs(engine, prompts):
+    from serve.types import SamplingParams
+
+    ids = [engine.add_request(p, SamplingParams(ignore_eos=True, logprobs=1, **kw)) for p, kw in prompts]
+    done = {}
+    while len(done) < len(ids):
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
+def test_two_processes_serve_like_one_device(cluster, reference):
+    """Greedy and seeded completions over HTTP from the 2-process mesh equal one device's (texts;
+    logprobs to fp32 rounding), prefix-cache reuse included; idle pings keep the follower alive
+    between requests; SIGINT to process 0 ends both processes cleanly."""
+    with httpx.Client(base_url=cluster["url"], timeout=120) as http:
+        got = []
+        for i, (prompt, kw) in enumerate(PROMPTS + PROMPTS[-1:]):
+            r = http.post("/v1/completions", json=dict(model="tiny-k3", prompt=prompt, ignore_eos=True, logprobs=1, **kw))
+            assert r.status_code == 200, r.text
+            got.append(r.json())
+            if i == 1:
+                time.sleep(1.0)  # idle: the leader pings the follower (keepalive 0.3 s here)
+    want = _reference_outputs(reference, PROMPTS + PROMPTS[-1:])
+    for g, w in zip(got, want):
+        c = g["choices"][0]
+        assert c["text"] == w.outputs[0].text
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"], [lp.logprob for lp, _ in w.outputs[0].logprobs],
+                                   atol=2e-4)
+    assert [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got][-2:] == [0, 32]
+
+    cluster["leader"].send_signal(signal.SIGINT)
+    assert cluster["leader"].wait(30) == 0
+    assert cluster["follower"].wait(30) == 0
+    tail = open(cluster["follower_log"]).read()
+    steps, pings = map(int, tail.split("process 0 closed after ")[1].split(" idle pings")[0].split(" steps ("))
+    assert steps >= sum(kw["max_tokens"] for _, kw in PROMPTS + PROMPTS[-1:]) and pings >= 1
+
+
+_MISMATCH = textwrap.dedent("""
+    import sys
+    import k3jax
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    try:
+        k3jax.LLM("tiny-k3", sharding="tp", max_model_len=64 if pid == 0 else 128, cache_bytes=8 << 20,
+                  max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=1, decode_buckets=(4,), prefill_buckets=(1,),
+                  context_buckets=(8,), measure_moe_time=False, progress=False)
+    except RuntimeError as e:
+        print("ERROR", e, flush=True)
+        sys.exit(3)
+""")
+
+
+def test_processes_that_build_different_engines_are_told_before_compiling():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _MISMATCH, str(pid), str(port)], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    for p, out in zip(procs, outs):
+        assert p.returncode == 3, out[-3000:]
+        assert "process(es) [1] built a different engine than process 0" in out
+
+
+def test_serve_multihost_options_are_checked():
+    """Multi-host flags without a mesh (or a coordinator) fail at once, saying what is missing."""
+    out = subprocess.run([sys.executable, "-m", "k3jax.cli", "serve", "--num-processes", "2"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "--coordinator-address" in out.stderr and "--sharding" in out.stderr
+
+
+def test_step_batch_packing_roundtrip():
+    from serve.multihost import pack, unpack
+
+    rng = np.random.default_rng(0)
+    leaves = [rng.integers(-5, 9, (3, 4)).astype(np.int32), rng.standard_normal(7).astype(np.float32),
+              rng.integers(0, 2 ** 32, (2, 2), dtype=np.uint64).astype(np.uint32), np.zeros((0,), np.int32)]
+    back = unpack(pack(leaves), [np.zeros_like(x) for x in leaves])
+    for a, b in zip(leaves, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
+    with pytest.raises(ValueError, match="does not match"):
+        unpack(pack(leaves)[:-1], leaves)
