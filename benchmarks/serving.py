@@ -405,7 +405,7 @@ def count_arena_copies(engine: Engine, rows: int, t: int, pages: int) -> int | N
     try:
         lay = engine.layout
         batch = engine._pad_batch(rows, t, pages, [])
-        txt = engine._step.lower(engine._leaves, engine.arena, batch).compile().as_text()
+        txt = engine.lower_step(batch).compile().as_text()
         shapes = (f"f32[{lay.num_units},{lay.unit_elems}]",
                   f"f32[{lay.num_units},{lay.page_size},{lay.latent_words}]",
                   f"f32[{lay.num_units * lay.unit_elems}]")

@@ -114,11 +114,14 @@ class _GenerationFields(_Strict):
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="only 0 is supported")
-    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="only 0 is supported")
-    logit_bias: Optional[dict[str, float]] = Field(None, description="not supported (must be empty)")
+    presence_penalty: Optional[float] = Field(None, ge=-2, le=2, description="minus this once per token already generated")
+    frequency_penalty: Optional[float] = Field(None, ge=-2, le=2, description="minus this per occurrence in the output")
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     user: Optional[str] = None
     # vLLM extensions
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10, description="1 = off; >1 discourages repeats "
+                                                                                "of prompt and output tokens")
+    min_tokens: int = Field(0, ge=0, description="no EOS / stop before this many tokens")
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -886,18 +889,22 @@ def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_promp
 
 
 def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int], logprobs: Optional[int]):
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise APIError(400, f"{name} is not supported (only 0)", param=name)
+    bias = None
     if body.logit_bias:
-        raise APIError(400, "logit_bias is not supported", param="logit_bias")
+        try:
+            bias = {int(k): float(v) for k, v in body.logit_bias.items()}
+        except ValueError:
+            raise APIError(400, "logit_bias: keys must be token ids (integers as strings)", param="logit_bias") from None
     params = SamplingParams(
         n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
         top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
         min_p=0.0 if body.min_p is None else body.min_p, seed=body.seed, max_tokens=max_tokens,
         stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
         logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens)
+        skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        min_tokens=body.min_tokens, logit_bias=bias)
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:

@@ -38,10 +38,13 @@ from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
-from serve.types import CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput, SamplingParams
+from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
+                         SamplingParams)
 
 log = logging.getLogger(__name__)
 
+MIN_TOKENS_STOP_IDS = 32  # stop tokens a min_tokens request may ban (room in the bias rows)
+BIAS_WIDTH = MAX_LOGIT_BIAS + MIN_TOKENS_STOP_IDS  # logit-bias entries per batch row
 KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chunk_kda default)
 CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request
 MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
@@ -208,6 +211,9 @@ class Engine:
                                        self.state_split.ranks if self.state_split else 1)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty(arena_sharding)
+        # token ids at each page position (first MLA layer's units): the penalties' history (serve/step.py)
+        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
+                                  replicated(self.mesh) if self.mesh is not None else None)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference)
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads)
@@ -271,7 +277,7 @@ class Engine:
         """Compile every bucket once (on padding rows that touch only the scratch slot and page)."""
         for rows, t, p in tqdm(self.bucket_shapes(), desc="compiling step buckets", disable=not progress):
             batch = self._pad_batch(rows, t, p, [])
-            self.arena, res, _ = self._step_fn(batch)
+            self._step_fn(batch)
             if self.channel is not None:
                 self.channel.prime((rows, t, p))
         jax.block_until_ready(self.arena)
@@ -283,15 +289,20 @@ class Engine:
         self.warmed_up = True
 
     def _step_fn(self, batch: StepBatch):
-        """Run the compiled step; a call that grows the jit cache after warm-up counts as a compile."""
+        """Run the compiled step on the engine's cache (updated) -> (sample result, expert counts); a call
+        that grows the jit cache after warm-up counts as a compile."""
         if self.channel is not None and self.channel.leader and self.warmed_up:
             self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
-        out = self._step(self._leaves, self.arena, batch)
+        self.arena, self.token_pages, res, counts = self._step(self._leaves, self.arena, self.token_pages, batch)
         if self.warmed_up and self._step._cache_size() > before:
             self.compiles_after_warmup += 1
             log.warning("step shape %s compiled after warm-up", batch.tokens.shape)
-        return out
+        return res, counts
+
+    def lower_step(self, batch: StepBatch):
+        """The step program of `batch`'s bucket, lowered (tests and benchmarks read its HLO)."""
+        return self._step.lower(self._leaves, self.arena, self.token_pages, batch)
 
     def _fingerprint(self) -> str:
         """What every process of a multi-process engine must agree on (model, config, layout, buckets)."""
@@ -317,7 +328,7 @@ class Engine:
         n = 0
         while (batch := self.channel.receive()) is not None:
             try:
-                self.arena, _, _ = self._step_fn(batch)
+                self._step_fn(batch)
             except Exception:
                 log.exception("step %d failed on process %d", n, self.channel.process)
             n += 1
@@ -352,6 +363,12 @@ class Engine:
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             text, ids = self._prompt_ids(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
+            if params.penalized and not self.cfg.num_mla_layers:
+                raise RequestError("presence_penalty, frequency_penalty, repetition_penalty: this model has no "
+                                   "MLA layers, whose pages hold the token history the penalties need")
+            if params.min_tokens and len(set(params.stop_token_ids) | set(self.stop_ids)) > MIN_TOKENS_STOP_IDS:
+                raise RequestError(f"stop_token_ids: at most {MIN_TOKENS_STOP_IDS} stop tokens (with EOS) when "
+                                   f"min_tokens is set")
             max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len - len(ids)
             if len(ids) + max_tokens > self.config.max_model_len:
                 raise RequestError(
@@ -679,7 +696,7 @@ class Engine:
         rows_bucket = _fit(len(rows), self.decode_buckets if t == 1 else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
-        self.arena, res, counts = self._step_fn(batch)
+        res, counts = self._step_fn(batch)
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         self.expert_counts += np.asarray(counts)
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
@@ -710,7 +727,7 @@ class Engine:
         write = np.full(rows, lay.scratch_slot, np.int32)
         table = np.full((rows, lm, pages), lay.scratch_page, np.int32)
         copies = []
-        params, seeds, steps = [], [], []
+        params, seeds, steps, plens, bans = [], [], [], [], []
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
             tokens[i, :n] = ids[start:start + n]
@@ -723,7 +740,9 @@ class Engine:
             params.append(seq.params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids))
-        sb = SamplingBatch.from_params(params, seeds, steps, rows)
+            plens.append(len(seq.prompt_ids))
+            bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) < seq.params.min_tokens else None)
+        sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)
         dst = np.full(ncopy, lay.scratch_page, np.int32)
@@ -862,6 +881,11 @@ class Engine:
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
+
+
+def _zeros(shape, dtype, sharding=None) -> jax.Array:
+    zeros = lambda: jax.numpy.zeros(shape, dtype)
+    return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
 
 
 def _close_engine(ref) -> None:

@@ -7,7 +7,8 @@
 Semantics (vLLM's):
 
 * ``temperature < GREEDY_EPS`` (0 in practice) is greedy: the token is ``jnp.argmax`` of the raw
-  logits, bit for bit; the row's top-k/top-p/min-p are ignored.
+  logits, bit for bit (of the biased / penalised ones when the row has a bias or penalty, see below);
+  the row's top-k/top-p/min-p are ignored.
 * Otherwise the logits are divided by the temperature and filtered, in this order:
   top-k (``top_k <= 0`` or ``>= V`` is off), top-p (the nucleus of the top-k-restricted
   distribution: the smallest run of most-likely tokens whose mass reaches ``top_p``, never fewer
@@ -23,6 +24,10 @@ Semantics (vLLM's):
   chosen token, and ``top_ids``/``top_logprobs`` are ``lax.top_k`` of that same ``log_softmax``
   (vLLM's default "raw logprobs").
 
+Before any of that, ``serve/penalties.py`` adds the row's logit bias (``logit_bias`` and the engine's
+``min_tokens`` ban) and applies presence / frequency / repetition penalties over the row's tokens;
+greedy rows take the argmax of those processed logits, as in vLLM.
+
 The sort needed by top-k/top-p is skipped (``lax.cond``) when no sampled row in the batch uses
 either, and the whole random path is skipped when every row is greedy.
 """
@@ -31,13 +36,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from serve.penalties import apply_bias, apply_penalties
 from serve.types import SamplingParams
 
 __all__ = [
@@ -86,6 +92,12 @@ class SamplingBatch:
     min_p: jax.Array  # [B] f32, <= 0 is off
     seeds: jax.Array  # [B, 2] u32 threefry2x32 key data of the row's seed (see seed_key_data)
     steps: jax.Array  # [B] i32 index of the token being sampled within its request
+    presence: jax.Array  # [B] f32 presence penalty (0 off)
+    frequency: jax.Array  # [B] f32 frequency penalty (0 off)
+    repetition: jax.Array  # [B] f32 repetition penalty (1 off)
+    prompt_lens: jax.Array  # [B] i32 prompt length: later positions are output (for the penalties)
+    bias_ids: jax.Array  # [B, N] i32 tokens whose logits get bias_values (-1: unused)
+    bias_values: jax.Array  # [B, N] f32
 
     @property
     def size(self) -> int:
@@ -98,12 +110,18 @@ class SamplingBatch:
         seeds: Sequence[Optional[int]],
         steps: Sequence[int],
         bucket: int,
+        prompt_lens: Optional[Sequence[int]] = None,
+        extra_bias: Optional[Sequence[dict]] = None,
+        bias_width: int = 0,
     ) -> "SamplingBatch":
         """Host-side (numpy) builder: row ``i`` samples with ``params[i]``, ``seeds[i]`` and
         ``steps[i]``; rows ``len(params)..bucket-1`` and ``None`` params are greedy padding.
 
         ``seeds[i]`` is the request's seed (``SamplingParams.seed``, or one the engine drew for an
-        unseeded request); it may be ``None`` for greedy rows.
+        unseeded request); it may be ``None`` for greedy rows. ``prompt_lens[i]`` marks where row
+        ``i``'s output starts (penalties count output tokens); ``extra_bias[i]`` ({token: bias}) is
+        added to the request's ``logit_bias`` (the engine's ``min_tokens`` ban); both fit in
+        ``bias_width`` entries per row.
         """
         n = len(params)
         if n > bucket:
@@ -116,17 +134,36 @@ class SamplingBatch:
         min_p = np.zeros(bucket, np.float32)
         seed_data = np.zeros((bucket, 2), np.uint32)
         step = np.zeros(bucket, np.int32)
+        presence = np.zeros(bucket, np.float32)
+        frequency = np.zeros(bucket, np.float32)
+        repetition = np.ones(bucket, np.float32)
+        plen = np.zeros(bucket, np.int32)
+        bias_ids = np.full((bucket, bias_width), -1, np.int32)
+        bias_values = np.zeros((bucket, bias_width), np.float32)
         for i, (p, seed, st) in enumerate(zip(params, seeds, steps)):
             step[i] = st
             if seed is not None:
                 seed_data[i] = seed_key_data(seed)
+            if prompt_lens is not None:
+                plen[i] = prompt_lens[i]
+            bias = dict((p.logit_bias or {}) if p is not None else {})
+            for t, b in ((extra_bias[i] or {}) if extra_bias is not None else {}).items():
+                bias[t] = bias.get(t, 0.0) + b
+            if len(bias) > bias_width:
+                raise ValueError(f"row {i}: {len(bias)} biased tokens exceed the batch's {bias_width}")
+            if bias:
+                bias_ids[i, :len(bias)] = list(bias)
+                bias_values[i, :len(bias)] = list(bias.values())
+            if p is not None:
+                presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             if p is None or p.temperature < GREEDY_EPS:
                 continue  # greedy: the defaults above
             temperature[i] = p.temperature
             top_k[i] = p.top_k if p.top_k > 0 else 0
             top_p[i] = p.top_p
             min_p[i] = p.min_p
-        return cls(temperature, top_k, top_p, min_p, seed_data, step)
+        return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,
+                   bias_ids, bias_values)
 
 
 class SampleResult(NamedTuple):
@@ -183,9 +220,15 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
     return jnp.where(is_greedy, greedy_tokens, sampled)
 
 
-def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0) -> SampleResult:
+def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
+           history: Optional[Callable[[], tuple[jax.Array, jax.Array]]] = None) -> SampleResult:
     """Sample one token per row. ``num_top_logprobs`` must be static under jit
-    (``jax.jit(sample, static_argnames="num_top_logprobs")``)."""
+    (``jax.jit(sample, static_argnames="num_top_logprobs")``).
+
+    The batch's logit bias applies first, then, when any row has a penalty, the penalties over the
+    rows' tokens: ``history()`` -> (ids [B, S], positions [B, S]) (``serve/penalties.py``; only traced
+    inside that branch). Greedy rows take the argmax of the biased and penalized logits; logprobs stay
+    those of the raw logits."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
     n = int(num_top_logprobs)
@@ -196,12 +239,30 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0) -
     if n > v:
         raise ValueError(f"num_top_logprobs {n} exceeds the vocabulary ({v})")
 
-    greedy_tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    penalized = (batch.presence != 0) | (batch.frequency != 0) | (batch.repetition != 1)
+    if history is None:
+        penalized = jnp.zeros_like(penalized)
+
+    def process(x):  # only traced into the branch taken when some row has a bias or a penalty
+        if batch.bias_ids.shape[1]:
+            x = apply_bias(x, batch.bias_ids, batch.bias_values)
+        if history is None:
+            return x
+
+        def penalize(x):
+            ids, pos = history()
+            length = (batch.steps + batch.prompt_lens)[:, None]  # tokens before the one being sampled
+            return apply_penalties(x, ids, pos < length, pos >= batch.prompt_lens[:, None], batch.presence,
+                                   batch.frequency, batch.repetition)
+        return lax.cond(jnp.any(penalized), penalize, lambda x: x, x)
+
+    x = lax.cond(jnp.any(penalized) | jnp.any(batch.bias_ids >= 0), process, lambda x: x, logits)
+    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     is_greedy = batch.temperature < GREEDY_EPS
     tokens = lax.cond(
         jnp.all(is_greedy),
         lambda: greedy_tokens,
-        lambda: _sample_random(logits, batch, is_greedy, greedy_tokens),
+        lambda: _sample_random(x, batch, is_greedy, greedy_tokens),
     )
 
     logprobs = jax.nn.log_softmax(logits, axis=-1)

@@ -215,11 +215,11 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.
 
 def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, options: StepOptions = StepOptions(),
               arena_sharding=None):
-    """-> (step(leaves, arena, batch), leaves): `engine_step` jitted with the model graph, arena
+    """-> (step(leaves, arena, token_pages, batch), leaves): `engine_step` jitted with the model graph, arena
     layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
-    keeps one sharding from step to step (one program per bucket, updated in place), and the sampled
-    tokens, logprobs and expert counts are replicated.
+    keeps one sharding from step to step (one program per bucket, updated in place), and the token
+    pages, sampled tokens, logprobs and expert counts are replicated.
 
     Passing the NNX graph as a static argument costs a Python hash of the whole graph and a
     pytree flatten of the parameter state on every call (~8 ms per step for k3-small on CPU);
@@ -230,17 +230,17 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
         _BOUND.move_to_end(key)
     else:
 
-        def step(leaves, arena, batch):
-            arena, res, counts = _engine_step(graphdef, layout, jax.tree.unflatten(treedef, leaves), arena, batch,
-                                              num_top_logprobs, options)
+        def step(leaves, arena, token_pages, batch):
+            arena, token_pages, res, counts = _engine_step(graphdef, layout, jax.tree.unflatten(treedef, leaves),
+                                                           arena, token_pages, batch, num_top_logprobs, options)
             if arena_sharding is not None:
                 arena = jax.lax.with_sharding_constraint(arena, arena_sharding)
-                # outputs whole on every device: each process (multi-host: the leader) reads them locally
+                # the rest whole on every device: each process (multi-host: the leader) reads outputs locally
                 whole = NamedSharding(arena_sharding.mesh, P())
-                res, counts = jax.lax.with_sharding_constraint((res, counts), whole)
-            return arena, res, counts
+                token_pages, res, counts = jax.lax.with_sharding_constraint((token_pages, res, counts), whole)
+            return arena, token_pages, res, counts
 
-        _BOUND[key] = jax.jit(step, donate_argnums=(1,))
+        _BOUND[key] = jax.jit(step, donate_argnums=(1, 2))
         while len(_BOUND) > _BOUND_MAX:  # an engine keeps its own step; only sharing is forgotten
             _BOUND.popitem(last=False)
     return _BOUND[key], leaves
@@ -252,11 +252,13 @@ _BOUND: OrderedDict = OrderedDict()
 _BOUND_MAX = 8
 
 
-def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch: StepBatch,
-                 num_top_logprobs: int,
-                 options: StepOptions = StepOptions()) -> tuple[jax.Array, SampleResult, jax.Array]:
+def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_pages: jax.Array,
+                 batch: StepBatch, num_top_logprobs: int,
+                 options: StepOptions = StepOptions()) -> tuple[jax.Array, jax.Array, SampleResult, jax.Array]:
     """One model step over the arena `float32[num_units, state_ranks * unit_elems]` (donated, updated in
-    place; split over `split`'s axis by KDA heads, or one rank's whole arena).
+    place; split over `split`'s axis by KDA heads, or one rank's whole arena) and the token pages
+    `int32[num_units, page_size]` (the token ids at each page position, kept for units holding the first
+    MLA layer's pages: the penalties' history; same copies, written with the step's tokens).
 
     Order on the arena: copy-on-write page copies; then the model, whose layers read (and, for
     in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
@@ -269,6 +271,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch:
         src, dst = jnp.tile(src, 2), jnp.tile(dst, 2)  # per view of the arena, copying the arena for it
     a = split.arena if split else None
     arena = on_ranks(split, lambda ar, s, d: ar.at[d].set(ar[s]), (a, P(), P()), a)(arena, src, dst)
+    token_pages = write_tokens(token_pages.at[dst].set(token_pages[src]), batch)
     decode = batch.tokens.shape[1] == 1
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
@@ -286,10 +289,24 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, batch:
                            (a, P(), [h(3)] * lk, [h(1)] * lk), a)
         convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
         arena = scatter(arena, batch.write_base, convs, states)
-    return arena, sample(logits, batch.sampling, num_top_logprobs), expert_counts(routed, batch, model.cfg.num_experts)
+    res = sample(logits, batch.sampling, num_top_logprobs, history=lambda: token_history(token_pages, batch))
+    return arena, token_pages, res, expert_counts(routed, batch, model.cfg.num_experts)
 
 
-engine_step = jax.jit(_engine_step, static_argnums=(0, 1, 5, 6), donate_argnums=(3,))
+def write_tokens(token_pages: jax.Array, batch: StepBatch) -> jax.Array:
+    """Store the step's tokens at their positions in the rows' first-layer pages: [U, ps] -> [U, ps]."""
+    b, t = batch.tokens.shape
+    ps, p = token_pages.shape[1], batch.page_table.shape[2]
+    pos = batch.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    unit = jnp.take_along_axis(batch.page_table[:, 0], jnp.minimum(pos // ps, p - 1), axis=1)  # [B, T]
+    unit = jnp.where(jnp.arange(t)[None, :] < batch.valid[:, None], unit, token_pages.shape[0])  # padding: dropped
+    return token_pages.at[unit, pos % ps].set(batch.tokens, mode="drop")
+
+
+def token_history(token_pages: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
+    """Each row's token ids over its page positions and the positions: ([B, P * ps], [B, P * ps])."""
+    ids = token_pages[batch.page_table[:, 0]].reshape(batch.tokens.shape[0], -1)
+    return ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :], ids.shape)
 
 
 def expert_counts(routed: list, batch: StepBatch, num_experts: int) -> jax.Array:

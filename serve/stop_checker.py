@@ -111,7 +111,9 @@ class StopChecker:
             raise RuntimeError("append() after the sequence finished")
         tid = int(token_id)
         self.token_ids.append(tid)
-        stop_token = tid in self._stop_ids
+        # before `min_tokens` are out no stop applies (the sampler bans the stop tokens meanwhile)
+        early = len(self.token_ids) < self.params.min_tokens
+        stop_token = tid in self._stop_ids and not early
         at_length = self.max_tokens is not None and len(self.token_ids) >= self.max_tokens
 
         if self._detok is None:
@@ -129,7 +131,7 @@ class StopChecker:
 
         checked = len(self._pending)  # everything before this was checked in earlier steps
         self._pending += new
-        match = self._find_stop(checked) if new else None
+        match = self._find_stop(checked) if new and not early else None
         if match is not None:
             start, end, stop = match
             return self._finish(self._pending[: end if self.include_stop else start], "stop", stop)
@@ -144,6 +146,10 @@ class StopChecker:
         self._pending = self._pending[cut:]
         self._emit(delta)
         return StepResult(delta, False)
+
+    def min_tokens_ban(self) -> dict[int, float]:
+        """Logit bias that keeps the stop tokens out while fewer than `min_tokens` are out."""
+        return {t: float("-inf") for t in self._stop_ids}
 
     # -- internals -------------------------------------------------------------------------
     def _emit(self, delta: str) -> None:

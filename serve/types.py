@@ -18,6 +18,12 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs.
     `seed` makes a request's samples reproducible regardless of batch composition.
     `logprobs=N` returns the sampled token's logprob and the top-N alternatives per step.
+    Penalties (vLLM's): `presence_penalty` / `frequency_penalty` subtract from the logit of each token
+    already generated (once / per occurrence); `repetition_penalty` divides positive (multiplies
+    negative) logits of tokens in the prompt or the output (1 is off). `logit_bias` adds to chosen
+    tokens' logits ({token id: bias in [-100, 100]}). `min_tokens` forbids EOS and `stop_token_ids` (and
+    ignores stop strings) until that many tokens are out. They shape the sampled (or greedy) token;
+    logprobs stay those of the raw logits.
     """
 
     n: int = 1
@@ -33,12 +39,19 @@ class SamplingParams:
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    logit_bias: Optional[dict[int, float]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
+            raise RequestError(f"logit_bias: must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
 
     def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
         def bad(name, why):
@@ -65,10 +78,35 @@ class SamplingParams:
                 bad("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs):
             bad("logprobs", f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _finite(v) or not -2 <= v <= 2:
+                bad(name, f"must be in [-2, 2], got {v!r}")
+        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+            bad("repetition_penalty", f"must be in (0, 10] (1 is off), got {self.repetition_penalty!r}")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
+                self.max_tokens is not None and self.min_tokens > self.max_tokens):
+            bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.logit_bias:
+            if len(self.logit_bias) > MAX_LOGIT_BIAS:
+                bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
+            for t, b in self.logit_bias.items():
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                    bad("logit_bias", f"{t!r} is not a token id in [0, {vocab_size})")
+                if not _finite(b) or not -100 <= b <= 100:
+                    bad("logit_bias", f"bias of token {t} must be in [-100, 100], got {b!r}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any penalty needs the row's token history."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0 or self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+
+MAX_LOGIT_BIAS = 300  # tokens per request (OpenAI's limit)
 
 
 def _finite(x) -> bool:

@@ -156,7 +156,7 @@ def test_step_updates_the_arena_in_place(model, kda_decode, mla_decode):
     arena_shape = f"f32[{lay.num_units},{lay.unit_elems}]"
     for rows, t, pages in ((1, 1, 1), (1, 1, 32), (4, 1, 32), (1, eng.config.prefill_chunk, 32)):
         batch = eng._pad_batch(rows, t, pages, [])
-        hlo = eng._step.lower(eng._leaves, eng.arena, batch).compile().as_text()
+        hlo = eng.lower_step(batch).compile().as_text()
         made = [line.split(" = ", 1)[1] for line in hlo.splitlines() if " = " in line]
         copies = [m for m in made if m.startswith(arena_shape) and
                   (" copy(" in m[:80] or m.split("(")[0].endswith("copy"))]

@@ -281,7 +281,12 @@ def _err(r, status):
     ({"prompt": "x", "logprobs": 19}, "logprobs"),  # engine allows up to 5
     ({"prompt": "x", "seed": -1}, "seed"),
     ({"prompt": "x", "stop": [""]}, "stop"),
-    ({"prompt": "x", "presence_penalty": 1.0}, "presence_penalty"),
+    ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    ({"prompt": "x", "logit_bias": {"abc": 1}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
     ({"prompt": [], "max_tokens": 1}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),
     ({"max_tokens": 1}, "prompt"),

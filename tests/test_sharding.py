@@ -139,7 +139,7 @@ _MULTI = textwrap.dedent("""
             local = "f32[%d,%d]" % (eng.layout.num_units, eng.layout.unit_elems)
             arena_ops = bad = 0
             for rows, t in (((4, 1), (2, 16)) if sh == "tp" else ()):  # both MLA decode forms
-                hlo = eng._step.lower(eng._leaves, eng.arena, eng._pad_batch(rows, t, 4, [])).compile().as_text()
+                hlo = eng.lower_step(eng._pad_batch(rows, t, 4, [])).compile().as_text()
                 made = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " = " in l]
                 ops = [m.split("(")[0].split()[-1] for m in made if m.startswith(local)]
                 arena_ops += len(ops)

@@ -1,0 +1,45 @@
+"""Logit bias and repetition penalties on device (vLLM's semantics), before temperature and filtering.
+
+Order, as in vLLM: the bias first (OpenAI `logit_bias`, and `min_tokens`' ban of stop tokens, which the
+host writes as a -inf bias while a request is short), then the penalties over the row's tokens:
+
+* repetition (`r`, 1 is off): every token seen in the prompt or the output has its logit divided by
+  `r` when positive and multiplied by `r` otherwise;
+* frequency (`f`) and presence (`p`): `logit -= f * count + p * (count > 0)` where `count` is how often
+  the token occurs in the output so far (the prompt does not count).
+
+The token history comes from the engine's token pages (`serve/step.py`): `[B, S]` ids over the row's
+page positions, with `in_ctx` marking positions before the current one and `is_out` those at or after
+the prompt's end.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
+    """logits [B, V] + values [B, N] at ids [B, N] (-1: unused entry) -> [B, V]."""
+    b, v = logits.shape
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
+    return logits.at[rows, jnp.where(ids < 0, v, ids)].add(values, mode="drop")
+
+
+def token_counts(history: jax.Array, weight: jax.Array, vocab: int) -> jax.Array:
+    """How often each token occurs in each row where `weight` is set: [B, S] -> [B, V] float32."""
+    b = history.shape[0]
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], history.shape)
+    ids = jnp.where(weight, history, vocab)  # masked positions fall off the end
+    return jnp.zeros((b, vocab), jnp.float32).at[rows, ids].add(1.0, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, history: jax.Array, in_ctx: jax.Array, is_out: jax.Array,
+                    presence: jax.Array, frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """logits [B, V]; history/in_ctx/is_out [B, S]; presence/frequency/repetition [B] -> [B, V]."""
+    v = logits.shape[-1]
+    out = token_counts(history, in_ctx & is_out, v)  # [B, V] output occurrences
+    seen = token_counts(history, in_ctx, v) > 0  # [B, V] in the prompt or the output
+    r = repetition[:, None]
+    logits = jnp.where(seen, jnp.where(logits > 0, logits / r, logits * r), logits)
+    return logits - frequency[:, None] * out - presence[:, None] * (out > 0)

@@ -1,0 +1,161 @@
+"""Presence / frequency / repetition penalties, logit bias and min_tokens (serve/penalties.py; the token
+history in the engine's token pages, serve/step.py), against numpy references of vLLM's semantics:
+the ops on random data, and the engine's greedy tokens against a loop over the model's full forward."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from serve.penalties import apply_bias, apply_penalties
+from serve.sampling import SamplingBatch, sample
+from serve.types import RequestError, SamplingParams as SP
+
+
+def _ref(logits, prompt, out, presence=0.0, frequency=0.0, repetition=1.0, bias=None):
+    """vLLM's order: bias, repetition over prompt + output, then frequency / presence over the output."""
+    x = np.array(logits, np.float64)
+    for t, b in (bias or {}).items():
+        x[t] += b
+    for t in set(prompt) | set(out):
+        x[t] = x[t] / repetition if x[t] > 0 else x[t] * repetition
+    for t, c in Counter(out).items():
+        x[t] -= frequency * c + presence
+    return x
+
+
+def test_penalty_ops_match_reference_on_random_rows():
+    rng = np.random.default_rng(0)
+    b, v, s = 5, 40, 24
+    logits = rng.standard_normal((b, v)).astype(np.float32) * 3
+    history = rng.integers(0, v // 3, (b, s)).astype(np.int32)  # many repeats
+    plen = rng.integers(1, 10, b)
+    length = plen + rng.integers(0, 12, b)
+    pres, freq, rep = (rng.uniform(-2, 2, b).astype(np.float32), rng.uniform(-2, 2, b).astype(np.float32),
+                       rng.uniform(0.5, 3, b).astype(np.float32))
+    pos = np.broadcast_to(np.arange(s), (b, s))
+    got = apply_penalties(jnp.asarray(logits), jnp.asarray(history), jnp.asarray(pos < length[:, None]),
+                          jnp.asarray(pos >= plen[:, None]), jnp.asarray(pres), jnp.asarray(freq), jnp.asarray(rep))
+    for i in range(b):
+        want = _ref(logits[i], history[i, :plen[i]], history[i, plen[i]:length[i]], pres[i], freq[i], rep[i])
+        np.testing.assert_allclose(np.asarray(got[i]), want, rtol=1e-5, atol=1e-5)
+
+    ids = np.full((b, 6), -1, np.int32)
+    vals = np.zeros((b, 6), np.float32)
+    for i in range(b):
+        k = i + 1 if i < 5 else 0
+        ids[i, :k] = rng.choice(v, k, replace=False)
+        vals[i, :k] = rng.uniform(-100, 100, k)
+    got = np.asarray(apply_bias(jnp.asarray(logits), jnp.asarray(ids), jnp.asarray(vals)))
+    for i in range(b):
+        want = _ref(logits[i], [], [], bias={int(t): float(x) for t, x in zip(ids[i], vals[i]) if t >= 0})
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-5)
+
+
+def test_sample_applies_bias_and_penalties_but_logprobs_stay_raw():
+    rng = np.random.default_rng(1)
+    b, v = 4, 30
+    logits = jnp.asarray(rng.standard_normal((b, v)).astype(np.float32))
+    hist = jnp.asarray(rng.integers(0, v, (b, 12)).astype(np.int32))
+    params = [SP(temperature=0, frequency_penalty=1.5), SP(temperature=0, logit_bias={7: 50.0}),
+              SP(temperature=0), SP(temperature=0.7, seed=5, repetition_penalty=2.0)]
+    batch = SamplingBatch.from_params(params, [0, 0, 0, 5], [4, 0, 2, 3], b, [6, 3, 5, 2], None, 8)
+    pos = jnp.broadcast_to(jnp.arange(12), (b, 12))
+    res = jax.jit(lambda lg, bt: sample(lg, bt, 2, history=lambda: (hist, pos)))(logits, batch)
+    h = np.asarray(hist)
+    want0 = _ref(np.asarray(logits[0]), h[0, :6], h[0, 6:10], frequency=1.5)
+    assert int(res.tokens[0]) == int(np.argmax(want0))
+    assert int(res.tokens[1]) == 7
+    assert int(res.tokens[2]) == int(np.argmax(np.asarray(logits[2])))
+    raw = jax.nn.log_softmax(logits, axis=-1)
+    np.testing.assert_allclose(np.asarray(res.logprob), np.asarray(raw)[np.arange(b), np.asarray(res.tokens)],
+                               rtol=1e-6)
+
+
+def test_sampling_params_validate_penalties():
+    for bad, field in ((dict(presence_penalty=3), "presence_penalty"), (dict(frequency_penalty=-2.5), "frequency_penalty"),
+                       (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(min_tokens=-1), "min_tokens"),
+                       (dict(min_tokens=20, max_tokens=4), "min_tokens"), (dict(logit_bias={1000: 1.0}), "logit_bias"),
+                       (dict(logit_bias={3: 200.0}), "logit_bias"),
+                       (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias")):
+        with pytest.raises(RequestError, match=field):
+            SP(**bad).validate(512)
+
+
+# ---- the engine ----------------------------------------------------------------------------------
+KW = dict(max_model_len=128, cache_bytes=16 << 20, max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=2,
+          decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(8,), measure_moe_time=False, progress=False)
+PROMPT = [int(x) for x in np.random.default_rng(7).integers(3, 250, 40)]
+# a bias that makes the random model repeat token 5 unless penalised, so the penalties bite
+CASES = [SP(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={5: 4.0}, repetition_penalty=1.8),
+         SP(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={5: 4.0, 9: 3.5}, frequency_penalty=0.9,
+            presence_penalty=0.4),
+         SP(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={5: 4.0}, presence_penalty=-0.5,
+            frequency_penalty=0.3, repetition_penalty=0.8),
+         SP(temperature=0, max_tokens=10, ignore_eos=True)]
+
+
+@pytest.fixture(scope="module")
+def llm():
+    import k3jax
+
+    return k3jax.LLM("tiny-k3", **KW)
+
+
+@pytest.fixture(scope="module")
+def forward_logits(llm):
+    """Next-token logits of a sequence from the full forward (no cache), one compile: right padding does
+    not change a causal model's logits at earlier positions."""
+    from k3jax import steps
+
+    model = llm.engine.model  # the engine's (weight layout as served)
+    total = len(PROMPT) + 12
+    fn = jax.jit(lambda ids: steps.forward(model.graphdef, model.params, ids))
+
+    def next_logits(ids):
+        padded = np.zeros((1, total), np.int32)
+        padded[0, :len(ids)] = ids
+        return np.asarray(fn(jnp.asarray(padded)))[0, len(ids) - 1]
+    return next_logits
+
+
+def _reference_tokens(next_logits, prompt, p: SP, stop=()):
+    out = []
+    for _ in range(p.max_tokens):
+        x = _ref(next_logits(prompt + out), prompt, out, p.presence_penalty, p.frequency_penalty,
+                 p.repetition_penalty, p.logit_bias)
+        if len(out) < p.min_tokens:
+            x[list(stop)] = -np.inf
+        out.append(int(np.argmax(x)))
+        if len(out) >= p.min_tokens and out[-1] in stop:
+            break
+    return out
+
+
+def test_engine_penalties_match_a_reference_loop_in_a_batch_and_from_the_prefix_cache(llm, forward_logits):
+    want = [_reference_tokens(forward_logits, PROMPT, p) for p in CASES]
+    assert want[0] != want[3] and want[1] != want[3]  # the penalties change the output
+    got = [r.token_ids for r in llm.generate([PROMPT] * 4, CASES)]
+    assert got == want
+    # again, resuming from the prefix cache (the prompt's history read from shared pages), one by one
+    for p, w in zip(CASES[:2], want[:2]):
+        r = llm.generate([PROMPT], p)[0]
+        assert r.num_cached_tokens > 0 and r.token_ids == w
+    assert llm.stats()["compiles_after_warmup"] == 0
+
+
+def test_engine_min_tokens_bans_stops_until_reached(llm, forward_logits):
+    first = _reference_tokens(forward_logits, PROMPT, SP(temperature=0, max_tokens=1))[0]
+    p = SP(temperature=0, max_tokens=8, stop_token_ids=[first], min_tokens=3, logit_bias={first: 2.0})
+    r = llm.generate([PROMPT], p)[0]
+    stop = {first} | set(llm.engine.stop_ids)
+    assert r.token_ids == _reference_tokens(forward_logits, PROMPT, p, stop)
+    assert len(r.token_ids) >= 3 and first not in r.token_ids[:3]
+    # without min_tokens the same request stops at once
+    assert llm.generate([PROMPT], SP(temperature=0, max_tokens=8, stop_token_ids=[first]))[0].token_ids == [first]
+    e = llm.engine
+    assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
