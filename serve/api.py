@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
+from serve.reasoning import ChannelSplitter, split_reasoning
 from serve.types import RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -567,6 +568,14 @@ class _CompletionFormat(_Format):
 
 
 class _ChatFormat(_Format):
+    """With `reasoning` (the channel a K3 prompt opened), text is split into `reasoning_content` and
+    `content` (serve/reasoning.py)."""
+
+    def __init__(self, *a, reasoning: Optional[str] = None, **kw):
+        super().__init__(*a, **kw)
+        self.reasoning = reasoning
+        self.splitters: dict[int, ChannelSplitter] = {}
+
     def _logprobs(self, entries) -> Optional[dict]:
         if self.logprobs is None or entries is None:
             return None
@@ -582,8 +591,11 @@ class _ChatFormat(_Format):
         choices = []
         for i in range(len(run.prompts)):
             for j, o in enumerate(run.latest[i].outputs):
-                choices.append({"index": self.index(i, j),
-                                "message": {"role": "assistant", "content": o.text, "tool_calls": []},
+                message = {"role": "assistant", "content": o.text, "tool_calls": []}
+                if self.reasoning:
+                    reasoning, message["content"] = split_reasoning(o.text, self.reasoning)
+                    message["reasoning_content"] = reasoning or None
+                choices.append({"index": self.index(i, j), "message": message,
                                 "logprobs": self._logprobs(o.logprobs),
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
         return {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
@@ -612,7 +624,15 @@ class _ChatFormat(_Format):
             if not text and not new_lps and o.finish_reason is None:
                 continue
             self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
-            choice = {"index": idx, "delta": {"content": text} if text else {},
+            delta = {"content": text} if text else {}
+            if self.reasoning:
+                split = self.splitters.setdefault(idx, ChannelSplitter(self.reasoning))
+                reasoning, content = split.feed(text)
+                if o.finish_reason is not None:
+                    r2, c2 = split.finish()
+                    reasoning, content = reasoning + r2, content + c2
+                delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+            choice = {"index": idx, "delta": delta,
                       "logprobs": self._logprobs(new_lps), "finish_reason": o.finish_reason}
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
@@ -676,7 +696,7 @@ class _BodyLimit:
 
 def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, limits: Optional[Limits] = None,
                max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
-               max_model_len: Optional[int] = None) -> FastAPI:
+               max_model_len: Optional[int] = None, reasoning_parser: bool = True) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -685,8 +705,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     limits: default per-key `Limits(rpm, tpm)` (None: unlimited).
     max_waiting: sequences allowed to wait beyond the engine's decode capacity; more get 503.
     max_model_len: the context window shown before the engine is attached.
+    reasoning_parser: K3 chat answers split into `reasoning_content` and `content` (serve/reasoning.py);
+      False returns the raw XTML text as `content`.
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
+    st.reasoning_parser = reasoning_parser
     if async_engine is not None:
         st.attach(async_engine)
 
@@ -789,7 +812,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         params = _sampling(st, body, max_tokens, n_lp)
-        fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()))
+        fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
+                          reasoning=_reasoning_start(st, body))
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/tokenize", responses=_ERRORS)
@@ -858,6 +882,13 @@ def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[i
         texts.append(t)
         ids.append(x)
     return texts, ids
+
+
+def _reasoning_start(st: ServerState, body) -> Optional[str]:
+    """The XTML channel a K3 generation prompt opens ("think" / "response"), None: no reasoning split."""
+    if st.chat_family != "k3" or not body.add_generation_prompt or not getattr(st, "reasoning_parser", True):
+        return None
+    return "think" if (body.chat_template_kwargs or {}).get("thinking", True) else "response"
 
 
 def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,

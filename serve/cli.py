@@ -29,7 +29,7 @@ DEFAULTS = dict(
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", log_level="info",
-    coordinator_address=None, num_processes=1, process_id=0,
+    coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False,
 )
 
 
@@ -79,6 +79,9 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--max-waiting", type=int, default=d["max_waiting"],
                    help="sequences allowed to wait beyond --max-num-seqs; more get 503")
     a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"])
+    a.add_argument("--no-reasoning-parser", action="store_true",
+                   help="K3 chat: return the raw XTML text as content instead of splitting it into "
+                        "reasoning_content and content")
     s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -174,7 +177,8 @@ def serve_main(args) -> int:
     keys = load_api_keys(o["api_key_file"])
     name = o["served_model_name"] or o["model"]
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
-                     max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len)
+                     max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
+                     reasoning_parser=not o["no_reasoning_parser"])
     st = app.state.k3
     server = uvicorn.Server(uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"],
                                            timeout_graceful_shutdown=5))

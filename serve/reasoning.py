@@ -1,0 +1,104 @@
+"""K3 reasoning parser: split an XTML assistant message into its think and response channels.
+
+K3 answers inside XTML channels (k3jax/chat_template.py). With thinking on, the generation prompt ends
+in `<|open|>think<|sep|>` and the model writes
+
+    REASONING<|close|>think<|sep|><|open|>response<|sep|>ANSWER<|close|>response<|sep|><|close|>message<|sep|>
+
+before its stop token `<|end_of_msg|>`; with thinking off the prompt opens the response channel and
+the text starts at ANSWER. The markers are `special: false` tokens, so they arrive as text. The chat
+endpoint returns REASONING as `reasoning_content` and ANSWER as `content` (vLLM's fields), never the
+markers. Text outside any channel (after the message closes, or before a channel opens) is dropped,
+except that text in an unopened response position counts as content, so a model that skips
+`<|open|>response<|sep|>` after thinking loses nothing.
+
+`ChannelSplitter` works on streamed deltas: a marker split across deltas is held back until it is
+complete or ruled out, so every split of the same text yields the same reasoning and content.
+"""
+
+from __future__ import annotations
+
+OPEN, SEP, CLOSE = "<|open|>", "<|sep|>", "<|close|>"
+THINK_END = f"{CLOSE}think{SEP}"
+RESPONSE_START = f"{OPEN}response{SEP}"
+RESPONSE_END = f"{CLOSE}response{SEP}"
+MESSAGE_END = f"{CLOSE}message{SEP}"
+THINK_START = f"{OPEN}think{SEP}"
+
+# per state: markers that end it -> next state
+_TRANSITIONS = {
+    "think": {THINK_END: "between"},
+    "between": {RESPONSE_START: "response", THINK_START: "think", MESSAGE_END: "done"},
+    "response": {RESPONSE_END: "after", MESSAGE_END: "done"},
+    "after": {MESSAGE_END: "done", RESPONSE_START: "response"},
+    "done": {},
+}
+
+
+class ChannelSplitter:
+    """Incremental split of K3 assistant text into (reasoning, content) deltas.
+
+    `start` is the channel the generation prompt opened: "think" (thinking on) or "response"."""
+
+    def __init__(self, start: str = "think"):
+        if start not in ("think", "response"):
+            raise ValueError(f"start: expected 'think' or 'response', got {start!r}")
+        self.state = start
+        self._held = ""
+
+    def feed(self, text: str) -> tuple[str, str]:
+        """-> (reasoning delta, content delta) for this text delta."""
+        buf, self._held = self._held + text, ""
+        reasoning, content = [], []
+        while buf:
+            markers = _TRANSITIONS[self.state]
+            hits = [(buf.find(m), m) for m in markers if m in buf]
+            if hits:
+                at, marker = min(hits)
+                self._emit(buf[:at], reasoning, content)
+                self.state = markers[marker]
+                buf = buf[at + len(marker):]
+                continue
+            keep = _partial_suffix(buf, markers)  # a marker may be starting at the end
+            self._emit(buf[:len(buf) - keep], reasoning, content)
+            self._held = buf[len(buf) - keep:]
+            break
+        return "".join(reasoning), "".join(content)
+
+    def finish(self) -> tuple[str, str]:
+        """Flush text held as a possible marker start (the stream ended)."""
+        reasoning, content = [], []
+        self._emit(self._held, reasoning, content)
+        self._held = ""
+        return "".join(reasoning), "".join(content)
+
+    def _emit(self, text: str, reasoning: list, content: list) -> None:
+        if not text:
+            return
+        if self.state == "think":
+            reasoning.append(text)
+        elif self.state == "response":
+            content.append(text)
+        elif self.state == "between" and text.strip():
+            # the model skipped the response opener: what follows the reasoning is the answer
+            self.state = "response"
+            content.append(text.lstrip())
+
+
+def _partial_suffix(buf: str, markers) -> int:
+    """Length of the longest suffix of buf that is a proper prefix of a marker."""
+    best = 0
+    for m in markers:
+        for n in range(min(len(m) - 1, len(buf)), best, -1):
+            if buf.endswith(m[:n]):
+                best = n
+                break
+    return best
+
+
+def split_reasoning(text: str, start: str = "think") -> tuple[str, str]:
+    """Whole-message form: -> (reasoning, content)."""
+    s = ChannelSplitter(start)
+    r1, c1 = s.feed(text)
+    r2, c2 = s.finish()
+    return r1 + r2, c1 + c2

@@ -1,0 +1,87 @@
+"""K3 reasoning parser (serve/reasoning.py) and the chat endpoint's use of it: whole messages, every
+way of streaming the same text, and the OpenAI objects the chat format builds from engine outputs."""
+
+from __future__ import annotations
+
+import random
+from types import SimpleNamespace
+
+import pytest
+
+from serve.reasoning import ChannelSplitter, split_reasoning
+from serve.types import CompletionOutput, RequestOutput
+
+THINK = "Let me see: 2 < 3 and <|open tags|> are text.\n"
+ANSWER = "The answer is <b>5</b>.\n"
+FULL = f"{THINK}<|close|>think<|sep|><|open|>response<|sep|>{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>"
+
+
+@pytest.mark.parametrize("text, start, want", [
+    (FULL, "think", (THINK, ANSWER)),
+    (f"{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>", "response", ("", ANSWER)),
+    (f"{THINK}<|close|>think<|sep|>\n  {ANSWER}", "think", (THINK, ANSWER)),  # no response opener
+    (THINK, "think", (THINK, "")),  # cut off while thinking (max_tokens)
+    (f"{THINK}<|close|>think<|sep|><|open|>response<|sep|>{ANSWER}", "think", (THINK, ANSWER)),  # cut off
+    (f"{THINK}<|close|", "think", (THINK + "<|close|", "")),  # an unfinished marker at the end is text
+    ("", "think", ("", "")),
+])
+def test_split_whole_messages(text, start, want):
+    assert split_reasoning(text, start) == want
+
+
+def test_every_streaming_split_gives_the_same_parts():
+    rng = random.Random(0)
+    for text, start in ((FULL, "think"), (f"{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>", "response"),
+                        (f"{THINK}<|close|>think<|sep|>x{ANSWER}", "think")):
+        want = split_reasoning(text, start)
+        for _ in range(300):
+            cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 25)))
+            pieces = [text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])]
+            s = ChannelSplitter(start)
+            parts = [s.feed(p) for p in pieces] + [s.finish()]
+            assert ("".join(r for r, _ in parts), "".join(c for _, c in parts)) == want
+
+
+def test_bad_start_channel():
+    with pytest.raises(ValueError, match="start"):
+        ChannelSplitter("answer")
+
+
+def _outputs(text, finish=None):
+    return RequestOutput("r", None, [1], [CompletionOutput(0, text, [7] * len(text), finish_reason=finish)],
+                         finish is not None)
+
+
+def test_chat_format_splits_full_and_streamed_messages():
+    from serve.api import _ChatFormat
+
+    st = SimpleNamespace(model_name="k3", tokenizer=None)
+    run = SimpleNamespace(prompts=[[1]], latest=[_outputs(FULL, "stop")], usage=lambda: {})
+    msg = _ChatFormat(st, "id", 1, None, 0, reasoning="think").full(run)["choices"][0]["message"]
+    assert msg["reasoning_content"] == THINK and msg["content"] == ANSWER
+    raw = _ChatFormat(st, "id", 1, None, 0).full(run)["choices"][0]["message"]
+    assert raw["content"] == FULL and "reasoning_content" not in raw
+
+    fmt = _ChatFormat(st, "id", 1, None, 0, reasoning="think")
+    got = {"reasoning_content": "", "content": ""}
+    for end in range(5, len(FULL) + 1, 11):  # the text grows as tokens arrive
+        for chunk in fmt.deltas(0, _outputs(FULL[:end]), False):
+            for k, v in chunk["choices"][0]["delta"].items():
+                got[k] += v
+    for chunk in fmt.deltas(0, _outputs(FULL, "stop"), False):
+        assert chunk["choices"][0]["finish_reason"] == "stop"
+        for k, v in chunk["choices"][0]["delta"].items():
+            got[k] += v
+    assert got == {"reasoning_content": THINK, "content": ANSWER}
+
+
+def test_reasoning_start_follows_family_thinking_and_the_server_flag():
+    from serve.api import _reasoning_start
+
+    st = SimpleNamespace(chat_family="k3", reasoning_parser=True)
+    body = lambda **kw: SimpleNamespace(**{"add_generation_prompt": True, "chat_template_kwargs": None, **kw})
+    assert _reasoning_start(st, body()) == "think"
+    assert _reasoning_start(st, body(chat_template_kwargs={"thinking": False})) == "response"
+    assert _reasoning_start(st, body(add_generation_prompt=False)) is None
+    assert _reasoning_start(SimpleNamespace(chat_family="kimi_linear", reasoning_parser=True), body()) is None
+    assert _reasoning_start(SimpleNamespace(chat_family="k3", reasoning_parser=False), body()) is None
