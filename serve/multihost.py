@@ -105,7 +105,7 @@ class StepChannel:
     def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None):
         """Broadcast a header and (for a step) its batch from the leader; -> (cmd, shape, batch)."""
         t0 = time.monotonic()
-        head = _broadcast(np.asarray([cmd, *shape], np.int64))
+        head = _broadcast(np.asarray([cmd, *shape], np.int32))
         cmd, shape = int(head[0]), tuple(int(x) for x in head[1:])
         if cmd == _STEP:
             leaves, treedef = jax.tree.flatten(batch if self.leader else self.make_batch(*shape))
@@ -125,9 +125,9 @@ class StepChannel:
         """Every process compares its engine fingerprint with the leader's; raises on a mismatch."""
         from jax.experimental import multihost_utils
 
-        digest = np.frombuffer(hashlib.sha256(fingerprint.encode()).digest()[:8], np.int64)
-        every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1)  # [processes]
-        bad = [i for i, d in enumerate(every) if d != every[0]]
+        digest = np.frombuffer(hashlib.sha256(fingerprint.encode()).digest()[:8], np.int32)  # 2 words
+        every = np.asarray(multihost_utils.process_allgather(digest)).reshape(-1, 2)  # [processes, 2]
+        bad = [i for i, d in enumerate(every) if not np.array_equal(d, every[0])]
         if bad:
             raise RuntimeError(f"process(es) {bad} built a different engine than process 0 (model, config or "
                                f"buckets differ): every process must build the same engine. "
