@@ -112,13 +112,20 @@ class KimiModel(nnx.Module):
         return logits, (None if cache is None else view.result(valid))
 
     def run(self, tokens: jax.Array, view: CacheView, valid: jax.Array, last_only: bool,
-            trace: list | None = None) -> jax.Array:
+            trace: list | None = None, hidden: list | None = None) -> jax.Array:
         """The forward pass against any cache view (fresh, contiguous, or the engine's paged arena).
-        `trace`, when given, collects each MoE layer's routed expert ids."""
+        `trace`, when given, collects each MoE layer's routed expert ids; `hidden` receives the final
+        hidden states of every position [B, T, H] (before the norm; `logits` turns them into logits)."""
         x = jnp.take(self.embed_tokens[...], tokens, axis=0)
         x = (self._attn_res if self.cfg.uses_attn_res else self._classic)(x, view, valid, trace)
+        if hidden is not None:
+            hidden.append(x)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
+        return self.logits(x)
+
+    def logits(self, x: jax.Array) -> jax.Array:
+        """Final norm and LM head: hidden [..., H] -> fp32 logits [..., V]."""
         x = self.norm(x)
         head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
         spec = "...h,hv->...v" if self.head_in_out else "...h,vh->...v"

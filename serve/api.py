@@ -44,7 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import ChannelSplitter, split_reasoning
-from serve.types import RequestError, RequestOutput, SamplingParams
+from serve.types import Logprob, RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,9 @@ class _GenerationFields(_Strict):
 class CompletionRequest(_GenerationFields):
     prompt: Union[str, list[int], list[str], list[list[int]]]
     max_tokens: Optional[int] = Field(16, ge=1)
-    logprobs: Optional[int] = Field(None, ge=0, le=20)
+    logprobs: Optional[int] = Field(None, ge=0, le=20, description="with echo: also the prompt tokens' logprobs")
     echo: bool = False
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="vLLM: choices[].prompt_logprobs")
     suffix: Optional[str] = Field(None, description="not supported (must be empty)")
     best_of: Optional[int] = Field(None, ge=1, description="only best_of == n is supported")
 
@@ -502,9 +503,14 @@ class _Format:
 
 
 class _CompletionFormat(_Format):
-    def __init__(self, *a, echo_texts: list[str], **kw):
+    """`echo` with `logprobs` puts the prompt tokens' logprobs first (the first token's is null: OpenAI's
+    legacy shape, which evaluation harnesses read); `prompt_logprobs` (vLLM) adds
+    `choices[].prompt_logprobs`."""
+
+    def __init__(self, *a, echo_texts: list[str], prompt_field: bool = False, **kw):
         super().__init__(*a, **kw)
         self.echo_texts = echo_texts
+        self.prompt_field = prompt_field
 
     def _logprobs(self, entries, offset: int) -> Optional[dict]:
         if self.logprobs is None or entries is None:
@@ -512,14 +518,39 @@ class _CompletionFormat(_Format):
         tokens, lps, tops, offs = [], [], [], []
         for chosen, alts in entries:
             tokens.append(chosen.decoded)
-            lps.append(_finite_lp(chosen.logprob))
-            top: dict[str, float] = {}
-            for a in alts:
+            lps.append(None if chosen.logprob is None else _finite_lp(chosen.logprob))
+            top: Optional[dict[str, float]] = None if alts is None else {}
+            for a in alts or ():
                 top.setdefault(a.decoded, _finite_lp(a.logprob))
             tops.append(top)
             offs.append(offset)
             offset += len(chosen.decoded)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
+
+    def _echoed(self, i: int, out: RequestOutput, entries):
+        """The generated entries, preceded by the prompt's when echoing with logprobs."""
+        if not self.echo_texts[i] or out.prompt_logprobs is None or entries is None:
+            return entries
+        first = Logprob(out.prompt_token_ids[0], None, self._decode(out.prompt_token_ids[0]))
+        return [(first, None)] + list(out.prompt_logprobs[1:]) + list(entries)
+
+    def _decode(self, tid: int) -> str:
+        tok = self.st.tokenizer
+        return tok.decode([tid], skip_special=False) if tok is not None else ""
+
+    def _prompt_field(self, out: RequestOutput) -> Optional[list]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, text}."""
+        if out.prompt_logprobs is None:
+            return None
+        rows = [None]
+        for chosen, alts in out.prompt_logprobs[1:]:
+            row = {str(chosen.token_id): {"logprob": _finite_lp(chosen.logprob), "rank": chosen.rank,
+                                          "decoded_token": chosen.decoded}}
+            for r, a in enumerate(alts, 1):
+                row.setdefault(str(a.token_id), {"logprob": _finite_lp(a.logprob), "rank": r,
+                                                 "decoded_token": a.decoded})
+            rows.append(row)
+        return rows
 
     def full(self, run: _Run) -> dict:
         choices = []
@@ -527,9 +558,13 @@ class _CompletionFormat(_Format):
             out = run.latest[i]
             for j, o in enumerate(out.outputs):
                 echo = self.echo_texts[i]
-                choices.append({"index": self.index(i, j), "text": echo + o.text,
-                                "logprobs": self._logprobs(o.logprobs, len(echo)),
-                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                entries = self._echoed(i, out, o.logprobs)
+                choice = {"index": self.index(i, j), "text": echo + o.text,
+                          "logprobs": self._logprobs(entries, 0 if entries is not o.logprobs else len(echo)),
+                          "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
+                if self.prompt_field:
+                    choice["prompt_logprobs"] = self._prompt_field(out)
+                choices.append(choice)
         return {**self.head("text_completion"), "choices": choices, "usage": run.usage()}
 
     def start(self, nprompts: int, usage_field: bool) -> list[dict]:
@@ -550,10 +585,13 @@ class _CompletionFormat(_Format):
             if not text and not new_lps and o.finish_reason is None and not first:
                 continue
             self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
+            entries = self._echoed(i, out, new_lps) if first else new_lps
             choice = {"index": idx, "text": text,
-                      "logprobs": self._logprobs(new_lps, (len(self.echo_texts[i]) if not first else 0) + t0)
+                      "logprobs": self._logprobs(entries, (len(self.echo_texts[i]) if not first else 0) + t0)
                       if self.logprobs is not None else None,
                       "finish_reason": o.finish_reason}
+            if first and self.prompt_field:
+                choice["prompt_logprobs"] = self._prompt_field(out)
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
                 self.finished.add(idx)
@@ -790,9 +828,15 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             raise APIError(400, "best_of other than n is not supported", param="best_of")
         texts, prompts = _completion_prompts(st, body.prompt)
         params = _sampling(st, body, body.max_tokens, body.logprobs)
+        if body.prompt_logprobs is not None or (body.echo and body.logprobs is not None):
+            params.prompt_logprobs = max(body.prompt_logprobs or 0, body.logprobs or 0 if body.echo else 0)
+            try:
+                params.validate(st.vocab_size, st.max_logprobs)
+            except RequestError as e:
+                raise APIError(400, str(e), param="prompt_logprobs") from None
         echo = texts if body.echo else [""] * len(texts)
         fmt = _CompletionFormat(st, f"cmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
-                                echo_texts=echo)
+                                echo_texts=echo, prompt_field=body.prompt_logprobs is not None)
         return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
 
     @app.post("/v1/chat/completions", responses=_ERRORS)

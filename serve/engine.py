@@ -152,6 +152,7 @@ class Sequence:
     internal: Optional[str] = None  # set on canonical re-prefill rows: the checkpoint kind they produce
     reused: bool = False  # its prompt resumed from the prefix cache (part of a reuse chain)
     cached_tokens: Optional[int] = None  # prompt tokens its first admission took from the prefix cache
+    prompt_lps: Optional[list] = None  # with params.prompt_logprobs: per prompt position (see RequestOutput)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -392,6 +393,7 @@ class Engine:
                            checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
                                                max_tokens),
                            metrics=RequestMetrics(arrival_time=now),
+                           prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
                            hasher=PrefixHasher(config_unit) if self.prefix_cache else None)
             seqs.append(seq)
@@ -484,7 +486,9 @@ class Engine:
         if self.prefix_cache is None:
             return
         seq.hasher.extend(ids)
-        hit = self.prefix_cache.match(seq.hasher, len(ids))
+        # prompt logprobs need every prompt position computed: no reuse until they are all in
+        scored = seq.prompt_lps is not None and any(x is None for x in seq.prompt_lps[1:])
+        hit = Hit(0, None, [], None, 0) if scored else self.prefix_cache.match(seq.hasher, len(ids))
         seq.hit, seq.computed = hit, hit.pos
         a, n = self.align, len(ids)
         interval = self.prefix_cache.interval
@@ -696,7 +700,9 @@ class Engine:
         rows_bucket = _fit(len(rows), self.decode_buckets if t == 1 else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
-        res, counts = self._step_fn(batch)
+        (res, prompt), counts = self._step_fn(batch)
+        if (batch.targets >= 0).any():
+            self._record_prompt_logprobs(seqs, rows, batch.targets, prompt)
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         self.expert_counts += np.asarray(counts)
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
@@ -718,6 +724,21 @@ class Engine:
                 touched.add(seq.rid)
                 self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
 
+    def _record_prompt_logprobs(self, seqs: list[Sequence], rows, targets: np.ndarray, prompt) -> None:
+        """Store the chunk's prompt logprobs: position k of a row starting at s scores prompt token s+k+1."""
+        lp, rank = np.asarray(prompt.logprob), np.asarray(prompt.rank)
+        top_ids, top_lps = np.asarray(prompt.top_ids), np.asarray(prompt.top_logprobs)
+        dec = (lambda i: self.tokenizer.decode([i], skip_special=False)) if self.tokenizer else (lambda i: "")
+        for i, (seq, (_, start, _)) in enumerate(zip(seqs, rows)):
+            if seq.prompt_lps is None:
+                continue
+            n = seq.params.prompt_logprobs
+            for k in np.flatnonzero(targets[i] >= 0):
+                tok = int(targets[i, k])
+                seq.prompt_lps[start + k + 1] = (
+                    Logprob(tok, float(lp[i, k]), dec(tok), int(rank[i, k])),
+                    [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[i, k, :n], top_lps[i, k, :n])])
+
     def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]]) -> StepBatch:
         lay, lm = self.layout, max(1, self.cfg.num_mla_layers)
         tokens = np.zeros((rows, t), np.int32)
@@ -728,9 +749,13 @@ class Engine:
         table = np.full((rows, lm, pages), lay.scratch_page, np.int32)
         copies = []
         params, seeds, steps, plens, bans = [], [], [], [], []
+        targets = np.full((rows, t), -1, np.int32)
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
             tokens[i, :n] = ids[start:start + n]
+            if seq.prompt_lps is not None and start + 1 < len(seq.prompt_ids):  # the next prompt tokens
+                nxt = seq.prompt_ids[start + 1:start + n + 1]
+                targets[i, :len(nxt)] = nxt
             valid[i], lengths[i], write[i] = n, start, seq.slot
             read[i] = seq.read_slot if seq.read_slot is not None else (-1 if start == 0 else seq.slot)
             copies += seq.copies
@@ -750,7 +775,7 @@ class Engine:
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
         # numpy leaves: the jitted step transfers them in its C++ dispatch (jnp.asarray would cost a
         # Python-level primitive call per array, ~0.4 ms per step)
-        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb)
+        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets)
 
     def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
         m = seq.metrics
@@ -831,7 +856,9 @@ class Engine:
         if req.finished:
             req.metrics.finished_time = max(s.metrics.finished_time for s in req.seqs)
         cached = max((s.cached_tokens or 0 for s in req.seqs), default=0)
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics, cached)
+        prompt_lps = list(req.seqs[0].prompt_lps) if req.seqs[0].prompt_lps is not None else None
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics, cached,
+                             prompt_lps)
 
     # ---- introspection --------------------------------------------------------------------------
     def _moe_exchange_bytes(self, tokens: int) -> int:

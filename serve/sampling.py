@@ -173,6 +173,40 @@ class SampleResult(NamedTuple):
     top_logprobs: jax.Array  # [B, n] f32
 
 
+class PromptLogprobs(NamedTuple):
+    """Logprobs of given next tokens at every position of a chunk (zeros where not asked)."""
+
+    logprob: jax.Array  # [B, T] f32 log_softmax(logits at t)[targets[t]]
+    rank: jax.Array  # [B, T] i32 1 + tokens more likely than the target
+    top_ids: jax.Array  # [B, T, n] i32
+    top_logprobs: jax.Array  # [B, T, n] f32
+
+
+def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
+                    num_top_logprobs: int) -> PromptLogprobs:
+    """hidden [B, T, H] -> the raw logprob and rank of targets [B, T] (-1: not asked) and the top-n.
+
+    The [B, T, V] logits are only computed (`lax.cond`) when some position asks."""
+    b, t = targets.shape
+    n = int(num_top_logprobs)
+
+    def compute(h):
+        lp = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [B, T, V]
+        chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], axis=-1)  # [B, T, 1]
+        rank = 1 + jnp.sum(lp > chosen, axis=-1, dtype=jnp.int32)
+        if n:
+            top_lps, top_ids = lax.top_k(lp, n)
+        else:
+            top_lps, top_ids = jnp.zeros((b, t, 0), jnp.float32), jnp.zeros((b, t, 0), jnp.int32)
+        return PromptLogprobs(chosen[..., 0], rank, top_ids.astype(jnp.int32), top_lps)
+
+    def skip(h):
+        return PromptLogprobs(jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.int32),
+                              jnp.zeros((b, t, n), jnp.int32), jnp.zeros((b, t, n), jnp.float32))
+
+    return lax.cond(jnp.any(targets >= 0), compute, skip, hidden)
+
+
 def _row_keys(batch: SamplingBatch) -> jax.Array:
     keys = jax.random.wrap_key_data(batch.seeds.astype(jnp.uint32), impl=KEY_IMPL)
     return jax.vmap(jax.random.fold_in)(keys, batch.steps.astype(jnp.uint32))

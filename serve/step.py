@@ -24,7 +24,7 @@ from pallas_kernels.kda.reference import kda_token_step
 from pallas_kernels.mla import paged_mla_decode
 from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, read_layer_states, read_units,
                           scatter_states, unpack_latent, update_states_in_place, write_layer_states)
-from serve.sampling import SampleResult, SamplingBatch, sample
+from serve.sampling import PromptLogprobs, SampleResult, SamplingBatch, prompt_logprobs, sample
 from serve.state_split import StateSplit, on_ranks
 
 
@@ -40,6 +40,7 @@ class StepBatch:
     copy_src: jax.Array  # [C] int32 units copied to copy_dst before the step (copy-on-write pages)
     copy_dst: jax.Array  # [C] int32
     sampling: SamplingBatch
+    targets: jax.Array  # [B, T] int32 next prompt token at each position whose logprob is asked (-1: none)
 
 
 @dataclass(frozen=True)
@@ -254,7 +255,8 @@ _BOUND_MAX = 8
 
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_pages: jax.Array,
                  batch: StepBatch, num_top_logprobs: int,
-                 options: StepOptions = StepOptions()) -> tuple[jax.Array, jax.Array, SampleResult, jax.Array]:
+                 options: StepOptions = StepOptions()
+                 ) -> tuple[jax.Array, jax.Array, tuple[SampleResult, PromptLogprobs], jax.Array]:
     """One model step over the arena `float32[num_units, state_ranks * unit_elems]` (donated, updated in
     place; split over `split`'s axis by KDA heads, or one rank's whole arena) and the token pages
     `int32[num_units, page_size]` (the token ids at each page position, kept for units holding the first
@@ -276,8 +278,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
     view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads)
-    routed: list = []
-    logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed)
+    routed, hidden = [], []
+    logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed, hidden=hidden)
     arena = view.arena
     if layout.num_mla_layers and not paged:
         units, rows = touched_pages(layout, batch, view.kv)
@@ -290,7 +292,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
         arena = scatter(arena, batch.write_base, convs, states)
     res = sample(logits, batch.sampling, num_top_logprobs, history=lambda: token_history(token_pages, batch))
-    return arena, token_pages, res, expert_counts(routed, batch, model.cfg.num_experts)
+    prompt = prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs)
+    return arena, token_pages, (res, prompt), expert_counts(routed, batch, model.cfg.num_experts)
 
 
 def write_tokens(token_pages: jax.Array, batch: StepBatch) -> jax.Array:

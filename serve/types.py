@@ -18,6 +18,8 @@ class SamplingParams:
     temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs.
     `seed` makes a request's samples reproducible regardless of batch composition.
     `logprobs=N` returns the sampled token's logprob and the top-N alternatives per step.
+    `prompt_logprobs=N` returns, for every prompt token after the first, its logprob given the tokens
+    before it and the top-N alternatives (the whole prompt is computed: no prefix-cache reuse).
     Penalties (vLLM's): `presence_penalty` / `frequency_penalty` subtract from the logit of each token
     already generated (once / per occurrence); `repetition_penalty` divides positive (multiplies
     negative) logits of tokens in the prompt or the output (1 is off). `logit_bias` adds to chosen
@@ -44,6 +46,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     logit_bias: Optional[dict[int, float]] = None
+    prompt_logprobs: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -78,6 +81,9 @@ class SamplingParams:
                 bad("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
         if self.logprobs is not None and (not isinstance(self.logprobs, int) or not 0 <= self.logprobs <= max_logprobs):
             bad("logprobs", f"must be an integer in [0, {max_logprobs}], got {self.logprobs!r}")
+        if self.prompt_logprobs is not None and (not isinstance(self.prompt_logprobs, int)
+                                                 or not 0 <= self.prompt_logprobs <= max_logprobs):
+            bad("prompt_logprobs", f"must be an integer in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
             if not _finite(v) or not -2 <= v <= 2:
@@ -118,6 +124,7 @@ class Logprob:
     token_id: int
     logprob: float
     decoded: str = ""
+    rank: Optional[int] = None  # 1 = the most likely token (set for prompt logprobs)
 
 
 @dataclass
@@ -161,6 +168,9 @@ class RequestOutput:
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0
+    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else
+    # (its Logprob, top-N alternatives); Logprob.rank is the token's rank (1 = most likely)
+    prompt_logprobs: Optional[list] = None
 
     # convenience accessors for the common n == 1 case
     @property

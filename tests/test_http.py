@@ -190,6 +190,31 @@ def test_completion_usage_logprobs_and_greedy_determinism(client, http):
     assert again.usage.prompt_tokens_details.cached_tokens == 32
 
 
+def test_completion_echo_logprobs_score_the_prompt(http):
+    """OpenAI's legacy scoring shape (echo + logprobs, what evaluation harnesses send): the prompt's tokens
+    come first with their logprobs (the first null), then the generated ones; vLLM's `prompt_logprobs`
+    carries the same numbers with ranks."""
+    prompt = "The quick brown fox"
+    r = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0, echo=True,
+                                               logprobs=2, ignore_eos=True)).json()
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"].startswith(prompt) and len(lp["tokens"]) == len(prompt) + 1
+    assert "".join(lp["tokens"][:len(prompt)]) == prompt
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert lp["text_offset"][:3] == [0, 1, 2]
+    v = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
+                                               prompt_logprobs=1, ignore_eos=True)).json()["choices"][0]
+    pl = v["prompt_logprobs"]
+    assert pl[0] is None and len(pl) == len(prompt)
+    for k in range(1, len(prompt)):
+        entry = pl[k][str(ord(prompt[k]))]  # byte tokenizer: id = byte
+        assert entry["logprob"] == pytest.approx(lp["token_logprobs"][k], abs=1e-5) and entry["rank"] >= 1
+    err = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, prompt_logprobs=9)).json()["error"]
+    assert err["param"] == "prompt_logprobs"
+
+
 def test_completion_seed_reproducible_and_n(client):
     kw = dict(model=MODEL, prompt="seeded", max_tokens=5, temperature=1.0, seed=1234,
               extra_body={"ignore_eos": True})

@@ -1,6 +1,7 @@
-"""Presence / frequency / repetition penalties, logit bias and min_tokens (serve/penalties.py; the token
-history in the engine's token pages, serve/step.py), against numpy references of vLLM's semantics:
-the ops on random data, and the engine's greedy tokens against a loop over the model's full forward."""
+"""The engine's logit processing against references: presence / frequency / repetition penalties, logit
+bias and min_tokens (serve/penalties.py; the token history in the engine's token pages, serve/step.py)
+with vLLM's semantics, on random data and as the engine's greedy tokens against a loop over the model's
+full forward; and prompt logprobs (serve/sampling.py `prompt_logprobs`) against that forward."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def test_sampling_params_validate_penalties():
 
 # ---- the engine ----------------------------------------------------------------------------------
 KW = dict(max_model_len=128, cache_bytes=16 << 20, max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=2,
-          decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(8,), measure_moe_time=False, progress=False)
+          decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(8,), measure_moe_time=False, progress=False,
+          max_logprobs=3)
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(3, 250, 40)]
 # a bias that makes the random model repeat token 5 unless penalised, so the penalties bite
 CASES = [SP(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={5: 4.0}, repetition_penalty=1.8),
@@ -116,17 +118,17 @@ def forward_logits(llm):
     total = len(PROMPT) + 12
     fn = jax.jit(lambda ids: steps.forward(model.graphdef, model.params, ids))
 
-    def next_logits(ids):
+    def logits(ids):  # [len(ids), V]: the logits after each prefix of ids
         padded = np.zeros((1, total), np.int32)
         padded[0, :len(ids)] = ids
-        return np.asarray(fn(jnp.asarray(padded)))[0, len(ids) - 1]
-    return next_logits
+        return np.asarray(fn(jnp.asarray(padded)))[0, :len(ids)]
+    return logits
 
 
-def _reference_tokens(next_logits, prompt, p: SP, stop=()):
+def _reference_tokens(logits_of, prompt, p: SP, stop=()):
     out = []
     for _ in range(p.max_tokens):
-        x = _ref(next_logits(prompt + out), prompt, out, p.presence_penalty, p.frequency_penalty,
+        x = _ref(logits_of(prompt + out)[-1], prompt, out, p.presence_penalty, p.frequency_penalty,
                  p.repetition_penalty, p.logit_bias)
         if len(out) < p.min_tokens:
             x[list(stop)] = -np.inf
@@ -159,3 +161,30 @@ def test_engine_min_tokens_bans_stops_until_reached(llm, forward_logits):
     assert llm.generate([PROMPT], SP(temperature=0, max_tokens=8, stop_token_ids=[first]))[0].token_ids == [first]
     e = llm.engine
     assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+
+def test_prompt_logprobs_match_the_full_forward_and_bypass_the_prefix_cache(llm, forward_logits):
+    """Every prompt token after the first: logprob, rank and top-3 of the full forward's log-softmax, over
+    three prefill chunks, next to a request without them; then again after the prompt is cached (computed
+    anew, same values), and with n = 2 (the first sample scores the prompt)."""
+    prompt = PROMPT[:37]
+    first = llm.generate([prompt, PROMPT[:20]], [SP(temperature=0, max_tokens=2, prompt_logprobs=3),
+                                                 SP(temperature=0, max_tokens=2)])
+    assert first[1].prompt_logprobs is None
+    got = first[0].prompt_logprobs
+    assert len(got) == len(prompt) and got[0] is None
+    every = np.asarray(jax.nn.log_softmax(jnp.asarray(forward_logits(prompt)), axis=-1))
+    for k in range(1, len(prompt)):
+        lp = every[k - 1]
+        chosen, alts = got[k]
+        assert chosen.token_id == prompt[k]
+        assert chosen.logprob == pytest.approx(float(lp[prompt[k]]), abs=2e-5)
+        assert chosen.rank == 1 + int(np.sum(lp > lp[prompt[k]]))
+        assert [a.token_id for a in alts] == list(np.argsort(-lp, kind="stable")[:3])
+    again = llm.generate([prompt], SP(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
+    assert again.num_cached_tokens == 0  # the prompt is cached now, but scored anew
+    assert [c.logprob for c, _ in again.prompt_logprobs[1:]] == [c.logprob for c, _ in got[1:]]
+    two = llm.generate([prompt], SP(temperature=0, max_tokens=1, n=2, prompt_logprobs=1))[0]
+    assert [c.logprob for c, _ in two.prompt_logprobs[1:]] == [c.logprob for c, _ in got[1:]]
+    with pytest.raises(RequestError, match="prompt_logprobs"):
+        llm.generate([prompt], SP(prompt_logprobs=4))
