@@ -123,6 +123,10 @@ class _GenerationFields(_Strict):
     repetition_penalty: Optional[float] = Field(None, gt=0, le=10, description="1 = off; >1 discourages repeats "
                                                                                 "of prompt and output tokens")
     min_tokens: int = Field(0, ge=0, description="no EOS / stop before this many tokens")
+    allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these tokens")
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=1, description="keep the prompt's last N tokens")
+    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="logprobs of the prompt tokens "
+                                                                          "(choices[].prompt_logprobs; chat: top level)")
     stop_token_ids: Optional[list[int]] = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -134,7 +138,6 @@ class CompletionRequest(_GenerationFields):
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20, description="with echo: also the prompt tokens' logprobs")
     echo: bool = False
-    prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="vLLM: choices[].prompt_logprobs")
     suffix: Optional[str] = Field(None, description="not supported (must be empty)")
     best_of: Optional[int] = Field(None, ge=1, description="only best_of == n is supported")
 
@@ -173,6 +176,7 @@ class ChatCompletionRequest(_GenerationFields):
 class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
+    add_special_tokens: bool = Field(False, description="prepend the BOS id (prompt only; Kimi formats never do)")
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = None
@@ -482,8 +486,10 @@ class _Run:
 class _Format:
     """Shapes of one endpoint's objects (completion or chat), full and streamed."""
 
-    def __init__(self, st: ServerState, rid: str, n: int, logprobs: Optional[int], created: int):
+    def __init__(self, st: ServerState, rid: str, n: int, logprobs: Optional[int], created: int,
+                 prompt_field: bool = False):
         self.st, self.id, self.n, self.logprobs, self.created = st, rid, n, logprobs, created
+        self.prompt_field = prompt_field  # return vLLM's `prompt_logprobs`
         self.sent_text: dict[int, int] = {}
         self.sent_tok: dict[int, int] = {}
         self.finished: set[int] = set()
@@ -493,6 +499,20 @@ class _Format:
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.st.model_name}
+
+    def _prompt_field(self, out: RequestOutput) -> Optional[list]:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, text}."""
+        if out.prompt_logprobs is None:
+            return None
+        rows = [None]
+        for chosen, alts in out.prompt_logprobs[1:]:
+            row = {str(chosen.token_id): {"logprob": _finite_lp(chosen.logprob), "rank": chosen.rank,
+                                          "decoded_token": chosen.decoded}}
+            for r, a in enumerate(alts, 1):
+                row.setdefault(str(a.token_id), {"logprob": _finite_lp(a.logprob), "rank": r,
+                                                 "decoded_token": a.decoded})
+            rows.append(row)
+        return rows
 
     def token_bytes(self, tid: int) -> list[int]:
         tok = self.st.tokenizer
@@ -507,10 +527,9 @@ class _CompletionFormat(_Format):
     legacy shape, which evaluation harnesses read); `prompt_logprobs` (vLLM) adds
     `choices[].prompt_logprobs`."""
 
-    def __init__(self, *a, echo_texts: list[str], prompt_field: bool = False, **kw):
+    def __init__(self, *a, echo_texts: list[str], **kw):
         super().__init__(*a, **kw)
         self.echo_texts = echo_texts
-        self.prompt_field = prompt_field
 
     def _logprobs(self, entries, offset: int) -> Optional[dict]:
         if self.logprobs is None or entries is None:
@@ -537,20 +556,6 @@ class _CompletionFormat(_Format):
     def _decode(self, tid: int) -> str:
         tok = self.st.tokenizer
         return tok.decode([tid], skip_special=False) if tok is not None else ""
-
-    def _prompt_field(self, out: RequestOutput) -> Optional[list]:
-        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, text}."""
-        if out.prompt_logprobs is None:
-            return None
-        rows = [None]
-        for chosen, alts in out.prompt_logprobs[1:]:
-            row = {str(chosen.token_id): {"logprob": _finite_lp(chosen.logprob), "rank": chosen.rank,
-                                          "decoded_token": chosen.decoded}}
-            for r, a in enumerate(alts, 1):
-                row.setdefault(str(a.token_id), {"logprob": _finite_lp(a.logprob), "rank": r,
-                                                 "decoded_token": a.decoded})
-            rows.append(row)
-        return rows
 
     def full(self, run: _Run) -> dict:
         choices = []
@@ -636,7 +641,10 @@ class _ChatFormat(_Format):
                 choices.append({"index": self.index(i, j), "message": message,
                                 "logprobs": self._logprobs(o.logprobs),
                                 "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
-        return {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
+        out = {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
+        if self.prompt_field:
+            out["prompt_logprobs"] = self._prompt_field(run.latest[0])
+        return out
 
     def start(self, nprompts: int, usage_field: bool) -> list[dict]:
         chunks = []
@@ -828,6 +836,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             raise APIError(400, "best_of other than n is not supported", param="best_of")
         texts, prompts = _completion_prompts(st, body.prompt)
         params = _sampling(st, body, body.max_tokens, body.logprobs)
+        k = params.truncate_prompt_tokens
+        if k is not None:  # the echo shows what the model saw
+            texts = [t if len(p) <= k else (st.tokenizer.decode(p[-k:]) if st.tokenizer else "")
+                     for t, p in zip(texts, prompts)]
+            prompts = [p[-k:] for p in prompts]
         if body.prompt_logprobs is not None or (body.echo and body.logprobs is not None):
             params.prompt_logprobs = max(body.prompt_logprobs or 0, body.logprobs or 0 if body.echo else 0)
             try:
@@ -851,13 +864,15 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         if body.response_format and body.response_format.get("type", "text") != "text":
             raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        if body.truncate_prompt_tokens is not None:
+            ids = ids[-body.truncate_prompt_tokens:]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_lp = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
         params = _sampling(st, body, max_tokens, n_lp)
         fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
-                          reasoning=_reasoning_start(st, body))
+                          prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body))
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/tokenize", responses=_ERRORS)
@@ -867,9 +882,25 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.prompt is not None:
             ids = _encode(st, body.prompt, "prompt")
+            bos = st.tokenizer.bos_token_id
+            if body.add_special_tokens and bos is not None:
+                ids = [bos] + ids
         else:
             ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
+
+    @app.get("/tokenizer_info", responses=_ERRORS)
+    async def tokenizer_info(key: str = Depends(authenticate), _r: None = Depends(ready)):
+        """vLLM's tokenizer description (what remote-tokenizer clients such as lm-evaluation-harness read).
+        The chat formats are Python renderers, not Jinja: no `chat_template` (use /tokenize with messages)."""
+        tok = st.tokenizer
+        if tok is None:
+            raise APIError(404, "this model has no tokenizer")
+        name = lambda i: None if i is None else (tok.id_to_token(i) or tok.decode([i], skip_special=False))
+        return {"tokenizer_class": type(tok).__name__, "vocab_size": tok.vocab_size,
+                "model_max_length": st.max_model_len, "eos_token": name(tok.eos_token_id),
+                "eos_token_ids": list(tok.eos_token_ids), "bos_token": name(tok.bos_token_id),
+                "pad_token": name(tok.pad_token_id), "chat_template": None, "chat_family": st.chat_family}
 
     @app.post("/detokenize", responses=_ERRORS)
     async def detokenize(body: DetokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
@@ -979,7 +1010,8 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-        min_tokens=body.min_tokens, logit_bias=bias)
+        min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
+        truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs)
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:

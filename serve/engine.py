@@ -290,8 +290,8 @@ class Engine:
         self.warmed_up = True
 
     def _step_fn(self, batch: StepBatch):
-        """Run the compiled step on the engine's cache (updated) -> (sample result, expert counts); a call
-        that grows the jit cache after warm-up counts as a compile."""
+        """Run the compiled step on the engine's cache (updated) -> ((sampled tokens, prompt logprobs),
+        expert counts); a call that grows the jit cache after warm-up counts as a compile."""
         if self.channel is not None and self.channel.leader and self.warmed_up:
             self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
@@ -364,6 +364,8 @@ class Engine:
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             text, ids = self._prompt_ids(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
+            if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
+                text, ids = None, ids[-params.truncate_prompt_tokens:]
             if params.penalized and not self.cfg.num_mla_layers:
                 raise RequestError("presence_penalty, frequency_penalty, repetition_penalty: this model has no "
                                    "MLA layers, whose pages hold the token history the penalties need")

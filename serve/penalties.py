@@ -1,7 +1,8 @@
 """Logit bias and repetition penalties on device (vLLM's semantics), before temperature and filtering.
 
 Order, as in vLLM: the bias first (OpenAI `logit_bias`, and `min_tokens`' ban of stop tokens, which the
-host writes as a -inf bias while a request is short), then the penalties over the row's tokens:
+host writes as a -inf bias while a request is short; with `allowed_token_ids` the row lists exactly the
+allowed tokens and every other logit becomes -inf), then the penalties over the row's tokens:
 
 * repetition (`r`, 1 is off): every token seen in the prompt or the output has its logit divided by
   `r` when positive and multiplied by `r` otherwise;
@@ -19,11 +20,17 @@ import jax
 import jax.numpy as jnp
 
 
-def apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array) -> jax.Array:
-    """logits [B, V] + values [B, N] at ids [B, N] (-1: unused entry) -> [B, V]."""
+def apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array, restrict: jax.Array | None = None) -> jax.Array:
+    """logits [B, V] + values [B, N] at ids [B, N] (-1: unused entry) -> [B, V]; rows with `restrict` [B]
+    keep only their listed tokens (the others -inf: `allowed_token_ids`)."""
     b, v = logits.shape
     rows = jnp.broadcast_to(jnp.arange(b)[:, None], ids.shape)
-    return logits.at[rows, jnp.where(ids < 0, v, ids)].add(values, mode="drop")
+    ids = jnp.where(ids < 0, v, ids)
+    out = logits.at[rows, ids].add(values, mode="drop")
+    if restrict is None:
+        return out
+    listed = jnp.zeros((b, v), bool).at[rows, ids].set(True, mode="drop")
+    return jnp.where(restrict[:, None] & ~listed, -jnp.inf, out)
 
 
 def token_counts(history: jax.Array, weight: jax.Array, vocab: int) -> jax.Array:

@@ -98,6 +98,7 @@ class SamplingBatch:
     prompt_lens: jax.Array  # [B] i32 prompt length: later positions are output (for the penalties)
     bias_ids: jax.Array  # [B, N] i32 tokens whose logits get bias_values (-1: unused)
     bias_values: jax.Array  # [B, N] f32
+    restrict: jax.Array  # [B] bool only the row's bias_ids may be sampled (allowed_token_ids)
 
     @property
     def size(self) -> int:
@@ -140,6 +141,7 @@ class SamplingBatch:
         plen = np.zeros(bucket, np.int32)
         bias_ids = np.full((bucket, bias_width), -1, np.int32)
         bias_values = np.zeros((bucket, bias_width), np.float32)
+        restrict = np.zeros(bucket, bool)
         for i, (p, seed, st) in enumerate(zip(params, seeds, steps)):
             step[i] = st
             if seed is not None:
@@ -149,6 +151,9 @@ class SamplingBatch:
             bias = dict((p.logit_bias or {}) if p is not None else {})
             for t, b in ((extra_bias[i] or {}) if extra_bias is not None else {}).items():
                 bias[t] = bias.get(t, 0.0) + b
+            if p is not None and p.allowed_token_ids:  # the list becomes the allowed set (others -inf)
+                restrict[i] = True
+                bias = {t: bias.get(t, 0.0) for t in p.allowed_token_ids}
             if len(bias) > bias_width:
                 raise ValueError(f"row {i}: {len(bias)} biased tokens exceed the batch's {bias_width}")
             if bias:
@@ -163,7 +168,7 @@ class SamplingBatch:
             top_p[i] = p.top_p
             min_p[i] = p.min_p
         return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,
-                   bias_ids, bias_values)
+                   bias_ids, bias_values, restrict)
 
 
 class SampleResult(NamedTuple):
@@ -279,7 +284,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
 
     def process(x):  # only traced into the branch taken when some row has a bias or a penalty
         if batch.bias_ids.shape[1]:
-            x = apply_bias(x, batch.bias_ids, batch.bias_values)
+            x = apply_bias(x, batch.bias_ids, batch.bias_values, batch.restrict)
         if history is None:
             return x
 
@@ -290,7 +295,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
                                    batch.frequency, batch.repetition)
         return lax.cond(jnp.any(penalized), penalize, lambda x: x, x)
 
-    x = lax.cond(jnp.any(penalized) | jnp.any(batch.bias_ids >= 0), process, lambda x: x, logits)
+    x = lax.cond(jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict), process,
+                 lambda x: x, logits)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     is_greedy = batch.temperature < GREEDY_EPS
     tokens = lax.cond(

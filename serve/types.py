@@ -20,6 +20,8 @@ class SamplingParams:
     `logprobs=N` returns the sampled token's logprob and the top-N alternatives per step.
     `prompt_logprobs=N` returns, for every prompt token after the first, its logprob given the tokens
     before it and the top-N alternatives (the whole prompt is computed: no prefix-cache reuse).
+    `allowed_token_ids` restricts sampling (greedy too) to those tokens; `truncate_prompt_tokens=K`
+    keeps only the prompt's last K tokens.
     Penalties (vLLM's): `presence_penalty` / `frequency_penalty` subtract from the logit of each token
     already generated (once / per occurrence); `repetition_penalty` divides positive (multiplies
     negative) logits of tokens in the prompt or the output (1 is off). `logit_bias` adds to chosen
@@ -47,6 +49,8 @@ class SamplingParams:
     min_tokens: int = 0
     logit_bias: Optional[dict[int, float]] = None
     prompt_logprobs: Optional[int] = None
+    allowed_token_ids: Optional[list[int]] = None
+    truncate_prompt_tokens: Optional[int] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -93,6 +97,15 @@ class SamplingParams:
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
+        if self.allowed_token_ids is not None:
+            if not 1 <= len(self.allowed_token_ids) <= MAX_LOGIT_BIAS:
+                bad("allowed_token_ids", f"must list 1 to {MAX_LOGIT_BIAS} tokens, got {len(self.allowed_token_ids)}")
+            for t in self.allowed_token_ids:
+                if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
+                    bad("allowed_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
+        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
+                                                        or self.truncate_prompt_tokens < 1):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")

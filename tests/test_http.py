@@ -157,6 +157,11 @@ def test_tokenize_detokenize_roundtrip(http):
     assert chat["count"] > 2 and 259 in chat["tokens"]  # <|im_user|> of the byte presets' template
     assert http.post("/detokenize", json={"tokens": [1, 99999]}).status_code == 400
     assert http.post("/tokenize", json={"prompt": "a", "messages": []}).status_code == 400
+    # what remote-tokenizer clients (lm-evaluation-harness) send and read
+    info = http.get("/tokenizer_info").json()
+    assert info["eos_token"] and info["model_max_length"] == MAX_MODEL_LEN and info["chat_template"] is None
+    bos = http.post("/tokenize", json={"prompt": "hi", "add_special_tokens": True}).json()["tokens"]
+    assert len(bos) == 3 and bos[1:] == http.post("/tokenize", json={"prompt": "hi"}).json()["tokens"]
 
 
 def test_openapi_schema_served(http):
@@ -213,6 +218,11 @@ def test_completion_echo_logprobs_score_the_prompt(http):
         assert entry["logprob"] == pytest.approx(lp["token_logprobs"][k], abs=1e-5) and entry["rank"] >= 1
     err = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, prompt_logprobs=9)).json()["error"]
     assert err["param"] == "prompt_logprobs"
+    chat = http.post("/v1/chat/completions", json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                       max_tokens=3, prompt_logprobs=0, allowed_token_ids=[65, 66],
+                                                       truncate_prompt_tokens=4)).json()
+    assert len(chat["prompt_logprobs"]) == 4 and chat["prompt_logprobs"][0] is None
+    assert set(chat["choices"][0]["message"]["content"]) <= {"A", "B"} and chat["usage"]["prompt_tokens"] == 4
 
 
 def test_completion_seed_reproducible_and_n(client):

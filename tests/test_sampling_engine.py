@@ -188,3 +188,21 @@ def test_prompt_logprobs_match_the_full_forward_and_bypass_the_prefix_cache(llm,
     assert [c.logprob for c, _ in two.prompt_logprobs[1:]] == [c.logprob for c, _ in got[1:]]
     with pytest.raises(RequestError, match="prompt_logprobs"):
         llm.generate([prompt], SP(prompt_logprobs=4))
+
+
+def test_allowed_token_ids_and_prompt_truncation(llm, forward_logits):
+    allowed = [7, 11, 13, 40, 41]
+    greedy = llm.generate([PROMPT], SP(temperature=0, max_tokens=6, ignore_eos=True, allowed_token_ids=allowed))[0]
+    out = []
+    for _ in range(6):  # reference: the argmax over the allowed tokens only
+        x = forward_logits(PROMPT + out)[-1]
+        out.append(allowed[int(np.argmax(x[allowed]))])
+    assert greedy.token_ids == out
+    sampled = llm.generate([PROMPT], SP(temperature=1.0, seed=1, max_tokens=12, ignore_eos=True,
+                                        allowed_token_ids=allowed[:2], logit_bias={11: 5.0, 99: 50.0}))[0]
+    assert set(sampled.token_ids) <= {7, 11}  # a bias outside the allowed set does not let a token in
+    cut = llm.generate([PROMPT], SP(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=10))[0]
+    assert cut.prompt_token_ids == PROMPT[-10:]
+    assert cut.token_ids == llm.generate([PROMPT[-10:]], SP(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        llm.generate([PROMPT], SP(allowed_token_ids=[]))
