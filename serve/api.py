@@ -124,6 +124,8 @@ class _GenerationFields(_Strict):
                                                                                 "of prompt and output tokens")
     min_tokens: int = Field(0, ge=0, description="no EOS / stop before this many tokens")
     allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these tokens")
+    priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (and may preempt "
+                                                                      "higher values)")
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1, description="keep the prompt's last N tokens")
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="logprobs of the prompt tokens "
                                                                           "(choices[].prompt_logprobs; chat: top level)")
@@ -382,8 +384,9 @@ class _Run:
     admission exactly once."""
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                 ticket, arrival: float):
+                 ticket, arrival: float, priority: int = 0):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
+        self.priority = priority
         self.ticket, self.arrival = ticket, arrival
         self.nseqs = len(prompts) * params.n
         self.q: asyncio.Queue = asyncio.Queue()
@@ -401,7 +404,7 @@ class _Run:
             self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
 
     async def _pump(self, i: int, ids: list[int]) -> None:
-        gen = self.st.engine.generate(ids, self.params, f"{self.base_id}-{i}")
+        gen = self.st.engine.generate(ids, self.params, f"{self.base_id}-{i}", priority=self.priority)
         try:
             async for out in gen:
                 self.q.put_nowait((i, out))
@@ -1047,7 +1050,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     reserve = _check_context(st, prompts, params, param)
     ticket = st.admit(key, len(prompts) * params.n, reserve)
-    run = _Run(st, prompts, params, fmt.id, ticket, arrival)
+    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority)
     handed_off = False
     try:
         run.start()

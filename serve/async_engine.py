@@ -42,14 +42,14 @@ class AsyncEngine:
 
     # ---- public API (event-loop side) -------------------------------------------------------
     async def generate(self, prompt, params: Optional[SamplingParams] = None,
-                       request_id: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       request_id: Optional[str] = None, priority: int = 0) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
         with self._lock:
             self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt, params, done))
+        self._commands.put(("add", request_id, prompt, params, done, priority))
         self._wake.set()
         finished = False
         try:
@@ -113,9 +113,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, done = cmd
+                _, rid, prompt, params, done, priority = cmd
                 try:
-                    self.engine.add_request(prompt, params, rid)
+                    self.engine.add_request(prompt, params, rid, priority=priority)
                     err = None
                 except RequestError as e:
                     err = e

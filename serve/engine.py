@@ -47,6 +47,7 @@ MIN_TOKENS_STOP_IDS = 32  # stop tokens a min_tokens request may ban (room in th
 BIAS_WIDTH = MAX_LOGIT_BIAS + MIN_TOKENS_STOP_IDS  # logit-bias entries per batch row
 KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chunk_kda default)
 CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request
+INTERNAL_PRIORITY = 1 << 30  # ... whatever its priority
 MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
 
 
@@ -153,6 +154,7 @@ class Sequence:
     reused: bool = False  # its prompt resumed from the prefix cache (part of a reuse chain)
     cached_tokens: Optional[int] = None  # prompt tokens its first admission took from the prefix cache
     prompt_lps: Optional[list] = None  # with params.prompt_logprobs: per prompt position (see RequestOutput)
+    priority: int = 0  # lower is scheduled first (serve/scheduler.py)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -355,13 +357,17 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None) -> str:
+                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+        """Queue a request; `priority`: lower values are scheduled first and may preempt running
+        requests of higher values (vLLM's convention); equal priorities are first come, first served."""
         self._leader_only("add_request")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         try:
             if request_id in self.requests:
                 raise RequestError(f"request_id: {request_id!r} is already in use")
+            if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= INTERNAL_PRIORITY:
+                raise RequestError(f"priority: must be an integer of magnitude < {INTERNAL_PRIORITY}, got {priority!r}")
             text, ids = self._prompt_ids(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
@@ -391,6 +397,7 @@ class Engine:
         seqs = []
         for i in range(params.n):
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
+                           priority=priority,
                            prompt_ids=list(ids), params=params, seed=base_seed + i,
                            checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
                                                max_tokens),
@@ -449,7 +456,7 @@ class Engine:
                     self._match(s)
         deferred = self._deferred(live)
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
-                         self._next_stop(s)) for s in live if s.rid not in deferred]
+                         self._next_stop(s), s.priority) for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
             eu, es = self.prefix_cache.evictable()
@@ -640,6 +647,7 @@ class Engine:
         rid = f"{base}@{pos}"
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
         shadow = Sequence(rid=rid, request_id=rid, index=0, order=CANONICAL_ORDER + next(self._order),
+                          priority=INTERNAL_PRIORITY,
                           prompt_ids=list(ids), params=params, seed=0,
                           checker=StopChecker(params, self.tokenizer, (), 1), metrics=RequestMetrics(time.monotonic()),
                           pages=[[] for _ in range(self.cfg.num_mla_layers)],

@@ -25,14 +25,19 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(**engine_options), progress=progress)
 
     def generate(self, prompts: Union[Prompt, list[Prompt]],
-                 sampling_params: Union[SamplingParams, list[SamplingParams], None] = None) -> list[RequestOutput]:
+                 sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
+                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
+        """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        priority = priority if priority is not None else [0] * len(prompts)
+        if len(priority) != len(prompts):
+            raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, sampling_params, priority)]
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():

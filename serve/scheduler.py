@@ -1,10 +1,14 @@
 """The scheduler: a pure function from the scheduler's view of the requests and the free memory to
 one step plan. It never touches device arrays or the allocator; the engine carries the plan out.
 
-Policy:
+Policy (requests ordered by (priority, arrival): a lower priority value goes first, equal priorities
+are first come, first served):
 - decode first: every running request with one token left to compute decodes (up to max_num_seqs);
-- then prefill chunks, FCFS: partially prefilled running requests first, then waiting ones in
-  arrival order; a waiting request that does not fit blocks the ones behind it (no overtaking);
+- then prefill chunks in that order, partially prefilled running requests before waiting ones of
+  the same priority;
+  a waiting request that does not fit blocks the ones behind it (no overtaking);
+- a waiting request that does not fit may preempt running requests of a strictly lower priority
+  (the lowest first, newest first among equals) until its first chunk fits;
 - chunk ends sit on multiples of `prefill_chunk` in absolute positions, which is where the prefix
   cache keeps KDA checkpoints; a prefill row also stops at `align_stop` points (prompt ends);
 - memory: a request needs a state slot once and MLA pages as its context grows; when decodes cannot
@@ -40,6 +44,7 @@ class SeqView:
     running: bool  # holds a state slot
     pages: int  # MLA units held (all layers)
     stop: int | None = None  # a position the next prefill row must end at (KDA checkpoint capture)
+    priority: int = 0  # lower runs first (vLLM's convention)
 
 
 @dataclass(frozen=True)
@@ -65,16 +70,47 @@ def units_for(tokens: int, cfg: SchedulerConfig) -> int:
     return -(-tokens // cfg.page_size) * cfg.num_mla_layers
 
 
+def _first_chunk(s: SeqView, cfg: SchedulerConfig) -> int:
+    """Units a waiting request needs for its slot and first prefill row."""
+    end = min(s.total, (s.computed // cfg.prefill_chunk + 1) * cfg.prefill_chunk)
+    return cfg.slot_units + max(0, units_for(end, cfg) - s.pages)
+
+
 def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan:
     plan = StepPlan()
     free_units, free_slots = mem.free_units, mem.free_slots
-    running = sorted((s for s in seqs if s.running), key=lambda s: s.order)
-    waiting = sorted((s for s in seqs if not s.running), key=lambda s: s.order)
+    key = lambda s: (s.priority, s.order)
+    running = sorted((s for s in seqs if s.running), key=key)
+    waiting = sorted((s for s in seqs if not s.running), key=key)
+    victims = sorted(running, key=key, reverse=True)  # lowest priority, newest first
 
-    # 1. decodes, oldest first; preempt the newest running requests while memory is short
+    # 0. a waiting request that does not fit preempts running ones of a strictly lower priority; the
+    #    memory it needs is held for it until step 2 (released first if decodes run short)
+    reserved: dict[str, int] = {}  # rid -> units held (and one slot each)
+    for w in waiting:
+        lower = [v for v in victims if v.priority > w.priority]
+        if not lower:
+            break
+        need = _first_chunk(w, cfg)
+        while (need > free_units or free_slots < 1) and lower:
+            v = lower.pop(0)
+            victims.remove(v)
+            plan.preempt.append(v.rid)
+            free_units += v.pages + cfg.slot_units
+            free_slots += 1
+        if need > free_units or free_slots < 1:
+            break  # it cannot fit even so: it waits (and blocks those behind it)
+        reserved[w.rid] = need
+        free_units, free_slots = free_units - need, free_slots - 1
+    running = [s for s in running if s.rid not in set(plan.preempt)]
+
+    # 1. decodes, in order; when memory is short, release reservations (lowest priority first), then
+    #    preempt the lowest-priority, newest running requests
     decoders = [s for s in running if s.total - s.computed == 1][:cfg.max_num_seqs]
     need = {s.rid: max(0, units_for(s.total, cfg) - s.pages) for s in decoders}
-    victims = [s for s in reversed(running)]
+    while sum(need.values()) > free_units and reserved:
+        free_units += reserved.pop(next(reversed(reserved)))
+        free_slots += 1
     while sum(need.values()) > free_units and victims:
         v = victims.pop(0)
         plan.preempt.append(v.rid)
@@ -90,9 +126,9 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
             free_units -= need[s.rid]
     budget = cfg.token_budget - len(plan.decode)
 
-    # 2. prefill chunks: running partial prefills first, then admissions in FCFS order
-    candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted]
-    candidates += waiting
+    # 2. prefill chunks: running partial prefills first, then admissions, in (priority, arrival) order
+    candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting
+    candidates.sort(key=lambda s: (s.priority, not s.running, s.order))  # stable among equals
     for s in candidates:
         if len(plan.prefill) >= cfg.max_prefill_seqs or budget <= 0:
             break
@@ -107,6 +143,8 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
                 break
         units = max(0, units_for(start + length, cfg) - s.pages)
         slots = 0 if s.running else 1
+        if s.rid in reserved:  # step 0 held its memory
+            free_units, free_slots = free_units + reserved.pop(s.rid), free_slots + 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots:
             break  # FCFS: nobody overtakes a request that does not fit
         plan.prefill.append((s.rid, start, length))

@@ -95,6 +95,49 @@ def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine):
+    """With the arena full of low-priority requests, a later high-priority one preempts some of them,
+    starts at once and finishes before the low-priority requests that were waiting; every output is still
+    exactly the greedy continuation. (Model-independent host logic: run on tiny-k3 only.)"""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("priority scheduling is host logic; tiny-k3 covers it")
+    rng = np.random.default_rng(5)
+    from serve.scheduler import units_for
+
+    per = engine.layout.slot_units + units_for(150, engine.sched_cfg)  # held once a prompt is in
+    n = engine.allocator.baseline_free_units // per + 4  # more than fit: some wait
+    prompts = rng.integers(0, 256, (n + 1, 150)).astype(np.int32)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    before = engine.stats()["preemptions"]
+    low = [engine.add_request(p, params, priority=5) for p in prompts[:n].tolist()]
+    slot = lambda r: engine.seqs[f"{r}#0"].slot if f"{r}#0" in engine.seqs else None
+    done, order = {}, []
+
+    def step():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+                order.append(out.request_id)
+    for _ in range(3 * n):  # the arena fills: some low-priority requests decode, the rest wait
+        step()
+        if engine.allocator.free_units < per and any(slot(r) is None for r in low if r not in done):
+            break
+    waiting = [r for r in low if slot(r) is None and r not in done]
+    assert waiting and any(slot(r) is not None for r in low)
+    urgent = engine.add_request(prompts[n].tolist(), params, priority=-1)
+    step()
+    assert slot(urgent) is not None and engine.stats()["preemptions"] > before  # admitted at once
+    while engine.has_unfinished():
+        step()
+    assert order.index(urgent) < min(order.index(r) for r in waiting)
+    ref = model.generate_greedy(prompts, 16)
+    assert [done[r].token_ids for r in low + [urgent]] == ref.tolist()
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
+    with pytest.raises(RequestError, match="priority"):
+        engine.add_request([1, 2], params, priority=1 << 40)
+
+
 def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone):
     """The accelerator's decode forms (KDA: the batched op on gathered states; MLA: the token's latent
     stored in its page and the paged MLA kernel run over the arena through the page tables) give the

@@ -1,0 +1,62 @@
+"""The scheduler as the pure function it is (serve/scheduler.py): decode-first, FCFS among equals,
+aligned chunks, no overtaking, preemption of the newest on memory shortage, and priorities (order,
+victims, preempting lower priorities to admit a higher one, never an equal or higher one)."""
+
+from __future__ import annotations
+
+from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule, units_for
+
+CFG = SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=16, align=16, token_budget=64,
+                      page_size=16, num_mla_layers=2, slot_units=3)
+
+
+def run(rid, order, total=40, pages=6, priority=0):  # decoding: one token left
+    return SeqView(rid, order, total, total - 1, True, pages, priority=priority)
+
+
+def wait(rid, order, total=40, priority=0):
+    return SeqView(rid, order, total, 0, False, 0, priority=priority)
+
+
+def test_decode_first_then_fcfs_chunks_on_aligned_ends():
+    seqs = [wait("w2", 5, 50), run("r1", 1), SeqView("p", 2, 40, 20, True, 4), wait("w1", 3, 10)]
+    plan = schedule(seqs, Memory(100, 4), CFG)
+    assert plan.decode == ["r1"]
+    # the partial prefill resumes to the next multiple of 16, then the oldest waiting request
+    assert plan.prefill == [("p", 20, 12), ("w1", 0, 10)] and plan.admit == ["w1"]
+    assert plan.grow == {"w1": units_for(10, CFG)}  # "p" holds the pages of positions < 32 already
+
+
+def test_no_overtaking_and_newest_preempted_when_decodes_run_short():
+    plan = schedule([wait("big", 1, 200), wait("small", 2, 8)], Memory(4, 4), CFG)
+    assert plan.prefill == []  # "big" does not fit, "small" may not overtake it
+    # decodes that need a page per layer each (total 49 -> 4 pages per layer, 3 held) with one unit
+    # free: the newest goes, and its 6 units let the other two grow
+    seqs = [run("a", 1, 49), run("b", 2, 49), run("c", 3, 49)]
+    plan = schedule(seqs, Memory(1, 0), CFG)
+    assert plan.preempt == ["c"] and plan.decode == ["a", "b"] and plan.grow == {"a": 2, "b": 2}
+
+
+def test_priority_orders_decodes_prefills_and_victims():
+    seqs = [run(f"r{i}", i, priority=p) for i, p in enumerate([2, 0, 1, 0, 3])]
+    plan = schedule(seqs, Memory(100, 4), CFG)
+    assert plan.decode == ["r1", "r3", "r2", "r0"]  # max_num_seqs = 4: the lowest priority waits
+    plan = schedule([wait("a", 1, priority=1), wait("b", 2, priority=0), wait("c", 3, priority=1)],
+                    Memory(100, 4), CFG)
+    assert [r for r, _, _ in plan.prefill] == ["b", "a"]
+    seqs = [run("x", 1, 49, priority=0), run("y", 2, 49, priority=5), run("z", 3, 49, priority=5)]
+    plan = schedule(seqs, Memory(2, 0), CFG)
+    assert plan.preempt == ["z"] and plan.decode == ["x", "y"]  # lowest priority, newest first
+
+
+def test_a_higher_priority_request_preempts_lower_ones_to_start():
+    full = [run("low1", 1, pages=6, priority=3), run("low2", 2, pages=6, priority=3), run("mid", 3, pages=6)]
+    urgent = wait("urgent", 9, 30, priority=-1)  # needs 3 slot units + 4 page units
+    plan = schedule(full + [urgent], Memory(0, 0), CFG)
+    assert plan.preempt == ["low2"]  # one victim frees enough (6 pages + 3 slot units)
+    assert plan.prefill == [("urgent", 0, 16)] and plan.admit == ["urgent"]
+    assert plan.decode == ["mid", "low1"]
+    # equal or lower priority never preempts a running request
+    for p in (3, 5):
+        plan = schedule(full + [wait("w", 9, 30, priority=p)], Memory(0, 0), CFG)
+        assert plan.preempt == [] and plan.prefill == []
