@@ -98,13 +98,12 @@ class StepChannel:
         self.closed = False
         self.steps = 0  # batches sent (leader) or received (follower)
         self.pings = 0  # idle keepalives sent (leader) or received (follower)
-        self.seconds = 0.0  # host time spent in the channel's broadcasts
+        self.seconds = 0.0  # leader: host time spent broadcasting step batches (after warm-up)
         self.last = time.monotonic()  # last exchange
 
     # ---- both sides ---------------------------------------------------------------------------
     def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None):
         """Broadcast a header and (for a step) its batch from the leader; -> (cmd, shape, batch)."""
-        t0 = time.monotonic()
         head = _broadcast(np.asarray([cmd, *shape], np.int32))
         cmd, shape = int(head[0]), tuple(int(x) for x in head[1:])
         if cmd == _STEP:
@@ -113,8 +112,6 @@ class StepChannel:
             got = _broadcast(pack(leaves))
             batch = jax.tree.unflatten(treedef, unpack(np.asarray(got), leaves))
         self.last = time.monotonic()
-        if self.leader:
-            self.seconds += self.last - t0
         return cmd, shape, batch if cmd == _STEP else None
 
     def prime(self, shape: tuple[int, int, int]) -> None:
@@ -137,7 +134,9 @@ class StepChannel:
     def send(self, batch, shape: tuple[int, int, int]) -> None:
         if self.closed:
             raise RuntimeError("the step channel is closed (the followers were released)")
+        t0 = time.monotonic()
         self._exchange(_STEP, shape, batch)
+        self.seconds += time.monotonic() - t0
         self.steps += 1
 
     def keepalive(self) -> None:

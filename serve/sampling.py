@@ -205,11 +205,14 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
             top_lps, top_ids = jnp.zeros((b, t, 0), jnp.float32), jnp.zeros((b, t, 0), jnp.int32)
         return PromptLogprobs(chosen[..., 0], rank, top_ids.astype(jnp.int32), top_lps)
 
-    def skip(h):
-        return PromptLogprobs(jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.int32),
-                              jnp.zeros((b, t, n), jnp.int32), jnp.zeros((b, t, n), jnp.float32))
+    return lax.cond(jnp.any(targets >= 0), compute, lambda h: no_prompt_logprobs((b, t), n), hidden)
 
-    return lax.cond(jnp.any(targets >= 0), compute, skip, hidden)
+
+def no_prompt_logprobs(shape: tuple[int, int], num_top_logprobs: int) -> PromptLogprobs:
+    """Zeros of `prompt_logprobs`' result for targets of `shape` [B, T] (nothing asked)."""
+    b, t, n = *shape, int(num_top_logprobs)
+    return PromptLogprobs(jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.int32),
+                          jnp.zeros((b, t, n), jnp.int32), jnp.zeros((b, t, n), jnp.float32))
 
 
 def _row_keys(batch: SamplingBatch) -> jax.Array:

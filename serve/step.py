@@ -24,7 +24,8 @@ from pallas_kernels.kda.reference import kda_token_step
 from pallas_kernels.mla import paged_mla_decode
 from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, read_layer_states, read_units,
                           scatter_states, unpack_latent, update_states_in_place, write_layer_states)
-from serve.sampling import PromptLogprobs, SampleResult, SamplingBatch, prompt_logprobs, sample
+from serve.sampling import (PromptLogprobs, SampleResult, SamplingBatch, no_prompt_logprobs, prompt_logprobs,
+                            sample)
 from serve.state_split import StateSplit, on_ranks
 
 
@@ -292,7 +293,9 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
         arena = scatter(arena, batch.write_base, convs, states)
     res = sample(logits, batch.sampling, num_top_logprobs, history=lambda: token_history(token_pages, batch))
-    prompt = prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs)
+    # decode rows never score prompt tokens: decode programs carry no LM head over all positions
+    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not decode else
+              no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
     return arena, token_pages, (res, prompt), expert_counts(routed, batch, model.cfg.num_experts)
 
 
