@@ -217,7 +217,7 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.
 
 def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, options: StepOptions = StepOptions(),
               arena_sharding=None):
-    """-> (step(leaves, arena, token_pages, batch), leaves): `engine_step` jitted with the model graph, arena
+    """-> (step(leaves, arena, token_pages, batch), leaves): `_engine_step` jitted with the model graph, arena
     layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
     keeps one sharding from step to step (one program per bucket, updated in place), and the token
