@@ -38,6 +38,7 @@ from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
+from serve.structured import GrammarCompiler, Guide, mask_words
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
                          SamplingParams)
 
@@ -155,6 +156,7 @@ class Sequence:
     cached_tokens: Optional[int] = None  # prompt tokens its first admission took from the prefix cache
     prompt_lps: Optional[list] = None  # with params.prompt_logprobs: per prompt position (see RequestOutput)
     priority: int = 0  # lower is scheduled first (serve/scheduler.py)
+    guide: Optional[Guide] = None  # structured outputs: the constraint's matcher (serve/structured.py)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -243,8 +245,11 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
+        self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
+        self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
-                             generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0)
+                             generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
+                             structured_output_errors=0)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
@@ -387,6 +392,8 @@ class Engine:
             if need * params.n > self.allocator.baseline_free_units:
                 raise RequestError(f"request needs {need * params.n} cache units but the arena has "
                                    f"{self.allocator.baseline_free_units}; it can never fit")
+            guides = ([self.grammars.guide(params.structured_outputs) for _ in range(params.n)]
+                      if params.structured_outputs is not None else [None] * params.n)
         except RequestError:
             self.counters["requests_rejected"] += 1
             raise
@@ -397,7 +404,7 @@ class Engine:
         seqs = []
         for i in range(params.n):
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
-                           priority=priority,
+                           priority=priority, guide=guides[i],
                            prompt_ids=list(ids), params=params, seed=base_seed + i,
                            checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
                                                max_tokens),
@@ -760,6 +767,7 @@ class Engine:
         copies = []
         params, seeds, steps, plens, bans = [], [], [], [], []
         targets = np.full((rows, t), -1, np.int32)
+        allowed = np.full((rows, self.mask_words), -1, np.int32)
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
             tokens[i, :n] = ids[start:start + n]
@@ -772,12 +780,14 @@ class Engine:
             for j in range(self.cfg.num_mla_layers):
                 held = seq.pages[j][:pages]
                 table[i, j, :len(held)] = held
+            if seq.guide is not None and start + n == len(ids):  # this row samples the next token
+                seq.guide.fill(allowed[i])
             params.append(seq.params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids))
             plens.append(len(seq.prompt_ids))
             bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) < seq.params.min_tokens else None)
-        sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH)
+        sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)
         dst = np.full(ncopy, lay.scratch_page, np.int32)
@@ -801,7 +811,15 @@ class Engine:
             dec = (lambda i: self.tokenizer.decode([i], skip_special=False)) if self.tokenizer else (lambda i: "")
             seq.logprobs.append((Logprob(tok, lp, dec(tok)),
                                  [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[:n], top_lps[:n])]))
-        r = seq.checker.append(tok)
+        last = False
+        if seq.guide is not None:
+            if not seq.guide.advance(tok):  # cannot happen with the mask applied; never silently continue
+                log.error("request %s: token %d broke its structured-output constraint: %s", seq.request_id, tok,
+                          seq.guide.error)
+                self.counters["structured_output_errors"] += 1
+                last = True
+            last = last or seq.guide.done
+        r = seq.checker.append(tok, last=last)
         if r.finished:
             self._finish(seq, r.finish_reason, r.stop_reason)
 

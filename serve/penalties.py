@@ -1,6 +1,6 @@
 """Logit bias and repetition penalties on device (vLLM's semantics), before temperature and filtering.
 
-Order, as in vLLM: the bias first (OpenAI `logit_bias`, and `min_tokens`' ban of stop tokens, which the
+Order, as in vLLM: a structured-output row's allowed-token bitmask first (`apply_bitmask`), then the bias (OpenAI `logit_bias`, and `min_tokens`' ban of stop tokens, which the
 host writes as a -inf bias while a request is short; with `allowed_token_ids` the row lists exactly the
 allowed tokens and every other logit becomes -inf), then the penalties over the row's tokens:
 
@@ -31,6 +31,15 @@ def apply_bias(logits: jax.Array, ids: jax.Array, values: jax.Array, restrict: j
         return out
     listed = jnp.zeros((b, v), bool).at[rows, ids].set(True, mode="drop")
     return jnp.where(restrict[:, None] & ~listed, -jnp.inf, out)
+
+
+def apply_bitmask(logits: jax.Array, mask: jax.Array) -> jax.Array:
+    """logits [B, V] with every token whose bit is clear in mask [B, W] int32 set to -inf (bit t % 32 of
+    word t // 32 is token t; a row of -1 allows everything: structured outputs, serve/structured.py)."""
+    v = logits.shape[-1]
+    t = jnp.arange(v, dtype=jnp.int32)
+    bits = (mask[:, t >> 5] >> (t & 31)) & 1  # [B, V]
+    return jnp.where(bits != 0, logits, -jnp.inf)
 
 
 def token_counts(history: jax.Array, weight: jax.Array, vocab: int) -> jax.Array:

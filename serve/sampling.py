@@ -24,7 +24,8 @@ Semantics (vLLM's):
   chosen token, and ``top_ids``/``top_logprobs`` are ``lax.top_k`` of that same ``log_softmax``
   (vLLM's default "raw logprobs").
 
-Before any of that, ``serve/penalties.py`` adds the row's logit bias (``logit_bias`` and the engine's
+Before any of that, ``serve/penalties.py`` masks a structured-output row's disallowed tokens (its
+bitmask, ``serve/structured.py``), adds the row's logit bias (``logit_bias`` and the engine's
 ``min_tokens`` ban) and applies presence / frequency / repetition penalties over the row's tokens;
 greedy rows take the argmax of those processed logits, as in vLLM.
 
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from serve.penalties import apply_bias, apply_penalties
+from serve.penalties import apply_bias, apply_bitmask, apply_penalties
 from serve.types import SamplingParams
 
 __all__ = [
@@ -99,6 +100,7 @@ class SamplingBatch:
     bias_ids: jax.Array  # [B, N] i32 tokens whose logits get bias_values (-1: unused)
     bias_values: jax.Array  # [B, N] f32
     restrict: jax.Array  # [B] bool only the row's bias_ids may be sampled (allowed_token_ids)
+    allowed: jax.Array  # [B, W] i32 bitmask of the tokens a structured-output row may take (-1: all)
 
     @property
     def size(self) -> int:
@@ -114,6 +116,8 @@ class SamplingBatch:
         prompt_lens: Optional[Sequence[int]] = None,
         extra_bias: Optional[Sequence[dict]] = None,
         bias_width: int = 0,
+        allowed: Optional[np.ndarray] = None,
+        mask_words: int = 0,
     ) -> "SamplingBatch":
         """Host-side (numpy) builder: row ``i`` samples with ``params[i]``, ``seeds[i]`` and
         ``steps[i]``; rows ``len(params)..bucket-1`` and ``None`` params are greedy padding.
@@ -122,7 +126,8 @@ class SamplingBatch:
         unseeded request); it may be ``None`` for greedy rows. ``prompt_lens[i]`` marks where row
         ``i``'s output starts (penalties count output tokens); ``extra_bias[i]`` ({token: bias}) is
         added to the request's ``logit_bias`` (the engine's ``min_tokens`` ban); both fit in
-        ``bias_width`` entries per row.
+        ``bias_width`` entries per row. ``allowed`` ([bucket, mask_words] int32, rows of -1 for
+        unconstrained rows) is the structured-output bitmask; without it every row allows all.
         """
         n = len(params)
         if n > bucket:
@@ -142,6 +147,10 @@ class SamplingBatch:
         bias_ids = np.full((bucket, bias_width), -1, np.int32)
         bias_values = np.zeros((bucket, bias_width), np.float32)
         restrict = np.zeros(bucket, bool)
+        if allowed is None:
+            allowed = np.full((bucket, mask_words), -1, np.int32)
+        elif allowed.shape[0] != bucket or allowed.dtype != np.int32:
+            raise ValueError(f"allowed must be int32 [{bucket}, W], got {allowed.dtype} {allowed.shape}")
         for i, (p, seed, st) in enumerate(zip(params, seeds, steps)):
             step[i] = st
             if seed is not None:
@@ -168,7 +177,7 @@ class SamplingBatch:
             top_p[i] = p.top_p
             min_p[i] = p.min_p
         return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,
-                   bias_ids, bias_values, restrict)
+                   bias_ids, bias_values, restrict, allowed)
 
 
 class SampleResult(NamedTuple):
@@ -285,7 +294,11 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
     if history is None:
         penalized = jnp.zeros_like(penalized)
 
-    def process(x):  # only traced into the branch taken when some row has a bias or a penalty
+    guided = jnp.any(batch.allowed != -1) if batch.allowed.shape[1] else jnp.bool_(False)
+
+    def process(x):  # only traced into the branch taken when some row has a mask, a bias or a penalty
+        if batch.allowed.shape[1]:
+            x = lax.cond(guided, apply_bitmask, lambda x, m: x, x, batch.allowed)
         if batch.bias_ids.shape[1]:
             x = apply_bias(x, batch.bias_ids, batch.bias_values, batch.restrict)
         if history is None:
@@ -298,7 +311,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
                                    batch.frequency, batch.repetition)
         return lax.cond(jnp.any(penalized), penalize, lambda x: x, x)
 
-    x = lax.cond(jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict), process,
+    x = lax.cond(guided | jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict), process,
                  lambda x: x, logits)
     greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
     is_greedy = batch.temperature < GREEDY_EPS

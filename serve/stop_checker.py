@@ -105,8 +105,11 @@ class StopChecker:
     def num_tokens(self) -> int:
         return len(self.token_ids)
 
-    def append(self, token_id: int) -> StepResult:
-        """Account for one generated token; return the newly emittable text and the finish state."""
+    def append(self, token_id: int, last: bool = False) -> StepResult:
+        """Account for one generated token; return the newly emittable text and the finish state.
+
+        `last`: nothing may follow this token (a structured-output constraint is complete): the
+        sequence finishes with "stop" (stop_reason None) unless a stop condition applies first."""
         if self.finished:
             raise RuntimeError("append() after the sequence finished")
         tid = int(token_id)
@@ -115,18 +118,20 @@ class StopChecker:
         early = len(self.token_ids) < self.params.min_tokens
         stop_token = tid in self._stop_ids and not early
         at_length = self.max_tokens is not None and len(self.token_ids) >= self.max_tokens
+        ends = at_length or last
+        end_reason = "stop" if last else "length"
 
         if self._detok is None:
             if stop_token:
                 return self._finish("", "stop", tid)
-            if at_length:
-                return self._finish("", "length", None)
+            if ends:
+                return self._finish("", end_reason, None)
             return StepResult("", False)
 
         new = ""
         if not stop_token or self.include_stop:
             new = self._detok.add(tid)
-        if stop_token or at_length:
+        if stop_token or ends:
             new += self._detok.flush()
 
         checked = len(self._pending)  # everything before this was checked in earlier steps
@@ -137,8 +142,8 @@ class StopChecker:
             return self._finish(self._pending[: end if self.include_stop else start], "stop", stop)
         if stop_token:
             return self._finish(self._pending, "stop", tid)
-        if at_length:
-            return self._finish(self._pending, "length", None)
+        if ends:
+            return self._finish(self._pending, end_reason, None)
 
         hold = self._held_back_len()
         cut = len(self._pending) - hold

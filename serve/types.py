@@ -2,13 +2,62 @@
 
 from __future__ import annotations
 
+import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 
 class RequestError(ValueError):
     """A request is invalid (bad field, too long, can never fit); raised before it takes any memory."""
+
+
+@dataclass
+class StructuredOutputsParams:
+    """One constraint on a request's output (vLLM's names). Exactly one of:
+
+    * `json`: a JSON schema (dict or JSON text): the output is one JSON value valid under it;
+    * `regex`: the whole output matches this regular expression (Rust `regex` syntax);
+    * `choice`: the output is exactly one of these strings;
+    * `grammar`: a context-free grammar, Lark (llguidance's dialect) or GBNF (llama.cpp's);
+    * `json_object=True`: any JSON object (OpenAI's `response_format: json_object`).
+
+    `disable_any_whitespace` forbids whitespace between JSON tokens (compact JSON; default: JSON
+    whitespace allowed as the model likes). `disable_additional_properties` adds
+    `"additionalProperties": false` to every object schema that does not say otherwise.
+
+    For thinking models (k3jax's addition; vLLM ties this to its reasoning parser): `reasoning_end`
+    delays the constraint until the output contains that text (the end of the reasoning block, as the
+    tokenizer encodes it), and `answer_prefix` is text the model may write before the constrained
+    answer (K3's response-channel opening). The chat API sets both for K3 prompts that think.
+    """
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    choice: Optional[list[str]] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    disable_any_whitespace: bool = False
+    disable_additional_properties: bool = False
+    reasoning_end: Optional[str] = None
+    answer_prefix: Optional[str] = None
+
+    def kind(self) -> str:
+        """Which constraint is set; RequestError unless exactly one."""
+        set_ = [k for k in ("json", "regex", "choice", "grammar") if getattr(self, k) is not None]
+        if self.json_object:
+            set_.append("json_object")
+        if len(set_) != 1:
+            raise RequestError(f"structured_outputs: set exactly one of json, regex, choice, grammar, json_object "
+                               f"(got {', '.join(set_) or 'none'})")
+        return set_[0]
+
+    def key(self) -> str:
+        """A canonical text of the constraint (the compiler's cache key)."""
+        kind = self.kind()
+        value = getattr(self, kind)
+        return _json.dumps([kind, value, self.disable_any_whitespace, self.disable_additional_properties,
+                            self.answer_prefix], sort_keys=True, default=str)
 
 
 @dataclass
@@ -21,7 +70,8 @@ class SamplingParams:
     `prompt_logprobs=N` returns, for every prompt token after the first, its logprob given the tokens
     before it and the top-N alternatives (the whole prompt is computed: no prefix-cache reuse).
     `allowed_token_ids` restricts sampling (greedy too) to those tokens; `truncate_prompt_tokens=K`
-    keeps only the prompt's last K tokens.
+    keeps only the prompt's last K tokens. `structured_outputs` constrains the output to a JSON
+    schema, regex, choice or grammar (`StructuredOutputsParams`; serve/structured.py).
     Penalties (vLLM's): `presence_penalty` / `frequency_penalty` subtract from the logit of each token
     already generated (once / per occurrence); `repetition_penalty` divides positive (multiplies
     negative) logits of tokens in the prompt or the output (1 is off). `logit_bias` adds to chosen
@@ -51,6 +101,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     allowed_token_ids: Optional[list[int]] = None
     truncate_prompt_tokens: Optional[int] = None
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -106,6 +157,14 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
                                                         or self.truncate_prompt_tokens < 1):
             bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        if self.structured_outputs is not None:
+            if not isinstance(self.structured_outputs, StructuredOutputsParams):
+                bad("structured_outputs", f"expected StructuredOutputsParams, got "
+                                          f"{type(self.structured_outputs).__name__}")
+            self.structured_outputs.kind()
+            if self.allowed_token_ids is not None:
+                bad("allowed_token_ids", "cannot be combined with structured_outputs (the constraint decides "
+                                         "which tokens may come next)")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")

@@ -115,7 +115,7 @@ def forward_logits(llm):
     from k3jax import steps
 
     model = llm.engine.model  # the engine's (weight layout as served)
-    total = len(PROMPT) + 12
+    total = len(PROMPT) + 28
     fn = jax.jit(lambda ids: steps.forward(model.graphdef, model.params, ids))
 
     def logits(ids):  # [len(ids), V]: the logits after each prefix of ids
@@ -206,3 +206,57 @@ def test_allowed_token_ids_and_prompt_truncation(llm, forward_logits):
     assert cut.token_ids == llm.generate([PROMPT[-10:]], SP(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
     with pytest.raises(RequestError, match="allowed_token_ids"):
         llm.generate([PROMPT], SP(allowed_token_ids=[]))
+
+
+# ---- structured outputs (serve/structured.py) ------------------------------------------------------
+def _guided_reference(llm, logits_of, prompt, so, max_tokens):
+    """Greedy under the constraint: the full forward's logits masked with llguidance's numpy op."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from serve.structured import mask_words
+
+    guide = llm.engine.grammars.guide(so)
+    row = np.zeros((1, mask_words(llm.engine.cfg.vocab_size)), np.int32)
+    out = []
+    while len(out) < max_tokens and not guide.done:
+        guide.fill(row[0])
+        x = logits_of(prompt + out)[-1:].astype(np.float32).copy()
+        apply_token_bitmask_inplace(x, row)
+        out.append(int(np.argmax(x[0])))
+        assert guide.advance(out[-1])
+        if out[-1] in llm.engine.stop_ids:
+            break
+    return out
+
+
+def test_structured_outputs_greedy_match_a_masked_reference_and_sampled_rows_stay_in_the_language(
+        llm, forward_logits):
+    import json
+    import re
+
+    from serve.types import StructuredOutputsParams as SO
+
+    schema = {"type": "object", "properties": {"id": {"type": "integer", "minimum": 0, "maximum": 999},
+                                               "kind": {"enum": ["cat", "dog"]}},
+              "required": ["id", "kind"], "additionalProperties": False}
+    regex = r"[a-f]{3}-[0-9]{2,3}"
+    cases = [SP(temperature=0, max_tokens=28, structured_outputs=SO(json=schema, disable_any_whitespace=True)),
+             SP(temperature=0, max_tokens=12, structured_outputs=SO(regex=regex)),
+             SP(temperature=0, max_tokens=6, ignore_eos=True),
+             SP(temperature=1.0, seed=4, n=2, max_tokens=12, structured_outputs=SO(regex=regex))]
+    prompts = [PROMPT, PROMPT[:25], PROMPT[:30], PROMPT[:33]]
+    got = llm.generate(prompts, cases)
+    want_json = _guided_reference(llm, forward_logits, PROMPT, cases[0].structured_outputs, 28)
+    assert got[0].token_ids == want_json and got[0].finish_reason == "stop"
+    v = json.loads(got[0].text)
+    assert set(v) == {"id", "kind"} and 0 <= v["id"] <= 999 and v["kind"] in ("cat", "dog")
+    assert got[1].token_ids == _guided_reference(llm, forward_logits, PROMPT[:25], cases[1].structured_outputs, 12)
+    assert re.fullmatch(regex, got[1].text)
+    assert got[2].token_ids == _reference_tokens(forward_logits, PROMPT[:30], cases[2])  # unconstrained row
+    texts = [o.text for o in got[3].outputs]
+    assert all(re.fullmatch(regex, t) for t in texts) and texts[0] != texts[1]
+    e = llm.engine
+    assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+    assert e.stats()["compiles_after_warmup"] == 0 and e.counters["structured_output_errors"] == 0
+    with pytest.raises(RequestError, match=r"structured_outputs\.regex"):
+        llm.generate([PROMPT], SP(structured_outputs=SO(regex="(")))

@@ -1,0 +1,223 @@
+"""Structured outputs: constrain a request's tokens to a JSON schema, a regex, a choice or a grammar.
+
+vLLM's `structured_outputs` (`StructuredOutputsParams`: exactly one of `json`, `regex`, `choice`,
+`grammar`, `json_object`). The host compiles the constraint once per request with llguidance (a
+well-kept Rust library: lazy lexer + Earley parser over the token trie, tens of microseconds per mask)
+and, before each step that samples a token for the request, writes the set of tokens that keep the
+output a prefix of the language into a bitmask row (`int32[ceil(V / 32)]`, bit `t % 32` of word
+`t // 32` set when token `t` is allowed). The device sets the other logits to -inf
+(`serve/penalties.apply_bitmask`) before greedy or random sampling; logprobs stay those of the raw
+logits. After the step the sampled token advances the request's matcher; when the grammar cannot
+continue (complete and nothing may follow), the request finishes with `finish_reason="stop"`. While
+the grammar is complete but could continue (a number, `[0-9]+`), the stop tokens are allowed too.
+
+`reasoning_end` delays the constraint until the output contains that text's tokens, so a thinking
+model reasons freely and the constraint applies to its answer; `answer_prefix` lets the answer start
+with fixed text (the chat API sets them to K3's end of thinking and response-channel opening when the
+prompt thinks; vLLM's reasoning-aware structured outputs).
+
+A step with no constrained row carries all-ones rows and skips the masking (`lax.cond`).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Optional, Sequence
+
+import numpy as np
+
+from serve.types import RequestError, StructuredOutputsParams
+
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "mask_words", "ALLOW_ALL"]
+
+#: A bitmask word with every token allowed.
+ALLOW_ALL = -1
+_CACHE_SIZE = 256  # compiled grammars kept per engine (repeated schemas skip validation)
+
+
+def mask_words(vocab_size: int) -> int:
+    """int32 words in one row of the allowed-token bitmask."""
+    return (int(vocab_size) + 31) // 32
+
+
+def _close_objects(schema: Any) -> Any:
+    """`additionalProperties: false` on every object schema that does not set it (recursively)."""
+    if isinstance(schema, list):
+        return [_close_objects(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: _close_objects(v) for k, v in schema.items()}
+    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    return out
+
+
+def grammar_text(params: StructuredOutputsParams) -> str:
+    """The llguidance grammar of a constraint (not yet validated against a tokenizer); with
+    `answer_prefix`, the constraint's grammars become a sub-grammar after that optional text."""
+    text = _constraint_grammar(params)
+    if not params.answer_prefix:
+        return text
+    if not isinstance(params.answer_prefix, str):
+        raise RequestError("structured_outputs.answer_prefix: must be a string")
+    try:
+        inner = json.loads(text)
+    except json.JSONDecodeError:  # Lark text
+        inner = {"grammars": [{"lark_grammar": text}]}
+    inner["grammars"][0]["name"] = "constraint"
+    wrap = {"name": "answer", "lark_grammar": f"start: PREFIX? @constraint\nPREFIX: {json.dumps(params.answer_prefix)}"}
+    return json.dumps({**inner, "grammars": [wrap] + inner["grammars"]})
+
+
+def _constraint_grammar(params: StructuredOutputsParams) -> str:
+    import llguidance as llg
+
+    kind = params.kind()
+    field_ = f"structured_outputs.{kind}"
+    if kind in ("json", "json_object"):
+        schema = {"type": "object"} if kind == "json_object" else params.json
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise RequestError(f"{field_}: not valid JSON: {e}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
+        if params.disable_additional_properties:
+            schema = _close_objects(schema)
+        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        try:
+            return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
+        except (ValueError, TypeError) as e:
+            raise RequestError(f"{field_}: {e}") from None
+    if kind == "regex":
+        if not isinstance(params.regex, str) or not params.regex:
+            raise RequestError(f"{field_}: must be a non-empty string")
+        return llg.LLMatcher.grammar_from_regex(params.regex)
+    if kind == "choice":
+        choices = params.choice
+        if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
+            raise RequestError(f"{field_}: must be a non-empty list of non-empty strings")
+        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+    if not isinstance(params.grammar, str) or not params.grammar.strip():
+        raise RequestError(f"{field_}: must be a non-empty grammar (Lark or GBNF)")
+    try:
+        return llg.grammar_from("grammar", params.grammar)
+    except ValueError as e:
+        raise RequestError(f"{field_}: {e}") from None
+
+
+class _TokenTable:
+    """What llguidance's tokenizer wrapper reads: each id's bytes (special ids marked with 0xFF, so no
+    text can produce them), the stop ids, and the tokenizer for strings inside grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
+        self._tokenizer = tokenizer
+        n = min(tokenizer.vocab_size, vocab_size)
+        self.tokens = [(b"\xff" + tokenizer.token_bytes(i)) if tokenizer.is_special(i) else tokenizer.token_bytes(i)
+                       for i in range(n)] + [b""] * (vocab_size - n)  # ids past the tokenizer: never allowed
+        self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
+        self.eos_token_id = int(stop_ids[0])
+        self.bos_token_id = tokenizer.bos_token_id
+
+    def __call__(self, text):
+        if isinstance(text, bytes):
+            raise TypeError("strings only")  # tells the wrapper to pass str
+        return self._tokenizer.encode(text)
+
+
+class GrammarCompiler:
+    """Per-engine: the llguidance tokenizer (built on first use) and a cache of validated grammars."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.vocab_size = int(vocab_size)
+        self.stop_ids = [int(t) for t in stop_ids]
+        self._ll = None
+        self._cache: OrderedDict[str, str] = OrderedDict()
+
+    @property
+    def ll_tokenizer(self):
+        if self._ll is None:
+            import llguidance as llg
+
+            table = _TokenTable(self.tokenizer, self.vocab_size, self.stop_ids)
+            self._ll = llg.LLTokenizer(llg.TokenizerWrapper(table), eos_token=self.stop_ids)
+        return self._ll
+
+    def compile(self, params: StructuredOutputsParams) -> str:
+        """The validated grammar of `params`; RequestError naming the field when it is invalid."""
+        if not isinstance(params, StructuredOutputsParams):
+            raise RequestError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
+        if self.tokenizer is None:
+            raise RequestError("structured_outputs: this model has no tokenizer to match text constraints against")
+        key = params.key()
+        hit = self._cache.get(key)
+        if hit is not None:
+            self._cache.move_to_end(key)
+            return hit
+        import llguidance as llg
+
+        grammar = grammar_text(params)
+        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        if is_error:
+            raise RequestError(f"structured_outputs.{params.kind()}: {messages[0] if messages else 'invalid'}")
+        self._cache[key] = grammar
+        while len(self._cache) > _CACHE_SIZE:
+            self._cache.popitem(last=False)
+        return grammar
+
+    def guide(self, params: StructuredOutputsParams) -> "Guide":
+        """A fresh matcher for one sequence (each of a request's n samples has its own)."""
+        import llguidance as llg
+
+        grammar = self.compile(params)
+        after = ()
+        if params.reasoning_end is not None:
+            if not isinstance(params.reasoning_end, str) or not params.reasoning_end:
+                raise RequestError("structured_outputs.reasoning_end: must be a non-empty string")
+            after = self.tokenizer.encode(params.reasoning_end, allow_special=True)
+        matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise RequestError(f"structured_outputs.{params.kind()}: {matcher.get_error()}")
+        return Guide(matcher, tuple(int(t) for t in after))
+
+
+@dataclass
+class Guide:
+    """One sequence's constraint state: the llguidance matcher, advanced by every token sampled once
+    the output has shown `after` (empty: from the first token)."""
+
+    matcher: Any
+    after: tuple[int, ...] = ()
+    active: bool = field(default=False)
+    recent: list = field(default_factory=list)  # the last len(after) tokens while waiting
+
+    def __post_init__(self):
+        self.active = not self.after
+
+    def fill(self, row: np.ndarray) -> None:
+        """Write the allowed-token bitmask of the next token into `row` (int32 [W], C-contiguous)."""
+        if not self.active:
+            row[:] = ALLOW_ALL
+            return
+        self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
+
+    def advance(self, token: int) -> bool:
+        """Account for a sampled token; False when it broke the constraint (never, with the mask)."""
+        if not self.active:
+            self.recent = (self.recent + [int(token)])[-len(self.after):]
+            self.active = tuple(self.recent) == self.after
+            return True
+        return bool(self.matcher.consume_token(int(token)))
+
+    @property
+    def done(self) -> bool:
+        """The constraint is satisfied and allows nothing more (the request stops here)."""
+        return self.active and self.matcher.is_stopped()
+
+    @property
+    def error(self) -> Optional[str]:
+        return self.matcher.get_error() if self.matcher.is_error() else None

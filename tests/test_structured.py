@@ -1,0 +1,189 @@
+"""Structured outputs on the host and the masking op (serve/structured.py, serve/penalties.apply_bitmask):
+grammars from each constraint kind walked with random allowed tokens until complete (the text must be
+in the language: checked with Python's json / re, not llguidance), errors that name the field, the
+delayed start, and the device op against llguidance's own numpy reference. Engine-level greedy and
+sampled runs are in test_sampling_engine.py (they share its compiled engine)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.tokenizer import ByteTokenizer
+from serve.penalties import apply_bitmask
+from serve.stop_checker import StopChecker
+from serve.structured import GrammarCompiler, mask_words
+from serve.types import RequestError, SamplingParams, StructuredOutputsParams as SO
+
+TOK = ByteTokenizer(320)
+V = 352  # the model's vocabulary is padded past the tokenizer's (ids 320.. are never allowed)
+STOPS = TOK.eos_token_ids
+
+
+@pytest.fixture(scope="module")
+def compiler():
+    return GrammarCompiler(TOK, V, STOPS)
+
+
+def _allowed(row: np.ndarray) -> np.ndarray:
+    bits = np.unpackbits(row.view(np.uint8), bitorder="little")[:V]
+    return np.flatnonzero(bits)
+
+
+def _walk(compiler, params, rng, max_steps=400):
+    """Sample uniformly among the allowed tokens until the guide is done; -> (tokens, masks seen)."""
+    g = compiler.guide(params)
+    row = np.zeros(mask_words(V), np.int32)
+    out = []
+    for _ in range(max_steps):
+        g.fill(row)
+        allowed = _allowed(row)
+        assert allowed.size and allowed.max() < TOK.vocab_size
+        tok = int(rng.choice(allowed))
+        assert g.advance(tok)
+        out.append(tok)
+        if g.done or (g.active and tok in STOPS):
+            return out
+    raise AssertionError(f"not done after {max_steps} tokens: {TOK.decode(out)!r}")
+
+
+SCHEMA = {"type": "object", "properties": {
+    "name": {"type": "string", "maxLength": 6},
+    "age": {"type": "integer", "minimum": 0, "maximum": 150},
+    "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    "ok": {"type": "boolean"}}, "required": ["name", "age", "ok"], "additionalProperties": False}
+
+
+def _check_schema(v):
+    assert set(v) >= {"name", "age", "ok"} and set(v) <= {"name", "age", "tags", "ok"}
+    assert isinstance(v["name"], str) and len(v["name"]) <= 6
+    assert isinstance(v["age"], int) and not isinstance(v["age"], bool) and 0 <= v["age"] <= 150
+    assert isinstance(v["ok"], bool)
+    assert set(v.get("tags", [])) <= {"a", "b", "c"} and len(v.get("tags", [])) <= 3
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_walks_stay_in_the_language(compiler, seed):
+    rng = np.random.default_rng(seed)
+    text = TOK.decode(_walk(compiler, SO(json=SCHEMA, disable_any_whitespace=True), rng))
+    _check_schema(json.loads(text))
+    assert " " not in text.replace('"', "").split(":")[0]  # compact
+    text = TOK.decode(_walk(compiler, SO(json=json.dumps(SCHEMA)), rng))  # whitespace allowed, text schema
+    _check_schema(json.loads(text))
+    regex = r"(ab|cd)[0-9]{2,4}-x+"
+    text = TOK.decode(_walk(compiler, SO(regex=regex), rng))
+    assert re.fullmatch(regex, text.rstrip()) or re.fullmatch(regex, text), text
+    choices = ["yes", "no", "maybe so"]
+    assert TOK.decode(_walk(compiler, SO(choice=choices), rng)) in choices
+    grammar = 'start: expr\nexpr: NUM | "(" expr "+" expr ")"\nNUM: /[0-9]/'
+    text = TOK.decode(_walk(compiler, SO(grammar=grammar), rng))
+    assert re.fullmatch(r"[0-9()+]+", text) and text.count("(") == text.count("+") == text.count(")")
+
+
+def test_json_object_admits_any_object_and_nothing_else(compiler):
+    row = np.zeros(mask_words(V), np.int32)
+    g = compiler.guide(SO(json_object=True))
+    for tok in TOK.encode('{"k": [1, {"z": null}], "s": "\u00e9t\u00e9"}'):
+        g.fill(row)
+        assert tok in _allowed(row) and g.advance(tok)
+    assert g.done
+    g = compiler.guide(SO(json_object=True))
+    g.fill(row)
+    assert TOK.encode("[")[0] not in _allowed(row) and TOK.encode("{")[0] in _allowed(row)
+
+
+def test_gbnf_grammar_and_closed_objects(compiler):
+    rng = np.random.default_rng(3)
+    gbnf = 'root ::= "x" digit digit\ndigit ::= [0-9]'
+    assert re.fullmatch(r"x[0-9]{2}", TOK.decode(_walk(compiler, SO(grammar=gbnf), rng)))
+    open_schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9}},
+                   "required": ["a"]}
+    for seed in range(5):
+        v = json.loads(TOK.decode(_walk(compiler, SO(json=open_schema, disable_any_whitespace=True,
+                                                     disable_additional_properties=True),
+                                        np.random.default_rng(seed))))
+        assert list(v) == ["a"]
+
+
+def test_the_constraint_starts_after_the_reasoning_and_may_open_with_the_prefix(compiler):
+    so = SO(choice=["42"], reasoning_end="</think>", answer_prefix="<ans>")
+    row = np.zeros(mask_words(V), np.int32)
+    for answer in ("<ans>42", "42"):
+        g = compiler.guide(so)
+        for tok in TOK.encode("free </thi text </thi"):  # anything goes before the marker
+            g.fill(row)
+            assert (row == -1).all() and g.advance(tok) and not g.done
+        for tok in TOK.encode("nk>"):
+            assert g.advance(tok)
+        assert g.active
+        g.fill(row)
+        assert sorted(_allowed(row)) == sorted(TOK.encode("<4"))  # the prefix or the answer
+        for i, tok in enumerate(TOK.encode(answer)):
+            g.fill(row)
+            assert tok in _allowed(row) and g.advance(tok) and g.done == (i == len(answer) - 1)
+
+
+def test_a_token_outside_the_mask_breaks_the_guide(compiler):
+    g = compiler.guide(SO(regex="[0-9]+"))
+    assert not g.advance(TOK.encode("z")[0])
+    assert g.error
+
+
+@pytest.mark.parametrize("params, field", [
+    (SO(), "structured_outputs: set exactly one"),
+    (SO(regex="a", choice=["b"]), "set exactly one"),
+    (SO(regex="a(b"), r"structured_outputs\.regex"),
+    (SO(json={"type": "foo"}), r"structured_outputs\.json"),
+    (SO(json="{not json"), r"structured_outputs\.json: not valid JSON"),
+    (SO(json=[1, 2]), r"structured_outputs\.json: a JSON schema must be an object"),
+    (SO(choice=[]), r"structured_outputs\.choice"),
+    (SO(grammar="start: undefined_rule"), r"structured_outputs\.grammar"),
+])
+def test_bad_constraints_name_the_field(compiler, params, field):
+    with pytest.raises(RequestError, match=field):
+        compiler.guide(params)
+
+
+def test_sampling_params_validation():
+    with pytest.raises(RequestError, match="allowed_token_ids"):
+        SamplingParams(structured_outputs=SO(regex="a"), allowed_token_ids=[1]).validate(V)
+    with pytest.raises(RequestError, match="structured_outputs"):
+        SamplingParams(structured_outputs={"regex": "a"}).validate(V)
+    SamplingParams(structured_outputs=SO(regex="a")).validate(V)
+    with pytest.raises(RequestError, match="tokenizer"):
+        GrammarCompiler(None, V, STOPS).guide(SO(regex="a"))
+
+
+def test_grammars_are_cached(compiler):
+    a = compiler.compile(SO(json={"type": "integer"}))
+    assert compiler.compile(SO(json={"type": "integer"})) is a
+    assert compiler.compile(SO(json={"type": "integer"}, disable_any_whitespace=True)) is not a
+
+
+def test_stop_checker_last_flushes_held_text():
+    chk = StopChecker(SamplingParams(stop=["ab"]), TOK, STOPS, 100)
+    assert chk.append(TOK.encode("x")[0]).text_delta == "x"
+    r = chk.append(TOK.encode("a")[0])  # held back: it may start "ab"
+    assert r.text_delta == "" and not r.finished
+    r = chk.append(TOK.encode("c")[0], last=True)
+    assert r.finished and r.finish_reason == "stop" and r.stop_reason is None and chk.text == "xac"
+
+
+def test_apply_bitmask_matches_llguidance_numpy_reference():
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    rng = np.random.default_rng(0)
+    b, v = 5, 333
+    logits = rng.standard_normal((b, v)).astype(np.float32)
+    mask = rng.integers(-(2 ** 31), 2 ** 31, (b, mask_words(v)), dtype=np.int64).astype(np.int32)
+    mask[2] = -1  # an unconstrained row
+    want = logits.copy()
+    apply_token_bitmask_inplace(want, mask)
+    got = np.asarray(jax.jit(apply_bitmask)(jnp.asarray(logits), jnp.asarray(mask)))
+    np.testing.assert_array_equal(got, want)
+    np.testing.assert_array_equal(got[2], logits[2])
