@@ -14,6 +14,11 @@ Both generation endpoints stream with SSE (`stream: true`): `data: {json}` event
 (mid-stream or while waiting for a non-streamed answer) has its engine requests aborted at once, which
 frees their cache memory.
 
+Structured outputs (both endpoints, serve/structured.py): OpenAI's `response_format` (`json_object`,
+`json_schema`), vLLM's `structured_outputs` ({json | regex | choice | grammar | json_object}) and its
+older `guided_json` / `guided_regex` / `guided_choice` / `guided_grammar`; one per request. On a K3 chat
+prompt that thinks, the constraint applies to the answer after the reasoning.
+
 Errors always use OpenAI's body `{"error": {"message", "type", "param", "code"}}` with a 4xx status for
 every client fault: malformed JSON, unknown or mistyped fields, bad sampling values (400), unknown
 model (404), a prompt over the context window (400; the message gives both numbers), oversized body
@@ -43,8 +48,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from serve.reasoning import ChannelSplitter, split_reasoning
-from serve.types import Logprob, RequestError, RequestOutput, SamplingParams
+from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
+from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 
@@ -133,6 +138,17 @@ class _GenerationFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    # structured outputs (serve/structured.py): at most one of these
+    response_format: Optional[dict[str, Any]] = Field(
+        None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'name', 'schema'}}")
+    structured_outputs: Optional[dict[str, Any]] = Field(
+        None, description="vLLM's: one of json, regex, choice, grammar, json_object; disable_any_whitespace, "
+                          "disable_additional_properties")
+    guided_json: Optional[Union[str, dict[str, Any]]] = Field(None, description="vLLM's older name of "
+                                                                                  "structured_outputs.json")
+    guided_regex: Optional[str] = None
+    guided_choice: Optional[list[str]] = None
+    guided_grammar: Optional[str] = None
 
 
 class CompletionRequest(_GenerationFields):
@@ -166,7 +182,6 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    response_format: Optional[dict[str, Any]] = Field(None, description="only {'type': 'text'}")
     tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (must be empty)")
     tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description="only 'none'")
     parallel_tool_calls: Optional[bool] = None
@@ -864,8 +879,6 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             raise APIError(400, "tools are not supported by this server", param="tools")
         if body.tool_choice not in (None, "none"):
             raise APIError(400, "tool_choice is not supported (only 'none')", param="tool_choice")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise APIError(400, "response_format: only {'type': 'text'} is supported", param="response_format")
         ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
         if body.truncate_prompt_tokens is not None:
             ids = ids[-body.truncate_prompt_tokens:]
@@ -873,7 +886,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         n_lp = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-        params = _sampling(st, body, max_tokens, n_lp)
+        params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body))
         fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
                           prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body))
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
@@ -919,9 +932,10 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 # ---- request handling -------------------------------------------------------------------------------
 
 def _param_of(message: str) -> Optional[str]:
-    """`"field: why"` -> "field" (the engine's and SamplingParams' message convention)."""
+    """`"field: why"` -> "field" (the engine's and SamplingParams' message convention; "a.b" names a
+    nested field)."""
     head, sep, _ = message.partition(":")
-    return head if sep and head.isidentifier() else None
+    return head if sep and all(p.isidentifier() for p in head.split(".")) else None
 
 
 def _check_ids(st: ServerState, ids: list[int], param: str) -> None:
@@ -962,6 +976,57 @@ def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[i
     return texts, ids
 
 
+def _thinks(st: ServerState, body) -> bool:
+    """The K3 generation prompt opens the think channel (the answer comes after the reasoning)."""
+    return (st.chat_family == "k3" and body.add_generation_prompt
+            and (body.chat_template_kwargs or {}).get("thinking", True))
+
+
+_SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
+            "disable_additional_properties")
+
+
+def _structured(body: _GenerationFields, thinks: bool) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint from `response_format`, `structured_outputs` or `guided_*`."""
+    given = []
+    rf = body.response_format
+    if rf is not None:
+        kind = rf.get("type", "text")
+        if kind == "json_object":
+            given.append(("response_format", StructuredOutputsParams(json_object=True)))
+        elif kind == "json_schema":
+            spec = rf.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format.json_schema.schema: a JSON schema object is required",
+                               param="response_format")
+            given.append(("response_format", StructuredOutputsParams(json=spec["schema"])))
+        elif kind != "text":
+            raise APIError(400, f"response_format.type: must be text, json_object or json_schema, got {kind!r}",
+                           param="response_format")
+    if body.structured_outputs is not None:
+        unknown = sorted(set(body.structured_outputs) - set(_SO_KEYS))
+        if unknown:
+            raise APIError(400, f"structured_outputs: unknown keys {unknown} (known: {', '.join(_SO_KEYS)})",
+                           param="structured_outputs")
+        given.append(("structured_outputs", StructuredOutputsParams(**body.structured_outputs)))
+    for name in ("json", "regex", "choice", "grammar"):
+        value = getattr(body, f"guided_{name}")
+        if value is not None:
+            given.append((f"guided_{name}", StructuredOutputsParams(**{name: value})))
+    if len(given) > 1:
+        raise APIError(400, f"{given[1][0]}: give one output constraint (also set: {given[0][0]})", param=given[1][0])
+    if not given:
+        return None
+    name, so = given[0]
+    try:
+        so.kind()
+    except RequestError as e:
+        raise APIError(400, f"{name}: {str(e).partition(': ')[2]}", param=name) from None
+    if thinks:  # constrain the answer, not the reasoning
+        so.reasoning_end, so.answer_prefix = THINK_END, RESPONSE_START
+    return so
+
+
 def _reasoning_start(st: ServerState, body) -> Optional[str]:
     """The XTML channel a K3 generation prompt opens ("think" / "response"), None: no reasoning split."""
     if st.chat_family != "k3" or not body.add_generation_prompt or not getattr(st, "reasoning_parser", True):
@@ -997,7 +1062,8 @@ def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_promp
     return ids
 
 
-def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int], logprobs: Optional[int]):
+def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int], logprobs: Optional[int],
+              thinks: bool = False):
     bias = None
     if body.logit_bias:
         try:
@@ -1014,7 +1080,8 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
-        truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs)
+        truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
+        structured_outputs=_structured(body, thinks))
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:

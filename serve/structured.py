@@ -35,6 +35,10 @@ __all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "mask_words", 
 #: A bitmask word with every token allowed.
 ALLOW_ALL = -1
 _CACHE_SIZE = 256  # compiled grammars kept per engine (repeated schemas skip validation)
+#: JSON whitespace allowed between two tokens of the value (unless disable_any_whitespace). Bounded:
+#: with an unbounded pattern a model can loop on whitespace until max_tokens (a known failure of
+#: grammar-constrained JSON); 20 still fits a newline and nine levels of two-space indentation.
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 
 
 def mask_words(vocab_size: int) -> int:
@@ -87,7 +91,8 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
             raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
         if params.disable_additional_properties:
             schema = _close_objects(schema)
-        options = {"whitespace_flexible": not params.disable_any_whitespace}
+        options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
+                   {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE})
         try:
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except (ValueError, TypeError) as e:
@@ -160,8 +165,13 @@ class GrammarCompiler:
             return hit
         import llguidance as llg
 
-        grammar = grammar_text(params)
-        is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        try:
+            grammar = grammar_text(params)
+            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+        except RequestError:
+            raise
+        except Exception as e:  # llguidance's own errors on odd input: still the request's fault
+            raise RequestError(f"structured_outputs.{params.kind()}: {e}") from None
         if is_error:
             raise RequestError(f"structured_outputs.{params.kind()}: {messages[0] if messages else 'invalid'}")
         self._cache[key] = grammar

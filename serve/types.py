@@ -22,8 +22,8 @@ class StructuredOutputsParams:
     * `grammar`: a context-free grammar, Lark (llguidance's dialect) or GBNF (llama.cpp's);
     * `json_object=True`: any JSON object (OpenAI's `response_format: json_object`).
 
-    `disable_any_whitespace` forbids whitespace between JSON tokens (compact JSON; default: JSON
-    whitespace allowed as the model likes). `disable_additional_properties` adds
+    `disable_any_whitespace` forbids whitespace between JSON tokens (compact JSON; default: up to 20
+    whitespace characters between two JSON tokens). `disable_additional_properties` adds
     `"additionalProperties": false` to every object schema that does not say otherwise.
 
     For thinking models (k3jax's addition; vLLM ties this to its reasoning parser): `reasoning_end`

@@ -586,3 +586,52 @@ def test_full_queue_503_and_recovery(limited):
     assert metric(text, "k3jax:http_requests_rejected_total", reason="queue_full") >= 1
     assert metric(text, "k3jax:http_requests_rejected_total", reason="rate_limit") >= 1
     assert metric(text, "k3jax:http_requests_rejected_total", reason="auth") >= 1
+
+
+# ---- structured outputs -------------------------------------------------------------------------------
+
+def test_structured_outputs_over_http(client, http):
+    import json as _json
+    import re
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                               "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    # at most 20 whitespace characters between two JSON tokens: the (deterministic, greedy) value ends
+    r = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 126, "temperature": 0, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}).json()
+    assert "choices" in r, r
+    v = _json.loads(r["choices"][0]["text"])
+    assert set(v) == {"n", "ok"} and 0 <= v["n"] <= 99 and isinstance(v["ok"], bool)
+    assert r["choices"][0]["finish_reason"] == "stop", r
+    r = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "json please"}], max_tokens=40, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"enum": ["on", "off"]}}})
+    assert r.choices[0].message.content in ('"on"', '"off"') and r.choices[0].finish_reason == "stop"
+    regex = r"[xyz]{2}-[0-9]{3}"
+    r = client.completions.create(model=MODEL, prompt="id:", max_tokens=12, temperature=0.9, seed=2, n=2,
+                                  extra_body={"structured_outputs": {"regex": regex}})
+    assert all(re.fullmatch(regex, c.text) for c in r.choices)
+    r = client.completions.create(model=MODEL, prompt="pick", max_tokens=12, temperature=0,
+                                  extra_body={"guided_choice": ["left", "right"]})
+    assert r.choices[0].text in ("left", "right")
+    chunks = list(client.completions.create(model=MODEL, prompt="id:", max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"guided_regex": regex}))
+    assert re.fullmatch(regex, "".join(c.choices[0].text for c in chunks if c.choices))
+    body = {"messages": [{"role": "user", "content": "x"}], "max_tokens": 30, "temperature": 0}
+    got = http.post("/v1/completions", json={"prompt": "x", "max_tokens": 100, "temperature": 0,
+                                             "structured_outputs": {"json_object": True,
+                                                                    "disable_any_whitespace": True}}).json()
+    assert got["choices"][0]["text"].startswith("{")
+    if got["choices"][0]["finish_reason"] == "stop":  # a random model may nest objects past max_tokens
+        assert isinstance(_json.loads(got["choices"][0]["text"]), dict)
+    for bad, param in (({"structured_outputs": {"regex": "("}}, "structured_outputs.regex"),
+                       ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                       ({"structured_outputs": {"pattern": "a"}}, "structured_outputs"),
+                       ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
+                       ({"response_format": {"type": "yaml"}}, "response_format"),
+                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
+                       ({"guided_json": {"type": "nonsense"}}, "structured_outputs.json")):
+        err = _err(http.post("/v1/chat/completions", json={**body, **bad}), 400)
+        assert err["param"] == param, (bad, err)
+    assert metric(http.get("/metrics").text, "k3jax:compiles_after_warmup") == 0
