@@ -49,6 +49,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
+from serve.tools import ToolPlan, history_message, parse_calls, plan_tools, tools_system_message
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -182,8 +183,11 @@ class ChatCompletionRequest(_GenerationFields):
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
-    tools: Optional[list[dict[str, Any]]] = Field(None, description="not supported (must be empty)")
-    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(None, description="only 'none'")
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="functions the model may call "
+                                                                     "(serve/tools.py: JSON call format)")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = Field(
+        None, description="'none' | 'auto' (default with tools) | 'required' | {'type': 'function', 'function': "
+                          "{'name'}}; required and named calls are constrained to the functions' schemas")
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
@@ -630,12 +634,40 @@ class _CompletionFormat(_Format):
 
 class _ChatFormat(_Format):
     """With `reasoning` (the channel a K3 prompt opened), text is split into `reasoning_content` and
-    `content` (serve/reasoning.py)."""
+    `content` (serve/reasoning.py). With `tools`, an answer that is a call becomes `tool_calls`
+    (serve/tools.py); streamed, a possible call is held back and sent whole when the choice finishes."""
 
-    def __init__(self, *a, reasoning: Optional[str] = None, **kw):
+    def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None, **kw):
         super().__init__(*a, **kw)
         self.reasoning = reasoning
+        self.tools = tools
         self.splitters: dict[int, ChannelSplitter] = {}
+        self.held: dict[int, str] = {}  # streamed content held back as a possible tool call
+        self.streaming: set[int] = set()  # choices whose content turned out not to be a call
+
+    def _calls(self, content: str, finish_reason: Optional[str]) -> tuple[Optional[list], Optional[str]]:
+        """(tool_calls, finish_reason) when the answer is a call, else (None, finish_reason)."""
+        if self.tools is None or finish_reason not in ("stop", None):
+            return None, finish_reason
+        calls = parse_calls(self.tools, content.strip())
+        if calls is None:
+            return None, finish_reason
+        return calls, ("stop" if self.tools.mode == "named" else "tool_calls")
+
+    def _hold(self, idx: int, content: str, finish_reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
+        """Streaming: -> (content to send now, tool_calls to send now, finish_reason)."""
+        if self.tools is None or idx in self.streaming:
+            return content, None, finish_reason
+        held = self.held.get(idx, "") + content
+        if self.tools.mode == "auto" and held.strip() and not held.lstrip().startswith("["):
+            self.streaming.add(idx)  # plain text: send what was held and stream the rest
+            self.held.pop(idx, None)
+            return held, None, finish_reason
+        self.held[idx] = held
+        if finish_reason is None:
+            return "", None, None
+        calls, finish_reason = self._calls(self.held.pop(idx), finish_reason)
+        return ("" if calls else held), calls, finish_reason
 
     def _logprobs(self, entries) -> Optional[dict]:
         if self.logprobs is None or entries is None:
@@ -656,9 +688,12 @@ class _ChatFormat(_Format):
                 if self.reasoning:
                     reasoning, message["content"] = split_reasoning(o.text, self.reasoning)
                     message["reasoning_content"] = reasoning or None
+                calls, finish = self._calls(message["content"], o.finish_reason)
+                if calls:
+                    message["content"], message["tool_calls"] = None, calls
                 choices.append({"index": self.index(i, j), "message": message,
                                 "logprobs": self._logprobs(o.logprobs),
-                                "finish_reason": o.finish_reason, "stop_reason": o.stop_reason})
+                                "finish_reason": finish, "stop_reason": o.stop_reason})
         out = {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
         if self.prompt_field:
             out["prompt_logprobs"] = self._prompt_field(run.latest[0])
@@ -696,8 +731,15 @@ class _ChatFormat(_Format):
                     r2, c2 = split.finish()
                     reasoning, content = reasoning + r2, content + c2
                 delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+            content, calls, finish = self._hold(idx, delta.pop("content", ""), o.finish_reason)
+            if content:
+                delta["content"] = content
+            if calls:
+                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+            if not delta and not new_lps and finish is None:
+                continue
             choice = {"index": idx, "delta": delta,
-                      "logprobs": self._logprobs(new_lps), "finish_reason": o.finish_reason}
+                      "logprobs": self._logprobs(new_lps), "finish_reason": finish}
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
                 self.finished.add(idx)
@@ -875,20 +917,22 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                                _r: None = Depends(ready)):
         arrival = time.monotonic()
         st.check_model(body.model)
-        if body.tools:
-            raise APIError(400, "tools are not supported by this server", param="tools")
-        if body.tool_choice not in (None, "none"):
-            raise APIError(400, "tool_choice is not supported (only 'none')", param="tool_choice")
-        ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        try:
+            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        except RequestError as e:
+            raise APIError(400, str(e), param=_param_of(str(e))) from None
+        ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan)
         if body.truncate_prompt_tokens is not None:
             ids = ids[-body.truncate_prompt_tokens:]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         n_lp = (body.top_logprobs or 0) if body.logprobs else None
         if body.top_logprobs is not None and not body.logprobs:
             raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-        params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body))
+        params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body),
+                           constraint=plan.constraint() if plan else None)
         fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
-                          prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body))
+                          prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
+                          tools=plan)
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/tokenize", responses=_ERRORS)
@@ -986,9 +1030,11 @@ _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_wh
             "disable_additional_properties")
 
 
-def _structured(body: _GenerationFields, thinks: bool) -> Optional[StructuredOutputsParams]:
-    """The request's output constraint from `response_format`, `structured_outputs` or `guided_*`."""
-    given = []
+def _structured(body: _GenerationFields, thinks: bool,
+                constraint: Optional[StructuredOutputsParams] = None) -> Optional[StructuredOutputsParams]:
+    """The request's output constraint from `response_format`, `structured_outputs` or `guided_*`, or
+    `constraint` (a forced tool call's)."""
+    given = [("tool_choice", constraint)] if constraint is not None else []
     rf = body.response_format
     if rf is not None:
         kind = rf.get("type", "text")
@@ -1035,7 +1081,7 @@ def _reasoning_start(st: ServerState, body) -> Optional[str]:
 
 
 def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-              kwargs: Optional[dict]) -> list[int]:
+              kwargs: Optional[dict], tools: Optional[ToolPlan] = None) -> list[int]:
     from k3jax.chat_template import encode_chat
 
     if st.tokenizer is None:
@@ -1051,7 +1097,13 @@ def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_promp
         d = m.model_dump(exclude_none=True)
         if d["role"] == "developer":
             d["role"] = "system"
-        msgs.append(d)
+        try:
+            msgs.append(history_message(d))
+        except RequestError as e:
+            raise APIError(400, str(e), param="messages") from None
+    if tools is not None:  # after the leading system messages (a K2-style default system still comes first)
+        at = next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))
+        msgs.insert(at, {"role": "system", "content": tools_system_message(tools)})
     try:
         ids = encode_chat(st.tokenizer, msgs, family=st.chat_family, add_generation_prompt=add_generation_prompt,
                           **kwargs)
@@ -1063,7 +1115,7 @@ def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_promp
 
 
 def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int], logprobs: Optional[int],
-              thinks: bool = False):
+              thinks: bool = False, constraint: Optional[StructuredOutputsParams] = None):
     bias = None
     if body.logit_bias:
         try:
@@ -1081,7 +1133,7 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
-        structured_outputs=_structured(body, thinks))
+        structured_outputs=_structured(body, thinks, constraint))
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:

@@ -1,0 +1,215 @@
+"""Function calling (serve/tools.py) through the real HTTP app with a scripted engine: the engine writes a
+given answer token by token, and every token must pass the request's constraint (serve/structured.py
+masks), so the constraints built for `tool_choice` are checked together with the response shapes
+(whole and streamed). Random walks under the `required` constraint always parse as valid calls."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from types import SimpleNamespace
+
+import httpx
+import numpy as np
+import pytest
+
+from k3jax.tokenizer import ByteTokenizer
+from serve.api import create_app
+from serve.structured import GrammarCompiler, mask_words
+from serve.tools import history_message, parse_calls, plan_tools
+from serve.types import CompletionOutput, RequestError, RequestOutput
+
+TOK = ByteTokenizer(320)
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "weather now", "parameters": {
+        "type": "object", "properties": {"city": {"enum": ["paris", "rome"]}, "days": {"type": "integer",
+                                                                                     "minimum": 1, "maximum": 7}},
+        "required": ["city"], "additionalProperties": False}}},
+    {"type": "function", "function": {"name": "add", "parameters": {
+        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+        "required": ["a", "b"], "additionalProperties": False}}},
+]
+
+
+class ScriptedEngine:
+    """Answers each request with the next scripted text, token by token, checking each token against the
+    request's constraint; records the prompts and params it saw."""
+
+    def __init__(self):
+        self.grammars = GrammarCompiler(TOK, 320, TOK.eos_token_ids)
+        self.engine = SimpleNamespace(
+            tokenizer=TOK, cfg=SimpleNamespace(vocab_size=320, family="byte"),
+            config=SimpleNamespace(max_model_len=4096, max_logprobs=5, max_num_seqs=8), decode_buckets=(8,))
+        self.script: list[str] = []
+        self.seen: list[tuple[list[int], object]] = []
+        self.rejected = 0
+
+    def stats(self) -> dict:
+        return {}
+
+    async def generate(self, prompt, params, request_id=None, priority=0):
+        self.seen.append((list(prompt), params))
+        text = self.script.pop(0)
+        guide = self.grammars.guide(params.structured_outputs) if params.structured_outputs else None
+        row = np.zeros(mask_words(320), np.int32)
+        ids: list[int] = []
+        for k, tok in enumerate(TOK.encode(text)):
+            if guide is not None:
+                guide.fill(row)
+                if not (row[tok >> 5] >> (tok & 31)) & 1:
+                    self.rejected += 1
+                    raise RequestError(f"scripted token {k} ({TOK.decode([tok])!r}) is outside the constraint")
+                assert guide.advance(tok)
+            ids.append(tok)
+            done = k == len(TOK.encode(text)) - 1
+            if done and guide is not None:
+                assert guide.done, "the scripted answer must complete the constraint"
+            out = CompletionOutput(0, TOK.decode(ids), list(ids), "stop" if done else None)
+            yield RequestOutput(request_id, None, list(prompt), [out], finished=done)
+            await asyncio.sleep(0)
+
+
+def _client(engine):
+    app = create_app(None, "m")
+    app.state.k3.attach(engine)
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t")
+
+
+def _chat(engine, script, **body):
+    engine.script = list(script)
+
+    async def go():
+        async with _client(engine) as c:
+            req = {"messages": [{"role": "user", "content": "weather in paris?"}], "tools": TOOLS, **body}
+            if body.get("stream"):
+                chunks = []
+                async with c.stream("POST", "/v1/chat/completions", json=req) as r:
+                    async for line in r.aiter_lines():
+                        if line.startswith("data: ") and line != "data: [DONE]":
+                            chunks.append(json.loads(line[6:]))
+                return r.status_code, chunks
+            r = await c.post("/v1/chat/completions", json=req)
+            return r.status_code, r.json()
+
+    return asyncio.run(go())
+
+
+def test_required_tool_choice_constrains_and_returns_tool_calls():
+    eng = ScriptedEngine()
+    answer = '[{"name":"get_weather","parameters":{"city":"paris","days":3}},{"name":"add","parameters":{"a":1,"b":2}}]'
+    status, r = _chat(eng, [answer], tool_choice="required")
+    assert status == 200, r
+    ch = r["choices"][0]
+    assert ch["finish_reason"] == "tool_calls" and ch["message"]["content"] is None
+    calls = ch["message"]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["get_weather", "add"]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "paris", "days": 3}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in calls)
+    prompt = TOK.decode(eng.seen[0][0])
+    assert "# Tools" in prompt and '"name": "get_weather"' in prompt and "weather in paris?" in prompt
+    # answers outside the functions' schemas are rejected token by token
+    for bad in ('[{"name":"get_weather","parameters":{"city":"oslo"}}]',  # not in the enum
+                '[{"name":"delete_all","parameters":{}}]',  # not a listed function
+                '[]', '{"city":"paris"}'):
+        status, r = _chat(ScriptedEngine(), [bad], tool_choice="required")
+        assert status == 400 and "outside the constraint" in r["error"]["message"], (bad, r)
+    status, r = _chat(ScriptedEngine(), [answer], tool_choice="required", parallel_tool_calls=False)
+    assert status == 400  # a second call is not allowed
+
+
+def test_named_tool_choice_streams_one_call():
+    eng = ScriptedEngine()
+    status, chunks = _chat(eng, ['{"a":5,"b":-2}'], stream=True,
+                           tool_choice={"type": "function", "function": {"name": "add"}})
+    assert status == 200
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+    calls = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert len(calls) == 1 and calls[0]["index"] == 0 and calls[0]["function"]["name"] == "add"
+    assert json.loads(calls[0]["function"]["arguments"]) == {"a": 5, "b": -2}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+    assert "Call the function add" in TOK.decode(eng.seen[0][0])
+
+
+def test_auto_returns_calls_or_text_and_streams_text_at_once():
+    eng = ScriptedEngine()
+    status, r = _chat(eng, ['[{"name": "add", "parameters": {"a": 1, "b": 1}}]'])
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    assert eng.seen[0][1].structured_outputs is None  # auto does not constrain
+    status, r = _chat(eng, ["It is sunny."])
+    assert r["choices"][0]["message"]["content"] == "It is sunny." and r["choices"][0]["finish_reason"] == "stop"
+    assert r["choices"][0]["message"]["tool_calls"] == []
+    status, chunks = _chat(eng, ["Sunny [really]."], stream=True, tool_choice="auto")
+    texts = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+    assert "".join(t or "" for t in texts) == "Sunny [really]."
+    assert sum(1 for t in texts if t) > 3  # streamed as it came, not held to the end
+    status, chunks = _chat(eng, ['[{"name": "add", "parameters": {"a": 1, "b": 1}}]'], stream=True)
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+
+
+def test_tool_history_and_none():
+    eng = ScriptedEngine()
+    msgs = [{"role": "user", "content": "add 1 and 2"},
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "3"}]
+    status, r = _chat(eng, ["3."], messages=msgs)
+    assert status == 200, r
+    prompt = TOK.decode(eng.seen[0][0])
+    assert '[{"name": "add", "parameters": {"a": 1, "b": 2}}]' in prompt and "## Return of call_1\n3" in prompt
+    status, r = _chat(eng, ["fine"], tool_choice="none")
+    assert status == 200 and "# Tools" not in TOK.decode(eng.seen[1][0])
+
+
+@pytest.mark.parametrize("tools, choice, field", [
+    ([{"type": "function", "function": {"name": ""}}], None, "tools"),
+    ([{"type": "retrieval"}], None, "tools"),
+    (TOOLS + TOOLS[:1], None, "tools"),
+    (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
+    (TOOLS, "sometimes", "tool_choice"),
+    (None, "required", "tool_choice"),
+])
+def test_bad_tools_are_400_naming_the_field(tools, choice, field):
+    eng = ScriptedEngine()
+
+    async def go():
+        async with _client(eng) as c:
+            body = {"messages": [{"role": "user", "content": "x"}], "tools": tools}
+            if choice is not None:
+                body["tool_choice"] = choice
+            return await c.post("/v1/chat/completions", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+    with pytest.raises(RequestError, match=field):
+        plan_tools(tools, choice, None)
+
+
+def test_required_constraint_random_walks_parse_as_valid_calls():
+    gc = GrammarCompiler(TOK, 320, TOK.eos_token_ids)
+    plan = plan_tools(TOOLS, "required", None)
+    row = np.zeros(mask_words(320), np.int32)
+    for seed in range(8):
+        rng = np.random.default_rng(seed)
+        g, out = gc.guide(plan.constraint()), []
+        while not g.done:
+            g.fill(row)
+            allowed = np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little"))
+            # bias towards closing brackets so the walk ends
+            pref = [t for t in allowed if chr(t) in '"]}'] if rng.random() < 0.5 else []
+            out.append(int(rng.choice(pref or allowed)))
+            assert g.advance(out[-1]) and len(out) < 2000
+        calls = parse_calls(plan, TOK.decode(out))
+        assert calls, TOK.decode(out)
+        for c in calls:
+            args = json.loads(c["function"]["arguments"])
+            if c["function"]["name"] == "get_weather":
+                assert args["city"] in ("paris", "rome") and set(args) <= {"city", "days"}
+            else:
+                assert set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+
+
+def test_history_message_rejects_bad_calls():
+    with pytest.raises(RequestError, match="arguments is not JSON"):
+        history_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]})
+    assert history_message({"role": "user", "content": "x"}) == {"role": "user", "content": "x"}
