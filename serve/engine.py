@@ -918,6 +918,7 @@ class Engine:
             "processes": len(mesh_processes(self.mesh)) if self.mesh is not None else 1,
             # multi-process: host seconds the leader spent broadcasting step batches to the followers
             "step_broadcast_seconds": self.channel.seconds if self.channel is not None else 0.0,
+            "step_broadcast_bytes": self.channel.bytes if self.channel is not None else 0,
             "sharding": self.config.sharding,
             # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
             "arena_state_ranks": self.layout.state_ranks,

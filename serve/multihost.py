@@ -17,7 +17,10 @@ follower's before the first step and names the difference). The leader's `Engine
 at interpreter exit) releases the followers.
 
 The channel is two `broadcast_one_to_all` collectives per step: a fixed header (command, rows,
-tokens per row, pages per layer) and the batch packed into one byte buffer. Both are small next to a
+tokens per row, pages per layer, a flag) and the batch packed into one byte buffer. The sampling
+extras that are almost always padding (the structured-output bitmask, `[rows, V / 32]` int32, 20 KB
+a row at K3's vocabulary; the logit-bias rows) are left out of the buffer when every row is padding,
+which the flag says (so each bucket has two buffer sizes, both compiled at warm-up). Both are small next to a
 step (a decode batch of 64 rows over 2048 pages per MLA layer is ~12 MB of page table for K3's 24
 MLA layers, most of it padding; the rest is KBs), and both programs are compiled during warm-up.
 """
@@ -36,6 +39,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _STOP, _STEP, _IDLE = 0, 1, 2
+#: SamplingBatch fields sent only when some row differs from padding (the header's flag says)
+OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict")
 # an idle leader pings the followers this often (bounds how long a follower waits in one collective)
 KEEPALIVE_SECONDS = float(os.environ.get("K3JAX_MULTIHOST_KEEPALIVE", "10"))
 
@@ -100,23 +105,48 @@ class StepChannel:
         self.pings = 0  # idle keepalives sent (leader) or received (follower)
         self.seconds = 0.0  # leader: host time spent broadcasting step batches (after warm-up)
         self.last = time.monotonic()  # last exchange
+        self.bytes = 0  # leader: step-batch bytes broadcast (after warm-up)
+        self._sent = 0
+        self._templates: dict = {}
 
     # ---- both sides ---------------------------------------------------------------------------
-    def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None):
-        """Broadcast a header and (for a step) its batch from the leader; -> (cmd, shape, batch)."""
-        head = _broadcast(np.asarray([cmd, *shape], np.int32))
-        cmd, shape = int(head[0]), tuple(int(x) for x in head[1:])
+    def _template(self, shape: tuple[int, int, int]):
+        """The padding batch of a bucket: (leaves, treedef, indices of the optional leaves)."""
+        if shape not in self._templates:
+            flat, treedef = jax.tree.flatten_with_path(self.make_batch(*shape))
+            leaves = [np.asarray(x) for _, x in flat]
+            optional = [i for i, (path, _) in enumerate(flat) if getattr(path[-1], "name", None) in OPTIONAL_FIELDS]
+            self._templates[shape] = (leaves, treedef, optional)
+        return self._templates[shape]
+
+    def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None, full: Optional[bool] = None):
+        """Broadcast a header and (for a step) its batch from the leader; -> (cmd, shape, batch).
+        `full`: send the optional leaves (default: only when some differ from padding)."""
+        leaves = None
+        if self.leader and cmd == _STEP:
+            template, _, optional = self._template(shape)
+            leaves = [np.asarray(x) for x in jax.tree.leaves(batch)]
+            if full is None:
+                full = any(not np.array_equal(leaves[i], template[i]) for i in optional)
+        head = _broadcast(np.asarray([cmd, *shape, int(bool(full))], np.int32))
+        cmd, shape, full = int(head[0]), tuple(int(x) for x in head[1:4]), bool(head[4])
         if cmd == _STEP:
-            leaves, treedef = jax.tree.flatten(batch if self.leader else self.make_batch(*shape))
-            leaves = [np.asarray(x) for x in leaves]
-            got = _broadcast(pack(leaves))
-            batch = jax.tree.unflatten(treedef, unpack(np.asarray(got), leaves))
+            template, treedef, optional = self._template(shape)
+            sent = [i for i in range(len(template)) if full or i not in optional]
+            got = np.asarray(_broadcast(pack([(leaves or template)[i] for i in sent])))
+            out = list(template)
+            for i, x in zip(sent, unpack(got, [template[i] for i in sent])):
+                out[i] = x
+            batch = jax.tree.unflatten(treedef, out)
+            self._sent = got.size
         self.last = time.monotonic()
         return cmd, shape, batch if cmd == _STEP else None
 
     def prime(self, shape: tuple[int, int, int]) -> None:
-        """Compile the channel's programs for one bucket (every process, in the same order: warm-up)."""
-        self._exchange(_STEP, shape, self.make_batch(*shape))
+        """Compile the channel's programs for one bucket, with and without the optional leaves (every
+        process, in the same order: warm-up)."""
+        for full in (True, False):
+            self._exchange(_STEP, shape, self.make_batch(*shape), full=full)
 
     def check(self, fingerprint: str) -> None:
         """Every process compares its engine fingerprint with the leader's; raises on a mismatch."""
@@ -137,6 +167,7 @@ class StepChannel:
         t0 = time.monotonic()
         self._exchange(_STEP, shape, batch)
         self.seconds += time.monotonic() - t0
+        self.bytes += self._sent
         self.steps += 1
 
     def keepalive(self) -> None:

@@ -116,7 +116,9 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
 
 class _TokenTable:
     """What llguidance's tokenizer wrapper reads: each id's bytes (special ids marked with 0xFF, so no
-    text can produce them), the stop ids, and the tokenizer for strings inside grammars."""
+    text can produce them), the stop ids, and the tokenizer for strings inside grammars, which must
+    tokenize text as the model sees it: added tokens that are not special (K3's `<|open|>`, `<|sep|>`,
+    `<|close|>`) are matched in the text (llguidance follows this tokenization for fixed strings)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         self._tokenizer = tokenizer
@@ -126,11 +128,13 @@ class _TokenTable:
         self.special_token_ids = [i for i in range(n) if tokenizer.is_special(i)]
         self.eos_token_id = int(stop_ids[0])
         self.bos_token_id = tokenizer.bos_token_id
+        self._added = frozenset(name for i in range(n) if not tokenizer.is_special(i)
+                                and (name := tokenizer.id_to_token(i)) is not None)
 
     def __call__(self, text):
         if isinstance(text, bytes):
             raise TypeError("strings only")  # tells the wrapper to pass str
-        return self._tokenizer.encode(text)
+        return self._tokenizer.encode(text, allow_special=self._added)
 
 
 class GrammarCompiler:

@@ -26,6 +26,9 @@ ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX
 PROMPTS = [("The quick brown fox", dict(temperature=0, max_tokens=8)),
            ("Once upon a time, in a land far away", dict(temperature=0, max_tokens=5)),
            ("abc", dict(temperature=0.8, top_p=0.9, seed=3, max_tokens=6)),
+           # the sampling extras the channel sends only when used: a structured-output mask, a logit bias
+           ("pick", dict(temperature=0, max_tokens=10, structured_outputs={"regex": "(cat|dog)-[0-9]{2}"})),
+           ("xyz", dict(temperature=0, max_tokens=4, logit_bias={"7": 5.0})),
            # 53 byte tokens: a prompt-end KDA checkpoint at 32; asked twice, the second resumes from it
            ("The quick brown fox jumps over the lazy dog, and back", dict(temperature=0, max_tokens=4))]
 
@@ -82,9 +85,17 @@ def reference():
 
 
 def _reference_outputs(engine, prompts):
-    from serve.types import SamplingParams
+    from serve.types import SamplingParams, StructuredOutputsParams
 
-    ids = [engine.add_request(p, SamplingParams(ignore_eos=True, logprobs=1, **kw)) for p, kw in prompts]
+    def params(kw):
+        kw = dict(kw)
+        if "structured_outputs" in kw:
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+        if "logit_bias" in kw:
+            kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
+        return SamplingParams(ignore_eos=True, logprobs=1, **kw)
+
+    ids = [engine.add_request(p, params(kw)) for p, kw in prompts]
     done = {}
     while len(done) < len(ids):
         done.update({o.request_id: o for o in engine.step() if o.finished})
@@ -116,7 +127,10 @@ def test_two_processes_serve_like_one_device(cluster, reference):
     assert cluster["follower"].wait(30) == 0
     tail = open(cluster["follower_log"]).read()
     steps, pings = map(int, tail.split("process 0 closed after ")[1].split(" idle pings")[0].split(" steps ("))
-    assert steps >= sum(kw["max_tokens"] for _, kw in PROMPTS + PROMPTS[-1:]) and pings >= 1
+    assert steps >= sum(kw["max_tokens"] for _, kw in PROMPTS + PROMPTS[-1:] if "structured_outputs" not in kw)
+    assert pings >= 1
+    import re
+    assert re.fullmatch("(cat|dog)-[0-9]{2}", got[3]["choices"][0]["text"])
 
 
 _MISMATCH = textwrap.dedent("""
@@ -163,3 +177,49 @@ def test_step_batch_packing_roundtrip():
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     with pytest.raises(ValueError, match="does not match"):
         unpack(pack(leaves)[:-1], leaves)
+
+
+def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch):
+    """Leader and follower channels over a recorded broadcast: the follower rebuilds the leader's batch
+    exactly, with the bitmask / bias leaves in the buffer only when some row is not padding, and its
+    buffer always has the leader's size (a mismatch would hang a real collective)."""
+    import jax
+
+    from serve import multihost
+    from serve.sampling import SamplingBatch
+    from serve.types import SamplingParams
+
+    rows, words = 4, 3
+    make = lambda r, t, p: SamplingBatch.from_params([], [], [], r, None, None, 5, None, words)  # noqa: E731
+    leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
+    follower.leader = False
+    tape: list = []
+
+    def run(channel, batch):
+        def bcast(x):
+            if channel.leader:
+                tape.append(np.asarray(x).copy())
+                return x
+            got = tape.pop(0)
+            assert got.shape == np.asarray(x).shape and got.dtype == np.asarray(x).dtype
+            return got
+        monkeypatch.setattr(multihost, "_broadcast", bcast)
+        if channel.leader:
+            channel.send(batch, (rows, 1, 1))
+            return channel._sent
+        return channel.receive()
+
+    allowed = np.full((rows, words), -1, np.int32)
+    allowed[1] = [5, 0, -7]
+    plain = SamplingBatch.from_params([SamplingParams(temperature=0.5, seed=1)], [1], [2], rows, None, None, 5,
+                                      None, words)
+    extras = SamplingBatch.from_params([SamplingParams(logit_bias={3: 2.0})], [0], [0], rows, None, None, 5,
+                                       allowed, words)
+    sizes = []
+    for batch in (plain, extras, plain):
+        sizes.append(run(leader, batch))
+        got = run(follower, None)
+        for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    assert sizes[0] == sizes[2] < sizes[1]
+    assert sizes[1] - sizes[0] == rows * (words * 4 + 5 * 8 + 1)  # mask + bias ids/values + restrict

@@ -187,3 +187,55 @@ def test_apply_bitmask_matches_llguidance_numpy_reference():
     got = np.asarray(jax.jit(apply_bitmask)(jnp.asarray(logits), jnp.asarray(mask)))
     np.testing.assert_array_equal(got, want)
     np.testing.assert_array_equal(got[2], logits[2])
+
+
+def test_k3_thinking_answer_is_constrained_after_the_markers(tmp_path):
+    """A K3 tokenizer (synthetic ranks, the spec's marker ids): the constraint the chat API sets for a
+    thinking prompt leaves the reasoning free, lets the model open the response channel with its marker
+    tokens, then holds the answer to the choice."""
+    from test_tokenizer import K3_SPECIALS, synthetic_ranks, write_tokenizer_dir
+
+    from k3jax.tokenizer import KimiTokenizer
+    from serve.reasoning import RESPONSE_START, THINK_END
+
+    tok = KimiTokenizer.from_dir(write_tokenizer_dir(tmp_path, synthetic_ranks(), K3_SPECIALS), family="k3")
+    v = tok.vocab_size
+    gc = GrammarCompiler(tok, v, tok.eos_token_ids)
+    so = SO(choice=["on", "off"], reasoning_end=THINK_END, answer_prefix=RESPONSE_START)
+    row = np.zeros(mask_words(v), np.int32)
+    allowed = lambda: set(np.flatnonzero(np.unpackbits(row.view(np.uint8), bitorder="little")[:v]).tolist())
+    opener = tok.encode(RESPONSE_START, allow_special=True)
+    assert opener[0] == tok.token_to_id("<|open|>")  # the marker is one token
+    for answer in ("on", "off"):
+        for prefix in (RESPONSE_START, ""):
+            g = gc.guide(so)
+            for t in tok.encode("the user wants a switch state " + THINK_END, allow_special=True):
+                g.fill(row)
+                assert (row == -1).all() and g.advance(t)
+            g.fill(row)
+            assert opener[0] in allowed() and tok.encode("o")[0] in allowed()
+            ids = tok.encode(prefix + answer, allow_special=True)
+            for k, t in enumerate(ids):
+                g.fill(row)
+                assert t in allowed() and g.advance(t)
+            assert g.done
+
+
+def test_api_constraint_sources():
+    from types import SimpleNamespace
+
+    from serve.api import _structured
+    from serve.reasoning import RESPONSE_START, THINK_END
+
+    def body(**kw):
+        base = dict(response_format=None, structured_outputs=None, guided_json=None, guided_regex=None,
+                    guided_choice=None, guided_grammar=None)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert _structured(body(), thinks=True) is None
+    so = _structured(body(response_format={"type": "json_schema", "json_schema": {"schema": {"type": "integer"}}}),
+                     thinks=True)
+    assert so.json == {"type": "integer"} and (so.reasoning_end, so.answer_prefix) == (THINK_END, RESPONSE_START)
+    so = _structured(body(guided_regex="a+"), thinks=False)
+    assert so.regex == "a+" and so.reasoning_end is None
+    assert _structured(body(response_format={"type": "text"}), thinks=False) is None
