@@ -6,8 +6,8 @@
 
 Semantics (vLLM's):
 
-* ``temperature < GREEDY_EPS`` (0 in practice) is greedy: the token is ``jnp.argmax`` of the raw
-  logits, bit for bit (of the biased / penalised ones when the row has a bias or penalty, see below);
+* ``temperature < GREEDY_EPS`` (0 in practice) is greedy: the token is the argmax (first maximum) of the
+  raw logits, bit for bit (of the biased / penalised ones when the row has a bias or penalty, see below);
   the row's top-k/top-p/min-p are ignored.
 * Otherwise the logits are divided by the temperature and filtered, in this order:
   top-k (``top_k <= 0`` or ``>= V`` is off), top-p (the nucleus of the top-k-restricted
@@ -29,8 +29,9 @@ bitmask, ``serve/structured.py``), adds the row's logit bias (``logit_bias`` and
 ``min_tokens`` ban) and applies presence / frequency / repetition penalties over the row's tokens;
 greedy rows take the argmax of those processed logits, as in vLLM.
 
-The sort needed by top-k/top-p is skipped (``lax.cond``) when no sampled row in the batch uses
-either, and the whole random path is skipped when every row is greedy.
+Top-k and top-p thresholds are found by bisection over the float bit patterns (no sort of the
+vocabulary), each skipped (``lax.cond``) when no sampled row in the batch uses it, and the whole random
+path is skipped when every row is greedy.
 """
 
 from __future__ import annotations
@@ -229,17 +230,67 @@ def _row_keys(batch: SamplingBatch) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(keys, batch.steps.astype(jnp.uint32))
 
 
+def first_argmax(x: jax.Array) -> jax.Array:
+    """[B, V] -> [B] i32: the index of each row's first maximum (`jnp.argmax`'s answer). Two plain
+    reductions (max, then the smallest index holding it, as a float max over -index: exact below 2^24)
+    instead of XLA's variadic argmax reduce, which XLA:CPU runs ~4x slower at a 163,840-token vocabulary."""
+    m = jnp.max(x, axis=-1, keepdims=True)
+    iota = lax.broadcasted_iota(jnp.float32, x.shape, x.ndim - 1)
+    first = -jnp.max(jnp.where(x == m, -iota, -jnp.inf), axis=-1)
+    return jnp.where(jnp.isfinite(first), first, 0.0).astype(jnp.int32)  # all-NaN rows: 0
+
+
+def _sortable(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 keys in the same order (-inf < ... < -0 < +0 < ... < inf)."""
+    b = lax.bitcast_convert_type(x.astype(jnp.float32), jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _unsortable(k: jax.Array) -> jax.Array:
+    """Inverse of `_sortable`."""
+    b = jnp.where((k >> 31) == 1, k & jnp.uint32(0x7FFFFFFF), ~k)
+    return lax.bitcast_convert_type(b, jnp.float32)
+
+
+def _kth_largest(keys: jax.Array, k: jax.Array) -> jax.Array:
+    """keys [B, V] uint32, k [B] -> [B]: the largest key with at least k keys >= it (the k-th largest,
+    ties counted), by bisection over the 32-bit key range: 32 counting passes, no sort."""
+    def body(_, c):
+        lo, hi = c
+        mid = lo + (hi - lo + 1) // 2
+        ok = jnp.sum(keys >= mid[:, None], axis=-1, dtype=jnp.int32) >= k
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+    lo, _ = lax.fori_loop(0, 32, body, (jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)))
+    return lo
+
+
+def _nucleus_floor(keys: jax.Array, probs: jax.Array, top_p: jax.Array) -> jax.Array:
+    """keys [B, V], probs [B, V], top_p [B] -> [B]: the smallest key K with mass(keys > K) < top_p, i.e.
+    the last token of the smallest most-likely run whose mass reaches top_p (ties kept), by bisection."""
+    def body(_, c):
+        lo, hi = c
+        mid = lo + (hi - lo) // 2
+        ok = jnp.sum(jnp.where(keys > mid[:, None], probs, 0.0), axis=-1) < top_p
+        return jnp.where(ok, lo, mid + 1), jnp.where(ok, mid, hi)
+    _, hi = lax.fori_loop(0, 32, body, (jnp.min(keys, axis=-1), jnp.max(keys, axis=-1)))
+    return hi
+
+
 def _topk_topp_threshold(x, top_k, top_p, use_k, use_p):
-    """Per-row value threshold: tokens with ``x >= thr`` survive top-k then top-p. [B]"""
-    v = x.shape[-1]
-    s = jnp.flip(jnp.sort(x, axis=-1), axis=-1)  # descending
-    k_idx = (jnp.clip(top_k, 1, v) - 1)[:, None]
-    thr_k = jnp.where(use_k, jnp.take_along_axis(s, k_idx, axis=-1)[:, 0], -jnp.inf)
-    s = jnp.where(s >= thr_k[:, None], s, -jnp.inf)
-    probs = jax.nn.softmax(s, axis=-1)
-    mass_before = jnp.cumsum(probs, axis=-1) - probs  # mass of the strictly more likely tokens
-    count = jnp.clip(jnp.sum(mass_before < top_p[:, None], axis=-1), 1, v)
-    thr_p = jnp.where(use_p, jnp.take_along_axis(s, (count - 1)[:, None], axis=-1)[:, 0], -jnp.inf)
+    """Per-row value threshold: tokens with ``x >= thr`` survive top-k then top-p. [B]
+
+    Found by bisection over the values' bit patterns (a few dozen passes over the row) rather than a
+    sort of the vocabulary: at 163,840 tokens XLA:CPU sorts 32 rows in ~1.1 s."""
+    b, v = x.shape
+    keys = _sortable(x)
+    k = jnp.clip(top_k, 1, v)
+    thr_k = lax.cond(jnp.any(use_k), lambda: jnp.where(use_k, _unsortable(_kth_largest(keys, k)), -jnp.inf),
+                     lambda: jnp.full((b,), -jnp.inf, jnp.float32))
+
+    def nucleus():
+        probs = jax.nn.softmax(jnp.where(x >= thr_k[:, None], x, -jnp.inf), axis=-1)  # top-k renormalised
+        return jnp.where(use_p, _unsortable(_nucleus_floor(keys, probs, top_p)), -jnp.inf)
+    thr_p = lax.cond(jnp.any(use_p), nucleus, lambda: jnp.full((b,), -jnp.inf, jnp.float32))
     return jnp.maximum(thr_k, thr_p)
 
 
@@ -267,7 +318,7 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
     masked = jnp.where(keep, x, -jnp.inf)
 
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(_row_keys(batch))
-    sampled = jnp.argmax(masked + gumbel, axis=-1).astype(jnp.int32)
+    sampled = first_argmax(masked + gumbel)
     return jnp.where(is_greedy, greedy_tokens, sampled)
 
 
@@ -313,7 +364,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
 
     x = lax.cond(guided | jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict), process,
                  lambda x: x, logits)
-    greedy_tokens = jnp.argmax(x, axis=-1).astype(jnp.int32)
+    greedy_tokens = first_argmax(x)
     is_greedy = batch.temperature < GREEDY_EPS
     tokens = lax.cond(
         jnp.all(is_greedy),
@@ -321,10 +372,12 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
         lambda: _sample_random(x, batch, is_greedy, greedy_tokens),
     )
 
-    logprobs = jax.nn.log_softmax(logits, axis=-1)
-    logprob = jnp.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
+    # log_softmax(x)[t] = x[t] - logsumexp(x): no [B, V] log-softmax is written (the top-n are the top-n logits)
+    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
+    logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
     if n > 0:
-        top_logprobs, top_ids = lax.top_k(logprobs, n)
+        top_logits, top_ids = lax.top_k(logits, n)
+        top_logprobs = top_logits - lse[:, None]
         top_ids = top_ids.astype(jnp.int32)
     else:
         top_logprobs = jnp.zeros((b, 0), jnp.float32)

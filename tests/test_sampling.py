@@ -279,3 +279,60 @@ def test_bf16_logits_accepted(sample_fn):
     out = sample_fn(jnp.asarray(logits, jnp.bfloat16), SamplingBatch.from_params([None] * 64, [None] * 64, [0] * 64, 64),
                     num_top_logprobs=4)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(jnp.argmax(jnp.asarray(logits, jnp.bfloat16), -1)))
+
+
+# ------------------------------------------------------------------------------------------
+# the sort-free thresholds and argmax against their sort-based definitions
+# ------------------------------------------------------------------------------------------
+
+def _sorted_thresholds(x, top_k, top_p, use_k, use_p):
+    """The definition, with a sort (numpy, float64 probabilities): the k-th largest value, then the
+    last value of the smallest most-likely run of the top-k-renormalised distribution reaching top_p.
+    Also returns the mass before that run's last token (to spot rows on a rounding knife edge)."""
+    out, edge = [], []
+    for row, k, p, uk, up in zip(x, top_k, top_p, use_k, use_p):
+        s = np.sort(row)[::-1]
+        thr_k = s[min(max(k, 1), len(s)) - 1] if uk else -np.inf
+        s = np.where(s >= thr_k, s, -np.inf).astype(np.float64)
+        probs = np.exp(s - s.max())
+        probs /= probs.sum()
+        before = np.cumsum(probs) - probs
+        count = min(max(int(np.sum(before < p)), 1), len(s))
+        thr_p = s[count - 1] if up else -np.inf
+        out.append(max(thr_k, thr_p))
+        near = np.abs(before[before > 0] - p)
+        edge.append(near.min() if up and near.size else 1.0)
+    return np.asarray(out, np.float32), np.asarray(edge)
+
+
+@pytest.mark.parametrize("vocab", [7, 1000, 5003])
+def test_bisection_thresholds_equal_the_sorted_definition(vocab):
+    from serve.sampling import _topk_topp_threshold
+
+    rng = np.random.default_rng(vocab)
+    rows = 48
+    x = (rng.standard_normal((rows, vocab)) * rng.uniform(0.1, 6, (rows, 1))).astype(np.float32)
+    x[::5] = np.round(x[::5])  # many ties
+    x[1::7, : vocab // 3] = -np.inf  # masked tokens (a bitmask or allowed_token_ids)
+    x[2] = -3.5  # a flat row
+    top_k = rng.integers(-1, vocab + 3, rows).astype(np.int32)
+    top_p = rng.choice([1e-6, 0.3, 0.5, 0.9, 0.95, 0.999, 1.0], rows).astype(np.float32)
+    use_k, use_p = (top_k > 0) & (top_k < vocab), top_p < 1.0
+    got = np.asarray(jax.jit(_topk_topp_threshold)(jnp.asarray(x), jnp.asarray(top_k), jnp.asarray(top_p),
+                                                   jnp.asarray(use_k), jnp.asarray(use_p)))
+    want, edge = _sorted_thresholds(x, top_k, top_p, use_k, use_p)
+    firm = edge > 1e-5  # rows whose mass lands within float rounding of top_p may go either way
+    assert firm.sum() > rows * 0.7
+    np.testing.assert_array_equal(got[firm], want[firm])
+
+
+def test_first_argmax_is_argmax():
+    from serve.sampling import first_argmax
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((9, 777)).astype(np.float32)
+    x[1, [5, 600]] = 9.0  # a tie: the first wins
+    x[2] = -np.inf  # nothing allowed: 0, as jnp.argmax
+    x[3, :700] = -np.inf
+    x[4] = 0.0
+    np.testing.assert_array_equal(np.asarray(jax.jit(first_argmax)(jnp.asarray(x))), np.argmax(x, axis=-1))
