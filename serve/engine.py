@@ -289,6 +289,8 @@ class Engine:
             if self.channel is not None:
                 self.channel.prime((rows, t, p))
         jax.block_until_ready(self.arena)
+        if not self.is_follower and not self.grammars.prepare() and self.tokenizer is not None:
+            log.warning("structured outputs unavailable: llguidance is not installed")
         if self.config.measure_moe_time and self.expert_counts.shape[0]:
             for n in tqdm(sorted({rows * t for rows, t, _ in self.bucket_shapes()}), desc="timing MoE blocks",
                           disable=not progress):

@@ -46,13 +46,23 @@ def mask_words(vocab_size: int) -> int:
     return (int(vocab_size) + 31) // 32
 
 
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_DATA = ("const", "enum", "default", "examples")
+
+
 def _close_objects(schema: Any) -> Any:
-    """`additionalProperties: false` on every object schema that does not set it (recursively)."""
+    """`additionalProperties: false` on every object schema that does not set it (recursively; the maps
+    of named sub-schemas are walked, literal data is left alone)."""
     if isinstance(schema, list):
         return [_close_objects(s) for s in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _close_objects(v) for k, v in schema.items()}
+    out = {}
+    for k, v in schema.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _close_objects(sub) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else _close_objects(v)
     if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
@@ -147,6 +157,17 @@ class GrammarCompiler:
         self._ll = None
         self._cache: OrderedDict[str, str] = OrderedDict()
 
+    def prepare(self) -> bool:
+        """Build the llguidance tokenizer now (engine warm-up), not on the first constrained request;
+        False when structured outputs are unavailable (no tokenizer, or llguidance not installed)."""
+        if self.tokenizer is None:
+            return False
+        try:
+            self.ll_tokenizer  # noqa: B018
+        except ImportError:
+            return False
+        return True
+
     @property
     def ll_tokenizer(self):
         if self._ll is None:
@@ -162,6 +183,10 @@ class GrammarCompiler:
             raise RequestError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
         if self.tokenizer is None:
             raise RequestError("structured_outputs: this model has no tokenizer to match text constraints against")
+        try:
+            import llguidance  # noqa: F401
+        except ImportError:
+            raise RequestError("structured_outputs: unavailable on this server (pip install llguidance)") from None
         key = params.key()
         hit = self._cache.get(key)
         if hit is not None:

@@ -239,3 +239,17 @@ def test_api_constraint_sources():
     so = _structured(body(guided_regex="a+"), thinks=False)
     assert so.regex == "a+" and so.reasoning_end is None
     assert _structured(body(response_format={"type": "text"}), thinks=False) is None
+
+
+def test_closing_objects_walks_schemas_not_data():
+    from serve.structured import _close_objects
+
+    schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
+                                               "cfg": {"const": {"properties": 1}}},
+              "$defs": {"node": {"type": "object"}}, "additionalProperties": True}
+    out = _close_objects(schema)
+    assert out["additionalProperties"] is True  # kept as given
+    assert out["properties"]["properties"]["additionalProperties"] is False
+    assert "additionalProperties" not in out["properties"]  # a map of names, not a schema
+    assert out["properties"]["cfg"]["const"] == {"properties": 1}  # data
+    assert out["$defs"]["node"]["additionalProperties"] is False
