@@ -49,7 +49,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
-from serve.tools import ToolPlan, history_message, parse_calls, plan_tools, tools_system_message
+from serve.chat import chat_ids
+from serve.tools import ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -1082,36 +1083,15 @@ def _reasoning_start(st: ServerState, body) -> Optional[str]:
 
 def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
               kwargs: Optional[dict], tools: Optional[ToolPlan] = None) -> list[int]:
-    from k3jax.chat_template import encode_chat
-
     if st.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer; use /v1/completions with token ids",
                        param="messages")
-    kwargs = dict(kwargs or {})
-    unknown = sorted(set(kwargs) - {"thinking", "thinking_effort", "default_system"})
-    if unknown:
-        raise APIError(400, f"chat_template_kwargs: unknown keys {unknown} (known: thinking, thinking_effort, "
-                            f"default_system)", param="chat_template_kwargs")
-    msgs = []
-    for m in messages:
-        d = m.model_dump(exclude_none=True)
-        if d["role"] == "developer":
-            d["role"] = "system"
-        try:
-            msgs.append(history_message(d))
-        except RequestError as e:
-            raise APIError(400, str(e), param="messages") from None
-    if tools is not None:  # after the leading system messages (a K2-style default system still comes first)
-        at = next((i for i, m in enumerate(msgs) if m["role"] != "system"), len(msgs))
-        msgs.insert(at, {"role": "system", "content": tools_system_message(tools)})
     try:
-        ids = encode_chat(st.tokenizer, msgs, family=st.chat_family, add_generation_prompt=add_generation_prompt,
-                          **kwargs)
-    except (ValueError, TypeError) as e:
-        raise APIError(400, str(e), param="messages") from None
-    if not ids:
-        raise APIError(400, "messages: the rendered prompt is empty", param="messages")
-    return ids
+        return chat_ids(st.tokenizer, st.chat_family, [m.model_dump(exclude_none=True) for m in messages],
+                        add_generation_prompt, kwargs, tools)
+    except RequestError as e:
+        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        raise APIError(400, str(e), param=param) from None
 
 
 def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int], logprobs: Optional[int],

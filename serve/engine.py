@@ -475,6 +475,7 @@ class Engine:
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
         if plan.empty:
+            self._reap()  # aborted requests leave even when nothing runs
             return []
         self._allocate(plan)
         now = time.monotonic()

@@ -1,10 +1,11 @@
-"""`LLM`: offline batch generation over the engine (vLLM's `LLM.generate` shape)."""
+"""`LLM`: offline batch generation over the engine (vLLM's `LLM.generate` and `LLM.chat` shapes)."""
 
 from __future__ import annotations
 
 from typing import Optional, Sequence, Union
 
 from k3jax.runtime import Model, load_model
+from serve.chat import chat_ids
 from serve.engine import Engine, EngineConfig
 from serve.types import RequestOutput, SamplingParams
 
@@ -37,13 +38,33 @@ class LLM:
         priority = priority if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
-        ids = [self.engine.add_request(p, sp, priority=pr) for p, sp, pr in zip(prompts, sampling_params, priority)]
+        ids: list[str] = []
+        try:
+            for p, sp, pr in zip(prompts, sampling_params, priority):
+                ids.append(self.engine.add_request(p, sp, priority=pr))
+        except Exception:  # a rejected prompt: the ones already queued are withdrawn, nothing runs
+            for rid in ids:
+                self.engine.abort(rid)
+            raise
         done: dict[str, RequestOutput] = {}
         while len(done) < len(ids):
             for out in self.engine.step():
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def chat(self, messages: Union[list[dict], list[list[dict]]],
+             sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
+             add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None) -> list[RequestOutput]:
+        """Generate the assistant's turn of one conversation (a list of OpenAI-style messages) or of
+        several; the model family's chat format renders them (serve/chat.py). Texts are raw (K3's
+        think / response channels included; `serve.reasoning.split_reasoning` splits them)."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        tok = self.engine.tokenizer
+        family = getattr(tok, "chat_family", None) or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(
+            self.engine.cfg.family, "byte")
+        prompts = [chat_ids(tok, family, conv, add_generation_prompt, chat_template_kwargs) for conv in convs]
+        return self.generate(prompts, sampling_params)
 
     def stats(self) -> dict:
         return self.engine.stats()

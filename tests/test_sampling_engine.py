@@ -260,3 +260,23 @@ def test_structured_outputs_greedy_match_a_masked_reference_and_sampled_rows_sta
     assert e.stats()["compiles_after_warmup"] == 0 and e.counters["structured_output_errors"] == 0
     with pytest.raises(RequestError, match=r"structured_outputs\.regex"):
         llm.generate([PROMPT], SP(structured_outputs=SO(regex="(")))
+
+
+def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_batch(llm):
+    from k3jax.chat_template import encode_chat
+
+    conv = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    p = SP(temperature=0, max_tokens=4, ignore_eos=True)
+    got = llm.chat([conv, conv[1:]], p)
+    want_ids = encode_chat(llm.engine.tokenizer, [{"role": "system", "content": "be brief"}, conv[1]])
+    assert got[0].prompt_token_ids == want_ids
+    assert got[0].token_ids == llm.generate([want_ids], p)[0].token_ids
+    assert got[1].prompt_token_ids == encode_chat(llm.engine.tokenizer, conv[1:])
+    with pytest.raises(RequestError, match=r"messages\[0\]\.role"):
+        llm.chat([{"role": "wizard", "content": "x"}])
+    with pytest.raises(RequestError, match="prompt"):
+        llm.generate([PROMPT, PROMPT, []], p)
+    assert not llm.engine.has_unfinished()
+    llm.engine.step()  # reaps the withdrawn requests
+    e = llm.engine
+    assert not e.requests and e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units

@@ -213,3 +213,18 @@ def test_history_message_rejects_bad_calls():
     with pytest.raises(RequestError, match="arguments is not JSON"):
         history_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]})
     assert history_message({"role": "user", "content": "x"}) == {"role": "user", "content": "x"}
+
+
+def test_k3_tool_results_render_as_system_messages_with_the_k2_header():
+    from serve.chat import prepare_messages
+
+    msgs = [{"role": "user", "content": "add"},
+            {"role": "assistant", "tool_calls": [{"function": {"name": "add", "arguments": '{"a": 1}'}}]},
+            {"role": "tool", "tool_call_id": "call_7", "content": [{"type": "text", "text": "3"}]},
+            {"role": "developer", "content": "be brief"}]
+    out = prepare_messages(msgs, "k3", plan_tools(TOOLS, "auto", None))
+    assert out[0]["role"] == "system" and out[0]["content"].startswith("# Tools")
+    assert out[2] == {"role": "assistant", "content": '[{"name": "add", "parameters": {"a": 1}}]'}
+    assert out[3] == {"role": "system", "content": "## Return of call_7\n3"}
+    assert out[4]["role"] == "system"
+    assert prepare_messages(msgs[2:3], "kimi_linear")[0]["role"] == "tool"  # that format has its own

@@ -1,0 +1,63 @@
+"""OpenAI chat messages -> prompt token ids, shared by the HTTP chat endpoint and `LLM.chat`.
+
+On top of `k3jax.chat_template.encode_chat` (the family's format) it maps what OpenAI clients send onto
+what the renderers take: `developer` is `system`; assistant `tool_calls` become their JSON text and the
+function listing becomes a system message (serve/tools.py's call format); on K3, whose own tool-result
+encoding is not in spec/, a `tool` message becomes a system message with Kimi-K2's `## Return of {id}`
+header (what the Kimi-Linear format writes for tool results), so an agent loop can continue.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from k3jax.chat_template import encode_chat
+from serve.tools import ToolPlan, history_message, tools_system_message
+from serve.types import RequestError
+
+__all__ = ["prepare_messages", "chat_ids"]
+
+
+def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan] = None) -> list[dict]:
+    """Normalised copies of `messages` (RequestError naming `messages` when a tool call is malformed)."""
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise RequestError(f"messages: [{i}] must be a message object")
+        d = history_message(dict(m))
+        if d.get("role") == "developer":
+            d["role"] = "system"
+        if family == "k3" and d.get("role") == "tool":
+            header = f"## Return of {d['tool_call_id']}\n" if d.get("tool_call_id") else ""
+            d = {"role": "system", "content": header + _text(d.get("content"))}
+        out.append(d)
+    if tools is not None:  # after the leading system messages (a K2-style default system still comes first)
+        at = next((i for i, m in enumerate(out) if m.get("role") != "system"), len(out))
+        out.insert(at, {"role": "system", "content": tools_system_message(tools)})
+    return out
+
+
+def _text(content: Any) -> str:
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content if isinstance(content, str) else ""
+
+
+def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt: bool = True,
+             template_kwargs: Optional[dict] = None, tools: Optional[ToolPlan] = None) -> list[int]:
+    """The prompt ids of a conversation; RequestError naming the field on bad input."""
+    if tokenizer is None:
+        raise RequestError("messages: this model has no tokenizer; use token ids")
+    kwargs = dict(template_kwargs or {})
+    unknown = sorted(set(kwargs) - {"thinking", "thinking_effort", "default_system"})
+    if unknown:
+        raise RequestError(f"chat_template_kwargs: unknown keys {unknown} (known: thinking, thinking_effort, "
+                           f"default_system)")
+    msgs = prepare_messages(messages, family, tools)
+    try:
+        ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt, **kwargs)
+    except (ValueError, TypeError) as e:
+        raise RequestError(str(e)) from None
+    if not ids:
+        raise RequestError("messages: the rendered prompt is empty")
+    return ids
