@@ -1148,6 +1148,12 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     reserve = _check_context(st, prompts, params, param)
+    grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
+    if params.structured_outputs is not None and grammars is not None:
+        try:  # compile here, off the engine thread; the engine finds it cached
+            await asyncio.to_thread(grammars.compile, params.structured_outputs)
+        except RequestError as e:
+            raise APIError(400, str(e), param=_param_of(str(e))) from None
     ticket = st.admit(key, len(prompts) * params.n, reserve)
     run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority)
     handed_off = False

@@ -38,7 +38,7 @@ from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
-from serve.structured import GrammarCompiler, Guide, mask_words
+from serve.structured import GrammarCompiler, Guide, fill_masks, mask_words
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
                          SamplingParams)
 
@@ -771,6 +771,7 @@ class Engine:
         params, seeds, steps, plens, bans = [], [], [], [], []
         targets = np.full((rows, t), -1, np.int32)
         allowed = np.full((rows, self.mask_words), -1, np.int32)
+        guided = []  # (guide, row) of the rows that sample under a constraint
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
             tokens[i, :n] = ids[start:start + n]
@@ -784,12 +785,13 @@ class Engine:
                 held = seq.pages[j][:pages]
                 table[i, j, :len(held)] = held
             if seq.guide is not None and start + n == len(ids):  # this row samples the next token
-                seq.guide.fill(allowed[i])
+                guided.append((seq.guide, i))
             params.append(seq.params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids))
             plens.append(len(seq.prompt_ids))
             bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) < seq.params.min_tokens else None)
+        fill_masks(guided, allowed)
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)

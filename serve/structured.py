@@ -22,6 +22,7 @@ A step with no constrained row carries all-ones rows and skips the masking (`lax
 from __future__ import annotations
 
 import json
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -30,7 +31,7 @@ import numpy as np
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "mask_words", "ALLOW_ALL"]
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "fill_masks", "mask_words", "ALLOW_ALL"]
 
 #: A bitmask word with every token allowed.
 ALLOW_ALL = -1
@@ -148,7 +149,10 @@ class _TokenTable:
 
 
 class GrammarCompiler:
-    """Per-engine: the llguidance tokenizer (built on first use) and a cache of validated grammars."""
+    """Per-engine: the llguidance tokenizer (built at warm-up) and a cache of validated grammars.
+
+    Thread-safe: the HTTP server compiles a request's constraint on a worker thread before handing the
+    request to the engine thread, which then finds it cached (a complex schema never stalls a step)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         self.tokenizer = tokenizer
@@ -156,6 +160,7 @@ class GrammarCompiler:
         self.stop_ids = [int(t) for t in stop_ids]
         self._ll = None
         self._cache: OrderedDict[str, str] = OrderedDict()
+        self._lock = threading.Lock()
 
     def prepare(self) -> bool:
         """Build the llguidance tokenizer now (engine warm-up), not on the first constrained request;
@@ -170,12 +175,13 @@ class GrammarCompiler:
 
     @property
     def ll_tokenizer(self):
-        if self._ll is None:
-            import llguidance as llg
+        with self._lock:
+            if self._ll is None:
+                import llguidance as llg
 
-            table = _TokenTable(self.tokenizer, self.vocab_size, self.stop_ids)
-            self._ll = llg.LLTokenizer(llg.TokenizerWrapper(table), eos_token=self.stop_ids)
-        return self._ll
+                table = _TokenTable(self.tokenizer, self.vocab_size, self.stop_ids)
+                self._ll = llg.LLTokenizer(llg.TokenizerWrapper(table), eos_token=self.stop_ids)
+            return self._ll
 
     def compile(self, params: StructuredOutputsParams) -> str:
         """The validated grammar of `params`; RequestError naming the field when it is invalid."""
@@ -188,10 +194,11 @@ class GrammarCompiler:
         except ImportError:
             raise RequestError("structured_outputs: unavailable on this server (pip install llguidance)") from None
         key = params.key()
-        hit = self._cache.get(key)
-        if hit is not None:
-            self._cache.move_to_end(key)
-            return hit
+        with self._lock:
+            hit = self._cache.get(key)
+            if hit is not None:
+                self._cache.move_to_end(key)
+                return hit
         import llguidance as llg
 
         try:
@@ -203,9 +210,10 @@ class GrammarCompiler:
             raise RequestError(f"structured_outputs.{params.kind()}: {e}") from None
         if is_error:
             raise RequestError(f"structured_outputs.{params.kind()}: {messages[0] if messages else 'invalid'}")
-        self._cache[key] = grammar
-        while len(self._cache) > _CACHE_SIZE:
-            self._cache.popitem(last=False)
+        with self._lock:
+            self._cache[key] = grammar
+            while len(self._cache) > _CACHE_SIZE:
+                self._cache.popitem(last=False)
         return grammar
 
     def guide(self, params: StructuredOutputsParams) -> "Guide":
@@ -222,6 +230,32 @@ class GrammarCompiler:
         if matcher.is_error():
             raise RequestError(f"structured_outputs.{params.kind()}: {matcher.get_error()}")
         return Guide(matcher, tuple(int(t) for t in after))
+
+
+_executor = None
+
+
+def fill_masks(rows: Sequence[tuple["Guide", int]], mask: np.ndarray) -> None:
+    """Write the next-token bitmask of each (guide, row) into `mask` [B, W] int32 (C-contiguous); rows
+    not listed are left alone. Several active guides are filled in parallel on llguidance's thread pool
+    (it drops the GIL), one alone on this thread."""
+    active = [(g, i) for g, i in rows if g.active]
+    for g, i in rows:
+        if not g.active:
+            mask[i] = ALLOW_ALL
+    if len(active) == 1:
+        g, i = active[0]
+        g.fill(mask[i])
+    elif active:
+        global _executor
+        if _executor is None:
+            import llguidance as llg
+
+            _executor = llg.LLExecutor()
+        if not mask.flags["C_CONTIGUOUS"] or mask.dtype != np.int32:
+            raise ValueError("mask must be a C-contiguous int32 array")
+        _executor.unsafe_compute_mask_ptr([(g.matcher, i) for g, i in active], mask.ctypes.data,
+                                          mask.shape[1] * 4, mask.shape[0])
 
 
 @dataclass

@@ -253,3 +253,25 @@ def test_closing_objects_walks_schemas_not_data():
     assert "additionalProperties" not in out["properties"]  # a map of names, not a schema
     assert out["properties"]["cfg"]["const"] == {"properties": 1}  # data
     assert out["$defs"]["node"]["additionalProperties"] is False
+
+
+def test_fill_masks_in_parallel_equals_one_by_one(compiler):
+    from serve.structured import fill_masks
+
+    rng = np.random.default_rng(5)
+    guides = [compiler.guide(SO(json=SCHEMA)) for _ in range(5)] + [compiler.guide(SO(regex="[a-z]+"))]
+    for g in guides:  # advance each to a different point of its language
+        row = np.zeros(mask_words(V), np.int32)
+        for _ in range(int(rng.integers(0, 12))):
+            g.fill(row)
+            if g.done:
+                break
+            assert g.advance(int(rng.choice(_allowed(row))))
+    waiting = compiler.guide(SO(choice=["a"], reasoning_end="</think>"))
+    batch = np.zeros((9, mask_words(V)), np.int32)
+    fill_masks([(g, i + 1) for i, g in enumerate(guides)] + [(waiting, 8)], batch)
+    for i, g in enumerate(guides):
+        one = np.zeros(mask_words(V), np.int32)
+        g.fill(one)
+        np.testing.assert_array_equal(batch[i + 1], one)
+    assert (batch[0] == 0).all() and (batch[7] == 0).all() and (batch[8] == -1).all()
