@@ -636,7 +636,8 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     """With `reasoning` (the channel a K3 prompt opened), text is split into `reasoning_content` and
     `content` (serve/reasoning.py). With `tools`, an answer that is a call becomes `tool_calls`
-    (serve/tools.py); streamed, a possible call is held back and sent whole when the choice finishes."""
+    (serve/tools.py); streamed, a named call's arguments stream as they come, and a possible call of
+    `required` / `auto` is held back and sent whole when the choice finishes."""
 
     def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None, **kw):
         super().__init__(*a, **kw)
@@ -656,9 +657,20 @@ class _ChatFormat(_Format):
         return calls, ("stop" if self.tools.mode == "named" else "tool_calls")
 
     def _hold(self, idx: int, content: str, finish_reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
-        """Streaming: -> (content to send now, tool_calls to send now, finish_reason)."""
+        """Streaming: -> (content to send now, tool_call deltas to send now, finish_reason). A named
+        call streams its arguments as they come (the answer is the arguments); a possible call of
+        `required` / `auto` is held back and sent whole when the choice finishes."""
         if self.tools is None or idx in self.streaming:
             return content, None, finish_reason
+        if self.tools.mode == "named":
+            finish = "stop" if finish_reason == "stop" else finish_reason
+            if not content:
+                return "", None, finish
+            if idx in self.held:
+                return "", [{"index": 0, "function": {"arguments": content}}], finish
+            self.held[idx] = ""
+            return "", [{"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                         "function": {"name": self.tools.name, "arguments": content}}], finish
         held = self.held.get(idx, "") + content
         if self.tools.mode == "auto" and held.strip() and not held.lstrip().startswith("["):
             self.streaming.add(idx)  # plain text: send what was held and stream the rest
@@ -668,7 +680,8 @@ class _ChatFormat(_Format):
         if finish_reason is None:
             return "", None, None
         calls, finish_reason = self._calls(self.held.pop(idx), finish_reason)
-        return ("" if calls else held), calls, finish_reason
+        return ("" if calls else held), ([{"index": k, **c} for k, c in enumerate(calls)] if calls else None), \
+            finish_reason
 
     def _logprobs(self, entries) -> Optional[dict]:
         if self.logprobs is None or entries is None:
@@ -736,7 +749,7 @@ class _ChatFormat(_Format):
             if content:
                 delta["content"] = content
             if calls:
-                delta["tool_calls"] = [{"index": k, **c} for k, c in enumerate(calls)]
+                delta["tool_calls"] = calls
             if not delta and not new_lps and finish is None:
                 continue
             choice = {"index": idx, "delta": delta,
