@@ -249,7 +249,8 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
-                             structured_output_errors=0)
+                             structured_output_errors=0, structured_output_requests=0)
+        self.mask_seconds = 0.0  # host time computing structured-output masks (serve/structured.py)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
@@ -396,6 +397,7 @@ class Engine:
                                    f"{self.allocator.baseline_free_units}; it can never fit")
             guides = ([self.grammars.guide(params.structured_outputs) for _ in range(params.n)]
                       if params.structured_outputs is not None else [None] * params.n)
+            self.counters["structured_output_requests"] += params.structured_outputs is not None
         except RequestError:
             self.counters["requests_rejected"] += 1
             raise
@@ -791,7 +793,10 @@ class Engine:
             steps.append(len(seq.output_ids))
             plens.append(len(seq.prompt_ids))
             bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) < seq.params.min_tokens else None)
-        fill_masks(guided, allowed)
+        if guided:
+            t0 = time.perf_counter()
+            fill_masks(guided, allowed)
+            self.mask_seconds += time.perf_counter() - t0
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)
@@ -917,6 +922,7 @@ class Engine:
             "expert_counts": self.expert_counts.tolist(),
             "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
             "moe_dispatch_seconds": self.moe_dispatch_seconds,
+            "structured_output_mask_seconds": self.mask_seconds,
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": self.inter_rank_bytes,  # expert-parallel MoE traffic; 0 on one device
             "mesh": dict(self.mesh.shape) if self.mesh is not None else None,

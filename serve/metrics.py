@@ -22,7 +22,8 @@ Engine statistics read (all optional; absent means 0 / no samples):
   queries/hits, like vLLM; `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
   expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}) with
   moe_layers (the model layer index of each row; the row ordinal is used without it),
-  moe_dispatch_seconds, inter_rank_bytes.
+  moe_dispatch_seconds, inter_rank_bytes, structured_output_requests, structured_output_errors,
+  structured_output_mask_seconds.
 """
 
 from __future__ import annotations
@@ -56,7 +57,8 @@ NAMES = (
     "k3jax:arena_bytes", "k3jax:arena_free_units", "k3jax:arena_baseline_free_units", "k3jax:arena_cached_units",
     "k3jax:kda_checkpoint_bytes",
     "k3jax:kda_checkpoint_hits_total", "k3jax:kda_checkpoint_misses_total", "k3jax:compiles_after_warmup",
-    "k3jax:requests_aborted_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
+    "k3jax:requests_aborted_total", "k3jax:structured_output_requests_total",
+    "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
     "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total",
 )
 
@@ -146,6 +148,12 @@ class EngineCollector:
                     s.get("compiles_after_warmup", 0))
         yield counter("k3jax:requests_aborted", "Requests aborted (client disconnects included).",
                       s.get("requests_aborted", 0))
+        yield counter("k3jax:structured_output_requests", "Requests with an output constraint (JSON schema, "
+                      "regex, choice, grammar; forced tool calls).", s.get("structured_output_requests", 0))
+        yield counter("k3jax:structured_output_errors", "Sampled tokens that broke their constraint (0 unless "
+                      "something is wrong: the mask forbids them).", s.get("structured_output_errors", 0))
+        yield counter("k3jax:structured_output_mask_seconds", "Host time computing the allowed-token masks of "
+                      "constrained rows before their steps.", s.get("structured_output_mask_seconds", 0.0))
 
         # MoE.
         ex = CounterMetricFamily("k3jax:expert_tokens", "Tokens routed to each expert, per MoE layer.",

@@ -634,4 +634,8 @@ def test_structured_outputs_over_http(client, http):
                        ({"guided_json": {"type": "nonsense"}}, "structured_outputs.json")):
         err = _err(http.post("/v1/chat/completions", json={**body, **bad}), 400)
         assert err["param"] == param, (bad, err)
-    assert metric(http.get("/metrics").text, "k3jax:compiles_after_warmup") == 0
+    text = http.get("/metrics").text
+    assert metric(text, "k3jax:compiles_after_warmup") == 0
+    assert metric(text, "k3jax:structured_output_requests_total") >= 6
+    assert metric(text, "k3jax:structured_output_errors_total") == 0
+    assert metric(text, "k3jax:structured_output_mask_seconds_total") > 0
