@@ -280,3 +280,24 @@ def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_
     llm.engine.step()  # reaps the withdrawn requests
     e = llm.engine
     assert not e.requests and e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+
+def test_structured_rows_survive_preemption(llm, forward_logits):
+    """A constrained request preempted mid-answer is recomputed (prompt + outputs so far) and goes on
+    under the same matcher: the same tokens as without the preemption."""
+    from serve.types import StructuredOutputsParams as SO
+
+    so = SO(regex=r"[a-f]{3}-[0-9]{2,3}")
+    p = SP(temperature=0, max_tokens=12, structured_outputs=so)
+    want = _guided_reference(llm, forward_logits, PROMPT[:30], so, 12)
+    e = llm.engine
+    rid = e.add_request(PROMPT[:30], p)
+    seq = e.requests[rid].seqs[0]
+    while len(seq.output_ids) < 3:
+        e.step()
+    e._preempt(seq)
+    assert seq.slot is None and seq.computed == 0 and len(seq.output_ids) == 3
+    done = None
+    while done is None:
+        done = next((o for o in e.step() if o.request_id == rid and o.finished), None)
+    assert done.token_ids == want and e.counters["structured_output_errors"] == 0
