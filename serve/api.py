@@ -151,6 +151,7 @@ class _GenerationFields(_Strict):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    bad_words: Optional[list[str]] = Field(None, description="words never to generate (vLLM's)")
 
 
 class CompletionRequest(_GenerationFields):
@@ -1126,7 +1127,7 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
-        structured_outputs=_structured(body, thinks, constraint))
+        structured_outputs=_structured(body, thinks, constraint), bad_words=body.bad_words)
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:

@@ -38,7 +38,7 @@ from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
-from serve.structured import GrammarCompiler, Guide, fill_masks, mask_words
+from serve.structured import GrammarCompiler, Guide, ban_words, fill_masks, mask_words
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
                          SamplingParams)
 
@@ -157,6 +157,7 @@ class Sequence:
     prompt_lps: Optional[list] = None  # with params.prompt_logprobs: per prompt position (see RequestOutput)
     priority: int = 0  # lower is scheduled first (serve/scheduler.py)
     guide: Optional[Guide] = None  # structured outputs: the constraint's matcher (serve/structured.py)
+    bad_words: tuple = ()  # token sequences never to complete (SamplingParams.bad_words)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -397,10 +398,11 @@ class Engine:
                                    f"{self.allocator.baseline_free_units}; it can never fit")
             guides = ([self.grammars.guide(params.structured_outputs) for _ in range(params.n)]
                       if params.structured_outputs is not None else [None] * params.n)
-            self.counters["structured_output_requests"] += params.structured_outputs is not None
+            bad_words = self._bad_word_ids(params.bad_words) if params.bad_words else ()
         except RequestError:
             self.counters["requests_rejected"] += 1
             raise
+        self.counters["structured_output_requests"] += params.structured_outputs is not None
         now = arrival_time or time.monotonic()
         metrics = RequestMetrics(arrival_time=now)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2 ** 62))
@@ -408,7 +410,7 @@ class Engine:
         seqs = []
         for i in range(params.n):
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
-                           priority=priority, guide=guides[i],
+                           priority=priority, guide=guides[i], bad_words=bad_words,
                            prompt_ids=list(ids), params=params, seed=base_seed + i,
                            checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
                                                max_tokens),
@@ -421,6 +423,20 @@ class Engine:
         self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics)
         self.counters["prompt_tokens"] += len(ids) * params.n
         return request_id
+
+    def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
+        """vLLM's tokenisation of bad words: each as written (left-stripped) and, when that makes
+        different tokens of the same count, with a leading space."""
+        if self.tokenizer is None:
+            raise RequestError("bad_words: this model has no tokenizer")
+        out = []
+        for w in words:
+            plain = tuple(self.tokenizer.encode(w.lstrip()))
+            out.append(plain)
+            spaced = tuple(self.tokenizer.encode(" " + w.lstrip()))
+            if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return tuple(w for w in out if w)
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
         if isinstance(prompt, str):
@@ -797,6 +813,12 @@ class Engine:
             t0 = time.perf_counter()
             fill_masks(guided, allowed)
             self.mask_seconds += time.perf_counter() - t0
+        for i, (seq, start, n) in enumerate(items):
+            if seq.bad_words and start + n == len(seq.prompt_ids) + len(seq.output_ids):
+                row = allowed[i].copy()
+                ban_words(row, seq.bad_words, seq.output_ids)
+                if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
+                    allowed[i] = row
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)

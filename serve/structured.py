@@ -31,7 +31,8 @@ import numpy as np
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "fill_masks", "mask_words", "ALLOW_ALL"]
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "ban_words", "fill_masks", "mask_words",
+           "ALLOW_ALL"]
 
 #: A bitmask word with every token allowed.
 ALLOW_ALL = -1
@@ -230,6 +231,16 @@ class GrammarCompiler:
         if matcher.is_error():
             raise RequestError(f"structured_outputs.{params.kind()}: {matcher.get_error()}")
         return Guide(matcher, tuple(int(t) for t in after))
+
+
+def ban_words(row: np.ndarray, words: Sequence[tuple[int, ...]], output: Sequence[int]) -> None:
+    """Clear in a bitmask row (int32 [W]) the last token of every word whose other tokens end the output
+    (a one-token word always): `bad_words`, vLLM's rule, over the generated tokens."""
+    bits = row.view(np.uint32)
+    for w in words:
+        if len(w) == 1 or (len(output) >= len(w) - 1 and tuple(output[len(output) - len(w) + 1:]) == w[:-1]):
+            t = w[-1]
+            bits[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
 
 
 _executor = None

@@ -71,7 +71,9 @@ class SamplingParams:
     before it and the top-N alternatives (the whole prompt is computed: no prefix-cache reuse).
     `allowed_token_ids` restricts sampling (greedy too) to those tokens; `truncate_prompt_tokens=K`
     keeps only the prompt's last K tokens. `structured_outputs` constrains the output to a JSON
-    schema, regex, choice or grammar (`StructuredOutputsParams`; serve/structured.py).
+    schema, regex, choice or grammar (`StructuredOutputsParams`; serve/structured.py). `bad_words`
+    (vLLM's) are never generated: a word's last token is banned whenever the output ends with the rest
+    of it (each word as written and with a leading space).
     Penalties (vLLM's): `presence_penalty` / `frequency_penalty` subtract from the logit of each token
     already generated (once / per occurrence); `repetition_penalty` divides positive (multiplies
     negative) logits of tokens in the prompt or the output (1 is off). `logit_bias` adds to chosen
@@ -102,6 +104,7 @@ class SamplingParams:
     allowed_token_ids: Optional[list[int]] = None
     truncate_prompt_tokens: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
+    bad_words: Optional[list[str]] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -165,6 +168,10 @@ class SamplingParams:
             if self.allowed_token_ids is not None:
                 bad("allowed_token_ids", "cannot be combined with structured_outputs (the constraint decides "
                                          "which tokens may come next)")
+        if self.bad_words is not None:
+            if (not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS
+                    or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
+                bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")
@@ -185,6 +192,7 @@ class SamplingParams:
 
 
 MAX_LOGIT_BIAS = 300  # tokens per request (OpenAI's limit)
+MAX_BAD_WORDS = 1000
 
 
 def _finite(x) -> bool:

@@ -322,6 +322,7 @@ def _err(r, status):
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "bad_words": [" "]}, "bad_words"),
     ({"prompt": [], "max_tokens": 1}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),
     ({"max_tokens": 1}, "prompt"),
@@ -615,6 +616,10 @@ def test_structured_outputs_over_http(client, http):
     r = client.completions.create(model=MODEL, prompt="pick", max_tokens=12, temperature=0,
                                   extra_body={"guided_choice": ["left", "right"]})
     assert r.choices[0].text in ("left", "right")
+    other = "right" if r.choices[0].text == "left" else "left"
+    r = client.completions.create(model=MODEL, prompt="pick", max_tokens=12, temperature=0,
+                                  extra_body={"guided_choice": ["left", "right"], "bad_words": [r.choices[0].text[0]]})
+    assert r.choices[0].text == other  # vLLM's bad_words (a one-token word: always banned), same mask
     chunks = list(client.completions.create(model=MODEL, prompt="id:", max_tokens=12, temperature=0, stream=True,
                                             extra_body={"guided_regex": regex}))
     assert re.fullmatch(regex, "".join(c.choices[0].text for c in chunks if c.choices))

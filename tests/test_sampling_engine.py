@@ -301,3 +301,37 @@ def test_structured_rows_survive_preemption(llm, forward_logits):
     while done is None:
         done = next((o for o in e.step() if o.request_id == rid and o.finished), None)
     assert done.token_ids == want and e.counters["structured_output_errors"] == 0
+
+
+def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logits):
+    """Greedy with bad words equals the full forward's argmax with vLLM's ban applied on the host: a
+    one-token word never appears; a two-token word's last token is banned right after its first. A bias
+    towards 'q' and 'z' makes both bite."""
+    from serve.structured import ban_words
+
+    tok = llm.engine.tokenizer
+    q, z = tok.encode("q")[0], tok.encode("z")[0]
+    bias = {q: 10.0, z: 9.0}
+    words = ["q", "zz"]
+    ids = [(q,), (z, z)]  # " q" / " zz" are longer in bytes: vLLM's rule keeps only same-length variants
+    out = []
+    for _ in range(10):
+        x = _ref(forward_logits(PROMPT + out)[-1], [], [], bias=bias)
+        for w in ids:  # the rule, written out independently of ban_words
+            if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]):
+                x[w[-1]] = -np.inf
+        out.append(int(np.argmax(x)))
+    got = llm.generate([PROMPT], SP(temperature=0, max_tokens=10, ignore_eos=True, logit_bias=bias,
+                                    bad_words=words))[0].token_ids
+    assert got == out
+    assert q not in got and z in got and all(a != z or b != z for a, b in zip(got, got[1:]))
+    row = np.full(2, -1, np.int32)
+    ban_words(row, [(33,), (1, 40)], [5, 1])
+    assert row.view(np.uint32)[1] == 0xFFFFFFFF & ~(1 << 1) & ~(1 << 8)
+    with pytest.raises(RequestError, match="bad_words"):
+        llm.generate([PROMPT], SP(bad_words=["  "]))
+    # a constraint whose only continuation is banned keeps it: the output stays valid, nothing breaks
+    from serve.types import StructuredOutputsParams as SO
+    r = llm.generate([PROMPT], SP(temperature=0, max_tokens=8, structured_outputs=SO(choice=["ab"]),
+                                  bad_words=["ab"]))[0]
+    assert r.text == "ab" and llm.engine.counters["structured_output_errors"] == 0
