@@ -162,22 +162,30 @@ def cases() -> list[tuple[str, SO, str]]:
                          {"name": "get_weather", "parameters": {"city": "Paris", "days": 2}}]))]
 
 
+def _walk_timed(new_matcher, fill, accept, ids: list[int], reps: int) -> tuple[list, list]:
+    """Per answer token: seconds to fill the next-token mask, then to accept the token."""
+    masks, consumes = [], []
+    for _ in range(reps):
+        m = new_matcher()
+        for t in ids:
+            t0 = time.perf_counter()
+            fill(m)
+            t1 = time.perf_counter()
+            assert accept(m, t), "the answer must be allowed"
+            consumes.append(time.perf_counter() - t1)
+            masks.append(t1 - t0)
+    return masks, consumes
+
+
 def time_llguidance(gc: GrammarCompiler, so: SO, ids: list[int], reps: int) -> dict:
     t0 = time.perf_counter()
     gc.compile(so)
     compile_s = time.perf_counter() - t0
     row = np.zeros(mask_words(VOCAB), np.int32)
-    masks, consumes = [], []
-    for _ in range(reps):
-        g = gc.guide(so)
-        for t in ids:
-            t0 = time.perf_counter()
-            g.fill(row)
-            t1 = time.perf_counter()
-            assert (row[t >> 5] >> (t & 31)) & 1, "the answer must be allowed"
-            assert g.advance(t)
-            consumes.append(time.perf_counter() - t1)
-            masks.append(t1 - t0)
+
+    def accept(g, t):
+        return bool((row[t >> 5] >> (t & 31)) & 1) and g.advance(t)
+    masks, consumes = _walk_timed(lambda: gc.guide(so), lambda g: g.fill(row), accept, ids, reps)
     return _summary(compile_s, masks, consumes, len(ids))
 
 
@@ -192,16 +200,8 @@ def time_xgrammar(info, so: SO, ids: list[int], reps: int) -> dict:
         compiled = compiler.compile_json_schema(json.dumps(so.json), max_whitespace_cnt=20)
     compile_s = time.perf_counter() - t0
     bitmask = xgr.allocate_token_bitmask(1, VOCAB)
-    masks, consumes = [], []
-    for _ in range(reps):
-        m = xgr.GrammarMatcher(compiled)
-        for t in ids:
-            t0 = time.perf_counter()
-            m.fill_next_token_bitmask(bitmask)
-            t1 = time.perf_counter()
-            assert m.accept_token(t), "the answer must be allowed"
-            consumes.append(time.perf_counter() - t1)
-            masks.append(t1 - t0)
+    masks, consumes = _walk_timed(lambda: xgr.GrammarMatcher(compiled), lambda m: m.fill_next_token_bitmask(bitmask),
+                                  lambda m, t: m.accept_token(t), ids, reps)
     return _summary(compile_s, masks, consumes, len(ids))
 
 
