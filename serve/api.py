@@ -152,6 +152,8 @@ class _GenerationFields(_Strict):
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
     bad_words: Optional[list[str]] = Field(None, description="words never to generate (vLLM's)")
+    return_token_ids: bool = Field(False, description="vLLM's: the prompt's and each choice's token ids in the "
+                                                      "response (per delta when streamed)")
 
 
 class CompletionRequest(_GenerationFields):
@@ -511,9 +513,10 @@ class _Format:
     """Shapes of one endpoint's objects (completion or chat), full and streamed."""
 
     def __init__(self, st: ServerState, rid: str, n: int, logprobs: Optional[int], created: int,
-                 prompt_field: bool = False):
+                 prompt_field: bool = False, token_ids: bool = False):
         self.st, self.id, self.n, self.logprobs, self.created = st, rid, n, logprobs, created
         self.prompt_field = prompt_field  # return vLLM's `prompt_logprobs`
+        self.token_ids = token_ids  # return vLLM's `prompt_token_ids` / `token_ids`
         self.sent_text: dict[int, int] = {}
         self.sent_tok: dict[int, int] = {}
         self.finished: set[int] = set()
@@ -593,6 +596,8 @@ class _CompletionFormat(_Format):
                           "finish_reason": o.finish_reason, "stop_reason": o.stop_reason}
                 if self.prompt_field:
                     choice["prompt_logprobs"] = self._prompt_field(out)
+                if self.token_ids:
+                    choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(o.token_ids)
                 choices.append(choice)
         return {**self.head("text_completion"), "choices": choices, "usage": run.usage()}
 
@@ -609,9 +614,10 @@ class _CompletionFormat(_Format):
             t0, k0 = self.sent_text.get(idx, 0), self.sent_tok.get(idx, 0)
             text = o.text[t0:]
             new_lps = (o.logprobs or [])[k0:] if self.logprobs is not None else None
+            new_ids = list(o.token_ids[k0:]) if self.token_ids else []
             if first and self.echo_texts[i]:
                 text = self.echo_texts[i] + text
-            if not text and not new_lps and o.finish_reason is None and not first:
+            if not text and not new_lps and not new_ids and o.finish_reason is None and not first:
                 continue
             self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
             entries = self._echoed(i, out, new_lps) if first else new_lps
@@ -621,6 +627,10 @@ class _CompletionFormat(_Format):
                       "finish_reason": o.finish_reason}
             if first and self.prompt_field:
                 choice["prompt_logprobs"] = self._prompt_field(out)
+            if self.token_ids:
+                choice["token_ids"] = new_ids
+                if first:
+                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
                 self.finished.add(idx)
@@ -640,8 +650,10 @@ class _ChatFormat(_Format):
     (serve/tools.py); streamed, a named call's arguments stream as they come, and a possible call of
     `required` / `auto` is held back and sent whole when the choice finishes."""
 
-    def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None, **kw):
+    def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None,
+                 prompt_ids: Optional[list[int]] = None, **kw):
         super().__init__(*a, **kw)
+        self.prompt_ids = prompt_ids
         self.reasoning = reasoning
         self.tools = tools
         self.splitters: dict[int, ChannelSplitter] = {}
@@ -709,7 +721,11 @@ class _ChatFormat(_Format):
                 choices.append({"index": self.index(i, j), "message": message,
                                 "logprobs": self._logprobs(o.logprobs),
                                 "finish_reason": finish, "stop_reason": o.stop_reason})
+                if self.token_ids:
+                    choices[-1]["token_ids"] = list(o.token_ids)
         out = {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
+        if self.token_ids:
+            out["prompt_token_ids"] = list(run.prompts[0])
         if self.prompt_field:
             out["prompt_logprobs"] = self._prompt_field(run.latest[0])
         return out
@@ -723,6 +739,8 @@ class _ChatFormat(_Format):
                                       "logprobs": None, "finish_reason": None}]}
                 if usage_field:
                     chunk["usage"] = None
+                if self.token_ids and not chunks:
+                    chunk["prompt_token_ids"] = list(self.prompt_ids or [])
                 chunks.append(chunk)
         return chunks
 
@@ -735,7 +753,8 @@ class _ChatFormat(_Format):
             t0, k0 = self.sent_text.get(idx, 0), self.sent_tok.get(idx, 0)
             text = o.text[t0:]
             new_lps = (o.logprobs or [])[k0:] if self.logprobs is not None else None
-            if not text and not new_lps and o.finish_reason is None:
+            new_ids = list(o.token_ids[k0:]) if self.token_ids else []
+            if not text and not new_lps and not new_ids and o.finish_reason is None:
                 continue
             self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
             delta = {"content": text} if text else {}
@@ -751,10 +770,12 @@ class _ChatFormat(_Format):
                 delta["content"] = content
             if calls:
                 delta["tool_calls"] = calls
-            if not delta and not new_lps and finish is None:
+            if not delta and not new_lps and not new_ids and finish is None:
                 continue
             choice = {"index": idx, "delta": delta,
                       "logprobs": self._logprobs(new_lps), "finish_reason": finish}
+            if self.token_ids:
+                choice["token_ids"] = new_ids
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
                 self.finished.add(idx)
@@ -924,7 +945,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 raise APIError(400, str(e), param="prompt_logprobs") from None
         echo = texts if body.echo else [""] * len(texts)
         fmt = _CompletionFormat(st, f"cmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
-                                echo_texts=echo, prompt_field=body.prompt_logprobs is not None)
+                                echo_texts=echo, prompt_field=body.prompt_logprobs is not None,
+                                token_ids=body.return_token_ids)
         return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
@@ -947,7 +969,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                            constraint=plan.constraint() if plan else None)
         fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
                           prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
-                          tools=plan)
+                          tools=plan, token_ids=body.return_token_ids, prompt_ids=ids)
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/tokenize", responses=_ERRORS)

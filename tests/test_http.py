@@ -644,3 +644,37 @@ def test_structured_outputs_over_http(client, http):
     assert metric(text, "k3jax:structured_output_requests_total") >= 6
     assert metric(text, "k3jax:structured_output_errors_total") == 0
     assert metric(text, "k3jax:structured_output_mask_seconds_total") > 0
+
+
+def test_return_token_ids_whole_and_streamed(http):
+    """vLLM's `return_token_ids`: the prompt's ids and each choice's sampled ids; streamed, per delta
+    (their concatenation is the whole). The ids are the model's: they detokenize to the text."""
+    body = {"prompt": "abc", "max_tokens": 6, "temperature": 0, "ignore_eos": True, "return_token_ids": True}
+    full = http.post("/v1/completions", json=body).json()
+    ch = full["choices"][0]
+    assert ch["prompt_token_ids"] == http.post("/tokenize", json={"prompt": "abc"}).json()["tokens"]
+    assert len(ch["token_ids"]) == 6
+    assert http.post("/detokenize", json={"tokens": ch["token_ids"]}).json()["prompt"] == ch["text"]
+    events = []
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    assert events[0]["choices"][0]["prompt_token_ids"] == ch["prompt_token_ids"]
+    assert [t for e in events for t in e["choices"][0]["token_ids"]] == ch["token_ids"]
+    msgs = [{"role": "user", "content": "hi"}]
+    chat = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "temperature": 0,
+                                                   "ignore_eos": True, "return_token_ids": True}).json()
+    assert chat["prompt_token_ids"] == http.post("/tokenize", json={"messages": msgs}).json()["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == 5
+    events = []
+    with http.stream("POST", "/v1/chat/completions", json={"messages": msgs, "max_tokens": 5, "temperature": 0,
+                                                           "ignore_eos": True, "return_token_ids": True,
+                                                           "stream": True}) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    assert events[0]["prompt_token_ids"] == chat["prompt_token_ids"]
+    assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
+    plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
+    assert "token_ids" not in plain
