@@ -1183,6 +1183,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     if body.stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    continuous = include_usage and body.stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
     reserve = _check_context(st, prompts, params, param)
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:
@@ -1217,6 +1218,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
                 yield _sse(chunk)
             async for i, out in run.items():
                 for chunk in fmt.deltas(i, out, include_usage):
+                    if continuous:
+                        chunk["usage"] = run.usage()
                     yield _sse(chunk)
             if include_usage:
                 yield _sse(fmt.usage_chunk(run))

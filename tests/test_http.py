@@ -678,3 +678,16 @@ def test_return_token_ids_whole_and_streamed(http):
     assert [t for e in events[1:] for t in e["choices"][0]["token_ids"]] == chat["choices"][0]["token_ids"]
     plain = http.post("/v1/completions", json={**body, "return_token_ids": False}).json()["choices"][0]
     assert "token_ids" not in plain
+
+
+def test_continuous_usage_stats(http):
+    body = {"prompt": "abc", "max_tokens": 5, "temperature": 0, "ignore_eos": True, "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    events = []
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                events.append(json.loads(line[6:]))
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert all(e["usage"] is not None for e in events) and counts == sorted(counts) and counts[-1] == 5
+    assert events[-1]["choices"] == [] and counts[0] < 5
