@@ -194,6 +194,8 @@ class ChatCompletionRequest(_GenerationFields):
                           "{'name'}}; required and named calls are constrained to the functions' schemas")
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    reasoning_effort: Optional[str] = Field(None, description="K3: low | high | max (the thinking effort; "
+                                                              "chat_template_kwargs.thinking_effort)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="thinking (K3), thinking_effort (K3), default_system")
 
@@ -958,7 +960,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
-        ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan)
+        ids = _chat_ids(st, body.messages, body.add_generation_prompt, _template_kwargs(st, body), plan)
         if body.truncate_prompt_tokens is not None:
             ids = ids[-body.truncate_prompt_tokens:]
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -1055,6 +1057,27 @@ def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[i
         texts.append(t)
         ids.append(x)
     return texts, ids
+
+
+def _template_kwargs(st: ServerState, body) -> Optional[dict]:
+    """`chat_template_kwargs` with `reasoning_effort` (K3's thinking effort, as vLLM and SGLang take it)."""
+    kwargs = body.chat_template_kwargs
+    effort = getattr(body, "reasoning_effort", None)
+    if effort is None:
+        return kwargs
+    from k3jax.chat_template import K3_THINKING_EFFORTS
+
+    if st.chat_family != "k3":
+        raise APIError(400, f"reasoning_effort: the {st.chat_family!r} chat format has no thinking effort",
+                       param="reasoning_effort")
+    if effort not in K3_THINKING_EFFORTS:
+        raise APIError(400, f"reasoning_effort: expected one of {', '.join(K3_THINKING_EFFORTS)}, got {effort!r}",
+                       param="reasoning_effort")
+    given = (kwargs or {}).get("thinking_effort", effort)
+    if given != effort:
+        raise APIError(400, f"reasoning_effort: {effort!r} differs from chat_template_kwargs.thinking_effort "
+                            f"{given!r}", param="reasoning_effort")
+    return {**(kwargs or {}), "thinking_effort": effort}
 
 
 def _thinks(st: ServerState, body) -> bool:

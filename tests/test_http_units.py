@@ -97,3 +97,19 @@ def test_app_before_warmup_answers_503_everywhere_but_metrics():
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "Retry-After" in r.headers
     assert m.status_code == 200 and 'k3jax:engine_ready{model_name="m"} 0.0' in m.text
     assert s.status_code == 200 and "/v1/chat/completions" in s.json()["paths"]
+
+
+def test_reasoning_effort_maps_to_k3_thinking_effort():
+    from types import SimpleNamespace
+
+    from serve.api import APIError, _template_kwargs
+
+    k3, byte = SimpleNamespace(chat_family="k3"), SimpleNamespace(chat_family="byte")
+    body = lambda effort, kw=None: SimpleNamespace(reasoning_effort=effort, chat_template_kwargs=kw)  # noqa: E731
+    assert _template_kwargs(k3, body(None, {"thinking": True})) == {"thinking": True}
+    assert _template_kwargs(k3, body("low", {"thinking": True})) == {"thinking": True, "thinking_effort": "low"}
+    assert _template_kwargs(k3, body("max", {"thinking_effort": "max"})) == {"thinking_effort": "max"}
+    for st, b in ((k3, body("medium")), (k3, body("low", {"thinking_effort": "high"})), (byte, body("low"))):
+        with pytest.raises(APIError) as e:
+            _template_kwargs(st, b)
+        assert e.value.status == 400 and e.value.param == "reasoning_effort"
