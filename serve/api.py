@@ -43,13 +43,14 @@ from typing import Any, Literal, Optional, Union
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
 from serve.chat import chat_ids
+from serve.responses import ResponseEvents, response_object, to_chat
 from serve.tools import ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
@@ -198,6 +199,29 @@ class ChatCompletionRequest(_GenerationFields):
                                                               "chat_template_kwargs.thinking_effort)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="thinking (K3), thinking_effort (K3), default_system")
+
+
+class ResponsesRequest(_Strict):
+    """OpenAI's Responses API request (the fields this stateless server serves; serve/responses.py)."""
+
+    model: Optional[str] = None
+    input: Union[str, list[dict[str, Any]]]
+    instructions: Optional[str] = None
+    max_output_tokens: Optional[int] = Field(None, ge=1)
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    stream: bool = False
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="function tools (flat: type, name, parameters)")
+    tool_choice: Optional[Union[str, dict[str, Any]]] = None
+    parallel_tool_calls: Optional[bool] = None
+    text: Optional[dict[str, Any]] = Field(None, description="{'format': {'type': 'text' | 'json_object' | "
+                                                             "'json_schema', 'name', 'schema'}}")
+    reasoning: Optional[dict[str, Any]] = Field(None, description="{'effort': K3's low | high | max}")
+    previous_response_id: Optional[str] = Field(None, description="not supported: the server keeps no state")
+    store: Optional[bool] = Field(None, description="accepted; nothing is stored")
+    metadata: Optional[dict[str, str]] = None
+    user: Optional[str] = None
+    priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (vLLM's)")
 
 
 class TokenizeRequest(_Strict):
@@ -523,8 +547,18 @@ class _Format:
         self.sent_tok: dict[int, int] = {}
         self.finished: set[int] = set()
 
+    done_marker = True  # streams end with `data: [DONE]`
+
     def index(self, i: int, j: int) -> int:
         return i * self.n + j
+
+    def end(self, run: "_Run", include_usage: bool) -> list[dict]:
+        """The stream's last chunks: the usage chunk when asked."""
+        return [self.usage_chunk(run)] if include_usage else []
+
+    @staticmethod
+    def sse(obj) -> str:
+        return _sse(obj)
 
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.st.model_name}
@@ -791,6 +825,33 @@ class _ChatFormat(_Format):
         return {**self.head("chat.completion.chunk"), "choices": [], "usage": run.usage()}
 
 
+class _ResponsesFormat:
+    """The Responses API's shapes, translated from the chat format's (serve/responses.py)."""
+
+    done_marker = False  # Responses streams end with response.completed, no [DONE]
+
+    def __init__(self, chat: _ChatFormat, body, model: str, count_tokens):
+        self.chat, self.body, self.model, self.count = chat, body, model, count_tokens
+        self.id = chat.id
+        self.events = ResponseEvents(chat.id, chat.created, body, model)
+
+    def full(self, run: _Run) -> dict:
+        return response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model, self.count)
+
+    def start(self, nprompts: int, usage_field: bool) -> list[dict]:
+        return self.events.start()
+
+    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
+        return [e for chunk in self.chat.deltas(i, out, False) for e in self.events.chunk(chunk)]
+
+    def end(self, run: _Run, include_usage: bool) -> list[dict]:
+        return self.events.end(run.usage(), self.count)
+
+    @staticmethod
+    def sse(obj) -> str:
+        return f"event: {obj['type']}\n" + _sse(obj) if "type" in obj else _sse(obj)
+
+
 # ---- the app ------------------------------------------------------------------------------------
 
 class _BodyLimit:
@@ -956,23 +1017,31 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                                _r: None = Depends(ready)):
         arrival = time.monotonic()
         st.check_model(body.model)
+        ids, params, fmt = _chat_request(st, body, f"chatcmpl-{uuid.uuid4().hex}")
+        return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
+
+    @app.post("/v1/responses", responses=_ERRORS)
+    async def responses(body: ResponsesRequest, request: Request, key: str = Depends(authenticate),
+                        _r: None = Depends(ready)):
+        """OpenAI's Responses API over the chat machinery (serve/responses.py); stateless."""
+        arrival = time.monotonic()
+        st.check_model(body.model)
         try:
-            plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+            spec = to_chat(body)
+            chat = ChatCompletionRequest(
+                messages=spec["messages"], max_tokens=body.max_output_tokens, temperature=body.temperature,
+                top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
+                parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
+                reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority)
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
-        ids = _chat_ids(st, body.messages, body.add_generation_prompt, _template_kwargs(st, body), plan)
-        if body.truncate_prompt_tokens is not None:
-            ids = ids[-body.truncate_prompt_tokens:]
-        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-        n_lp = (body.top_logprobs or 0) if body.logprobs else None
-        if body.top_logprobs is not None and not body.logprobs:
-            raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
-        params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body),
-                           constraint=plan.constraint() if plan else None)
-        fmt = _ChatFormat(st, f"chatcmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
-                          prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
-                          tools=plan, token_ids=body.return_token_ids, prompt_ids=ids)
-        return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
+        except ValidationError as e:
+            raise APIError(400, f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
+        rid = f"resp_{uuid.uuid4().hex}"
+        ids, params, chat_fmt = _chat_request(st, chat, rid)
+        count = (lambda text: len(st.tokenizer.encode(text))) if st.tokenizer is not None else (lambda text: 0)
+        fmt = _ResponsesFormat(chat_fmt, body, st.model_name, count)
+        return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
@@ -1078,6 +1147,27 @@ def _template_kwargs(st: ServerState, body) -> Optional[dict]:
         raise APIError(400, f"reasoning_effort: {effort!r} differs from chat_template_kwargs.thinking_effort "
                             f"{given!r}", param="reasoning_effort")
     return {**(kwargs or {}), "thinking_effort": effort}
+
+
+def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str):
+    """A chat request's prompt ids, sampling parameters and response format."""
+    try:
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+    except RequestError as e:
+        raise APIError(400, str(e), param=_param_of(str(e))) from None
+    ids = _chat_ids(st, body.messages, body.add_generation_prompt, _template_kwargs(st, body), plan)
+    if body.truncate_prompt_tokens is not None:
+        ids = ids[-body.truncate_prompt_tokens:]
+    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    n_lp = (body.top_logprobs or 0) if body.logprobs else None
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body),
+                       constraint=plan.constraint() if plan else None)
+    fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),
+                      prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
+                      tools=plan, token_ids=body.return_token_ids, prompt_ids=ids)
+    return ids, params, fmt
 
 
 def _thinks(st: ServerState, body) -> bool:
@@ -1203,10 +1293,11 @@ def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingPa
 
 async def _serve(st: ServerState, request: Request, key: str, prompts: list[list[int]], params: SamplingParams,
                  body: _GenerationFields, fmt, arrival: float, param: str):
-    if body.stream_options is not None and not body.stream:
+    stream_options = getattr(body, "stream_options", None)
+    if stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    continuous = include_usage and body.stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
+    include_usage = bool(stream_options and stream_options.include_usage)
+    continuous = include_usage and stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
     reserve = _check_context(st, prompts, params, param)
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:
@@ -1238,20 +1329,21 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     async def events():
         try:
             for chunk in fmt.start(len(prompts), include_usage):
-                yield _sse(chunk)
+                yield fmt.sse(chunk)
             async for i, out in run.items():
                 for chunk in fmt.deltas(i, out, include_usage):
                     if continuous:
                         chunk["usage"] = run.usage()
-                    yield _sse(chunk)
-            if include_usage:
-                yield _sse(fmt.usage_chunk(run))
+                    yield fmt.sse(chunk)
+            for chunk in fmt.end(run, include_usage):
+                yield fmt.sse(chunk)
         except Exception as e:  # an engine failure mid-stream: report it in the stream
             log.warning("stream %s failed: %s", fmt.id, e)
             status = 400 if isinstance(e, RequestError) else 500
             yield _sse(_error_body(str(e), _STATUS_TYPES.get(status, "internal_error"), None, None)
                        | {"status": status})
-        yield "data: [DONE]\n\n"
+        if fmt.done_marker:
+            yield "data: [DONE]\n\n"
 
     return SSEResponse(events(), on_close=run.close,
                        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})

@@ -61,10 +61,11 @@ class ScriptedEngine:
                     raise RequestError(f"scripted token {k} ({TOK.decode([tok])!r}) is outside the constraint")
                 assert guide.advance(tok)
             ids.append(tok)
-            done = k == len(TOK.encode(text)) - 1
-            if done and guide is not None:
+            cut = params.max_tokens is not None and len(ids) >= params.max_tokens
+            done = k == len(TOK.encode(text)) - 1 or cut
+            if done and guide is not None and not cut:
                 assert guide.done, "the scripted answer must complete the constraint"
-            out = CompletionOutput(0, TOK.decode(ids), list(ids), "stop" if done else None)
+            out = CompletionOutput(0, TOK.decode(ids), list(ids), ("length" if cut else "stop") if done else None)
             yield RequestOutput(request_id, None, list(prompt), [out], finished=done)
             await asyncio.sleep(0)
 
@@ -230,3 +231,90 @@ def test_k3_tool_results_render_as_system_messages_with_the_k2_header():
     assert out[3] == {"role": "system", "content": "## Return of call_7\n3"}
     assert out[4]["role"] == "system"
     assert prepare_messages(msgs[2:3], "kimi_linear")[0]["role"] == "tool"  # that format has its own
+
+
+# ---- the Responses API (serve/responses.py), parsed by the OpenAI SDK ----------------------------------
+
+def _sdk(engine, fn):
+    import openai
+
+    async def go():
+        async with _client(engine) as http:
+            client = openai.AsyncOpenAI(base_url="http://t/v1", api_key="x", http_client=http)
+            return await fn(client)
+    return asyncio.run(go())
+
+
+def test_responses_text_whole_and_streamed():
+    eng = ScriptedEngine()
+    eng.script = ["Sunny, 21C.", "Sunny, 21C."]
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="weather?", instructions="be brief"))
+    assert r.status == "completed" and r.output_text == "Sunny, 21C." and r.output[0].type == "message"
+    assert r.usage.output_tokens == len("Sunny, 21C.") and r.usage.input_tokens == len(eng.seen[0][0])
+    prompt = TOK.decode(eng.seen[0][0])
+    assert "be brief" in prompt and "weather?" in prompt
+
+    async def stream(c):
+        return [e async for e in await c.responses.create(model="m", input="weather?", stream=True)]
+    events = _sdk(eng, stream)
+    kinds = [e.type for e in events]
+    assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added", "response.output_text.delta"]
+    assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.completed"]
+    assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == "Sunny, 21C."
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-1].response.output_text == "Sunny, 21C."
+
+
+def test_responses_function_calls_history_and_formats():
+    eng = ScriptedEngine()
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    eng.script = ['[{"name":"add","parameters":{"a":2,"b":3}}]']
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="add 2 and 3", tools=flat, tool_choice="required"))
+    call = r.output[0]
+    assert call.type == "function_call" and call.name == "add" and json.loads(call.arguments) == {"a": 2, "b": 3}
+    # the call and its result go back as input items
+    eng.script = ["5."]
+    items = [{"role": "user", "content": "add 2 and 3"},
+             {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
+             {"type": "function_call_output", "call_id": call.call_id, "output": "5"}]
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input=items, tools=flat))
+    assert r.output_text == "5."
+    prompt = TOK.decode(eng.seen[-1][0])
+    assert '"name": "add", "parameters": {"a": 2, "b": 3}' in prompt and f"## Return of {call.call_id}\n5" in prompt
+
+    async def stream(c):
+        return [e async for e in await c.responses.create(
+            model="m", input="add", tools=flat, tool_choice={"type": "function", "name": "add"}, stream=True)]
+    eng.script = ['{"a":1,"b":1}']
+    events = _sdk(eng, stream)
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    done = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert json.loads(args) == {"a": 1, "b": 1} and done[0].arguments == args
+    assert events[-1].response.output[0].name == "add"
+    # text.format json_schema is the constraint; max_output_tokens cuts: incomplete
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    eng.script = ['{"x":12}', "a long answer"]
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="j", text={"format": {
+        "type": "json_schema", "name": "s", "schema": schema}}))
+    assert json.loads(r.output_text) == {"x": 12} and eng.seen[-1][1].structured_outputs.json == schema
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="j", max_output_tokens=4))
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+@pytest.mark.parametrize("extra, field", [
+    ({"previous_response_id": "resp_1"}, "previous_response_id"),
+    ({"input": [{"type": "web_search_call"}]}, "input"),
+    ({"input": []}, "input"),
+    ({"tools": [{"type": "web_search"}]}, "tools"),
+    ({"text": {"format": {"type": "yaml"}}}, "text"),
+])
+def test_responses_bad_requests_name_the_field(extra, field):
+    eng = ScriptedEngine()
+
+    async def go():
+        async with _client(eng) as c:
+            return await c.post("/v1/responses", json={"input": "x", **extra})
+    r = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text

@@ -1,0 +1,272 @@
+"""OpenAI's Responses API (`POST /v1/responses`) on top of the chat machinery.
+
+A Responses request is translated into a chat request (`to_chat`): `instructions` and `input` (a string
+or a list of items: messages, `function_call`, `function_call_output`; `reasoning` items are dropped, as
+the chat formats drop past reasoning) become messages, flat function tools become chat tools,
+`text.format` becomes `response_format`. The chat endpoint's result is then translated back
+(`response_object`): reasoning (K3's think channel) becomes a `reasoning` item, the answer a `message`
+item with one `output_text` part, calls `function_call` items. Streamed, the chat deltas become
+Responses events (`ResponseEvents`): `response.created`, `response.in_progress`, per item
+`response.output_item.added` / `.done`, `response.reasoning_text.delta`, `response.content_part.added`,
+`response.output_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`, and finally
+`response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer).
+
+The server keeps no state: `previous_response_id` and stored responses are refused (send the whole
+conversation in `input`); `store` is accepted and has no effect.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from typing import Any, Optional
+
+from serve.types import RequestError
+
+__all__ = ["to_chat", "response_object", "ResponseEvents"]
+
+
+def _text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        parts = []
+        for k, p in enumerate(content):
+            if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
+                raise RequestError(f"input: {where}.content[{k}] must be a text part (input_text / output_text)")
+            parts.append(str(p.get("text", "")))
+        return "".join(parts)
+    raise RequestError(f"input: {where}.content must be a string or a list of text parts")
+
+
+def to_chat(body) -> dict:
+    """-> {"messages", "tools", "tool_choice", "response_format", "reasoning_effort"} of the chat request."""
+    if body.previous_response_id is not None:
+        raise RequestError("previous_response_id: this server keeps no responses; send the whole conversation "
+                           "in input")
+    msgs: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
+    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else list(body.input)
+    if not items:
+        raise RequestError("input: must not be empty")
+    for i, it in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(it, dict):
+            raise RequestError(f"input: {where} must be an object")
+        kind = it.get("type", "message")
+        if kind == "message":
+            role = it.get("role")
+            if role not in ("user", "assistant", "system", "developer"):
+                raise RequestError(f"input: {where}.role must be user, assistant, system or developer")
+            msgs.append({"role": role, "content": _text(it.get("content"), where)})
+        elif kind == "function_call":
+            if not isinstance(it.get("name"), str) or not isinstance(it.get("call_id"), str):
+                raise RequestError(f"input: {where} needs name and call_id")
+            call = {"id": it["call_id"], "type": "function",
+                    "function": {"name": it["name"], "arguments": it.get("arguments") or "{}"}}
+            if msgs and msgs[-1]["role"] == "assistant" and msgs[-1].get("tool_calls") is not None:
+                msgs[-1]["tool_calls"].append(call)  # parallel calls of one turn
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(it.get("call_id"), str):
+                raise RequestError(f"input: {where} needs call_id")
+            out = it.get("output")
+            msgs.append({"role": "tool", "tool_call_id": it["call_id"],
+                         "content": out if isinstance(out, str) else json.dumps(out)})
+        elif kind == "reasoning":
+            continue
+        else:
+            raise RequestError(f"input: {where}.type {kind!r} is not supported (message, function_call, "
+                               f"function_call_output, reasoning)")
+    tools = None
+    if body.tools:
+        tools = []
+        for i, t in enumerate(body.tools):
+            if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+                raise RequestError(f"tools: tools[{i}] must be {{'type': 'function', 'name', 'parameters'}} "
+                                   f"(built-in tools are not available here)")
+            tools.append({"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                           if k in t}})
+    choice = body.tool_choice
+    if isinstance(choice, dict):
+        if choice.get("type") != "function" or not isinstance(choice.get("name"), str):
+            raise RequestError("tool_choice: expected 'none', 'auto', 'required' or {'type': 'function', 'name'}")
+        choice = {"type": "function", "function": {"name": choice["name"]}}
+    fmt = (body.text or {}).get("format") if isinstance(body.text, dict) else None
+    response_format = None
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise RequestError("text: format.type must be text, json_object or json_schema")
+        if fmt["type"] == "json_schema":
+            if not isinstance(fmt.get("schema"), dict):
+                raise RequestError("text: format.schema must be a JSON schema object")
+            response_format = {"type": "json_schema", "json_schema": {"name": fmt.get("name"), "schema": fmt["schema"]}}
+        elif fmt["type"] == "json_object":
+            response_format = {"type": "json_object"}
+    effort = (body.reasoning or {}).get("effort") if isinstance(body.reasoning, dict) else None
+    return dict(messages=msgs, tools=tools, tool_choice=choice, response_format=response_format,
+                reasoning_effort=effort)
+
+
+def _ids() -> str:
+    return uuid.uuid4().hex[:24]
+
+
+def _envelope(rid: str, created: int, body, model: str, status: str, output: list, usage: Optional[dict] = None,
+               incomplete: Optional[str] = None) -> dict:
+    return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": incomplete} if incomplete else None,
+            "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
+            "parallel_tool_calls": body.parallel_tool_calls is not False,
+            "temperature": body.temperature, "top_p": body.top_p,
+            "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
+            "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
+            "reasoning": body.reasoning, "store": False, "metadata": body.metadata or {}, "usage": usage}
+
+
+def _usage(chat: dict, reasoning_tokens: int) -> dict:
+    u = chat["usage"]
+    return {"input_tokens": u["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "total_tokens": u["total_tokens"]}
+
+
+def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
+    if finish_reason == "length":
+        return "incomplete", "max_output_tokens"
+    return "completed", None
+
+
+def response_object(chat: dict, rid: str, created: int, body, model: str, count_tokens) -> dict:
+    """A chat completion (one choice) -> the Responses object; `count_tokens(text)` sizes the reasoning."""
+    ch = chat["choices"][0]
+    m = ch["message"]
+    output = []
+    reasoning = m.get("reasoning_content") or ""
+    if reasoning:
+        output.append({"type": "reasoning", "id": f"rs_{_ids()}", "summary": [],
+                       "content": [{"type": "reasoning_text", "text": reasoning}], "status": "completed"})
+    for c in m.get("tool_calls") or []:
+        output.append({"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
+    if m.get("content") is not None and not m.get("tool_calls"):
+        output.append({"type": "message", "id": f"msg_{_ids()}", "role": "assistant", "status": "completed",
+                       "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": []}]})
+    status, reason = _status(ch["finish_reason"])
+    return _envelope(rid, created, body, model, status, output,
+                     _usage(chat, count_tokens(reasoning) if reasoning else 0), reason)
+
+
+class ResponseEvents:
+    """Chat completion chunks (one choice) -> Responses streaming events."""
+
+    def __init__(self, rid: str, created: int, body, model: str):
+        self.rid, self.created, self.body, self.model = rid, created, body, model
+        self.seq = 0
+        self.items: list[dict] = []  # output items, in order
+        self.open: Optional[dict] = None  # the item receiving deltas
+        self.finish: Optional[str] = None
+
+    def _event(self, kind: str, **fields) -> dict:
+        self.seq += 1
+        return {"type": kind, "sequence_number": self.seq - 1, **fields}
+
+    def start(self) -> list[dict]:
+        r = _envelope(self.rid, self.created, self.body, self.model, "in_progress", [])
+        return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
+
+    def _close(self) -> list[dict]:
+        item, self.open = self.open, None
+        if item is None:
+            return []
+        i = self.items.index(item)
+        if item["type"] == "reasoning":
+            text = item["content"][0]["text"]
+            ev = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
+                              text=text)]
+        else:
+            part = item["content"][0]
+            ev = [self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
+                              text=part["text"], logprobs=[]),
+                  self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                              part=part)]
+        item["status"] = "completed"
+        return ev + [self._event("response.output_item.done", output_index=i, item=item)]
+
+    def _open(self, kind: str) -> list[dict]:
+        if self.open is not None and self.open["type"] == kind:
+            return []
+        ev = self._close()
+        if kind == "reasoning":
+            item = {"type": "reasoning", "id": f"rs_{_ids()}", "summary": [],
+                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+        else:
+            item = {"type": "message", "id": f"msg_{_ids()}", "role": "assistant", "status": "in_progress",
+                    "content": []}
+        self.items.append(item)
+        self.open = item
+        i = len(self.items) - 1
+        ev.append(self._event("response.output_item.added", output_index=i,
+                              item={**item, "content": list(item["content"])}))
+        if kind == "message":
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            item["content"].append(part)
+            ev.append(self._event("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                                  part=dict(part)))
+        return ev
+
+    def chunk(self, chunk: dict) -> list[dict]:
+        ev = []
+        for ch in chunk.get("choices", []):
+            d = ch.get("delta", {})
+            if d.get("reasoning_content"):
+                ev += self._open("reasoning")
+                self.open["content"][0]["text"] += d["reasoning_content"]
+                ev.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
+                                      output_index=len(self.items) - 1, content_index=0, delta=d["reasoning_content"]))
+            if d.get("content"):
+                ev += self._open("message")
+                self.open["content"][0]["text"] += d["content"]
+                ev.append(self._event("response.output_text.delta", item_id=self.open["id"],
+                                      output_index=len(self.items) - 1, content_index=0, delta=d["content"],
+                                      logprobs=[]))
+            for c in d.get("tool_calls") or []:
+                ev += self._call(c)
+            if ch.get("finish_reason") is not None:
+                self.finish = ch["finish_reason"]
+        return ev
+
+    def _call(self, c: dict) -> list[dict]:
+        """A tool-call delta: a new call opens a function_call item; later deltas extend its arguments."""
+        if "id" in c:
+            ev = self._close()
+            item = {"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
+                    "name": c["function"]["name"], "arguments": "", "status": "in_progress"}
+            self.items.append(item)
+            ev.append(self._event("response.output_item.added", output_index=len(self.items) - 1, item=dict(item)))
+        else:
+            ev = []
+            item = next(it for it in reversed(self.items) if it["type"] == "function_call")
+        args = c["function"].get("arguments", "")
+        item["arguments"] += args
+        if args:
+            ev.append(self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                  output_index=self.items.index(item), delta=args))
+        return ev
+
+    def end(self, chat_usage: dict, count_tokens) -> list[dict]:
+        ev = self._close()
+        for i, item in enumerate(self.items):
+            if item["type"] == "function_call" and item["status"] != "completed":
+                item["status"] = "completed"
+                ev.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
+                                      arguments=item["arguments"]))
+                ev.append(self._event("response.output_item.done", output_index=i, item=item))
+        reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
+        status, reason = _status(self.finish)
+        r = _envelope(self.rid, self.created, self.body, self.model, status, self.items,
+                      _usage({"usage": chat_usage}, count_tokens(reasoning) if reasoning else 0), reason)
+        return ev + [self._event("response.completed" if status == "completed" else "response.incomplete",
+                                 response=r)]
