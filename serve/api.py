@@ -3,6 +3,7 @@
 Endpoints
   POST /v1/completions        text completion (prompt: string, token ids, or a batch of either)
   POST /v1/chat/completions   chat (the model family's chat template: K3, Kimi-Linear, or the byte presets')
+  POST /v1/responses          OpenAI's Responses API, translated to and from chat (serve/responses.py)
   GET  /v1/models, /v1/models/{id}
   GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died)
   GET  /metrics               Prometheus text (serve/metrics.py)
