@@ -220,6 +220,8 @@ class ResponsesRequest(_Strict):
     reasoning: Optional[dict[str, Any]] = Field(None, description="{'effort': K3's low | high | max}")
     previous_response_id: Optional[str] = Field(None, description="not supported: the server keeps no state")
     store: Optional[bool] = Field(None, description="accepted; nothing is stored")
+    truncation: Optional[Literal["disabled"]] = Field(None, description="'disabled' (the default): a conversation "
+                                                                         "longer than the context is a 400")
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (vLLM's)")

@@ -309,6 +309,7 @@ def test_responses_function_calls_history_and_formats():
     ({"input": []}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"text": {"format": {"type": "yaml"}}}, "text"),
+    ({"truncation": "auto"}, "truncation"),
 ])
 def test_responses_bad_requests_name_the_field(extra, field):
     eng = ScriptedEngine()
