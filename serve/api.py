@@ -153,6 +153,8 @@ class _GenerationFields(_Strict):
     guided_regex: Optional[str] = None
     guided_choice: Optional[list[str]] = None
     guided_grammar: Optional[str] = None
+    guided_whitespace_pattern: Optional[str] = Field(None, description="vLLM's older name of "
+                                                                      "structured_outputs.whitespace_pattern")
     bad_words: Optional[list[str]] = Field(None, description="words never to generate (vLLM's)")
     return_token_ids: bool = Field(False, description="vLLM's: the prompt's and each choice's token ids in the "
                                                       "response (per delta when streamed)")
@@ -1180,7 +1182,7 @@ def _thinks(st: ServerState, body) -> bool:
 
 
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
-            "disable_additional_properties")
+            "disable_additional_properties", "whitespace_pattern")
 
 
 def _structured(body: _GenerationFields, thinks: bool,
@@ -1215,8 +1217,13 @@ def _structured(body: _GenerationFields, thinks: bool,
     if len(given) > 1:
         raise APIError(400, f"{given[1][0]}: give one output constraint (also set: {given[0][0]})", param=given[1][0])
     if not given:
+        if body.guided_whitespace_pattern is not None:
+            raise APIError(400, "guided_whitespace_pattern: applies to a JSON constraint; none is given",
+                           param="guided_whitespace_pattern")
         return None
     name, so = given[0]
+    if body.guided_whitespace_pattern is not None:
+        so.whitespace_pattern = body.guided_whitespace_pattern
     try:
         so.kind()
     except RequestError as e:

@@ -103,8 +103,10 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
             raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
         if params.disable_additional_properties:
             schema = _close_objects(schema)
+        if params.whitespace_pattern is not None and not isinstance(params.whitespace_pattern, str):
+            raise RequestError("structured_outputs.whitespace_pattern: must be a regular expression string")
         options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
-                   {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE})
+                   {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern or JSON_WHITESPACE})
         try:
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except (ValueError, TypeError) as e:

@@ -30,6 +30,7 @@ from serve.types import RequestError, StructuredOutputsParams
 __all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "history_message"]
 
 _NAMED, _REQUIRED, _AUTO = "named", "required", "auto"
+CALL_WHITESPACE = r"[ ]?"  # between two JSON tokens of a forced call
 
 
 @dataclass(frozen=True)
@@ -46,15 +47,17 @@ class ToolPlan:
         return {f["name"] for f in self.functions}
 
     def constraint(self) -> Optional[StructuredOutputsParams]:
+        """The forced call's constraint; at most one space between JSON tokens (the arguments are
+        re-serialised anyway, and a call should not spend tokens on layout)."""
         if self.mode == _NAMED:
-            return StructuredOutputsParams(json=_parameters(self._function(self.name)))
+            return StructuredOutputsParams(json=_parameters(self._function(self.name)), whitespace_pattern=CALL_WHITESPACE)
         if self.mode == _REQUIRED:
             calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)},
                       "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1
-            return StructuredOutputsParams(json=schema)
+            return StructuredOutputsParams(json=schema, whitespace_pattern=CALL_WHITESPACE)
         return None
 
     def _function(self, name: str) -> dict:

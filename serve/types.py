@@ -23,7 +23,8 @@ class StructuredOutputsParams:
     * `json_object=True`: any JSON object (OpenAI's `response_format: json_object`).
 
     `disable_any_whitespace` forbids whitespace between JSON tokens (compact JSON; default: up to 20
-    whitespace characters between two JSON tokens). `disable_additional_properties` adds
+    whitespace characters between two JSON tokens); `whitespace_pattern` (a regex) sets what may stand
+    between two JSON tokens instead. `disable_additional_properties` adds
     `"additionalProperties": false` to every object schema that does not say otherwise.
 
     For thinking models (k3jax's addition; vLLM ties this to its reasoning parser): `reasoning_end`
@@ -39,6 +40,7 @@ class StructuredOutputsParams:
     json_object: bool = False
     disable_any_whitespace: bool = False
     disable_additional_properties: bool = False
+    whitespace_pattern: Optional[str] = None
     reasoning_end: Optional[str] = None
     answer_prefix: Optional[str] = None
 
@@ -57,7 +59,7 @@ class StructuredOutputsParams:
         kind = self.kind()
         value = getattr(self, kind)
         return _json.dumps([kind, value, self.disable_any_whitespace, self.disable_additional_properties,
-                            self.answer_prefix], sort_keys=True, default=str)
+                            self.whitespace_pattern, self.answer_prefix], sort_keys=True, default=str)
 
 
 @dataclass

@@ -229,7 +229,7 @@ def test_api_constraint_sources():
 
     def body(**kw):
         base = dict(response_format=None, structured_outputs=None, guided_json=None, guided_regex=None,
-                    guided_choice=None, guided_grammar=None)
+                    guided_choice=None, guided_grammar=None, guided_whitespace_pattern=None)
         return SimpleNamespace(**{**base, **kw})
 
     assert _structured(body(), thinks=True) is None
