@@ -50,7 +50,8 @@ class ToolPlan:
         """The forced call's constraint; at most one space between JSON tokens (the arguments are
         re-serialised anyway, and a call should not spend tokens on layout)."""
         if self.mode == _NAMED:
-            return StructuredOutputsParams(json=_parameters(self._function(self.name)), whitespace_pattern=CALL_WHITESPACE)
+            return StructuredOutputsParams(json=_parameters(self._function(self.name)),
+                                           whitespace_pattern=CALL_WHITESPACE)
         if self.mode == _REQUIRED:
             calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)},
                       "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
