@@ -91,7 +91,7 @@ class CacheView(abc.ABC):
     def kda_recurrence(self, j: int):
         """None: the j-th KDA layer runs its delta rule on the state `kda()` returned and hands the
         result to `set_kda`. A view that updates states where they are stored instead returns
-        `fn(q, k, v, g, beta, window, scale) -> o`, which runs the recurrence, stores the new state
+        `fn(q, k, v, g, beta, window, scale, inputs) -> o`, which runs the recurrence, stores the new state
         and conv `window` itself, and leaves `set_kda` nothing to do."""
         return None
 

@@ -17,6 +17,7 @@ build the same engine and replay process 0's steps (`serve/multihost.py`) until 
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import threading
@@ -29,7 +30,7 @@ DEFAULTS = dict(
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", log_level="info",
-    coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False,
+    coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
 )
 
 
@@ -62,6 +63,8 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--mla-decode", default=d["mla_decode"], choices=["auto", "paged", "gathered"],
                    help="MLA decode form: paged (paged kernel over the arena, the GPU/TPU default) or gathered "
                         "(pages gathered into a dense copy, the CPU default)")
+    e.add_argument("--speculative-config", default=d["speculative_config"],
+                   help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
                                                              "(default ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
@@ -110,12 +113,22 @@ def engine_config(o: dict):
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
     context = _ints(o["context_buckets"], "context-buckets") or (pages,)
     extra = {}
+    spec = o.get("speculative_config")
+    if spec:
+        try:
+            extra["speculative_config"] = json.loads(spec) if isinstance(spec, str) else spec
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--speculative-config: not JSON ({e})") from None
+        if not isinstance(extra["speculative_config"], dict):
+            raise ValueError("--speculative-config: expected a JSON object")
+    drafts = (extra.get("speculative_config") or {}).get("num_speculative_tokens", 3) if spec else 0
+    drafts = drafts if isinstance(drafts, int) and drafts > 0 else 0  # EngineConfig names a bad value
     if o.get("no_prefix_caching") and "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
         extra["enable_prefix_caching"] = False
     return EngineConfig(
         **extra, max_model_len=o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
-        max_num_batched_tokens=max(512, decode[-1] + prefill[-1] * o["prefill_chunk"]),
+        max_num_batched_tokens=max(512, decode[-1] * (1 + drafts) + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
         seed=o["seed"], sharding=o.get("sharding"), kda_decode=o.get("kda_decode", "auto"),
         mla_decode=o.get("mla_decode", "auto"))

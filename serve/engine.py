@@ -34,6 +34,7 @@ from serve.multihost import StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
+from serve.speculative import NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
@@ -97,6 +98,14 @@ class EngineConfig:
     # `heads` rule's axis when it divides them (each rank: its heads' states, every MLA page; then
     # `cache_bytes` is one rank's arena), otherwise replicated on each device.
     sharding: Optional[str] = None
+    # Speculative decoding (vLLM's `speculative_config`, e.g. {"method": "ngram", "num_speculative_tokens":
+    # 3}): decodes carry n-gram drafts that one step verifies (serve/speculative.py); same outputs,
+    # more tokens per step when drafts are accepted. None: off.
+    speculative_config: Optional[SpeculativeConfig] = None
+
+    def __post_init__(self):
+        if isinstance(self.speculative_config, dict):  # vLLM's form
+            object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
 
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
@@ -115,6 +124,10 @@ class EngineConfig:
             if not isinstance(self.sharding, str) or not self.sharding:
                 raise ValueError(f"sharding={self.sharding!r}: expected a config name in sharding_configs/ or a YAML path")
             load_sharding_config(self.sharding)  # raises, naming the config key at fault
+        if self.speculative_config is not None:
+            if not isinstance(self.speculative_config, SpeculativeConfig):
+                raise ValueError(f"speculative_config={self.speculative_config!r}: expected a dict or SpeculativeConfig")
+            self.speculative_config.validate(self.prefill_chunk)
         if self.prefill_chunk % KDA_CHUNK and KDA_CHUNK % self.prefill_chunk:
             raise ValueError(f"prefill_chunk must divide or be a multiple of the KDA chunk ({KDA_CHUNK}) so "
                              f"prefill rows start on KDA chunk boundaries")
@@ -158,6 +171,8 @@ class Sequence:
     priority: int = 0  # lower is scheduled first (serve/scheduler.py)
     guide: Optional[Guide] = None  # structured outputs: the constraint's matcher (serve/structured.py)
     bad_words: tuple = ()  # token sequences never to complete (SamplingParams.bad_words)
+    draft: list[int] = field(default_factory=list)  # speculative tokens proposed for the next decode
+    ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -222,7 +237,9 @@ class Engine:
                                   replicated(self.mesh) if self.mesh is not None else None)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference)
-        options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads)
+        self.spec = config.speculative_config
+        options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
+                              self.spec.verify_tokens if self.spec else 0)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
                                              options, arena_sharding)
         max_pages = -(-config.max_model_len // config.page_size)
@@ -250,7 +267,11 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
-                             structured_output_errors=0, structured_output_requests=0)
+                             structured_output_errors=0, structured_output_requests=0,
+                             spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
+                             spec_decode_num_accepted_tokens=0)
+        # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
+        self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.mask_seconds = 0.0  # host time computing structured-output masks (serve/structured.py)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
@@ -280,6 +301,8 @@ class Engine:
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per layer) program this engine may run."""
         shapes = [(b, 1, p) for b in self.decode_buckets for p in self.context_buckets]
+        if self.spec:  # verify rows: the decode buckets at 1 + drafts tokens
+            shapes += [(b, self.spec.verify_tokens, p) for b in self.decode_buckets for p in self.context_buckets]
         shapes += [(b, self.config.prefill_chunk, p) for b in self.prefill_buckets for p in self.context_buckets]
         return shapes
 
@@ -482,8 +505,13 @@ class Engine:
                 if s.slot is None and s.hit is None:
                     self._match(s)
         deferred = self._deferred(live)
+        if self.spec:
+            cap = self.spec.disable_by_batch_size
+            off = cap is not None and sum(s.slot is not None and s.computed == len(s.all_ids) - 1 for s in live) >= cap
+            for s in live:
+                s.draft = [] if off else self._propose(s)
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
-                         self._next_stop(s), s.priority) for s in live if s.rid not in deferred]
+                         self._next_stop(s), s.priority, len(s.draft)) for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
             eu, es = self.prefix_cache.evictable()
@@ -501,7 +529,8 @@ class Engine:
             m = self.seqs[rid].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
         if plan.decode:
-            self._run(plan.decode, [(rid, self.seqs[rid].computed, 1) for rid in plan.decode], 1, touched)
+            rows = [(rid, self.seqs[rid].computed, 1 + plan.draft.get(rid, 0)) for rid in plan.decode]
+            self._run(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1, touched)
             self.counters["decode_steps"] += 1
         if plan.prefill:
             self._run([r for r, _, _ in plan.prefill], plan.prefill, self.config.prefill_chunk, touched)
@@ -510,6 +539,23 @@ class Engine:
         outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched})]
         self._reap()
         return outs
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """N-gram drafts for a running request about to decode (serve/speculative.py), within its
+        max_tokens and the context window. Requests whose next tokens depend on host state that the
+        drafts would change (a structured-output matcher, bad words, a min_tokens ban) decode one token
+        at a time."""
+        if (seq.slot is None or seq.internal or seq.computed != len(seq.all_ids) - 1 or seq.guide is not None
+                or seq.bad_words or len(seq.output_ids) < seq.params.min_tokens):
+            return []
+        ids = seq.all_ids
+        k = min(self.spec.num_speculative_tokens, seq.checker.max_tokens - len(seq.output_ids) - 1,
+                self.config.max_model_len - len(ids))
+        if k <= 0:
+            return []
+        if seq.ngrams is None:
+            seq.ngrams = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
+        return seq.ngrams.propose(ids, k)
 
     def _free_slots(self) -> int:
         return len(self.allocator._free_slot_bases(self.sched_cfg.max_num_seqs + self.sched_cfg.max_prefill_seqs))
@@ -619,8 +665,17 @@ class Engine:
         seq.read_slot = hit.ckpt.slot  # pinned through `seq.hit` until the first step has read it
         seq.registered_pages = len(hit.pages)
 
-    def _after_row(self, seq: Sequence, decoded: bool) -> None:
-        """Bookkeeping after a step computed rows of `seq`: drop pins, share pages, capture states."""
+    def _count_drafts(self, drafted: int, accepted: int) -> None:
+        if drafted:
+            c = self.counters
+            c["spec_decode_num_drafts"] += 1
+            c["spec_decode_num_draft_tokens"] += drafted
+            c["spec_decode_num_accepted_tokens"] += accepted
+            self.spec_accepted_per_pos[:accepted] += 1
+
+    def _after_row(self, seq: Sequence, decoded: bool, prev: Optional[int] = None, ahead: list[int] = ()) -> None:
+        """Bookkeeping after a step computed rows of `seq` (from position `prev` on a decode; `ahead`: accepted
+        drafts in the cache, not yet appended to its output): drop pins, share pages, capture states."""
         pc = self.prefix_cache
         if pc is None:
             return
@@ -631,7 +686,7 @@ class Engine:
             seq.read_pin.pins -= 1
         seq.read_slot = seq.read_pin = None
         seq.copies = []
-        seq.hasher.extend(seq.all_ids)
+        seq.hasher.extend(seq.all_ids + list(ahead))
         if decoded:
             # Decode writes latents and states through the token-by-token recurrence, which rounds
             # differently from the chunked prefill a cold request runs; none of it is shared.
@@ -639,8 +694,10 @@ class Engine:
             # deepest shared checkpoint and registers its pages and state instead.
             # Only requests that themselves resumed from the cache get them: continuing conversations
             # and shared-prefix traffic reuse their tails, while a workload without reuse pays nothing.
-            if seq.reused and seq.computed % pc.decode_interval == 0 and not seq.finished:
-                self._spawn_canonical(seq, seq.computed, DECODE)
+            mark = seq.computed // pc.decode_interval * pc.decode_interval
+            prev = seq.computed - 1 if prev is None else prev
+            if seq.reused and mark > prev and not seq.finished:
+                self._spawn_canonical_ids(seq.all_ids + list(ahead), seq.hasher, mark, DECODE, seq.rid)
             return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
         kind = seq.captures.pop(seq.computed, None)
@@ -658,14 +715,11 @@ class Engine:
         else:
             self.allocator.free_slot(new_slot)
 
-    def _spawn_canonical(self, seq: Sequence, pos: int, kind: str) -> None:
-        """Queue an internal prefill-only row set over seq's first `pos` tokens that registers the
+    def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str) -> None:
+        """Queue an internal prefill-only row set over the first `pos` of `all_ids` that registers the
         canonical (chunked-prefill) pages and KDA state at `pos`. It queues behind every real
         request (and is preempted first), never produces output, and is dropped with its memory
         when it finishes."""
-        self._spawn_canonical_ids(seq.all_ids, seq.hasher, pos, kind, seq.rid)
-
-    def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str) -> None:
         if pos < self.align:
             return
         key = hasher.key(b"K", pos)
@@ -735,19 +789,35 @@ class Engine:
     def _run(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, touched: set[str]) -> None:
         seqs = [self.seqs[r] for r in rids]
         need_pages = max(-(-(s + n) // self.config.page_size) for _, s, n in rows)
-        rows_bucket = _fit(len(rows), self.decode_buckets if t == 1 else self.prefill_buckets)
+        decoding = t == 1 or (self.spec is not None and t == self.spec.verify_tokens)
+        rows_bucket = _fit(len(rows), self.decode_buckets if decoding else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
-        (res, prompt), counts = self._step_fn(batch)
+        (res, prompt, accepted), counts = self._step_fn(batch)
         if (batch.targets >= 0).any():
             self._record_prompt_logprobs(seqs, rows, batch.targets, prompt)
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         self.expert_counts += np.asarray(counts)
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
+        verify = tokens.ndim == 2
+        accepted = np.asarray(accepted) if verify else None
         self.moe_dispatch_seconds += self.moe_step_seconds.get(rows_bucket * t, 0.0)
         self.inter_rank_bytes += self._moe_exchange_bytes(rows_bucket * t)
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
+            if verify:  # the input token and the accepted drafts are in the cache; emit those drafts + 1
+                a = int(accepted[i])
+                self._count_drafts(n - 1, a)
+                seq.computed = start + 1 + a
+                if seq.slot is not None:
+                    self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
+                for j in range(a + 1):
+                    if seq.finished:
+                        break
+                    touched.add(seq.rid)
+                    self._append(seq, int(tokens[i, j]), float(lps[i, j]), top_ids[i, j], top_lps[i, j], now)
+                seq.draft = []
+                continue
             seq.computed = start + n
             if seq.internal:
                 self._after_row(seq, decoded=False)
@@ -792,7 +862,8 @@ class Engine:
         guided = []  # (guide, row) of the rows that sample under a constraint
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
-            tokens[i, :n] = ids[start:start + n]
+            row = ids[start:start + n]
+            tokens[i, :n] = row + seq.draft[:n - len(row)]  # a verify row: the last token, then its drafts
             if seq.prompt_lps is not None and start + 1 < len(seq.prompt_ids):  # the next prompt tokens
                 nxt = seq.prompt_ids[start + 1:start + n + 1]
                 targets[i, :len(nxt)] = nxt
@@ -833,7 +904,7 @@ class Engine:
         m = seq.metrics
         if m.first_token_time is None:
             m.first_token_time = now
-        elif m.last_token_time is not None:
+        elif m.last_token_time is not None and now > m.last_token_time:  # once per step (several with drafts)
             self.latency["itl"].append(now - m.last_token_time)
         m.last_token_time = now
         seq.output_ids.append(tok)
@@ -897,7 +968,7 @@ class Engine:
         """Free everything; the request is recomputed (prompt + outputs so far) when readmitted."""
         self._release(seq)
         seq.computed = 0
-        seq.captures = {}
+        seq.captures, seq.draft = {}, []
         self.counters["preemptions"] += 1
 
     def _reap(self) -> None:
@@ -960,6 +1031,7 @@ class Engine:
             "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",
                              "mla": "paged" if self.mla_paged else "gathered"},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
+            "spec_decode_accepted_per_pos": self.spec_accepted_per_pos.tolist(),
         }
 
     def slot_bytes(self, base: int) -> np.ndarray:

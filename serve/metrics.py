@@ -52,6 +52,8 @@ NAMES = (
     "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
     "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     "k3jax:expert_tokens_total", "k3jax:moe_dispatch_seconds_total", "k3jax:inter_rank_bytes_total",
     "k3jax:kda_slot_usage_perc", "k3jax:mla_page_usage_perc", "k3jax:kda_slot_bytes", "k3jax:mla_page_bytes",
     "k3jax:arena_bytes", "k3jax:arena_free_units", "k3jax:arena_baseline_free_units", "k3jax:arena_cached_units",
@@ -112,6 +114,17 @@ class EngineCollector:
         yield counter("vllm:prompt_tokens", "Prompt tokens admitted (per sequence).", s.get("prompt_tokens", 0))
         yield counter("vllm:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.get("preemptions", 0))
+        # speculative decoding (serve/speculative.py): vLLM's names
+        yield counter("vllm:spec_decode_num_drafts", "Decode rows that carried drafts.", s.get("spec_decode_num_drafts", 0))
+        yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",
+                      s.get("spec_decode_num_draft_tokens", 0))
+        yield counter("vllm:spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      s.get("spec_decode_num_accepted_tokens", 0))
+        per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by position in the draft.", labels=L + ["position"])
+        for i, n in enumerate(s.get("spec_decode_accepted_per_pos") or []):
+            per_pos.add_metric([m, str(i)], _num(n))
+        yield per_pos
 
         pc = s.get("prefix_cache") or {}
         if not isinstance(pc, Mapping):

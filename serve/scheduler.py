@@ -13,7 +13,10 @@ are first come, first served):
   cache keeps KDA checkpoints; a prefill row also stops at `align_stop` points (prompt ends);
 - memory: a request needs a state slot once and MLA pages as its context grows; when decodes cannot
   get their next pages, the newest running requests are preempted (their memory is freed and they
-  are recomputed later, never corrupted).
+  are recomputed later, never corrupted);
+- speculative drafts (serve/speculative.py) ride on decodes: a decode with d drafts computes 1 + d
+  tokens and needs pages for them; drafts are optional and are the first thing dropped when pages or
+  the token budget run short.
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ class SeqView:
     pages: int  # MLA units held (all layers)
     stop: int | None = None  # a position the next prefill row must end at (KDA checkpoint capture)
     priority: int = 0  # lower runs first (vLLM's convention)
+    draft: int = 0  # speculative tokens proposed for its next decode
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,7 @@ class StepPlan:
     prefill: list[tuple[str, int, int]] = field(default_factory=list)  # (rid, start, length)
     admit: list[str] = field(default_factory=list)  # need a state slot before this step
     grow: dict[str, int] = field(default_factory=dict)  # rid -> MLA units to add
+    draft: dict[str, int] = field(default_factory=dict)  # rid -> drafts its decode verifies
     preempt: list[str] = field(default_factory=list)
 
     @property
@@ -107,7 +112,14 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
     # 1. decodes, in order; when memory is short, release reservations (lowest priority first), then
     #    preempt the lowest-priority, newest running requests
     decoders = [s for s in running if s.total - s.computed == 1][:cfg.max_num_seqs]
-    need = {s.rid: max(0, units_for(s.total, cfg) - s.pages) for s in decoders}
+    drafts, spent = {}, len(decoders)
+    for s in decoders:  # within the token budget, in order
+        if s.draft and spent + s.draft <= cfg.token_budget:
+            drafts[s.rid], spent = s.draft, spent + s.draft
+    need = {s.rid: max(0, units_for(s.total + drafts.get(s.rid, 0), cfg) - s.pages) for s in decoders}
+    if drafts and sum(need.values()) > free_units:  # drafts go before anything else does
+        drafts = {}
+        need = {s.rid: max(0, units_for(s.total, cfg) - s.pages) for s in decoders}
     while sum(need.values()) > free_units and reserved:
         free_units += reserved.pop(next(reversed(reserved)))
         free_slots += 1
@@ -121,10 +133,12 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
     for s in decoders:
         if s.rid in need:
             plan.decode.append(s.rid)
+            if s.rid in drafts:
+                plan.draft[s.rid] = drafts[s.rid]
             if need[s.rid]:
                 plan.grow[s.rid] = need[s.rid]
             free_units -= need[s.rid]
-    budget = cfg.token_budget - len(plan.decode)
+    budget = cfg.token_budget - len(plan.decode) - sum(plan.draft.values())
 
     # 2. prefill chunks: running partial prefills first, then admissions, in (priority, arrival) order
     candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting

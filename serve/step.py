@@ -2,8 +2,10 @@
 gathered and scattered back, or on decode rewritten in place row by row), write the touched pages,
 sample on device. The arena is donated and returned.
 
-One program serves prefill chunks (T > 1) and decode (T == 1); shapes are fixed by the bucket
-(batch rows, tokens per row, MLA pages per layer), so every program is compiled at start-up. With the
+One program serves prefill chunks (T > 1), decode (T == 1) and, with speculative decoding, verify rows
+(T == 1 + drafts: a token sampled at every position, only the accepted prefix committed to the KDA
+states; serve/speculative.py); shapes are fixed by the bucket (batch rows, tokens per row, MLA pages per
+layer), so every program is compiled at start-up. With the
 arena split over a mesh axis by KDA heads, every arena access runs on each rank's own part
 (`serve/state_split.py`).
 """
@@ -26,6 +28,7 @@ from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, re
                           scatter_states, unpack_latent, update_states_in_place, write_layer_states)
 from serve.sampling import (PromptLogprobs, SampleResult, SamplingBatch, no_prompt_logprobs, prompt_logprobs,
                             sample)
+from serve.speculative import accepted_lengths
 from serve.state_split import StateSplit, on_ranks
 
 
@@ -51,6 +54,7 @@ class StepOptions:
     mla_paged: bool = False  # decode attends with the paged MLA kernel over the arena's pages
     split: StateSplit | None = None  # the arena split over a mesh axis by KDA heads
     mla_heads: int = 0  # MLA query heads (the paged kernel splits them with the arena when it can)
+    verify_tokens: int = 0  # rows of this many tokens are speculative verify rows (0: no speculation)
 
 
 class PagedView(CacheView):
@@ -69,9 +73,14 @@ class PagedView(CacheView):
     read."""
 
     def __init__(self, layout: ArenaLayout, batch: StepBatch, arena: jax.Array, in_place: bool,
-                 split: StateSplit | None = None, paged_mla: bool = False, mla_heads: int = 0):
+                 split: StateSplit | None = None, paged_mla: bool = False, mla_heads: int = 0,
+                 verify: bool = False, stepwise: bool = True):
         self.layout, self.batch, self.arena = layout, batch, arena
         self.in_place, self.split, self.paged_mla = in_place, split, paged_mla
+        # verify rows: the recurrence runs over all T tokens without committing; `commit` folds the
+        # accepted prefix into the states afterwards (`stepwise`: with the token step the in-place
+        # decode runs, else with the batched recurrent op, whichever plain decode would use)
+        self.verify, self.stepwise, self.pending = verify, stepwise, {}
         # MLA query heads split like the KDA heads when the split divides them (the kernel then runs
         # on each rank's heads against its own copy of the pages), else whole on every rank
         self._q = split.heads(1) if split and mla_heads % split.ranks == 0 else P()
@@ -114,10 +123,12 @@ class PagedView(CacheView):
             self.arena = write(self.arena, self.batch.write_base, self.conv[j], self.state[j])
 
     def kda_recurrence(self, j):
+        if self.verify:
+            return self._verify_recurrence(j)
         if not self.in_place:
             return self._recurrence_per_rank(j) if self.split else None
 
-        def run(q, k, v, g, beta, window, scale):  # [B, 1, N, K] ... -> o [B, 1, N, V]
+        def run(q, k, v, g, beta, window, scale, inputs):  # [B, 1, N, K] ... -> o [B, 1, N, V]
             def local(arena, read_base, write_base, fresh, q, k, v, g, beta, window):  # one rank's heads
                 def update(i, state):  # one row: state [N, K, V]; inputs [1, N, .]
                     row = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False)[0] for x in (q, k, v, g, beta)]
@@ -139,7 +150,7 @@ class PagedView(CacheView):
         """On a split arena: the batched KDA op (the Pallas kernel on GPU/TPU) runs inside `shard_map` on
         each rank's heads and gathered states. Under GSPMD alone a kernel call would gather every
         head's inputs and states onto every rank."""
-        def run(q, k, v, g, beta, window, scale):  # [B, T, N, .] -> o [B, T, N, V]
+        def run(q, k, v, g, beta, window, scale, inputs):  # [B, T, N, .] -> o [B, T, N, V]
             op = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
 
             def local(q, k, v, g, beta, state):
@@ -152,6 +163,45 @@ class PagedView(CacheView):
             return o
 
         return run
+
+    def _token_recurrence(self, q, k, v, g, beta, state, scale):
+        """The decode recurrence over T tokens from `state` [B, N, K, V] -> (o [B, T, N, V], final state),
+        on each rank's heads."""
+        def local(q, k, v, g, beta, state):
+            if not self.stepwise:
+                return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state,
+                                           output_final_state=True)
+            outs = []
+            for i in range(q.shape[1]):
+                o, state = kda_token_step(state, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], scale=scale)
+                outs.append(o.astype(v.dtype))
+            return jnp.stack(outs, axis=1), state
+
+        h = self._h
+        return on_ranks(self.split, local, (h(2),) * 5 + (h(1),), (h(2), h(1)))(q, k, v, g, beta, state)
+
+    def _verify_recurrence(self, j):
+        """Verify rows: outputs for all T tokens, the state left as it was; the inputs are kept for
+        `commit` (ReplaySSM: the accepted prefix is folded in once the step knows its length)."""
+        def run(q, k, v, g, beta, window, scale, inputs):  # [B, T, N, .], inputs [B, 3, T, P]
+            full = jnp.concatenate([self.conv[j], inputs.astype(jnp.float32)], axis=2)  # [B, 3, W-1+T, P]
+            self.pending[j] = (q, k, v, g, beta, full, scale)
+            return self._token_recurrence(q, k, v, g, beta, self.state[j], scale)[0]
+
+        return run
+
+    def commit(self, keep: jax.Array) -> None:
+        """Verify rows: absorb each row's first `keep` [B] tokens into its KDA states and conv windows.
+
+        The same recurrence replays the kept tokens; the others get a gate of 0 and a beta of 0, which
+        leave a state exactly as it is (S * exp(0) + k * 0), so the state is the one decoding the kept
+        tokens one per step would have left."""
+        for j, (q, k, v, g, beta, full, scale) in self.pending.items():
+            t, w = q.shape[1], full.shape[2] - q.shape[1]
+            kept = jnp.arange(t)[None, :] < keep[:, None]  # [B, T]
+            g, beta = jnp.where(kept[:, :, None, None], g, 0.0), jnp.where(kept[:, :, None], beta, 0.0)
+            self.state[j] = self._token_recurrence(q, k, v, g, beta, self.state[j], scale)[1]
+            self.conv[j] = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, w, axis=1))(full, keep)
 
     def mla_paged(self, j, latent, valid):
         """Decode: store the token's latent in its page in the arena (in place), then attend with the
@@ -257,7 +307,7 @@ _BOUND_MAX = 8
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_pages: jax.Array,
                  batch: StepBatch, num_top_logprobs: int,
                  options: StepOptions = StepOptions()
-                 ) -> tuple[jax.Array, jax.Array, tuple[SampleResult, PromptLogprobs], jax.Array]:
+                 ) -> tuple[jax.Array, jax.Array, tuple[SampleResult, PromptLogprobs, jax.Array], jax.Array]:
     """One model step over the arena `float32[num_units, state_ranks * unit_elems]` (donated, updated in
     place; split over `split`'s axis by KDA heads, or one rank's whole arena) and the token pages
     `int32[num_units, page_size]` (the token ids at each page position, kept for units holding the first
@@ -265,8 +315,10 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
 
     Order on the arena: copy-on-write page copies; then the model, whose layers read (and, for
     in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
-    touched pages (unless decode stored them through the paged MLA path) and, unless updated in place,
-    of the working slots."""
+    touched pages (unless decode stored them through the paged MLA path); sampling; for verify rows, the
+    commit of each row's accepted tokens to its KDA states; and, unless updated in place, the writes of
+    the working slots. The third result is (samples, prompt logprobs, drafts accepted [B]); a verify
+    step's samples are [B, T] (one per position), the others' [B]."""
     model = nnx.merge(graphdef, params)
     split = options.split
     src, dst = batch.copy_src, batch.copy_dst
@@ -275,28 +327,41 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     a = split.arena if split else None
     arena = on_ranks(split, lambda ar, s, d: ar.at[d].set(ar[s]), (a, P(), P()), a)(arena, src, dst)
     token_pages = write_tokens(token_pages.at[dst].set(token_pages[src]), batch)
-    decode = batch.tokens.shape[1] == 1
+    b, t = batch.tokens.shape
+    decode = t == 1
+    verify = options.verify_tokens > 1 and t == options.verify_tokens
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
-    view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads)
+    view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place)
     routed, hidden = [], []
-    logits = model.run(batch.tokens, view, batch.valid, last_only=True, trace=routed, hidden=hidden)
+    logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden)
     arena = view.arena
     if layout.num_mla_layers and not paged:
         units, rows = touched_pages(layout, batch, view.kv)
         write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
         arena = write(arena, units, rows)
+    history = lambda: token_history(token_pages, batch)
+    accepted = jnp.zeros((b,), jnp.int32)
+    if verify:  # a token sampled at every position, as decoding would sample it at that output index
+        rows = jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), batch.sampling)
+        rows.steps = rows.steps + jnp.tile(jnp.arange(t, dtype=rows.steps.dtype), b)
+        flat = sample(logits.reshape(b * t, -1), rows, num_top_logprobs,
+                      history=lambda: jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), history()))
+        res = SampleResult(*(x.reshape(b, t, *x.shape[1:]) for x in flat))
+        accepted = accepted_lengths(batch.tokens, res.tokens, batch.valid)
+        view.commit(jnp.minimum(accepted + 1, batch.valid))
+    else:
+        res = sample(logits, batch.sampling, num_top_logprobs, history=history)
     if layout.num_kda_layers and not in_place and not view.layered:
         lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
         scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),
                            (a, P(), [h(3)] * lk, [h(1)] * lk), a)
         convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
         arena = scatter(arena, batch.write_base, convs, states)
-    res = sample(logits, batch.sampling, num_top_logprobs, history=lambda: token_history(token_pages, batch))
-    # decode rows never score prompt tokens: decode programs carry no LM head over all positions
-    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not decode else
-              no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
-    return arena, token_pages, (res, prompt), expert_counts(routed, batch, model.cfg.num_experts)
+    # decode and verify rows never score prompt tokens: their programs carry no LM head over all positions
+    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not (decode or verify)
+              else no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
+    return arena, token_pages, (res, prompt, accepted), expert_counts(routed, batch, model.cfg.num_experts)
 
 
 def write_tokens(token_pages: jax.Array, batch: StepBatch) -> jax.Array:

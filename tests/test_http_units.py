@@ -77,6 +77,10 @@ def test_metrics_export_expert_counts_and_arena_split():
     assert 'vllm:prefix_cache_hits_total{model_name="m"} 16.0' in text
     assert 'k3jax:kda_checkpoint_misses_total{model_name="m"} 3.0' in text
     assert 'k3jax:moe_dispatch_seconds_total{model_name="m"} 0.5' in text
+    spec = ServerMetrics("m", lambda: {**stats, "spec_decode_num_draft_tokens": 9, "spec_decode_num_accepted_tokens": 5,
+                                       "spec_decode_accepted_per_pos": [3, 2, 0]}, dict).exposition().decode()
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in spec
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in spec
     empty = ServerMetrics("m", lambda: {}, lambda: {}).exposition().decode()
     assert all(n in empty for n in NAMES)  # every family is listed even with no engine statistics
 

@@ -85,15 +85,18 @@ class KDA(nnx.Module):
         """x: [B, T, H] normed input; conv_window: [B, 3, W-1, P] (q, k, v); state: [B, N, K, V] fp32;
         valid: [B] real tokens per row. Returns (y [B, T, H], conv_window, state).
 
-        `recurrence(q, k, v, g, beta, window, scale) -> o`, when given, replaces the delta-rule op
-        and owns the state (a cache view updating it in place); the returned state is then None."""
+        `recurrence(q, k, v, g, beta, window, scale, inputs) -> o`, when given, replaces the delta-rule op
+        and owns the state (a cache view updating it in place, or keeping the inputs to commit part of
+        the chunk later: `inputs` [B, 3, T, P] are the projected q/k/v before the conv); the returned
+        state is then None."""
         cfg = self.cfg
         b, t, _ = x.shape
         n, d = cfg.kda_num_heads, cfg.kda_head_dim
         heads = lambda a: a.reshape(b, t, n, d)
-        q, wq = causal_conv(self.q_proj(x), conv_window[:, 0], self.q_conv1d[...], valid)
-        k, wk = causal_conv(self.k_proj(x), conv_window[:, 1], self.k_conv1d[...], valid)
-        v, wv = causal_conv(self.v_proj(x), conv_window[:, 2], self.v_conv1d[...], valid)
+        xq, xk, xv = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q, wq = causal_conv(xq, conv_window[:, 0], self.q_conv1d[...], valid)
+        k, wk = causal_conv(xk, conv_window[:, 1], self.k_conv1d[...], valid)
+        v, wv = causal_conv(xv, conv_window[:, 2], self.v_conv1d[...], valid)
         q, k, v = l2_norm(heads(q)), l2_norm(heads(k)), heads(v).astype(jnp.float32)
 
         g = kda_decay_gate(heads(self.f_b_proj(self.f_a_proj(x))), self.A_log[...],
@@ -105,7 +108,7 @@ class KDA(nnx.Module):
 
         window = jnp.stack([wq, wk, wv], axis=1)
         if recurrence is not None:
-            o, state = recurrence(q, k, v, g, beta, window, d ** -0.5), None
+            o, state = recurrence(q, k, v, g, beta, window, d ** -0.5, jnp.stack([xq, xk, xv], axis=1)), None
         else:
             op = fused_recurrent_kda if t == 1 else chunk_kda
             o, state = op(q, k, v, g, beta, scale=d ** -0.5, initial_state=state, output_final_state=True)

@@ -1,0 +1,122 @@
+"""Speculative decoding with n-gram (prompt lookup) drafts, verified in one step over the arena.
+
+K3 ships no draft weights (spec: no MTP / EAGLE layers in the open release), so drafts come from the
+sequence itself, as vLLM's `ngram` method does: the longest suffix of the sequence (between
+`prompt_lookup_max` and `prompt_lookup_min` tokens) that occurred earlier proposes the tokens that
+followed that earlier occurrence. Copying, quoting, code edits and looping outputs accept many.
+
+Verification (serve/step.py) runs a decode row as `1 + d` tokens (the last sampled token, then its
+d drafts) and samples a token at every position exactly as plain decoding would sample it there:
+same processed logits, same per-request key `fold_in(seed, output index)`. A draft is accepted while
+it equals the token sampled before it; the first sample that differs is emitted in its place, and
+when all d are accepted the sample after the last is a bonus token. For a draft that is one fixed
+token (an n-gram proposal) this is exact rejection sampling: the draft is kept with probability
+p(draft), and a rejected position emits a sample of p conditioned on not being the draft, which is
+the residual distribution. Because every position uses the key plain decoding would use for that
+output index, the emitted tokens are the ones plain decoding produces (greedy and seeded alike),
+only several per step.
+
+KDA states are mutable, so the verify pass must not commit tokens that get rejected. It keeps each
+layer's recurrence inputs (k, v, gate, beta and the conv inputs, ReplaySSM-style) and, once the
+accepted length is known on device, folds only the accepted prefix into the state with the same
+token recurrence and masked-out gates for the rest (a gate of 0 and beta of 0 leave a state exactly
+unchanged), so the committed state is the one plain decoding would have reached. MLA latents are
+append-only: the rejected positions' latents sit past the sequence length and are overwritten.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config` for the ngram method (its field names)."""
+
+    method: str = "ngram"
+    num_speculative_tokens: int = 3  # drafts per step and row (verify rows carry 1 + this many tokens)
+    prompt_lookup_max: int = 4  # longest suffix matched
+    prompt_lookup_min: int = 1  # shortest suffix matched
+    # no drafts while this many requests or more decode (vLLM v0's speculative_disable_by_batch_size):
+    # a verify row costs 1 + drafts tokens of compute, which pays where a step is bound by weight reads
+    # (small batches) and not where it is bound by FLOPs (large ones). None: always draft.
+    disable_by_batch_size: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        unknown = set(d) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}; expected "
+                             f"{sorted(cls.__dataclass_fields__)}")
+        return cls(**d)
+
+    def validate(self, prefill_chunk: int) -> None:
+        if self.method != "ngram":
+            raise ValueError(f"speculative_config.method={self.method!r}: only 'ngram' is available (K3 ships "
+                             f"no draft or MTP weights)")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or not 1 <= k <= 16:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: expected an integer in [1, 16]")
+        if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+                and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
+            raise ValueError(f"speculative_config.prompt_lookup_min / prompt_lookup_max: expected integers with "
+                             f"1 <= min <= max, got {self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
+        d = self.disable_by_batch_size
+        if d is not None and (not isinstance(d, int) or d < 1):
+            raise ValueError(f"speculative_config.disable_by_batch_size={d!r}: expected a positive integer or None")
+        if k + 1 == prefill_chunk:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k}: verify rows of {k + 1} tokens would "
+                             f"share the prefill programs' shape (prefill_chunk={prefill_chunk}); pick another")
+
+    @property
+    def verify_tokens(self) -> int:
+        return 1 + self.num_speculative_tokens
+
+
+class NgramIndex:
+    """Where each n-gram of one sequence last occurred, kept up to date as tokens arrive.
+
+    `index[n][gram]` is the position just after the latest occurrence of `gram` (n tokens) whose next
+    token is already known, so a lookup of the sequence's own suffix finds an earlier occurrence.
+    Host work per new token is one dict store per n; a lookup is one dict probe per n."""
+
+    def __init__(self, lo: int, hi: int):
+        self.lo, self.hi = lo, hi
+        self.index: dict[int, dict[tuple, int]] = {n: {} for n in range(lo, hi + 1)}
+        self.seen = 0  # tokens of the sequence indexed so far
+
+    def update(self, ids: list[int]) -> None:
+        """Index the n-grams of `ids` (the whole sequence so far) that end before its last token."""
+        for end in range(max(self.seen, 1), len(ids)):  # grams ending at `end` (exclusive), followed by ids[end]
+            for n, table in self.index.items():
+                if end >= n:
+                    table[tuple(ids[end - n:end])] = end
+        self.seen = max(self.seen, len(ids))
+
+    def propose(self, ids: list[int], k: int) -> list[int]:
+        """k tokens that followed the latest earlier occurrence of the longest matching suffix (none if
+        no suffix of at least `lo` tokens occurred before). A match close to the end continues
+        periodically: the tokens after it are the proposal's own first tokens again."""
+        if k <= 0:
+            return []
+        self.update(ids)
+        for n in range(min(self.hi, len(ids) - 1), self.lo - 1, -1):
+            start = self.index[n].get(tuple(ids[-n:]))
+            if start is not None:  # copy on from there; past the end, the proposal continues itself
+                out: list[int] = []
+                for p in range(start, start + k):
+                    out.append(ids[p] if p < len(ids) else out[p - len(ids)])
+                return out
+        return []
+
+
+def accepted_lengths(tokens: jax.Array, sampled: jax.Array, valid: jax.Array) -> jax.Array:
+    """Drafts accepted per verify row: tokens [B, T] (input token, then drafts), sampled [B, T] (the
+    token sampled at each position), valid [B] (1 + drafts) -> [B] int32 in [0, valid - 1]: the
+    longest run of drafts each equal to the sample at the position before it."""
+    t = tokens.shape[1]
+    match = (sampled[:, :-1] == tokens[:, 1:]) & (jnp.arange(1, t)[None, :] < valid[:, None])  # [B, T-1]
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)

@@ -1,0 +1,236 @@
+"""Speculative decoding (serve/speculative.py): n-gram drafts, verify steps, partial commits of KDA state.
+
+The engine test runs the same requests with drafts off, with drafts that are the plain run's own
+continuation (all accepted), with such drafts corrupted at one position (accepted up to it, the rest
+rejected: the KDA states must be committed part way), and with real n-gram drafts; the outputs must
+be the plain run's, token for token, for greedy, seeded and penalised sampling."""
+
+import numpy as np
+import pytest
+
+import k3jax
+from k3jax import SamplingParams
+from serve.engine import Engine, EngineConfig
+from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule
+from serve.speculative import NgramIndex, SpeculativeConfig, accepted_lengths
+
+K = 3  # drafts per step
+
+
+def _brute_propose(ids, k, lo, hi):
+    """The definition, written out: the longest suffix (hi..lo tokens) that occurred earlier, its latest
+    earlier occurrence, the k tokens after it (continuing periodically past the end)."""
+    for n in range(min(hi, len(ids) - 1), lo - 1, -1):
+        suffix = ids[-n:]
+        for start in range(len(ids) - 1, n - 1, -1):  # `start`: position after an occurrence
+            if ids[start - n:start] == suffix:
+                out = []
+                for p in range(start, start + k):
+                    out.append(ids[p] if p < len(ids) else out[p - len(ids)])
+                return out
+    return []
+
+
+def test_ngram_index_equals_the_definition_as_tokens_arrive():
+    rng = np.random.default_rng(1)
+    for trial in range(30):
+        lo, hi = int(rng.integers(1, 3)), int(rng.integers(3, 5))
+        idx = NgramIndex(lo, hi)
+        ids = [int(x) for x in rng.integers(0, 4, size=int(rng.integers(2, 12)))]  # small alphabet: many repeats
+        for _ in range(20):
+            assert idx.propose(ids, 4) == _brute_propose(ids, 4, lo, hi), (ids, lo, hi)
+            ids = ids + [int(x) for x in rng.integers(0, 4, size=int(rng.integers(1, 3)))]
+
+
+def test_ngram_proposals():
+    idx = NgramIndex(1, 3)
+    assert idx.propose([5, 6, 7, 8], 3) == []  # nothing repeats
+    assert NgramIndex(1, 3).propose([1, 2, 3, 9, 9, 1, 2], 3) == [3, 9, 9]  # suffix [1, 2] seen at the start
+    assert NgramIndex(1, 3).propose([4, 7, 4, 7, 4], 5) == [7, 4, 7, 4, 7]  # a period of 2, continued
+    assert NgramIndex(2, 3).propose([1, 2, 3, 1], 3) == []  # one-token suffixes are below lo
+
+
+def test_accepted_lengths():
+    tokens = np.array([[10, 1, 2, 3], [10, 1, 2, 3], [10, 1, 2, 3], [10, 5, 0, 0], [0, 0, 0, 0]], np.int32)
+    sampled = np.array([[1, 2, 3, 4], [1, 2, 9, 4], [7, 2, 3, 4], [5, 8, 8, 8], [0, 0, 0, 0]], np.int32)
+    valid = np.array([4, 4, 4, 2, 0], np.int32)
+    assert accepted_lengths(tokens, sampled, valid).tolist() == [3, 2, 0, 1, 0]
+
+
+def test_scheduler_gives_drafts_pages_and_drops_them_first():
+    cfg = SchedulerConfig(max_num_seqs=4, max_prefill_seqs=1, prefill_chunk=16, align=16, token_budget=64,
+                          page_size=4, num_mla_layers=1, slot_units=2)
+    # 7 tokens known, 6 computed, 4 pages held: 3 drafts need positions up to 10 -> 3 pages, 1 more
+    seq = SeqView("a", 0, total=7, computed=6, running=True, pages=2, draft=3)
+    plan = schedule([seq], Memory(free_units=5, free_slots=1), cfg)
+    assert plan.decode == ["a"] and plan.draft == {"a": 3} and plan.grow == {"a": 1}
+    plan = schedule([seq], Memory(free_units=0, free_slots=1), cfg)  # no page for the drafts: plain decode
+    assert plan.decode == ["a"] and plan.draft == {} and plan.grow == {} and plan.preempt == []
+    tight = SchedulerConfig(**{**cfg.__dict__, "token_budget": 5})
+    plan = schedule([seq, SeqView("b", 1, 5, 4, True, 2, draft=3)], Memory(10, 1), tight)
+    assert plan.draft == {"a": 3}  # 2 decodes + 3 drafts fill the budget of 5
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ValueError, match="speculative_config.method"):
+        EngineConfig(speculative_config={"method": "eagle3"}).validate()
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig(speculative_config={"num_speculative_tokens": 0}).validate()
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        EngineConfig(prefill_chunk=8, speculative_config={"num_speculative_tokens": 7}).validate()
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineConfig(speculative_config={"draft_model": "x"})
+    assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config == SpeculativeConfig(
+        num_speculative_tokens=2)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    model = k3jax.load_model("tiny-k3", dtype="float32", seed=0)
+    cfg = EngineConfig(max_model_len=256, cache_bytes=32 << 20, max_num_seqs=8, prefill_chunk=32, page_size=16,
+                       decode_buckets=(8,), prefill_buckets=(4,), context_buckets=(16,), measure_moe_time=False,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": K})
+    return Engine(model, cfg, progress=False)
+
+
+def _run(engine, prompts, params):
+    rids = [engine.add_request(p, params[i]) for i, p in enumerate(prompts)]
+    outs = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o.outputs[0]
+    return [outs[r] for r in rids]
+
+
+SAMPLING = {
+    "greedy": lambda i: SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2),
+    "seeded": lambda i: SamplingParams(temperature=0.9, top_p=0.9, seed=100 + i, max_tokens=24, ignore_eos=True,
+                                       logprobs=2),
+    "penalised": lambda i: SamplingParams(temperature=0.7, min_p=0.05, seed=i, presence_penalty=0.5,
+                                          repetition_penalty=1.3, max_tokens=24, ignore_eos=True),
+}
+
+
+@pytest.mark.parametrize("kind", list(SAMPLING))
+def test_outputs_equal_plain_decoding(engine, monkeypatch, kind):
+    rng = np.random.default_rng(7)
+    prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 60)))] for _ in range(6)]
+    params = [SAMPLING[kind](i) for i in range(len(prompts))]
+    ngram = engine._propose
+    monkeypatch.setattr(engine, "_propose", lambda s: [])
+    steps = engine.counters["decode_steps"]
+    plain = _run(engine, prompts, params)
+    plain_steps = engine.counters["decode_steps"] - steps
+    want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+
+    def oracle(seq, corrupt):  # the plain continuation, optionally wrong at its second draft
+        k = min(K, seq.checker.max_tokens - len(seq.output_ids) - 1)
+        if seq.slot is None or seq.computed != len(seq.all_ids) - 1 or k <= 0:
+            return []
+        d = list(want[tuple(seq.prompt_ids)][len(seq.output_ids):][:k])
+        if corrupt and len(d) > 1:
+            d[1] = (d[1] + 1) % 200
+        return d
+
+    for mode in ("oracle", "corrupt", "ngram"):
+        monkeypatch.setattr(engine, "_propose", ngram if mode == "ngram" else lambda s, c=mode == "corrupt": oracle(s, c))
+        before = dict(engine.counters)
+        outs = _run(engine, prompts, params)
+        d = {k: engine.counters[k] - before[k] for k in before}
+        for o, p in zip(outs, plain):
+            assert o.token_ids == p.token_ids, (kind, mode)
+            if p.logprobs is not None:
+                np.testing.assert_allclose([lp[0].logprob for lp in o.logprobs], [lp[0].logprob for lp in p.logprobs],
+                                           rtol=1e-4, atol=1e-4)
+                assert [[t.token_id for t in lp[1]] for lp in o.logprobs] == [[t.token_id for t in lp[1]]
+                                                                               for lp in p.logprobs]
+        if mode == "oracle":  # every draft accepted: about 1 + K tokens per step
+            assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 0
+            assert d["decode_steps"] < plain_steps / 2
+        if mode == "corrupt":  # the first draft of each row accepted, the second rejected
+            assert 0 < d["spec_decode_num_accepted_tokens"] < d["spec_decode_num_draft_tokens"]
+    st = engine.stats()
+    assert st["compiles_after_warmup"] == 0
+    assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+
+
+def test_stop_and_max_tokens_inside_accepted_drafts(engine, monkeypatch):
+    rng = np.random.default_rng(3)
+    prompts = [[int(x) for x in rng.integers(3, 200, size=20)] for _ in range(3)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    monkeypatch.setattr(engine, "_propose", lambda s: [])
+    plain = _run(engine, prompts, [greedy] * 3)
+    want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    # stop at the 7th token (a stop token id) or after 6 tokens: both fall inside accepted drafts
+    params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[plain[0].token_ids[6]]),
+              SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), greedy]
+    monkeypatch.setattr(engine, "_propose", lambda s: [] if s.computed != len(s.all_ids) - 1 or s.slot is None else
+                        list(want[tuple(s.prompt_ids)][len(s.output_ids):][:K]))
+    outs = _run(engine, prompts, params)
+    first_stop = plain[0].token_ids.index(plain[0].token_ids[6])
+    assert outs[0].token_ids == plain[0].token_ids[:first_stop + 1] and outs[0].finish_reason == "stop"
+    assert outs[1].token_ids == plain[1].token_ids[:6] and outs[1].finish_reason == "length"
+    assert outs[2].token_ids == plain[2].token_ids
+    st = engine.stats()
+    assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+
+
+def test_disable_by_batch_size(engine, monkeypatch):
+    rng = np.random.default_rng(5)
+    prompts = [[int(x) for x in rng.integers(3, 200, size=12)] for _ in range(3)]
+    always = lambda s: [] if s.computed != len(s.all_ids) - 1 or s.slot is None else [7] * K  # noqa: E731
+    monkeypatch.setattr(engine, "_propose", always)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=4 + 4 * i, ignore_eos=True) for i in range(3)]
+    for cap, drafted in ((3, True), (4, True), (1, False)):
+        monkeypatch.setattr(engine, "spec", SpeculativeConfig(num_speculative_tokens=K, disable_by_batch_size=cap))
+        before = engine.counters["spec_decode_num_drafts"]
+        _run(engine, prompts, greedy)
+        n = engine.counters["spec_decode_num_drafts"] - before
+        # cap 3: the first steps (3 decoding) carry none, the tails (2, then 1 decoding) do
+        assert (n > 0) == drafted, (cap, n)
+        if cap == 3:
+            assert n < sum(p.max_tokens for p in greedy) - 3
+
+
+def test_cli_speculative_config():
+    from serve.cli import DEFAULTS, engine_config
+
+    cfg = engine_config(dict(DEFAULTS, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'))
+    assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=4)
+    assert cfg.max_num_batched_tokens >= cfg.max_num_seqs * 5 + cfg.prefill_chunk
+    with pytest.raises(ValueError, match="--speculative-config"):
+        engine_config(dict(DEFAULTS, speculative_config="{ngram"))
+
+
+def test_accelerator_decode_forms_on_kimi_linear(monkeypatch):
+    """The accelerators' forms (batched KDA op on gathered states, paged MLA decode) on the other model
+    family: part-accepted drafts give the plain decoder's tokens."""
+    model = k3jax.load_model("tiny-kimi-linear", dtype="float32", seed=0)
+    cfg = EngineConfig(max_model_len=128, cache_bytes=16 << 20, max_num_seqs=4, prefill_chunk=32, page_size=16,
+                       decode_buckets=(4,), prefill_buckets=(4,), context_buckets=(8,), measure_moe_time=False,
+                       kda_decode="gathered", mla_decode="paged", speculative_config={"num_speculative_tokens": K})
+    engine = Engine(model, cfg, progress=False)
+    assert engine.stats()["decode_forms"] == {"kda": "gathered", "mla": "paged"}
+    rng = np.random.default_rng(11)
+    prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 40)))] for _ in range(4)]
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(4)]
+    monkeypatch.setattr(engine, "_propose", lambda s: [])
+    plain = [o.token_ids for o in _run(engine, prompts, params)]
+    want = {tuple(p): o for p, o in zip(prompts, plain)}
+
+    def corrupt(s):  # the plain continuation, wrong at the third draft
+        k = min(K, s.checker.max_tokens - len(s.output_ids) - 1)
+        if s.slot is None or s.computed != len(s.all_ids) - 1 or k <= 0:
+            return []
+        d = list(want[tuple(s.prompt_ids)][len(s.output_ids):][:k])
+        if len(d) > 2:
+            d[2] = (d[2] + 1) % 200
+        return d
+
+    monkeypatch.setattr(engine, "_propose", corrupt)
+    assert [o.token_ids for o in _run(engine, prompts, params)] == plain
+    assert 0 < engine.counters["spec_decode_num_accepted_tokens"] < engine.counters["spec_decode_num_draft_tokens"]
+    st = engine.stats()
+    assert st["compiles_after_warmup"] == 0
+    assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
