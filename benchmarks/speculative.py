@@ -17,9 +17,13 @@ What is measured
   - `ngram`: the real proposer. These models have random weights: their text does not quote the
     prompt or itself the way code edits and retrieval answers do, so few proposals exist and fewer are
     accepted; this row measures what proposals that miss cost.
+  These four run with the engine's draft gate off (every proposal verified: the raw cost). The
+  `*_gated` modes run `half` and `ngram` with the gate on (`speculative_config.adaptive`, the default:
+  drafts only where their expected accepted tokens pay for the verify step's measured extra cost).
   Every mode's tokens are compared with `plain`'s (they must be equal: speculation changes the speed,
-  never the output). Reported: generated tok/s (median of the reps), median step time of decode-only
-  steps with all c rows (verify steps in the draft modes), tokens per such step, acceptance.
+  never the output). Reported: generated tok/s over the wave (median of the reps; prefill included),
+  decode tok/s (tokens / time of the decode-only steps: what speculation changes), median step time of
+  decode-only steps with all c rows (verify steps in the draft modes), tokens per such step, acceptance.
 * The verify step against its floor on this machine: bytes (every weight once, the experts touched by
   c x 4 tokens, the KDA states read and written twice: the verify pass and the commit, the MLA context)
   / the bandwidth, and weight FLOPs (2 x active params x c x 4) / the matmul rate, both measured in the
@@ -52,7 +56,7 @@ from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
 
 K = 3
-MODES = ("plain", "oracle", "half", "ngram")
+MODES = ("plain", "oracle", "half", "ngram", "half_gated", "ngram_gated")
 
 
 def run_wave(engine: Engine, prompts, sp: SamplingParams) -> dict:
@@ -158,7 +162,10 @@ def main(argv=None):
     ecfg["cache_bytes"] = arena_budget(model, 16, mml, conc[-1])
     t0 = time.perf_counter()
     eng = Engine(model, EngineConfig(**ecfg), progress=False)
-    log(f"{name}: {len(eng.bucket_shapes())} programs compiled in {time.perf_counter() - t0:.0f} s")
+    log(f"{name}: {len(eng.bucket_shapes())} programs compiled in {time.perf_counter() - t0:.0f} s; verify / decode "
+        f"step cost measured at warm-up {eng.gate.cost}")
+    gate = eng.gate
+    result["verify_cost_at_warmup"] = dict(gate.cost)
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     rng = np.random.default_rng(0)
     lo, hi = (16, 48) if quick else (64, 192)
@@ -171,7 +178,8 @@ def main(argv=None):
             prompts = prompts_for(rng, c, lo, hi, 256)
             want = None
             for mode in MODES:  # interleaved: all modes see the same machine load
-                eng._propose = proposer(eng, mode, want or {})
+                eng._propose = proposer(eng, mode.replace("_gated", ""), want or {})
+                eng.gate = gate if mode.endswith("_gated") else None
                 w = run_wave(eng, prompts, sp)
                 if mode == "plain":
                     want = {tuple(p): t for p, t in zip(prompts, w["tokens"])}
@@ -182,7 +190,9 @@ def main(argv=None):
         for mode, ws in waves.items():
             full = [(dt, g) for w in ws for dt, g, running in w["steps"] if running == c]
             drafted, acc = sum(w["drafts"] for w in ws), sum(w["accepted"] for w in ws)
+            dec = [(dt, g) for w in ws for dt, g, _ in w["steps"]]
             cell[mode] = dict(gen_tok_s=med([w["gen_tok_s"] for w in ws]),
+                              decode_tok_s=(sum(g for _, g in dec) / sum(dt for dt, _ in dec)) if dec else None,
                               gen_tok_s_reps=[round(w["gen_tok_s"], 2) for w in ws],
                               step_median_s=med([dt for dt, _ in full]),
                               tokens_per_step=(sum(g for _, g in full) / len(full) / c) if full else None,
@@ -190,15 +200,17 @@ def main(argv=None):
                               acceptance=acc / drafted if drafted else None,
                               outputs_equal_plain=all(w["equal_to_plain"] for w in ws))
         p = cell["plain"]
+        cell["gate_p_after"] = list(gate.p)
         for mode in MODES[1:]:
             m = cell[mode]
             m["speedup_vs_plain"] = m["gen_tok_s"] / p["gen_tok_s"]
+            m["decode_speedup_vs_plain"] = m["decode_tok_s"] / p["decode_tok_s"] if m["decode_tok_s"] else None
             m["step_over_plain_step"] = (m["step_median_s"] / p["step_median_s"]
                                          if m["step_median_s"] and p["step_median_s"] else None)
         cell["oracle"]["step_over_floor"] = (cell["oracle"]["step_median_s"] / cell["floor"]["floor_s"]
                                              if cell["oracle"]["step_median_s"] else None)
         rows[c] = cell
-        log(f"c={c}: " + ", ".join(f"{m} {cell[m]['gen_tok_s']:.1f} tok/s step {1e3 * (cell[m]['step_median_s'] or 0):.1f} ms"
+        log(f"c={c}: " + ", ".join(f"{m} {cell[m]['gen_tok_s']:.1f} ({cell[m]['decode_tok_s'] or 0:.1f}) tok/s step {1e3 * (cell[m]['step_median_s'] or 0):.1f} ms"
                                    f" acc {cell[m]['acceptance'] if cell[m]['acceptance'] is None else round(cell[m]['acceptance'], 2)}"
                                    f" eq {cell[m]['outputs_equal_plain']}" for m in MODES)
             + f"; verify floor {1e3 * cell['floor']['floor_s']:.1f} ms")

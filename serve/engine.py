@@ -34,7 +34,7 @@ from serve.multihost import StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
-from serve.speculative import NgramIndex, SpeculativeConfig
+from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
@@ -272,6 +272,7 @@ class Engine:
                              spec_decode_num_accepted_tokens=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
+        self.gate: Optional[DraftGate] = None  # set at warm-up when spec.adaptive (serve/speculative.py)
         self.mask_seconds = 0.0  # host time computing structured-output masks (serve/structured.py)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
@@ -316,6 +317,8 @@ class Engine:
         jax.block_until_ready(self.arena)
         if not self.is_follower and not self.grammars.prepare() and self.tokenizer is not None:
             log.warning("structured outputs unavailable: llguidance is not installed")
+        if self.spec is not None and self.spec.adaptive:
+            self.gate = DraftGate(self.spec.num_speculative_tokens, self._verify_cost())
         if self.config.measure_moe_time and self.expert_counts.shape[0]:
             for n in tqdm(sorted({rows * t for rows, t, _ in self.bucket_shapes()}), desc="timing MoE blocks",
                           disable=not progress):
@@ -323,9 +326,31 @@ class Engine:
                                                            self.cfg.hidden_size, self.model.dtype, n)
         self.warmed_up = True
 
+    def _verify_cost(self, reps: int = 5) -> dict[int, float]:
+        """Per decode bucket: a verify step's time over a plain decode step's (medians of `reps`
+        alternating runs on padding rows of random tokens, so the MoE routes as real tokens do). Every
+        process of a multi-process engine runs the same calls."""
+        rng, cost = np.random.default_rng(0), {}
+        p = self.context_buckets[0]
+        for rows in self.decode_buckets:
+            times = {}
+            for t in (1, self.spec.verify_tokens):
+                batch = self._pad_batch(rows, t, p, [])
+                batch.tokens = rng.integers(0, self.cfg.vocab_size, batch.tokens.shape).astype(np.int32)
+                times[t] = batch
+            runs = {t: [] for t in times}
+            for i in range(reps + 1):
+                for t, batch in times.items():
+                    t0 = time.perf_counter()
+                    jax.block_until_ready(self._step_fn(batch))
+                    if i:  # the first round warms caches
+                        runs[t].append(time.perf_counter() - t0)
+            cost[rows] = float(np.median(runs[self.spec.verify_tokens]) / np.median(runs[1]))
+        return cost
+
     def _step_fn(self, batch: StepBatch):
-        """Run the compiled step on the engine's cache (updated) -> ((sampled tokens, prompt logprobs),
-        expert counts); a call that grows the jit cache after warm-up counts as a compile."""
+        """Run the compiled step on the engine's cache (updated) -> ((sampled tokens, prompt logprobs, drafts
+        accepted), expert counts); a call that grows the jit cache after warm-up counts as a compile."""
         if self.channel is not None and self.channel.leader and self.warmed_up:
             self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
@@ -510,6 +535,13 @@ class Engine:
             off = cap is not None and sum(s.slot is not None and s.computed == len(s.all_ids) - 1 for s in live) >= cap
             for s in live:
                 s.draft = [] if off else self._propose(s)
+            decoding = [s for s in live if s.slot is not None and s.computed == len(s.all_ids) - 1]
+            drafts = [len(s.draft) for s in decoding if s.draft]
+            if drafts and self.gate is not None:
+                rows = min(len(decoding), self.decode_buckets[-1])
+                if not self.gate.allow(_fit(rows, self.decode_buckets), rows, drafts):
+                    for s in decoding:
+                        s.draft = []
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
                          self._next_stop(s), s.priority, len(s.draft)) for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
@@ -672,6 +704,8 @@ class Engine:
             c["spec_decode_num_draft_tokens"] += drafted
             c["spec_decode_num_accepted_tokens"] += accepted
             self.spec_accepted_per_pos[:accepted] += 1
+            if self.gate is not None:
+                self.gate.observe(drafted, accepted)
 
     def _after_row(self, seq: Sequence, decoded: bool, prev: Optional[int] = None, ahead: list[int] = ()) -> None:
         """Bookkeeping after a step computed rows of `seq` (from position `prev` on a decode; `ahead`: accepted
@@ -1032,6 +1066,10 @@ class Engine:
                              "mla": "paged" if self.mla_paged else "gathered"},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
             "spec_decode_accepted_per_pos": self.spec_accepted_per_pos.tolist(),
+            # verify / plain decode step time per decode bucket (warm-up) and decode steps whose drafts
+            # were dropped because they were not expected to pay (serve/speculative.DraftGate)
+            "spec_decode_cost_ratio": dict(self.gate.cost) if self.gate else {},
+            "spec_decode_skipped_steps": self.gate.skipped_steps if self.gate else 0,
         }
 
     def slot_bytes(self, base: int) -> np.ndarray:

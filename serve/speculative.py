@@ -44,6 +44,9 @@ class SpeculativeConfig:
     # a verify row costs 1 + drafts tokens of compute, which pays where a step is bound by weight reads
     # (small batches) and not where it is bound by FLOPs (large ones). None: always draft.
     disable_by_batch_size: int | None = None
+    # draft only when the expected accepted tokens pay for the verify program's extra cost, measured per
+    # decode bucket at warm-up (`DraftGate`); False: draft whenever a proposal exists
+    adaptive: bool = True
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
@@ -111,6 +114,43 @@ class NgramIndex:
                     out.append(ids[p] if p < len(ids) else out[p - len(ids)])
                 return out
         return []
+
+
+class DraftGate:
+    """Whether a decode step should carry drafts: only when they are expected to pay.
+
+    A verify step of a decode bucket costs `cost[bucket]` plain decode steps (measured at warm-up: on a
+    CPU host, where a step's dots are compute-bound at a few rows, 2-3x for 4 tokens a row; near 1x where
+    the weight reads dominate). A step of n decoding rows with drafts yields n + (expected accepted)
+    tokens, so drafts pay when (n + sum over rows and positions j < d of p[j]) / n >= cost, where p[j] is
+    a running estimate of P(the draft is accepted through position j) over recent drafts (starting
+    optimistic, so a new engine tries). While drafts do not pay, a probe step still drafts now and then
+    (after 16 skipped steps, doubling up to 256 while probes keep failing), so the estimates follow the
+    traffic."""
+
+    def __init__(self, k: int, cost: dict[int, float], rate: float = 0.05, probe_min: int = 16,
+                 probe_max: int = 256):
+        self.p = [1.0] * k
+        self.cost, self.rate, self.probe_min, self.probe_max = dict(cost), rate, probe_min, probe_max
+        self.interval, self.skipped, self.skipped_steps = probe_min, 0, 0
+
+    def allow(self, bucket: int, rows: int, drafts: list[int]) -> bool:
+        """rows: requests decoding this step; drafts: draft lengths of those that have proposals."""
+        gain = sum(self.p[j] for d in drafts for j in range(d))
+        if rows and (rows + gain) / rows >= self.cost.get(bucket, 1.0):
+            self.interval, self.skipped = self.probe_min, 0
+            return True
+        self.skipped += 1
+        if self.skipped >= self.interval:  # probe: refresh the estimates
+            self.skipped, self.interval = 0, min(2 * self.interval, self.probe_max)
+            return True
+        self.skipped_steps += 1
+        return False
+
+    def observe(self, drafted: int, accepted: int) -> None:
+        """One verified row: `accepted` of its `drafted` drafts."""
+        for j in range(drafted):
+            self.p[j] += self.rate * ((1.0 if j < accepted else 0.0) - self.p[j])
 
 
 def accepted_lengths(tokens: jax.Array, sampled: jax.Array, valid: jax.Array) -> jax.Array:

@@ -12,7 +12,7 @@ import k3jax
 from k3jax import SamplingParams
 from serve.engine import Engine, EngineConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule
-from serve.speculative import NgramIndex, SpeculativeConfig, accepted_lengths
+from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, accepted_lengths
 
 K = 3  # drafts per step
 
@@ -71,6 +71,21 @@ def test_scheduler_gives_drafts_pages_and_drops_them_first():
     assert plan.draft == {"a": 3}  # 2 decodes + 3 drafts fill the budget of 5
 
 
+def test_draft_gate_drafts_only_where_drafts_pay():
+    gate = DraftGate(3, {1: 2.0, 8: 3.0})
+    assert gate.allow(1, 1, [3])  # optimistic start: 1 + 3 expected tokens >= 2x the cost
+    assert gate.allow(8, 8, [3] * 8)  # 32 >= 3 x 8
+    for _ in range(200):
+        gate.observe(3, 1)  # the first draft is always accepted, the second never
+    assert gate.p[0] == pytest.approx(1.0) and gate.p[1] < 0.01
+    assert gate.allow(1, 1, [3])  # 1 + 1 tokens for 2x the cost: pays (just)
+    assert not gate.allow(8, 8, [3] * 8)  # 16 < 3 x 8
+    assert not gate.allow(8, 8, [3] * 2)
+    probes = [gate.allow(8, 8, [3]) for _ in range(100)]  # skipped, but probed after 16, then 32, then 64 more
+    assert [i for i, p in enumerate(probes) if p] == [13, 45]  # 2 failed before this loop
+    assert gate.skipped_steps == 2 + 98
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig(speculative_config={"method": "eagle3"}).validate()
@@ -89,7 +104,7 @@ def engine():
     model = k3jax.load_model("tiny-k3", dtype="float32", seed=0)
     cfg = EngineConfig(max_model_len=256, cache_bytes=32 << 20, max_num_seqs=8, prefill_chunk=32, page_size=16,
                        decode_buckets=(8,), prefill_buckets=(4,), context_buckets=(16,), measure_moe_time=False,
-                       speculative_config={"method": "ngram", "num_speculative_tokens": K})
+                       speculative_config={"method": "ngram", "num_speculative_tokens": K, "adaptive": False})
     return Engine(model, cfg, progress=False)
 
 
@@ -183,7 +198,8 @@ def test_disable_by_batch_size(engine, monkeypatch):
     monkeypatch.setattr(engine, "_propose", always)
     greedy = [SamplingParams(temperature=0.0, max_tokens=4 + 4 * i, ignore_eos=True) for i in range(3)]
     for cap, drafted in ((3, True), (4, True), (1, False)):
-        monkeypatch.setattr(engine, "spec", SpeculativeConfig(num_speculative_tokens=K, disable_by_batch_size=cap))
+        monkeypatch.setattr(engine, "spec", SpeculativeConfig(num_speculative_tokens=K, disable_by_batch_size=cap,
+                                                              adaptive=False))
         before = engine.counters["spec_decode_num_drafts"]
         _run(engine, prompts, greedy)
         n = engine.counters["spec_decode_num_drafts"] - before
@@ -211,7 +227,10 @@ def test_accelerator_decode_forms_on_kimi_linear(monkeypatch):
                        decode_buckets=(4,), prefill_buckets=(4,), context_buckets=(8,), measure_moe_time=False,
                        kda_decode="gathered", mla_decode="paged", speculative_config={"num_speculative_tokens": K})
     engine = Engine(model, cfg, progress=False)
-    assert engine.stats()["decode_forms"] == {"kda": "gathered", "mla": "paged"}
+    st = engine.stats()
+    assert st["decode_forms"] == {"kda": "gathered", "mla": "paged"}
+    assert set(st["spec_decode_cost_ratio"]) == {4} and st["spec_decode_cost_ratio"][4] > 0  # measured at warm-up
+    monkeypatch.setattr(engine, "gate", None)  # draft whatever it costs here
     rng = np.random.default_rng(11)
     prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 40)))] for _ in range(4)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(4)]
