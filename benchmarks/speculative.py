@@ -89,12 +89,9 @@ def proposer(engine: Engine, mode: str, want: dict):
     if mode == "ngram":
         return ngram
     if mode == "plain":
-        return lambda s: []
+        return lambda s, k: []
 
-    def oracle(s):
-        k = min(K, s.checker.max_tokens - len(s.output_ids) - 1)
-        if s.slot is None or s.computed != len(s.all_ids) - 1 or k <= 0:
-            return []
+    def oracle(s, k):
         d = list(want[tuple(s.prompt_ids)][len(s.output_ids):][:k])
         if mode == "half" and len(d) > 1:
             d[1] = (d[1] + 1) % engine.cfg.vocab_size

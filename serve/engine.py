@@ -534,7 +534,7 @@ class Engine:
             cap = self.spec.disable_by_batch_size
             off = cap is not None and sum(s.slot is not None and s.computed == len(s.all_ids) - 1 for s in live) >= cap
             for s in live:
-                s.draft = [] if off else self._propose(s)
+                s.draft = [] if off else self._drafts(s)
             decoding = [s for s in live if s.slot is not None and s.computed == len(s.all_ids) - 1]
             drafts = [len(s.draft) for s in decoding if s.draft]
             if drafts and self.gate is not None:
@@ -572,22 +572,27 @@ class Engine:
         self._reap()
         return outs
 
-    def _propose(self, seq: Sequence) -> list[int]:
-        """N-gram drafts for a running request about to decode (serve/speculative.py), within its
-        max_tokens and the context window. Requests whose next tokens depend on host state that the
-        drafts would change (a structured-output matcher, bad words, a min_tokens ban) decode one token
-        at a time."""
-        if (seq.slot is None or seq.internal or seq.computed != len(seq.all_ids) - 1 or seq.guide is not None
-                or seq.bad_words or len(seq.output_ids) < seq.params.min_tokens):
+    def _drafts(self, seq: Sequence) -> list[int]:
+        """Drafts for a running request about to decode, within its max_tokens and the context window.
+        A structured-output request drafts once its constraint is active, and only the drafts its
+        grammar accepts (each verify position then gets its own mask, see _pad_batch). Requests whose
+        next tokens depend on host state the drafts would bypass (bad words, a min_tokens ban, a
+        constraint still waiting for the end of reasoning) decode one token at a time."""
+        if (seq.slot is None or seq.internal or seq.computed != len(seq.all_ids) - 1 or seq.bad_words
+                or len(seq.output_ids) < seq.params.min_tokens or (seq.guide is not None and not seq.guide.active)):
             return []
-        ids = seq.all_ids
         k = min(self.spec.num_speculative_tokens, seq.checker.max_tokens - len(seq.output_ids) - 1,
-                self.config.max_model_len - len(ids))
-        if k <= 0:
-            return []
+                self.config.max_model_len - len(seq.all_ids))
+        d = self._propose(seq, k)[:k] if k > 0 else []
+        if d and seq.guide is not None:
+            d = d[:seq.guide.matcher.validate_tokens(d)]
+        return d
+
+    def _propose(self, seq: Sequence, k: int) -> list[int]:
+        """Up to k n-gram drafts (serve/speculative.py)."""
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        return seq.ngrams.propose(ids, k)
+        return seq.ngrams.propose(seq.all_ids, k)
 
     def _free_slots(self) -> int:
         return len(self.allocator._free_slot_bases(self.sched_cfg.max_num_seqs + self.sched_cfg.max_prefill_seqs))
@@ -892,7 +897,8 @@ class Engine:
         copies = []
         params, seeds, steps, plens, bans = [], [], [], [], []
         targets = np.full((rows, t), -1, np.int32)
-        allowed = np.full((rows, self.mask_words), -1, np.int32)
+        pos = t if self.spec is not None and t == self.spec.verify_tokens else 1  # verify: a mask per position
+        allowed = np.full((rows * pos, self.mask_words), -1, np.int32)
         guided = []  # (guide, row) of the rows that sample under a constraint
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
@@ -907,8 +913,8 @@ class Engine:
             for j in range(self.cfg.num_mla_layers):
                 held = seq.pages[j][:pages]
                 table[i, j, :len(held)] = held
-            if seq.guide is not None and start + n == len(ids):  # this row samples the next token
-                guided.append((seq.guide, i))
+            if seq.guide is not None and start + n >= len(ids):  # this row samples the next token
+                guided.append((seq.guide, i * pos))
             params.append(seq.params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids))
@@ -917,13 +923,16 @@ class Engine:
         if guided:
             t0 = time.perf_counter()
             fill_masks(guided, allowed)
+            for i, (seq, start, n) in enumerate(items):  # verify rows: the mask after each draft too
+                if seq.guide is not None and n > 1:
+                    seq.guide.fill_drafts(seq.draft[:n - 1], allowed[i * pos + 1:i * pos + n])
             self.mask_seconds += time.perf_counter() - t0
         for i, (seq, start, n) in enumerate(items):
-            if seq.bad_words and start + n == len(seq.prompt_ids) + len(seq.output_ids):
-                row = allowed[i].copy()
+            if seq.bad_words and start + n == len(seq.prompt_ids) + len(seq.output_ids):  # never drafts
+                row = allowed[i * pos].copy()
                 ban_words(row, seq.bad_words, seq.output_ids)
                 if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
-                    allowed[i] = row
+                    allowed[i * pos] = row
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)

@@ -128,7 +128,8 @@ class SamplingBatch:
         ``i``'s output starts (penalties count output tokens); ``extra_bias[i]`` ({token: bias}) is
         added to the request's ``logit_bias`` (the engine's ``min_tokens`` ban); both fit in
         ``bias_width`` entries per row. ``allowed`` ([bucket, mask_words] int32, rows of -1 for
-        unconstrained rows) is the structured-output bitmask; without it every row allows all.
+        unconstrained rows) is the structured-output bitmask; without it every row allows all. A
+        speculative verify batch gives one mask per row and position ([bucket * T, mask_words]).
         """
         n = len(params)
         if n > bucket:
@@ -150,8 +151,8 @@ class SamplingBatch:
         restrict = np.zeros(bucket, bool)
         if allowed is None:
             allowed = np.full((bucket, mask_words), -1, np.int32)
-        elif allowed.shape[0] != bucket or allowed.dtype != np.int32:
-            raise ValueError(f"allowed must be int32 [{bucket}, W], got {allowed.dtype} {allowed.shape}")
+        elif allowed.shape[0] % bucket or allowed.dtype != np.int32:
+            raise ValueError(f"allowed must be int32 [{bucket} x positions, W], got {allowed.dtype} {allowed.shape}")
         for i, (p, seed, st) in enumerate(zip(params, seeds, steps)):
             step[i] = st
             if seed is not None:

@@ -345,6 +345,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     if verify:  # a token sampled at every position, as decoding would sample it at that output index
         rows = jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), batch.sampling)
         rows.steps = rows.steps + jnp.tile(jnp.arange(t, dtype=rows.steps.dtype), b)
+        if batch.sampling.allowed.shape[0] == b * t:  # structured outputs: a mask per position
+            rows.allowed = batch.sampling.allowed
         flat = sample(logits.reshape(b * t, -1), rows, num_top_logprobs,
                       history=lambda: jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), history()))
         res = SampleResult(*(x.reshape(b, t, *x.shape[1:]) for x in flat))

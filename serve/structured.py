@@ -291,6 +291,15 @@ class Guide:
             return
         self.matcher.unsafe_compute_mask_ptr(row.ctypes.data, row.size * row.itemsize)
 
+    def fill_drafts(self, drafts: list[int], rows: np.ndarray) -> None:
+        """Speculative decoding: write into rows[j] the mask that follows drafts[:j + 1] (rows [d, W]),
+        then return the matcher to where it was. The drafts must be valid (`validate_tokens`)."""
+        for j, tok in enumerate(drafts):
+            if not self.matcher.consume_token(int(tok)):
+                raise ValueError(f"draft token {tok} breaks the constraint: {self.matcher.get_error()}")
+            self.fill(rows[j])
+        self.matcher.rollback(len(drafts))
+
     def advance(self, token: int) -> bool:
         """Account for a sampled token; False when it broke the constraint (never, with the mask)."""
         if not self.active:

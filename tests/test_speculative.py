@@ -135,23 +135,21 @@ def test_outputs_equal_plain_decoding(engine, monkeypatch, kind):
     prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 60)))] for _ in range(6)]
     params = [SAMPLING[kind](i) for i in range(len(prompts))]
     ngram = engine._propose
-    monkeypatch.setattr(engine, "_propose", lambda s: [])
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [])
     steps = engine.counters["decode_steps"]
     plain = _run(engine, prompts, params)
     plain_steps = engine.counters["decode_steps"] - steps
     want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
 
-    def oracle(seq, corrupt):  # the plain continuation, optionally wrong at its second draft
-        k = min(K, seq.checker.max_tokens - len(seq.output_ids) - 1)
-        if seq.slot is None or seq.computed != len(seq.all_ids) - 1 or k <= 0:
-            return []
+    def oracle(seq, k, corrupt):  # the plain continuation, optionally wrong at its second draft
         d = list(want[tuple(seq.prompt_ids)][len(seq.output_ids):][:k])
         if corrupt and len(d) > 1:
             d[1] = (d[1] + 1) % 200
         return d
 
     for mode in ("oracle", "corrupt", "ngram"):
-        monkeypatch.setattr(engine, "_propose", ngram if mode == "ngram" else lambda s, c=mode == "corrupt": oracle(s, c))
+        monkeypatch.setattr(engine, "_propose",
+                            ngram if mode == "ngram" else lambda s, k, c=mode == "corrupt": oracle(s, k, c))
         before = dict(engine.counters)
         outs = _run(engine, prompts, params)
         d = {k: engine.counters[k] - before[k] for k in before}
@@ -176,14 +174,13 @@ def test_stop_and_max_tokens_inside_accepted_drafts(engine, monkeypatch):
     rng = np.random.default_rng(3)
     prompts = [[int(x) for x in rng.integers(3, 200, size=20)] for _ in range(3)]
     greedy = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    monkeypatch.setattr(engine, "_propose", lambda s: [])
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [])
     plain = _run(engine, prompts, [greedy] * 3)
     want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     # stop at the 7th token (a stop token id) or after 6 tokens: both fall inside accepted drafts
     params = [SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, stop_token_ids=[plain[0].token_ids[6]]),
               SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True), greedy]
-    monkeypatch.setattr(engine, "_propose", lambda s: [] if s.computed != len(s.all_ids) - 1 or s.slot is None else
-                        list(want[tuple(s.prompt_ids)][len(s.output_ids):][:K]))
+    monkeypatch.setattr(engine, "_propose", lambda s, k: list(want[tuple(s.prompt_ids)][len(s.output_ids):][:K]))
     outs = _run(engine, prompts, params)
     first_stop = plain[0].token_ids.index(plain[0].token_ids[6])
     assert outs[0].token_ids == plain[0].token_ids[:first_stop + 1] and outs[0].finish_reason == "stop"
@@ -196,8 +193,7 @@ def test_stop_and_max_tokens_inside_accepted_drafts(engine, monkeypatch):
 def test_disable_by_batch_size(engine, monkeypatch):
     rng = np.random.default_rng(5)
     prompts = [[int(x) for x in rng.integers(3, 200, size=12)] for _ in range(3)]
-    always = lambda s: [] if s.computed != len(s.all_ids) - 1 or s.slot is None else [7] * K  # noqa: E731
-    monkeypatch.setattr(engine, "_propose", always)
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [7] * k)
     greedy = [SamplingParams(temperature=0.0, max_tokens=4 + 4 * i, ignore_eos=True) for i in range(3)]
     for cap, drafted in ((3, True), (4, True), (1, False)):
         monkeypatch.setattr(engine, "spec", SpeculativeConfig(num_speculative_tokens=K, disable_by_batch_size=cap,
@@ -236,14 +232,11 @@ def test_accelerator_decode_forms_on_kimi_linear(monkeypatch):
     rng = np.random.default_rng(11)
     prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 40)))] for _ in range(4)]
     params = [SamplingParams(temperature=0.8, seed=i, max_tokens=16, ignore_eos=True) for i in range(4)]
-    monkeypatch.setattr(engine, "_propose", lambda s: [])
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [])
     plain = [o.token_ids for o in _run(engine, prompts, params)]
     want = {tuple(p): o for p, o in zip(prompts, plain)}
 
-    def corrupt(s):  # the plain continuation, wrong at the third draft
-        k = min(K, s.checker.max_tokens - len(s.output_ids) - 1)
-        if s.slot is None or s.computed != len(s.all_ids) - 1 or k <= 0:
-            return []
+    def corrupt(s, k):  # the plain continuation, wrong at the third draft
         d = list(want[tuple(s.prompt_ids)][len(s.output_ids):][:k])
         if len(d) > 2:
             d[2] = (d[2] + 1) % 200
@@ -255,3 +248,37 @@ def test_accelerator_decode_forms_on_kimi_linear(monkeypatch):
     st = engine.stats()
     assert st["compiles_after_warmup"] == 0
     assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+
+
+def test_structured_outputs_draft_within_their_grammar(engine, monkeypatch):
+    """Constrained requests draft too: drafts the grammar rejects are cut off before the step, and each
+    verify position gets the mask that follows the drafts before it."""
+    import re
+
+    from serve.types import StructuredOutputsParams as SO
+
+    regex = r"([a-f]{2}-){2,6}[0-9]{2}"
+    schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["ab", "cd", "ef"]}},
+              "required": ["id", "tag"]}
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex=regex)),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=30, structured_outputs=SO(regex=regex)),
+              SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(json=schema, disable_any_whitespace=True)),
+              SamplingParams(temperature=0.0, max_tokens=30)]
+    prompts = [[int(x) for x in np.random.default_rng(i).integers(3, 200, size=20)] for i in range(4)]
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [])
+    plain = _run(engine, prompts, params)
+    assert re.fullmatch(regex, plain[0].text) and re.fullmatch(regex, plain[1].text)
+    want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+    bang = engine.tokenizer.encode("!")[0]  # never allowed by either grammar
+    for mode in ("oracle", "invalid"):
+        before = dict(engine.counters)
+        monkeypatch.setattr(engine, "_propose", lambda s, k, m=mode: (
+            list(want[tuple(s.prompt_ids)][len(s.output_ids):][:k]) if m == "oracle" else [bang] * k))
+        outs = _run(engine, prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in plain], mode
+        d = {k: engine.counters[k] - before[k] for k in before}
+        assert d["structured_output_errors"] == 0
+        if mode == "oracle":
+            assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 40
+        else:  # only the unconstrained request drafts its invalid tokens
+            assert d["spec_decode_num_accepted_tokens"] == 0 < d["spec_decode_num_draft_tokens"] <= K * 30
