@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 import k3jax  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import _loadavg, arena_budget, machine_info, mean, med, pct  # noqa: E402
+from serving import arena_budget, machine_info, mean, med, pct, write_result  # noqa: E402
 
 
 def make_trace(rng, system_len: int, sessions: int, turns: int, user_lo: int, user_hi: int, vocab_hi: int):
@@ -317,12 +317,7 @@ def main(argv=None):
     if args.alignment_variant:
         del engines
         result["alignment_variant"] = alignment_variant(model, ecfg, P, args, args.alignment_variant, result, log)
-    result["machine"]["loadavg_end"] = _loadavg()
-    result["total_wall_s"] = time.perf_counter() - t_start
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=float))
-    log(f"wrote {out_path}")
-    return result
+    return write_result(result, out_path, t_start, log)
 
 
 if __name__ == "__main__":

@@ -633,16 +633,23 @@ def main(argv=None):
     return _write(result, out_path, t_start, log)
 
 
-def _write(result: dict, out_path: Path, t_start: float, log) -> dict:
-    result["goals"] = dict(
-        hf_ratio_at_32=">= 10x engine/HF generated tokens/s at concurrency 32 (Kimi-Linear checkpoint)",
-        decode_roofline="measured decode step <= 2x (weights + cache bytes) / measured bandwidth",
-        compiles_after_warmup="0")
+def write_result(result: dict, out_path: Path, t_start: float, log) -> dict:
+    """Finish a benchmark's result (load average at the end, wall time) and write it as JSON (also used
+    by benchmarks/prefix_cache.py and benchmarks/speculative.py)."""
     result["machine"]["loadavg_end"] = _loadavg()
     result["total_wall_s"] = time.perf_counter() - t_start
     out_path.parent.mkdir(parents=True, exist_ok=True)
     out_path.write_text(json.dumps(result, indent=1, default=float))
     log(f"wrote {out_path}")
+    return result
+
+
+def _write(result: dict, out_path: Path, t_start: float, log) -> dict:
+    result["goals"] = dict(
+        hf_ratio_at_32=">= 10x engine/HF generated tokens/s at concurrency 32 (Kimi-Linear checkpoint)",
+        decode_roofline="measured decode step <= 2x (weights + cache bytes) / measured bandwidth",
+        compiles_after_warmup="0")
+    write_result(result, out_path, t_start, log)
     print_table(result)
     return result
 

@@ -36,7 +36,6 @@ What is measured
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -51,7 +50,7 @@ import numpy as np  # noqa: E402
 
 import k3jax  # noqa: E402
 from serving import (active_matmul_params, arena_budget, decode_bytes, machine_info, measure_bandwidth,  # noqa: E402
-                     measure_matmul_rate, med, prompts_for, _loadavg)
+                     measure_matmul_rate, med, prompts_for, write_result)
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
 
@@ -215,12 +214,7 @@ def main(argv=None):
     result.update(results=rows, compiles_after_warmup=st["compiles_after_warmup"],
                   spec_decode_accepted_per_pos=st["spec_decode_accepted_per_pos"])
     result["hf_prompt_lookup"] = hf_peer(log)
-    result["machine"]["loadavg_end"] = _loadavg()
-    result["elapsed_s"] = time.perf_counter() - t_start
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(result, indent=1, default=float))
-    log(f"wrote {out_path}")
-    return result
+    return write_result(result, out_path, t_start, log)
 
 
 if __name__ == "__main__":
