@@ -360,7 +360,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
                            (a, P(), [h(3)] * lk, [h(1)] * lk), a)
         convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
         arena = scatter(arena, batch.write_base, convs, states)
-    # decode and verify rows never score prompt tokens: their programs carry no LM head over all positions
+    # decode and verify rows never score prompt tokens (verify logits are the sampled positions' own)
     prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not (decode or verify)
               else no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
     return arena, token_pages, (res, prompt, accepted), expert_counts(routed, batch, model.cfg.num_experts)
