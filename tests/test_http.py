@@ -28,10 +28,13 @@ from serve.metrics import NAMES
 MODEL = "tiny-k3"
 MAX_MODEL_LEN = 128
 CAPACITY = 8  # largest decode bucket
-# Two step programs (decode 8 rows, prefill 1 row x 32 tokens; 8 context pages): fast warm-up.
+# Three step programs (decode 8 rows, its speculative verify form, prefill 1 row x 32 tokens; 8 context
+# pages): fast warm-up. Every request below goes through an engine with n-gram drafts on (outputs must
+# be those of plain decoding; serve/speculative.py).
 SMALL = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CAPACITY),
          "--decode-buckets", str(CAPACITY), "--prefill-buckets", "1", "--context-buckets", "8",
-         "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning"]
+         "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning",
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3}']
 START_TIMEOUT = 300
 
 
@@ -385,6 +388,24 @@ def test_metrics_has_every_metric(server, client):
     if "k3jax:expert_tokens_total{" in text:  # per-expert counts, once the engine reports them
         assert metric(text, "k3jax:expert_tokens_total") > 0
     assert metric(text, "k3jax:compiles_after_warmup") == 0
+
+
+def test_speculative_drafts_are_verified_and_counted(server, http):
+    """A prompt that repeats itself gives the n-gram proposer matches: drafts are verified (counted in
+    vLLM's metrics), and the streamed text equals the whole answer."""
+    before = server.metrics()
+    drafted0 = metric(before, "vllm:spec_decode_num_draft_tokens_total")
+    body = {"model": MODEL, "prompt": "abc abc abc abc abc abc abc", "max_tokens": 24, "temperature": 0,
+            "ignore_eos": True}
+    whole = http.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert "".join(c["choices"][0]["text"] for c in chunks if c["choices"]) == whole
+    after = server.metrics()
+    assert metric(after, "vllm:spec_decode_num_draft_tokens_total") > drafted0
+    assert metric(after, "vllm:spec_decode_num_accepted_tokens_total") <= metric(
+        after, "vllm:spec_decode_num_draft_tokens_total")
+    assert metric(after, "k3jax:compiles_after_warmup") == 0
 
 
 # ---- schemathesis -----------------------------------------------------------------------------------
