@@ -333,14 +333,14 @@ class Engine:
         rng, cost = np.random.default_rng(0), {}
         p = self.context_buckets[0]
         for rows in self.decode_buckets:
-            times = {}
+            batches = {}
             for t in (1, self.spec.verify_tokens):
                 batch = self._pad_batch(rows, t, p, [])
                 batch.tokens = rng.integers(0, self.cfg.vocab_size, batch.tokens.shape).astype(np.int32)
-                times[t] = batch
-            runs = {t: [] for t in times}
+                batches[t] = batch
+            runs = {t: [] for t in batches}
             for i in range(reps + 1):
-                for t, batch in times.items():
+                for t, batch in batches.items():
                     t0 = time.perf_counter()
                     jax.block_until_ready(self._step_fn(batch))
                     if i:  # the first round warms caches
@@ -531,11 +531,11 @@ class Engine:
                     self._match(s)
         deferred = self._deferred(live)
         if self.spec:
+            decoding = [s for s in live if s.slot is not None and s.computed == len(s.all_ids) - 1]
             cap = self.spec.disable_by_batch_size
-            off = cap is not None and sum(s.slot is not None and s.computed == len(s.all_ids) - 1 for s in live) >= cap
+            off = cap is not None and len(decoding) >= cap
             for s in live:
                 s.draft = [] if off else self._drafts(s)
-            decoding = [s for s in live if s.slot is not None and s.computed == len(s.all_ids) - 1]
             drafts = [len(s.draft) for s in decoding if s.draft]
             if drafts and self.gate is not None:
                 rows = min(len(decoding), self.decode_buckets[-1])
