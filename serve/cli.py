@@ -31,6 +31,7 @@ DEFAULTS = dict(
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
+    host_cache_mb=None, kv_offloading_size=None,
 )
 
 
@@ -55,6 +56,11 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--cache-mb", type=int, default=d["cache_mb"], help="cache arena budget (MiB)")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    e.add_argument("--host-cache-mb", type=int, default=None,
+                   help="host-memory tier of the prefix cache (MiB): evicted pages and KDA checkpoints are "
+                        "kept in RAM and restored on a hit (default 0: off)")
+    e.add_argument("--kv-offloading-size", type=float, default=None,
+                   help="vLLM's name for the same budget, in GiB (give one of the two)")
     e.add_argument("--sharding", default=d["sharding"],
                    help="device mesh: a config in sharding_configs/ (e.g. 'tp') or a YAML path (default: one device)")
     e.add_argument("--kda-decode", default=d["kda_decode"], choices=["auto", "in_place", "gathered"],
@@ -125,6 +131,13 @@ def engine_config(o: dict):
     drafts = drafts if isinstance(drafts, int) and drafts > 0 else 0  # EngineConfig names a bad value
     if o.get("no_prefix_caching") and "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
         extra["enable_prefix_caching"] = False
+    mb, gib = o.get("host_cache_mb"), o.get("kv_offloading_size")
+    if mb is not None and gib is not None:
+        raise ValueError("--host-cache-mb and --kv-offloading-size set the same budget: give one")
+    if (mb or 0) < 0 or (gib or 0) < 0:
+        raise ValueError("--host-cache-mb / --kv-offloading-size: expected a size >= 0")
+    if mb or gib:
+        extra["host_cache_bytes"] = int(mb) << 20 if mb else int(gib * (1 << 30))
     return EngineConfig(
         **extra, max_model_len=o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],

@@ -28,6 +28,7 @@ from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_ex
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
+from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.memory import Arena, ArenaLayout, OutOfMemory
 from serve.moe_timing import time_moe_blocks
 from serve.multihost import StepChannel, mesh_processes
@@ -71,6 +72,10 @@ class EngineConfig:
     prefix_hash_unit: int = 16  # tokens per chained-hash block (<= 128)
     checkpoint_interval: int = 512  # KDA checkpoints every N prefill tokens
     decode_checkpoint_interval: int = 256  # KDA checkpoints every N decode tokens
+    # Host-memory tier of the prefix cache (serve/host_cache.py; vLLM's --kv-offloading-size, in bytes):
+    # pages and KDA checkpoints the arena evicts are kept in this much host RAM and restored on a hit.
+    # 0: off.
+    host_cache_bytes: int = 0
     measure_moe_time: bool = True  # time the MoE blocks per step shape at warm-up (serve/moe_timing.py)
     # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
     # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas
@@ -118,6 +123,11 @@ class EngineConfig:
             raise ValueError(f"dense_weights={self.dense_weights!r}: expected 'auto', 'out_in' or 'in_out'")
         if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
             raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
+        if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
+            raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r}: expected an integer >= 0")
+        if self.host_cache_bytes and not self.enable_prefix_caching:
+            raise ValueError("host_cache_bytes: the host tier holds what the prefix cache evicts; it needs "
+                             "enable_prefix_caching")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.sharding is not None:
@@ -254,9 +264,16 @@ class Engine:
             token_budget=config.max_num_batched_tokens,
             page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units)
         self.align = self.sched_cfg.align
+        self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
+        host = None
+        if config.host_cache_bytes and config.enable_prefix_caching:
+            host = HostCache(config.host_cache_bytes)
+            self.host_transfers = Transfers(max(self.layout.slot_units, 4 * max(1, self.cfg.num_mla_layers)),
+                                            self.layout.scratch_page,
+                                            (self.arena.sharding, self.token_pages.sharding) if self.mesh else None)
         self.prefix_cache = (PrefixCache(self.allocator, self.layout, self.align, PrefixCacheConfig(
-            True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval))
-            if config.enable_prefix_caching else None)
+            True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval),
+            host, self._read_units) if config.enable_prefix_caching else None)
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -291,6 +308,9 @@ class Engine:
                 raise ValueError(f"sharding={config.sharding!r}: the mesh holds the devices of processes "
                                  f"{sorted(mesh_processes(self.mesh))} of {jax.process_count()}; a multi-process "
                                  f"mesh must span every process")
+            if config.host_cache_bytes:
+                raise ValueError("host_cache_bytes: the host tier is not supported on a multi-process mesh "
+                                 "(its copies would run on process 0 alone)")
             self.channel = StepChannel(lambda rows, t, pages: self._pad_batch(rows, t, pages, []))
             self.channel.check(self._fingerprint())
             if self.channel.leader:
@@ -314,6 +334,10 @@ class Engine:
             self._step_fn(batch)
             if self.channel is not None:
                 self.channel.prime((rows, t, p))
+        if self.host_transfers is not None:  # compile the host tier's two copies (on the scratch page)
+            pad = [self.layout.scratch_page]
+            rows, toks = self.host_transfers.read(self.arena, self.token_pages, pad)
+            self.arena, self.token_pages = self.host_transfers.write(self.arena, self.token_pages, pad, rows, toks)
         jax.block_until_ready(self.arena)
         if not self.is_follower and not self.grammars.prepare() and self.tokenizer is not None:
             log.warning("structured outputs unavailable: llguidance is not installed")
@@ -355,9 +379,7 @@ class Engine:
             self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
         self.arena, self.token_pages, res, counts = self._step(self._leaves, self.arena, self.token_pages, batch)
-        if self.warmed_up and self._step._cache_size() > before:
-            self.compiles_after_warmup += 1
-            log.warning("step shape %s compiled after warm-up", batch.tokens.shape)
+        self._count_compiles(self._step._cache_size() > before, f"step shape {batch.tokens.shape}")
         return res, counts
 
     def lower_step(self, batch: StepBatch):
@@ -669,38 +691,93 @@ class Engine:
         return out
 
     def _held_units(self, seq: Sequence) -> int:
+        """MLA units a request holds; for a waiting one, the device pages its hit shares (the pages of a
+        host hit are restored into units it is given like any it computes)."""
         if seq.slot is None and seq.hit is not None:
-            return len(seq.hit.pages) * self.cfg.num_mla_layers
+            return sum(1 for e in seq.hit.pages if not isinstance(e, HostEntry)) * self.cfg.num_mla_layers
         return seq.num_units
 
     def _next_stop(self, seq: Sequence) -> Optional[int]:
         later = [p for p in seq.captures if p > seq.computed]
         return min(later) if later else None
 
-    def _admit(self, seq: Sequence) -> None:
+    def _admit(self, seq: Sequence) -> int:
+        """Give an admitted request its slot and what its hit shares -> MLA units it got beyond that
+        (pages restored from the host tier, which come out of the units the plan grows it by)."""
         seq.slot = self.allocator.alloc_slot()
         hit, pc = seq.hit, self.prefix_cache
         if seq.cached_tokens is None:  # a preempted sequence's recompute does not change what it reports
             seq.cached_tokens = hit.pos if hit is not None else 0
         if pc is None or hit is None:
-            return
+            return 0
         if not seq.internal:
             pc.record_query(len(seq.all_ids), hit)
         if hit.pos == 0:
             seq.hit = None
-            return
+            return 0
         seq.reused = True
         lm = self.cfg.num_mla_layers  # the hit was pinned (acquired) by _allocate
+        restore: list[tuple[list[int], HostEntry]] = []  # (units, host entry) to write before the step
+        pages, restored = [], 0
+        for e in hit.pages:
+            if isinstance(e, HostEntry):
+                units = self.allocator.alloc_pages(lm)
+                pc.ref(units)  # the request's hold
+                restore.append((units, e))
+                pc.adopt_page(e, units)  # shared again (unless the device tier has that page by now)
+                pages.append(units)
+                restored += lm
+            else:
+                pages.append(e.units)
         for l in range(lm):
-            seq.pages[l] = [e.units[l] for e in hit.pages]
+            seq.pages[l] = [units[l] for units in pages]
         if hit.partial is not None:
             fresh = self.allocator.alloc_pages(lm)
             pc.ref(fresh)
-            seq.copies = list(zip(hit.partial.units, fresh))
+            if isinstance(hit.partial, HostEntry):
+                restore.append((fresh, hit.partial))  # straight into the private copy
+            else:
+                seq.copies = list(zip(hit.partial.units, fresh))
             for l in range(lm):
                 seq.pages[l].append(fresh[l])
-        seq.read_slot = hit.ckpt.slot  # pinned through `seq.hit` until the first step has read it
+        if isinstance(hit.ckpt, HostEntry):  # straight into the request's working slot, read from there
+            restore.append((list(range(seq.slot, seq.slot + self.layout.slot_units)), hit.ckpt))
+        else:
+            seq.read_slot = hit.ckpt.slot  # pinned through `seq.hit` until the first step has read it
         seq.registered_pages = len(hit.pages)
+        if restore:
+            self._write_units(restore)
+            pc.unpin_host(hit)
+            seq.hit = Hit(hit.pos, None if isinstance(hit.ckpt, HostEntry) else hit.ckpt,
+                          [pc.pages.get(e.key, e) for e in hit.pages],
+                          None if isinstance(hit.partial, HostEntry) else hit.partial, hit.mla_tokens, hit.device_pos)
+        return restored
+
+    def _read_units(self, units: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of arena units and their token rows (the host tier's spill)."""
+        t = self.host_transfers
+        before = t.cache_size()
+        out = t.read(self.arena, self.token_pages, units)
+        self._count_compiles(t.cache_size() > before, "host tier read")
+        return out
+
+    def _write_units(self, restore: list[tuple[list[int], HostEntry]]) -> None:
+        """Write host entries' rows (and token rows) over the units given to them, in one batch of copies."""
+        t, host = self.host_transfers, self.prefix_cache.host
+        units = [u for us, _ in restore for u in us]
+        rows = np.concatenate([e.rows for _, e in restore])
+        toks = np.concatenate([e.tokens if e.tokens is not None else
+                               np.zeros((len(e.rows), self.layout.page_size), np.int32) for _, e in restore])
+        before = t.cache_size()
+        self.arena, self.token_pages = t.write(self.arena, self.token_pages, units, rows, toks)
+        self._count_compiles(t.cache_size() > before, "host tier write")
+        for _, e in restore:
+            host.restored(e)
+
+    def _count_compiles(self, grew: bool, what) -> None:
+        if self.warmed_up and grew:
+            self.compiles_after_warmup += 1
+            log.warning("%s compiled after warm-up", what)
 
     def _count_drafts(self, drafted: int, accepted: int) -> None:
         if drafted:
@@ -807,9 +884,9 @@ class Engine:
                 plan.prefill = [r for r in plan.prefill if r[0] != rid]
                 plan.grow.pop(rid, None)
                 continue
-            self._admit(seq)
-            if rid in plan.grow:
-                self._grow(seq, plan.grow[rid])
+            restored = self._admit(seq)
+            if plan.grow.get(rid, 0) > restored:
+                self._grow(seq, plan.grow[rid] - restored)
 
     def _wanted(self) -> set[bytes]:
         """Checkpoints that waiting requests plan to resume from (evicted last)."""

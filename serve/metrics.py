@@ -18,8 +18,9 @@ Engine statistics read (all optional; absent means 0 / no samples):
   preemptions, requests_aborted, compiles_after_warmup, arena_bytes{kda_slots, mla_pages, free,
   total}, arena_free_units, arena_baseline_free_units,
   arena_cached_units (held only by the prefix cache, reclaimable),
-  prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes} (token counts for
-  queries/hits, like vLLM; `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
+  prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes, host_query_tokens,
+  host_hit_tokens, host_bytes, host_bytes_restored} (token counts for queries/hits, like vLLM;
+  `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
   expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}) with
   moe_layers (the model layer index of each row; the row ordinal is used without it),
   moe_dispatch_seconds, inter_rank_bytes, structured_output_requests, structured_output_errors,
@@ -52,12 +53,13 @@ NAMES = (
     "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
     "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
+    "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     "k3jax:expert_tokens_total", "k3jax:moe_dispatch_seconds_total", "k3jax:inter_rank_bytes_total",
     "k3jax:kda_slot_usage_perc", "k3jax:mla_page_usage_perc", "k3jax:kda_slot_bytes", "k3jax:mla_page_bytes",
     "k3jax:arena_bytes", "k3jax:arena_free_units", "k3jax:arena_baseline_free_units", "k3jax:arena_cached_units",
-    "k3jax:kda_checkpoint_bytes",
+    "k3jax:kda_checkpoint_bytes", "k3jax:host_cache_bytes", "k3jax:host_cache_restored_bytes_total",
     "k3jax:kda_checkpoint_hits_total", "k3jax:kda_checkpoint_misses_total", "k3jax:compiles_after_warmup",
     "k3jax:requests_aborted_total", "k3jax:structured_output_requests_total",
     "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
@@ -133,6 +135,14 @@ class EngineCollector:
                       _first(pc, "query_tokens", "queries", default=s.get("prefix_cache_queries", 0)))
         yield counter("vllm:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
                       _first(pc, "hit_tokens", "hits", default=s.get("prefix_cache_hits", 0)))
+        yield counter("vllm:external_prefix_cache_queries", "Prompt tokens looked up in the host tier of the "
+                      "prefix cache (those the device tier did not hold).", pc.get("host_query_tokens", 0))
+        yield counter("vllm:external_prefix_cache_hits", "Prompt tokens restored from the host tier of the "
+                      "prefix cache.", pc.get("host_hit_tokens", 0))
+        yield gauge("k3jax:host_cache_bytes", "Bytes of evicted prefix-cache pages and KDA checkpoints held in "
+                    "host memory.", pc.get("host_bytes", 0))
+        yield counter("k3jax:host_cache_restored_bytes", "Bytes copied from the host tier back into the arena.",
+                      pc.get("host_bytes_restored", 0))
         yield counter("k3jax:kda_checkpoint_hits", "Prefix-cache lookups that resumed from a KDA state checkpoint.",
                       _first(pc, "kda_hits", "kda_checkpoint_hits", default=s.get("kda_checkpoint_hits", 0)))
         yield counter("k3jax:kda_checkpoint_misses", "Prefix-cache lookups with no usable KDA state checkpoint.",

@@ -31,6 +31,10 @@ from any checkpoint kind is therefore bit-identical to a cold recompute.
 Eviction is LRU with reference counts: checkpoint slots first (prompt-end states of recently
 active conversations last), then pages nobody holds; evicting a page evicts the checkpoints and
 deeper pages that depend on it. A checkpoint may be evicted without its pages.
+
+With a host tier (`serve/host_cache.py`), what eviction drops is first copied to host memory (one
+batched read per eviction round, `spill`), lookups walk both tiers, and a hit's host parts are
+restored into the requesting sequence's memory at admission (see `Engine._admit`).
 """
 
 from __future__ import annotations
@@ -38,10 +42,11 @@ from __future__ import annotations
 import hashlib
 import itertools
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
+from serve.host_cache import CKPT, PAGE, HostCache, HostEntry
 from serve.memory import Arena, ArenaLayout
 
 FULL, PARTIAL, KDA = b"M", b"P", b"K"  # kind tags of the keys
@@ -104,17 +109,28 @@ class CkptEntry:
 @dataclass
 class Hit:
     pos: int  # logical prefix length reused (0: none)
-    ckpt: Optional[CkptEntry]
-    pages: list  # full PageEntry objects shared read-only
-    partial: Optional[PageEntry]  # page to copy (prefix ends inside it)
+    ckpt: Optional[CkptEntry | HostEntry]
+    pages: list  # full PageEntry objects shared read-only (HostEntry: in host memory, restored at admission)
+    partial: Optional[PageEntry | HostEntry]  # page to copy (prefix ends inside it)
     mla_tokens: int  # how deep the MLA pages alone matched
+    device_pos: int = 0  # how deep the device tier alone would have resumed
+
+    @property
+    def host_entries(self) -> list[HostEntry]:
+        return [e for e in [*self.pages, self.partial, self.ckpt] if isinstance(e, HostEntry)]
 
 
 class PrefixCache:
-    def __init__(self, allocator: Arena, layout: ArenaLayout, align: int, cfg: PrefixCacheConfig):
+    def __init__(self, allocator: Arena, layout: ArenaLayout, align: int, cfg: PrefixCacheConfig,
+                 host: Optional[HostCache] = None, read_units: Optional[Callable] = None):
+        """`host` / `read_units(units) -> (rows, token rows)`: the host tier and how to copy arena units
+        to host memory (both or neither)."""
         if not 1 <= cfg.hash_unit <= 128:
             raise ValueError(f"hash_unit must be in 1..128, got {cfg.hash_unit}")
         self.alloc, self.layout, self.cfg, self.align = allocator, layout, cfg, align
+        self.host, self.read_units = host, read_units
+        self._spill: list = []  # (entry, units) evicted this round, copied to host by `_flush_spill`
+        self._clearing = False
         self.ps = layout.page_size
         self.interval = max(align, cfg.checkpoint_interval // align * align)
         self.decode_interval = max(align, cfg.decode_interval // align * align)
@@ -124,7 +140,7 @@ class PrefixCache:
         self._clock = itertools.count()
         self.metrics = dict(queries=0, query_tokens=0, hit_tokens=0, mla_tokens_reused=0, kda_hits=0,
                             kda_misses=0, recomputed_no_checkpoint=0, checkpoints_registered=0,
-                            checkpoints_evicted=0, pages_evicted=0)
+                            checkpoints_evicted=0, pages_evicted=0, host_hits=0, host_hit_tokens=0)
 
     # ---- unit reference counts (requests and cache entries both hold units) -------------------
     def ref(self, units) -> None:
@@ -144,11 +160,27 @@ class PrefixCache:
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, h: PrefixHasher, n_tokens: int) -> Hit:
-        """Deepest reusable prefix of the first `n_tokens` tokens (capped at n_tokens - 1)."""
+        """Deepest reusable prefix of the first `n_tokens` tokens (capped at n_tokens - 1), over the
+        device tier and, when there is one, the host tier."""
+        hit = self._match(h, n_tokens, None)
+        if self.host is not None and self.host.entries:
+            deeper = self._match(h, n_tokens, self.host)
+            if deeper.pos > hit.pos:
+                deeper.device_pos = hit.pos
+                return deeper
+            hit.mla_tokens = max(hit.mla_tokens, deeper.mla_tokens)
+        hit.device_pos = hit.pos
+        return hit
+
+    def _match(self, h: PrefixHasher, n_tokens: int, host: Optional[HostCache]) -> Hit:
+        def get(table, key):
+            e = table.get(key)
+            return host.get(key) if e is None and host is not None else e
+
         cap = n_tokens - 1
         full = []
         while (len(full) + 1) * self.ps <= cap:
-            e = self.pages.get(h.key(FULL, (len(full) + 1) * self.ps))
+            e = get(self.pages, h.key(FULL, (len(full) + 1) * self.ps))
             if e is None:
                 break
             full.append(e)
@@ -156,11 +188,11 @@ class PrefixCache:
         # deepest checkpoint at an aligned position whose pages are all present
         pos = (min(cap, mla + self.ps - 1) // self.align) * self.align
         while pos > 0:
-            c = self.ckpts.get(h.key(KDA, pos))
+            c = get(self.ckpts, h.key(KDA, pos))
             if c is not None:
                 partial = None
                 if pos % self.ps:
-                    partial = self.pages.get(h.key(PARTIAL, pos))
+                    partial = get(self.pages, h.key(PARTIAL, pos))
                     if partial is None and pos // self.ps < len(full):
                         partial = full[pos // self.ps]  # a full page holds the partial prefix too
                     if partial is None:
@@ -182,31 +214,61 @@ class PrefixCache:
         else:
             m["kda_misses"] += 1
         m["recomputed_no_checkpoint"] += max(0, min(hit.mla_tokens, n_tokens - 1) - hit.pos)
+        if self.host is not None:
+            m["host_query_tokens"] = m.get("host_query_tokens", 0) + max(0, n_tokens - 1 - hit.device_pos)
+        if hit.pos > hit.device_pos:
+            m["host_hits"] += 1
+            m["host_hit_tokens"] += hit.pos - hit.device_pos
 
     def acquire(self, hit: Hit) -> None:
-        """Pin what a newly admitted request will read in its first step."""
+        """Pin what a newly admitted request will read in its first step (host entries: until
+        admission has restored them)."""
         now = next(self._clock)
         for e in hit.pages:
+            if isinstance(e, HostEntry):
+                continue
             e.last_used = now
             self.ref(e.units)
-        if hit.ckpt is not None:
+        if isinstance(hit.ckpt, CkptEntry):
             hit.ckpt.pins += 1
             hit.ckpt.last_used = now
-        if hit.partial is not None:
+        if isinstance(hit.partial, PageEntry):
             hit.partial.last_used = now
             self.ref(hit.partial.units)  # held until the copy has run
+        for e in hit.host_entries:
+            e.pins += 1
+            self.host.touch(e)
 
     def unpin(self, hit: Hit) -> None:
-        if hit.ckpt is not None:
+        if isinstance(hit.ckpt, CkptEntry):
             hit.ckpt.pins -= 1
-        if hit.partial is not None:
+        if isinstance(hit.partial, PageEntry):
             self.unref(hit.partial.units)
+
+    def unpin_host(self, hit: Hit) -> None:
+        for e in hit.host_entries:
+            e.pins -= 1
 
     def release_hit(self, hit: Hit) -> None:
         """Undo `acquire` for a request that was not admitted after all."""
         self.unpin(hit)
+        self.unpin_host(hit)
         for e in hit.pages:
-            self.unref(e.units)
+            if isinstance(e, PageEntry):
+                self.unref(e.units)
+
+    def adopt_page(self, e: HostEntry, units: list[int]) -> Optional[PageEntry]:
+        """Share a full page restored from host memory into `units` again as a device entry (the
+        units then have one more holder: the cache). None if the device tier has that page already."""
+        if e.key in self.pages:
+            return None
+        self.ref(units)
+        page = PageEntry(e.key, list(units), e.index, e.valid, next(self._clock), e.parent)
+        self.pages[e.key] = page
+        if e.parent in self.pages:
+            self.pages[e.parent].children.add(e.key)
+        self.host.discard(e.key)
+        return page
 
     # ---- registration -------------------------------------------------------------------------
     def register_pages(self, h: PrefixHasher, seq_pages: list[list[int]], upto: int, start_index: int) -> int:
@@ -221,6 +283,8 @@ class PrefixCache:
             units = [seq_pages[l][j] for l in range(len(seq_pages))]
             self.ref(units)
             self.pages[key] = PageEntry(key, units, j, self.ps, now, parent)
+            if self.host is not None:
+                self.host.discard(key)
             if parent in self.pages:
                 self.pages[parent].children.add(key)
         return max(start_index, n_full)
@@ -247,6 +311,8 @@ class PrefixCache:
             return False  # its pages are gone already
         c = CkptEntry(key, slot, pos, kind, next(self._clock), pages=deps)
         self.ckpts[key] = c
+        if self.host is not None:
+            self.host.discard(key)
         for d in deps:
             self.pages[d].dependents.add(key)
         self.metrics["checkpoints_registered"] += 1
@@ -274,25 +340,50 @@ class PrefixCache:
             return (self.alloc.free_units < units
                     or (slots and len(self.alloc._free_slot_bases(slots)) < slots))
 
-        order = sorted((c for c in self.ckpts.values() if c.pins == 0),
-                       key=lambda c: (c.key in keep, c.kind == PROMPT_END, c.last_used))
-        for c in order:
-            if not short():
-                return
-            self._drop_ckpt(c)
-        refs = self._entry_refs()
-        leaves = sorted((e for e in self.pages.values()), key=lambda e: (-e.index, e.last_used))
-        for e in leaves:
-            if not short():
-                return
-            if e.key in self.pages and not e.dependents and all(
-                    self.unit_refs.get(u) == refs.get(u) for u in e.units):
-                self._drop_page(e)
+        try:
+            order = sorted((c for c in self.ckpts.values() if c.pins == 0),
+                           key=lambda c: (c.key in keep, c.kind == PROMPT_END, c.last_used))
+            for c in order:
+                if not short():
+                    return
+                self._drop_ckpt(c)
+            refs = self._entry_refs()
+            leaves = sorted((e for e in self.pages.values()), key=lambda e: (-e.index, e.last_used))
+            for e in leaves:
+                if not short():
+                    return
+                if e.key in self.pages and not e.dependents and all(
+                        self.unit_refs.get(u) == refs.get(u) for u in e.units):
+                    self._drop_page(e)
+        finally:
+            self._flush_spill()
+
+    def _flush_spill(self) -> None:
+        """Copy this round's evicted entries to the host tier: one read of all their units. Their
+        units are free in the allocator already, but nothing has written them since (eviction runs
+        between steps, before anything is allocated)."""
+        spill, self._spill = self._spill, []
+        if not spill:
+            return
+        units = [u for _, us in spill for u in us]
+        rows, tokens = self.read_units(units)
+        i = 0
+        for e, us in spill:
+            n = len(us)
+            if isinstance(e, CkptEntry):
+                h = HostEntry(e.key, CKPT, rows[i:i + n], None, pos=e.pos, ckpt_kind=e.kind)
+            else:
+                h = HostEntry(e.key, PAGE, rows[i:i + n], tokens[i:i + n], index=e.index, valid=e.valid,
+                              parent=e.parent)
+            self.host.put(h)
+            i += n
 
     def _drop_ckpt(self, c: CkptEntry) -> None:
         if c.key not in self.ckpts or c.pins:
             return
         del self.ckpts[c.key]
+        if self.host is not None and not self._clearing:
+            self._spill.append((c, list(range(c.slot, c.slot + self.layout.slot_units))))
         for d in c.pages:
             if d in self.pages:
                 self.pages[d].dependents.discard(c.key)
@@ -314,15 +405,24 @@ class PrefixCache:
         del self.pages[e.key]
         if e.parent in self.pages:
             self.pages[e.parent].children.discard(e.key)
+        if self.host is not None and not self._clearing:
+            self._spill.append((e, list(e.units)))
         self.unref(e.units)
         self.metrics["pages_evicted"] += 1
 
     def clear(self) -> None:
-        for c in list(self.ckpts.values()):
-            c.pins = 0
-            self._drop_ckpt(c)
-        for e in sorted(self.pages.values(), key=lambda e: -e.index):
-            self._drop_page(e)
+        """Drop every unpinned entry of both tiers (nothing is copied to host memory)."""
+        self._clearing = True
+        try:
+            for c in list(self.ckpts.values()):
+                c.pins = 0
+                self._drop_ckpt(c)
+            for e in sorted(self.pages.values(), key=lambda e: -e.index):
+                self._drop_page(e)
+        finally:
+            self._clearing = False
+        if self.host is not None:
+            self.host.clear()
 
     def stats(self) -> dict:
         m = dict(self.metrics)
@@ -330,4 +430,6 @@ class PrefixCache:
         m["checkpoints"] = len(self.ckpts)
         m["pages"] = len(self.pages)
         m["kda_checkpoint_bytes"] = len(self.ckpts) * self.layout.slot_units * self.layout.unit_bytes
+        if self.host is not None:
+            m.update(self.host.stats())
         return m

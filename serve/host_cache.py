@@ -1,0 +1,177 @@
+"""Host-memory tier of the prefix cache: what the arena evicts is kept in host RAM and restored on a hit.
+
+A K3-class state checkpoint is large (every KDA layer's fp32 state: ~280 MB per sequence for the
+full model) and the arena holds few of them beside the MLA pages that running requests need, so the
+device tier alone forgets a conversation a few turns after it goes idle. With `host_cache_bytes` set,
+every prefix-cache entry the arena evicts (a shared MLA page of every MLA layer with its token ids,
+a partial page, or a KDA checkpoint slot) is copied to host memory first, under the same key, and
+a later lookup walks both tiers: the deepest usable prefix may mix device pages, host pages and a
+host checkpoint. Admission then restores the host parts: host pages are written into newly
+allocated units and shared again as ordinary device entries, a host partial page is written
+straight into the request's private copy-on-write page, and a host checkpoint straight into the
+request's own working state slot (so a restore needs no memory beyond what a cold request gets).
+The bytes are the ones the arena held, so a warm resume from host memory is bit-identical to a
+device hit, which is bit-identical to a cold recompute (serve/prefix_cache.py).
+
+Host entries are evicted least recently used first when the host budget is full; entries a request
+is about to restore are pinned. Transfers go through two small jitted programs of a fixed row count
+(compiled at warm-up): a gather of arena rows and token rows to host, and a donated scatter of
+rows back into the arena and token pages.
+"""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PAGE, CKPT = "page", "ckpt"
+
+
+@dataclass(eq=False)
+class HostEntry:
+    """A prefix-cache entry held in host memory: the arena rows of its units (and their token ids)."""
+    key: bytes
+    kind: str  # PAGE (full or partial MLA page of every MLA layer) or CKPT (a KDA state slot)
+    rows: np.ndarray  # [units, row words] float32: the arena rows, every rank's columns
+    tokens: Optional[np.ndarray]  # [units, page_size] int32 token ids (pages only)
+    index: int = 0  # pages: page index in the sequence
+    valid: int = 0  # pages: tokens of the page that belong to the prefix
+    parent: Optional[bytes] = None  # pages: the previous full page's key
+    pos: int = 0  # checkpoints: position of the state
+    ckpt_kind: str = ""  # checkpoints: prompt_end / chunk_end / decode_interval / branch_point
+    pins: int = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.rows.nbytes + (self.tokens.nbytes if self.tokens is not None else 0)
+
+
+class HostCache:
+    """Byte-budgeted LRU store of evicted prefix-cache entries, keyed like the device tier."""
+
+    def __init__(self, budget_bytes: int):
+        if budget_bytes < 0:
+            raise ValueError(f"host_cache_bytes must be >= 0, got {budget_bytes}")
+        self.budget = budget_bytes
+        self.entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()  # LRU first
+        self.used = 0
+        self.metrics = dict(host_pages_stored=0, host_checkpoints_stored=0, host_pages_restored=0,
+                            host_checkpoints_restored=0, host_entries_evicted=0, host_entries_rejected=0,
+                            host_bytes_stored=0, host_bytes_restored=0)
+
+    def get(self, key: bytes) -> Optional[HostEntry]:
+        return self.entries.get(key)
+
+    def touch(self, e: HostEntry) -> None:
+        if e.key in self.entries:
+            self.entries.move_to_end(e.key)
+
+    def put(self, e: HostEntry) -> bool:
+        """Store `e` (replacing an entry of the same key), evicting LRU entries to make room; False
+        when it cannot fit (larger than the budget, or the rest is pinned)."""
+        old = self.entries.get(e.key)
+        if old is not None:
+            if old.pins:
+                self.touch(old)
+                return True  # identical bytes (same key) are already here and about to be read
+            self._remove(old)
+        if not self._make_room(e.nbytes):
+            self.metrics["host_entries_rejected"] += 1
+            return False
+        self.entries[e.key] = e
+        self.used += e.nbytes
+        self.metrics["host_pages_stored" if e.kind == PAGE else "host_checkpoints_stored"] += 1
+        self.metrics["host_bytes_stored"] += e.nbytes
+        return True
+
+    def discard(self, key: bytes) -> None:
+        """Drop the host copy of an entry the device tier holds again (unless a request is reading it)."""
+        e = self.entries.get(key)
+        if e is not None and not e.pins:
+            self._remove(e)
+
+    def restored(self, e: HostEntry) -> None:
+        self.metrics["host_pages_restored" if e.kind == PAGE else "host_checkpoints_restored"] += 1
+        self.metrics["host_bytes_restored"] += e.nbytes
+
+    def clear(self) -> None:
+        for e in [e for e in self.entries.values() if not e.pins]:
+            self._remove(e)
+
+    def _make_room(self, nbytes: int) -> bool:
+        if nbytes > self.budget:
+            return False
+        for e in [e for e in self.entries.values() if not e.pins]:  # least recently used first
+            if self.used + nbytes <= self.budget:
+                break
+            self._remove(e)
+            self.metrics["host_entries_evicted"] += 1
+        return self.used + nbytes <= self.budget
+
+    def _remove(self, e: HostEntry) -> None:
+        del self.entries[e.key]
+        self.used -= e.nbytes
+
+    def stats(self) -> dict:
+        m = dict(self.metrics)
+        m.update(host_bytes=self.used, host_budget_bytes=self.budget,
+                 host_pages=sum(1 for e in self.entries.values() if e.kind == PAGE),
+                 host_checkpoints=sum(1 for e in self.entries.values() if e.kind == CKPT))
+        return m
+
+
+# ---- transfers (fixed row count per call; the engine jits and warms them) -----------------------
+def read_rows(arena: jax.Array, token_pages: jax.Array, units: jax.Array):
+    """units [M] -> (arena rows [M, row words], token rows [M, page_size]): what host entries keep."""
+    return arena[units], token_pages[units]
+
+
+def write_rows(arena: jax.Array, token_pages: jax.Array, units: jax.Array, rows: jax.Array, tokens: jax.Array):
+    """Write arena rows [M, row words] and token rows [M, page_size] over `units` [M] (donated buffers,
+    updated in place). Padding entries all name the scratch page, which nobody reads."""
+    return arena.at[units].set(rows), token_pages.at[units].set(tokens)
+
+
+class Transfers:
+    """The two jitted transfer programs of an engine's arena, at a fixed row count `chunk`."""
+
+    def __init__(self, chunk: int, pad_unit: int, shardings=None):
+        """`shardings`: the (arena, token pages) shardings on a mesh, kept by the write; None on one
+        device (outputs then stay uncommitted like the step's, so neither program sees a new signature)."""
+        self.chunk, self.pad = chunk, pad_unit
+        self._read = jax.jit(read_rows)
+        self._write = jax.jit(write_rows, donate_argnums=(0, 1), out_shardings=shardings)
+
+    def cache_size(self) -> int:
+        return self._read._cache_size() + self._write._cache_size()
+
+    def read(self, arena, token_pages, units: list[int]) -> tuple[np.ndarray, np.ndarray]:
+        """-> host copies (rows [n, row words], tokens [n, page_size]) of `units`, in order."""
+        rows, toks = [], []
+        for i in range(0, max(1, len(units)), self.chunk):
+            part = units[i:i + self.chunk]
+            idx = np.full(self.chunk, self.pad, np.int32)
+            idx[:len(part)] = part
+            r, t = jax.device_get(self._read(arena, token_pages, idx))
+            rows.append(r[:len(part)])
+            toks.append(t[:len(part)])
+        return np.concatenate(rows), np.concatenate(toks)
+
+    def write(self, arena, token_pages, units: list[int], rows: np.ndarray, tokens: np.ndarray):
+        """-> (arena, token_pages) with `rows` / `tokens` [n, ...] written over `units` [n]."""
+        width, ps = arena.shape[1], token_pages.shape[1]
+        for i in range(0, len(units), self.chunk):
+            n = min(self.chunk, len(units) - i)
+            idx = np.full(self.chunk, self.pad, np.int32)
+            idx[:n] = units[i:i + n]
+            r = np.zeros((self.chunk, width), np.float32)
+            r[:n] = rows[i:i + n]
+            t = np.zeros((self.chunk, ps), np.int32)
+            t[:n] = tokens[i:i + n]
+            arena, token_pages = self._write(arena, token_pages, idx, r, t)
+        return arena, token_pages

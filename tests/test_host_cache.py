@@ -1,0 +1,211 @@
+"""Host-memory tier of the prefix cache: evicted pages and KDA checkpoints come back bit-exactly.
+
+A small arena forces eviction; every output is compared with an engine that has no prefix cache at
+all (greedy tokens and logprobs bit-identical, with penalties so the restored token rows matter too),
+and the arena and host pins return to their baselines."""
+
+import numpy as np
+import pytest
+
+import k3jax
+from serve.cli import engine_config
+from serve.engine import Engine, EngineConfig
+from serve.host_cache import CKPT, PAGE, HostCache, HostEntry
+from serve.types import SamplingParams
+
+PAGE_SIZE, CHUNK, UNITS = 64, 16, 93  # checkpoints every 16 tokens sit inside 64-token pages
+
+
+def config(**kw):
+    return EngineConfig(max_model_len=384, page_size=PAGE_SIZE, cache_bytes=UNITS * PAGE_SIZE * 40 * 4,
+                        max_num_seqs=8, prefill_chunk=CHUNK, max_prefill_seqs=2, max_num_batched_tokens=256,
+                        decode_buckets=(8,), prefill_buckets=(2,), context_buckets=(384 // PAGE_SIZE,),
+                        max_logprobs=4, checkpoint_interval=256, decode_checkpoint_interval=32, **kw)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    model = k3jax.load_model("tiny-k3", seed=2)
+    on = Engine(model, config(host_cache_bytes=32 << 20), progress=False)
+    off = Engine(model, config(enable_prefix_caching=False), progress=False)
+    return on, off
+
+
+PARAMS = dict(temperature=0.0, ignore_eos=True, logprobs=4, repetition_penalty=1.3, presence_penalty=0.5)
+
+
+def run(engine, prompt, n=8):
+    rid = engine.add_request(prompt, SamplingParams(max_tokens=n, **PARAMS))
+    out = None
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    return out
+
+
+def logprobs(out):
+    return [(c.token_id, c.logprob, [(t.token_id, t.logprob) for t in top]) for c, top in out.outputs[0].logprobs]
+
+
+def toks(seed, n):
+    return np.random.default_rng(seed).integers(0, 256, n).tolist()
+
+
+def host(engine):
+    return {k: v for k, v in engine.stats()["prefix_cache"].items() if k.startswith("host")}
+
+
+def flood(engine, seed, n=6):
+    """Unrelated prompts whose pages and checkpoints push everything older out of the arena."""
+    for i in range(n):
+        run(engine, toks(seed + i, 300), n=2)
+
+
+def settled(engine):
+    pc = engine.prefix_cache
+    assert engine.allocator.free_units + engine._cached_units() == engine.allocator.baseline_free_units
+    assert all(e.pins == 0 for e in pc.host.entries.values())
+    assert all(c.pins == 0 for c in pc.ckpts.values())
+    assert pc.host.used <= pc.host.budget
+
+
+def test_host_store_is_lru_by_bytes_and_keeps_pinned_entries():
+    entry = lambda k, n: HostEntry(k, PAGE, np.zeros((n, 4), np.float32), np.zeros((n, 2), np.int32))
+    h = HostCache(3 * 24)  # three one-unit entries (16 + 8 bytes each)
+    for k in (b"a", b"b", b"c"):
+        assert h.put(entry(k, 1))
+    h.touch(h.get(b"a"))  # b is now the least recently used
+    h.get(b"c").pins = 1
+    assert h.put(entry(b"d", 1))
+    assert set(h.entries) == {b"a", b"c", b"d"} and h.used == 72
+    assert not h.put(entry(b"e", 4))  # larger than the budget
+    h.get(b"a").pins = h.get(b"d").pins = 1
+    assert not h.put(entry(b"f", 1))  # everything else is pinned
+    h.discard(b"c")  # pinned: a request is about to read it
+    assert b"c" in h.entries
+    for e in h.entries.values():
+        e.pins = 0
+    h.discard(b"c")
+    s = h.stats()
+    assert (s["host_pages"], s["host_bytes"], s["host_entries_evicted"], s["host_entries_rejected"]) == (2, 48, 1, 2)
+    h.put(HostEntry(b"k", CKPT, np.zeros((2, 4), np.float32), None, pos=16))
+    assert h.stats()["host_checkpoints"] == 1 and h.get(b"k").nbytes == 32
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        HostCache(-1)
+
+
+def test_conversation_evicted_from_the_arena_resumes_from_host_memory(engines):
+    on, off = engines
+    base = toks(1, 200)  # prompt-end checkpoint at 192: three full pages
+    first = run(on, base)
+    before = host(on)
+    flood(on, 100)
+    after = host(on)
+    assert after["host_checkpoints_stored"] > before["host_checkpoints_stored"]
+    assert after["host_pages_stored"] > before["host_pages_stored"]
+    turn = base + first.outputs[0].token_ids + toks(2, 30)
+    warm, cold = run(on, turn), run(off, turn)
+    got = host(on)
+    assert got["host_hits"] == after["host_hits"] + 1 and got["host_hit_tokens"] - after["host_hit_tokens"] == 192
+    assert got["host_checkpoints_restored"] == after["host_checkpoints_restored"] + 1
+    assert warm.num_cached_tokens == 192
+    assert warm.token_ids == cold.token_ids
+    assert logprobs(warm) == logprobs(cold)  # bit-identical: the restored bytes are the arena's
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+
+
+def test_mid_page_checkpoint_and_partial_page_come_back_from_host(engines):
+    on, off = engines
+    base = toks(3, 100)  # prompt-end checkpoint at 96, inside the second 64-token page
+    run(on, base)
+    flood(on, 200)
+    pc = on.prefix_cache
+    assert not any(c.pos == 96 for c in pc.ckpts.values()), "the flood should have evicted it"
+    before = host(on)
+    prompt = base + toks(4, 7)
+    warm, cold = run(on, prompt), run(off, prompt)
+    got = host(on)
+    assert got["host_hit_tokens"] - before["host_hit_tokens"] == 96
+    assert warm.num_cached_tokens == 96
+    assert got["host_bytes_restored"] > before["host_bytes_restored"]
+    assert warm.token_ids == cold.token_ids and logprobs(warm) == logprobs(cold)
+    settled(on)
+
+
+def test_restored_pages_are_shared_again_and_a_small_host_budget_degrades_to_recompute(engines):
+    on, off = engines
+    pc = on.prefix_cache
+    base = toks(5, 250)
+    run(on, base)
+    flood(on, 300)
+    prompt = base + toks(6, 20)
+    warm = run(on, prompt)
+    assert warm.num_cached_tokens == 240
+    keys = [k for k in pc.pages if pc.pages[k].index < 3]
+    assert keys, "restored full pages are device entries again"
+    again = run(on, base + toks(7, 20))  # the same prefix now hits the device pages
+    assert again.token_ids == run(off, base + toks(7, 20)).token_ids
+    # a budget too small for any checkpoint: evictions are dropped, lookups fall back to recompute
+    budget = pc.host.budget
+    pc.host.clear()
+    pc.host.budget = pc.layout.slot_units * pc.layout.unit_bytes - 1
+    try:
+        rejected = host(on)["host_entries_rejected"]
+        run(on, toks(8, 120))
+        flood(on, 400)
+        assert host(on)["host_entries_rejected"] > rejected
+        assert host(on)["host_checkpoints"] == 0
+        prompt = toks(8, 120) + toks(9, 5)
+        warm, cold = run(on, prompt), run(off, prompt)
+        assert warm.token_ids == cold.token_ids and logprobs(warm) == logprobs(cold)
+    finally:
+        pc.host.budget = budget
+    settled(on)
+
+
+def test_interleaved_conversations_under_eviction_match_no_cache(engines):
+    """Five multi-turn conversations advanced in a random order, several requests in flight per step,
+    an abort among them; the arena holds two or three conversations, the host tier the rest."""
+    on, off = engines
+    rng = np.random.default_rng(11)
+    convs = [toks(500 + i, int(rng.integers(40, 140))) for i in range(5)]
+    hits_before = host(on)["host_hits"]
+    for rnd in range(3):
+        order = rng.permutation(len(convs))
+        batch = {}
+        for i in order:
+            p = SamplingParams(max_tokens=6, **PARAMS)
+            batch[on.add_request(convs[i], p)] = i
+        victim = next(iter(batch))
+        on.step()
+        on.abort(victim) if rnd == 1 else None
+        outs = {}
+        while on.has_unfinished():
+            for o in on.step():
+                if o.finished:
+                    outs[o.request_id] = o
+        for rid, i in batch.items():
+            if rnd == 1 and rid == victim:
+                continue
+            cold = run(off, convs[i], n=6)
+            assert outs[rid].outputs[0].token_ids == cold.token_ids, (rnd, i)
+            assert logprobs(outs[rid]) == logprobs(cold)
+            convs[i] = convs[i] + cold.token_ids + toks(600 + 10 * rnd + i, 9)
+    assert host(on)["host_hits"] > hits_before
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+
+
+def test_config_and_cli():
+    with pytest.raises(ValueError, match="host_cache_bytes"):
+        config(host_cache_bytes=-1).validate()
+    with pytest.raises(ValueError, match="enable_prefix_caching"):
+        config(host_cache_bytes=1 << 20, enable_prefix_caching=False).validate()
+    from serve.cli import DEFAULTS
+    assert engine_config({**DEFAULTS, "host_cache_mb": 64}).host_cache_bytes == 64 << 20
+    assert engine_config({**DEFAULTS, "kv_offloading_size": 0.5}).host_cache_bytes == 1 << 29
+    assert engine_config(dict(DEFAULTS)).host_cache_bytes == 0
+    with pytest.raises(ValueError, match="give one"):
+        engine_config({**DEFAULTS, "host_cache_mb": 1, "kv_offloading_size": 1.0})
