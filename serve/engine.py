@@ -701,9 +701,10 @@ class Engine:
         later = [p for p in seq.captures if p > seq.computed]
         return min(later) if later else None
 
-    def _admit(self, seq: Sequence) -> int:
+    def _admit(self, seq: Sequence, restore: list) -> int:
         """Give an admitted request its slot and what its hit shares -> MLA units it got beyond that
-        (pages restored from the host tier, which come out of the units the plan grows it by)."""
+        (pages restored from the host tier, which come out of the units the plan grows it by). Host
+        parts to write before the step are appended to `restore` as (units, host entry)."""
         seq.slot = self.allocator.alloc_slot()
         hit, pc = seq.hit, self.prefix_cache
         if seq.cached_tokens is None:  # a preempted sequence's recompute does not change what it reports
@@ -717,8 +718,7 @@ class Engine:
             return 0
         seq.reused = True
         lm = self.cfg.num_mla_layers  # the hit was pinned (acquired) by _allocate
-        restore: list[tuple[list[int], HostEntry]] = []  # (units, host entry) to write before the step
-        pages, restored = [], 0
+        pages, restored, first = [], 0, len(restore)
         for e in hit.pages:
             if isinstance(e, HostEntry):
                 units = self.allocator.alloc_pages(lm)
@@ -745,8 +745,7 @@ class Engine:
         else:
             seq.read_slot = hit.ckpt.slot  # pinned through `seq.hit` until the first step has read it
         seq.registered_pages = len(hit.pages)
-        if restore:
-            self._write_units(restore)
+        if len(restore) > first:  # the rows stay referenced by `restore` until they are written
             pc.unpin_host(hit)
             seq.hit = Hit(hit.pos, None if isinstance(hit.ckpt, HostEntry) else hit.ckpt,
                           [pc.pages.get(e.key, e) for e in hit.pages],
@@ -755,22 +754,27 @@ class Engine:
 
     def _read_units(self, units: list[int]) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of arena units and their token rows (the host tier's spill)."""
-        t = self.host_transfers
+        t, t0 = self.host_transfers, time.perf_counter()
         before = t.cache_size()
         out = t.read(self.arena, self.token_pages, units)
         self._count_compiles(t.cache_size() > before, "host tier read")
+        self.prefix_cache.host.metrics["host_spill_seconds"] += time.perf_counter() - t0
         return out
 
     def _write_units(self, restore: list[tuple[list[int], HostEntry]]) -> None:
-        """Write host entries' rows (and token rows) over the units given to them, in one batch of copies."""
+        """Write host entries' rows (and token rows) over the units given to them: one batch of copies for
+        all of a step's admissions."""
         t, host = self.host_transfers, self.prefix_cache.host
         units = [u for us, _ in restore for u in us]
         rows = np.concatenate([e.rows for _, e in restore])
         toks = np.concatenate([e.tokens if e.tokens is not None else
                                np.zeros((len(e.rows), self.layout.page_size), np.int32) for _, e in restore])
-        before = t.cache_size()
+        before, t0 = t.cache_size(), time.perf_counter()
         self.arena, self.token_pages = t.write(self.arena, self.token_pages, units, rows, toks)
+        # the step that follows reads these units; waiting here only moves that wait, and times the copy
+        jax.block_until_ready(self.arena)
         self._count_compiles(t.cache_size() > before, "host tier write")
+        host.metrics["host_restore_seconds"] += time.perf_counter() - t0
         for _, e in restore:
             host.restored(e)
 
@@ -874,6 +878,7 @@ class Engine:
                     pc.acquire(hit)
             units = sum(plan.grow.get(r, 0) for r in plan.admit) + lm * len(plan.admit)
             pc.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit), keep=self._wanted())
+        restore: list[tuple[list[int], HostEntry]] = []
         for rid in list(plan.admit):
             seq = self.seqs[rid]
             partial = lm if seq.hit is not None and seq.hit.pos and seq.hit.partial is not None else 0
@@ -884,9 +889,11 @@ class Engine:
                 plan.prefill = [r for r in plan.prefill if r[0] != rid]
                 plan.grow.pop(rid, None)
                 continue
-            restored = self._admit(seq)
+            restored = self._admit(seq, restore)
             if plan.grow.get(rid, 0) > restored:
                 self._grow(seq, plan.grow[rid] - restored)
+        if restore:
+            self._write_units(restore)
 
     def _wanted(self) -> set[bytes]:
         """Checkpoints that waiting requests plan to resume from (evicted last)."""

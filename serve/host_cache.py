@@ -1,6 +1,6 @@
 """Host-memory tier of the prefix cache: what the arena evicts is kept in host RAM and restored on a hit.
 
-A K3-class state checkpoint is large (every KDA layer's fp32 state: ~280 MB per sequence for the
+A K3-class state checkpoint is large (every KDA layer's fp32 state: 434 MB per sequence for the
 full model) and the arena holds few of them beside the MLA pages that running requests need, so the
 device tier alone forgets a conversation a few turns after it goes idle. With `host_cache_bytes` set,
 every prefix-cache entry the arena evicts (a shared MLA page of every MLA layer with its token ids,
@@ -62,7 +62,8 @@ class HostCache:
         self.used = 0
         self.metrics = dict(host_pages_stored=0, host_checkpoints_stored=0, host_pages_restored=0,
                             host_checkpoints_restored=0, host_entries_evicted=0, host_entries_rejected=0,
-                            host_bytes_stored=0, host_bytes_restored=0)
+                            host_bytes_stored=0, host_bytes_restored=0, host_spill_seconds=0.0,
+                            host_restore_seconds=0.0)
 
     def get(self, key: bytes) -> Optional[HostEntry]:
         return self.entries.get(key)

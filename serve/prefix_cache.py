@@ -246,8 +246,13 @@ class PrefixCache:
             self.unref(hit.partial.units)
 
     def unpin_host(self, hit: Hit) -> None:
+        """Drop the pins `acquire` put on the hit's host entries; the host copies of pages the device
+        tier holds again are dropped (checkpoints and partial pages were restored into private memory,
+        so their host copies stay)."""
         for e in hit.host_entries:
             e.pins -= 1
+            if e.kind == PAGE and e.key in self.pages:
+                self.host.discard(e.key)
 
     def release_hit(self, hit: Hit) -> None:
         """Undo `acquire` for a request that was not admitted after all."""
@@ -267,7 +272,6 @@ class PrefixCache:
         self.pages[e.key] = page
         if e.parent in self.pages:
             self.pages[e.parent].children.add(e.key)
-        self.host.discard(e.key)
         return page
 
     # ---- registration -------------------------------------------------------------------------

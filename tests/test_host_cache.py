@@ -145,6 +145,7 @@ def test_restored_pages_are_shared_again_and_a_small_host_budget_degrades_to_rec
     assert warm.num_cached_tokens == 240
     keys = [k for k in pc.pages if pc.pages[k].index < 3]
     assert keys, "restored full pages are device entries again"
+    assert not any(k in pc.host.entries for k in keys), "one copy: the host tier drops what the device holds again"
     again = run(on, base + toks(7, 20))  # the same prefix now hits the device pages
     assert again.token_ids == run(off, base + toks(7, 20)).token_ids
     # a budget too small for any checkpoint: evictions are dropped, lookups fall back to recompute
