@@ -535,6 +535,16 @@ class Engine:
         self.counters["requests_aborted"] += 1
         return True
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, device and host tier (vLLM's `reset_prefix_cache`) -> True when
+        the cache is empty now; entries that requests in flight still read stay until they finish
+        (call again once idle). Outputs do not change: every resume is bit-identical to a cold prefill."""
+        self._leader_only("reset_prefix_cache")
+        if self.prefix_cache is None:
+            return True
+        self._tails.clear()
+        return self.prefix_cache.clear()
+
     def has_unfinished(self) -> bool:
         return any(not s.finished for s in self.seqs.values())
 

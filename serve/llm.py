@@ -69,6 +69,10 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix (both tiers) -> True when the cache is empty (see Engine)."""
+        return self.engine.reset_prefix_cache()
+
     def follow(self) -> int:
         """Processes 1.. of a multi-process mesh (serve/multihost.py): run process 0's steps until it
         calls `close()` (or exits); -> steps run."""

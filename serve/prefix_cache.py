@@ -414,19 +414,25 @@ class PrefixCache:
         self.unref(e.units)
         self.metrics["pages_evicted"] += 1
 
-    def clear(self) -> None:
-        """Drop every unpinned entry of both tiers (nothing is copied to host memory)."""
+    def clear(self) -> bool:
+        """Drop every entry of both tiers that no request holds (nothing is copied to host memory)
+        -> whether the cache is empty now. Checkpoints a request is about to read and pages running
+        requests share stay until they are released."""
         self._clearing = True
         try:
-            for c in list(self.ckpts.values()):
-                c.pins = 0
+            for c in [c for c in self.ckpts.values() if c.pins == 0]:
                 self._drop_ckpt(c)
+            refs = self._entry_refs()
             for e in sorted(self.pages.values(), key=lambda e: -e.index):
-                self._drop_page(e)
+                if e.key in self.pages and not e.dependents and all(
+                        self.unit_refs.get(u) == refs.get(u) for u in e.units):
+                    self._drop_page(e)
+                    refs = self._entry_refs()
         finally:
             self._clearing = False
         if self.host is not None:
             self.host.clear()
+        return not self.ckpts and not self.pages and (self.host is None or not self.host.entries)
 
     def stats(self) -> dict:
         m = dict(self.metrics)

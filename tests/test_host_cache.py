@@ -210,3 +210,26 @@ def test_config_and_cli():
     assert engine_config(dict(DEFAULTS)).host_cache_bytes == 0
     with pytest.raises(ValueError, match="give one"):
         engine_config({**DEFAULTS, "host_cache_mb": 1, "kv_offloading_size": 1.0})
+
+
+def test_reset_prefix_cache_keeps_what_requests_in_flight_read(engines):
+    on, off = engines
+    base = toks(20, 150)
+    run(on, base)
+    flood(on, 700, n=2)
+    prompt = base + toks(21, 100)
+    rid = on.add_request(prompt, SamplingParams(max_tokens=6, **PARAMS))
+    on.step()  # admitted: it shares the prefix's pages (from either tier) while it runs
+    assert not on.reset_prefix_cache()
+    out = None
+    while on.has_unfinished():
+        for o in on.step():
+            if o.request_id == rid and o.finished:
+                out = o
+    cold = run(off, prompt, n=6)
+    assert out.num_cached_tokens == 144 and out.token_ids == cold.token_ids and logprobs(out) == logprobs(cold)
+    assert on.reset_prefix_cache()
+    st = on.stats()
+    assert st["prefix_cache"]["pages"] == st["prefix_cache"]["checkpoints"] == st["prefix_cache"]["host_bytes"] == 0
+    assert st["arena_free_units"] == st["arena_baseline_free_units"]
+    assert run(on, prompt, n=6).num_cached_tokens == 0

@@ -180,8 +180,9 @@ def test_metrics_and_clear(engines):
     assert 0 < pc["hit_rate"] < 1
     s = on.stats()
     assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
-    on.prefix_cache.clear()
+    assert on.reset_prefix_cache()
     assert on.stats()["arena_free_units"] == on.stats()["arena_baseline_free_units"]
+    assert on.stats()["prefix_cache"]["pages"] == on.stats()["prefix_cache"]["checkpoints"] == 0
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
