@@ -52,7 +52,7 @@ from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
 from serve.chat import chat_ids
 from serve.responses import ResponseEvents, response_object, to_chat
-from serve.tools import ToolPlan, parse_calls, plan_tools
+from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -688,8 +688,8 @@ class _CompletionFormat(_Format):
 class _ChatFormat(_Format):
     """With `reasoning` (the channel a K3 prompt opened), text is split into `reasoning_content` and
     `content` (serve/reasoning.py). With `tools`, an answer that is a call becomes `tool_calls`
-    (serve/tools.py); streamed, a named call's arguments stream as they come, and a possible call of
-    `required` / `auto` is held back and sent whole when the choice finishes."""
+    (serve/tools.py); streamed, named and `required` calls stream as they are written, and a possible
+    `auto` call is held back and sent whole when the choice finishes."""
 
     def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None,
                  prompt_ids: Optional[list[int]] = None, **kw):
@@ -700,6 +700,7 @@ class _ChatFormat(_Format):
         self.splitters: dict[int, ChannelSplitter] = {}
         self.held: dict[int, str] = {}  # streamed content held back as a possible tool call
         self.streaming: set[int] = set()  # choices whose content turned out not to be a call
+        self.call_streams: dict[int, CallStream] = {}  # `required` calls read as they stream
 
     def _calls(self, content: str, finish_reason: Optional[str]) -> tuple[Optional[list], Optional[str]]:
         """(tool_calls, finish_reason) when the answer is a call, else (None, finish_reason)."""
@@ -712,8 +713,9 @@ class _ChatFormat(_Format):
 
     def _hold(self, idx: int, content: str, finish_reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
         """Streaming: -> (content to send now, tool_call deltas to send now, finish_reason). A named
-        call streams its arguments as they come (the answer is the arguments); a possible call of
-        `required` / `auto` is held back and sent whole when the choice finishes."""
+        call streams its arguments as they come (the answer is the arguments), `required` calls stream
+        as they are written (each call's name once complete, then its arguments; `CallStream`); a
+        possible `auto` call is held back and sent whole when the choice finishes."""
         if self.tools is None or idx in self.streaming:
             return content, None, finish_reason
         if self.tools.mode == "named":
@@ -725,6 +727,9 @@ class _ChatFormat(_Format):
             self.held[idx] = ""
             return "", [{"index": 0, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                          "function": {"name": self.tools.name, "arguments": content}}], finish
+        if self.tools.mode == "required":  # constrained to calls: stream them as they are written
+            calls = self.call_streams.setdefault(idx, CallStream()).feed(content)
+            return "", calls or None, ("tool_calls" if finish_reason == "stop" else finish_reason)
         held = self.held.get(idx, "") + content
         if self.tools.mode == "auto" and held.strip() and not held.lstrip().startswith("["):
             self.streaming.add(idx)  # plain text: send what was held and stream the rest

@@ -14,6 +14,11 @@ parameters) and asks for calls as a JSON array `[{"name": ..., "parameters": {..
   JSON array of calls of listed functions it is returned as `tool_calls`, otherwise as `content`.
 * `tool_choice="none"`: tools are neither shown nor called.
 
+Streamed, a named call's arguments and `required` calls go out as they are generated (`CallStream`
+reads the constrained array incrementally: each call's id and name once its name is complete, then its
+arguments text piece by piece); a possible `auto` call is held back and sent whole at the end, since
+unconstrained text may turn out not to be a call.
+
 Assistant messages in the history that carry `tool_calls` are rendered in the same JSON form, so the
 model sees its earlier calls as it wrote them; `tool` messages follow the family's chat format.
 """
@@ -27,7 +32,7 @@ from typing import Any, Optional
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "history_message"]
+__all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "history_message", "CallStream"]
 
 _NAMED, _REQUIRED, _AUTO = "named", "required", "auto"
 CALL_WHITESPACE = r"[ ]?"  # between two JSON tokens of a forced call
@@ -161,3 +166,131 @@ def history_message(message: dict) -> dict:
     content = message.get("content")
     body = f"{content}\n{text}" if isinstance(content, str) and content else text
     return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": body}
+
+
+class CallStream:
+    """Incremental reader of a `[{"name": ..., "parameters": {...}}, ...]` answer as it is generated ->
+    OpenAI streaming `tool_calls` deltas: a call's first delta carries its index, id, type and name
+    (sent once the name string is complete), the next ones pieces of its `arguments` (the parameters
+    object's text as written; the pieces concatenate to valid JSON). Arguments written before the name
+    (the keys in the other order) wait for it. Only the JSON's lexical structure is tracked (strings,
+    escapes, nesting), which is all the constrained format needs."""
+
+    def __init__(self):
+        self.depth = 0  # nesting: 1 inside the array, 2 inside a call object, more inside its values
+        self.in_string = self.escape = False
+        self.key = ""  # the call object's key being read or last read
+        self.reading_key = False
+        self.value_of: Optional[str] = None  # the call key whose value is being read
+        self.value_depth = 0  # depth at which that value started
+        self.text = ""  # the value's text so far (name string, or arguments)
+        self.index = -1  # current call
+        self.named: set[int] = set()  # calls whose header was sent
+        self.pending: dict[int, str] = {}  # arguments written before the call's name
+        self.args_open = False  # inside a parameters value
+
+    def feed(self, text: str) -> list[dict]:
+        out: list[dict] = []
+        args = []  # pieces of the current call's arguments in this feed
+
+        def flush_args():
+            if args:
+                self._arguments("".join(args), out)
+                args.clear()
+
+        for ch in text:
+            if self.args_open:
+                if self._end_of_value(ch):
+                    self.args_open = False
+                    flush_args()
+                else:
+                    if self.in_string or self.depth != self.value_depth or not ch.isspace():
+                        args.append(ch)  # (layout around the object is not part of the arguments)
+                    self._lex(ch)
+                    continue
+            if self.value_of == "name":
+                if self.in_string:
+                    if self.escape:
+                        self.escape = False
+                        self.text += ch
+                    elif ch == "\\":
+                        self.escape = True
+                        self.text += ch
+                    elif ch == '"':
+                        self.in_string = False
+                        self.value_of = None
+                        self._header(json.loads('"' + self.text + '"'), out)
+                    else:
+                        self.text += ch
+                elif ch == '"':
+                    self.in_string, self.text = True, ""
+                continue
+            self._structure(ch)
+        flush_args()
+        return out
+
+    # ---- lexing -----------------------------------------------------------------------------------
+    def _lex(self, ch: str) -> None:
+        """Track strings and nesting inside a parameters value."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+        elif ch == '"':
+            self.in_string = True
+        elif ch in "{[":
+            self.depth += 1
+        elif ch in "}]":
+            self.depth -= 1
+
+    def _end_of_value(self, ch: str) -> bool:
+        """Whether `ch` ends the parameters value (a `,` or `}` back at the call object's level)."""
+        return not self.in_string and self.depth == self.value_depth and ch in ",}"
+
+    def _structure(self, ch: str) -> None:
+        """Outside values the tool format reads: array, call objects, their keys."""
+        if self.in_string:
+            if self.escape:
+                self.escape = False
+            elif ch == "\\":
+                self.escape = True
+            elif ch == '"':
+                self.in_string = False
+                self.reading_key = False
+            elif self.reading_key:
+                self.key += ch
+            return
+        if ch == '"':
+            self.in_string = True
+            if self.depth == 2 and self.value_of is None:
+                self.reading_key, self.key = True, ""
+        elif ch == ":" and self.depth == 2:
+            if self.key == "name":
+                self.value_of = "name"
+            elif self.key == "parameters":
+                self.args_open, self.value_depth = True, self.depth
+        elif ch in "{[":
+            self.depth += 1
+            if self.depth == 2 and ch == "{":
+                self.index += 1
+        elif ch in "}]":
+            self.depth -= 1
+
+    # ---- deltas -------------------------------------------------------------------------------------
+    def _header(self, name: str, out: list[dict]) -> None:
+        i = self.index
+        out.append({"index": i, "id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                    "function": {"name": name, "arguments": self.pending.pop(i, "")}})
+        self.named.add(i)
+
+    def _arguments(self, piece: str, out: list[dict]) -> None:
+        i = self.index
+        if i not in self.named:
+            self.pending[i] = self.pending.get(i, "") + piece
+        elif out and out[-1]["index"] == i and "id" not in out[-1]:
+            out[-1]["function"]["arguments"] += piece
+        else:
+            out.append({"index": i, "function": {"arguments": piece}})

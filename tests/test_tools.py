@@ -16,7 +16,7 @@ import pytest
 from k3jax.tokenizer import ByteTokenizer
 from serve.api import create_app
 from serve.structured import GrammarCompiler, mask_words
-from serve.tools import history_message, parse_calls, plan_tools
+from serve.tools import CallStream, history_message, parse_calls, plan_tools
 from serve.types import CompletionOutput, RequestError, RequestOutput
 
 TOK = ByteTokenizer(320)
@@ -131,6 +131,57 @@ def test_named_tool_choice_streams_one_call():
     assert json.loads("".join(c["function"]["arguments"] for c in calls)) == {"a": 5, "b": -2}
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
     assert "Call the function add" in TOK.decode(eng.seen[0][0])
+
+
+def _calls_from(deltas):
+    """Streamed tool_call deltas -> [(name, arguments text)], checking each call's first delta carries its
+    id and name and no later one does."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        c = calls.setdefault(d["index"], {})
+        if "id" in d:
+            assert not c and d["id"].startswith("call_") and d["type"] == "function"
+            c.update(name=d["function"]["name"], args="")
+        else:
+            assert c and "name" not in d["function"], "arguments before the call's header"
+        c["args"] += d["function"]["arguments"]
+    assert sorted(calls) == list(range(len(calls)))
+    return [(c["name"], c["args"]) for _, c in sorted(calls.items())]
+
+
+def test_required_calls_stream_as_they_are_written():
+    answer = '[{"name":"get_weather","parameters":{"city":"paris","days":3}},{"name":"add","parameters":{"a":10,"b":2}}]'
+    status, chunks = _chat(ScriptedEngine(), [answer], stream=True, tool_choice="required")
+    assert status == 200
+    deltas = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert len(deltas) > 6  # not one whole call per chunk at the end
+    got = _calls_from(deltas)
+    assert [(n, json.loads(a)) for n, a in got] == [("get_weather", {"city": "paris", "days": 3}),
+                                                    ("add", {"a": 10, "b": 2})]
+    first_args = next(i for i, c in enumerate(chunks) if c["choices"] and any(
+        d.get("function", {}).get("arguments") for d in c["choices"][0]["delta"].get("tool_calls", [])))
+    assert first_args < len(chunks) - 3, "arguments should start streaming before the answer is complete"
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "tool_calls"
+    status, whole = _chat(ScriptedEngine(), [answer], tool_choice="required")
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"]))
+            for c in whole["choices"][0]["message"]["tool_calls"]] == [(n, json.loads(a)) for n, a in got]
+
+
+@pytest.mark.parametrize("text", [
+    '[{"name":"get_weather","parameters":{"city":"paris","days":3}},{"name":"add","parameters":{"a":1,"b":2}}]',
+    '[ { "name" : "a\\"b" , "parameters" : { "x" : "}{,\\"]" , "y" : [1, {"z": "]"}] } } ]',
+    '[{"parameters":{"k":[1,2]},"name":"late"},{"name":"n","parameters":{}}]'])
+def test_call_stream_reads_calls_split_anywhere(text):
+    rng = np.random.default_rng(0)
+    for _ in range(25):
+        cs, deltas, i = CallStream(), [], 0
+        while i < len(text):
+            n = int(rng.integers(1, 8))
+            deltas += cs.feed(text[i:i + n])
+            i += n
+        got = _calls_from(deltas)
+        assert [(n, json.loads(a)) for n, a in got] == [(c["name"], c["parameters"]) for c in json.loads(text)]
 
 
 def test_auto_returns_calls_or_text_and_streams_text_at_once():
