@@ -4,6 +4,7 @@ Endpoints
   POST /v1/completions        text completion (prompt: string, token ids, or a batch of either)
   POST /v1/chat/completions   chat (the model family's chat template: K3, Kimi-Linear, or the byte presets')
   POST /v1/responses          OpenAI's Responses API, translated to and from chat (serve/responses.py)
+  GET, DELETE /v1/responses/{id}   a stored response (kept in memory for previous_response_id)
   GET  /v1/models, /v1/models/{id}
   GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died)
   GET  /metrics               Prometheus text (serve/metrics.py)
@@ -51,7 +52,7 @@ from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
 from serve.chat import chat_ids
-from serve.responses import ResponseEvents, response_object, to_chat
+from serve.responses import ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
@@ -205,7 +206,7 @@ class ChatCompletionRequest(_GenerationFields):
 
 
 class ResponsesRequest(_Strict):
-    """OpenAI's Responses API request (the fields this stateless server serves; serve/responses.py)."""
+    """OpenAI's Responses API request (the fields this server serves; serve/responses.py)."""
 
     model: Optional[str] = None
     input: Union[str, list[dict[str, Any]]]
@@ -220,8 +221,10 @@ class ResponsesRequest(_Strict):
     text: Optional[dict[str, Any]] = Field(None, description="{'format': {'type': 'text' | 'json_object' | "
                                                              "'json_schema', 'name', 'schema'}}")
     reasoning: Optional[dict[str, Any]] = Field(None, description="{'effort': K3's low | high | max}")
-    previous_response_id: Optional[str] = Field(None, description="not supported: the server keeps no state")
-    store: Optional[bool] = Field(None, description="accepted; nothing is stored")
+    previous_response_id: Optional[str] = Field(None, description="continue the conversation of a stored response "
+                                                                   "(its instructions are not carried over)")
+    store: Optional[bool] = Field(None, description="default true: keep the response in server memory (per API key, "
+                                                    "LRU) for previous_response_id and GET /v1/responses/{id}")
     truncation: Optional[Literal["disabled"]] = Field(None, description="'disabled' (the default): a conversation "
                                                                          "longer than the context is a 400")
     metadata: Optional[dict[str, str]] = None
@@ -840,13 +843,18 @@ class _ResponsesFormat:
 
     done_marker = False  # Responses streams end with response.completed, no [DONE]
 
-    def __init__(self, chat: _ChatFormat, body, model: str, count_tokens):
-        self.chat, self.body, self.model, self.count = chat, body, model, count_tokens
+    def __init__(self, chat: _ChatFormat, body, model: str, count_tokens, keep=None):
+        """`keep(response)`: stores the finished response (None: not stored)."""
+        self.chat, self.body, self.model, self.count, self.keep = chat, body, model, count_tokens, keep
         self.id = chat.id
-        self.events = ResponseEvents(chat.id, chat.created, body, model)
+        self.events = ResponseEvents(chat.id, chat.created, body, model, stored=keep is not None)
 
     def full(self, run: _Run) -> dict:
-        return response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model, self.count)
+        r = response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model, self.count,
+                            stored=self.keep is not None)
+        if self.keep is not None:
+            self.keep(r)
+        return r
 
     def start(self, nprompts: int, usage_field: bool) -> list[dict]:
         return self.events.start()
@@ -855,7 +863,10 @@ class _ResponsesFormat:
         return [e for chunk in self.chat.deltas(i, out, False) for e in self.events.chunk(chunk)]
 
     def end(self, run: _Run, include_usage: bool) -> list[dict]:
-        return self.events.end(run.usage(), self.count)
+        events = self.events.end(run.usage(), self.count)
+        if self.keep is not None:
+            self.keep(events[-1]["response"])  # response.completed / .incomplete
+        return events
 
     @staticmethod
     def sse(obj) -> str:
@@ -911,7 +922,8 @@ class _BodyLimit:
 
 def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, limits: Optional[Limits] = None,
                max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
-               max_model_len: Optional[int] = None, reasoning_parser: bool = True) -> FastAPI:
+               max_model_len: Optional[int] = None, reasoning_parser: bool = True,
+               max_stored_responses: int = 1024) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -922,9 +934,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     max_model_len: the context window shown before the engine is attached.
     reasoning_parser: K3 chat answers split into `reasoning_content` and `content` (serve/reasoning.py);
       False returns the raw XTML text as `content`.
+    max_stored_responses: Responses API objects kept in memory for `previous_response_id` (0: none).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
+    st.responses = ResponseStore(max_stored_responses)
     if async_engine is not None:
         st.attach(async_engine)
 
@@ -1033,11 +1047,18 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     @app.post("/v1/responses", responses=_ERRORS)
     async def responses(body: ResponsesRequest, request: Request, key: str = Depends(authenticate),
                         _r: None = Depends(ready)):
-        """OpenAI's Responses API over the chat machinery (serve/responses.py); stateless."""
+        """OpenAI's Responses API over the chat machinery (serve/responses.py)."""
         arrival = time.monotonic()
         st.check_model(body.model)
+        previous: list[dict] = []
+        if body.previous_response_id is not None:
+            got = st.responses.get(key, body.previous_response_id)
+            if got is None:
+                raise APIError(400, f"previous_response_id: no stored response {body.previous_response_id!r} "
+                                    f"(unknown, deleted, or dropped from the store)", param="previous_response_id")
+            previous = got[1]
         try:
-            spec = to_chat(body)
+            spec = to_chat(body, previous)
             chat = ChatCompletionRequest(
                 messages=spec["messages"], max_tokens=body.max_output_tokens, temperature=body.temperature,
                 top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
@@ -1050,8 +1071,27 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         rid = f"resp_{uuid.uuid4().hex}"
         ids, params, chat_fmt = _chat_request(st, chat, rid)
         count = (lambda text: len(st.tokenizer.encode(text))) if st.tokenizer is not None else (lambda text: 0)
-        fmt = _ResponsesFormat(chat_fmt, body, st.model_name, count)
+        keep = None
+        if body.store is not False and st.responses.max_entries:
+            conversation = previous + input_items(body)
+            keep = lambda r: st.responses.put(key, r, conversation + r["output"])  # noqa: E731
+        fmt = _ResponsesFormat(chat_fmt, body, st.model_name, count, keep)
         return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
+
+    @app.get("/v1/responses/{response_id}", responses=_ERRORS)
+    async def get_response(response_id: str, key: str = Depends(authenticate)):
+        """A stored response (OpenAI's retrieve)."""
+        got = st.responses.get(key, response_id)
+        if got is None:
+            raise APIError(404, f"no stored response {response_id!r}", "not_found_error", param="response_id")
+        return got[0]
+
+    @app.delete("/v1/responses/{response_id}", responses=_ERRORS)
+    async def delete_response(response_id: str, key: str = Depends(authenticate)):
+        """Forget a stored response (OpenAI's delete)."""
+        if not st.responses.delete(key, response_id):
+            raise APIError(404, f"no stored response {response_id!r}", "not_found_error", param="response_id")
+        return {"id": response_id, "object": "response.deleted", "deleted": True}
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):

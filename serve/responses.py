@@ -11,19 +11,26 @@ Responses events (`ResponseEvents`): `response.created`, `response.in_progress`,
 `response.output_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`, and finally
 `response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer).
 
-The server keeps no state: `previous_response_id` and stored responses are refused (send the whole
-conversation in `input`); `store` is accepted and has no effect.
+Stored responses (`ResponseStore`): unless a request says `store: false`, its response object and the
+conversation it ends (the previous response's conversation, this request's input items, its output
+items) are kept in server memory, per API key, least recently used dropped first beyond a fixed count.
+`previous_response_id` continues such a conversation (as OpenAI's API: the earlier `instructions` are
+not carried over); `GET /v1/responses/{id}` returns a stored response and `DELETE` forgets it. Nothing
+is written to disk: a restarted server has no stored responses. With the prefix cache the continued
+conversation's prefix is usually still cached (device or host tier), so continuing costs about the new
+input's tokens.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import uuid
 from typing import Any, Optional
 
 from serve.types import RequestError
 
-__all__ = ["to_chat", "response_object", "ResponseEvents"]
+__all__ = ["to_chat", "response_object", "ResponseEvents", "ResponseStore", "input_items"]
 
 
 def _text(content: Any, where: str) -> str:
@@ -39,15 +46,19 @@ def _text(content: Any, where: str) -> str:
     raise RequestError(f"input: {where}.content must be a string or a list of text parts")
 
 
-def to_chat(body) -> dict:
-    """-> {"messages", "tools", "tool_choice", "response_format", "reasoning_effort"} of the chat request."""
-    if body.previous_response_id is not None:
-        raise RequestError("previous_response_id: this server keeps no responses; send the whole conversation "
-                           "in input")
+def input_items(body) -> list[dict]:
+    """The request's `input` as a list of items (a string is one user message)."""
+    return [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
+        else list(body.input)
+
+
+def to_chat(body, previous: Optional[list[dict]] = None) -> dict:
+    """-> {"messages", "tools", "tool_choice", "response_format", "reasoning_effort"} of the chat request;
+    `previous`: the conversation of the response named by `previous_response_id` (its items come first)."""
     msgs: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else list(body.input)
-    if not items:
+    if not input_items(body):
         raise RequestError("input: must not be empty")
+    items = list(previous or []) + input_items(body)
     for i, it in enumerate(items):
         where = f"input[{i}]"
         if not isinstance(it, dict):
@@ -113,7 +124,7 @@ def _ids() -> str:
 
 
 def _envelope(rid: str, created: int, body, model: str, status: str, output: list, usage: Optional[dict] = None,
-               incomplete: Optional[str] = None) -> dict:
+               incomplete: Optional[str] = None, stored: bool = False) -> dict:
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
@@ -122,7 +133,8 @@ def _envelope(rid: str, created: int, body, model: str, status: str, output: lis
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
             "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
-            "reasoning": body.reasoning, "store": False, "metadata": body.metadata or {}, "usage": usage}
+            "reasoning": body.reasoning, "store": stored, "previous_response_id": body.previous_response_id,
+            "metadata": body.metadata or {}, "usage": usage}
 
 
 def _usage(chat: dict, reasoning_tokens: int) -> dict:
@@ -139,7 +151,7 @@ def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
     return "completed", None
 
 
-def response_object(chat: dict, rid: str, created: int, body, model: str, count_tokens) -> dict:
+def response_object(chat: dict, rid: str, created: int, body, model: str, count_tokens, stored: bool = False) -> dict:
     """A chat completion (one choice) -> the Responses object; `count_tokens(text)` sizes the reasoning."""
     ch = chat["choices"][0]
     m = ch["message"]
@@ -156,14 +168,14 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, count_
                        "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": []}]})
     status, reason = _status(ch["finish_reason"])
     return _envelope(rid, created, body, model, status, output,
-                     _usage(chat, count_tokens(reasoning) if reasoning else 0), reason)
+                     _usage(chat, count_tokens(reasoning) if reasoning else 0), reason, stored)
 
 
 class ResponseEvents:
     """Chat completion chunks (one choice) -> Responses streaming events."""
 
-    def __init__(self, rid: str, created: int, body, model: str):
-        self.rid, self.created, self.body, self.model = rid, created, body, model
+    def __init__(self, rid: str, created: int, body, model: str, stored: bool = False):
+        self.rid, self.created, self.body, self.model, self.stored = rid, created, body, model, stored
         self.seq = 0
         self.items: list[dict] = []  # output items, in order
         self.open: Optional[dict] = None  # the item receiving deltas
@@ -174,7 +186,7 @@ class ResponseEvents:
         return {"type": kind, "sequence_number": self.seq - 1, **fields}
 
     def start(self) -> list[dict]:
-        r = _envelope(self.rid, self.created, self.body, self.model, "in_progress", [])
+        r = _envelope(self.rid, self.created, self.body, self.model, "in_progress", [], stored=self.stored)
         return [self._event("response.created", response=r), self._event("response.in_progress", response=r)]
 
     def _close(self) -> list[dict]:
@@ -267,6 +279,40 @@ class ResponseEvents:
         reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
         status, reason = _status(self.finish)
         r = _envelope(self.rid, self.created, self.body, self.model, status, self.items,
-                      _usage({"usage": chat_usage}, count_tokens(reasoning) if reasoning else 0), reason)
+                      _usage({"usage": chat_usage}, count_tokens(reasoning) if reasoning else 0), reason, self.stored)
         return ev + [self._event("response.completed" if status == "completed" else "response.incomplete",
                                  response=r)]
+
+
+class ResponseStore:
+    """Responses kept for `previous_response_id` and `GET` / `DELETE /v1/responses/{id}`: per owner (the API
+    key), the response object and the conversation it ends; at most `max_entries`, least recently used
+    dropped first. In memory only."""
+
+    def __init__(self, max_entries: int = 1024):
+        if max_entries < 0:
+            raise ValueError(f"max_stored_responses must be >= 0, got {max_entries}")
+        self.max_entries = max_entries
+        self._entries: collections.OrderedDict[tuple[str, str], tuple[dict, list[dict]]] = collections.OrderedDict()
+
+    def put(self, owner: str, response: dict, conversation: list[dict]) -> None:
+        if not self.max_entries:
+            return
+        k = (owner, response["id"])
+        self._entries[k] = (response, conversation)
+        self._entries.move_to_end(k)
+        while len(self._entries) > self.max_entries:
+            self._entries.popitem(last=False)
+
+    def get(self, owner: str, rid: str) -> Optional[tuple[dict, list[dict]]]:
+        """(response, conversation) or None (unknown, dropped, or another key's)."""
+        got = self._entries.get((owner, rid))
+        if got is not None:
+            self._entries.move_to_end((owner, rid))
+        return got
+
+    def delete(self, owner: str, rid: str) -> bool:
+        return self._entries.pop((owner, rid), None) is not None
+
+    def __len__(self) -> int:
+        return len(self._entries)

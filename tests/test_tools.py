@@ -370,3 +370,55 @@ def test_responses_bad_requests_name_the_field(extra, field):
             return await c.post("/v1/responses", json={"input": "x", **extra})
     r = asyncio.run(go())
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_stored_responses_continue_conversations_per_key():
+    """previous_response_id continues a stored conversation (not its instructions); streamed responses are
+    stored too; store=false, delete, another key and the store's bound all leave nothing to continue."""
+    import openai
+
+    eng = ScriptedEngine()
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    eng.script = ["It is 21C in Paris.", '[{"name":"add","parameters":{"a":2,"b":3}}]', "Done: 5.", "x", "y", "z"]
+    app = create_app(None, "m", api_keys=["ka", "kb"], max_stored_responses=3)
+    app.state.k3.attach(eng)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as http:
+            a = openai.AsyncOpenAI(base_url="http://t/v1", api_key="ka", http_client=http)
+            b = openai.AsyncOpenAI(base_url="http://t/v1", api_key="kb", http_client=http)
+            r1 = await a.responses.create(model="m", input="weather in paris?", instructions="answer in French")
+            assert r1.store is True
+            assert (await a.responses.retrieve(r1.id)).output_text == "It is 21C in Paris."
+            stream = await a.responses.create(model="m", input="now add 2 and 3", previous_response_id=r1.id,
+                                              tools=flat, tool_choice="required", stream=True)
+            r2 = [e async for e in stream][-1].response
+            assert r2.previous_response_id == r1.id and r2.output[0].type == "function_call"
+            p2 = TOK.decode(eng.seen[-1][0])
+            assert "weather in paris?" in p2 and "It is 21C in Paris." in p2 and "now add 2 and 3" in p2
+            assert "answer in French" not in p2  # instructions are not carried over
+            call = r2.output[0]
+            r3 = await a.responses.create(model="m", previous_response_id=r2.id, tools=flat, input=[
+                {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+            p3 = TOK.decode(eng.seen[-1][0])
+            assert r3.output_text == "Done: 5." and "weather in paris?" in p3
+            assert '"name": "add", "parameters": {"a": 2, "b": 3}' in p3 and f"## Return of {call.call_id}\n5" in p3
+            with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+                await b.responses.create(model="m", input="hi", previous_response_id=r3.id)  # another key's
+            with pytest.raises(openai.NotFoundError):
+                await b.responses.retrieve(r3.id)
+            r4 = await a.responses.create(model="m", input="q", store=False)
+            assert r4.store is False
+            with pytest.raises(openai.NotFoundError):
+                await a.responses.retrieve(r4.id)
+            await a.responses.delete(r3.id)
+            with pytest.raises(openai.NotFoundError):
+                await a.responses.retrieve(r3.id)
+            await a.responses.create(model="m", input="q2")  # stored: r1, r2, q2 (3, the bound)
+            await a.responses.retrieve(r2.id)  # least recently used first: r1, q2, r2
+            await a.responses.create(model="m", input="q3")  # drops r1
+            await a.responses.retrieve(r2.id)
+            with pytest.raises(openai.BadRequestError, match="previous_response_id"):
+                await a.responses.create(model="m", input="again", previous_response_id=r1.id)
+    asyncio.run(go())
+    assert len(app.state.k3.responses) == 3
