@@ -183,6 +183,7 @@ class Sequence:
     bad_words: tuple = ()  # token sequences never to complete (SamplingParams.bad_words)
     draft: list[int] = field(default_factory=list)  # speculative tokens proposed for the next decode
     ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
+    spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -568,10 +569,13 @@ class Engine:
             off = cap is not None and len(decoding) >= cap
             for s in live:
                 s.draft = [] if off else self._drafts(s)
-            drafts = [len(s.draft) for s in decoding if s.draft]
-            if drafts and self.gate is not None:
+            drafting = [s for s in decoding if s.draft]
+            if drafting and self.gate is not None:
                 rows = min(len(decoding), self.decode_buckets[-1])
-                if not self.gate.allow(_fit(rows, self.decode_buckets), rows, drafts):
+                for s in drafting:
+                    s.spec_p = s.spec_p or self.gate.prior()
+                if not self.gate.allow(_fit(rows, self.decode_buckets), rows, [len(s.draft) for s in drafting],
+                                       [s.spec_p for s in drafting]):
                     for s in decoding:
                         s.draft = []
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
@@ -793,7 +797,7 @@ class Engine:
             self.compiles_after_warmup += 1
             log.warning("%s compiled after warm-up", what)
 
-    def _count_drafts(self, drafted: int, accepted: int) -> None:
+    def _count_drafts(self, seq: Sequence, drafted: int, accepted: int) -> None:
         if drafted:
             c = self.counters
             c["spec_decode_num_drafts"] += 1
@@ -801,7 +805,7 @@ class Engine:
             c["spec_decode_num_accepted_tokens"] += accepted
             self.spec_accepted_per_pos[:accepted] += 1
             if self.gate is not None:
-                self.gate.observe(drafted, accepted)
+                self.gate.observe(drafted, accepted, seq.spec_p)
 
     def _after_row(self, seq: Sequence, decoded: bool, prev: Optional[int] = None, ahead: list[int] = ()) -> None:
         """Bookkeeping after a step computed rows of `seq` (from position `prev` on a decode; `ahead`: accepted
@@ -940,7 +944,7 @@ class Engine:
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
             if verify:  # the input token and the accepted drafts are in the cache; emit those drafts + 1
                 a = int(accepted[i])
-                self._count_drafts(n - 1, a)
+                self._count_drafts(seq, n - 1, a)
                 seq.computed = start + 1 + a
                 if seq.slot is not None:
                     self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])

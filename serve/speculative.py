@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -141,19 +143,28 @@ class DraftGate:
     the weight reads dominate). A step of n decoding rows with drafts yields n + (expected accepted)
     tokens, so drafts pay when (n + sum over rows and positions j < d of p[j]) / n >= cost, where p[j] is
     a running estimate of P(the draft is accepted through position j) over recent drafts (starting
-    optimistic, so a new engine tries). While drafts do not pay, a probe step still drafts now and then
-    (after 16 skipped steps, doubling up to 256 while probes keep failing), so the estimates follow the
-    traffic."""
+    optimistic, so a new engine tries). Each request also keeps its own estimates (`prior()` when it
+    starts drafting, then updated by its own rows at a faster rate), so a batch that mixes text that
+    repeats itself (code edits, quoting) with text that does not counts each row's real prospects. While
+    drafts do not pay, a probe step still drafts now and then (after 16 skipped steps, doubling up to 256
+    while probes keep failing), so the estimates follow the traffic."""
 
     def __init__(self, k: int, cost: dict[int, float], rate: float = 0.05, probe_min: int = 16,
-                 probe_max: int = 256):
+                 probe_max: int = 256, row_rate: float = 0.3):
         self.p = [1.0] * k
         self.cost, self.rate, self.probe_min, self.probe_max = dict(cost), rate, probe_min, probe_max
+        self.row_rate = row_rate
         self.interval, self.skipped, self.skipped_steps = probe_min, 0, 0
 
-    def allow(self, bucket: int, rows: int, drafts: list[int]) -> bool:
-        """rows: requests decoding this step; drafts: draft lengths of those that have proposals."""
-        gain = sum(self.p[j] for d in drafts for j in range(d))
+    def prior(self) -> list[float]:
+        """A new request's estimates: the engine-wide ones."""
+        return list(self.p)
+
+    def allow(self, bucket: int, rows: int, drafts: list[int], estimates: Optional[list[list[float]]] = None) -> bool:
+        """rows: requests decoding this step; drafts: draft lengths of those that have proposals;
+        estimates: those requests' own acceptance estimates (default: the engine-wide ones)."""
+        est = estimates if estimates is not None else [self.p] * len(drafts)
+        gain = sum(e[j] for d, e in zip(drafts, est) for j in range(d))
         if rows and (rows + gain) / rows >= self.cost.get(bucket, 1.0):
             self.interval, self.skipped = self.probe_min, 0
             return True
@@ -164,10 +175,14 @@ class DraftGate:
         self.skipped_steps += 1
         return False
 
-    def observe(self, drafted: int, accepted: int) -> None:
-        """One verified row: `accepted` of its `drafted` drafts."""
+    def observe(self, drafted: int, accepted: int, row: Optional[list[float]] = None) -> None:
+        """One verified row: `accepted` of its `drafted` drafts (`row`: its request's estimates, updated
+        in place)."""
         for j in range(drafted):
-            self.p[j] += self.rate * ((1.0 if j < accepted else 0.0) - self.p[j])
+            hit = 1.0 if j < accepted else 0.0
+            self.p[j] += self.rate * (hit - self.p[j])
+            if row is not None:
+                row[j] += self.row_rate * (hit - row[j])
 
 
 def accepted_lengths(tokens: jax.Array, sampled: jax.Array, valid: jax.Array) -> jax.Array:

@@ -88,6 +88,20 @@ def test_draft_gate_drafts_only_where_drafts_pay():
     assert gate.skipped_steps == 2 + 98
 
 
+def test_draft_gate_counts_each_request_by_its_own_acceptance():
+    gate = DraftGate(3, {2: 2.0})
+    good, bad = gate.prior(), gate.prior()
+    for _ in range(60):  # one request repeats itself, three others never do
+        gate.observe(3, 3, good)
+        for _ in range(3):
+            gate.observe(3, 0, bad)
+    assert max(gate.p) < 0.4 and min(good) > 0.99 and max(bad) < 0.01
+    assert not gate.allow(2, 2, [3])  # engine-wide: 2 + 3 x p < 2 x 2
+    assert gate.allow(2, 2, [3], [good])  # the repeating request alone pays for the verify step
+    assert not gate.allow(2, 2, [3], [bad])
+    assert gate.prior() == gate.p and gate.prior() is not gate.p
+
+
 def test_config_errors_name_the_field():
     with pytest.raises(ValueError, match="speculative_config.method"):
         EngineConfig(speculative_config={"method": "eagle3"}).validate()
