@@ -732,16 +732,18 @@ class Engine:
             return 0
         seq.reused = True
         lm = self.cfg.num_mla_layers  # the hit was pinned (acquired) by _allocate
-        pages, restored, first = [], 0, len(restore)
+        pages, entries, restored, first = [], [], 0, len(restore)
         for e in hit.pages:
             if isinstance(e, HostEntry):
                 units = self.allocator.alloc_pages(lm)
                 pc.ref(units)  # the request's hold
                 restore.append((units, e))
-                pc.adopt_page(e, units)  # shared again (unless the device tier has that page by now)
+                # shared again, unless the device tier has that page by now (then this copy stays private)
+                entries.append(pc.adopt_page(e, units) or e)
                 pages.append(units)
                 restored += lm
             else:
+                entries.append(e)
                 pages.append(e.units)
         for l in range(lm):
             seq.pages[l] = [units[l] for units in pages]
@@ -761,8 +763,7 @@ class Engine:
         seq.registered_pages = len(hit.pages)
         if len(restore) > first:  # the rows stay referenced by `restore` until they are written
             pc.unpin_host(hit)
-            seq.hit = Hit(hit.pos, None if isinstance(hit.ckpt, HostEntry) else hit.ckpt,
-                          [pc.pages.get(e.key, e) for e in hit.pages],
+            seq.hit = Hit(hit.pos, None if isinstance(hit.ckpt, HostEntry) else hit.ckpt, entries,
                           None if isinstance(hit.partial, HostEntry) else hit.partial, hit.mla_tokens, hit.device_pos)
         return restored
 

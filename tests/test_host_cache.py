@@ -233,3 +233,24 @@ def test_reset_prefix_cache_keeps_what_requests_in_flight_read(engines):
     assert st["prefix_cache"]["pages"] == st["prefix_cache"]["checkpoints"] == st["prefix_cache"]["host_bytes"] == 0
     assert st["arena_free_units"] == st["arena_baseline_free_units"]
     assert run(on, prompt, n=6).num_cached_tokens == 0
+
+
+def test_two_requests_restoring_the_same_host_prefix_in_one_step(engines):
+    on, off = engines
+    base = toks(30, 200)
+    run(on, base)
+    flood(on, 800)
+    before = host(on)
+    prompts = [base + toks(31, 12), base + toks(32, 20)]
+    rids = [on.add_request(p, SamplingParams(max_tokens=5, **PARAMS)) for p in prompts]
+    outs = {}
+    while on.has_unfinished():
+        for o in on.step():
+            if o.finished:
+                outs[o.request_id] = o
+    assert host(on)["host_hits"] - before["host_hits"] == 2
+    for rid, p in zip(rids, prompts):
+        cold = run(off, p, n=5)
+        assert outs[rid].num_cached_tokens == 192
+        assert outs[rid].token_ids == cold.token_ids and logprobs(outs[rid]) == logprobs(cold)
+    settled(on)
