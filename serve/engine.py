@@ -31,7 +31,7 @@ from pallas_kernels.dispatch import resolve_backend
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.memory import Arena, ArenaLayout, OutOfMemory
 from serve.moe_timing import time_moe_blocks
-from serve.multihost import StepChannel, mesh_processes
+from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve.sampling import SamplingBatch
@@ -266,9 +266,11 @@ class Engine:
             page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units)
         self.align = self.sched_cfg.align
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
+        self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
         host = None
         if config.host_cache_bytes and config.enable_prefix_caching:
-            host = HostCache(config.host_cache_bytes)
+            multi = self.mesh is not None and len(mesh_processes(self.mesh)) > 1
+            host = HostCache(config.host_cache_bytes, track_forgotten=multi)
             self.host_transfers = Transfers(max(self.layout.slot_units, 4 * max(1, self.cfg.num_mla_layers)),
                                             self.layout.scratch_page,
                                             (self.arena.sharding, self.token_pages.sharding) if self.mesh else None)
@@ -309,9 +311,6 @@ class Engine:
                 raise ValueError(f"sharding={config.sharding!r}: the mesh holds the devices of processes "
                                  f"{sorted(mesh_processes(self.mesh))} of {jax.process_count()}; a multi-process "
                                  f"mesh must span every process")
-            if config.host_cache_bytes:
-                raise ValueError("host_cache_bytes: the host tier is not supported on a multi-process mesh "
-                                 "(its copies would run on process 0 alone)")
             self.channel = StepChannel(lambda rows, t, pages: self._pad_batch(rows, t, pages, []))
             self.channel.check(self._fingerprint())
             if self.channel.leader:
@@ -409,14 +408,50 @@ class Engine:
         if not self.warmed_up:
             raise RuntimeError("warm the engine up (as the leader does) before following")
         n = 0
-        while (batch := self.channel.receive()) is not None:
+        while (got := self.channel.receive()) is not None:
+            cmd, batch = got
             try:
+                if cmd in (SPILL, RESTORE, FORGET):
+                    self._follow_copy(cmd, batch)
+                    continue
                 self._step_fn(batch)
             except Exception:
                 log.exception("step %d failed on process %d", n, self.channel.process)
             n += 1
         jax.block_until_ready(self.arena)
         return n
+
+    def _follow_copy(self, cmd: int, payload: np.ndarray) -> None:
+        """A follower's part of a host-tier copy: keep, write back or drop its pieces of the entries."""
+        if cmd == FORGET:
+            for uid in payload.tolist():
+                self._host_pieces.pop(uid, None)
+            return
+        n = int(payload[0])
+        units = payload[1:1 + n].tolist()
+        segments = payload[1 + n:].reshape(-1, 2).tolist()  # (uid, units)
+        if cmd == SPILL:
+            rows, toks = self.host_transfers.read(self.arena, self.token_pages, units)
+            at = 0
+            for uid, k in segments:
+                self._host_pieces[uid] = (rows[at:at + k], toks[at:at + k])
+                at += k
+        else:
+            pieces = [self._host_pieces[uid] for uid, _ in segments]
+            self.arena, self.token_pages = self.host_transfers.write(
+                self.arena, self.token_pages, units, np.concatenate([r for r, _ in pieces]),
+                np.concatenate([t for _, t in pieces]))
+
+    def _send_copy(self, cmd: int, units: list[int], segments: list[tuple[int, int]]) -> None:
+        """The leader of a multi-process engine names a host-tier copy to the followers (after the
+        entries its store dropped since the last one)."""
+        if self.channel is None or not self.channel.leader:
+            return
+        host = self.prefix_cache.host
+        if host.forgotten:
+            self.channel.command(FORGET, np.asarray(host.forgotten, np.int32))
+            host.forgotten.clear()
+        self.channel.command(cmd, np.asarray([len(units), *units, *[x for seg in segments for x in seg]], np.int32))
 
     def close(self) -> None:
         """Release the follower processes of a multi-process engine (a no-op otherwise); after it the
@@ -767,9 +802,11 @@ class Engine:
                           None if isinstance(hit.partial, HostEntry) else hit.partial, hit.mla_tokens, hit.device_pos)
         return restored
 
-    def _read_units(self, units: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """Host copies of arena units and their token rows (the host tier's spill)."""
+    def _read_units(self, units: list[int], segments: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
+        """Host copies of arena units and their token rows (the host tier's spill; `segments`: the entries'
+        (uid, units), which the followers of a multi-process engine keep their pieces under)."""
         t, t0 = self.host_transfers, time.perf_counter()
+        self._send_copy(SPILL, units, segments)
         before = t.cache_size()
         out = t.read(self.arena, self.token_pages, units)
         self._count_compiles(t.cache_size() > before, "host tier read")
@@ -782,9 +819,9 @@ class Engine:
         t, host = self.host_transfers, self.prefix_cache.host
         units = [u for us, _ in restore for u in us]
         rows = np.concatenate([e.rows for _, e in restore])
-        toks = np.concatenate([e.tokens if e.tokens is not None else
-                               np.zeros((len(e.rows), self.layout.page_size), np.int32) for _, e in restore])
+        toks = np.concatenate([e.tokens for _, e in restore])
         before, t0 = t.cache_size(), time.perf_counter()
+        self._send_copy(RESTORE, units, [(e.uid, len(us)) for us, e in restore])
         self.arena, self.token_pages = t.write(self.arena, self.token_pages, units, rows, toks)
         # the step that follows reads these units; waiting here only moves that wait, and times the copy
         jax.block_until_ready(self.arena)
@@ -882,6 +919,11 @@ class Engine:
         step (the request stays waiting), never half-done."""
         pc, lm = self.prefix_cache, self.cfg.num_mla_layers
         running = [r for r in plan.grow if r not in plan.admit]
+        if pc is not None and pc.host is not None:  # host entries to restore stay in the store meanwhile
+            for rid in plan.admit:
+                hit = self.seqs[rid].hit
+                if hit is not None and hit.pos:
+                    pc.pin_host(hit)
         if pc is not None:  # running requests first: the scheduler counted on all evictable memory
             pc.evict_for(sum(plan.grow[r] for r in running), 0, keep=self._wanted())
         for rid in running:

@@ -22,6 +22,7 @@ rows back into the arena and token pages.
 from __future__ import annotations
 
 import collections
+import itertools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -45,6 +46,7 @@ class HostEntry:
     pos: int = 0  # checkpoints: position of the state
     ckpt_kind: str = ""  # checkpoints: prompt_end / chunk_end / decode_interval / branch_point
     pins: int = 0
+    uid: int = 0  # names the entry's bytes on every process of a multi-process engine
 
     @property
     def nbytes(self) -> int:
@@ -54,16 +56,24 @@ class HostEntry:
 class HostCache:
     """Byte-budgeted LRU store of evicted prefix-cache entries, keyed like the device tier."""
 
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, track_forgotten: bool = False):
+        """`track_forgotten`: list the uids of entries that leave the store in `forgotten` (a multi-process
+        engine's followers drop their pieces of them)."""
         if budget_bytes < 0:
             raise ValueError(f"host_cache_bytes must be >= 0, got {budget_bytes}")
         self.budget = budget_bytes
         self.entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()  # LRU first
         self.used = 0
+        self._uids = itertools.count(1)
+        self.track_forgotten = track_forgotten
+        self.forgotten: list[int] = []
         self.metrics = dict(host_pages_stored=0, host_checkpoints_stored=0, host_pages_restored=0,
                             host_checkpoints_restored=0, host_entries_evicted=0, host_entries_rejected=0,
                             host_bytes_stored=0, host_bytes_restored=0, host_spill_seconds=0.0,
                             host_restore_seconds=0.0)
+
+    def new_uid(self) -> int:
+        return next(self._uids)
 
     def get(self, key: bytes) -> Optional[HostEntry]:
         return self.entries.get(key)
@@ -79,10 +89,12 @@ class HostCache:
         if old is not None:
             if old.pins:
                 self.touch(old)
+                self._forget(e)
                 return True  # identical bytes (same key) are already here and about to be read
             self._remove(old)
         if not self._make_room(e.nbytes):
             self.metrics["host_entries_rejected"] += 1
+            self._forget(e)
             return False
         self.entries[e.key] = e
         self.used += e.nbytes
@@ -117,6 +129,11 @@ class HostCache:
     def _remove(self, e: HostEntry) -> None:
         del self.entries[e.key]
         self.used -= e.nbytes
+        self._forget(e)
+
+    def _forget(self, e: HostEntry) -> None:
+        if self.track_forgotten:
+            self.forgotten.append(e.uid)
 
     def stats(self) -> dict:
         m = dict(self.metrics)
@@ -138,41 +155,85 @@ def write_rows(arena: jax.Array, token_pages: jax.Array, units: jax.Array, rows:
     return arena.at[units].set(rows), token_pages.at[units].set(tokens)
 
 
+def _column_ranges(sharding, shape: tuple[int, int]) -> list[tuple[int, int]]:
+    """The distinct column blocks this process's devices hold of a [rows, cols] array split (at most) by
+    columns, in column order."""
+    out = set()
+    for index in sharding.addressable_devices_indices_map(shape).values():
+        cols = index[1] if len(index) > 1 else slice(None)
+        out.add((cols.start or 0, shape[1] if cols.stop is None else cols.stop))
+    return sorted(out)
+
+
 class Transfers:
-    """The two jitted transfer programs of an engine's arena, at a fixed row count `chunk`."""
+    """The two jitted transfer programs of an engine's arena, at a fixed row count `chunk`.
+
+    Host copies are *process-local*: a process keeps the columns of the arena rows its own devices hold
+    (every column on one process; on a mesh over several processes, each keeps its ranks' KDA heads,
+    and every process every MLA page and token row, which are replicated). All processes run the same
+    programs in the same order (serve/multihost.py replays the leader's), so each one's pieces stay
+    in step with the leader's bookkeeping."""
 
     def __init__(self, chunk: int, pad_unit: int, shardings=None):
-        """`shardings`: the (arena, token pages) shardings on a mesh, kept by the write; None on one
-        device (outputs then stay uncommitted like the step's, so neither program sees a new signature)."""
-        self.chunk, self.pad = chunk, pad_unit
-        self._read = jax.jit(read_rows)
+        """`shardings`: the (arena, token pages) shardings on a mesh; None on one device (no mesh: outputs
+        then stay uncommitted like the step's, so neither program sees a new signature)."""
+        self.chunk, self.pad, self.shardings = chunk, pad_unit, shardings
+        self._read = jax.jit(read_rows, out_shardings=shardings)
         self._write = jax.jit(write_rows, donate_argnums=(0, 1), out_shardings=shardings)
 
     def cache_size(self) -> int:
         return self._read._cache_size() + self._write._cache_size()
 
+    @staticmethod
+    def _local(x: jax.Array) -> np.ndarray:
+        """This process's columns of a [rows, cols] array, in column order."""
+        pieces = {}
+        for sh in x.addressable_shards:
+            cols = sh.index[1] if len(sh.index) > 1 else slice(None)
+            pieces.setdefault(cols.start or 0, sh.data)
+        return np.concatenate([np.asarray(pieces[k]) for k in sorted(pieces)], axis=1)
+
+    def _global(self, local: np.ndarray, sharding, width: int):
+        """A [chunk, width] array of `sharding` from this process's columns (numpy itself with no mesh)."""
+        if sharding is None:
+            return local
+        ranges = _column_ranges(sharding, (self.chunk, width))
+        offset, at = {}, 0
+        for a, b in ranges:
+            offset[a] = at
+            at += b - a
+
+        def piece(index):
+            cols = index[1] if len(index) > 1 else slice(None)
+            a = cols.start or 0
+            b = width if cols.stop is None else cols.stop
+            return local[:, offset[a]:offset[a] + b - a]
+        return jax.make_array_from_callback((self.chunk, width), sharding, piece)
+
     def read(self, arena, token_pages, units: list[int]) -> tuple[np.ndarray, np.ndarray]:
-        """-> host copies (rows [n, row words], tokens [n, page_size]) of `units`, in order."""
+        """-> this process's host copies (rows [n, local words], tokens [n, page_size]) of `units`, in order."""
         rows, toks = [], []
         for i in range(0, max(1, len(units)), self.chunk):
             part = units[i:i + self.chunk]
             idx = np.full(self.chunk, self.pad, np.int32)
             idx[:len(part)] = part
-            r, t = jax.device_get(self._read(arena, token_pages, idx))
-            rows.append(r[:len(part)])
-            toks.append(t[:len(part)])
+            r, t = self._read(arena, token_pages, idx)
+            rows.append(self._local(r)[:len(part)])
+            toks.append(self._local(t)[:len(part)])
         return np.concatenate(rows), np.concatenate(toks)
 
     def write(self, arena, token_pages, units: list[int], rows: np.ndarray, tokens: np.ndarray):
-        """-> (arena, token_pages) with `rows` / `tokens` [n, ...] written over `units` [n]."""
+        """-> (arena, token_pages) with this process's `rows` / `tokens` [n, ...] written over `units` [n]."""
         width, ps = arena.shape[1], token_pages.shape[1]
+        sa, st = self.shardings or (None, None)
         for i in range(0, len(units), self.chunk):
             n = min(self.chunk, len(units) - i)
             idx = np.full(self.chunk, self.pad, np.int32)
             idx[:n] = units[i:i + n]
-            r = np.zeros((self.chunk, width), np.float32)
+            r = np.zeros((self.chunk, rows.shape[1]), np.float32)
             r[:n] = rows[i:i + n]
             t = np.zeros((self.chunk, ps), np.int32)
             t[:n] = tokens[i:i + n]
-            arena, token_pages = self._write(arena, token_pages, idx, r, t)
+            arena, token_pages = self._write(arena, token_pages, idx, self._global(r, sa, width),
+                                             self._global(t, st, ps))
         return arena, token_pages

@@ -16,6 +16,11 @@ the same buckets (the leader checks a fingerprint of the config and bucket set a
 follower's before the first step and names the difference). The leader's `Engine.close()` (also run
 at interpreter exit) releases the followers.
 
+The host tier of the prefix cache (serve/host_cache.py) keeps process-local copies: before its copy
+programs run on the leader, a SPILL / RESTORE command names the units and entries (uids) so every
+process runs the same program and keeps or supplies its own columns; FORGET drops entries the leader's
+store no longer holds.
+
 The channel is two `broadcast_one_to_all` collectives per step: a fixed header (command, rows,
 tokens per row, pages per layer, a flag) and the batch packed into one byte buffer. The sampling
 extras that are almost always padding (the structured-output bitmask, `[rows, V / 32]` int32, 20 KB
@@ -39,6 +44,8 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 _STOP, _STEP, _IDLE = 0, 1, 2
+# host tier of the prefix cache (serve/host_cache.py): copies every process runs, named by an int32 payload
+SPILL, RESTORE, FORGET = 3, 4, 5
 #: SamplingBatch fields sent only when some row differs from padding (the header's flag says)
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict")
 # an idle leader pings the followers this often (bounds how long a follower waits in one collective)
@@ -130,6 +137,13 @@ class StepChannel:
                 full = any(not np.array_equal(leaves[i], template[i]) for i in optional)
         head = _broadcast(np.asarray([cmd, *shape, int(bool(full))], np.int32))
         cmd, shape, full = int(head[0]), tuple(int(x) for x in head[1:4]), bool(head[4])
+        if cmd in (SPILL, RESTORE, FORGET):  # shape = (padded payload length, payload length, 0)
+            buf = np.zeros(shape[0], np.int32)
+            if self.leader:
+                buf[:shape[1]] = batch
+            batch = np.asarray(_broadcast(buf))[:shape[1]]
+            self.last = time.monotonic()
+            return cmd, shape, batch
         if cmd == _STEP:
             template, treedef, optional = self._template(shape)
             sent = [i for i in range(len(template)) if full or i not in optional]
@@ -170,6 +184,14 @@ class StepChannel:
         self.bytes += self._sent
         self.steps += 1
 
+    def command(self, cmd: int, payload: np.ndarray) -> None:
+        """Send a host-tier copy command (SPILL / RESTORE / FORGET) and its int32 payload; the payload is
+        padded to a power of two so few broadcast shapes are ever compiled."""
+        if self.closed:
+            raise RuntimeError("the step channel is closed (the followers were released)")
+        n = len(payload)
+        self._exchange(cmd, (max(64, 1 << (n - 1).bit_length()), n, 0), np.asarray(payload, np.int32))
+
     def keepalive(self) -> None:
         """An idle leader's ping (every KEEPALIVE_SECONDS): no follower waits in one collective for
         long, whatever the collectives' timeouts."""
@@ -185,7 +207,8 @@ class StepChannel:
 
     # ---- follower -----------------------------------------------------------------------------
     def receive(self):
-        """-> the leader's next step batch, or None once the leader closed the channel."""
+        """-> the leader's next (command, step batch or payload): (_STEP, batch), (SPILL / RESTORE / FORGET,
+        int32 payload), or None once the leader closed the channel."""
         while True:
             cmd, _, batch = self._exchange(_STOP, (0, 0, 0))
             if cmd == _STOP:
@@ -193,5 +216,7 @@ class StepChannel:
                 return None
             if cmd == _STEP:
                 self.steps += 1
-                return batch
+                return cmd, batch
+            if cmd in (SPILL, RESTORE, FORGET):
+                return cmd, batch
             self.pings += 1

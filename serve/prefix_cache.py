@@ -123,8 +123,8 @@ class Hit:
 class PrefixCache:
     def __init__(self, allocator: Arena, layout: ArenaLayout, align: int, cfg: PrefixCacheConfig,
                  host: Optional[HostCache] = None, read_units: Optional[Callable] = None):
-        """`host` / `read_units(units) -> (rows, token rows)`: the host tier and how to copy arena units
-        to host memory (both or neither)."""
+        """`host` / `read_units(units, segments) -> (rows, token rows)`: the host tier and how to copy arena
+        units to host memory (`segments`: (uid, units) of each entry, in order; both or neither)."""
         if not 1 <= cfg.hash_unit <= 128:
             raise ValueError(f"hash_unit must be in 1..128, got {cfg.hash_unit}")
         self.alloc, self.layout, self.cfg, self.align = allocator, layout, cfg, align
@@ -220,9 +220,15 @@ class PrefixCache:
             m["host_hits"] += 1
             m["host_hit_tokens"] += hit.pos - hit.device_pos
 
+    def pin_host(self, hit: Hit) -> None:
+        """Keep the hit's host entries in the store until admission has restored them (`unpin_host`)."""
+        for e in hit.host_entries:
+            e.pins += 1
+            self.host.touch(e)
+
     def acquire(self, hit: Hit) -> None:
-        """Pin what a newly admitted request will read in its first step (host entries: until
-        admission has restored them)."""
+        """Pin what a newly admitted request will read in its first step (its host entries are pinned
+        by `pin_host`)."""
         now = next(self._clock)
         for e in hit.pages:
             if isinstance(e, HostEntry):
@@ -235,9 +241,6 @@ class PrefixCache:
         if isinstance(hit.partial, PageEntry):
             hit.partial.last_used = now
             self.ref(hit.partial.units)  # held until the copy has run
-        for e in hit.host_entries:
-            e.pins += 1
-            self.host.touch(e)
 
     def unpin(self, hit: Hit) -> None:
         if isinstance(hit.ckpt, CkptEntry):
@@ -370,15 +373,17 @@ class PrefixCache:
         if not spill:
             return
         units = [u for _, us in spill for u in us]
-        rows, tokens = self.read_units(units)
+        uids = [self.host.new_uid() for _ in spill]
+        rows, tokens = self.read_units(units, [(uid, len(us)) for uid, (_, us) in zip(uids, spill)])
         i = 0
-        for e, us in spill:
+        for uid, (e, us) in zip(uids, spill):
             n = len(us)
             if isinstance(e, CkptEntry):
-                h = HostEntry(e.key, CKPT, rows[i:i + n], None, pos=e.pos, ckpt_kind=e.kind)
+                # (the token rows of slot units mean nothing; kept so every process writes the same back)
+                h = HostEntry(e.key, CKPT, rows[i:i + n], tokens[i:i + n], pos=e.pos, ckpt_kind=e.kind, uid=uid)
             else:
                 h = HostEntry(e.key, PAGE, rows[i:i + n], tokens[i:i + n], index=e.index, valid=e.valid,
-                              parent=e.parent)
+                              parent=e.parent, uid=uid)
             self.host.put(h)
             i += n
 

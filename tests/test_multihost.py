@@ -52,7 +52,10 @@ def cluster(tmp_path_factory):
     """Processes 0 (HTTP on a free port) and 1 of one `k3jax serve --sharding tp` over 2 x 2 devices."""
     logs = tmp_path_factory.mktemp("multihost")
     port, coord = _free_port(), _free_port()
-    base = [sys.executable, "-m", "k3jax.cli", "serve", *SMALL, "--sharding", "tp", "--no-compile-cache",
+    # a 1 MiB arena (so a dozen requests evict earlier prefixes) with an 8 MiB host tier behind it
+    small = [x if prev != "--cache-mb" else "1" for prev, x in zip([None] + SMALL[:-1], SMALL)]
+    base = [sys.executable, "-m", "k3jax.cli", "serve", *small, "--host-cache-mb", "8", "--sharding", "tp",
+            "--no-compile-cache",
             "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2"]
     procs, paths = [], []
     for pid in (1, 0):
@@ -100,6 +103,34 @@ def _reference_outputs(engine, prompts):
     while len(done) < len(ids):
         done.update({o.request_id: o for o in engine.step() if o.finished})
     return [done[i] for i in ids]
+
+
+def test_two_processes_share_the_prefix_cache_host_tier(cluster, reference):
+    """Prefixes the 1 MiB arena evicts come back from the host tier, whose copies every process keeps of
+    its own KDA heads: a continued prompt resumes from host memory and answers as one device does."""
+    base = "The host tier keeps what the arena evicts, on every process, each for its own heads. "
+    flood = [f"{i:02d} an unrelated prompt that only fills the arena with its pages and its KDA state, "
+             f"then leaves them cached: {i * 7919:08d}" for i in range(24)]  # ~115 tokens each
+    follow_up = base + "And then?"
+    seq = [(base, 4)] + [(p, 2) for p in flood] + [(follow_up, 4)]
+    with httpx.Client(base_url=cluster["url"], timeout=120) as http:
+        got = []
+        for prompt, n in seq:
+            r = http.post("/v1/completions", json=dict(model="tiny-k3", prompt=prompt, max_tokens=n, temperature=0,
+                                                       ignore_eos=True, logprobs=1))
+            assert r.status_code == 200, r.text
+            got.append(r.json())
+        metrics = http.get("/metrics").text
+    want = _reference_outputs(reference, [(p, dict(temperature=0, max_tokens=n)) for p, n in seq])
+    for g, w in zip(got, want):
+        c = g["choices"][0]
+        assert c["text"] == w.outputs[0].text
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"], [lp.logprob for lp, _ in w.outputs[0].logprobs],
+                                   atol=2e-4)
+    hits = float(metrics.split("vllm:external_prefix_cache_hits_total{")[1].split("}")[1].split()[0])
+    assert hits >= 64 and got[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64, \
+        [line for line in metrics.splitlines() if "host" in line or "external" in line]
+    assert "failed on process" not in open(cluster["follower_log"]).read()
 
 
 def test_two_processes_serve_like_one_device(cluster, reference):
@@ -207,7 +238,7 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch
         if channel.leader:
             channel.send(batch, (rows, 1, 1))
             return channel._sent
-        return channel.receive()
+        return channel.receive()[1]
 
     allowed = np.full((rows, words), -1, np.int32)
     allowed[1] = [5, 0, -7]
