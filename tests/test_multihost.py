@@ -1,8 +1,9 @@
 """One engine over a mesh spanning two processes (serve/multihost.py), on CPU: two `k3jax serve` processes
 (2 simulated devices each, `jax.distributed` with gloo collectives) form one 4-way tensor-parallel mesh;
 process 0 serves HTTP and schedules, process 1 replays its steps. Compared with one process on one
-device: same greedy and seeded tokens, logprobs to fp32 rounding, prefix-cache reuse, a clean shutdown
-that releases the follower."""
+device: same greedy and seeded tokens, logprobs to fp32 rounding, prefix-cache reuse (from the arena and
+from the host tier, whose copies each process keeps of its own KDA heads), a clean shutdown that
+releases the follower."""
 
 from __future__ import annotations
 
