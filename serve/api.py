@@ -9,6 +9,7 @@ Endpoints
   GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died)
   GET  /metrics               Prometheus text (serve/metrics.py)
   POST /tokenize, /detokenize (vLLM's shapes)
+  POST /reset_prefix_cache    forget every cached prefix (vLLM's)
   GET  /openapi.json          the schema (FastAPI)
 
 Both generation endpoints stream with SSE (`stream: true`): `data: {json}` events ending with
@@ -1092,6 +1093,12 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         if not st.responses.delete(key, response_id):
             raise APIError(404, f"no stored response {response_id!r}", "not_found_error", param="response_id")
         return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+    @app.post("/reset_prefix_cache", responses=_ERRORS)
+    async def reset_prefix_cache(key: str = Depends(authenticate), _r: None = Depends(ready)):
+        """Forget every cached prefix, device and host tier (vLLM's endpoint); `reset` is false while
+        requests in flight still read some of it (call again once they finish)."""
+        return {"reset": bool(await st.engine.reset_prefix_cache())}
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):

@@ -77,6 +77,18 @@ class AsyncEngine:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    async def call(self, fn):
+        """Run `fn(engine)` on the engine thread, between steps -> its result (or its exception)."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        self._commands.put(("call", fn, loop, done))
+        self._wake.set()
+        return await done
+
+    async def reset_prefix_cache(self) -> bool:
+        """`Engine.reset_prefix_cache` on the engine thread."""
+        return await self.call(lambda engine: engine.reset_prefix_cache())
+
     def shutdown(self) -> None:
         """Stop the engine thread; then release a multi-process engine's followers."""
         self._stop = True
@@ -125,6 +137,17 @@ class AsyncEngine:
             elif cmd[0] == "abort":
                 self.engine.abort(cmd[1])
                 self.engine._reap()
+            elif cmd[0] == "call":
+                _, fn, loop, done = cmd
+                try:
+                    result, err = fn(self.engine), None
+                except Exception as e:
+                    result, err = None, e
+
+                def settle(result=result, err=err, done=done):
+                    if not done.done():
+                        done.set_exception(err) if err is not None else done.set_result(result)
+                loop.call_soon_threadsafe(settle)
 
     def _resolve(self, rid: str, fut: asyncio.Future, err: Optional[Exception]) -> None:
         with self._lock:

@@ -170,7 +170,7 @@ def test_tokenize_detokenize_roundtrip(http):
 def test_openapi_schema_served(http):
     paths = http.get("/openapi.json").json()["paths"]
     for p in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/tokenize",
-              "/detokenize"):
+              "/detokenize", "/reset_prefix_cache", "/v1/responses/{response_id}"):
         assert p in paths
 
 
@@ -196,6 +196,9 @@ def test_completion_usage_logprobs_and_greedy_determinism(client, http):
     again = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0)
     assert first.usage.prompt_tokens_details.cached_tokens == 0
     assert again.usage.prompt_tokens_details.cached_tokens == 32
+    assert http.post("/reset_prefix_cache").json() == {"reset": True}  # (nothing in flight reads it)
+    third = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0)
+    assert third.usage.prompt_tokens_details.cached_tokens == 0 and third.choices[0].text == again.choices[0].text
 
 
 def test_completion_echo_logprobs_score_the_prompt(http):
