@@ -376,6 +376,7 @@ class Engine:
         """Run the compiled step on the engine's cache (updated) -> ((sampled tokens, prompt logprobs, drafts
         accepted), expert counts); a call that grows the jit cache after warm-up counts as a compile."""
         if self.channel is not None and self.channel.leader and self.warmed_up:
+            self._send_forgotten()
             self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
         self.arena, self.token_pages, res, counts = self._step(self._leaves, self.arena, self.token_pages, batch)
@@ -447,11 +448,15 @@ class Engine:
         entries its store dropped since the last one)."""
         if self.channel is None or not self.channel.leader:
             return
-        host = self.prefix_cache.host
-        if host.forgotten:
+        self._send_forgotten()
+        self.channel.command(cmd, np.asarray([len(units), *units, *[x for seg in segments for x in seg]], np.int32))
+
+    def _send_forgotten(self) -> None:
+        """The leader tells the followers which host entries its store dropped (they free their pieces)."""
+        host = self.prefix_cache.host if self.prefix_cache is not None else None
+        if host is not None and host.forgotten:
             self.channel.command(FORGET, np.asarray(host.forgotten, np.int32))
             host.forgotten.clear()
-        self.channel.command(cmd, np.asarray([len(units), *units, *[x for seg in segments for x in seg]], np.int32))
 
     def close(self) -> None:
         """Release the follower processes of a multi-process engine (a no-op otherwise); after it the
