@@ -137,6 +137,8 @@ class _GenerationFields(_Strict):
     allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these tokens")
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (and may preempt "
                                                                       "higher values)")
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
+                                      description="only requests with the same salt share cached prefixes (vLLM's)")
     truncate_prompt_tokens: Optional[int] = Field(None, ge=1, description="keep the prompt's last N tokens")
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="logprobs of the prompt tokens "
                                                                           "(choices[].prompt_logprobs; chat: top level)")
@@ -231,6 +233,8 @@ class ResponsesRequest(_Strict):
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (vLLM's)")
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
+                                      description="only requests with the same salt share cached prefixes (vLLM's)")
 
 
 class TokenizeRequest(_Strict):
@@ -442,9 +446,10 @@ class _Run:
     admission exactly once."""
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                 ticket, arrival: float, priority: int = 0):
+                 ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
         self.priority = priority
+        self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
         self.ticket, self.arrival = ticket, arrival
         self.nseqs = len(prompts) * params.n
         self.q: asyncio.Queue = asyncio.Queue()
@@ -462,7 +467,7 @@ class _Run:
             self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
 
     async def _pump(self, i: int, ids: list[int]) -> None:
-        gen = self.st.engine.generate(ids, self.params, f"{self.base_id}-{i}", priority=self.priority)
+        gen = self.st.engine.generate(ids, self.params, f"{self.base_id}-{i}", priority=self.priority, **self.extra)
         try:
             async for out in gen:
                 self.q.put_nowait((i, out))
@@ -1064,7 +1069,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 messages=spec["messages"], max_tokens=body.max_output_tokens, temperature=body.temperature,
                 top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
                 parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
-                reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority)
+                reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority,
+                cache_salt=body.cache_salt)
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
         except ValidationError as e:
@@ -1368,7 +1374,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
     ticket = st.admit(key, len(prompts) * params.n, reserve)
-    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority)
+    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority, getattr(body, "cache_salt", None))
     handed_off = False
     try:
         run.start()

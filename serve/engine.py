@@ -477,9 +477,11 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None, priority: int = 0) -> str:
+                    arrival_time: Optional[float] = None, priority: int = 0, cache_salt: Optional[str] = None) -> str:
         """Queue a request; `priority`: lower values are scheduled first and may preempt running
-        requests of higher values (vLLM's convention); equal priorities are first come, first served."""
+        requests of higher values (vLLM's convention); equal priorities are first come, first served.
+        `cache_salt` (vLLM's): only requests with the same salt share cached prefixes (tenants that must
+        not learn from each other's cache hits use different salts)."""
         self._leader_only("add_request")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -488,6 +490,8 @@ class Engine:
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= INTERNAL_PRIORITY:
                 raise RequestError(f"priority: must be an integer of magnitude < {INTERNAL_PRIORITY}, got {priority!r}")
+            if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 256):
+                raise RequestError("cache_salt: must be a non-empty string of at most 256 characters")
             text, ids = self._prompt_ids(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
@@ -528,7 +532,7 @@ class Engine:
                            metrics=RequestMetrics(arrival_time=now),
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
-                           hasher=PrefixHasher(config_unit) if self.prefix_cache else None)
+                           hasher=PrefixHasher(config_unit, (cache_salt or "").encode()) if self.prefix_cache else None)
             seqs.append(seq)
             self.seqs[seq.rid] = seq
         self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics)
@@ -910,7 +914,7 @@ class Engine:
                           prompt_ids=list(ids), params=params, seed=0,
                           checker=StopChecker(params, self.tokenizer, (), 1), metrics=RequestMetrics(time.monotonic()),
                           pages=[[] for _ in range(self.cfg.num_mla_layers)],
-                          hasher=PrefixHasher(self.config.prefix_hash_unit), internal=kind)
+                          hasher=hasher.fresh(), internal=kind)
         self.seqs[rid] = shadow
         self._canonical_pending[rid] = key
         self.counters["canonical_rows"] += 1
@@ -1124,7 +1128,7 @@ class Engine:
             self._canonical_pending.pop(seq.rid, None)
             return
         if self.prefix_cache is not None and reason != "abort" and not seq.reused:
-            h = PrefixHasher(self.config.prefix_hash_unit)
+            h = seq.hasher.fresh()
             h.extend(list(seq.all_ids))
             self._tails[seq.rid] = h  # see _canonicalize_shared_tails
             while len(self._tails) > MAX_TAILS:

@@ -27,8 +27,9 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, list[Prompt]],
                  sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
-                 priority: Optional[list[int]] = None) -> list[RequestOutput]:
-        """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue."""
+                 priority: Optional[list[int]] = None, cache_salt: Optional[str] = None) -> list[RequestOutput]:
+        """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue;
+        `cache_salt`: only requests with the same salt share cached prefixes."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -41,7 +42,7 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp, pr in zip(prompts, sampling_params, priority):
-                ids.append(self.engine.add_request(p, sp, priority=pr))
+                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=cache_salt))
         except Exception:  # a rejected prompt: the ones already queued are withdrawn, nothing runs
             for rid in ids:
                 self.engine.abort(rid)

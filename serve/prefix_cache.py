@@ -62,12 +62,17 @@ class PrefixCacheConfig:
 
 
 class PrefixHasher:
-    """Chained digests of a growing token list at every `unit` boundary."""
+    """Chained digests of a growing token list at every `unit` boundary. A `salt` (a request's
+    `cache_salt`) seeds the chain, so only requests with the same salt share cached prefixes."""
 
-    def __init__(self, unit: int):
-        self.unit = unit
-        self.digests = [b"\0" * 16]
+    def __init__(self, unit: int, salt: bytes = b""):
+        self.unit, self.salt = unit, salt
+        self.digests = [hashlib.blake2b(b"salt:" + salt, digest_size=16).digest() if salt else b"\0" * 16]
         self.tokens: list[int] = []
+
+    def fresh(self) -> "PrefixHasher":
+        """An empty hasher with the same unit and salt."""
+        return PrefixHasher(self.unit, self.salt)
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens = tokens

@@ -199,6 +199,9 @@ def test_completion_usage_logprobs_and_greedy_determinism(client, http):
     assert http.post("/reset_prefix_cache").json() == {"reset": True}  # (nothing in flight reads it)
     third = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0)
     assert third.usage.prompt_tokens_details.cached_tokens == 0 and third.choices[0].text == again.choices[0].text
+    salted = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0,
+                                       extra_body={"cache_salt": "tenant-a"})  # vLLM's: no sharing across salts
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0 and salted.choices[0].text == again.choices[0].text
 
 
 def test_completion_echo_logprobs_score_the_prompt(http):

@@ -173,6 +173,33 @@ def test_reuse_of_a_conversation_shorter_than_the_alignment(engines):
     assert on.stats()["canonical_rows"] == before
 
 
+def test_cache_salt_keeps_prefixes_apart(engines):
+    """vLLM's cache_salt: only requests with the same salt share cached prefixes (their own decode
+    checkpoints and canonical rows included); outputs never depend on it."""
+    on, off = engines
+    base = toks(41, 100)  # prompt-end checkpoint at 96
+
+    def go(prompt, salt):
+        rid = on.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), cache_salt=salt)
+        out = None
+        while on.has_unfinished():
+            for o in on.step():
+                if o.request_id == rid and o.finished:
+                    out = o
+        return out
+
+    go(base, "tenant-a")
+    cold = run(off, base + [7, 8, 9], n=4)
+    for salt, cached in (("tenant-b", 0), (None, 0), ("tenant-a", 96)):
+        out = go(base + [7, 8, 9], salt)
+        assert out.num_cached_tokens == cached, salt
+        assert out.outputs[0].token_ids == cold.token_ids
+    go(base + [1], None)  # unsalted now cached too: salted requests still do not see it
+    assert go(base + [2], "tenant-c").num_cached_tokens == 0
+    with pytest.raises(Exception, match="cache_salt"):
+        on.add_request(base, SamplingParams(max_tokens=1), cache_salt="")
+
+
 def test_metrics_and_clear(engines):
     on, _ = engines
     pc = on.stats()["prefix_cache"]
