@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import dataclasses
 import hashlib
 import itertools
 import logging
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
@@ -216,7 +218,8 @@ class Engine:
                  progress: bool = True):
         config.validate()
         reference = resolve_backend("auto") == "reference"
-        if config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference):
+        self._dequantize = config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference)
+        if self._dequantize:
             model = dequantize_experts(model)
         self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
         if self.dense_in_out:
@@ -289,7 +292,7 @@ class Engine:
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-                             spec_decode_num_accepted_tokens=0)
+                             spec_decode_num_accepted_tokens=0, weight_updates=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.gate: Optional[DraftGate] = None  # set at warm-up when spec.adaptive (serve/speculative.py)
@@ -579,6 +582,45 @@ class Engine:
                 self._finish(s, "abort")
         self.counters["requests_aborted"] += 1
         return True
+
+    def update_weights(self, model: Model) -> None:
+        """Swap in new weights of the same model: an RL loop's policy update, a fine-tuned checkpoint.
+        `model` must have this engine's config and parameter shapes; it gets the engine's start-up
+        transforms (experts expanded, dense weights transposed, placement on the mesh), the compiled step
+        programs are reused (no compile), and the prefix cache is cleared (its pages and states came from
+        the old weights). Requests must not be in flight (finish or abort them first)."""
+        self._leader_only("update_weights")
+        if self.channel is not None:
+            raise RuntimeError("update_weights: not available on a multi-process mesh (every process would "
+                               "have to swap in the same step)")
+        busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
+        if busy:
+            raise RuntimeError(f"update_weights: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort "
+                               f"them first")
+        new = dequantize_experts(model) if self._dequantize else model
+        new = transpose_dense_weights(new) if self.dense_in_out else new
+        diff = [f.name for f in dataclasses.fields(self.cfg) if getattr(new.cfg, f.name) != getattr(self.cfg, f.name)]
+        if diff:
+            raise ValueError(f"update_weights: the model's config differs from the engine's in {', '.join(diff)}")
+        flat, treedef = jax.tree.flatten_with_path(new.params)
+        old_treedef = jax.tree.structure(self.model.params)
+        if treedef != old_treedef:
+            raise ValueError("update_weights: the model's parameter tree differs from the engine's")
+        for (path, a), b in zip(flat, self._leaves):
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
+                                 f"engine's {b.dtype}{list(b.shape)}")
+        # on a mesh, each leaf where the old one lives; on one device, as plain (uncommitted) arrays like
+        # the old ones, so the step programs see the same signature
+        place = (lambda a, b: jax.device_put(a, b.sharding)) if self.mesh is not None else (lambda a, b: jnp.asarray(a))
+        self._leaves = [place(a, b) for (_, a), b in zip(flat, self._leaves)]
+        self.model = dataclasses.replace(self.model, params=jax.tree.unflatten(old_treedef, self._leaves))
+        for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
+            self._finish(s, "abort")  # canonical rows of the old weights' prefixes
+        self._tails.clear()
+        if self.prefix_cache is not None and not self.prefix_cache.clear():
+            raise RuntimeError("update_weights: the prefix cache could not be cleared")  # nothing holds it
+        self.counters["weight_updates"] += 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, device and host tier (vLLM's `reset_prefix_cache`) -> True when

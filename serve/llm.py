@@ -70,6 +70,11 @@ class LLM:
     def stats(self) -> dict:
         return self.engine.stats()
 
+    def update_weights(self, model: Union[Model, str], *, dtype: str = "float32", seed: int = 0) -> None:
+        """Swap in new weights of the same model (a `Model`, a checkpoint directory or a preset): the
+        compiled programs are reused, the prefix cache is cleared (see `Engine.update_weights`)."""
+        self.engine.update_weights(model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed))
+
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (both tiers) -> True when the cache is empty (see Engine)."""
         return self.engine.reset_prefix_cache()
