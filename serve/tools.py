@@ -209,36 +209,35 @@ class CallStream:
                     self._lex(ch)
                     continue
             if self.value_of == "name":
-                if self.in_string:
-                    if self.escape:
-                        self.escape = False
-                        self.text += ch
-                    elif ch == "\\":
-                        self.escape = True
-                        self.text += ch
-                    elif ch == '"':
-                        self.in_string = False
-                        self.value_of = None
-                        self._header(json.loads('"' + self.text + '"'), out)
-                    else:
-                        self.text += ch
-                elif ch == '"':
-                    self.in_string, self.text = True, ""
+                if not self.in_string:
+                    if ch == '"':
+                        self.in_string, self.text = True, ""
+                elif self._string(ch):
+                    self.value_of = None
+                    self._header(json.loads('"' + self.text + '"'), out)
+                else:
+                    self.text += ch
                 continue
             self._structure(ch)
         flush_args()
         return out
 
     # ---- lexing -----------------------------------------------------------------------------------
+    def _string(self, ch: str) -> bool:
+        """One character inside a string: track escapes; -> True when it closes the string."""
+        if self.escape:
+            self.escape = False
+        elif ch == "\\":
+            self.escape = True
+        elif ch == '"':
+            self.in_string = False
+            return True
+        return False
+
     def _lex(self, ch: str) -> None:
         """Track strings and nesting inside a parameters value."""
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
+            self._string(ch)
         elif ch == '"':
             self.in_string = True
         elif ch in "{[":
@@ -253,12 +252,7 @@ class CallStream:
     def _structure(self, ch: str) -> None:
         """Outside values the tool format reads: array, call objects, their keys."""
         if self.in_string:
-            if self.escape:
-                self.escape = False
-            elif ch == "\\":
-                self.escape = True
-            elif ch == '"':
-                self.in_string = False
+            if self._string(ch):
                 self.reading_key = False
             elif self.reading_key:
                 self.key += ch

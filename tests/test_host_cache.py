@@ -12,6 +12,7 @@ from serve.cli import engine_config
 from serve.engine import Engine, EngineConfig
 from serve.host_cache import CKPT, PAGE, HostCache, HostEntry
 from serve.types import SamplingParams
+from test_prefix_cache import logprobs, toks
 
 PAGE_SIZE, CHUNK, UNITS = 64, 16, 93  # checkpoints every 16 tokens sit inside 64-token pages
 
@@ -42,14 +43,6 @@ def run(engine, prompt, n=8):
             if o.request_id == rid and o.finished:
                 out = o
     return out
-
-
-def logprobs(out):
-    return [(c.token_id, c.logprob, [(t.token_id, t.logprob) for t in top]) for c, top in out.outputs[0].logprobs]
-
-
-def toks(seed, n):
-    return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
 def host(engine):
