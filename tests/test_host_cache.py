@@ -247,3 +247,45 @@ def test_two_requests_restoring_the_same_host_prefix_in_one_step(engines):
         assert outs[rid].num_cached_tokens == 192
         assert outs[rid].token_ids == cold.token_ids and logprobs(outs[rid]) == logprobs(cold)
     settled(on)
+
+
+
+def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
+    """Engine.update_weights: new weights of the same model are swapped in without a compile, answer as an
+    engine built on them does, and nothing cached (device or host tier) under the old weights is reused."""
+    import dataclasses
+
+    on, _ = engines
+    old, new = on.model, k3jax.load_model("tiny-k3", seed=5)
+    prompts = [toks(50, 130), toks(51, 70)]
+
+    def generate(engine):
+        ids = [engine.add_request(p, SamplingParams(max_tokens=5, **PARAMS)) for p in prompts]
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+        return [done[i] for i in ids]
+
+    before = generate(on)
+    flood(on, 900, n=2)  # part of what the prompts left is in the host tier now
+    on.update_weights(new)
+    assert host(on)["host_bytes"] == 0 and on.stats()["prefix_cache"]["checkpoints"] == 0
+    after = generate(on)  # the same prompts: a stale hit would answer with the old weights' states
+    fresh = generate(Engine(new, config(host_cache_bytes=32 << 20), progress=False))  # shares the programs
+    assert [o.token_ids for o in after] == [o.token_ids for o in fresh] != [o.token_ids for o in before]
+    assert [logprobs(o) for o in after] == [logprobs(o) for o in fresh]
+    assert all(o.num_cached_tokens == 0 for o in after)
+    assert on.stats()["compiles_after_warmup"] == 0 and on.stats()["weight_updates"] == 1
+    on.update_weights(old)  # the engine's own (already transformed) weights go back in as well
+    assert [logprobs(o) for o in generate(on)] == [logprobs(o) for o in before]
+
+    rid = on.add_request(prompts[0], SamplingParams(max_tokens=4))
+    on.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        on.update_weights(new)
+    on.abort(rid)
+    on.step()
+    bad = dataclasses.replace(new, cfg=dataclasses.replace(new.cfg, rms_norm_eps=1e-3))
+    with pytest.raises(ValueError, match="rms_norm_eps"):
+        on.update_weights(bad)
+    settled(on)
