@@ -13,6 +13,7 @@ from serve.engine import Engine, EngineConfig
 from serve.host_cache import CKPT, PAGE, HostCache, HostEntry
 from serve.types import SamplingParams
 from test_prefix_cache import logprobs, toks
+from test_prefix_cache import run as prefix_run
 
 PAGE_SIZE, CHUNK, UNITS = 64, 16, 93  # checkpoints every 16 tokens sit inside 64-token pages
 
@@ -32,17 +33,12 @@ def engines():
     return on, off
 
 
-PARAMS = dict(temperature=0.0, ignore_eos=True, logprobs=4, repetition_penalty=1.3, presence_penalty=0.5)
+PENALTIES = dict(repetition_penalty=1.3, presence_penalty=0.5)
+PARAMS = dict(temperature=0.0, ignore_eos=True, logprobs=4, **PENALTIES)
 
 
 def run(engine, prompt, n=8):
-    rid = engine.add_request(prompt, SamplingParams(max_tokens=n, **PARAMS))
-    out = None
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.request_id == rid and o.finished:
-                out = o
-    return out
+    return prefix_run(engine, prompt, n, **PENALTIES)
 
 
 def host(engine):

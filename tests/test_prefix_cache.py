@@ -33,8 +33,10 @@ def engines(request):
     return on, off
 
 
-def run(engine, prompt, n=8):
-    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=4))
+def run(engine, prompt, n=8, **extra):
+    """Greedy, `n` tokens with top-4 logprobs (`extra`: more SamplingParams) -> the finished output."""
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=4,
+                                                    **extra))
     out = None
     while engine.has_unfinished():
         for o in engine.step():
