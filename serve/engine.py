@@ -31,6 +31,7 @@ from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from serve.host_cache import HostCache, HostEntry, Transfers
+from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.memory import Arena, ArenaLayout, OutOfMemory
 from serve.moe_timing import time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
@@ -89,6 +90,11 @@ class EngineConfig:
     # pages into a dense copy and attends over it in jnp; "auto" picks paged when the kernels resolve to
     # Pallas (GPU/TPU) and gathered on the reference path (CPU), where XLA needs the dense copy anyway.
     mla_decode: str = "auto"
+    # MLA latent cache storage (vLLM's --kv-cache-dtype; serve/latent_codec.py): "auto" keeps the model
+    # dtype (bit-exact); "fp8" (or "fp8_e4m3", "fp8_ds_mla") stores the compressed 512 values as
+    # float8_e4m3 with a scale per 128 and the rotary 64 in the model dtype: 656 B per token and layer
+    # for a bf16 model instead of 1152, so the same budget holds 1.76x the tokens. KDA states stay fp32.
+    kv_cache_dtype: str = "auto"
     # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
     # tile); "dequantized" expands them once at start-up to the model dtype (exact; 8x the bytes at
     # fp32), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
@@ -119,6 +125,10 @@ class EngineConfig:
             raise ValueError(f"kda_decode={self.kda_decode!r}: expected 'auto', 'in_place' or 'gathered'")
         if self.mla_decode not in ("auto", "paged", "gathered"):
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
+        canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
+        if self.mla_decode == "paged" and canonical_kv_cache_dtype(self.kv_cache_dtype) != "auto":
+            raise ValueError(f"mla_decode='paged' reads the arena's pages in the model dtype; kv_cache_dtype="
+                             f"{self.kv_cache_dtype!r} needs mla_decode 'gathered' or 'auto'")
         if self.expert_weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"expert_weights={self.expert_weights!r}: expected 'auto', 'packed' or 'dequantized'")
         if self.dense_weights not in ("auto", "out_in", "in_out"):
@@ -243,14 +253,16 @@ class Engine:
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype,
-                                       self.state_split.ranks if self.state_split else 1)
+                                       self.state_split.ranks if self.state_split else 1, config.kv_cache_dtype)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty(arena_sharding)
         # token ids at each page position (first MLA layer's units): the penalties' history (serve/step.py)
         self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
                                   replicated(self.mesh) if self.mesh is not None else None)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
-        self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference)
+        # fp8 latents are dequantised after the gather (the paged kernel reads model-dtype pages)
+        self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference
+                                                          and self.layout.codec.kind == "auto")
         self.spec = config.speculative_config
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0)
@@ -1261,6 +1273,9 @@ class Engine:
             "sharding": self.config.sharding,
             # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
             "arena_state_ranks": self.layout.state_ranks,
+            # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
+            "kv_cache_dtype": self.layout.codec.kind,
+            "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",

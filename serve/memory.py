@@ -1,8 +1,9 @@
 """One cache arena for both kinds of sequence state, carved from a single byte budget.
 
 Mechanism: the arena is one device array `float32[num_units, unit_elems]`. A *unit* is one MLA page
-of one MLA layer (`page_size` tokens x the 576-wide latent, bf16 latents packed two per float32
-word). A KDA *state slot* (every KDA layer's fp32 recurrent state and conv windows for one
+of one MLA layer (`page_size` tokens x the 576-wide latent in the words of its `kv_cache_dtype`
+format, serve/latent_codec.py: bf16 latents packed two per float32 word, or fp8 with per-tile
+scales). A KDA *state slot* (every KDA layer's fp32 recurrent state and conv windows for one
 sequence) spans `slot_units` consecutive units and holds, layer after layer, each KDA layer's state
 then its conv windows, so one layer's part is a contiguous run that the step reads as a block of
 whole units and slices, with no repacking. The host allocator hands out pages from the low end
@@ -37,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
+from serve.latent_codec import LatentCodec
 
 WORD = 4  # bytes per arena element (float32)
 
@@ -47,8 +49,8 @@ class ArenaLayout:
     unit_elems: int  # float32 words per unit (= one page of one MLA layer)
     page_size: int  # tokens per MLA page
     latent_width: int  # kv_lora + rope values per token
-    latent_words: int  # float32 words per token in the arena (bf16 packed in pairs)
-    latent_dtype: str
+    latent_words: int  # float32 words per token in the arena (codec.words)
+    codec: LatentCodec  # how a token's latent is stored in those words (kv_cache_dtype)
     num_mla_layers: int
     num_kda_layers: int
     state_shape: tuple[int, ...]  # [Lk, N, K, V]
@@ -57,13 +59,13 @@ class ArenaLayout:
     state_ranks: int = 1  # ranks the KDA heads are split over (each holds N / state_ranks heads)
 
     @classmethod
-    def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype, state_ranks: int = 1) -> "ArenaLayout":
-        """`budget_bytes` is one rank's arena; with `state_ranks` R > 1 a slot holds N / R KDA heads."""
-        dt = jnp.dtype(dtype)
+    def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype, state_ranks: int = 1,
+             kv_cache_dtype: str = "auto") -> "ArenaLayout":
+        """`budget_bytes` is one rank's arena; with `state_ranks` R > 1 a slot holds N / R KDA heads;
+        `kv_cache_dtype` picks the latents' storage format (serve/latent_codec.py)."""
         lw = cfg.mla_latent_size
-        if (lw * dt.itemsize) % WORD:
-            raise ValueError(f"latent width {lw} x {dt.itemsize} B is not a whole number of 4-byte words")
-        latent_words = lw * dt.itemsize // WORD
+        codec = LatentCodec.make(kv_cache_dtype, dtype, lw, cfg.qk_rope_head_dim)
+        latent_words = codec.words
         unit_elems = page_size * latent_words
         n, d, w, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_proj_size
         lk = cfg.num_kda_layers
@@ -79,7 +81,7 @@ class ArenaLayout:
             raise ValueError(f"cache budget {budget_bytes} B holds {num_units} units of "
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
                              f"{slot_units} units)")
-        return cls(num_units, unit_elems, page_size, lw, latent_words, dt.name, cfg.num_mla_layers, lk,
+        return cls(num_units, unit_elems, page_size, lw, latent_words, codec, cfg.num_mla_layers, lk,
                    state_shape, conv_shape, slot_units, state_ranks)
 
     @property
@@ -228,22 +230,6 @@ class Arena:
 # version (the writes' values depend on the reads through the model) lets XLA update it in place; a
 # read that can run after the write, mixed reshapes, or chained block scatters make it copy the
 # whole arena (tests/test_engine.py checks the compiled steps).
-
-def pack_latent(x: jax.Array) -> jax.Array:
-    """[..., W] model-dtype latents -> [..., W * itemsize / 4] float32 words (bit-exact)."""
-    if x.dtype == jnp.float32:
-        return x
-    ratio = WORD // x.dtype.itemsize
-    return jax.lax.bitcast_convert_type(x.reshape(*x.shape[:-1], -1, ratio), jnp.float32)
-
-
-def unpack_latent(w: jax.Array, dtype) -> jax.Array:
-    dtype = jnp.dtype(dtype)
-    if dtype == jnp.float32:
-        return w
-    out = jax.lax.bitcast_convert_type(w, dtype)  # [..., words, ratio]
-    return out.reshape(*w.shape[:-1], -1)
-
 
 _BLOCKS = jax.lax.GatherScatterMode.CLIP
 

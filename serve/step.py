@@ -24,8 +24,8 @@ from k3jax.cache import CacheView, append_latents
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import kda_token_step
 from pallas_kernels.mla import paged_mla_decode
-from serve.memory import (ArenaLayout, gather_states, pack_latent, read_conv, read_layer_states, read_units,
-                          scatter_states, unpack_latent, update_states_in_place, write_layer_states)
+from serve.memory import (ArenaLayout, gather_states, read_conv, read_layer_states, read_units, scatter_states,
+                          update_states_in_place, write_layer_states)
 from serve.sampling import (PromptLogprobs, SampleResult, SamplingBatch, no_prompt_logprobs, prompt_logprobs,
                             sample)
 from serve.speculative import accepted_lengths
@@ -214,7 +214,7 @@ class PagedView(CacheView):
         pos = batch.lengths  # [B] the token's position
         unit = jnp.take_along_axis(pt, jnp.minimum(pos // ps, pt.shape[1] - 1)[:, None], axis=1)[:, 0]
         row = jnp.where(valid > 0, unit * ps + pos % ps, lay.num_units * ps)  # padding rows: dropped
-        words = pack_latent(latent[:, 0].astype(lay.latent_dtype))  # [B, lw]
+        words = lay.codec.encode(latent[:, 0])  # [B, lw]
         if row.shape[0] == 1:  # see read_blocks: a one-index scatter must not become a dynamic update
             row, words = jnp.tile(row, 2), jnp.tile(words, (2, 1))
 
@@ -226,7 +226,7 @@ class PagedView(CacheView):
 
         def attend(q_lat, q_rope, scale):  # [B, nh, r], [B, nh, dr] -> [B, nh, r] fp32
             def local(a, q_lat, q_rope, pt, seq_lens):
-                pages = unpack_latent(a.reshape(lay.num_units, ps, lw), lay.latent_dtype)  # [U, ps, 576]
+                pages = lay.codec.decode(a.reshape(lay.num_units, ps, lw))  # [U, ps, 576]
                 return paged_mla_decode(q_lat, q_rope, pages, pt, seq_lens, scale=scale, out_dtype=jnp.float32)
 
             run = on_ranks(self.split, local, (self._a, self._q, self._q, P(), P()), self._q)
@@ -239,8 +239,8 @@ class PagedView(CacheView):
         pt = self.batch.page_table[:, j]  # [B, P]
         kv = on_ranks(self.split, read_units, (self._a, P()), P())(self.arena, pt)
         kv = kv.reshape(b, pt.shape[1] * lay.page_size, lay.latent_words)
-        self.kv[j], mask = append_latents(kv, pack_latent(latent.astype(lay.latent_dtype)), self.batch.lengths, valid)
-        return unpack_latent(self.kv[j], lay.latent_dtype), mask
+        self.kv[j], mask = append_latents(kv, lay.codec.encode(latent), self.batch.lengths, valid)
+        return lay.codec.decode(self.kv[j]), mask
 
 
 def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:
