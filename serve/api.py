@@ -10,6 +10,8 @@ Endpoints
   GET  /metrics               Prometheus text (serve/metrics.py)
   POST /tokenize, /detokenize (vLLM's shapes)
   POST /reset_prefix_cache    forget every cached prefix (vLLM's)
+  with --enable-sleep-mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping
+                              (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's)
   GET  /openapi.json          the schema (FastAPI)
 
 Both generation endpoints stream with SSE (`stream: true`): `data: {json}` events ending with
@@ -38,12 +40,13 @@ import asyncio
 import json
 import logging
 import math
+import os
 import time
 import uuid
 from collections import deque
 from typing import Any, Literal, Optional, Union
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -52,7 +55,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
+from k3jax.runtime import load_model
 from serve.chat import chat_ids
+from serve.engine import EngineSleeping
 from serve.responses import ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
@@ -237,6 +242,10 @@ class ResponsesRequest(_Strict):
                                       description="only requests with the same salt share cached prefixes (vLLM's)")
 
 
+class UpdateWeightsRequest(_Strict):
+    model_path: str
+
+
 class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -266,6 +275,7 @@ class ServerState:
         self.max_model_len = max_model_len
         self.engine = None
         self.ready = False
+        self.sleeping = False  # POST /sleep released the engine's device memory; /wake_up takes it back
         self.error: Optional[str] = None
         self.created = int(time.time())
         self.requests_in_flight = 0
@@ -329,6 +339,9 @@ class ServerState:
                            "not_found_error", "model", "model_not_found")
 
     def admit(self, key: str, seqs: int, tokens: int):
+        if self.sleeping:
+            raise APIError(503, "the engine is sleeping (POST /wake_up first)", "server_unavailable",
+                           code="engine_sleeping", headers={"Retry-After": "5"})
         cap = self.capacity + (self.max_waiting if self.max_waiting is not None else math.inf)
         if seqs > cap:
             raise APIError(400, f"the request needs {seqs} sequences but this server runs at most {cap} "
@@ -929,7 +942,7 @@ class _BodyLimit:
 def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, limits: Optional[Limits] = None,
                max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
                max_model_len: Optional[int] = None, reasoning_parser: bool = True,
-               max_stored_responses: int = 1024) -> FastAPI:
+               max_stored_responses: int = 1024, enable_sleep_mode: bool = False) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -941,6 +954,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     reasoning_parser: K3 chat answers split into `reasoning_content` and `content` (serve/reasoning.py);
       False returns the raw XTML text as `content`.
     max_stored_responses: Responses API objects kept in memory for `previous_response_id` (0: none).
+    enable_sleep_mode: serve POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's) and POST
+      /update_weights_from_disk (SGLang's): what an RL loop sharing the device with training calls.
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
@@ -1105,6 +1120,60 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         """Forget every cached prefix, device and host tier (vLLM's endpoint); `reset` is false while
         requests in flight still read some of it (call again once they finish)."""
         return {"reset": bool(await st.engine.reset_prefix_cache())}
+
+    if enable_sleep_mode:  # vLLM's --enable-sleep-mode: the RL weight-sync endpoints (off by default)
+        @app.post("/sleep", responses=_ERRORS)
+        async def sleep(level: int = 1, key: str = Depends(authenticate), _r: None = Depends(ready)):
+            """vLLM's sleep mode: release the engine's device memory (level 1: weights kept in host memory;
+            level 2: discarded, load new ones before waking). Generation answers 503 until /wake_up. 400
+            while requests are in flight."""
+            if level not in (1, 2):
+                raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+            if st.requests_in_flight:
+                raise APIError(400, f"{st.requests_in_flight} requests in flight; sleep when idle", param="level")
+            st.sleeping = True  # before the engine call: no request is admitted while it runs
+            try:
+                await st.engine.call(lambda engine: engine.sleep(level))
+            except RuntimeError as e:
+                st.sleeping = await st.engine.call(lambda engine: engine.is_sleeping)
+                raise APIError(400, str(e), param="level") from None
+            return {"is_sleeping": True, "level": level}
+
+        @app.post("/wake_up", responses=_ERRORS)
+        async def wake_up(tags: Optional[list[str]] = Query(None), key: str = Depends(authenticate),
+                          _r: None = Depends(ready)):
+            """Take back what /sleep released (`tags`: weights, kv_cache; default both)."""
+            try:
+                st.sleeping = await st.engine.call(lambda engine: (engine.wake_up(tags), engine.is_sleeping)[1])
+            except ValueError as e:
+                raise APIError(400, str(e), param="tags") from None
+            return {"is_sleeping": st.sleeping}
+
+        @app.post("/update_weights_from_disk", responses=_ERRORS)
+        async def update_weights_from_disk(body: UpdateWeightsRequest, key: str = Depends(authenticate),
+                                           _r: None = Depends(ready)):
+            """SGLang's endpoint: load new weights of the served model from a local checkpoint directory
+            (`model_path`) and swap them in (Engine.update_weights: same config and shapes, no compile, prefix
+            cache cleared). Also how weights come back after /sleep?level=2. 400 while requests are in flight."""
+            if st.requests_in_flight:
+                raise APIError(400, f"{st.requests_in_flight} requests in flight; update when idle", param="model_path")
+            path = body.model_path
+            if not os.path.isdir(path):
+                raise APIError(400, f"model_path: {path!r} is not a checkpoint directory on the server", param="model_path")
+
+            def update(engine):
+                engine.update_weights(load_model(path, dtype=engine.model.dtype))
+                return engine.is_sleeping
+
+            try:
+                st.sleeping = await st.engine.call(update)
+            except (ValueError, RuntimeError, FileNotFoundError, KeyError) as e:
+                raise APIError(400, f"model_path: {e}", param="model_path") from None
+            return {"success": True, "message": f"weights loaded from {path}", "is_sleeping": st.sleeping}
+
+        @app.get("/is_sleeping", responses=_ERRORS)
+        async def is_sleeping(key: str = Depends(authenticate)):
+            return {"is_sleeping": st.sleeping}
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
@@ -1407,7 +1476,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
                 yield fmt.sse(chunk)
         except Exception as e:  # an engine failure mid-stream: report it in the stream
             log.warning("stream %s failed: %s", fmt.id, e)
-            status = 400 if isinstance(e, RequestError) else 500
+            status = 400 if isinstance(e, RequestError) else 503 if isinstance(e, EngineSleeping) else 500
             yield _sse(_error_body(str(e), _STATUS_TYPES.get(status, "internal_error"), None, None)
                        | {"status": status})
         if fmt.done_marker:

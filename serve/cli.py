@@ -31,7 +31,7 @@ DEFAULTS = dict(
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
-    host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024,
+    host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
 )
 
 
@@ -93,6 +93,9 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"])
     a.add_argument("--max-stored-responses", type=int, default=d["max_stored_responses"],
                    help="Responses API objects kept in memory for previous_response_id (0: none)")
+    a.add_argument("--enable-sleep-mode", action="store_true",
+                   help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and POST /update_weights_from_disk "
+                        "(SGLang's): release and reload the device memory around training steps of an RL loop")
     a.add_argument("--no-reasoning-parser", action="store_true",
                    help="K3 chat: return the raw XTML text as content instead of splitting it into "
                         "reasoning_content and content")
@@ -210,7 +213,8 @@ def serve_main(args) -> int:
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
                      max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
                      reasoning_parser=not o["no_reasoning_parser"],
-                     max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]))
+                     max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
+                     enable_sleep_mode=bool(o.get("enable_sleep_mode")))
     st = app.state.k3
     server = uvicorn.Server(uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"],
                                            timeout_graceful_shutdown=5))

@@ -57,6 +57,10 @@ INTERNAL_PRIORITY = 1 << 30  # ... whatever its priority
 MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
 
 
+class EngineSleeping(RuntimeError):
+    """A request reached an engine whose device memory `sleep` released (HTTP: 503)."""
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int = 1024
@@ -268,6 +272,13 @@ class Engine:
                               self.spec.verify_tokens if self.spec else 0)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
                                              options, arena_sharding)
+        # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
+        self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
+        self._param_treedef = jax.tree.structure(model.params)
+        self._arena_sharding = arena_sharding
+        self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
+        self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
+        self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
         max_pages = -(-config.max_model_len // config.page_size)
         self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
         self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))
@@ -304,7 +315,7 @@ class Engine:
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-                             spec_decode_num_accepted_tokens=0, weight_updates=0)
+                             spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.gate: Optional[DraftGate] = None  # set at warm-up when spec.adaptive (serve/speculative.py)
@@ -498,6 +509,7 @@ class Engine:
         `cache_salt` (vLLM's): only requests with the same salt share cached prefixes (tenants that must
         not learn from each other's cache hits use different salts)."""
         self._leader_only("add_request")
+        self._check_awake("add_request")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         try:
@@ -615,24 +627,103 @@ class Engine:
         if diff:
             raise ValueError(f"update_weights: the model's config differs from the engine's in {', '.join(diff)}")
         flat, treedef = jax.tree.flatten_with_path(new.params)
-        old_treedef = jax.tree.structure(self.model.params)
-        if treedef != old_treedef:
+        if treedef != self._param_treedef:
             raise ValueError("update_weights: the model's parameter tree differs from the engine's")
-        for (path, a), b in zip(flat, self._leaves):
-            if a.shape != b.shape or a.dtype != b.dtype:
+        for (path, a), (shape, dtype, _) in zip(flat, self._leaf_specs):
+            if a.shape != shape or a.dtype != dtype:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
-                                 f"engine's {b.dtype}{list(b.shape)}")
-        # on a mesh, each leaf where the old one lives; on one device, as plain (uncommitted) arrays like
-        # the old ones, so the step programs see the same signature
-        place = (lambda a, b: jax.device_put(a, b.sharding)) if self.mesh is not None else (lambda a, b: jnp.asarray(a))
-        self._leaves = [place(a, b) for (_, a), b in zip(flat, self._leaves)]
-        self.model = dataclasses.replace(self.model, params=jax.tree.unflatten(old_treedef, self._leaves))
+                                 f"engine's {dtype}{list(shape)}")
+        self._set_leaves([a for _, a in flat])
+        self._host_leaves, self._weights_stale = None, False
+        if self.sleep_level and self.arena is not None:
+            self.sleep_level = 0  # the cache was woken already: the engine is awake again
         for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
             self._finish(s, "abort")  # canonical rows of the old weights' prefixes
         self._tails.clear()
         if self.prefix_cache is not None and not self.prefix_cache.clear():
             raise RuntimeError("update_weights: the prefix cache could not be cleared")  # nothing holds it
         self.counters["weight_updates"] += 1
+
+    def _set_leaves(self, leaves: list) -> None:
+        """Place `leaves` where the step programs expect the weights: on a mesh, each with its sharding; on
+        one device as plain (uncommitted) arrays like the originals, so the programs see the same signature."""
+        place = lambda a, sh: jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
+        self._leaves = [place(a, sh) for a, (_, _, sh) in zip(leaves, self._leaf_specs)]
+        self.model = dataclasses.replace(self.model, params=jax.tree.unflatten(self._param_treedef, self._leaves))
+
+    @property
+    def is_sleeping(self) -> bool:
+        """True from `sleep` until `wake_up` has brought back both parts and the weights are real ones."""
+        return self.sleep_level > 0 or self._weights_stale
+
+    def _check_awake(self, what: str) -> None:
+        if self.sleep_level and (self._leaves is None or self.arena is None):
+            asleep = [k for k, v in (("weights", self._leaves), ("kv_cache", self.arena)) if v is None]
+            raise EngineSleeping(f"{what}: the engine is sleeping ({' and '.join(asleep)} released by "
+                                 f"sleep(level={self.sleep_level})); call wake_up() first")
+        if self._weights_stale:
+            raise EngineSleeping(f"{what}: sleep(level=2) discarded the weights; load new ones with "
+                                 f"update_weights() first")
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode, for RL loops that share the device between training and generation: release
+        the device memory the engine holds (the arena, and its references to the weights: weights the
+        caller's `Model` also holds stay until the caller drops it; `LLM.sleep` does). Level 1 copies the weights to host memory and frees them and
+        the cache arena; level 2 discards the weights too (load new ones with `update_weights`, asleep or
+        after `wake_up(["weights"])`). Cached prefixes are forgotten (both tiers). The compiled programs
+        stay: `wake_up` needs no compile. Requests must not be in flight."""
+        self._leader_only("sleep")
+        if self.channel is not None:
+            raise RuntimeError("sleep: not available on a multi-process mesh")
+        if level not in (1, 2):
+            raise ValueError(f"sleep: level must be 1 (weights to host memory) or 2 (weights discarded), got {level!r}")
+        busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
+        if busy:
+            raise RuntimeError(f"sleep: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort them first")
+        for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
+            self._finish(s, "abort")
+        self._tails.clear()
+        if self.prefix_cache is not None and not self.prefix_cache.clear():
+            raise RuntimeError("sleep: the prefix cache could not be cleared")  # nothing holds it
+        assert self.allocator.free_units == self.allocator.baseline_free_units
+        if self._leaves is not None:
+            if level == 1 and not self._weights_stale:
+                # copies: on CPU device_get may return a view that would keep the device buffer alive
+                self._host_leaves = [np.array(jax.device_get(x), copy=True) for x in self._leaves]
+            # dropped, not deleted: leaves the caller's Model shares (those no start-up transform copied)
+            # stay with it; what only the engine held is freed (LLM drops its Model too)
+            self._leaves = None
+            self.model = dataclasses.replace(self.model, params=None)
+        if level == 2:
+            self._host_leaves = None
+        if self.arena is not None:
+            self.arena.delete()
+            self.token_pages.delete()
+            self.arena = self.token_pages = None
+        self.sleep_level = max(self.sleep_level, level)
+        self.counters["sleeps"] += 1
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Take back what `sleep` released: `tags` "weights" and / or "kv_cache" (vLLM's; default both).
+        Weights come back from host memory (level 1) or, after level 2, as zeros to be overwritten by
+        `update_weights` before any request; the arena comes back empty."""
+        self._leader_only("wake_up")
+        tags = {"weights", "kv_cache"} if tags is None else set(tags)
+        if not tags <= {"weights", "kv_cache"}:
+            raise ValueError(f"wake_up: tags must be 'weights' and / or 'kv_cache', got {sorted(tags)}")
+        if "weights" in tags and self._leaves is None:
+            if self._host_leaves is not None:
+                self._set_leaves(self._host_leaves)
+            else:
+                self._set_leaves([np.zeros(shape, dtype) for shape, dtype, _ in self._leaf_specs])
+                self._weights_stale = True
+            self._host_leaves = None
+        if "kv_cache" in tags and self.arena is None:
+            self.arena = self.layout.empty(self._arena_sharding)
+            self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
+                                      replicated(self.mesh) if self.mesh is not None else None)
+        if self._leaves is not None and self.arena is not None:
+            self.sleep_level = 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix, device and host tier (vLLM's `reset_prefix_cache`) -> True when
@@ -1275,6 +1366,7 @@ class Engine:
             "arena_state_ranks": self.layout.state_ranks,
             # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
             "kv_cache_dtype": self.layout.codec.kind,
+            "sleep_level": self.sleep_level,  # 0 awake (vLLM's sleep mode: Engine.sleep / wake_up)
             "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",

@@ -73,7 +73,24 @@ class LLM:
     def update_weights(self, model: Union[Model, str], *, dtype: str = "float32", seed: int = 0) -> None:
         """Swap in new weights of the same model (a `Model`, a checkpoint directory or a preset): the
         compiled programs are reused, the prefix cache is cleared (see `Engine.update_weights`)."""
-        self.engine.update_weights(model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed))
+        model = model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed)
+        self.engine.update_weights(model)
+        self.model = model
+
+    def sleep(self, level: int = 1) -> None:
+        """Release the device memory of the weights and the cache (vLLM's sleep mode; see `Engine.sleep`):
+        level 1 keeps the weights in host memory, level 2 discards them (`update_weights` loads new ones)."""
+        self.engine.sleep(level)
+        self.model = None  # the engine's host copy (level 1) is the only one left
+
+    def wake_up(self, tags: Optional[list[str]] = None) -> None:
+        """Take back the weights and / or the cache (`tags`: "weights", "kv_cache"; default both)."""
+        self.engine.wake_up(tags)
+        self.model = self.engine.model
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.engine.sleep_level > 0
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (both tiers) -> True when the cache is empty (see Engine)."""

@@ -246,6 +246,18 @@ def test_two_requests_restoring_the_same_host_prefix_in_one_step(engines):
 
 
 
+PROMPTS = [toks(50, 130), toks(51, 70)]
+
+
+def generate_all(engine, prompts):
+    """All prompts at once, 5 tokens each -> their finished outputs in order."""
+    ids = [engine.add_request(p, SamplingParams(max_tokens=5, **PARAMS)) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [done[i] for i in ids]
+
+
 def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
     """Engine.update_weights: new weights of the same model are swapped in without a compile, answer as an
     engine built on them does, and nothing cached (device or host tier) under the old weights is reused."""
@@ -253,14 +265,7 @@ def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
 
     on, _ = engines
     old, new = on.model, k3jax.load_model("tiny-k3", seed=5)
-    prompts = [toks(50, 130), toks(51, 70)]
-
-    def generate(engine):
-        ids = [engine.add_request(p, SamplingParams(max_tokens=5, **PARAMS)) for p in prompts]
-        done = {}
-        while engine.has_unfinished():
-            done.update({o.request_id: o for o in engine.step() if o.finished})
-        return [done[i] for i in ids]
+    generate = lambda engine: generate_all(engine, PROMPTS)
 
     before = generate(on)
     flood(on, 900, n=2)  # part of what the prompts left is in the host tier now
@@ -275,7 +280,7 @@ def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
     on.update_weights(old)  # the engine's own (already transformed) weights go back in as well
     assert [logprobs(o) for o in generate(on)] == [logprobs(o) for o in before]
 
-    rid = on.add_request(prompts[0], SamplingParams(max_tokens=4))
+    rid = on.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
     on.step()
     with pytest.raises(RuntimeError, match="in flight"):
         on.update_weights(new)
@@ -285,3 +290,110 @@ def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
     with pytest.raises(ValueError, match="rms_norm_eps"):
         on.update_weights(bad)
     settled(on)
+
+
+def live_bytes():
+    import gc
+
+    import jax
+    gc.collect()
+    return sum(x.nbytes for x in jax.live_arrays())
+
+
+def test_sleep_releases_device_memory_and_wake_up_answers_the_same(engines):
+    """vLLM's sleep mode: level 1 frees the arena and the engine's weights (kept in host memory), level 2
+    discards the weights (update_weights loads them, asleep or after waking the weights); requests are
+    refused while asleep, and afterwards the engine answers exactly as before, with no compile."""
+    import jax
+
+    from serve.engine import EngineSleeping
+
+    on, off = engines
+    before = [logprobs(o) for o in generate_all(on, PROMPTS)]
+    rid = on.add_request(PROMPTS[0], SamplingParams(max_tokens=4))
+    on.step()
+    with pytest.raises(RuntimeError, match="in flight"):
+        on.sleep()
+    on.abort(rid)
+    on.step()
+    # buffers only this engine holds: the arena, token pages and the weights its start-up transforms made
+    # (the model's untransformed weights are `off`'s too)
+    shared = {x.unsafe_buffer_pointer() for x in off._leaves}
+    own = {x.unsafe_buffer_pointer(): x.nbytes for x in [on.arena, on.token_pages, *on._leaves]
+           if x.unsafe_buffer_pointer() not in shared}
+    live = live_bytes()
+    on.sleep(1)
+    assert not own.keys() & {x.unsafe_buffer_pointer() for x in jax.live_arrays()}  # all freed
+    assert live - live_bytes() > 0.9 * sum(own.values()) > 2 << 20
+    assert on.is_sleeping and on.stats()["sleep_level"] == 1
+    assert host(on)["host_bytes"] == 0  # cached prefixes forgotten, both tiers
+    with pytest.raises(EngineSleeping, match="weights and kv_cache.*wake_up"):
+        on.add_request(PROMPTS[0])
+    on.wake_up(["kv_cache"])
+    with pytest.raises(EngineSleeping, match="weights released"):
+        on.add_request(PROMPTS[0])
+    on.wake_up()
+    assert not on.is_sleeping and [logprobs(o) for o in generate_all(on, PROMPTS)] == before
+
+    weights = on.model  # the engine's (transformed) weights, to load back after level 2
+    on.sleep(2)
+    on.wake_up()  # weights as zeros: nothing may run on them
+    with pytest.raises(EngineSleeping, match="update_weights"):
+        on.add_request(PROMPTS[0])
+    on.update_weights(weights)
+    assert [logprobs(o) for o in generate_all(on, PROMPTS)] == before
+    on.sleep(2)
+    on.update_weights(weights)  # loading while asleep: the weights are back, the cache still released
+    assert on.is_sleeping
+    on.wake_up(["kv_cache"])
+    assert not on.is_sleeping and [logprobs(o) for o in generate_all(on, PROMPTS)] == before
+    with pytest.raises(ValueError, match="level"):
+        on.sleep(3)
+    with pytest.raises(ValueError, match="tags"):
+        on.wake_up(["kv"])
+    assert on.stats()["compiles_after_warmup"] == 0 and on.stats()["sleeps"] == 3
+    settled(on)
+
+
+def test_sleep_endpoints(engines, tmp_path):
+    """POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and /update_weights_from_disk (SGLang's), served
+    with enable_sleep_mode; completions answer 503 while asleep and the same text after waking."""
+    import asyncio
+
+    import httpx
+
+    from k3jax.checkpoint import save_hf_checkpoint
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    on, _ = engines
+    fresh = k3jax.load_model("tiny-k3", seed=2)  # the fixture's weights, saved as a checkpoint
+    save_hf_checkpoint(str(tmp_path), fresh.cfg, fresh.params)
+    aeng = AsyncEngine(on)
+    app = create_app(aeng, "tiny-k3", enable_sleep_mode=True)
+    body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            first = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+            assert (await c.post("/sleep", params={"level": 2})).json() == {"is_sleeping": True, "level": 2}
+            assert (await c.get("/is_sleeping")).json() == {"is_sleeping": True}
+            r = await c.post("/v1/completions", json=body)
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
+            assert (await c.get("/metrics")).status_code == 200 and (await c.get("/health")).status_code == 200
+            r = await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
+            r = (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()
+            assert r["success"] and r["is_sleeping"]  # weights back, the cache still released
+            assert (await c.post("/wake_up", params={"tags": ["kv_cache"]})).json() == {"is_sleeping": False}
+            again = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+            assert again["text"] == first["text"] and again["logprobs"] == first["logprobs"]
+            assert (await c.post("/wake_up", params={"tags": ["nope"]})).status_code == 400
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert on.stats()["compiles_after_warmup"] == 0
+    plain = create_app(None, "m")  # without enable_sleep_mode the routes do not exist
+    assert "/sleep" not in {r.path for r in plain.routes}

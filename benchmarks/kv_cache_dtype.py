@@ -1,0 +1,191 @@
+"""fp8 MLA latent cache (`kv_cache_dtype="fp8"`): capacity, accuracy and speed against the model dtype.
+
+    python benchmarks/kv_cache_dtype.py           # the recorded run, ~5 min quiet
+    python benchmarks/kv_cache_dtype.py --quick   # smoke run on tiny presets (~1 min with compiles)
+
+1. Capacity (arithmetic from `ArenaLayout.plan`, no device): bytes per token and MLA layer, and how
+   many sequences of a given context one rank's arena holds, for K3 at full size (bf16, KDA heads
+   split over 8 tensor-parallel ranks, every rank keeping every MLA page) and for k3-small (fp32).
+2. Accuracy, against HF transformers: an HF-written random Kimi-Linear checkpoint (float32, the
+   structure of benchmarks/serving.py) runs the same prompts in three places: HF `generate` (the
+   peer, its cache in float32), the engine with the model-dtype cache and with the fp8 cache.
+   Reported: greedy tokens identical to HF (requests, and tokens before the first divergence), and
+   teacher-forced logprobs (every position of prompt + HF's continuation, through
+   `prompt_logprobs`): mean / max |delta| against the model-dtype engine, and how often both agree
+   on whether the given token is the most likely one.
+3. Capacity and speed, measured (k3-small on CPU): one arena budget, a KV-bound wave (long prompts,
+   more requests than the model-dtype arena holds at once), each engine running as many requests at
+   once as its arena holds at full length; peak running requests, preemptions, wall time, tokens/s,
+   decode step median, against the latent bytes a decode step must read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "tests"))
+
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import k3jax  # noqa: E402
+from k3jax.config import PRESETS  # noqa: E402
+from serve.engine import Engine, EngineConfig  # noqa: E402
+from serve.memory import ArenaLayout  # noqa: E402
+from serve.types import SamplingParams  # noqa: E402
+from serving import (build_kimi_linear, hf_generate, machine_info, measure_bandwidth, med, run_wave,  # noqa: E402
+                     write_result)
+
+KINDS = ("auto", "fp8")
+
+
+def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]) -> dict:
+    """Sequences of each context length one rank's arena holds (a slot + every MLA layer's pages each)."""
+    out = {}
+    for kind in KINDS:
+        lay = ArenaLayout.plan(cfg, budget, page, dtype, ranks, kind)
+        usable = lay.num_units - 1 - lay.slot_units  # scratch page and scratch slot
+        out[kind] = dict(
+            bytes_per_token_per_layer=lay.latent_words * 4, mla_bytes_per_token=lay.latent_words * 4 * lay.num_mla_layers,
+            slot_bytes=lay.slot_units * lay.unit_bytes, units=lay.num_units,
+            sequences={str(c): usable // (lay.slot_units + lay.pages_for(c)) for c in contexts})
+    out["token_ratio"] = out["auto"]["bytes_per_token_per_layer"] / out["fp8"]["bytes_per_token_per_layer"]
+    return out
+
+
+def teacher_forced(engine: Engine, seqs: list[list[int]]) -> list[list[tuple[float, int]]]:
+    """Per sequence, per position after the first: (logprob of the given token, its rank)."""
+    sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
+    ids = [engine.add_request(s, sp) for s in seqs]
+    done = {}
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return [[(lp.logprob, lp.rank) for lp, _ in done[i].prompt_logprobs[1:]] for i in ids]
+
+
+def accuracy(quick: bool, n: int, prompt_len: int, gen: int, log) -> dict:
+    rng = np.random.default_rng(3)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, hf_model, _ = build_kimi_linear(tmp, quick)
+        model = k3jax.load_model(path)
+        prompts = rng.integers(0, 500, (n, prompt_len)).tolist()
+        t_hf, hf_out = hf_generate(hf_model, prompts, gen)
+        hf_out = hf_out.tolist()
+        res = dict(model="Kimi-Linear (HF checkpoint, float32)", requests=n, prompt_len=prompt_len, gen=gen,
+                   hf_generate_s=t_hf)
+        per = {}
+        for kind in KINDS:
+            eng = Engine(model, EngineConfig(max_model_len=prompt_len + gen + 16, page_size=16, cache_bytes=64 << 20,
+                                             max_num_seqs=n, prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(n,),
+                                             prefill_buckets=(4,), max_logprobs=1, enable_prefix_caching=False,
+                                             kv_cache_dtype=kind), progress=False)
+            wave = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+            agree = [next((i for i, (a, b) in enumerate(zip(o, h)) if a != b), gen)
+                     for o, h in zip(wave["token_ids"], hf_out)]
+            per[kind] = dict(identical_to_hf=sum(a == gen for a in agree), tokens_before_divergence=agree,
+                             lps=teacher_forced(eng, [p + h for p, h in zip(prompts, hf_out)]))
+            log(f"  {kind}: {per[kind]['identical_to_hf']}/{n} requests token-identical to HF")
+        a = np.array([[x[0] for x in s] for s in per["auto"]["lps"]])
+        f = np.array([[x[0] for x in s] for s in per["fp8"]["lps"]])
+        top1 = lambda k: np.array([[x[1] == 1 for x in s] for s in per[k]["lps"]])
+        d = np.abs(a - f)
+        for kind in KINDS:
+            res[kind] = {k: v for k, v in per[kind].items() if k != "lps"}
+        res["teacher_forced"] = dict(
+            positions=int(d.size), mean_abs_delta=float(d.mean()), p99_abs_delta=float(np.percentile(d, 99)),
+            max_abs_delta=float(d.max()), mean_logprob_auto=float(a.mean()), mean_logprob_fp8=float(f.mean()),
+            rank1_agreement=float((top1("auto") == top1("fp8")).mean()))
+        return res
+
+
+def full_length_capacity(model, kind: str, budget: int, page: int, tokens: int) -> int:
+    """Requests of `tokens` tokens the arena holds at once (each: a state slot + its pages)."""
+    lay = ArenaLayout.plan(model.cfg, budget, page, model.dtype, kv_cache_dtype=kind)
+    return (lay.num_units - 1 - lay.slot_units) // (lay.slot_units + lay.pages_for(tokens))
+
+
+def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: int, page: int, bw: float) -> dict:
+    """`n` requests through an arena of `budget` bytes, run with as many at once as it holds at full length
+    (max_num_seqs set to that, as an operator would; more would be preempted and recomputed)."""
+    seqs = min(n, full_length_capacity(model, kind, budget, page, prompt_len + gen))
+    cfg = EngineConfig(max_model_len=prompt_len + gen + page, page_size=page, cache_bytes=budget, max_num_seqs=seqs,
+                       prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(seqs,), prefill_buckets=(4,),
+                       max_logprobs=1, enable_prefix_caching=False, kv_cache_dtype=kind)
+    t0 = time.perf_counter()
+    eng = Engine(model, cfg, progress=False)
+    build = time.perf_counter() - t0
+    prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
+    peak = 0
+    orig = eng.step
+
+    def step():  # count requests holding a slot after each step
+        nonlocal peak
+        out = orig()
+        peak = max(peak, eng.stats()["num_requests_running"])
+        return out
+
+    eng.step = step
+    wave = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+    lay = eng.layout
+    steps = [dt for dt, rows in wave["decode_only_steps"]]
+    decoded = sum(g for _, g in wave["decode_only_steps"])
+    ctx = prompt_len + gen / 2
+    latent_read = peak * ctx * lay.latent_words * 4 * lay.num_mla_layers
+    return dict(kv_cache_dtype=kind, cache_bytes=budget, max_num_seqs=seqs, build_s=build, units=lay.num_units,
+                bytes_per_token_per_layer=lay.latent_words * 4, peak_running=peak,
+                preemptions=eng.stats().get("preemptions", 0), wall_s=wave["wall_s"], gen_tok_s=wave["gen_tok_s"],
+                total_tok_s=wave["total_tok_s"], decode_step_median_s=med(steps) if steps else None,
+                decode_phase_tok_s=decoded / sum(steps) if steps else None,
+                decode_steps=len(steps), latent_bytes_read_per_decode_step=latent_read,
+                latent_read_roofline_s=latent_read / bw, compiles_after_warmup=eng.stats()["compiles_after_warmup"],
+                token_ids=wave["token_ids"])
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda m: print(m, flush=True)
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "kv_cache_dtype-quick.json" if args.quick
+                                           else REPO / "benchmarks" / "results" / "kv_cache_dtype-cpu.json")
+    bw = measure_bandwidth(256 if args.quick else 512)
+    result = dict(benchmark="kv_cache_dtype", machine=machine_info(), bandwidth=bw)
+    ctxs = [8192, 32768, 131072]
+    result["capacity"] = dict(
+        k3_bf16_tp8=dict(budget_per_rank_GiB=60, **capacity(PRESETS["k3"], jnp.bfloat16, 60 << 30, 64, 8, ctxs)),
+        k3_small_fp32=dict(budget_MiB=256, **capacity(PRESETS["k3-small"], jnp.float32, 256 << 20, 16, 1,
+                                                       [1024, 4096, 16384])))
+    for name, c in result["capacity"].items():
+        log(f"capacity {name}: {c['auto']['bytes_per_token_per_layer']} -> {c['fp8']['bytes_per_token_per_layer']} "
+            f"B/token/layer ({c['token_ratio']:.2f}x); sequences {c['auto']['sequences']} -> {c['fp8']['sequences']}")
+    log("accuracy (Kimi-Linear checkpoint vs HF generate)")
+    result["accuracy"] = accuracy(args.quick, 4 if args.quick else 16, 64 if args.quick else 256,
+                                  8 if args.quick else 32, log)
+    log(f"  teacher-forced: {result['accuracy']['teacher_forced']}")
+    model = k3jax.load_model("tiny-k3" if args.quick else "k3-small", seed=0)
+    n, plen, gen, page = (8, 96, 8, 16) if args.quick else (16, 512, 64, 16)
+    lay = ArenaLayout.plan(model.cfg, 1 << 30, page, model.dtype)
+    per_seq = lay.slot_units + lay.pages_for(plen + gen)  # units one request holds at its longest (auto)
+    budget = (2 + lay.slot_units + 4 * per_seq) * lay.unit_bytes  # the model-dtype arena holds ~4 at once
+    waves = [kv_bound_wave(model, kind, budget, n, plen, gen, page, bw["GBps"]) for kind in KINDS]
+    same = sum(a == b for a, b in zip(waves[0].pop("token_ids"), waves[1].pop("token_ids")))
+    result["kv_bound_wave"] = dict(model="tiny-k3" if args.quick else "k3-small", requests=n, prompt_len=plen,
+                                   gen=gen, greedy_identical_requests=same, engines=waves)
+    for w in waves:
+        log(f"wave {w['kv_cache_dtype']}: peak running {w['peak_running']}, preemptions {w['preemptions']}, "
+            f"wall {w['wall_s']:.2f} s, {w['gen_tok_s']:.1f} gen tok/s, decode phase {w['decode_phase_tok_s']:.1f} "
+            f"tok/s, decode step {w['decode_step_median_s']}")
+    write_result(result, out, t_start, log)
+
+
+if __name__ == "__main__":
+    main()
