@@ -16,7 +16,9 @@
 3. Capacity and speed, measured (k3-small on CPU): one arena budget, a KV-bound wave (long prompts,
    more requests than the model-dtype arena holds at once), each engine running as many requests at
    once as its arena holds at full length; peak running requests, preemptions, wall time, tokens/s,
-   decode step median, against the latent bytes a decode step must read.
+   decode step median, against the latent bytes a decode step must read. Then the fp8 wave again with
+   max_num_seqs = every request, without and with the admission look-ahead
+   (`schedule_conservativeness` 0 / 1): preemptions and wall time.
 """
 
 from __future__ import annotations
@@ -111,13 +113,15 @@ def full_length_capacity(model, kind: str, budget: int, page: int, tokens: int) 
     return (lay.num_units - 1 - lay.slot_units) // (lay.slot_units + lay.pages_for(tokens))
 
 
-def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: int, page: int, bw: float) -> dict:
-    """`n` requests through an arena of `budget` bytes, run with as many at once as it holds at full length
-    (max_num_seqs set to that, as an operator would; more would be preempted and recomputed)."""
-    seqs = min(n, full_length_capacity(model, kind, budget, page, prompt_len + gen))
+def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: int, page: int, bw: float,
+                  seqs: int | None = None, conservativeness: float = 1.0) -> dict:
+    """`n` requests through an arena of `budget` bytes, by default run with as many at once as it holds at
+    full length (max_num_seqs set to that, as an operator would; more may be preempted and recomputed)."""
+    seqs = seqs or min(n, full_length_capacity(model, kind, budget, page, prompt_len + gen))
     cfg = EngineConfig(max_model_len=prompt_len + gen + page, page_size=page, cache_bytes=budget, max_num_seqs=seqs,
                        prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(seqs,), prefill_buckets=(4,),
-                       max_logprobs=1, enable_prefix_caching=False, kv_cache_dtype=kind)
+                       max_logprobs=1, enable_prefix_caching=False, kv_cache_dtype=kind,
+                       schedule_conservativeness=conservativeness)
     t0 = time.perf_counter()
     eng = Engine(model, cfg, progress=False)
     build = time.perf_counter() - t0
@@ -138,7 +142,8 @@ def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: i
     decoded = sum(g for _, g in wave["decode_only_steps"])
     ctx = prompt_len + gen / 2
     latent_read = peak * ctx * lay.latent_words * 4 * lay.num_mla_layers
-    return dict(kv_cache_dtype=kind, cache_bytes=budget, max_num_seqs=seqs, build_s=build, units=lay.num_units,
+    return dict(kv_cache_dtype=kind, cache_bytes=budget, max_num_seqs=seqs, schedule_conservativeness=conservativeness,
+                build_s=build, units=lay.num_units,
                 bytes_per_token_per_layer=lay.latent_words * 4, peak_running=peak,
                 preemptions=eng.stats().get("preemptions", 0), wall_s=wave["wall_s"], gen_tok_s=wave["gen_tok_s"],
                 total_tok_s=wave["total_tok_s"], decode_step_median_s=med(steps) if steps else None,
@@ -184,6 +189,15 @@ def main(argv=None):
         log(f"wave {w['kv_cache_dtype']}: peak running {w['peak_running']}, preemptions {w['preemptions']}, "
             f"wall {w['wall_s']:.2f} s, {w['gen_tok_s']:.1f} gen tok/s, decode phase {w['decode_phase_tok_s']:.1f} "
             f"tok/s, decode step {w['decode_step_median_s']}")
+    # the same fp8 wave with max_num_seqs = all requests: what fits now is admitted, and decodes that run
+    # out of pages preempt (recompute) the newest, unless the admission look-ahead holds requests back
+    over = [kv_bound_wave(model, "fp8", budget, n, plen, gen, page, bw["GBps"], seqs=n, conservativeness=c)
+            for c in (0.0, 1.0)]
+    for w in over:
+        w.pop("token_ids")
+        log(f"over-admitted fp8, conservativeness {w['schedule_conservativeness']}: peak running {w['peak_running']}, "
+            f"preemptions {w['preemptions']}, wall {w['wall_s']:.2f} s, {w['gen_tok_s']:.1f} gen tok/s")
+    result["admission_look_ahead"] = dict(max_num_seqs=n, engines=over)
     write_result(result, out, t_start, log)
 
 

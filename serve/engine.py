@@ -70,6 +70,11 @@ class EngineConfig:
     prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
     max_prefill_seqs: int = 4  # prefill rows per step
     max_num_batched_tokens: int = 512
+    # Admission look-ahead (SGLang's --schedule-conservativeness; serve/scheduler.py): a request is
+    # admitted only when the pages left cover the expected growth of those running, at a new-token
+    # ratio that starts at 0.7 x this, decays to 0.1 x this over 600 steps without a preemption, and
+    # goes back up after one. 0 admits whatever fits now (preempting later if decodes run short).
+    schedule_conservativeness: float = 1.0
     decode_buckets: Optional[tuple[int, ...]] = None  # default: powers of 4 up to max_num_seqs
     prefill_buckets: Optional[tuple[int, ...]] = None  # default: (1, max_prefill_seqs)
     context_buckets: Optional[tuple[int, ...]] = None  # MLA pages per layer; default: powers of 4
@@ -144,6 +149,9 @@ class EngineConfig:
         if self.host_cache_bytes and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes: the host tier holds what the prefix cache evicts; it needs "
                              "enable_prefix_caching")
+        if not isinstance(self.schedule_conservativeness, (int, float)) or not 0 <= self.schedule_conservativeness <= 10:
+            raise ValueError(f"schedule_conservativeness={self.schedule_conservativeness!r}: expected a number in "
+                             f"[0, 10] (0: no admission look-ahead)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.sharding is not None:
@@ -315,9 +323,10 @@ class Engine:
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-                             spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0)
+                             spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
+        self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
         self.gate: Optional[DraftGate] = None  # set at warm-up when spec.adaptive (serve/speculative.py)
         self.mask_seconds = 0.0  # host time computing structured-output masks (serve/structured.py)
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
@@ -768,12 +777,14 @@ class Engine:
                     for s in decoding:
                         s.draft = []
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
-                         self._next_stop(s), s.priority, len(s.draft)) for s in live if s.rid not in deferred]
+                         self._next_stop(s), s.priority, len(s.draft), len(s.prompt_ids) + s.checker.max_tokens)
+                 for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
             eu, es = self.prefix_cache.evictable()
             free_units, free_slots = free_units + eu, free_slots + es
-        plan = schedule(views, Memory(free_units, free_slots), self.sched_cfg)
+        plan = schedule(views, Memory(free_units, free_slots), self.sched_cfg, self.new_token_ratio)
+        self._adapt_new_token_ratio(plan)
         touched: set[str] = set()
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
@@ -796,6 +807,17 @@ class Engine:
         outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched})]
         self._reap()
         return outs
+
+    def _adapt_new_token_ratio(self, plan: StepPlan) -> None:
+        """SGLang's schedule: back to the initial ratio after decodes ran out of pages (the estimate was
+        too low), otherwise decay towards the floor (requests finish earlier than their max_tokens)."""
+        c = self.config.schedule_conservativeness
+        init, floor = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
+        if plan.retracted:
+            self.new_token_ratio = max(self.new_token_ratio, init)
+            self.counters["retractions"] += plan.retracted
+        elif not plan.empty:
+            self.new_token_ratio = max(floor, self.new_token_ratio - (init - floor) / 600)
 
     def _drafts(self, seq: Sequence) -> list[int]:
         """Drafts for a running request about to decode, within its max_tokens and the context window.
@@ -1365,6 +1387,7 @@ class Engine:
             # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
             "arena_state_ranks": self.layout.state_ranks,
             # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
+            "new_token_ratio": self.new_token_ratio,  # admission look-ahead (serve/scheduler.py)
             "kv_cache_dtype": self.layout.codec.kind,
             "sleep_level": self.sleep_level,  # 0 awake (vLLM's sleep mode: Engine.sleep / wake_up)
             "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,

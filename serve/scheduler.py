@@ -14,6 +14,12 @@ are first come, first served):
 - memory: a request needs a state slot once and MLA pages as its context grows; when decodes cannot
   get their next pages, the newest running requests are preempted (their memory is freed and they
   are recomputed later, never corrupted);
+- admission looks ahead (SGLang's new-token ratio): a waiting request is admitted only if, after its
+  first chunk, the free pages still cover the growth every running request (and it) is expected to
+  need: the rest of its prompt plus `new_token_ratio` of its remaining max_tokens. The engine keeps
+  the ratio adaptive (high after a preemption, decaying while none happens), so a burst of long
+  generations does not fill the arena with requests that would preempt each other (each preemption
+  recomputes). With nothing running, the first request is admitted regardless;
 - speculative drafts (serve/speculative.py) ride on decodes: a decode with d drafts computes 1 + d
   tokens and needs pages for them; drafts are optional and are the first thing dropped when pages or
   the token budget run short.
@@ -21,6 +27,7 @@ are first come, first served):
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -49,6 +56,7 @@ class SeqView:
     stop: int | None = None  # a position the next prefill row must end at (KDA checkpoint capture)
     priority: int = 0  # lower runs first (vLLM's convention)
     draft: int = 0  # speculative tokens proposed for its next decode
+    limit: int | None = None  # the most tokens it can reach (prompt + max_tokens); None: `total`
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,7 @@ class StepPlan:
     grow: dict[str, int] = field(default_factory=dict)  # rid -> MLA units to add
     draft: dict[str, int] = field(default_factory=dict)  # rid -> drafts its decode verifies
     preempt: list[str] = field(default_factory=list)
+    retracted: int = 0  # of `preempt`: running requests preempted because decodes ran out of pages
 
     @property
     def empty(self) -> bool:
@@ -81,7 +90,15 @@ def _first_chunk(s: SeqView, cfg: SchedulerConfig) -> int:
     return cfg.slot_units + max(0, units_for(end, cfg) - s.pages)
 
 
-def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan:
+def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -> int:
+    """MLA units `s` is expected to need beyond the `held` ones: its whole prompt, then `ratio` of the
+    tokens it may still generate."""
+    limit = max(s.total, s.limit if s.limit is not None else s.total)
+    return max(0, units_for(s.total + math.ceil(ratio * (limit - s.total)), cfg) - held)
+
+
+def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float = 0.0) -> StepPlan:
+    """`new_token_ratio` > 0 turns on the admission look-ahead (module docstring)."""
     plan = StepPlan()
     free_units, free_slots = mem.free_units, mem.free_slots
     key = lambda s: (s.priority, s.order)
@@ -129,6 +146,7 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
         free_units += v.pages
         free_slots += 1  # its slot run comes back (approximation: slots are slot-aligned)
         need.pop(v.rid, None)
+        plan.retracted += 1
     preempted = set(plan.preempt)
     for s in decoders:
         if s.rid in need:
@@ -140,7 +158,11 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
             free_units -= need[s.rid]
     budget = cfg.token_budget - len(plan.decode) - sum(plan.draft.values())
 
-    # 2. prefill chunks: running partial prefills first, then admissions, in (priority, arrival) order
+    # 2. prefill chunks: running partial prefills first, then admissions, in (priority, arrival) order;
+    #    with a new-token ratio, an admission must leave room for the expected growth of everyone running
+    live = [s for s in running if s.rid not in preempted]
+    ahead = sum(expected_growth(s, s.pages + plan.grow.get(s.rid, 0), new_token_ratio, cfg) for s in live) \
+        if new_token_ratio > 0 else 0
     candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting
     candidates.sort(key=lambda s: (s.priority, not s.running, s.order))  # stable among equals
     for s in candidates:
@@ -161,6 +183,13 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig) -> StepPlan
             free_units, free_slots = free_units + reserved.pop(s.rid), free_slots + 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots:
             break  # FCFS: nobody overtakes a request that does not fit
+        if slots and new_token_ratio > 0:
+            own = expected_growth(s, s.pages + units, new_token_ratio, cfg)
+            if (live or plan.admit) and units + cfg.slot_units + ahead + own > free_units:
+                break  # it fits now, but the running requests' expected growth would preempt someone
+            ahead += own
+        elif s.running and new_token_ratio > 0:
+            ahead -= min(units, expected_growth(s, s.pages, new_token_ratio, cfg))  # now held, not ahead
         plan.prefill.append((s.rid, start, length))
         if slots:
             plan.admit.append(s.rid)

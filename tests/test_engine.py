@@ -28,8 +28,9 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    # small enough that 32 concurrent requests cannot all fit (forces preemption)
-    return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250, measure_moe_time=True)
+    # small enough that 32 concurrent requests cannot all fit (forces preemption: no admission look-ahead)
+    return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250, measure_moe_time=True,
+                       schedule_conservativeness=0.0)
 
 
 @pytest.fixture(scope="module")
@@ -83,16 +84,28 @@ def test_moe_dispatch_time_is_measured_per_step_shape(engine, prompts):
 
 def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
     """16 requests admitted together outgrow the arena while decoding: the newest are preempted,
-    recomputed later (prompt + tokens so far), and still produce exactly the greedy continuation."""
+    recomputed later (prompt + tokens so far), and still produce exactly the greedy continuation.
+    Then the same requests with the admission look-ahead (SGLang's new-token ratio, the default; an
+    engine sharing the module engine's programs): admissions wait for room to grow, fewer preemptions
+    (one retraction raises the ratio back), the same tokens."""
     rng = np.random.default_rng(21)
     prompts = rng.integers(0, 256, (16, 100)).astype(np.int32)
+    sp = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     before = engine.stats()["preemptions"]
-    outs = run_all(engine, prompts.tolist(), SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True))
-    assert engine.stats()["preemptions"] > before
-    ref = model.generate_greedy(prompts, 60)
-    assert [o.token_ids for o in outs] == ref.tolist()
+    outs = run_all(engine, prompts.tolist(), sp)
+    greedy = engine.stats()["preemptions"] - before
+    assert greedy > 0
+    ref = model.generate_greedy(prompts, 60).tolist()
+    assert [o.token_ids for o in outs] == ref
     s = engine.stats()
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
+
+    ahead = make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250)
+    assert ahead.stats()["new_token_ratio"] == pytest.approx(0.7)
+    assert [o.token_ids for o in run_all(ahead, prompts.tolist(), sp)] == ref
+    s = ahead.stats()
+    assert s["preemptions"] < greedy and s["preemptions"] == s["retractions"], (s["preemptions"], greedy)
+    assert s["compiles_after_warmup"] == 0 and s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
 def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine):

@@ -60,3 +60,23 @@ def test_a_higher_priority_request_preempts_lower_ones_to_start():
     for p in (3, 5):
         plan = schedule(full + [wait("w", 9, 30, priority=p)], Memory(0, 0), CFG)
         assert plan.preempt == [] and plan.prefill == []
+
+
+def test_admission_looks_ahead_at_the_running_requests_growth():
+    """SGLang's new-token ratio: a waiting request that fits now is held back while the running ones are
+    expected to need the pages (their remaining max_tokens x ratio); ratio 0 admits it; with nothing
+    running the first request is admitted whatever its own projection."""
+    r = SeqView("r", 1, 40, 39, True, 6, limit=40 + 160)  # 160 more tokens: 10 pages x 2 layers
+    w = SeqView("w", 2, 16, 0, False, 0, limit=16 + 64)
+    # w's first chunk takes 2 units + its 3-unit slot; r is expected to reach 40 + 80 tokens (8 pages x 2
+    # layers: 10 units more than its 6), w 16 + 32 (6 units: 4 more than its first chunk's)
+    assert schedule([r, w], Memory(18, 2), CFG).admit == ["w"]  # ratio 0: what fits now
+    plan = schedule([r, w], Memory(18, 2), CFG, new_token_ratio=0.5)
+    assert plan.decode == ["r"] and plan.admit == [] and plan.retracted == 0
+    assert schedule([r, w], Memory(19, 2), CFG, new_token_ratio=0.5).admit == ["w"]  # 2 + 3 + 10 + 4 = 19
+    lone = SeqView("x", 1, 16, 0, False, 0, limit=10_000)
+    assert schedule([lone], Memory(5, 1), CFG, new_token_ratio=1.0).admit == ["x"]  # nothing running
+    # decodes that run short preempt (and count as retractions, which raise the engine's ratio)
+    seqs = [run("a", 1, 49), run("b", 2, 49), run("c", 3, 49)]
+    plan = schedule(seqs, Memory(1, 0), CFG, new_token_ratio=0.5)
+    assert plan.preempt == ["c"] and plan.retracted == 1
