@@ -149,7 +149,7 @@ def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: i
                 total_tok_s=wave["total_tok_s"], decode_step_median_s=med(steps) if steps else None,
                 decode_phase_tok_s=decoded / sum(steps) if steps else None,
                 decode_steps=len(steps), latent_bytes_read_per_decode_step=latent_read,
-                latent_read_roofline_s=latent_read / bw, compiles_after_warmup=eng.stats()["compiles_after_warmup"],
+                latent_read_roofline_s=latent_read / (bw * 1e9), compiles_after_warmup=eng.stats()["compiles_after_warmup"],
                 token_ids=wave["token_ids"])
 
 

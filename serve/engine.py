@@ -677,8 +677,8 @@ class Engine:
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, for RL loops that share the device between training and generation: release
         the device memory the engine holds (the arena, and its references to the weights: weights the
-        caller's `Model` also holds stay until the caller drops it; `LLM.sleep` does). Level 1 copies the weights to host memory and frees them and
-        the cache arena; level 2 discards the weights too (load new ones with `update_weights`, asleep or
+        caller's `Model` also holds stay until the caller drops it; `LLM.sleep` does). Level 1 copies the
+        weights to host memory and frees them and the cache arena; level 2 discards the weights too (load new ones with `update_weights`, asleep or
         after `wake_up(["weights"])`). Cached prefixes are forgotten (both tiers). The compiled programs
         stay: `wake_up` needs no compile. Requests must not be in flight."""
         self._leader_only("sleep")
@@ -1386,10 +1386,10 @@ class Engine:
             "sharding": self.config.sharding,
             # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
             "arena_state_ranks": self.layout.state_ranks,
-            # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
             "new_token_ratio": self.new_token_ratio,  # admission look-ahead (serve/scheduler.py)
-            "kv_cache_dtype": self.layout.codec.kind,
             "sleep_level": self.sleep_level,  # 0 awake (vLLM's sleep mode: Engine.sleep / wake_up)
+            # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
+            "kv_cache_dtype": self.layout.codec.kind,
             "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
