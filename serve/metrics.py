@@ -63,7 +63,8 @@ NAMES = (
     "k3jax:kda_checkpoint_hits_total", "k3jax:kda_checkpoint_misses_total", "k3jax:compiles_after_warmup",
     "k3jax:requests_aborted_total", "k3jax:structured_output_requests_total",
     "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
-    "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total",
+    "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total", "k3jax:retractions_total",
+    "k3jax:new_token_ratio", "k3jax:engine_sleep_level",
 )
 
 
@@ -116,6 +117,13 @@ class EngineCollector:
         yield counter("vllm:prompt_tokens", "Prompt tokens admitted (per sequence).", s.get("prompt_tokens", 0))
         yield counter("vllm:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.get("preemptions", 0))
+        yield counter("k3jax:retractions", "Preemptions because decodes ran out of pages (the admission "
+                      "look-ahead's estimate was too low).", s.get("retractions", 0))
+        yield gauge("k3jax:new_token_ratio", "Share of their remaining max_tokens that admission reserves for "
+                    "running requests (SGLang's adaptive new-token ratio; 0: no look-ahead).",
+                    s.get("new_token_ratio", 0.0))
+        yield gauge("k3jax:engine_sleep_level", "0 awake; 1 or 2 while the engine's device memory is released "
+                    "(sleep mode).", s.get("sleep_level", 0))
         # speculative decoding (serve/speculative.py): vLLM's names
         yield counter("vllm:spec_decode_num_drafts", "Decode rows that carried drafts.", s.get("spec_decode_num_drafts", 0))
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",

@@ -359,6 +359,7 @@ def test_sleep_endpoints(engines, tmp_path):
     """POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and /update_weights_from_disk (SGLang's), served
     with enable_sleep_mode; completions answer 503 while asleep and the same text after waking."""
     import asyncio
+    import re
 
     import httpx
 
@@ -380,7 +381,8 @@ def test_sleep_endpoints(engines, tmp_path):
             assert (await c.get("/is_sleeping")).json() == {"is_sleeping": True}
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping"
-            assert (await c.get("/metrics")).status_code == 200 and (await c.get("/health")).status_code == 200
+            assert (await c.get("/health")).status_code == 200
+            assert re.search(r"k3jax:engine_sleep_level(\{[^}]*\})? 2\.0", (await c.get("/metrics")).text)
             r = await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "nope")})
             assert r.status_code == 400 and r.json()["error"]["param"] == "model_path"
             r = (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()
