@@ -1133,9 +1133,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 raise APIError(400, f"{st.requests_in_flight} requests in flight; sleep when idle", param="level")
             st.sleeping = True  # before the engine call: no request is admitted while it runs
             try:
-                await st.engine.call(lambda engine: engine.sleep(level))
+                await st.engine.sleep(level)
             except RuntimeError as e:
-                st.sleeping = await st.engine.call(lambda engine: engine.is_sleeping)
+                st.sleeping = await st.engine.is_sleeping()
                 raise APIError(400, str(e), param="level") from None
             return {"is_sleeping": True, "level": level}
 
@@ -1144,7 +1144,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                           _r: None = Depends(ready)):
             """Take back what /sleep released (`tags`: weights, kv_cache; default both)."""
             try:
-                st.sleeping = await st.engine.call(lambda engine: (engine.wake_up(tags), engine.is_sleeping)[1])
+                st.sleeping = await st.engine.wake_up(tags)
             except ValueError as e:
                 raise APIError(400, str(e), param="tags") from None
             return {"is_sleeping": st.sleeping}

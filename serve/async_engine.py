@@ -89,6 +89,17 @@ class AsyncEngine:
         """`Engine.reset_prefix_cache` on the engine thread."""
         return await self.call(lambda engine: engine.reset_prefix_cache())
 
+    async def sleep(self, level: int = 1) -> None:
+        """`Engine.sleep` on the engine thread (vLLM's sleep mode)."""
+        await self.call(lambda engine: engine.sleep(level))
+
+    async def wake_up(self, tags=None) -> bool:
+        """`Engine.wake_up` on the engine thread -> whether the engine is still sleeping."""
+        return await self.call(lambda engine: (engine.wake_up(tags), engine.is_sleeping)[1])
+
+    async def is_sleeping(self) -> bool:
+        return await self.call(lambda engine: engine.is_sleeping)
+
     def shutdown(self) -> None:
         """Stop the engine thread; then release a multi-process engine's followers."""
         self._stop = True
