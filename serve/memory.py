@@ -49,8 +49,7 @@ class ArenaLayout:
     unit_elems: int  # float32 words per unit (= one page of one MLA layer)
     page_size: int  # tokens per MLA page
     latent_width: int  # kv_lora + rope values per token
-    latent_words: int  # float32 words per token in the arena (codec.words)
-    codec: LatentCodec  # how a token's latent is stored in those words (kv_cache_dtype)
+    codec: LatentCodec  # how a token's latent is stored in the arena's words (kv_cache_dtype)
     num_mla_layers: int
     num_kda_layers: int
     state_shape: tuple[int, ...]  # [Lk, N, K, V]
@@ -65,8 +64,7 @@ class ArenaLayout:
         `kv_cache_dtype` picks the latents' storage format (serve/latent_codec.py)."""
         lw = cfg.mla_latent_size
         codec = LatentCodec.make(kv_cache_dtype, dtype, lw, cfg.qk_rope_head_dim)
-        latent_words = codec.words
-        unit_elems = page_size * latent_words
+        unit_elems = page_size * codec.words
         n, d, w, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_proj_size
         lk = cfg.num_kda_layers
         if state_ranks < 1 or (lk and n % state_ranks):
@@ -81,8 +79,13 @@ class ArenaLayout:
             raise ValueError(f"cache budget {budget_bytes} B holds {num_units} units of "
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
                              f"{slot_units} units)")
-        return cls(num_units, unit_elems, page_size, lw, latent_words, codec, cfg.num_mla_layers, lk,
+        return cls(num_units, unit_elems, page_size, lw, codec, cfg.num_mla_layers, lk,
                    state_shape, conv_shape, slot_units, state_ranks)
+
+    @property
+    def latent_words(self) -> int:
+        """float32 words per token of one MLA layer."""
+        return self.codec.words
 
     @property
     def unit_bytes(self) -> int:
