@@ -53,11 +53,10 @@ def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]
     out = {}
     for kind in KINDS:
         lay = ArenaLayout.plan(cfg, budget, page, dtype, ranks, kind)
-        usable = lay.num_units - 1 - lay.slot_units  # scratch page and scratch slot
         out[kind] = dict(
             bytes_per_token_per_layer=lay.latent_words * 4, mla_bytes_per_token=lay.latent_words * 4 * lay.num_mla_layers,
             slot_bytes=lay.slot_units * lay.unit_bytes, units=lay.num_units,
-            sequences={str(c): usable // (lay.slot_units + lay.pages_for(c)) for c in contexts})
+            sequences={str(c): lay.sequences_at(c) for c in contexts})
     out["token_ratio"] = out["auto"]["bytes_per_token_per_layer"] / out["fp8"]["bytes_per_token_per_layer"]
     return out
 
@@ -109,8 +108,7 @@ def accuracy(quick: bool, n: int, prompt_len: int, gen: int, log) -> dict:
 
 def full_length_capacity(model, kind: str, budget: int, page: int, tokens: int) -> int:
     """Requests of `tokens` tokens the arena holds at once (each: a state slot + its pages)."""
-    lay = ArenaLayout.plan(model.cfg, budget, page, model.dtype, kv_cache_dtype=kind)
-    return (lay.num_units - 1 - lay.slot_units) // (lay.slot_units + lay.pages_for(tokens))
+    return ArenaLayout.plan(model.cfg, budget, page, model.dtype, kv_cache_dtype=kind).sequences_at(tokens)
 
 
 def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: int, page: int, bw: float,

@@ -59,8 +59,25 @@ def _cmd_info(args) -> int:
         info["sharding"]["kda_state_ranks"] = ranks
         info["sharding"]["cache_bytes_per_sequence_at_4096_per_device"] = {
             k: (v // ranks if k.startswith("kda") else v) for k, v in per_seq.items()}
+    if args.cache_gib:
+        info["arena"] = _arena_plan(cfg, dtype, args, info.get("sharding", {}).get("kda_state_ranks", 1))
     print(json.dumps(info, indent=1))
     return 0
+
+
+def _arena_plan(cfg, dtype, args, ranks: int) -> dict:
+    """What one rank's cache arena of `--cache-gib` holds: bytes per token and MLA layer, the state slot,
+    and how many requests of each `--context` length fit at once (serve/memory.py's layout)."""
+    from serve.memory import ArenaLayout
+
+    lay = ArenaLayout.plan(cfg, int(args.cache_gib * (1 << 30)), args.page_size, dtype, ranks, args.kv_cache_dtype)
+    contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
+    return {"cache_bytes_per_rank": int(args.cache_gib * (1 << 30)), "kv_cache_dtype": lay.codec.kind,
+            "page_size": lay.page_size, "kda_state_ranks": ranks,
+            "mla_bytes_per_token_per_layer": lay.latent_words * 4,
+            "mla_bytes_per_token": lay.latent_words * 4 * lay.num_mla_layers,
+            "state_slot_bytes_per_rank": lay.slot_units * lay.unit_bytes,
+            "sequences": {str(c): lay.sequences_at(c) for c in contexts}}
 
 
 def _cmd_serve(args) -> int:
@@ -95,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     i.add_argument("--sharding", default=None, help="also the bytes per device under this sharding config")
     i.add_argument("--devices", type=int, default=8, help="devices for --sharding (default 8)")
+    i.add_argument("--cache-gib", type=float, default=None,
+                   help="also plan a cache arena of this many GiB per device: how many requests of each "
+                        "--context length it holds at once")
+    i.add_argument("--context", default="8192,32768,131072", help="comma-separated context lengths (tokens)")
+    i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_ds_mla"])
+    i.add_argument("--page-size", type=int, default=64)
     i.set_defaults(fn=_cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)")

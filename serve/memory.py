@@ -129,6 +129,11 @@ class ArenaLayout:
         """Units needed to hold `tokens` tokens of MLA cache (every MLA layer)."""
         return -(-tokens // self.page_size) * self.num_mla_layers
 
+    def sequences_at(self, tokens: int) -> int:
+        """Requests of `tokens` tokens the arena holds at once (a state slot + every MLA layer's pages each;
+        the scratch page and scratch slot excluded)."""
+        return (self.num_units - 1 - self.slot_units) // (self.slot_units + self.pages_for(tokens))
+
     @property
     def shape(self) -> tuple[int, int]:
         """The whole arena's shape: every rank's `[num_units, unit_elems]` side by side."""

@@ -85,6 +85,28 @@ def test_fp8_arena_holds_more_tokens_in_the_same_budget():
     assert abs(state(lay["fp8"]) - state(lay["auto"])) <= lay["auto"].unit_bytes  # same state bytes
 
 
+def test_info_plans_the_arena(capsys):
+    """`k3jax info --cache-gib` plans one rank's arena from abstract shapes (no weights): with k3-small's KDA
+    heads over 4 tensor-parallel ranks, fp8 latents fit more long requests than fp32 ones."""
+    import json
+
+    from k3jax.cli import main
+
+    plans = {}
+    for kind in ("auto", "fp8"):
+        assert main(["info", "--model", "k3-small", "--dtype", "float32", "--sharding", "tp", "--devices", "4",
+                     "--cache-gib", "0.25", "--context", "1024,16384", "--kv-cache-dtype", kind]) == 0
+        plans[kind] = json.loads(capsys.readouterr().out)["arena"]
+    a, f = plans["auto"], plans["fp8"]
+    assert (a["mla_bytes_per_token_per_layer"], f["mla_bytes_per_token_per_layer"]) == (2304, 784)
+    assert a["kda_state_ranks"] == 4
+    # each request: its slot + every MLA layer's ceil(tokens / 64) pages of 64 x 2304 bytes
+    unit, mla = 64 * 2304, PRESETS["k3-small"].num_mla_layers
+    units, slot = (1 << 28) // unit, -(-a["state_slot_bytes_per_rank"] // unit)
+    assert a["sequences"]["16384"] == (units - 1 - slot) // (slot + mla * 256) > 0
+    assert f["sequences"]["16384"] > 2 * a["sequences"]["16384"] and f["sequences"]["1024"] > a["sequences"]["1024"]
+
+
 @pytest.fixture(scope="module")
 def engines():
     """fp8 with and without the prefix cache, and the model-dtype cache: the prefix-cache tests' config.
