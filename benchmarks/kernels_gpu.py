@@ -104,6 +104,8 @@ TOL = {
     # fp32 KDA: kernel (chunked WY form / token loop, fp32 dots) vs the fp32 HIGHEST
     # reference; interpret mode on CPU lands at ~2e-7.
     "kda_f32": (1e-5, 5e-5),
+    # a bf16-stored state: an fp32 difference of one ulp can flip one value's bf16 rounding (2^-8 of it)
+    "kda_bf16_state": (1e-3, 1e-2),
     # one-pass TF32 data products (10-bit mantissas; gate sums stay fp32): interpret-mode
     # emulation on CPU lands at ~4e-4
     "kda_tf32": (3e-3, 1e-2),
@@ -406,6 +408,22 @@ def check_kda_chunk(cfg, interpret):
                 check=check({"o": (o, o_r), "final_state": (s, s_r),
                              "o_vs_token_scan": (o, o_n),
                              "final_state_vs_token_scan": (s, s_n)}, "kda_f32"))
+
+
+def check_kda_chunk_bf16_state(cfg, interpret):
+    """Dense ``chunk_kda`` with the state rounded to bf16 at every chunk end (``state_dtype``, the
+    engine's ``kda_state_dtype="bfloat16"``) vs the reference doing the same."""
+    require_lowering(interpret)
+    B, T, H = (cfg["check_chunk"][k] for k in "BTH")
+    K = V = cfg["kda_dim"]
+    x, S0 = kda_case(12, B, T, H, K, B)
+    S0 = S0.astype(jnp.bfloat16).astype(jnp.float32)
+    run = lambda backend: chunk_kda(*x, initial_state=S0, output_final_state=True, state_dtype="bfloat16",
+                                    backend=backend)
+    (o, s), comp = _timed_first_call(lambda: run(kernel_backend(interpret)))
+    o_r, s_r = run("reference")
+    return dict(op="chunk_kda", shape=dict(B=B, T=T, H=H, K=K, V=V, dtype="float32", state_dtype="bfloat16"),
+                compile_s=comp, check=check({"o": (o, o_r), "final_state": (s, s_r)}, "kda_bf16_state"))
 
 
 def check_kda_chunk_varlen(cfg, interpret):
@@ -973,6 +991,7 @@ def plan(cfg, roof, interpret, peer):
     cases = [
         ("check_kda_chunk", lambda: check_kda_chunk(cfg, interpret)),
         ("check_kda_chunk_varlen", lambda: check_kda_chunk_varlen(cfg, interpret)),
+        ("check_kda_chunk_bf16_state", lambda: check_kda_chunk_bf16_state(cfg, interpret)),
         ("check_kda_recurrent", lambda: check_kda_recurrent(cfg, interpret)),
         ("check_kda_pool", lambda: check_kda_pool(cfg, interpret)),
     ]

@@ -70,9 +70,11 @@ def _arena_plan(cfg, dtype, args, ranks: int) -> dict:
     and how many requests of each `--context` length fit at once (serve/memory.py's layout)."""
     from serve.memory import ArenaLayout
 
-    lay = ArenaLayout.plan(cfg, int(args.cache_gib * (1 << 30)), args.page_size, dtype, ranks, args.kv_cache_dtype)
+    lay = ArenaLayout.plan(cfg, int(args.cache_gib * (1 << 30)), args.page_size, dtype, ranks, args.kv_cache_dtype,
+                           args.kda_state_dtype)
     contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
     return {"cache_bytes_per_rank": int(args.cache_gib * (1 << 30)), "kv_cache_dtype": lay.codec.kind,
+            "kda_state_dtype": lay.state_dtype,
             "page_size": lay.page_size, "kda_state_ranks": ranks,
             "mla_bytes_per_token_per_layer": lay.latent_words * 4,
             "mla_bytes_per_token": lay.latent_words * 4 * lay.num_mla_layers,
@@ -117,6 +119,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "--context length it holds at once")
     i.add_argument("--context", default="8192,32768,131072", help="comma-separated context lengths (tokens)")
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_ds_mla"])
+    i.add_argument("--kda-state-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
+                   help="KDA recurrent state storage for the arena plan")
     i.add_argument("--page-size", type=int, default=64)
     i.set_defaults(fn=_cmd_info)
 

@@ -29,7 +29,8 @@ DEFAULTS = dict(
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
-    sharding=None, kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", schedule_conservativeness=1.0, log_level="info",
+    sharding=None, kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
+    schedule_conservativeness=1.0, log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
 )
@@ -72,6 +73,10 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--kv-cache-dtype", default=d["kv_cache_dtype"], choices=["auto", "fp8", "fp8_e4m3", "fp8_ds_mla"],
                    help="MLA latent cache storage: auto (model dtype) or fp8 (e4m3 with a scale per 128 values, "
                         "rotary part unquantized: 1.76x the tokens of bf16 in the same budget)")
+    e.add_argument("--kda-state-dtype", default=d["kda_state_dtype"], choices=["auto", "float32", "bfloat16"],
+                   help="KDA recurrent state storage (vLLM's --mamba-ssm-cache-dtype): float32 (auto; the spec's) or "
+                        "bfloat16 (half the state slot; the state is rounded after every decode token and every "
+                        "prefill chunk; arithmetic stays fp32)")
     e.add_argument("--schedule-conservativeness", type=float, default=d["schedule_conservativeness"],
                    help="admission look-ahead (SGLang's): admit a request only when the free pages cover the "
                         "running requests' expected growth at a new-token ratio of 0.7 x this (adaptive); "
@@ -157,6 +162,7 @@ def engine_config(o: dict):
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
         seed=o["seed"], sharding=o.get("sharding"), kda_decode=o.get("kda_decode", "auto"),
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
+        kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0))
 
 

@@ -32,7 +32,7 @@ from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
-from serve.memory import Arena, ArenaLayout, OutOfMemory
+from serve.memory import Arena, ArenaLayout, OutOfMemory, state_dtype_name
 from serve.moe_timing import time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -104,6 +104,13 @@ class EngineConfig:
     # float8_e4m3 with a scale per 128 and the rotary 64 in the model dtype: 656 B per token and layer
     # for a bf16 model instead of 1152, so the same budget holds 1.76x the tokens. KDA states stay fp32.
     kv_cache_dtype: str = "auto"
+    # KDA recurrent state storage (vLLM's --mamba-ssm-cache-dtype): "float32" (or "auto"; the spec's
+    # dtype) or "bfloat16", which halves a state slot (K3: 414 -> 207 MiB per sequence, the part of a
+    # short request's memory that dominates). A bf16 state is rounded wherever it is stored: after
+    # every decode token and at every `min(prefill_chunk, 64)`-token boundary of a prefill (also inside
+    # a prefill row), so outputs do not depend on how rows were cut, batched or resumed. Conv windows
+    # and all arithmetic stay fp32.
+    kda_state_dtype: str = "float32"
     # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
     # tile); "dequantized" expands them once at start-up to the model dtype (exact; 8x the bytes at
     # fp32), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
@@ -135,6 +142,7 @@ class EngineConfig:
         if self.mla_decode not in ("auto", "paged", "gathered"):
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
+        state_dtype_name(self.kda_state_dtype)  # raises, naming kda_state_dtype
         if self.mla_decode == "paged" and canonical_kv_cache_dtype(self.kv_cache_dtype) != "auto":
             raise ValueError(f"mla_decode='paged' reads the arena's pages in the model dtype; kv_cache_dtype="
                              f"{self.kv_cache_dtype!r} needs mla_decode 'gathered' or 'auto'")
@@ -265,7 +273,8 @@ class Engine:
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype,
-                                       self.state_split.ranks if self.state_split else 1, config.kv_cache_dtype)
+                                       self.state_split.ranks if self.state_split else 1, config.kv_cache_dtype,
+                                       config.kda_state_dtype)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty(arena_sharding)
         # token ids at each page position (first MLA layer's units): the penalties' history (serve/step.py)
@@ -277,7 +286,8 @@ class Engine:
                                                           and self.layout.codec.kind == "auto")
         self.spec = config.speculative_config
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
-                              self.spec.verify_tokens if self.spec else 0)
+                              self.spec.verify_tokens if self.spec else 0,
+                              KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK))
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
                                              options, arena_sharding)
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
@@ -1391,6 +1401,9 @@ class Engine:
             # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
             "kv_cache_dtype": self.layout.codec.kind,
             "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,
+            # KDA recurrent state storage and one state slot's bytes (every KDA layer, this rank's heads)
+            "kda_state_dtype": self.layout.state_dtype,
+            "kda_slot_bytes": self.layout.slot_units * self.layout.unit_bytes,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",

@@ -3,8 +3,8 @@
 Mechanism: the arena is one device array `float32[num_units, unit_elems]`. A *unit* is one MLA page
 of one MLA layer (`page_size` tokens x the 576-wide latent in the words of its `kv_cache_dtype`
 format, serve/latent_codec.py: bf16 latents packed two per float32 word, or fp8 with per-tile
-scales). A KDA *state slot* (every KDA layer's fp32 recurrent state and conv windows for one
-sequence) spans `slot_units` consecutive units and holds, layer after layer, each KDA layer's state
+scales). A KDA *state slot* (every KDA layer's recurrent state, fp32 or, with `kda_state_dtype`
+bfloat16, packed two values per word, and its fp32 conv windows for one sequence) spans `slot_units` consecutive units and holds, layer after layer, each KDA layer's state
 then its conv windows, so one layer's part is a contiguous run that the step reads as a block of
 whole units and slices, with no repacking. The host allocator hands out pages from the low end
 and state slots from the high end (a two-ended arena), so there is no ratio flag: many short requests
@@ -38,9 +38,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.config import ModelConfig
-from serve.latent_codec import LatentCodec
+from serve.latent_codec import LatentCodec, pack_words, unpack_words
 
 WORD = 4  # bytes per arena element (float32)
+STATE_DTYPES = {"auto": "float32", "float32": "float32", "fp32": "float32", "bfloat16": "bfloat16",
+                "bf16": "bfloat16"}
+
+
+def state_dtype_name(kda_state_dtype) -> str:
+    """`kda_state_dtype` -> "float32" | "bfloat16" (vLLM's `mamba_ssm_cache_dtype` for the KDA states).
+
+    "auto" is float32, the spec's state dtype. bfloat16 halves a state slot; the state is then
+    rounded wherever it is stored: after every decode token and at every prefill chunk boundary."""
+    name = STATE_DTYPES.get(kda_state_dtype) if isinstance(kda_state_dtype, str) else None
+    if name is None:
+        raise ValueError(f"kda_state_dtype={kda_state_dtype!r}: expected one of {sorted(STATE_DTYPES)}")
+    return name
 
 
 @dataclass(frozen=True)
@@ -56,12 +69,15 @@ class ArenaLayout:
     conv_shape: tuple[int, ...]  # [Lk, 3, W-1, P]  (one rank's heads and channels)
     slot_units: int
     state_ranks: int = 1  # ranks the KDA heads are split over (each holds N / state_ranks heads)
+    state_dtype: str = "float32"  # how KDA recurrent states are stored ("float32" | "bfloat16")
 
     @classmethod
     def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype, state_ranks: int = 1,
-             kv_cache_dtype: str = "auto") -> "ArenaLayout":
+             kv_cache_dtype: str = "auto", kda_state_dtype: str = "float32") -> "ArenaLayout":
         """`budget_bytes` is one rank's arena; with `state_ranks` R > 1 a slot holds N / R KDA heads;
-        `kv_cache_dtype` picks the latents' storage format (serve/latent_codec.py)."""
+        `kv_cache_dtype` picks the latents' storage format (serve/latent_codec.py), `kda_state_dtype`
+        the recurrent states' (`state_dtype_name`)."""
+        state_dtype = state_dtype_name(kda_state_dtype)
         lw = cfg.mla_latent_size
         codec = LatentCodec.make(kv_cache_dtype, dtype, lw, cfg.qk_rope_head_dim)
         unit_elems = page_size * codec.words
@@ -71,8 +87,9 @@ class ArenaLayout:
             raise ValueError(f"state_ranks {state_ranks} does not divide the {n} KDA heads")
         n, p = n // state_ranks, p // state_ranks
         state_shape, conv_shape = (lk, n, d, d), (lk, 3, w - 1, p)
-        slot_elems = math.prod(state_shape) + math.prod(conv_shape)
-        slot_units = max(1, -(-slot_elems // unit_elems)) if lk else 0
+        slot_words = (math.prod(state_shape) * jnp.dtype(state_dtype).itemsize // WORD
+                      + math.prod(conv_shape))
+        slot_units = max(1, -(-slot_words // unit_elems)) if lk else 0
         num_units = budget_bytes // (unit_elems * WORD)
         need = 2 + 2 * slot_units  # scratch page + scratch slot + at least one real slot/page
         if num_units < need:
@@ -80,7 +97,7 @@ class ArenaLayout:
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
                              f"{slot_units} units)")
         return cls(num_units, unit_elems, page_size, lw, codec, cfg.num_mla_layers, lk,
-                   state_shape, conv_shape, slot_units, state_ranks)
+                   state_shape, conv_shape, slot_units, state_ranks, state_dtype)
 
     @property
     def latent_words(self) -> int:
@@ -92,30 +109,45 @@ class ArenaLayout:
         return self.unit_elems * WORD
 
     @property
-    def slot_elems(self) -> int:
+    def slot_words(self) -> int:
         """float32 words of state and conv windows in one slot (padding excluded)."""
-        return math.prod(self.state_shape) + math.prod(self.conv_shape)
+        return self.layer_words * self.num_kda_layers
 
     @property
-    def layer_elems(self) -> int:
+    def layer_words(self) -> int:
         """float32 words of one KDA layer's state and conv windows."""
-        return self.slot_elems // max(1, self.num_kda_layers)
+        return self.state_words + self.conv_words
 
     @property
-    def state_elems(self) -> int:
-        return math.prod(self.state_shape[1:])
+    def state_word_shape(self) -> tuple[int, ...]:
+        """One layer's state as stored: [N, K, V * itemsize / 4] words (bf16 pairs along V)."""
+        n, k, v = self.state_shape[1:]
+        return n, k, v * jnp.dtype(self.state_dtype).itemsize // WORD
 
     @property
-    def conv_elems(self) -> int:
+    def state_words(self) -> int:
+        return math.prod(self.state_word_shape) if self.num_kda_layers else 0
+
+    @property
+    def conv_words(self) -> int:
         return math.prod(self.conv_shape[1:])
+
+    def encode_state(self, state: jax.Array) -> jax.Array:
+        """[..., N, K, V] fp32 -> [..., N, K, Vw] words in `state_dtype` (rounded to nearest even)."""
+        return pack_words(state.astype(self.state_dtype))
+
+    def decode_state(self, words: jax.Array) -> jax.Array:
+        """Inverse of `encode_state` (exact): [..., N, K, Vw] words -> [..., N, K, V] fp32."""
+        return unpack_words(words, self.state_dtype).astype(jnp.float32)
 
     @property
     def row_width(self) -> int:
         """Words per row when the arena is viewed as rows `[num_units * unit_elems / w, w]`: the largest
-        width dividing a unit and the state's last axis (so also every layer's offset in a slot). Writing
-        a state through this view keeps its minor axis contiguous and vectorised; the same update
-        through flat words recomputes indices per word (measured 4x slower on the 2-core CPU host)."""
-        return math.gcd(self.unit_elems, self.state_shape[-1]) if self.num_kda_layers else 1
+        width dividing a unit and the stored state's last axis (so also every layer's offset in a slot).
+        Writing a state through this view keeps its minor axis contiguous and vectorised; the same
+        update through flat words recomputes indices per word (measured 4x slower on the 2-core CPU
+        host)."""
+        return math.gcd(self.unit_elems, self.state_word_shape[-1]) if self.num_kda_layers else 1
 
     @property
     def scratch_page(self) -> int:
@@ -287,23 +319,24 @@ def gather_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, f
 def read_layer_states(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, fresh: jax.Array):
     """KDA layer j's part of a batch's slots -> (conv [B, 3, W-1, P], state [B, N, K, V]): one block read
     of the units it overlaps (zeros where `fresh`)."""
-    b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_elems
+    b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_words
     first, end = j * le // ue, -(-(j + 1) * le // ue)  # units of the slot that layer j overlaps
     off = j * le - first * ue
-    rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_elems]
+    rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_words]
     rows = jnp.where(fresh[:, None], 0.0, rows)
-    ns = layout.state_elems
-    return rows[:, ns:].reshape(b, *layout.conv_shape[1:]), rows[:, :ns].reshape(b, *layout.state_shape[1:])
+    ns = layout.state_words
+    state = layout.decode_state(rows[:, :ns].reshape(b, *layout.state_word_shape))
+    return rows[:, ns:].reshape(b, *layout.conv_shape[1:]), state
 
 
 def write_layer_states(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, conv: jax.Array,
                        state: jax.Array) -> jax.Array:
     """Write KDA layer j's new states and conv windows of a batch over its words of each row's slot: one
-    scatter of [layer_elems / w, w] rectangles into the arena viewed as rows of `row_width` words (a
+    scatter of [layer_words / w, w] rectangles into the arena viewed as rows of `row_width` words (a
     layer's run may start mid-unit). Rows sharing a slot (padding rows) write the same words."""
     b, rw = slot_base.shape[0], layout.row_width
-    per_unit, le = layout.unit_elems // rw, layout.layer_elems // rw
-    new = jnp.concatenate([state.reshape(b, -1, rw), conv.reshape(b, -1, rw)], 1)  # [B, le, rw]
+    per_unit, le = layout.unit_elems // rw, layout.layer_words // rw
+    new = jnp.concatenate([layout.encode_state(state).reshape(b, -1, rw), conv.reshape(b, -1, rw)], 1)  # [B, le, rw]
     start = slot_base * per_unit + j * le
     if b == 1:  # see read_blocks: a one-index scatter would become a dynamic update XLA may duplicate
         start, new = jnp.tile(start, 2), jnp.tile(new, (2, 1, 1))
@@ -320,7 +353,7 @@ def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, 
     Rows that share a slot (padding rows all use the scratch slot) write the same units; which one
     wins does not matter because nobody reads the scratch slot."""
     b = slot_base.shape[0]
-    parts = [x.reshape(b, -1) for conv, state in zip(convs, states) for x in (state, conv)]
+    parts = [x.reshape(b, -1) for conv, state in zip(convs, states) for x in (layout.encode_state(state), conv)]
     rows = jnp.concatenate(parts, 1)
     rows = jnp.pad(rows, ((0, 0), (0, layout.slot_units * layout.unit_elems - rows.shape[1])))
     return write_blocks(arena, slot_base, rows)
@@ -329,10 +362,10 @@ def scatter_states(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, 
 def read_conv(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, fresh: jax.Array) -> jax.Array:
     """KDA layer j's conv windows of a batch -> [B, 3, W-1, P] (zeros where `fresh`): a block read
     of only the units that hold them."""
-    b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_elems
-    start = j * le + layout.state_elems  # words into the slot
+    b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_words
+    start = j * le + layout.state_words  # words into the slot
     u0, u1 = start // ue, -(-(j + 1) * le // ue)
-    rows = read_blocks(arena, slot_base + u0, u1 - u0)[:, start - u0 * ue:start - u0 * ue + layout.conv_elems]
+    rows = read_blocks(arena, slot_base + u0, u1 - u0)[:, start - u0 * ue:start - u0 * ue + layout.conv_words]
     return jnp.where(fresh[:, None], 0.0, rows).reshape(b, *layout.conv_shape[1:])
 
 
@@ -350,16 +383,16 @@ def update_states_in_place(arena: jax.Array, layout: ArenaLayout, j: int, read_b
     reads its own slot before any row writes it: a slot being written is never another row's read
     slot in the same step."""
     b, rw = read_base.shape[0], layout.row_width
-    per_unit, ns, le = layout.unit_elems // rw, layout.state_elems // rw, layout.layer_elems // rw
-    shape = layout.state_shape[1:]
-    zero = jnp.zeros(shape, jnp.float32)
+    per_unit, ns, le = layout.unit_elems // rw, layout.state_words // rw, layout.layer_words // rw
+    zero = jnp.zeros(layout.state_shape[1:], jnp.float32)
     out_shape = jax.eval_shape(update, 0, zero)[0]
 
     def row(i, carry):
         rows, out = carry
-        state = jax.lax.dynamic_slice_in_dim(rows, read_base[i] * per_unit + j * le, ns)  # [ns, rw]
-        o, state = update(i, jnp.where(fresh[i], 0.0, state).reshape(shape))
-        new = jnp.concatenate([state.reshape(-1, rw), windows[i].reshape(-1, rw)])  # [le, rw]
+        words = jax.lax.dynamic_slice_in_dim(rows, read_base[i] * per_unit + j * le, ns)  # [ns, rw]
+        state = layout.decode_state(jnp.where(fresh[i], 0.0, words).reshape(layout.state_word_shape))
+        o, state = update(i, state)
+        new = jnp.concatenate([layout.encode_state(state).reshape(-1, rw), windows[i].reshape(-1, rw)])  # [le, rw]
         rows = jax.lax.dynamic_update_slice_in_dim(rows, new, write_base[i] * per_unit + j * le, 0)
         return rows, jax.lax.dynamic_update_index_in_dim(out, o.astype(out.dtype), i, 0)
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from collections import OrderedDict
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.cache import CacheView, append_latents
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
-from pallas_kernels.kda.reference import kda_token_step
+from pallas_kernels.kda.reference import kda_token_step, round_state
 from pallas_kernels.mla import paged_mla_decode
 from serve.memory import (ArenaLayout, gather_states, read_conv, read_layer_states, read_units, scatter_states,
                           update_states_in_place, write_layer_states)
@@ -55,6 +56,7 @@ class StepOptions:
     split: StateSplit | None = None  # the arena split over a mesh axis by KDA heads
     mla_heads: int = 0  # MLA query heads (the paged kernel splits them with the arena when it can)
     verify_tokens: int = 0  # rows of this many tokens are speculative verify rows (0: no speculation)
+    state_chunk: int = 64  # a bf16-stored KDA state is rounded at multiples of this in prefill rows
 
 
 class PagedView(CacheView):
@@ -74,8 +76,13 @@ class PagedView(CacheView):
 
     def __init__(self, layout: ArenaLayout, batch: StepBatch, arena: jax.Array, in_place: bool,
                  split: StateSplit | None = None, paged_mla: bool = False, mla_heads: int = 0,
-                 verify: bool = False, stepwise: bool = True):
+                 verify: bool = False, stepwise: bool = True, state_chunk: int = 64):
         self.layout, self.batch, self.arena = layout, batch, arena
+        # a state stored in bf16 is rounded wherever the cache keeps it: every decode token, and every
+        # `state_chunk` positions of a prefill row (rows start on multiples of it), so the rounding
+        # points depend on the positions alone, not on where a row happened to end
+        self.state_dtype = None if layout.state_dtype == "float32" else layout.state_dtype
+        self.state_chunk = state_chunk
         self.in_place, self.split, self.paged_mla = in_place, split, paged_mla
         # verify rows: the recurrence runs over all T tokens without committing; `commit` folds the
         # accepted prefix into the states afterwards (`stepwise`: with the token step the in-place
@@ -126,7 +133,7 @@ class PagedView(CacheView):
         if self.verify:
             return self._verify_recurrence(j)
         if not self.in_place:
-            return self._recurrence_per_rank(j) if self.split else None
+            return self._recurrence_per_rank(j) if self.split or self.state_dtype else None
 
         def run(q, k, v, g, beta, window, scale, inputs):  # [B, 1, N, K] ... -> o [B, 1, N, V]
             def local(arena, read_base, write_base, fresh, q, k, v, g, beta, window):  # one rank's heads
@@ -147,11 +154,16 @@ class PagedView(CacheView):
         return run
 
     def _recurrence_per_rank(self, j):
-        """On a split arena: the batched KDA op (the Pallas kernel on GPU/TPU) runs inside `shard_map` on
-        each rank's heads and gathered states. Under GSPMD alone a kernel call would gather every
-        head's inputs and states onto every rank."""
+        """The batched KDA op (the Pallas kernel on GPU/TPU) on the gathered states. On a split arena it
+        runs inside `shard_map` on each rank's heads: under GSPMD alone a kernel call would gather every
+        head's inputs and states onto every rank. With a bf16 state, prefill chunks are `state_chunk`
+        tokens and the state is rounded at each chunk's end."""
         def run(q, k, v, g, beta, window, scale, inputs):  # [B, T, N, .] -> o [B, T, N, V]
-            op = fused_recurrent_kda if q.shape[1] == 1 else chunk_kda
+            if q.shape[1] == 1:
+                op = partial(fused_recurrent_kda, state_dtype=self.state_dtype)
+            else:
+                op = partial(chunk_kda, state_dtype=self.state_dtype,
+                             chunk_size=self.state_chunk if self.state_dtype else 64)
 
             def local(q, k, v, g, beta, state):
                 return op(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True)
@@ -166,14 +178,15 @@ class PagedView(CacheView):
 
     def _token_recurrence(self, q, k, v, g, beta, state, scale):
         """The decode recurrence over T tokens from `state` [B, N, K, V] -> (o [B, T, N, V], final state),
-        on each rank's heads."""
+        on each rank's heads; a bf16 state is rounded after every token, as decoding would store it."""
         def local(q, k, v, g, beta, state):
             if not self.stepwise:
                 return fused_recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=state,
-                                           output_final_state=True)
+                                           output_final_state=True, state_dtype=self.state_dtype)
             outs = []
             for i in range(q.shape[1]):
                 o, state = kda_token_step(state, q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], scale=scale)
+                state = round_state(state, self.state_dtype)
                 outs.append(o.astype(v.dtype))
             return jnp.stack(outs, axis=1), state
 
@@ -332,7 +345,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     verify = options.verify_tokens > 1 and t == options.verify_tokens
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
-    view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place)
+    view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place,
+                     options.state_chunk)
     routed, hidden = [], []
     logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden)
     arena = view.arena

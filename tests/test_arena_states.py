@@ -12,19 +12,26 @@ import pytest
 
 import k3jax
 from pallas_kernels.kda.reference import kda_token_step
+from serve.latent_codec import pack_words
 from serve.memory import (ArenaLayout, gather_states, read_conv, read_layer_states, scatter_states,
                           update_states_in_place, write_layer_states)
 
 
-@pytest.fixture(scope="module", params=[("tiny-k3", 16), ("tiny-kimi-linear", 64)], ids=lambda p: f"{p[0]}-p{p[1]}")
+@pytest.fixture(scope="module", params=[("tiny-k3", 16, "float32"), ("tiny-kimi-linear", 64, "float32"),
+                                        ("tiny-k3", 16, "bfloat16")], ids=lambda p: f"{p[0]}-p{p[1]}-{p[2]}")
 def layout(request):
-    name, page = request.param
+    name, page, state_dtype = request.param
     cfg = k3jax.load_model(name, seed=0).cfg
-    return ArenaLayout.plan(cfg, 400 * page * 40 * 4, page, jnp.float32)
+    return ArenaLayout.plan(cfg, 400 * page * 40 * 4, page, jnp.float32, kda_state_dtype=state_dtype)
 
 
 def random_arena(layout, seed):
-    return jnp.asarray(np.random.default_rng(seed).standard_normal((layout.num_units, layout.unit_elems)), jnp.float32)
+    """Random words; with bf16 states, pairs of random bf16 values (finite as bf16 and as fp32)."""
+    rng = np.random.default_rng(seed)
+    if layout.state_dtype == "float32":
+        return jnp.asarray(rng.standard_normal((layout.num_units, layout.unit_elems)), jnp.float32)
+    pairs = jnp.asarray(rng.standard_normal((layout.num_units, layout.unit_elems * 2)), jnp.bfloat16)
+    return pack_words(pairs)
 
 
 def batch_bases(layout):
@@ -37,9 +44,11 @@ def batch_bases(layout):
 
 
 def test_slot_packs_layers_back_to_back(layout):
-    assert layout.slot_units == -(-layout.slot_elems // layout.unit_elems)
+    assert layout.slot_units == -(-layout.slot_words // layout.unit_elems)
     rw = layout.row_width
-    assert layout.unit_elems % rw == 0 and layout.state_elems % rw == 0 and layout.conv_elems % rw == 0
+    assert layout.unit_elems % rw == 0 and layout.state_words % rw == 0 and layout.conv_words % rw == 0
+    # a stored state is N x K x V values of its dtype: bf16 pairs share a word
+    assert layout.state_words * 4 == math.prod(layout.state_shape[1:]) * jnp.dtype(layout.state_dtype).itemsize
 
 
 def test_gather_then_scatter_round_trips_every_layer(layout):
@@ -88,7 +97,7 @@ def test_layer_by_layer_writes_equal_the_whole_slot_scatter(layout, rows):
     # the whole-slot scatter also zero-fills the slot's padding words; the layered writes leave them
     used = np.zeros((layout.num_units, ue), bool)
     for b in np.asarray(write[:rows]):
-        used[b:b + su].reshape(-1)[:layout.slot_elems] = True
+        used[b:b + su].reshape(-1)[:layout.slot_words] = True
     np.testing.assert_array_equal(got[used], want[used])
     np.testing.assert_array_equal(got[~slot_words], old[~slot_words])
 
@@ -120,12 +129,14 @@ def test_in_place_row_update_matches_the_dense_path(layout, j):
     o_ref, s_ref = kda_token_step(states[j], q, k, v, g, beta)
     np.testing.assert_allclose(np.asarray(out), np.asarray(o_ref), rtol=1e-5, atol=1e-6)
     conv, got = gather_states(new, layout, write, jnp.zeros_like(fresh))
+    if layout.state_dtype == "bfloat16":  # stored rounded: exactly the bf16 value of the new state
+        s_ref = s_ref.astype(jnp.bfloat16).astype(jnp.float32)
     for r in range(3):  # real rows: layer j of the working slot holds the new state and windows
         np.testing.assert_allclose(np.asarray(got[j][r]), np.asarray(s_ref[r]), rtol=1e-5, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(conv[j][r]), np.asarray(windows[r]))
 
     # nothing else changed: every word outside layer j of the three working slots and the scratch slot
-    ue, le = layout.unit_elems, layout.layer_elems
+    ue, le = layout.unit_elems, layout.layer_words
     touched = np.zeros(layout.num_units * ue, bool)
     for w in np.asarray(write):
         touched[w * ue + j * le:w * ue + (j + 1) * le] = True

@@ -20,7 +20,8 @@ import pytest
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "kernels_gpu.py"
 CHECK_CASES = [
-    "check_kda_chunk", "check_kda_chunk_varlen", "check_kda_recurrent", "check_kda_pool",
+    "check_kda_chunk", "check_kda_chunk_varlen", "check_kda_chunk_bf16_state", "check_kda_recurrent",
+    "check_kda_pool",
     "check_gmm_float32", "check_gmm_bfloat16", "check_gmm_mxfp4",
     "check_mla_float32", "check_mla_bfloat16",
 ]

@@ -4,12 +4,14 @@
 or ``"interpret"``; env ``K3JAX_KERNELS`` overrides (see :mod:`pallas_kernels.dispatch`).
 The backend is resolved in Python before the (jitted) implementation is called, so the
 env switch is honoured per call; every other non-array argument is static under jit
-(``scale``, ``chunk_size``, ``output_final_state``, ``return_chunk_states``, ``backend``,
-``interpret``).
+(``scale``, ``chunk_size``, ``output_final_state``, ``return_chunk_states``, ``state_dtype``,
+``backend``, ``interpret``).
 
 Shapes: ``q, k [B,T,H,K]``, ``v [B,T,H,V]``, ``g [B,T,H,K]`` (fp32 log-decay <= 0),
 ``beta [B,T,H]``, states ``[N,H,K,V]`` fp32. ``q``/``k`` must be L2-normalised by the
-caller; ``scale`` (default ``K**-0.5``) multiplies ``q`` inside the op.
+caller; ``scale`` (default ``K**-0.5``) multiplies ``q`` inside the op. ``state_dtype`` (None:
+fp32 carried exactly) rounds the state to the dtype a cache stores it in, after every chunk of
+the chunked op and every token of the recurrent one (see :mod:`pallas_kernels.kda.reference`).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import warnings
 from functools import partial
 
 import jax
+import jax.numpy as jnp
 
 from pallas_kernels.dispatch import ENV_VAR, resolve_backend, resolve_interpret
 from pallas_kernels.kda import reference as ref
@@ -37,27 +40,38 @@ def _resolve(backend, interpret):
     return b, interp
 
 
+def _state_dtype(state_dtype):
+    """None for fp32 (carried exactly), else the dtype's name (a static jit argument)."""
+    if state_dtype is None:
+        return None
+    name = jnp.dtype(state_dtype).name
+    if name not in ("float32", "bfloat16"):
+        raise ValueError(f"state_dtype={state_dtype!r}: expected float32 or bfloat16")
+    return None if name == "float32" else name
+
+
 @partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
-                                   "return_chunk_states", "backend", "interpret"))
+                                   "return_chunk_states", "state_dtype", "backend", "interpret"))
 def _chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, *, scale, output_final_state,
-               chunk_size, return_chunk_states, backend, interpret):
+               chunk_size, return_chunk_states, state_dtype, backend, interpret):
     if backend == "pallas":
         from pallas_kernels.kda.pallas_kda import chunk_kda_pallas
         return chunk_kda_pallas(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state,
                                 cu_seqlens=cu_seqlens, chunk_size=chunk_size,
                                 return_chunk_states=return_chunk_states,
-                                interpret=interpret)
+                                interpret=interpret, state_dtype=state_dtype)
     return ref.chunk_kda_reference(q, k, v, g, beta, scale=scale,
                                    initial_state=initial_state,
                                    output_final_state=output_final_state,
                                    cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                                   return_chunk_states=return_chunk_states)
+                                   return_chunk_states=return_chunk_states,
+                                   state_dtype=state_dtype)
 
 
 def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
               cu_seqlens=None, chunk_size=64, return_chunk_states=False, backend="auto",
-              interpret=False):
+              interpret=False, state_dtype=None):
     """Chunked KDA (prefill).
 
     Returns ``(o [B,T,H,V], final_state [N,H,K,V] | None)``, plus ``chunk_states`` when
@@ -72,32 +86,36 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     return _chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
                       output_final_state=bool(output_final_state),
                       chunk_size=int(chunk_size),
-                      return_chunk_states=bool(return_chunk_states), backend=b,
-                      interpret=interp)
+                      return_chunk_states=bool(return_chunk_states),
+                      state_dtype=_state_dtype(state_dtype), backend=b, interpret=interp)
 
 
-@partial(jax.jit, static_argnames=("scale", "output_final_state", "backend", "interpret"))
+@partial(jax.jit, static_argnames=("scale", "output_final_state", "state_dtype", "backend",
+                                   "interpret"))
 def _fused_recurrent_kda(q, k, v, g, beta, initial_state, cu_seqlens, *, scale,
-                         output_final_state, backend, interpret):
+                         output_final_state, state_dtype, backend, interpret):
     if backend == "pallas":
         from pallas_kernels.kda.pallas_kda import fused_recurrent_kda_pallas
         return fused_recurrent_kda_pallas(q, k, v, g, beta, scale=scale,
                                           initial_state=initial_state,
                                           output_final_state=output_final_state,
-                                          cu_seqlens=cu_seqlens, interpret=interpret)
+                                          cu_seqlens=cu_seqlens, interpret=interpret,
+                                          state_dtype=state_dtype)
     return ref.fused_recurrent_kda_reference(q, k, v, g, beta, scale=scale,
                                              initial_state=initial_state,
                                              output_final_state=output_final_state,
-                                             cu_seqlens=cu_seqlens)
+                                             cu_seqlens=cu_seqlens, state_dtype=state_dtype)
 
 
 def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, backend="auto",
-                        interpret=False):
-    """Recurrent KDA (decode / short T). Returns ``(o, final_state | None)``."""
+                        interpret=False, state_dtype=None):
+    """Recurrent KDA (decode / short T). Returns ``(o, final_state | None)``; the state is rounded
+    to ``state_dtype`` after every token."""
     b, interp = _resolve(backend, interpret)
     return _fused_recurrent_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
-                                output_final_state=bool(output_final_state), backend=b,
+                                output_final_state=bool(output_final_state),
+                                state_dtype=_state_dtype(state_dtype), backend=b,
                                 interpret=interp)
 
 

@@ -159,8 +159,9 @@ def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
     return S, o
 
 
-def _recurrent_math(S, q, k, v, g, beta):
-    """Token-by-token over a block. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1]."""
+def _recurrent_math(S, q, k, v, g, beta, state_dtype=None):
+    """Token-by-token over a block. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1]. With
+    `state_dtype`, S is rounded to it after every token (a cache storing it in that dtype)."""
     C, K = q.shape
     Vb = v.shape[1]
     qT, kT, gT = q.T, k.T, g.T                                  # [K, C]
@@ -179,11 +180,18 @@ def _recurrent_math(S, q, k, v, g, beta):
         kS = jnp.sum(kt * S, axis=0, keepdims=True)
         S = S + kt * (bt * (vt - kS))
         ot = jnp.sum(qt * S, axis=0, keepdims=True)
+        S = ref.round_state(S, state_dtype)
         o = o + jnp.where(rowV == t, ot, 0.0)
     return S, o
 
 
 _MATH = {"chunk": _chunk_math, "recurrent": _recurrent_math}
+
+
+def _rounded(math, state_dtype, S, *xs):
+    """A block's math with the state it leaves rounded to `state_dtype` (None: unchanged)."""
+    S, o = math(S, *xs)
+    return ref.round_state(S, state_dtype), o
 
 
 # ----------------------------------------------------------------------------------------
@@ -361,8 +369,9 @@ def _pick_block_v(V, block_v, variant):
 
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-          variant, dot_precision="highest"):
-    """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32."""
+          variant, dot_precision="highest", state_dtype=None):
+    """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
+    `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent")."""
     variant = variant or _default_variant()
     if dot_precision not in DOT_PRECISIONS:
         raise ValueError(f"dot_precision={dot_precision!r}; expected one of {DOT_PRECISIONS}")
@@ -370,7 +379,10 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
         raise ValueError("dot_precision other than 'highest' is a GPU (tensor-core) option")
     math = _MATH[kind]
     if kind == "chunk":
-        math = functools.partial(math, prec=dot_precision, emulate=interpret)
+        math = functools.partial(_rounded, functools.partial(math, prec=dot_precision, emulate=interpret),
+                                 state_dtype)
+    elif state_dtype is not None:
+        math = functools.partial(math, state_dtype=state_dtype)
     NB = q.shape[1] // C
     kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
               chunk_states=chunk_states,
@@ -414,7 +426,7 @@ def _unprep_dense(o, B, T, NCb, C):
 
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
-         return_chunk_states, interpret, block_v, variant, dot_precision="highest"):
+         return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -426,7 +438,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
                   else initial_state.astype(_F32))
         res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                     chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                    dot_precision=dot_precision)
+                    dot_precision=dot_precision, state_dtype=state_dtype)
         o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
@@ -450,7 +462,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
               else initial_state.astype(_F32))
     res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                 chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                dot_precision=dot_precision)
+                dot_precision=dot_precision, state_dtype=state_dtype)
     o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
@@ -464,28 +476,28 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
 # ----------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
-                                             "variant", "dot_precision"))
+                                             "variant", "dot_precision", "state_dtype"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
-                     variant=None, dot_precision="highest"):
+                     variant=None, dot_precision="highest", state_dtype=None):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
     ``dot_precision`` (GPU): "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for
     the chunk's data matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding."""
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision)
+                variant, dot_precision, state_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
-                                             "block_t", "block_v", "variant"))
+                                             "block_t", "block_v", "variant", "state_dtype"))
 def fused_recurrent_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                                output_final_state=False, cu_seqlens=None, interpret=False,
-                               block_t=8, block_v=None, variant=None):
+                               block_t=8, block_v=None, variant=None, state_dtype=None):
     """Pallas recurrent KDA (token loop in blocks of ``block_t`` tokens)."""
     return _run("recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                cu_seqlens, int(block_t), False, interpret, block_v, variant)
+                cu_seqlens, int(block_t), False, interpret, block_v, variant, state_dtype=state_dtype)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_t", "block_v",

@@ -12,6 +12,10 @@ Conventions (flash-linear-attention names, k3 spec §2.3):
       o_t = S_t^T (scale * q_t)
 
 * all compute is fp32; ``o`` has ``v``'s dtype; states are fp32.
+* ``state_dtype`` (None: fp32 carried exactly): the dtype a cache stores states in between steps.
+  The state is rounded to it (round to nearest even) after every token of the recurrent forms and
+  at the end of every chunk of ``chunk_size`` tokens of the chunked form, so a sequence run in one
+  call equals the same sequence run chunk by chunk through a cache of that dtype.
 
 The chunked form (``chunk_kda_reference``, what ``chunk_kda`` runs on CPU) never forms
 ``exp(Gamma_i) * exp(-Gamma_j)``: every exponent is a same-sign sum of ``g`` over a token range
@@ -72,12 +76,21 @@ def kda_token_step(S, q, k, v, g, beta, scale=None):
     return o, S
 
 
+def round_state(S, state_dtype=None):
+    """``S`` as a cache storing states in ``state_dtype`` gives it back: fp32 values rounded to the
+    nearest ``state_dtype`` value (even on ties). None or float32: ``S`` unchanged."""
+    if state_dtype is None or jnp.dtype(state_dtype) == jnp.float32:
+        return S
+    return S.astype(state_dtype).astype(jnp.float32)
+
+
 def _as_f32(*xs):
     return tuple(x.astype(jnp.float32) for x in xs)
 
 
-def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None):
-    """Token-by-token ``lax.scan`` KDA. Returns ``(o [B,T,H,V], final_state [B,H,K,V])``."""
+def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, state_dtype=None):
+    """Token-by-token ``lax.scan`` KDA. Returns ``(o [B,T,H,V], final_state [B,H,K,V])``; the state
+    is rounded to ``state_dtype`` after every token."""
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = _default_scale(scale, K)
@@ -89,7 +102,7 @@ def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None):
     def step(S, xs):
         qt, kt, vt, gt, bt = xs
         S, o = _token_step(S, qt, kt, vt, gt, bt)
-        return S, o
+        return round_state(S, state_dtype), o
 
     xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, vf, gf, bf))
     S, o = lax.scan(step, S0, xs)
@@ -106,13 +119,14 @@ def _seq_ids(cu_seqlens, T):
 
 
 def fused_recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
-                                  output_final_state=False, cu_seqlens=None):
-    """Recurrent KDA (token scan), with optional ``cu_seqlens`` packing (B must be 1).
+                                  output_final_state=False, cu_seqlens=None, state_dtype=None):
+    """Recurrent KDA (token scan), with optional ``cu_seqlens`` packing (B must be 1); the state is
+    rounded to ``state_dtype`` after every token.
 
     Returns ``(o, final_state)``; ``final_state`` is ``None`` unless ``output_final_state``.
     """
     if cu_seqlens is None:
-        o, S = naive_recurrent_kda(q, k, v, g, beta, scale, initial_state)
+        o, S = naive_recurrent_kda(q, k, v, g, beta, scale, initial_state, state_dtype)
         return o, (S if output_final_state else None)
 
     B, T, H, K = q.shape
@@ -137,6 +151,7 @@ def fused_recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=No
         qt, kt, vt, gt, bt, first, last, n = xs
         S = jnp.where(first, init[n], S)
         S, o = _token_step(S, qt, kt, vt, gt, bt)
+        S = round_state(S, state_dtype)
         finals = finals.at[n].set(jnp.where(last, S, finals[n]))
         return (S, finals), o
 
@@ -306,7 +321,8 @@ def _chunk_local(q, k, g, beta):
     return Aqk, Tinv.reshape(lead + (P, P)), F[..., :P, :], F[..., P:2 * P, :]
 
 
-def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_states=False):
+def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_states=False,
+                 state_dtype=None):
     """Loop over steps of G sub-chunks of P tokens (R sub-chunks per reported chunk).
 
     ``q, k, g [Bx, NG, G*P, H, K]``, ``v [Bx, NG, G*P, H, V]``, ``beta [Bx, NG, G*P, H]``
@@ -315,7 +331,8 @@ def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_stat
     ``(first [NG, G] bool, seq [NG, G] int32, init [N, H, K, V])`` -- the state is reset to
     ``init[seq]`` before every sub-chunk flagged ``first`` (varlen). Returns ``(o [Bx, NG,
     G*P, H, V] in v's dtype, S_final [Bx, H, K, V], states [Bx, NG, G//R, H, K, V] after
-    every R-th sub-chunk, or None)``.
+    every R-th sub-chunk, or None)``. With ``state_dtype`` the state is rounded to it after every
+    R-th sub-chunk (the end of each reported chunk).
 
     Each step computes the state-independent part of its G sub-chunks batched over
     [G, Bx, H], then runs an inner ``lax.scan`` over the G sub-chunks carrying the state
@@ -332,14 +349,16 @@ def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_stat
         return jnp.transpose(y.reshape((Bx, G, P) + y.shape[2:]), (1, 0, 3, 2, 4))
 
     def sub_chunk(ST, x):
-        WQ, UT, Aqk, kd, eC = x[:5]
+        WQ, UT, Aqk, kd, eC, chunk_end = x[:6]
         if resets is not None:
-            first, seq = x[5:]
+            first, seq = x[6:]
             ST = jnp.where(first, jnp.swapaxes(resets[2][seq], -1, -2)[None], ST)
         ZT = _mm("...vk,...ck->...vc", ST, WQ)                  # S^T [W; q e^Gamma]^T
         VnT = UT - ZT[..., :P]                                   # (U - W S)^T
         oT = ZT[..., P:] + _mm("...vj,...ij->...vi", VnT, Aqk)
         ST = eC * ST + _mm("...vc,...ck->...vk", VnT, kd)
+        if state_dtype is not None:                              # stored at each chunk's end
+            ST = jnp.where(chunk_end, round_state(ST, state_dtype), ST)
         return ST, ((oT, ST) if want_states else oT)
 
     def body(n, carry):
@@ -354,7 +373,7 @@ def _scan_chunks(q, k, v, g, beta, S0, scale, *, P, G, R, resets=None, want_stat
         WQ = jnp.concatenate([W, qc * scale * eG], -2)          # [G, Bx, H, 2P, K]
         kd = kc * eS                                             # k_j exp(Gamma_P - Gamma_j)
         eC = eG[..., -1:, :]                                     # exp(Gamma_P) [..., 1, K]
-        ins = (WQ, UT, Aqk, kd, eC)
+        ins = (WQ, UT, Aqk, kd, eC, jnp.arange(G) % R == R - 1)
         if resets is not None:
             ins = ins + (resets[0][n], resets[1][n])
         ST, ys = lax.scan(sub_chunk, ST, ins)
@@ -410,7 +429,7 @@ def _from_groups(o, n_chunks, C, P, R):
 
 def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
                         output_final_state=False, cu_seqlens=None, chunk_size=64,
-                        return_chunk_states=False):
+                        return_chunk_states=False, state_dtype=None):
     """Chunked KDA (WY form over 16-token sub-chunks; the loop carries only the state).
 
     Returns ``(o, final_state)`` or ``(o, final_state, chunk_states)`` when
@@ -418,8 +437,10 @@ def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
     ``chunk_states`` is ``[B, num_chunks, H, K, V]`` fp32 (state after each chunk); with
     ``cu_seqlens`` it is ``[1, num_chunks_bound, H, K, V]`` in the chunk-aligned varlen layout
     (see :func:`varlen_chunk_offsets`; entries past the last used chunk are unspecified).
-    Any ``chunk_size >= 1`` works.
+    Any ``chunk_size >= 1`` works. With ``state_dtype`` the state is rounded to it at the end of
+    every chunk (what a cache of that dtype storing the state between chunk-sized steps would do).
     """
+    state_dtype = None if state_dtype is None or jnp.dtype(state_dtype) == jnp.float32 else state_dtype
     B, T, H, K = q.shape
     V = v.shape[-1]
     C = int(chunk_size)
@@ -433,7 +454,7 @@ def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
         S0 = (jnp.zeros((B, H, K, V), jnp.float32) if initial_state is None
               else initial_state.astype(jnp.float32))
         o, S, cs = _scan_chunks(*xs, S0, scale, P=P, G=G, R=R,
-                                want_states=return_chunk_states)
+                                want_states=return_chunk_states, state_dtype=state_dtype)
         o = _from_groups(o, NC, C, P, R)[:, :T]
         out = (o, S if output_final_state else None)
         if return_chunk_states:
@@ -459,7 +480,7 @@ def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
     seq = jnp.pad(sub_seq, (0, NG * G - NC * R)).reshape(NG, G)
     S0 = jnp.zeros((1, H, K, V), jnp.float32)
     o, _, cs = _scan_chunks(*xs, S0, scale, P=P, G=G, R=R, resets=(first, seq, init),
-                            want_states=True)
+                            want_states=True, state_dtype=state_dtype)
     o = _from_groups(o, NC, C, P, R)[0]                             # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None]
     cs = cs.reshape((-1, H, K, V))[:NC]                             # [NC, H, K, V]
