@@ -57,9 +57,11 @@ def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]
     return out
 
 
-def engine_for(model, state: str, max_len: int, seqs: int, budget: int = 64 << 20, chunk: int = 64) -> Engine:
+def engine_for(model, state: str, max_len: int, seqs: int, budget: int = 64 << 20, chunk: int = 64,
+               buckets: tuple = ()) -> Engine:
+    buckets = buckets or (seqs,)
     return Engine(model, EngineConfig(max_model_len=max_len, page_size=16, cache_bytes=budget, max_num_seqs=seqs,
-                                      prefill_chunk=chunk, max_prefill_seqs=4, decode_buckets=(seqs,),
+                                      prefill_chunk=chunk, max_prefill_seqs=4, decode_buckets=buckets,
                                       prefill_buckets=(4,), max_logprobs=1, enable_prefix_caching=False,
                                       kda_state_dtype=state), progress=False)
 
@@ -106,7 +108,9 @@ def accuracy(quick: bool, n: int, prompt_len: int, gen: int, long_n: int, long_l
 
 
 def wave(model, state: str, budget: int, n: int, prompt_len: int, gen: int, seqs: int, bw: float) -> dict:
-    eng = engine_for(model, state, prompt_len + gen + 16, seqs, budget)
+    # decode rows in powers of two up to `seqs`: a wave's last partial batch pays only for its bucket
+    buckets = tuple(sorted({b for b in (1, 2, 4, 8, 16) if b < seqs} | {seqs}))
+    eng = engine_for(model, state, prompt_len + gen + 16, seqs, budget, buckets=buckets)
     prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
     peak, orig = 0, eng.step
 

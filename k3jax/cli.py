@@ -91,6 +91,12 @@ def _cmd_serve(args) -> int:
     return serve_main(args)
 
 
+def _cmd_run_batch(args) -> int:
+    from serve.run_batch import run_batch_main
+
+    return run_batch_main(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear in JAX")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -135,6 +141,21 @@ def build_parser() -> argparse.ArgumentParser:
     else:
         add_serve_arguments(s)
     s.set_defaults(fn=_cmd_serve)
+
+    b = sub.add_parser("run-batch", help="offline batch in OpenAI's Batch file format (JSONL in, JSONL out)")
+    b.add_argument("-i", "--input-file", required=True,
+                   help="JSONL of {custom_id, method, url, body} (url: /v1/chat/completions, /v1/completions, "
+                        "/v1/responses); '-' reads stdin")
+    b.add_argument("-o", "--output-file", required=True, help="JSONL results, one per request; '-' writes stdout")
+    b.add_argument("--max-concurrency", type=int, default=None,
+                   help="requests in flight at once (default: 4 x --max-num-seqs)")
+    try:
+        from serve.cli import add_serve_arguments
+    except ImportError:
+        pass
+    else:
+        add_serve_arguments(b)
+    b.set_defaults(fn=_cmd_run_batch)
     return p
 
 

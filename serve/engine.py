@@ -102,7 +102,7 @@ class EngineConfig:
     # MLA latent cache storage (vLLM's --kv-cache-dtype; serve/latent_codec.py): "auto" keeps the model
     # dtype (bit-exact); "fp8" (or "fp8_e4m3", "fp8_ds_mla") stores the compressed 512 values as
     # float8_e4m3 with a scale per 128 and the rotary 64 in the model dtype: 656 B per token and layer
-    # for a bf16 model instead of 1152, so the same budget holds 1.76x the tokens. KDA states stay fp32.
+    # for a bf16 model instead of 1152, so the same budget holds 1.76x the tokens (KDA states: `kda_state_dtype`).
     kv_cache_dtype: str = "auto"
     # KDA recurrent state storage (vLLM's --mamba-ssm-cache-dtype): "float32" (or "auto"; the spec's
     # dtype) or "bfloat16", which halves a state slot (K3: 414 -> 207 MiB per sequence, the part of a

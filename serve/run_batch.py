@@ -1,0 +1,163 @@
+"""Offline batches in OpenAI's Batch file format (vLLM's `run-batch`): `k3jax run-batch -i IN -o OUT`.
+
+Each input line is one request: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
+"body": {...}}` (also `/v1/completions` and `/v1/responses`). Every request goes through the same
+FastAPI app the server runs, in process (no socket), so validation, chat templates, tools, structured
+outputs and error bodies are exactly the server's. Requests run concurrently, so the engine batches
+them like any other traffic; each answer is written as soon as it finishes (and flushed), so a batch
+that stops half-way keeps what it computed.
+
+Each output line: `{"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id",
+"body"}, "error": null}`. A request the API rejects keeps its status code and OpenAI error body in
+`response`; a line that cannot be sent at all (not JSON, unknown `url`, `stream: true`, a repeated
+`custom_id`) gets `response: null` and `error: {"code", "message"}` naming what is wrong. Lines come out
+in completion order; `custom_id` ties them to the input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from typing import IO, Callable, Optional
+
+URLS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+
+
+@dataclass
+class BatchRequest:
+    """One input line, parsed: what to send, or why it cannot be sent."""
+    line: int  # 1-based line number in the input
+    custom_id: Optional[str]
+    url: Optional[str] = None
+    body: Optional[dict] = None
+    error: Optional[str] = None
+
+
+def parse_lines(lines) -> list[BatchRequest]:
+    """Input lines -> requests; blank lines are skipped, faulty ones carry an error naming the field."""
+    out, seen = [], set()
+    for n, text in enumerate(lines, 1):
+        if not text.strip():
+            continue
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as e:
+            out.append(BatchRequest(n, None, error=f"line {n}: not JSON ({e.msg})"))
+            continue
+        if not isinstance(obj, dict):
+            out.append(BatchRequest(n, None, error=f"line {n}: expected a JSON object"))
+            continue
+        cid = obj.get("custom_id")
+        req = BatchRequest(n, cid if isinstance(cid, str) else None, obj.get("url"), obj.get("body"))
+        if not isinstance(cid, str) or not cid:
+            req.error = f"line {n}: custom_id must be a non-empty string"
+        elif cid in seen:
+            req.error = f"line {n}: custom_id {cid!r} repeats an earlier line"
+        elif obj.get("method", "POST") != "POST":
+            req.error = f"line {n}: method must be POST (got {obj.get('method')!r})"
+        elif req.url not in URLS:
+            req.error = f"line {n}: url must be one of {list(URLS)} (got {req.url!r})"
+        elif not isinstance(req.body, dict):
+            req.error = f"line {n}: body must be a JSON object"
+        elif req.body.get("stream"):
+            req.error = f"line {n}: body.stream is not supported in a batch"
+        if isinstance(cid, str) and cid:
+            seen.add(cid)
+        out.append(req)
+    return out
+
+
+def output_line(req: BatchRequest, status: Optional[int] = None, body=None, request_id: Optional[str] = None) -> dict:
+    """The output record of one request (OpenAI's batch output shape)."""
+    rec = {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": req.custom_id, "response": None, "error": None}
+    if req.error is not None:
+        rec["error"] = {"code": "invalid_request", "message": req.error}
+    else:
+        rec["response"] = {"status_code": status, "request_id": request_id, "body": body}
+    return rec
+
+
+async def run_requests(app, requests: list[BatchRequest], write: Callable[[dict], None], concurrency: int,
+                       api_key: Optional[str] = None) -> dict:
+    """Send every valid request through `app` (at most `concurrency` at once) and `write` each record as it
+    finishes. -> counts: total, succeeded (2xx), failed (API errors), invalid (not sent)."""
+    import httpx
+
+    counts = dict(total=len(requests), succeeded=0, failed=0, invalid=0)
+    headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(client, req: BatchRequest) -> None:
+        if req.error is not None:
+            counts["invalid"] += 1
+            write(output_line(req))
+            return
+        async with gate:
+            r = await client.post(req.url, json=req.body, headers=headers)
+        try:
+            body = r.json()
+        except ValueError:
+            body = {"error": {"message": r.text, "type": "internal_error", "param": None, "code": None}}
+        counts["succeeded" if r.status_code < 300 else "failed"] += 1
+        rid = body.get("id") if isinstance(body, dict) else None
+        write(output_line(req, r.status_code, body, rid or f"req_{uuid.uuid4().hex}"))
+
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://k3jax", timeout=None) as client:
+        await asyncio.gather(*(one(client, r) for r in requests))
+    return counts
+
+
+def run_batch(app, lines, out: IO[str], concurrency: int, api_key: Optional[str] = None) -> dict:
+    """Parse `lines`, run them through `app`, write JSONL records to `out` -> counts (and wall seconds)."""
+    requests = parse_lines(lines)
+    t0 = time.monotonic()
+
+    def write(rec: dict) -> None:
+        out.write(json.dumps(rec, ensure_ascii=False) + "\n")
+        out.flush()
+
+    counts = asyncio.run(run_requests(app, requests, write, concurrency, api_key))
+    counts["wall_s"] = time.monotonic() - t0
+    return counts
+
+
+def run_batch_main(args) -> int:
+    """`k3jax run-batch`: build and warm the engine with the serve options, then run the input file."""
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+    from serve.cli import DEFAULTS, _say, enable_compile_cache, engine_config
+    from serve.engine import Engine
+    from k3jax.runtime import load_model
+
+    o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    cfg = engine_config(o)
+    cfg.validate()
+    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
+    with src:
+        lines = src.read().splitlines()
+    if not o["no_compile_cache"]:
+        enable_compile_cache(o["compile_cache_dir"])
+    _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
+    engine = Engine(load_model(o["model"], dtype=o["dtype"], seed=o["seed"]), cfg, progress=True)
+    aeng = AsyncEngine(engine)
+    try:
+        app = create_app(aeng, o["served_model_name"] or o["model"], max_waiting=None,
+                         max_model_len=cfg.max_model_len, reasoning_parser=not o["no_reasoning_parser"],
+                         max_stored_responses=0)
+        dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+        try:
+            counts = run_batch(app, lines, dst, args.max_concurrency or 4 * cfg.max_num_seqs)
+        finally:
+            if dst is not sys.stdout:
+                dst.close()
+    finally:
+        aeng.shutdown()
+    generated = engine.counters["generation_tokens"]
+    _say(f"run-batch: {counts['succeeded']} succeeded, {counts['failed']} failed, {counts['invalid']} invalid "
+         f"of {counts['total']} in {counts['wall_s']:.1f} s; {generated} tokens generated")
+    return 0 if counts["succeeded"] == counts["total"] else 1

@@ -1,0 +1,80 @@
+"""`k3jax run-batch`: OpenAI Batch-format JSONL through the server's own app, in process."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from k3jax.cli import main
+from serve.run_batch import parse_lines
+
+
+def test_lines_that_cannot_be_sent_name_what_is_wrong():
+    ok = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x"}}
+    lines = [json.dumps(ok), "", "{nope", json.dumps([1]), json.dumps({**ok, "custom_id": ""}),
+             json.dumps(ok), json.dumps({**ok, "custom_id": "b", "url": "/v1/embeddings"}),
+             json.dumps({**ok, "custom_id": "c", "method": "GET"}),
+             json.dumps({**ok, "custom_id": "d", "body": {"prompt": "x", "stream": True}}),
+             json.dumps({**ok, "custom_id": "e", "body": "x"})]
+    reqs = parse_lines(lines)
+    assert [r.line for r in reqs] == [1, 3, 4, 5, 6, 7, 8, 9, 10]  # the blank line is skipped
+    assert reqs[0].error is None and reqs[0].body == {"prompt": "x"}
+    errors = [r.error for r in reqs[1:]]
+    for err, want in zip(errors, ["not JSON", "JSON object", "custom_id must be", "repeats an earlier",
+                                  "url must be", "method must be POST", "stream", "body must be"]):
+        assert want in err, (want, err)
+    assert errors[0].startswith("line 3:")
+
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory):
+    d = tmp_path_factory.mktemp("batch")
+    greedy = {"max_tokens": 6, "temperature": 0}
+    lines = [
+        {"custom_id": "chat-1", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hello"}], **greedy}},
+        {"custom_id": "chat-2", "method": "POST", "url": "/v1/chat/completions",
+         "body": {"messages": [{"role": "user", "content": "Hello"}], **greedy}},
+        {"custom_id": "cmpl-1", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "The sky is", "logprobs": 1, **greedy}},
+        {"custom_id": "resp-1", "method": "POST", "url": "/v1/responses",
+         "body": {"input": "Hi", "max_output_tokens": 5, "temperature": 0}},
+        {"custom_id": "bad-param", "method": "POST", "url": "/v1/completions",
+         "body": {"prompt": "x", "max_tokens": -1}},
+        {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+    ]
+    src, dst = d / "in.jsonl", d / "out.jsonl"
+    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    rc = main(["run-batch", "-i", str(src), "-o", str(dst), "--model", "tiny-k3", "--max-model-len", "128",
+               "--max-num-seqs", "4", "--cache-mb", "16", "--page-size", "16", "--prefill-chunk", "32",
+               "--no-compile-cache", "--max-concurrency", "3"])
+    out = [json.loads(x) for x in dst.read_text().splitlines()]
+    return rc, {o["custom_id"]: o for o in out}, out
+
+
+def test_every_line_answered_once_in_the_servers_shapes(batch_run):
+    rc, by_id, out = batch_run
+    assert rc == 1  # not every request succeeded
+    assert len(out) == 6 and set(by_id) == {"chat-1", "chat-2", "cmpl-1", "resp-1", "bad-param", "bad-url"}
+    assert len({o["id"] for o in out}) == 6 and all(o["id"].startswith("batch_req_") for o in out)
+    chat = by_id["chat-1"]["response"]
+    assert chat["status_code"] == 200 and by_id["chat-1"]["error"] is None
+    assert chat["body"]["object"] == "chat.completion" and chat["request_id"] == chat["body"]["id"]
+    assert chat["body"]["usage"]["completion_tokens"] == 6
+    # the same greedy request gives the same answer, whatever it was batched with
+    assert (by_id["chat-2"]["response"]["body"]["choices"][0]["message"]
+            == chat["body"]["choices"][0]["message"])
+    cmpl = by_id["cmpl-1"]["response"]["body"]
+    assert cmpl["object"] == "text_completion" and len(cmpl["choices"][0]["logprobs"]["tokens"]) == 6
+    resp = by_id["resp-1"]["response"]["body"]
+    assert resp["object"] == "response" and resp["output"][-1]["type"] == "message"
+    assert resp["status"] == "incomplete" and resp["incomplete_details"] == {"reason": "max_output_tokens"}
+
+
+def test_failures_keep_the_api_error_or_name_the_line(batch_run):
+    _, by_id, _ = batch_run
+    bad = by_id["bad-param"]["response"]
+    assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "max_tokens"
+    assert by_id["bad-url"]["response"] is None
+    assert "url must be one of" in by_id["bad-url"]["error"]["message"]
