@@ -58,7 +58,7 @@ from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_re
 from k3jax.runtime import load_model
 from serve.chat import chat_ids
 from serve.engine import EngineSleeping
-from serve.responses import ResponseEvents, ResponseStore, input_items, response_object, to_chat
+from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
@@ -240,6 +240,10 @@ class ResponsesRequest(_Strict):
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (vLLM's)")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="only requests with the same salt share cached prefixes (vLLM's)")
+    include: Optional[list[str]] = Field(None, description="'message.output_text.logprobs': the answer's token "
+                                                           "logprobs in its output_text part (and streamed deltas)")
+    top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="alternatives per token with the logprobs "
+                                                                       "(implies them)")
 
 
 class UpdateWeightsRequest(_Strict):
@@ -866,7 +870,8 @@ class _ResponsesFormat:
         """`keep(response)`: stores the finished response (None: not stored)."""
         self.chat, self.body, self.model, self.count, self.keep = chat, body, model, count_tokens, keep
         self.id = chat.id
-        self.events = ResponseEvents(chat.id, chat.created, body, model, stored=keep is not None)
+        self.events = ResponseEvents(chat.id, chat.created, body, model, stored=keep is not None,
+                                     channels=chat.reasoning is not None)
 
     def full(self, run: _Run) -> dict:
         r = response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model, self.count,
@@ -1078,6 +1083,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 raise APIError(400, f"previous_response_id: no stored response {body.previous_response_id!r} "
                                     f"(unknown, deleted, or dropped from the store)", param="previous_response_id")
             previous = got[1]
+        unknown = [x for x in body.include or [] if x != LOGPROBS_INCLUDE]
+        if unknown:
+            raise APIError(400, f"include: {unknown[0]!r} is not supported (supported: {LOGPROBS_INCLUDE!r})",
+                           param="include")
+        logprobs = LOGPROBS_INCLUDE in (body.include or []) or body.top_logprobs is not None
         try:
             spec = to_chat(body, previous)
             chat = ChatCompletionRequest(
@@ -1085,7 +1095,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
                 parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
                 reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority,
-                cache_salt=body.cache_salt)
+                cache_salt=body.cache_salt, logprobs=logprobs,
+                top_logprobs=(body.top_logprobs or 0) if logprobs else None)
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
         except ValidationError as e:

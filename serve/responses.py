@@ -151,6 +151,44 @@ def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
     return "completed", None
 
 
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+
+
+def _nbytes(entry: dict) -> int:
+    return len(entry.get("bytes") or [])
+
+
+def text_logprobs(entries: Optional[list], text: str) -> list:
+    """K3's answers: the chat logprob entries of the tokens that wrote `text`, the answer channel (the
+    last occurrence of it in what was generated: the think channel and the markup before the answer are
+    left out). Located by bytes, else by the tokens' decoded strings; [] when neither holds it."""
+    if not entries or not text:
+        return []
+    for pieces, target in (([bytes(e.get("bytes") or []) for e in entries], text.encode()),
+                           ([e["token"] for e in entries], text)):
+        start = pieces[0][:0].join(pieces).rfind(target)
+        if start < 0:
+            continue
+        out, pos = [], 0
+        for e, piece in zip(entries, pieces):
+            end = pos + len(piece)
+            if end > start and pos < start + len(target):
+                out.append(e)
+            pos = end
+        return out
+    return []
+
+
+def trailing_logprobs(entries: list, text: str) -> list:
+    """Streaming K3 answers: of the entries generated since the last text delta, the trailing ones whose
+    bytes make up the delta `text` (channel markup before it is left out)."""
+    room, k = len(text.encode()), len(entries)
+    while k > 0 and _nbytes(entries[k - 1]) <= room:
+        room -= _nbytes(entries[k - 1])
+        k -= 1
+    return entries[k:]
+
+
 def response_object(chat: dict, rid: str, created: int, body, model: str, count_tokens, stored: bool = False) -> dict:
     """A chat completion (one choice) -> the Responses object; `count_tokens(text)` sizes the reasoning."""
     ch = chat["choices"][0]
@@ -164,8 +202,11 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, count_
         output.append({"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
                        "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
     if m.get("content") is not None and not m.get("tool_calls"):
+        lps = (ch.get("logprobs") or {}).get("content") or []
+        if "reasoning_content" in m:  # K3's channels were split: the answer channel's tokens only
+            lps = text_logprobs(lps, m["content"])
         output.append({"type": "message", "id": f"msg_{_ids()}", "role": "assistant", "status": "completed",
-                       "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": []}]})
+                       "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": lps}]})
     status, reason = _status(ch["finish_reason"])
     return _envelope(rid, created, body, model, status, output,
                      _usage(chat, count_tokens(reasoning) if reasoning else 0), reason, stored)
@@ -174,12 +215,15 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, count_
 class ResponseEvents:
     """Chat completion chunks (one choice) -> Responses streaming events."""
 
-    def __init__(self, rid: str, created: int, body, model: str, stored: bool = False):
+    def __init__(self, rid: str, created: int, body, model: str, stored: bool = False, channels: bool = False):
+        """`channels`: K3's think / answer channels are split (the answer's logprobs exclude the markup)."""
         self.rid, self.created, self.body, self.model, self.stored = rid, created, body, model, stored
         self.seq = 0
         self.items: list[dict] = []  # output items, in order
         self.open: Optional[dict] = None  # the item receiving deltas
         self.finish: Optional[str] = None
+        self.pending: list = []  # logprob entries of tokens not yet shown as text (held, or channel markup)
+        self.split = channels  # answer deltas take only the tokens that wrote them
 
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -201,7 +245,7 @@ class ResponseEvents:
         else:
             part = item["content"][0]
             ev = [self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                              text=part["text"], logprobs=[]),
+                              text=part["text"], logprobs=part["logprobs"]),
                   self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                               part=part)]
         item["status"] = "completed"
@@ -233,17 +277,22 @@ class ResponseEvents:
         ev = []
         for ch in chunk.get("choices", []):
             d = ch.get("delta", {})
+            self.pending += (ch.get("logprobs") or {}).get("content") or []
             if d.get("reasoning_content"):
+                self.pending = []  # think-channel tokens (a chunk carries one channel in practice)
                 ev += self._open("reasoning")
                 self.open["content"][0]["text"] += d["reasoning_content"]
                 ev.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
                                       output_index=len(self.items) - 1, content_index=0, delta=d["reasoning_content"]))
             if d.get("content"):
                 ev += self._open("message")
+                lps = trailing_logprobs(self.pending, d["content"]) if self.split else self.pending
+                self.pending = []
                 self.open["content"][0]["text"] += d["content"]
+                self.open["content"][0]["logprobs"] += lps
                 ev.append(self._event("response.output_text.delta", item_id=self.open["id"],
                                       output_index=len(self.items) - 1, content_index=0, delta=d["content"],
-                                      logprobs=[]))
+                                      logprobs=lps))
             for c in d.get("tool_calls") or []:
                 ev += self._call(c)
             if ch.get("finish_reason") is not None:

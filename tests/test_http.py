@@ -20,6 +20,7 @@ import sys
 import time
 
 import httpx
+import numpy as np
 import openai
 import pytest
 
@@ -296,6 +297,32 @@ def test_chat_non_stream_and_stream(client, http):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == ch.message.content
     assert chunks[-1].usage.prompt_tokens == want_prompt and chunks[-1].usage.total_tokens == want_prompt + 6
+
+
+def test_responses_logprobs_whole_and_streamed(http):
+    """include=["message.output_text.logprobs"] with top_logprobs: the answer's tokens, as chat gives them for the
+    same conversation; streamed, the deltas carry them and the final objects repeat them."""
+    lp = {"include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    body = {"input": "Hello!", "max_output_tokens": 6, "temperature": 0}
+    part = http.post("/v1/responses", json={**body, **lp}).json()["output"][-1]["content"][0]
+    chat = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 6,
+                                                   "temperature": 0, "logprobs": True, "top_logprobs": 2}).json()
+    want = chat["choices"][0]["logprobs"]["content"]
+    assert part["text"] == chat["choices"][0]["message"]["content"] and len(want) == 6
+    assert [(e["token"], e["bytes"]) for e in part["logprobs"]] == [(e["token"], e["bytes"]) for e in want]
+    np.testing.assert_allclose([e["logprob"] for e in part["logprobs"]], [e["logprob"] for e in want], atol=1e-5)
+    assert all(len(e["top_logprobs"]) == 2 for e in part["logprobs"])
+    events = []
+    with http.stream("POST", "/v1/responses", json={**body, **lp, "stream": True}) as r:
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    streamed = [x for e in events if e["type"] == "response.output_text.delta" for x in e["logprobs"]]
+    assert [x["token"] for x in streamed] == [x["token"] for x in part["logprobs"]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == streamed == events[-1]["response"]["output"][-1]["content"][0]["logprobs"]
+    plain = http.post("/v1/responses", json=body).json()["output"][-1]["content"][0]
+    assert plain["logprobs"] == [] and plain["text"] == part["text"]
+    r = http.post("/v1/responses", json={**body, "include": ["file_search_call.results"]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "include"
 
 
 def test_chat_n_and_max_completion_tokens(client):

@@ -422,3 +422,27 @@ def test_stored_responses_continue_conversations_per_key():
                 await a.responses.create(model="m", input="again", previous_response_id=r1.id)
     asyncio.run(go())
     assert len(app.state.k3.responses) == 3
+
+
+def test_responses_logprobs_keep_only_the_answer_channels_tokens():
+    """K3: the think channel and the markup before the answer are left out of output_text's logprobs,
+    whole (located by bytes) and streamed (the trailing tokens that wrote each delta)."""
+    from serve.responses import ResponseEvents, text_logprobs, trailing_logprobs
+
+    def entry(s):
+        return {"token": s, "logprob": -0.5, "bytes": list(s.encode()), "top_logprobs": []}
+
+    toks = [entry(t) for t in ("I think", " so", "<|/think|>", "<|answer|>", "Yes", ",", " ok")]
+    assert [e["token"] for e in text_logprobs(toks, "Yes, ok")] == ["Yes", ",", " ok"]
+    assert text_logprobs(toks, "not there") == [] and text_logprobs([], "x") == []
+    assert [e["token"] for e in trailing_logprobs(toks[2:5], "Yes")] == ["Yes"]
+    ev = ResponseEvents("r", 0, SimpleNamespace(), "m", channels=True)
+    chunks = [({"reasoning_content": "I think"}, toks[0:1]), ({"reasoning_content": " so"}, toks[1:2]),
+              ({}, toks[2:3]), ({}, toks[3:4]), ({"content": "Yes"}, toks[4:5]), ({"content": ", ok"}, toks[5:7])]
+    deltas = []
+    for d, lps in chunks:
+        for e in ev.chunk({"choices": [{"delta": d, "logprobs": {"content": lps}, "finish_reason": None}]}):
+            if e["type"] == "response.output_text.delta":
+                deltas.append([x["token"] for x in e["logprobs"]])
+    assert deltas == [["Yes"], [",", " ok"]]
+    assert [x["token"] for x in ev.items[-1]["content"][0]["logprobs"]] == ["Yes", ",", " ok"]
