@@ -10,6 +10,10 @@ Responses events (`ResponseEvents`): `response.created`, `response.in_progress`,
 `response.output_item.added` / `.done`, `response.reasoning_text.delta`, `response.content_part.added`,
 `response.output_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`, and finally
 `response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer).
+With `include: ["message.output_text.logprobs"]` (or `top_logprobs`), the chat request asks for logprobs
+and the `output_text` part carries the answer's tokens (chat's entries: token, logprob, bytes,
+top_logprobs); for K3 the think channel and the markup before the answer are left out
+(`text_logprobs`), and each streamed `output_text.delta` carries the tokens that wrote it.
 
 Stored responses (`ResponseStore`): unless a request says `store: false`, its response object and the
 conversation it ends (the previous response's conversation, this request's input items, its output
