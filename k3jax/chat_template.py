@@ -235,6 +235,7 @@ def _render_k3(
     thinking: bool,
     thinking_effort: str | None,
     default_system: str | None,
+    continue_final_message: bool = False,
 ) -> list[ChatSegment]:
     C = lambda s: ChatSegment(s, True)  # noqa: E731
     P = lambda s: ChatSegment(s, False)  # noqa: E731
@@ -251,14 +252,15 @@ def _render_k3(
             )
     if default_system is not None and msgs[0].role != "system":
         msgs = [ChatMessage("system", default_system), *msgs]
-    for m in msgs:
+    for k, m in enumerate(msgs):
         seg.append(C(_k3_open("message", role=m.role)))
         if m.role == "assistant":
             if thinking:
                 seg.append(C(_k3_open("think") + _k3_close("think")))
             seg.append(C(_k3_open("response")))
             seg.append(P(m.content))
-            seg.append(C(_k3_close("response") + _k3_close("message") + _EOM))
+            if not (continue_final_message and k == len(msgs) - 1):  # left open: the model continues it
+                seg.append(C(_k3_close("response") + _k3_close("message") + _EOM))
         else:
             seg.append(P(m.content))
             seg.append(C(_k3_close("message") + _EOM))
@@ -268,7 +270,8 @@ def _render_k3(
 
 
 def _render_k2_style(
-    msgs: list[ChatMessage], add_generation_prompt: bool, default_system: str | None
+    msgs: list[ChatMessage], add_generation_prompt: bool, default_system: str | None,
+    continue_final_message: bool = False,
 ) -> list[ChatSegment]:
     C = lambda s: ChatSegment(s, True)  # noqa: E731
     P = lambda s: ChatSegment(s, False)  # noqa: E731
@@ -276,7 +279,7 @@ def _render_k2_style(
     if default_system is not None and msgs[0].role != "system":
         msgs = [ChatMessage("system", default_system), *msgs]
     opener = {"system": _IM_SYSTEM, "user": _IM_USER, "assistant": _IM_ASSISTANT, "tool": _IM_SYSTEM}
-    for m in msgs:
+    for k, m in enumerate(msgs):
         seg.append(C(opener[m.role]))
         seg.append(P(m.name or m.role))
         seg.append(C(_IM_MIDDLE))
@@ -284,7 +287,8 @@ def _render_k2_style(
             seg.append(P(f"## Return of {m.tool_call_id}\n{m.content}"))
         else:
             seg.append(P(m.content))
-        seg.append(C(_IM_END))
+        if not (continue_final_message and k == len(msgs) - 1):  # left open: the model continues it
+            seg.append(C(_IM_END))
     if add_generation_prompt:
         seg.append(C(_IM_ASSISTANT))
         seg.append(P("assistant"))
@@ -299,12 +303,20 @@ def render_chat_segments(
     thinking: bool | None = None,
     thinking_effort: str | None = "max",
     default_system: Any = _FAMILY_DEFAULT,
+    continue_final_message: bool = False,
 ) -> list[ChatSegment]:
     """Render to segments (see module docstring). Arguments as in :func:`render_chat`."""
     family = _check_family(family)
     msgs = validate_messages(messages)
     if not isinstance(add_generation_prompt, bool):
         raise ValueError(f"add_generation_prompt: expected a bool, got {_type_name(add_generation_prompt)}")
+    if not isinstance(continue_final_message, bool):
+        raise ValueError(f"continue_final_message: expected a bool, got {_type_name(continue_final_message)}")
+    if continue_final_message and add_generation_prompt:
+        raise ValueError("continue_final_message: cannot be combined with add_generation_prompt (set it false)")
+    if continue_final_message and msgs[-1].role != "assistant":
+        raise ValueError(f"continue_final_message: the last message must be an assistant message "
+                         f"(got {msgs[-1].role!r})")
     if thinking is not None and not isinstance(thinking, bool):
         raise ValueError(f"thinking: expected a bool or None, got {thinking!r}")
     if default_system is _FAMILY_DEFAULT:
@@ -318,10 +330,11 @@ def render_chat_segments(
                 f"thinking_effort: expected one of {', '.join(map(repr, K3_THINKING_EFFORTS))} "
                 f"or None, got {thinking_effort!r}"
             )
-        return _render_k3(msgs, add_generation_prompt, thinking, thinking_effort, default_system)
+        return _render_k3(msgs, add_generation_prompt, thinking, thinking_effort, default_system,
+                          continue_final_message)
     if thinking:
         raise ValueError(f"thinking: family {family!r} has no thinking mode")
-    return _render_k2_style(msgs, add_generation_prompt, default_system)
+    return _render_k2_style(msgs, add_generation_prompt, default_system, continue_final_message)
 
 
 def render_chat(
@@ -331,6 +344,7 @@ def render_chat(
     thinking: bool | None = None,
     thinking_effort: str | None = "max",
     default_system: Any = _FAMILY_DEFAULT,
+    continue_final_message: bool = False,
 ) -> str:
     """Render an OpenAI-style message list to a prompt string.
 
@@ -344,6 +358,9 @@ def render_chat(
       default_system: system prompt inserted when the first message is not a
         system message; family default: the Kimi prompt for ``kimi_linear``,
         none for ``k3`` and ``byte``. ``None`` disables it.
+      continue_final_message: leave the final message, an assistant's, open (no closing markers), so the
+        model continues it: a prefilled start of the answer (vLLM's option; needs
+        ``add_generation_prompt=False``).
 
     The string contains the markers literally; encode it with
     ``allow_special=True``, or use :func:`encode_chat`, which does not let
@@ -358,6 +375,7 @@ def render_chat(
             thinking=thinking,
             thinking_effort=thinking_effort,
             default_system=default_system,
+            continue_final_message=continue_final_message,
         )
     )
 

@@ -207,6 +207,9 @@ class ChatCompletionRequest(_GenerationFields):
                           "{'name'}}; required and named calls are constrained to the functions' schemas")
     parallel_tool_calls: Optional[bool] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = Field(False, description="the last message (an assistant's) is left open and "
+                                                            "continued: a prefilled answer start (vLLM's; needs "
+                                                            "add_generation_prompt false)")
     reasoning_effort: Optional[str] = Field(None, description="K3: low | high | max (the thinking effort; "
                                                               "chat_template_kwargs.thinking_effort)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
@@ -256,6 +259,7 @@ class TokenizeRequest(_Strict):
     add_special_tokens: bool = Field(False, description="prepend the BOS id (prompt only; Kimi formats never do)")
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
 
 
@@ -1197,7 +1201,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if body.add_special_tokens and bos is not None:
                 ids = [bos] + ids
         else:
-            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                            continue_final_message=body.continue_final_message)
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
 
     @app.get("/tokenizer_info", responses=_ERRORS)
@@ -1298,7 +1303,8 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str):
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except RequestError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
-    ids = _chat_ids(st, body.messages, body.add_generation_prompt, _template_kwargs(st, body), plan)
+    ids = _chat_ids(st, body.messages, body.add_generation_prompt, _template_kwargs(st, body), plan,
+                    body.continue_final_message)
     if body.truncate_prompt_tokens is not None:
         ids = ids[-body.truncate_prompt_tokens:]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
@@ -1372,22 +1378,28 @@ def _structured(body: _GenerationFields, thinks: bool,
 
 
 def _reasoning_start(st: ServerState, body) -> Optional[str]:
-    """The XTML channel a K3 generation prompt opens ("think" / "response"), None: no reasoning split."""
-    if st.chat_family != "k3" or not body.add_generation_prompt or not getattr(st, "reasoning_parser", True):
+    """The XTML channel a K3 generation prompt opens ("think" / "response"), None: no reasoning split. A
+    continued assistant message continues its response channel."""
+    if st.chat_family != "k3" or not getattr(st, "reasoning_parser", True):
+        return None
+    if getattr(body, "continue_final_message", False):
+        return "response"
+    if not body.add_generation_prompt:
         return None
     return "think" if (body.chat_template_kwargs or {}).get("thinking", True) else "response"
 
 
 def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-              kwargs: Optional[dict], tools: Optional[ToolPlan] = None) -> list[int]:
+              kwargs: Optional[dict], tools: Optional[ToolPlan] = None, continue_final_message: bool = False) -> list[int]:
     if st.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer; use /v1/completions with token ids",
                        param="messages")
     try:
         return chat_ids(st.tokenizer, st.chat_family, [m.model_dump(exclude_none=True) for m in messages],
-                        add_generation_prompt, kwargs, tools)
+                        add_generation_prompt, kwargs, tools, continue_final_message)
     except RequestError as e:
-        param = "chat_template_kwargs" if str(e).startswith("chat_template_kwargs") else "messages"
+        param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(p)),
+                     "messages")
         raise APIError(400, str(e), param=param) from None
 
 

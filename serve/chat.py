@@ -44,7 +44,8 @@ def _text(content: Any) -> str:
 
 
 def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt: bool = True,
-             template_kwargs: Optional[dict] = None, tools: Optional[ToolPlan] = None) -> list[int]:
+             template_kwargs: Optional[dict] = None, tools: Optional[ToolPlan] = None,
+             continue_final_message: bool = False) -> list[int]:
     """The prompt ids of a conversation; RequestError naming the field on bad input."""
     if tokenizer is None:
         raise RequestError("messages: this model has no tokenizer; use token ids")
@@ -55,7 +56,8 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
                            f"default_system)")
     msgs = prepare_messages(messages, family, tools)
     try:
-        ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt, **kwargs)
+        ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt,
+                          continue_final_message=continue_final_message, **kwargs)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None
     if not ids:

@@ -4,8 +4,9 @@ Mechanism: the arena is one device array `float32[num_units, unit_elems]`. A *un
 of one MLA layer (`page_size` tokens x the 576-wide latent in the words of its `kv_cache_dtype`
 format, serve/latent_codec.py: bf16 latents packed two per float32 word, or fp8 with per-tile
 scales). A KDA *state slot* (every KDA layer's recurrent state, fp32 or, with `kda_state_dtype`
-bfloat16, packed two values per word, and its fp32 conv windows for one sequence) spans `slot_units` consecutive units and holds, layer after layer, each KDA layer's state
-then its conv windows, so one layer's part is a contiguous run that the step reads as a block of
+bfloat16, packed two values per word, and its fp32 conv windows for one sequence) spans `slot_units`
+consecutive units and holds, layer after layer, each KDA layer's state then its conv windows, so one
+layer's part is a contiguous run that the step reads as a block of
 whole units and slices, with no repacking. The host allocator hands out pages from the low end
 and state slots from the high end (a two-ended arena), so there is no ratio flag: many short requests
 fill the arena with slots, a few long ones fill it with pages, and the same arrays and compiled

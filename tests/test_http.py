@@ -325,6 +325,22 @@ def test_responses_logprobs_whole_and_streamed(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "include"
 
 
+def test_chat_continue_final_message(http):
+    """vLLM's continue_final_message: the prompt ends with the open assistant message (its text, no end
+    marker) and the answer continues it; with add_generation_prompt left on, a 400 naming the field."""
+    msgs = [{"role": "user", "content": "Hello!"}, {"role": "assistant", "content": "Sure, the"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True}
+    ids = http.post("/tokenize", json={"messages": msgs, **cont}).json()["tokens"]
+    closed = http.post("/tokenize", json={"messages": msgs, "add_generation_prompt": False}).json()["tokens"]
+    assert len(closed) > len(ids) and closed[:len(ids)] == ids  # only the end-of-turn marker(s) differ
+    assert http.post("/detokenize", json={"tokens": ids}).json()["prompt"].endswith("Sure, the")
+    r = http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 4, "temperature": 0,
+                                                "ignore_eos": True, **cont}).json()
+    assert r["usage"]["prompt_tokens"] == len(ids) and r["usage"]["completion_tokens"] == 4
+    bad = http.post("/v1/chat/completions", json={"messages": msgs, "continue_final_message": True})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "continue_final_message"
+
+
 def test_chat_n_and_max_completion_tokens(client):
     r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], n=2,
                                        max_completion_tokens=3, seed=7, extra_body={"ignore_eos": True})

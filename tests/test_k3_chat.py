@@ -86,3 +86,17 @@ def test_k3_chat_structured_tools_and_reasoning_effort(app):
     assert r["prompt_token_ids"] == low["tokens"]
     text = _post(app, "/detokenize", {"tokens": low["tokens"]}).json()["prompt"]
     assert re.search(r"low", text) and text.endswith("<|open|>think<|sep|>")
+
+
+def test_k3_continue_final_message_continues_the_response_channel(app):
+    """A continued assistant message ends the prompt inside its response channel; the answer is read as
+    that channel's content (no reasoning), with the prefilled start not repeated."""
+    msgs = [{"role": "user", "content": "Say yes"}, {"role": "assistant", "content": "Well,"}]
+    cont = {"add_generation_prompt": False, "continue_final_message": True, "chat_template_kwargs": {"thinking": True}}
+    tok = _post(app, "/tokenize", {"messages": msgs, **cont}).json()["tokens"]
+    text = _post(app, "/detokenize", {"tokens": tok}).json()["prompt"]
+    assert text.endswith("<|open|>think<|sep|><|close|>think<|sep|><|open|>response<|sep|>Well,")
+    r = _post(app, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                            "return_token_ids": True, **cont}).json()
+    m = r["choices"][0]["message"]
+    assert r["prompt_token_ids"] == tok and not m.get("reasoning_content") and m["content"] is not None

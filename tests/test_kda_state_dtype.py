@@ -202,6 +202,19 @@ def test_rounding_points_do_not_depend_on_rows_batches_or_the_cache(engines):
         assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
 
+def test_bf16_decode_step_updates_the_arena_in_place(engines):
+    """The in-place decode loop decodes and re-encodes each row's bf16 state inside the loop; the compiled
+    step still never copies the arena (as tests/test_engine.py checks for fp32 states)."""
+    eng = engines[1]
+    lay = eng.layout
+    batch = eng._pad_batch(eng.decode_buckets[-1], 1, eng.context_buckets[-1], [])
+    hlo = eng.lower_step(batch).compile().as_text()
+    made = [line.split(" = ", 1)[1] for line in hlo.splitlines() if " = " in line]
+    arena = f"f32[{lay.num_units},{lay.unit_elems}]"
+    assert not [m for m in made if m.startswith(arena) and (" copy(" in m[:80] or m.split("(")[0].endswith("copy"))]
+    assert sum(m.startswith(arena) for m in made) >= 2 and "bf16" in hlo  # the arena and the bf16 state are there
+
+
 def test_speculative_verify_rounds_like_decoding():
     """Verify rows round the state after every position, as plain decoding stores it, so drafts accepted
     or rejected leave the plain decoder's tokens and logprobs."""

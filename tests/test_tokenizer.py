@@ -551,6 +551,25 @@ def test_render_k3_no_thinking_and_no_generation_prompt():
                        thinking=False) == '<|open|>message role="user"<|sep|>hi<|close|>message<|sep|><|end_of_msg|>'
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open():
+    """vLLM's continue_final_message: the last (assistant) message is rendered without its closing markers,
+    so the model continues it; with add_generation_prompt, or a last message of another role, an error."""
+    part = CONVO[1:2] + [{"role": "assistant", "content": "The answer is"}]
+    k3 = render_chat(part, "k3", add_generation_prompt=False, continue_final_message=True, thinking_effort=None)
+    assert k3 == ('<|open|>message role="user"<|sep|>Hi 你好<|close|>message<|sep|><|end_of_msg|>'
+                  '<|open|>message role="assistant"<|sep|><|open|>think<|sep|><|close|>think<|sep|>'
+                  "<|open|>response<|sep|>The answer is")
+    kl = render_chat(part, "kimi_linear", add_generation_prompt=False, continue_final_message=True,
+                     default_system=None)
+    assert kl == "<|im_user|>user<|im_middle|>Hi 你好<|im_end|><|im_assistant|>assistant<|im_middle|>The answer is"
+    closed = render_chat(part, "kimi_linear", add_generation_prompt=False, default_system=None)
+    assert closed == kl + "<|im_end|>"
+    with pytest.raises(ValueError, match="continue_final_message: cannot be combined"):
+        render_chat(part, "k3", continue_final_message=True)
+    with pytest.raises(ValueError, match="continue_final_message: the last message must be an assistant"):
+        render_chat(CONVO, "byte", add_generation_prompt=False, continue_final_message=True)
+
+
 def test_render_kimi_linear():
     out = render_chat(CONVO, family="kimi_linear")
     assert out == (
