@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 
 import k3jax  # noqa: E402
 from k3jax.config import PRESETS  # noqa: E402
-from kv_cache_dtype import teacher_forced  # noqa: E402
+from kv_cache_dtype import against_hf, teacher_forced, teacher_forced_delta  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
@@ -82,23 +82,12 @@ def accuracy(quick: bool, n: int, prompt_len: int, gen: int, long_n: int, long_l
         per, long_lps = {}, {}
         for st in STATES:
             eng = engine_for(model, st, max(prompt_len + gen, long_len) + 16, n)
-            wave = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
-            agree = [next((i for i, (a, b) in enumerate(zip(o, h)) if a != b), gen)
-                     for o, h in zip(wave["token_ids"], hf_out)]
-            per[st] = dict(identical_to_hf=sum(a == gen for a in agree), tokens_before_divergence=agree,
-                           lps=teacher_forced(eng, [p + h for p, h in zip(prompts, hf_out)]))
+            per[st] = against_hf(eng, prompts, hf_out)
             long_lps[st] = np.array([[x[0] for x in s] for s in teacher_forced(eng, longs)])
             log(f"  {st} states: {per[st]['identical_to_hf']}/{n} requests token-identical to HF")
-        a = np.array([[x[0] for x in s] for s in per["float32"]["lps"]])
-        b = np.array([[x[0] for x in s] for s in per["bfloat16"]["lps"]])
-        top1 = lambda k: np.array([[x[1] == 1 for x in s] for s in per[k]["lps"]])
-        d = np.abs(a - b)
         for st in STATES:
             res[st] = {k: v for k, v in per[st].items() if k != "lps"}
-        res["teacher_forced"] = dict(
-            positions=int(d.size), mean_abs_delta=float(d.mean()), p99_abs_delta=float(np.percentile(d, 99)),
-            max_abs_delta=float(d.max()), mean_logprob_float32=float(a.mean()), mean_logprob_bfloat16=float(b.mean()),
-            rank1_agreement=float((top1("float32") == top1("bfloat16")).mean()))
+        res["teacher_forced"] = teacher_forced_delta(per, "float32", "bfloat16")
         dl = np.abs(long_lps["float32"] - long_lps["bfloat16"])  # [long_n, long_len - 1]
         bucket = max(64, long_len // 8)
         res["long_recurrence"] = dict(

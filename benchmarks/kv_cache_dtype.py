@@ -71,6 +71,27 @@ def teacher_forced(engine: Engine, seqs: list[list[int]]) -> list[list[tuple[flo
     return [[(lp.logprob, lp.rank) for lp, _ in done[i].prompt_logprobs[1:]] for i in ids]
 
 
+def against_hf(engine: Engine, prompts: list[list[int]], hf_out: list[list[int]]) -> dict:
+    """Greedy tokens of `engine` against HF's continuations `hf_out`, and the teacher-forced (logprob, rank)
+    of every position of prompt + HF's continuation (`lps`)."""
+    gen = len(hf_out[0])
+    wave = run_wave(engine, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+    agree = [next((i for i, (a, b) in enumerate(zip(o, h)) if a != b), gen) for o, h in zip(wave["token_ids"], hf_out)]
+    return dict(identical_to_hf=sum(a == gen for a in agree), tokens_before_divergence=agree,
+                lps=teacher_forced(engine, [p + h for p, h in zip(prompts, hf_out)]))
+
+
+def teacher_forced_delta(per: dict, base: str, other: str) -> dict:
+    """|delta logprob| between two engines' teacher-forced positions (`per[k]["lps"]`), and how often both
+    agree on whether the given token is the argmax."""
+    a, b = (np.array([[x[0] for x in s] for s in per[k]["lps"]]) for k in (base, other))
+    top1 = lambda k: np.array([[x[1] == 1 for x in s] for s in per[k]["lps"]])  # noqa: E731
+    d = np.abs(a - b)
+    return {"positions": int(d.size), "mean_abs_delta": float(d.mean()), "p99_abs_delta": float(np.percentile(d, 99)),
+            "max_abs_delta": float(d.max()), f"mean_logprob_{base}": float(a.mean()),
+            f"mean_logprob_{other}": float(b.mean()), "rank1_agreement": float((top1(base) == top1(other)).mean())}
+
+
 def accuracy(quick: bool, n: int, prompt_len: int, gen: int, log) -> dict:
     rng = np.random.default_rng(3)
     with tempfile.TemporaryDirectory() as tmp:
@@ -87,22 +108,11 @@ def accuracy(quick: bool, n: int, prompt_len: int, gen: int, log) -> dict:
                                              max_num_seqs=n, prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(n,),
                                              prefill_buckets=(4,), max_logprobs=1, enable_prefix_caching=False,
                                              kv_cache_dtype=kind), progress=False)
-            wave = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
-            agree = [next((i for i, (a, b) in enumerate(zip(o, h)) if a != b), gen)
-                     for o, h in zip(wave["token_ids"], hf_out)]
-            per[kind] = dict(identical_to_hf=sum(a == gen for a in agree), tokens_before_divergence=agree,
-                             lps=teacher_forced(eng, [p + h for p, h in zip(prompts, hf_out)]))
+            per[kind] = against_hf(eng, prompts, hf_out)
             log(f"  {kind}: {per[kind]['identical_to_hf']}/{n} requests token-identical to HF")
-        a = np.array([[x[0] for x in s] for s in per["auto"]["lps"]])
-        f = np.array([[x[0] for x in s] for s in per["fp8"]["lps"]])
-        top1 = lambda k: np.array([[x[1] == 1 for x in s] for s in per[k]["lps"]])
-        d = np.abs(a - f)
         for kind in KINDS:
             res[kind] = {k: v for k, v in per[kind].items() if k != "lps"}
-        res["teacher_forced"] = dict(
-            positions=int(d.size), mean_abs_delta=float(d.mean()), p99_abs_delta=float(np.percentile(d, 99)),
-            max_abs_delta=float(d.max()), mean_logprob_auto=float(a.mean()), mean_logprob_fp8=float(f.mean()),
-            rank1_agreement=float((top1("auto") == top1("fp8")).mean()))
+        res["teacher_forced"] = teacher_forced_delta(per, "auto", "fp8")
         return res
 
 

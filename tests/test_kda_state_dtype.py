@@ -109,7 +109,7 @@ from serve.cli import engine_config  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from test_prefix_cache import config, logprobs, run, toks  # noqa: E402
+from test_prefix_cache import config, logprobs, run, toks, warm_batch_equals_cold  # noqa: E402
 
 
 def test_names_errors_and_the_slot_size():
@@ -186,17 +186,7 @@ def test_rounding_points_do_not_depend_on_rows_batches_or_the_cache(engines):
     dtype = max(abs(x[1] - y[1]) for x, y in zip(logprobs(a), logprobs(c)))
     assert a.token_ids == b.token_ids and rows < 2e-5 and dtype > 20 * rows, (rows, dtype)
 
-    base = toks(71, 130)
-    run(on, base)  # prompt-end checkpoint at 128
-    prompts = [base + toks(72 + i, 9 + 5 * i) for i in range(3)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=4)
-    ids = [on.add_request(q, sp) for q in prompts]
-    outs = {}
-    while on.has_unfinished():
-        outs.update({o.request_id: o for o in on.step() if o.finished})
-    for rid, q in zip(ids, prompts):
-        assert outs[rid].num_cached_tokens == 128
-        assert logprobs(outs[rid]) == logprobs(run(off, q))
+    warm_batch_equals_cold(on, off, toks(71, 130), 128, seed=72)  # prompt-end checkpoint at 128
     for e in engines:
         assert e.stats()["compiles_after_warmup"] == 0
         assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units

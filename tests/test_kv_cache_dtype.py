@@ -13,8 +13,7 @@ from serve.cli import engine_config
 from serve.engine import Engine, EngineConfig
 from serve.latent_codec import LatentCodec
 from serve.memory import ArenaLayout
-from serve.types import SamplingParams
-from test_prefix_cache import config, logprobs, run, toks
+from test_prefix_cache import config, logprobs, run, toks, warm_batch_equals_cold
 
 
 def latents(seed, shape, width):
@@ -143,17 +142,7 @@ def test_fp8_prefix_hits_and_batching_are_bit_identical(engines):
     """A warm resume reads exactly the words a cold prefill attended over, and a request's result does
     not depend on its batch: both bit-identical to a lone cold request of the fp8 engine."""
     on, off, _ = engines
-    base = toks(7, 100)
-    run(on, base)  # prompt-end checkpoint at 96
-    prompts = [base + toks(8 + i, 9 + 5 * i) for i in range(3)]
-    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=4)
-    ids = [on.add_request(p, sp) for p in prompts]
-    outs = {}
-    while on.has_unfinished():
-        outs.update({o.request_id: o for o in on.step() if o.finished})
-    for rid, p in zip(ids, prompts):
-        assert outs[rid].num_cached_tokens == 96
-        assert logprobs(outs[rid]) == logprobs(run(off, p))
+    warm_batch_equals_cold(on, off, toks(7, 100), 96, seed=8)  # prompt-end checkpoint at 96
     for e in (on, off):
         assert e.stats()["compiles_after_warmup"] == 0
         assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units

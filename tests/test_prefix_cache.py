@@ -69,6 +69,21 @@ def warm_vs_cold(engines, prompt, kind, exact=True):
         np.testing.assert_allclose([x[1] for x in logprobs(warm)], [x[1] for x in logprobs(cold)], atol=1e-5)
 
 
+def warm_batch_equals_cold(on, off, base, cached, seed):
+    """Run `base` on `on` (checkpointing its prompt end at `cached`), then three requests extending it together:
+    each resumes at `cached` and is bit-identical to a lone cold request on `off` (no prefix cache)."""
+    run(on, base)
+    prompts = [base + toks(seed + i, 9 + 5 * i) for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, logprobs=4)
+    ids = [on.add_request(p, sp) for p in prompts]
+    outs = {}
+    while on.has_unfinished():
+        outs.update({o.request_id: o for o in on.step() if o.finished})
+    for rid, p in zip(ids, prompts):
+        assert outs[rid].num_cached_tokens == cached
+        assert logprobs(outs[rid]) == logprobs(run(off, p))
+
+
 def test_chunk_end_checkpoint(engines):
     base = toks(1, 300)
     run(engines[0], base)  # captures the chunk-end state at 256 (and the prompt end at 288)
