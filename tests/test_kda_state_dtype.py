@@ -109,7 +109,7 @@ from serve.cli import engine_config  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from test_prefix_cache import config, logprobs, run, toks, warm_batch_equals_cold  # noqa: E402
+from test_prefix_cache import close_to_exact, config, logprobs, run, toks, warm_batch_equals_cold  # noqa: E402
 
 
 def test_names_errors_and_the_slot_size():
@@ -162,17 +162,7 @@ def test_engine_stays_close_to_fp32_states(engines):
     on, off, _, exact = engines
     assert off.stats()["kda_state_dtype"] == "bfloat16" and exact.stats()["kda_state_dtype"] == "float32"
     assert 2 * off.layout.state_words == exact.layout.state_words  # (here both slots round up to one unit)
-    errs = []
-    for s in range(3):
-        p = toks(60 + s, 50 + 70 * s)
-        a, b = run(exact, p, n=12), run(off, p, n=12)
-        assert logprobs(a) != logprobs(b)  # the states really are rounded
-        same = next((i for i, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y), 12)
-        errs += [abs(x[1] - y[1]) for x, y in zip(logprobs(a)[:same], logprobs(b)[:same])]
-        if same < 12:  # greedy paths may part only where the fp32 engine itself nearly ties
-            top = dict(logprobs(a)[same][2])
-            assert b.token_ids[same] in top and top[b.token_ids[same]] > max(top.values()) - 0.1, (same, top)
-    assert np.median(errs) < 0.01 and max(errs) < 0.05, errs
+    close_to_exact(exact, off, [toks(60 + s, 50 + 70 * s) for s in range(3)])
 
 
 def test_rounding_points_do_not_depend_on_rows_batches_or_the_cache(engines):
