@@ -48,7 +48,7 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -58,6 +58,7 @@ from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_re
 from k3jax.runtime import load_model
 from serve.chat import chat_ids
 from serve.engine import EngineSleeping
+from serve.lora import LoRAError, LoRARequest
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
 from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
@@ -253,6 +254,18 @@ class UpdateWeightsRequest(_Strict):
     model_path: str
 
 
+class LoadLoRARequest(_Strict):
+    """vLLM's /v1/load_lora_adapter body."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+
+
+class UnloadLoRARequest(_Strict):
+    """vLLM's /v1/unload_lora_adapter body (`lora_int_id` is accepted and ignored: names identify adapters)."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_int_id: Optional[int] = None
+
+
 class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
@@ -341,10 +354,21 @@ class ServerState:
             raise APIError(503, f"server not ready: {msg}", "server_unavailable", code="not_ready",
                            headers={"Retry-After": "5"})
 
-    def check_model(self, model: Optional[str]) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`.",
-                           "not_found_error", "model", "model_not_found")
+    def lora_adapters(self) -> dict:
+        """Loaded LoRA adapters by name (serve/lora.py), each served as a model of its own name."""
+        registry = getattr(getattr(self.engine, "engine", None), "loras", None)
+        return dict(registry.by_name) if registry is not None else {}
+
+    def check_model(self, model: Optional[str]) -> Optional[str]:
+        """-> the LoRA adapter that `model` names, or None for the base model (or no `model`); 404 else."""
+        if model is None or model == self.model_name:
+            return None
+        adapters = self.lora_adapters()
+        if model in adapters:
+            return model
+        also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in sorted(adapters))}" if adapters else ""
+        raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`{also}.",
+                       "not_found_error", "model", "model_not_found")
 
     def admit(self, key: str, seqs: int, tokens: int):
         if self.sleeping:
@@ -467,10 +491,13 @@ class _Run:
     admission exactly once."""
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
-                 ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None):
+                 ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
+                 lora: Optional[str] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
+        if lora is not None:
+            self.extra["lora_request"] = lora
         self.ticket, self.arrival = ticket, arrival
         self.nseqs = len(prompts) * params.n
         self.q: asyncio.Queue = asyncio.Queue()
@@ -596,7 +623,8 @@ class _Format:
         return _sse(obj)
 
     def head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.st.model_name}
+        return {"id": self.id, "object": obj, "created": self.created,
+                "model": getattr(self, "model", None) or self.st.model_name}
 
     def _prompt_field(self, out: RequestOutput) -> Optional[list]:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, text}."""
@@ -951,7 +979,8 @@ class _BodyLimit:
 def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, limits: Optional[Limits] = None,
                max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
                max_model_len: Optional[int] = None, reasoning_parser: bool = True,
-               max_stored_responses: int = 1024, enable_sleep_mode: bool = False) -> FastAPI:
+               max_stored_responses: int = 1024, enable_sleep_mode: bool = False,
+               allow_runtime_lora_updating: bool = False) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -965,6 +994,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     max_stored_responses: Responses API objects kept in memory for `previous_response_id` (0: none).
     enable_sleep_mode: serve POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's) and POST
       /update_weights_from_disk (SGLang's): what an RL loop sharing the device with training calls.
+    allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
+      they read adapter directories from the server's disk, so they are off by default).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
@@ -1025,18 +1056,49 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     async def metrics():
         return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def _model_card() -> dict:
-        return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "k3jax",
-                "root": st.model_name, "max_model_len": st.max_model_len}
+    def _model_card(adapter=None) -> dict:
+        """The base model's card, or a LoRA adapter's (vLLM's: `root` its path, `parent` the base model)."""
+        if adapter is None:
+            return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "k3jax",
+                    "root": st.model_name, "parent": None, "max_model_len": st.max_model_len}
+        return {"id": adapter.name, "object": "model", "created": st.created, "owned_by": "k3jax",
+                "root": adapter.path, "parent": st.model_name, "max_model_len": st.max_model_len}
 
     @app.get("/v1/models", responses=_ERRORS)
     async def models(key: str = Depends(authenticate)):
-        return {"object": "list", "data": [_model_card()]}
+        adapters = st.lora_adapters()
+        return {"object": "list", "data": [_model_card()] + [_model_card(adapters[n]) for n in sorted(adapters)]}
 
     @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
     async def model(model_id: str, key: str = Depends(authenticate)):
-        st.check_model(model_id)
-        return _model_card()
+        lora = st.check_model(model_id)
+        return _model_card(st.lora_adapters().get(lora) if lora else None)
+
+    if allow_runtime_lora_updating:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: loads adapters from server paths
+        @app.post("/v1/load_lora_adapter", responses=_ERRORS)
+        async def load_lora_adapter(body: LoadLoRARequest, key: str = Depends(authenticate),
+                                    _r: None = Depends(ready)):
+            """Load a PEFT adapter directory into a free slot; it is then served as model `lora_name`."""
+            if body.lora_name == st.model_name:
+                raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
+            try:
+                await st.engine.call(lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path)))
+            except LoRAError as e:
+                raise APIError(400, str(e), param=_lora_param(str(e))) from None
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+        @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
+        async def unload_lora_adapter(body: UnloadLoRARequest, key: str = Depends(authenticate),
+                                      _r: None = Depends(ready)):
+            """Unload an adapter; refused (400) while requests in flight use it."""
+            if body.lora_name not in st.lora_adapters():
+                raise APIError(404, f"lora_name {body.lora_name!r}: no adapter of that name is loaded",
+                               "not_found_error", param="lora_name")
+            try:
+                await st.engine.call(lambda e: e.remove_lora(body.lora_name))
+            except LoRAError as e:
+                raise APIError(400, str(e), param="lora_name") from None
+            return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request, key: str = Depends(authenticate),
@@ -1099,7 +1161,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
                 parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
                 reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority,
-                cache_salt=body.cache_salt, logprobs=logprobs,
+                cache_salt=body.cache_salt, logprobs=logprobs, model=body.model,
                 top_logprobs=(body.top_logprobs or 0) if logprobs else None)
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
@@ -1112,7 +1174,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         if body.store is not False and st.responses.max_entries:
             conversation = previous + input_items(body)
             keep = lambda r: st.responses.put(key, r, conversation + r["output"])  # noqa: E731
-        fmt = _ResponsesFormat(chat_fmt, body, st.model_name, count, keep)
+        fmt = _ResponsesFormat(chat_fmt, body, st.check_model(body.model) or st.model_name, count, keep)
         return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
@@ -1230,6 +1292,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 
 
 # ---- request handling -------------------------------------------------------------------------------
+
+def _lora_param(message: str) -> str:
+    """The field a `LoRAError` is about: the name (in use, not loaded, no free slot) or else the path."""
+    return "lora_name" if message.startswith(("lora_name", "max_loras")) else "lora_path"
+
 
 def _param_of(message: str) -> Optional[str]:
     """`"field: why"` -> "field" (the engine's and SamplingParams' message convention; "a.b" names a
@@ -1466,7 +1533,10 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
     ticket = st.admit(key, len(prompts) * params.n, reserve)
-    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority, getattr(body, "cache_salt", None))
+    lora = st.check_model(getattr(body, "model", None))
+    if lora is not None:
+        fmt.model = lora  # responses name the adapter that answered (vLLM's)
+    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora)
     handed_off = False
     try:
         run.start()

@@ -42,14 +42,15 @@ class AsyncEngine:
 
     # ---- public API (event-loop side) -------------------------------------------------------
     async def generate(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                       priority: int = 0, cache_salt: Optional[str] = None) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, cache_salt: Optional[str] = None,
+                       lora_request=None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
         with self._lock:
             self._streams[request_id] = (loop, q)
-        self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt))
+        self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt, lora_request))
         self._wake.set()
         finished = False
         try:
@@ -136,9 +137,9 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, done, priority, salt = cmd
+                _, rid, prompt, params, done, priority, salt, lora = cmd
                 try:
-                    self.engine.add_request(prompt, params, rid, priority=priority, cache_salt=salt)
+                    self.engine.add_request(prompt, params, rid, priority=priority, cache_salt=salt, lora_request=lora)
                     err = None
                 except RequestError as e:
                     err = e

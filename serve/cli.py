@@ -33,6 +33,7 @@ DEFAULTS = dict(
     schedule_conservativeness=1.0, log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
+    enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
 )
 
 
@@ -86,6 +87,14 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
                                                              "(default ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
+    lo = s.add_argument_group("LoRA adapters (PEFT directories; a request names one as its `model`)")
+    lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
+    lo.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapters loaded at once (slots)")
+    lo.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank")
+    lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                    help='adapters to load at start-up: name=path or JSON {"name": ..., "path": ...}')
+    lo.add_argument("--allow-runtime-lora-updating", action="store_true",
+                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths on this machine)")
     m = s.add_argument_group("multi-host (one mesh over several processes; run the same command on each)")
     m.add_argument("--coordinator-address", default=None,
                    help="host:port of process 0's coordinator (jax.distributed); needs --sharding")
@@ -163,7 +172,33 @@ def engine_config(o: dict):
         seed=o["seed"], sharding=o.get("sharding"), kda_decode=o.get("kda_decode", "auto"),
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
-        schedule_conservativeness=o.get("schedule_conservativeness", 1.0))
+        schedule_conservativeness=o.get("schedule_conservativeness", 1.0),
+        max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16))
+
+
+def lora_modules(o: dict) -> list:
+    """`--lora-modules` as `LoRARequest`s (name=path, or vLLM's JSON form)."""
+    from serve.lora import LoRARequest
+
+    items = o.get("lora_modules") or []
+    if items and not o.get("enable_lora"):
+        raise ValueError("--lora-modules needs --enable-lora")
+    out = []
+    for i, item in enumerate(items):
+        if item.lstrip().startswith("{"):
+            try:
+                spec = json.loads(item)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--lora-modules {item!r}: not JSON ({e})") from None
+            name, path = spec.get("name"), spec.get("path")
+        else:
+            name, _, path = item.partition("=")
+        if not name or not path:
+            raise ValueError(f"--lora-modules {item!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
+        out.append(LoRARequest(name, i + 1, path))
+    if len(out) > o.get("max_loras", 1):
+        raise ValueError(f"--lora-modules: {len(out)} adapters but --max-loras {o.get('max_loras', 1)}")
+    return out
 
 
 def enable_compile_cache(path: Optional[str]) -> Optional[str]:
@@ -209,6 +244,7 @@ def serve_main(args) -> int:
     t0 = time.monotonic()
     cfg = engine_config(o)
     cfg.validate()
+    adapters = lora_modules(o)
     if o["num_processes"] > 1 or o["coordinator_address"]:
         if not o["coordinator_address"] or cfg.sharding is None:
             raise ValueError("multi-host serving needs --coordinator-address HOST:PORT, --num-processes, "
@@ -225,7 +261,8 @@ def serve_main(args) -> int:
                      max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
                      reasoning_parser=not o["no_reasoning_parser"],
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
-                     enable_sleep_mode=bool(o.get("enable_sleep_mode")))
+                     enable_sleep_mode=bool(o.get("enable_sleep_mode")),
+                     allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")))
     st = app.state.k3
     server = uvicorn.Server(uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"],
                                            timeout_graceful_shutdown=5))
@@ -244,6 +281,9 @@ def serve_main(args) -> int:
             _say(f"loading {o['model']} ({o['dtype']}) ...")
             model = load_model(o["model"], dtype=o["dtype"], seed=o["seed"])
             eng = Engine(model, cfg, warmup=False)
+            for lr in adapters:  # before compiling: a bad adapter fails the start at once
+                eng.add_lora(lr)
+                _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
             shapes = eng.bucket_shapes()
             _say(f"compiling {len(shapes)} step programs (decode rows {eng.decode_buckets}, prefill rows "
                  f"{eng.prefill_buckets} x {cfg.prefill_chunk} tokens, context pages {eng.context_buckets}); "

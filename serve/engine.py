@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
+from k3jax import lora as model_lora
 from k3jax.dequantize import dequantize_experts
 from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, replicated, state_axis,
                             shard_model)
@@ -32,6 +33,7 @@ from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
+from serve.lora import Adapter, LoRAError, LoRARequest, Registry, read_peft
 from serve.memory import Arena, ArenaLayout, OutOfMemory, state_dtype_name
 from serve.moe_timing import time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
@@ -131,6 +133,11 @@ class EngineConfig:
     # 3}): decodes carry n-gram drafts that one step verifies (serve/speculative.py); same outputs,
     # more tokens per step when drafts are accepted. None: off.
     speculative_config: Optional[SpeculativeConfig] = None
+    # Multi-LoRA (vLLM's --enable-lora / --max-loras / --max-lora-rank; k3jax/lora.py, serve/lora.py): this
+    # many adapters loaded at once, each served to any mix of rows in the same batch, of rank up to
+    # max_lora_rank on every dense projection. 0: off (the model has no adapter factors at all).
+    max_loras: int = 0
+    max_lora_rank: int = 16
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
@@ -170,6 +177,10 @@ class EngineConfig:
             if not isinstance(self.speculative_config, SpeculativeConfig):
                 raise ValueError(f"speculative_config={self.speculative_config!r}: expected a dict or SpeculativeConfig")
             self.speculative_config.validate(self.prefill_chunk)
+        for key, low in (("max_loras", 0), ("max_lora_rank", 1)):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 1024:
+                raise ValueError(f"{key}={v!r}: expected an integer in [{low}, 1024]")
         if self.prefill_chunk % KDA_CHUNK and KDA_CHUNK % self.prefill_chunk:
             raise ValueError(f"prefill_chunk must divide or be a multiple of the KDA chunk ({KDA_CHUNK}) so "
                              f"prefill rows start on KDA chunk boundaries")
@@ -216,6 +227,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # speculative tokens proposed for the next decode
     ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
     spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
+    lora: Optional[Adapter] = None  # the LoRA adapter it runs with (None: the base model)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -248,6 +260,8 @@ class Engine:
                  progress: bool = True):
         config.validate()
         reference = resolve_backend("auto") == "reference"
+        if config.max_loras:  # adapter factors on every dense projection, before the transforms shard them
+            model = model_lora.attach(model, config.max_loras, config.max_lora_rank)
         self._dequantize = config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference)
         if self._dequantize:
             model = dequantize_experts(model)
@@ -293,6 +307,10 @@ class Engine:
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
         self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
         self._param_treedef = jax.tree.structure(model.params)
+        # LoRA: each projection's (lora_a, lora_b) leaf indices, and what is loaded in which slot
+        self._lora_leaves = model_lora.module_paths(model.params)
+        self._lora_indices = {i for pair in self._lora_leaves.values() for i in pair}
+        self.loras = Registry(config.max_loras, config.max_lora_rank)
         self._arena_sharding = arena_sharding
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
@@ -346,7 +364,7 @@ class Engine:
         self.moe_dispatch_seconds = 0.0
         self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
         self._canonical_pending: dict[str, bytes] = {}  # internal re-prefill rid -> checkpoint key
-        self._tails: collections.OrderedDict[str, PrefixHasher] = collections.OrderedDict()  # finished, never reused
+        self._tails: collections.OrderedDict[str, tuple[PrefixHasher, Optional[Adapter]]] = collections.OrderedDict()  # finished, never reused
         self.warmed_up = False
         self.compiles_after_warmup = 0
         # A mesh over several processes: process 0 leads, the others replay its steps (serve/multihost.py)
@@ -522,11 +540,13 @@ class Engine:
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
-                    arrival_time: Optional[float] = None, priority: int = 0, cache_salt: Optional[str] = None) -> str:
+                    arrival_time: Optional[float] = None, priority: int = 0, cache_salt: Optional[str] = None,
+                    lora_request=None) -> str:
         """Queue a request; `priority`: lower values are scheduled first and may preempt running
         requests of higher values (vLLM's convention); equal priorities are first come, first served.
         `cache_salt` (vLLM's): only requests with the same salt share cached prefixes (tenants that must
-        not learn from each other's cache hits use different salts)."""
+        not learn from each other's cache hits use different salts). `lora_request`: the adapter to run
+        with, by name or as a `LoRARequest` (loaded from its path on first use); None: the base model."""
         self._leader_only("add_request")
         self._check_awake("add_request")
         params = params or SamplingParams()
@@ -560,6 +580,7 @@ class Engine:
             guides = ([self.grammars.guide(params.structured_outputs) for _ in range(params.n)]
                       if params.structured_outputs is not None else [None] * params.n)
             bad_words = self._bad_word_ids(params.bad_words) if params.bad_words else ()
+            adapter = self._resolve_lora(lora_request)
         except RequestError:
             self.counters["requests_rejected"] += 1
             raise
@@ -568,6 +589,9 @@ class Engine:
         metrics = RequestMetrics(arrival_time=now)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2 ** 62))
         config_unit = self.config.prefix_hash_unit
+        # an adapter changes every cached page and state: its requests share prefixes only among
+        # themselves, and only with this load of it (the uid), never with the base model's
+        salt = (cache_salt or "").encode() + (b"\0lora:%d" % adapter.uid if adapter is not None else b"")
         seqs = []
         for i in range(params.n):
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
@@ -578,7 +602,9 @@ class Engine:
                            metrics=RequestMetrics(arrival_time=now),
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
-                           hasher=PrefixHasher(config_unit, (cache_salt or "").encode()) if self.prefix_cache else None)
+                           hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter)
+            if adapter is not None:
+                adapter.requests.add(seq.rid)
             seqs.append(seq)
             self.seqs[seq.rid] = seq
         self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics)
@@ -616,6 +642,79 @@ class Engine:
             raise RequestError("prompt: empty prompt")
         return text, ids
 
+    # ---- LoRA adapters ----------------------------------------------------------------------------
+    def _resolve_lora(self, lora_request) -> Optional[Adapter]:
+        if lora_request is None:
+            return None
+        if not self.config.max_loras:
+            raise RequestError("lora_request: this engine serves no LoRA adapters (start it with max_loras >= 1)")
+        if isinstance(lora_request, LoRARequest):
+            if lora_request.lora_name not in self.loras.by_name and lora_request.lora_path:
+                try:
+                    return self.add_lora(lora_request)
+                except LoRAError as e:
+                    raise RequestError(f"lora_request: {e}") from None
+            lora_request = lora_request.lora_name
+        if not isinstance(lora_request, str) or lora_request not in self.loras.by_name:
+            loaded = ", ".join(sorted(self.loras.by_name)) or "none"
+            raise RequestError(f"lora_request: no LoRA adapter {lora_request!r} is loaded (loaded: {loaded})")
+        return self.loras.by_name[lora_request]
+
+    def add_lora(self, lora_request: LoRARequest) -> Adapter:
+        """Load a PEFT adapter directory into a free slot (vLLM's `add_lora`): its factors are checked
+        against the model's projections before anything is written; no compile. Raises `LoRAError`."""
+        self._leader_only("add_lora")
+        self._check_awake("add_lora")
+        if not self.config.max_loras:
+            raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
+        if self.channel is not None:
+            raise LoRAError("add_lora: not available on a multi-process mesh")
+        name = lora_request.lora_name
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
+        if name in self.loras.by_name:
+            raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
+        self.loras.free_slot()  # raises when full, before reading anything
+        shapes = {m: (self._leaves[b].shape[1], self._leaves[a].shape[2]) for m, (a, b) in self._lora_leaves.items()}
+        prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
+        rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix)
+        adapter = self.loras.add(name, lora_request.lora_path, rank, factors, lora_request.lora_int_id)
+        self._write_lora(adapter.slot, factors)
+        return adapter
+
+    def remove_lora(self, name: str) -> None:
+        """Unload an adapter (vLLM's `remove_lora`); refused while requests use it. Its slot is zeroed
+        and its cached prefixes can never be hit again (their hashes name this load of it)."""
+        self._leader_only("remove_lora")
+        adapter = self.loras.get(name)
+        for s in [s for s in self.seqs.values() if s.internal and s.lora is adapter and not s.finished]:
+            self._finish(s, "abort")  # canonical rows of its prefixes
+        self.loras.remove(name)
+        for rid in [r for r, (_, a) in self._tails.items() if a is adapter]:
+            del self._tails[rid]
+        if self._leaves is not None:
+            self._write_lora(adapter.slot, {})
+
+    def list_loras(self) -> list[str]:
+        return sorted(self.loras.by_name)
+
+    @property
+    def lora_bytes(self) -> int:
+        """Bytes of every projection's adapter factors, all slots (fixed at start-up)."""
+        return sum(int(np.prod(s)) * np.dtype(d).itemsize for i, (s, d, _) in enumerate(self._leaf_specs)
+                   if i in self._lora_indices)
+
+    def _write_lora(self, slot: int, factors: dict) -> None:
+        """Write one slot of every projection's factors (zeros where `factors` has no entry)."""
+        leaves = list(self._leaves)
+        for module, (ia, ib) in self._lora_leaves.items():
+            a, b = factors.get(module, (None, None))
+            for i, value in ((ia, a), (ib, b)):
+                leaf = leaves[i]
+                value = jnp.zeros(leaf.shape[1:], leaf.dtype) if value is None else jnp.asarray(value, leaf.dtype)
+                leaves[i] = leaf.at[slot].set(value)
+        self._set_leaves(leaves)
+
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)
         if req is None or req.finished:
@@ -640,7 +739,8 @@ class Engine:
         if busy:
             raise RuntimeError(f"update_weights: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort "
                                f"them first")
-        new = dequantize_experts(model) if self._dequantize else model
+        new = model_lora.attach(model, self.config.max_loras, self.config.max_lora_rank) if self.config.max_loras else model
+        new = dequantize_experts(new) if self._dequantize else new
         new = transpose_dense_weights(new) if self.dense_in_out else new
         diff = [f.name for f in dataclasses.fields(self.cfg) if getattr(new.cfg, f.name) != getattr(self.cfg, f.name)]
         if diff:
@@ -653,6 +753,8 @@ class Engine:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
                                  f"engine's {dtype}{list(shape)}")
         self._set_leaves([a for _, a in flat])
+        for adapter in self.loras.by_name.values():  # loaded adapters stay loaded over new weights
+            self._write_lora(adapter.slot, adapter.factors)
         self._host_leaves, self._weights_stale = None, False
         if self.sleep_level and self.arena is not None:
             self.sleep_level = 0  # the cache was woken already: the engine is awake again
@@ -892,11 +994,11 @@ class Engine:
             if s.slot is not None or s.internal or s.hit is None or s.hit.mla_tokens == 0:
                 continue
             q = s.hit.mla_tokens
-            for rid, h in list(self._tails.items()):
+            for rid, (h, adapter) in list(self._tails.items()):
                 ids = h.tokens
                 if len(ids) > q and h.key(b"K", q) == s.hasher.key(b"K", q):
                     del self._tails[rid]
-                    self._spawn_canonical_ids(ids, h, (len(ids) - 1) // self.align * self.align, DECODE, rid)
+                    self._spawn_canonical_ids(ids, h, (len(ids) - 1) // self.align * self.align, DECODE, rid, adapter)
                     spawned = True
         return spawned
 
@@ -1055,7 +1157,7 @@ class Engine:
             mark = seq.computed // pc.decode_interval * pc.decode_interval
             prev = seq.computed - 1 if prev is None else prev
             if seq.reused and mark > prev and not seq.finished:
-                self._spawn_canonical_ids(seq.all_ids + list(ahead), seq.hasher, mark, DECODE, seq.rid)
+                self._spawn_canonical_ids(seq.all_ids + list(ahead), seq.hasher, mark, DECODE, seq.rid, seq.lora)
             return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
         kind = seq.captures.pop(seq.computed, None)
@@ -1073,7 +1175,8 @@ class Engine:
         else:
             self.allocator.free_slot(new_slot)
 
-    def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str) -> None:
+    def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str,
+                             adapter: Optional[Adapter] = None) -> None:
         """Queue an internal prefill-only row set over the first `pos` of `all_ids` that registers the
         canonical (chunked-prefill) pages and KDA state at `pos`. It queues behind every real
         request (and is preempted first), never produces output, and is dropped with its memory
@@ -1091,7 +1194,9 @@ class Engine:
                           prompt_ids=list(ids), params=params, seed=0,
                           checker=StopChecker(params, self.tokenizer, (), 1), metrics=RequestMetrics(time.monotonic()),
                           pages=[[] for _ in range(self.cfg.num_mla_layers)],
-                          hasher=hasher.fresh(), internal=kind)
+                          hasher=hasher.fresh(), internal=kind, lora=adapter)
+        if adapter is not None:
+            adapter.requests.add(rid)
         self.seqs[rid] = shadow
         self._canonical_pending[rid] = key
         self.counters["canonical_rows"] += 1
@@ -1224,6 +1329,7 @@ class Engine:
         copies = []
         params, seeds, steps, plens, bans = [], [], [], [], []
         targets = np.full((rows, t), -1, np.int32)
+        lora_slots = np.zeros(rows, np.int32)  # 0: the base model
         pos = t if self.spec is not None and t == self.spec.verify_tokens else 1  # verify: a mask per position
         allowed = np.full((rows * pos, self.mask_words), -1, np.int32)
         guided = []  # (guide, row) of the rows that sample under a constraint
@@ -1235,6 +1341,7 @@ class Engine:
                 nxt = seq.prompt_ids[start + 1:start + n + 1]
                 targets[i, :len(nxt)] = nxt
             valid[i], lengths[i], write[i] = n, start, seq.slot
+            lora_slots[i] = seq.lora.slot if seq.lora is not None else 0
             read[i] = seq.read_slot if seq.read_slot is not None else (-1 if start == 0 else seq.slot)
             copies += seq.copies
             for j in range(self.cfg.num_mla_layers):
@@ -1268,7 +1375,7 @@ class Engine:
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
         # numpy leaves: the jitted step transfers them in its C++ dispatch (jnp.asarray would cost a
         # Python-level primitive call per array, ~0.4 ms per step)
-        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets)
+        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots)
 
     def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
         m = seq.metrics
@@ -1300,6 +1407,8 @@ class Engine:
         seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop_reason
         seq.metrics.finished_time = time.monotonic()
         self._release(seq)
+        if seq.lora is not None:
+            seq.lora.requests.discard(seq.rid)
         if seq.internal:
             self.seqs.pop(seq.rid, None)
             self._canonical_pending.pop(seq.rid, None)
@@ -1307,7 +1416,7 @@ class Engine:
         if self.prefix_cache is not None and reason != "abort" and not seq.reused:
             h = seq.hasher.fresh()
             h.extend(list(seq.all_ids))
-            self._tails[seq.rid] = h  # see _canonicalize_shared_tails
+            self._tails[seq.rid] = (h, seq.lora)  # see _canonicalize_shared_tails
             while len(self._tails) > MAX_TAILS:
                 self._tails.popitem(last=False)
         req = self.requests[seq.request_id]
@@ -1414,6 +1523,13 @@ class Engine:
             # were dropped because they were not expected to pay (serve/speculative.DraftGate)
             "spec_decode_cost_ratio": dict(self.gate.cost) if self.gate else {},
             "spec_decode_skipped_steps": self.gate.skipped_steps if self.gate else 0,
+            # LoRA (vLLM's lora_requests_info): slots, and the adapters with requests running / waiting
+            "max_loras": self.config.max_loras,
+            "lora_bytes": self.lora_bytes,  # device memory of the adapter slots (beside the weights, not the arena)
+            "lora_adapters": self.list_loras(),
+            "lora_requests": {a.name: {"running": sum(1 for s in live if s.lora is a and s.slot is not None),
+                                       "waiting": sum(1 for s in live if s.lora is a and s.slot is None)}
+                              for a in self.loras.by_name.values()},
         }
 
     def slot_bytes(self, base: int) -> np.ndarray:

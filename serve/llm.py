@@ -7,6 +7,7 @@ from typing import Optional, Sequence, Union
 from k3jax.runtime import Model, load_model
 from serve.chat import chat_ids
 from serve.engine import Engine, EngineConfig
+from serve.lora import LoRARequest
 from serve.types import RequestOutput, SamplingParams
 
 Prompt = Union[str, Sequence[int]]
@@ -27,9 +28,12 @@ class LLM:
 
     def generate(self, prompts: Union[Prompt, list[Prompt]],
                  sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
-                 priority: Optional[list[int]] = None, cache_salt: Optional[str] = None) -> list[RequestOutput]:
+                 priority: Optional[list[int]] = None, cache_salt: Optional[str] = None,
+                 lora_request=None) -> list[RequestOutput]:
         """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue;
-        `cache_salt`: only requests with the same salt share cached prefixes."""
+        `cache_salt`: only requests with the same salt share cached prefixes; `lora_request`: a LoRA
+        adapter (a loaded adapter's name or a `LoRARequest`, loaded on first use) for every prompt, or
+        a list with one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -39,10 +43,13 @@ class LLM:
         priority = priority if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
         ids: list[str] = []
         try:
-            for p, sp, pr in zip(prompts, sampling_params, priority):
-                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=cache_salt))
+            for p, sp, pr, lr in zip(prompts, sampling_params, priority, loras):
+                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=cache_salt, lora_request=lr))
         except Exception:  # a rejected prompt: the ones already queued are withdrawn, nothing runs
             for rid in ids:
                 self.engine.abort(rid)
@@ -73,6 +80,19 @@ class LLM:
 
     def stats(self) -> dict:
         return self.engine.stats()
+
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load a PEFT adapter directory into a free slot (needs `max_loras >= 1`); no compile."""
+        self.engine.add_lora(lora_request)
+        return True
+
+    def remove_lora(self, name: str) -> bool:
+        """Unload an adapter (not while requests use it)."""
+        self.engine.remove_lora(name)
+        return True
+
+    def list_loras(self) -> list[str]:
+        return self.engine.list_loras()
 
     def update_weights(self, model: Union[Model, str], *, dtype: str = "float32", seed: int = 0) -> None:
         """Swap in new weights of the same model (a `Model`, a checkpoint directory or a preset): the

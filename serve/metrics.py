@@ -29,6 +29,7 @@ Engine statistics read (all optional; absent means 0 / no samples):
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -124,6 +125,19 @@ class EngineCollector:
                     s.get("new_token_ratio", 0.0))
         yield gauge("k3jax:engine_sleep_level", "0 awake; 1 or 2 while the engine's device memory is released "
                     "(sleep mode).", s.get("sleep_level", 0))
+        # LoRA (vLLM's lora_requests_info: the adapters with running / waiting requests, as labels)
+        lr = s.get("lora_requests") or {}
+        if isinstance(lr, Mapping) and s.get("max_loras"):
+            running = ",".join(sorted(n for n, c in lr.items() if c.get("running")))
+            waiting = ",".join(sorted(n for n, c in lr.items() if c.get("waiting")))
+            yield gauge("vllm:lora_requests_info", "LoRA adapters in use (labels); the value is the scrape time.",
+                        time.time(), ["running_lora_adapters", "waiting_lora_adapters", "max_lora"],
+                        [running, waiting, str(s.get("max_loras"))])
+            per = GaugeMetricFamily("k3jax:lora_requests_running", "Sequences running with each loaded LoRA "
+                                    "adapter.", labels=L + ["lora_name"])
+            for n, c in sorted(lr.items()):
+                per.add_metric([m, n], _num(c.get("running", 0)))
+            yield per
         # speculative decoding (serve/speculative.py): vLLM's names
         yield counter("vllm:spec_decode_num_drafts", "Decode rows that carried drafts.", s.get("spec_decode_num_drafts", 0))
         yield counter("vllm:spec_decode_num_draft_tokens", "Draft tokens verified.",

@@ -130,13 +130,14 @@ def run_batch_main(args) -> int:
     """`k3jax run-batch`: build and warm the engine with the serve options, then run the input file."""
     from serve.api import create_app
     from serve.async_engine import AsyncEngine
-    from serve.cli import DEFAULTS, _say, enable_compile_cache, engine_config
+    from serve.cli import DEFAULTS, _say, enable_compile_cache, engine_config, lora_modules
     from serve.engine import Engine
     from k3jax.runtime import load_model
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     cfg = engine_config(o)
     cfg.validate()
+    adapters = lora_modules(o)
     src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
     with src:
         lines = src.read().splitlines()
@@ -144,6 +145,8 @@ def run_batch_main(args) -> int:
         enable_compile_cache(o["compile_cache_dir"])
     _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
     engine = Engine(load_model(o["model"], dtype=o["dtype"], seed=o["seed"]), cfg, progress=True)
+    for lr in adapters:
+        engine.add_lora(lr)
     aeng = AsyncEngine(engine)
     try:
         app = create_app(aeng, o["served_model_name"] or o["model"], max_waiting=None,

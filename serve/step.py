@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from k3jax import lora
 from k3jax.cache import CacheView, append_latents
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import kda_token_step, round_state
@@ -46,6 +47,7 @@ class StepBatch:
     copy_dst: jax.Array  # [C] int32
     sampling: SamplingBatch
     targets: jax.Array  # [B, T] int32 next prompt token at each position whose logprob is asked (-1: none)
+    lora_slots: jax.Array  # [B] int32 each row's LoRA adapter slot (0: the base model; k3jax/lora.py)
 
 
 @dataclass(frozen=True)
@@ -348,7 +350,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place,
                      options.state_chunk)
     routed, hidden = [], []
-    logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden)
+    with lora.rows(batch.lora_slots):
+        logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden)
     arena = view.arena
     if layout.num_mla_layers and not paged:
         units, rows = touched_pages(layout, batch, view.kv)

@@ -61,6 +61,17 @@ class MLA(nnx.Module):
         return self.kv_b_proj.out_in().reshape(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim,
                                                   cfg.kv_lora_rank)
 
+    def _kv_b_lora(self) -> tuple[jax.Array, jax.Array] | None:
+        """kv_b_proj's adapter factors for this step's rows (k3jax/lora.py): (A [B, R, r], B [B, nh, dn + dv, R])
+        or None. The adapters' term of W is B A per head, applied where W is: in the query absorption,
+        the output absorption, and the expanded keys / values."""
+        factors = self.kv_b_proj.lora_factors()
+        if factors is None:
+            return None
+        a, b = factors
+        cfg = self.cfg
+        return a, b.reshape(b.shape[0], cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+
     def _w_uk_uv(self) -> tuple[jax.Array, jax.Array]:
         dn = self.cfg.qk_nope_head_dim
         w = self._w_ukv()
@@ -86,6 +97,11 @@ class MLA(nnx.Module):
         c, k_r = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
         k_n = jnp.einsum("bsr,hdr->bshd", c, w_uk)
         v = jnp.einsum("bsr,hdr->bshd", c, w_uv)
+        lora = self._kv_b_lora()
+        if lora is not None:  # per-row adapters on kv_b_proj: + c A^T B^T, per head
+            a, b = lora
+            kv = jnp.einsum("bsk,bhdk->bshd", jnp.einsum("bsr,bkr->bsk", c.astype(a.dtype), a), b)
+            k_n, v = k_n + kv[..., :cfg.qk_nope_head_dim], v + kv[..., cfg.qk_nope_head_dim:]
         s = (jnp.einsum("bthd,bshd->bhts", q_n, k_n, preferred_element_type=jnp.float32)
              + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=jnp.float32)) * self.scale
         p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(v.dtype)
@@ -101,12 +117,22 @@ class MLA(nnx.Module):
         cfg = self.cfg
         q_n, q_r = self.queries(x)
         w = self._w_ukv()
-        q_lat = jnp.einsum("bthd,hdr->bthr", jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),)), w)
+        q_pad = jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),))
+        q_lat = jnp.einsum("bthd,hdr->bthr", q_pad, w)
+        lora = self._kv_b_lora()
+        if lora is not None:  # (W + B A)^T q = W^T q + A^T (B^T q), per row and head
+            a, b = lora
+            q_lat = q_lat + jnp.einsum("bthk,bkr->bthr", jnp.einsum("bthd,bhdk->bthk", q_pad.astype(b.dtype), b), a)
         return q_lat, q_r, w
 
     def _absorbed_output(self, x: jax.Array, ctx: jax.Array, w: jax.Array) -> jax.Array:
         """ctx [B, T, nh, r] (attention over the latents c) -> W_uv per head -> gate -> o_proj."""
-        return self._finish(x, jnp.einsum("bthr,hdr->bthd", ctx, w)[..., self.cfg.qk_nope_head_dim:])
+        out = jnp.einsum("bthr,hdr->bthd", ctx, w)
+        lora = self._kv_b_lora()
+        if lora is not None:  # + B (A ctx), per row and head
+            a, b = lora
+            out = out + jnp.einsum("bthk,bhdk->bthd", jnp.einsum("bthr,bkr->bthk", ctx.astype(a.dtype), a), b)
+        return self._finish(x, out[..., self.cfg.qk_nope_head_dim:])
 
     def absorbed(self, x: jax.Array, latent: jax.Array, mask: jax.Array) -> jax.Array:
         """Same attention with W_uk folded into the query: reads only the latent cache."""

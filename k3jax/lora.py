@@ -1,0 +1,107 @@
+"""Multi-LoRA on the dense projections: many low-rank adapters served in one batch (S-LoRA / punica's
+idea, as vLLM's `--enable-lora` serves them).
+
+`attach(model, slots, rank)` gives every `Linear` (attention and gate projections, dense and shared
+MLPs, K3's latent MoE down/up) two stacked factor arrays,
+
+    lora_a [S + 1, R, in]    lora_b [S + 1, out, R]
+
+with slot 0 left zero (the base model) and adapters written into slots 1..S. A rank below R is
+zero-padded (exact: the padded terms are 0), and the adapter's scaling (alpha / r, or alpha / sqrt(r)
+with rsLoRA) is folded into B. The factors are parameters like any other: the step programs take
+them as arguments, so loading or replacing an adapter rewrites arrays of fixed shape and never
+compiles. A step names each batch row's slot with `rows(slots)`; inside it, a layer whose input is
+`[B, ..., in]` (rows first, as every caller lays it out) adds `(x A_s^T) B_s^T` for its row's slot s:
+two small batched products on factors gathered per row. Outside a `rows` context the factors are
+ignored and the model is the base model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+_ROWS: contextvars.ContextVar = contextvars.ContextVar("k3jax_lora_rows", default=None)
+
+
+@contextlib.contextmanager
+def rows(slots: jax.Array):
+    """Run the model with row b of every layer input using adapter slot `slots[b]` ([B] int32, 0: none)."""
+    token = _ROWS.set(slots)
+    try:
+        yield
+    finally:
+        _ROWS.reset(token)
+
+
+def gather(lora_a: jax.Array, lora_b: jax.Array) -> tuple[jax.Array, jax.Array] | None:
+    """Each row's factors: ([B, R, in], [B, out, R]), or None outside a `rows` context."""
+    slots = _ROWS.get()
+    if slots is None:
+        return None
+    return jnp.take(lora_a, slots, axis=0), jnp.take(lora_b, slots, axis=0)
+
+
+def delta(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
+    """x [B, ..., in] (or [B * k, in], rows first) -> the adapters' term [..., out]."""
+    rows_ = a.shape[0]
+    xr = x.reshape(rows_, -1, x.shape[-1]).astype(a.dtype)  # [B, k, in]
+    u = jnp.einsum("bti,bri->btr", xr, a)  # [B, k, R]
+    return jnp.einsum("btr,bor->bto", u, b).reshape(*x.shape[:-1], b.shape[1])
+
+
+class LoRAParam(nnx.Param):
+    """Adapter factors: a parameter the engine rewrites when adapters load (never a checkpoint tensor)."""
+
+
+def attach(model, slots: int, rank: int):
+    """-> a `Model` (k3jax.runtime) whose every `Linear` holds `slots` adapter slots of rank `rank`, all
+    zero (so the same function as `model` until adapters are written). Apply before the engine's
+    start-up transforms (the factors are sharded by the weight's logical axes like the weight)."""
+    from k3jax.layers.linear import Linear  # noqa: PLC0415  (linear imports this module)
+
+    if slots < 1 or rank < 1:
+        raise ValueError(f"max_loras={slots}, max_lora_rank={rank}: both must be >= 1")
+    module = nnx.merge(model.graphdef, model.params)
+    for _, node in list(nnx.iter_graph(module)):
+        if not isinstance(node, Linear) or hasattr(node, "lora_a"):
+            continue
+        out_f, in_f = node.out_in().shape
+        out_ax, in_ax = tuple(getattr(node.weight, "axes", None) or (None, None))
+        if node.in_out:
+            out_ax, in_ax = in_ax, out_ax
+        dtype = node.weight[...].dtype
+        node.lora_a = LoRAParam(jnp.zeros((slots + 1, rank, in_f), dtype), axes=(None, None, in_ax))
+        node.lora_b = LoRAParam(jnp.zeros((slots + 1, out_f, rank), dtype), axes=(None, out_ax, None))
+    graphdef, params = nnx.split(module)
+    return dataclasses.replace(model, graphdef=graphdef, params=params)
+
+
+def module_paths(params) -> dict[str, tuple[int, int]]:
+    """Dotted module path of every `Linear` with adapter slots ("layers.0.self_attn.q_proj") -> the
+    indices of its (lora_a, lora_b) leaves in `jax.tree.flatten(params)` order."""
+    found: dict[str, list] = {}
+    for i, (path, _) in enumerate(jax.tree.flatten_with_path(params)[0]):
+        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        for which, tag in enumerate(("lora_a", "lora_b")):
+            if tag in names:
+                mod = ".".join(names[:names.index(tag)])
+                found.setdefault(mod, [None, None])[which] = i
+    return {m: (a, b) for m, (a, b) in found.items()}
+
+
+def slot_arrays(a: np.ndarray, b: np.ndarray, rank: int, scaling: float) -> tuple[np.ndarray, np.ndarray]:
+    """One module's PEFT factors A [r, in], B [out, r] -> slot contents ([R, in], [out, R]) with the
+    scaling folded into B and the rank zero-padded to R."""
+    r = a.shape[0]
+    pa = np.zeros((rank, a.shape[1]), np.float32)
+    pb = np.zeros((b.shape[0], rank), np.float32)
+    pa[:r] = a
+    pb[:, :r] = b.astype(np.float32) * scaling
+    return pa, pb

@@ -1,0 +1,197 @@
+"""LoRA adapters for the engine: PEFT directories read into slots of the model's factor arrays
+(`k3jax/lora.py`), and the registry of what is loaded where.
+
+An adapter is a PEFT directory (`adapter_config.json` + `adapter_model.safetensors`), as
+`peft.PeftModel.save_pretrained` writes it for the HF checkpoint this model was loaded from. Its
+tensors `...layers.{l}.<module>.lora_A.weight [r, in]` / `lora_B.weight [out, r]` name dense
+projections; each is checked against the model's projection (name and shape) before anything is
+written, so a bad adapter is an error naming the tensor, never a half-loaded slot. The scaling
+(`lora_alpha / r`, `/ sqrt(r)` with `use_rslora`, per module with `alpha_pattern`) is folded into B.
+
+Adapters take no arena memory: their factors are model parameters of fixed size (`max_loras` slots
+of rank `max_lora_rank` on every projection), allocated at start-up beside the weights.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+from safetensors import safe_open
+
+from k3jax import lora as model_lora
+
+CONFIG = "adapter_config.json"
+WEIGHTS = "adapter_model.safetensors"
+# PEFT names modules as the HF model object nests them, which transformers 5.x builds differently from
+# the checkpoint's tensor names (tests/HF_NOTES.md): KDA's gate under `forget_gate.`, MoE layers under
+# `mlp.`; and checkpoints name the dense layer-0 MLP either way.
+_ALIASES = ((".forget_gate.", "."), (".mlp.shared_experts.", ".block_sparse_moe.shared_experts."),
+            (".block_sparse_moe.", ".mlp."))
+_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
+
+
+class LoRAError(ValueError):
+    """An adapter that cannot be loaded (its directory, config or a tensor), or a registry operation
+    that cannot be done (a name in use, no free slot, an adapter still serving requests)."""
+
+
+@dataclass(frozen=True)
+class LoRARequest:
+    """vLLM's `LoRARequest`: which adapter a request uses. An adapter not loaded yet is loaded from
+    `lora_path` on first use (and stays loaded)."""
+    lora_name: str
+    lora_int_id: int = 0
+    lora_path: str = ""
+
+
+@dataclass
+class Adapter:
+    name: str
+    path: str
+    slot: int  # 1..max_loras (0 is the base model)
+    uid: int  # unique per load: seeds the prefix-cache hashes of its requests
+    rank: int
+    factors: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (A [R, in], B [out, R]) as written
+    int_id: int = 0
+    requests: set = field(default_factory=set)  # sequences in flight with it (engine rids)
+
+
+def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = ""
+              ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """Read a PEFT LoRA directory against the model's projections `shapes` (module path -> (out, in))
+    -> (largest rank, {module: (A [max_rank, in], B [out, max_rank]) with the scaling folded in}).
+    `prefix` is the checkpoint's text-model prefix ("language_model." for K3)."""
+    if not os.path.isdir(path):
+        raise LoRAError(f"lora_path {path!r}: not a directory")
+    cfg_file = os.path.join(path, CONFIG)
+    if not os.path.exists(cfg_file):
+        raise LoRAError(f"lora_path {path!r}: no {CONFIG} (expected a PEFT adapter directory)")
+    with open(cfg_file) as f:
+        try:
+            conf = json.load(f)
+        except json.JSONDecodeError as e:
+            raise LoRAError(f"{cfg_file}: not JSON ({e})") from None
+    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAError(f"{cfg_file}: peft_type {conf.get('peft_type')!r}; only LORA adapters are served")
+    for key, ok, why in (("use_dora", lambda v: not v, "DoRA adapters are not supported"),
+                         ("bias", lambda v: v in (None, "none"), "adapters with trained biases are not supported"),
+                         ("modules_to_save", lambda v: not v, "adapters that replace whole modules are not supported"),
+                         ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out factors are not supported")):
+        if key in conf and not ok(conf[key]):
+            raise LoRAError(f"{cfg_file}: {key}={conf[key]!r}: {why}")
+    try:
+        alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
+    except (TypeError, ValueError):
+        raise LoRAError(f"{cfg_file}: lora_alpha={conf.get('lora_alpha')!r} is not a number") from None
+    alpha_pattern = dict(conf.get("alpha_pattern") or {})
+    rslora = bool(conf.get("use_rslora", False))
+    weights = os.path.join(path, WEIGHTS)
+    if not os.path.exists(weights):
+        other = [f for f in os.listdir(path) if f.startswith("adapter_model")]
+        raise LoRAError(f"lora_path {path!r}: no {WEIGHTS}" + (f" (found {other}: save it with safetensors)"
+                                                                   if other else ""))
+    tensors: dict[str, dict[str, np.ndarray]] = {}
+    with safe_open(weights, framework="numpy") as f:
+        for name in f.keys():
+            m = _FACTOR.match(name)
+            if m is None:
+                raise LoRAError(f"{weights}: tensor {name}: not a LoRA factor (lora_A / lora_B weight)")
+            module = _module_path(m.group("module"), prefix, shapes)
+            if module is None:
+                raise LoRAError(
+                    f"{weights}: tensor {name}: this model has no projection {m.group('module')!r} that takes "
+                    f"adapters (they apply to the dense projections; routed experts, the router, embeddings "
+                    f"and lm_head are not supported)")
+            tensors.setdefault(module, {})[m.group("which")] = (name, f.get_tensor(name))
+    if not tensors:
+        raise LoRAError(f"{weights}: no LoRA factors")
+    out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+    top = 0
+    for module, pair in sorted(tensors.items()):
+        if set(pair) != {"A", "B"}:
+            missing = ({"A", "B"} - set(pair)).pop()
+            raise LoRAError(f"{weights}: {module}: lora_{missing} is missing (found only "
+                            f"{next(iter(pair.values()))[0]})")
+        (na, a), (nb, b) = pair["A"], pair["B"]
+        o, i = shapes[module]
+        r = a.shape[0]
+        if a.ndim != 2 or a.shape[1] != i:
+            raise LoRAError(f"{weights}: tensor {na}: shape {list(a.shape)}, the projection takes [r, {i}]")
+        if b.ndim != 2 or b.shape != (o, r):
+            raise LoRAError(f"{weights}: tensor {nb}: shape {list(b.shape)}, expected [{o}, {r}] (out, r)")
+        if r > max_rank:
+            raise LoRAError(f"{weights}: tensor {na}: rank {r} exceeds max_lora_rank={max_rank}")
+        a_mod = _pattern(alpha_pattern, module, alpha)
+        scaling = a_mod / (math.sqrt(r) if rslora else r)
+        out[module] = model_lora.slot_arrays(a.astype(np.float32), b.astype(np.float32), max_rank, scaling)
+        top = max(top, r)
+    return top, out
+
+
+def _module_path(name: str, prefix: str, shapes: dict) -> Optional[str]:
+    """A PEFT module name (`base_model.model.model.layers.0.self_attn.q_proj`) -> the model's module
+    path (`layers.0.self_attn.q_proj`), or None."""
+    for head in ("base_model.model.", ""):
+        if name.startswith(head):
+            name = name[len(head):]
+            break
+    for p in (prefix + "model.", "model.", prefix):
+        if p and name.startswith(p):
+            name = name[len(p):]
+            break
+    names = [name]
+    for old, new in _ALIASES:
+        names += [n.replace(old, new) for n in names if old in n]
+    return next((n for n in names if n in shapes), None)
+
+
+def _pattern(patterns: dict, module: str, default: float) -> float:
+    """PEFT's per-module override: a key matches a module name ending in it (as a regex)."""
+    for key, value in patterns.items():
+        if re.match(rf"(.*\.)?({key})$", module):
+            return float(value)
+    return default
+
+
+class Registry:
+    """Loaded adapters by name and slot. Pure bookkeeping: the engine writes the factors."""
+
+    def __init__(self, slots: int, rank: int):
+        self.slots, self.rank = slots, rank
+        self.by_name: dict[str, Adapter] = {}
+        self._uids = 0
+
+    def free_slot(self) -> int:
+        used = {a.slot for a in self.by_name.values()}
+        free = [s for s in range(1, self.slots + 1) if s not in used]
+        if not free:
+            raise LoRAError(f"max_loras={self.slots} adapters are loaded ({', '.join(sorted(self.by_name))}); "
+                            f"unload one first")
+        return free[0]
+
+    def add(self, name: str, path: str, rank: int, factors: dict, int_id: int = 0) -> Adapter:
+        if name in self.by_name:
+            raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
+        self._uids += 1
+        adapter = Adapter(name, path, self.free_slot(), self._uids, rank, factors, int_id)
+        self.by_name[name] = adapter
+        return adapter
+
+    def remove(self, name: str) -> Adapter:
+        adapter = self.get(name)
+        if adapter.requests:
+            raise LoRAError(f"lora_name {name!r}: {len(adapter.requests)} requests in flight use it; finish or "
+                            f"abort them first")
+        return self.by_name.pop(name)
+
+    def get(self, name: str) -> Adapter:
+        if name not in self.by_name:
+            raise LoRAError(f"lora_name {name!r}: no adapter of that name is loaded"
+                            + (f" (loaded: {', '.join(sorted(self.by_name))})" if self.by_name else ""))
+        return self.by_name[name]

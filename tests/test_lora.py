@@ -1,0 +1,269 @@
+"""Multi-LoRA serving (k3jax/lora.py, serve/lora.py) against PEFT, a reference we did not write.
+
+A tiny Kimi-Linear checkpoint written by HF transformers (variant b5_qlora: q-LoRA MLA, KDA with its
+gate projections, dense and shared-expert MLPs) gets two PEFT adapters with random factors on every
+dense projection kind (kv_b_proj included, which MLA only uses absorbed), the second with rsLoRA and
+per-module rank / alpha overrides. The engine serves both beside the base model in one batch; each row
+is compared teacher-forced with `PeftModel` running that adapter (or with the adapter disabled).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.parity
+
+import hf_fixtures as hfx  # noqa: E402
+
+from k3jax import load_model  # noqa: E402
+from serve.engine import Engine, EngineConfig  # noqa: E402
+from serve.lora import LoRAError, LoRARequest  # noqa: E402
+from serve.types import RequestError, SamplingParams  # noqa: E402
+
+VARIANT = "b5_qlora"
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj",
+           "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]
+GEN = 10
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """(checkpoint dir, PeftModel with adapters "default" and "second", their saved directories)."""
+    root = tmp_path_factory.mktemp("lora")
+    path, hf = hfx.make_hf_kimi_linear(str(root / "ckpt"), VARIANT)
+    torch.manual_seed(0)
+    first = peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights=False)
+    second = peft.LoraConfig(r=2, lora_alpha=3, use_rslora=True, init_lora_weights=False,
+                             target_modules=["q_proj", "kv_b_proj", "o_proj", "down_proj", "g_b_proj"],
+                             rank_pattern={"o_proj": 3}, alpha_pattern={"down_proj": 1.5})
+    pm = peft.get_peft_model(hf, first)
+    pm.add_adapter("second", second)
+    pm.eval()
+    pm.save_pretrained(str(root / "adapters"))
+    dirs = {"default": str(root / "adapters"), "second": str(root / "adapters" / "second")}
+    return path, pm, dirs
+
+
+@pytest.fixture(scope="module")
+def engine(ref):
+    path, _, dirs = ref
+    eng = Engine(load_model(path), EngineConfig(
+        max_model_len=256, page_size=16, cache_bytes=24 << 20, max_num_seqs=4, decode_buckets=(4,),
+        prefill_buckets=(2,), context_buckets=(16,), max_num_batched_tokens=256, max_loras=2, max_lora_rank=4),
+        progress=False)
+    eng.add_lora(LoRARequest("a", 1, dirs["default"]))
+    return eng
+
+
+def _run(eng, reqs, max_tokens=GEN):
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+    ids = [eng.add_request(list(map(int, p)), sp, lora_request=lr) for p, lr in reqs]
+    done = {}
+    while eng.has_unfinished():
+        for out in eng.step():
+            if out.finished:
+                done[out.request_id] = out
+    return [done[i] for i in ids]
+
+
+@torch.no_grad()
+def _peft_logprobs(pm, adapter, prompt, tokens) -> tuple[np.ndarray, np.ndarray]:
+    """Teacher-forced: log-softmax of `adapter` (None: disabled) at the positions that chose `tokens`
+    -> (logprob of each token [n], top-1 minus top-2 logit gap there [n]), and the argmaxes."""
+    ids = torch.as_tensor(np.concatenate([prompt, tokens])[None], dtype=torch.long)
+    if adapter is None:
+        with pm.disable_adapter():
+            logits = pm(input_ids=ids, use_cache=False).logits[0].float()
+    else:
+        pm.set_adapter(adapter)
+        logits = pm(input_ids=ids, use_cache=False).logits[0].float()
+    at = logits[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+    lp = torch.log_softmax(at, -1)
+    top2 = torch.topk(at, 2, -1).values
+    return (lp[torch.arange(len(tokens)), torch.as_tensor(tokens)].numpy(), (top2[:, 0] - top2[:, 1]).numpy(),
+            at.argmax(-1).numpy())
+
+
+def test_mixed_batch_matches_peft(engine, ref):
+    """Base rows, adapter "a" rows and adapter "second" rows (loaded on first use from its path) in one
+    batch: every row's greedy tokens and logprobs are PEFT's for its adapter, and the adapters change
+    the outputs (the comparison could fail)."""
+    _, pm, dirs = ref
+    prompts = hfx.make_prompt(VARIANT, 3, batch=3, length=90)
+    second = LoRARequest("b", 2, dirs["second"])
+    reqs = [(prompts[0], "a"), (prompts[1], None), (prompts[2], second), (prompts[0], "b"), (prompts[0], None)]
+    outs = _run(engine, reqs)
+    assert engine.list_loras() == ["a", "b"]
+    for (prompt, lr), out in zip(reqs, outs):
+        adapter = {None: None, "a": "default", "b": "second"}[lr if isinstance(lr, str) or lr is None else "b"]
+        toks = np.asarray(out.outputs[0].token_ids)
+        want, gap, argmax = _peft_logprobs(pm, adapter, prompt, toks)
+        got = np.asarray([lp.logprob for lp, _ in out.outputs[0].logprobs])
+        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=f"adapter {adapter}")
+        clear = gap > 1e-3  # greedy may part from PEFT's only at near-ties
+        assert (toks[clear] == argmax[clear]).all(), (adapter, toks, argmax)
+    base, with_a, with_b = (np.asarray(outs[i].outputs[0].token_ids) for i in (4, 0, 3))
+    assert not np.array_equal(base, with_a) and not np.array_equal(base, with_b) and not np.array_equal(with_a, with_b)
+
+
+def test_rows_alone_equal_the_mixed_batch(engine, ref):
+    """A request's tokens and logprobs do not depend on which adapters the other rows use."""
+    prompts = hfx.make_prompt(VARIANT, 4, batch=3, length=40)
+    reqs = [(prompts[0], "a"), (prompts[1], "b"), (prompts[2], None)]
+    mixed = _run(engine, reqs)
+    for req, m in zip(reqs, mixed):
+        alone = _run(engine, [req])[0]
+        assert alone.outputs[0].token_ids == m.outputs[0].token_ids
+        np.testing.assert_allclose([lp.logprob for lp, _ in alone.outputs[0].logprobs],
+                                   [lp.logprob for lp, _ in m.outputs[0].logprobs], atol=1e-5)
+
+
+def test_prefix_cache_is_per_adapter_load(engine, ref):
+    """Cached prefixes are shared only by requests of the same adapter, and only with the same load of
+    it: a reloaded adapter never hits pages its previous load computed."""
+    _, _, dirs = ref
+    p = hfx.make_prompt(VARIANT, 5, batch=1, length=100)[0]
+    first = _run(engine, [(p, "a")], max_tokens=3)[0]
+    assert _run(engine, [(p, "a")], max_tokens=3)[0].num_cached_tokens >= 64
+    assert _run(engine, [(p, None)], max_tokens=3)[0].num_cached_tokens == 0
+    assert _run(engine, [(p, "b")], max_tokens=3)[0].num_cached_tokens == 0
+    engine.remove_lora("a")
+    engine.add_lora(LoRARequest("a", 1, dirs["default"]))
+    again = _run(engine, [(p, "a")], max_tokens=3)[0]
+    assert again.num_cached_tokens == 0
+    assert again.outputs[0].token_ids == first.outputs[0].token_ids
+
+
+def _write_adapter(d, tensors: dict, **conf):
+    from safetensors.numpy import save_file
+
+    os.makedirs(d, exist_ok=True)
+    save_file(tensors, os.path.join(d, "adapter_model.safetensors"))
+    with open(os.path.join(d, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": 2, "lora_alpha": 2, **conf}, f)
+    return d
+
+
+def test_bad_adapters_and_registry_errors(engine, ref, tmp_path):
+    """Every failure names what is wrong and leaves the loaded adapters as they were."""
+    _, _, dirs = ref
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    ok = {f"{q}.lora_A.weight": np.ones((2, 96), np.float32), f"{q}.lora_B.weight": np.ones((96, 2), np.float32)}
+    loaded = engine.list_loras()
+    assert len(loaded) == 2
+    with pytest.raises(LoRAError, match="max_loras=2"):
+        engine.add_lora(LoRARequest("c", 3, dirs["default"]))
+    engine.remove_lora("b")
+    cases = [
+        (str(tmp_path / "nowhere"), "not a directory"),
+        (_write_adapter(str(tmp_path / "dora"), ok, use_dora=True), "use_dora"),
+        (_write_adapter(str(tmp_path / "experts"), {
+            "base_model.model.model.layers.1.mlp.experts.gate_up_proj.lora_A.weight": np.ones((2, 96), np.float32),
+            "base_model.model.model.layers.1.mlp.experts.gate_up_proj.lora_B.weight": np.ones((48, 2), np.float32)}),
+         r"tensor base_model\.model\.model\.layers\.1\.mlp\.experts\.gate_up_proj\.lora_A\.weight: this model has no"),
+        (_write_adapter(str(tmp_path / "shape"), {**ok, f"{q}.lora_B.weight": np.ones((95, 2), np.float32)}),
+         r"q_proj\.lora_B\.weight: shape \[95, 2\], expected \[96, 2\]"),
+        (_write_adapter(str(tmp_path / "rank"), {f"{q}.lora_A.weight": np.ones((5, 96), np.float32),
+                                                 f"{q}.lora_B.weight": np.ones((96, 5), np.float32)}),
+         "rank 5 exceeds max_lora_rank=4"),
+        (_write_adapter(str(tmp_path / "half"), {f"{q}.lora_A.weight": np.ones((2, 96), np.float32)}),
+         "lora_B is missing"),
+    ]
+    for path, match in cases:
+        with pytest.raises(LoRAError, match=match):
+            engine.add_lora(LoRARequest("c", 3, path))
+    assert engine.list_loras() == ["a"]
+    with pytest.raises(LoRAError, match="'a': an adapter of that name is loaded already"):
+        engine.add_lora(LoRARequest("a", 1, dirs["default"]))
+    with pytest.raises(RequestError, match="lora_request: no LoRA adapter 'zz' is loaded"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request="zz")
+    with pytest.raises(RequestError, match="lora_request: lora_path"):
+        engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request=LoRARequest("c", 3, str(tmp_path)))
+    rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request="a")
+    with pytest.raises(LoRAError, match="1 requests in flight"):
+        engine.remove_lora("a")
+    engine.abort(rid)
+    engine.add_lora(LoRARequest("b", 2, dirs["second"]))
+    assert engine.list_loras() == ["a", "b"]
+
+
+def test_update_weights_keeps_adapters_and_nothing_leaks(engine, ref):
+    """New base weights (here the same checkpoint) keep the loaded adapters serving; no step compiled
+    after warm-up; the arena is back at its baseline."""
+    path = ref[0]
+    p = hfx.make_prompt(VARIANT, 6, batch=1, length=20)[0]
+    before = _run(engine, [(p, "b")])[0].outputs[0].token_ids
+    engine.update_weights(load_model(path))
+    assert _run(engine, [(p, "b")])[0].outputs[0].token_ids == before
+    stats = engine.stats()
+    assert stats["compiles_after_warmup"] == 0
+    assert engine.allocator.free_units == engine.allocator.baseline_free_units - stats["arena_cached_units"]
+    engine.reset_prefix_cache()
+    assert engine.allocator.free_units == engine.allocator.baseline_free_units
+    assert stats["lora_adapters"] == ["a", "b"] and stats["max_loras"] == 2
+
+
+def test_http_models_requests_and_runtime_loading(engine, ref):
+    """An adapter is a model of its own name: listed with its parent, chosen by `model`, named in the
+    response; vLLM's load / unload endpoints; a name that is neither is a 404 listing what is served."""
+    import httpx
+
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    _, _, dirs = ref
+    prompt = [int(t) for t in hfx.make_prompt(VARIANT, 7, batch=1, length=30)[0]]
+    want = _run(engine, [(prompt, "a")], max_tokens=6)[0].outputs[0].token_ids
+    aeng = AsyncEngine(engine)
+    app = create_app(aeng, "kimi", allow_runtime_lora_updating=True)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            cards = (await c.get("/v1/models")).json()["data"]
+            assert [(m["id"], m["parent"]) for m in cards] == [("kimi", None), ("a", "kimi"), ("b", "kimi")]
+            assert cards[1]["root"] == dirs["default"]
+            r = await c.post("/v1/completions", json={"model": "a", "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            assert r.json()["model"] == "a" and r.json()["choices"][0]["token_ids"] == want
+            r = await c.post("/v1/completions", json={"model": "nope", "prompt": prompt, "max_tokens": 1})
+            assert r.status_code == 404 and "`a`, `b`" in r.json()["error"]["message"]
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+            assert r.status_code == 200 and "removed" in r.text
+            r = await c.post("/v1/unload_lora_adapter", json={"lora_name": "b"})
+            assert r.status_code == 404 and r.json()["error"]["param"] == "lora_name"
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": "/no/such/dir"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": dirs["second"]})
+            assert r.status_code == 200, r.text
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["kimi", "a", "c"]
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": dirs["second"]})
+            assert r.status_code == 400 and "max_loras=2" in r.json()["error"]["message"]
+            metrics = (await c.get("/metrics")).text
+            assert 'max_lora="2"' in metrics and "k3jax:lora_requests_running" in metrics
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+
+
+def test_cli_lora_modules():
+    from serve.cli import lora_modules
+
+    got = lora_modules({"enable_lora": True, "max_loras": 2,
+                        "lora_modules": ["sql=/a/sql", '{"name": "chat", "path": "/a/chat"}']})
+    assert [(r.lora_name, r.lora_int_id, r.lora_path) for r in got] == [("sql", 1, "/a/sql"), ("chat", 2, "/a/chat")]
+    with pytest.raises(ValueError, match="needs --enable-lora"):
+        lora_modules({"lora_modules": ["x=/y"]})
+    with pytest.raises(ValueError, match="expected name=path"):
+        lora_modules({"enable_lora": True, "lora_modules": ["x"]})
+    with pytest.raises(ValueError, match="--max-loras 1"):
+        lora_modules({"enable_lora": True, "max_loras": 1, "lora_modules": ["x=/y", "z=/w"]})
