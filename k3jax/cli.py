@@ -59,6 +59,13 @@ def _cmd_info(args) -> int:
         info["sharding"]["kda_state_ranks"] = ranks
         info["sharding"]["cache_bytes_per_sequence_at_4096_per_device"] = {
             k: (v // ranks if k.startswith("kda") else v) for k, v in per_seq.items()}
+    if getattr(args, "max_loras", 0):
+        from k3jax.lora import slot_bytes
+
+        per = slot_bytes(cfg, dtype, args.max_lora_rank)
+        # slot 0 (the base model) is allocated too; tensor-parallel ranks split the factors like the weights
+        info["lora"] = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
+                        "bytes_per_adapter": per, "bytes_all_slots": per * (args.max_loras + 1)}
     if args.cache_gib:
         info["arena"] = _arena_plan(cfg, dtype, args, info.get("sharding", {}).get("kda_state_ranks", 1))
     print(json.dumps(info, indent=1))
@@ -128,6 +135,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kda-state-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="KDA recurrent state storage for the arena plan")
     i.add_argument("--page-size", type=int, default=64)
+    i.add_argument("--max-loras", type=int, default=0, help="also the device bytes of this many LoRA adapter slots")
+    i.add_argument("--max-lora-rank", type=int, default=16)
     i.set_defaults(fn=_cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)")

@@ -60,17 +60,18 @@ class LoRAParam(nnx.Param):
     """Adapter factors: a parameter the engine rewrites when adapters load (never a checkpoint tensor)."""
 
 
-def attach(model, slots: int, rank: int):
-    """-> a `Model` (k3jax.runtime) whose every `Linear` holds `slots` adapter slots of rank `rank`, all
-    zero (so the same function as `model` until adapters are written). Apply before the engine's
-    start-up transforms (the factors are sharded by the weight's logical axes like the weight)."""
+def attach(model, slots: int, rank: int, targets: tuple[str, ...] | None = None):
+    """-> a `Model` (k3jax.runtime) whose every `Linear` (or those whose name is in `targets`, e.g.
+    ("q_proj", "o_proj")) holds `slots` adapter slots of rank `rank`, all zero (so the same function as
+    `model` until adapters are written). Apply before the engine's start-up transforms (the factors are
+    sharded by the weight's logical axes like the weight)."""
     from k3jax.layers.linear import Linear  # noqa: PLC0415  (linear imports this module)
 
     if slots < 1 or rank < 1:
         raise ValueError(f"max_loras={slots}, max_lora_rank={rank}: both must be >= 1")
     module = nnx.merge(model.graphdef, model.params)
-    for _, node in list(nnx.iter_graph(module)):
-        if not isinstance(node, Linear) or hasattr(node, "lora_a"):
+    for path, node in list(nnx.iter_graph(module)):
+        if not isinstance(node, Linear) or hasattr(node, "lora_a") or (targets is not None and path[-1] not in targets):
             continue
         out_f, in_f = node.out_in().shape
         out_ax, in_ax = tuple(getattr(node.weight, "axes", None) or (None, None))
@@ -105,3 +106,24 @@ def slot_arrays(a: np.ndarray, b: np.ndarray, rank: int, scaling: float) -> tupl
     pa[:r] = a
     pb[:, :r] = b.astype(np.float32) * scaling
     return pa, pb
+
+
+def projection_names(cfg) -> set[str]:
+    """Names of the projections that can take adapters in a model of `cfg` ("q_proj", "kv_b_proj", ...)."""
+    from k3jax.layers.linear import Linear  # noqa: PLC0415
+    from k3jax.model import KimiModel  # noqa: PLC0415
+
+    module = nnx.eval_shape(lambda: KimiModel(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0)))
+    return {str(path[-1]) for path, node in nnx.iter_graph(module) if isinstance(node, Linear)}
+
+
+def slot_bytes(cfg, dtype, rank: int, targets: tuple[str, ...] | None = None) -> int:
+    """Bytes of one adapter slot over every projection of a model of `cfg` (no weights materialised):
+    what each of `max_loras` slots (and the base slot 0) adds beside the weights."""
+    from k3jax.layers.linear import Linear  # noqa: PLC0415
+    from k3jax.model import KimiModel  # noqa: PLC0415
+
+    module = nnx.eval_shape(lambda: KimiModel(cfg, dtype=dtype, rngs=nnx.Rngs(0)))
+    size = jnp.dtype(dtype).itemsize
+    return sum(rank * sum(node.weight.shape) * size for path, node in nnx.iter_graph(module)
+               if isinstance(node, Linear) and (targets is None or path[-1] in targets))

@@ -34,6 +34,7 @@ DEFAULTS = dict(
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
+    lora_target_modules=None,
 )
 
 
@@ -91,6 +92,9 @@ def add_serve_arguments(s) -> None:
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lo.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapters loaded at once (slots)")
     lo.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank")
+    lo.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
+                    help="projections that take adapters (e.g. q_proj k_proj v_proj o_proj; default: all dense "
+                         "projections); fewer cost less per step")
     lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help='adapters to load at start-up: name=path or JSON {"name": ..., "path": ...}')
     lo.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -173,7 +177,8 @@ def engine_config(o: dict):
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0),
-        max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16))
+        max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
+        lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None)
 
 
 def lora_modules(o: dict) -> list:

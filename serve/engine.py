@@ -138,6 +138,10 @@ class EngineConfig:
     # max_lora_rank on every dense projection. 0: off (the model has no adapter factors at all).
     max_loras: int = 0
     max_lora_rank: int = 16
+    # Projections that get adapter slots, by name (e.g. ("q_proj", "k_proj", "v_proj", "o_proj")); None: every
+    # dense projection. Each projection with slots adds its adapters' term to every step, and an adapter
+    # touching a projection without slots is refused, naming it.
+    lora_target_modules: Optional[tuple[str, ...]] = None
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
@@ -177,6 +181,11 @@ class EngineConfig:
             if not isinstance(self.speculative_config, SpeculativeConfig):
                 raise ValueError(f"speculative_config={self.speculative_config!r}: expected a dict or SpeculativeConfig")
             self.speculative_config.validate(self.prefill_chunk)
+        if self.lora_target_modules is not None and (
+                isinstance(self.lora_target_modules, str) or not self.lora_target_modules
+                or not all(isinstance(t, str) and t for t in self.lora_target_modules)):
+            raise ValueError(f"lora_target_modules={self.lora_target_modules!r}: expected None or a non-empty "
+                             f"tuple of projection names")
         for key, low in (("max_loras", 0), ("max_lora_rank", 1)):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 1024:
@@ -260,8 +269,15 @@ class Engine:
                  progress: bool = True):
         config.validate()
         reference = resolve_backend("auto") == "reference"
-        if config.max_loras:  # adapter factors on every dense projection, before the transforms shard them
-            model = model_lora.attach(model, config.max_loras, config.max_lora_rank)
+        if config.max_loras:  # adapter factors on the dense projections, before the transforms shard them
+            targets = config.lora_target_modules
+            if targets is not None:
+                unknown = sorted(set(targets) - model_lora.projection_names(model.cfg))
+                if unknown:
+                    raise ValueError(f"lora_target_modules: this model has no projection named {unknown[0]!r} "
+                                     f"(it has {', '.join(sorted(model_lora.projection_names(model.cfg)))})")
+                targets = tuple(targets)
+            model = model_lora.attach(model, config.max_loras, config.max_lora_rank, targets)
         self._dequantize = config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference)
         if self._dequantize:
             model = dequantize_experts(model)
@@ -364,7 +380,8 @@ class Engine:
         self.moe_dispatch_seconds = 0.0
         self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
         self._canonical_pending: dict[str, bytes] = {}  # internal re-prefill rid -> checkpoint key
-        self._tails: collections.OrderedDict[str, tuple[PrefixHasher, Optional[Adapter]]] = collections.OrderedDict()  # finished, never reused
+        # finished conversations never reused yet, with their adapter
+        self._tails: collections.OrderedDict[str, tuple[PrefixHasher, Optional[Adapter]]] = collections.OrderedDict()
         self.warmed_up = False
         self.compiles_after_warmup = 0
         # A mesh over several processes: process 0 leads, the others replay its steps (serve/multihost.py)
@@ -677,7 +694,8 @@ class Engine:
         self.loras.free_slot()  # raises when full, before reading anything
         shapes = {m: (self._leaves[b].shape[1], self._leaves[a].shape[2]) for m, (a, b) in self._lora_leaves.items()}
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
-        rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix)
+        rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
+                                  self.config.lora_target_modules)
         adapter = self.loras.add(name, lora_request.lora_path, rank, factors, lora_request.lora_int_id)
         self._write_lora(adapter.slot, factors)
         return adapter
@@ -739,7 +757,11 @@ class Engine:
         if busy:
             raise RuntimeError(f"update_weights: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort "
                                f"them first")
-        new = model_lora.attach(model, self.config.max_loras, self.config.max_lora_rank) if self.config.max_loras else model
+        new = model
+        if self.config.max_loras:  # the same adapter slots; the loaded adapters are written back below
+            targets = self.config.lora_target_modules
+            new = model_lora.attach(new, self.config.max_loras, self.config.max_lora_rank,
+                                    tuple(targets) if targets is not None else None)
         new = dequantize_experts(new) if self._dequantize else new
         new = transpose_dense_weights(new) if self.dense_in_out else new
         diff = [f.name for f in dataclasses.fields(self.cfg) if getattr(new.cfg, f.name) != getattr(self.cfg, f.name)]

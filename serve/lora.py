@@ -62,8 +62,8 @@ class Adapter:
     requests: set = field(default_factory=set)  # sequences in flight with it (engine rids)
 
 
-def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = ""
-              ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = "",
+              targets: Optional[tuple[str, ...]] = None) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Read a PEFT LoRA directory against the model's projections `shapes` (module path -> (out, in))
     -> (largest rank, {module: (A [max_rank, in], B [out, max_rank]) with the scaling folded in}).
     `prefix` is the checkpoint's text-model prefix ("language_model." for K3)."""
@@ -104,10 +104,10 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
                 raise LoRAError(f"{weights}: tensor {name}: not a LoRA factor (lora_A / lora_B weight)")
             module = _module_path(m.group("module"), prefix, shapes)
             if module is None:
-                raise LoRAError(
-                    f"{weights}: tensor {name}: this model has no projection {m.group('module')!r} that takes "
-                    f"adapters (they apply to the dense projections; routed experts, the router, embeddings "
-                    f"and lm_head are not supported)")
+                where = (f"lora_target_modules={list(targets)}" if targets is not None else
+                         "the dense projections; routed experts, the router, embeddings and lm_head are not supported")
+                raise LoRAError(f"{weights}: tensor {name}: this model has no projection {m.group('module')!r} that "
+                                f"takes adapters (they apply to {where})")
             tensors.setdefault(module, {})[m.group("which")] = (name, f.get_tensor(name))
     if not tensors:
         raise LoRAError(f"{weights}: no LoRA factors")

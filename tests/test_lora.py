@@ -23,6 +23,7 @@ pytestmark = pytest.mark.parity
 import hf_fixtures as hfx  # noqa: E402
 
 from k3jax import load_model  # noqa: E402
+from k3jax.lora import slot_bytes  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.lora import LoRAError, LoRARequest  # noqa: E402
 from serve.types import RequestError, SamplingParams  # noqa: E402
@@ -194,6 +195,22 @@ def test_bad_adapters_and_registry_errors(engine, ref, tmp_path):
     assert engine.list_loras() == ["a", "b"]
 
 
+def test_target_modules(ref):
+    """`lora_target_modules` gives slots to the named projections only: an unknown name is refused at
+    start-up, and an adapter touching a projection without slots is refused naming the tensor."""
+    path, _, dirs = ref
+    model = load_model(path)
+    cfg = dict(max_model_len=256, cache_bytes=8 << 20, max_loras=1, max_lora_rank=4)
+    with pytest.raises(ValueError, match="lora_target_modules: this model has no projection named 'qq_proj'"):
+        Engine(model, EngineConfig(**cfg, lora_target_modules=("q_proj", "qq_proj")), warmup=False)
+    eng = Engine(model, EngineConfig(**cfg, lora_target_modules=("q_proj", "kv_b_proj")), warmup=False)
+    assert {m.rsplit(".", 1)[1] for m in eng._lora_leaves} == {"q_proj", "kv_b_proj"}
+    assert eng.lora_bytes == 2 * slot_bytes(eng.cfg, eng.model.dtype, 4, ("q_proj", "kv_b_proj"))
+    with pytest.raises(LoRAError, match=r"_proj\.lora_[AB]\.weight: .* lora_target_modules=\['q_proj', 'kv_b_proj'\]"):
+        eng.add_lora(LoRARequest("second", 1, dirs["second"]))
+    assert eng.list_loras() == []
+
+
 def test_update_weights_keeps_adapters_and_nothing_leaks(engine, ref):
     """New base weights (here the same checkpoint) keep the loaded adapters serving; no step compiled
     after warm-up; the arena is back at its baseline."""
@@ -208,6 +225,8 @@ def test_update_weights_keeps_adapters_and_nothing_leaks(engine, ref):
     engine.reset_prefix_cache()
     assert engine.allocator.free_units == engine.allocator.baseline_free_units
     assert stats["lora_adapters"] == ["a", "b"] and stats["max_loras"] == 2
+    # the planner's figure (`k3jax info --max-loras`) is what the engine allocates: 3 slots incl. the base one
+    assert stats["lora_bytes"] == 3 * slot_bytes(engine.cfg, engine.model.dtype, 4)
 
 
 def test_http_models_requests_and_runtime_loading(engine, ref):

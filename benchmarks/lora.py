@@ -1,0 +1,214 @@
+"""Multi-LoRA serving cost on CPU: what adapter slots add to a decode step, and the engine against PEFT.
+
+    python benchmarks/lora.py            # k3-small + an HF-written Kimi-Linear checkpoint, ~5 min quiet
+    python benchmarks/lora.py --quick    # tiny models, ~1 min (writes to the temp dir)
+
+Part 1 (k3-small, random weights): one engine without adapters and one with `max_loras=4`,
+`max_lora_rank=16` (random rank-16 adapters on every dense projection). The same waves of c = 8
+requests (64-128 prompt tokens, 32 greedy tokens) run on the base engine, then on the LoRA engine with
+every row on the base model, every row on one adapter, and the rows spread over four adapters; waves
+are interleaved and repeated. Reported: median decode-step time over decode-only full steps, generated
+tokens/s, and the memory roofline of the step (the base step's bytes, `serving.decode_bytes`, plus the
+factors each distinct adapter in the batch must read) at the bandwidth measured in the same process.
+
+Part 2 (Kimi-Linear structure at small size, written by transformers): a rank-16 PEFT adapter with
+random factors on every dense projection; the engine with that adapter against `PeftModel.generate`
+(torch CPU, the peer) on the same 8 prompts: generated tokens/s of both and whether greedy tokens agree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "tests"))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import numpy as np  # noqa: E402
+from flax import nnx  # noqa: E402
+
+import k3jax  # noqa: E402
+from k3jax.layers.linear import Linear  # noqa: E402
+from serve.engine import Engine, EngineConfig  # noqa: E402
+from serve.lora import LoRARequest  # noqa: E402
+from serve.types import SamplingParams  # noqa: E402
+from serving import (build_kimi_linear, decode_bytes, hf_generate, machine_info, measure_bandwidth, med,  # noqa: E402
+                     write_result)
+
+
+QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def random_adapter(model, out_dir: str, rank: int, seed: int, scale: float = 0.02, targets=None) -> str:
+    """A PEFT-format adapter with random factors on every dense projection of `model` (or those named
+    in `targets`)."""
+    from safetensors.numpy import save_file
+
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for path, node in nnx.iter_graph(nnx.merge(model.graphdef, model.params)):
+        if isinstance(node, Linear) and (targets is None or path[-1] in targets):
+            name = "base_model.model.model." + ".".join(map(str, path))
+            o, i = node.out_in().shape
+            tensors[f"{name}.lora_A.weight"] = (rng.normal(size=(rank, i)) * scale).astype(np.float32)
+            tensors[f"{name}.lora_B.weight"] = (rng.normal(size=(o, rank)) * scale).astype(np.float32)
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(tensors, os.path.join(out_dir, "adapter_model.safetensors"))
+    with open(os.path.join(out_dir, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": rank, "lora_alpha": 2 * rank}, f)
+    return out_dir
+
+
+def factor_bytes(engine: Engine) -> int:
+    """Bytes of one adapter's factors over every projection (one slot of every factor array)."""
+    return sum(int(np.prod(engine._leaf_specs[i][0][1:])) * np.dtype(engine._leaf_specs[i][1]).itemsize
+               for i in engine._lora_indices)
+
+
+def wave(engine: Engine, reqs: list, gen: int) -> dict:
+    """Submit (prompt, adapter) pairs at once, step to completion; decode-only full-batch step times."""
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    t0 = time.perf_counter()
+    ids = [engine.add_request(p, sp, lora_request=lr) for p, lr in reqs]
+    steps, done = [], {}
+    while engine.has_unfinished():
+        c = dict(engine.counters)
+        s0 = time.perf_counter()
+        outs = engine.step()
+        dt = time.perf_counter() - s0
+        dec = engine.counters["decode_steps"] - c["decode_steps"]
+        pre = engine.counters["prefill_steps"] - c["prefill_steps"]
+        if dec and not pre and engine.counters["generation_tokens"] - c["generation_tokens"] == len(reqs):
+            steps.append(dt)
+        for o in outs:
+            if o.finished:
+                done[o.request_id] = o
+    wall = time.perf_counter() - t0
+    toks = [done[i].outputs[0].token_ids for i in ids]
+    return dict(wall_s=wall, gen_tok_s=sum(map(len, toks)) / wall, decode_steps=steps, token_ids=toks)
+
+
+def part_k3_small(quick: bool, bw: float, log) -> dict:
+    model = k3jax.load_model("tiny-k3" if quick else "k3-small", seed=0)
+    c, gen, reps = (4, 8, 1) if quick else (8, 32, 3)
+    rank, slots = (4, 2) if quick else (16, 4)
+    ecfg = dict(max_model_len=256, page_size=16, cache_bytes=(64 if quick else 192) << 20, max_num_seqs=c,
+                decode_buckets=(c,), prefill_buckets=(4,), context_buckets=(16,), max_num_batched_tokens=512)
+    t0 = time.perf_counter()
+    base = Engine(model, EngineConfig(**ecfg), progress=False)
+    t_base = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    lora = Engine(model, EngineConfig(**ecfg, max_loras=slots, max_lora_rank=rank), progress=False)
+    t_lora = time.perf_counter() - t0
+    attn = Engine(model, EngineConfig(**ecfg, max_loras=slots, max_lora_rank=rank, lora_target_modules=QKVO),
+                  progress=False)
+    tmp = tempfile.mkdtemp()
+    names = []
+    for s in range(slots):
+        t0 = time.perf_counter()
+        lora.add_lora(LoRARequest(f"a{s}", s + 1, random_adapter(model, f"{tmp}/a{s}", rank, s)))
+        names.append(f"a{s}")
+        log(f"  adapter a{s} loaded in {time.perf_counter() - t0:.2f} s")
+        attn.add_lora(LoRARequest(f"a{s}", s + 1, random_adapter(model, f"{tmp}/q{s}", rank, s, targets=QKVO)))
+    rng = np.random.default_rng(0)
+    cases = {"base engine": (base, lambda i: None), "lora engine, base rows": (lora, lambda i: None),
+             "lora engine, one adapter": (lora, lambda i: names[0]),
+             f"lora engine, {slots} adapters": (lora, lambda i: names[i % slots]),
+             f"q/k/v/o-only lora engine, {slots} adapters": (attn, lambda i: names[i % slots])}
+    runs = {k: [] for k in cases}
+    for _ in range(reps):
+        prompts = [list(map(int, rng.integers(3, model.cfg.vocab_size, rng.integers(64, 129)))) for _ in range(c)]
+        for k, (eng, pick) in cases.items():
+            runs[k].append(wave(eng, [(p, pick(i)) for i, p in enumerate(prompts)], gen))
+    one, one_attn = factor_bytes(lora), factor_bytes(attn)
+    roof_base = decode_bytes(model, c, 96 + gen / 2, 16)["total_bytes"]
+    out = dict(model="tiny-k3" if quick else "k3-small", concurrency=c, gen=gen, reps=reps, rank=rank,
+               max_loras=slots, startup_s=dict(base=t_base, lora=t_lora), lora_bytes=lora.lora_bytes,
+               adapter_factor_bytes=one, qkvo_adapter_factor_bytes=one_attn, qkvo_lora_bytes=attn.lora_bytes,
+               compiles_after_warmup=lora.stats()["compiles_after_warmup"] + attn.stats()["compiles_after_warmup"],
+               cases={})
+    ref = None
+    for k, ws in runs.items():
+        steps = [dt for w in ws for dt in w["decode_steps"]]
+        distinct = 0 if "base" in k else (1 if "one" in k else slots)
+        roof = (roof_base + distinct * (one_attn if "q/k/v/o" in k else one)) / (bw * 1e9)
+        step = med(steps)
+        ref = ref or step
+        out["cases"][k] = dict(decode_step_median_s=step, decode_steps=len(steps),
+                               gen_tok_s=med([w["gen_tok_s"] for w in ws]), adapters_in_batch=distinct,
+                               roofline_s=roof, step_over_roofline=step / roof, step_over_base_engine=step / ref)
+        log(f"  {k}: decode step {step * 1e3:.1f} ms ({step / roof:.2f}x its roofline {roof * 1e3:.1f} ms, "
+            f"{step / ref:.2f}x the base engine), {out['cases'][k]['gen_tok_s']:.1f} gen tok/s")
+    same = [a == b for w1, w2 in zip(runs["base engine"], runs["lora engine, base rows"])
+            for a, b in zip(w1["token_ids"], w2["token_ids"])]
+    out["base_rows_identical_to_base_engine"] = f"{sum(same)}/{len(same)}"
+    return out
+
+
+def part_peft(quick: bool, log) -> dict:
+    import peft
+    import torch
+
+    torch.set_num_threads(2)
+    tmp = tempfile.mkdtemp()
+    path, hf, _ = build_kimi_linear(f"{tmp}/ckpt", quick)
+    rank = 4 if quick else 16
+    torch.manual_seed(1)
+    pm = peft.get_peft_model(hf, peft.LoraConfig(
+        r=rank, lora_alpha=2 * rank, init_lora_weights=False,
+        target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "f_a_proj", "f_b_proj", "b_proj", "g_a_proj",
+                        "g_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "gate_proj", "up_proj", "down_proj"]))
+    with torch.no_grad():  # peft's random B is large at this width; keep the adapter a perturbation
+        for n, p in pm.named_parameters():
+            if "lora_B" in n:
+                p.mul_(0.1)
+    pm.eval()
+    pm.save_pretrained(f"{tmp}/adapter")
+    c, plen, gen = (4, 32, 8) if quick else (8, 128, 32)
+    model = k3jax.load_model(path)
+    eng = Engine(model, EngineConfig(max_model_len=256, page_size=16, cache_bytes=64 << 20, max_num_seqs=c,
+                                     decode_buckets=(c,), prefill_buckets=(4,), context_buckets=(16,),
+                                     max_loras=1, max_lora_rank=rank), progress=False)
+    eng.add_lora(LoRARequest("a", 1, f"{tmp}/adapter"))
+    rng = np.random.default_rng(1)
+    rows = []
+    for _ in range(1 if quick else 2):
+        prompts = [list(map(int, rng.integers(3, 500, plen))) for _ in range(c)]
+        w = wave(eng, [(p, "a") for p in prompts], gen)
+        hf_s, hf_toks = hf_generate(pm, prompts, gen)
+        same = sum(list(map(int, a)) == list(b) for a, b in zip(hf_toks, w["token_ids"]))
+        rows.append(dict(engine_gen_tok_s=w["gen_tok_s"], peft_gen_tok_s=c * gen / hf_s,
+                         ratio=w["gen_tok_s"] / (c * gen / hf_s), greedy_identical=f"{same}/{c}"))
+        log(f"  engine {rows[-1]['engine_gen_tok_s']:.1f} vs PEFT {rows[-1]['peft_gen_tok_s']:.1f} gen tok/s "
+            f"({rows[-1]['ratio']:.2f}x), greedy identical {same}/{c}")
+    return dict(model="Kimi-Linear structure (HF-written)", rank=rank, concurrency=c, prompt_len=plen, gen=gen,
+                waves=rows, ratio_median=med([r["ratio"] for r in rows]))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda m: print(m, flush=True)
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "lora-quick.json" if args.quick
+                                           else REPO / "benchmarks" / "results" / "lora-cpu.json")
+    bw = measure_bandwidth(256 if args.quick else 512)
+    result = dict(benchmark="lora", machine=machine_info(), bandwidth=bw)
+    log(f"bandwidth {bw['GBps']:.1f} GB/s; part 1: adapter slots on k3-small")
+    result["slots"] = part_k3_small(args.quick, bw["GBps"], log)
+    log("part 2: engine vs PEFT on a Kimi-Linear checkpoint")
+    result["peft"] = part_peft(args.quick, log)
+    write_result(result, out, t_start, log)
+
+
+if __name__ == "__main__":
+    main()
