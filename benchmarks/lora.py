@@ -68,8 +68,7 @@ def random_adapter(model, out_dir: str, rank: int, seed: int, scale: float = 0.0
 
 def factor_bytes(engine: Engine) -> int:
     """Bytes of one adapter's factors over every projection (one slot of every factor array)."""
-    return sum(int(np.prod(engine._leaf_specs[i][0][1:])) * np.dtype(engine._leaf_specs[i][1]).itemsize
-               for i in engine._lora_indices)
+    return engine.lora_bytes // (engine.config.max_loras + 1)
 
 
 def wave(engine: Engine, reqs: list, gen: int) -> dict:

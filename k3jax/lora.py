@@ -4,16 +4,24 @@ idea, as vLLM's `--enable-lora` serves them).
 `attach(model, slots, rank)` gives every `Linear` (attention and gate projections, dense and shared
 MLPs, K3's latent MoE down/up) two stacked factor arrays,
 
-    lora_a [S + 1, R, in]    lora_b [S + 1, out, R]
+    lora_a [in, S + 1, R]    lora_b [S + 1, R, out]
 
 with slot 0 left zero (the base model) and adapters written into slots 1..S. A rank below R is
 zero-padded (exact: the padded terms are 0), and the adapter's scaling (alpha / r, or alpha / sqrt(r)
 with rsLoRA) is folded into B. The factors are parameters like any other: the step programs take
 them as arguments, so loading or replacing an adapter rewrites arrays of fixed shape and never
 compiles. A step names each batch row's slot with `rows(slots)`; inside it, a layer whose input is
-`[B, ..., in]` (rows first, as every caller lays it out) adds `(x A_s^T) B_s^T` for its row's slot s:
-two small batched products on factors gathered per row. Outside a `rows` context the factors are
-ignored and the model is the base model.
+`[B, ..., in]` (rows first, as every caller lays it out) adds `(x A_s^T) B_s^T` for its row's slot s.
+Outside a `rows` context the factors are ignored and the model is the base model.
+
+Two exact forms of that term (`apply` picks by shape; measured on the 2-core CPU host, where the
+per-operation cost of small products dominates a decode step):
+- masked (few tokens: decode, verify rows): `x @ A_all` for every slot at once as one plain matmul over
+  the slots' `(S + 1) R` columns, the other slots' columns zeroed by each row's one-hot mask, then one
+  matmul with B_all. Reads each factor array once, no per-row copies; 1.5-3x cheaper than gathering at
+  8-32 rows, but its arithmetic grows with S.
+- gathered (prefill chunks): each row's own factors are gathered (`[B, in, R]`, `[B, R, out]`) and
+  applied as two batched products: arithmetic for one slot per row, whatever S.
 """
 
 from __future__ import annotations
@@ -40,20 +48,37 @@ def rows(slots: jax.Array):
         _ROWS.reset(token)
 
 
+# masked form while rows x tokens x slots stays at most this (CPU measurements; see the module doc)
+MASKED_MAX = 512
+
+
 def gather(lora_a: jax.Array, lora_b: jax.Array) -> tuple[jax.Array, jax.Array] | None:
-    """Each row's factors: ([B, R, in], [B, out, R]), or None outside a `rows` context."""
+    """Each row's factors as (A [B, R, in], B [B, out, R]), or None outside a `rows` context."""
     slots = _ROWS.get()
     if slots is None:
         return None
-    return jnp.take(lora_a, slots, axis=0), jnp.take(lora_b, slots, axis=0)
+    a = jnp.take(lora_a, slots, axis=1)  # [in, B, R]
+    b = jnp.take(lora_b, slots, axis=0)  # [B, R, out]
+    return jnp.transpose(a, (1, 2, 0)), jnp.swapaxes(b, 1, 2)
 
 
-def delta(x: jax.Array, a: jax.Array, b: jax.Array) -> jax.Array:
-    """x [B, ..., in] (or [B * k, in], rows first) -> the adapters' term [..., out]."""
-    rows_ = a.shape[0]
-    xr = x.reshape(rows_, -1, x.shape[-1]).astype(a.dtype)  # [B, k, in]
-    u = jnp.einsum("bti,bri->btr", xr, a)  # [B, k, R]
-    return jnp.einsum("btr,bor->bto", u, b).reshape(*x.shape[:-1], b.shape[1])
+def apply(x: jax.Array, lora_a: jax.Array, lora_b: jax.Array, form: str = "auto") -> jax.Array | None:
+    """x [B, ..., in] (or [B * k, in], rows first) -> the adapters' term [..., out] for each row's slot,
+    or None outside a `rows` context. `form`: "masked", "gathered" or "auto" (by shape)."""
+    slots = _ROWS.get()
+    if slots is None:
+        return None
+    n, (d_in, s, r), d_out = slots.shape[0], lora_a.shape, lora_b.shape[-1]
+    xr = x.reshape(n, -1, d_in).astype(lora_a.dtype)  # [B, k, in]
+    if form == "masked" or (form == "auto" and n * xr.shape[1] * s <= MASKED_MAX):
+        mask = (jnp.arange(s)[None, :] == slots[:, None]).astype(xr.dtype)  # [B, S + 1]
+        u = (xr @ lora_a.reshape(d_in, s * r)).reshape(n, -1, s, r) * mask[:, None, :, None]
+        y = u.reshape(n, -1, s * r) @ lora_b.reshape(s * r, d_out)
+    else:
+        a = jnp.take(lora_a, slots, axis=1)  # [in, B, R]
+        b = jnp.take(lora_b, slots, axis=0)  # [B, R, out]
+        y = jnp.einsum("btr,bro->bto", jnp.einsum("bti,ibr->btr", xr, a), b)
+    return y.reshape(*x.shape[:-1], d_out)
 
 
 class LoRAParam(nnx.Param):
@@ -78,8 +103,8 @@ def attach(model, slots: int, rank: int, targets: tuple[str, ...] | None = None)
         if node.in_out:
             out_ax, in_ax = in_ax, out_ax
         dtype = node.weight[...].dtype
-        node.lora_a = LoRAParam(jnp.zeros((slots + 1, rank, in_f), dtype), axes=(None, None, in_ax))
-        node.lora_b = LoRAParam(jnp.zeros((slots + 1, out_f, rank), dtype), axes=(None, out_ax, None))
+        node.lora_a = LoRAParam(jnp.zeros((in_f, slots + 1, rank), dtype), axes=(in_ax, None, None))
+        node.lora_b = LoRAParam(jnp.zeros((slots + 1, rank, out_f), dtype), axes=(None, None, out_ax))
     graphdef, params = nnx.split(module)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 
@@ -98,14 +123,21 @@ def module_paths(params) -> dict[str, tuple[int, int]]:
 
 
 def slot_arrays(a: np.ndarray, b: np.ndarray, rank: int, scaling: float) -> tuple[np.ndarray, np.ndarray]:
-    """One module's PEFT factors A [r, in], B [out, r] -> slot contents ([R, in], [out, R]) with the
-    scaling folded into B and the rank zero-padded to R."""
+    """One module's PEFT factors A [r, in], B [out, r] -> one slot of `lora_a` / `lora_b` ([in, R],
+    [R, out]) with the scaling folded into B and the rank zero-padded to R."""
     r = a.shape[0]
-    pa = np.zeros((rank, a.shape[1]), np.float32)
-    pb = np.zeros((b.shape[0], rank), np.float32)
-    pa[:r] = a
-    pb[:, :r] = b.astype(np.float32) * scaling
+    pa = np.zeros((a.shape[1], rank), np.float32)
+    pb = np.zeros((rank, b.shape[0]), np.float32)
+    pa[:, :r] = a.T
+    pb[:r] = b.T.astype(np.float32) * scaling
     return pa, pb
+
+
+def write_slot(lora_a: jax.Array, lora_b: jax.Array, slot: int, a, b) -> tuple[jax.Array, jax.Array]:
+    """`lora_a` / `lora_b` with slot `slot` set to `slot_arrays` contents (zeros where a / b is None)."""
+    a = jnp.zeros((lora_a.shape[0], lora_a.shape[2]), lora_a.dtype) if a is None else jnp.asarray(a, lora_a.dtype)
+    b = jnp.zeros(lora_b.shape[1:], lora_b.dtype) if b is None else jnp.asarray(b, lora_b.dtype)
+    return lora_a.at[:, slot].set(a), lora_b.at[slot].set(b)
 
 
 def projection_names(cfg) -> set[str]:

@@ -692,7 +692,7 @@ class Engine:
         if name in self.loras.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
         self.loras.free_slot()  # raises when full, before reading anything
-        shapes = {m: (self._leaves[b].shape[1], self._leaves[a].shape[2]) for m, (a, b) in self._lora_leaves.items()}
+        shapes = {m: (self._leaves[b].shape[2], self._leaves[a].shape[0]) for m, (a, b) in self._lora_leaves.items()}
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
                                   self.config.lora_target_modules)
@@ -726,11 +726,7 @@ class Engine:
         """Write one slot of every projection's factors (zeros where `factors` has no entry)."""
         leaves = list(self._leaves)
         for module, (ia, ib) in self._lora_leaves.items():
-            a, b = factors.get(module, (None, None))
-            for i, value in ((ia, a), (ib, b)):
-                leaf = leaves[i]
-                value = jnp.zeros(leaf.shape[1:], leaf.dtype) if value is None else jnp.asarray(value, leaf.dtype)
-                leaves[i] = leaf.at[slot].set(value)
+            leaves[ia], leaves[ib] = model_lora.write_slot(leaves[ia], leaves[ib], slot, *factors.get(module, (None, None)))
         self._set_leaves(leaves)
 
     def abort(self, request_id: str) -> bool:

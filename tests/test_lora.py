@@ -63,6 +63,31 @@ def engine(ref):
     return eng
 
 
+@pytest.mark.parametrize("form", ["masked", "gathered"])
+def test_apply_forms_equal_per_row_products(form):
+    """Both forms of the adapters' term equal each row's own `(x A_s^T) B_s^T` (slot 0: zero), on
+    random data, rows-first inputs of any rank."""
+    import jax.numpy as jnp
+
+    from k3jax import lora
+
+    rng = np.random.default_rng(0)
+    a = rng.normal(size=(4, 24, 3)).astype(np.float32)  # [S + 1, in, R]: slot 0 zeroed below
+    b = rng.normal(size=(4, 3, 40)).astype(np.float32)  # [S + 1, R, out]
+    a[0], b[0] = 0, 0
+    x = rng.normal(size=(5, 7, 24)).astype(np.float32)  # [B, T, in]
+    slots = np.array([2, 0, 3, 1, 2], np.int32)
+    want = np.stack([x[i] @ a[s] @ b[s] for i, s in enumerate(slots)])
+    la, lb = jnp.asarray(np.transpose(a, (1, 0, 2))), jnp.asarray(b)  # the stored layouts
+    with lora.rows(jnp.asarray(slots)):
+        got = lora.apply(jnp.asarray(x), la, lb, form)
+        flat = lora.apply(jnp.asarray(x.reshape(35, 24)), la, lb, form)  # [B * T, in] (MoE's layout)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(flat), want.reshape(35, 40), rtol=1e-5, atol=1e-5)
+    assert (np.asarray(got)[1] == 0).all()  # the base row gets exactly nothing
+    assert lora.apply(jnp.asarray(x), la, lb, form) is None  # outside a rows context: the base model
+
+
 def _run(eng, reqs, max_tokens=GEN):
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     ids = [eng.add_request(list(map(int, p)), sp, lora_request=lr) for p, lr in reqs]

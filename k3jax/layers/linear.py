@@ -29,8 +29,10 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
         y = jnp.einsum("...i,io->...o" if self.in_out else "...i,oi->...o", x.astype(w.dtype), w)
-        factors = self.lora_factors()
-        return y if factors is None else y + lora.delta(x, *factors).astype(y.dtype)
+        if not hasattr(self, "lora_a"):
+            return y
+        d = lora.apply(x, self.lora_a[...], self.lora_b[...])
+        return y if d is None else y + d.astype(y.dtype)
 
     def out_in(self) -> jax.Array:
         """The weight as `[out, in]`, however it is held."""
