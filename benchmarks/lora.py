@@ -3,13 +3,15 @@
     python benchmarks/lora.py            # k3-small + an HF-written Kimi-Linear checkpoint, ~5 min quiet
     python benchmarks/lora.py --quick    # tiny models, ~1 min (writes to the temp dir)
 
-Part 1 (k3-small, random weights): one engine without adapters and one with `max_loras=4`,
-`max_lora_rank=16` (random rank-16 adapters on every dense projection). The same waves of c = 8
-requests (64-128 prompt tokens, 32 greedy tokens) run on the base engine, then on the LoRA engine with
-every row on the base model, every row on one adapter, and the rows spread over four adapters; waves
-are interleaved and repeated. Reported: median decode-step time over decode-only full steps, generated
-tokens/s, and the memory roofline of the step (the base step's bytes, `serving.decode_bytes`, plus the
-factors each distinct adapter in the batch must read) at the bandwidth measured in the same process.
+Part 1 (k3-small, random weights): one engine without adapters, one with `max_loras=4`,
+`max_lora_rank=16` (random rank-16 adapters on every dense projection), and one with the same slots on
+q/k/v/o only (`lora_target_modules`). The same waves of c = 8 requests (64-128 prompt tokens, 32
+greedy tokens) run on the base engine, then on the LoRA engine with every row on the base model, every
+row on one adapter, and the rows spread over four adapters, then on the q/k/v/o engine with four
+adapters; waves are interleaved and repeated. Reported: median decode-step time over decode-only full
+steps, generated tokens/s, and the memory roofline of the step (the base step's bytes with the weights
+as the step reads them, `serving.decode_bytes`, plus the factors each distinct adapter in the batch
+must read) at the bandwidth measured in the same process.
 
 Part 2 (Kimi-Linear structure at small size, written by transformers): a rank-16 PEFT adapter with
 random factors on every dense projection; the engine with that adapter against `PeftModel.generate`
@@ -96,7 +98,7 @@ def wave(engine: Engine, reqs: list, gen: int) -> dict:
 
 def part_k3_small(quick: bool, bw: float, log) -> dict:
     model = k3jax.load_model("tiny-k3" if quick else "k3-small", seed=0)
-    c, gen, reps = (4, 8, 1) if quick else (8, 32, 3)
+    c, gen, reps = (4, 8, 1) if quick else (8, 32, 4)
     rank, slots = (4, 2) if quick else (16, 4)
     ecfg = dict(max_model_len=256, page_size=16, cache_bytes=(64 if quick else 192) << 20, max_num_seqs=c,
                 decode_buckets=(c,), prefill_buckets=(4,), context_buckets=(16,), max_num_batched_tokens=512)
@@ -127,7 +129,8 @@ def part_k3_small(quick: bool, bw: float, log) -> dict:
         for k, (eng, pick) in cases.items():
             runs[k].append(wave(eng, [(p, pick(i)) for i, p in enumerate(prompts)], gen))
     one, one_attn = factor_bytes(lora), factor_bytes(attn)
-    roof_base = decode_bytes(model, c, 96 + gen / 2, 16)["total_bytes"]
+    # the weights as the step reads them (experts expanded on CPU), as benchmarks/serving.py counts them
+    roof_base = decode_bytes(base.model, c, 96 + gen / 2, 16)["total_bytes"]
     out = dict(model="tiny-k3" if quick else "k3-small", concurrency=c, gen=gen, reps=reps, rank=rank,
                max_loras=slots, startup_s=dict(base=t_base, lora=t_lora), lora_bytes=lora.lora_bytes,
                adapter_factor_bytes=one, qkvo_adapter_factor_bytes=one_attn, qkvo_lora_bytes=attn.lora_bytes,
@@ -141,6 +144,7 @@ def part_k3_small(quick: bool, bw: float, log) -> dict:
         step = med(steps)
         ref = ref or step
         out["cases"][k] = dict(decode_step_median_s=step, decode_steps=len(steps),
+                               decode_step_wave_medians_s=[med(w["decode_steps"]) for w in ws],
                                gen_tok_s=med([w["gen_tok_s"] for w in ws]), adapters_in_batch=distinct,
                                roofline_s=roof, step_over_roofline=step / roof, step_over_base_engine=step / ref)
         log(f"  {k}: decode step {step * 1e3:.1f} ms ({step / roof:.2f}x its roofline {roof * 1e3:.1f} ms, "
