@@ -21,11 +21,9 @@
 
 from __future__ import annotations
 
-import argparse
 import gc
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -43,7 +41,7 @@ from kv_cache_dtype import against_hf, teacher_forced, teacher_forced_delta  # n
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import build_kimi_linear, hf_generate, machine_info, measure_bandwidth, med, run_wave, write_result  # noqa: E402
+from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, write_result  # noqa: E402
 
 STATES = ("float32", "bfloat16")
 
@@ -126,16 +124,8 @@ def wave(model, state: str, budget: int, n: int, prompt_len: int, gen: int, seqs
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda m: print(m, flush=True)
-    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "kda_state_dtype-quick.json" if args.quick
-                                           else REPO / "benchmarks" / "results" / "kda_state_dtype-cpu.json")
-    bw = measure_bandwidth(256 if args.quick else 512)
-    result = dict(benchmark="kda_state_dtype", machine=machine_info(), bandwidth=bw)
+    args, out, log, t_start, result = bench_start("kda_state_dtype", __doc__, argv)
+    bw = result["bandwidth"]
     ctxs = [2048, 8192, 32768, 131072]
     k3 = lambda ranks: dict(budget_per_rank_GiB=60, kda_state_ranks=ranks,
                             **capacity(PRESETS["k3"], jnp.bfloat16, 60 << 30, 64, ranks, ctxs))

@@ -23,7 +23,6 @@
 
 from __future__ import annotations
 
-import argparse
 import sys
 import tempfile
 import time
@@ -42,8 +41,7 @@ from k3jax.config import PRESETS  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import (build_kimi_linear, hf_generate, machine_info, measure_bandwidth, med, run_wave,  # noqa: E402
-                     write_result)
+from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, write_result  # noqa: E402
 
 KINDS = ("auto", "fp8")
 
@@ -162,16 +160,8 @@ def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: i
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda m: print(m, flush=True)
-    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "kv_cache_dtype-quick.json" if args.quick
-                                           else REPO / "benchmarks" / "results" / "kv_cache_dtype-cpu.json")
-    bw = measure_bandwidth(256 if args.quick else 512)
-    result = dict(benchmark="kv_cache_dtype", machine=machine_info(), bandwidth=bw)
+    args, out, log, t_start, result = bench_start("kv_cache_dtype", __doc__, argv)
+    bw = result["bandwidth"]
     ctxs = [8192, 32768, 131072]
     result["capacity"] = dict(
         k3_bf16_tp8=dict(budget_per_rank_GiB=60, **capacity(PRESETS["k3"], jnp.bfloat16, 60 << 30, 64, 8, ctxs)),

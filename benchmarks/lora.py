@@ -20,7 +20,6 @@ random factors on every dense projection; the engine with that adapter against `
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -41,8 +40,7 @@ from k3jax.layers.linear import Linear  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.lora import LoRARequest  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import (build_kimi_linear, decode_bytes, hf_generate, machine_info, measure_bandwidth, med,  # noqa: E402
-                     write_result)
+from serving import bench_start, build_kimi_linear, decode_bytes, hf_generate, med, run_wave, write_result  # noqa: E402
 
 
 QKVO = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -74,26 +72,12 @@ def factor_bytes(engine: Engine) -> int:
 
 
 def wave(engine: Engine, reqs: list, gen: int) -> dict:
-    """Submit (prompt, adapter) pairs at once, step to completion; decode-only full-batch step times."""
-    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
-    t0 = time.perf_counter()
-    ids = [engine.add_request(p, sp, lora_request=lr) for p, lr in reqs]
-    steps, done = [], {}
-    while engine.has_unfinished():
-        c = dict(engine.counters)
-        s0 = time.perf_counter()
-        outs = engine.step()
-        dt = time.perf_counter() - s0
-        dec = engine.counters["decode_steps"] - c["decode_steps"]
-        pre = engine.counters["prefill_steps"] - c["prefill_steps"]
-        if dec and not pre and engine.counters["generation_tokens"] - c["generation_tokens"] == len(reqs):
-            steps.append(dt)
-        for o in outs:
-            if o.finished:
-                done[o.request_id] = o
-    wall = time.perf_counter() - t0
-    toks = [done[i].outputs[0].token_ids for i in ids]
-    return dict(wall_s=wall, gen_tok_s=sum(map(len, toks)) / wall, decode_steps=steps, token_ids=toks)
+    """Submit (prompt, adapter) pairs at once, step to completion -> wall time, generated tokens/s, the
+    decode-only steps of the full batch, token ids."""
+    w = run_wave(engine, [p for p, _ in reqs], SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True),
+                 [lr for _, lr in reqs])
+    return dict(wall_s=w["wall_s"], gen_tok_s=w["gen_tok_s"], token_ids=w["token_ids"],
+                decode_steps=[dt for dt, rows in w["decode_only_steps"] if rows == len(reqs)])
 
 
 def part_k3_small(quick: bool, bw: float, log) -> dict:
@@ -196,16 +180,8 @@ def part_peft(quick: bool, log) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda m: print(m, flush=True)
-    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "lora-quick.json" if args.quick
-                                           else REPO / "benchmarks" / "results" / "lora-cpu.json")
-    bw = measure_bandwidth(256 if args.quick else 512)
-    result = dict(benchmark="lora", machine=machine_info(), bandwidth=bw)
+    args, out, log, t_start, result = bench_start("lora", __doc__, argv)
+    bw = result["bandwidth"]
     log(f"bandwidth {bw['GBps']:.1f} GB/s; part 1: adapter slots on k3-small")
     result["slots"] = part_k3_small(args.quick, bw["GBps"], log)
     log("part 2: engine vs PEFT on a Kimi-Linear checkpoint")

@@ -199,12 +199,13 @@ def wave_floor(model, c: int, prompt_len: float, gen: int, rate: float, bw: floa
 # --------------------------------------------------------------------------------------------
 
 
-def run_wave(engine: Engine, prompts: list[list[int]], sp: SamplingParams) -> dict:
-    """Submit all prompts at once, step to completion; per-step times classified by kind."""
+def run_wave(engine: Engine, prompts: list[list[int]], sp: SamplingParams, loras: list | None = None) -> dict:
+    """Submit all prompts at once (each with its LoRA adapter, when `loras` names them), step to completion;
+    per-step times classified by kind."""
     itl0 = len(engine.latency["itl"])
     steps = []
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p in prompts]
+    ids = [engine.add_request(p, sp, lora_request=lr) for p, lr in zip(prompts, loras or [None] * len(prompts))]
     done = {}
     while engine.has_unfinished():
         c = dict(engine.counters)
@@ -631,6 +632,22 @@ def main(argv=None):
     del eng
 
     return _write(result, out_path, t_start, log)
+
+
+def bench_start(name: str, doc: str, argv=None):
+    """The common start of a CPU benchmark script -> (args, output path, log, start time, result): the
+    `--quick` / `--out` arguments; `results/<name>-cpu.json` (the temp dir with --quick); the result dict
+    with the machine and the memory bandwidth measured now (the roofline's)."""
+    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / f"{name}-quick.json" if args.quick
+                                           else REPO / "benchmarks" / "results" / f"{name}-cpu.json")
+    bw = measure_bandwidth(256 if args.quick else 512)
+    return args, out, log, t_start, dict(benchmark=name, machine=machine_info(), bandwidth=bw)
 
 
 def write_result(result: dict, out_path: Path, t_start: float, log) -> dict:

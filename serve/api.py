@@ -357,7 +357,12 @@ class ServerState:
     def lora_adapters(self) -> dict:
         """Loaded LoRA adapters by name (serve/lora.py), each served as a model of its own name."""
         registry = getattr(getattr(self.engine, "engine", None), "loras", None)
-        return dict(registry.by_name) if registry is not None else {}
+        for _ in range(5):  # the engine thread may load or unload one while we copy
+            try:
+                return dict(registry.by_name) if registry is not None else {}
+            except RuntimeError:
+                continue
+        return {}
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
         """-> the LoRA adapter that `model` names, or None for the base model (or no `model`); 404 else."""

@@ -34,7 +34,7 @@ DEFAULTS = dict(
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
-    lora_target_modules=None,
+    lora_target_modules=None, max_cpu_loras=None,
 )
 
 
@@ -92,6 +92,8 @@ def add_serve_arguments(s) -> None:
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lo.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapters loaded at once (slots)")
     lo.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank")
+    lo.add_argument("--max-cpu-loras", type=int, default=None,
+                    help="adapters registered at once (default --max-loras); the others wait in host memory")
     lo.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
                     help="projections that take adapters (e.g. q_proj k_proj v_proj o_proj; default: all dense "
                          "projections); fewer cost less per step")
@@ -178,7 +180,8 @@ def engine_config(o: dict):
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
-        lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None)
+        lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
+        max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None)
 
 
 def lora_modules(o: dict) -> list:
@@ -201,8 +204,9 @@ def lora_modules(o: dict) -> list:
         if not name or not path:
             raise ValueError(f"--lora-modules {item!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
         out.append(LoRARequest(name, i + 1, path))
-    if len(out) > o.get("max_loras", 1):
-        raise ValueError(f"--lora-modules: {len(out)} adapters but --max-loras {o.get('max_loras', 1)}")
+    room = o.get("max_cpu_loras") or o.get("max_loras", 1)
+    if len(out) > room:
+        raise ValueError(f"--lora-modules: {len(out)} adapters but room for {room} (--max-loras / --max-cpu-loras)")
     return out
 
 

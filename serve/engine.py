@@ -138,6 +138,9 @@ class EngineConfig:
     # max_lora_rank on every dense projection. 0: off (the model has no adapter factors at all).
     max_loras: int = 0
     max_lora_rank: int = 16
+    # Adapters registered at once (vLLM's --max-cpu-loras; None: max_loras): those beyond the device slots
+    # wait in host memory and take a slot when a request needs them (the least recently used idle one).
+    max_cpu_loras: Optional[int] = None
     # Projections that get adapter slots, by name (e.g. ("q_proj", "k_proj", "v_proj", "o_proj")); None: every
     # dense projection. Each projection with slots adds its adapters' term to every step, and an adapter
     # touching a projection without slots is refused, naming it.
@@ -190,6 +193,10 @@ class EngineConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 1024:
                 raise ValueError(f"{key}={v!r}: expected an integer in [{low}, 1024]")
+        if self.max_cpu_loras is not None and (not isinstance(self.max_cpu_loras, int) or isinstance(
+                self.max_cpu_loras, bool) or self.max_cpu_loras < self.max_loras):
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras!r}: expected an integer >= max_loras "
+                             f"({self.max_loras})")
         if self.prefill_chunk % KDA_CHUNK and KDA_CHUNK % self.prefill_chunk:
             raise ValueError(f"prefill_chunk must divide or be a multiple of the KDA chunk ({KDA_CHUNK}) so "
                              f"prefill rows start on KDA chunk boundaries")
@@ -326,7 +333,7 @@ class Engine:
         # LoRA: each projection's (lora_a, lora_b) leaf indices, and what is loaded in which slot
         self._lora_leaves = model_lora.module_paths(model.params)
         self._lora_indices = {i for pair in self._lora_leaves.values() for i in pair}
-        self.loras = Registry(config.max_loras, config.max_lora_rank)
+        self.loras = Registry(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self._arena_sharding = arena_sharding
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
@@ -341,7 +348,8 @@ class Engine:
             max_num_seqs=self.decode_buckets[-1], max_prefill_seqs=self.prefill_buckets[-1],
             prefill_chunk=config.prefill_chunk, align=min(config.prefill_chunk, KDA_CHUNK),
             token_budget=config.max_num_batched_tokens,
-            page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units)
+            page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units,
+            max_loras=config.max_loras)
         self.align = self.sched_cfg.align
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
         self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
@@ -367,7 +375,8 @@ class Engine:
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
-                             spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0)
+                             spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
+                             lora_swaps=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -691,13 +700,14 @@ class Engine:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
         if name in self.loras.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        self.loras.free_slot()  # raises when full, before reading anything
+        self.loras.check_room()  # raises when full, before reading anything
         shapes = {m: (self._leaves[b].shape[2], self._leaves[a].shape[0]) for m, (a, b) in self._lora_leaves.items()}
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
                                   self.config.lora_target_modules)
         adapter = self.loras.add(name, lora_request.lora_path, rank, factors, lora_request.lora_int_id)
-        self._write_lora(adapter.slot, factors)
+        if len(self.loras.in_slot) < self.loras.slots:  # a free slot: take it now (else when first needed)
+            self._write_lora(self.loras.place(adapter, set()), factors)
         return adapter
 
     def remove_lora(self, name: str) -> None:
@@ -710,7 +720,7 @@ class Engine:
         self.loras.remove(name)
         for rid in [r for r, (_, a) in self._tails.items() if a is adapter]:
             del self._tails[rid]
-        if self._leaves is not None:
+        if self._leaves is not None and adapter.slot is not None:
             self._write_lora(adapter.slot, {})
 
     def list_loras(self) -> list[str]:
@@ -721,6 +731,19 @@ class Engine:
         """Bytes of every projection's adapter factors, all slots (fixed at start-up)."""
         return sum(int(np.prod(s)) * np.dtype(d).itemsize for i, (s, d, _) in enumerate(self._leaf_specs)
                    if i in self._lora_indices)
+
+    def _place_adapters(self, admitted: list[str]) -> None:
+        """Give the adapters of the requests just admitted a device slot, swapping one in from host memory
+        where needed (the scheduler kept the running requests' adapters within the slots)."""
+        need = [self.seqs[r].lora for r in admitted if self.seqs[r].lora is not None]
+        if not need:
+            return
+        busy = {s.lora for s in self.seqs.values() if s.lora is not None and s.slot is not None and not s.finished}
+        for adapter in need:
+            slot = self.loras.place(adapter, busy)
+            if slot is not None:
+                self._write_lora(slot, adapter.factors)
+                self.counters["lora_swaps"] += 1
 
     def _write_lora(self, slot: int, factors: dict) -> None:
         """Write one slot of every projection's factors (zeros where `factors` has no entry)."""
@@ -771,8 +794,8 @@ class Engine:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
                                  f"engine's {dtype}{list(shape)}")
         self._set_leaves([a for _, a in flat])
-        for adapter in self.loras.by_name.values():  # loaded adapters stay loaded over new weights
-            self._write_lora(adapter.slot, adapter.factors)
+        for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
+            self._write_lora(slot, adapter.factors)
         self._host_leaves, self._weights_stale = None, False
         if self.sleep_level and self.arena is not None:
             self.sleep_level = 0  # the cache was woken already: the engine is awake again
@@ -907,7 +930,8 @@ class Engine:
                     for s in decoding:
                         s.draft = []
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
-                         self._next_stop(s), s.priority, len(s.draft), len(s.prompt_ids) + s.checker.max_tokens)
+                         self._next_stop(s), s.priority, len(s.draft), len(s.prompt_ids) + s.checker.max_tokens,
+                         s.lora.uid if s.lora is not None else 0)
                  for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
@@ -922,6 +946,7 @@ class Engine:
             self._reap()  # aborted requests leave even when nothing runs
             return []
         self._allocate(plan)
+        self._place_adapters(plan.admit)
         now = time.monotonic()
         for rid in plan.admit:
             m = self.seqs[rid].metrics
@@ -1545,6 +1570,7 @@ class Engine:
             "max_loras": self.config.max_loras,
             "lora_bytes": self.lora_bytes,  # device memory of the adapter slots (beside the weights, not the arena)
             "lora_adapters": self.list_loras(),
+            "lora_adapters_in_slots": sorted(a.name for a in self.loras.in_slot.values()),
             "lora_requests": {a.name: {"running": sum(1 for s in live if s.lora is a and s.slot is not None),
                                        "waiting": sum(1 for s in live if s.lora is a and s.slot is None)}
                               for a in self.loras.by_name.values()},

@@ -9,11 +9,16 @@ written, so a bad adapter is an error naming the tensor, never a half-loaded slo
 (`lora_alpha / r`, `/ sqrt(r)` with `use_rslora`, per module with `alpha_pattern`) is folded into B.
 
 Adapters take no arena memory: their factors are model parameters of fixed size (`max_loras` slots
-of rank `max_lora_rank` on every projection), allocated at start-up beside the weights.
+of rank `max_lora_rank` on every projection), allocated at start-up beside the weights. More adapters
+than slots may be registered (`max_cpu_loras`, vLLM's): their factors wait in host memory and are
+written into a slot when a request that uses them is admitted, replacing the least recently used
+adapter that no running request uses (the scheduler keeps the running requests' adapters within the
+slots).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -50,15 +55,16 @@ class LoRARequest:
     lora_path: str = ""
 
 
-@dataclass
+@dataclass(eq=False)
 class Adapter:
     name: str
     path: str
-    slot: int  # 1..max_loras (0 is the base model)
-    uid: int  # unique per load: seeds the prefix-cache hashes of its requests
+    uid: int  # unique per load: seeds the prefix-cache hashes of its requests (and names it to the scheduler)
     rank: int
-    factors: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> (A [R, in], B [out, R]) as written
+    factors: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> one slot's (lora_a, lora_b) contents, host
     int_id: int = 0
+    slot: Optional[int] = None  # its device slot 1..max_loras (0 is the base model); None: host only
+    used: int = 0  # when a request last needed it in its slot (LRU)
     requests: set = field(default_factory=set)  # sequences in flight with it (engine rids)
 
 
@@ -160,34 +166,58 @@ def _pattern(patterns: dict, module: str, default: float) -> float:
 
 
 class Registry:
-    """Loaded adapters by name and slot. Pure bookkeeping: the engine writes the factors."""
+    """Registered adapters by name (at most `capacity`) and the ones holding device slots (at most
+    `slots`). Pure bookkeeping: the engine writes the factors."""
 
-    def __init__(self, slots: int, rank: int):
+    def __init__(self, slots: int, rank: int, capacity: Optional[int] = None):
         self.slots, self.rank = slots, rank
+        self.capacity = capacity if capacity is not None else slots
         self.by_name: dict[str, Adapter] = {}
-        self._uids = 0
+        self.in_slot: dict[int, Adapter] = {}
+        self._uids = itertools.count(1)
+        self._clock = itertools.count(1)
 
-    def free_slot(self) -> int:
-        used = {a.slot for a in self.by_name.values()}
-        free = [s for s in range(1, self.slots + 1) if s not in used]
-        if not free:
-            raise LoRAError(f"max_loras={self.slots} adapters are loaded ({', '.join(sorted(self.by_name))}); "
+    def check_room(self) -> None:
+        if len(self.by_name) >= self.capacity:
+            key = "max_cpu_loras" if self.capacity > self.slots else "max_loras"
+            raise LoRAError(f"{key}={self.capacity} adapters are loaded ({', '.join(sorted(self.by_name))}); "
                             f"unload one first")
-        return free[0]
 
     def add(self, name: str, path: str, rank: int, factors: dict, int_id: int = 0) -> Adapter:
         if name in self.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        self._uids += 1
-        adapter = Adapter(name, path, self.free_slot(), self._uids, rank, factors, int_id)
+        self.check_room()
+        adapter = Adapter(name, path, next(self._uids), rank, factors, int_id)
         self.by_name[name] = adapter
         return adapter
+
+    def place(self, adapter: Adapter, busy: set) -> Optional[int]:
+        """Give `adapter` a device slot -> the slot its factors must be written to, or None when it holds
+        one already. A free slot first, else the least recently used adapter not in `busy` (adapters
+        of running requests) gives up its slot."""
+        adapter.used = next(self._clock)
+        if adapter.slot is not None:
+            return None
+        free = [s for s in range(1, self.slots + 1) if s not in self.in_slot]
+        if free:
+            slot = free[0]
+        else:
+            idle = [a for a in self.in_slot.values() if a not in busy]
+            if not idle:  # the scheduler admits within the slots; this is a bookkeeping error
+                raise RuntimeError(f"no LoRA slot for adapter {adapter.name!r}: all {self.slots} are in use")
+            victim = min(idle, key=lambda a: a.used)
+            slot, victim.slot = victim.slot, None
+        adapter.slot = slot
+        self.in_slot[slot] = adapter
+        return slot
 
     def remove(self, name: str) -> Adapter:
         adapter = self.get(name)
         if adapter.requests:
             raise LoRAError(f"lora_name {name!r}: {len(adapter.requests)} requests in flight use it; finish or "
                             f"abort them first")
+        if adapter.slot is not None:
+            del self.in_slot[adapter.slot]
         return self.by_name.pop(name)
 
     def get(self, name: str) -> Adapter:

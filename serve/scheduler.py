@@ -20,6 +20,9 @@ are first come, first served):
   the ratio adaptive (high after a preemption, decaying while none happens), so a burst of long
   generations does not fill the arena with requests that would preempt each other (each preemption
   recomputes). With nothing running, the first request is admitted regardless;
+- LoRA adapters (serve/lora.py): the running requests use at most `max_loras` distinct adapters (the
+  device slots); a waiting request whose adapter would be one too many is skipped (others of loaded
+  adapters may go ahead of it, as in vLLM) until a running adapter's requests finish;
 - speculative drafts (serve/speculative.py) ride on decodes: a decode with d drafts computes 1 + d
   tokens and needs pages for them; drafts are optional and are the first thing dropped when pages or
   the token budget run short.
@@ -41,6 +44,7 @@ class SchedulerConfig:
     page_size: int
     num_mla_layers: int
     slot_units: int
+    max_loras: int = 0  # distinct LoRA adapters the running requests may use at once (0: no adapters)
 
 
 @dataclass(frozen=True)
@@ -57,6 +61,7 @@ class SeqView:
     priority: int = 0  # lower runs first (vLLM's convention)
     draft: int = 0  # speculative tokens proposed for its next decode
     limit: int | None = None  # the most tokens it can reach (prompt + max_tokens); None: `total`
+    adapter: int = 0  # its LoRA adapter (a nonzero id), 0: the base model
 
 
 @dataclass(frozen=True)
@@ -106,6 +111,10 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
     waiting = sorted((s for s in seqs if not s.running), key=key)
     victims = sorted(running, key=key, reverse=True)  # lowest priority, newest first
 
+    # adapters of the running requests; a waiting request may add one while fewer than max_loras are
+    active = {s.adapter for s in running if s.adapter}
+    fits_adapter = lambda s: not s.adapter or s.adapter in active or len(active) < cfg.max_loras  # noqa: E731
+
     # 0. a waiting request that does not fit preempts running ones of a strictly lower priority; the
     #    memory it needs is held for it until step 2 (released first if decodes run short)
     reserved: dict[str, int] = {}  # rid -> units held (and one slot each)
@@ -113,6 +122,8 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         lower = [v for v in victims if v.priority > w.priority]
         if not lower:
             break
+        if not fits_adapter(w):
+            continue  # preempting would not give it an adapter slot
         need = _first_chunk(w, cfg)
         while (need > free_units or free_slots < 1) and lower:
             v = lower.pop(0)
@@ -161,6 +172,8 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
     # 2. prefill chunks: running partial prefills first, then admissions, in (priority, arrival) order;
     #    with a new-token ratio, an admission must leave room for the expected growth of everyone running
     live = [s for s in running if s.rid not in preempted]
+    active.clear()
+    active.update(s.adapter for s in live if s.adapter)  # preempted requests gave theirs up
     ahead = sum(expected_growth(s, s.pages + plan.grow.get(s.rid, 0), new_token_ratio, cfg) for s in live) \
         if new_token_ratio > 0 else 0
     candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting
@@ -179,6 +192,8 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
                 break
         units = max(0, units_for(start + length, cfg) - s.pages)
         slots = 0 if s.running else 1
+        if slots and not fits_adapter(s):
+            continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         if s.rid in reserved:  # step 0 held its memory
             free_units, free_slots = free_units + reserved.pop(s.rid), free_slots + 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots:
@@ -193,6 +208,8 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         plan.prefill.append((s.rid, start, length))
         if slots:
             plan.admit.append(s.rid)
+            if s.adapter:
+                active.add(s.adapter)
         if units:
             plan.grow[s.rid] = units
         free_units -= units + slots * cfg.slot_units

@@ -57,7 +57,8 @@ def engine(ref):
     path, _, dirs = ref
     eng = Engine(load_model(path), EngineConfig(
         max_model_len=256, page_size=16, cache_bytes=24 << 20, max_num_seqs=4, decode_buckets=(4,),
-        prefill_buckets=(2,), context_buckets=(16,), max_num_batched_tokens=256, max_loras=2, max_lora_rank=4),
+        prefill_buckets=(2,), context_buckets=(16,), max_num_batched_tokens=256, max_loras=2, max_lora_rank=4,
+        max_cpu_loras=3),
         progress=False)
     eng.add_lora(LoRARequest("a", 1, dirs["default"]))
     return eng
@@ -167,6 +168,34 @@ def test_prefix_cache_is_per_adapter_load(engine, ref):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
+def test_more_adapters_than_slots(engine, ref):
+    """Three adapters on two device slots (`max_cpu_loras`): the running requests never use more than two
+    at once, a waiting adapter is swapped in once one is idle, and a swapped-in adapter gives the tokens
+    it gives from a slot it never left ("c" is "b"'s directory under another name)."""
+    _, _, dirs = ref
+    engine.add_lora(LoRARequest("c", 3, dirs["second"]))
+    assert engine.stats()["lora_adapters_in_slots"] == ["a", "b"]
+    prompts = hfx.make_prompt(VARIANT, 8, batch=3, length=40)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    reqs = [(prompts[0], "a"), (prompts[1], "b"), (prompts[2], "c"), (prompts[0], "c"), (prompts[1], None)]
+    ids = [engine.add_request(list(map(int, p)), sp, lora_request=lr) for p, lr in reqs]
+    swaps, done, most = engine.counters["lora_swaps"], {}, 0
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        running = {s.lora.name for s in engine.seqs.values() if s.lora is not None and s.slot is not None}
+        most = max(most, len(running))
+        assert all(engine.seqs[r].lora.slot is not None for r in engine.seqs if engine.seqs[r].slot is not None
+                   and engine.seqs[r].lora is not None)
+    assert most == 2 and engine.counters["lora_swaps"] > swaps
+    toks = [done[i] for i in ids]
+    assert toks[3] == _run(engine, [(prompts[0], "b")], max_tokens=6)[0].outputs[0].token_ids
+    assert toks[2] == _run(engine, [(prompts[2], "b")], max_tokens=6)[0].outputs[0].token_ids
+    assert toks[0] == _run(engine, [(prompts[0], "a")], max_tokens=6)[0].outputs[0].token_ids  # swapped back in
+    engine.remove_lora("c")
+
+
 def _write_adapter(d, tensors: dict, **conf):
     from safetensors.numpy import save_file
 
@@ -182,10 +211,11 @@ def test_bad_adapters_and_registry_errors(engine, ref, tmp_path):
     _, _, dirs = ref
     q = "base_model.model.model.layers.1.self_attn.q_proj"
     ok = {f"{q}.lora_A.weight": np.ones((2, 96), np.float32), f"{q}.lora_B.weight": np.ones((96, 2), np.float32)}
-    loaded = engine.list_loras()
-    assert len(loaded) == 2
-    with pytest.raises(LoRAError, match="max_loras=2"):
-        engine.add_lora(LoRARequest("c", 3, dirs["default"]))
+    assert engine.list_loras() == ["a", "b"]
+    engine.add_lora(LoRARequest("c", 3, dirs["default"]))  # registered in host memory: both slots are taken
+    with pytest.raises(LoRAError, match="max_cpu_loras=3"):
+        engine.add_lora(LoRARequest("d", 4, dirs["default"]))
+    engine.remove_lora("c")
     engine.remove_lora("b")
     cases = [
         (str(tmp_path / "nowhere"), "not a directory"),
@@ -210,7 +240,7 @@ def test_bad_adapters_and_registry_errors(engine, ref, tmp_path):
         engine.add_lora(LoRARequest("a", 1, dirs["default"]))
     with pytest.raises(RequestError, match="lora_request: no LoRA adapter 'zz' is loaded"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request="zz")
-    with pytest.raises(RequestError, match="lora_request: lora_path"):
+    with pytest.raises(RequestError, match="lora_request: lora_path .* no adapter_config.json"):
         engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request=LoRARequest("c", 3, str(tmp_path)))
     rid = engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request="a")
     with pytest.raises(LoRAError, match="1 requests in flight"):
@@ -287,9 +317,11 @@ def test_http_models_requests_and_runtime_loading(engine, ref):
             assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
             r = await c.post("/v1/load_lora_adapter", json={"lora_name": "c", "lora_path": dirs["second"]})
             assert r.status_code == 200, r.text
-            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["kimi", "a", "c"]
             r = await c.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": dirs["second"]})
-            assert r.status_code == 400 and "max_loras=2" in r.json()["error"]["message"]
+            assert r.status_code == 200, r.text
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["kimi", "a", "c", "d"]
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": dirs["second"]})
+            assert r.status_code == 400 and "max_cpu_loras=3" in r.json()["error"]["message"]
             metrics = (await c.get("/metrics")).text
             assert 'max_lora="2"' in metrics and "k3jax:lora_requests_running" in metrics
 
@@ -309,5 +341,5 @@ def test_cli_lora_modules():
         lora_modules({"lora_modules": ["x=/y"]})
     with pytest.raises(ValueError, match="expected name=path"):
         lora_modules({"enable_lora": True, "lora_modules": ["x"]})
-    with pytest.raises(ValueError, match="--max-loras 1"):
+    with pytest.raises(ValueError, match="room for 1"):
         lora_modules({"enable_lora": True, "max_loras": 1, "lora_modules": ["x=/y", "z=/w"]})

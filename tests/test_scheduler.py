@@ -80,3 +80,22 @@ def test_admission_looks_ahead_at_the_running_requests_growth():
     seqs = [run("a", 1, 49), run("b", 2, 49), run("c", 3, 49)]
     plan = schedule(seqs, Memory(1, 0), CFG, new_token_ratio=0.5)
     assert plan.preempt == ["c"] and plan.retracted == 1
+
+
+def test_running_adapters_stay_within_the_lora_slots():
+    """With two LoRA slots and adapter 1 running, the oldest waiting request of adapter 2 is admitted;
+    one of adapter 3 is then skipped (not blocking the base-model request behind it), and adapter 2's
+    next request joins. A third adapter never preempts for memory it could not use."""
+    cfg = SchedulerConfig(**{**CFG.__dict__, "max_prefill_seqs": 4, "max_loras": 2})
+    seqs = [SeqView("r", 1, 40, 39, True, 6, adapter=1), SeqView("w2", 2, 10, 0, False, 0, adapter=2),
+            SeqView("w3", 3, 10, 0, False, 0, adapter=3), SeqView("wb", 4, 10, 0, False, 0),
+            SeqView("w2b", 5, 10, 0, False, 0, adapter=2)]
+    plan = schedule(seqs, Memory(100, 4), cfg)
+    assert plan.decode == ["r"] and plan.admit == ["w2", "wb", "w2b"]
+    # a higher-priority request of a third adapter may not preempt for memory while both slots are busy
+    busy = [SeqView("r1", 1, 40, 39, True, 6, adapter=1), SeqView("r2", 2, 40, 39, True, 6, adapter=2, priority=5),
+            SeqView("hi", 3, 10, 0, False, 0, adapter=3, priority=-1)]
+    plan = schedule(busy, Memory(0, 0), cfg)
+    assert plan.preempt == [] and plan.admit == []
+    plan = schedule(busy, Memory(100, 4), cfg)
+    assert plan.admit == []  # memory is there, an adapter slot is not
