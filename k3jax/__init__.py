@@ -16,11 +16,15 @@ def __getattr__(name):
     if name == "LoRARequest":
         from serve.lora import LoRARequest
         return LoRARequest
+    if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
+        import serve.beam_search
+        return getattr(serve.beam_search, name)
     if name in ("SamplingParams", "RequestOutput", "StructuredOutputsParams"):
         import serve.types
         return getattr(serve.types, name)
     raise AttributeError(f"module 'k3jax' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LoRARequest", "initialize_distributed", "SamplingParams", "RequestOutput", "StructuredOutputsParams", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
+__all__ = ["LLM", "LoRARequest", "initialize_distributed", "SamplingParams", "RequestOutput", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
+           "BeamSearchSequence", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
 __version__ = "0.1.0"

@@ -56,6 +56,7 @@ from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
 from k3jax.runtime import load_model
+from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve.engine import EngineSleeping
 from serve.lora import LoRAError, LoRARequest
@@ -168,6 +169,9 @@ class _GenerationFields(_Strict):
     bad_words: Optional[list[str]] = Field(None, description="words never to generate (vLLM's)")
     return_token_ids: bool = Field(False, description="vLLM's: the prompt's and each choice's token ids in the "
                                                       "response (per delta when streamed)")
+    use_beam_search: bool = Field(False, description="vLLM's: a beam search of width n; the choices are its n best "
+                                                     "hypotheses, best first (sent when the search ends)")
+    length_penalty: float = Field(1.0, description="beam search: scores are cumulative logprob / length ** this")
 
 
 class CompletionRequest(_GenerationFields):
@@ -497,8 +501,9 @@ class _Run:
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
-                 lora: Optional[str] = None):
+                 lora: Optional[str] = None, engine_params: Optional[BeamSearchParams] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
+        self.engine_params = engine_params or params  # what the engine runs (a beam search, or `params`)
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if lora is not None:
@@ -520,7 +525,8 @@ class _Run:
             self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
 
     async def _pump(self, i: int, ids: list[int]) -> None:
-        gen = self.st.engine.generate(ids, self.params, f"{self.base_id}-{i}", priority=self.priority, **self.extra)
+        gen = self.st.engine.generate(ids, self.engine_params, f"{self.base_id}-{i}", priority=self.priority,
+                                      **self.extra)
         try:
             async for out in gen:
                 self.q.put_nowait((i, out))
@@ -1502,6 +1508,30 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
     return params
 
 
+def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParams,
+                 prompts: list[list[int]]) -> BeamSearchParams:
+    """vLLM's `use_beam_search`: a beam search of width `n` (serve/beam_search.py). Fields that would
+    change which tokens a sampler draws have no meaning for it and are refused rather than ignored."""
+    unsupported = [("stop", params.stop), ("stop_token_ids", params.stop_token_ids),
+                   ("structured_outputs", params.structured_outputs is not None), ("logit_bias", params.logit_bias),
+                   ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
+                   ("min_tokens", params.min_tokens), ("presence_penalty", params.presence_penalty),
+                   ("frequency_penalty", params.frequency_penalty),
+                   ("repetition_penalty", params.repetition_penalty != 1.0),
+                   ("prompt_logprobs", params.prompt_logprobs is not None)]
+    for name, value in unsupported:
+        if value:
+            raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
+    max_tokens = params.max_tokens if params.max_tokens is not None else st.max_model_len - max(map(len, prompts))
+    beam = BeamSearchParams(params.n, max_tokens, params.ignore_eos, params.temperature, body.length_penalty,
+                            params.include_stop_str_in_output)
+    try:
+        beam.validate(st.max_logprobs)
+    except RequestError as e:
+        raise APIError(400, str(e).replace("beam_width", "n", 1), param="n") from None
+    return beam
+
+
 def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str) -> int:
     """Raise 400 naming both numbers when a prompt does not fit; return the tokens to reserve."""
     L, reserve = st.max_model_len, 0
@@ -1531,6 +1561,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     include_usage = bool(stream_options and stream_options.include_usage)
     continuous = include_usage and stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
     reserve = _check_context(st, prompts, params, param)
+    beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:
         try:  # compile here, off the engine thread; the engine finds it cached
@@ -1541,7 +1572,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     lora = st.check_model(getattr(body, "model", None))
     if lora is not None:
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
-    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora)
+    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
+               beam)
     handed_off = False
     try:
         run.start()

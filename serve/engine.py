@@ -34,7 +34,8 @@ from pallas_kernels.dispatch import resolve_backend
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, read_peft
-from serve.memory import Arena, ArenaLayout, OutOfMemory, state_dtype_name
+from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
+from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, state_dtype_name
 from serve.moe_timing import time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -244,6 +245,9 @@ class Sequence:
     ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
     spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
     lora: Optional[Adapter] = None  # the LoRA adapter it runs with (None: the base model)
+    beam: Optional[BeamGroup] = None  # set on the beams of a beam-search request (serve/beam_search.py)
+    hyp: Hypothesis = Hypothesis()  # a beam's generated tokens and their logprobs
+    proposals: Optional[tuple] = None  # a beam's (top ids, top logprobs) awaiting its group's selection
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -258,17 +262,27 @@ class Sequence:
 
 
 @dataclass
+class _FrozenSlot:
+    """A forked beam's parent: its state slot and MLA units, held until every child has read them."""
+
+    slot: int
+    units: list[int]
+    pins: int = 0  # children that have not yet read the slot
+
+
+@dataclass
 class Request:
     request_id: str
     prompt: Optional[str]
     prompt_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence]
+    seqs: list[Sequence]  # a beam search's live beams
     metrics: RequestMetrics
+    beam: Optional[BeamGroup] = None
 
     @property
     def finished(self) -> bool:
-        return all(s.finished for s in self.seqs)
+        return self.beam.done if self.beam is not None else all(s.finished for s in self.seqs)
 
 
 class Engine:
@@ -363,6 +377,11 @@ class Engine:
         self.prefix_cache = (PrefixCache(self.allocator, self.layout, self.align, PrefixCacheConfig(
             True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval),
             host, self._read_units) if config.enable_prefix_caching else None)
+        # holders of MLA units: prefix-cache entries and requests, or (without a cache) requests and forked beams
+        self.refs = self.prefix_cache if self.prefix_cache is not None else UnitRefs(self.allocator)
+        self._frozen: list[_FrozenSlot] = []  # forked beams' parents, until their children have read them
+        self._beams: dict[str, Request] = {}  # beam searches in progress
+        self._beam_ids = itertools.count()
         self.requests: dict[str, Request] = {}
         self.seqs: dict[str, Sequence] = {}
         self._order = itertools.count()
@@ -376,7 +395,7 @@ class Engine:
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
                              spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
-                             lora_swaps=0)
+                             lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -572,12 +591,21 @@ class Engine:
         requests of higher values (vLLM's convention); equal priorities are first come, first served.
         `cache_salt` (vLLM's): only requests with the same salt share cached prefixes (tenants that must
         not learn from each other's cache hits use different salts). `lora_request`: the adapter to run
-        with, by name or as a `LoRARequest` (loaded from its path on first use); None: the base model."""
+        with, by name or as a `LoRARequest` (loaded from its path on first use); None: the base model.
+        `params` may be a `BeamSearchParams` (serve/beam_search.py): the request then runs a beam search
+        and finishes with its `beam_width` best hypotheses, best first."""
         self._leader_only("add_request")
         self._check_awake("add_request")
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
+        beam = None
         try:
+            if isinstance(params, BeamSearchParams):
+                params.validate(self.config.max_logprobs)
+                if params.beam_width > self.sched_cfg.max_num_seqs:
+                    raise RequestError(f"beam_width: {params.beam_width} beams exceed max_num_seqs="
+                                       f"{self.sched_cfg.max_num_seqs}, the most sequences a step decodes")
+                beam, params = params, params.step_params()
             if request_id in self.requests:
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= INTERNAL_PRIORITY:
@@ -600,8 +628,9 @@ class Engine:
                     f"prompt: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context window of "
                     f"{self.config.max_model_len} tokens")
             need = self.layout.slot_units + units_for(len(ids) + max_tokens, self.sched_cfg)
-            if need * params.n > self.allocator.baseline_free_units:
-                raise RequestError(f"request needs {need * params.n} cache units but the arena has "
+            width = beam.beam_width if beam is not None else params.n
+            if need * width > self.allocator.baseline_free_units:
+                raise RequestError(f"request needs {need * width} cache units but the arena has "
                                    f"{self.allocator.baseline_free_units}; it can never fit")
             guides = ([self.grammars.guide(params.structured_outputs) for _ in range(params.n)]
                       if params.structured_outputs is not None else [None] * params.n)
@@ -618,23 +647,29 @@ class Engine:
         # an adapter changes every cached page and state: its requests share prefixes only among
         # themselves, and only with this load of it (the uid), never with the base model's
         salt = (cache_salt or "").encode() + (b"\0lora:%d" % adapter.uid if adapter is not None else b"")
+        group = (BeamGroup(beam, len(ids), frozenset() if beam.ignore_eos else frozenset(self.stop_ids), [])
+                 if beam is not None else None)
+        self.counters["beam_search_requests"] += group is not None
         seqs = []
-        for i in range(params.n):
+        for i in range(1 if group is not None else params.n):  # a beam search starts from one sequence
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
                            priority=priority, guide=guides[i], bad_words=bad_words,
                            prompt_ids=list(ids), params=params, seed=base_seed + i,
                            checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
                                                max_tokens),
-                           metrics=RequestMetrics(arrival_time=now),
+                           metrics=metrics if group is not None else RequestMetrics(arrival_time=now),
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
-                           hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter)
+                           hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter,
+                           beam=group)
             if adapter is not None:
                 adapter.requests.add(seq.rid)
             seqs.append(seq)
             self.seqs[seq.rid] = seq
-        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics)
-        self.counters["prompt_tokens"] += len(ids) * params.n
+        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics, group)
+        if group is not None:
+            self._beams[request_id] = self.requests[request_id]
+        self.counters["prompt_tokens"] += len(ids) * len(seqs)
         return request_id
 
     def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -756,6 +791,14 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
+        if req.beam is not None:
+            for s in req.seqs:
+                self._drop_beam(s)
+            req.seqs, req.beam.final, req.beam.aborted = [], [], True
+            self._beams.pop(request_id, None)
+            self._sweep_frozen()
+            self.counters["requests_aborted"] += 1
+            return True
         for s in req.seqs:
             if not s.finished:
                 self._finish(s, "abort")
@@ -904,12 +947,13 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return outputs of requests that made progress."""
         self._leader_only("step")
-        live = [s for s in self.seqs.values() if not s.finished]
+        self._unpark_for_laggards()
+        live = [s for s in self.seqs.values() if not s.finished and s.proposals is None]
         for s in live:
             if s.slot is None:
                 self._match(s)
         if self._canonicalize_shared_tails(live):
-            live = [s for s in self.seqs.values() if not s.finished]
+            live = [s for s in self.seqs.values() if not s.finished and s.proposals is None]
             for s in live:
                 if s.slot is None and s.hit is None:
                     self._match(s)
@@ -958,8 +1002,9 @@ class Engine:
         if plan.prefill:
             self._run([r for r, _, _ in plan.prefill], plan.prefill, self.config.prefill_chunk, touched)
             self.counters["prefill_steps"] += 1
+        ended = self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
-        outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched})]
+        outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched} | ended)]
         self._reap()
         return outs
 
@@ -980,7 +1025,8 @@ class Engine:
         grammar accepts (each verify position then gets its own mask, see _pad_batch). Requests whose
         next tokens depend on host state the drafts would bypass (bad words, a min_tokens ban, a
         constraint still waiting for the end of reasoning) decode one token at a time."""
-        if (seq.slot is None or seq.internal or seq.computed != len(seq.all_ids) - 1 or seq.bad_words
+        if (seq.slot is None or seq.internal or seq.beam is not None or seq.computed != len(seq.all_ids) - 1
+                or seq.bad_words
                 or len(seq.output_ids) < seq.params.min_tokens or (seq.guide is not None and not seq.guide.active)):
             return []
         k = min(self.spec.num_speculative_tokens, seq.checker.max_tokens - len(seq.output_ids) - 1,
@@ -1179,16 +1225,16 @@ class Engine:
     def _after_row(self, seq: Sequence, decoded: bool, prev: Optional[int] = None, ahead: list[int] = ()) -> None:
         """Bookkeeping after a step computed rows of `seq` (from position `prev` on a decode; `ahead`: accepted
         drafts in the cache, not yet appended to its output): drop pins, share pages, capture states."""
+        if seq.read_pin is not None:
+            seq.read_pin.pins -= 1
+        seq.read_slot = seq.read_pin = None
+        seq.copies = []
         pc = self.prefix_cache
         if pc is None:
             return
         if seq.hit is not None:
             pc.unpin(seq.hit)
             seq.hit = None
-        if seq.read_pin is not None:
-            seq.read_pin.pins -= 1
-        seq.read_slot = seq.read_pin = None
-        seq.copies = []
         seq.hasher.extend(seq.all_ids + list(ahead))
         if decoded:
             # Decode writes latents and states through the token-by-token recurrence, which rounds
@@ -1261,6 +1307,15 @@ class Engine:
         if pc is not None:  # running requests first: the scheduler counted on all evictable memory
             pc.evict_for(sum(plan.grow[r] for r in running), 0, keep=self._wanted())
         for rid in running:
+            if not self.allocator.can_fit(plan.grow[rid], 0):
+                # the plan's estimate of what preemption frees counts units forked beams share (freed only
+                # with the last of them): a decode that finds no room is preempted instead of failing the step
+                self._preempt(self.seqs[rid])
+                plan.decode = [r for r in plan.decode if r != rid]
+                plan.prefill = [r for r in plan.prefill if r[0] != rid]
+                plan.grow.pop(rid)
+                plan.draft.pop(rid, None)
+                continue
             self._grow(self.seqs[rid], plan.grow[rid])
         if pc is not None and plan.admit:
             for rid in plan.admit:
@@ -1294,8 +1349,7 @@ class Engine:
     def _grow(self, seq: Sequence, units: int) -> None:
         """Give `seq` `units` more MLA units (the same number of pages in every MLA layer)."""
         got = self.allocator.alloc_pages(units)
-        if self.prefix_cache is not None:
-            self.prefix_cache.ref(got)
+        self.refs.ref(got)
         per = units // self.cfg.num_mla_layers
         for j in range(self.cfg.num_mla_layers):
             seq.pages[j].extend(got[j * per:(j + 1) * per])
@@ -1319,6 +1373,11 @@ class Engine:
         self.inter_rank_bytes += self._moe_exchange_bytes(rows_bucket * t)
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
+            if verify and seq.beam is not None:  # a beam never drafts: its row verified nothing
+                seq.computed = start + 1
+                self._after_row(seq, decoded=True, prev=start)
+                self._park(seq, top_ids[i, 0], top_lps[i, 0])
+                continue
             if verify:  # the input token and the accepted drafts are in the cache; emit those drafts + 1
                 a = int(accepted[i])
                 self._count_drafts(seq, n - 1, a)
@@ -1342,7 +1401,9 @@ class Engine:
             # finishes on this token (max_tokens=1, a stop) releases its memory in `_append`.
             if seq.slot is not None:
                 self._after_row(seq, decoded=t == 1)
-            if not seq.finished and seq.computed == len(seq.all_ids):
+            if not seq.finished and seq.computed == len(seq.all_ids) and seq.beam is not None:
+                self._park(seq, top_ids[i], top_lps[i])
+            elif not seq.finished and seq.computed == len(seq.all_ids):
                 touched.add(seq.rid)
                 self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
 
@@ -1472,18 +1533,17 @@ class Engine:
 
     def _release(self, seq: Sequence) -> None:
         pc = self.prefix_cache
-        if pc is not None:
-            if seq.hit is not None and seq.slot is not None:
-                pc.unpin(seq.hit)  # admitted but never ran
-            if seq.read_pin is not None:
-                seq.read_pin.pins -= 1
-            seq.hit = seq.read_pin = seq.read_slot = None
-            seq.copies, seq.registered_pages = [], 0
+        if pc is not None and seq.hit is not None and seq.slot is not None:
+            pc.unpin(seq.hit)  # admitted but never ran
+        if seq.read_pin is not None:
+            seq.read_pin.pins -= 1
+        seq.hit = seq.read_pin = seq.read_slot = None
+        seq.copies, seq.registered_pages = [], 0
         if seq.slot is not None:
             self.allocator.free_slot(seq.slot)
             seq.slot = None
         for p in seq.pages:
-            pc.unref(p) if pc is not None else self.allocator.free_pages(p)
+            self.refs.unref(p)
             p.clear()
 
     def _preempt(self, seq: Sequence) -> None:
@@ -1500,6 +1560,8 @@ class Engine:
                 self.seqs.pop(s.rid, None)
 
     def _output(self, req: Request) -> RequestOutput:
+        if req.beam is not None:
+            return self._beam_output(req)
         outs = [CompletionOutput(s.index, s.checker.text, list(s.output_ids), s.finish_reason, s.stop_reason,
                                  list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
         first = min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None)
@@ -1512,6 +1574,164 @@ class Engine:
         prompt_lps = list(req.seqs[0].prompt_lps) if req.seqs[0].prompt_lps is not None else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics, cached,
                              prompt_lps)
+
+    # ---- beam search (serve/beam_search.py) ------------------------------------------------------
+    def _park(self, seq: Sequence, top_ids, top_lps) -> None:
+        """A beam computed its last token: keep its proposals for the group's selection (it is not
+        scheduled until then)."""
+        n = seq.beam.params.proposals
+        seq.proposals = (np.asarray(top_ids[:n]).tolist(), np.asarray(top_lps[:n]).tolist())
+
+    def _unpark_for_laggards(self) -> None:
+        """A beam search with a beam waiting for memory (preempted, or forked without room) cannot select
+        until that beam has computed: its beams that have their proposals give their memory back so the
+        laggard can run (their proposals stay; their continuations recompute)."""
+        for req in self._beams.values():
+            if any(s.slot is None and s.proposals is None for s in req.seqs):
+                for s in req.seqs:
+                    if s.proposals is not None and s.slot is not None:
+                        self._release(s)
+                        s.computed = 0
+
+    def _select_beams(self) -> set[str]:
+        """One selection round for every beam search whose live beams all have their proposals: keep
+        the best `beam_width` continuations (a beam chosen once continues in place, one chosen k > 1
+        times forks into k), or finish -> the ids of the searches that ended."""
+        now, ended = time.monotonic(), set()
+        for rid, req in list(self._beams.items()):
+            g, beams = req.beam, req.seqs
+            if not beams or any(s.proposals is None for s in beams):
+                continue
+            p = g.params
+            survivors, done = expand([(s.hyp, *s.proposals) for s in beams], p.beam_width, g.eos_ids, g.prompt_len,
+                                     p.length_penalty)
+            g.completed += done
+            g.rounds += 1
+            if g.rounds == 1:
+                g.cached_tokens = beams[0].cached_tokens or 0
+            m = beams[0].metrics  # shared by the request's beams
+            if m.first_token_time is None:
+                m.first_token_time = now
+            elif m.last_token_time is not None:
+                self.latency["itl"].append(now - m.last_token_time)
+            m.last_token_time = now
+            self.counters["generation_tokens"] += len(beams)
+            if g.rounds >= p.max_tokens or not survivors:
+                g.final = best(g.completed + [h for _, h in survivors], p.beam_width, g.prompt_len, p.length_penalty)
+                for s in beams:
+                    self._drop_beam(s)
+                req.seqs = []
+                del self._beams[rid]
+                ended.add(rid)
+                m.finished_time = now
+                self.counters["requests_finished"] += 1
+                for k, v in (("ttft", m.ttft), ("e2e", m.e2e), ("queue", m.queue_time)):
+                    if v is not None:
+                        self.latency[k].append(v)
+                continue
+            chosen: list[list[tuple[int, Hypothesis]]] = [[] for _ in beams]
+            for rank, (i, h) in enumerate(survivors):
+                chosen[i].append((rank, h))
+            ranked = []
+            for s, mine in zip(beams, chosen):
+                if len(mine) == 1:
+                    s.hyp, s.proposals = mine[0][1], None
+                    s.output_ids.append(s.hyp.tokens[-1])
+                    ranked.append((mine[0][0], s))
+                elif mine:
+                    ranked += zip([r for r, _ in mine], self._fork_beam(s, [h for _, h in mine]))
+                else:
+                    self._drop_beam(s)
+            req.seqs = [s for _, s in sorted(ranked, key=lambda x: x[0])]
+            for i, s in enumerate(req.seqs):
+                s.index = i
+        self._sweep_frozen()
+        return ended
+
+    def _fork_beam(self, parent: Sequence, hyps: list[Hypothesis]) -> list[Sequence]:
+        """Children of a beam chosen more than once. Each shares the parent's full MLA pages, gets a
+        copy of its partial last page, and reads the parent's KDA state slot in its next step while
+        writing its own (the slot is frozen meanwhile: nothing writes a slot a step reads). A child
+        that finds no memory waits like a preempted request and recomputes its tokens."""
+        lm, ps = self.cfg.num_mla_layers, self.config.page_size
+        src, full, part = parent.pages, parent.computed // ps, parent.computed % ps
+        frozen = None
+        if parent.slot is not None:
+            frozen = _FrozenSlot(parent.slot, [u for p in src for u in p])
+            parent.slot, parent.pages = None, [[] for _ in range(lm)]  # their holds move to `frozen`
+        kids = []
+        for h in hyps:
+            c = Sequence(rid=f"{parent.request_id}#b{next(self._beam_ids)}", request_id=parent.request_id, index=0,
+                         order=parent.order, prompt_ids=parent.prompt_ids, params=parent.params, seed=parent.seed,
+                         checker=parent.checker, metrics=parent.metrics, output_ids=list(h.tokens),
+                         pages=[[] for _ in range(lm)], priority=parent.priority, lora=parent.lora, beam=parent.beam,
+                         hyp=h, hasher=parent.hasher.copy() if parent.hasher is not None else None,
+                         reused=parent.reused, cached_tokens=parent.cached_tokens)
+            if frozen is not None and self._share_beam(c, frozen, src, full, part):
+                c.computed, c.registered_pages = parent.computed, min(parent.registered_pages, full)
+                self.counters["beam_forks"] += 1
+            else:
+                self.counters["beam_fork_recomputes"] += 1
+            if c.lora is not None:
+                c.lora.requests.add(c.rid)
+            self.seqs[c.rid] = c
+            kids.append(c)
+        if frozen is not None:
+            self._frozen.append(frozen)
+        self._drop_beam(parent)
+        return kids
+
+    def _share_beam(self, child: Sequence, frozen: "_FrozenSlot", src: list[list[int]], full: int, part: int) -> bool:
+        """Give a forked beam its slot (reading `frozen`), the shared pages and its partial-page copy."""
+        lm = self.cfg.num_mla_layers
+        fresh = lm if part else 0
+        if self.prefix_cache is not None:
+            self.prefix_cache.evict_for(fresh, 1, keep=self._wanted())
+        if not self.allocator.can_fit(fresh, 1):
+            return False
+        child.slot = self.allocator.alloc_slot()
+        new = self.allocator.alloc_pages(fresh)
+        self.refs.ref(new)
+        for l in range(lm):
+            shared = src[l][:full]
+            self.refs.ref(shared)
+            child.pages[l] = shared + new[l:l + 1]
+        child.copies = [(src[l][full], new[l]) for l in range(len(new))]
+        child.read_slot, child.read_pin = frozen.slot, frozen
+        frozen.pins += 1
+        return True
+
+    def _drop_beam(self, seq: Sequence) -> None:
+        """A beam that no continuation needs: free what it holds and forget it."""
+        self._release(seq)
+        seq.finished, seq.finish_reason, seq.proposals = True, "beam", None
+        if seq.lora is not None:
+            seq.lora.requests.discard(seq.rid)
+        self.seqs.pop(seq.rid, None)
+
+    def _sweep_frozen(self) -> None:
+        """Free the frozen parents every child has read (or given up on)."""
+        keep = []
+        for f in self._frozen:
+            if f.pins > 0:
+                keep.append(f)
+            else:
+                self.allocator.free_slot(f.slot)
+                self.refs.unref(f.units)
+        self._frozen = keep
+
+    def _beam_output(self, req: Request) -> RequestOutput:
+        """A beam search reports once, when it ends: its best hypotheses, best first."""
+        g, outs = req.beam, []
+        skip = not g.params.include_stop_str_in_output
+        dec = (lambda ids, skip=True: self.tokenizer.decode(ids, skip_special=skip)) if self.tokenizer else (
+            lambda ids, skip=True: "")
+        for i, h in enumerate(g.final or ()):
+            lps = [(Logprob(t, lp, dec([t], False)), []) for t, lp in zip(h.tokens, h.logprobs)]
+            outs.append(CompletionOutput(i, dec(list(h.tokens), skip), list(h.tokens), "stop" if h.eos else "length",
+                                         logprobs=lps, cumulative_logprob=h.cum_logprob))
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics,
+                             g.cached_tokens, None)
 
     # ---- introspection --------------------------------------------------------------------------
     def _moe_exchange_bytes(self, tokens: int) -> int:

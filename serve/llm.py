@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Optional, Sequence, Union
 
 from k3jax.runtime import Model, load_model
+from serve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from serve.chat import chat_ids
 from serve.engine import Engine, EngineConfig
 from serve.lora import LoRARequest
@@ -27,7 +28,7 @@ class LLM:
         self.engine = Engine(self.model, EngineConfig(**engine_options), progress=progress)
 
     def generate(self, prompts: Union[Prompt, list[Prompt]],
-                 sampling_params: Union[SamplingParams, list[SamplingParams], None] = None,
+                 sampling_params: Union[SamplingParams, BeamSearchParams, list, None] = None,
                  priority: Optional[list[int]] = None, cache_salt: Optional[str] = None,
                  lora_request=None) -> list[RequestOutput]:
         """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue;
@@ -36,7 +37,7 @@ class LLM:
         a list with one per prompt (None: the base model)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+        if sampling_params is None or isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
@@ -60,6 +61,18 @@ class LLM:
                 if out.finished:
                     done[out.request_id] = out
         return [done[i] for i in ids]
+
+    def beam_search(self, prompts: Union[Prompt, list[Prompt]], params: BeamSearchParams,
+                    lora_request=None) -> list[BeamSearchOutput]:
+        """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best hypotheses, best first. The
+        beams run in the engine next to each other and any other request, forking their cache state
+        (serve/beam_search.py)."""
+        if not isinstance(params, BeamSearchParams):
+            raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
+        outs = self.generate(prompts, params, lora_request=lora_request)
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, [lp.logprob for lp, _ in c.logprobs],
+                                                     c.cumulative_logprob, c.text, c.finish_reason)
+                                  for c in o.outputs]) for o in outs]
 
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,

@@ -182,6 +182,30 @@ class OutOfMemory(Exception):
     """Not enough free units; the scheduler preempts or waits."""
 
 
+class UnitRefs:
+    """Reference counts of arena units held by several owners (requests sharing prefix pages, forked
+    beams, cache entries); a unit goes back to the arena with its last holder."""
+
+    def __init__(self, alloc: "Arena"):
+        self.alloc = alloc
+        self.unit_refs: dict[int, int] = {}
+
+    def ref(self, units) -> None:
+        for u in units:
+            self.unit_refs[u] = self.unit_refs.get(u, 0) + 1
+
+    def unref(self, units) -> None:
+        free = []
+        for u in units:
+            n = self.unit_refs[u] - 1
+            if n:
+                self.unit_refs[u] = n
+            else:
+                del self.unit_refs[u]
+                free.append(u)
+        self.alloc.free_pages(free)
+
+
 class Arena:
     """Host-side bookkeeping of which units hold pages, slots, or are free."""
 

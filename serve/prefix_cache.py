@@ -47,7 +47,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from serve.host_cache import CKPT, PAGE, HostCache, HostEntry
-from serve.memory import Arena, ArenaLayout
+from serve.memory import Arena, ArenaLayout, UnitRefs
 
 FULL, PARTIAL, KDA = b"M", b"P", b"K"  # kind tags of the keys
 PROMPT_END, CHUNK_END, DECODE, BRANCH = "prompt_end", "chunk_end", "decode_interval", "branch_point"
@@ -73,6 +73,12 @@ class PrefixHasher:
     def fresh(self) -> "PrefixHasher":
         """An empty hasher with the same unit and salt."""
         return PrefixHasher(self.unit, self.salt)
+
+    def copy(self) -> "PrefixHasher":
+        """A hasher at the same point (a forked beam continues its parent's chain)."""
+        h = self.fresh()
+        h.digests, h.tokens = list(self.digests), list(self.tokens)
+        return h
 
     def extend(self, tokens: list[int]) -> None:
         self.tokens = tokens
@@ -125,14 +131,17 @@ class Hit:
         return [e for e in [*self.pages, self.partial, self.ckpt] if isinstance(e, HostEntry)]
 
 
-class PrefixCache:
+class PrefixCache(UnitRefs):
+    """Requests and cache entries both hold units (`UnitRefs`); a unit is freed with its last holder."""
+
     def __init__(self, allocator: Arena, layout: ArenaLayout, align: int, cfg: PrefixCacheConfig,
                  host: Optional[HostCache] = None, read_units: Optional[Callable] = None):
         """`host` / `read_units(units, segments) -> (rows, token rows)`: the host tier and how to copy arena
         units to host memory (`segments`: (uid, units) of each entry, in order; both or neither)."""
         if not 1 <= cfg.hash_unit <= 128:
             raise ValueError(f"hash_unit must be in 1..128, got {cfg.hash_unit}")
-        self.alloc, self.layout, self.cfg, self.align = allocator, layout, cfg, align
+        UnitRefs.__init__(self, allocator)
+        self.layout, self.cfg, self.align = layout, cfg, align
         self.host, self.read_units = host, read_units
         self._spill: list = []  # (entry, units) evicted this round, copied to host by `_flush_spill`
         self._clearing = False
@@ -141,27 +150,10 @@ class PrefixCache:
         self.decode_interval = max(align, cfg.decode_interval // align * align)
         self.pages: dict[bytes, PageEntry] = {}
         self.ckpts: dict[bytes, CkptEntry] = {}
-        self.unit_refs: dict[int, int] = {}
         self._clock = itertools.count()
         self.metrics = dict(queries=0, query_tokens=0, hit_tokens=0, mla_tokens_reused=0, kda_hits=0,
                             kda_misses=0, recomputed_no_checkpoint=0, checkpoints_registered=0,
                             checkpoints_evicted=0, pages_evicted=0, host_hits=0, host_hit_tokens=0)
-
-    # ---- unit reference counts (requests and cache entries both hold units) -------------------
-    def ref(self, units) -> None:
-        for u in units:
-            self.unit_refs[u] = self.unit_refs.get(u, 0) + 1
-
-    def unref(self, units) -> None:
-        free = []
-        for u in units:
-            n = self.unit_refs[u] - 1
-            if n:
-                self.unit_refs[u] = n
-            else:
-                del self.unit_refs[u]
-                free.append(u)
-        self.alloc.free_pages(free)
 
     # ---- lookup -------------------------------------------------------------------------------
     def match(self, h: PrefixHasher, n_tokens: int) -> Hit:

@@ -218,6 +218,7 @@ class CompletionOutput:
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
     # per generated token: (sampled token's Logprob, top-N alternatives)
     logprobs: Optional[list[tuple[Logprob, list[Logprob]]]] = None
+    cumulative_logprob: Optional[float] = None  # a beam search's hypotheses: the sum of their token logprobs
 
 
 @dataclass

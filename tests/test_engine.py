@@ -206,6 +206,8 @@ def test_step_updates_the_arena_in_place(model, kda_decode, mla_decode):
     update made XLA re-read the old state late; and with paged MLA decode (which writes the arena
     mid-model) KDA states read up front and written at the end of the step (the batched path now
     reads and writes each layer when it runs)."""
+    if model.cfg.family != "kimi_k3":  # 24 compiles for both models; tiny-k3 has every layer kind the arena serves
+        pytest.skip("the arena's reads and writes are the same code for both models; checked on tiny-k3")
     eng = make_engine(model, warmup=False, decode_buckets=(1, 4), prefill_buckets=(1,), context_buckets=(1, 32),
                       kda_decode=kda_decode, mla_decode=mla_decode)
     lay = eng.layout

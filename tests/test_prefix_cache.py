@@ -7,6 +7,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import k3jax
+from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig
 from serve.types import SamplingParams
 
@@ -242,6 +243,38 @@ def test_metrics_and_clear(engines):
     assert on.reset_prefix_cache()
     assert on.stats()["arena_free_units"] == on.stats()["arena_baseline_free_units"]
     assert on.stats()["prefix_cache"]["pages"] == on.stats()["prefix_cache"]["checkpoints"] == 0
+
+
+def test_beam_search_forks_with_and_without_the_cache(engines):
+    """Beam searches fork KDA state slots and share MLA pages: without the prefix cache (pages shared by
+    reference counts alone), cold with it, and warm (the prompt resumed from the cache) they find the
+    same hypotheses; the arena returns to its baseline."""
+    on, off = engines
+    prompt, params = toks(77, 90), BeamSearchParams(2, 10, ignore_eos=True)
+
+    def go(engine):
+        rid = engine.add_request(prompt, params)
+        out = None
+        while engine.has_unfinished():
+            for o in engine.step():
+                if o.request_id == rid and o.finished:
+                    out = o
+        return out
+
+    forks = off.counters["beam_forks"]
+    want = go(off).outputs
+    assert off.counters["beam_forks"] > forks and len({tuple(c.token_ids) for c in want}) == 2
+    assert off.stats()["arena_free_units"] == off.stats()["arena_baseline_free_units"]
+    for cached in (False, True):
+        out = go(on)
+        got = out.outputs
+        assert (out.num_cached_tokens > 0) == cached
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        np.testing.assert_allclose([c.cumulative_logprob for c in got], [c.cumulative_logprob for c in want],
+                                   atol=1e-4)
+    assert got and on.requests == {} and not on._frozen
+    s = on.stats()
+    assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
 
 
 @settings(max_examples=5, deadline=None, suppress_health_check=list(HealthCheck))
