@@ -60,6 +60,7 @@ __all__ = [
 
 #: Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
+INT32_MAX = 2 ** 31 - 1
 #: PRNG implementation of the per-row keys; ``SamplingBatch.seeds`` holds its raw key data.
 KEY_IMPL = "threefry2x32"
 
@@ -175,7 +176,7 @@ class SamplingBatch:
             if p is None or p.temperature < GREEDY_EPS:
                 continue  # greedy: the defaults above
             temperature[i] = p.temperature
-            top_k[i] = p.top_k if p.top_k > 0 else 0
+            top_k[i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= the vocabulary is off anyway
             top_p[i] = p.top_p
             min_p[i] = p.min_p
         return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,

@@ -72,6 +72,9 @@ def test_from_params_pads_greedy_and_normalises():
     np.testing.assert_array_equal(b.seeds[3], [256, 9])
     with pytest.raises(ValueError):
         SamplingBatch.from_params(params, [0] * 4, [0] * 4, bucket=3)
+    # a top_k beyond int32 (valid: it is >= any vocabulary, so off) must not fail the whole step
+    big = SamplingBatch.from_params([SamplingParams(temperature=1.0, top_k=415057277369)], [1], [0], bucket=1)
+    assert big.top_k[0] == 2 ** 31 - 1
     assert max_logprobs([None, SamplingParams(logprobs=3), SamplingParams()]) == 3
     assert max_logprobs([]) == 0
 
