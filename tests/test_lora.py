@@ -152,6 +152,31 @@ def test_rows_alone_equal_the_mixed_batch(engine, ref):
                                    [lp.logprob for lp, _ in m.outputs[0].logprobs], atol=1e-5)
 
 
+def test_beam_search_with_an_adapter_matches_peft(engine, ref):
+    """A beam search runs with its request's adapter in every forked beam: the hypotheses are
+    `PeftModel.generate(num_beams=2)`'s with that adapter, and differ from the base model's."""
+    import torch
+
+    from serve.beam_search import BeamSearchParams
+
+    _, pm, _ = ref
+    prompt = [int(t) for t in hfx.make_prompt(VARIANT, 6, batch=1, length=33)[0]]
+    params = BeamSearchParams(2, 6, ignore_eos=True)
+    rids = [engine.add_request(prompt, params, lora_request=lr) for lr in ("a", None)]
+    done = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    got, base = ([c.token_ids for c in done[r].outputs] for r in rids)
+    pm.set_adapter("default")
+    with torch.no_grad():
+        g = pm.generate(input_ids=torch.tensor([prompt]), num_beams=2, num_return_sequences=2, max_new_tokens=6,
+                        do_sample=False, eos_token_id=None, pad_token_id=0)
+    assert got == g[:, len(prompt):].tolist()
+    assert got != base
+
+
 def test_prefix_cache_is_per_adapter_load(engine, ref):
     """Cached prefixes are shared only by requests of the same adapter, and only with the same load of
     it: a reloaded adapter never hits pages its previous load computed."""
