@@ -348,6 +348,22 @@ def test_chat_n_and_max_completion_tokens(client):
     assert len(r.choices) == 2 and r.usage.completion_tokens == 6
 
 
+def test_chat_beam_search_through_the_openai_client(client):
+    """vLLM's `use_beam_search` on the real server (the CLI's engine, drafts on): n = 2 hypotheses,
+    distinct, best first, each max_tokens long; streamed, the same choices arrive when the search ends."""
+    kw = dict(model=MODEL, messages=[{"role": "user", "content": "beams"}], n=2, max_completion_tokens=4,
+              extra_body={"use_beam_search": True, "ignore_eos": True, "skip_special_tokens": False})
+    r = client.chat.completions.create(**kw)
+    texts = [c.message.content for c in r.choices]
+    assert len(texts) == 2 and texts[0] != texts[1] and r.usage.completion_tokens == 8
+    assert [c.finish_reason for c in r.choices] == ["length", "length"]
+    streamed = ["", ""]
+    for chunk in client.chat.completions.create(**kw, stream=True):
+        for c in chunk.choices:
+            streamed[c.index] += c.delta.content or ""
+    assert streamed == texts
+
+
 # ---- errors -----------------------------------------------------------------------------------------
 
 def _err(r, status):
