@@ -89,8 +89,9 @@ def test_apply_forms_equal_per_row_products(form):
     assert lora.apply(jnp.asarray(x), la, lb, form) is None  # outside a rows context: the base model
 
 
-def _run(eng, reqs, max_tokens=GEN):
-    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
+def _run(eng, reqs, max_tokens=GEN, params=None):
+    """(prompt, adapter) pairs, greedy (or `params`) -> their finished outputs."""
+    sp = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     ids = [eng.add_request(list(map(int, p)), sp, lora_request=lr) for p, lr in reqs]
     done = {}
     while eng.has_unfinished():
@@ -161,14 +162,8 @@ def test_beam_search_with_an_adapter_matches_peft(engine, ref):
 
     _, pm, _ = ref
     prompt = [int(t) for t in hfx.make_prompt(VARIANT, 6, batch=1, length=33)[0]]
-    params = BeamSearchParams(2, 6, ignore_eos=True)
-    rids = [engine.add_request(prompt, params, lora_request=lr) for lr in ("a", None)]
-    done = {}
-    while engine.has_unfinished():
-        for o in engine.step():
-            if o.finished:
-                done[o.request_id] = o
-    got, base = ([c.token_ids for c in done[r].outputs] for r in rids)
+    outs = _run(engine, [(prompt, "a"), (prompt, None)], params=BeamSearchParams(2, 6, ignore_eos=True))
+    got, base = ([c.token_ids for c in o.outputs] for o in outs)
     pm.set_adapter("default")
     with torch.no_grad():
         g = pm.generate(input_ids=torch.tensor([prompt]), num_beams=2, num_return_sequences=2, max_new_tokens=6,

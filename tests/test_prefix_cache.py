@@ -34,10 +34,11 @@ def engines(request):
     return on, off
 
 
-def run(engine, prompt, n=8, **extra):
-    """Greedy, `n` tokens with top-4 logprobs (`extra`: more SamplingParams) -> the finished output."""
-    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=4,
-                                                    **extra))
+def run(engine, prompt, n=8, params=None, **extra):
+    """Greedy, `n` tokens with top-4 logprobs (`extra`: more SamplingParams; or `params`) -> the finished
+    output."""
+    rid = engine.add_request(prompt, params or SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True,
+                                                              logprobs=4, **extra))
     out = None
     while engine.has_unfinished():
         for o in engine.step():
@@ -253,13 +254,7 @@ def test_beam_search_forks_with_and_without_the_cache(engines):
     prompt, params = toks(77, 90), BeamSearchParams(2, 10, ignore_eos=True)
 
     def go(engine):
-        rid = engine.add_request(prompt, params)
-        out = None
-        while engine.has_unfinished():
-            for o in engine.step():
-                if o.request_id == rid and o.finished:
-                    out = o
-        return out
+        return run(engine, prompt, params=params)
 
     forks = off.counters["beam_forks"]
     want = go(off).outputs
