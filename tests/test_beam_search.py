@@ -226,3 +226,65 @@ def test_llm_and_http(engine, prompts):
     finally:
         aeng.shutdown()
     assert_idle(engine)
+
+
+def test_random_mixes_with_aborts_and_pressure(engine, prompts):
+    """Random beam searches (widths 1-4, lengths 1-19, an end token or not) beside greedy requests, some
+    aborted at random steps, in an arena squeezed to a random size: nothing fails, every search that
+    finishes equals itself run alone in a roomy arena, and the arena, frozen slots and reference counts
+    come back to their baseline."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    alone: dict = {}
+
+    def solo(key):
+        if key not in alone:
+            p, w, n, eos = key
+            out = run_beams(engine, [list(p)], BeamSearchParams(w, n, ignore_eos=not eos))[0]
+            alone[key] = [c.token_ids for c in out.outputs]
+        return alone[key]
+
+    @settings(max_examples=4, deadline=None, derandomize=True, suppress_health_check=list(HealthCheck))
+    @given(data=st.data())
+    def check(data):
+        rng = np.random.default_rng(data.draw(st.integers(0, 10 ** 6)))
+        reqs = []
+        for _ in range(data.draw(st.integers(2, 5))):
+            p = tuple(prompts[int(rng.integers(0, 2))][:int(rng.integers(5, 38))])
+            if rng.random() < 0.7:
+                reqs.append((p, int(rng.integers(1, 5)), int(rng.integers(1, 20)), bool(rng.random() < 0.5)))
+            else:
+                reqs.append((p, 0, int(rng.integers(1, 20)), False))  # a greedy request
+        want = {i: solo(k) for i, k in enumerate(reqs) if k[1]}
+        lay = engine.layout
+        one = lay.slot_units + lay.pages_for(64) * engine.cfg.num_mla_layers
+        hog = engine.allocator.alloc_pages(max(0, engine.allocator.free_units - int(rng.integers(2, 8)) * one))
+        try:
+            ids = [engine.add_request(list(p), BeamSearchParams(w, n, ignore_eos=not eos) if w else
+                                      SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+                   for p, w, n, eos in reqs]
+            aborts = {ids[i]: int(rng.integers(0, 6)) for i in range(len(ids)) if rng.random() < 0.3}
+            done, steps = {}, 0
+            while engine.has_unfinished():
+                for o in engine.step():
+                    if o.finished:
+                        done[o.request_id] = o
+                steps += 1
+                for rid, at in aborts.items():
+                    if at == steps:
+                        engine.abort(rid)
+            engine._reap()
+        finally:
+            engine.allocator.free_pages(hog)
+        for i, rid in enumerate(ids):
+            if i in want and rid in done and done[rid].outputs:
+                assert [c.token_ids for c in done[rid].outputs] == want[i], reqs[i]
+        engine.reset_prefix_cache()
+        assert_idle(engine)
+        assert not engine.refs.unit_refs
+
+    before = dict(engine.counters)
+    check()
+    for k in ("beam_forks", "beam_fork_recomputes", "requests_aborted"):  # the cases happened
+        assert engine.counters[k] > before[k], k
