@@ -687,6 +687,12 @@ class Engine:
         return tuple(w for w in out if w)
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
+        """A string, token ids, or vLLM's prompt dicts (`{"prompt": str}`, `{"prompt_token_ids": [...]}`)."""
+        if isinstance(prompt, dict):
+            if sorted(prompt) not in (["prompt"], ["prompt_token_ids"]):
+                raise RequestError(f"prompt: a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys "
+                                   f"{sorted(prompt)}")
+            prompt = next(iter(prompt.values()))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt: this model has no tokenizer; pass token ids")

@@ -11,7 +11,7 @@ from serve.engine import Engine, EngineConfig
 from serve.lora import LoRARequest
 from serve.types import RequestOutput, SamplingParams
 
-Prompt = Union[str, Sequence[int]]
+Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str} or {"prompt_token_ids": [...]}
 
 
 class LLM:
@@ -35,7 +35,7 @@ class LLM:
         `cache_salt`: only requests with the same salt share cached prefixes; `lora_request`: a LoRA
         adapter (a loaded adapter's name or a `LoRARequest`, loaded on first use) for every prompt, or
         a list with one per prompt (None: the base model)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)

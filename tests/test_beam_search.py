@@ -201,7 +201,7 @@ def test_llm_and_http(engine, prompts):
     want = run_beams(engine, prompts[:1], params)[0].outputs
     llm = LLM.__new__(LLM)
     llm.engine, llm.model = engine, None
-    got = llm.beam_search([prompts[0]], params)[0].sequences
+    got = llm.beam_search({"prompt_token_ids": prompts[0]}, params)[0].sequences  # vLLM's TokensPrompt form
     assert [s.tokens for s in got] == [prompts[0] + c.token_ids for c in want]
     assert [s.cum_logprob for s in got] == pytest.approx([c.cumulative_logprob for c in want])
     assert got[0].cum_logprob == pytest.approx(sum(got[0].logprobs))

@@ -281,6 +281,7 @@ def test_logprobs_are_returned(engine, prompts):
     ([1, 2], SamplingParams(top_p=0), "top_p"),
     ([], GREEDY, "empty prompt"),
     ([10 ** 6], GREEDY, "outside"),
+    ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, GREEDY, "prompt dict"),
 ])
 def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, match):
     free = engine.allocator.free_units
