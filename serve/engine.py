@@ -64,6 +64,9 @@ class EngineSleeping(RuntimeError):
     """A request reached an engine whose device memory `sleep` released (HTTP: 503)."""
 
 
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer_config["kv_role"]
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int = 1024
@@ -91,6 +94,11 @@ class EngineConfig:
     # pages and KDA checkpoints the arena evicts are kept in this much host RAM and restored on a hit.
     # 0: off.
     host_cache_bytes: int = 0
+    # Disaggregated prefill between engines of one process (vLLM's kv_transfer_config shape):
+    # {"kv_role": "kv_producer" | "kv_consumer" | "kv_both", "store": serve.host_cache.HostCache(bytes)}.
+    # The store is the host tier of every engine given it; a producer publishes each finished request's
+    # prompt (pages and deepest KDA checkpoint) into it, and a consumer resumes prompts from it.
+    kv_transfer_config: Optional[dict] = None
     measure_moe_time: bool = True  # time the MoE blocks per step shape at warm-up (serve/moe_timing.py)
     # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
     # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas
@@ -172,6 +180,18 @@ class EngineConfig:
         if self.host_cache_bytes and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes: the host tier holds what the prefix cache evicts; it needs "
                              "enable_prefix_caching")
+        if self.kv_transfer_config is not None:
+            kv = self.kv_transfer_config
+            if not isinstance(kv, dict) or set(kv) != {"kv_role", "store"}:
+                raise ValueError("kv_transfer_config: expected {'kv_role': ..., 'store': HostCache}")
+            if kv["kv_role"] not in KV_ROLES:
+                raise ValueError(f"kv_transfer_config.kv_role={kv['kv_role']!r}: expected one of {KV_ROLES}")
+            if not isinstance(kv["store"], HostCache):
+                raise ValueError("kv_transfer_config.store: expected a serve.host_cache.HostCache shared by the "
+                                 "engines")
+            if not self.enable_prefix_caching or self.host_cache_bytes:
+                raise ValueError("kv_transfer_config: needs enable_prefix_caching, and the store is the host tier "
+                                 "(leave host_cache_bytes at 0)")
         if not isinstance(self.schedule_conservativeness, (int, float)) or not 0 <= self.schedule_conservativeness <= 10:
             raise ValueError(f"schedule_conservativeness={self.schedule_conservativeness!r}: expected a number in "
                              f"[0, 10] (0: no admission look-ahead)")
@@ -368,9 +388,18 @@ class Engine:
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
         self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
         host = None
-        if config.host_cache_bytes and config.enable_prefix_caching:
-            multi = self.mesh is not None and len(mesh_processes(self.mesh)) > 1
+        multi = self.mesh is not None and len(mesh_processes(self.mesh)) > 1
+        kv = config.kv_transfer_config
+        self.kv_role = kv["kv_role"] if kv is not None else None
+        if kv is not None:
+            if multi:
+                raise ValueError("kv_transfer_config: a store is process-local; not available on a multi-process mesh")
+            host = kv["store"]
+        elif config.host_cache_bytes and config.enable_prefix_caching:
             host = HostCache(config.host_cache_bytes, track_forgotten=multi)
+        if kv is not None:
+            host.bind(self._store_fingerprint())
+        if host is not None:
             self.host_transfers = Transfers(max(self.layout.slot_units, 4 * max(1, self.cfg.num_mla_layers)),
                                             self.layout.scratch_page,
                                             (self.arena.sharding, self.token_pages.sharding) if self.mesh else None)
@@ -395,7 +424,8 @@ class Engine:
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
                              spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
-                             lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0)
+                             lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
+                             kv_transfer_published=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -494,6 +524,16 @@ class Engine:
     def lower_step(self, batch: StepBatch):
         """The step program of `batch`'s bucket, lowered (tests and benchmarks read its HLO)."""
         return self._step.lower(self._leaves, self.arena, self.token_pages, batch)
+
+    def _store_fingerprint(self) -> dict:
+        """What engines sharing a host store (`kv_transfer_config`) must agree on for its entries to mean the
+        same: the model, its weights (a sample of three arrays), the arena layout and the prefix hashing."""
+        leaves = self._leaves
+        pick = [leaves[i] for i in sorted({0, len(leaves) // 2, len(leaves) - 1})]
+        sample = b"".join(np.asarray(jax.device_get(x.reshape(-1)[:64])).tobytes() for x in pick)
+        return {"model": repr(self.cfg), "weights (sampled)": hashlib.sha256(sample).hexdigest()[:16],
+                "arena layout": repr(self.layout),
+                "prefix hashing (unit, alignment)": (self.config.prefix_hash_unit, self.align)}
 
     def _fingerprint(self) -> str:
         """What every process of a multi-process engine must agree on (model, config, layout, buckets)."""
@@ -1519,6 +1559,9 @@ class Engine:
         self._release(seq)
         if seq.lora is not None:
             seq.lora.requests.discard(seq.rid)
+        if self.kv_role in ("kv_producer", "kv_both") and reason != "abort" and not seq.internal:
+            # disaggregated prefill: what a consumer engine needs to resume this prompt, into the shared store
+            self.counters["kv_transfer_published"] += self.prefix_cache.publish(seq.hasher, len(seq.prompt_ids)) > 0
         if seq.internal:
             self.seqs.pop(seq.rid, None)
             self._canonical_pending.pop(seq.rid, None)

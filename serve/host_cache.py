@@ -13,6 +13,12 @@ request's own working state slot (so a restore needs no memory beyond what a col
 The bytes are the ones the arena held, so a warm resume from host memory is bit-identical to a
 device hit, which is bit-identical to a cold recompute (serve/prefix_cache.py).
 
+Several engines of one process may share one store (disaggregated prefill: `kv_transfer_config`,
+serve/engine.py): a producer engine publishes each finished prompt's pages and deepest checkpoint into
+it, and a consumer engine resumes that prompt from it like from its own host tier. Entries are only
+meaningful between engines that lay out and compute them identically, so the first engine binds the
+store to its fingerprint (model, weights sample, arena layout, prefix hashing) and any other must match.
+
 Host entries are evicted least recently used first when the host budget is full; entries a request
 is about to restore are pinned. Transfers go through two small jitted programs of a fixed row count
 (compiled at warm-up): a gather of arena rows and token rows to host, and a donated scatter of
@@ -27,7 +33,6 @@ from dataclasses import dataclass
 from typing import Optional
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 PAGE, CKPT = "page", "ckpt"
@@ -67,10 +72,22 @@ class HostCache:
         self._uids = itertools.count(1)
         self.track_forgotten = track_forgotten
         self.forgotten: list[int] = []
+        self.fingerprint: Optional[dict] = None  # what the engines sharing the store agree on (`bind`)
         self.metrics = dict(host_pages_stored=0, host_checkpoints_stored=0, host_pages_restored=0,
                             host_checkpoints_restored=0, host_entries_evicted=0, host_entries_rejected=0,
                             host_bytes_stored=0, host_bytes_restored=0, host_spill_seconds=0.0,
                             host_restore_seconds=0.0)
+
+    def bind(self, fingerprint: dict) -> None:
+        """Attach an engine: the first sets the fingerprint, every other must have the same one."""
+        if self.fingerprint is None:
+            self.fingerprint = dict(fingerprint)
+            return
+        for k, v in fingerprint.items():
+            if self.fingerprint.get(k) != v:
+                raise ValueError(f"kv_transfer_config.store: its entries come from engines whose {k} is "
+                                 f"{self.fingerprint.get(k)!r}; this engine's is {v!r} (engines sharing a store "
+                                 f"need the same model, weights, page size, cache dtypes and prefix hashing)")
 
     def new_uid(self) -> int:
         return next(self._uids)

@@ -367,6 +367,10 @@ class PrefixCache(UnitRefs):
         units are free in the allocator already, but nothing has written them since (eviction runs
         between steps, before anything is allocated)."""
         spill, self._spill = self._spill, []
+        self._to_host(spill)
+
+    def _to_host(self, spill: list) -> None:
+        """Copy (entry, units) pairs of the device tier to the host tier (one read of all their units)."""
         if not spill:
             return
         units = [u for _, us in spill for u in us]
@@ -383,6 +387,20 @@ class PrefixCache(UnitRefs):
                               parent=e.parent, uid=uid)
             self.host.put(h)
             i += n
+
+    def publish(self, h: PrefixHasher, n_tokens: int) -> int:
+        """Copy what a request of these first `n_tokens` tokens would resume from (the deepest checkpoint
+        and the pages below it) to the host tier, keeping it on the device too (a disaggregated prefill
+        producer; serve/engine.py). -> entries copied (those the host tier lacked)."""
+        hit = self._match(h, n_tokens, None)
+        if self.host is None or hit.ckpt is None:
+            return 0
+        pairs = [(e, list(e.units)) for e in hit.pages + ([hit.partial] if hit.partial is not None else [])]
+        pairs.append((hit.ckpt, list(range(hit.ckpt.slot, hit.ckpt.slot + self.layout.slot_units))))
+        pairs = [(e, us) for e, us in pairs if self.host.get(e.key) is None]
+        self._to_host(pairs)
+        self.metrics["published_entries"] = self.metrics.get("published_entries", 0) + len(pairs)
+        return len(pairs)
 
     def _drop_ckpt(self, c: CkptEntry) -> None:
         if c.key not in self.ckpts or c.pins:

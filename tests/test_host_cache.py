@@ -188,6 +188,38 @@ def test_interleaved_conversations_under_eviction_match_no_cache(engines):
     settled(on)
 
 
+def test_disaggregated_prefill_through_a_shared_store(engines):
+    """A producer engine (its own arena and programs) prefills a prompt and publishes its pages and
+    deepest KDA checkpoint into the host store that `on` reads; `on` then resumes that prompt from the
+    store and decodes tokens and logprobs bit-identical to an engine without any cache. Engines with
+    other weights or another arena layout are refused the store, naming what differs."""
+    on, off = engines
+    store = on.prefix_cache.host
+    model = k3jax.load_model("tiny-k3", seed=2)
+    producer = Engine(model, config(kv_transfer_config={"kv_role": "kv_producer", "store": store}), progress=False)
+    prompt = toks(11, 150)
+    first = run(producer, prompt, n=1)
+    assert producer.counters["kv_transfer_published"] == 1
+    before = host(on)
+    warm, cold = run(on, prompt), run(off, prompt)
+    assert warm.num_cached_tokens == 144  # the deepest checkpoint below the prompt's last token
+    assert host(on)["host_hits"] == before["host_hits"] + 1
+    assert warm.token_ids == cold.token_ids and logprobs(warm) == logprobs(cold)
+    assert warm.token_ids[0] == first.token_ids[0]
+    assert producer.stats()["arena_free_units"] + producer.stats()["arena_cached_units"] == \
+        producer.stats()["arena_baseline_free_units"]
+    settled(on)
+    kv = {"kv_role": "kv_consumer", "store": store}
+    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(sampled\)"):
+        Engine(k3jax.load_model("tiny-k3", seed=3), config(kv_transfer_config=kv), warmup=False)
+    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* arena layout"):
+        Engine(model, config(kv_transfer_config=kv, kv_cache_dtype="fp8"), warmup=False)
+    with pytest.raises(ValueError, match="host_cache_bytes at 0"):
+        config(kv_transfer_config=kv, host_cache_bytes=1 << 20).validate()
+    with pytest.raises(ValueError, match="kv_role"):
+        config(kv_transfer_config={"kv_role": "prefill", "store": store}).validate()
+
+
 def test_config_and_cli():
     with pytest.raises(ValueError, match="host_cache_bytes"):
         config(host_cache_bytes=-1).validate()
