@@ -1109,6 +1109,10 @@ class Engine:
         seq.captures = {p: CHUNK_END for p in range(interval, n, interval)}
         if len(seq.prompt_ids) >= a:
             seq.captures[len(seq.prompt_ids) // a * a] = seq.internal or PROMPT_END
+            if self.kv_role in ("kv_producer", "kv_both") and not seq.internal:
+                # a consumer resumes this very prompt, whose last token it computes itself: a checkpoint
+                # short of the end too when the prompt ends on an aligned position
+                seq.captures.setdefault((len(seq.prompt_ids) - 1) // a * a, PROMPT_END)
         b = (hit.mla_tokens // a) * a
         if b - hit.pos >= a and self.prefix_cache.ckpts.get(seq.hasher.key(b"K", b)) is None:
             seq.captures[b] = BRANCH  # a branch seen before: capture it this time

@@ -197,15 +197,16 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
     store = on.prefix_cache.host
     model = k3jax.load_model("tiny-k3", seed=2)
     producer = Engine(model, config(kv_transfer_config={"kv_role": "kv_producer", "store": store}), progress=False)
-    prompt = toks(11, 150)
-    first = run(producer, prompt, n=1)
-    assert producer.counters["kv_transfer_published"] == 1
-    before = host(on)
-    warm, cold = run(on, prompt), run(off, prompt)
-    assert warm.num_cached_tokens == 144  # the deepest checkpoint below the prompt's last token
-    assert host(on)["host_hits"] == before["host_hits"] + 1
-    assert warm.token_ids == cold.token_ids and logprobs(warm) == logprobs(cold)
-    assert warm.token_ids[0] == first.token_ids[0]
+    for i, n in enumerate((150, 160)):  # 160: the prompt ends on an aligned position (16)
+        prompt = toks(11 + i, n)
+        first = run(producer, prompt, n=1)
+        assert producer.counters["kv_transfer_published"] == i + 1
+        before = host(on)
+        warm, cold = run(on, prompt), run(off, prompt)
+        assert warm.num_cached_tokens == 144  # the deepest checkpoint below the prompt's last token
+        assert host(on)["host_hits"] == before["host_hits"] + 1
+        assert warm.token_ids == cold.token_ids and logprobs(warm) == logprobs(cold)
+        assert warm.token_ids[0] == first.token_ids[0]
     assert producer.stats()["arena_free_units"] + producer.stats()["arena_cached_units"] == \
         producer.stats()["arena_baseline_free_units"]
     settled(on)
