@@ -137,7 +137,6 @@ class BeamGroup:
     completed: list[Hypothesis]
     rounds: int = 0  # selections made (= tokens in every live beam)
     final: Optional[list[Hypothesis]] = None  # set when the search ends (empty when aborted)
-    aborted: bool = False
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
 
     @property

@@ -840,7 +840,7 @@ class Engine:
         if req.beam is not None:
             for s in req.seqs:
                 self._drop_beam(s)
-            req.seqs, req.beam.final, req.beam.aborted = [], [], True
+            req.seqs, req.beam.final = [], []  # done, with no hypotheses
             self._beams.pop(request_id, None)
             self._sweep_frozen()
             self.counters["requests_aborted"] += 1
