@@ -6,8 +6,8 @@ compilation cache (`~/.cache/k3jax/jax`, `--compile-cache-dir`, off with `--no-c
 later starts much faster.
 
 The defaults fit a small CPU machine: `k3-small` (seeded weights, byte tokenizer), context 512,
-up to 8 concurrent sequences, one decode bucket of 8 rows and one prefill row of 64 tokens, both over
-the whole context (32 pages): two step programs in all. Add buckets (`--decode-buckets 1,8`,
+up to 8 concurrent sequences, decode buckets of 1 and 8 rows and one prefill row of 64 tokens, all over
+the whole context (32 pages): three step programs in all. Add buckets (`--decode-buckets 1,4,8`,
 `--context-buckets 8,32`, ...) where steps are cheap enough for padding to matter (accelerators).
 
 Multi-host (`--coordinator-address`, `--num-processes`, `--process-id`, with a `--sharding` whose mesh
@@ -52,7 +52,7 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="concurrent decodes")
     e.add_argument("--page-size", type=int, default=d["page_size"])
     e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
-    e.add_argument("--decode-buckets", default=None, help="comma-separated rows (default: MAX_NUM_SEQS)")
+    e.add_argument("--decode-buckets", default=None, help="comma-separated rows (default: 1,MAX_NUM_SEQS)")
     e.add_argument("--prefill-buckets", default=d["prefill_buckets"], help="comma-separated rows (default '1')")
     e.add_argument("--context-buckets", default=None,
                    help="comma-separated MLA pages per layer (default: the whole context window)")
@@ -144,10 +144,11 @@ def engine_config(o: dict):
     from serve.engine import EngineConfig
 
     pages = -(-o["max_model_len"] // o["page_size"])
-    # One program per kind by default: on CPU a step's cost hardly depends on rows or context pages
-    # (k3-small, 2 cores: decode 1 row 0.86 s vs 8 rows 1.01 s; 8 vs 32 pages within noise), while each
-    # extra bucket costs a compile at start-up.
-    decode = _ints(o["decode_buckets"], "decode-buckets") or (o["max_num_seqs"],)
+    # Decode rows 1 and MAX_NUM_SEQS, one prefill row, the whole context: three programs. A lone request
+    # decodes in the 1-row program (k3-small, 2 cores: 14 ms a token against 26-31 ms padded to 8 rows,
+    # benchmarks/online_serving.py); each further bucket costs a compile at start-up (~12 s for k3-small)
+    # for less (8 context pages instead of 32: 10-15 % of a decode step).
+    decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({1, o["max_num_seqs"]}))
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
     context = _ints(o["context_buckets"], "context-buckets") or (pages,)
     extra = {}

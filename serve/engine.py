@@ -72,7 +72,7 @@ class EngineConfig:
     max_model_len: int = 1024
     page_size: int = 16
     cache_bytes: int = 256 << 20  # the one budget for MLA pages and KDA state slots
-    max_num_seqs: int = 32  # concurrent decodes (largest decode bucket)
+    max_num_seqs: int = 32  # requests running at once = rows of the largest decode bucket (vLLM's meaning)
     prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
     max_prefill_seqs: int = 4  # prefill rows per step
     max_num_batched_tokens: int = 512
@@ -1021,7 +1021,7 @@ class Engine:
                         s.draft = []
         views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
                          self._next_stop(s), s.priority, len(s.draft), len(s.prompt_ids) + s.checker.max_tokens,
-                         s.lora.uid if s.lora is not None else 0)
+                         s.lora.uid if s.lora is not None else 0, self._decode_rows(s))
                  for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
@@ -1165,6 +1165,13 @@ class Engine:
                 if p > s.computed:
                     pending.setdefault(s.hasher.key(b"K", p), s.rid)
         return out
+
+    @staticmethod
+    def _decode_rows(seq: Sequence) -> int:
+        """Decode rows `seq` takes while running (the scheduler's cap of max_num_seqs running rows)."""
+        if seq.internal:
+            return 0
+        return seq.beam.params.beam_width if seq.beam is not None and seq.beam.rounds == 0 else 1
 
     def _held_units(self, seq: Sequence) -> int:
         """MLA units a request holds; for a waiting one, the device pages its hit shares (the pages of a

@@ -4,6 +4,10 @@ one step plan. It never touches device arrays or the allocator; the engine carri
 Policy (requests ordered by (priority, arrival): a lower priority value goes first, equal priorities
 are first come, first served):
 - decode first: every running request with one token left to compute decodes (up to max_num_seqs);
+- at most max_num_seqs requests run at once (vLLM's meaning of the option): a request is admitted only
+  while a decode row is free for it, so nobody admitted finishes its prompt to wait for a row (FCFS
+  decode rows would stall the newest running requests for whole generations); prefill-only rows (the
+  prefix cache's canonical re-prefills) take no decode row, a beam search takes its width;
 - then prefill chunks in that order, partially prefilled running requests before waiting ones of
   the same priority;
   a waiting request that does not fit blocks the ones behind it (no overtaking);
@@ -62,6 +66,8 @@ class SeqView:
     draft: int = 0  # speculative tokens proposed for its next decode
     limit: int | None = None  # the most tokens it can reach (prompt + max_tokens); None: `total`
     adapter: int = 0  # its LoRA adapter (a nonzero id), 0: the base model
+    rows: int = 1  # decode rows it takes while running: 0 for a row that never decodes (a canonical
+    #                re-prefill), a beam search's width for its first sequence (its beams fork from it)
 
 
 @dataclass(frozen=True)
@@ -114,10 +120,12 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
     # adapters of the running requests; a waiting request may add one while fewer than max_loras are
     active = {s.adapter for s in running if s.adapter}
     fits_adapter = lambda s: not s.adapter or s.adapter in active or len(active) < cfg.max_loras  # noqa: E731
+    rows = cfg.max_num_seqs - sum(s.rows for s in running)  # decode rows free for admissions
+    row = lambda s: s.rows  # noqa: E731
 
-    # 0. a waiting request that does not fit preempts running ones of a strictly lower priority; the
-    #    memory it needs is held for it until step 2 (released first if decodes run short)
-    reserved: dict[str, int] = {}  # rid -> units held (and one slot each)
+    # 0. a waiting request that does not fit (memory or a decode row) preempts running ones of a strictly
+    #    lower priority; what it needs is held for it until step 2 (released first if decodes run short)
+    reserved: dict[str, int] = {}  # rid -> units held (and one slot and its row each)
     for w in waiting:
         lower = [v for v in victims if v.priority > w.priority]
         if not lower:
@@ -125,16 +133,17 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         if not fits_adapter(w):
             continue  # preempting would not give it an adapter slot
         need = _first_chunk(w, cfg)
-        while (need > free_units or free_slots < 1) and lower:
+        while (need > free_units or free_slots < 1 or rows < row(w)) and lower:
             v = lower.pop(0)
             victims.remove(v)
             plan.preempt.append(v.rid)
             free_units += v.pages + cfg.slot_units
             free_slots += 1
-        if need > free_units or free_slots < 1:
+            rows += row(v)
+        if need > free_units or free_slots < 1 or rows < row(w):
             break  # it cannot fit even so: it waits (and blocks those behind it)
         reserved[w.rid] = need
-        free_units, free_slots = free_units - need, free_slots - 1
+        free_units, free_slots, rows = free_units - need, free_slots - 1, rows - row(w)
     running = [s for s in running if s.rid not in set(plan.preempt)]
 
     # 1. decodes, in order; when memory is short, release reservations (lowest priority first), then
@@ -149,13 +158,16 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         drafts = {}
         need = {s.rid: max(0, units_for(s.total, cfg) - s.pages) for s in decoders}
     while sum(need.values()) > free_units and reserved:
-        free_units += reserved.pop(next(reversed(reserved)))
+        rid = next(reversed(reserved))
+        free_units += reserved.pop(rid)
         free_slots += 1
+        rows += row(next(w for w in waiting if w.rid == rid))
     while sum(need.values()) > free_units and victims:
         v = victims.pop(0)
         plan.preempt.append(v.rid)
         free_units += v.pages
         free_slots += 1  # its slot run comes back (approximation: slots are slot-aligned)
+        rows += row(v)
         need.pop(v.rid, None)
         plan.retracted += 1
     preempted = set(plan.preempt)
@@ -194,9 +206,9 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         slots = 0 if s.running else 1
         if slots and not fits_adapter(s):
             continue  # its adapter would be one too many: skipped until a running adapter frees its slot
-        if s.rid in reserved:  # step 0 held its memory
-            free_units, free_slots = free_units + reserved.pop(s.rid), free_slots + 1
-        if units + slots * cfg.slot_units > free_units or slots > free_slots:
+        if s.rid in reserved:  # step 0 held its memory and row
+            free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + row(s)
+        if units + slots * cfg.slot_units > free_units or slots > free_slots or slots * row(s) > rows:
             break  # FCFS: nobody overtakes a request that does not fit
         if slots and new_token_ratio > 0:
             own = expected_growth(s, s.pages + units, new_token_ratio, cfg)
@@ -214,5 +226,6 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
             plan.grow[s.rid] = units
         free_units -= units + slots * cfg.slot_units
         free_slots -= slots
+        rows -= slots * row(s)
         budget -= length
     return plan

@@ -62,6 +62,28 @@ def test_a_higher_priority_request_preempts_lower_ones_to_start():
         assert plan.preempt == [] and plan.prefill == []
 
 
+def test_at_most_max_num_seqs_requests_run():
+    """vLLM's max_num_seqs: with 3 of 4 decode rows taken, one waiting request is admitted and the next waits
+    in the queue (holding nothing) although memory is plentiful; a partially prefilled running request
+    keeps its row; prefill-only rows (canonical re-prefills) take none, a beam search its width. A higher-priority request finding
+    every row taken preempts a lower-priority one for its row, never an equal one."""
+    three = [run("a", 1), run("b", 2), SeqView("p", 3, 40, 20, True, 4)]
+    plan = schedule(three + [wait("w1", 4), wait("w2", 5), wait("w3", 6)], Memory(1000, 10), CFG)
+    assert plan.decode == ["a", "b"] and plan.admit == ["w1"] and plan.preempt == []
+    assert [r for r, _, _ in plan.prefill] == ["p", "w1"]
+    canon = SeqView("c", 7, 32, 0, False, 0, rows=0)
+    plan = schedule(three + [run("d", 4), canon], Memory(1000, 10), CFG)
+    assert plan.admit == ["c"]
+    beams = SeqView("bs", 4, 32, 0, False, 0, rows=2)  # a beam search of width 2 needs both free rows
+    assert schedule(three + [beams], Memory(1000, 10), CFG).admit == []
+    assert schedule(three[:2] + [beams], Memory(1000, 10), CFG).admit == ["bs"]
+    full = [run("a", 1), run("b", 2), run("c", 3, priority=2), run("d", 4)]
+    plan = schedule(full + [wait("urgent", 5, priority=-1)], Memory(1000, 10), CFG)
+    assert plan.preempt == ["c"] and plan.admit == ["urgent"] and plan.decode == ["a", "b", "d"]
+    plan = schedule(full + [wait("w", 5, priority=2)], Memory(1000, 10), CFG)
+    assert plan.preempt == [] and plan.admit == [] and len(plan.decode) == 4
+
+
 def test_admission_looks_ahead_at_the_running_requests_growth():
     """SGLang's new-token ratio: a waiting request that fits now is held back while the running ones are
     expected to need the pages (their remaining max_tokens x ratio); ratio 0 admits it; with nothing
