@@ -123,8 +123,11 @@ _MULTI = textwrap.dedent("""
               progress=False)
     out = {}
     for model in sys.argv[1:]:
-        for sh, mla in ((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"),
-                        ("tp", "paged")):
+        # tiny-kimi-linear: the mesh forms apart (tp, ep); their mix and the accelerator's decode forms are
+        # the same code, run on tiny-k3 (CI time)
+        forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"))
+                 if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered"), ("ep", "gathered")))
+        for sh, mla in forms:
             # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states)
             kda = "gathered" if mla == "paged" else "auto"
             llm = k3jax.LLM(model, sharding=sh, mla_decode=mla, kda_decode=kda, **kw)
@@ -165,8 +168,9 @@ _MULTI = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def multi_device():
-    """Both test models served unsharded, tensor-parallel and TP x EP on 4 simulated CPU devices (a
-    fresh process: the device count is fixed when JAX starts)."""
+    """Both test models served unsharded, tensor-parallel and expert-parallel on 4 simulated CPU devices,
+    tiny-k3 also TP x EP and with the accelerator's decode forms (a fresh process: the device count is
+    fixed when JAX starts)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _MULTI, "tiny-k3", "tiny-kimi-linear"], env=env, cwd=root,
@@ -187,6 +191,9 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
                      ("tp/paged", {"tensor": 4})):
+        if f"{model}/{sh}" not in multi_device:
+            assert model != "tiny-k3"  # tiny-k3 runs every form
+            continue
         r = multi_device[f"{model}/{sh}"]
         assert r["mesh"] == mesh
         assert r["tokens"] == one["tokens"] and r["again"] == one["again"]
@@ -209,6 +216,9 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
     one = multi_device[f"{model}/None"]
     assert one["state_ranks"] == 1 and one["arena_local"] == one["unit"]
     for sh, ranks in (("tp", 4), ("tp_ep", 2), ("ep", 1)):
+        if f"{model}/{sh}" not in multi_device:
+            assert model != "tiny-k3"
+            continue
         r = multi_device[f"{model}/{sh}"]
         assert r["state_ranks"] == ranks and r["unit"] == one["unit"]
         assert r["arena_local"] == one["unit"]  # one rank's arena: the same units as on one device
@@ -219,7 +229,7 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
             assert r["slot_units"] <= -(-one["slot_units"] // ranks) + 1 < one["slot_units"]
     # every arena access runs on the rank's own part: no copy of it and no collective over it, also
     # when decode stores latents and runs the paged MLA kernel per rank (on its query heads)
-    for tp in (multi_device[f"{model}/tp"], multi_device[f"{model}/tp/paged"]):
+    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged") if k in multi_device):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
@@ -231,7 +241,8 @@ def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device, model):
     one, ep = multi_device[f"{model}/None"], multi_device[f"{model}/ep"]
     assert ep["logprobs"] == one["logprobs"] and ep["tokens"] == one["tokens"]
     assert ep["exchange"] > 0  # tp, ep and tp_ep all split the experts over the 4 devices
-    assert multi_device[f"{model}/tp"]["exchange"] == ep["exchange"] == multi_device[f"{model}/tp_ep"]["exchange"]
+    assert all(multi_device[k]["exchange"] == ep["exchange"] for k in (f"{model}/tp", f"{model}/tp_ep")
+               if k in multi_device)
 
 
 def test_moe_exchange_bytes_is_a_ring_all_reduce_per_group():
