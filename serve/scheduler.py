@@ -121,7 +121,6 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
     active = {s.adapter for s in running if s.adapter}
     fits_adapter = lambda s: not s.adapter or s.adapter in active or len(active) < cfg.max_loras  # noqa: E731
     rows = cfg.max_num_seqs - sum(s.rows for s in running)  # decode rows free for admissions
-    row = lambda s: s.rows  # noqa: E731
 
     # 0. a waiting request that does not fit (memory or a decode row) preempts running ones of a strictly
     #    lower priority; what it needs is held for it until step 2 (released first if decodes run short)
@@ -133,17 +132,17 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         if not fits_adapter(w):
             continue  # preempting would not give it an adapter slot
         need = _first_chunk(w, cfg)
-        while (need > free_units or free_slots < 1 or rows < row(w)) and lower:
+        while (need > free_units or free_slots < 1 or rows < w.rows) and lower:
             v = lower.pop(0)
             victims.remove(v)
             plan.preempt.append(v.rid)
             free_units += v.pages + cfg.slot_units
             free_slots += 1
-            rows += row(v)
-        if need > free_units or free_slots < 1 or rows < row(w):
+            rows += v.rows
+        if need > free_units or free_slots < 1 or rows < w.rows:
             break  # it cannot fit even so: it waits (and blocks those behind it)
         reserved[w.rid] = need
-        free_units, free_slots, rows = free_units - need, free_slots - 1, rows - row(w)
+        free_units, free_slots, rows = free_units - need, free_slots - 1, rows - w.rows
     running = [s for s in running if s.rid not in set(plan.preempt)]
 
     # 1. decodes, in order; when memory is short, release reservations (lowest priority first), then
@@ -161,13 +160,13 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         rid = next(reversed(reserved))
         free_units += reserved.pop(rid)
         free_slots += 1
-        rows += row(next(w for w in waiting if w.rid == rid))
+        rows += next(w.rows for w in waiting if w.rid == rid)
     while sum(need.values()) > free_units and victims:
         v = victims.pop(0)
         plan.preempt.append(v.rid)
         free_units += v.pages
         free_slots += 1  # its slot run comes back (approximation: slots are slot-aligned)
-        rows += row(v)
+        rows += v.rows
         need.pop(v.rid, None)
         plan.retracted += 1
     preempted = set(plan.preempt)
@@ -207,8 +206,8 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
         if slots and not fits_adapter(s):
             continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         if s.rid in reserved:  # step 0 held its memory and row
-            free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + row(s)
-        if units + slots * cfg.slot_units > free_units or slots > free_slots or slots * row(s) > rows:
+            free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + s.rows
+        if units + slots * cfg.slot_units > free_units or slots > free_slots or slots * s.rows > rows:
             break  # FCFS: nobody overtakes a request that does not fit
         if slots and new_token_ratio > 0:
             own = expected_growth(s, s.pages + units, new_token_ratio, cfg)
@@ -226,6 +225,6 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
             plan.grow[s.rid] = units
         free_units -= units + slots * cfg.slot_units
         free_slots -= slots
-        rows -= slots * row(s)
+        rows -= slots * s.rows
         budget -= length
     return plan
