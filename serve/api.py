@@ -316,7 +316,8 @@ class ServerState:
         self.cfg = eng.cfg
         self.max_model_len = eng.config.max_model_len
         self.max_logprobs = eng.config.max_logprobs
-        self.capacity = int(getattr(eng, "decode_buckets", (eng.config.max_num_seqs,))[-1])
+        # rows that run at once (summed over data-parallel replicas)
+        self.capacity = int(getattr(async_engine, "capacity", None) or eng.decode_buckets[-1])
         self.vocab_size = int(self.cfg.vocab_size)
         fam = getattr(self.tokenizer, "chat_family", None)
         self.chat_family = fam or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(self.cfg.family, "byte")
@@ -330,8 +331,7 @@ class ServerState:
     def healthy(self) -> bool:
         if not self.ready or self.engine is None:
             return False
-        thread = getattr(self.engine, "_thread", None)
-        return thread is None or thread.is_alive()
+        return bool(getattr(self.engine, "alive", True))
 
     def engine_stats(self) -> dict:
         eng = self.engine

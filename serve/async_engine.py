@@ -40,6 +40,16 @@ class AsyncEngine:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def capacity(self) -> int:
+        """Sequences that run at once (the largest decode bucket)."""
+        return int(self.engine.decode_buckets[-1])
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs (a step that raised fails its requests; the thread goes on)."""
+        return self._thread.is_alive()
+
     # ---- public API (event-loop side) -------------------------------------------------------
     async def generate(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,

@@ -34,7 +34,7 @@ DEFAULTS = dict(
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
-    lora_target_modules=None, max_cpu_loras=None,
+    lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1,
 )
 
 
@@ -66,6 +66,9 @@ def add_serve_arguments(s) -> None:
                    help="vLLM's name for the same budget, in GiB (give one of the two)")
     e.add_argument("--sharding", default=d["sharding"],
                    help="device mesh: a config in sharding_configs/ (e.g. 'tp') or a YAML path (default: one device)")
+    e.add_argument("--data-parallel-size", "-dp", type=int, default=d["data_parallel_size"],
+                   help="engine replicas on disjoint device groups (each --sharding's mesh over devices / N, or "
+                        "one device each), requests routed by cached prefix and load (default 1)")
     e.add_argument("--kda-decode", default=d["kda_decode"], choices=["auto", "in_place", "gathered"],
                    help="KDA decode form: in_place (row loop over the arena, the CPU default) or gathered "
                         "(batched kernel on gathered states, the GPU/TPU default)")
@@ -144,6 +147,9 @@ def engine_config(o: dict):
     from serve.engine import EngineConfig
 
     pages = -(-o["max_model_len"] // o["page_size"])
+    dp = o.get("data_parallel_size", 1)
+    if not isinstance(dp, int) or dp < 1:
+        raise ValueError(f"--data-parallel-size: expected an integer >= 1, got {dp!r}")
     # Decode rows 1 and MAX_NUM_SEQS, one prefill row, the whole context: three programs. A lone request
     # decodes in the 1-row program (k3-small, 2 cores: 14 ms a token against 26-31 ms padded to 8 rows,
     # benchmarks/online_serving.py); each further bucket costs a compile at start-up (~12 s for k3-small)
@@ -244,6 +250,32 @@ def _follow(o: dict, cfg) -> int:
     return 0
 
 
+def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] = None):
+    """The warmed-up engine the server runs: an `AsyncEngine`, or with `--data-parallel-size N` a
+    `DataParallelAsyncEngine` of N replicas on disjoint device groups (serve/data_parallel.py)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from serve.async_engine import AsyncEngine
+    from serve.data_parallel import DataParallelAsyncEngine, build_replicas
+    from serve.engine import Engine
+
+    size = o.get("data_parallel_size") or 1
+    engines, groups = (build_replicas(model, cfg, size, progress=False, warmup=False) if size > 1
+                       else ([Engine(model, cfg, warmup=False)], None))
+    for lr in adapters:  # before compiling: a bad adapter fails the start at once
+        for eng in engines:
+            eng.add_lora(lr)
+        _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
+    eng = engines[0]
+    replicas = f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else ""
+    _say(f"compiling {len(eng.bucket_shapes())} step programs{replicas} (decode rows {eng.decode_buckets}, prefill "
+         f"rows {eng.prefill_buckets} x {cfg.prefill_chunk} tokens, context pages {eng.context_buckets}); "
+         f"compilation cache: {cache_dir or 'off'}")
+    with ThreadPoolExecutor(len(engines)) as pool:  # replicas compile side by side
+        list(pool.map(lambda e: e.warmup(progress=e is eng), engines))
+    return AsyncEngine(eng) if size == 1 else DataParallelAsyncEngine(engines, groups)
+
+
 def serve_main(args) -> int:
     import uvicorn
 
@@ -256,12 +288,18 @@ def serve_main(args) -> int:
     cfg.validate()
     adapters = lora_modules(o)
     if o["num_processes"] > 1 or o["coordinator_address"]:
+        if o["data_parallel_size"] > 1:
+            raise ValueError("--data-parallel-size: replicas live in one process; a multi-host mesh runs one engine")
         if not o["coordinator_address"] or cfg.sharding is None:
             raise ValueError("multi-host serving needs --coordinator-address HOST:PORT, --num-processes, "
                              "--process-id and a --sharding whose mesh spans every process's devices")
         from serve.multihost import initialize
 
         initialize(o["coordinator_address"], o["num_processes"], o["process_id"])
+    if o["data_parallel_size"] > 1:  # enough devices for the replicas: say so before listening
+        from serve.data_parallel import replica_devices
+
+        replica_devices(o["data_parallel_size"], cfg)
     cache_dir = None if o["no_compile_cache"] else enable_compile_cache(o["compile_cache_dir"])
     if o["process_id"] > 0:
         return _follow(o, cfg)
@@ -285,21 +323,10 @@ def serve_main(args) -> int:
             return
         try:
             from k3jax.runtime import load_model
-            from serve.async_engine import AsyncEngine
-            from serve.engine import Engine
 
             _say(f"loading {o['model']} ({o['dtype']}) ...")
             model = load_model(o["model"], dtype=o["dtype"], seed=o["seed"])
-            eng = Engine(model, cfg, warmup=False)
-            for lr in adapters:  # before compiling: a bad adapter fails the start at once
-                eng.add_lora(lr)
-                _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
-            shapes = eng.bucket_shapes()
-            _say(f"compiling {len(shapes)} step programs (decode rows {eng.decode_buckets}, prefill rows "
-                 f"{eng.prefill_buckets} x {cfg.prefill_chunk} tokens, context pages {eng.context_buckets}); "
-                 f"compilation cache: {cache_dir or 'off'}")
-            eng.warmup(progress=True)
-            holder["engine"] = AsyncEngine(eng)
+            holder["engine"] = start_engine(model, cfg, o, adapters, cache_dir)
             st.attach(holder["engine"])
             _say(f"ready: serving {name!r} on http://{o['host']}:{o['port']} "
                  f"({time.monotonic() - t0:.1f}s after start, {time.process_time():.1f}s CPU)")

@@ -138,6 +138,11 @@ class EngineConfig:
     # `heads` rule's axis when it divides them (each rank: its heads' states, every MLA page; then
     # `cache_bytes` is one rank's arena), otherwise replicated on each device.
     sharding: Optional[str] = None
+    # Devices the engine runs on, as indices into `jax.devices()`; None: every device under a `sharding`
+    # config, the default device without one. Disjoint sets let several engines share a host: data-parallel
+    # replicas (serve/data_parallel.py), or a disaggregated prefill engine beside its decode engine. Without
+    # `sharding` it names one device (the "single" config's mesh on it).
+    devices: Optional[tuple[int, ...]] = None
     # Speculative decoding (vLLM's `speculative_config`, e.g. {"method": "ngram", "num_speculative_tokens":
     # 3}): decodes carry n-gram drafts that one step verifies (serve/speculative.py); same outputs,
     # more tokens per step when drafts are accepted. None: off.
@@ -201,6 +206,17 @@ class EngineConfig:
             if not isinstance(self.sharding, str) or not self.sharding:
                 raise ValueError(f"sharding={self.sharding!r}: expected a config name in sharding_configs/ or a YAML path")
             load_sharding_config(self.sharding)  # raises, naming the config key at fault
+        if self.devices is not None:
+            devs, count = self.devices, len(jax.devices())
+            if (isinstance(devs, (str, bytes)) or not hasattr(devs, "__len__") or not devs
+                    or not all(isinstance(d, int) and not isinstance(d, bool) and 0 <= d < count for d in devs)):
+                raise ValueError(f"devices={devs!r}: expected a non-empty list of indices into jax.devices() "
+                                 f"(0..{count - 1})")
+            if len(set(devs)) != len(devs):
+                raise ValueError(f"devices={devs!r}: an index appears twice")
+            if self.sharding is None and len(devs) != 1:
+                raise ValueError(f"devices={devs!r}: without a sharding config the engine runs on one device; "
+                                 f"name one, or set sharding (e.g. 'tp') to run over several")
         if self.speculative_config is not None:
             if not isinstance(self.speculative_config, SpeculativeConfig):
                 raise ValueError(f"speculative_config={self.speculative_config!r}: expected a dict or SpeculativeConfig")
@@ -327,9 +343,15 @@ class Engine:
             model = transpose_dense_weights(model)
         self.mesh, self.sharding_config, self.sharding_notes, arena_sharding = None, None, {}, None
         self.state_split = None  # the arena split over a mesh axis by KDA heads (serve/state_split.py)
-        if config.sharding:
-            self.sharding_config = load_sharding_config(config.sharding)
-            self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config)
+        if config.sharding or config.devices is not None:
+            self.sharding_config = load_sharding_config(config.sharding or "single")
+            devices = None if config.devices is None else [jax.devices()[i] for i in config.devices]
+            try:
+                self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config, devices)
+            except ValueError as e:
+                if devices is None:
+                    raise
+                raise ValueError(f"devices={list(config.devices)!r}: {e}") from None
             axis = state_axis(self.sharding_config, dict(self.mesh.shape), model.cfg.kda_num_heads)
             self.state_split = StateSplit(self.mesh, axis) if axis is not None else None
             heads = self.sharding_config.rule("heads")

@@ -1,0 +1,380 @@
+"""Data parallelism: several engine replicas on disjoint device groups of one host, behind one router.
+
+vLLM's `--data-parallel-size`, SGLang's `--dp-size`: each replica is a whole `Engine` (its own copy of
+the weights, cache arena, compiled programs and prefix cache) on its own devices, e.g. 8 devices as
+4 replicas of a 2-way tensor mesh. Replicas share nothing, so none waits on another's collectives; a
+request runs from admission to its last token on one replica. What makes a replica the right one is its
+prefix cache: a hybrid model's KDA state cannot be rebuilt from another replica's pages, so a
+conversation that goes back to the replica that served its earlier turns resumes from a checkpoint,
+and one that lands elsewhere recomputes its whole history.
+
+`PrefixRouter` picks the replica the way SGLang's cache-aware router does: per replica it remembers the
+chained hashes of the prompt blocks it sent there (bounded, least recently used first out: an estimate
+of that replica's cache), and a request goes where its longest leading run of blocks was sent, unless
+that replica is busier than the least loaded one by more than `balance_abs` sequences and `balance_rel`
+times; with no block matched it goes to the least loaded (sequences in flight).
+
+`DataParallelEngine` drives the replicas for `LLM` (offline batches: each step runs every replica with
+work in its own thread, so the devices compute at once); `DataParallelAsyncEngine` gives the HTTP server
+one `AsyncEngine` per replica, each stepping on its own thread at its own pace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import dataclasses
+import hashlib
+import itertools
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Optional, Sequence
+
+import jax
+
+from serve.async_engine import AsyncEngine
+from serve.beam_search import BeamSearchParams
+from serve.engine import Engine, EngineConfig
+from serve.types import RequestOutput, SamplingParams
+
+
+def replica_devices(size: int, config: EngineConfig) -> list[tuple[int, ...]]:
+    """The device indices (into `jax.devices()`) of each of `size` replicas: `config.devices` (default: all)
+    split into equal consecutive groups; one device each without a sharding config."""
+    if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+        raise ValueError(f"data_parallel_size={size!r}: expected an integer >= 1")
+    pool = list(config.devices) if config.devices is not None else list(range(len(jax.devices())))
+    if len(set(pool)) != len(pool):
+        raise ValueError(f"devices={config.devices!r}: an index appears twice")
+    if config.sharding is None:
+        if size > len(pool):
+            raise ValueError(f"data_parallel_size={size}: {len(pool)} devices hold at most {len(pool)} one-device "
+                             f"replicas (set sharding to split each replica over several)")
+        return [(d,) for d in pool[:size]]
+    if len(pool) % size:
+        raise ValueError(f"data_parallel_size={size}: the {len(pool)} devices do not split into {size} equal groups")
+    group = len(pool) // size
+    return [tuple(pool[i * group:(i + 1) * group]) for i in range(size)]
+
+
+class PrefixRouter:
+    """Which replica gets a request: cache-aware, load-balanced (see the module docstring). `route` counts
+    the request's sequences as that replica's load until `done` returns them."""
+
+    def __init__(self, replicas: int, block: int, max_blocks: int = 1 << 16, balance_abs: int = 8,
+                 balance_rel: float = 1.5):
+        self.block, self.max_blocks = block, max_blocks
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+        self.load = [0] * replicas  # sequences in flight per replica
+        self._sent: list[collections.OrderedDict[bytes, None]] = [collections.OrderedDict() for _ in range(replicas)]
+        self.counters = {"routed_by_prefix": 0, "routed_by_load": 0, "routed_blocks_matched": 0}
+
+    def hashes(self, ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
+        """Chained hashes of the prompt's full blocks: block i's names the whole prefix up to its end."""
+        out, h = [], hashlib.blake2b(salt, digest_size=16).digest()
+        for i in range(len(ids) // self.block):
+            chunk = ",".join(map(str, ids[i * self.block:(i + 1) * self.block])).encode()
+            h = hashlib.blake2b(h + chunk, digest_size=16).digest()
+            out.append(h)
+        return out
+
+    def route(self, ids: Sequence[int], salt: bytes = b"", seqs: int = 1) -> int:
+        hashes = self.hashes(ids, salt)
+        least = min(range(len(self.load)), key=lambda r: (self.load[r], r))
+        best, depth = least, 0
+        for r, sent in enumerate(self._sent):
+            d = next((i for i, h in enumerate(hashes) if h not in sent), len(hashes))
+            if d > depth or (d == depth and d and self.load[r] < self.load[best]):
+                best, depth = r, d
+        busy = (self.load[best] - self.load[least] > self.balance_abs
+                and self.load[best] > self.balance_rel * self.load[least])
+        if depth == 0 or busy:
+            best = least
+            self.counters["routed_by_load"] += 1
+        else:
+            self.counters["routed_by_prefix"] += 1
+            self.counters["routed_blocks_matched"] += depth
+        sent = self._sent[best]
+        for h in hashes:
+            sent[h] = None
+            sent.move_to_end(h)
+        while len(sent) > self.max_blocks:
+            sent.popitem(last=False)
+        self.load[best] += seqs
+        return best
+
+    def done(self, replica: int, seqs: int = 1) -> None:
+        self.load[replica] -= seqs
+
+    def forget(self) -> None:
+        """The replicas' prefix caches were cleared (reset, new weights, sleep): nothing is cached anywhere."""
+        for sent in self._sent:
+            sent.clear()
+
+
+def _salt(cache_salt: Optional[str], lora_request) -> bytes:
+    """Requests share cached prefixes only with the same salt and adapter (as the engine hashes them)."""
+    name = getattr(lora_request, "lora_name", lora_request)
+    return (cache_salt or "").encode() + (b"\0lora:" + str(name).encode() if name is not None else b"")
+
+
+def _num_seqs(params) -> int:
+    if isinstance(params, BeamSearchParams):
+        return params.beam_width
+    return params.n if isinstance(params, SamplingParams) else 1
+
+
+def _prompt_ids(engine: Engine, prompt) -> list[int]:
+    """The prompt's token ids for routing; [] when it cannot be read (the replica then names the fault)."""
+    try:
+        return list(engine._prompt_ids(prompt)[1])
+    except Exception:
+        return []
+
+
+# ---- stats --------------------------------------------------------------------------------------
+
+# the same on every replica (configuration, or the replica's own mesh): reported once, not summed
+_SAME = frozenset({"arena_state_ranks", "kv_bytes_per_token_per_layer", "kda_slot_bytes", "max_loras", "processes",
+                   "sleep_level", "moe_layers", "lora_adapters", "lora_adapters_in_slots", "mesh", "decode_forms",
+                   "moe_step_seconds", "spec_decode_cost_ratio", "sharding", "kv_cache_dtype", "kda_state_dtype",
+                   "expert_format", "dense_weight_layout"})
+_MEAN = frozenset({"new_token_ratio"})
+
+
+def _merge(key: str, values: list):
+    first = values[0]
+    if key in _SAME or first is None or isinstance(first, (bool, str)):
+        return first
+    if isinstance(first, (int, float)):
+        total = sum(values)
+        return total / len(values) if key in _MEAN else total
+    if isinstance(first, dict):
+        keys = list(dict.fromkeys(k for v in values for k in v))
+        return {k: _merge(k, [v[k] for v in values if k in v]) for k in keys}
+    if isinstance(first, list) and all(isinstance(v, list) and len(v) == len(first) for v in values):
+        return [_merge(key, list(col)) for col in zip(*values)]
+    return first
+
+
+def merge_stats(stats: list[dict], devices: list[tuple[int, ...]], router: PrefixRouter) -> dict:
+    """One engine's `stats()` shape over all replicas: counters and memory summed, configuration once,
+    usage ratios recomputed from the sums; plus `data_parallel_size` and each replica's own gauges."""
+    out = _merge("", stats)
+    out["kv_cache_usage"] = 1.0 - out["arena_free_units"] / out["arena_baseline_free_units"]
+    pc = out.get("prefix_cache") or {}
+    if "hit_rate" in pc:
+        pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else 0.0
+    out["data_parallel_size"] = len(stats)
+    out["data_parallel_router"] = dict(router.counters)
+    out["replicas"] = [{"devices": list(d), "load": router.load[i],
+                        **{k: s[k] for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage",
+                                             "generation_tokens", "compiles_after_warmup") if k in s}}
+                       for i, (s, d) in enumerate(zip(stats, devices))]
+    return out
+
+
+# ---- offline: LLM ---------------------------------------------------------------------------------
+
+def build_replicas(model, config: EngineConfig, size: int, progress: bool = True,
+                   warmup: bool = True) -> tuple[list[Engine], list[tuple[int, ...]]]:
+    """`size` engines of `config`, each on its own device group -> (engines, their device indices)."""
+    if jax.process_count() > 1:
+        raise ValueError("data_parallel_size: replicas live in one process; a multi-process mesh runs one engine")
+    dataclasses.replace(config, devices=None).validate()
+    groups = replica_devices(size, config)
+    for g in groups:  # each replica's devices exist
+        dataclasses.replace(config, devices=g).validate()
+    # built side by side: XLA compiles each replica's programs (its own devices) with the GIL released
+    with ThreadPoolExecutor(size, thread_name_prefix="k3jax-dp-build") as pool:
+        engines = list(pool.map(lambda g: Engine(model, dataclasses.replace(config, devices=g), warmup=warmup,
+                                                 progress=progress and g is groups[0]), groups))
+    return engines, groups
+
+
+class DataParallelEngine:
+    """`size` replicas stepped together for `LLM`: `add_request` routes, `step` runs one step of every
+    replica with work (each in its own thread) and returns all their outputs. The engine methods `LLM`
+    uses that change state (adapters, weights, sleep, prefix-cache reset) apply to every replica."""
+
+    def __init__(self, model, config: EngineConfig, size: int, progress: bool = True):
+        self.replicas, self.devices = build_replicas(model, config, size, progress)
+        self.router = PrefixRouter(size, self.replicas[0].align)
+        self._where: dict[str, tuple[int, int]] = {}  # request id -> (replica, sequences)
+        self._ids = itertools.count()
+        self._pool = ThreadPoolExecutor(size, thread_name_prefix="k3jax-dp")
+
+    # what LLM reads of an engine
+    @property
+    def tokenizer(self):
+        return self.replicas[0].tokenizer
+
+    @property
+    def cfg(self):
+        return self.replicas[0].cfg
+
+    @property
+    def config(self) -> EngineConfig:
+        return self.replicas[0].config
+
+    @property
+    def model(self):
+        return self.replicas[0].model
+
+    @property
+    def sleep_level(self) -> int:
+        return self.replicas[0].sleep_level
+
+    def add_request(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
+                    cache_salt: Optional[str] = None, lora_request=None) -> str:
+        request_id = request_id or f"dp-{next(self._ids)}"
+        if request_id in self._where:
+            raise ValueError(f"request_id: {request_id!r} is already in use")
+        params = params or SamplingParams()
+        seqs = _num_seqs(params)
+        r = self.router.route(_prompt_ids(self.replicas[0], prompt), _salt(cache_salt, lora_request), seqs)
+        try:
+            self.replicas[r].add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
+                                         lora_request=lora_request)
+        except BaseException:
+            self.router.done(r, seqs)
+            raise
+        self._where[request_id] = (r, seqs)
+        return request_id
+
+    def abort(self, request_id: str) -> bool:
+        where = self._where.pop(request_id, None)
+        if where is None:
+            return False
+        self.router.done(*where)
+        return self.replicas[where[0]].abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.replicas)
+
+    def step(self) -> list[RequestOutput]:
+        busy = [e for e in self.replicas if e.has_unfinished()]
+        if len(busy) == 1:
+            outs = busy[0].step()
+        else:
+            outs = [o for f in [self._pool.submit(e.step) for e in busy] for o in f.result()]
+        for o in outs:
+            if o.finished and o.request_id in self._where:
+                self.router.done(*self._where.pop(o.request_id))
+        return outs
+
+    def _all(self, fn: Callable[[Engine], object]) -> list:
+        return [fn(e) for e in self.replicas]
+
+    def add_lora(self, lora_request):
+        return self._all(lambda e: e.add_lora(lora_request))[0]
+
+    def remove_lora(self, name: str) -> None:
+        self._all(lambda e: e.remove_lora(name))
+
+    def list_loras(self) -> list[str]:
+        return self.replicas[0].list_loras()
+
+    def update_weights(self, model) -> None:
+        self._all(lambda e: e.update_weights(model))
+        self.router.forget()
+
+    def sleep(self, level: int = 1) -> None:
+        self._all(lambda e: e.sleep(level))
+        self.router.forget()
+
+    def wake_up(self, tags=None) -> None:
+        self._all(lambda e: e.wake_up(tags))
+
+    def reset_prefix_cache(self) -> bool:
+        done = all(self._all(lambda e: e.reset_prefix_cache()))
+        self.router.forget()
+        return done
+
+    def stats(self) -> dict:
+        return merge_stats(self._all(lambda e: e.stats()), self.devices, self.router)
+
+    def follow(self) -> int:
+        raise RuntimeError("follow: data-parallel replicas live in one process; there is nothing to follow")
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)
+        self._all(lambda e: e.close())
+
+
+# ---- online: the HTTP server ---------------------------------------------------------------------
+
+class DataParallelAsyncEngine:
+    """One `AsyncEngine` (and engine thread) per replica behind the router, with `AsyncEngine`'s API, so the
+    HTTP server (serve/api.py) serves it as one engine. `call(fn)` runs `fn` on every replica (adapters,
+    weights), returning the first replica's result."""
+
+    def __init__(self, engines: list[Engine], devices: Optional[list[tuple[int, ...]]] = None):
+        self.replicas = [AsyncEngine(e) for e in engines]
+        self.engine = engines[0]  # configuration, tokenizer, adapter registry (the same on every replica)
+        self.devices = devices or [tuple(sorted(d.id for d in e.mesh.devices.flat)) if e.mesh is not None else ()
+                                   for e in engines]
+        self.router = PrefixRouter(len(engines), engines[0].align)
+        self._where: dict[str, int] = {}
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    @property
+    def capacity(self) -> int:
+        """Sequences that run at once: every replica's largest decode bucket."""
+        return sum(int(a.engine.decode_buckets[-1]) for a in self.replicas)
+
+    @property
+    def alive(self) -> bool:
+        return all(a.alive for a in self.replicas)
+
+    async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
+                       cache_salt: Optional[str] = None, lora_request=None) -> AsyncIterator[RequestOutput]:
+        request_id = request_id or f"req-{uuid.uuid4().hex}"
+        seqs = _num_seqs(params or SamplingParams())
+        r = self.router.route(_prompt_ids(self.engine, prompt), _salt(cache_salt, lora_request), seqs)
+        self._where[request_id] = r
+        stream = self.replicas[r].generate(prompt, params, request_id, priority, cache_salt, lora_request)
+        try:
+            async for out in stream:
+                yield out
+        finally:  # a consumer that leaves early (client disconnect) aborts the request on its replica now
+            await stream.aclose()
+            self._where.pop(request_id, None)
+            self.router.done(r, seqs)
+
+    def abort(self, request_id: str) -> None:
+        r = self._where.get(request_id)
+        if r is not None:
+            self.replicas[r].abort(request_id)
+
+    def stats(self) -> dict:
+        return merge_stats([a.engine.stats() for a in self.replicas], self.devices, self.router)
+
+    async def call(self, fn):
+        results = await asyncio.gather(*(a.call(fn) for a in self.replicas), return_exceptions=True)
+        for res in results:
+            if isinstance(res, BaseException):
+                raise res
+        return results[0]
+
+    async def reset_prefix_cache(self) -> bool:
+        done = all(await asyncio.gather(*(a.reset_prefix_cache() for a in self.replicas)))
+        self.router.forget()
+        return done
+
+    async def sleep(self, level: int = 1) -> None:
+        await asyncio.gather(*(a.sleep(level) for a in self.replicas))
+        self.router.forget()
+
+    async def wake_up(self, tags=None) -> bool:
+        return any(await asyncio.gather(*(a.wake_up(tags) for a in self.replicas)))
+
+    async def is_sleeping(self) -> bool:
+        return any(await asyncio.gather(*(a.is_sleeping() for a in self.replicas)))
+
+    def shutdown(self) -> None:
+        for a in self.replicas:
+            a.shutdown()
