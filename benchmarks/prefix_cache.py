@@ -56,7 +56,8 @@ def run_agent_trace(engine: Engine, system: list[int], users: list[list[list[int
     turn = {s: 0 for s in range(sessions)}
     live = {}  # request id -> session
     records = []
-    itl0 = len(engine.latency["itl"])
+    latency = getattr(engine, "latency", {"itl": []})  # a DataParallelEngine keeps none of its own
+    itl0 = len(latency["itl"])
     t0 = time.perf_counter()
 
     order = {}
@@ -77,7 +78,8 @@ def run_agent_trace(engine: Engine, system: list[int], users: list[list[list[int
                 continue
             s = live.pop(o.request_id)
             records.append(dict(order=order[o.request_id], session=s, turn=turn[s], prompt_len=len(prompt[s]), ttft=o.metrics.ttft,
-                                e2e=o.metrics.e2e, tokens=list(o.token_ids), prompt=list(prompt[s])))
+                                e2e=o.metrics.e2e, tokens=list(o.token_ids), prompt=list(prompt[s]),
+                                cached=o.num_cached_tokens))
             if s == 0 and turn[0] == 0:
                 for s2 in range(1, sessions):  # the other sessions start once the system prompt was prefilled
                     started.add(s2)
@@ -91,7 +93,7 @@ def run_agent_trace(engine: Engine, system: list[int], users: list[list[list[int
     gtok = sum(len(r["tokens"]) for r in records)
     return dict(wall_s=wall, steps=steps, requests=len(records), prompt_tokens=ptok, gen_tokens=gtok,
                 gen_tok_s=gtok / wall, total_tok_s=(ptok + gtok) / wall, records=records,
-                itl=list(engine.latency["itl"][itl0:]))
+                itl=list(latency["itl"][itl0:]))
 
 
 def reusable_fraction(records: list[dict]) -> dict:

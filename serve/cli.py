@@ -34,7 +34,7 @@ DEFAULTS = dict(
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
-    lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1,
+    lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1, data_parallel_routing="cache_aware",
 )
 
 
@@ -69,6 +69,9 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--data-parallel-size", "-dp", type=int, default=d["data_parallel_size"],
                    help="engine replicas on disjoint device groups (each --sharding's mesh over devices / N, or "
                         "one device each), requests routed by cached prefix and load (default 1)")
+    e.add_argument("--data-parallel-routing", default=d["data_parallel_routing"], choices=["cache_aware", "load"],
+                   help="cache_aware: a request goes where its prefix was sent unless that replica is much busier "
+                        "(SGLang's router); load: always the least loaded replica")
     e.add_argument("--kda-decode", default=d["kda_decode"], choices=["auto", "in_place", "gathered"],
                    help="KDA decode form: in_place (row loop over the arena, the CPU default) or gathered "
                         "(batched kernel on gathered states, the GPU/TPU default)")
@@ -273,7 +276,8 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
          f"compilation cache: {cache_dir or 'off'}")
     with ThreadPoolExecutor(len(engines)) as pool:  # replicas compile side by side
         list(pool.map(lambda e: e.warmup(progress=e is eng), engines))
-    return AsyncEngine(eng) if size == 1 else DataParallelAsyncEngine(engines, groups)
+    return (AsyncEngine(eng) if size == 1
+            else DataParallelAsyncEngine(engines, groups, o.get("data_parallel_routing", "cache_aware")))
 
 
 def serve_main(args) -> int:

@@ -12,7 +12,8 @@ and one that lands elsewhere recomputes its whole history.
 chained hashes of the prompt blocks it sent there (bounded, least recently used first out: an estimate
 of that replica's cache), and a request goes where its longest leading run of blocks was sent, unless
 that replica is busier than the least loaded one by more than `balance_abs` sequences and `balance_rel`
-times; with no block matched it goes to the least loaded (sequences in flight).
+times; with no block matched it goes to the least loaded (sequences in flight). `routing="load"` always
+takes the least loaded (vLLM's data-parallel balancing), for comparison (benchmarks/data_parallel.py).
 
 `DataParallelEngine` drives the replicas for `LLM` (offline batches: each step runs every replica with
 work in its own thread, so the devices compute at once); `DataParallelAsyncEngine` gives the HTTP server
@@ -61,8 +62,13 @@ class PrefixRouter:
     """Which replica gets a request: cache-aware, load-balanced (see the module docstring). `route` counts
     the request's sequences as that replica's load until `done` returns them."""
 
+    POLICIES = ("cache_aware", "load")
+
     def __init__(self, replicas: int, block: int, max_blocks: int = 1 << 16, balance_abs: int = 8,
-                 balance_rel: float = 1.5):
+                 balance_rel: float = 1.5, policy: str = "cache_aware"):
+        if policy not in self.POLICIES:
+            raise ValueError(f"data_parallel_routing={policy!r}: expected one of {', '.join(self.POLICIES)}")
+        self.policy = policy  # "load": the least loaded replica always (vLLM's data-parallel balancing)
         self.block, self.max_blocks = block, max_blocks
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.load = [0] * replicas  # sequences in flight per replica
@@ -79,7 +85,7 @@ class PrefixRouter:
         return out
 
     def route(self, ids: Sequence[int], salt: bytes = b"", seqs: int = 1) -> int:
-        hashes = self.hashes(ids, salt)
+        hashes = self.hashes(ids, salt) if self.policy == "cache_aware" else []
         least = min(range(len(self.load)), key=lambda r: (self.load[r], r))
         best, depth = least, 0
         for r, sent in enumerate(self._sent):
@@ -197,12 +203,19 @@ class DataParallelEngine:
     replica with work (each in its own thread) and returns all their outputs. The engine methods `LLM`
     uses that change state (adapters, weights, sleep, prefix-cache reset) apply to every replica."""
 
-    def __init__(self, model, config: EngineConfig, size: int, progress: bool = True):
-        self.replicas, self.devices = build_replicas(model, config, size, progress)
-        self.router = PrefixRouter(size, self.replicas[0].align)
+    def __init__(self, engines: list[Engine], devices: list[tuple[int, ...]], routing: str = "cache_aware"):
+        self.replicas, self.devices = list(engines), list(devices)
+        self.router = PrefixRouter(len(engines), engines[0].align, policy=routing)
         self._where: dict[str, tuple[int, int]] = {}  # request id -> (replica, sequences)
         self._ids = itertools.count()
-        self._pool = ThreadPoolExecutor(size, thread_name_prefix="k3jax-dp")
+        self._pool = ThreadPoolExecutor(len(engines), thread_name_prefix="k3jax-dp")
+
+    @classmethod
+    def build(cls, model, config: EngineConfig, size: int, progress: bool = True,
+              routing: str = "cache_aware") -> "DataParallelEngine":
+        """`size` replicas of `config` (see `build_replicas`), compiled and warm."""
+        PrefixRouter(1, 1, policy=routing)  # a bad policy fails before anything compiles
+        return cls(*build_replicas(model, config, size, progress), routing=routing)
 
     # what LLM reads of an engine
     @property
@@ -309,12 +322,13 @@ class DataParallelAsyncEngine:
     HTTP server (serve/api.py) serves it as one engine. `call(fn)` runs `fn` on every replica (adapters,
     weights), returning the first replica's result."""
 
-    def __init__(self, engines: list[Engine], devices: Optional[list[tuple[int, ...]]] = None):
+    def __init__(self, engines: list[Engine], devices: Optional[list[tuple[int, ...]]] = None,
+                 routing: str = "cache_aware"):
         self.replicas = [AsyncEngine(e) for e in engines]
         self.engine = engines[0]  # configuration, tokenizer, adapter registry (the same on every replica)
         self.devices = devices or [tuple(sorted(d.id for d in e.mesh.devices.flat)) if e.mesh is not None else ()
                                    for e in engines]
-        self.router = PrefixRouter(len(engines), engines[0].align)
+        self.router = PrefixRouter(len(engines), engines[0].align, policy=routing)
         self._where: dict[str, int] = {}
 
     @property

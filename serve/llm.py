@@ -19,19 +19,22 @@ class LLM:
     """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields plus `dtype`/`seed`
     when a path or preset is given, and `data_parallel_size`: that many replicas of the engine, each on
     its own devices (`len(jax.devices()) / N` of them under a `sharding` config, one without), with
-    prompts routed by prefix and load (serve/data_parallel.py).
+    prompts routed by cached prefix and load (`data_parallel_routing="cache_aware"`) or by load alone
+    (`"load"`; serve/data_parallel.py).
 
     On a mesh over several processes (`k3jax.initialize_distributed`, then `sharding=...`), every
     process builds the same `LLM`; process 0 calls `generate` and finally `close()`, the others call
     `follow()`, which returns when process 0 closes."""
 
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
-                 progress: bool = True, data_parallel_size: int = 1, **engine_options):
+                 progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
+                 **engine_options):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed)
         config = EngineConfig(**engine_options)
         # vLLM's data_parallel_size: that many engine replicas on disjoint device groups (serve/data_parallel.py)
         self.engine = (Engine(self.model, config, progress=progress) if data_parallel_size == 1
-                       else DataParallelEngine(self.model, config, data_parallel_size, progress=progress))
+                       else DataParallelEngine.build(self.model, config, data_parallel_size, progress=progress,
+                                                     routing=data_parallel_routing))
 
     def generate(self, prompts: Union[Prompt, list[Prompt]],
                  sampling_params: Union[SamplingParams, BeamSearchParams, list, None] = None,

@@ -65,7 +65,8 @@ NAMES = (
     "k3jax:requests_aborted_total", "k3jax:structured_output_requests_total",
     "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
     "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total", "k3jax:retractions_total",
-    "k3jax:new_token_ratio", "k3jax:engine_sleep_level",
+    "k3jax:new_token_ratio", "k3jax:engine_sleep_level", "k3jax:replica_requests_running",
+    "k3jax:replica_requests_waiting", "k3jax:replica_kv_cache_usage_perc", "k3jax:data_parallel_routed_total",
 )
 
 
@@ -225,6 +226,22 @@ class EngineCollector:
         yield counter("k3jax:inter_rank_bytes", "Bytes the expert-parallel MoE sends between ranks (all-reduce of the "
                       "slot outputs, ring estimate from the step shapes; 0 on one device).",
                       s.get("inter_rank_bytes", 0))
+
+        # Data-parallel replicas (serve/data_parallel.py): each replica's gauges, and how the router chose.
+        reps = s.get("replicas") or []
+        for name, key, doc in (("k3jax:replica_requests_running", "num_requests_running", "Running sequences per replica."),
+                               ("k3jax:replica_requests_waiting", "num_requests_waiting", "Waiting sequences per replica."),
+                               ("k3jax:replica_kv_cache_usage_perc", "kv_cache_usage", "Arena usage per replica (0-1).")):
+            g = GaugeMetricFamily(name, doc, labels=L + ["replica"])
+            for i, r in enumerate(reps):
+                g.add_metric([m, str(i)], _num(r.get(key)))
+            yield g
+        routed = CounterMetricFamily("k3jax:data_parallel_routed", "Requests the data-parallel router sent by cached "
+                                     "prefix or by load (the least loaded replica).", labels=L + ["by"])
+        for by in ("prefix", "load"):
+            if f"routed_by_{by}" in (s.get("data_parallel_router") or {}):
+                routed.add_metric([m, by], _num(s["data_parallel_router"][f"routed_by_{by}"]))
+        yield routed
 
         # Frontend state.
         yield gauge("k3jax:engine_ready", "1 once the engine is warmed up and serving.", fe.get("ready", 0))

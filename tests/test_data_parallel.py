@@ -57,6 +57,11 @@ _MULTI = textwrap.dedent("""
                 model="m", prompt=p, max_tokens=sp.max_tokens, temperature=0, ignore_eos=True,
                 return_token_ids=True)) for p, sp in zip(prompts, sps) if sp.temperature == 0))
             texts = [[ch["token_ids"] for ch in r.json()["choices"]] for r in rs]
+            # a prompt extending an earlier one goes to the replica that cached it
+            r = await c.post("/v1/completions", json=dict(model="m", prompt=later[0], max_tokens=7, temperature=0,
+                                                          ignore_eos=True, return_token_ids=True))
+            texts.append([r.json()["choices"][0]["token_ids"]])
+            hit = r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
             # a long request aborted after its first token: its cache comes back
             agen = aeng.generate(list(range(1, 30)), SamplingParams(max_tokens=30, ignore_eos=True), "long")
             await agen.__anext__()
@@ -64,14 +69,16 @@ _MULTI = textwrap.dedent("""
             await asyncio.sleep(0.5)
             metrics = (await c.get("/metrics")).text
             reset = (await c.post("/reset_prefix_cache")).json()
-            return health, texts, metrics, reset
-    health, texts, metrics, reset = asyncio.run(http())
+            return health, texts, metrics, reset, hit
+    health, texts, metrics, reset, hit = asyncio.run(http())
     st = aeng.stats()
-    out["http"] = dict(health=health, tokens=texts, reset=reset, capacity=app.state.k3.capacity,
+    out["http"] = dict(health=health, tokens=texts, reset=reset, hit=hit, capacity=app.state.k3.capacity,
                        free=st["arena_free_units"], baseline=st["arena_baseline_free_units"],
                        running=st["num_requests_running"], waiting=st["num_requests_waiting"],
                        cached=st["arena_cached_units"], aborted=st["requests_aborted"],
-                       metric=[l for l in metrics.splitlines() if l.startswith("vllm:generation_tokens_total")])
+                       metric=[l for l in metrics.splitlines() if l.startswith(("vllm:generation_tokens_total",
+                                                                                "k3jax:replica_requests_running",
+                                                                                "k3jax:data_parallel_routed_total"))])
     aeng.shutdown()
     print("RESULT" + json.dumps(out))
 """)
@@ -114,10 +121,15 @@ def test_http_server_over_replicas(replicas):
     its capacity, summed metrics, an aborted request's cache returned, the prefix-cache reset on both."""
     h, one = replicas["http"], replicas["one"]
     assert h["health"] == 200 and h["capacity"] == 8
-    assert h["tokens"] == [t for i, t in enumerate(one["tokens"]) if i != 1]  # the greedy prompts
+    assert h["tokens"][:-1] == [t for i, t in enumerate(one["tokens"]) if i != 1]  # the greedy prompts
+    assert h["tokens"][-1] == [one["again"][0]] and h["hit"] == one["cached"][0]  # routed to its prefix
     assert h["reset"] == {"reset": True} and h["cached"] == 0
     assert h["running"] == h["waiting"] == 0 and h["free"] == h["baseline"] and h["aborted"] == 1
-    assert h["metric"] and float(h["metric"][0].split()[-1]) > 0
+    metric = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in h["metric"]}
+    assert metric['vllm:generation_tokens_total{model_name="m"}'] > 0
+    assert metric['k3jax:replica_requests_running{model_name="m",replica="1"}'] == 0
+    assert metric['k3jax:data_parallel_routed_total{model_name="m",by="prefix"}'] >= 1
+    assert metric['k3jax:data_parallel_routed_total{model_name="m",by="load"}'] >= 4
 
 
 def test_router_prefers_the_replica_that_cached_the_prefix():
@@ -138,6 +150,14 @@ def test_router_prefers_the_replica_that_cached_the_prefix():
     r.forget()
     assert r.load == [5, 1, 2] and r.route(a) == 1 and r.counters["routed_by_load"] == 6  # least loaded now
     assert r.hashes(a, b"x") != r.hashes(a) and len(r.hashes(a + [1])) == 5
+
+
+def test_load_policy_ignores_prefixes():
+    r = PrefixRouter(2, block=2, policy="load")
+    assert [r.route([1, 2, 3, 4]) for _ in range(4)] == [0, 1, 0, 1]
+    assert r.counters["routed_by_prefix"] == 0
+    with pytest.raises(ValueError, match="data_parallel_routing='random'"):
+        PrefixRouter(2, 2, policy="random")
 
 
 def test_router_forgets_the_least_recently_sent_blocks():

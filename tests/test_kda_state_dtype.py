@@ -227,7 +227,11 @@ def test_speculative_verify_rounds_like_decoding():
     spec = generate(corrupt)
     for a, b in zip(plain, spec):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids
-        np.testing.assert_allclose([x[1] for x in logprobs(a)], [x[1] for x in logprobs(b)], rtol=1e-5, atol=1e-5)
+        # A verify row's matmuls have other shapes than a decode row's, so fp32 values differ in the last bits
+        # and may round a few state elements to the neighbouring bf16 value (up to 8.5e-5 in logprobs seen on
+        # one CI CPU, none on another); the bf16 rounding itself is worth 2.8e-3 on average (bf16 against fp32
+        # states, benchmarks/kda_state_dtype.py).
+        np.testing.assert_allclose([x[1] for x in logprobs(a)], [x[1] for x in logprobs(b)], rtol=0, atol=3e-4)
     assert 0 < engine.counters["spec_decode_num_accepted_tokens"] < engine.counters["spec_decode_num_draft_tokens"]
     st = engine.stats()
     assert st["compiles_after_warmup"] == 0
