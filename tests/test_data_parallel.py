@@ -30,8 +30,7 @@ _MULTI = textwrap.dedent("""
            SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)]
     later = [list(range(10, 47)) + [3, 1, 4], list(range(20, 60)) + [9, 9]]
     out = {}
-    for name, opts in (("one", {}), ("tp", dict(data_parallel_size=2, sharding="tp")),
-                       ("single", dict(data_parallel_size=2, devices=(3, 1)))):
+    for name, opts in (("one", {}), ("tp", dict(data_parallel_size=2, sharding="tp"))):
         llm = k3jax.LLM("tiny-k3", **opts, **kw)
         res = llm.generate(prompts, sps)
         again = llm.generate(later, sps[0])
@@ -45,7 +44,19 @@ _MULTI = textwrap.dedent("""
         if name == "tp":
             dp = llm
 
-    # the HTTP server over the same replicas, each stepped by its own thread
+    # one-device replicas (no sharding config) on devices 3 and 1: placed there (built, not compiled)
+    import jax
+    from serve.data_parallel import build_replicas
+    from serve.engine import EngineConfig
+    cfg = EngineConfig(**{k: v for k, v in kw.items() if k != "progress"}, devices=(3, 1))
+    engines, groups = build_replicas(dp.model, cfg, 2, progress=False, warmup=False)
+    out["single"] = dict(groups=[list(g) for g in groups], mesh=[dict(e.mesh.shape) for e in engines],
+                         arena=[sorted(d.id for d in e.arena.sharding.device_set) for e in engines],
+                         params=[sorted({d.id for x in jax.tree.leaves(e.model.params) for d in x.sharding.device_set})
+                                 for e in engines])
+    del engines
+
+    # the HTTP server over the tensor-mesh replicas, each stepped by its own thread
     aeng = DataParallelAsyncEngine(dp.engine.replicas, dp.engine.devices)
     app = create_app(None, "m", max_model_len=64)
     app.state.k3.attach(aeng)
@@ -87,8 +98,8 @@ _MULTI = textwrap.dedent("""
 @pytest.fixture(scope="module")
 def replicas():
     """tiny-k3 on 4 simulated CPU devices: one engine, 2 replicas of a 2-way tensor mesh, 2 one-device
-    replicas on devices 3 and 1, then the HTTP app over the tensor-mesh replicas (a fresh process: the
-    device count is fixed when JAX starts)."""
+    replicas on devices 3 and 1 (placed, not compiled: CI time), then the HTTP app over the tensor-mesh
+    replicas (a fresh process: the device count is fixed when JAX starts)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     proc = subprocess.run([sys.executable, "-c", _MULTI], env=env, cwd=root, capture_output=True, text=True,
@@ -102,18 +113,24 @@ def test_replicas_generate_what_one_engine_does(replicas):
     """Greedy, seeded (n=2) and later prompts that resume from cached prefixes: token for token what one
     engine on one device generates, on tensor-mesh replicas and on one-device replicas; the later prompts
     go back to the replica that cached their prefix; nothing compiles after warm-up; no unit leaks."""
-    one = replicas["one"]
+    one, r = replicas["one"], replicas["tp"]
     assert all(c >= 32 for c in one["cached"])
-    for name, devices in (("tp", [[0, 1], [2, 3]]), ("single", [[3], [1]])):
-        r = replicas[name]
-        assert r["tokens"] == one["tokens"] and r["again"] == one["again"]
-        assert r["cached"] == one["cached"]  # routed to the replica holding the prefix
-        assert [x["devices"] for x in r["replicas"]] == devices
-        assert all(x["generation_tokens"] > 0 for x in r["replicas"])  # both replicas served
-        assert r["generated"] == one["generated"] and r["compiles"] == 0 and r["running"] == 0
-        assert r["free"] == r["baseline"]
-        assert r["router"]["routed_by_prefix"] >= 3 and r["router"]["routed_by_load"] >= 2
-        assert all(x["load"] == 0 for x in r["replicas"])
+    assert r["tokens"] == one["tokens"] and r["again"] == one["again"]
+    assert r["cached"] == one["cached"]  # routed to the replica holding the prefix
+    assert [x["devices"] for x in r["replicas"]] == [[0, 1], [2, 3]]
+    assert all(x["generation_tokens"] > 0 for x in r["replicas"])  # both replicas served
+    assert r["generated"] == one["generated"] and r["compiles"] == 0 and r["running"] == 0
+    assert r["free"] == r["baseline"]
+    assert r["router"]["routed_by_prefix"] >= 3 and r["router"]["routed_by_load"] >= 2
+    assert all(x["load"] == 0 for x in r["replicas"])
+
+
+def test_one_device_replicas_are_placed_on_their_devices(replicas):
+    """Without a sharding config each replica runs on one device (the "single" config's mesh), the ones
+    `devices` names, in that order: weights and arena there and nowhere else."""
+    s = replicas["single"]
+    assert s["groups"] == [[3], [1]] and s["mesh"] == [{"tensor": 1}] * 2
+    assert s["arena"] == [[3], [1]] and s["params"] == [[3], [1]]
 
 
 def test_http_server_over_replicas(replicas):
@@ -128,8 +145,8 @@ def test_http_server_over_replicas(replicas):
     metric = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in h["metric"]}
     assert metric['vllm:generation_tokens_total{model_name="m"}'] > 0
     assert metric['k3jax:replica_requests_running{model_name="m",replica="1"}'] == 0
-    assert metric['k3jax:data_parallel_routed_total{model_name="m",by="prefix"}'] >= 1
-    assert metric['k3jax:data_parallel_routed_total{model_name="m",by="load"}'] >= 4
+    assert metric['k3jax:data_parallel_routed_total{by="prefix",model_name="m"}'] >= 1
+    assert metric['k3jax:data_parallel_routed_total{by="load",model_name="m"}'] >= 4
 
 
 def test_router_prefers_the_replica_that_cached_the_prefix():
