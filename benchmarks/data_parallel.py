@@ -6,8 +6,11 @@
 Trace (benchmarks/prefix_cache.py's): a shared system prompt, then `sessions` agent sessions of `turns`
 turns each, closed loop (each session sends its next turn, its whole conversation so far plus a new user
 message, as soon as its previous turn finishes; session 0 first, the others once its first turn is done). Greedy, so every run sees the same conversations
-(checked). Runs, all on the same two warm engines (one per device; prefix caches reset in between, so
-nothing compiles between runs):
+(checked). A second trace, `rounds`, models users who come back later: turn t of every session is sent once all of
+turn t - 1 has finished, the sessions in a new random order each turn (in the closed loop a session's
+next turn arrives just as its replica frees a row, so even load-only routing tends to send it back there).
+Each trace runs three ways, all on the same two warm engines (one per device; prefix caches reset in
+between, so nothing compiles between runs):
 
 * `dp1`: one replica (device 0) serves the whole trace;
 * `dp2_cache_aware`: both replicas, the default router (a request goes where its prefix was sent);
@@ -44,10 +47,38 @@ from prefix_cache import run_agent_trace  # noqa: E402
 from serving import machine_info, mean, write_result  # noqa: E402
 
 
-def run_trace(dp: DataParallelEngine, system: list[int], users: list[list[list[int]]], sp: SamplingParams) -> dict:
-    """The prefix-cache benchmark's closed-loop sessions over the replicas -> totals and each replica's share."""
+def run_rounds(dp: DataParallelEngine, system: list[int], users: list[list[list[int]]], sp: SamplingParams,
+               seed: int) -> dict:
+    """Returning users: turn t of every session is sent once all of turn t - 1 is done, the sessions in a
+    new random order each turn (session 0's first turn alone first, so the system prompt is cached)."""
+    sessions, turns = len(users), len(users[0])
+    prompt = {s: system + users[s][0] for s in range(sessions)}
+    rng = np.random.default_rng(seed)
+    records = []
+    t0 = time.perf_counter()
+    for t in range(turns):
+        order = [0] if t == 0 else []
+        order += [int(s) for s in rng.permutation(sessions) if t or s]
+        for wave in ([order[:1], order[1:]] if t == 0 else [order]):
+            live = {dp.add_request(prompt[s], sp, request_id=f"s{s}-t{t}"): s for s in wave}
+            while live:
+                for o in dp.step():
+                    if o.finished:
+                        s = live.pop(o.request_id)
+                        records.append(dict(session=s, turn=t, prompt_len=len(prompt[s]), ttft=o.metrics.ttft,
+                                            tokens=list(o.token_ids), cached=o.num_cached_tokens))
+                        if t + 1 < turns:
+                            prompt[s] = prompt[s] + list(o.token_ids) + users[s][t + 1]
+    wall = time.perf_counter() - t0
+    ptok = sum(r["prompt_len"] for r in records)
+    gtok = sum(len(r["tokens"]) for r in records)
+    return dict(wall_s=wall, records=records, prompt_tokens=ptok, gen_tokens=gtok, gen_tok_s=gtok / wall)
+
+
+def summarize(dp: DataParallelEngine, run) -> dict:
+    """Run a trace over the replicas -> hit rate, prompt tokens computed, TTFT, each replica's share."""
     gen0 = [e.counters["generation_tokens"] for e in dp.replicas]
-    tr = run_agent_trace(dp, system, users, sp)
+    tr = run()
     records = tr["records"]
     hit = sum(r["cached"] for r in records)
     return dict(wall_s=tr["wall_s"], requests=len(records), prompt_tokens=tr["prompt_tokens"], hit_tokens=hit,
@@ -86,15 +117,17 @@ def main() -> None:
     build_s = time.perf_counter() - t0
     sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
     runs = {}
-    for label, reps, routing in (("dp1", 1, "cache_aware"), ("dp2_cache_aware", 2, "cache_aware"),
-                                 ("dp2_load", 2, "load")):
-        dp = DataParallelEngine(engines[:reps], devices[:reps], routing=routing)
-        dp.reset_prefix_cache()
-        runs[label] = run_trace(dp, system, users, sp)
-        r = runs[label]
-        log(f"{label}: hit rate {r['hit_rate']:.3f}, computed prompt tokens {r['computed_prompt_tokens']}, "
-            f"later-turn TTFT {r['ttft_later_mean_s']:.3f} s, {r['gen_tok_s']:.1f} gen tok/s, wall {r['wall_s']:.1f} s, "
-            f"replicas {r['replica_gen_tokens']}")
+    traces = {"closed_loop": lambda dp: run_agent_trace(dp, system, users, sp),
+              "rounds": lambda dp: run_rounds(dp, system, users, sp, seed=1)}
+    for trace, run in traces.items():
+        for label, reps, routing in (("dp1", 1, "cache_aware"), ("dp2_cache_aware", 2, "cache_aware"),
+                                     ("dp2_load", 2, "load")):
+            dp = DataParallelEngine(engines[:reps], devices[:reps], routing=routing)
+            dp.reset_prefix_cache()
+            r = runs[f"{trace}/{label}"] = summarize(dp, lambda: run(dp))
+            log(f"{trace}/{label}: hit rate {r['hit_rate']:.3f}, computed prompt tokens {r['computed_prompt_tokens']}, "
+                f"later-turn TTFT {r['ttft_later_mean_s']:.3f} s, {r['gen_tok_s']:.1f} gen tok/s, "
+                f"wall {r['wall_s']:.1f} s, replicas {r['replica_gen_tokens']}")
     same = len({str(sorted(r["conversations"].items())) for r in runs.values()}) == 1
     for r in runs.values():
         r.pop("conversations")

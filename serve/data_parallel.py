@@ -11,9 +11,10 @@ and one that lands elsewhere recomputes its whole history.
 `PrefixRouter` picks the replica the way SGLang's cache-aware router does: per replica it remembers the
 chained hashes of the prompt blocks it sent there (bounded, least recently used first out: an estimate
 of that replica's cache), and a request goes where its longest leading run of blocks was sent, unless
-that replica is busier than the least loaded one by more than `balance_abs` sequences and `balance_rel`
-times; with no block matched it goes to the least loaded (sequences in flight). `routing="load"` always
-takes the least loaded (vLLM's data-parallel balancing), for comparison (benchmarks/data_parallel.py).
+that replica is busier than the least loaded one by more than `balance_abs` sequences (a quarter of a
+replica's `max_num_seqs`) and `balance_rel` times; with no block matched it goes to the least loaded
+(sequences in flight). `routing="load"` always takes the least loaded (vLLM's data-parallel balancing),
+for comparison (benchmarks/data_parallel.py).
 
 `DataParallelEngine` drives the replicas for `LLM` (offline batches: each step runs every replica with
 work in its own thread, so the devices compute at once); `DataParallelAsyncEngine` gives the HTTP server
@@ -118,6 +119,13 @@ class PrefixRouter:
             sent.clear()
 
 
+def router_for(engines: list[Engine], routing: str) -> PrefixRouter:
+    """The router over these replicas: blocks of the KDA checkpoint alignment (a shorter match resumes
+    nothing), a replica too busy once it runs a quarter of its rows more than the least loaded one."""
+    rows = engines[0].sched_cfg.max_num_seqs
+    return PrefixRouter(len(engines), engines[0].align, balance_abs=max(2, rows // 4), policy=routing)
+
+
 def _salt(cache_salt: Optional[str], lora_request) -> bytes:
     """Requests share cached prefixes only with the same salt and adapter (as the engine hashes them)."""
     name = getattr(lora_request, "lora_name", lora_request)
@@ -205,7 +213,7 @@ class DataParallelEngine:
 
     def __init__(self, engines: list[Engine], devices: list[tuple[int, ...]], routing: str = "cache_aware"):
         self.replicas, self.devices = list(engines), list(devices)
-        self.router = PrefixRouter(len(engines), engines[0].align, policy=routing)
+        self.router = router_for(engines, routing)
         self._where: dict[str, tuple[int, int]] = {}  # request id -> (replica, sequences)
         self._ids = itertools.count()
         self._pool = ThreadPoolExecutor(len(engines), thread_name_prefix="k3jax-dp")
@@ -328,7 +336,7 @@ class DataParallelAsyncEngine:
         self.engine = engines[0]  # configuration, tokenizer, adapter registry (the same on every replica)
         self.devices = devices or [tuple(sorted(d.id for d in e.mesh.devices.flat)) if e.mesh is not None else ()
                                    for e in engines]
-        self.router = PrefixRouter(len(engines), engines[0].align, policy=routing)
+        self.router = router_for(engines, routing)
         self._where: dict[str, int] = {}
 
     @property
