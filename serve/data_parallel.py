@@ -188,7 +188,7 @@ def merge_stats(stats: list[dict], devices: list[tuple[int, ...]], router: Prefi
     return out
 
 
-# ---- offline: LLM ---------------------------------------------------------------------------------
+# ---- replicas, and driving them for LLM ----------------------------------------------------------
 
 def build_replicas(model, config: EngineConfig, size: int, progress: bool = True,
                    warmup: bool = True) -> tuple[list[Engine], list[tuple[int, ...]]]:
