@@ -35,6 +35,7 @@ DEFAULTS = dict(
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
     lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1, data_parallel_routing="cache_aware",
+    prefill_devices=None, decode_devices=None, kv_store_mb=1024,
 )
 
 
@@ -72,6 +73,13 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--data-parallel-routing", default=d["data_parallel_routing"], choices=["cache_aware", "load"],
                    help="cache_aware: a request goes where its prefix was sent unless that replica is much busier "
                         "(SGLang's router); load: always the least loaded replica")
+    e.add_argument("--prefill-devices", default=None,
+                   help="disaggregated prefill (with --decode-devices): comma-separated device indices of a prefill "
+                        "engine that runs each prompt and hands its cache to the decode engine through host memory")
+    e.add_argument("--decode-devices", default=None,
+                   help="device indices of the decode engine that resumes each prompt and generates the output")
+    e.add_argument("--kv-store-mb", type=int, default=d["kv_store_mb"],
+                   help="host store shared by the prefill and decode engines (MiB, default 1024)")
     e.add_argument("--kda-decode", default=d["kda_decode"], choices=["auto", "in_place", "gathered"],
                    help="KDA decode form: in_place (row loop over the arena, the CPU default) or gathered "
                         "(batched kernel on gathered states, the GPU/TPU default)")
@@ -262,22 +270,59 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
     from serve.data_parallel import DataParallelAsyncEngine, build_replicas
     from serve.engine import Engine
 
+    from serve.disaggregated import DisaggregatedAsyncEngine, build_pair
+
     size = o.get("data_parallel_size") or 1
-    engines, groups = (build_replicas(model, cfg, size, progress=False, warmup=False) if size > 1
-                       else ([Engine(model, cfg, warmup=False)], None))
+    pd = disaggregation(o)
+    if pd is not None:
+        engines, groups = list(build_pair(model, cfg, *pd, o["kv_store_mb"] << 20, warmup=False)), None
+    elif size > 1:
+        engines, groups = build_replicas(model, cfg, size, progress=False, warmup=False)
+    else:
+        engines, groups = [Engine(model, cfg, warmup=False)], None
     for lr in adapters:  # before compiling: a bad adapter fails the start at once
         for eng in engines:
             eng.add_lora(lr)
         _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
     eng = engines[0]
-    replicas = f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else ""
+    replicas = (f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else
+                f" on the prefill (devices {list(pd[0])}) and the decode engine (devices {list(pd[1])})" if pd else "")
     _say(f"compiling {len(eng.bucket_shapes())} step programs{replicas} (decode rows {eng.decode_buckets}, prefill "
          f"rows {eng.prefill_buckets} x {cfg.prefill_chunk} tokens, context pages {eng.context_buckets}); "
          f"compilation cache: {cache_dir or 'off'}")
     with ThreadPoolExecutor(len(engines)) as pool:  # replicas compile side by side
         list(pool.map(lambda e: e.warmup(progress=e is eng), engines))
+    if pd is not None:
+        return DisaggregatedAsyncEngine(*engines)
     return (AsyncEngine(eng) if size == 1
             else DataParallelAsyncEngine(engines, groups, o.get("data_parallel_routing", "cache_aware")))
+
+
+def disaggregation(o: dict) -> Optional[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """(prefill devices, decode devices) of `--prefill-devices` / `--decode-devices`, or None."""
+    pre, dec = o.get("prefill_devices"), o.get("decode_devices")
+    if pre is None and dec is None:
+        return None
+    if pre is None or dec is None:
+        raise ValueError("disaggregated prefill needs both --prefill-devices and --decode-devices")
+    if (o.get("data_parallel_size") or 1) > 1:
+        raise ValueError("--prefill-devices / --decode-devices: not with --data-parallel-size")
+    if o.get("no_prefix_caching") or o.get("host_cache_mb") or o.get("kv_offloading_size"):
+        raise ValueError("--prefill-devices / --decode-devices: the engines hand prompts over through the prefix "
+                         "cache's host store (--kv-store-mb); leave prefix caching on and --host-cache-mb unset")
+    if not isinstance(o.get("kv_store_mb"), int) or o["kv_store_mb"] < 1:
+        raise ValueError(f"--kv-store-mb: expected an integer >= 1, got {o.get('kv_store_mb')!r}")
+    return _devices(pre, "prefill-devices"), _devices(dec, "decode-devices")
+
+
+def _devices(text: str, name: str) -> tuple[int, ...]:
+    try:
+        vals = tuple(int(x) for x in str(text).split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"--{name}: expected comma-separated device indices, got {text!r}") from None
+    if not vals or min(vals) < 0:
+        raise ValueError(f"--{name}: expected device indices >= 0, got {text!r}")
+    return vals
 
 
 def serve_main(args) -> int:
@@ -304,6 +349,12 @@ def serve_main(args) -> int:
         from serve.data_parallel import replica_devices
 
         replica_devices(o["data_parallel_size"], cfg)
+    pd = disaggregation(o)
+    if pd is not None:
+        import dataclasses
+
+        for devices in pd:  # the devices exist and fit the sharding config: say so before listening
+            dataclasses.replace(cfg, devices=devices).validate()
     cache_dir = None if o["no_compile_cache"] else enable_compile_cache(o["compile_cache_dir"])
     if o["process_id"] > 0:
         return _follow(o, cfg)

@@ -28,7 +28,9 @@ rows back into the arena and token pages.
 from __future__ import annotations
 
 import collections
+import functools
 import itertools
+import threading
 from dataclasses import dataclass
 from typing import Optional
 
@@ -58,6 +60,16 @@ class HostEntry:
         return self.rows.nbytes + (self.tokens.nbytes if self.tokens is not None else 0)
 
 
+def _locked(method):
+    """Run a `HostCache` method under the store's lock: engines stepping on different threads (a
+    disaggregated prefill / decode pair behind the HTTP server) share one store."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with self._lock:
+            return method(self, *args, **kwargs)
+    return run
+
+
 class HostCache:
     """Byte-budgeted LRU store of evicted prefix-cache entries, keyed like the device tier."""
 
@@ -73,11 +85,13 @@ class HostCache:
         self.track_forgotten = track_forgotten
         self.forgotten: list[int] = []
         self.fingerprint: Optional[dict] = None  # what the engines sharing the store agree on (`bind`)
+        self._lock = threading.RLock()
         self.metrics = dict(host_pages_stored=0, host_checkpoints_stored=0, host_pages_restored=0,
                             host_checkpoints_restored=0, host_entries_evicted=0, host_entries_rejected=0,
                             host_bytes_stored=0, host_bytes_restored=0, host_spill_seconds=0.0,
                             host_restore_seconds=0.0)
 
+    @_locked
     def bind(self, fingerprint: dict) -> None:
         """Attach an engine: the first sets the fingerprint, every other must have the same one."""
         if self.fingerprint is None:
@@ -89,16 +103,20 @@ class HostCache:
                                  f"{self.fingerprint.get(k)!r}; this engine's is {v!r} (engines sharing a store "
                                  f"need the same model, weights, page size, cache dtypes and prefix hashing)")
 
+    @_locked
     def new_uid(self) -> int:
         return next(self._uids)
 
+    @_locked
     def get(self, key: bytes) -> Optional[HostEntry]:
         return self.entries.get(key)
 
+    @_locked
     def touch(self, e: HostEntry) -> None:
         if e.key in self.entries:
             self.entries.move_to_end(e.key)
 
+    @_locked
     def put(self, e: HostEntry) -> bool:
         """Store `e` (replacing an entry of the same key), evicting LRU entries to make room; False
         when it cannot fit (larger than the budget, or the rest is pinned)."""
@@ -119,16 +137,29 @@ class HostCache:
         self.metrics["host_bytes_stored"] += e.nbytes
         return True
 
+    @_locked
+    def pin(self, e: HostEntry) -> None:
+        """Keep `e` in the store (most recently used) until `unpin`: a request is about to restore it."""
+        e.pins += 1
+        self.touch(e)
+
+    @_locked
+    def unpin(self, e: HostEntry) -> None:
+        e.pins -= 1
+
+    @_locked
     def discard(self, key: bytes) -> None:
         """Drop the host copy of an entry the device tier holds again (unless a request is reading it)."""
         e = self.entries.get(key)
         if e is not None and not e.pins:
             self._remove(e)
 
+    @_locked
     def restored(self, e: HostEntry) -> None:
         self.metrics["host_pages_restored" if e.kind == PAGE else "host_checkpoints_restored"] += 1
         self.metrics["host_bytes_restored"] += e.nbytes
 
+    @_locked
     def clear(self) -> None:
         for e in [e for e in self.entries.values() if not e.pins]:
             self._remove(e)
@@ -152,6 +183,7 @@ class HostCache:
         if self.track_forgotten:
             self.forgotten.append(e.uid)
 
+    @_locked
     def stats(self) -> dict:
         m = dict(self.metrics)
         m.update(host_bytes=self.used, host_budget_bytes=self.budget,

@@ -220,8 +220,7 @@ class PrefixCache(UnitRefs):
     def pin_host(self, hit: Hit) -> None:
         """Keep the hit's host entries in the store until admission has restored them (`unpin_host`)."""
         for e in hit.host_entries:
-            e.pins += 1
-            self.host.touch(e)
+            self.host.pin(e)
 
     def acquire(self, hit: Hit) -> None:
         """Pin what a newly admitted request will read in its first step (its host entries are pinned
@@ -250,7 +249,7 @@ class PrefixCache(UnitRefs):
         tier holds again are dropped (checkpoints and partial pages were restored into private memory,
         so their host copies stay)."""
         for e in hit.host_entries:
-            e.pins -= 1
+            self.host.unpin(e)
             if e.kind == PAGE and e.key in self.pages:
                 self.host.discard(e.key)
 

@@ -20,6 +20,26 @@ def pytest_configure(config):
     """
     if getattr(config.option, "maxworkerrestart", "absent") is None:
         config.option.maxworkerrestart = "0"
+    # `--dist loadfile` hands files to the workers in collection order unless xdist reorders them by
+    # test count, which put the slow files with few tests (multi-process servers, the notebook) last,
+    # leaving one worker alone for minutes at the end of a run: keep our order (`SLOW_FIRST`).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+# Test files in order of their time on the 2-core CI host (longest first, as measured), so the short files
+# fill the end of a parallel run; the others follow in their usual order.
+SLOW_FIRST = ("test_engine.py", "test_sharding.py", "test_multihost.py", "test_engine_pallas.py",
+              "test_parity_hf.py", "test_notebooks.py", "test_kda_state_dtype.py", "test_prefix_cache.py",
+              "test_kernels_gpu_script.py", "test_model.py", "test_run_batch.py", "test_http.py",
+              "test_weight_layout.py", "test_kv_cache_dtype.py", "test_speculative.py", "test_moe_gmm.py",
+              "test_host_cache.py", "test_lora.py", "test_k3_chat.py", "test_sampling_engine.py",
+              "test_beam_search.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
 
 
 @pytest.fixture(scope="session")

@@ -108,7 +108,7 @@ def test_param_specs_follow_logical_axes_and_transposition():
 
 
 _MULTI = textwrap.dedent("""
-    import json, os, sys
+    import dataclasses, json, os, sys
     import jax, numpy as np
     import k3jax
     from k3jax import SamplingParams
@@ -141,7 +141,8 @@ _MULTI = textwrap.dedent("""
             # compiled decode and prefill programs: one rank's arena is never copied or communicated
             local = "f32[%d,%d]" % (eng.layout.num_units, eng.layout.unit_elems)
             arena_ops = bad = 0
-            for rows, t in (((4, 1), (2, 16)) if sh == "tp" else ()):  # both MLA decode forms
+            # both MLA decode forms, on tiny-k3 (the arena's reads and writes are the same code for both models)
+            for rows, t in (((4, 1), (2, 16)) if sh == "tp" and model == "tiny-k3" else ()):
                 hlo = eng.lower_step(eng._pad_batch(rows, t, 4, [])).compile().as_text()
                 made = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " = " in l]
                 ops = [m.split("(")[0].split()[-1] for m in made if m.startswith(local)]
@@ -162,18 +163,111 @@ _MULTI = textwrap.dedent("""
                 expert_parallel=[getattr(m, "expert_parallel", None) is not None for _, m in
                                  __import__("flax").nnx.iter_graph(__import__("flax").nnx.merge(
                                      eng.model.graphdef, eng.model.params)) if type(m).__name__ == "MoE"])
-    print("RESULT" + json.dumps(out))
+""")
+
+# Engines on disjoint device groups, after the meshes above in the same process (its reference engine,
+# "tiny-k3/None", has the same options): data-parallel replicas (serve/data_parallel.py) generating and
+# serving HTTP, and a prefill / decode pair (serve/disaggregated.py) serving HTTP. Checked by
+# tests below; the router, stats and options have unit tests in tests/test_device_groups.py.
+_GROUPS = textwrap.dedent("""
+    import asyncio
+    import httpx
+    from serve.api import create_app
+    from serve.data_parallel import DataParallelAsyncEngine, build_replicas
+    from serve.disaggregated import DisaggregatedAsyncEngine, build_pair
+    from serve.engine import EngineConfig
+
+    later = [list(range(10, 47)) + [3, 1, 4], list(range(10, 43)) + [9] * 9]
+    greedy = [(p, sp) for p, sp in zip(prompts, sps) if sp.temperature == 0]
+    cfg = EngineConfig(**{k: v for k, v in kw.items() if k != "progress"})
+
+    async def complete(c, prompt, max_tokens):
+        r = await c.post("/v1/completions", json=dict(model="m", prompt=prompt, max_tokens=max_tokens, temperature=0,
+                                                      ignore_eos=True, return_token_ids=True))
+        return r.json()["choices"][0]["token_ids"], r.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+
+    async def leave_after_one_token(engine, rid):  # a consumer that goes away: the request is aborted
+        gen = engine.generate(list(range(1, 30)), SamplingParams(max_tokens=30, ignore_eos=True), rid)
+        await gen.__anext__()
+        await gen.aclose()
+        await asyncio.sleep(0.5)
+
+    # data-parallel: two one-device replicas on devices 3 and 1, generating
+    dp = k3jax.LLM("tiny-k3", data_parallel_size=2, devices=(3, 1), **kw)
+    res = dp.generate(prompts, sps)
+    again = dp.generate(later, sps[:2])
+    st = dp.stats()
+    out["dp"] = dict(tokens=[r.token_ids for r in res], again=[r.token_ids for r in again],
+                     cached=[r.num_cached_tokens for r in again], replicas=st["replicas"],
+                     router=st["data_parallel_router"], compiles=st["compiles_after_warmup"],
+                     free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"],
+                     running=st["num_requests_running"],
+                     arena=[sorted(d.id for d in e.arena.sharding.device_set) for e in dp.engine.replicas],
+                     params=[sorted({d.id for x in jax.tree.leaves(e.model.params) for d in x.sharding.device_set})
+                             for e in dp.engine.replicas])
+    # replicas of a 2-way tensor mesh each: placed (built, not compiled: CI time)
+    engines, groups = build_replicas(dp.model, dataclasses.replace(cfg, sharding="tp"), 2, warmup=False)
+    out["dp_tp"] = dict(groups=[list(g) for g in groups], mesh=[dict(e.mesh.shape) for e in engines],
+                        arena=[sorted(d.id for d in e.arena.sharding.device_set) for e in engines])
+    del engines
+
+    # the HTTP server over the replicas, each stepped by its own thread
+    aeng = DataParallelAsyncEngine(dp.engine.replicas, dp.engine.devices)
+    app = create_app(None, "m", max_model_len=64)
+    app.state.k3.attach(aeng)
+
+    async def serve_dp():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            health = (await c.get("/health")).status_code
+            got = await asyncio.gather(*(complete(c, p, sp.max_tokens) for p, sp in greedy))
+            follow = await complete(c, later[0], 8)  # extends prompt 1: goes where that prompt went
+            await leave_after_one_token(aeng, "long")
+            metrics = (await c.get("/metrics")).text
+            reset = (await c.post("/reset_prefix_cache")).json()
+            return health, [t for t, _ in got] + [follow[0]], follow[1], metrics, reset
+    health, tokens, hit, metrics, reset = asyncio.run(serve_dp())
+    st = aeng.stats()
+    out["dp_http"] = dict(health=health, tokens=tokens, hit=hit, reset=reset, capacity=app.state.k3.capacity,
+                          free=st["arena_free_units"], baseline=st["arena_baseline_free_units"],
+                          running=st["num_requests_running"], waiting=st["num_requests_waiting"],
+                          cached=st["arena_cached_units"], aborted=st["requests_aborted"],
+                          metric=[l for l in metrics.splitlines() if l.startswith((
+                              "vllm:generation_tokens_total", "k3jax:replica_requests_running",
+                              "k3jax:data_parallel_routed_total"))])
+    aeng.shutdown()
+
+    # disaggregated prefill: a prefill engine on device 0 hands prompts to a decode engine on device 2
+    pre, dec = build_pair(dp.model, cfg, (0,), (2,), 64 << 20)
+    pd = DisaggregatedAsyncEngine(pre, dec)
+    app = create_app(None, "m", max_model_len=64)
+    app.state.k3.attach(pd)
+
+    async def serve_pd():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            got = await asyncio.gather(*(complete(c, p, sp.max_tokens) for p, sp in greedy))
+            await leave_after_one_token(pd, "long")
+            return got
+    got = asyncio.run(serve_pd())
+    st = pd.stats()
+    out["pd"] = dict(tokens=[t for t, _ in got], hits=[h for _, h in got], prefill=st["prefill_engine"],
+                     compiles=st["compiles_after_warmup"], running=st["num_requests_running"],
+                     free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"],
+                     aborted=st["requests_aborted"], host_hits=st["prefix_cache"].get("host_hits", 0),
+                     devices=[sorted(d.id for d in e.arena.sharding.device_set) for e in (pre, dec)])
+    pd.shutdown()
 """)
 
 
 @pytest.fixture(scope="module")
 def multi_device():
     """Both test models served unsharded, tensor-parallel and expert-parallel on 4 simulated CPU devices,
-    tiny-k3 also TP x EP and with the accelerator's decode forms (a fresh process: the device count is
-    fixed when JAX starts)."""
+    tiny-k3 also TP x EP and with the accelerator's decode forms, then tiny-k3 as data-parallel replicas
+    and as a disaggregated prefill / decode pair (a fresh process: the device count is fixed when JAX
+    starts)."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", _MULTI, "tiny-k3", "tiny-kimi-linear"], env=env, cwd=root,
+    script = _MULTI + _GROUPS + '\nprint("RESULT" + json.dumps(out))\n'
+    proc = subprocess.run([sys.executable, "-c", script, "tiny-k3", "tiny-kimi-linear"], env=env, cwd=root,
                           capture_output=True, text=True, timeout=1500)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     assert proc.returncode == 0 and line, proc.stderr[-3000:]
@@ -228,8 +322,9 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
             assert not r["arena_replicated"] and "tensor" in r["arena_spec"]
             assert r["slot_units"] <= -(-one["slot_units"] // ranks) + 1 < one["slot_units"]
     # every arena access runs on the rank's own part: no copy of it and no collective over it, also
-    # when decode stores latents and runs the paged MLA kernel per rank (on its query heads)
-    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged") if k in multi_device):
+    # when decode stores latents and runs the paged MLA kernel per rank (on its query heads); the compiled
+    # programs are inspected on tiny-k3 only (the same arena code for both models; CI time)
+    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged") if model == "tiny-k3"):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
@@ -243,6 +338,53 @@ def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device, model):
     assert ep["exchange"] > 0  # tp, ep and tp_ep all split the experts over the 4 devices
     assert all(multi_device[k]["exchange"] == ep["exchange"] for k in (f"{model}/tp", f"{model}/tp_ep")
                if k in multi_device)
+
+
+def test_data_parallel_replicas_generate_what_one_engine_does(multi_device):
+    """Two one-device replicas (devices 3 and 1, in that order): the same greedy and seeded tokens as one
+    engine, later prompts routed back to the replica that cached their prefix (the same cached tokens),
+    both replicas used, nothing compiled after warm-up, nothing leaked. Replicas of a 2-way tensor mesh
+    each take their own pair of devices."""
+    one, dp = multi_device["tiny-k3/None"], multi_device["dp"]
+    assert dp["tokens"] == one["tokens"] and dp["again"] == one["again"] and dp["cached"] == one["cached"]
+    assert [r["devices"] for r in dp["replicas"]] == [[3], [1]] == dp["arena"] == dp["params"]
+    assert all(r["generation_tokens"] > 0 for r in dp["replicas"]) and all(r["load"] == 0 for r in dp["replicas"])
+    assert dp["router"]["routed_by_prefix"] == 2 and dp["router"]["routed_by_load"] == 4
+    assert dp["compiles"] == 0 and dp["running"] == 0 and dp["free"] == dp["baseline"]
+    tp = multi_device["dp_tp"]
+    assert tp["groups"] == [[0, 1], [2, 3]] == tp["arena"] and tp["mesh"] == [{"tensor": 2}] * 2
+
+
+def test_http_server_over_data_parallel_replicas(multi_device):
+    """The API app serves the replicas as one engine: the same tokens, a follow-up prompt hitting its
+    prefix, both replicas' rows as capacity, an abandoned request's cache returned, summed and per-replica
+    metrics, the prefix cache reset on both."""
+    h, one = multi_device["dp_http"], multi_device["tiny-k3/None"]
+    assert h["health"] == 200 and h["capacity"] == 8
+    assert h["tokens"] == [one["tokens"][i] for i in (0, 1, 3)] + [one["again"][0]]
+    assert h["hit"] == one["cached"][0]
+    assert h["reset"] == {"reset": True} and h["cached"] == 0
+    assert h["running"] == h["waiting"] == 0 and h["free"] == h["baseline"] and h["aborted"] == 1
+    metric = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in h["metric"]}
+    assert metric['vllm:generation_tokens_total{model_name="m"}'] > 0
+    assert metric['k3jax:replica_requests_running{model_name="m",replica="1"}'] == 0
+    assert metric['k3jax:data_parallel_routed_total{by="prefix",model_name="m"}'] >= 1
+    assert metric['k3jax:data_parallel_routed_total{by="load",model_name="m"}'] >= 3
+
+
+def test_disaggregated_prefill_over_http(multi_device):
+    """A prefill engine (device 0) and a decode engine (device 2) behind the API app: the decode engine
+    resumes every prompt from what the prefill engine published (up to the last checkpoint within one
+    alignment of its end) and generates what one engine does; a request whose consumer leaves is aborted
+    on the engine running it; nothing leaks, nothing compiles after warm-up."""
+    d, one = multi_device["pd"], multi_device["tiny-k3/None"]
+    assert d["devices"] == [[0], [2]]
+    assert d["tokens"] == [one["tokens"][i] for i in (0, 1, 3)]
+    assert d["hits"] == [0, 32, 16]  # prompts of 5, 37 and 20 tokens; checkpoints every 16
+    assert d["host_hits"] == 3 and d["prefill"]["kv_transfer_published"] >= 3  # and the abandoned request
+    assert d["compiles"] == 0 and d["prefill"]["compiles_after_warmup"] == 0
+    assert d["running"] == 0 and d["prefill"]["num_requests_running"] == 0
+    assert d["free"] == d["baseline"] and d["aborted"] == 1
 
 
 def test_moe_exchange_bytes_is_a_ring_all_reduce_per_group():

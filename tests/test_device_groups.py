@@ -1,0 +1,116 @@
+"""Engines on disjoint device groups of one host: data-parallel replicas behind a router that sends a prompt
+where its prefix was sent before unless that replica is too busy (serve/data_parallel.py), and a prefill
+engine handing prompts to a decode engine through a host store (serve/disaggregated.py). Their runs on 4
+simulated devices share tests/test_sharding.py's multi-device process (CI time); here: the router, the
+merged statistics and the options."""
+import pytest
+
+from serve.data_parallel import PrefixRouter, merge_stats, replica_devices
+from serve.engine import EngineConfig
+
+def test_router_prefers_the_replica_that_cached_the_prefix():
+    r = PrefixRouter(3, block=4, balance_abs=2, balance_rel=1.5)
+    a, b = list(range(100, 120)), list(range(200, 220))
+    assert r.route(a) == 0 and r.route(b) == 1  # no prefix known: least loaded, lowest index
+    assert r.route(a[:12] + [7, 7, 7, 7]) == 0  # its first 3 blocks were sent to replica 0
+    assert r.route(b + [1]) == 1
+    assert r.route([1, 2, 3]) == 2  # shorter than a block: least loaded
+    assert r.route(a, salt=b"tenant") == 2  # another salt matches nothing: least loaded (ties: lowest index)
+    assert r.counters == {"routed_by_prefix": 2, "routed_by_load": 4, "routed_blocks_matched": 3 + 5}
+    assert r.load == [2, 2, 2]
+    assert r.route(a, seqs=3) == 0 and r.load == [5, 2, 2]
+    # replica 0 runs 3 more than the least loaded (> balance_abs) and more than 1.5x it: too busy
+    assert r.route(a) == 1 and r.load == [5, 3, 2]  # replica 1 now holds a's blocks too
+    r.done(1, 3)
+    assert r.route(a) == 1  # the same depth on 0 and 1: the less loaded
+    r.forget()
+    assert r.load == [5, 1, 2] and r.route(a) == 1 and r.counters["routed_by_load"] == 6  # least loaded now
+    assert r.hashes(a, b"x") != r.hashes(a) and len(r.hashes(a + [1])) == 5
+
+
+def test_load_policy_ignores_prefixes():
+    r = PrefixRouter(2, block=2, policy="load")
+    assert [r.route([1, 2, 3, 4]) for _ in range(4)] == [0, 1, 0, 1]
+    assert r.counters["routed_by_prefix"] == 0
+    with pytest.raises(ValueError, match="data_parallel_routing='random'"):
+        PrefixRouter(2, 2, policy="random")
+
+
+def test_router_forgets_the_least_recently_sent_blocks():
+    r = PrefixRouter(2, block=2, max_blocks=3)
+    matched = lambda ids: (r.route(ids), r.counters["routed_blocks_matched"])[1]
+    r.route([1, 2, 3, 4, 5, 6])                    # replica 0 holds A1 A2 A3
+    assert matched([1, 2, 3, 4, 5, 6]) == 3        # all three, still on 0
+    assert matched([1, 2, 7, 8, 9, 9]) == 3 + 1    # A1 matched; B2 B3 push out A2 A3 (3 blocks at most)
+    assert matched([1, 2, 3, 4, 5, 6]) == 4 + 1    # only A1 is left
+
+
+def test_merged_stats_sum_counters_and_recompute_ratios():
+    def one(free, hits, queries, running):
+        return {"generation_tokens": 10, "arena_free_units": free, "arena_baseline_free_units": 100,
+                "kv_cache_usage": 1 - free / 100, "num_requests_running": running, "num_requests_waiting": 0,
+                "new_token_ratio": 0.5 if running else 0.3, "mesh": {"tensor": 2}, "sharding": "tp",
+                "expert_counts": [[1, 2], [3, 4]], "arena_bytes": {"mla": 5, "kda": 7}, "moe_layers": [1, 3],
+                "compiles_after_warmup": 0, "prefix_cache": {"hit_tokens": hits, "query_tokens": queries,
+                                                             "hit_rate": hits / queries}}
+    router = PrefixRouter(2, 4)
+    m = merge_stats([one(50, 10, 20, 2), one(100, 0, 60, 0)], [(0, 1), (2, 3)], router)
+    assert m["generation_tokens"] == 20 and m["num_requests_running"] == 2
+    assert m["kv_cache_usage"] == pytest.approx(0.25) and m["new_token_ratio"] == pytest.approx(0.4)
+    assert m["prefix_cache"]["hit_rate"] == pytest.approx(10 / 80)
+    assert m["mesh"] == {"tensor": 2} and m["sharding"] == "tp" and m["moe_layers"] == [1, 3]
+    assert m["expert_counts"] == [[2, 4], [6, 8]] and m["arena_bytes"] == {"mla": 10, "kda": 14}
+    assert m["data_parallel_size"] == 2 and [x["devices"] for x in m["replicas"]] == [[0, 1], [2, 3]]
+    assert m["replicas"][0]["kv_cache_usage"] == 0.5
+
+
+def test_bad_data_parallel_and_device_options_name_the_option():
+    import jax
+
+    n = len(jax.devices())
+    with pytest.raises(ValueError, match="data_parallel_size=0"):
+        replica_devices(0, EngineConfig())
+    with pytest.raises(ValueError, match=f"data_parallel_size={n + 1}: {n} devices"):
+        replica_devices(n + 1, EngineConfig())
+    assert replica_devices(1, EngineConfig()) == [(0,)]
+    for devices, match in (((n,), "indices into jax.devices"), ((), "non-empty"), ((0, 0), "appears twice"),
+                           ("0", "indices"), ((True,), "indices")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(devices=devices).validate()
+    if n == 1:
+        with pytest.raises(ValueError, match="do not split into 2"):
+            replica_devices(2, EngineConfig(sharding="tp"))
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, engine_config
+
+    args = build_parser().parse_args(["serve", "-dp", "0"])
+    with pytest.raises(ValueError, match="--data-parallel-size"):
+        engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+    assert build_parser().parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
+
+
+def test_disaggregated_serve_options_name_what_is_wrong():
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, disaggregation
+
+    def opts(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+
+    assert disaggregation(opts()) is None
+    assert disaggregation(opts("--prefill-devices", "0,1", "--decode-devices", "3,2")) == ((0, 1), (3, 2))
+    for argv, match in ((("--prefill-devices", "0"), "both --prefill-devices and --decode-devices"),
+                        (("--prefill-devices", "0", "--decode-devices", "1", "-dp", "2"), "not with --data-parallel"),
+                        (("--prefill-devices", "0", "--decode-devices", "1", "--no-prefix-caching"), "prefix caching"),
+                        (("--prefill-devices", "0", "--decode-devices", "1", "--host-cache-mb", "8"), "host-cache-mb"),
+                        (("--prefill-devices", "a", "--decode-devices", "1"), "--prefill-devices: expected"),
+                        (("--prefill-devices", "0", "--decode-devices", "-1"), "--decode-devices: expected"),
+                        (("--prefill-devices", "0", "--decode-devices", "1", "--kv-store-mb", "0"), "--kv-store-mb")):
+        with pytest.raises(ValueError, match=match):
+            disaggregation(opts(*argv))
+    from serve.disaggregated import build_pair
+
+    with pytest.raises(ValueError, match=r"prefill devices \[0\] and decode devices \[0, 1\] overlap"):
+        build_pair(None, EngineConfig(), (0,), (0, 1), 1 << 20)
+    with pytest.raises(ValueError, match="leave host_cache_bytes at 0"):
+        build_pair(None, EngineConfig(host_cache_bytes=1 << 20), (0,), (1,), 1 << 20)
