@@ -262,15 +262,15 @@ def _follow(o: dict, cfg) -> int:
 
 
 def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] = None):
-    """The warmed-up engine the server runs: an `AsyncEngine`, or with `--data-parallel-size N` a
-    `DataParallelAsyncEngine` of N replicas on disjoint device groups (serve/data_parallel.py)."""
+    """The warmed-up engine the server runs: an `AsyncEngine`; with `--data-parallel-size N` a
+    `DataParallelAsyncEngine` of N replicas on disjoint device groups (serve/data_parallel.py); with
+    `--prefill-devices` / `--decode-devices` a `DisaggregatedAsyncEngine` (serve/disaggregated.py)."""
     from concurrent.futures import ThreadPoolExecutor
 
     from serve.async_engine import AsyncEngine
     from serve.data_parallel import DataParallelAsyncEngine, build_replicas
-    from serve.engine import Engine
-
     from serve.disaggregated import DisaggregatedAsyncEngine, build_pair
+    from serve.engine import Engine
 
     size = o.get("data_parallel_size") or 1
     pd = disaggregation(o)

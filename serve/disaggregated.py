@@ -12,7 +12,7 @@ its own step loop, and they meet in a shared host store (`kv_transfer_config`, s
    the prompt end), samples every output token and streams them.
 
 The outputs are the decode engine's, so they are what one engine without a store gives (the resume is
-bit-identical to a cold prefill: tests/test_data_parallel.py, benchmarks/disaggregated.py). This is
+bit-identical to a cold prefill: tests/test_sharding.py, benchmarks/disaggregated.py). This is
 vLLM's disaggregated-prefill flow (a proxy sends the request to the prefill instance with max_tokens=1,
 then to the decode instance) inside one process, over host memory rather than a network connector.
 Requests that must compute their whole prompt on the decode engine anyway skip the prefill engine:
