@@ -502,6 +502,8 @@ def main(argv=None):
     ap.add_argument("--only", choices=["k3-small", "kimi-linear"], default=None,
                     help="one model only (a full run measures each in its own process this way)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
+                    help="model dtype of both models (and of the HF peer)")
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     log = lambda s: print(f"[{time.perf_counter() - t_start:7.1f}s] {s}", flush=True)  # noqa: E731
@@ -541,7 +543,7 @@ def main(argv=None):
     # ---------------- k3-small ----------------
     if not args.skip_k3_small:
         name = "tiny-k3" if quick else "k3-small"
-        model = k3jax.load_model(name, dtype="float32", seed=args.seed)
+        model = k3jax.load_model(name, dtype=args.dtype, seed=args.seed)
         mml = 64 if quick else 256
         ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=conc[-1], prefill_chunk=64, max_prefill_seqs=4,
                     max_num_batched_tokens=512, decode_buckets=dbuckets, prefill_buckets=pbuckets,
@@ -551,7 +553,7 @@ def main(argv=None):
         info, _, eng = bench_engine(name, model, ecfg, waves, sp, bw["GBps"], log)
         info["model"] = dict(name=name, params=model.num_params, num_kda_layers=model.cfg.num_kda_layers,
                              num_mla_layers=model.cfg.num_mla_layers, num_experts=model.cfg.num_experts,
-                             expert_format=model.cfg.expert_format, dtype="float32")
+                             expert_format=model.cfg.expert_format, dtype=args.dtype)
         info["moe_layer_probe"] = moe_layer_probe(model, (1, conc[-1]))
         log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
         result["models"][name] = info
@@ -564,7 +566,7 @@ def main(argv=None):
     tmp = tempfile.mkdtemp(prefix="k3jax_bench_kl_")
     log("building the Kimi-Linear checkpoint with transformers")
     path, hf_model, hf_cfg = build_kimi_linear(tmp, quick)
-    model = k3jax.load_model(path, dtype="float32")
+    model = k3jax.load_model(path, dtype=args.dtype)
     name = "kimi-linear-hf-small"
     mml = 64 if quick else 192
     ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=conc[-1], prefill_chunk=64, max_prefill_seqs=4,
@@ -590,7 +592,7 @@ def main(argv=None):
                                    after_wave=None if args.skip_hf else hf_after)
     info["model"] = dict(name=name, params=model.num_params, hf_config=hf_cfg, num_kda_layers=model.cfg.num_kda_layers,
                          num_mla_layers=model.cfg.num_mla_layers, num_experts=model.cfg.num_experts,
-                         expert_format=model.cfg.expert_format, dtype="float32")
+                         expert_format=model.cfg.expert_format, dtype=args.dtype)
     info["moe_layer_probe"] = moe_layer_probe(model, (1, conc[-1]))
     log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
     if not args.skip_hf:
@@ -685,6 +687,7 @@ def run_isolated(args, out_path: Path, log) -> dict:
         tmp = Path(tempfile.mkdtemp(prefix="k3jax_serving_")) / f"{part}.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--only", part, "--out", str(tmp), "--seed", str(args.seed)]
         cmd += ["--skip-hf"] if args.skip_hf else []
+        cmd += ["--dtype", args.dtype]
         log(f"running {part} in its own process")
         subprocess.run(cmd, check=True)
         parts[part] = json.loads(tmp.read_text())

@@ -18,6 +18,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers.attn_res import AttnResMixer
 from k3jax.layers.kda import KDA
 from k3jax.layers import initializers as init
+from k3jax.layers.linear import project
 from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import MLP
 from k3jax.layers.moe import MoE
@@ -128,5 +129,4 @@ class KimiModel(nnx.Module):
         """Final norm and LM head: hidden [..., H] -> fp32 logits [..., V]."""
         x = self.norm(x)
         head = self.embed_tokens[...] if self.cfg.tie_word_embeddings else self.lm_head[...]
-        spec = "...h,hv->...v" if self.head_in_out else "...h,vh->...v"
-        return jnp.einsum(spec, x, head, preferred_element_type=jnp.float32)
+        return project(x, head, self.head_in_out, jnp.float32)

@@ -2,7 +2,7 @@
 
     async for out in engine.generate(prompt, params, request_id):   # RequestOutput per new token(s)
         ...
-    engine.abort(request_id)                                       # frees the request's cache at once
+    engine.abort(request_id)   # frees the request's cache at once; its stream ends (finish_reason "abort")
 
 All engine mutations happen on the engine thread; the event loop only enqueues commands and receives
 outputs. A request that fails validation raises `RequestError` from `generate` before taking memory;
@@ -157,7 +157,10 @@ class AsyncEngine:
                     err = RequestError(str(e))
                 self._resolve(rid, done, err)
             elif cmd[0] == "abort":
-                self.engine.abort(cmd[1])
+                req = self.engine.requests.get(cmd[1])
+                if self.engine.abort(cmd[1]) and req is not None:
+                    # a consumer still reading the stream gets its last output (finish_reason "abort")
+                    self._deliver(cmd[1], self.engine._output(req))
                 self.engine._reap()
             elif cmd[0] == "call":
                 _, fn, loop, done = cmd

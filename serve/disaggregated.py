@@ -72,6 +72,7 @@ class DisaggregatedAsyncEngine:
         self.prefill, self.decode = AsyncEngine(prefill), AsyncEngine(decode)
         self.engine = decode  # configuration, tokenizer, adapter registry: the engine that answers
         self._phase: dict[str, AsyncEngine] = {}  # request id -> the engine running it now
+        self._aborted: set[str] = set()  # ids aborted while in flight (checked between the phases)
 
     @property
     def tokenizer(self):
@@ -94,11 +95,18 @@ class DisaggregatedAsyncEngine:
             if pre is not None:
                 self._phase[request_id] = self.prefill
                 stream = self.prefill.generate(prompt, pre, request_id, priority, cache_salt, lora_request)
+                last = None
                 try:
-                    async for _ in stream:
+                    async for last in stream:
                         pass
                 finally:
                     await stream.aclose()
+                if last is not None and last.outputs[0].finish_reason == "abort" or request_id in self._aborted:
+                    if last is not None:  # aborted while prefilling: the stream ends there
+                        last.outputs[0].token_ids, last.outputs[0].text = [], ""
+                        last.outputs[0].finish_reason = "abort"
+                        yield last
+                    return
             self._phase[request_id] = self.decode
             stream = self.decode.generate(prompt, params, request_id, priority, cache_salt, lora_request)
             try:
@@ -108,10 +116,12 @@ class DisaggregatedAsyncEngine:
                 await stream.aclose()
         finally:
             self._phase.pop(request_id, None)
+            self._aborted.discard(request_id)
 
     def abort(self, request_id: str) -> None:
         engine = self._phase.get(request_id)
         if engine is not None:
+            self._aborted.add(request_id)  # also stops a request between its two phases
             engine.abort(request_id)
 
     def stats(self) -> dict:
@@ -120,7 +130,7 @@ class DisaggregatedAsyncEngine:
         pre = self.prefill.stats()
         out["prefill_engine"] = {k: pre[k] for k in ("num_requests_running", "num_requests_waiting", "kv_cache_usage",
                                                     "prompt_tokens", "kv_transfer_published", "compiles_after_warmup",
-                                                    "mesh") if k in pre}
+                                                    "requests_aborted", "mesh") if k in pre}
         return out
 
     async def call(self, fn):

@@ -123,8 +123,8 @@ class EngineConfig:
     # and all arithmetic stay fp32.
     kda_state_dtype: str = "float32"
     # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
-    # tile); "dequantized" expands them once at start-up to the model dtype (exact; 8x the bytes at
-    # fp32), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
+    # tile); "dequantized" expands them once at start-up (exact; to fp32 on CPU, 8x the packed bytes,
+    # else to the model dtype), for backends with no fused dequantise-and-multiply; "auto" picks dequantized when the
     # kernels resolve to the reference (CPU) and packed when they resolve to Pallas.
     expert_weights: str = "auto"
     # Dense projection weights: "out_in" as checkpoints store them; "in_out" transposed once at
@@ -336,8 +336,10 @@ class Engine:
                 targets = tuple(targets)
             model = model_lora.attach(model, config.max_loras, config.max_lora_rank, targets)
         self._dequantize = config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference)
+        # expanded to fp32 on CPU even for a bf16 model (k3jax/dequantize.py); else to the model dtype
+        self._expert_dtype = jnp.float32 if reference else None
         if self._dequantize:
-            model = dequantize_experts(model)
+            model = dequantize_experts(model, self._expert_dtype)
         self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
         if self.dense_in_out:
             model = transpose_dense_weights(model)
@@ -892,7 +894,7 @@ class Engine:
             targets = self.config.lora_target_modules
             new = model_lora.attach(new, self.config.max_loras, self.config.max_lora_rank,
                                     tuple(targets) if targets is not None else None)
-        new = dequantize_experts(new) if self._dequantize else new
+        new = dequantize_experts(new, self._expert_dtype) if self._dequantize else new
         new = transpose_dense_weights(new) if self.dense_in_out else new
         diff = [f.name for f in dataclasses.fields(self.cfg) if getattr(new.cfg, f.name) != getattr(self.cfg, f.name)]
         if diff:

@@ -340,6 +340,17 @@ def test_async_engine_streams_and_aborts(model):
             got += 1
             if got == 3:
                 break  # consumer leaves early: the request is aborted and its memory freed
+        seen = []
+
+        async def read_aborted():
+            async for o in aeng.generate([9] * 40, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), "d"):
+                seen.append(o)
+                if len(seen) == 2:
+                    aeng.abort("d")  # aborted while the consumer still reads: its stream ends
+
+        await asyncio.wait_for(read_aborted(), 60)
+        assert seen[-1].finished and seen[-1].outputs[0].finish_reason == "abort"
+        assert len(seen[-1].outputs[0].token_ids) >= 2
         with pytest.raises(RequestError, match="max_tokens"):
             async for _ in aeng.generate([1], SamplingParams(max_tokens=0), "c"):
                 pass
@@ -355,7 +366,7 @@ def test_async_engine_streams_and_aborts(model):
         aeng.shutdown()
     assert tokens == model.generate_greedy(np.array([[5, 6, 7, 8]]), 10)[0].tolist()
     s = eng.stats()
-    assert s["requests_aborted"] == 1 and s["arena_free_units"] == s["arena_baseline_free_units"]
+    assert s["requests_aborted"] == 2 and s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
 def test_shared_step_cache_is_bounded(model):

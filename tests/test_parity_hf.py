@@ -182,3 +182,23 @@ def test_greedy_parity(ref):
             f"[{ref['variant']}] greedy mismatch at row {b} step {t}: k3={got[b, t]} hf={want[b, t]}; "
             f"HF top-3 ids {top.tolist()} logits {step_logits[top].tolist()}\nk3={got.tolist()}\nhf={want.tolist()}"
         )
+
+
+def test_bf16_forward_as_close_to_fp32_as_hf_bf16(ref):
+    """Both stacks in bfloat16 (weights and activations), each against HF's fp32 logits: k3jax's bf16
+    error stays within HF's own bf16 error (x 1.5), so bf16 serving loses no more than the reference does.
+    One variant (CI time)."""
+    if ref["variant"] != VARIANT_NAMES[0]:
+        pytest.skip("one variant covers the bf16 path")
+    import copy
+
+    import k3jax
+
+    model = k3jax.load_model(ref["path"], dtype="bfloat16")
+    ids = ref["ids"][:, :96]
+    want = hfx.hf_logits(ref["hf"], ids)
+    hf16 = hfx.hf_logits(copy.deepcopy(ref["hf"]).to(torch.bfloat16), ids)
+    got = np.asarray(model.forward(ids), dtype=np.float32)
+    assert np.isfinite(got).all()
+    err, hf_err = _rel_err(got, want), _rel_err(hf16, want)
+    assert 0 < err <= 1.5 * hf_err, f"k3jax bf16 rel err {err:.3e}, HF bf16 {hf_err:.3e}"

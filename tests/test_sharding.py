@@ -192,6 +192,21 @@ _GROUPS = textwrap.dedent("""
         await gen.aclose()
         await asyncio.sleep(0.5)
 
+    async def abort_while_reading(engine, rid):  # an explicit abort: the reader's stream ends, "abort"
+        last = None
+        async for last in engine.generate(list(range(2, 31)), SamplingParams(max_tokens=30, ignore_eos=True), rid):
+            engine.abort(rid)
+        return last.outputs[0].finish_reason
+
+    async def abort_in_prefill(engine, rid):  # aborted before the prefill engine hands it over
+        gen = engine.generate(list(range(3, 32)), SamplingParams(max_tokens=30, ignore_eos=True), rid)
+        first = asyncio.ensure_future(gen.__anext__())
+        await asyncio.sleep(0)  # the request is on the prefill engine now
+        engine.abort(rid)
+        last = await asyncio.wait_for(first, 60)
+        rest = [o async for o in gen]
+        return last.outputs[0].finish_reason, len(rest), len(last.outputs[0].token_ids)
+
     # data-parallel: two one-device replicas on devices 3 and 1, generating
     dp = k3jax.LLM("tiny-k3", data_parallel_size=2, devices=(3, 1), **kw)
     res = dp.generate(prompts, sps)
@@ -222,12 +237,13 @@ _GROUPS = textwrap.dedent("""
             got = await asyncio.gather(*(complete(c, p, sp.max_tokens) for p, sp in greedy))
             follow = await complete(c, later[0], 8)  # extends prompt 1: goes where that prompt went
             await leave_after_one_token(aeng, "long")
+            ended = await asyncio.wait_for(abort_while_reading(aeng, "read"), 60)
             metrics = (await c.get("/metrics")).text
             reset = (await c.post("/reset_prefix_cache")).json()
-            return health, [t for t, _ in got] + [follow[0]], follow[1], metrics, reset
-    health, tokens, hit, metrics, reset = asyncio.run(serve_dp())
+            return health, [t for t, _ in got] + [follow[0]], follow[1], metrics, reset, ended
+    health, tokens, hit, metrics, reset, ended = asyncio.run(serve_dp())
     st = aeng.stats()
-    out["dp_http"] = dict(health=health, tokens=tokens, hit=hit, reset=reset, capacity=app.state.k3.capacity,
+    out["dp_http"] = dict(health=health, tokens=tokens, hit=hit, reset=reset, capacity=app.state.k3.capacity, ended=ended,
                           free=st["arena_free_units"], baseline=st["arena_baseline_free_units"],
                           running=st["num_requests_running"], waiting=st["num_requests_waiting"],
                           cached=st["arena_cached_units"], aborted=st["requests_aborted"],
@@ -246,10 +262,12 @@ _GROUPS = textwrap.dedent("""
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
             got = await asyncio.gather(*(complete(c, p, sp.max_tokens) for p, sp in greedy))
             await leave_after_one_token(pd, "long")
-            return got
-    got = asyncio.run(serve_pd())
+            ended = [await asyncio.wait_for(abort_while_reading(pd, "read"), 60), await abort_in_prefill(pd, "early")]
+            await asyncio.sleep(0.3)
+            return got, ended
+    got, ended = asyncio.run(serve_pd())
     st = pd.stats()
-    out["pd"] = dict(tokens=[t for t, _ in got], hits=[h for _, h in got], prefill=st["prefill_engine"],
+    out["pd"] = dict(tokens=[t for t, _ in got], hits=[h for _, h in got], prefill=st["prefill_engine"], ended=ended,
                      compiles=st["compiles_after_warmup"], running=st["num_requests_running"],
                      free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"],
                      aborted=st["requests_aborted"], host_hits=st["prefix_cache"].get("host_hits", 0),
@@ -364,7 +382,8 @@ def test_http_server_over_data_parallel_replicas(multi_device):
     assert h["tokens"] == [one["tokens"][i] for i in (0, 1, 3)] + [one["again"][0]]
     assert h["hit"] == one["cached"][0]
     assert h["reset"] == {"reset": True} and h["cached"] == 0
-    assert h["running"] == h["waiting"] == 0 and h["free"] == h["baseline"] and h["aborted"] == 1
+    assert h["ended"] == "abort"  # an explicit abort ends the stream its reader still reads
+    assert h["running"] == h["waiting"] == 0 and h["free"] == h["baseline"] and h["aborted"] == 2
     metric = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in h["metric"]}
     assert metric['vllm:generation_tokens_total{model_name="m"}'] > 0
     assert metric['k3jax:replica_requests_running{model_name="m",replica="1"}'] == 0
@@ -376,15 +395,20 @@ def test_disaggregated_prefill_over_http(multi_device):
     """A prefill engine (device 0) and a decode engine (device 2) behind the API app: the decode engine
     resumes every prompt from what the prefill engine published (up to the last checkpoint within one
     alignment of its end) and generates what one engine does; a request whose consumer leaves is aborted
-    on the engine running it; nothing leaks, nothing compiles after warm-up."""
+    on the engine running it, an explicit abort ends the stream in either phase; nothing leaks, nothing compiles after warm-up."""
     d, one = multi_device["pd"], multi_device["tiny-k3/None"]
     assert d["devices"] == [[0], [2]]
     assert d["tokens"] == [one["tokens"][i] for i in (0, 1, 3)]
     assert d["hits"] == [0, 32, 16]  # prompts of 5, 37 and 20 tokens; checkpoints every 16
-    assert d["host_hits"] == 3 and d["prefill"]["kv_transfer_published"] >= 3  # and the abandoned request
+    # and the abandoned request, and the one aborted while decoding
+    assert d["host_hits"] == 4 and d["prefill"]["kv_transfer_published"] >= 3
     assert d["compiles"] == 0 and d["prefill"]["compiles_after_warmup"] == 0
     assert d["running"] == 0 and d["prefill"]["num_requests_running"] == 0
-    assert d["free"] == d["baseline"] and d["aborted"] == 1
+    # explicit aborts end the reader's stream: in the decode phase, and in the prefill phase (no tokens, no
+    # decode phase: the decode engine never sees it)
+    assert d["ended"] == ["abort", ["abort", 0, 0]]
+    assert d["prefill"]["num_requests_running"] == 0 and d["prefill"]["requests_aborted"] <= 1
+    assert d["free"] == d["baseline"] and d["aborted"] == 2
 
 
 def test_moe_exchange_bytes_is_a_ring_all_reduce_per_group():

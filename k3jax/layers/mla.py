@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.config import ModelConfig
-from k3jax.layers.linear import Linear
+from k3jax.layers.linear import Linear, matmul
 from k3jax.layers.norms import LORA_NORM_EPS, rms_norm
 
 NEG_INF = -1e30
@@ -95,17 +95,17 @@ class MLA(nnx.Module):
         q_n, q_r = self.queries(x)
         w_uk, w_uv = self._w_uk_uv()
         c, k_r = latent[..., :cfg.kv_lora_rank], latent[..., cfg.kv_lora_rank:]
-        k_n = jnp.einsum("bsr,hdr->bshd", c, w_uk)
-        v = jnp.einsum("bsr,hdr->bshd", c, w_uv)
+        k_n = matmul("bsr,hdr->bshd", c, w_uk)
+        v = matmul("bsr,hdr->bshd", c, w_uv)
         lora = self._kv_b_lora()
         if lora is not None:  # per-row adapters on kv_b_proj: + c A^T B^T, per head
             a, b = lora
-            kv = jnp.einsum("bsk,bhdk->bshd", jnp.einsum("bsr,bkr->bsk", c.astype(a.dtype), a), b)
+            kv = matmul("bsk,bhdk->bshd", matmul("bsr,bkr->bsk", c.astype(a.dtype), a), b)
             k_n, v = k_n + kv[..., :cfg.qk_nope_head_dim], v + kv[..., cfg.qk_nope_head_dim:]
         s = (jnp.einsum("bthd,bshd->bhts", q_n, k_n, preferred_element_type=jnp.float32)
              + jnp.einsum("bthd,bsd->bhts", q_r, k_r, preferred_element_type=jnp.float32)) * self.scale
         p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(v.dtype)
-        return self._finish(x, jnp.einsum("bhts,bshd->bthd", p, v))
+        return self._finish(x, matmul("bhts,bshd->bthd", p, v))
 
     def _absorbed_queries(self, x: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, H] -> (q_lat [B, T, nh, r] = W_uk^T q_nope per head, q_rope [B, T, nh, dr], W [nh, dn + dv, r]).
@@ -118,20 +118,20 @@ class MLA(nnx.Module):
         q_n, q_r = self.queries(x)
         w = self._w_ukv()
         q_pad = jnp.pad(q_n, ((0, 0),) * 3 + ((0, cfg.v_head_dim),))
-        q_lat = jnp.einsum("bthd,hdr->bthr", q_pad, w)
+        q_lat = matmul("bthd,hdr->bthr", q_pad, w)
         lora = self._kv_b_lora()
         if lora is not None:  # (W + B A)^T q = W^T q + A^T (B^T q), per row and head
             a, b = lora
-            q_lat = q_lat + jnp.einsum("bthk,bkr->bthr", jnp.einsum("bthd,bhdk->bthk", q_pad.astype(b.dtype), b), a)
+            q_lat = q_lat + matmul("bthk,bkr->bthr", matmul("bthd,bhdk->bthk", q_pad.astype(b.dtype), b), a)
         return q_lat, q_r, w
 
     def _absorbed_output(self, x: jax.Array, ctx: jax.Array, w: jax.Array) -> jax.Array:
         """ctx [B, T, nh, r] (attention over the latents c) -> W_uv per head -> gate -> o_proj."""
-        out = jnp.einsum("bthr,hdr->bthd", ctx, w)
+        out = matmul("bthr,hdr->bthd", ctx, w)
         lora = self._kv_b_lora()
         if lora is not None:  # + B (A ctx), per row and head
             a, b = lora
-            out = out + jnp.einsum("bthk,bhdk->bthd", jnp.einsum("bthr,bkr->bthk", ctx.astype(a.dtype), a), b)
+            out = out + matmul("bthk,bhdk->bthd", matmul("bthr,bkr->bthk", ctx.astype(a.dtype), a), b)
         return self._finish(x, out[..., self.cfg.qk_nope_head_dim:])
 
     def absorbed(self, x: jax.Array, latent: jax.Array, mask: jax.Array) -> jax.Array:
@@ -147,7 +147,7 @@ class MLA(nnx.Module):
         p = jax.nn.softmax(jnp.where(mask[:, None], s, NEG_INF), axis=-1).astype(latent.dtype)
         # [B, nh, T, r] then transposed: XLA:CPU runs this contraction ~4x faster than one that
         # emits [B, T, nh, r] directly (the dot's natural output layout keeps heads next to batch)
-        ctx = jnp.einsum("bhts,bsr->bhtr", p, latent)[..., :cfg.kv_lora_rank].transpose(0, 2, 1, 3)  # [B, T, nh, r]
+        ctx = matmul("bhts,bsr->bhtr", p, latent)[..., :cfg.kv_lora_rank].transpose(0, 2, 1, 3)  # [B, T, nh, r]
         return self._absorbed_output(x, ctx, w)
 
     def paged(self, x: jax.Array, attend) -> jax.Array:

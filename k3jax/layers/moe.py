@@ -106,11 +106,15 @@ class MoE(nnx.Module):
         flat = jnp.where((local >= 0) & (local < g), local, g)  # other experts' slots sort last, uncounted
         order = jnp.argsort(flat, stable=True)  # [N*k] assignment slots sorted by expert
         group_sizes = jnp.bincount(flat, length=g).astype(jnp.int32)
-        xs = z[order // k]
+        # dense experts wider than the activations (fp32 on CPU for a bf16 model, k3jax/dequantize.py):
+        # rows are widened instead of the weights narrowed, the same exact products
+        dense = not isinstance(ws[0], MXFP4Weight)
+        wide = ws[0].dtype if dense and ws[0].dtype.itemsize > z.dtype.itemsize else z.dtype
+        xs = z[order // k].astype(wide)
         kw = dict(preferred_element_type=jnp.float32, rhs_layout="in_out" if self.experts_in_out else "out_in")
         h1 = gmm(xs, ws[0], group_sizes, **kw)
         h3 = gmm(xs, ws[1], group_sizes, **kw)
-        a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype)
+        a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype).astype(wide)
         out = gmm(a, ws[2], group_sizes, **kw)  # rows past the groups (other ranks' slots) are 0
         return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
