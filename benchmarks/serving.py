@@ -342,8 +342,9 @@ def kimi_linear_config(quick: bool) -> dict:
                                         short_conv_kernel_size=4))
 
 
-def build_kimi_linear(out_dir: str, quick: bool, seed: int = 7):
-    """Write a random float32 KimiLinearForCausalLM with HF transformers; return (dir, hf_model, hf_config)."""
+def build_kimi_linear(out_dir: str, quick: bool, seed: int = 7, dtype: str = "float32"):
+    """Write a random float32 KimiLinearForCausalLM with HF transformers; return (dir, hf_model in `dtype`,
+    hf_config)."""
     import torch
     import hf_fixtures as hf
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
@@ -357,7 +358,7 @@ def build_kimi_linear(out_dir: str, quick: bool, seed: int = 7):
                                            dtype=torch.float32)
     hf._reinit_(m, seed)  # non-trivial values everywhere (A_log, dt_bias, conv, router bias, norms)
     m.save_pretrained(out_dir, safe_serialization=True)
-    m = KimiLinearForCausalLM.from_pretrained(out_dir, dtype=torch.float32, attn_implementation="eager",
+    m = KimiLinearForCausalLM.from_pretrained(out_dir, dtype=getattr(torch, dtype), attn_implementation="eager",
                                               experts_implementation="eager").eval()
     return out_dir, m, {k: v for k, v in kw.items() if isinstance(v, (int, float, str, dict, list, type(None)))}
 
@@ -565,7 +566,7 @@ def main(argv=None):
     # ---------------- Kimi-Linear (HF-written checkpoint) ----------------
     tmp = tempfile.mkdtemp(prefix="k3jax_bench_kl_")
     log("building the Kimi-Linear checkpoint with transformers")
-    path, hf_model, hf_cfg = build_kimi_linear(tmp, quick)
+    path, hf_model, hf_cfg = build_kimi_linear(tmp, quick, dtype=args.dtype)
     model = k3jax.load_model(path, dtype=args.dtype)
     name = "kimi-linear-hf-small"
     mml = 64 if quick else 192
@@ -597,7 +598,7 @@ def main(argv=None):
     log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
     if not args.skip_hf:
         import torch
-        info["hf"] = dict(torch_threads=torch.get_num_threads(), attn_implementation="eager",
+        info["hf"] = dict(torch_threads=torch.get_num_threads(), attn_implementation="eager", dtype=args.dtype,
                           experts_implementation="eager",
                           note="HF's pure-torch KDA fallbacks (no fla / causal_conv1d); each HF wave runs right after "
                                "the engine wave on the same prompts (interleaved against load drift)")
