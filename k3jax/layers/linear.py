@@ -46,7 +46,8 @@ def project(x: jax.Array, w: jax.Array, in_out: bool, out_dtype=None) -> jax.Arr
         # XLA:CPU multiplies a single bf16 row as a matrix-vector product, which it upcasts (the
         # weight converted to fp32 on every call, 2-3x slower); as two identical rows it stays a
         # native bf16 matmul
-        return matmul(spec, jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1])), w, out_dtype)[:1].reshape(*lead, -1)
+        two = jnp.broadcast_to(x.reshape(1, -1), (2, x.shape[-1]))
+        return matmul(spec, two, w, out_dtype)[:1].reshape(*lead, -1)
     return matmul(spec, x, w, out_dtype)
 
 
