@@ -2,8 +2,8 @@
 
 The server listens at once; the model is loaded and every step bucket compiled in a background thread
 afterwards, so `/health` answers 503 during warm-up and 200 once the engine serves. The persistent JAX
-compilation cache (`~/.cache/k3jax/jax`, `--compile-cache-dir`, off with `--no-compile-cache`) makes
-later starts much faster.
+compilation cache (`--compile-cache-dir`, else JAX's `JAX_COMPILATION_CACHE_DIR`, else `~/.cache/k3jax/jax`;
+`--no-compile-cache` leaves JAX's own settings alone) makes later starts much faster.
 
 The defaults fit a small CPU machine: `k3-small` (seeded weights, byte tokenizer), context 512,
 up to 8 concurrent sequences, decode buckets of 1 and 8 rows and one prefill row of 64 tokens, all over
@@ -99,9 +99,10 @@ def add_serve_arguments(s) -> None:
                         "0 admits whatever fits now")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
-    e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache "
-                                                             "(default ~/.cache/k3jax/jax)")
-    e.add_argument("--no-compile-cache", action="store_true", help="disable the persistent compilation cache")
+    e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache (default "
+                                                             "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/k3jax/jax)")
+    e.add_argument("--no-compile-cache", action="store_true",
+                   help="do not turn on a persistent compilation cache (JAX_COMPILATION_CACHE_DIR still applies)")
     lo = s.add_argument_group("LoRA adapters (PEFT directories; a request names one as its `model`)")
     lo.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters beside the base model")
     lo.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapters loaded at once (slots)")
@@ -231,7 +232,8 @@ def lora_modules(o: dict) -> list:
 def enable_compile_cache(path: Optional[str]) -> Optional[str]:
     import jax
 
-    path = os.path.expanduser(path or os.path.join("~", ".cache", "k3jax", "jax"))
+    path = os.path.expanduser(path or os.environ.get("JAX_COMPILATION_CACHE_DIR")
+                              or os.path.join("~", ".cache", "k3jax", "jax"))
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

@@ -113,7 +113,8 @@ def metric(text: str, name: str, **labels) -> float:
 
 @pytest.fixture(scope="module")
 def cache_dir(tmp_path_factory):
-    return str(tmp_path_factory.mktemp("jax_compile_cache"))
+    """The run's shared compilation cache (tests/conftest.py) when there is one."""
+    return os.environ.get("JAX_COMPILATION_CACHE_DIR") or str(tmp_path_factory.mktemp("jax_compile_cache"))
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,9 @@ import pytest
 from test_http import SMALL, _free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ENV = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+# the run's XLA flags (tests/conftest.py) kept, two simulated devices added
+ENV = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+           JAX_PLATFORMS="cpu",
            K3JAX_MULTIHOST_KEEPALIVE="0.3")
 PROMPTS = [("The quick brown fox", dict(temperature=0, max_tokens=8)),
            ("Once upon a time, in a land far away", dict(temperature=0, max_tokens=5)),

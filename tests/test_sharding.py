@@ -282,7 +282,8 @@ def multi_device():
     tiny-k3 also TP x EP and with the accelerator's decode forms, then tiny-k3 as data-parallel replicas
     and as a disaggregated prefill / decode pair (a fresh process: the device count is fixed when JAX
     starts)."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = _MULTI + _GROUPS + '\nprint("RESULT" + json.dumps(out))\n'
     proc = subprocess.run([sys.executable, "-c", script, "tiny-k3", "tiny-kimi-linear"], env=env, cwd=root,
