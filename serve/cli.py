@@ -229,11 +229,17 @@ def lora_modules(o: dict) -> list:
     return out
 
 
+def compile_cache_path(path: Optional[str], env=os.environ) -> str:
+    """The persistent cache's directory: the flag's, else JAX's own `JAX_COMPILATION_CACHE_DIR` (so a
+    deployment or a test run that shares one cache keeps it), else `~/.cache/k3jax/jax`."""
+    home = os.path.join("~", ".cache", "k3jax", "jax")
+    return os.path.expanduser(path or env.get("JAX_COMPILATION_CACHE_DIR") or home)
+
+
 def enable_compile_cache(path: Optional[str]) -> Optional[str]:
     import jax
 
-    path = os.path.expanduser(path or os.environ.get("JAX_COMPILATION_CACHE_DIR")
-                              or os.path.join("~", ".cache", "k3jax", "jax"))
+    path = compile_cache_path(path)
     try:
         os.makedirs(path, exist_ok=True)
     except OSError as e:

@@ -7,6 +7,7 @@ import pytest
 
 from serve.api import create_app
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter, load_api_keys, parse_key_file
+from serve.cli import compile_cache_path
 from serve.metrics import NAMES, ServerMetrics
 
 
@@ -117,3 +118,9 @@ def test_reasoning_effort_maps_to_k3_thinking_effort():
         with pytest.raises(APIError) as e:
             _template_kwargs(st, b)
         assert e.value.status == 400 and e.value.param == "reasoning_effort"
+
+
+def test_compile_cache_dir_flag_then_jax_env_then_home():
+    assert compile_cache_path("/srv/xla", {"JAX_COMPILATION_CACHE_DIR": "/run/jax"}) == "/srv/xla"
+    assert compile_cache_path(None, {"JAX_COMPILATION_CACHE_DIR": "/run/jax"}) == "/run/jax"
+    assert compile_cache_path(None, {}).endswith("/.cache/k3jax/jax") and not compile_cache_path(None, {}).startswith("~")
