@@ -39,13 +39,15 @@ _FAST_CODEGEN = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expen
 def _cheaper_cpu_codegen():
     """Compile the tests' programs with LLVM's cheap pipeline.
 
-    Two thirds of the suite's time is XLA:CPU's backend compile of small programs that then run for
-    milliseconds: on the engine tests these two flags cut that compile time by ~40 % (91 -> 52 s over
-    125 programs). They change how LLVM optimises XLA's emitted loops, not what they compute (no
-    fast-math, reductions keep XLA's order; the dots are library calls either way). Set before the
-    backend starts (this hook runs before any test module is imported) and inherited by the workers
-    and by the subprocesses the tests start (which append their own flags). `K3JAX_TEST_FAST_CODEGEN=0`
-    compiles as users do.
+    Most of the suite's time is XLA:CPU's backend compile of small programs that then run for
+    milliseconds (131 s of a 169 s selection of engine tests); these two flags cut that compile time by
+    ~40 % (91 -> 52 s over 125 programs) and the whole run from 1414 to 920 s. They change how LLVM
+    optimises XLA's emitted loops, not what they compute (no fast-math, reductions keep XLA's order; the
+    dots are library calls either way). Tests only: served models run long enough that the slower code
+    costs more than the compile saves (k3-small decode steps 2-3x slower at optimisation level 0).
+    Set before the backend starts (this hook runs before any test module is imported) and inherited by
+    the workers and by the subprocesses the tests start (which append their own flags).
+    `K3JAX_TEST_FAST_CODEGEN=0` compiles as users do.
     """
     if os.environ.get("K3JAX_TEST_FAST_CODEGEN", "1") == "0":
         return
@@ -60,10 +62,10 @@ _CACHE_ENV = "JAX_COMPILATION_CACHE_DIR"
 def _share_compiled_programs(config):
     """One on-disk JAX compilation cache for the whole test run, shared by every process in it.
 
-    Most of the suite's time is XLA:CPU compiling, and most of it is the same few programs: the
-    tiny models' prefill and decode steps, built again in file after file (each file's compiled
-    code is dropped when it ends, see `_release_compiled_code`), in both xdist workers and in the
-    subprocesses that the multi-device, multi-host, HTTP and notebook tests start. JAX's persistent
+    Some programs are compiled again and again: the tiny models' steps built in file after file (each
+    file's compiled code is dropped when it ends, see `_release_compiled_code`), in both xdist workers
+    and in the subprocesses that the multi-device, multi-host, HTTP and notebook tests start (the run
+    went 1607 -> 1414 s with the cache alone; most programs are unique to their file). JAX's persistent
     cache is keyed by the optimised program, its compile options and devices, so a hit runs exactly
     the executable a compile would have produced. The directory is made fresh for each run (the
     controlling process makes it, workers and subprocesses inherit the environment) and removed at
