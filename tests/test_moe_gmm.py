@@ -7,8 +7,10 @@ import pytest
 from pallas_kernels.moe import (MXFP4Weight, gmm, gmm_blocked, gmm_cpu, gmm_looped, gmm_reference, quantize_mxfp4,
                                 route_and_sort)
 
-CPU_FORMS = {"blocked": gmm_blocked, "looped": gmm_looped}
-from pallas_kernels.moe.blocked import block_rows_for, num_blocks
+from pallas_kernels.moe.blocked import block_rows_for, num_blocks, rounds_for
+
+CPU_FORMS = {"blocked": gmm_blocked, "looped": gmm_looped,
+             "rounds": lambda *a, **kw: gmm_looped(*a, rounds=2, **kw)}  # 2 all-expert rounds, then the loop
 from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
 
 M, K, N = 40, 128, 32
@@ -174,6 +176,35 @@ def test_blocked_rows_do_not_depend_on_batch():
     xs = jnp.concatenate([x[1:8], x[8:12], x[:1], x[12:44]])
     for fn in (gmm_blocked, gmm_looped, gmm_cpu):
         np.testing.assert_array_equal(np.asarray(fn(xs, w, jnp.asarray(sizes))[11]), np.asarray(alone))
+
+
+@pytest.mark.parametrize("layout", ["out_in", "in_out"])
+def test_all_expert_rounds_give_the_loops_bits(layout):
+    """Rows multiplied in the all-expert rounds (one batched product over the stacked weights per
+    round) get exactly the bits the per-expert loop gives them, for any number of rounds (also more
+    than any group needs), skewed and empty groups, padding rows (NaN in, 0 out), dense and MXFP4
+    weights: so `rounds_for`'s choice, which depends on the step's shape, never changes a token."""
+    rng = np.random.default_rng(21)
+    g, k, n = 8, 64, 48
+    dense = rng.standard_normal((g, k, n) if layout == "in_out" else (g, n, k)).astype(np.float32)
+    weights = [jnp.asarray(dense)]
+    if layout == "out_in":
+        weights.append(MXFP4Weight.from_float(jnp.asarray(dense)))
+    for m in (16, 40, 130, 300):
+        sizes = rng.multinomial(m - 3, rng.dirichlet(np.full(g, 0.4)))  # skewed, often empty groups
+        x = rng.standard_normal((m, k)).astype(np.float32)
+        x[m - 3:] = np.nan
+        x, gs = jnp.asarray(x), jnp.asarray(sizes, jnp.int32)
+        tm = block_rows_for(m, g)
+        for w in weights:
+            want = np.asarray(gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout))
+            assert np.all(np.isfinite(want)) and np.all(want[m - 3:] == 0)
+            for rounds in (1, 2, 3, 7):
+                got = gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout, rounds=rounds)
+                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} rounds={rounds}")
+            np.testing.assert_array_equal(np.asarray(gmm_cpu(x, w, gs, rhs_layout=layout)), want)
+    assert rounds_for(15, 8, 2) == 0 and rounds_for(16, 8, 2) == 1  # from two rows per expert
+    assert rounds_for(1024, 16, 32) == 2 and rounds_for(130, 8, 32) == 1
 
 
 @pytest.mark.parametrize("layout", ["out_in", "in_out"])
