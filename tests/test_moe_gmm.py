@@ -203,6 +203,9 @@ def test_all_expert_rounds_give_the_loops_bits(layout):
                 got = gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout, rounds=rounds)
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} rounds={rounds}")
             np.testing.assert_array_equal(np.asarray(gmm_cpu(x, w, gs, rhs_layout=layout)), want)
+    xb, wb = x.astype(jnp.bfloat16), weights[0].astype(jnp.bfloat16)  # bf16 rows: the loop alone
+    np.testing.assert_array_equal(np.asarray(gmm_cpu(xb, wb, gs, rhs_layout=layout), np.float32),
+                                  np.asarray(gmm_looped(xb, wb, gs, rhs_layout=layout), np.float32))
     assert rounds_for(15, 8, 2) == 0 and rounds_for(16, 8, 2) == 1  # from two rows per expert
     assert rounds_for(1024, 16, 32) == 2 and rounds_for(130, 8, 32) == 1
 

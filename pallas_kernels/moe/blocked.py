@@ -73,7 +73,10 @@ def gmm_cpu(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_e
     kw = dict(preferred_element_type=preferred_element_type, block_rows=tm, precision=precision,
               rhs_layout=rhs_layout)
     if not isinstance(rhs, MXFP4Weight) or num_blocks(m, g, tm) > g:
-        return gmm_looped(lhs, rhs, group_sizes, rounds=rounds_for(m, g, tm), **kw)
+        # fp32 rows only: XLA:CPU widens a batched bf16 product to fp32 (another summation than the
+        # loop's native bf16 dot, and a conversion of every expert per call)
+        rounds = rounds_for(m, g, tm) if lhs.dtype == jnp.float32 else 0
+        return gmm_looped(lhs, rhs, group_sizes, rounds=rounds, **kw)
     return gmm_blocked(lhs, rhs, group_sizes, **kw)
 
 
