@@ -8,10 +8,10 @@ from pallas_kernels.moe import (MXFP4Weight, gmm, gmm_blocked, gmm_cpu, gmm_loop
                                 route_and_sort)
 
 from pallas_kernels.moe.blocked import block_rows_for, num_blocks, rounds_for
+from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
 
 CPU_FORMS = {"blocked": gmm_blocked, "looped": gmm_looped,
              "rounds": lambda *a, **kw: gmm_looped(*a, rounds=2, **kw)}  # 2 all-expert rounds, then the loop
-from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
 
 M, K, N = 40, 128, 32
 GROUPS = [5, 0, 13, 0, 9, 7]  # empty groups, sizes not multiples of tm=8; sum 34 < M (6 padded rows)

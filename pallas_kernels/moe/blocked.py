@@ -73,9 +73,10 @@ def gmm_cpu(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_e
     kw = dict(preferred_element_type=preferred_element_type, block_rows=tm, precision=precision,
               rhs_layout=rhs_layout)
     if not isinstance(rhs, MXFP4Weight) or num_blocks(m, g, tm) > g:
-        # fp32 rows only: XLA:CPU widens a batched bf16 product to fp32 (another summation than the
-        # loop's native bf16 dot, and a conversion of every expert per call)
-        rounds = rounds_for(m, g, tm) if lhs.dtype == jnp.float32 else 0
+        # fp32 only: XLA:CPU widens a batched bf16 product to fp32 (another summation than the loop's
+        # native bf16 dot, and a conversion of every expert per call)
+        fp32 = lhs.dtype == jnp.float32 and (isinstance(rhs, MXFP4Weight) or rhs.dtype == jnp.float32)
+        rounds = rounds_for(m, g, tm) if fp32 else 0
         return gmm_looped(lhs, rhs, group_sizes, rounds=rounds, **kw)
     return gmm_blocked(lhs, rhs, group_sizes, **kw)
 
@@ -100,7 +101,6 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
     spec = "mk,kn->mn" if rhs_layout == "in_out" else "mk,nk->mn"
     tm = block_rows or block_rows_for(m, g)
     w_all = rhs.dequantize(dtype=lhs.dtype) if isinstance(rhs, MXFP4Weight) else rhs  # [G, N, K]
-    w_all = w_all.astype(lhs.dtype) if w_all.dtype != lhs.dtype and rounds else w_all
     starts = jnp.cumsum(group_sizes) - group_sizes  # [G]
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if rounds:
