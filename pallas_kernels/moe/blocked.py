@@ -104,7 +104,8 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
     starts = jnp.cumsum(group_sizes) - group_sizes  # [G]
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if rounds:
-        out = _all_groups_rounds(lhs, w_all, group_sizes, rounds, tm, rhs_layout, precision, preferred_element_type)
+        out = _all_groups_rounds(lhs, w_all, starts, group_sizes, rounds, tm, rhs_layout, precision,
+                                 preferred_element_type)
     else:
         out = jnp.zeros((m, n), out_dtype)
     out = jnp.concatenate([out.astype(out_dtype), jnp.zeros((tm, n), out_dtype)])  # [M + tm, N]: room for a last block
@@ -133,7 +134,7 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
     return out[:m]
 
 
-def _all_groups_rounds(lhs, w_all, group_sizes, rounds: int, tm: int, rhs_layout: str, precision,
+def _all_groups_rounds(lhs, w_all, starts, group_sizes, rounds: int, tm: int, rhs_layout: str, precision,
                        preferred_element_type) -> jax.Array:
     """The first ``rounds * tm`` rows of every group -> ``[M, N]`` (other rows 0). Round ``r`` multiplies
     rows ``[r * tm, (r + 1) * tm)`` of every group (zeros past a group's end) by its expert in one
@@ -141,7 +142,6 @@ def _all_groups_rounds(lhs, w_all, group_sizes, rounds: int, tm: int, rhs_layout
     dot of ``tm`` rows per group, like a loop block. Rows are moved by gathers (XLA:CPU runs a
     scatter row by row)."""
     m, g = lhs.shape[0], group_sizes.shape[0]
-    starts = jnp.cumsum(group_sizes) - group_sizes  # [G]
     p = jnp.arange(rounds * tm, dtype=jnp.int32)  # [R * tm] positions within a group
     real = p[None, :] < group_sizes[:, None]  # [G, R * tm]
     rows = jnp.minimum(starts[:, None] + p[None, :], m - 1)
