@@ -26,6 +26,10 @@ What is measured
   against the median measured decode-only step (engine.step wall time, host work included).
 * Diagnostics (Kimi-Linear, c = 1): decode step time with a small and a large `cache_bytes`, and the
   number of full-arena `copy` ops in the compiled step (the arena should be updated in place).
+* Data parallel (Kimi-Linear, c = 8 and 32, full run only): the same waves on two engine replicas
+  (`serve/data_parallel.py`, load routing) over two simulated XLA:CPU devices that share the host's cores,
+  in a third process, each wave followed by HF on the same prompts. One engine keeps about one core busy
+  (its step programs are mostly a chain of small ops); a second replica runs in the gaps.
 """
 
 from __future__ import annotations
@@ -503,6 +507,9 @@ def main(argv=None):
     ap.add_argument("--only", choices=["k3-small", "kimi-linear"], default=None,
                     help="one model only (a full run measures each in its own process this way)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--data-parallel", type=int, default=0, metavar="N",
+                    help="with --only kimi-linear: the data-parallel part only, N replicas (needs N XLA devices: "
+                         "XLA_FLAGS=--xla_force_host_platform_device_count=N)")
     ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32",
                     help="model dtype of both models (and of the HF peer)")
     args = ap.parse_args(argv)
@@ -515,6 +522,8 @@ def main(argv=None):
         return run_isolated(args, out_path, log)
     if args.only == "kimi-linear":
         args.skip_k3_small = True
+    if args.data_parallel > 1:
+        return bench_data_parallel(args, out_path, t_start, log)
 
     result = dict(benchmark="serving", quick=quick, machine=machine_info())
     log(f"machine: {result['machine']['cpu']} x{result['machine']['cpu_count']}, load {result['machine']['loadavg_start']}")
@@ -637,6 +646,65 @@ def main(argv=None):
     return _write(result, out_path, t_start, log)
 
 
+def bench_data_parallel(args, out_path: Path, t_start: float, log) -> dict:
+    """Kimi-Linear waves at c = 8 and 32 on `args.data_parallel` replicas (one per XLA device, load routing:
+    the prompts share no prefix), each wave followed by HF on the same prompts; greedy tokens compared."""
+    from serve.data_parallel import DataParallelEngine
+
+    size = args.data_parallel
+    if len(jax.devices()) < size:
+        raise SystemExit(f"--data-parallel {size}: only {len(jax.devices())} XLA device(s); set "
+                         f"XLA_FLAGS=--xla_force_host_platform_device_count={size}")
+    result = dict(benchmark="serving_data_parallel", machine=machine_info())
+    bw = measure_bandwidth(512, 7)
+    result["bandwidth"] = bw
+    gen, kl_len, conc, reps = (8, 32, (4,), 1) if args.quick else (32, 128, (8, 32), 2)
+    tmp = tempfile.mkdtemp(prefix="k3jax_bench_kl_dp_")
+    log("building the Kimi-Linear checkpoint with transformers")
+    path, hf_model, _ = build_kimi_linear(tmp, args.quick, dtype=args.dtype)
+    model = k3jax.load_model(path, dtype=args.dtype)
+    mml, per = (64 if args.quick else 192), conc[-1] // size
+    ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=per, prefill_chunk=64, max_prefill_seqs=4,
+                max_num_batched_tokens=512, decode_buckets=tuple(sorted({min(per, c // size) for c in conc})),
+                prefill_buckets=(1, 4), context_buckets=(mml // 16,), enable_prefix_caching=False, seed=args.seed)
+    ecfg["cache_bytes"] = arena_budget(model, 16, mml, per)
+    t0 = time.perf_counter()
+    eng = DataParallelEngine.build(model, EngineConfig(**ecfg), size, progress=False, routing="load")
+    log(f"[dp{size}] {size} replicas built and warm in {time.perf_counter() - t0:.1f} s")
+    hf_generate(hf_model, [[1] * kl_len], 2)  # warm the torch path (not timed)
+    rng = np.random.default_rng(args.seed + 1)
+    sp = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True)
+    vocab_hi = model.cfg.vocab_size - 3
+    out = dict(replicas=size, routing="load", devices=[str(d) for d in jax.devices()[:size]],
+               engine_config_per_replica={k: v for k, v in ecfg.items() if k != "cache_bytes"},
+               note="simulated XLA:CPU devices share the host's cores (one thread pool); requests split evenly")
+    for c in conc:
+        runs = []
+        for r in range(reps):
+            prompts = rng.integers(0, vocab_hi, (c, kl_len)).tolist()
+            w0 = time.perf_counter()
+            ids = [eng.add_request(p, sp) for p in prompts]
+            done = {}
+            while eng.has_unfinished():
+                for o in eng.step():
+                    if o.finished:
+                        done[o.request_id] = o.token_ids
+            wall = time.perf_counter() - w0
+            dt, hf_toks = hf_generate(hf_model, prompts, gen)
+            same = sum(1 for i, h in zip(ids, hf_toks.tolist()) if list(done[i]) == list(h))
+            runs.append(dict(wall_s=wall, gen_tok_s=c * gen / wall, hf_wall_s=dt, hf_gen_tok_s=c * gen / dt,
+                             ratio_engine_over_hf=dt / wall, identical=same))
+            log(f"[dp{size}] c={c} rep {r}: {c * gen / wall:.1f} gen tok/s (wall {wall:.2f} s); HF {c * gen / dt:.1f} "
+                f"(wall {dt:.2f} s); engine/HF {dt / wall:.2f}x; greedy identical {same}/{c}")
+        out[str(c)] = dict(gen_tok_s=med([x["gen_tok_s"] for x in runs]),
+                           hf_gen_tok_s=med([x["hf_gen_tok_s"] for x in runs]),
+                           ratio_engine_over_hf=med([x["ratio_engine_over_hf"] for x in runs]),
+                           greedy_sequences_identical=f"{sum(x['identical'] for x in runs)}/{c * reps}", runs=runs)
+    eng.close()
+    result["data_parallel"] = out
+    return write_result(result, out_path, t_start, log)
+
+
 def bench_start(name: str, doc: str, argv=None):
     """The common start of a CPU benchmark script -> (args, output path, log, start time, result): the
     `--quick` / `--out` arguments; `results/<name>-cpu.json` (the temp dir with --quick); the result dict
@@ -692,9 +760,20 @@ def run_isolated(args, out_path: Path, log) -> dict:
         log(f"running {part} in its own process")
         subprocess.run(cmd, check=True)
         parts[part] = json.loads(tmp.read_text())
+    if not args.skip_hf:  # two replicas on two simulated devices (the XLA flag must precede JAX's start)
+        tmp = Path(tempfile.mkdtemp(prefix="k3jax_serving_")) / "dp2.json"
+        flags = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2").strip()
+        log("running kimi-linear on 2 data-parallel replicas in its own process")
+        subprocess.run([sys.executable, str(Path(__file__).resolve()), "--only", "kimi-linear", "--data-parallel", "2",
+                        "--out", str(tmp), "--seed", str(args.seed), "--dtype", args.dtype],
+                       check=True, env=dict(os.environ, XLA_FLAGS=flags))
+        parts["kimi-linear-dp2"] = json.loads(tmp.read_text())
     result = parts["kimi-linear"]
     result["models"] = {**parts["k3-small"]["models"], **result["models"]}
-    result["per_process"] = {part: dict(bandwidth=r["bandwidth"], matmul_flops_per_s=r["matmul_flops_per_s"],
+    if "kimi-linear-dp2" in parts:
+        name = next(n for n in result["models"] if n.startswith("kimi-linear"))
+        result["models"][name]["data_parallel"] = parts["kimi-linear-dp2"]["data_parallel"]
+    result["per_process"] = {part: dict(bandwidth=r["bandwidth"], matmul_flops_per_s=r.get("matmul_flops_per_s"),
                                         loadavg=[r["machine"]["loadavg_start"], r["machine"]["loadavg_end"]],
                                         wall_s=r["total_wall_s"]) for part, r in parts.items()}
     result["isolation"] = "each model measured in its own process (run_isolated)"
@@ -716,6 +795,11 @@ def print_table(result: dict) -> None:
                 if h:
                     print(f"{name} HF generate | {c} | {h['gen_tok_s']:.2f} | ratio engine/HF {h['ratio_engine_over_hf']:.2f}x"
                           f" | identical {h['greedy_sequences_identical']}")
+        dp = info.get("data_parallel")
+        for c in (k for k in (dp or {}) if k.isdigit()):
+            d = dp[c]
+            print(f"{name} x{dp['replicas']} data-parallel | {c} | {d['gen_tok_s']:.2f} | ratio engine/HF "
+                  f"{d['ratio_engine_over_hf']:.2f}x (paired) | identical {d['greedy_sequences_identical']}")
 
 
 if __name__ == "__main__":

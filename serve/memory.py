@@ -414,8 +414,11 @@ def update_states_in_place(arena: jax.Array, layout: ArenaLayout, j: int, read_b
 
     def row(i, carry):
         rows, out = carry
-        words = jax.lax.dynamic_slice_in_dim(rows, read_base[i] * per_unit + j * le, ns)  # [ns, rw]
-        state = layout.decode_state(jnp.where(fresh[i], 0.0, words).reshape(layout.state_word_shape))
+        # one copy of the slot's words (zeros for a fresh row): a select on the slice instead would be
+        # fused into both the product and the update, two passes over the arena's words per row
+        words = jax.lax.cond(fresh[i], lambda: jnp.zeros((ns, rw), rows.dtype),
+                             lambda: jax.lax.dynamic_slice_in_dim(rows, read_base[i] * per_unit + j * le, ns))
+        state = layout.decode_state(words.reshape(layout.state_word_shape))
         o, state = update(i, state)
         new = jnp.concatenate([layout.encode_state(state).reshape(-1, rw), windows[i].reshape(-1, rw)])  # [le, rw]
         rows = jax.lax.dynamic_update_slice_in_dim(rows, new, write_base[i] * per_unit + j * le, 0)
