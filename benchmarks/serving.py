@@ -26,6 +26,10 @@ What is measured
   against the median measured decode-only step (engine.step wall time, host work included).
 * Diagnostics (Kimi-Linear, c = 1): decode step time with a small and a large `cache_bytes`, and the
   number of full-arena `copy` ops in the compiled step (the arena should be updated in place).
+* Prefill first (Kimi-Linear, c = 8 and 32, full run only): the same waves on a second engine with
+  `prefill_first=True` (steps with prompt chunks do not decode; it reuses the first engine's compiled
+  programs), each wave followed by the same prompts on the first engine (decode first), so the ratio of
+  the pair is measured under the same load; its greedy tokens are compared with the first engine's.
 * Data parallel (Kimi-Linear, c = 8 and 32, full run only): the same waves on two engine replicas
   (`serve/data_parallel.py`, load routing) over two simulated XLA:CPU devices that share the host's cores,
   in a third process, each wave followed by HF on the same prompts. One engine keeps about one core busy
@@ -490,6 +494,27 @@ def bench_engine(name: str, model, ecfg: dict, waves: dict, sp: SamplingParams, 
     return info, toks, eng
 
 
+def prefill_first_waves(name: str, model, ecfg: dict, base: Engine, waves: dict, sp: SamplingParams, bw: float,
+                        toks: dict, log) -> dict:
+    """The same waves on an engine with `prefill_first=True` (its step programs are the ones `base` compiled),
+    each followed by the same prompts on `base` (decode first), so the pair sees the same machine load."""
+    pairs: dict = {}
+
+    def decode_first_after(c, r, prompts, w):
+        pairs.setdefault(c, []).append((w["gen_tok_s"], run_wave(base, prompts, sp)["gen_tok_s"]))
+
+    info, pf_toks, _ = bench_engine(f"{name} prefill-first", model, dict(ecfg, prefill_first=True), waves, sp, bw, log,
+                                    after_wave=decode_first_after)
+    for c, ps in pairs.items():
+        ratio = med([a / b for a, b in ps])
+        info["results"][str(c)].update(paired_decode_first_gen_tok_s=[round(b, 3) for _, b in ps],
+                                       paired_ratio_over_decode_first=ratio)
+        log(f"[{name}] c={c}: prefill-first / decode-first, paired waves: {ratio:.2f}x")
+    return dict(results=info["results"], compiles_after_warmup=info["compiles_after_warmup"],
+                greedy_identical_to_decode_first=all(pf_toks[c] == toks[c] for c in waves),
+                note="engine option prefill_first=True (serve/scheduler.py): steps with prompt chunks do not decode")
+
+
 def _fit(n, buckets):
     for b in buckets:
         if b >= n:
@@ -605,6 +630,9 @@ def main(argv=None):
                          expert_format=model.cfg.expert_format, dtype=args.dtype)
     info["moe_layer_probe"] = moe_layer_probe(model, (1, conc[-1]))
     log(f"[{name}] MoE blocks alone: {json.dumps(info['moe_layer_probe'])}")
+    if not quick:
+        info["prefill_first"] = prefill_first_waves(name, model, ecfg, eng, {c: waves[c] for c in conc if c > 1}, sp,
+                                                    bw["GBps"], toks, log)
     if not args.skip_hf:
         import torch
         info["hf"] = dict(torch_threads=torch.get_num_threads(), attn_implementation="eager", dtype=args.dtype,
@@ -625,6 +653,10 @@ def main(argv=None):
             hf_wall = med([x["wall_s"] for x in runs])
             floor.update(hf_wave_wall_s=hf_wall, max_possible_ratio_over_hf=hf_wall / floor["wave_floor_s"])
             info["hf"][str(c)]["machine_floor"] = floor
+            pf = info.get("prefill_first", {}).get("results", {}).get(str(c))
+            if pf:
+                pf["ratio_engine_over_hf"] = pf["gen_tok_s"] / hf_tps
+                log(f"[hf] c={c}: prefill-first engine/HF = {pf['ratio_engine_over_hf']:.2f}x")
             log(f"[hf] c={c}: wave floor {floor['wave_floor_s']:.2f} s (prefill {floor['prefill_floor_s']:.2f} s at "
                 f"{mm_rate / 1e9:.0f} GFLOP/s + decode {floor['decode_floor_s']:.2f} s at roofline) vs HF "
                 f"{hf_wall:.2f} s: no engine can exceed {floor['max_possible_ratio_over_hf']:.1f}x HF here")
@@ -807,6 +839,10 @@ def print_table(result: dict) -> None:
                 if h:
                     print(f"{name} HF generate | {c} | {h['gen_tok_s']:.2f} | ratio engine/HF {h['ratio_engine_over_hf']:.2f}x"
                           f" | identical {h['greedy_sequences_identical']}")
+        for c, s in (info.get("prefill_first") or {}).get("results", {}).items():
+            hf = f"ratio engine/HF {s['ratio_engine_over_hf']:.2f}x, " if "ratio_engine_over_hf" in s else ""
+            print(f"{name} prefill-first | {c} | {s['gen_tok_s']:.2f} | {hf}{s['paired_ratio_over_decode_first']:.2f}x "
+                  f"decode-first (paired) | ITL p99 {s['itl_p99_s'] * 1e3:.0f} ms")
         dp = info.get("data_parallel")
         for c in (k for k in (dp or {}) if k.isdigit()):
             d = dp[c]

@@ -4,6 +4,11 @@ one step plan. It never touches device arrays or the allocator; the engine carri
 Policy (requests ordered by (priority, arrival): a lower priority value goes first, equal priorities
 are first come, first served):
 - decode first: every running request with one token left to compute decodes (up to max_num_seqs);
+  with `prefill_first` (SGLang's schedule without mixed chunks) a step that has prompt chunks to run
+  runs only those and the decodes wait for the next step without any. Admission needs a free decode
+  row, so at most max_num_seqs prompts prefill in a row before the decodes run again. An offline
+  wave finishes sooner (the decodes a mixed step would add are work the full-batch decode steps do
+  anyway), at the price of a gap in the running requests' streams whenever prompts arrive;
 - at most max_num_seqs requests run at once (vLLM's meaning of the option): a request is admitted only
   while a decode row is free for it, so nobody admitted finishes its prompt to wait for a row (FCFS
   decode rows would stall the newest running requests for whole generations); prefill-only rows (the
@@ -49,6 +54,7 @@ class SchedulerConfig:
     num_mla_layers: int
     slot_units: int
     max_loras: int = 0  # distinct LoRA adapters the running requests may use at once (0: no adapters)
+    prefill_first: bool = False  # steps with prompt chunks to run do not decode (module docstring)
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,15 @@ def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -
 
 def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float = 0.0) -> StepPlan:
     """`new_token_ratio` > 0 turns on the admission look-ahead (module docstring)."""
+    if cfg.prefill_first:
+        plan = _plan(seqs, mem, cfg, new_token_ratio, decode=False)
+        if plan.prefill:
+            return plan
+    return _plan(seqs, mem, cfg, new_token_ratio, decode=True)
+
+
+def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float, decode: bool) -> StepPlan:
+    """One step plan; `decode=False` leaves the decodes out (nobody is preempted to make room for them)."""
     plan = StepPlan()
     free_units, free_slots = mem.free_units, mem.free_slots
     key = lambda s: (s.priority, s.order)
@@ -147,7 +162,7 @@ def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_r
 
     # 1. decodes, in order; when memory is short, release reservations (lowest priority first), then
     #    preempt the lowest-priority, newest running requests
-    decoders = [s for s in running if s.total - s.computed == 1][:cfg.max_num_seqs]
+    decoders = [s for s in running if s.total - s.computed == 1][:cfg.max_num_seqs] if decode else []
     drafts, spent = {}, len(decoders)
     for s in decoders:  # within the token budget, in order
         if s.draft and spent + s.draft <= cfg.token_budget:

@@ -194,6 +194,20 @@ def test_prefill_chunk_size_invariance(model, prompts, alone, chunk):
     assert [o.token_ids for o in outs] == alone[:12]
 
 
+def test_prefill_first_is_token_identical_and_never_mixes(model, prompts, alone):
+    """`prefill_first`: no step both prefills and decodes; the greedy tokens are those of the default
+    (decode-first) schedule, with no compile after warm-up."""
+    with pytest.raises(ValueError, match="prefill_first"):
+        make_engine(model, warmup=False, prefill_first="yes")
+    eng = make_engine(model, units=4000, prefill_first=True)
+    outs = run_all(eng, prompts[:12])
+    assert [o.token_ids for o in outs] == alone[:12]
+    c = eng.counters
+    assert c["decode_steps"] + c["prefill_steps"] == c["steps"] and c["decode_steps"] > 0
+    st_ = eng.stats()
+    assert st_["compiles_after_warmup"] == 0 and st_["arena_free_units"] == st_["arena_baseline_free_units"]
+
+
 # the CPU's forms and the accelerator's (each KDA and each MLA decode form once; CI time)
 @pytest.mark.parametrize("kda_decode,mla_decode", [("in_place", "gathered"), ("gathered", "paged")])
 def test_step_updates_the_arena_in_place(model, kda_decode, mla_decode):

@@ -230,6 +230,8 @@ def test_config_and_cli():
     assert engine_config({**DEFAULTS, "host_cache_mb": 64}).host_cache_bytes == 64 << 20
     assert engine_config({**DEFAULTS, "kv_offloading_size": 0.5}).host_cache_bytes == 1 << 29
     assert engine_config(dict(DEFAULTS)).host_cache_bytes == 0
+    assert not engine_config(dict(DEFAULTS)).prefill_first
+    assert engine_config({**DEFAULTS, "prefill_first": True}).prefill_first
     with pytest.raises(ValueError, match="give one"):
         engine_config({**DEFAULTS, "host_cache_mb": 1, "kv_offloading_size": 1.0})
 

@@ -4,6 +4,8 @@ victims, preempting lower priorities to admit a higher one, never an equal or hi
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule, units_for
 
 CFG = SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=16, align=16, token_budget=64,
@@ -25,6 +27,32 @@ def test_decode_first_then_fcfs_chunks_on_aligned_ends():
     # the partial prefill resumes to the next multiple of 16, then the oldest waiting request
     assert plan.prefill == [("p", 20, 12), ("w1", 0, 10)] and plan.admit == ["w1"]
     assert plan.grow == {"w1": units_for(10, CFG)}  # "p" holds the pages of positions < 32 already
+
+
+def test_prefill_first_runs_prompt_chunks_alone_and_decodes_between():
+    """`prefill_first`: a step with prompt chunks to run leaves the decodes out (and preempts nobody for
+    them); a step with none decodes as usual; admission still needs a free decode row."""
+    pf = replace(CFG, prefill_first=True)
+    seqs = [wait("w2", 5, 50), run("r1", 1), SeqView("p", 2, 40, 20, True, 4), wait("w1", 3, 10)]
+    plan = schedule(seqs, Memory(100, 4), pf)
+    assert plan.decode == [] and plan.grow.get("r1") is None
+    assert plan.prefill == [("p", 20, 12), ("w1", 0, 10)] and plan.admit == ["w1"]
+    # the same requests under the default policy decode too (same chunks)
+    assert schedule(seqs, Memory(100, 4), CFG).decode == ["r1"]
+    # nothing to prefill: decodes run
+    plan = schedule([run("a", 1), run("b", 2)], Memory(100, 4), pf)
+    assert plan.decode == ["a", "b"] and plan.prefill == []
+    # the running requests hold every decode row: the waiting one cannot start, so the step decodes
+    full = [run(f"r{i}", i) for i in range(4)] + [wait("w", 9, 10)]
+    plan = schedule(full, Memory(100, 4), pf)
+    assert plan.prefill == [] and plan.decode == ["r0", "r1", "r2", "r3"]
+    # decodes short of pages while a prompt chunk fits: the chunk runs and nobody is preempted (decode first
+    # preempts the newest, the prefilling one, to let the decodes grow)
+    seqs = [run("a", 1, 49), run("b", 2, 49), SeqView("p", 3, 40, 16, True, 2)]
+    plan = schedule(seqs, Memory(2, 0), pf)
+    assert plan.preempt == [] and plan.decode == [] and plan.prefill == [("p", 16, 16)]
+    plan = schedule(seqs, Memory(2, 0), CFG)
+    assert plan.preempt == ["p"] and plan.decode == ["a", "b"]
 
 
 def test_no_overtaking_and_newest_preempted_when_decodes_run_short():
