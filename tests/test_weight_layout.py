@@ -73,4 +73,6 @@ def test_dense_experts_are_transposed_and_packed_ones_kept():
                                           np.asarray(a["w2"]["weight_packed"][...]))
         ids = np.random.default_rng(2).integers(0, 256, (2, 24))
         x, y = m.forward(ids), t.forward(ids)
-        assert float(np.abs(x - y).max() / np.abs(x).max()) < 1e-5
+        # the same products summed in another order, through every layer: fp32 rounding (1.01e-5 seen on
+        # an AMD EPYC host, below 1e-5 on the hosts of earlier runs)
+        assert float(np.abs(x - y).max() / np.abs(x).max()) < 3e-5
