@@ -6,7 +6,9 @@
 
 All engine mutations happen on the engine thread; the event loop only enqueues commands and receives
 outputs. A request that fails validation raises `RequestError` from `generate` before taking memory;
-an unexpected error inside a step fails the requests of that step and the engine keeps serving.
+an unexpected error inside a step fails the requests that step ran (`StepFailed`; the others keep their
+place and run next, recomputed if the failure consumed the cache) and the engine keeps serving; an error in
+the engine's own bookkeeping, outside the compiled call, fails every request in flight.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import threading
 import uuid
 from typing import AsyncIterator, Optional
 
-from serve.engine import Engine
+from serve.engine import Engine, StepFailed
 from serve.types import RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -132,7 +134,13 @@ class AsyncEngine:
                 continue
             try:
                 outs = self.engine.step()
-            except Exception as e:  # never take the engine down: fail the in-flight requests
+            except StepFailed as e:  # never take the engine down: the step's requests end with the error
+                self.errors += 1
+                for rid in e.request_ids:
+                    self._deliver(rid, RuntimeError(str(e)))
+                self.engine._reap()
+                continue
+            except Exception as e:  # bookkeeping in an unknown state: fail everything in flight, keep serving
                 log.exception("engine step failed")
                 self.errors += 1
                 self._fail_all(e)

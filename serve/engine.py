@@ -64,6 +64,16 @@ class EngineSleeping(RuntimeError):
     """A request reached an engine whose device memory `sleep` released (HTTP: 503)."""
 
 
+class StepFailed(RuntimeError):
+    """A step raised. `request_ids`: the requests it ran, now ended (aborted, their memory freed); every
+    other request stays queued, and runs on the next step (recomputed if the failure consumed the cache)."""
+
+    def __init__(self, request_ids: list[str], cause: BaseException):
+        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); ended "
+                         f"{len(request_ids)} request(s) it ran: {request_ids[:4]}")
+        self.request_ids, self.cause = request_ids, cause
+
+
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer_config["kv_role"]
 
 
@@ -457,7 +467,7 @@ class Engine:
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
                              spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
                              lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
-                             kv_transfer_published=0)
+                             kv_transfer_published=0, failed_steps=0, requests_failed=0, cache_resets=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -598,6 +608,7 @@ class Engine:
                 self._step_fn(batch)
             except Exception:
                 log.exception("step %d failed on process %d", n, self.channel.process)
+                self._renew_arena_if_lost()  # as the leader does (serve/engine.py Engine._step_failed)
             n += 1
         jax.block_until_ready(self.arena)
         return n
@@ -1073,18 +1084,59 @@ class Engine:
         for rid in plan.admit:
             m = self.seqs[rid].metrics
             m.first_scheduled_time = m.first_scheduled_time or now
-        if plan.decode:
-            rows = [(rid, self.seqs[rid].computed, 1 + plan.draft.get(rid, 0)) for rid in plan.decode]
-            self._run(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1, touched)
-            self.counters["decode_steps"] += 1
-        if plan.prefill:
-            self._run([r for r, _, _ in plan.prefill], plan.prefill, self.config.prefill_chunk, touched)
-            self.counters["prefill_steps"] += 1
+        running = list(plan.decode)
+        try:
+            if plan.decode:
+                rows = [(rid, self.seqs[rid].computed, 1 + plan.draft.get(rid, 0)) for rid in plan.decode]
+                self._run(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1, touched)
+                self.counters["decode_steps"] += 1
+            if plan.prefill:
+                running = [r for r, _, _ in plan.prefill]
+                self._run(running, plan.prefill, self.config.prefill_chunk, touched)
+                self.counters["prefill_steps"] += 1
+        except Exception as e:
+            raise self._step_failed(running, e) from e
         ended = self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
         outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched} | ended)]
         self._reap()
         return outs
+
+    def _step_failed(self, rids: list[str], err: Exception) -> StepFailed:
+        """A compiled step (or its host side) raised: end the requests it ran -- they may be what broke it --
+        and keep everything else. If the call had already consumed the donated cache, every request
+        holding cache state lost it: those are preempted (recomputed from their tokens, like any
+        preemption), the prefix cache is emptied and a fresh arena takes the old one's place, so the next
+        step runs as on a cold engine. -> the error to raise (its `request_ids` are the ended requests)."""
+        log.error("engine step failed: %s: %s", type(err).__name__, err)
+        self.counters["failed_steps"] += 1
+        ended = sorted({self.seqs[r].request_id for r in rids if r in self.seqs})
+        for request_id in ended:
+            if self.abort(request_id):
+                self.counters["requests_aborted"] -= 1
+                self.counters["requests_failed"] += 1
+        if self._renew_arena_if_lost():
+            for s in self.seqs.values():
+                if not s.finished and (s.slot is not None or any(s.pages)):
+                    self._preempt(s)
+            self._tails.clear()
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()
+        return StepFailed(ended, err)
+
+    def _renew_arena_if_lost(self) -> bool:
+        """Replace an arena (or token-page array) a failed call consumed by empty ones -> whether it did."""
+        if self.arena is None or not (self.arena.is_deleted() or self.token_pages.is_deleted()):
+            return False
+        if not self.arena.is_deleted():
+            self.arena.delete()
+        if not self.token_pages.is_deleted():
+            self.token_pages.delete()
+        self.arena = self.layout.empty(self._arena_sharding)
+        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
+                                  replicated(self.mesh) if self.mesh is not None else None)
+        self.counters["cache_resets"] += 1
+        return True
 
     def _adapt_new_token_ratio(self, plan: StepPlan) -> None:
         """SGLang's schedule: back to the initial ratio after decodes ran out of pages (the estimate was

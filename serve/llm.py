@@ -65,10 +65,16 @@ class LLM:
                 self.engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
-        while len(done) < len(ids):
-            for out in self.engine.step():
-                if out.finished:
-                    done[out.request_id] = out
+        try:
+            while len(done) < len(ids):
+                for out in self.engine.step():
+                    if out.finished:
+                        done[out.request_id] = out
+        except BaseException:  # a failed step or Ctrl-C: withdraw the rest, leave the engine empty and usable
+            for rid in ids:
+                self.engine.abort(rid)
+            self.engine._reap()
+            raise
         return [done[i] for i in ids]
 
     def beam_search(self, prompts: Union[Prompt, list[Prompt]], params: BeamSearchParams,

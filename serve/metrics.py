@@ -15,7 +15,7 @@ scrape before warm-up or on an engine that does not report some statistic still 
 
 Engine statistics read (all optional; absent means 0 / no samples):
   num_requests_running, num_requests_waiting, kv_cache_usage, prompt_tokens, generation_tokens,
-  preemptions, requests_aborted, compiles_after_warmup, arena_bytes{kda_slots, mla_pages, free,
+  preemptions, requests_aborted, failed_steps, requests_failed, cache_resets, compiles_after_warmup, arena_bytes{kda_slots, mla_pages, free,
   total}, arena_free_units, arena_baseline_free_units,
   arena_cached_units (held only by the prefix cache, reclaimable),
   prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes, host_query_tokens,
@@ -62,7 +62,8 @@ NAMES = (
     "k3jax:arena_bytes", "k3jax:arena_free_units", "k3jax:arena_baseline_free_units", "k3jax:arena_cached_units",
     "k3jax:kda_checkpoint_bytes", "k3jax:host_cache_bytes", "k3jax:host_cache_restored_bytes_total",
     "k3jax:kda_checkpoint_hits_total", "k3jax:kda_checkpoint_misses_total", "k3jax:compiles_after_warmup",
-    "k3jax:requests_aborted_total", "k3jax:structured_output_requests_total",
+    "k3jax:requests_aborted_total", "k3jax:failed_steps_total", "k3jax:requests_failed_total",
+    "k3jax:cache_resets_total", "k3jax:structured_output_requests_total",
     "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
     "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total", "k3jax:retractions_total",
     "k3jax:new_token_ratio", "k3jax:engine_sleep_level", "k3jax:replica_requests_running",
@@ -194,6 +195,12 @@ class EngineCollector:
                     s.get("compiles_after_warmup", 0))
         yield counter("k3jax:requests_aborted", "Requests aborted (client disconnects included).",
                       s.get("requests_aborted", 0))
+        yield counter("k3jax:failed_steps", "Engine steps that raised (the engine kept serving).",
+                      s.get("failed_steps", 0))
+        yield counter("k3jax:requests_failed", "Requests ended with an error because the step running them "
+                      "failed.", s.get("requests_failed", 0))
+        yield counter("k3jax:cache_resets", "Arenas replaced after a failed step consumed the cache (requests "
+                      "holding state were recomputed, the prefix cache emptied).", s.get("cache_resets", 0))
         yield counter("k3jax:structured_output_requests", "Requests with an output constraint (JSON schema, "
                       "regex, choice, grammar; forced tool calls).", s.get("structured_output_requests", 0))
         yield counter("k3jax:structured_output_errors", "Sampled tokens that broke their constraint (0 unless "

@@ -383,6 +383,89 @@ def test_async_engine_streams_and_aborts(model):
     assert s["requests_aborted"] == 2 and s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+class _FailingStep:
+    """Stands in for an engine's compiled step: call number `at` raises; `consume` deletes the arena first,
+    as a call that fails after taking its donated buffers does."""
+
+    def __init__(self, real, at: int, consume: bool):
+        self.real, self.at, self.consume, self.calls = real, at, consume, 0
+        self._cache_size = real._cache_size
+
+    def __call__(self, leaves, arena, token_pages, batch):
+        self.calls += 1
+        if self.calls == self.at:
+            if self.consume:
+                arena.delete()
+            raise RuntimeError("injected device failure")
+        return self.real(leaves, arena, token_pages, batch)
+
+
+@pytest.mark.parametrize("consume", [False, True], ids=["cache-kept", "cache-consumed"])
+def test_failed_step_ends_only_its_requests_and_the_rest_stay_exact(model, engine, prompts, alone, consume):
+    """A step that raises ends the requests it ran (`StepFailed.request_ids`, memory freed); the other
+    requests keep their place and finish with the tokens they get alone -- recomputed from their tokens when
+    the failure consumed the donated cache, which the engine replaces by a fresh arena."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    from serve.engine import StepFailed
+
+    before = dict(engine.counters)
+    ids = [engine.add_request(p, GREEDY) for p in prompts[:6]]
+    real = engine._step
+    engine._step = _FailingStep(real, at=4, consume=consume)
+    done, failed = {}, None
+    try:
+        while engine.has_unfinished():
+            try:
+                outs = engine.step()
+            except StepFailed as e:
+                assert failed is None and e.request_ids and "injected device failure" in str(e)
+                failed = e.request_ids
+                continue
+            done.update({o.request_id: o for o in outs if o.finished})
+    finally:
+        engine._step = real
+    assert failed is not None and set(failed) <= set(ids) and not set(failed) & set(done)
+    rest = [i for i, rid in enumerate(ids) if rid not in failed]
+    assert rest and all(done[ids[i]].token_ids == alone[i] for i in rest)
+    c = engine.counters
+    assert c["failed_steps"] - before["failed_steps"] == 1
+    assert c["requests_failed"] - before["requests_failed"] == len(failed)
+    assert c["cache_resets"] - before["cache_resets"] == int(consume)
+    assert (c["preemptions"] > before["preemptions"]) == consume  # lost cache state is recomputed
+    engine.step()
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"] and not engine.requests
+
+
+def test_async_engine_survives_a_failed_step(model, engine):
+    """Through `AsyncEngine`: the failed step's stream raises, the engine serves the next request."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+
+    real = engine._step
+    engine._step = _FailingStep(real, at=1, consume=True)
+    aeng = AsyncEngine(engine)
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+    async def main():
+        with pytest.raises(RuntimeError, match="injected device failure"):
+            async for _ in aeng.generate([5, 6, 7, 8], sp, "x"):
+                pass
+        return [o async for o in aeng.generate([5, 6, 7, 8], sp, "y")][-1]
+
+    try:
+        last = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+        engine._step = real
+    assert last.finished and last.token_ids == model.generate_greedy(np.array([[5, 6, 7, 8]]), 6)[0].tolist()
+    assert aeng.errors == 1 and not engine.requests
+
+
 def test_shared_step_cache_is_bounded(model):
     """Engines over the same model and layout share a bound step, but the process-wide table is
     an LRU: a process that builds engine after engine does not keep every old one's compiled
