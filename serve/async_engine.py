@@ -136,6 +136,8 @@ class AsyncEngine:
                 outs = self.engine.step()
             except StepFailed as e:  # never take the engine down: the step's requests end with the error
                 self.errors += 1
+                for out in e.outputs:  # what the step's other part produced
+                    self._deliver(out.request_id, out)
                 for rid in e.request_ids:
                     self._deliver(rid, RuntimeError(str(e)))
                 self.engine._reap()

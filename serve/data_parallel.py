@@ -36,7 +36,7 @@ import jax
 
 from serve.async_engine import AsyncEngine
 from serve.beam_search import BeamSearchParams
-from serve.engine import Engine, EngineConfig
+from serve.engine import Engine, EngineConfig, StepFailed
 from serve.types import RequestOutput, SamplingParams
 
 
@@ -154,6 +154,14 @@ _SAME = frozenset({"arena_state_ranks", "kv_bytes_per_token_per_layer", "kda_slo
                    "moe_step_seconds", "spec_decode_cost_ratio", "sharding", "kv_cache_dtype", "kda_state_dtype",
                    "expert_format", "dense_weight_layout"})
 _MEAN = frozenset({"new_token_ratio"})
+
+
+def _step_or_failure(engine: Engine):
+    """engine.step()'s outputs, or the `StepFailed` it raised (so one replica's failure loses no other's)."""
+    try:
+        return engine.step()
+    except StepFailed as e:
+        return e
 
 
 def _merge(key: str, values: list):
@@ -274,14 +282,23 @@ class DataParallelEngine:
         return any(e.has_unfinished() for e in self.replicas)
 
     def step(self) -> list[RequestOutput]:
+        """One step of every replica with work. A replica's `StepFailed` does not lose the others' outputs:
+        they travel in the re-raised `StepFailed` (with every failed replica's ended requests)."""
         busy = [e for e in self.replicas if e.has_unfinished()]
         if len(busy) == 1:
-            outs = busy[0].step()
+            results = [_step_or_failure(busy[0])]
         else:
-            outs = [o for f in [self._pool.submit(e.step) for e in busy] for o in f.result()]
+            results = [f.result() for f in [self._pool.submit(_step_or_failure, e) for e in busy]]
+        outs = [o for r in results for o in (r.outputs if isinstance(r, StepFailed) else r)]
+        failed = [r for r in results if isinstance(r, StepFailed)]
         for o in outs:
             if o.finished and o.request_id in self._where:
                 self.router.done(*self._where.pop(o.request_id))
+        for rid in (rid for f in failed for rid in f.request_ids):
+            if rid in self._where:
+                self.router.done(*self._where.pop(rid))
+        if failed:
+            raise StepFailed([rid for f in failed for rid in f.request_ids], failed[0].cause, outs)
         return outs
 
     def _all(self, fn: Callable[[Engine], object]) -> list:

@@ -65,13 +65,15 @@ class EngineSleeping(RuntimeError):
 
 
 class StepFailed(RuntimeError):
-    """A step raised. `request_ids`: the requests it ran, now ended (aborted, their memory freed); every
-    other request stays queued, and runs on the next step (recomputed if the failure consumed the cache)."""
+    """A step raised. `request_ids`: the requests that part of the step ran, now ended (aborted, their memory
+    freed); every other request stays queued and runs on the next step (recomputed if the failure consumed
+    the cache). `outputs`: what the step's other part produced before the failure (a decode that ran before
+    a failed prefill), to be delivered like a step's return value."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException):
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: tuple = ()):
         super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); ended "
                          f"{len(request_ids)} request(s) it ran: {request_ids[:4]}")
-        self.request_ids, self.cause = request_ids, cause
+        self.request_ids, self.cause, self.outputs = request_ids, cause, list(outputs)
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer_config["kv_role"]
@@ -1095,7 +1097,11 @@ class Engine:
                 self._run(running, plan.prefill, self.config.prefill_chunk, touched)
                 self.counters["prefill_steps"] += 1
         except Exception as e:
-            raise self._step_failed(running, e) from e
+            err = self._step_failed(running, e)
+            done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)
+            err.outputs = [self._output(self.requests[rid]) for rid in sorted(done)]
+            self._reap()
+            raise err from e
         ended = self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
         outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched} | ended)]

@@ -114,3 +114,48 @@ def test_disaggregated_serve_options_name_what_is_wrong():
         build_pair(None, EngineConfig(), (0,), (0, 1), 1 << 20)
     with pytest.raises(ValueError, match="leave host_cache_bytes at 0"):
         build_pair(None, EngineConfig(host_cache_bytes=1 << 20), (0,), (1,), 1 << 20)
+
+
+class _Replica:
+    """What DataParallelEngine reads of an engine, with a scripted step: outputs, or a StepFailed."""
+
+    def __init__(self, script):
+        from types import SimpleNamespace
+        self.sched_cfg, self.align, self.script, self.added = SimpleNamespace(max_num_seqs=8), 4, list(script), []
+
+    def _prompt_ids(self, prompt):
+        return None, list(prompt)
+
+    def add_request(self, prompt, params, request_id, **kw):
+        self.added.append(request_id)
+
+    def has_unfinished(self):
+        return bool(self.script)
+
+    def step(self):
+        got = self.script.pop(0)
+        if isinstance(got, Exception):
+            raise got
+        return got
+
+
+def test_a_failed_replica_step_loses_no_other_replicas_outputs():
+    """One replica's step fails: the re-raised StepFailed names its ended requests and carries every output
+    the others (and the failed one's successful part) produced, and the router stops counting them all."""
+    from types import SimpleNamespace
+
+    from serve.data_parallel import DataParallelEngine
+    from serve.engine import StepFailed
+    from serve.types import SamplingParams
+
+    out = lambda rid, fin: SimpleNamespace(request_id=rid, finished=fin)
+    bad = StepFailed(["b"], RuntimeError("device lost"), [out("d", True)])  # b's part failed, d's decode ran
+    r0, r1 = _Replica([[out("a", True), out("c", False)]]), _Replica([bad])
+    dp = DataParallelEngine([r0, r1], [(0,), (1,)], routing="load")
+    for rid in "abcd":
+        dp.add_request([ord(rid)] * 9, SamplingParams(max_tokens=1), rid)
+    assert r0.added == ["a", "c"] and r1.added == ["b", "d"] and dp.router.load == [2, 2]
+    with pytest.raises(StepFailed, match="device lost") as e:
+        dp.step()
+    assert e.value.request_ids == ["b"] and sorted(o.request_id for o in e.value.outputs) == ["a", "c", "d"]
+    assert dp.router.load == [1, 0] and list(dp._where) == ["c"]  # only c still runs

@@ -384,19 +384,26 @@ def test_async_engine_streams_and_aborts(model):
 
 
 class _FailingStep:
-    """Stands in for an engine's compiled step: call number `at` raises; `consume` deletes the arena first,
-    as a call that fails after taking its donated buffers does."""
+    """Stands in for an engine's compiled step: the first prefill call made in the same engine step as a
+    decode call (so the failure comes after part of the step ran) raises, or call number `at` does;
+    `consume` deletes the arena first, as a call that fails after taking its donated buffers does."""
 
-    def __init__(self, real, at: int, consume: bool):
-        self.real, self.at, self.consume, self.calls = real, at, consume, 0
-        self._cache_size = real._cache_size
+    def __init__(self, engine, at: int | None, consume: bool):
+        self.engine, self.real, self.at, self.consume = engine, engine._step, at, consume
+        self._cache_size = self.real._cache_size
+        self.calls, self.decoded_in, self.failed = 0, None, False
 
     def __call__(self, leaves, arena, token_pages, batch):
         self.calls += 1
-        if self.calls == self.at:
+        step = self.engine.counters["steps"]
+        prefill = batch.tokens.shape[1] > 1
+        if not self.failed and (self.calls == self.at or (self.at is None and prefill and self.decoded_in == step)):
+            self.failed = True
             if self.consume:
                 arena.delete()
             raise RuntimeError("injected device failure")
+        if not prefill:
+            self.decoded_in = step
         return self.real(leaves, arena, token_pages, batch)
 
 
@@ -412,19 +419,22 @@ def test_failed_step_ends_only_its_requests_and_the_rest_stay_exact(model, engin
     before = dict(engine.counters)
     ids = [engine.add_request(p, GREEDY) for p in prompts[:6]]
     real = engine._step
-    engine._step = _FailingStep(real, at=4, consume=consume)
-    done, failed = {}, None
+    engine._step = _FailingStep(engine, at=None, consume=consume)
+    done, failed, carried = {}, None, []
     try:
         while engine.has_unfinished():
             try:
                 outs = engine.step()
             except StepFailed as e:
                 assert failed is None and e.request_ids and "injected device failure" in str(e)
-                failed = e.request_ids
-                continue
+                failed, outs = e.request_ids, e.outputs
+                carried = [o.request_id for o in outs]
+            for o in outs:  # every output, also those a failed step carries, extends what it had alone
+                assert o.outputs[0].token_ids == alone[ids.index(o.request_id)][:len(o.outputs[0].token_ids)]
             done.update({o.request_id: o for o in outs if o.finished})
     finally:
         engine._step = real
+    assert carried and not set(carried) & set(failed)  # the decode that ran before the failed prefill
     assert failed is not None and set(failed) <= set(ids) and not set(failed) & set(done)
     rest = [i for i, rid in enumerate(ids) if rid not in failed]
     assert rest and all(done[ids[i]].token_ids == alone[i] for i in rest)
@@ -447,7 +457,7 @@ def test_async_engine_survives_a_failed_step(model, engine):
     from serve.async_engine import AsyncEngine
 
     real = engine._step
-    engine._step = _FailingStep(real, at=1, consume=True)
+    engine._step = _FailingStep(engine, at=1, consume=True)
     aeng = AsyncEngine(engine)
     sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
 
