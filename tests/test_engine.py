@@ -312,19 +312,55 @@ def test_request_that_never_fits_is_rejected(model):
         eng.add_request([1] * 400, SamplingParams(max_tokens=100))
 
 
+class _FailingStep:
+    """Stands in for an engine's compiled step: the first prefill call made in the same engine step as a
+    decode call (so the failure comes after part of the step ran) raises, or call number `at` does;
+    `consume` deletes the arena first, as a call that fails after taking its donated buffers does."""
+
+    def __init__(self, engine, at: int | None, consume: bool, real=None):
+        self.engine, self.real, self.at, self.consume = engine, real or engine._step, at, consume
+        self._cache_size = self.real._cache_size
+        self.calls, self.decoded_in, self.failed = 0, None, False
+
+    def __call__(self, leaves, arena, token_pages, batch):
+        self.calls += 1
+        step = self.engine.counters["steps"]
+        prefill = batch.tokens.shape[1] > 1
+        if not self.failed and (self.calls == self.at or (self.at is None and prefill and self.decoded_in == step)):
+            self.failed = True
+            if self.consume:
+                arena.delete()
+            raise RuntimeError("injected device failure")
+        if not prefill:
+            self.decoded_in = step
+        return self.real(leaves, arena, token_pages, batch)
+
+
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))
-@given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step"]), st.integers(1, 150), st.integers(1, 6)),
-                    min_size=3, max_size=25))
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "abort", "step", "fail"]), st.integers(1, 150),
+                              st.integers(1, 6)), min_size=3, max_size=25))
 def test_arena_returns_to_baseline_after_any_arrival_and_abort_order(engine, ops):
-    ids = []
-    for op, a, b in ops:
-        if op == "add":
-            ids.append(engine.add_request([a % 256] * a, SamplingParams(temperature=0.0, max_tokens=b)))
-        elif op == "abort" and ids:
-            engine.abort(ids[a % len(ids)])
-        else:
-            for _ in range(b):
-                engine.step()
+    """Any order of arrivals, aborts, steps and failed steps (`fail`: the b-th next compiled call raises,
+    consuming the cache when a is odd) ends with the arena at its baseline."""
+    from serve.engine import StepFailed
+
+    ids, real = [], engine._step
+    try:
+        for op, a, b in ops:
+            if op == "add":
+                ids.append(engine.add_request([a % 256] * a, SamplingParams(temperature=0.0, max_tokens=b)))
+            elif op == "abort" and ids:
+                engine.abort(ids[a % len(ids)])
+            elif op == "fail":
+                engine._step = _FailingStep(engine, at=b, consume=a % 2 == 1, real=real)
+            else:
+                for _ in range(b):
+                    try:
+                        engine.step()
+                    except StepFailed:
+                        pass
+    finally:
+        engine._step = real
     while engine.has_unfinished():
         engine.step()
     engine.step()
@@ -381,30 +417,6 @@ def test_async_engine_streams_and_aborts(model):
     assert tokens == model.generate_greedy(np.array([[5, 6, 7, 8]]), 10)[0].tolist()
     s = eng.stats()
     assert s["requests_aborted"] == 2 and s["arena_free_units"] == s["arena_baseline_free_units"]
-
-
-class _FailingStep:
-    """Stands in for an engine's compiled step: the first prefill call made in the same engine step as a
-    decode call (so the failure comes after part of the step ran) raises, or call number `at` does;
-    `consume` deletes the arena first, as a call that fails after taking its donated buffers does."""
-
-    def __init__(self, engine, at: int | None, consume: bool):
-        self.engine, self.real, self.at, self.consume = engine, engine._step, at, consume
-        self._cache_size = self.real._cache_size
-        self.calls, self.decoded_in, self.failed = 0, None, False
-
-    def __call__(self, leaves, arena, token_pages, batch):
-        self.calls += 1
-        step = self.engine.counters["steps"]
-        prefill = batch.tokens.shape[1] > 1
-        if not self.failed and (self.calls == self.at or (self.at is None and prefill and self.decoded_in == step)):
-            self.failed = True
-            if self.consume:
-                arena.delete()
-            raise RuntimeError("injected device failure")
-        if not prefill:
-            self.decoded_in = step
-        return self.real(leaves, arena, token_pages, batch)
 
 
 @pytest.mark.parametrize("consume", [False, True], ids=["cache-kept", "cache-consumed"])
