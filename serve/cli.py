@@ -30,7 +30,7 @@ DEFAULTS = dict(
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
-    schedule_conservativeness=1.0, prefill_first=False, log_level="info",
+    schedule_conservativeness=1.0, prefill_first=False, compile_threads=None, log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
@@ -100,6 +100,9 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--prefill-first", action="store_true", default=d["prefill_first"],
                    help="steps with prompt chunks to run do not decode (SGLang's schedule without mixed chunks): "
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
+    e.add_argument("--compile-threads", type=int, default=d["compile_threads"],
+                   help="compile the step programs at start-up this many at a time (default: min(programs, CPUs, "
+                        "8)); 1: one after another")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache (default "
@@ -201,6 +204,7 @@ def engine_config(o: dict):
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),
+        compile_threads=o.get("compile_threads"),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
         max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None)

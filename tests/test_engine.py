@@ -30,7 +30,7 @@ def model(request):
 def engine(model):
     # small enough that 32 concurrent requests cannot all fit (forces preemption: no admission look-ahead)
     return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250, measure_moe_time=True,
-                       schedule_conservativeness=0.0)
+                       schedule_conservativeness=0.0, compile_threads=2)
 
 
 @pytest.fixture(scope="module")
@@ -172,6 +172,9 @@ def test_step_form_options_are_checked(model):
         make_engine(model, warmup=False, expert_weights="fp8")
     with pytest.raises(ValueError, match="dense_weights"):
         make_engine(model, warmup=False, dense_weights="column_major")
+    for bad in (0, 2.5, True):
+        with pytest.raises(ValueError, match="compile_threads"):
+            make_engine(model, warmup=False, compile_threads=bad)
 
 
 def test_checkpoint_form_weights_are_token_identical(model, engine, prompts, alone):
@@ -271,6 +274,7 @@ def test_mixed_workload_no_compiles(engine):
         engine.step()
     s = engine.stats()
     assert s["compiles_after_warmup"] == 0
+    assert s["programs_compiled_ahead"] == len(engine.bucket_shapes())  # in 2 threads, before their first run
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 

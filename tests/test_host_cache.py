@@ -232,6 +232,8 @@ def test_config_and_cli():
     assert engine_config(dict(DEFAULTS)).host_cache_bytes == 0
     assert not engine_config(dict(DEFAULTS)).prefill_first
     assert engine_config({**DEFAULTS, "prefill_first": True}).prefill_first
+    assert engine_config(dict(DEFAULTS)).compile_threads is None
+    assert engine_config({**DEFAULTS, "compile_threads": 3}).compile_threads == 3
     with pytest.raises(ValueError, match="give one"):
         engine_config({**DEFAULTS, "host_cache_mb": 1, "kv_offloading_size": 1.0})
 
