@@ -552,8 +552,10 @@ class Engine:
         `compile_threads` threads (lowered on the engine's own arrays, nothing runs) -> whether it did.
         The first call of each program then finds it in JAX's compilation cache. Start-up is mostly
         compilation, and a bucket set is tens of programs (decode rows x context pages, prefill rows x
-        context pages): on a many-core host they compile side by side (k3-small's 5 step programs on the
-        2-core CPU host: 58-71 -> 48-54 s; `k3jax serve` 44-56 -> 42-44 s)."""
+        context pages), and one program's compile is mostly one core's work, so a many-core host compiles them
+        side by side. On the 2-core CPU host, where XLA:CPU's compile already keeps both cores busy, it
+        gains little or nothing (benchmarks/startup.py: k3-small's 5 programs 53-62 s in one thread, 58-64 s
+        in two)."""
         jobs = [lambda b=b: self._step.lower(self._leaves, self.arena, self.token_pages, b).compile() for b in batches]
         jobs += [lambda n=n: compile_moe_blocks(self.model.graphdef, self.model.params, self.cfg.hidden_size,
                                                 self.model.dtype, n) for n in moe_tokens]
