@@ -552,8 +552,8 @@ class Engine:
         `compile_threads` threads (lowered on the engine's own arrays, nothing runs) -> whether it did.
         The first call of each program then finds it in JAX's compilation cache. Start-up is mostly
         compilation, and a bucket set is tens of programs (decode rows x context pages, prefill rows x
-        context pages), and one program's compile is mostly one core's work, so a many-core host compiles them
-        side by side. On the 2-core CPU host, where XLA:CPU's compile already keeps both cores busy, it
+        context pages), each compiled mostly on one core: a many-core host compiles them side by side.
+        On the 2-core CPU host, where XLA:CPU's compile already keeps both cores busy, it
         gains little or nothing (benchmarks/startup.py: k3-small's 5 programs 53-62 s in one thread, 58-64 s
         in two)."""
         jobs = [lambda b=b: self._step.lower(self._leaves, self.arena, self.token_pages, b).compile() for b in batches]
@@ -1134,11 +1134,13 @@ class Engine:
                 running = [r for r, _, _ in plan.prefill]
                 self._run(running, plan.prefill, self.config.prefill_chunk, touched)
                 self.counters["prefill_steps"] += 1
-        except Exception as e:
+        except BaseException as e:
             err = self._step_failed(running, e)
             done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)
             err.outputs = [self._output(self.requests[rid]) for rid in sorted(done)]
             self._reap()
+            if not isinstance(e, Exception):
+                raise  # Ctrl-C in a notebook: the engine is consistent again, the interrupt goes on
             raise err from e
         ended = self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
@@ -1146,7 +1148,7 @@ class Engine:
         self._reap()
         return outs
 
-    def _step_failed(self, rids: list[str], err: Exception) -> StepFailed:
+    def _step_failed(self, rids: list[str], err: BaseException) -> StepFailed:
         """A compiled step (or its host side) raised: end the requests it ran -- they may be what broke it --
         and keep everything else. If the call had already consumed the donated cache, every request
         holding cache state lost it: those are preempted (recomputed from their tokens, like any

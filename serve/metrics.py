@@ -15,8 +15,8 @@ scrape before warm-up or on an engine that does not report some statistic still 
 
 Engine statistics read (all optional; absent means 0 / no samples):
   num_requests_running, num_requests_waiting, kv_cache_usage, prompt_tokens, generation_tokens,
-  preemptions, requests_aborted, failed_steps, requests_failed, cache_resets, compiles_after_warmup, arena_bytes{kda_slots, mla_pages, free,
-  total}, arena_free_units, arena_baseline_free_units,
+  preemptions, requests_aborted, failed_steps, requests_failed, cache_resets, compiles_after_warmup,
+  arena_bytes{kda_slots, mla_pages, free, total}, arena_free_units, arena_baseline_free_units,
   arena_cached_units (held only by the prefix cache, reclaimable),
   prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes, host_query_tokens,
   host_hit_tokens, host_bytes, host_bytes_restored} (token counts for queries/hits, like vLLM;
