@@ -27,6 +27,7 @@ from typing import Optional
 DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
+    long_prefill_chunk=0,
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
@@ -53,6 +54,9 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="concurrent decodes")
     e.add_argument("--page-size", type=int, default=d["page_size"])
     e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
+    e.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"],
+                   help="tokens of the one-row prefill program, which gives a long prompt alone that many tokens "
+                        "a step (a multiple of --prefill-chunk, e.g. 256; default 0: off)")
     e.add_argument("--decode-buckets", default=None, help="comma-separated rows (default: 1,MAX_NUM_SEQS)")
     e.add_argument("--prefill-buckets", default=d["prefill_buckets"], help="comma-separated rows (default '1')")
     e.add_argument("--context-buckets", default=None,
@@ -205,6 +209,7 @@ def engine_config(o: dict):
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),
         compile_threads=o.get("compile_threads"),
+        long_prefill_chunk=o.get("long_prefill_chunk"),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
         max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None)
@@ -303,7 +308,9 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
     replicas = (f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else
                 f" on the prefill (devices {list(pd[0])}) and the decode engine (devices {list(pd[1])})" if pd else "")
     _say(f"compiling {len(eng.bucket_shapes())} step programs{replicas} (decode rows {eng.decode_buckets}, prefill "
-         f"rows {eng.prefill_buckets} x {cfg.prefill_chunk} tokens, context pages {eng.context_buckets}); "
+         f"rows {eng.prefill_buckets} x {cfg.prefill_chunk} tokens"
+         f"{f' and 1 x {eng.sched_cfg.long_prefill_chunk}' if eng.sched_cfg.long_prefill_chunk else ''}, "
+         f"context pages {eng.context_buckets}); "
          f"compilation cache: {cache_dir or 'off'}")
     with ThreadPoolExecutor(len(engines)) as pool:  # replicas compile side by side
         list(pool.map(lambda e: e.warmup(progress=e is eng), engines))

@@ -90,6 +90,19 @@ class EngineConfig:
     prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
     max_prefill_seqs: int = 4  # prefill rows per step
     max_num_batched_tokens: int = 512
+    # Tokens of the one-row prefill program (in place of 1 x prefill_chunk). KDA's recurrence keeps a request's
+    # chunks in one row, one after another, so a prompt with no other prompt to share the step would advance
+    # `prefill_chunk` tokens per step however wide the prefill programs are (k3-small, a 2048-token prompt alone
+    # on the 2-core CPU host: 17 s to its first token at 64 tokens a step, 3.3 s at 256). Every one-row prefill
+    # step runs in this program, and the scheduler gives its row up to this many tokens, or takes it over the
+    # rows of `prefill_chunk` when it computes more prompt tokens (serve/scheduler.py). A multiple of
+    # `prefill_chunk`; None: max_prefill_seqs x prefill_chunk (the widest prefill program's tokens, within the
+    # token budget and max_model_len); 0 (default): off, one-row steps run the 1 x prefill_chunk program.
+    # Off by default because a prompt's rows then run in one program alone and in another beside other
+    # prompts, which XLA may round differently: a prefix-cache resume batched with other prompts can differ
+    # from a cold prefill alone in the last bits of its logits (as with several `prefill_buckets`), where the
+    # default keeps warm resumes bit-identical to cold prefills in a single-program configuration.
+    long_prefill_chunk: Optional[int] = 0
     # Admission look-ahead (SGLang's --schedule-conservativeness; serve/scheduler.py): a request is
     # admitted only when the pages left cover the expected growth of those running, at a new-token
     # ratio that starts at 0.7 x this, decays to 0.1 x this over 600 steps without a preemption, and
@@ -266,6 +279,23 @@ class EngineConfig:
         if self.prefill_chunk % KDA_CHUNK and KDA_CHUNK % self.prefill_chunk:
             raise ValueError(f"prefill_chunk must divide or be a multiple of the KDA chunk ({KDA_CHUNK}) so "
                              f"prefill rows start on KDA chunk boundaries")
+        n = self.long_prefill_chunk
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 0 or (
+                n and (n % self.prefill_chunk or n < 2 * self.prefill_chunk or n > self.max_num_batched_tokens))):
+            raise ValueError(f"long_prefill_chunk={n!r}: expected None, 0 (off) or a multiple of prefill_chunk "
+                             f"({self.prefill_chunk}) from {2 * self.prefill_chunk} to max_num_batched_tokens "
+                             f"({self.max_num_batched_tokens})")
+        if n and self.speculative_config is not None and self.speculative_config.verify_tokens == n:
+            raise ValueError(f"long_prefill_chunk={n} equals the verify rows' tokens (1 + num_speculative_tokens): "
+                             f"the two programs would share a shape; pick another")
+
+    def long_prefill_tokens(self) -> int:
+        """The one-row long prefill program's tokens (`long_prefill_chunk` resolved); 0: none."""
+        c = self.prefill_chunk
+        n = self.long_prefill_chunk
+        if n is None:
+            n = min(self.max_prefill_seqs * c, self.max_num_batched_tokens // c * c, -(-self.max_model_len // c) * c)
+        return n if n >= 2 * c else 0
 
 
 def _geometric(top: int, base: int = 4) -> tuple[int, ...]:
@@ -436,7 +466,8 @@ class Engine:
             prefill_chunk=config.prefill_chunk, align=min(config.prefill_chunk, KDA_CHUNK),
             token_budget=config.max_num_batched_tokens,
             page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units,
-            max_loras=config.max_loras, prefill_first=config.prefill_first)
+            max_loras=config.max_loras, prefill_first=config.prefill_first,
+            long_prefill_chunk=config.long_prefill_tokens())
         self.align = self.sched_cfg.align
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
         self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
@@ -472,7 +503,7 @@ class Engine:
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
-        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, preemptions=0, prompt_tokens=0,
+        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0, prompt_tokens=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
@@ -516,7 +547,11 @@ class Engine:
         shapes = [(b, 1, p) for b in self.decode_buckets for p in self.context_buckets]
         if self.spec:  # verify rows: the decode buckets at 1 + drafts tokens
             shapes += [(b, self.spec.verify_tokens, p) for b in self.decode_buckets for p in self.context_buckets]
-        shapes += [(b, self.config.prefill_chunk, p) for b in self.prefill_buckets for p in self.context_buckets]
+        long = self.sched_cfg.long_prefill_chunk  # the one-row prefill program, when on (else 1 x prefill_chunk)
+        shapes += [(b, self.config.prefill_chunk, p) for b in self.prefill_buckets if not (long and b == 1)
+                   for p in self.context_buckets]
+        if long:
+            shapes += [(1, long, p) for p in self.context_buckets]
         return shapes
 
     def warmup(self, progress: bool = True) -> None:
@@ -1128,12 +1163,14 @@ class Engine:
         try:
             if plan.decode:
                 rows = [(rid, self.seqs[rid].computed, 1 + plan.draft.get(rid, 0)) for rid in plan.decode]
-                self._run(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1, touched)
+                self._run(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1, touched, decoding=True)
                 self.counters["decode_steps"] += 1
             if plan.prefill:
                 running = [r for r, _, _ in plan.prefill]
-                self._run(running, plan.prefill, self.config.prefill_chunk, touched)
+                self._run(running, plan.prefill, plan.row_tokens or self.config.prefill_chunk, touched,
+                          decoding=False)
                 self.counters["prefill_steps"] += 1
+                self.counters["long_prefill_steps"] += bool(self.sched_cfg.long_prefill_chunk) and len(running) == 1
         except BaseException as e:
             err = self._step_failed(running, e)
             done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)
@@ -1541,11 +1578,14 @@ class Engine:
         for j in range(self.cfg.num_mla_layers):
             seq.pages[j].extend(got[j * per:(j + 1) * per])
 
-    def _run(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, touched: set[str]) -> None:
+    def _run(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, touched: set[str],
+             decoding: bool) -> None:
         seqs = [self.seqs[r] for r in rids]
         need_pages = max(-(-(s + n) // self.config.page_size) for _, s, n in rows)
-        decoding = t == 1 or (self.spec is not None and t == self.spec.verify_tokens)
-        rows_bucket = _fit(len(rows), self.decode_buckets if decoding else self.prefill_buckets)
+        long = not decoding and bool(self.sched_cfg.long_prefill_chunk) and len(rows) == 1
+        if long:  # every one-row prefill runs in the long program (scheduler.py: `_plan_rows`)
+            t = self.sched_cfg.long_prefill_chunk
+        rows_bucket = 1 if long else _fit(len(rows), self.decode_buckets if decoding else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
         (res, prompt, accepted), counts = self._step_fn(batch)

@@ -20,6 +20,12 @@ are first come, first served):
   (the lowest first, newest first among equals) until its first chunk fits;
 - chunk ends sit on multiples of `prefill_chunk` in absolute positions, which is where the prefix
   cache keeps KDA checkpoints; a prefill row also stops at `align_stop` points (prompt ends);
+- a long prompt alone: KDA's recurrence keeps a request's chunks in one row, one after another, so a
+  prompt with no other prompt to share the step would advance one `prefill_chunk` per step in the
+  widest program. With a `long_prefill_chunk` program (the engine's one-row program) a step with one
+  prefill row gives it up to that many tokens (ending on a multiple of `prefill_chunk`, at a stop point
+  or where memory runs out), and a step whose rows of `prefill_chunk` would compute fewer prompt tokens
+  than that takes the one long row instead;
 - memory: a request needs a state slot once and MLA pages as its context grows; when decodes cannot
   get their next pages, the newest running requests are preempted (their memory is freed and they
   are recomputed later, never corrupted);
@@ -55,6 +61,7 @@ class SchedulerConfig:
     slot_units: int
     max_loras: int = 0  # distinct LoRA adapters the running requests may use at once (0: no adapters)
     prefill_first: bool = False  # steps with prompt chunks to run do not decode (module docstring)
+    long_prefill_chunk: int = 0  # tokens of the one-row long prefill program (module docstring); 0: none
 
 
 @dataclass(frozen=True)
@@ -91,6 +98,7 @@ class StepPlan:
     draft: dict[str, int] = field(default_factory=dict)  # rid -> drafts its decode verifies
     preempt: list[str] = field(default_factory=list)
     retracted: int = 0  # of `preempt`: running requests preempted because decodes ran out of pages
+    row_tokens: int = 0  # the prefill program's tokens per row: 0 prefill_chunk, else the long row's
 
     @property
     def empty(self) -> bool:
@@ -117,15 +125,37 @@ def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -
 def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float = 0.0) -> StepPlan:
     """`new_token_ratio` > 0 turns on the admission look-ahead (module docstring)."""
     if cfg.prefill_first:
-        plan = _plan(seqs, mem, cfg, new_token_ratio, decode=False)
+        plan = _plan_rows(seqs, mem, cfg, new_token_ratio, decode=False)
         if plan.prefill:
             return plan
-    return _plan(seqs, mem, cfg, new_token_ratio, decode=True)
+    return _plan_rows(seqs, mem, cfg, new_token_ratio, decode=True)
 
 
-def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float, decode: bool) -> StepPlan:
-    """One step plan; `decode=False` leaves the decodes out (nobody is preempted to make room for them)."""
-    plan = StepPlan()
+def _prompt_tokens(plan: StepPlan) -> int:
+    return sum(n for _, _, n in plan.prefill)
+
+
+def _plan_rows(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float, decode: bool) -> StepPlan:
+    """The plan with prefill rows of `prefill_chunk` tokens, or the plan whose one prefill row is the long
+    program's: always when the first plan has a single row (the long program is the one-row program, so a
+    prompt alone computes all its rows in one program and a prefix-cache resume of it runs the same
+    program as its cold prefill), else when it computes more prompt tokens."""
+    plan = _plan(seqs, mem, cfg, new_token_ratio, decode)
+    if cfg.long_prefill_chunk and plan.prefill and (len(plan.prefill) == 1
+                                                     or _prompt_tokens(plan) < cfg.long_prefill_chunk):
+        long = _plan(seqs, mem, cfg, new_token_ratio, decode, row_tokens=cfg.long_prefill_chunk)
+        if _prompt_tokens(long) > _prompt_tokens(plan) or (len(plan.prefill) == 1 and long.prefill):
+            return long
+    return plan
+
+
+def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float, decode: bool,
+          row_tokens: int = 0) -> StepPlan:
+    """One step plan; `decode=False` leaves the decodes out (nobody is preempted to make room for them).
+    `row_tokens`: one prefill row of up to that many tokens (the long program) instead of `max_prefill_seqs`
+    rows of up to `prefill_chunk`."""
+    plan = StepPlan(row_tokens=row_tokens)
+    max_rows = 1 if row_tokens else cfg.max_prefill_seqs
     free_units, free_slots = mem.free_units, mem.free_slots
     key = lambda s: (s.priority, s.order)
     running = sorted((s for s in seqs if s.running), key=key)
@@ -205,10 +235,12 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
     candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting
     candidates.sort(key=lambda s: (s.priority, not s.running, s.order))  # stable among equals
     for s in candidates:
-        if len(plan.prefill) >= cfg.max_prefill_seqs or budget <= 0:
+        if len(plan.prefill) >= max_rows or budget <= 0:
             break
         start = s.computed
-        aligned_end = (start // cfg.prefill_chunk + 1) * cfg.prefill_chunk
+        # rows end on multiples of prefill_chunk: the next one, or the last within the long row
+        aligned_end = ((start + row_tokens) // cfg.prefill_chunk if row_tokens else start // cfg.prefill_chunk + 1
+                       ) * cfg.prefill_chunk
         length = min(s.total - start, aligned_end - start)
         if s.stop is not None and start < s.stop:
             length = min(length, s.stop - start)
@@ -218,6 +250,9 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
                 break
         units = max(0, units_for(start + length, cfg) - s.pages)
         slots = 0 if s.running else 1
+        while row_tokens and length > cfg.prefill_chunk and units + slots * cfg.slot_units > free_units:
+            length = (start + length - 1) // cfg.prefill_chunk * cfg.prefill_chunk - start  # the long row, shorter
+            units = max(0, units_for(start + length, cfg) - s.pages)
         if slots and not fits_adapter(s):
             continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         if s.rid in reserved:  # step 0 held its memory and row

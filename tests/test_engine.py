@@ -28,9 +28,10 @@ def model(request):
 
 @pytest.fixture(scope="module")
 def engine(model):
-    # small enough that 32 concurrent requests cannot all fit (forces preemption: no admission look-ahead)
+    # small enough that 32 concurrent requests cannot all fit (forces preemption: no admission look-ahead);
+    # with the one-row long prefill program (1 x 256; the `alone` runs use it, the batches rows of 64)
     return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250, measure_moe_time=True,
-                       schedule_conservativeness=0.0, compile_threads=2)
+                       schedule_conservativeness=0.0, compile_threads=2, long_prefill_chunk=None)
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +55,12 @@ def alone(engine, prompts):
     return [run_all(engine, [p])[0].token_ids for p in prompts]
 
 
-def test_alone_matches_model_generate_greedy(model, alone, prompts):
+def test_alone_matches_model_generate_greedy(model, engine, alone, prompts):
     # two prompts (each compiles the model's own programs; CI time): one across chunks, one within a chunk
     assert len(prompts[1]) < 64 < len(prompts[0]), [len(p) for p in prompts[:2]]
+    # alone, a prompt longer than a chunk ran in the long prefill row (the 1 x 256 program), so the batch and
+    # chunk-size tests below also check it against rows of 64 and of 16 / 256 tokens
+    assert engine.sched_cfg.long_prefill_chunk == 256 and engine.counters["long_prefill_steps"] > 0
     for p, out in list(zip(prompts, alone))[:2]:
         assert out == model.generate_greedy(np.array([p]), 12)[0].tolist()
 
@@ -177,6 +181,12 @@ def test_step_form_options_are_checked(model):
     for bad in (0, 2.5, True):
         with pytest.raises(ValueError, match="compile_threads"):
             make_engine(model, warmup=False, compile_threads=bad)
+    for bad in (-64, 96, 64, 1024, 2.5, True):  # not a multiple of 64, one chunk, over the token budget, not an int
+        with pytest.raises(ValueError, match="long_prefill_chunk"):
+            make_engine(model, warmup=False, long_prefill_chunk=bad)
+    with pytest.raises(ValueError, match="long_prefill_chunk=4 equals the verify rows"):
+        make_engine(model, warmup=False, chunk=2, long_prefill_chunk=4,
+                    speculative_config={"method": "ngram", "num_speculative_tokens": 3})
 
 
 def test_checkpoint_form_weights_are_token_identical(model, engine, prompts, alone):

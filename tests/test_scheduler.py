@@ -149,3 +149,35 @@ def test_running_adapters_stay_within_the_lora_slots():
     assert plan.preempt == [] and plan.admit == []
     plan = schedule(busy, Memory(100, 4), cfg)
     assert plan.admit == []  # memory is there, an adapter slot is not
+
+
+def test_a_long_prompt_alone_takes_the_long_row():
+    """With a long prefill program (one row of 48 tokens), a step with one prefill row gives it up to 48
+    tokens (to the last multiple of 16 within reach, stopping at a capture point, within the token budget
+    and the memory) instead of 16; two prompts keep rows of 16 unless the first alone computes more."""
+    cfg = replace(CFG, long_prefill_chunk=48)
+    plan = schedule([run("r", 1), wait("w", 2, 100)], Memory(100, 4), cfg)
+    assert plan.decode == ["r"] and plan.prefill == [("w", 0, 48)] and plan.row_tokens == 48
+    assert plan.admit == ["w"] and plan.grow == {"w": units_for(48, cfg)}
+    # resuming off a row boundary (a prefix-cache hit at 8): the row ends at the last multiple of 16
+    assert schedule([SeqView("p", 1, 100, 8, True, 2)], Memory(100, 4), cfg).prefill == [("p", 8, 40)]
+    # a capture point ends the row early; the prompt's end does too
+    assert schedule([SeqView("p", 1, 100, 16, True, 2, stop=40)], Memory(100, 4), cfg).prefill == [("p", 16, 24)]
+    assert schedule([SeqView("p", 1, 100, 64, True, 8)], Memory(100, 4), cfg).prefill == [("p", 64, 36)]
+    # the token budget cuts the long row on an aligned boundary (41 - 1 decode = 40 -> 32 tokens)
+    assert schedule([run("r", 1), wait("w", 2, 100)], Memory(100, 4), replace(cfg, token_budget=41)
+                    ).prefill == [("w", 0, 32)]
+    # memory for the pages of 16 tokens but not of 48: the long row is cut to 16
+    plan = schedule([wait("w", 1, 100)], Memory(units_for(16, cfg) + cfg.slot_units, 1), cfg)
+    assert plan.prefill == [("w", 0, 16)] and plan.row_tokens == 48
+    # a short prompt alone: the one-row program too (so a prompt alone runs every row in one program)
+    plan = schedule([wait("s", 1, 12)], Memory(100, 4), cfg)
+    assert plan.prefill == [("s", 0, 12)] and plan.row_tokens == 48
+    # two long prompts: 48 tokens of the first beat 16 + 16 of both; the first goes alone (FCFS, as vLLM
+    # gives the oldest prompt the token budget)...
+    plan = schedule([wait("a", 1, 100), wait("b", 2, 100)], Memory(100, 4), cfg)
+    assert plan.prefill == [("a", 0, 48)] and plan.row_tokens == 48
+    # ...unless the first is nearly done: 10 + 16 of both beat its 10 alone
+    plan = schedule([SeqView("a", 1, 42, 32, True, 4), wait("b", 2, 100)], Memory(100, 4), cfg)
+    assert plan.prefill == [("a", 32, 10), ("b", 0, 16)] and plan.row_tokens == 0
+    assert schedule([wait("w", 1, 100)], Memory(100, 4), CFG).row_tokens == 0  # no long program: rows of 16
