@@ -93,7 +93,8 @@ class EngineConfig:
     # Tokens of the one-row prefill program (in place of 1 x prefill_chunk). KDA's recurrence keeps a request's
     # chunks in one row, one after another, so a prompt with no other prompt to share the step would advance
     # `prefill_chunk` tokens per step however wide the prefill programs are (k3-small, a 2048-token prompt alone
-    # on the 2-core CPU host: 17 s to its first token at 64 tokens a step, 3.3 s at 256). Every one-row prefill
+    # on the 2-core CPU host, first token: 4.9 s in 32 steps of the 1 x 64 program, 4.1 s in 8 of 1 x 256; 17 s
+    # -> 3.3 s where 4 x 64 is the only prefill program; benchmarks/long_prefill.py). Every one-row prefill
     # step runs in this program, and the scheduler gives its row up to this many tokens, or takes it over the
     # rows of `prefill_chunk` when it computes more prompt tokens (serve/scheduler.py). A multiple of
     # `prefill_chunk`; None: max_prefill_seqs x prefill_chunk (the widest prefill program's tokens, within the
