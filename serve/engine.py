@@ -1169,8 +1169,7 @@ class Engine:
                 self.counters["decode_steps"] += 1
             if plan.prefill:
                 running = [r for r, _, _ in plan.prefill]
-                self._run(running, plan.prefill, plan.row_tokens or self.config.prefill_chunk, touched,
-                          decoding=False)
+                self._run(running, plan.prefill, self.config.prefill_chunk, touched, decoding=False)
                 self.counters["prefill_steps"] += 1
                 self.counters["long_prefill_steps"] += bool(self.sched_cfg.long_prefill_chunk) and len(running) == 1
         except BaseException as e:
