@@ -82,10 +82,12 @@ class CacheView(abc.ABC):
     def mla(self, j: int, latent: jax.Array, valid: jax.Array):
         """Store the chunk's latents; -> (latents to attend over [B, S, W], mask [B, T, S])."""
 
-    def mla_paged(self, j: int, latent: jax.Array, valid: jax.Array):
-        """None: the j-th MLA layer attends over what `mla()` returns. A paged view may instead store a
-        decode token's latent [B, 1, W] itself and return `attend(q_lat, q_rope, scale) -> ctx [B, nh, r]`,
-        which runs the paged attention kernel over its pages (no gathered copy of the context)."""
+    def mla_attend(self, j: int, latent: jax.Array, valid: jax.Array):
+        """None: the j-th MLA layer attends over what `mla()` returns. A view may instead store the
+        chunk's latents [B, T, W] itself and return `attend(q_lat [B, T, nh, r], q_rope [B, T, nh, dr],
+        scale) -> ctx [B, T, nh, r]`, which attends in absorbed form where the cache lives: the paged
+        kernel over the arena's pages at decode (no gathered copy of the context), or each rank over
+        its own share of the context with the partial softmaxes combined (context parallelism)."""
         return None
 
     def kda_recurrence(self, j: int):

@@ -55,10 +55,21 @@ def _cmd_info(args) -> int:
         sizes = sh.mesh_shape(args.devices)
         ranks = axes_size(state_axis(sh, sizes, cfg.kda_num_heads), sizes)
         per_seq = cache_bytes(cfg, 1, 4096, dtype)
-        # the arena splits KDA states (and conv channels) by heads over `ranks`; MLA pages are whole
+        dcp = args.decode_context_parallel_size
+        if dcp > 1 and dcp != ranks:
+            print(f"--decode-context-parallel-size {dcp}: the MLA pages split over the ranks that split the KDA "
+                  f"heads, {ranks} under --sharding {args.sharding} on {args.devices} devices", file=sys.stderr)
+            return 2
+        # the arena splits KDA states (and conv channels) by heads over `ranks`; MLA pages are whole on
+        # every rank unless decode context parallelism splits them by position over the same ranks
         info["sharding"]["kda_state_ranks"] = ranks
+        info["sharding"]["mla_context_ranks"] = dcp
         info["sharding"]["cache_bytes_per_sequence_at_4096_per_device"] = {
-            k: (v // ranks if k.startswith("kda") else v) for k, v in per_seq.items()}
+            k: v // (ranks if k.startswith("kda") else dcp) for k, v in per_seq.items()}
+    elif args.decode_context_parallel_size > 1:
+        print("--decode-context-parallel-size needs --sharding (a mesh whose heads rule splits the KDA heads)",
+              file=sys.stderr)
+        return 2
     if getattr(args, "max_loras", 0):
         from k3jax.lora import slot_bytes
 
@@ -67,24 +78,26 @@ def _cmd_info(args) -> int:
         info["lora"] = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
                         "bytes_per_adapter": per, "bytes_all_slots": per * (args.max_loras + 1)}
     if args.cache_gib:
-        info["arena"] = _arena_plan(cfg, dtype, args, info.get("sharding", {}).get("kda_state_ranks", 1))
+        info["arena"] = _arena_plan(cfg, dtype, args, info.get("sharding", {}).get("kda_state_ranks", 1),
+                                    info.get("sharding", {}).get("mla_context_ranks", 1))
     print(json.dumps(info, indent=1))
     return 0
 
 
-def _arena_plan(cfg, dtype, args, ranks: int) -> dict:
+def _arena_plan(cfg, dtype, args, ranks: int, context_ranks: int = 1) -> dict:
     """What one rank's cache arena of `--cache-gib` holds: bytes per token and MLA layer, the state slot,
     and how many requests of each `--context` length fit at once (serve/memory.py's layout)."""
     from serve.memory import ArenaLayout
 
     lay = ArenaLayout.plan(cfg, int(args.cache_gib * (1 << 30)), args.page_size, dtype, ranks, args.kv_cache_dtype,
-                           args.kda_state_dtype)
+                           args.kda_state_dtype, context_ranks)
     contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
     return {"cache_bytes_per_rank": int(args.cache_gib * (1 << 30)), "kv_cache_dtype": lay.codec.kind,
             "kda_state_dtype": lay.state_dtype,
-            "page_size": lay.page_size, "kda_state_ranks": ranks,
-            "mla_bytes_per_token_per_layer": lay.latent_words * 4,
-            "mla_bytes_per_token": lay.latent_words * 4 * lay.num_mla_layers,
+            "page_size": lay.page_size, "kda_state_ranks": ranks, "mla_context_ranks": context_ranks,
+            # one rank's bytes: a token's latent is on one rank of `mla_context_ranks`
+            "mla_bytes_per_token_per_layer": lay.latent_words * 4 // context_ranks,
+            "mla_bytes_per_token": lay.latent_words * 4 * lay.num_mla_layers // context_ranks,
             "state_slot_bytes_per_rank": lay.slot_units * lay.unit_bytes,
             "sequences": {str(c): lay.sequences_at(c) for c in contexts}}
 
@@ -135,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kda-state-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="KDA recurrent state storage for the arena plan")
     i.add_argument("--page-size", type=int, default=64)
+    i.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
+                   help="MLA pages split by position over the ranks that split the KDA heads (needs --sharding)")
     i.add_argument("--max-loras", type=int, default=0, help="also the device bytes of this many LoRA adapter slots")
     i.add_argument("--max-lora-rank", type=int, default=16)
     i.set_defaults(fn=_cmd_info)

@@ -68,9 +68,9 @@ class KimiModel(nnx.Module):
         if layer.is_mla:
             attn: MLA = layer.self_attn
             latent = attn.latent(x)  # [B, T, 576]
-            attend = view.mla_paged(j, latent, valid) if x.shape[1] == 1 else None
-            if attend is not None:  # decode through the cache's paged kernel (no gathered copy)
-                return attn.paged(x, attend)
+            attend = view.mla_attend(j, latent, valid)
+            if attend is not None:  # attention where the cache keeps the context (paged kernel, ranks)
+                return attn.attend_with(x, attend)
             kv, mask = view.mla(j, latent, valid)
             form = attn.expanded if view.mla_form == "expanded" else attn.absorbed
             return form(x, kv, mask)

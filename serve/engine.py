@@ -176,6 +176,13 @@ class EngineConfig:
     # `heads` rule's axis when it divides them (each rank: its heads' states, every MLA page; then
     # `cache_bytes` is one rank's arena), otherwise replicated on each device.
     sharding: Optional[str] = None
+    # Decode context parallelism (vLLM's --decode-context-parallel-size): 1 keeps every MLA page whole on
+    # every rank (MLA has one KV head, so tensor parallelism alone replicates the latent cache); R > 1
+    # also splits the pages by position over the R ranks that split the KDA heads (the `heads` rule's
+    # axis; R must be its size): each rank stores every R-th token of each page and attends over its
+    # share, the partial softmaxes combined across ranks (serve/step.py), so the same per-rank
+    # `cache_bytes` holds R times the context. Decode then gathers each rank's pages (no paged kernel).
+    decode_context_parallel_size: int = 1
     # Devices the engine runs on, as indices into `jax.devices()`; None: every device under a `sharding`
     # config, the default device without one. Disjoint sets let several engines share a host: data-parallel
     # replicas (serve/data_parallel.py), or a disaggregated prefill engine beside its decode engine. Without
@@ -209,6 +216,16 @@ class EngineConfig:
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
         state_dtype_name(self.kda_state_dtype)  # raises, naming kda_state_dtype
+        dcp = self.decode_context_parallel_size
+        if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1:
+            raise ValueError(f"decode_context_parallel_size={dcp!r}: expected an integer >= 1")
+        if dcp > 1 and self.mla_decode == "paged":
+            raise ValueError(f"decode_context_parallel_size={dcp} attends over each rank's share of the pages and "
+                             "combines the partial softmaxes; the paged MLA kernel returns no log-sum-exp to "
+                             "combine: use mla_decode 'gathered' or 'auto'")
+        if dcp > 1 and not self.sharding:
+            raise ValueError(f"decode_context_parallel_size={dcp} splits the MLA pages over a mesh axis: it needs a "
+                             "`sharding` config whose `heads` rule splits the KDA heads over that many devices")
         if self.mla_decode == "paged" and canonical_kv_cache_dtype(self.kv_cache_dtype) != "auto":
             raise ValueError(f"mla_decode='paged' reads the arena's pages in the model dtype; kv_cache_dtype="
                              f"{self.kv_cache_dtype!r} needs mla_decode 'gathered' or 'auto'")
@@ -427,9 +444,13 @@ class Engine:
                                     dict(self.mesh.shape)) if self.mesh is not None else 1)
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
-        self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype,
-                                       self.state_split.ranks if self.state_split else 1, config.kv_cache_dtype,
-                                       config.kda_state_dtype)
+        dcp, ranks = config.decode_context_parallel_size, self.state_split.ranks if self.state_split else 1
+        if dcp > 1 and dcp != ranks:
+            raise ValueError(f"decode_context_parallel_size={dcp}: the MLA pages are split over the ranks that split "
+                             f"the KDA heads, {ranks} under sharding={config.sharding!r} on {self.mesh.size} devices "
+                             f"({self.cfg.kda_num_heads} KDA heads, heads rule {self.sharding_config.rule('heads')!r})")
+        self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype, ranks,
+                                       config.kv_cache_dtype, config.kda_state_dtype, dcp)
         self.allocator = Arena(self.layout)
         self.arena = self.layout.empty(arena_sharding)
         # token ids at each page position (first MLA layer's units): the penalties' history (serve/step.py)
@@ -438,7 +459,7 @@ class Engine:
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         # fp8 latents are dequantised after the gather (the paged kernel reads model-dtype pages)
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference
-                                                          and self.layout.codec.kind == "auto")
+                                                          and self.layout.codec.kind == "auto" and dcp == 1)
         self.spec = config.speculative_config
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
@@ -1999,18 +2020,21 @@ class Engine:
             "sharding": self.config.sharding,
             # ranks the KDA heads (and state slots) are split over; arena_bytes are one rank's
             "arena_state_ranks": self.layout.state_ranks,
+            # ranks the MLA pages are split over by position (decode context parallelism; 1: whole pages)
+            "arena_context_ranks": self.layout.context_ranks,
             "new_token_ratio": self.new_token_ratio,  # admission look-ahead (serve/scheduler.py)
             "sleep_level": self.sleep_level,  # 0 awake (vLLM's sleep mode: Engine.sleep / wake_up)
             # MLA latent storage: "auto" (model dtype) or "fp8"; bytes of one token in one MLA layer
             "kv_cache_dtype": self.layout.codec.kind,
-            "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,
+            "kv_bytes_per_token_per_layer": self.layout.latent_words * 4,  # a rank holds 1 / arena_context_ranks
             # KDA recurrent state storage and one state slot's bytes (every KDA layer, this rank's heads)
             "kda_state_dtype": self.layout.state_dtype,
             "kda_slot_bytes": self.layout.slot_units * self.layout.unit_bytes,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",
-                             "mla": "paged" if self.mla_paged else "gathered"},
+                             "mla": "paged" if self.mla_paged else ("context_parallel" if self.layout.context_ranks > 1
+                                                                          else "gathered")},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
             "spec_decode_accepted_per_pos": self.spec_accepted_per_pos.tolist(),
             # verify / plain decode step time per decode bucket (warm-up) and decode steps whose drafts

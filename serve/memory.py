@@ -27,6 +27,13 @@ rank keeps every page, as tensor-parallel MLA engines do) and a state slot holds
 N / R heads and their conv channels, so a slot spans about 1 / R of the units it would on one
 device. The same unit ids, slots and host bookkeeping serve every rank; the step runs the functions
 below on each rank's local arena (`serve/state_split.py`). `cache_bytes` is the budget of one rank.
+
+Decode context parallelism (`context_ranks` = R > 1, vLLM's DCP) also splits the MLA pages over those
+ranks, by position: rank r holds the tokens at offsets r, r + R, r + 2R, ... of every page, at local
+offset `offset // R`, so a unit is `page_size / R` tokens of one layer on each rank and the same
+per-rank budget holds R times the MLA tokens. Unit ids, page tables and every host structure are
+unchanged (a page is still `page_size` tokens); only what a unit's words mean on each rank differs.
+Interleaving by token, not by block, keeps every rank's share of a sequence equal at any length.
 """
 
 from __future__ import annotations
@@ -60,7 +67,7 @@ def state_dtype_name(kda_state_dtype) -> str:
 @dataclass(frozen=True)
 class ArenaLayout:
     num_units: int
-    unit_elems: int  # float32 words per unit (= one page of one MLA layer)
+    unit_elems: int  # float32 words per unit on one rank (= one page of one MLA layer, or its rank's share)
     page_size: int  # tokens per MLA page
     latent_width: int  # kv_lora + rope values per token
     codec: LatentCodec  # how a token's latent is stored in the arena's words (kv_cache_dtype)
@@ -71,17 +78,23 @@ class ArenaLayout:
     slot_units: int
     state_ranks: int = 1  # ranks the KDA heads are split over (each holds N / state_ranks heads)
     state_dtype: str = "float32"  # how KDA recurrent states are stored ("float32" | "bfloat16")
+    context_ranks: int = 1  # ranks the MLA pages are split over by position (decode context parallelism)
 
     @classmethod
     def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype, state_ranks: int = 1,
-             kv_cache_dtype: str = "auto", kda_state_dtype: str = "float32") -> "ArenaLayout":
+             kv_cache_dtype: str = "auto", kda_state_dtype: str = "float32",
+             context_ranks: int = 1) -> "ArenaLayout":
         """`budget_bytes` is one rank's arena; with `state_ranks` R > 1 a slot holds N / R KDA heads;
         `kv_cache_dtype` picks the latents' storage format (serve/latent_codec.py), `kda_state_dtype`
-        the recurrent states' (`state_dtype_name`)."""
+        the recurrent states' (`state_dtype_name`); with `context_ranks` C > 1 (the same ranks as the
+        state split) each rank holds every C-th token of each page."""
         state_dtype = state_dtype_name(kda_state_dtype)
         lw = cfg.mla_latent_size
         codec = LatentCodec.make(kv_cache_dtype, dtype, lw, cfg.qk_rope_head_dim)
-        unit_elems = page_size * codec.words
+        if context_ranks > 1 and (context_ranks != state_ranks or page_size % context_ranks):
+            raise ValueError(f"decode_context_parallel_size={context_ranks} needs the arena split over that many "
+                             f"ranks (it is split over {state_ranks}) and a page_size ({page_size}) it divides")
+        unit_elems = page_size // context_ranks * codec.words
         n, d, w, p = cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size, cfg.kda_proj_size
         lk = cfg.num_kda_layers
         if state_ranks < 1 or (lk and n % state_ranks):
@@ -98,7 +111,12 @@ class ArenaLayout:
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
                              f"{slot_units} units)")
         return cls(num_units, unit_elems, page_size, lw, codec, cfg.num_mla_layers, lk,
-                   state_shape, conv_shape, slot_units, state_ranks, state_dtype)
+                   state_shape, conv_shape, slot_units, state_ranks, state_dtype, context_ranks)
+
+    @property
+    def rank_page(self) -> int:
+        """Tokens of a page one rank holds (all of them without context parallelism)."""
+        return self.page_size // self.context_ranks
 
     @property
     def latent_words(self) -> int:

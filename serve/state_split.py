@@ -3,7 +3,7 @@ step runs its arena reads and writes on every rank's own part.
 
 The arena `float32[num_units, R * unit_elems]` is split by columns over the `heads` rule's mesh axis
 (R ranks): rank r's `[num_units, unit_elems]` holds every MLA page (the one-KV-head latent is the same
-on every rank) and, in each state slot, KDA heads r N / R ... (r + 1) N / R - 1 with their conv
+on every rank; with decode context parallelism, every R-th token of each page instead) and, in each state slot, KDA heads r N / R ... (r + 1) N / R - 1 with their conv
 channels. Head blocks are contiguous, as GSPMD splits the KDA projections under the same rule, so a
 rank's state meets its own heads' q, k, v without communication.
 

@@ -7,7 +7,9 @@ One program serves prefill chunks (T > 1), decode (T == 1) and, with speculative
 states; serve/speculative.py); shapes are fixed by the bucket (batch rows, tokens per row, MLA pages per
 layer), so every program is compiled at start-up. With the
 arena split over a mesh axis by KDA heads, every arena access runs on each rank's own part
-(`serve/state_split.py`).
+(`serve/state_split.py`); with decode context parallelism the MLA pages are split by position over the
+same ranks, and each MLA layer attends over every rank's share, combining the partial softmaxes
+(`PagedView._context_parallel`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import lora
 from k3jax.cache import CacheView, append_latents
+from k3jax.layers.linear import matmul
+from k3jax.layers.mla import NEG_INF
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import kda_token_step, round_state
 from pallas_kernels.mla import paged_mla_decode
@@ -95,6 +99,7 @@ class PagedView(CacheView):
         self._q = split.heads(1) if split and mla_heads % split.ranks == 0 else P()
         # specs for `on_ranks` (ignored without a split): arena, head-split dim d, whole on every rank
         self._a = split.arena if split else None
+        self.context = split if layout.context_ranks > 1 else None  # MLA pages split by position
         self._h = split.heads if split else (lambda d: None)
         self.fresh = batch.read_base < 0  # [B] rows starting a sequence: zero state
         # Copy-on-write of KDA checkpoints: read from the (immutable) checkpoint slot, write to the
@@ -218,11 +223,16 @@ class PagedView(CacheView):
             self.state[j] = self._token_recurrence(q, k, v, g, beta, self.state[j], scale)[1]
             self.conv[j] = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, w, axis=1))(full, keep)
 
-    def mla_paged(self, j, latent, valid):
+    def mla_attend(self, j, latent, valid):
+        if self.context is not None:
+            return self._context_parallel(j, latent, valid)
+        if not self.paged_mla or latent.shape[1] != 1:
+            return None
+        return self._paged(j, latent, valid)
+
+    def _paged(self, j, latent, valid):
         """Decode: store the token's latent in its page in the arena (in place), then attend with the
         paged MLA kernel over the arena's pages through the page table: no gathered copy."""
-        if not self.paged_mla:
-            return None
         lay, batch = self.layout, self.batch
         ps, lw = lay.page_size, lay.latent_words
         pt = batch.page_table[:, j]  # [B, P]
@@ -239,13 +249,44 @@ class PagedView(CacheView):
         self.arena = on_ranks(self.split, store, (self._a, P(), P()), self._a)(self.arena, row, words)
         seq_lens = pos + valid
 
-        def attend(q_lat, q_rope, scale):  # [B, nh, r], [B, nh, dr] -> [B, nh, r] fp32
+        def attend(q_lat, q_rope, scale):  # [B, 1, nh, r], [B, 1, nh, dr] -> [B, 1, nh, r] fp32
             def local(a, q_lat, q_rope, pt, seq_lens):
                 pages = lay.codec.decode(a.reshape(lay.num_units, ps, lw))  # [U, ps, 576]
                 return paged_mla_decode(q_lat, q_rope, pages, pt, seq_lens, scale=scale, out_dtype=jnp.float32)
 
             run = on_ranks(self.split, local, (self._a, self._q, self._q, P(), P()), self._q)
-            return run(self.arena, q_lat, q_rope, pt, seq_lens)
+            return run(self.arena, q_lat[:, 0], q_rope[:, 0], pt, seq_lens)[:, None]
+
+        return attend
+
+    def _context_parallel(self, j, latent, valid):
+        """Decode context parallelism: each rank holds every R-th token of each page (serve/memory.py).
+        Each rank reads its own pages, stores the chunk's tokens that fall to it, and attends over its
+        share of the context; the partial softmaxes are combined across ranks (max, then sums of the
+        rescaled weights and of the weighted latents), so no rank ever holds the whole context."""
+        lay, batch, split = self.layout, self.batch, self.context
+        pt = batch.page_table[:, j]  # [B, P]
+        b, span = latent.shape[0], pt.shape[1] * lay.rank_page
+        ctx_spec = P(None, split.axis)  # [B, R * span, ...]: each rank's share of the context, rank-major
+
+        def store(a, pt, words, lengths, valid, rank):  # one rank: [B, span, w], mask [B, T, span]
+            kv = read_units(a, pt).reshape(b, span, lay.latent_words)
+            return append_rank_latents(kv, words, lengths, valid, lay.page_size, split.ranks, rank[0])
+
+        run = on_ranks(split, store, (self._a, P(), P(), P(), P(), P(split.axis)), (ctx_spec, P(None, None, split.axis)))
+        self.kv[j], mask = run(self.arena, pt, lay.codec.encode(latent), batch.lengths, valid,
+                               jnp.arange(split.ranks, dtype=jnp.int32))
+
+        def attend(q_lat, q_rope, scale):  # [B, T, nh, r], [B, T, nh, dr] -> [B, T, nh, r] fp32
+            heads = self._q != P()  # the query heads split like the KDA heads: each rank keeps its own
+
+            def local(kv, mask, q):
+                return attend_share(lay.codec.decode(kv), mask, q, q_lat.shape[-1], scale, split.axis, heads)
+
+            q = jnp.concatenate([q_lat, q_rope], -1)  # [B, T, nh, r + dr], whole on every rank
+            by_head = P(None, None, split.axis)  # also the mask's spec: [B, T, R * span]
+            run = on_ranks(split, local, (ctx_spec, by_head, P()), by_head if heads else P())
+            return run(self.kv[j], mask, q)
 
         return attend
 
@@ -258,8 +299,46 @@ class PagedView(CacheView):
         return lay.codec.decode(self.kv[j]), mask
 
 
+def append_rank_latents(kv: jax.Array, words: jax.Array, lengths: jax.Array, valid: jax.Array, page_size: int,
+                        ranks: int, rank: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """One rank's share of a context (decode context parallelism): store the chunk's tokens that fall to
+    `rank` into its share kv [B, S, w] (each page's tokens at offsets rank, rank + R, ...) -> (kv, causal
+    mask [B, T, S] over the share's slots by the positions they hold)."""
+    b, t = words.shape[:2]
+    s, lp = kv.shape[1], page_size // ranks
+    pos = lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
+    mine = (jnp.arange(t)[None, :] < valid[:, None]) & (pos % ranks == rank)
+    write = jnp.where(mine, pos // page_size * lp + pos % page_size // ranks, s)  # others' tokens: dropped
+    rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+    kv = kv.at[rows, write].set(words.astype(kv.dtype), mode="drop")
+    slot = jnp.arange(s)
+    held = slot // lp * page_size + slot % lp * ranks + rank  # [S] position each slot holds
+    mask = (held[None, None, :] <= pos[:, :, None]) & (held[None, None, :] < (lengths + valid)[:, None, None])
+    return kv, mask
+
+
+def attend_share(latents: jax.Array, mask: jax.Array, q: jax.Array, r: int, scale: float, axis,
+                 scatter_heads: bool = False) -> jax.Array:
+    """Absorbed MLA attention over one rank's share of the context, combined over mesh `axis`:
+    latents [B, S, r + dr], mask [B, T, S], q [B, T, nh, r + dr] (whole on every rank) -> ctx [B, T, nh, r]
+    fp32, the softmax over every rank's keys (the largest score over the ranks, then the sums of the
+    rescaled weights and of the weighted latents). With `scatter_heads` the sums are reduce-scattered by
+    head and each rank keeps its own nh / R heads' ctx [B, T, nh / R, r] (what tensor parallelism's
+    output projection takes), moving 1 / R of an all-reduce's bytes."""
+    s = jnp.einsum("bthr,bsr->bhts", q, latents, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(mask[:, None], s, NEG_INF)
+    m = jax.lax.pmax(s.max(-1, keepdims=True), axis)  # [B, nh, T, 1]
+    e = jnp.exp(s - m)
+    reduce = (partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=1, tiled=True) if scatter_heads
+              else partial(jax.lax.psum, axis_name=axis))
+    total = reduce(e.sum(-1, keepdims=True))
+    ctx = reduce(matmul("bhts,bsr->bhtr", e.astype(latents.dtype), latents, jnp.float32)[..., :r])
+    return (ctx / total).transpose(0, 2, 1, 3)
+
+
 def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:
-    """The pages holding this step's new tokens, as (units [N], contents [N, unit_elems]).
+    """The pages holding this step's new tokens, as (units [N], contents [N, unit_elems]) (with context
+    parallelism: one rank's shares of them, from its shares of the contexts).
 
     A row of T tokens starting at `lengths` touches at most (T - 1) // page + 2 pages; slots beyond
     the row's real tokens get the out-of-range unit `num_units` and are dropped by the scatter.
@@ -353,7 +432,14 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     with lora.rows(batch.lora_slots):
         logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden)
     arena = view.arena
-    if layout.num_mla_layers and not paged:
+    if layout.num_mla_layers and not paged and view.context is not None:  # each rank its share of the pages
+        def write_shares(ar, kv, batch):
+            units, rows = touched_pages(layout, batch, kv)
+            return ar.at[units].set(rows, mode="drop")
+
+        shares = [P(None, split.axis)] * layout.num_mla_layers
+        arena = on_ranks(split, write_shares, (a, shares, P()), a)(arena, view.kv, batch)
+    elif layout.num_mla_layers and not paged:
         units, rows = touched_pages(layout, batch, view.kv)
         write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
         arena = write(arena, units, rows)

@@ -145,3 +145,39 @@ def test_in_place_row_update_matches_the_dense_path(layout, j):
     # the checkpoint slot read by row 2 is untouched and its state was the one used
     assert math.isclose(float(jnp.abs(states[j][2]).sum()),
                         float(jnp.abs(gather_states(new, layout, read[2:3], fresh[2:3])[1][j]).sum()))
+
+
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_context_shares_attend_as_the_whole_context(ranks):
+    """Decode context parallelism (serve/step.py): rank r's share of a context is every `ranks`-th token of
+    each page from offset r. Storing a chunk into each share (tokens crossing page ends, padding, rows of
+    different lengths) gives the whole context's contents and causal mask at the share's positions, and
+    attention over the shares combined over the ranks (here a vmapped axis) is the one-softmax attention."""
+    from k3jax.cache import append_latents
+    from k3jax.layers.mla import NEG_INF
+    from serve.step import append_rank_latents, attend_share
+
+    rng = np.random.default_rng(ranks)
+    b, pages, ps, t, w, nh, r = 3, 4, 8, 11, 12, 4, 8  # latent words w = r + rope 4
+    kv = jnp.asarray(rng.standard_normal((b, pages * ps, w)), jnp.float32)
+    words = jnp.asarray(rng.standard_normal((b, t, w)), jnp.float32)
+    lengths, valid = jnp.asarray([0, 5, 19], jnp.int32), jnp.asarray([11, 0, 7], jnp.int32)
+    whole, mask = append_latents(kv, words, lengths, valid)  # [B, S, w], [B, T, S]
+    by_rank = lambda x: x.reshape(*x.shape[:-2], pages, ps // ranks, ranks, x.shape[-1])  # noqa: E731
+    share_of = lambda x, k: by_rank(x)[..., k, :].reshape(*x.shape[:-2], -1, x.shape[-1])  # noqa: E731
+    shares, masks = zip(*[append_rank_latents(share_of(kv, k), words, lengths, valid, ps, ranks, jnp.int32(k))
+                          for k in range(ranks)])
+    for k in range(ranks):
+        np.testing.assert_array_equal(shares[k], share_of(whole, k))
+        held = share_of(jnp.arange(pages * ps)[None, :, None], k)[0, :, 0]  # positions the share holds
+        np.testing.assert_array_equal(masks[k], mask[:, :, held])
+    q = jnp.asarray(rng.standard_normal((b, t, nh, w)), jnp.float32)
+    scores = jnp.where(mask[:, None], jnp.einsum("bthr,bsr->bhts", q, whole) * 0.3, NEG_INF)
+    want = jnp.einsum("bhts,bsr->bthr", jax.nn.softmax(scores, axis=-1), whole)[..., :r]  # [B, T, nh, r]
+    assert float(jnp.abs(want).max()) > 0.1
+    for by_head in (False, True):
+        got = jax.vmap(lambda s, m: attend_share(s, m, q, r, 0.3, "ranks", by_head), axis_name="ranks")(
+            jnp.stack(shares), jnp.stack(masks))
+        for k in range(ranks):  # every rank ends with the whole result, or with its own heads' part
+            part = want[:, :, k * nh // ranks:(k + 1) * nh // ranks] if by_head else want
+            np.testing.assert_allclose(got[k], part, rtol=2e-5, atol=2e-6)

@@ -187,6 +187,16 @@ def test_step_form_options_are_checked(model):
     with pytest.raises(ValueError, match="long_prefill_chunk=4 equals the verify rows"):
         make_engine(model, warmup=False, chunk=2, long_prefill_chunk=4,
                     speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    for bad in (0, 2.0, True):
+        with pytest.raises(ValueError, match="decode_context_parallel_size"):
+            make_engine(model, warmup=False, decode_context_parallel_size=bad)
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2 splits the MLA pages over a mesh axis"):
+        make_engine(model, warmup=False, decode_context_parallel_size=2)
+    with pytest.raises(ValueError, match="paged MLA kernel returns no log-sum-exp"):
+        make_engine(model, warmup=False, decode_context_parallel_size=2, sharding="tp", mla_decode="paged")
+    with pytest.raises(ValueError, match="decode_context_parallel_size=2: the MLA pages are split over the ranks "
+                                         "that split the KDA heads, 1 under sharding='single'"):
+        make_engine(model, warmup=False, decode_context_parallel_size=2, sharding="single")
 
 
 def test_checkpoint_form_weights_are_token_identical(model, engine, prompts, alone):

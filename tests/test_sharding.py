@@ -125,12 +125,15 @@ _MULTI = textwrap.dedent("""
     for model in sys.argv[1:]:
         # tiny-kimi-linear: the mesh forms apart (tp, ep); their mix and the accelerator's decode forms are
         # the same code, run on tiny-k3 (CI time)
-        forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"))
-                 if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered"), ("ep", "gathered")))
+        forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"),
+                  ("tp", "dcp")) if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered"), ("ep", "gathered")))
         for sh, mla in forms:
-            # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states)
+            # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states);
+            # "dcp": decode context parallelism (the MLA pages split by position over the 4 ranks too)
             kda = "gathered" if mla == "paged" else "auto"
-            llm = k3jax.LLM(model, sharding=sh, mla_decode=mla, kda_decode=kda, **kw)
+            dcp = 4 if mla == "dcp" else 1
+            llm = k3jax.LLM(model, sharding=sh, mla_decode="auto" if dcp > 1 else mla, kda_decode=kda,
+                            decode_context_parallel_size=dcp, **kw)
             eng = llm.engine
             res = llm.generate(prompts, sps)
             # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
@@ -141,19 +144,23 @@ _MULTI = textwrap.dedent("""
             # compiled decode and prefill programs: one rank's arena is never copied or communicated
             local = "f32[%d,%d]" % (eng.layout.num_units, eng.layout.unit_elems)
             arena_ops = bad = 0
-            # both MLA decode forms, on tiny-k3 (the arena's reads and writes are the same code for both models)
+            gathers = []  # result shapes of the all-gathers (dcp: none may rebuild a whole context)
+            # all MLA decode forms, on tiny-k3 (the arena's reads and writes are the same code for both models)
             for rows, t in (((4, 1), (2, 16)) if sh == "tp" and model == "tiny-k3" else ()):
                 hlo = eng.lower_step(eng._pad_batch(rows, t, 4, [])).compile().as_text()
                 made = [l.split(" = ", 1)[1] for l in hlo.splitlines() if " = " in l]
                 ops = [m.split("(")[0].split()[-1] for m in made if m.startswith(local)]
                 arena_ops += len(ops)
                 bad += sum(o in ("copy", "all-gather", "all-reduce", "collective-permute", "all-to-all") for o in ops)
-            out[f"{model}/{sh}" + ("/paged" if mla == "paged" else "")] = dict(
+                gathers += [m.split("{")[0] for m in made if " all-gather" in m.split("(")[0]]
+            out[f"{model}/{sh}" + ("" if mla == "gathered" else "/" + mla)] = dict(
                 tokens=[r.token_ids for r in res], again=[r.token_ids for r in again],
                 cached=[r.num_cached_tokens for r in again], arena_ops=arena_ops, arena_bad_ops=bad,
                 state_ranks=st["arena_state_ranks"], slot_units=eng.layout.slot_units,
                 arena_spec=str(getattr(eng.arena.sharding, "spec", "")), arena_local=list(eng.arena.addressable_shards[0].data.shape),
-                unit=[eng.layout.num_units, eng.layout.unit_elems],
+                unit=[eng.layout.num_units, eng.layout.unit_elems], gathers=gathers,
+                context_ranks=st["arena_context_ranks"], mla_form=st["decode_forms"]["mla"],
+                span=4 * eng.layout.page_size, seqs_at_max_len=eng.layout.sequences_at(64),
                 logprobs=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res],
                 mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
                 devices=sorted(d.id for d in eng.arena.sharding.device_set),
@@ -303,7 +310,7 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     one = multi_device[f"{model}/None"]
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
-                     ("tp/paged", {"tensor": 4})):
+                     ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4})):
         if f"{model}/{sh}" not in multi_device:
             assert model != "tiny-k3"  # tiny-k3 runs every form
             continue
@@ -345,6 +352,22 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
     # programs are inspected on tiny-k3 only (the same arena code for both models; CI time)
     for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged") if model == "tiny-k3"):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
+
+
+def test_decode_context_parallel_splits_the_pages_by_position(multi_device):
+    """decode_context_parallel_size=4 under tp on 4 devices: each rank holds every 4th token of each page, so a
+    unit is a quarter of a page and the same per-rank budget holds 4x the units; prefill and decode attend
+    over each rank's share with the partial softmaxes combined (same tokens and prefix-cache reuse as one
+    device, checked above), no arena copy or collective, and no all-gather rebuilds a context."""
+    tp, dcp = multi_device["tiny-k3/tp"], multi_device["tiny-k3/tp/dcp"]
+    assert tp["context_ranks"] == 1 and dcp["context_ranks"] == 4 and dcp["state_ranks"] == 4
+    assert dcp["mla_form"] == "context_parallel" and tp["mla_form"] == "gathered"
+    assert dcp["unit"][1] * 4 == tp["unit"][1] and dcp["unit"][0] // 4 == tp["unit"][0]
+    assert dcp["slot_units"] >= tp["slot_units"] * 4 - 3  # a state slot: the same bytes in smaller units
+    assert dcp["seqs_at_max_len"] > tp["seqs_at_max_len"]
+    assert dcp["arena_ops"] >= 4 and dcp["arena_bad_ops"] == 0
+    span = dcp["span"]  # a gathered context would be [rows, span, latent words]
+    assert dcp["gathers"] and not [g for g in dcp["gathers"] if f",{span}," in g]
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
@@ -435,6 +458,10 @@ def test_serve_command_line_takes_a_sharding_config_and_decode_forms():
     c.validate()
     with pytest.raises(ValueError, match="no config 'tpp'"):
         cfg("--sharding", "tpp").validate()
+    assert cfg().decode_context_parallel_size == 1
+    assert cfg("--sharding", "tp", "-dcp", "8").decode_context_parallel_size == 8
+    with pytest.raises(ValueError, match="decode_context_parallel_size=4 splits the MLA pages"):
+        cfg("--decode-context-parallel-size", "4").validate()
 
 
 def test_info_reports_bytes_per_device(capsys):
@@ -449,5 +476,16 @@ def test_info_reports_bytes_per_device(capsys):
     per_seq, per_dev = info["cache_bytes_per_sequence_at_4096"], sh["cache_bytes_per_sequence_at_4096_per_device"]
     assert sh["kda_state_ranks"] == 4 and per_dev["kda_state"] * 4 == per_seq["kda_state"] > 0
     assert per_dev["mla_kv"] == per_seq["mla_kv"]  # every rank keeps the whole latent cache
+    # decode context parallelism splits the latent cache by position over the same 4 ranks
+    args = ["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "tp", "--devices", "4", "--cache-gib",
+            "0.01", "--context", "4096", "--page-size", "16"]
+    assert main(args) == 0
+    whole = json.loads(capsys.readouterr().out)
+    assert main(args + ["-dcp", "4"]) == 0
+    dcp = json.loads(capsys.readouterr().out)
+    assert dcp["sharding"]["cache_bytes_per_sequence_at_4096_per_device"]["mla_kv"] * 4 == per_seq["mla_kv"]
+    assert dcp["arena"]["mla_bytes_per_token"] * 4 == whole["arena"]["mla_bytes_per_token"]
+    assert dcp["arena"]["sequences"]["4096"] > whole["arena"]["sequences"]["4096"] > 0
+    assert main(args + ["-dcp", "2"]) == 2 and "decode-context-parallel-size 2" in capsys.readouterr().err
     assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "single", "--devices", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sharding"]["param_bytes_per_device"] == info["param_bytes"]

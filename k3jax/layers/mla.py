@@ -154,10 +154,10 @@ class MLA(nnx.Module):
         ctx = matmul("bhts,bsr->bhtr", p, latent)[..., :cfg.kv_lora_rank].transpose(0, 2, 1, 3)  # [B, T, nh, r]
         return self._absorbed_output(x, ctx, w)
 
-    def paged(self, x: jax.Array, attend) -> jax.Array:
-        """One decode token (T = 1) attending through a paged cache's own kernel:
-        `attend(q_lat [B, nh, r], q_rope [B, nh, dr], scale) -> ctx [B, nh, r]` (the cache view has
-        already stored this token's latent, so the context includes it)."""
+    def attend_with(self, x: jax.Array, attend) -> jax.Array:
+        """Absorbed attention computed by the cache view (`CacheView.mla_attend`):
+        `attend(q_lat [B, T, nh, r], q_rope [B, T, nh, dr], scale) -> ctx [B, T, nh, r]` (the view has
+        already stored the chunk's latents, so the context includes them)."""
         q_lat, q_r, w = self._absorbed_queries(x)
-        ctx = attend(q_lat[:, 0], q_r[:, 0].astype(q_lat.dtype), self.scale)
-        return self._absorbed_output(x, ctx[:, None].astype(q_lat.dtype), w)
+        ctx = attend(q_lat, q_r.astype(q_lat.dtype), self.scale)
+        return self._absorbed_output(x, ctx.astype(q_lat.dtype), w)
