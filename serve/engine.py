@@ -180,8 +180,8 @@ class EngineConfig:
     # every rank (MLA has one KV head, so tensor parallelism alone replicates the latent cache); R > 1
     # also splits the pages by position over the R ranks that split the KDA heads (the `heads` rule's
     # axis; R must be its size): each rank stores every R-th token of each page and attends over its
-    # share, the partial softmaxes combined across ranks (serve/step.py), so the same per-rank
-    # `cache_bytes` holds R times the context. Decode then gathers each rank's pages (no paged kernel).
+    # share, the partial softmaxes combined across ranks (serve/step.py; at decode with the paged MLA kernel,
+    # through its log-sum-exp), so the same per-rank `cache_bytes` holds R times the context.
     decode_context_parallel_size: int = 1
     # Devices the engine runs on, as indices into `jax.devices()`; None: every device under a `sharding`
     # config, the default device without one. Disjoint sets let several engines share a host: data-parallel
@@ -219,10 +219,6 @@ class EngineConfig:
         dcp = self.decode_context_parallel_size
         if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1:
             raise ValueError(f"decode_context_parallel_size={dcp!r}: expected an integer >= 1")
-        if dcp > 1 and self.mla_decode == "paged":
-            raise ValueError(f"decode_context_parallel_size={dcp} attends over each rank's share of the pages and "
-                             "combines the partial softmaxes; the paged MLA kernel returns no log-sum-exp to "
-                             "combine: use mla_decode 'gathered' or 'auto'")
         if dcp > 1 and not self.sharding:
             raise ValueError(f"decode_context_parallel_size={dcp} splits the MLA pages over a mesh axis: it needs a "
                              "`sharding` config whose `heads` rule splits the KDA heads over that many devices")
@@ -458,8 +454,16 @@ class Engine:
                                   replicated(self.mesh) if self.mesh is not None else None)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         # fp8 latents are dequantised after the gather (the paged kernel reads model-dtype pages)
+        # the Pallas kernels read a page (a rank's share of one, with context parallelism) as one tile:
+        # Triton's dot needs at least 16 rows (a power of two), TPU tiles multiples of 8
+        share = self.layout.rank_page
+        small_share = not reference and dcp > 1 and (share < 16 or share & (share - 1))
+        if config.mla_decode == "paged" and small_share:
+            raise ValueError(f"mla_decode='paged' with decode_context_parallel_size={dcp}: the paged kernel reads each "
+                             f"rank's {share}-token share of a page as one tile and needs a power of two >= 16; use "
+                             f"page_size >= {16 * dcp} or mla_decode 'gathered'")
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference
-                                                          and self.layout.codec.kind == "auto" and dcp == 1)
+                                                          and self.layout.codec.kind == "auto" and not small_share)
         self.spec = config.speculative_config
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
@@ -2033,8 +2037,8 @@ class Engine:
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
             "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",
-                             "mla": "paged" if self.mla_paged else ("context_parallel" if self.layout.context_ranks > 1
-                                                                          else "gathered")},
+                             "mla": ("paged" if self.mla_paged else "gathered")
+                                    + ("_context_parallel" if self.layout.context_ranks > 1 else "")},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
             "spec_decode_accepted_per_pos": self.spec_accepted_per_pos.tolist(),
             # verify / plain decode step time per decode bucket (warm-up) and decode steps whose drafts

@@ -224,38 +224,59 @@ class PagedView(CacheView):
             self.conv[j] = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, w, axis=1))(full, keep)
 
     def mla_attend(self, j, latent, valid):
+        if self.paged_mla and latent.shape[1] == 1:
+            return self._paged(j, latent, valid)
         if self.context is not None:
             return self._context_parallel(j, latent, valid)
-        if not self.paged_mla or latent.shape[1] != 1:
-            return None
-        return self._paged(j, latent, valid)
+        return None
 
     def _paged(self, j, latent, valid):
         """Decode: store the token's latent in its page in the arena (in place), then attend with the
-        paged MLA kernel over the arena's pages through the page table: no gathered copy."""
-        lay, batch = self.layout, self.batch
-        ps, lw = lay.page_size, lay.latent_words
+        paged MLA kernel over the arena's pages through the page table: no gathered copy.
+
+        With context parallelism the token goes to rank `pos % R` (its row there: `pos // R` of the row's
+        share, which is contiguous in the share's pages), each rank runs the kernel over its share with
+        the share's length, and the ranks' results are combined through the kernel's log-sum-exp."""
+        lay, batch, ctx = self.layout, self.batch, self.context
+        ps, lp, lw = lay.page_size, lay.rank_page, lay.latent_words
+        ranks = ctx.ranks if ctx is not None else 1
         pt = batch.page_table[:, j]  # [B, P]
         pos = batch.lengths  # [B] the token's position
         unit = jnp.take_along_axis(pt, jnp.minimum(pos // ps, pt.shape[1] - 1)[:, None], axis=1)[:, 0]
-        row = jnp.where(valid > 0, unit * ps + pos % ps, lay.num_units * ps)  # padding rows: dropped
+        row = jnp.where(valid > 0, unit * lp + pos % ps // ranks, lay.num_units * lp)  # padding rows: dropped
         words = lay.codec.encode(latent[:, 0])  # [B, lw]
         if row.shape[0] == 1:  # see read_blocks: a one-index scatter must not become a dynamic update
-            row, words = jnp.tile(row, 2), jnp.tile(words, (2, 1))
+            row, words, pos = jnp.tile(row, 2), jnp.tile(words, (2, 1)), jnp.tile(pos, 2)
+        rank_ids = jnp.arange(ranks, dtype=jnp.int32)
+        rank_spec = P(ctx.axis) if ctx is not None else P()
 
-        def store(a, row, words):  # the arena viewed as token rows [num_units * page_size, lw]
+        def store(a, row, words, pos, rank):  # the arena viewed as token rows [num_units * rank_page, lw]
+            row = jnp.where(pos % ranks == rank[0], row, lay.num_units * lp)  # another rank's token: dropped
             return a.reshape(-1, lw).at[row].set(words, mode="drop").reshape(a.shape)
 
-        self.arena = on_ranks(self.split, store, (self._a, P(), P()), self._a)(self.arena, row, words)
-        seq_lens = pos + valid
+        self.arena = on_ranks(self.split, store, (self._a, P(), P(), P(), rank_spec), self._a)(
+            self.arena, row, words, pos, rank_ids)
+        seq_lens = batch.lengths + valid
 
         def attend(q_lat, q_rope, scale):  # [B, 1, nh, r], [B, 1, nh, dr] -> [B, 1, nh, r] fp32
-            def local(a, q_lat, q_rope, pt, seq_lens):
-                pages = lay.codec.decode(a.reshape(lay.num_units, ps, lw))  # [U, ps, 576]
-                return paged_mla_decode(q_lat, q_rope, pages, pt, seq_lens, scale=scale, out_dtype=jnp.float32)
+            if ctx is None:
+                def local(a, q_lat, q_rope, pt, seq_lens):
+                    pages = lay.codec.decode(a.reshape(lay.num_units, ps, lw))  # [U, ps, 576]
+                    return paged_mla_decode(q_lat, q_rope, pages, pt, seq_lens, scale=scale, out_dtype=jnp.float32)
 
-            run = on_ranks(self.split, local, (self._a, self._q, self._q, P(), P()), self._q)
-            return run(self.arena, q_lat[:, 0], q_rope[:, 0], pt, seq_lens)[:, None]
+                run = on_ranks(self.split, local, (self._a, self._q, self._q, P(), P()), self._q)
+                return run(self.arena, q_lat[:, 0], q_rope[:, 0], pt, seq_lens)[:, None]
+            heads = self._q != P()  # each rank keeps its own heads of the combined result
+
+            def local_share(a, q_lat, q_rope, pt, seq_lens, rank):  # every head, this rank's share
+                pages = lay.codec.decode(a.reshape(lay.num_units, lp, lw))  # [U, ps / R, 576]
+                share = jnp.maximum(seq_lens - rank[0] + ranks - 1, 0) // ranks  # positions r, r + R, ...
+                out, lse = paged_mla_decode(q_lat, q_rope, pages, pt, share, scale=scale, out_dtype=jnp.float32,
+                                            return_lse=True)
+                return combine_shares(out, lse, ctx.axis, heads)
+
+            run = on_ranks(self.split, local_share, (self._a, P(), P(), P(), P(), rank_spec), self._q if heads else P())
+            return run(self.arena, q_lat[:, 0], q_rope[:, 0], pt, seq_lens, rank_ids)[:, None]
 
         return attend
 
@@ -334,6 +355,17 @@ def attend_share(latents: jax.Array, mask: jax.Array, q: jax.Array, r: int, scal
     total = reduce(e.sum(-1, keepdims=True))
     ctx = reduce(matmul("bhts,bsr->bhtr", e.astype(latents.dtype), latents, jnp.float32)[..., :r])
     return (ctx / total).transpose(0, 2, 1, 3)
+
+
+def combine_shares(out: jax.Array, lse: jax.Array, axis, scatter_heads: bool = False) -> jax.Array:
+    """Attention over disjoint token sets, one per rank of mesh `axis`, combined: out [B, nh, r] (each
+    rank's own softmax-weighted context) and lse [B, nh] (its scores' log-sum-exp, -inf for no tokens)
+    -> [B, nh, r] over all tokens (with `scatter_heads`, each rank's nh / R heads of it)."""
+    lse = jnp.maximum(lse, NEG_INF)  # finite: a row with no tokens anywhere gives zeros, not NaN
+    w = jnp.exp(lse - jax.lax.pmax(lse, axis))  # [B, nh]
+    reduce = (partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=1, tiled=True) if scatter_heads
+              else partial(jax.lax.psum, axis_name=axis))
+    return reduce(out * w[..., None]) / reduce(w)[..., None]
 
 
 def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:

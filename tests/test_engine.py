@@ -192,8 +192,6 @@ def test_step_form_options_are_checked(model):
             make_engine(model, warmup=False, decode_context_parallel_size=bad)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 splits the MLA pages over a mesh axis"):
         make_engine(model, warmup=False, decode_context_parallel_size=2)
-    with pytest.raises(ValueError, match="paged MLA kernel returns no log-sum-exp"):
-        make_engine(model, warmup=False, decode_context_parallel_size=2, sharding="tp", mla_decode="paged")
     with pytest.raises(ValueError, match="decode_context_parallel_size=2: the MLA pages are split over the ranks "
                                          "that split the KDA heads, 1 under sharding='single'"):
         make_engine(model, warmup=False, decode_context_parallel_size=2, sharding="single")

@@ -69,6 +69,48 @@ def test_kernel_matches_reference(data, variant, block_h):
     assert np.all(out[2] == 0)
 
 
+def _brute_lse(q, qr, kv, pt, sl, scale):
+    q, qr, kv = (np.asarray(a, np.float64) for a in (q, qr, kv))
+    out = np.full((q.shape[0], q.shape[1]), -np.inf)
+    for b in range(q.shape[0]):
+        if sl[b]:
+            toks = np.concatenate([kv[pt[b][j]] for j in range(-(-sl[b] // PS))])[:sl[b]]
+            s = (q[b] @ toks[:, :L].T + qr[b] @ toks[:, L:].T) * scale
+            out[b] = s.max(-1) + np.log(np.exp(s - s.max(-1, keepdims=True)).sum(-1))
+    return out
+
+
+@pytest.mark.parametrize("impl", ["reference", "mosaic", "triton"])
+def test_log_sum_exp_output(data, impl):
+    """`return_lse`: each row's log-sum-exp of its scores (what combines attention over token sets split
+    across ranks), -inf for an empty row; the context output is unchanged."""
+    q, qr, kv = data["np"]
+    if impl == "reference":
+        fn = lambda a: paged_mla_decode_reference(**a, scale=SCALE, return_lse=True)  # noqa: E731
+    else:
+        fn = lambda a: paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant=impl,  # noqa: E731
+                                               block_h=8 if impl == "mosaic" else 16, return_lse=True)
+    ctx, lse = jax.jit(fn)(data["args"])
+    want = _brute_lse(q, qr, kv, PAGE_TABLE, SEQ_LENS, SCALE)
+    assert lse.shape == (B, H) and lse.dtype == jnp.float32
+    assert np.all(np.isneginf(np.asarray(lse)[2]))
+    keep = np.asarray(SEQ_LENS) > 0
+    np.testing.assert_allclose(np.asarray(lse, np.float64)[keep], want[keep], rtol=1e-5, atol=1e-5)
+    _close(ctx, data["ref"])
+
+
+def test_triton_pads_a_head_count_no_block_divides(data):
+    """12 heads (K3's 96 over 8 tensor-parallel ranks): Triton needs power-of-two blocks, so the wrapper runs
+    16 heads and slices; the same rows as the reference's."""
+    args = dict(data["args"], q_latent=data["args"]["q_latent"][:, :12], q_rope=data["args"]["q_rope"][:, :12])
+    ctx, lse = jax.jit(lambda a: paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant="triton",
+                                                         return_lse=True))(args)
+    ref_ctx, ref_lse = paged_mla_decode_reference(**args, scale=SCALE, return_lse=True)
+    assert ctx.shape == (B, 12, L) and lse.shape == (B, 12)
+    _close(ctx, data["ref"][:, :12])
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5)
+
+
 def test_stale_entries_do_not_matter(data):
     a = dict(data["args"])
     pt = np.array(PAGE_TABLE)
@@ -98,15 +140,17 @@ def test_ops_dispatch_and_bf16(data, monkeypatch):
 _TRITON_CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
+@pytest.mark.parametrize("return_lse", [False, True], ids=["ctx", "ctx+lse"])
 @pytest.mark.parametrize("platform,variant", [("tpu", "mosaic"), ("cuda", "triton")])
-def test_kernel_lowers_at_k3_shapes(platform, variant):
-    """Lower (not run) the kernel for TPU Mosaic / GPU Triton at K3 MLA shapes (96 heads, 512+64)."""
-    b, h, ps, mp, pages = 4, 96, 16, 8, 64
+def test_kernel_lowers_at_k3_shapes(platform, variant, return_lse):
+    """Lower (not run) the kernel for TPU Mosaic / GPU Triton at K3 MLA shapes (96 heads, 512+64), also
+    with the log-sum-exp output decode context parallelism uses (12 heads: one of 8 tensor-parallel ranks)."""
+    b, h, ps, mp, pages = 4, 12 if return_lse else 96, 16, 8, 64  # 12: Triton pads to 16 heads
     dt = jnp.bfloat16
     args = (jax.ShapeDtypeStruct((b, h, 512), dt), jax.ShapeDtypeStruct((b, h, 64), dt),
             jax.ShapeDtypeStruct((pages, ps, 576), dt), jax.ShapeDtypeStruct((b, mp), jnp.int32),
             jax.ShapeDtypeStruct((b,), jnp.int32))
-    fn = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5, variant=variant))
+    fn = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5, variant=variant, return_lse=return_lse))
     exp = jax.export.export(fn, platforms=[platform], disabled_checks=_TRITON_CHECKS)(*args)
     text = exp.mlir_module()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("xla.gpu.triton" in text)

@@ -126,14 +126,16 @@ _MULTI = textwrap.dedent("""
         # tiny-kimi-linear: the mesh forms apart (tp, ep); their mix and the accelerator's decode forms are
         # the same code, run on tiny-k3 (CI time)
         forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"),
-                  ("tp", "dcp")) if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered"), ("ep", "gathered")))
+                  ("tp", "dcp"), ("tp", "dcp_paged"))
+                 if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered"), ("ep", "gathered")))
         for sh, mla in forms:
             # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states);
-            # "dcp": decode context parallelism (the MLA pages split by position over the 4 ranks too)
-            kda = "gathered" if mla == "paged" else "auto"
-            dcp = 4 if mla == "dcp" else 1
-            llm = k3jax.LLM(model, sharding=sh, mla_decode="auto" if dcp > 1 else mla, kda_decode=kda,
-                            decode_context_parallel_size=dcp, **kw)
+            # "dcp": decode context parallelism (the MLA pages split by position over the 4 ranks too), with the
+            # CPU's decode forms or ("dcp_paged") the accelerator's
+            kda = "gathered" if mla.endswith("paged") else "auto"
+            dcp = 4 if mla.startswith("dcp") else 1
+            llm = k3jax.LLM(model, sharding=sh, mla_decode="paged" if mla.endswith("paged") else "gathered",
+                            kda_decode=kda, decode_context_parallel_size=dcp, **kw)
             eng = llm.engine
             res = llm.generate(prompts, sps)
             # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
@@ -310,7 +312,7 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     one = multi_device[f"{model}/None"]
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
-                     ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4})):
+                     ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4}), ("tp/dcp_paged", {"tensor": 4})):
         if f"{model}/{sh}" not in multi_device:
             assert model != "tiny-k3"  # tiny-k3 runs every form
             continue
@@ -354,14 +356,17 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
-def test_decode_context_parallel_splits_the_pages_by_position(multi_device):
+@pytest.mark.parametrize("form", ["dcp", "dcp_paged"])
+def test_decode_context_parallel_splits_the_pages_by_position(multi_device, form):
     """decode_context_parallel_size=4 under tp on 4 devices: each rank holds every 4th token of each page, so a
     unit is a quarter of a page and the same per-rank budget holds 4x the units; prefill and decode attend
-    over each rank's share with the partial softmaxes combined (same tokens and prefix-cache reuse as one
-    device, checked above), no arena copy or collective, and no all-gather rebuilds a context."""
-    tp, dcp = multi_device["tiny-k3/tp"], multi_device["tiny-k3/tp/dcp"]
+    over each rank's share with the partial softmaxes combined (at decode also through the paged MLA kernel's
+    log-sum-exp: `dcp_paged`), the same tokens and prefix-cache reuse as one device (checked above), no arena
+    copy or collective, and no all-gather rebuilds a context."""
+    tp, dcp = multi_device["tiny-k3/tp"], multi_device[f"tiny-k3/tp/{form}"]
     assert tp["context_ranks"] == 1 and dcp["context_ranks"] == 4 and dcp["state_ranks"] == 4
-    assert dcp["mla_form"] == "context_parallel" and tp["mla_form"] == "gathered"
+    assert tp["mla_form"] == "gathered"
+    assert dcp["mla_form"] == ("paged" if form == "dcp_paged" else "gathered") + "_context_parallel"
     assert dcp["unit"][1] * 4 == tp["unit"][1] and dcp["unit"][0] // 4 == tp["unit"][0]
     assert dcp["slot_units"] >= tp["slot_units"] * 4 - 3  # a state slot: the same bytes in smaller units
     assert dcp["seqs_at_max_len"] > tp["seqs_at_max_len"]

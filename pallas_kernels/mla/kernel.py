@@ -24,6 +24,11 @@ Two variants:
   power-of-two ``block_h >= 16``, ``page_size >= 16``, ``L`` and ``R``
   (K3: 512 and 64). Lowering checked with ``jax.export(platforms=["cuda"])``.
 
+``return_lse=True`` also returns each row's fp32 log-sum-exp of its scores ``[B, H]`` (-inf for
+an empty row), from the running max and denominator: decode context parallelism runs the kernel
+over each rank's share of the tokens and combines the ranks' results with it. Triton head counts
+that 16 does not divide (K3's 96 heads over 8 ranks: 12) are padded to the next multiple of 16.
+
 Common: page-table entries are clamped to ``[0, num_pages)`` in the wrapper (cheap:
 the table is tiny) so garbage entries can never address outside the pool; cache
 slots past ``seq_lens[b]`` in the last page are masked with ``where`` on both the
@@ -80,9 +85,15 @@ def _page_update(q_lat, q_rope, c, kr, pos0, seq_len, m, l, acc, *, scale, page_
 
 
 # ----------------------------------------------------------------------------- mosaic / interpret
-def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, m_ref, l_ref, acc_ref, *,
-                       scale, page_size, lat, precision):
+def _lse(m, l):
+    """Log-sum-exp of a row's scores from its online-softmax max and sum; -inf for an empty row."""
+    return jnp.where(l > 0, m + jnp.log(jnp.where(l > 0, l, 1.0)), _NEG_INF)
+
+
+def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *refs, scale, page_size, lat, precision,
+                       return_lse):
     del pt_ref
+    lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if return_lse else (None, refs)
     b = pl.program_id(0)
     p = pl.program_id(2)
     np_ = pl.num_programs(2)
@@ -108,10 +119,12 @@ def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, m_ref, l
     def _store():
         l = l_ref[...]
         out_ref[...] = (acc_ref[...] / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
+        if lse_ref is not None:
+            lse_ref[...] = _lse(m_ref[...], l)
 
 
 def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, block_h, out_dtype,
-                precision, interpret):
+                precision, interpret, return_lse=False):
     from jax.experimental.pallas import tpu as pltpu
 
     b, h, lat = q_latent.shape
@@ -124,10 +137,15 @@ def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, bloc
         return (pt[bi, jnp.minimum(p, last)], 0, 0)
 
     kernel = functools.partial(_mla_mosaic_kernel, scale=float(scale), page_size=page_size, lat=lat,
-                               precision=precision)
-    return pl.pallas_call(
+                               precision=precision, return_lse=return_lse)
+    out_shape = jax.ShapeDtypeStruct((b, h, lat), out_dtype)
+    out_spec = pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi, p, pt, sl: (bi, hi, 0))
+    if return_lse:  # [B, H, 1]: a trailing unit axis keeps the block's minor dims TPU-tileable
+        out_shape = (out_shape, jax.ShapeDtypeStruct((b, h, 1), jnp.float32))
+        out_spec = (out_spec, pl.BlockSpec((_SQUEEZED, block_h, 1), lambda bi, hi, p, pt, sl: (bi, hi, 0)))
+    out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, h, lat), out_dtype),
+        out_shape=out_shape,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
             grid=(b, h // block_h, max_pages),
@@ -136,7 +154,7 @@ def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, bloc
                 pl.BlockSpec((_SQUEEZED, block_h, r), lambda bi, hi, p, pt, sl: (bi, hi, 0)),
                 pl.BlockSpec((_SQUEEZED, page_size, width), kv_map),
             ],
-            out_specs=pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi, p, pt, sl: (bi, hi, 0)),
+            out_specs=out_spec,
             scratch_shapes=[
                 pltpu.VMEM((block_h, 1), jnp.float32),
                 pltpu.VMEM((block_h, 1), jnp.float32),
@@ -147,10 +165,11 @@ def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, bloc
         interpret=interpret,
         name="k3_paged_mla_decode",
     )(page_table, seq_lens, q_latent, q_rope, kv_pages)
+    return (out[0], out[1][..., 0]) if return_lse else out
 
 
 # ----------------------------------------------------------------------------- triton
-def _mla_triton_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *, scale, page_size, lat, rope,
+def _mla_triton_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *lse_ref, scale, page_size, lat, rope,
                        block_h, precision):
     b = pl.program_id(0)
     hb = pl.program_id(1)
@@ -172,10 +191,12 @@ def _mla_triton_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *, scale
             jnp.zeros((block_h, lat), jnp.float32))
     m, l, acc = lax.fori_loop(0, n_pages, body, init)
     out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
+    if lse_ref:
+        lse_ref[0][...] = _lse(m, l)[:, 0]
 
 
 def _mla_triton(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, block_h, out_dtype,
-                precision, interpret, num_warps=4, num_stages=2):
+                precision, interpret, num_warps=4, num_stages=2, return_lse=False):
     b, h, lat = q_latent.shape
     r = q_rope.shape[-1]
     page_size = kv_pages.shape[1]
@@ -187,12 +208,17 @@ def _mla_triton(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, bloc
 
         compiler_params = pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    out_shape = jax.ShapeDtypeStruct((b, h, lat), out_dtype)
+    out_spec = pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi: (bi, hi, 0))
+    if return_lse:
+        out_shape = (out_shape, jax.ShapeDtypeStruct((b, h), jnp.float32))
+        out_spec = (out_spec, pl.BlockSpec((_SQUEEZED, block_h), lambda bi, hi: (bi, hi)))
     return pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((b, h, lat), out_dtype),
+        out_shape=out_shape,
         grid=(b, h // block_h),
         in_specs=[any_spec] * 5,
-        out_specs=pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi: (bi, hi, 0)),
+        out_specs=out_spec,
         compiler_params=compiler_params,
         interpret=interpret,
         name="k3_paged_mla_decode_triton",
@@ -226,8 +252,10 @@ def paged_mla_decode_pallas(
     block_h: Optional[int] = None,
     interpret: bool = False,
     variant: str = "auto",
-) -> jax.Array:
-    """Pallas paged MLA decode; ``variant``: auto | mosaic | triton (auto = triton on GPU)."""
+    return_lse: bool = False,
+):
+    """Pallas paged MLA decode; ``variant``: auto | mosaic | triton (auto = triton on GPU). With
+    ``return_lse`` also each row's fp32 log-sum-exp ``[B, H]`` (see the reference)."""
     b, h, lat, r, num_pages, page_size, max_pages = check_paged_mla_args(
         q_latent, q_rope, kv_pages, page_table, seq_lens)
     out_dtype = q_latent.dtype if out_dtype is None else out_dtype
@@ -235,15 +263,24 @@ def paged_mla_decode_pallas(
         variant = "triton" if (not interpret and jax.default_backend() == "gpu") else "mosaic"
     if variant not in ("mosaic", "triton"):
         raise ValueError(f"variant={variant!r}")
-    block_h = block_h or _default_block_h(h, variant)
-    if h % block_h:
-        raise ValueError(f"block_h={block_h} must divide H={h}")
     dt = kv_pages.dtype
     q_latent = q_latent.astype(dt)
     q_rope = q_rope.astype(dt)
+    pad = 0
+    if variant == "triton" and block_h is None and h % 16:
+        # Triton blocks are powers of two: a head count no 16 divides (K3's 96 heads over 8 tensor-parallel
+        # ranks: 12) runs as the next multiple of 16, the extra heads' zero queries sliced off after
+        pad = -h % 16
+        q_latent, q_rope = (jnp.pad(x, ((0, 0), (0, pad), (0, 0))) for x in (q_latent, q_rope))
+    block_h = block_h or _default_block_h(h + pad, variant)
+    if (h + pad) % block_h:
+        raise ValueError(f"block_h={block_h} must divide H={h}")
     page_table = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
     seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
     impl = _mla_triton if variant == "triton" else _mla_mosaic
-    return impl(q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, block_h=block_h,
-                out_dtype=out_dtype, precision=precision, interpret=interpret)
+    out = impl(q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, block_h=block_h,
+               out_dtype=out_dtype, precision=precision, interpret=interpret, return_lse=return_lse)
+    if pad:
+        out = tuple(x[:, :h] for x in out) if return_lse else out[:, :h]
+    return out

@@ -23,8 +23,10 @@ def paged_mla_decode(
     interpret: bool = False,
     out_dtype=None,
     block_h: Optional[int] = None,
-) -> jax.Array:
-    """Absorbed MLA decode over a paged latent cache -> ``ctx [B, H, L]``.
+    return_lse: bool = False,
+):
+    """Absorbed MLA decode over a paged latent cache -> ``ctx [B, H, L]`` (and, with ``return_lse``,
+    the fp32 log-sum-exp of each row's scores ``[B, H]``).
 
     See :func:`pallas_kernels.mla.reference.paged_mla_decode_reference` for the exact
     semantics (fp32 softmax over the first ``seq_lens[b]`` tokens gathered through
@@ -34,9 +36,10 @@ def paged_mla_decode(
     """
     if resolve_backend(backend) == "reference":
         return paged_mla_decode_reference(
-            q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype)
+            q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype,
+            return_lse=return_lse)
     from pallas_kernels.mla import kernel  # local import
 
     return kernel.paged_mla_decode_pallas(
         q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype,
-        block_h=block_h, interpret=resolve_interpret(backend, interpret))
+        block_h=block_h, interpret=resolve_interpret(backend, interpret), return_lse=return_lse)

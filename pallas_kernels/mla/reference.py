@@ -34,7 +34,8 @@ def paged_mla_decode_reference(
     *,
     scale: float,
     out_dtype=None,
-) -> jax.Array:
+    return_lse: bool = False,
+):
     """One decode step of absorbed MLA against a paged latent cache.
 
     ``q_latent [B, H, L]`` (= W_uk^T q_nope per head), ``q_rope [B, H, R]``,
@@ -47,6 +48,9 @@ def paged_mla_decode_reference(
     ``out_dtype`` (default ``q_latent.dtype``). Rows with ``seq_lens == 0`` give zeros.
     Page-table entries past a sequence's last page and cache slots past its length are
     never used (clamped + masked with ``where``, so stale/NaN contents cannot leak).
+    With ``return_lse`` also ``lse [B, H]`` fp32 = log Σ_s exp(score[b,h,s]) (-inf where
+    ``seq_lens == 0``): what combining partial attentions over disjoint token sets needs
+    (decode context parallelism).
     """
     b, h, l, r, num_pages, page_size, max_pages = check_paged_mla_args(
         q_latent, q_rope, kv_pages, page_table, seq_lens)
@@ -70,4 +74,7 @@ def paged_mla_decode_reference(
     ctx = jnp.einsum("bhs,bsl->bhl", p, c_bar.astype(jnp.float32), precision=hp,
                      preferred_element_type=jnp.float32)
     ctx = ctx / jnp.where(denom > 0, denom, 1.0)
+    if return_lse:
+        lse = jnp.where(denom > 0, m + jnp.log(jnp.where(denom > 0, denom, 1.0)), -jnp.inf)[..., 0]
+        return ctx.astype(out_dtype), lse
     return ctx.astype(out_dtype)
