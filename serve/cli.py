@@ -30,7 +30,8 @@ DEFAULTS = dict(
     long_prefill_chunk=0,
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
-    sharding=None, decode_context_parallel_size=1, kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
+    sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
+    kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
     schedule_conservativeness=1.0, prefill_first=False, compile_threads=None, log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
@@ -71,6 +72,14 @@ def add_serve_arguments(s) -> None:
                    help="vLLM's name for the same budget, in GiB (give one of the two)")
     e.add_argument("--sharding", default=d["sharding"],
                    help="device mesh: a config in sharding_configs/ (e.g. 'tp') or a YAML path (default: one device)")
+    e.add_argument("--enable-eplb", action="store_true",
+                   help="expert-parallel load balancing: with the routed experts split over the mesh (e.g. --sharding "
+                        "ep), re-place each MoE layer's experts every --eplb-step-interval steps so every rank gets "
+                        "about the same share of the recently routed tokens (outputs unchanged)")
+    e.add_argument("--eplb-window-size", type=int, default=d["eplb_window_size"],
+                   help="steps of routed-token counts a placement is planned from (default 1000)")
+    e.add_argument("--eplb-step-interval", type=int, default=d["eplb_step_interval"],
+                   help="steps between placements (default 3000)")
     e.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=d["decode_context_parallel_size"],
                    help="split the MLA latent pages by position over the ranks that split the KDA heads (their "
                         "number, e.g. 4 with --sharding tp on 4 devices): each rank holds every N-th token, so the "
@@ -210,6 +219,8 @@ def engine_config(o: dict):
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
         seed=o["seed"], sharding=o.get("sharding"), kda_decode=o.get("kda_decode", "auto"),
         decode_context_parallel_size=o.get("decode_context_parallel_size", 1),
+        enable_eplb=bool(o.get("enable_eplb")), eplb_window_size=o.get("eplb_window_size", 1000),
+        eplb_step_interval=o.get("eplb_step_interval", 3000),
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),

@@ -45,6 +45,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, Pref
 from serve.sampling import SamplingBatch
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
+from serve import eplb
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
@@ -183,6 +184,13 @@ class EngineConfig:
     # share, the partial softmaxes combined across ranks (serve/step.py; at decode with the paged MLA kernel,
     # through its log-sum-exp), so the same per-rank `cache_bytes` holds R times the context.
     decode_context_parallel_size: int = 1
+    # Expert-parallel load balancing (vLLM's --enable-eplb with eplb_config window_size / step_interval;
+    # serve/eplb.py): with the routed experts split over a mesh axis, every `eplb_step_interval` steps the
+    # engine re-places each MoE layer's experts so every rank multiplies about the same share of the tokens
+    # routed over the last `eplb_window_size` steps (outputs unchanged, bit for bit). Needs expert parallelism.
+    enable_eplb: bool = False
+    eplb_window_size: int = 1000
+    eplb_step_interval: int = 3000
     # Devices the engine runs on, as indices into `jax.devices()`; None: every device under a `sharding`
     # config, the default device without one. Disjoint sets let several engines share a host: data-parallel
     # replicas (serve/data_parallel.py), or a disaggregated prefill engine beside its decode engine. Without
@@ -219,6 +227,13 @@ class EngineConfig:
         dcp = self.decode_context_parallel_size
         if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1:
             raise ValueError(f"decode_context_parallel_size={dcp!r}: expected an integer >= 1")
+        for key in ("eplb_window_size", "eplb_step_interval"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{key}={v!r}: expected an integer >= 1")
+        if self.enable_eplb and not self.sharding:
+            raise ValueError("enable_eplb balances routed experts split over a mesh axis: it needs a `sharding` "
+                             "config whose `experts` rule splits them (expert parallelism)")
         if dcp > 1 and not self.sharding:
             raise ValueError(f"decode_context_parallel_size={dcp} splits the MLA pages over a mesh axis: it needs a "
                              "`sharding` config whose `heads` rule splits the KDA heads over that many devices")
@@ -416,6 +431,8 @@ class Engine:
         self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
         if self.dense_in_out:
             model = transpose_dense_weights(model)
+        if config.enable_eplb:  # identity placement tables, placed with the weights below
+            model = eplb.attach(model)
         self.mesh, self.sharding_config, self.sharding_notes, arena_sharding = None, None, {}, None
         self.state_split = None  # the arena split over a mesh axis by KDA heads (serve/state_split.py)
         if config.sharding or config.devices is not None:
@@ -529,7 +546,7 @@ class Engine:
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
-        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0,
+        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0, eplb_rebalances=0,
                              prompt_tokens=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
@@ -546,6 +563,14 @@ class Engine:
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
+        self.eplb: Optional[eplb.ExpertBalancer] = None
+        if config.enable_eplb:
+            if self._ep_ranks < 2:
+                raise ValueError(f"enable_eplb: sharding={config.sharding!r} does not split the {self.cfg.num_experts} "
+                                 f"routed experts over a mesh axis (its `experts` rule, on {self.mesh.size} devices)")
+            self.eplb = eplb.ExpertBalancer(n_moe, self.cfg.num_experts, self._ep_ranks, config.eplb_window_size,
+                                            config.eplb_step_interval)
+            self._eplb_leaves = _expert_leaves(self.model.params)
         self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
         self.moe_dispatch_seconds = 0.0
         self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
@@ -561,6 +586,9 @@ class Engine:
                 raise ValueError(f"sharding={config.sharding!r}: the mesh holds the devices of processes "
                                  f"{sorted(mesh_processes(self.mesh))} of {jax.process_count()}; a multi-process "
                                  f"mesh must span every process")
+            if self.eplb is not None:
+                raise ValueError("enable_eplb: not available on a multi-process mesh (every process would have to "
+                                 "move the same experts at the same step)")
             self.channel = StepChannel(lambda rows, t, pages: self._pad_batch(rows, t, pages, []))
             self.channel.check(self._fingerprint())
             if self.channel.leader:
@@ -1017,6 +1045,7 @@ class Engine:
                                     tuple(targets) if targets is not None else None)
         new = dequantize_experts(new, self._expert_dtype) if self._dequantize else new
         new = transpose_dense_weights(new) if self.dense_in_out else new
+        new = eplb.attach(new) if self.eplb is not None else new  # checkpoint order: identity placement
         diff = [f.name for f in dataclasses.fields(self.cfg) if getattr(new.cfg, f.name) != getattr(self.cfg, f.name)]
         if diff:
             raise ValueError(f"update_weights: the model's config differs from the engine's in {', '.join(diff)}")
@@ -1028,6 +1057,8 @@ class Engine:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
                                  f"engine's {dtype}{list(shape)}")
         self._set_leaves([a for _, a in flat])
+        if self.eplb is not None:
+            self.eplb.reset()
         for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
             self._write_lora(slot, adapter.factors)
         self._host_leaves, self._weights_stale = None, False
@@ -1039,6 +1070,30 @@ class Engine:
         if self.prefix_cache is not None and not self.prefix_cache.clear():
             raise RuntimeError("update_weights: the prefix cache could not be cleared")  # nothing holds it
         self.counters["weight_updates"] += 1
+
+    def rebalance_experts(self) -> dict:
+        """Expert-parallel load balancing now (the engine also runs it every `eplb_step_interval` steps):
+        plan each MoE layer's placement from the routed-token counts of the last `eplb_window_size` steps and
+        move the layers that gain (serve/eplb.py). Outputs do not change. -> the plan's summary (mean busiest
+        rank / mean rank load over the MoE layers before and after, layers moved)."""
+        if self.eplb is None:
+            raise RuntimeError("rebalance_experts: the engine was built without enable_eplb")
+        moves, summary = self.eplb.plan()
+        t0 = time.perf_counter()
+        leaves = list(self._leaves)
+        for layer, new in moves.items():
+            slots_leaf, weight_leaves = self._eplb_leaves[layer]
+            index = jnp.asarray(eplb.moved_index(self.eplb.placement[layer], new))
+            for i in weight_leaves:
+                leaves[i] = eplb.take_experts(leaves[i], index)
+            leaves[slots_leaf] = jnp.asarray(new)
+        if moves:
+            self._set_leaves(leaves)
+            jax.block_until_ready(self._leaves)
+        summary["seconds"] = time.perf_counter() - t0
+        self.eplb.applied(moves, summary)
+        self.counters["eplb_rebalances"] += 1
+        return summary
 
     def _set_leaves(self, leaves: list) -> None:
         """Place `leaves` where the step programs expect the weights: on a mesh, each with its sharding; on
@@ -1618,7 +1673,10 @@ class Engine:
         if (batch.targets >= 0).any():
             self._record_prompt_logprobs(seqs, rows, batch.targets, prompt)
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
-        self.expert_counts += np.asarray(counts)
+        counts = np.asarray(counts)
+        self.expert_counts += counts
+        if self.eplb is not None and self.eplb.observe(counts):
+            self.rebalance_experts()
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
         verify = tokens.ndim == 2
         accepted = np.asarray(accepted) if verify else None
@@ -2016,6 +2074,8 @@ class Engine:
             "structured_output_mask_seconds": self.mask_seconds,
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": self.inter_rank_bytes,  # expert-parallel MoE traffic; 0 on one device
+            # expert-parallel load balancing (serve/eplb.py): placements planned, layers moved, the last plan
+            "eplb": self.eplb.stats() if self.eplb is not None else None,
             "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
             "processes": len(mesh_processes(self.mesh)) if self.mesh is not None else 1,
             # multi-process: host seconds the leader spent broadcasting step batches to the followers
@@ -2063,6 +2123,23 @@ class Engine:
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
+
+
+def _expert_leaves(params) -> list[tuple[int, list[int]]]:
+    """Per MoE layer in depth order: the index of its `ExpertPlacement` leaf and of its routed experts' weight
+    leaves (w1, w3, w2, packed or dense) in `jax.tree.flatten(params)` order."""
+    layers: dict[int, list] = {}
+    for i, (path, _) in enumerate(jax.tree.flatten_with_path(params)[0]):
+        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        if "block_sparse_moe" not in names:
+            continue
+        layer, rest = int(names[names.index("layers") + 1]), names[names.index("block_sparse_moe") + 1:]
+        entry = layers.setdefault(layer, [None, []])
+        if rest[0] == "expert_slots":
+            entry[0] = i
+        elif rest[0] in ("w1", "w2", "w3"):
+            entry[1].append(i)
+    return [(slots, weights) for _, (slots, weights) in sorted(layers.items())]
 
 
 def _zeros(shape, dtype, sharding=None) -> jax.Array:

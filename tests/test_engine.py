@@ -190,6 +190,13 @@ def test_step_form_options_are_checked(model):
     for bad in (0, 2.0, True):
         with pytest.raises(ValueError, match="decode_context_parallel_size"):
             make_engine(model, warmup=False, decode_context_parallel_size=bad)
+    with pytest.raises(ValueError, match="enable_eplb balances routed experts split over a mesh axis"):
+        make_engine(model, warmup=False, enable_eplb=True)
+    with pytest.raises(ValueError, match="enable_eplb: sharding='ep' does not split the 8 routed experts"):
+        make_engine(model, warmup=False, enable_eplb=True, sharding="ep")  # one device
+    for key in ("eplb_window_size", "eplb_step_interval"):
+        with pytest.raises(ValueError, match=key):
+            make_engine(model, warmup=False, **{key: 0})
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 splits the MLA pages over a mesh axis"):
         make_engine(model, warmup=False, decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2: the MLA pages are split over the ranks "

@@ -126,7 +126,7 @@ _MULTI = textwrap.dedent("""
         # tiny-kimi-linear: the mesh forms apart (tp, ep); their mix and the accelerator's decode forms are
         # the same code, run on tiny-k3 (CI time)
         forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"),
-                  ("tp", "dcp"), ("tp", "dcp_paged"))
+                  ("tp", "dcp"), ("tp", "dcp_paged"), ("ep", "eplb"))
                  if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered"), ("ep", "gathered")))
         for sh, mla in forms:
             # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states);
@@ -134,12 +134,17 @@ _MULTI = textwrap.dedent("""
             # CPU's decode forms or ("dcp_paged") the accelerator's
             kda = "gathered" if mla.endswith("paged") else "auto"
             dcp = 4 if mla.startswith("dcp") else 1
+            # "eplb": expert-parallel load balancing, re-placing the experts every 3 steps while generating
+            eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3) if mla == "eplb" else {}
             llm = k3jax.LLM(model, sharding=sh, mla_decode="paged" if mla.endswith("paged") else "gathered",
-                            kda_decode=kda, decode_context_parallel_size=dcp, **kw)
+                            kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw)
             eng = llm.engine
             res = llm.generate(prompts, sps)
             # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
             again = llm.generate([list(range(10, 47)) + [3, 1, 4], list(range(10, 43)) + [9] * 9], sps[:2])
+            if eplb:  # and once more on demand, then the same prompts again
+                eplb_summary = eng.rebalance_experts()
+                res_after = llm.generate(prompts, sps)
             st = llm.stats()
             leaves = jax.tree.leaves(eng.model.params)
             split = [x for x in leaves if x.addressable_shards[0].data.shape != x.shape]
@@ -163,6 +168,10 @@ _MULTI = textwrap.dedent("""
                 unit=[eng.layout.num_units, eng.layout.unit_elems], gathers=gathers,
                 context_ranks=st["arena_context_ranks"], mla_form=st["decode_forms"]["mla"],
                 span=4 * eng.layout.page_size, seqs_at_max_len=eng.layout.sequences_at(64),
+                eplb=dict(st["eplb"], summary=eplb_summary, placement=eng.eplb.placement.tolist(),
+                          tokens_after=[r.token_ids for r in res_after],
+                          logprobs_after=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res_after])
+                if eplb else None,
                 logprobs=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res],
                 mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
                 devices=sorted(d.id for d in eng.arena.sharding.device_set),
@@ -375,6 +384,23 @@ def test_decode_context_parallel_splits_the_pages_by_position(multi_device, form
     assert dcp["gathers"] and not [g for g in dcp["gathers"] if f",{span}," in g]
 
 
+def test_expert_load_balancing_moves_experts_without_changing_outputs(multi_device):
+    """enable_eplb under ep on 4 devices: the engine re-places each MoE layer's experts every 3 steps (and once
+    more on demand) so the ranks' shares of the recently routed tokens even out; the weights move with their
+    placement tables, so tokens and logprobs stay those of the plain expert-parallel engine bit for bit
+    (every slot is still computed by one rank), with no compile after warm-up and no cache leaked."""
+    ep, r = multi_device["tiny-k3/ep"], multi_device["tiny-k3/ep/eplb"]
+    e = r["eplb"]
+    assert r["tokens"] == ep["tokens"] and r["logprobs"] == ep["logprobs"]
+    assert e["tokens_after"] == ep["tokens"] and e["logprobs_after"] == ep["logprobs"]
+    assert r["again"] == ep["again"] and r["cached"] == ep["cached"]
+    assert e["rebalances"] >= 3 and e["layers_moved"] >= 1 and e["ranks"] == 4
+    assert any(p != sorted(p) for p in e["placement"])  # experts really moved
+    s = e["summary"]
+    assert s["tokens"] > 0 and 1.0 <= s["imbalance_after"] <= s["imbalance_before"]
+    assert r["compiles"] == 0 and r["free"] == r["baseline"]
+
+
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
 def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device, model):
     """Experts split over 4 devices and nothing else: every slot's output is nonzero on one rank only,
@@ -463,6 +489,12 @@ def test_serve_command_line_takes_a_sharding_config_and_decode_forms():
     c.validate()
     with pytest.raises(ValueError, match="no config 'tpp'"):
         cfg("--sharding", "tpp").validate()
+    assert not cfg().enable_eplb
+    c = cfg("--sharding", "ep", "--enable-eplb", "--eplb-window-size", "50", "--eplb-step-interval", "200")
+    assert (c.enable_eplb, c.eplb_window_size, c.eplb_step_interval) == (True, 50, 200)
+    c.validate()
+    with pytest.raises(ValueError, match="eplb_step_interval=0"):
+        cfg("--sharding", "ep", "--enable-eplb", "--eplb-step-interval", "0").validate()
     assert cfg().decode_context_parallel_size == 1
     assert cfg("--sharding", "tp", "-dcp", "8").decode_context_parallel_size == 8
     with pytest.raises(ValueError, match="decode_context_parallel_size=4 splits the MLA pages"):

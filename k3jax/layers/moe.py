@@ -83,6 +83,8 @@ class MoE(nnx.Module):
         # (mesh, axis) when the routed experts are split over a mesh axis (k3jax/sharding.py): each rank
         # runs its own experts inside `shard_map` and the slots' outputs are summed across the axis.
         self.expert_parallel = None
+        # `expert_slots` (set only by serve/eplb.py `attach`): each expert's position in the stacked weights
+        # when expert-parallel load balancing moves them (`ExpertPlacement` [E] int32); absent: checkpoint order
 
     def _expert_weight(self, w):
         return w.value() if isinstance(w, MXFP4Params) else w[...]
@@ -90,6 +92,9 @@ class MoE(nnx.Module):
     def experts(self, z: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
         """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din]."""
         ws = tuple(self._expert_weight(w) for w in (self.w1, self.w3, self.w2))
+        slots = getattr(self, "expert_slots", None)
+        if slots is not None:  # logical ids -> positions of the (moved) weights
+            ids = slots[...][ids]
         if self.expert_parallel is None:
             out = self._slots(z, ids, ws, 0)
         else:
