@@ -152,8 +152,9 @@ def _prompt_ids(engine: Engine, prompt) -> list[int]:
 _SAME = frozenset({"arena_state_ranks", "kv_bytes_per_token_per_layer", "kda_slot_bytes", "max_loras", "processes",
                    "sleep_level", "moe_layers", "lora_adapters", "lora_adapters_in_slots", "mesh", "decode_forms",
                    "moe_step_seconds", "spec_decode_cost_ratio", "sharding", "kv_cache_dtype", "kda_state_dtype",
-                   "expert_format", "dense_weight_layout"})
-_MEAN = frozenset({"new_token_ratio"})
+                   "expert_format", "dense_weight_layout", "arena_context_ranks",
+                   "ranks", "window_size", "step_interval"})  # the last three: `eplb`'s configuration
+_MEAN = frozenset({"new_token_ratio", "imbalance_before", "imbalance_after"})
 
 
 def _step_or_failure(engine: Engine):

@@ -58,6 +58,7 @@ NAMES = (
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
     "vllm:spec_decode_num_accepted_tokens_total", "vllm:spec_decode_num_accepted_tokens_per_pos_total",
     "k3jax:expert_tokens_total", "k3jax:moe_dispatch_seconds_total", "k3jax:inter_rank_bytes_total",
+    "k3jax:eplb_rebalances_total", "k3jax:expert_load_imbalance",
     "k3jax:kda_slot_usage_perc", "k3jax:mla_page_usage_perc", "k3jax:kda_slot_bytes", "k3jax:mla_page_bytes",
     "k3jax:arena_bytes", "k3jax:arena_free_units", "k3jax:arena_baseline_free_units", "k3jax:arena_cached_units",
     "k3jax:kda_checkpoint_bytes", "k3jax:host_cache_bytes", "k3jax:host_cache_restored_bytes_total",
@@ -233,6 +234,12 @@ class EngineCollector:
         yield counter("k3jax:inter_rank_bytes", "Bytes the expert-parallel MoE sends between ranks (all-reduce of the "
                       "slot outputs, ring estimate from the step shapes; 0 on one device).",
                       s.get("inter_rank_bytes", 0))
+        balance = s.get("eplb") or {}
+        yield counter("k3jax:eplb_rebalances", "Expert placements planned by expert-parallel load balancing "
+                      "(enable_eplb; each moves the MoE layers whose busiest rank gains).", s.get("eplb_rebalances", 0))
+        yield gauge("k3jax:expert_load_imbalance", "Busiest rank's share of the routed tokens over the mean rank's, "
+                    "averaged over the MoE layers, under the placement the last plan left (1: balanced; 1 without "
+                    "enable_eplb or before its first plan).", _num((balance.get("last") or {}).get("imbalance_after"), 1.0))
 
         # Data-parallel replicas (serve/data_parallel.py): each replica's gauges, and how the router chose.
         reps = s.get("replicas") or []

@@ -451,6 +451,7 @@ def test_metrics_has_every_metric(server, client):
     assert metric(text, "vllm:time_to_first_token_seconds_count") >= 1
     assert metric(text, "vllm:generation_tokens_total") >= 3
     assert metric(text, "k3jax:inter_rank_bytes_total") == 0
+    assert metric(text, "k3jax:eplb_rebalances_total") == 0 and metric(text, "k3jax:expert_load_imbalance") == 1
     assert metric(text, "k3jax:moe_dispatch_seconds_total") > 0  # measured per step shape at warm-up
     if "k3jax:expert_tokens_total{" in text:  # per-expert counts, once the engine reports them
         assert metric(text, "k3jax:expert_tokens_total") > 0

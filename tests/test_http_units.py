@@ -82,6 +82,10 @@ def test_metrics_export_expert_counts_and_arena_split():
                                        "spec_decode_accepted_per_pos": [3, 2, 0]}, dict).exposition().decode()
     assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in spec
     assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in spec
+    balanced = ServerMetrics("m", lambda: {**stats, "eplb_rebalances": 4, "eplb": {"last": {"imbalance_after": 1.25}}},
+                             dict).exposition().decode()
+    assert 'k3jax:eplb_rebalances_total{model_name="m"} 4.0' in balanced
+    assert 'k3jax:expert_load_imbalance{model_name="m"} 1.25' in balanced
     empty = ServerMetrics("m", lambda: {}, lambda: {}).exposition().decode()
     assert all(n in empty for n in NAMES)  # every family is listed even with no engine statistics
 
