@@ -1,0 +1,102 @@
+"""Expert-parallel load balancing (`enable_eplb`): how even the ranks' expert work gets, what a move costs, and
+that outputs do not change.
+
+    python benchmarks/eplb.py           # the recorded run, ~5 min on the 2-core CPU host
+    python benchmarks/eplb.py --quick   # tiny-k3 (~1 min with compiles)
+
+k3-small (32 routed experts, 4 per token, 9 MoE layers) under the `ep` config on 4 simulated CPU devices (the
+script sets XLA_FLAGS before JAX starts): 8 experts per rank, each rank multiplying the tokens routed to its own.
+
+1. Wave A (random prompts, greedy) with the checkpoint's placement; its routed-token counts are the window.
+2. `engine.rebalance_experts()`: the plan from wave A's counts, the layers moved, the seconds the move took.
+3. Wave B: fresh prompts, so the placement is judged on traffic it was not planned from: the busiest rank's
+   load over the mean rank load per MoE layer, under the old and the new placement (both from wave B's
+   counts), and the rank loads' spread.
+4. Wave A again: the same greedy tokens as its first run (logprobs bit for bit: tests/test_sharding.py).
+
+Step times are recorded too, but the 4 simulated devices share 2 cores, so a rank's share of the work does
+not decide a step's time here the way the busiest rank does on accelerators; the balance numbers are the
+measurement (no device was lent to time them).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import numpy as np  # noqa: E402
+
+import k3jax  # noqa: E402
+from serve.engine import Engine, EngineConfig  # noqa: E402
+from serve.eplb import imbalance  # noqa: E402
+from serve.types import SamplingParams  # noqa: E402
+from serving import bench_start, med, run_wave, write_result  # noqa: E402
+
+
+def wave(eng: Engine, prompts: list[list[int]], gen: int) -> tuple[dict, np.ndarray, list]:
+    """Run `prompts`; -> (timings, routed-token counts [MoE layer, expert] of this wave, token ids)."""
+    before = eng.expert_counts.copy()
+    w = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
+    return w, eng.expert_counts - before, w.pop("token_ids")
+
+
+def balance(counts: np.ndarray, placement: np.ndarray, ranks: int) -> dict:
+    per_layer = [imbalance(c, p, ranks) for c, p in zip(counts, placement)]
+    return dict(mean=float(np.mean(per_layer)), max=float(np.max(per_layer)), per_layer=per_layer)
+
+
+def main(argv=None):
+    args, out, log, t_start, result = bench_start("eplb", __doc__, argv)
+    name = "tiny-k3" if args.quick else "k3-small"
+    model = k3jax.load_model(name, seed=0)
+    n, plen, gen = (8, 48, 8) if args.quick else (16, 192, 32)
+    cfg = EngineConfig(max_model_len=plen + gen + 16, page_size=16, cache_bytes=64 << 20, max_num_seqs=n,
+                       prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(n,), prefill_buckets=(4,), max_logprobs=1,
+                       enable_prefix_caching=False, sharding="ep", enable_eplb=True, eplb_window_size=10 ** 6,
+                       eplb_step_interval=10 ** 9)
+    eng = Engine(model, cfg, progress=False)
+    ranks = eng.eplb.ranks
+    rng = np.random.default_rng(7)
+    prompts_a = rng.integers(0, 250, (n, plen)).tolist()
+    prompts_b = rng.integers(0, 250, (n, plen)).tolist()
+    identity = eng.eplb.placement.copy()
+    wa, counts_a, tokens_a = wave(eng, prompts_a, gen)
+    summary = eng.rebalance_experts()
+    log(f"plan from wave A ({summary['tokens']} routed tokens): {summary['layers_moved']} of {len(identity)} layers "
+        f"moved, busiest / mean rank {summary['imbalance_before']:.3f} -> {summary['imbalance_after']:.3f}, "
+        f"{summary['seconds']:.2f} s")
+    wb, counts_b, _ = wave(eng, prompts_b, gen)
+    old, new = balance(counts_b, identity, ranks), balance(counts_b, eng.eplb.placement, ranks)
+    log(f"wave B (fresh prompts), busiest / mean rank load: checkpoint placement {old['mean']:.3f} (worst layer "
+        f"{old['max']:.3f}) -> balanced {new['mean']:.3f} (worst {new['max']:.3f})")
+    wa2, _, tokens_a2 = wave(eng, prompts_a, gen)
+    log(f"wave A again: tokens identical {tokens_a2 == tokens_a}")
+
+    def times(w):
+        dec = [dt for dt, _ in w["decode_only_steps"]]
+        return dict(wall_s=w["wall_s"], decode_step_median_s=med(dec) if dec else None,
+                    prefill_step_median_s=med(w["prefill_only_steps"]) if w["prefill_only_steps"] else None)
+
+    result.update(model=name, sharding="ep", devices=4, ranks=ranks, experts=model.cfg.num_experts,
+                  top_k=model.cfg.num_experts_per_token, moe_layers=len(identity), requests=n, prompt_len=plen,
+                  gen=gen, plan=summary, wave_b_balance=dict(checkpoint_placement=old, balanced_placement=new),
+                  placement=eng.eplb.placement.tolist(), tokens_identical_after_move=tokens_a2 == tokens_a,
+                  times=dict(wave_a=times(wa), wave_b=times(wb), wave_a_again=times(wa2)),
+                  compiles_after_warmup=eng.stats()["compiles_after_warmup"])
+    for k, w in result["times"].items():
+        log(f"{k}: wall {w['wall_s']:.2f} s, decode step {w['decode_step_median_s']}, prefill step "
+            f"{w['prefill_step_median_s']}")
+    write_result(result, out, t_start, log)
+
+
+if __name__ == "__main__":
+    main()
