@@ -19,18 +19,17 @@ every rank (what tensor parallelism alone keeps, as MLA has one KV head).
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
 
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simulated_devices  # noqa: E402
+
+simulated_devices.use(4)  # before JAX starts
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -40,7 +39,7 @@ from k3jax.config import PRESETS  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import bench_start, med, run_wave, write_result  # noqa: E402
+from serving import bench_start, med, run_wave, track_peak_running, write_result  # noqa: E402
 
 CONTEXTS = (8192, 32768, 131072, 262144)
 
@@ -67,22 +66,14 @@ def wave(model, dcp: int, budget: int, n: int, prompt_len: int, gen: int, page: 
     t0 = time.perf_counter()
     eng = Engine(model, cfg, progress=False)
     build = time.perf_counter() - t0
-    peak, orig = 0, eng.step
-
-    def step():  # requests holding a slot after each step
-        nonlocal peak
-        out = orig()
-        peak = max(peak, eng.stats()["num_requests_running"])
-        return out
-
-    eng.step = step
+    running = track_peak_running(eng)
     prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
     w = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
     st = eng.stats()
     steps = [dt for dt, rows in w["decode_only_steps"]]
     return dict(decode_context_parallel_size=dcp, mla_form=st["decode_forms"]["mla"], cache_bytes_per_rank=budget,
                 units=eng.layout.num_units, unit_bytes=eng.layout.unit_bytes, sequences_at_full_length=seqs,
-                build_s=build, peak_running=peak, preemptions=st.get("preemptions", 0), wall_s=w["wall_s"],
+                build_s=build, peak_running=running["peak"], preemptions=st.get("preemptions", 0), wall_s=w["wall_s"],
                 gen_tok_s=w["gen_tok_s"], total_tok_s=w["total_tok_s"], ttft_p50_s=med(w["ttft"]),
                 decode_step_median_s=med(steps) if steps else None, decode_steps=len(steps),
                 prefill_step_median_s=med(w["prefill_only_steps"]) if w["prefill_only_steps"] else None,

@@ -21,17 +21,16 @@ measurement (no device was lent to time them).
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
-
-if "--xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simulated_devices  # noqa: E402
+
+simulated_devices.use(4)  # before JAX starts
 
 import numpy as np  # noqa: E402
 

@@ -41,7 +41,7 @@ from kv_cache_dtype import against_hf, teacher_forced, teacher_forced_delta  # n
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, write_result  # noqa: E402
+from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, track_peak_running, write_result  # noqa: E402
 
 STATES = ("float32", "bfloat16")
 
@@ -102,20 +102,12 @@ def wave(model, state: str, budget: int, n: int, prompt_len: int, gen: int, seqs
     buckets = tuple(sorted({max(1, seqs // 2), seqs}))
     eng = engine_for(model, state, prompt_len + gen + 16, seqs, budget, buckets=buckets)
     prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
-    peak, orig = 0, eng.step
-
-    def step():  # requests holding a slot after each step
-        nonlocal peak
-        out = orig()
-        peak = max(peak, eng.stats()["num_requests_running"])
-        return out
-
-    eng.step = step
+    running = track_peak_running(eng)
     w = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
     full = [dt for dt, rows in w["decode_only_steps"] if rows == seqs]
     lay = eng.layout
     state_rw = 2 * seqs * lay.state_words * 4 * lay.num_kda_layers  # read + written per decode step
-    return dict(kda_state_dtype=state, cache_bytes=budget, max_num_seqs=seqs, peak_running=peak,
+    return dict(kda_state_dtype=state, cache_bytes=budget, max_num_seqs=seqs, peak_running=running["peak"],
                 slot_bytes=lay.slot_units * lay.unit_bytes, preemptions=eng.stats().get("preemptions", 0),
                 wall_s=w["wall_s"], gen_tok_s=w["gen_tok_s"], total_tok_s=w["total_tok_s"],
                 full_decode_steps=len(full), decode_step_median_s=med(full) if full else None,

@@ -41,7 +41,7 @@ from k3jax.config import PRESETS  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, write_result  # noqa: E402
+from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, track_peak_running, write_result  # noqa: E402
 
 KINDS = ("auto", "fp8")
 
@@ -132,21 +132,13 @@ def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: i
     eng = Engine(model, cfg, progress=False)
     build = time.perf_counter() - t0
     prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
-    peak = 0
-    orig = eng.step
-
-    def step():  # count requests holding a slot after each step
-        nonlocal peak
-        out = orig()
-        peak = max(peak, eng.stats()["num_requests_running"])
-        return out
-
-    eng.step = step
+    running = track_peak_running(eng)
     wave = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))
     lay = eng.layout
     steps = [dt for dt, rows in wave["decode_only_steps"]]
     decoded = sum(g for _, g in wave["decode_only_steps"])
     ctx = prompt_len + gen / 2
+    peak = running["peak"]
     latent_read = peak * ctx * lay.latent_words * 4 * lay.num_mla_layers
     return dict(kv_cache_dtype=kind, cache_bytes=budget, max_num_seqs=seqs, schedule_conservativeness=conservativeness,
                 build_s=build, units=lay.num_units,

@@ -207,6 +207,20 @@ def wave_floor(model, c: int, prompt_len: float, gen: int, rate: float, bw: floa
 # --------------------------------------------------------------------------------------------
 
 
+def track_peak_running(engine: Engine) -> dict:
+    """Wrap `engine.step` to record the most requests holding a slot after any step: -> {"peak": n}, kept
+    current as the engine steps (capacity benchmarks: how many requests the arena really ran at once)."""
+    seen, step = {"peak": 0}, engine.step
+
+    def counted():
+        out = step()
+        seen["peak"] = max(seen["peak"], engine.stats()["num_requests_running"])
+        return out
+
+    engine.step = counted
+    return seen
+
+
 def run_wave(engine: Engine, prompts: list[list[int]], sp: SamplingParams, loras: list | None = None) -> dict:
     """Submit all prompts at once (each with its LoRA adapter, when `loras` names them), step to completion;
     per-step times classified by kind."""
