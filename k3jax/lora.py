@@ -109,12 +109,17 @@ def attach(model, slots: int, rank: int, targets: tuple[str, ...] | None = None)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 
 
+def path_names(path) -> list[str]:
+    """A parameter's pytree path as plain names: ("layers", "0", "self_attn", "q_proj", "lora_a")."""
+    return [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+
+
 def module_paths(params) -> dict[str, tuple[int, int]]:
     """Dotted module path of every `Linear` with adapter slots ("layers.0.self_attn.q_proj") -> the
     indices of its (lora_a, lora_b) leaves in `jax.tree.flatten(params)` order."""
     found: dict[str, list] = {}
     for i, (path, _) in enumerate(jax.tree.flatten_with_path(params)[0]):
-        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
+        names = path_names(path)
         for which, tag in enumerate(("lora_a", "lora_b")):
             if tag in names:
                 mod = ".".join(names[:names.index(tag)])

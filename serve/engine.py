@@ -570,7 +570,7 @@ class Engine:
                                  f"routed experts over a mesh axis (its `experts` rule, on {self.mesh.size} devices)")
             self.eplb = eplb.ExpertBalancer(n_moe, self.cfg.num_experts, self._ep_ranks, config.eplb_window_size,
                                             config.eplb_step_interval)
-            self._eplb_leaves = _expert_leaves(self.model.params)
+            self._eplb_leaves = eplb.expert_leaves(self.model.params)
         self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
         self.moe_dispatch_seconds = 0.0
         self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
@@ -2123,23 +2123,6 @@ class Engine:
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
-
-
-def _expert_leaves(params) -> list[tuple[int, list[int]]]:
-    """Per MoE layer in depth order: the index of its `ExpertPlacement` leaf and of its routed experts' weight
-    leaves (w1, w3, w2, packed or dense) in `jax.tree.flatten(params)` order."""
-    layers: dict[int, list] = {}
-    for i, (path, _) in enumerate(jax.tree.flatten_with_path(params)[0]):
-        names = [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
-        if "block_sparse_moe" not in names:
-            continue
-        layer, rest = int(names[names.index("layers") + 1]), names[names.index("block_sparse_moe") + 1:]
-        entry = layers.setdefault(layer, [None, []])
-        if rest[0] == "expert_slots":
-            entry[0] = i
-        elif rest[0] in ("w1", "w2", "w3"):
-            entry[1].append(i)
-    return [(slots, weights) for _, (slots, weights) in sorted(layers.items())]
 
 
 def _zeros(shape, dtype, sharding=None) -> jax.Array:

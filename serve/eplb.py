@@ -25,6 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.lora import path_names
+
 BUCKETS = 16  # the window is kept as this many partial sums (host memory independent of the window)
 MIN_GAIN = 0.02  # a layer moves only if its busiest rank's share of the load falls by more than this
 
@@ -43,6 +45,23 @@ def attach(model):
             node.expert_slots = ExpertPlacement(jnp.arange(model.cfg.num_experts, dtype=jnp.int32))
     graphdef, params = nnx.split(module)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
+
+
+def expert_leaves(params) -> list[tuple[int, list[int]]]:
+    """Per MoE layer in depth order: the index of its `ExpertPlacement` leaf and of its routed experts' weight
+    leaves (w1, w3, w2, packed or dense) in `jax.tree.flatten(params)` order."""
+    layers: dict[int, list] = {}
+    for i, (path, _) in enumerate(jax.tree.flatten_with_path(params)[0]):
+        names = path_names(path)
+        if "block_sparse_moe" not in names:
+            continue
+        layer, rest = int(names[names.index("layers") + 1]), names[names.index("block_sparse_moe") + 1:]
+        entry = layers.setdefault(layer, [None, []])
+        if rest[0] == "expert_slots":
+            entry[0] = i
+        elif rest[0] in ("w1", "w2", "w3"):
+            entry[1].append(i)
+    return [(slots, weights) for _, (slots, weights) in sorted(layers.items())]
 
 
 def balanced_placement(load: np.ndarray, ranks: int) -> np.ndarray:

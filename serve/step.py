@@ -350,8 +350,7 @@ def attend_share(latents: jax.Array, mask: jax.Array, q: jax.Array, r: int, scal
     s = jnp.where(mask[:, None], s, NEG_INF)
     m = jax.lax.pmax(s.max(-1, keepdims=True), axis)  # [B, nh, T, 1]
     e = jnp.exp(s - m)
-    reduce = (partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=1, tiled=True) if scatter_heads
-              else partial(jax.lax.psum, axis_name=axis))
+    reduce = _rank_sum(axis, scatter_heads)
     total = reduce(e.sum(-1, keepdims=True))
     ctx = reduce(matmul("bhts,bsr->bhtr", e.astype(latents.dtype), latents, jnp.float32)[..., :r])
     return (ctx / total).transpose(0, 2, 1, 3)
@@ -363,9 +362,15 @@ def combine_shares(out: jax.Array, lse: jax.Array, axis, scatter_heads: bool = F
     -> [B, nh, r] over all tokens (with `scatter_heads`, each rank's nh / R heads of it)."""
     lse = jnp.maximum(lse, NEG_INF)  # finite: a row with no tokens anywhere gives zeros, not NaN
     w = jnp.exp(lse - jax.lax.pmax(lse, axis))  # [B, nh]
-    reduce = (partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=1, tiled=True) if scatter_heads
-              else partial(jax.lax.psum, axis_name=axis))
+    reduce = _rank_sum(axis, scatter_heads)
     return reduce(out * w[..., None]) / reduce(w)[..., None]
+
+
+def _rank_sum(axis, scatter_heads: bool):
+    """Sum over the ranks of `axis`: whole on every rank, or reduce-scattered by head (dimension 1)."""
+    if scatter_heads:
+        return partial(jax.lax.psum_scatter, axis_name=axis, scatter_dimension=1, tiled=True)
+    return partial(jax.lax.psum, axis_name=axis)
 
 
 def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:

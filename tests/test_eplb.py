@@ -4,7 +4,10 @@ balancer's window. The engine runs it on 4 simulated devices in tests/test_shard
 import numpy as np
 import pytest
 
-from serve.eplb import ExpertBalancer, balanced_placement, imbalance, moved_index, rank_loads
+import jax
+
+import k3jax
+from serve.eplb import ExpertBalancer, attach, balanced_placement, expert_leaves, imbalance, moved_index, rank_loads
 
 
 def skewed(e: int, seed: int) -> np.ndarray:
@@ -70,3 +73,15 @@ def test_balancer_window_interval_and_gain():
     assert b.window_load().sum() == 0
     b.reset()
     assert np.array_equal(b.placement, np.tile(np.arange(8), (2, 1)))
+
+
+def test_attach_gives_every_moe_layer_an_identity_table_and_finds_its_weights():
+    """tiny-k3: 7 MoE layers (layer 0 is dense), MXFP4 experts (w1, w3, w2 each packed + scale)."""
+    model = attach(k3jax.load_model("tiny-k3", seed=0))
+    leaves = jax.tree.leaves(model.params)
+    found = expert_leaves(model.params)
+    assert len(found) == 7
+    for slots, weights in found:
+        assert np.array_equal(np.asarray(leaves[slots]), np.arange(8))
+        assert len(weights) == 6 and all(leaves[i].shape[0] == 8 for i in weights)
+    assert expert_leaves(attach(model).params) == found  # attaching twice adds nothing
