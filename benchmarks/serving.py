@@ -751,13 +751,15 @@ def bench_data_parallel(args, out_path: Path, t_start: float, log) -> dict:
     return write_result(result, out_path, t_start, log)
 
 
-def bench_start(name: str, doc: str, argv=None):
+def bench_start(name: str, doc: str, argv=None, extra=None):
     """The common start of a CPU benchmark script -> (args, output path, log, start time, result): the
-    `--quick` / `--out` arguments; `results/<name>-cpu.json` (the temp dir with --quick); the result dict
-    with the machine and the memory bandwidth measured now (the roofline's)."""
+    `--quick` / `--out` arguments (and any `extra(parser)` adds); `results/<name>-cpu.json` (the temp dir with
+    --quick); the result dict with the machine and the memory bandwidth measured now (the roofline's)."""
     ap = argparse.ArgumentParser(description=doc.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
+    if extra is not None:
+        extra(ap)
     args = ap.parse_args(argv)
     t_start = time.perf_counter()
     log = lambda m: print(m, flush=True)  # noqa: E731

@@ -242,13 +242,14 @@ def enable_expert_parallel(model, mesh: Mesh, config: ShardingConfig):
     (inside `shard_map`, one all-reduce of the slot outputs), when that axis splits them."""
     from k3jax.layers.moe import MoE
 
-    axis = expert_axis(config, mesh, model.cfg.num_experts)
+    module = nnx.merge(model.graphdef, model.params)
+    moes = [node for _, node in nnx.iter_graph(module) if isinstance(node, MoE)]
+    # the physical experts: E, or E + X with redundant copies (serve/eplb.py)
+    axis = expert_axis(config, mesh, moes[0].physical_experts) if moes else None
     if axis is None:
         return model
-    module = nnx.merge(model.graphdef, model.params)
-    for _, node in list(nnx.iter_graph(module)):
-        if isinstance(node, MoE):
-            node.expert_parallel = (mesh, axis)
+    for node in moes:
+        node.expert_parallel = (mesh, axis)
     graphdef, params = nnx.split(module)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 

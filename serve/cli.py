@@ -31,6 +31,7 @@ DEFAULTS = dict(
     context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
+    eplb_num_redundant_experts=0,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
     schedule_conservativeness=1.0, prefill_first=False, compile_threads=None, log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
@@ -80,6 +81,10 @@ def add_serve_arguments(s) -> None:
                    help="steps of routed-token counts a placement is planned from (default 1000)")
     e.add_argument("--eplb-step-interval", type=int, default=d["eplb_step_interval"],
                    help="steps between placements (default 3000)")
+    e.add_argument("--eplb-num-redundant-experts", "--num-redundant-experts", type=int,
+                   default=d["eplb_num_redundant_experts"],
+                   help="with --enable-eplb: extra copies of the hottest experts per MoE layer (the experts and their "
+                        "copies must split evenly over the expert ranks; default 0)")
     e.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=d["decode_context_parallel_size"],
                    help="split the MLA latent pages by position over the ranks that split the KDA heads (their "
                         "number, e.g. 4 with --sharding tp on 4 devices): each rank holds every N-th token, so the "
@@ -221,6 +226,7 @@ def engine_config(o: dict):
         decode_context_parallel_size=o.get("decode_context_parallel_size", 1),
         enable_eplb=bool(o.get("enable_eplb")), eplb_window_size=o.get("eplb_window_size", 1000),
         eplb_step_interval=o.get("eplb_step_interval", 3000),
+        eplb_num_redundant_experts=o.get("eplb_num_redundant_experts", 0),
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),

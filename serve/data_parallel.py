@@ -153,7 +153,8 @@ _SAME = frozenset({"arena_state_ranks", "kv_bytes_per_token_per_layer", "kda_slo
                    "sleep_level", "moe_layers", "lora_adapters", "lora_adapters_in_slots", "mesh", "decode_forms",
                    "moe_step_seconds", "spec_decode_cost_ratio", "sharding", "kv_cache_dtype", "kda_state_dtype",
                    "expert_format", "dense_weight_layout", "arena_context_ranks",
-                   "ranks", "window_size", "step_interval"})  # the last three: `eplb`'s configuration
+                   "ranks", "window_size", "step_interval", "num_redundant_experts",
+                   "physical_experts"})  # the last five: `eplb`'s configuration
 _MEAN = frozenset({"new_token_ratio", "imbalance_before", "imbalance_after"})
 
 

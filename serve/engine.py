@@ -191,6 +191,10 @@ class EngineConfig:
     enable_eplb: bool = False
     eplb_window_size: int = 1000
     eplb_step_interval: int = 3000
+    # Redundant experts (vLLM's eplb_config num_redundant_experts): each MoE layer holds this many extra
+    # copies of its hottest experts (E + X stacked experts, (E + X) / R per rank), placed by the same plans;
+    # evens out layers whose hottest expert alone outweighs a rank's share. Costs X experts' weights per layer.
+    eplb_num_redundant_experts: int = 0
     # Devices the engine runs on, as indices into `jax.devices()`; None: every device under a `sharding`
     # config, the default device without one. Disjoint sets let several engines share a host: data-parallel
     # replicas (serve/data_parallel.py), or a disaggregated prefill engine beside its decode engine. Without
@@ -231,6 +235,12 @@ class EngineConfig:
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{key}={v!r}: expected an integer >= 1")
+        x = self.eplb_num_redundant_experts
+        if not isinstance(x, int) or isinstance(x, bool) or x < 0:
+            raise ValueError(f"eplb_num_redundant_experts={x!r}: expected an integer >= 0")
+        if x and not self.enable_eplb:
+            raise ValueError(f"eplb_num_redundant_experts={x}: redundant experts are placed by expert-parallel load "
+                             "balancing; set enable_eplb")
         if self.enable_eplb and not self.sharding:
             raise ValueError("enable_eplb balances routed experts split over a mesh axis: it needs a `sharding` "
                              "config whose `experts` rule splits them (expert parallelism)")
@@ -431,8 +441,8 @@ class Engine:
         self.dense_in_out = config.dense_weights == "in_out" or (config.dense_weights == "auto" and reference)
         if self.dense_in_out:
             model = transpose_dense_weights(model)
-        if config.enable_eplb:  # identity placement tables, placed with the weights below
-            model = eplb.attach(model)
+        if config.enable_eplb:  # initial placement tables (and copies), placed with the weights below
+            model = eplb.attach(model, config.eplb_num_redundant_experts)
         self.mesh, self.sharding_config, self.sharding_notes, arena_sharding = None, None, {}, None
         self.state_split = None  # the arena split over a mesh axis by KDA heads (serve/state_split.py)
         if config.sharding or config.devices is not None:
@@ -453,8 +463,14 @@ class Engine:
                     f"{axes_size(heads, dict(self.mesh.shape))}: state slots replicated on every device"]
             arena_sharding = self.state_split.sharding() if self.state_split else replicated(self.mesh)
         # ranks that share the routed experts (1: no expert parallelism), for the traffic estimate
-        self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, model.cfg.num_experts),
+        physical = model.cfg.num_experts + config.eplb_num_redundant_experts
+        self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, physical),
                                     dict(self.mesh.shape)) if self.mesh is not None else 1)
+        ranks = axes_size(self.sharding_config.rule("experts"), dict(self.mesh.shape)) if self.mesh is not None else 1
+        if config.eplb_num_redundant_experts and ranks > 1 and physical % ranks:
+            raise ValueError(f"eplb_num_redundant_experts={config.eplb_num_redundant_experts}: the "
+                             f"{model.cfg.num_experts} routed experts and their copies ({physical}) must split evenly "
+                             f"over the {ranks} ranks of the `experts` rule under sharding={config.sharding!r}")
         self.model, self.config, self.cfg = model, config, model.cfg
         self.tokenizer = model.tokenizer
         dcp, ranks = config.decode_context_parallel_size, self.state_split.ranks if self.state_split else 1
@@ -569,7 +585,7 @@ class Engine:
                 raise ValueError(f"enable_eplb: sharding={config.sharding!r} does not split the {self.cfg.num_experts} "
                                  f"routed experts over a mesh axis (its `experts` rule, on {self.mesh.size} devices)")
             self.eplb = eplb.ExpertBalancer(n_moe, self.cfg.num_experts, self._ep_ranks, config.eplb_window_size,
-                                            config.eplb_step_interval)
+                                            config.eplb_step_interval, config.eplb_num_redundant_experts)
             self._eplb_leaves = eplb.expert_leaves(self.model.params)
         self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
         self.moe_dispatch_seconds = 0.0
@@ -1045,7 +1061,8 @@ class Engine:
                                     tuple(targets) if targets is not None else None)
         new = dequantize_experts(new, self._expert_dtype) if self._dequantize else new
         new = transpose_dense_weights(new) if self.dense_in_out else new
-        new = eplb.attach(new) if self.eplb is not None else new  # checkpoint order: identity placement
+        # checkpoint order, then the initial copies
+        new = eplb.attach(new, self.config.eplb_num_redundant_experts) if self.eplb is not None else new
         diff = [f.name for f in dataclasses.fields(self.cfg) if getattr(new.cfg, f.name) != getattr(self.cfg, f.name)]
         if diff:
             raise ValueError(f"update_weights: the model's config differs from the engine's in {', '.join(diff)}")
@@ -1082,11 +1099,12 @@ class Engine:
         t0 = time.perf_counter()
         leaves = list(self._leaves)
         for layer, new in moves.items():
-            slots_leaf, weight_leaves = self._eplb_leaves[layer]
+            slots_leaf, copies_leaf, weight_leaves = self._eplb_leaves[layer]
             index = jnp.asarray(eplb.moved_index(self.eplb.placement[layer], new))
             for i in weight_leaves:
                 leaves[i] = eplb.take_experts(leaves[i], index)
-            leaves[slots_leaf] = jnp.asarray(new)
+            table, copies = eplb.replica_table(new, self.cfg.num_experts, 1 + self.eplb.redundant)
+            leaves[slots_leaf], leaves[copies_leaf] = jnp.asarray(table), jnp.asarray(copies)
         if moves:
             self._set_leaves(leaves)
             jax.block_until_ready(self._leaves)

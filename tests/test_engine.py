@@ -197,6 +197,13 @@ def test_step_form_options_are_checked(model):
     for key in ("eplb_window_size", "eplb_step_interval"):
         with pytest.raises(ValueError, match=key):
             make_engine(model, warmup=False, **{key: 0})
+    for bad in (-1, True, 1.0):
+        with pytest.raises(ValueError, match="eplb_num_redundant_experts"):
+            make_engine(model, warmup=False, eplb_num_redundant_experts=bad)
+    with pytest.raises(ValueError, match="eplb_num_redundant_experts=4: redundant experts are placed by expert-parallel"):
+        make_engine(model, warmup=False, sharding="ep", eplb_num_redundant_experts=4)
+    with pytest.raises(ValueError, match="enable_eplb: sharding='ep' does not split the 8 routed experts"):
+        make_engine(model, warmup=False, enable_eplb=True, sharding="ep", eplb_num_redundant_experts=4)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2 splits the MLA pages over a mesh axis"):
         make_engine(model, warmup=False, decode_context_parallel_size=2)
     with pytest.raises(ValueError, match="decode_context_parallel_size=2: the MLA pages are split over the ranks "

@@ -7,7 +7,8 @@ import pytest
 import jax
 
 import k3jax
-from serve.eplb import ExpertBalancer, attach, balanced_placement, expert_leaves, imbalance, moved_index, rank_loads
+from serve.eplb import (ExpertBalancer, attach, balanced_placement, expert_leaves, imbalance, initial_placement,
+                        moved_index, rank_loads, replica_counts, replica_table)
 
 
 def skewed(e: int, seed: int) -> np.ndarray:
@@ -16,40 +17,81 @@ def skewed(e: int, seed: int) -> np.ndarray:
     return np.floor(rng.pareto(1.2, e) * 100).astype(np.int64)
 
 
+def ranks_of(expert_at: np.ndarray, ranks: int) -> list[list[int]]:
+    """The experts each rank holds under a placement (`expert_at` [P])."""
+    return expert_at.reshape(ranks, -1).tolist()
+
+
 @pytest.mark.parametrize("e,ranks", [(8, 4), (32, 4), (896, 16), (64, 8)])
 def test_placement_is_a_balanced_permutation(e, ranks):
     load = skewed(e, e + ranks)
-    slots = balanced_placement(load, ranks)
-    assert sorted(slots.tolist()) == list(range(e))  # every position taken once
-    assert np.all(np.bincount(slots // (e // ranks), minlength=ranks) == e // ranks)
-    per = rank_loads(load, slots, ranks)
+    expert_at = balanced_placement(load, ranks)
+    assert sorted(expert_at.tolist()) == list(range(e))  # every expert held once
+    per = rank_loads(load, expert_at, ranks)
     assert per.sum() == load.sum()
     # largest-first greedy: the busiest rank exceeds the mean by at most one expert's load
     assert per.max() <= load.sum() / ranks + load.max()
-    assert imbalance(load, slots, ranks) <= imbalance(load, np.arange(e), ranks)
-    assert np.array_equal(slots, balanced_placement(load.copy(), ranks))  # deterministic
+    assert imbalance(load, expert_at, ranks) <= imbalance(load, np.arange(e), ranks)
+    assert np.array_equal(expert_at, balanced_placement(load.copy(), ranks))  # deterministic
 
 
 def test_placement_spreads_the_hot_experts():
     load = np.array([100, 90, 1, 1, 1, 1, 80, 70])  # identity puts 100 + 90 on rank 0 and 80 + 70 on rank 3
-    slots = balanced_placement(load, 4)
+    expert_at = balanced_placement(load, 4)
     assert imbalance(load, np.arange(8), 4) == pytest.approx(190 / 86)
-    assert rank_loads(load, slots, 4).tolist() == [101, 91, 81, 71]
-    assert len({s // 2 for s in slots[[0, 1, 6, 7]]}) == 4
+    assert rank_loads(load, expert_at, 4).tolist() == [101, 91, 81, 71]
+    assert sorted(r for r, held in enumerate(ranks_of(expert_at, 4)) for x in held if x in (0, 1, 6, 7)) == [0, 1, 2, 3]
 
 
-def test_moved_weights_follow_their_experts():
+def test_copies_of_a_dominant_expert_even_out_a_layer():
+    """One expert carries half the layer's tokens, one expert per rank: no permutation helps (4.3x the mean),
+    eight copies of it spread over the eight ranks do."""
+    load = np.array([800, 100, 100, 100, 100, 100, 100, 100])
+    assert imbalance(load, balanced_placement(load, 8), 8) == pytest.approx(800 / 187.5)
+    assert replica_counts(load, 8, 8).tolist() == [8, 2, 1, 1, 1, 1, 1, 1]  # 800 / 8 ties 100: fewer copies first
+    expert_at = balanced_placement(load, 8, redundant=8)
+    assert expert_at.shape == (16,) and np.bincount(expert_at).tolist() == [8, 2, 1, 1, 1, 1, 1, 1]
+    assert all(0 in held and len(set(held)) == 2 for held in ranks_of(expert_at, 8))  # a copy on every rank
+    assert rank_loads(load, expert_at, 8).max() == 200 and imbalance(load, expert_at, 8) == pytest.approx(200 / 187.5)
+    # nothing routed yet: the copies go round the experts (the initial placement's choice)
+    assert replica_counts(np.zeros(8), 3).tolist() == [2, 2, 2, 1, 1, 1, 1, 1]
+    assert initial_placement(8, 3).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2]
+
+
+@pytest.mark.parametrize("e,ranks,redundant", [(8, 4, 4), (32, 8, 8), (32, 32, 32), (896, 64, 64), (64, 16, 16)])
+def test_placement_with_redundant_experts(e, ranks, redundant):
+    for seed in range(3):
+        load = skewed(e, seed)
+        expert_at = balanced_placement(load, ranks, redundant)
+        copies = np.bincount(expert_at, minlength=e)
+        assert expert_at.shape == (e + redundant,) and copies.min() >= 1 and copies.sum() == e + redundant
+        assert np.array_equal(copies, replica_counts(load, redundant, ranks)) and copies.max() <= ranks
+        held = ranks_of(expert_at, ranks)
+        assert all(len(set(h)) == len(h) for h in held)  # no rank holds two copies of one expert
+        per = rank_loads(load, expert_at, ranks)
+        assert per.sum() == pytest.approx(load.sum())
+        assert per.max() <= load.sum() / ranks + (load / copies).max() + 1e-9
+        assert imbalance(load, expert_at, ranks) <= imbalance(load, balanced_placement(load, ranks), ranks) + 1e-9
+        table, n = replica_table(expert_at, e, 1 + redundant)
+        assert np.array_equal(n, copies)
+        for x in range(e):  # each row: the expert's positions, increasing, repeated to fill the row
+            where = np.flatnonzero(expert_at == x)
+            assert table[x].tolist() == [where[j % len(where)] for j in range(1 + redundant)]
+    with pytest.raises(ValueError, match="do not split over 4 ranks"):
+        balanced_placement(skewed(8, 0), 4, redundant=3)
+
+
+@pytest.mark.parametrize("redundant", [0, 4])
+def test_moved_weights_follow_their_experts(redundant):
     """After a move, position p holds the weights of the expert the new placement puts at p, starting from
-    any earlier placement."""
-    rng = np.random.default_rng(0)
+    any earlier placement (copies included)."""
+    rng = np.random.default_rng(redundant)
     logical = rng.standard_normal((16, 3, 5))  # weights in checkpoint order [E, ...]
-    current = rng.permutation(16).astype(np.int32)  # expert e stored at current[e]
-    stored = np.empty_like(logical)
-    stored[current] = logical
-    new = balanced_placement(skewed(16, 1), 4)
+    current = rng.permutation(initial_placement(16, redundant)).astype(np.int32)  # expert held at each position
+    stored = logical[current]
+    new = balanced_placement(skewed(16, 1), 4, redundant)
     moved = stored[moved_index(current, new)]
-    for expert in range(16):
-        np.testing.assert_array_equal(moved[new[expert]], logical[expert])
+    np.testing.assert_array_equal(moved, logical[new])
 
 
 def test_balancer_window_interval_and_gain():
@@ -66,7 +108,7 @@ def test_balancer_window_interval_and_gain():
     assert not b.observe(hot)  # the interval restarts with a plan
     b.applied(moves, summary)
     assert b.rebalances == 1 and b.stats()["last"] == summary
-    assert b.placement[0, 0] // 2 != b.placement[0, 1] // 2
+    assert not any(0 in held and 1 in held for held in ranks_of(b.placement[0], 4))  # hot pair split
     assert b.plan()[0] == {}  # already balanced: nothing moves
     for _ in range(40):  # the window forgets: old counts leave it
         b.observe(np.zeros((2, 8)))
@@ -75,13 +117,57 @@ def test_balancer_window_interval_and_gain():
     assert np.array_equal(b.placement, np.tile(np.arange(8), (2, 1)))
 
 
-def test_attach_gives_every_moe_layer_an_identity_table_and_finds_its_weights():
-    """tiny-k3: 7 MoE layers (layer 0 is dense), MXFP4 experts (w1, w3, w2 each packed + scale)."""
-    model = attach(k3jax.load_model("tiny-k3", seed=0))
+@pytest.mark.parametrize("redundant", [0, 4])
+def test_attach_gives_every_moe_layer_its_tables_and_finds_its_weights(redundant):
+    """tiny-k3: 7 MoE layers (layer 0 is dense), MXFP4 experts (w1, w3, w2 each packed + scale), 8 experts;
+    with 4 redundant experts the stacked weights hold 12, the copies of experts 0..3 after the originals."""
+    plain = k3jax.load_model("tiny-k3", seed=0)
+    model = attach(plain, redundant)
     leaves = jax.tree.leaves(model.params)
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree.flatten_with_path(model.params)[0]]
+    before = {jax.tree_util.keystr(p): x for p, x in jax.tree.flatten_with_path(plain.params)[0]}
     found = expert_leaves(model.params)
     assert len(found) == 7
-    for slots, weights in found:
-        assert np.array_equal(np.asarray(leaves[slots]), np.arange(8))
-        assert len(weights) == 6 and all(leaves[i].shape[0] == 8 for i in weights)
-    assert expert_leaves(attach(model).params) == found  # attaching twice adds nothing
+    for slots, copies, weights in found:
+        table = np.asarray(leaves[slots])
+        assert table.shape == (8, 1 + redundant)
+        held = [[x, 8 + x] if x < redundant else [x] for x in range(8)]  # repeated to fill the row
+        want = [[h[j % len(h)] for j in range(1 + redundant)] for h in held]
+        assert table.tolist() == want
+        assert np.asarray(leaves[copies]).tolist() == [1 + (redundant > 0)] * 4 + [1] * 4
+        assert len(weights) == 6 and all(leaves[i].shape[0] == 8 + redundant for i in weights)
+        for i in weights:  # the copies are the originals' weights
+            np.testing.assert_array_equal(np.asarray(leaves[i]), np.asarray(before[paths[i]])[initial_placement(8, redundant)])
+    assert expert_leaves(attach(model, redundant).params) == found  # attaching twice adds nothing
+
+
+def test_copies_compute_what_the_original_experts_do():
+    """An MoE layer with 4 redundant experts, after a move to a skewed placement: each routed slot goes to one
+    copy of its expert (alternating over the copies), and the output is the plain layer's bit for bit."""
+    from flax import nnx
+    from k3jax.layers.moe import MoE
+
+    plain = k3jax.load_model("tiny-k3", seed=0)
+    model = attach(plain, 4)
+    moe = lambda m: next(n for _, n in nnx.iter_graph(nnx.merge(m.graphdef, m.params)) if isinstance(n, MoE))
+    ref, layer = moe(plain), moe(model)
+    rng = np.random.default_rng(0)
+    z = jax.numpy.asarray(rng.standard_normal((24, plain.cfg.expert_in_size)), jax.numpy.float32)
+    ids = jax.numpy.asarray(np.stack([rng.choice(8, 2, replace=False) for _ in range(24)]), jax.numpy.int32)
+    w = jax.numpy.asarray(rng.uniform(0.1, 1.0, (24, 2)), jax.numpy.float32)
+    want = np.asarray(ref.experts(z, ids, w))
+    np.testing.assert_array_equal(np.asarray(layer.experts(z, ids, w)), want)
+    load = np.array([50, 40, 1, 1, 1, 1, 30, 20])
+    new = balanced_placement(load, 4, 4)
+    index = jax.numpy.asarray(moved_index(initial_placement(8, 4), new))
+    for w_ in (layer.w1, layer.w3, layer.w2):
+        for var in (w_.weight_packed, w_.weight_scale):
+            var.set_value(var[...][index])
+    table, copies = replica_table(new, 8, 5)
+    layer.expert_slots.set_value(jax.numpy.asarray(table))
+    layer.expert_copies.set_value(jax.numpy.asarray(copies))
+    assert copies.tolist() == [3, 2, 1, 1, 1, 1, 2, 1]
+    np.testing.assert_array_equal(np.asarray(layer.experts(z, ids, w)), want)
+    physical = np.asarray(layer._physical(ids, layer.expert_slots[...], layer.expert_copies[...]))
+    assert np.array_equal(new[physical], np.asarray(ids))  # every slot lands on a copy of its own expert
+    assert len(set(physical[np.asarray(ids) == 0].tolist())) == 3  # expert 0's slots use all three copies

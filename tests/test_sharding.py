@@ -134,8 +134,10 @@ _MULTI = textwrap.dedent("""
             # CPU's decode forms or ("dcp_paged") the accelerator's
             kda = "gathered" if mla.endswith("paged") else "auto"
             dcp = 4 if mla.startswith("dcp") else 1
-            # "eplb": expert-parallel load balancing, re-placing the experts every 3 steps while generating
-            eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3) if mla == "eplb" else {}
+            # "eplb": expert-parallel load balancing, re-placing the experts every 3 steps while generating, with
+            # 4 redundant experts (12 stacked, 3 per rank)
+            eplb = (dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
+                    if mla == "eplb" else {})
             llm = k3jax.LLM(model, sharding=sh, mla_decode="paged" if mla.endswith("paged") else "gathered",
                             kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw)
             eng = llm.engine
@@ -181,6 +183,10 @@ _MULTI = textwrap.dedent("""
                 expert_parallel=[getattr(m, "expert_parallel", None) is not None for _, m in
                                  __import__("flax").nnx.iter_graph(__import__("flax").nnx.merge(
                                      eng.model.graphdef, eng.model.params)) if type(m).__name__ == "MoE"])
+    try:  # 8 experts + 3 copies do not split over the 4 expert ranks: refused before anything is placed
+        k3jax.LLM("tiny-k3", sharding="ep", enable_eplb=True, eplb_num_redundant_experts=3, **kw)
+    except ValueError as e:
+        out["uneven_copies_error"] = str(e)
 """)
 
 # Engines on disjoint device groups, after the meshes above in the same process (its reference engine,
@@ -385,20 +391,27 @@ def test_decode_context_parallel_splits_the_pages_by_position(multi_device, form
 
 
 def test_expert_load_balancing_moves_experts_without_changing_outputs(multi_device):
-    """enable_eplb under ep on 4 devices: the engine re-places each MoE layer's experts every 3 steps (and once
-    more on demand) so the ranks' shares of the recently routed tokens even out; the weights move with their
-    placement tables, so tokens and logprobs stay those of the plain expert-parallel engine bit for bit
-    (every slot is still computed by one rank), with no compile after warm-up and no cache leaked."""
+    """enable_eplb under ep on 4 devices with 4 redundant experts: the engine re-places and re-copies each MoE
+    layer's experts every 3 steps (and once more on demand) so the ranks' shares of the recently routed tokens
+    even out; the weights move with their placement tables, so tokens and logprobs stay those of the plain
+    expert-parallel engine bit for bit (every slot is still computed by one copy on one rank), with no compile
+    after warm-up and no cache leaked."""
     ep, r = multi_device["tiny-k3/ep"], multi_device["tiny-k3/ep/eplb"]
     e = r["eplb"]
     assert r["tokens"] == ep["tokens"] and r["logprobs"] == ep["logprobs"]
     assert e["tokens_after"] == ep["tokens"] and e["logprobs_after"] == ep["logprobs"]
     assert r["again"] == ep["again"] and r["cached"] == ep["cached"]
     assert e["rebalances"] >= 3 and e["layers_moved"] >= 1 and e["ranks"] == 4
-    assert any(p != sorted(p) for p in e["placement"])  # experts really moved
+    assert e["num_redundant_experts"] == 4 and e["physical_experts"] == 12
+    initial = list(range(8)) + [0, 1, 2, 3]
+    assert any(p != initial for p in e["placement"])  # experts really moved and were copied anew
+    assert all(sorted(set(p)) == list(range(8)) and len(p) == 12 for p in e["placement"])
     s = e["summary"]
     assert s["tokens"] > 0 and 1.0 <= s["imbalance_after"] <= s["imbalance_before"]
     assert r["compiles"] == 0 and r["free"] == r["baseline"]
+    assert multi_device["uneven_copies_error"] == (
+        "eplb_num_redundant_experts=3: the 8 routed experts and their copies (11) must split evenly over the 4 ranks "
+        "of the `experts` rule under sharding='ep'")
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
@@ -491,8 +504,12 @@ def test_serve_command_line_takes_a_sharding_config_and_decode_forms():
         cfg("--sharding", "tpp").validate()
     assert not cfg().enable_eplb
     c = cfg("--sharding", "ep", "--enable-eplb", "--eplb-window-size", "50", "--eplb-step-interval", "200")
-    assert (c.enable_eplb, c.eplb_window_size, c.eplb_step_interval) == (True, 50, 200)
+    assert (c.enable_eplb, c.eplb_window_size, c.eplb_step_interval, c.eplb_num_redundant_experts) == (True, 50, 200, 0)
     c.validate()
+    assert cfg("--sharding", "ep", "--enable-eplb", "--eplb-num-redundant-experts", "32").eplb_num_redundant_experts == 32
+    assert cfg("--sharding", "ep", "--enable-eplb", "--num-redundant-experts", "8").eplb_num_redundant_experts == 8
+    with pytest.raises(ValueError, match="eplb_num_redundant_experts=8: redundant experts are placed by"):
+        cfg("--sharding", "ep", "--num-redundant-experts", "8").validate()
     with pytest.raises(ValueError, match="eplb_step_interval=0"):
         cfg("--sharding", "ep", "--enable-eplb", "--eplb-step-interval", "0").validate()
     assert cfg().decode_context_parallel_size == 1

@@ -83,8 +83,16 @@ class MoE(nnx.Module):
         # (mesh, axis) when the routed experts are split over a mesh axis (k3jax/sharding.py): each rank
         # runs its own experts inside `shard_map` and the slots' outputs are summed across the axis.
         self.expert_parallel = None
-        # `expert_slots` (set only by serve/eplb.py `attach`): each expert's position in the stacked weights
-        # when expert-parallel load balancing moves them (`ExpertPlacement` [E] int32); absent: checkpoint order
+        # `expert_slots` / `expert_copies` (set only by serve/eplb.py `attach`): each expert's positions in the
+        # stacked weights and how many there are, when expert-parallel load balancing moves and copies them
+        # (`ExpertPlacement` [E, 1 + X], `ExpertCopies` [E]; the weights then hold E + X experts); absent:
+        # checkpoint order
+
+    @property
+    def physical_experts(self) -> int:
+        """Experts held in the stacked weights: E, or E + X with redundant copies (serve/eplb.py)."""
+        w = self.w1.weight_packed if isinstance(self.w1, MXFP4Params) else self.w1
+        return w[...].shape[0]
 
     def _expert_weight(self, w):
         return w.value() if isinstance(w, MXFP4Params) else w[...]
@@ -93,13 +101,22 @@ class MoE(nnx.Module):
         """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din]."""
         ws = tuple(self._expert_weight(w) for w in (self.w1, self.w3, self.w2))
         slots = getattr(self, "expert_slots", None)
-        if slots is not None:  # logical ids -> positions of the (moved) weights
-            ids = slots[...][ids]
+        if slots is not None:  # logical ids -> positions of the (moved, copied) weights
+            ids = self._physical(ids, slots[...], self.expert_copies[...])
         if self.expert_parallel is None:
             out = self._slots(z, ids, ws, 0)
         else:
             out = self._slots_expert_parallel(z, ids, ws)
         return jnp.einsum("nkd,nk->nd", out, weights)
+
+    @staticmethod
+    def _physical(ids: jax.Array, table: jax.Array, copies: jax.Array) -> jax.Array:
+        """Routed expert ids [N, k] -> positions in the stacked weights: assignment slot i (token-major) takes
+        copy i mod c of its expert (table [E, M], copies [E]), so an expert's copies share its tokens evenly."""
+        if table.shape[1] == 1:
+            return table[ids, 0]
+        copy = jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape) % copies[ids]
+        return table[ids, copy]
 
     def _slots(self, z: jax.Array, ids: jax.Array, ws: tuple, first: jax.Array | int) -> jax.Array:
         """Each (token, slot)'s expert output [N, k, Din] fp32, for the experts `[first, first + G)` held
@@ -131,7 +148,7 @@ class MoE(nnx.Module):
         from k3jax.sharding import axes_size
 
         mesh, axis = self.expert_parallel  # axis: a mesh axis name or a tuple of them
-        per_rank = self.cfg.num_experts // axes_size(axis, dict(mesh.shape))
+        per_rank = ws[0].shape[0] // axes_size(axis, dict(mesh.shape))  # physical experts (with any copies)
 
         def local(z, ids, ws):
             first = jax.lax.axis_index(axis) * per_rank
