@@ -1099,17 +1099,18 @@ class Engine:
         t0 = time.perf_counter()
         leaves = list(self._leaves)
         for layer, new in moves.items():
-            slots_leaf, copies_leaf, weight_leaves = self._eplb_leaves[layer]
+            weight_leaves = self._eplb_leaves[layer][2]
             index = jnp.asarray(eplb.moved_index(self.eplb.placement[layer], new))
             for i in weight_leaves:
                 leaves[i] = eplb.take_experts(leaves[i], index)
-            table, copies = eplb.replica_table(new, self.cfg.num_experts, 1 + self.eplb.redundant)
-            leaves[slots_leaf], leaves[copies_leaf] = jnp.asarray(table), jnp.asarray(copies)
+        self.eplb.applied(moves, summary)
+        for layer in moves:
+            slots_leaf, copies_leaf, _ = self._eplb_leaves[layer]
+            leaves[slots_leaf], leaves[copies_leaf] = map(jnp.asarray, self.eplb.tables(layer))
         if moves:
             self._set_leaves(leaves)
             jax.block_until_ready(self._leaves)
         summary["seconds"] = time.perf_counter() - t0
-        self.eplb.applied(moves, summary)
         self.counters["eplb_rebalances"] += 1
         return summary
 
