@@ -35,7 +35,7 @@ def _cmd_info(args) -> int:
 
     from k3jax.cache import cache_bytes
     from k3jax.config import PRESETS, load_hf_config
-    from k3jax.runtime import abstract_model, parse_dtype
+    from k3jax.runtime import abstract_model, param_counts, parse_dtype
 
     cfg = PRESETS[args.model] if args.model in PRESETS else load_hf_config(args.model)
     dtype = parse_dtype(args.dtype)
@@ -45,6 +45,7 @@ def _cmd_info(args) -> int:
         "family": cfg.family, "layers": cfg.num_hidden_layers, "kda_layers": cfg.num_kda_layers,
         "mla_layers": cfg.num_mla_layers, "param_tensors": len(leaves),
         "param_bytes": sum(int(x.size) * x.dtype.itemsize for x in leaves),
+        "params": param_counts(cfg, abstract),
         "cache_bytes_per_sequence_at_4096": cache_bytes(cfg, 1, 4096, dtype),
     }
     if args.sharding:

@@ -34,6 +34,33 @@ def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(model)
 
 
+def param_counts(cfg: ModelConfig, params) -> dict[str, int]:
+    """Parameter counts of a (possibly abstract) parameter tree, in the model card's convention.
+
+    An MXFP4 byte packs two parameters and its E8M0 scales are not parameters. `active_per_token`
+    is what one token's forward pass multiplies with: everything but the routed experts, plus
+    `num_experts_per_token` of each MoE layer's experts, less the input embedding (a lookup) unless
+    it is tied to the LM head. Full K3: 2.78 T total, 104.19 B active.
+    """
+    total = routed = embed = 0
+    for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
+        keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]  # drops `.value`
+        n = int(np.prod(leaf.shape))
+        if keys[-1] == "weight_scale":
+            continue
+        if keys[-1] == "weight_packed":
+            n *= 2
+        total += n
+        if "block_sparse_moe" in keys and keys[keys.index("block_sparse_moe") + 1] in ("w1", "w2", "w3"):
+            routed += n
+        if keys == ["embed_tokens"]:
+            embed = n
+    active = total - routed + (routed * cfg.num_experts_per_token // cfg.num_experts if cfg.num_experts else 0)
+    if not cfg.tie_word_embeddings:
+        active -= embed
+    return {"total": total, "routed_experts": routed, "active_per_token": active}
+
+
 def init_model(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:
     """Seeded random weights (presets); values are drawn on the host (see layers/initializers.py)."""
     return nnx.split(KimiModel(cfg, dtype=dtype, rngs=nnx.Rngs(params=seed)))
