@@ -19,6 +19,9 @@ def __getattr__(name):
     if name in ("BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence"):
         import serve.beam_search
         return getattr(serve.beam_search, name)
+    if name in ("LogitsProcessor", "ProcessorContext"):
+        import serve.logits_processors
+        return getattr(serve.logits_processors, name)
     if name in ("SamplingParams", "RequestOutput", "StructuredOutputsParams"):
         import serve.types
         return getattr(serve.types, name)
@@ -26,5 +29,5 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "LoRARequest", "initialize_distributed", "SamplingParams", "RequestOutput", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
+           "BeamSearchSequence", "LogitsProcessor", "ProcessorContext", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
 __version__ = "0.1.0"

@@ -167,6 +167,9 @@ class _GenerationFields(_Strict):
     guided_whitespace_pattern: Optional[str] = Field(None, description="vLLM's older name of "
                                                                       "structured_outputs.whitespace_pattern")
     bad_words: Optional[list[str]] = Field(None, description="words never to generate (vLLM's)")
+    vllm_xargs: Optional[dict[str, Any]] = Field(
+        None, description="vLLM's: SamplingParams.extra_args, the arguments of the server's custom logits "
+                          "processors (--logits-processors); a request setting one of a processor's names uses it")
     return_token_ids: bool = Field(False, description="vLLM's: the prompt's and each choice's token ids in the "
                                                       "response (per delta when streamed)")
     use_beam_search: bool = Field(False, description="vLLM's: a beam search of width n; the choices are its n best "
@@ -1500,7 +1503,8 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
-        structured_outputs=_structured(body, thinks, constraint), bad_words=body.bad_words)
+        structured_outputs=_structured(body, thinks, constraint), bad_words=body.bad_words,
+        extra_args=body.vllm_xargs)
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:
@@ -1518,7 +1522,7 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
                    ("min_tokens", params.min_tokens), ("presence_penalty", params.presence_penalty),
                    ("frequency_penalty", params.frequency_penalty),
                    ("repetition_penalty", params.repetition_penalty != 1.0),
-                   ("prompt_logprobs", params.prompt_logprobs is not None)]
+                   ("prompt_logprobs", params.prompt_logprobs is not None), ("vllm_xargs", params.extra_args)]
     for name, value in unsupported:
         if value:
             raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
@@ -1588,7 +1592,10 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     except _ClientGone:
         return Response(status_code=499)
     except RequestError as e:
-        raise APIError(400, str(e), param=_param_of(str(e))) from None
+        msg = str(e)
+        if msg.startswith("extra_args"):  # the engine's name of the request's vllm_xargs
+            raise APIError(400, "vllm_xargs" + msg[len("extra_args"):], param="vllm_xargs") from None
+        raise APIError(400, msg, param=_param_of(msg)) from None
     finally:
         if not handed_off:
             run.close()

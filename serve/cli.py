@@ -38,7 +38,7 @@ DEFAULTS = dict(
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
     lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1, data_parallel_routing="cache_aware",
-    prefill_devices=None, decode_devices=None, kv_store_mb=1024,
+    prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None,
 )
 
 
@@ -127,6 +127,10 @@ def add_serve_arguments(s) -> None:
                         "8)); 1: one after another")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    e.add_argument("--logits-processors", nargs="+", default=None, metavar="PATH",
+                   help="custom logits processors by import path ('package.module:attribute', a "
+                        "serve.logits_processors.LogitsProcessor or a factory of one), compiled into the step "
+                        "programs; a request turns one on with its argument names in `vllm_xargs`")
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache (default "
                                                              "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true",
@@ -234,7 +238,8 @@ def engine_config(o: dict):
         long_prefill_chunk=o.get("long_prefill_chunk"),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
-        max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None)
+        max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None,
+        logits_processors=tuple(o.get("logits_processors") or ()))
 
 
 def lora_modules(o: dict) -> list:
@@ -327,6 +332,8 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
             eng.add_lora(lr)
         _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
     eng = engines[0]
+    for proc in eng.logits_processors:
+        _say(f"logits processor {proc.name!r} (vllm_xargs: {', '.join(proc.arg_names) or 'every request'})")
     replicas = (f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else
                 f" on the prefill (devices {list(pd[0])}) and the decode engine (devices {list(pd[1])})" if pd else "")
     _say(f"compiling {len(eng.bucket_shapes())} step programs{replicas} (decode rows {eng.decode_buckets}, prefill "

@@ -42,6 +42,7 @@ from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
+from serve import logits_processors
 from serve.sampling import SamplingBatch
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
@@ -216,6 +217,11 @@ class EngineConfig:
     # dense projection. Each projection with slots adds its adapters' term to every step, and an adapter
     # touching a projection without slots is refused, naming it.
     lora_target_modules: Optional[tuple[str, ...]] = None
+    # Custom logits processors (vLLM's `logits_processors`; serve/logits_processors.py): pure JAX functions over
+    # the batch's logits, traced into every step program at start-up and run on the rows whose request sets
+    # one of their arguments in `SamplingParams.extra_args`. `LogitsProcessor` objects or import paths
+    # ("package.module:attribute"; what the CLI and data-parallel replica processes take).
+    logits_processors: tuple = ()
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
@@ -228,6 +234,9 @@ class EngineConfig:
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
         state_dtype_name(self.kda_state_dtype)  # raises, naming kda_state_dtype
+        if isinstance(self.logits_processors, (str, logits_processors.LogitsProcessor)):
+            raise ValueError("logits_processors: expected a sequence of processors or import paths")
+        logits_processors.resolve(self.logits_processors)  # raises, naming logits_processors
         dcp = self.decode_context_parallel_size
         if not isinstance(dcp, int) or isinstance(dcp, bool) or dcp < 1:
             raise ValueError(f"decode_context_parallel_size={dcp!r}: expected an integer >= 1")
@@ -498,9 +507,11 @@ class Engine:
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference
                                                           and self.layout.codec.kind == "auto" and not small_share)
         self.spec = config.speculative_config
+        self.logits_processors = logits_processors.resolve(config.logits_processors)
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
-                              KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK))
+                              KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
+                              self.logits_processors)
         self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
                                              options, arena_sharding)
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
@@ -843,6 +854,7 @@ class Engine:
                 raise RequestError("cache_salt: must be a non-empty string of at most 256 characters")
             text, ids = self._prompt_ids(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
+            logits_processors.check_request(self.logits_processors, params.extra_args)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 text, ids = None, ids[-params.truncate_prompt_tokens:]
             if params.penalized and not self.cfg.num_mla_layers:
@@ -1801,7 +1813,8 @@ class Engine:
                 ban_words(row, seq.bad_words, seq.output_ids)
                 if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
                     allowed[i * pos] = row
-        sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed)
+        sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed,
+                                       processors=self.logits_processors)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)
         dst = np.full(ncopy, lay.scratch_page, np.int32)

@@ -45,6 +45,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from serve import logits_processors
+from serve.logits_processors import LogitsProcessor, ProcessorContext
 from serve.penalties import apply_bias, apply_bitmask, apply_penalties
 from serve.types import SamplingParams
 
@@ -103,6 +105,8 @@ class SamplingBatch:
     bias_values: jax.Array  # [B, N] f32
     restrict: jax.Array  # [B] bool only the row's bias_ids may be sampled (allowed_token_ids)
     allowed: jax.Array  # [B, W] i32 bitmask of the tokens a structured-output row may take (-1: all)
+    proc_args: jax.Array  # [B, A] f32 the custom logits processors' arguments (serve/logits_processors.py)
+    proc_on: jax.Array  # [B, P] bool which processors process the row
 
     @property
     def size(self) -> int:
@@ -120,6 +124,7 @@ class SamplingBatch:
         bias_width: int = 0,
         allowed: Optional[np.ndarray] = None,
         mask_words: int = 0,
+        processors: Sequence[LogitsProcessor] = (),
     ) -> "SamplingBatch":
         """Host-side (numpy) builder: row ``i`` samples with ``params[i]``, ``seeds[i]`` and
         ``steps[i]``; rows ``len(params)..bucket-1`` and ``None`` params are greedy padding.
@@ -131,6 +136,8 @@ class SamplingBatch:
         ``bias_width`` entries per row. ``allowed`` ([bucket, mask_words] int32, rows of -1 for
         unconstrained rows) is the structured-output bitmask; without it every row allows all. A
         speculative verify batch gives one mask per row and position ([bucket * T, mask_words]).
+        ``processors`` are the engine's custom logits processors: each row's ``extra_args`` fill their
+        argument columns and on/off flags.
         """
         n = len(params)
         if n > bucket:
@@ -179,8 +186,10 @@ class SamplingBatch:
             top_k[i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= the vocabulary is off anyway
             top_p[i] = p.top_p
             min_p[i] = p.min_p
+        proc_args, proc_on = logits_processors.batch_columns(
+            processors, [p.extra_args if p is not None else None for p in params], bucket)
         return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,
-                   bias_ids, bias_values, restrict, allowed)
+                   bias_ids, bias_values, restrict, allowed, proc_args, proc_on)
 
 
 class SampleResult(NamedTuple):
@@ -325,14 +334,15 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
-           history: Optional[Callable[[], tuple[jax.Array, jax.Array]]] = None) -> SampleResult:
-    """Sample one token per row. ``num_top_logprobs`` must be static under jit
-    (``jax.jit(sample, static_argnames="num_top_logprobs")``).
+           history: Optional[Callable[[], tuple[jax.Array, jax.Array]]] = None,
+           processors: Sequence[LogitsProcessor] = ()) -> SampleResult:
+    """Sample one token per row. ``num_top_logprobs`` and ``processors`` must be static under jit
+    (``jax.jit(sample, static_argnames=("num_top_logprobs", "processors"))``).
 
     The batch's logit bias applies first, then, when any row has a penalty, the penalties over the
     rows' tokens: ``history()`` -> (ids [B, S], positions [B, S]) (``serve/penalties.py``; only traced
-    inside that branch). Greedy rows take the argmax of the biased and penalized logits; logprobs stay
-    those of the raw logits."""
+    inside that branch), then the custom logits processors on their rows. Greedy rows take the argmax
+    of the processed logits; logprobs stay those of the raw logits."""
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
     n = int(num_top_logprobs)
@@ -349,23 +359,30 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
 
     guided = jnp.any(batch.allowed != -1) if batch.allowed.shape[1] else jnp.bool_(False)
 
-    def process(x):  # only traced into the branch taken when some row has a mask, a bias or a penalty
+    def no_history():
+        raise ValueError("a logits processor asked for the token history, which this sample() call was not given")
+
+    context = ProcessorContext(batch.steps, batch.prompt_lens, history if history is not None else no_history)
+    uses_proc = jnp.any(batch.proc_on) if processors else jnp.bool_(False)
+
+    def process(x):  # only traced into the branch taken when some row has a mask, a bias, a penalty or a processor
         if batch.allowed.shape[1]:
             x = lax.cond(guided, apply_bitmask, lambda x, m: x, x, batch.allowed)
         if batch.bias_ids.shape[1]:
             x = apply_bias(x, batch.bias_ids, batch.bias_values, batch.restrict)
-        if history is None:
-            return x
+        if history is not None:
+            def penalize(x):
+                ids, pos = history()
+                length = (batch.steps + batch.prompt_lens)[:, None]  # tokens before the one being sampled
+                return apply_penalties(x, ids, pos < length, pos >= batch.prompt_lens[:, None], batch.presence,
+                                       batch.frequency, batch.repetition)
+            x = lax.cond(jnp.any(penalized), penalize, lambda x: x, x)
+        if processors:
+            x = logits_processors.apply(processors, x, batch.proc_args, batch.proc_on, context)
+        return x
 
-        def penalize(x):
-            ids, pos = history()
-            length = (batch.steps + batch.prompt_lens)[:, None]  # tokens before the one being sampled
-            return apply_penalties(x, ids, pos < length, pos >= batch.prompt_lens[:, None], batch.presence,
-                                   batch.frequency, batch.repetition)
-        return lax.cond(jnp.any(penalized), penalize, lambda x: x, x)
-
-    x = lax.cond(guided | jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict), process,
-                 lambda x: x, logits)
+    x = lax.cond(guided | jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict) | uses_proc,
+                 process, lambda x: x, logits)
     greedy_tokens = first_argmax(x)
     is_greedy = batch.temperature < GREEDY_EPS
     tokens = lax.cond(

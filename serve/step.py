@@ -63,6 +63,7 @@ class StepOptions:
     mla_heads: int = 0  # MLA query heads (the paged kernel splits them with the arena when it can)
     verify_tokens: int = 0  # rows of this many tokens are speculative verify rows (0: no speculation)
     state_chunk: int = 64  # a bf16-stored KDA state is rounded at multiples of this in prefill rows
+    logits_processors: tuple = ()  # custom LogitsProcessor objects run by the sampler (serve/logits_processors.py)
 
 
 class PagedView(CacheView):
@@ -488,12 +489,13 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         if batch.sampling.allowed.shape[0] == b * t:  # structured outputs: a mask per position
             rows.allowed = batch.sampling.allowed
         flat = sample(logits.reshape(b * t, -1), rows, num_top_logprobs,
-                      history=lambda: jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), history()))
+                      history=lambda: jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), history()),
+                      processors=options.logits_processors)
         res = SampleResult(*(x.reshape(b, t, *x.shape[1:]) for x in flat))
         accepted = accepted_lengths(batch.tokens, res.tokens, batch.valid)
         view.commit(jnp.minimum(accepted + 1, batch.valid))
     else:
-        res = sample(logits, batch.sampling, num_top_logprobs, history=history)
+        res = sample(logits, batch.sampling, num_top_logprobs, history=history, processors=options.logits_processors)
     if layout.num_kda_layers and not in_place and not view.layered:
         lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
         scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),

@@ -81,7 +81,9 @@ class SamplingParams:
     negative) logits of tokens in the prompt or the output (1 is off). `logit_bias` adds to chosen
     tokens' logits ({token id: bias in [-100, 100]}). `min_tokens` forbids EOS and `stop_token_ids` (and
     ignores stop strings) until that many tokens are out. They shape the sampled (or greedy) token;
-    logprobs stay those of the raw logits.
+    logprobs stay those of the raw logits. `extra_args` (vLLM's) carries values for the engine's custom
+    logits processors (serve/logits_processors.py): a request setting one of a processor's argument names
+    is processed by it.
     """
 
     n: int = 1
@@ -107,6 +109,7 @@ class SamplingParams:
     truncate_prompt_tokens: Optional[int] = None
     structured_outputs: Optional[StructuredOutputsParams] = None
     bad_words: Optional[list[str]] = None
+    extra_args: Optional[dict] = None
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -174,6 +177,9 @@ class SamplingParams:
             if (not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS
                     or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
                 bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+        if self.extra_args is not None and (not isinstance(self.extra_args, dict)
+                                            or not all(isinstance(k, str) for k in self.extra_args)):
+            bad("extra_args", "must be a mapping of string keys to values")
         if self.logit_bias:
             if len(self.logit_bias) > MAX_LOGIT_BIAS:
                 bad("logit_bias", f"at most {MAX_LOGIT_BIAS} tokens, got {len(self.logit_bias)}")

@@ -36,7 +36,8 @@ CAPACITY = 8  # largest decode bucket
 SMALL = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CAPACITY),
          "--decode-buckets", str(CAPACITY), "--prefill-buckets", "1", "--context-buckets", "8",
          "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning",
-         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}']
+         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
+         "--logits-processors", "no_repeat_ngram"]
 START_TIMEOUT = 300
 
 
@@ -396,10 +397,29 @@ def _err(r, status):
     ({"prompt": [], "max_tokens": 1}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),
     ({"max_tokens": 1}, "prompt"),
+    ({"prompt": "x", "vllm_xargs": {"no_repeat_ngram_size": "two"}}, "vllm_xargs"),
+    ({"prompt": "x", "vllm_xargs": {"no_repeat_ngram_size": 40}}, "vllm_xargs"),
+    ({"prompt": "x", "vllm_xargs": ["no_repeat_ngram_size"]}, "vllm_xargs"),
 ])
 def test_bad_requests_are_400_with_openai_body(http, body, param):
     err = _err(http.post("/v1/completions", json=body), 400)
     assert err["type"] == "invalid_request_error" and err["param"] == param, err
+
+
+def test_vllm_xargs_turn_on_the_servers_logits_processor(http):
+    """`--logits-processors no_repeat_ngram`: a request with `vllm_xargs` never repeats a bigram of prompt +
+    output (through n-gram drafts and their verify steps on this server); one without is untouched."""
+    a = http.post("/tokenize", json={"prompt": "a"}).json()["tokens"][0]
+    body = {"prompt": "abcabc", "max_tokens": 16, "temperature": 0, "ignore_eos": True, "logit_bias": {str(a): 30},
+            "return_token_ids": True}
+    plain = http.post("/v1/completions", json=body).json()
+    assert plain["choices"][0]["text"].startswith("aaa")  # the bias alone repeats
+    r = http.post("/v1/completions", json={**body, "vllm_xargs": {"no_repeat_ngram_size": 2}}).json()
+    prompt, out = r["choices"][0]["prompt_token_ids"], r["choices"][0]["token_ids"]
+    seq = prompt + out
+    assert len(out) == 16
+    for j in range(len(prompt), len(seq)):  # no output token completes a bigram seen before it (HF's rule)
+        assert (seq[j - 1], seq[j]) not in set(zip(seq[:j - 1], seq[1:j])), (j, seq)
 
 
 def test_malformed_json_and_wrong_content(http):

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from serve.logits_processors import LogitsProcessor
 from serve.penalties import apply_bias, apply_penalties
 from serve.sampling import SamplingBatch, sample
 from serve.types import RequestError, SamplingParams as SP
@@ -88,9 +89,16 @@ def test_sampling_params_validate_penalties():
 
 
 # ---- the engine ----------------------------------------------------------------------------------
+def _ban_below(logits, args, ctx):
+    return jnp.where(jnp.arange(logits.shape[1])[None, :] < args[:, :1], -jnp.inf, logits)
+
+
+# custom logits processors compiled into every program of the module's engine (off for every request that
+# does not name them: those must come out as without them, which the reference loops below check)
+PROCESSORS = (LogitsProcessor("ban_below", _ban_below, ("min_id",)), "no_repeat_ngram")
 KW = dict(max_model_len=128, cache_bytes=16 << 20, max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=2,
           decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(8,), measure_moe_time=False, progress=False,
-          max_logprobs=3)
+          max_logprobs=3, logits_processors=PROCESSORS)
 PROMPT = [int(x) for x in np.random.default_rng(7).integers(3, 250, 40)]
 # a bias that makes the random model repeat token 5 unless penalised, so the penalties bite
 CASES = [SP(temperature=0, max_tokens=10, ignore_eos=True, logit_bias={5: 4.0}, repetition_penalty=1.8),
@@ -161,6 +169,50 @@ def test_engine_min_tokens_bans_stops_until_reached(llm, forward_logits):
     assert llm.generate([PROMPT], SP(temperature=0, max_tokens=8, stop_token_ids=[first]))[0].token_ids == [first]
     e = llm.engine
     assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+
+def _processed_reference(logits_of, prompt, p: SP):
+    """Greedy with the bias, then ban_below and HF's no-repeat-n-gram rule written out over prompt + output."""
+    xa, out = p.extra_args or {}, []
+    for _ in range(p.max_tokens):
+        seq = prompt + out
+        x = _ref(logits_of(seq)[-1], [], [], bias=p.logit_bias)
+        x[:int(xa.get("min_id", 0))] = -np.inf
+        n = xa.get("no_repeat_ngram_size", 0)
+        if n and len(seq) >= n - 1:
+            tail = tuple(seq[len(seq) - n + 1:])
+            for i in range(len(seq) - n + 1):
+                if tuple(seq[i:i + n - 1]) == tail:
+                    x[seq[i + n - 1]] = -np.inf
+        out.append(int(np.argmax(x)))
+    return out
+
+
+def test_custom_logits_processors_match_a_reference_loop_beside_plain_rows(llm, forward_logits):
+    """Rows with a processor on follow the processed reference, those beside them the plain one, in one
+    batch; then again resuming from the prefix cache (the n-gram history read from shared pages); a sampled
+    row keeps to its processors; bad arguments are refused before taking memory; no compiles."""
+    g = dict(temperature=0, max_tokens=12, ignore_eos=True, logit_bias={5: 4.0})  # the model would repeat 5
+    cases = [SP(**g, extra_args={"no_repeat_ngram_size": 2}), SP(**g),
+             SP(**g, extra_args={"min_id": 200, "no_repeat_ngram_size": 1}), SP(**g, extra_args={"min_id": 100})]
+    want = [_processed_reference(forward_logits, PROMPT, p) for p in cases]
+    assert want[0] != want[1] and want[2] != want[1]  # the processors bite
+    got = [r.token_ids for r in llm.generate([PROMPT] * 4, cases)]
+    assert got == want
+    assert min(got[2]) >= 200 and len(set(got[2])) == len(got[2]) and min(got[3]) >= 100
+    r = llm.generate([PROMPT], cases[0])[0]
+    assert r.num_cached_tokens > 0 and r.token_ids == want[0]
+    sampled = SP(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True)
+    two = llm.generate([PROMPT, PROMPT], [sampled, SP(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True,
+                                                      extra_args={"min_id": 250, "no_repeat_ngram_size": 1})])
+    assert two[0].token_ids == llm.generate([PROMPT], sampled)[0].token_ids  # off: unchanged by its neighbour
+    assert min(two[1].token_ids) >= 250 and len(set(two[1].token_ids)) == 20
+    for xa, match in (({"min_id": "ten"}, r"extra_args\['min_id'\]"), ({"no_repeat_ngram_size": 99}, "no_repeat_ngram")):
+        with pytest.raises(RequestError, match=match):
+            llm.generate([PROMPT], SP(extra_args=xa))
+    e = llm.engine
+    assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+    assert llm.stats()["compiles_after_warmup"] == 0
 
 
 def test_prompt_logprobs_match_the_full_forward_and_bypass_the_prefix_cache(llm, forward_logits):
