@@ -40,25 +40,29 @@ def param_counts(cfg: ModelConfig, params) -> dict[str, int]:
     An MXFP4 byte packs two parameters and its E8M0 scales are not parameters. `active_per_token`
     is what one token's forward pass multiplies with: everything but the routed experts, plus
     `num_experts_per_token` of each MoE layer's experts, less the input embedding (a lookup) unless
-    it is tied to the LM head. Full K3: 2.78 T total, 104.19 B active.
+    it is tied to the LM head. Full K3: 2.78 T total, 104.19 B active. The `*_bytes` entries count
+    storage (scales included); `active_bytes_per_token` is what one decode token reads of the weights,
+    the numerator of a batch-1 decode roofline (K3 in bf16: 137 GB).
     """
     total = routed = embed = 0
+    total_b = routed_b = embed_b = 0
     for path, leaf in jax.tree_util.tree_flatten_with_path(params)[0]:
         keys = [str(k.key) for k in path if isinstance(k, jax.tree_util.DictKey)]  # drops `.value`
-        n = int(np.prod(leaf.shape))
-        if keys[-1] == "weight_scale":
-            continue
-        if keys[-1] == "weight_packed":
-            n *= 2
-        total += n
+        size = int(np.prod(leaf.shape))
+        nbytes = size * np.dtype(leaf.dtype).itemsize
+        n = 0 if keys[-1] == "weight_scale" else 2 * size if keys[-1] == "weight_packed" else size
+        total, total_b = total + n, total_b + nbytes
         if "block_sparse_moe" in keys and keys[keys.index("block_sparse_moe") + 1] in ("w1", "w2", "w3"):
-            routed += n
+            routed, routed_b = routed + n, routed_b + nbytes
         if keys == ["embed_tokens"]:
-            embed = n
-    active = total - routed + (routed * cfg.num_experts_per_token // cfg.num_experts if cfg.num_experts else 0)
+            embed, embed_b = n, nbytes
+    k, e = cfg.num_experts_per_token, cfg.num_experts
+    active = total - routed + (routed * k // e if e else 0)
+    active_b = total_b - routed_b + (routed_b * k // e if e else 0)
     if not cfg.tie_word_embeddings:
-        active -= embed
-    return {"total": total, "routed_experts": routed, "active_per_token": active}
+        active, active_b = active - embed, active_b - embed_b
+    return {"total": total, "routed_experts": routed, "active_per_token": active, "total_bytes": total_b,
+            "routed_experts_bytes": routed_b, "active_bytes_per_token": active_b}
 
 
 def init_model(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

@@ -25,20 +25,24 @@ def test_k3_cache_bytes_match_spec():
     assert b["mla_kv"] == 27_648 * 4096  # 27,648 B/token bf16
 
 
-@pytest.mark.parametrize("name,total,active,nbytes", [
+@pytest.mark.parametrize("name,total,active,nbytes,routed_bytes,active_bytes", [
     # spec §4.1: 2.78 T / 104.19 B active; the shipped bytes less A_log's zero padding (69 layers x 32 fp32,
-    # sliced to the 96 live heads at load)
-    ("k3", 2_779_484_476_000, 104_189_612_640, 1_559_965_606_912 - 69 * 32 * 4),
-    ("kimi-linear-48b-a3b", 49_122_681_728, 3_106_972_544, 98_247_513_088),  # spec §4.2: 49.12 B / 3.11 B
+    # sliced to the 96 live heads at load); a decode token reads the 113.51 GB of non-routed weights but the
+    # 2.35 GB input embedding, and 16 of 896 experts' 1.446 TB
+    ("k3", 2_779_484_476_000, 104_189_612_640, 1_559_965_606_912 - 69 * 32 * 4, 1_446_456_066_048, 136_990_294_400),
+    # spec §4.2: 49.12 B / 3.11 B; bf16 experts (47.11 B params), 8 of 256 read per token
+    ("kimi-linear-48b-a3b", 49_122_681_728, 3_106_972_544, 98_247_513_088, 94_220_845_056, 6_216_094_720),
 ])
-def test_full_size_parameter_counts_match_spec(name, total, active, nbytes, capsys):
+def test_full_size_parameter_counts_match_spec(name, total, active, nbytes, routed_bytes, active_bytes, capsys):
     """The abstract full-size model (shapes only; seconds, not minutes) pins every shape and dtype."""
     from k3jax.cli import main
 
     assert main(["info", "--model", name, "--dtype", "bfloat16"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["params"]["total"] == total and info["params"]["active_per_token"] == active
-    assert info["param_bytes"] == nbytes
+    counts = info["params"]
+    assert counts["total"] == total and counts["active_per_token"] == active
+    assert info["param_bytes"] == counts["total_bytes"] == nbytes
+    assert counts["routed_experts_bytes"] == routed_bytes and counts["active_bytes_per_token"] == active_bytes
 
 
 @pytest.mark.parametrize("name", sorted(PRESETS))
