@@ -165,7 +165,7 @@ def test_blocked_rows_do_not_depend_on_batch():
     x = jnp.asarray(rng.standard_normal((96, k)), jnp.float32)
     alone = gmm_blocked(x[:1], w, jnp.zeros(g, jnp.int32).at[3].set(1))[0]
     for m in (2, 5, 96):
-        for tm in (None, 2, 16, 64):
+        for tm in (None, 2, 64):
             sizes = np.zeros(g, np.int32)
             sizes[3] = m
             for fn in (gmm_blocked, gmm_looped):
@@ -190,7 +190,7 @@ def test_all_expert_rounds_give_the_loops_bits(layout):
     weights = [jnp.asarray(dense)]
     if layout == "out_in":
         weights.append(MXFP4Weight.from_float(jnp.asarray(dense)))
-    for m in (16, 40, 130, 300):
+    for m in (16, 130, 300):
         sizes = rng.multinomial(m - 3, rng.dirichlet(np.full(g, 0.4)))  # skewed, often empty groups
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[m - 3:] = np.nan
@@ -199,7 +199,7 @@ def test_all_expert_rounds_give_the_loops_bits(layout):
         for w in weights:
             want = np.asarray(gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout))
             assert np.all(np.isfinite(want)) and np.all(want[m - 3:] == 0)
-            for rounds in (1, 2, 3, 7):
+            for rounds in (1, 3, 7):
                 got = gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout, rounds=rounds)
                 np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} rounds={rounds}")
             np.testing.assert_array_equal(np.asarray(gmm_cpu(x, w, gs, rhs_layout=layout)), want)
