@@ -170,6 +170,10 @@ class _GenerationFields(_Strict):
     vllm_xargs: Optional[dict[str, Any]] = Field(
         None, description="vLLM's: SamplingParams.extra_args, the arguments of the server's custom logits "
                           "processors (--logits-processors); a request setting one of a processor's names uses it")
+    return_tokens_as_token_ids: Optional[bool] = Field(
+        None, description="vLLM's: logprobs name tokens as 'token_id:{id}' instead of their text (tokens that are "
+                          "not whole UTF-8 characters stay identifiable); default: the server's "
+                          "--return-tokens-as-token-ids")
     return_token_ids: bool = Field(False, description="vLLM's: the prompt's and each choice's token ids in the "
                                                       "response (per delta when streamed)")
     use_beam_search: bool = Field(False, description="vLLM's: a beam search of width n; the choices are its n best "
@@ -322,6 +326,7 @@ class ServerState:
         # rows that run at once (summed over data-parallel replicas)
         self.capacity = int(getattr(async_engine, "capacity", None) or eng.decode_buckets[-1])
         self.vocab_size = int(self.cfg.vocab_size)
+        self.generation_defaults = dict(getattr(eng, "generation_defaults", None) or {})
         fam = getattr(self.tokenizer, "chat_family", None)
         self.chat_family = fam or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(self.cfg.family, "byte")
         self.ready = True
@@ -615,8 +620,10 @@ class _Format:
     """Shapes of one endpoint's objects (completion or chat), full and streamed."""
 
     def __init__(self, st: ServerState, rid: str, n: int, logprobs: Optional[int], created: int,
-                 prompt_field: bool = False, token_ids: bool = False):
+                 prompt_field: bool = False, token_ids: bool = False, tokens_as_ids: Optional[bool] = None):
         self.st, self.id, self.n, self.logprobs, self.created = st, rid, n, logprobs, created
+        # vLLM's return_tokens_as_token_ids: the request's choice, else the server's
+        self.tokens_as_ids = getattr(st, "return_tokens_as_token_ids", False) if tokens_as_ids is None else tokens_as_ids
         self.prompt_field = prompt_field  # return vLLM's `prompt_logprobs`
         self.token_ids = token_ids  # return vLLM's `prompt_token_ids` / `token_ids`
         self.sent_text: dict[int, int] = {}
@@ -654,6 +661,14 @@ class _Format:
             rows.append(row)
         return rows
 
+    def token_text(self, lp: Logprob) -> str:
+        """A logprob entry's `token`: its text, or vLLM's 'token_id:{id}' under return_tokens_as_token_ids."""
+        return f"token_id:{lp.token_id}" if self.tokens_as_ids else lp.decoded
+
+    def logprob_bytes(self, lp: Logprob) -> list[int]:
+        """`bytes` of a chat logprob entry: the token's bytes, or those of its 'token_id:{id}' name (vLLM's)."""
+        return list(self.token_text(lp).encode()) if self.tokens_as_ids else self.token_bytes(lp.token_id)
+
     def token_bytes(self, tid: int) -> list[int]:
         tok = self.st.tokenizer
         try:
@@ -676,11 +691,11 @@ class _CompletionFormat(_Format):
             return None
         tokens, lps, tops, offs = [], [], [], []
         for chosen, alts in entries:
-            tokens.append(chosen.decoded)
+            tokens.append(self.token_text(chosen))
             lps.append(None if chosen.logprob is None else _finite_lp(chosen.logprob))
             top: Optional[dict[str, float]] = None if alts is None else {}
             for a in alts or ():
-                top.setdefault(a.decoded, _finite_lp(a.logprob))
+                top.setdefault(self.token_text(a), _finite_lp(a.logprob))
             tops.append(top)
             offs.append(offset)
             offset += len(chosen.decoded)
@@ -819,10 +834,10 @@ class _ChatFormat(_Format):
             return None
         content = []
         for chosen, alts in entries:
-            content.append({"token": chosen.decoded, "logprob": _finite_lp(chosen.logprob),
-                            "bytes": self.token_bytes(chosen.token_id),
-                            "top_logprobs": [{"token": a.decoded, "logprob": _finite_lp(a.logprob),
-                                              "bytes": self.token_bytes(a.token_id)} for a in alts]})
+            content.append({"token": self.token_text(chosen), "logprob": _finite_lp(chosen.logprob),
+                            "bytes": self.logprob_bytes(chosen),
+                            "top_logprobs": [{"token": self.token_text(a), "logprob": _finite_lp(a.logprob),
+                                              "bytes": self.logprob_bytes(a)} for a in alts]})
         return {"content": content}
 
     def full(self, run: _Run) -> dict:
@@ -994,7 +1009,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
                max_model_len: Optional[int] = None, reasoning_parser: bool = True,
                max_stored_responses: int = 1024, enable_sleep_mode: bool = False,
-               allow_runtime_lora_updating: bool = False) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1010,9 +1025,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
       /update_weights_from_disk (SGLang's): what an RL loop sharing the device with training calls.
     allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
       they read adapter directories from the server's disk, so they are off by default).
+    return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
+    st.return_tokens_as_token_ids = return_tokens_as_token_ids
     st.responses = ResponseStore(max_stored_responses)
     if async_engine is not None:
         st.attach(async_engine)
@@ -1139,7 +1156,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         echo = texts if body.echo else [""] * len(texts)
         fmt = _CompletionFormat(st, f"cmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
                                 echo_texts=echo, prompt_field=body.prompt_logprobs is not None,
-                                token_ids=body.return_token_ids)
+                                token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids)
         return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
@@ -1396,7 +1413,8 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str):
                        constraint=plan.constraint() if plan else None)
     fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),
                       prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
-                      tools=plan, token_ids=body.return_token_ids, prompt_ids=ids)
+                      tools=plan, token_ids=body.return_token_ids, prompt_ids=ids,
+                      tokens_as_ids=body.return_tokens_as_token_ids)
     return ids, params, fmt
 
 
@@ -1492,15 +1510,19 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
             bias = {int(k): float(v) for k, v in body.logit_bias.items()}
         except ValueError:
             raise APIError(400, "logit_bias: keys must be token ids (integers as strings)", param="logit_bias") from None
+    model = getattr(st, "generation_defaults", {})  # the checkpoint's generation_config.json (vLLM's)
+
+    def unset(value, field: str, default):
+        return model.get(field, default) if value is None else value
     params = SamplingParams(
-        n=body.n, temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p, top_k=-1 if body.top_k is None else body.top_k,
-        min_p=0.0 if body.min_p is None else body.min_p, seed=body.seed, max_tokens=max_tokens,
+        n=body.n, temperature=unset(body.temperature, "temperature", 1.0),
+        top_p=unset(body.top_p, "top_p", 1.0), top_k=unset(body.top_k, "top_k", -1),
+        min_p=unset(body.min_p, "min_p", 0.0), seed=body.seed, max_tokens=max_tokens,
         stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
         logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
         skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        repetition_penalty=unset(body.repetition_penalty, "repetition_penalty", 1.0),
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
         truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
         structured_outputs=_structured(body, thinks, constraint), bad_words=body.bad_words,
@@ -1521,7 +1543,7 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
                    ("allowed_token_ids", params.allowed_token_ids), ("bad_words", params.bad_words),
                    ("min_tokens", params.min_tokens), ("presence_penalty", params.presence_penalty),
                    ("frequency_penalty", params.frequency_penalty),
-                   ("repetition_penalty", params.repetition_penalty != 1.0),
+                   ("repetition_penalty", body.repetition_penalty not in (None, 1.0)),  # not the model's default
                    ("prompt_logprobs", params.prompt_logprobs is not None), ("vllm_xargs", params.extra_args)]
     for name, value in unsupported:
         if value:

@@ -38,7 +38,7 @@ DEFAULTS = dict(
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
     lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1, data_parallel_routing="cache_aware",
-    prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None,
+    prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
 )
 
 
@@ -127,6 +127,10 @@ def add_serve_arguments(s) -> None:
                         "8)); 1: one after another")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+    e.add_argument("--generation-config", default=d["generation_config"], metavar="auto|vllm|DIR",
+                   help="default sampling for requests that leave it unset: 'auto' reads the checkpoint's "
+                        "generation_config.json (K3: temperature 1.0, top_p 0.95), 'vllm' ignores it, a directory "
+                        "reads that one's (vLLM's)")
     e.add_argument("--logits-processors", nargs="+", default=None, metavar="PATH",
                    help="custom logits processors by import path ('package.module:attribute', a "
                         "serve.logits_processors.LogitsProcessor or a factory of one), compiled into the step "
@@ -167,6 +171,9 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--enable-sleep-mode", action="store_true",
                    help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and POST /update_weights_from_disk "
                         "(SGLang's): release and reload the device memory around training steps of an RL loop")
+    a.add_argument("--return-tokens-as-token-ids", action="store_true",
+                   help="logprobs name tokens 'token_id:{id}' instead of their text (vLLM's; a request's "
+                        "return_tokens_as_token_ids overrides it)")
     a.add_argument("--no-reasoning-parser", action="store_true",
                    help="K3 chat: return the raw XTML text as content instead of splitting it into "
                         "reasoning_content and content")
@@ -239,7 +246,8 @@ def engine_config(o: dict):
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
         max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None,
-        logits_processors=tuple(o.get("logits_processors") or ()))
+        logits_processors=tuple(o.get("logits_processors") or ()),
+        generation_config=o.get("generation_config") or "auto")
 
 
 def lora_modules(o: dict) -> list:
@@ -332,6 +340,10 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
             eng.add_lora(lr)
         _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
     eng = engines[0]
+    served = {k: v for k, v in eng.generation_defaults.items() if k != "max_tokens"}  # what the server applies
+    if served:
+        _say(f"requests that leave them unset sample with the model's generation config: {served} "
+             f"(--generation-config vllm ignores it)")
     for proc in eng.logits_processors:
         _say(f"logits processor {proc.name!r} (vllm_xargs: {', '.join(proc.arg_names) or 'every request'})")
     replicas = (f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else
@@ -414,6 +426,7 @@ def serve_main(args) -> int:
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
                      max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
                      reasoning_parser=not o["no_reasoning_parser"],
+                     return_tokens_as_token_ids=bool(o.get("return_tokens_as_token_ids")),
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")))

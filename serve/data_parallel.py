@@ -245,6 +245,10 @@ class DataParallelEngine:
         return self.replicas[0].cfg
 
     @property
+    def generation_defaults(self) -> dict:
+        return self.replicas[0].generation_defaults
+
+    @property
     def config(self) -> EngineConfig:
         return self.replicas[0].config
 

@@ -42,7 +42,7 @@ from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
-from serve import logits_processors
+from serve import generation_config, logits_processors
 from serve.sampling import SamplingBatch
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
@@ -222,6 +222,11 @@ class EngineConfig:
     # one of their arguments in `SamplingParams.extra_args`. `LogitsProcessor` objects or import paths
     # ("package.module:attribute"; what the CLI and data-parallel replica processes take).
     logits_processors: tuple = ()
+    # The model's default sampling (vLLM's --generation-config; serve/generation_config.py): "auto" reads the
+    # checkpoint directory's generation_config.json (K3: temperature 1.0, top_p 0.95), "vllm" ignores it, a
+    # directory reads that one's. It fills what a request leaves unset (LLM.generate without sampling
+    # parameters; the server's missing temperature / top_p / top_k / min_p / repetition_penalty).
+    generation_config: str = "auto"
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
@@ -432,6 +437,7 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), warmup: bool = True,
                  progress: bool = True):
         config.validate()
+        self.generation_defaults = generation_config.resolve(config.generation_config, model.source)
         reference = resolve_backend("auto") == "reference"
         if config.max_loras:  # adapter factors on the dense projections, before the transforms shard them
             targets = config.lora_target_modules

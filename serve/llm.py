@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 from k3jax.runtime import Model, load_model
 from serve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
+from serve import generation_config
 from serve.chat import chat_ids
 from serve.data_parallel import DataParallelEngine
 from serve.engine import Engine, EngineConfig
@@ -26,28 +27,42 @@ class LLM:
     process builds the same `LLM`; process 0 calls `generate` and finally `close()`, the others call
     `follow()`, which returns when process 0 closes."""
 
+    progress: bool = True  # progress bars (warm-up, and `use_tqdm`'s default)
+
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  **engine_options):
         self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed)
+        self.progress = progress
         config = EngineConfig(**engine_options)
         # vLLM's data_parallel_size: that many engine replicas on disjoint device groups (serve/data_parallel.py)
         self.engine = (Engine(self.model, config, progress=progress) if data_parallel_size == 1
                        else DataParallelEngine.build(self.model, config, data_parallel_size, progress=progress,
                                                      routing=data_parallel_routing))
 
+    def get_tokenizer(self):
+        """The engine's tokenizer (vLLM's `LLM.get_tokenizer`); None for token-id-only checkpoints."""
+        return self.engine.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """vLLM's: SamplingParams carrying the model's generation_config.json fields (`generation_config`
+        engine option; serve/generation_config.py), what `generate` uses when given none."""
+        return generation_config.default_params(self.engine.generation_defaults)
+
     def generate(self, prompts: Union[Prompt, list[Prompt]],
                  sampling_params: Union[SamplingParams, BeamSearchParams, list, None] = None,
                  priority: Optional[list[int]] = None, cache_salt: Optional[str] = None,
-                 lora_request=None) -> list[RequestOutput]:
+                 lora_request=None, *, use_tqdm: Union[bool, Callable, None] = None) -> list[RequestOutput]:
         """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue;
         `cache_salt`: only requests with the same salt share cached prefixes; `lora_request`: a LoRA
         adapter (a loaded adapter's name or a `LoRARequest`, loaded on first use) for every prompt, or
-        a list with one per prompt (None: the base model)."""
+        a list with one per prompt (None: the base model). Without `sampling_params`, the model's
+        defaults (`get_default_sampling_params`). `use_tqdm` (vLLM's): a progress bar over finished
+        prompts (True, or a tqdm-like factory; default: the `progress` the LLM was built with)."""
         if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
-            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
         priority = priority if priority is not None else [0] * len(prompts)
@@ -65,26 +80,42 @@ class LLM:
                 self.engine.abort(rid)
             raise
         done: dict[str, RequestOutput] = {}
+        bar = self._progress_bar(use_tqdm, len(ids))
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
                     if out.finished:
                         done[out.request_id] = out
+                        if bar is not None:
+                            bar.update(1)
         except BaseException:  # a failed step or Ctrl-C: withdraw the rest, leave the engine empty and usable
             for rid in ids:
                 self.engine.abort(rid)
             self.engine._reap()
             raise
+        finally:
+            if bar is not None:
+                bar.close()
         return [done[i] for i in ids]
 
+    def _progress_bar(self, use_tqdm, total: int):
+        if use_tqdm is None:
+            use_tqdm = self.progress
+        if not use_tqdm or total == 0:
+            return None
+        if callable(use_tqdm):
+            return use_tqdm(total=total, desc="Processed prompts")
+        from tqdm.auto import tqdm
+        return tqdm(total=total, desc="Processed prompts", dynamic_ncols=True)
+
     def beam_search(self, prompts: Union[Prompt, list[Prompt]], params: BeamSearchParams,
-                    lora_request=None) -> list[BeamSearchOutput]:
+                    lora_request=None, use_tqdm: Union[bool, Callable, None] = None) -> list[BeamSearchOutput]:
         """vLLM's `LLM.beam_search`: each prompt's `params.beam_width` best hypotheses, best first. The
         beams run in the engine next to each other and any other request, forking their cache state
         (serve/beam_search.py)."""
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
-        outs = self.generate(prompts, params, lora_request=lora_request)
+        outs = self.generate(prompts, params, lora_request=lora_request, use_tqdm=use_tqdm)
         return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, [lp.logprob for lp, _ in c.logprobs],
                                                      c.cumulative_logprob, c.text, c.finish_reason)
                                   for c in o.outputs]) for o in outs]
@@ -92,7 +123,7 @@ class LLM:
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None,
-             continue_final_message: bool = False) -> list[RequestOutput]:
+             continue_final_message: bool = False, use_tqdm: Union[bool, Callable, None] = None) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of OpenAI-style messages) or of
         several; the model family's chat format renders them (serve/chat.py). Texts are raw (K3's
         think / response channels included; `serve.reasoning.split_reasoning` splits them). With
@@ -104,7 +135,7 @@ class LLM:
             self.engine.cfg.family, "byte")
         prompts = [chat_ids(tok, family, conv, add_generation_prompt, chat_template_kwargs,
                             continue_final_message=continue_final_message) for conv in convs]
-        return self.generate(prompts, sampling_params)
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:
         return self.engine.stats()

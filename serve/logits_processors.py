@@ -187,9 +187,14 @@ def apply(processors: Sequence[LogitsProcessor], logits: jax.Array, args: jax.Ar
         col += len(proc.arg_names)
 
         def run(x, proc=proc, cols=cols, j=j):
-            y = proc.fn(x, cols, ctx)
-            if y.shape != x.shape:
-                raise ValueError(f"logits processor {proc.name!r} returned shape {y.shape}, expected {x.shape}")
+            try:
+                y = proc.fn(x, cols, ctx)
+            except Exception as e:  # traced when the engine compiles its programs: say whose code failed
+                raise ValueError(f"logits processor {proc.name!r} failed while tracing: "
+                                 f"{type(e).__name__}: {e}") from e
+            if not hasattr(y, "shape") or y.shape != x.shape:
+                raise ValueError(f"logits processor {proc.name!r} returned shape {getattr(y, 'shape', type(y).__name__)}, "
+                                 f"expected {x.shape}")
             return jnp.where(on[:, j:j + 1], y.astype(x.dtype), x)
         logits = lax.cond(jnp.any(on[:, j]), run, lambda x: x, logits)
     return logits

@@ -281,6 +281,28 @@ def test_stop_string_ends_text(client):
     assert r.text == g[:g.index(stop)] and r.finish_reason == "stop"
 
 
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(http):
+    """vLLM's `return_tokens_as_token_ids`: logprob tokens are 'token_id:{id}' (echoed prompt tokens too), the
+    ids the choice returns; chat entries' bytes are those of that name; text offsets still count text."""
+    prompt = "The quick"
+    body = dict(model=MODEL, prompt=prompt, max_tokens=4, temperature=0, echo=True, logprobs=2, ignore_eos=True,
+                return_token_ids=True, return_tokens_as_token_ids=True)
+    c = http.post("/v1/completions", json=body).json()["choices"][0]
+    lp = c["logprobs"]
+    assert lp["tokens"] == [f"token_id:{t}" for t in c["prompt_token_ids"] + c["token_ids"]]
+    assert all(k.startswith("token_id:") for top in lp["top_logprobs"][1:] for k in top)
+    assert lp["text_offset"][:3] == [0, 1, 2]
+    plain = http.post("/v1/completions", json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]
+    assert "".join(plain["logprobs"]["tokens"][:len(prompt)]) == prompt
+    chat = http.post("/v1/chat/completions", json=dict(
+        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0, logprobs=True,
+        top_logprobs=2, ignore_eos=True, return_token_ids=True, return_tokens_as_token_ids=True)).json()["choices"][0]
+    content = chat["logprobs"]["content"]
+    assert [e["token"] for e in content] == [f"token_id:{t}" for t in chat["token_ids"]]
+    assert all(e["bytes"] == list(e["token"].encode()) and e["top_logprobs"][0]["token"].startswith("token_id:")
+               for e in content)
+
+
 # ---- chat -----------------------------------------------------------------------------------------
 
 def test_chat_non_stream_and_stream(client, http):

@@ -128,3 +128,20 @@ def test_compile_cache_dir_flag_then_jax_env_then_home():
     assert compile_cache_path("/srv/xla", {"JAX_COMPILATION_CACHE_DIR": "/run/jax"}) == "/srv/xla"
     assert compile_cache_path(None, {"JAX_COMPILATION_CACHE_DIR": "/run/jax"}) == "/run/jax"
     assert compile_cache_path(None, {}).endswith("/.cache/k3jax/jax") and not compile_cache_path(None, {}).startswith("~")
+
+
+def test_return_tokens_as_token_ids_server_default_and_request_override():
+    from types import SimpleNamespace
+
+    from serve.api import _Format
+    from serve.types import Logprob
+
+    lp = Logprob(104, -0.5, "h")
+    for server, request, want in ((False, None, "h"), (True, None, "token_id:104"), (True, False, "h"),
+                                  (False, True, "token_id:104")):
+        st = SimpleNamespace(return_tokens_as_token_ids=server, tokenizer=None)
+        fmt = _Format(st, "id", 1, 1, 0, tokens_as_ids=request)
+        assert fmt.token_text(lp) == want
+        assert fmt.logprob_bytes(lp) == (list(want.encode()) if want != "h" else [])
+    app = create_app(None, "m", return_tokens_as_token_ids=True)
+    assert app.state.k3.return_tokens_as_token_ids is True

@@ -80,15 +80,19 @@ def test_no_repeat_ngram_matches_hf_transformers():
     assert banned_rows >= 4  # the rule bites on most rows
 
 
-def test_processor_context_refuses_history_when_sample_has_none():
+def test_a_failing_processor_is_named():
     def wants_history(logits, args, ctx):
         ids, _ = ctx.history()
         return logits
 
-    batch = SamplingBatch.from_params([SP(temperature=0)], [0], [0], 1, processors=(
-        LogitsProcessor("h", wants_history),))
-    with pytest.raises(ValueError, match="token history"):
-        sample(jnp.zeros((1, 8)), batch, processors=(LogitsProcessor("h", wants_history),))
+    def wrong_shape(logits, args, ctx):
+        return logits[:, :3]
+
+    for fn, why in ((wants_history, "'h' failed while tracing.*token history"), (wrong_shape, "'h' returned shape")):
+        procs = (LogitsProcessor("h", fn),)
+        batch = SamplingBatch.from_params([SP(temperature=0)], [0], [0], 1, processors=procs)
+        with pytest.raises(ValueError, match=why):
+            sample(jnp.zeros((1, 8)), batch, processors=procs)
 
 
 def test_resolve_builtin_names_import_paths_and_factories(tmp_path, monkeypatch):

@@ -387,3 +387,33 @@ def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logit
     r = llm.generate([PROMPT], SP(temperature=0, max_tokens=8, structured_outputs=SO(choice=["ab"]),
                                   bad_words=["ab"]))[0]
     assert r.text == "ab" and llm.engine.counters["structured_output_errors"] == 0
+
+
+def test_llm_uses_the_models_default_sampling_and_reports_progress(llm, forward_logits):
+    """vLLM's `LLM` conveniences: `generate` without sampling parameters samples with the model's generation
+    config (`get_default_sampling_params`), `use_tqdm` takes a tqdm-like factory, `get_tokenizer`."""
+    class Bar:
+        made = []
+
+        def __init__(self, total, desc):
+            self.total, self.n = total, 0
+            Bar.made.append(self)
+
+        def update(self, k):
+            self.n += k
+
+        def close(self):
+            self.closed = True
+
+    e = llm.engine
+    saved = e.generation_defaults
+    try:
+        e.generation_defaults = {"temperature": 0.0, "max_tokens": 3}  # as read from a generation_config.json
+        assert llm.get_default_sampling_params() == SP(temperature=0.0, max_tokens=3)
+        outs = llm.generate([PROMPT, PROMPT[:20]], use_tqdm=Bar)
+    finally:
+        e.generation_defaults = saved
+    assert [o.token_ids for o in outs] == [_reference_tokens(forward_logits, p, SP(temperature=0, max_tokens=3))
+                                           for p in (PROMPT, PROMPT[:20])]
+    assert [(b.total, b.n, b.closed) for b in Bar.made] == [(2, 2, True)]
+    assert llm.get_default_sampling_params() == SP() and llm.get_tokenizer() is e.tokenizer

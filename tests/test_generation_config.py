@@ -1,0 +1,79 @@
+"""A model's generation_config.json as the default sampling (serve/generation_config.py): reading and
+checking the file, `--generation-config auto|vllm|DIR`, the engine and `LLM`, and the server's unset fields."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from serve import generation_config as gc
+from serve.types import SamplingParams
+
+
+def _write(path, **fields):
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": [2, 3], **fields}))
+    return path
+
+
+def test_read_keeps_vllms_sampling_fields_and_checks_them(tmp_path):
+    assert gc.read(str(tmp_path)) == {}  # no file
+    _write(tmp_path, temperature=1.0, top_p=0.95, top_k=20, max_new_tokens=512, do_sample=True)
+    assert gc.read(str(tmp_path)) == {"temperature": 1.0, "top_p": 0.95, "top_k": 20, "max_tokens": 512}
+    for bad, key in ((dict(temperature="hot"), "temperature"), (dict(top_k=2.5), "top_k"),
+                     (dict(top_p=1.5), "top_p"), (dict(repetition_penalty=0), "repetition_penalty"),
+                     (dict(temperature=True), "temperature")):
+        _write(tmp_path, **bad)
+        with pytest.raises(ValueError, match=f"generation_config.json: {key}"):
+            gc.read(str(tmp_path))
+    (tmp_path / "generation_config.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not readable JSON"):
+        gc.read(str(tmp_path))
+
+
+def test_resolve_auto_vllm_and_a_directory(tmp_path):
+    model, other = tmp_path / "model", tmp_path / "other"
+    model.mkdir(), other.mkdir()
+    _write(model, top_p=0.95)
+    _write(other, temperature=0.6)
+    assert gc.resolve("auto", str(model)) == gc.resolve(None, str(model)) == {"top_p": 0.95}
+    assert gc.resolve("auto", "tiny-k3") == {}  # a preset has no directory
+    assert gc.resolve("vllm", str(model)) == {}
+    assert gc.resolve(str(other), str(model)) == {"temperature": 0.6}
+    with pytest.raises(ValueError, match="generation_config: 'nowhere'"):
+        gc.resolve("nowhere", str(model))
+    assert gc.default_params({"top_p": 0.95}) == SamplingParams(top_p=0.95)
+
+
+def test_engine_reads_the_checkpoint_directory_before_anything_else(tmp_path):
+    import k3jax
+    from serve.engine import Engine, EngineConfig
+
+    _write(tmp_path, temperature=0.7, top_p=0.9)
+    model = dataclasses.replace(k3jax.load_model("tiny-k3"), source=str(tmp_path))  # as a checkpoint dir would be
+    kw = dict(max_model_len=64, cache_bytes=4 << 20, max_num_seqs=2, prefill_chunk=16, max_prefill_seqs=1)
+    eng = Engine(model, EngineConfig(**kw), warmup=False, progress=False)
+    assert eng.generation_defaults == {"temperature": 0.7, "top_p": 0.9}
+    assert Engine(model, EngineConfig(**kw, generation_config="vllm"), warmup=False,
+                  progress=False).generation_defaults == {}
+    _write(tmp_path, top_k="x")
+    with pytest.raises(ValueError, match="top_k"):
+        Engine(model, EngineConfig(**kw), warmup=False, progress=False)
+
+
+def test_server_fills_only_the_fields_a_request_leaves_unset():
+    from serve.api import ChatCompletionRequest, CompletionRequest, _sampling
+
+    st = SimpleNamespace(generation_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20, "max_tokens": 9},
+                         vocab_size=512, max_logprobs=5)
+    p = _sampling(st, CompletionRequest(prompt="x"), 16, None)
+    assert (p.temperature, p.top_p, p.top_k, p.min_p, p.max_tokens) == (0.6, 0.95, 20, 0.0, 16)
+    p = _sampling(st, CompletionRequest(prompt="x", temperature=1.0, top_p=1.0), 16, None)  # explicit wins
+    assert (p.temperature, p.top_p, p.top_k) == (1.0, 1.0, 20)
+    p = _sampling(st, ChatCompletionRequest(messages=[{"role": "user", "content": "a"}], top_k=-1), None, None)
+    assert (p.temperature, p.top_k) == (0.6, -1)
+    p = _sampling(SimpleNamespace(generation_defaults={}, vocab_size=512, max_logprobs=5), CompletionRequest(prompt="x"),
+                  16, None)
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, -1, 1.0)  # OpenAI's defaults
