@@ -351,7 +351,8 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
     _say(f"compiling {len(eng.bucket_shapes())} step programs{replicas} (decode rows {eng.decode_buckets}, prefill "
          f"rows {eng.prefill_buckets} x {cfg.prefill_chunk} tokens"
          f"{f' and 1 x {eng.sched_cfg.long_prefill_chunk}' if eng.sched_cfg.long_prefill_chunk else ''}, "
-         f"context pages {eng.context_buckets}); "
+         f"context pages {eng.context_buckets}"
+         f"{f', decode at {eng.decode_context_buckets}' if eng.decode_context_buckets != eng.context_buckets else ''}); "
          f"compilation cache: {cache_dir or 'off'}")
     with ThreadPoolExecutor(len(engines)) as pool:  # replicas compile side by side
         list(pool.map(lambda e: e.warmup(progress=e is eng), engines))

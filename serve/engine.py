@@ -33,6 +33,7 @@ from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_ex
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
+from pallas_kernels.mla import decode_work_follows_length
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, read_peft
@@ -537,6 +538,12 @@ class Engine:
         self.context_buckets = tuple(sorted(config.context_buckets or _geometric(max_pages)))
         if self.context_buckets[-1] < max_pages:
             raise ValueError(f"context_buckets must reach {max_pages} pages (max_model_len / page_size)")
+        # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
+        # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
+        # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
+        # gathered form, the reference, TPU's grid over every entry) the width is work and each bucket counts.
+        self.decode_context_buckets = (self.context_buckets[-1:] if self.mla_paged and decode_work_follows_length()
+                                       else self.context_buckets)
         self.sched_cfg = SchedulerConfig(
             max_num_seqs=self.decode_buckets[-1], max_prefill_seqs=self.prefill_buckets[-1],
             prefill_chunk=config.prefill_chunk, align=min(config.prefill_chunk, KDA_CHUNK),
@@ -632,7 +639,7 @@ class Engine:
     # ---- start-up -----------------------------------------------------------------------------
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per layer) program this engine may run."""
-        shapes = [(b, 1, p) for b in self.decode_buckets for p in self.context_buckets]
+        shapes = [(b, 1, p) for b in self.decode_buckets for p in self.decode_context_buckets]
         if self.spec:  # verify rows: the decode buckets at 1 + drafts tokens
             shapes += [(b, self.spec.verify_tokens, p) for b in self.decode_buckets for p in self.context_buckets]
         long = self.sched_cfg.long_prefill_chunk  # the one-row prefill program, when on (else 1 x prefill_chunk)
@@ -698,7 +705,7 @@ class Engine:
         alternating runs on padding rows of random tokens, so the MoE routes as real tokens do). Every
         process of a multi-process engine runs the same calls."""
         rng, cost = np.random.default_rng(0), {}
-        p = self.context_buckets[0]
+        p = self.decode_context_buckets[0]  # a width both the decode and the verify programs have
         for rows in self.decode_buckets:
             batches = {}
             for t in (1, self.spec.verify_tokens):
@@ -1704,7 +1711,7 @@ class Engine:
         if long:  # every one-row prefill runs in the long program (scheduler.py: `_plan_rows`)
             t = self.sched_cfg.long_prefill_chunk
         rows_bucket = 1 if long else _fit(len(rows), self.decode_buckets if decoding else self.prefill_buckets)
-        pages_bucket = _fit(need_pages, self.context_buckets)
+        pages_bucket = _fit(need_pages, self.decode_context_buckets if decoding and t == 1 else self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
         (res, prompt, accepted), counts = self._step_fn(batch)
         if (batch.targets >= 0).any():

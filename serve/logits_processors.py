@@ -35,7 +35,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from serve.types import RequestError
 
@@ -178,8 +180,6 @@ def batch_columns(processors: Sequence[LogitsProcessor], extra_args: Sequence[Op
 def apply(processors: Sequence[LogitsProcessor], logits: jax.Array, args: jax.Array, on: jax.Array,
           ctx: ProcessorContext) -> jax.Array:
     """Run each processor on its rows (others unchanged bit for bit); skipped when no row has it on."""
-    import jax.numpy as jnp
-    from jax import lax
 
     col = 0
     for j, proc in enumerate(processors):
@@ -206,7 +206,6 @@ MAX_NGRAM = 16
 
 def _no_repeat_ngram(logits: jax.Array, args: jax.Array, ctx: ProcessorContext) -> jax.Array:
     """Ban every token that would complete an n-gram already in the row's prompt + output (HF's rule)."""
-    import jax.numpy as jnp
 
     n = args[:, 0].astype(jnp.int32)  # [B]
     ids, pos = ctx.history()  # [B, S]

@@ -31,7 +31,8 @@ def engine(model):
     # small enough that 32 concurrent requests cannot all fit (forces preemption: no admission look-ahead);
     # with the one-row long prefill program (1 x 256; the `alone` runs use it, the batches rows of 64)
     return make_engine(model, units=450 if model.cfg.num_mla_layers > 1 else 250, measure_moe_time=True,
-                       schedule_conservativeness=0.0, compile_threads=2, long_prefill_chunk=None)
+                       schedule_conservativeness=0.0, compile_threads=2, long_prefill_chunk=None,
+                       decode_buckets=(1, 4, 32))
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +60,7 @@ def test_alone_matches_model_generate_greedy(model, engine, alone, prompts):
     # two prompts (each compiles the model's own programs; CI time): one across chunks, one within a chunk
     assert len(prompts[1]) < 64 < len(prompts[0]), [len(p) for p in prompts[:2]]
     # alone, a prompt longer than a chunk ran in the long prefill row (the 1 x 256 program), so the batch and
-    # chunk-size tests below also check it against rows of 64 and of 16 / 256 tokens
+    # tests below (checkpoint and accelerator forms) also check it against rows of 64 and of 16 / 256 tokens
     assert engine.sched_cfg.long_prefill_chunk == 256 and engine.counters["long_prefill_steps"] > 0
     for p, out in list(zip(prompts, alone))[:2]:
         assert out == model.generate_greedy(np.array([p]), 12)[0].tolist()
@@ -75,10 +76,10 @@ def test_batch_of_32_mixed_lengths_is_token_identical(engine, prompts, alone):
 
 
 def test_moe_dispatch_time_is_measured_per_step_shape(engine, prompts):
-    """Every step program's token count (decode rows 4, 32; prefill 4 x 64) has a measured MoE time,
+    """Every step program's token count (decode rows 1, 4, 32; prefill 4 x 64 and the long 1 x 256) has a measured MoE time,
     and each step adds the time of its shape."""
     s = engine.stats()
-    assert set(s["moe_step_seconds"]) == {4, 32, 256}
+    assert set(s["moe_step_seconds"]) == {1, 4, 32, 256}
     assert all(v > 0 for v in s["moe_step_seconds"].values())
     steps_before, before = s["steps"], s["moe_dispatch_seconds"]
     run_all(engine, prompts[:2])
@@ -157,16 +158,29 @@ def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine
         engine.add_request([1, 2], params, priority=1 << 40)
 
 
-def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone):
+def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone, monkeypatch):
     """The accelerator's decode forms (KDA: the batched op on gathered states; MLA: the token's latent
     stored in its page and the paged MLA kernel run over the arena through the page tables) give the
     CPU defaults' greedy tokens (per-row in-place state update; attention over gathered pages) for a
-    mixed batch."""
-    eng = make_engine(model, units=4000, kda_decode="gathered", mla_decode="paged")
+    mixed batch, here with 256-token prefill chunks (the defaults': 64). As on a GPU, whose paged kernel
+    works in proportion to each row's length, one-token decodes compile only at the widest context
+    bucket (a short context runs with a wider page table) while prefill chunks compile at each; no
+    compile after warm-up, and these forms' step programs never copy the arena either."""
+    import serve.engine
+
+    assert not serve.engine.decode_work_follows_length()  # CPU: the reference gathers every table entry
+    monkeypatch.setattr(serve.engine, "decode_work_follows_length", lambda: True)
+    eng = make_engine(model, chunk=256, units=4000, kda_decode="gathered", mla_decode="paged",
+                      decode_buckets=(1, 4, 32), context_buckets=(16, 32))
     assert engine.kda_in_place and not eng.kda_in_place
     assert eng.mla_paged and not engine.mla_paged
+    assert eng.decode_context_buckets == (32,) and engine.decode_context_buckets == engine.context_buckets
+    assert sorted(eng.bucket_shapes()) == [(1, 1, 32), (4, 1, 32), (4, 256, 16), (4, 256, 32), (32, 1, 32)]
     outs = run_all(eng, prompts[:12])
     assert [o.token_ids for o in outs] == alone[:12]
+    assert eng.stats()["compiles_after_warmup"] == 0
+    if model.cfg.family == "kimi_k3":  # the arena's reads and writes are the same code for both models
+        _assert_step_never_copies_the_arena(eng, [(1, 1, 32), (4, 1, 32)])
 
 
 def test_step_form_options_are_checked(model):
@@ -211,12 +225,20 @@ def test_step_form_options_are_checked(model):
         make_engine(model, warmup=False, decode_context_parallel_size=2, sharding="single")
 
 
-def test_checkpoint_form_weights_are_token_identical(model, engine, prompts, alone):
+@pytest.fixture(scope="module")
+def checkpoint_form(model):
+    """An engine unlike `engine` in three ways at once (CI time: one engine, three properties): the weights
+    as the checkpoint ships them, 16-token prefill chunks (`engine`'s: 64), and the prefill-first schedule."""
+    return make_engine(model, chunk=16, units=4000, expert_weights="packed", dense_weights="out_in",
+                       prefill_first=True)
+
+
+def test_checkpoint_form_weights_are_token_identical(model, engine, checkpoint_form, prompts, alone):
     """On CPU the engine expands MXFP4 experts once at start-up (`expert_weights="auto"`) and holds
     dense weights transposed (`dense_weights="auto"`); the weights as the checkpoint ships them
     (experts packed and dequantised inside every step, projections [out, in]) give the same greedy
-    tokens."""
-    eng = make_engine(model, units=4000, expert_weights="packed", dense_weights="out_in")
+    tokens, here with 16-token prefill chunks."""
+    eng = checkpoint_form
     assert eng.stats()["expert_format"] == model.cfg.expert_format
     assert engine.stats()["expert_format"] == "dense"
     assert (eng.stats()["dense_weight_layout"], engine.stats()["dense_weight_layout"]) == ("out_in", "in_out")
@@ -224,48 +246,32 @@ def test_checkpoint_form_weights_are_token_identical(model, engine, prompts, alo
     assert [o.token_ids for o in outs] == alone[:12]
 
 
-@pytest.mark.parametrize("chunk", [16, 256])
-def test_prefill_chunk_size_invariance(model, prompts, alone, chunk):
-    eng = make_engine(model, chunk=chunk, units=4000)
-    outs = run_all(eng, prompts[:12])
-    assert [o.token_ids for o in outs] == alone[:12]
-
-
-def test_prefill_first_is_token_identical_and_never_mixes(model, prompts, alone):
+def test_prefill_first_is_token_identical_and_never_mixes(model, checkpoint_form, prompts, alone):
     """`prefill_first`: no step both prefills and decodes; the greedy tokens are those of the default
     (decode-first) schedule, with no compile after warm-up."""
     with pytest.raises(ValueError, match="prefill_first"):
         make_engine(model, warmup=False, prefill_first="yes")
-    eng = make_engine(model, units=4000, prefill_first=True)
-    outs = run_all(eng, prompts[:12])
-    assert [o.token_ids for o in outs] == alone[:12]
+    eng = checkpoint_form
+    outs = run_all(eng, prompts[12:24])
+    assert [o.token_ids for o in outs] == alone[12:24]
     c = eng.counters
     assert c["decode_steps"] + c["prefill_steps"] == c["steps"] and c["decode_steps"] > 0
     st_ = eng.stats()
     assert st_["compiles_after_warmup"] == 0 and st_["arena_free_units"] == st_["arena_baseline_free_units"]
 
 
-# the CPU's forms and the accelerator's (each KDA and each MLA decode form once; CI time)
-@pytest.mark.parametrize("kda_decode,mla_decode", [("in_place", "gathered"), ("gathered", "paged")])
-def test_step_updates_the_arena_in_place(model, kda_decode, mla_decode):
+def _assert_step_never_copies_the_arena(eng, shapes):
     """The compiled step never copies the arena (it is donated, every read of it precedes the writes
     that replace it, and it is written by scatters or in-place slice updates): one copy would cost a
-    pass over the whole cache every step. Checked in the optimised HLO for 1-row and 4-row decodes
-    (both KDA decode forms, both MLA decode forms: the CPU's and the accelerator's) and a prefill chunk.
-    Three ways this failed before: a 1-row read compiles to a dynamic slice that XLA may fuse into
-    later readers; an in-place state update whose output was computed from the state *after* the
-    update made XLA re-read the old state late; and with paged MLA decode (which writes the arena
-    mid-model) KDA states read up front and written at the end of the step (the batched path now
-    reads and writes each layer when it runs)."""
-    if model.cfg.family != "kimi_k3":  # 24 compiles for both models; tiny-k3 has every layer kind the arena serves
-        pytest.skip("the arena's reads and writes are the same code for both models; checked on tiny-k3")
-    eng = make_engine(model, warmup=False, decode_buckets=(1, 4), prefill_buckets=(1,), context_buckets=(1, 32),
-                      kda_decode=kda_decode, mla_decode=mla_decode)
+    pass over the whole cache every step. Checked in the optimised HLO of `eng`'s warmed programs (the
+    shared compilation cache hands them back: no compile). Three ways this failed before: a 1-row read
+    compiles to a dynamic slice that XLA may fuse into later readers; an in-place state update whose
+    output was computed from the state *after* the update made XLA re-read the old state late; and with
+    paged MLA decode (which writes the arena mid-model) KDA states read up front and written at the end
+    of the step (the batched path now reads and writes each layer when it runs)."""
     lay = eng.layout
     arena_shape = f"f32[{lay.num_units},{lay.unit_elems}]"
-    # a prefill program does not depend on the decode forms: checked once
-    prefill = ((1, eng.config.prefill_chunk, 32),) if (kda_decode, mla_decode) == ("in_place", "gathered") else ()
-    for rows, t, pages in ((1, 1, 1), (1, 1, 32), (4, 1, 32)) + prefill:
+    for rows, t, pages in shapes:
         batch = eng._pad_batch(rows, t, pages, [])
         hlo = eng.lower_step(batch).compile().as_text()
         made = [line.split(" = ", 1)[1] for line in hlo.splitlines() if " = " in line]
@@ -273,6 +279,16 @@ def test_step_updates_the_arena_in_place(model, kda_decode, mla_decode):
                   (" copy(" in m[:80] or m.split("(")[0].endswith("copy"))]
         assert not copies, (rows, t, pages, copies[:2])
         assert sum(m.startswith(arena_shape) for m in made) >= 2  # the arena is in this HLO at all
+
+
+def test_step_updates_the_arena_in_place(model, engine):
+    """The CPU's decode forms (per-row in-place KDA update, MLA over gathered pages): 1-row and 4-row
+    decodes, a 4-row prefill chunk and the one-row long prefill (the accelerator's forms: in
+    `test_accelerator_decode_forms_are_token_identical`)."""
+    if model.cfg.family != "kimi_k3":
+        pytest.skip("the arena's reads and writes are the same code for both models; checked on tiny-k3")
+    assert engine.sched_cfg.long_prefill_chunk == 256
+    _assert_step_never_copies_the_arena(engine, [(1, 1, 32), (4, 1, 32), (4, 64, 32), (1, 256, 32)])
 
 
 def test_state_bound_and_kv_bound_workloads_fill_the_arena(engine):

@@ -170,3 +170,24 @@ def test_device_compiled_kernel(dtype):
     out = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5))(q, qr, kv, pt, sl)
     ref = paged_mla_decode_reference(q, qr, kv, pt, sl, scale=192 ** -0.5)
     _close(out.astype(jnp.float32), ref.astype(jnp.float32), rtol=1e-5 if dtype == jnp.float32 else 3e-2)
+
+
+@pytest.mark.parametrize("platform,backend,interpret,env,follows", [
+    ("gpu", "auto", False, "", True),  # the Triton kernel: a loop over the row's own pages
+    ("gpu", "pallas", False, "", True),
+    ("gpu", "interpret", False, "", False),
+    ("gpu", "auto", True, "", False),
+    ("gpu", "auto", False, "reference", False),  # K3JAX_KERNELS wins
+    ("gpu", "reference", False, "", False),  # the reference gathers every table entry
+    ("tpu", "auto", False, "", False),  # Mosaic's grid steps over every table entry
+    ("cpu", "auto", False, "", False),
+    ("cpu", "pallas", False, "", False),  # Pallas on CPU runs interpreted
+])
+def test_decode_work_follows_length_only_for_the_gpu_kernel(monkeypatch, platform, backend, interpret, env,
+                                                              follows):
+    """The engine compiles one-token decodes at the widest page table alone where this is True."""
+    from pallas_kernels.mla import decode_work_follows_length
+
+    monkeypatch.setattr(jax, "default_backend", lambda: platform)
+    monkeypatch.setenv("K3JAX_KERNELS", env)
+    assert decode_work_follows_length(backend, interpret) is follows

@@ -8,7 +8,7 @@ import jax
 from pallas_kernels.dispatch import resolve_backend, resolve_interpret
 from pallas_kernels.mla.reference import paged_mla_decode_reference
 
-__all__ = ["paged_mla_decode"]
+__all__ = ["paged_mla_decode", "decode_work_follows_length"]
 
 
 def paged_mla_decode(
@@ -43,3 +43,18 @@ def paged_mla_decode(
     return kernel.paged_mla_decode_pallas(
         q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype,
         block_h=block_h, interpret=resolve_interpret(backend, interpret), return_lse=return_lse)
+
+
+def decode_work_follows_length(backend: str = "auto", interpret: bool = False) -> bool:
+    """Whether :func:`paged_mla_decode` under ``backend`` does work in proportion to each row's own
+    length, not to the page table's width.
+
+    True for the GPU (Triton) kernel: each program loops over its row's ``cdiv(seq_len, page_size)``
+    pages, so a wider table costs only its int32 entries. False for the reference (it gathers every
+    table entry) and for the TPU Mosaic / interpret form (its grid steps over every table entry,
+    skipping the compute of those past the sequence but not the step). A caller that compiles one
+    program per table width (the engine's context buckets) needs only the widest where this is True.
+    """
+    if resolve_backend(backend) == "reference" or resolve_interpret(backend, interpret):
+        return False
+    return jax.default_backend() == "gpu"
