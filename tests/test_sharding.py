@@ -231,8 +231,9 @@ _GROUPS = textwrap.dedent("""
         rest = [o async for o in gen]
         return last.outputs[0].finish_reason, len(rest), len(last.outputs[0].token_ids)
 
-    # data-parallel: two one-device replicas on devices 3 and 1, generating
-    dp = k3jax.LLM("tiny-k3", data_parallel_size=2, devices=(3, 1), **kw)
+    # data-parallel: two one-device replicas on devices 1 and 0, generating (device 0's programs are those of
+    # the unsharded engine above: the compilation cache has them)
+    dp = k3jax.LLM("tiny-k3", data_parallel_size=2, devices=(1, 0), **kw)
     res = dp.generate(prompts, sps)
     again = dp.generate(later, sps[:2])
     st = dp.stats()
@@ -276,8 +277,9 @@ _GROUPS = textwrap.dedent("""
                               "k3jax:data_parallel_routed_total"))])
     aeng.shutdown()
 
-    # disaggregated prefill: a prefill engine on device 0 hands prompts to a decode engine on device 2
-    pre, dec = build_pair(dp.model, cfg, (0,), (2,), 64 << 20)
+    # disaggregated prefill: a prefill engine on device 0 hands prompts to a decode engine on device 1 (programs
+    # the replicas compiled)
+    pre, dec = build_pair(dp.model, cfg, (0,), (1,), 64 << 20)
     pd = DisaggregatedAsyncEngine(pre, dec)
     app = create_app(None, "m", max_model_len=64)
     app.state.k3.attach(pd)
@@ -427,13 +429,13 @@ def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device, model):
 
 
 def test_data_parallel_replicas_generate_what_one_engine_does(multi_device):
-    """Two one-device replicas (devices 3 and 1, in that order): the same greedy and seeded tokens as one
+    """Two one-device replicas (devices 1 and 0, in that order): the same greedy and seeded tokens as one
     engine, later prompts routed back to the replica that cached their prefix (the same cached tokens),
     both replicas used, nothing compiled after warm-up, nothing leaked. Replicas of a 2-way tensor mesh
     each take their own pair of devices."""
     one, dp = multi_device["tiny-k3/None"], multi_device["dp"]
     assert dp["tokens"] == one["tokens"] and dp["again"] == one["again"] and dp["cached"] == one["cached"]
-    assert [r["devices"] for r in dp["replicas"]] == [[3], [1]] == dp["arena"] == dp["params"]
+    assert [r["devices"] for r in dp["replicas"]] == [[1], [0]] == dp["arena"] == dp["params"]
     assert all(r["generation_tokens"] > 0 for r in dp["replicas"]) and all(r["load"] == 0 for r in dp["replicas"])
     assert dp["router"]["routed_by_prefix"] == 2 and dp["router"]["routed_by_load"] == 4
     assert dp["compiles"] == 0 and dp["running"] == 0 and dp["free"] == dp["baseline"]
@@ -460,12 +462,12 @@ def test_http_server_over_data_parallel_replicas(multi_device):
 
 
 def test_disaggregated_prefill_over_http(multi_device):
-    """A prefill engine (device 0) and a decode engine (device 2) behind the API app: the decode engine
+    """A prefill engine (device 0) and a decode engine (device 1) behind the API app: the decode engine
     resumes every prompt from what the prefill engine published (up to the last checkpoint within one
     alignment of its end) and generates what one engine does; a request whose consumer leaves is aborted
     on the engine running it, an explicit abort ends the stream in either phase; nothing leaks, nothing compiles after warm-up."""
     d, one = multi_device["pd"], multi_device["tiny-k3/None"]
-    assert d["devices"] == [[0], [2]]
+    assert d["devices"] == [[0], [1]]
     assert d["tokens"] == [one["tokens"][i] for i in (0, 1, 3)]
     assert d["hits"] == [0, 32, 16]  # prompts of 5, 37 and 20 tokens; checkpoints every 16
     # and the abandoned request, and the one aborted while decoding
