@@ -11,7 +11,8 @@ Endpoints
   POST /tokenize, /detokenize (vLLM's shapes)
   POST /reset_prefix_cache    forget every cached prefix (vLLM's)
   with --enable-sleep-mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping
-                              (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's)
+                              (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's),
+                              POST /pause?mode=abort|wait[&clear_cache=true], POST /resume, GET /is_paused (vLLM's)
   GET  /openapi.json          the schema (FastAPI)
 
 Both generation endpoints stream with SSE (`stream: true`): `data: {json}` events ending with
@@ -308,6 +309,11 @@ class ServerState:
         self.engine = None
         self.ready = False
         self.sleeping = False  # POST /sleep released the engine's device memory; /wake_up takes it back
+        # POST /pause: new generation requests wait (not admitted, so not in flight) until POST /resume
+        self.paused = False
+        self.requests_held = 0  # waiting for /resume
+        self._resumed = asyncio.Event()
+        self._resumed.set()
         self.error: Optional[str] = None
         self.created = int(time.time())
         self.requests_in_flight = 0
@@ -357,7 +363,8 @@ class ServerState:
 
     def _frontend(self) -> dict:
         return {"ready": 1 if self.healthy else 0, "requests_in_flight": self.requests_in_flight,
-                "sequences_in_flight": self.seqs_in_flight}
+                "sequences_in_flight": self.seqs_in_flight, "paused": int(self.paused),
+                "requests_held": self.requests_held}
 
     # ---- checks ----
     def check_ready(self) -> None:
@@ -386,6 +393,28 @@ class ServerState:
         also = f" and the LoRA adapters {', '.join(f'`{a}`' for a in sorted(adapters))}" if adapters else ""
         raise APIError(404, f"The model `{model}` does not exist. This server serves `{self.model_name}`{also}.",
                        "not_found_error", "model", "model_not_found")
+
+    def pause(self) -> None:
+        self.paused = True
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        self.paused = False
+        self._resumed.set()
+
+    async def unpaused(self) -> None:
+        """Return at once, or when POST /resume ends a pause (a request arriving while paused waits here)."""
+        self.requests_held += 1
+        try:
+            while self.paused:
+                await self._resumed.wait()
+        finally:
+            self.requests_held -= 1
+
+    async def drained(self) -> None:
+        """Return when no admitted request is in flight (each has finished, or ended by an abort)."""
+        while self.requests_in_flight:
+            await asyncio.sleep(0.02)
 
     def admit(self, key: str, seqs: int, tokens: int):
         if self.sleeping:
@@ -1021,8 +1050,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     reasoning_parser: K3 chat answers split into `reasoning_content` and `content` (serve/reasoning.py);
       False returns the raw XTML text as `content`.
     max_stored_responses: Responses API objects kept in memory for `previous_response_id` (0: none).
-    enable_sleep_mode: serve POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's) and POST
-      /update_weights_from_disk (SGLang's): what an RL loop sharing the device with training calls.
+    enable_sleep_mode: serve POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's), POST
+      /update_weights_from_disk (SGLang's) and POST /pause, POST /resume, GET /is_paused (vLLM's): what an RL
+      loop sharing the device with training, or swapping in new policy weights, calls.
     allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
       they read adapter directories from the server's disk, so they are off by default).
     return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's).
@@ -1282,6 +1312,37 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         @app.get("/is_sleeping", responses=_ERRORS)
         async def is_sleeping(key: str = Depends(authenticate)):
             return {"is_sleeping": st.sleeping}
+
+        @app.post("/pause", responses=_ERRORS)
+        async def pause(mode: str = "abort", wait_for_inflight_requests: bool = False, clear_cache: bool = True,
+                        key: str = Depends(authenticate), _r: None = Depends(ready)):
+            """vLLM's pause for a weight update: from now on new generation requests wait (unadmitted) until
+            POST /resume. `mode=abort` (default) aborts the requests in flight (their answers end with
+            finish_reason "abort", their cache is freed); `mode=wait` (or vLLM's older
+            `wait_for_inflight_requests=true`) lets them finish. Answers once none is in flight, so
+            /update_weights_from_disk or /sleep may follow; `clear_cache` then forgets the prefix cache."""
+            mode = "wait" if wait_for_inflight_requests else mode
+            if mode == "keep":
+                raise APIError(400, "mode=keep (requests frozen mid-generation, resumed under the new weights) is not "
+                                    "available: k3jax swaps weights only between requests; use abort or wait",
+                               param="mode")
+            if mode not in ("abort", "wait"):
+                raise APIError(400, f"mode must be 'abort' or 'wait', got {mode!r}", param="mode")
+            st.pause()
+            aborted = await st.engine.abort_all() if mode == "abort" else 0
+            await st.drained()
+            reset = bool(await st.engine.reset_prefix_cache()) if clear_cache else False
+            return {"status": "paused", "mode": mode, "aborted": aborted, "prefix_cache_reset": reset}
+
+        @app.post("/resume", responses=_ERRORS)
+        async def resume(key: str = Depends(authenticate)):
+            """End a pause: the requests that waited go on."""
+            st.resume()
+            return {"status": "resumed"}
+
+        @app.get("/is_paused", responses=_ERRORS)
+        async def is_paused(key: str = Depends(authenticate)):
+            return {"is_paused": st.paused}
 
     @app.post("/tokenize", responses=_ERRORS)
     async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
@@ -1594,6 +1655,11 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
             await asyncio.to_thread(grammars.compile, params.structured_outputs)
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
+    if st.paused:  # POST /pause: wait for /resume (a client that leaves meanwhile is gone: 499)
+        try:
+            await _unless_disconnected(request, st.unpaused())
+        except _ClientGone:
+            return Response(status_code=499)
     ticket = st.admit(key, len(prompts) * params.n, reserve)
     lora = st.check_model(getattr(body, "model", None))
     if lora is not None:

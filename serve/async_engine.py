@@ -3,6 +3,7 @@
     async for out in engine.generate(prompt, params, request_id):   # RequestOutput per new token(s)
         ...
     engine.abort(request_id)   # frees the request's cache at once; its stream ends (finish_reason "abort")
+    await engine.abort_all()   # the same for every request in flight (POST /pause)
 
 All engine mutations happen on the engine thread; the event loop only enqueues commands and receives
 outputs. A request that fails validation raises `RequestError` from `generate` before taking memory;
@@ -86,6 +87,11 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         self._commands.put(("abort", request_id))
         self._wake.set()
+
+    async def abort_all(self) -> int:
+        """Abort every request in flight (each stream ends with its last output, finish_reason "abort"; the
+        cache they held is free at once) -> how many were aborted. The HTTP server's `POST /pause`."""
+        return await self.call(lambda engine: self._abort_all_now())
 
     def stats(self) -> dict:
         return self.engine.stats()
@@ -205,6 +211,15 @@ class AsyncEngine:
         if entry is not None:
             loop, q = entry
             loop.call_soon_threadsafe(q.put_nowait, item)
+
+    def _abort_all_now(self) -> int:
+        aborted = 0
+        for rid, req in list(self.engine.requests.items()):
+            if self.engine.abort(rid):
+                self._deliver(rid, self.engine._output(req))
+                aborted += 1
+        self.engine._reap()
+        return aborted
 
     def _fail_all(self, err: Exception) -> None:
         for rid in list(self.engine.requests):

@@ -169,8 +169,9 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--max-stored-responses", type=int, default=d["max_stored_responses"],
                    help="Responses API objects kept in memory for previous_response_id (0: none)")
     a.add_argument("--enable-sleep-mode", action="store_true",
-                   help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and POST /update_weights_from_disk "
-                        "(SGLang's): release and reload the device memory around training steps of an RL loop")
+                   help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's), POST /update_weights_from_disk "
+                        "(SGLang's) and POST /pause, /resume, GET /is_paused (vLLM's): release and reload the device "
+                        "memory around training steps of an RL loop, hold new requests while weights change")
     a.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens 'token_id:{id}' instead of their text (vLLM's; a request's "
                         "return_tokens_as_token_ids overrides it)")

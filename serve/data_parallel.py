@@ -405,6 +405,9 @@ class DataParallelAsyncEngine:
                 raise res
         return results[0]
 
+    async def abort_all(self) -> int:
+        return sum(await asyncio.gather(*(a.abort_all() for a in self.replicas)))
+
     async def reset_prefix_cache(self) -> bool:
         done = all(await asyncio.gather(*(a.reset_prefix_cache() for a in self.replicas)))
         self.router.forget()

@@ -140,6 +140,10 @@ class DisaggregatedAsyncEngine:
                 raise res
         return results[1]
 
+    async def abort_all(self) -> int:
+        """Both phases' requests (one handed over while this runs may still finish: `POST /pause` waits for it)."""
+        return sum(await asyncio.gather(self.prefill.abort_all(), self.decode.abort_all()))
+
     async def reset_prefix_cache(self) -> bool:
         return all(await asyncio.gather(self.prefill.reset_prefix_cache(), self.decode.reset_prefix_cache()))
 

@@ -66,7 +66,7 @@ NAMES = (
     "k3jax:requests_aborted_total", "k3jax:failed_steps_total", "k3jax:requests_failed_total",
     "k3jax:cache_resets_total", "k3jax:structured_output_requests_total",
     "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
-    "k3jax:api_sequences_in_flight", "k3jax:http_requests_rejected_total", "k3jax:retractions_total",
+    "k3jax:api_sequences_in_flight", "k3jax:api_paused", "k3jax:api_requests_held", "k3jax:http_requests_rejected_total", "k3jax:retractions_total",
     "k3jax:new_token_ratio", "k3jax:engine_sleep_level", "k3jax:replica_requests_running",
     "k3jax:replica_requests_waiting", "k3jax:replica_kv_cache_usage_perc", "k3jax:data_parallel_routed_total",
 )
@@ -263,6 +263,10 @@ class EngineCollector:
                     fe.get("requests_in_flight", 0))
         yield gauge("k3jax:api_sequences_in_flight", "Sequences (requests x n) admitted by the API, not finished.",
                     fe.get("sequences_in_flight", 0))
+        yield gauge("k3jax:api_paused", "1 while POST /pause holds new generation requests (until POST /resume).",
+                    fe.get("paused", 0))
+        yield gauge("k3jax:api_requests_held", "HTTP generation requests waiting, unadmitted, for POST /resume.",
+                    fe.get("requests_held", 0))
 
 
 class ServerMetrics:

@@ -159,3 +159,27 @@ def test_a_failed_replica_step_loses_no_other_replicas_outputs():
         dp.step()
     assert e.value.request_ids == ["b"] and sorted(o.request_id for o in e.value.outputs) == ["a", "c", "d"]
     assert dp.router.load == [1, 0] and list(dp._where) == ["c"]  # only c still runs
+
+
+def test_pause_aborts_on_every_replica_and_both_phases():
+    """`abort_all` (the HTTP server's POST /pause) reaches every data-parallel replica and both engines of a
+    disaggregated pair, and counts what each aborted."""
+    import asyncio
+
+    from serve.data_parallel import DataParallelAsyncEngine
+    from serve.disaggregated import DisaggregatedAsyncEngine
+
+    class Stub:
+        def __init__(self, n):
+            self.n, self.calls = n, 0
+
+        async def abort_all(self):
+            self.calls += 1
+            return self.n
+
+    dp = DataParallelAsyncEngine.__new__(DataParallelAsyncEngine)
+    dp.replicas = [Stub(2), Stub(0), Stub(1)]
+    pd = DisaggregatedAsyncEngine.__new__(DisaggregatedAsyncEngine)
+    pd.prefill, pd.decode = Stub(1), Stub(4)
+    assert asyncio.run(dp.abort_all()) == 3 and [r.calls for r in dp.replicas] == [1, 1, 1]
+    assert asyncio.run(pd.abort_all()) == 5 and pd.prefill.calls == pd.decode.calls == 1

@@ -436,3 +436,75 @@ def test_sleep_endpoints(engines, tmp_path):
     assert on.stats()["compiles_after_warmup"] == 0
     plain = create_app(None, "m")  # without enable_sleep_mode the routes do not exist
     assert "/sleep" not in {r.path for r in plain.routes}
+
+
+def test_pause_endpoints(engines, tmp_path):
+    """POST /pause (vLLM's, served with enable_sleep_mode): `abort` (the default) ends the request in flight
+    (finish_reason "abort", its cache freed) and holds new ones, unadmitted, until POST /resume, so new
+    weights load meanwhile (a held request is not in flight); the held request then answers as before the
+    pause. `wait` lets the running request finish first; `keep` and unknown modes are refused."""
+    import asyncio
+    import re
+
+    import httpx
+
+    from k3jax.checkpoint import save_hf_checkpoint
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    on, _ = engines
+    fresh = k3jax.load_model("tiny-k3", seed=2)  # the fixture's weights, saved as a checkpoint
+    save_hf_checkpoint(str(tmp_path), fresh.cfg, fresh.params)
+    aeng = AsyncEngine(on)
+    app = create_app(aeng, "tiny-k3", enable_sleep_mode=True)
+    body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    long = dict(prompt=PROMPTS[1], max_tokens=300, temperature=0, ignore_eos=True)  # max_model_len 384
+
+    async def started(c, payload):
+        task = asyncio.ensure_future(c.post("/v1/completions", json=payload))
+        while not on.stats()["num_requests_running"]:
+            await asyncio.sleep(0.01)
+        return task
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            first = (await c.post("/v1/completions", json=body)).json()["choices"][0]
+            running = await started(c, long)
+            assert (await c.post("/pause")).json() == {"status": "paused", "mode": "abort", "aborted": 1,
+                                                       "prefix_cache_reset": True}
+            cut = (await running).json()
+            assert cut["choices"][0]["finish_reason"] == "abort" and cut["usage"]["completion_tokens"] < 300
+            assert (await c.get("/is_paused")).json() == {"is_paused": True}
+            held = asyncio.ensure_future(c.post("/v1/completions", json=body))
+            await asyncio.sleep(0.3)
+            assert not held.done() and on.stats()["num_requests_waiting"] == 0  # not admitted
+            metrics = (await c.get("/metrics")).text
+            assert re.search(r"k3jax:api_paused(\{[^}]*\})? 1\.0", metrics)
+            assert re.search(r"k3jax:api_requests_held(\{[^}]*\})? 1\.0", metrics)
+            r = (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()
+            assert r["success"]
+            assert (await c.post("/resume")).json() == {"status": "resumed"}
+            again = (await held).json()["choices"][0]
+            assert again["text"] == first["text"] and again["logprobs"] == first["logprobs"]
+
+            running = await started(c, dict(long, max_tokens=24))
+            assert (await c.post("/pause", params={"mode": "wait", "clear_cache": "false"})).json() == {
+                "status": "paused", "mode": "wait", "aborted": 0, "prefix_cache_reset": False}
+            assert not on.has_unfinished()  # answered once the running request had finished
+            done = (await running).json()
+            assert done["choices"][0]["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 24
+            for bad in ("keep", "drain"):
+                r = await c.post("/pause", params={"mode": bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
+            assert (await c.post("/resume")).json() == {"status": "resumed"}
+            assert (await c.get("/is_paused")).json() == {"is_paused": False}
+            assert (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"] == first["text"]
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+    plain = create_app(None, "m")  # without enable_sleep_mode the routes do not exist
+    assert not {"/pause", "/resume", "/is_paused"} & {r.path for r in plain.routes}
