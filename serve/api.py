@@ -125,6 +125,9 @@ class StreamOptions(_Strict):
 
 class _GenerationFields(_Strict):
     model: Optional[str] = Field(None, description="must be the served model's id when given")
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256,
+                                      description="vLLM's: the response id's base (cmpl-/chatcmpl-{request_id}); "
+                                                  "an X-Request-Id header wins")
     temperature: Optional[float] = Field(None, ge=0, description="0 = greedy; default 1")
     top_p: Optional[float] = Field(None, gt=0, le=1)
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disable top-k")
@@ -989,6 +992,37 @@ class _ResponsesFormat:
 
 # ---- the app ------------------------------------------------------------------------------------
 
+class _RequestIdHeader:
+    """ASGI middleware (vLLM's --enable-request-id-headers): every HTTP response carries `X-Request-Id`, the
+    request's own header when it sent one, else a fresh id."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        rid = dict(scope.get("headers", ())).get(b"x-request-id") or uuid.uuid4().hex.encode()
+
+        async def send_with_id(msg):
+            if msg["type"] == "http.response.start":
+                msg = dict(msg, headers=[*msg.get("headers", ()), (b"x-request-id", rid)])
+            await send(msg)
+        return await self.app(scope, receive, send_with_id)
+
+
+def _response_id(request: Request, body: "_GenerationFields", prefix: str):
+    """-> (the response's id, the base of its engine requests' ids): `prefix` + the request's X-Request-Id
+    header, else its `request_id` field (vLLM's order), else a fresh id. A client's id may repeat, so its
+    engine requests get a suffix of their own."""
+    given = request.headers.get("x-request-id") or body.request_id
+    if not given:
+        rid = f"{prefix}{uuid.uuid4().hex}"
+        return rid, rid
+    rid = f"{prefix}{given}"
+    return rid, f"{rid}-{uuid.uuid4().hex[:8]}"
+
+
 class _BodyLimit:
     """ASGI middleware: bodies over `max_bytes` get 413 (by Content-Length, or counted as they arrive)."""
 
@@ -1038,7 +1072,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
                max_model_len: Optional[int] = None, reasoning_parser: bool = True,
                max_stored_responses: int = 1024, enable_sleep_mode: bool = False,
-               allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False) -> FastAPI:
+               allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False,
+               enable_request_id_headers: bool = False) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1056,6 +1091,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
       they read adapter directories from the server's disk, so they are off by default).
     return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's).
+    enable_request_id_headers: every response carries an `X-Request-Id` header (vLLM's): the request's, else a
+      fresh one. Completions and chat ids always follow a request's X-Request-Id (or `request_id` field).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
@@ -1068,6 +1105,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                   description="OpenAI-compatible server for Kimi-K3-class hybrid models (k3jax).")
     app.state.k3 = st
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
+    if enable_request_id_headers:
+        app.add_middleware(_RequestIdHeader)
 
     # ---- error mapping ----
     @app.exception_handler(APIError)
@@ -1184,9 +1223,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             except RequestError as e:
                 raise APIError(400, str(e), param="prompt_logprobs") from None
         echo = texts if body.echo else [""] * len(texts)
-        fmt = _CompletionFormat(st, f"cmpl-{uuid.uuid4().hex}", params.n, params.logprobs, int(time.time()),
+        rid, run_id = _response_id(request, body, "cmpl-")
+        fmt = _CompletionFormat(st, rid, params.n, params.logprobs, int(time.time()),
                                 echo_texts=echo, prompt_field=body.prompt_logprobs is not None,
                                 token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids)
+        fmt.run_id = run_id
         return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
@@ -1194,7 +1235,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                                _r: None = Depends(ready)):
         arrival = time.monotonic()
         st.check_model(body.model)
-        ids, params, fmt = _chat_request(st, body, f"chatcmpl-{uuid.uuid4().hex}")
+        rid, run_id = _response_id(request, body, "chatcmpl-")
+        ids, params, fmt = _chat_request(st, body, rid)
+        fmt.run_id = run_id
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/v1/responses", responses=_ERRORS)
@@ -1664,7 +1707,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     lora = st.check_model(getattr(body, "model", None))
     if lora is not None:
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
-    run = _Run(st, prompts, params, fmt.id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
+    run = _Run(st, prompts, params, getattr(fmt, "run_id", fmt.id), ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
                beam)
     handed_off = False
     try:

@@ -39,6 +39,7 @@ DEFAULTS = dict(
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
     lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1, data_parallel_routing="cache_aware",
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
+    return_tokens_as_token_ids=False, enable_request_id_headers=False,
 )
 
 
@@ -172,6 +173,8 @@ def add_serve_arguments(s) -> None:
                    help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's), POST /update_weights_from_disk "
                         "(SGLang's) and POST /pause, /resume, GET /is_paused (vLLM's): release and reload the device "
                         "memory around training steps of an RL loop, hold new requests while weights change")
+    a.add_argument("--enable-request-id-headers", action="store_true",
+                   help="every response carries an X-Request-Id header: the request's, else a fresh id (vLLM's)")
     a.add_argument("--return-tokens-as-token-ids", action="store_true",
                    help="logprobs name tokens 'token_id:{id}' instead of their text (vLLM's; a request's "
                         "return_tokens_as_token_ids overrides it)")
@@ -429,6 +432,7 @@ def serve_main(args) -> int:
                      max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
                      reasoning_parser=not o["no_reasoning_parser"],
                      return_tokens_as_token_ids=bool(o.get("return_tokens_as_token_ids")),
+                     enable_request_id_headers=bool(o.get("enable_request_id_headers")),
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")))

@@ -37,7 +37,7 @@ SMALL = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seq
          "--decode-buckets", str(CAPACITY), "--prefill-buckets", "1", "--context-buckets", "8",
          "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning",
          "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
-         "--logits-processors", "no_repeat_ngram"]
+         "--logits-processors", "no_repeat_ngram", "--enable-request-id-headers"]
 START_TIMEOUT = 300
 
 
@@ -822,3 +822,28 @@ def test_continuous_usage_stats(http):
     counts = [e["usage"]["completion_tokens"] for e in events]
     assert all(e["usage"] is not None for e in events) and counts == sorted(counts) and counts[-1] == 5
     assert events[-1]["choices"] == [] and counts[0] < 5
+
+
+def test_request_ids_follow_the_header_or_field(http):
+    """vLLM's request ids: a completion's id is cmpl-{X-Request-Id} (the header wins over the `request_id`
+    field), a chat's chatcmpl-{...}; two requests in flight with one id both answer (their engine requests get
+    ids of their own); with --enable-request-id-headers every response carries X-Request-Id, the request's
+    or a fresh one."""
+    import concurrent.futures
+
+    body = dict(model=MODEL, prompt="abc", max_tokens=3, temperature=0, ignore_eos=True)
+    r = http.post("/v1/completions", json=body, headers={"X-Request-Id": "trace-1"})
+    assert r.json()["id"] == "cmpl-trace-1" and r.headers["x-request-id"] == "trace-1"
+    r = http.post("/v1/completions", json={**body, "request_id": "field-1"}, headers={"X-Request-Id": "hdr-1"})
+    assert r.json()["id"] == "cmpl-hdr-1"
+    r = http.post("/v1/chat/completions", json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                                    max_tokens=2, request_id="field-2"))
+    assert r.json()["id"] == "chatcmpl-field-2" and len(r.headers["x-request-id"]) == 32  # a fresh one
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        same = list(pool.map(lambda _: http.post("/v1/completions", json={**body, "max_tokens": 8},
+                                                 headers={"X-Request-Id": "dup"}), range(2)))
+    assert [x.status_code for x in same] == [200, 200] and {x.json()["id"] for x in same} == {"cmpl-dup"}
+    assert same[0].json()["choices"][0]["text"] == same[1].json()["choices"][0]["text"]
+    r = http.post("/v1/completions", json={**body, "request_id": ""})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
+    assert http.get("/health").headers["x-request-id"]

@@ -145,3 +145,18 @@ def test_return_tokens_as_token_ids_server_default_and_request_override():
         assert fmt.logprob_bytes(lp) == (list(want.encode()) if want != "h" else [])
     app = create_app(None, "m", return_tokens_as_token_ids=True)
     assert app.state.k3.return_tokens_as_token_ids is True
+
+
+def test_every_serve_option_reaches_the_server():
+    """`k3jax serve` reads its options through `DEFAULTS` (serve_main), so a flag without an entry there would
+    be parsed and then silently dropped (as --return-tokens-as-token-ids was)."""
+    import argparse
+
+    from serve.cli import DEFAULTS, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    assert {a.dest for a in parser._actions if a.dest != "help"} == set(DEFAULTS)
+    args = parser.parse_args(["--return-tokens-as-token-ids", "--enable-request-id-headers"])
+    o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    assert o["return_tokens_as_token_ids"] and o["enable_request_id_headers"]
