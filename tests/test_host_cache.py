@@ -392,6 +392,20 @@ def test_sleep_releases_device_memory_and_wake_up_answers_the_same(engines):
     settled(on)
 
 
+def _weight_sync_app(engines, tmp_path):
+    """The prefix-caching engine behind an app with the weight-sync routes, and its weights saved as a
+    checkpoint in `tmp_path` (what /update_weights_from_disk loads) -> (engine, async engine, app)."""
+    from k3jax.checkpoint import save_hf_checkpoint
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    on, _ = engines
+    fresh = k3jax.load_model("tiny-k3", seed=2)  # the fixture's weights
+    save_hf_checkpoint(str(tmp_path), fresh.cfg, fresh.params)
+    aeng = AsyncEngine(on)
+    return on, aeng, create_app(aeng, "tiny-k3", enable_sleep_mode=True)
+
+
 def test_sleep_endpoints(engines, tmp_path):
     """POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and /update_weights_from_disk (SGLang's), served
     with enable_sleep_mode; completions answer 503 while asleep and the same text after waking."""
@@ -400,15 +414,9 @@ def test_sleep_endpoints(engines, tmp_path):
 
     import httpx
 
-    from k3jax.checkpoint import save_hf_checkpoint
     from serve.api import create_app
-    from serve.async_engine import AsyncEngine
 
-    on, _ = engines
-    fresh = k3jax.load_model("tiny-k3", seed=2)  # the fixture's weights, saved as a checkpoint
-    save_hf_checkpoint(str(tmp_path), fresh.cfg, fresh.params)
-    aeng = AsyncEngine(on)
-    app = create_app(aeng, "tiny-k3", enable_sleep_mode=True)
+    on, aeng, app = _weight_sync_app(engines, tmp_path)
     body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
 
     async def go():
@@ -448,15 +456,9 @@ def test_pause_endpoints(engines, tmp_path):
 
     import httpx
 
-    from k3jax.checkpoint import save_hf_checkpoint
     from serve.api import create_app
-    from serve.async_engine import AsyncEngine
 
-    on, _ = engines
-    fresh = k3jax.load_model("tiny-k3", seed=2)  # the fixture's weights, saved as a checkpoint
-    save_hf_checkpoint(str(tmp_path), fresh.cfg, fresh.params)
-    aeng = AsyncEngine(on)
-    app = create_app(aeng, "tiny-k3", enable_sleep_mode=True)
+    on, aeng, app = _weight_sync_app(engines, tmp_path)
     body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
     long = dict(prompt=PROMPTS[1], max_tokens=300, temperature=0, ignore_eos=True)  # max_model_len 384
 
