@@ -78,11 +78,31 @@ def _cmd_info(args) -> int:
         # slot 0 (the base model) is allocated too; tensor-parallel ranks split the factors like the weights
         info["lora"] = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
                         "bytes_per_adapter": per, "bytes_all_slots": per * (args.max_loras + 1)}
+    programs = _step_programs(args)
+    if programs is not None:
+        info["step_programs"] = programs
     if args.cache_gib:
         info["arena"] = _arena_plan(cfg, dtype, args, info.get("sharding", {}).get("kda_state_ranks", 1),
                                     info.get("sharding", {}).get("mla_context_ranks", 1))
     print(json.dumps(info, indent=1))
     return 0
+
+
+def _step_programs(args) -> dict | None:
+    """The step programs an engine with these options compiles before it serves (serve/buckets.py; the
+    engine's default buckets), and how many where one-token decodes need only the widest context bucket
+    (a GPU's paged MLA decode kernel). None without the serving stack."""
+    try:
+        from serve.buckets import default_buckets, program_shapes
+    except ImportError:
+        return None
+    decode, prefill, context = default_buckets(args.max_num_seqs, args.max_prefill_seqs, args.max_model_len,
+                                               args.page_size)
+    every = program_shapes(decode, prefill, context, context, args.prefill_chunk)
+    widest = program_shapes(decode, prefill, context, context[-1:], args.prefill_chunk)
+    return {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "page_size": args.page_size,
+            "decode_rows": list(decode), "prefill_rows": list(prefill), "context_pages": list(context),
+            "programs": len(every), "programs_with_gpu_paged_decode": len(widest)}
 
 
 def _arena_plan(cfg, dtype, args, ranks: int, context_ranks: int = 1) -> dict:
@@ -151,6 +171,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--page-size", type=int, default=64)
     i.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
                    help="MLA pages split by position over the ranks that split the KDA heads (needs --sharding)")
+    i.add_argument("--max-num-seqs", type=int, default=64, help="for the count of step programs compiled at start-up")
+    i.add_argument("--max-model-len", type=int, default=32768, help="for the count of step programs")
+    i.add_argument("--max-prefill-seqs", type=int, default=4, help="for the count of step programs")
+    i.add_argument("--prefill-chunk", type=int, default=64, help="for the count of step programs")
     i.add_argument("--max-loras", type=int, default=0, help="also the device bytes of this many LoRA adapter slots")
     i.add_argument("--max-lora-rank", type=int, default=16)
     i.set_defaults(fn=_cmd_info)

@@ -38,6 +38,7 @@ from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, read_peft
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
+from serve.buckets import default_buckets, program_shapes
 from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, state_dtype_name
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
@@ -352,14 +353,6 @@ class EngineConfig:
         return n if n >= 2 * c else 0
 
 
-def _geometric(top: int, base: int = 4) -> tuple[int, ...]:
-    out, x = [], 1
-    while x < top:
-        out.append(x)
-        x *= base
-    return tuple(out) + (top,)
-
-
 @dataclass
 class Sequence:
     rid: str  # engine-internal id (request id + sample index)
@@ -532,12 +525,9 @@ class Engine:
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
         self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
-        max_pages = -(-config.max_model_len // config.page_size)
-        self.decode_buckets = tuple(sorted(config.decode_buckets or _geometric(config.max_num_seqs)))
-        self.prefill_buckets = tuple(sorted(config.prefill_buckets or sorted({1, config.max_prefill_seqs})))
-        self.context_buckets = tuple(sorted(config.context_buckets or _geometric(max_pages)))
-        if self.context_buckets[-1] < max_pages:
-            raise ValueError(f"context_buckets must reach {max_pages} pages (max_model_len / page_size)")
+        self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(
+            config.max_num_seqs, config.max_prefill_seqs, config.max_model_len, config.page_size,
+            config.decode_buckets, config.prefill_buckets, config.context_buckets)
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
         # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
         # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
@@ -639,15 +629,9 @@ class Engine:
     # ---- start-up -----------------------------------------------------------------------------
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per layer) program this engine may run."""
-        shapes = [(b, 1, p) for b in self.decode_buckets for p in self.decode_context_buckets]
-        if self.spec:  # verify rows: the decode buckets at 1 + drafts tokens
-            shapes += [(b, self.spec.verify_tokens, p) for b in self.decode_buckets for p in self.context_buckets]
-        long = self.sched_cfg.long_prefill_chunk  # the one-row prefill program, when on (else 1 x prefill_chunk)
-        shapes += [(b, self.config.prefill_chunk, p) for b in self.prefill_buckets if not (long and b == 1)
-                   for p in self.context_buckets]
-        if long:
-            shapes += [(1, long, p) for p in self.context_buckets]
-        return shapes
+        return program_shapes(self.decode_buckets, self.prefill_buckets, self.context_buckets,
+                              self.decode_context_buckets, self.config.prefill_chunk,
+                              self.spec.verify_tokens if self.spec else 0, self.sched_cfg.long_prefill_chunk)
 
     def warmup(self, progress: bool = True) -> None:
         """Compile every bucket (`compile_threads` at a time) and run each once, on padding rows that touch

@@ -545,3 +545,21 @@ def test_info_reports_bytes_per_device(capsys):
     assert main(args + ["-dcp", "2"]) == 2 and "decode-context-parallel-size 2" in capsys.readouterr().err
     assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--sharding", "single", "--devices", "1"]) == 0
     assert json.loads(capsys.readouterr().out)["sharding"]["param_bytes_per_device"] == info["param_bytes"]
+
+
+def test_info_counts_the_step_programs_compiled_at_start_up(capsys):
+    """K3's serving defaults (64 sequences, 32768 tokens, 16-token pages): decode rows 1 / 4 / 16 / 64 and
+    prefill rows 1 / 4 over 7 context buckets are 42 programs; 18 where one-token decodes need only the
+    widest bucket (a GPU's paged MLA kernel)."""
+    from k3jax.cli import main
+
+    assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--page-size", "16"]) == 0
+    got = json.loads(capsys.readouterr().out)["step_programs"]
+    assert got["decode_rows"] == [1, 4, 16, 64] and got["prefill_rows"] == [1, 4]
+    assert got["context_pages"] == [1, 4, 16, 64, 256, 1024, 2048]
+    assert (got["programs"], got["programs_with_gpu_paged_decode"]) == (42, 18)
+    assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len",
+                 "1024", "--page-size", "64", "--max-prefill-seqs", "1"]) == 0
+    got = json.loads(capsys.readouterr().out)["step_programs"]
+    assert (got["decode_rows"], got["prefill_rows"], got["context_pages"]) == ([1, 4, 8], [1], [1, 4, 16])
+    assert (got["programs"], got["programs_with_gpu_paged_decode"]) == (12, 6)
