@@ -80,13 +80,16 @@ def in_fresh_process(spec: dict) -> dict:
 
 
 def default_programs(max_num_seqs: int, max_model_len: int, page_size: int = 16) -> dict:
-    """The step programs an engine compiles with the default buckets (no speculative decoding)."""
-    from serve.engine import EngineConfig, _geometric
+    """The step programs an engine compiles with the default buckets (no speculative decoding), and how many
+    where one-token decodes need only the widest context bucket (a GPU's paged MLA decode kernel)."""
+    from serve.buckets import default_buckets, program_shapes
+    from serve.engine import EngineConfig
 
-    decode, context = _geometric(max_num_seqs), _geometric(max_model_len // page_size)
-    prefill = sorted({1, EngineConfig.max_prefill_seqs})
-    return dict(decode_buckets=list(decode), context_buckets=list(context), prefill_buckets=prefill,
-                programs=(len(decode) + len(prefill)) * len(context))
+    decode, prefill, context = default_buckets(max_num_seqs, EngineConfig.max_prefill_seqs, max_model_len, page_size)
+    chunk = EngineConfig.prefill_chunk
+    return dict(decode_buckets=list(decode), context_buckets=list(context), prefill_buckets=list(prefill),
+                programs=len(program_shapes(decode, prefill, context, context, chunk)),
+                programs_with_gpu_paged_decode=len(program_shapes(decode, prefill, context, context[-1:], chunk)))
 
 
 def k3_default_programs() -> dict:
