@@ -55,6 +55,7 @@ class SafetensorsDir:
                 with safe_open(os.path.join(path, fn), framework="numpy") as f:
                     self.where.update({k: fn for k in f.keys()})
         self._open: dict[str, Any] = {}
+        self.bytes_read = 0  # tensor bytes copied out of the files so far
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -62,8 +63,11 @@ class SafetensorsDir:
     def shape(self, name: str) -> tuple[int, ...]:
         return tuple(self._file(name).get_slice(name).get_shape())
 
-    def get(self, name: str) -> np.ndarray:
-        return self._file(name).get_tensor(name)
+    def get(self, name: str, index: tuple = ()) -> np.ndarray:
+        """Tensor `name`, or only its slice `index` (a tuple of slices; read from the memory map alone)."""
+        arr = self._file(name).get_slice(name)[index] if index else self._file(name).get_tensor(name)
+        self.bytes_read += arr.nbytes
+        return arr
 
     def _file(self, name: str):
         fn = self.where[name]
@@ -97,17 +101,35 @@ def _aliases(name: str) -> list[str]:
     return [name]
 
 
-def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], fix: Callable | None = None) -> np.ndarray:
+def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], fix: Callable | None = None,
+          index: tuple = ()) -> np.ndarray:
+    """Tensor `name` (or an alias) checked against the model's shape `want`; only its slice `index` when
+    given (a `fix`ed tensor is read whole, then sliced: the fix changes its shape)."""
     for cand in _aliases(name):
         if cand in st:
             got = st.shape(cand)
-            arr = st.get(cand)
+            if fix is None and got != want:
+                raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
+            arr = st.get(cand, index if fix is None else ())
             if fix is not None:
                 arr = fix(arr)
-            if tuple(arr.shape) != want:
-                raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
+                if tuple(arr.shape) != want:
+                    raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
+                arr = arr[index] if index else arr
             return arr
     raise CheckpointError(f"tensor {name} is missing from the checkpoint (expected shape {want})")
+
+
+def _read_param(st: SafetensorsDir, name: str, shape: tuple[int, ...], fix: Callable | None,
+                index: tuple = ()) -> np.ndarray:
+    """One parameter (or its slice `index`) as the model holds it; per-expert tensors (`{e}` in `name`)
+    are stacked `[E, ...]`, reading only the experts (and the part of each) the slice covers."""
+    if "{e}" not in name:
+        return _read(st, name, shape, fix, index)
+    index = tuple(index) + (slice(None),) * (len(shape) - len(index))
+    experts = range(*index[0].indices(shape[0]))
+    rest = index[1:] if any(i != slice(None) for i in index[1:]) else ()
+    return np.stack([_read(st, name.format(e=e), shape[1:], None, rest) for e in experts])
 
 
 def _fix_a_log(n: int):
@@ -119,8 +141,14 @@ def _fix_a_log(n: int):
     return fix
 
 
-def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, progress: bool = True) -> nnx.State:
-    """Fill `abstract` (from `nnx.eval_shape`) with tensors from an HF safetensors directory."""
+def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, progress: bool = True,
+                   place: Callable | None = None) -> nnx.State:
+    """Fill `abstract` (from `nnx.eval_shape`) with tensors from an HF safetensors directory.
+
+    `place(var) -> Sharding`, when given, puts each parameter straight into its shards: every device
+    receives only its own slice and a process reads from disk only the slices its devices hold (on a
+    multi-process mesh, its share), so no device or host ever holds a whole model it only serves a part
+    of. Without it each tensor is read whole onto the default device."""
     st = SafetensorsDir(path)
     prefix = "language_model." if cfg.family == "kimi_k3" else ""
     flat = list(nnx.to_flat_state(abstract))
@@ -130,22 +158,38 @@ def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, prog
                          disable=not progress):
         shape, target = tuple(var.shape), var.dtype
         name = hf_name(key, prefix)
-        if "{e}" in name:
-            per = shape[1:]
-            arr = np.stack([_read(st, name.format(e=e), per) for e in range(shape[0])])
-            used.update(name.format(e=e) for e in range(shape[0]))
-        else:
-            fix = _fix_a_log(shape[0]) if key[-1] == "A_log" else None
-            arr = _read(st, name, shape, fix)
-            used.update(a for a in _aliases(name) if a in st)
-        if arr.dtype == np.uint8 and target != jnp.uint8:
-            raise CheckpointError(f"tensor {name}: packed uint8 data where the model expects {target}; "
-                                  f"check text_config.quantization_config")
-        values[key] = jnp.asarray(arr.astype(target) if arr.dtype != target else arr)
+        fix = _fix_a_log(shape[0]) if key[-1] == "A_log" else None
+        names = [name.format(e=e) for e in range(shape[0])] if "{e}" in name else _aliases(name)
+        used.update(n for n in names if n in st)
+
+        def read(index: tuple = (), name=name, shape=shape, fix=fix, target=target) -> np.ndarray:
+            arr = _read_param(st, name, shape, fix, index)
+            if arr.dtype == np.uint8 and target != jnp.uint8:
+                raise CheckpointError(f"tensor {name}: packed uint8 data where the model expects {target}; "
+                                      f"check text_config.quantization_config")
+            return arr.astype(target) if arr.dtype != target else arr
+
+        sharding = place(var) if place is not None else None
+        values[key] = jnp.asarray(read()) if sharding is None else _placed(shape, sharding, read)
     leftover = [k for k in st.where if k not in used and k.startswith(prefix + "model.layers.")]
     if leftover:
         log.warning("%d checkpoint tensors were not used, e.g. %s", len(leftover), leftover[:3])
+    log.info("%s: read %.2f GiB of tensors", path, st.bytes_read / 2 ** 30)
     return _fill(abstract, values)
+
+
+def _placed(shape: tuple[int, ...], sharding, read: Callable) -> jax.Array:
+    """An array with `sharding` built from `read(index)` per addressable shard; a slice several devices
+    hold (replicated dims) is read once."""
+    seen: dict[tuple, np.ndarray] = {}
+
+    def shard(index: tuple) -> np.ndarray:
+        key = tuple((s.start, s.stop, s.step) for s in index)
+        if key not in seen:
+            seen[key] = read(index)
+        return seen[key]
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 
 
 def _fill(abstract: nnx.State, values: dict) -> nnx.State:
@@ -270,10 +314,14 @@ def save_orbax(path: str, cfg: ModelConfig, params: nnx.State, dtype) -> None:
         json.dump({"config": cfg.to_dict(), "dtype": jnp.dtype(dtype).name}, f, indent=1)
 
 
-def load_orbax_params(path: str, abstract: nnx.State) -> nnx.State:
-    """Restore into abstract targets (shape, dtype and sharding come from `abstract`)."""
+def load_orbax_params(path: str, abstract: nnx.State, place: Callable | None = None) -> nnx.State:
+    """Restore into abstract targets (shape and dtype from `abstract`; each array's sharding from
+    `place(var)` when given, else `abstract`'s: Orbax then reads only each device's slice)."""
     import orbax.checkpoint as ocp
 
+    if place is not None:
+        abstract = nnx.from_flat_state([(k, v.replace(value=jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=place(v))))
+                                        for k, v in nnx.to_flat_state(abstract)])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                           nnx.to_pure_dict(abstract))
     with ocp.StandardCheckpointer() as ckpt:
@@ -290,16 +338,17 @@ def read_orbax_config(path: str) -> tuple[ModelConfig, str]:
 
 # ---- entry point ----------------------------------------------------------------------------
 
-def load_checkpoint(path: str, dtype, progress: bool = True):
-    """-> (cfg, graphdef, params) for an HF safetensors or Orbax directory."""
+def load_checkpoint(path: str, dtype, progress: bool = True, place: Callable | None = None):
+    """-> (cfg, graphdef, params) for an HF safetensors or Orbax directory; `place(var) -> Sharding` puts
+    each parameter straight into its shards (see `load_hf_params`)."""
     from k3jax.runtime import abstract_model
 
     if is_orbax_dir(path):
         cfg, _ = read_orbax_config(path)
         graphdef, abstract = abstract_model(cfg, dtype)
-        return cfg, graphdef, load_orbax_params(path, abstract)
+        return cfg, graphdef, load_orbax_params(path, abstract, place)
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path}: no config.json (HF) and no {K3JAX_CONFIG} (Orbax)")
     cfg = load_hf_config(path)
     graphdef, abstract = abstract_model(cfg, dtype)
-    return cfg, graphdef, load_hf_params(path, cfg, abstract, dtype, progress)
+    return cfg, graphdef, load_hf_params(path, cfg, abstract, dtype, progress, place)

@@ -152,24 +152,39 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def load_model(path_or_preset: str, dtype="float32", seed: int = 0) -> Model:
+def load_model(path_or_preset: str, dtype="float32", seed: int = 0, *, sharding: str | None = None,
+               devices=None) -> Model:
     """Load a preset name (seeded random weights), an HF safetensors directory (`kimi_linear` or
-    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything."""
+    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything.
+
+    `sharding` (a config name or YAML path, as the engine's) and `devices` (indices into `jax.devices()`)
+    load the weights straight into the placement an engine with the same two options gives them: each
+    device receives only its shard, read from disk alone (no device first holds the whole model), and the
+    engine's own placement is then a no-op. Without them the weights land whole on the default device."""
     from k3jax import checkpoint
     from k3jax.tokenizer import load_tokenizer
 
     dt = parse_dtype(dtype)
+    place = None
+    if sharding is not None or devices is not None:
+        from k3jax.sharding import load_sharding_config, placement
+
+        place = placement(load_sharding_config(sharding or "single"),
+                          None if devices is None else [jax.devices()[i] for i in devices])
     if path_or_preset in PRESETS:
         cfg = get_preset(path_or_preset)
         if cfg.vocab_size > 1 << 16 or cfg.hidden_size > 4096:
             raise ValueError(f"preset {path_or_preset!r} has the real model's shapes; use it for planning "
                              f"(k3jax.runtime.abstract_model), it cannot be materialised with random weights here")
         graphdef, params = init_model(cfg, dt, seed)
+        if place is not None:
+            params = nnx.from_flat_state([(k, v.replace(value=jax.device_put(v[...], place(v))))
+                                          for k, v in nnx.to_flat_state(params)])
         tok = load_tokenizer(None, family="byte", vocab_size=cfg.vocab_size)
         return Model(cfg, graphdef, params, dt, tok, source=path_or_preset)
     if not os.path.isdir(path_or_preset):
         raise FileNotFoundError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
-    cfg, graphdef, params = checkpoint.load_checkpoint(path_or_preset, dt)
+    cfg, graphdef, params = checkpoint.load_checkpoint(path_or_preset, dt, place=place)
     return Model(cfg, graphdef, params, dt, _checkpoint_tokenizer(path_or_preset, cfg), source=path_or_preset)
 
 

@@ -176,18 +176,31 @@ def plan_param_specs(params, config: ShardingConfig, mesh_sizes: dict[str, int])
     notes: dict[str, list[str]] = {}
 
     def one(path, var):
-        value = _value(var)
-        axes = tuple(getattr(var, "axes", None) or (None,) * value.ndim)
-        if len(axes) != value.ndim:
-            raise ValueError(f"parameter {jax.tree_util.keystr(path)}: logical axes {axes} do not match its "
-                             f"shape {value.shape}")
-        spec, why = spec_for(axes, value.shape, config, mesh_sizes)
+        spec, why = param_spec(var, config, mesh_sizes, jax.tree_util.keystr(path))
         if why:
             notes[jax.tree_util.keystr(path)] = why
         return spec
 
     specs = jax.tree_util.tree_map_with_path(one, params, is_leaf=_is_var)
     return specs, notes
+
+
+def param_spec(var, config: ShardingConfig, mesh_sizes: dict[str, int], name: str = "") -> tuple[P, list[str]]:
+    """One parameter's (or abstract parameter's) PartitionSpec from its logical axes -> (spec, notes)."""
+    value = _value(var)
+    axes = tuple(getattr(var, "axes", None) or (None,) * value.ndim)
+    if len(axes) != value.ndim:
+        raise ValueError(f"parameter {name}: logical axes {axes} do not match its shape {value.shape}")
+    return spec_for(axes, value.shape, config, mesh_sizes)
+
+
+def placement(config: ShardingConfig, devices=None):
+    """-> `place(var) -> NamedSharding`: where `shard_params` puts each parameter on `config`'s mesh over
+    `devices`. Loaders take it to read each parameter straight into its shards
+    (`k3jax.load_model(..., sharding=...)`); the engine's placement on the same mesh is then a no-op."""
+    mesh = make_mesh(config, devices)
+    sizes = dict(mesh.shape)
+    return lambda var: NamedSharding(mesh, param_spec(var, config, sizes)[0])
 
 
 def shard_params(params, mesh: Mesh, config: ShardingConfig):

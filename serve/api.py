@@ -652,8 +652,10 @@ class _Format:
     """Shapes of one endpoint's objects (completion or chat), full and streamed."""
 
     def __init__(self, st: ServerState, rid: str, n: int, logprobs: Optional[int], created: int,
-                 prompt_field: bool = False, token_ids: bool = False, tokens_as_ids: Optional[bool] = None):
+                 prompt_field: bool = False, token_ids: bool = False, tokens_as_ids: Optional[bool] = None,
+                 run_id: Optional[str] = None):
         self.st, self.id, self.n, self.logprobs, self.created = st, rid, n, logprobs, created
+        self.run_id = run_id or rid  # the base of its engine requests' ids (see _response_id)
         # vLLM's return_tokens_as_token_ids: the request's choice, else the server's
         self.tokens_as_ids = getattr(st, "return_tokens_as_token_ids", False) if tokens_as_ids is None else tokens_as_ids
         self.prompt_field = prompt_field  # return vLLM's `prompt_logprobs`
@@ -962,7 +964,7 @@ class _ResponsesFormat:
     def __init__(self, chat: _ChatFormat, body, model: str, count_tokens, keep=None):
         """`keep(response)`: stores the finished response (None: not stored)."""
         self.chat, self.body, self.model, self.count, self.keep = chat, body, model, count_tokens, keep
-        self.id = chat.id
+        self.id, self.run_id = chat.id, chat.run_id
         self.events = ResponseEvents(chat.id, chat.created, body, model, stored=keep is not None,
                                      channels=chat.reasoning is not None)
 
@@ -1226,8 +1228,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         rid, run_id = _response_id(request, body, "cmpl-")
         fmt = _CompletionFormat(st, rid, params.n, params.logprobs, int(time.time()),
                                 echo_texts=echo, prompt_field=body.prompt_logprobs is not None,
-                                token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids)
-        fmt.run_id = run_id
+                                token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids,
+                                run_id=run_id)
         return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
@@ -1236,8 +1238,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         arrival = time.monotonic()
         st.check_model(body.model)
         rid, run_id = _response_id(request, body, "chatcmpl-")
-        ids, params, fmt = _chat_request(st, body, rid)
-        fmt.run_id = run_id
+        ids, params, fmt = _chat_request(st, body, rid, run_id)
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/v1/responses", responses=_ERRORS)
@@ -1343,7 +1344,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 raise APIError(400, f"model_path: {path!r} is not a checkpoint directory on the server", param="model_path")
 
             def update(engine):
-                engine.update_weights(load_model(path, dtype=engine.model.dtype))
+                engine.update_weights(load_model(path, dtype=engine.model.dtype, **engine.load_options()))
                 return engine.is_sleeping
 
             try:
@@ -1499,7 +1500,7 @@ def _template_kwargs(st: ServerState, body) -> Optional[dict]:
     return {**(kwargs or {}), "thinking_effort": effort}
 
 
-def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str):
+def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_id: Optional[str] = None):
     """A chat request's prompt ids, sampling parameters and response format."""
     try:
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
@@ -1518,7 +1519,7 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str):
     fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),
                       prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
                       tools=plan, token_ids=body.return_token_ids, prompt_ids=ids,
-                      tokens_as_ids=body.return_tokens_as_token_ids)
+                      tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id)
     return ids, params, fmt
 
 
@@ -1707,7 +1708,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     lora = st.check_model(getattr(body, "model", None))
     if lora is not None:
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
-    run = _Run(st, prompts, params, getattr(fmt, "run_id", fmt.id), ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
+    run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
                beam)
     handed_off = False
     try:

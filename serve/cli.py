@@ -306,14 +306,25 @@ def _say(msg: str) -> None:
     print(f"[k3jax serve] {msg}", file=sys.stderr, flush=True)
 
 
+def load_served_model(o: dict, cfg):
+    """The served model, read straight into the engine's placement when one engine runs on a mesh (each
+    device reads and receives only its shards); data-parallel replicas and a disaggregated pair place
+    their own copies of a model loaded once."""
+    from k3jax.runtime import load_model
+
+    single = (o.get("data_parallel_size") or 1) == 1 and disaggregation(o) is None
+    where = (dict(sharding=cfg.sharding, devices=cfg.devices)
+             if single and (cfg.sharding or cfg.devices is not None) else {})
+    return load_model(o["model"], dtype=o["dtype"], seed=o["seed"], **where)
+
+
 def _follow(o: dict, cfg) -> int:
     """Processes 1.. of a multi-host server: build the same engine, then run process 0's steps."""
-    from k3jax.runtime import load_model
     from serve.engine import Engine
 
     me = f"process {o['process_id']}/{o['num_processes']}"
     _say(f"{me}: loading {o['model']} ({o['dtype']}) and compiling ...")
-    eng = Engine(load_model(o["model"], dtype=o["dtype"], seed=o["seed"]), cfg, progress=False)
+    eng = Engine(load_served_model(o, cfg), cfg, progress=False)
     _say(f"{me}: following process 0's steps")
     n = eng.follow()
     _say(f"{me}: process 0 closed after {n} steps ({eng.channel.pings} idle pings)")
@@ -447,10 +458,8 @@ def serve_main(args) -> int:
         if server.should_exit:
             return
         try:
-            from k3jax.runtime import load_model
-
             _say(f"loading {o['model']} ({o['dtype']}) ...")
-            model = load_model(o["model"], dtype=o["dtype"], seed=o["seed"])
+            model = load_served_model(o, cfg)
             holder["engine"] = start_engine(model, cfg, o, adapters, cache_dir)
             st.attach(holder["engine"])
             _say(f"ready: serving {name!r} on http://{o['host']}:{o['port']} "

@@ -1049,6 +1049,13 @@ class Engine:
         self.counters["requests_aborted"] += 1
         return True
 
+    def load_options(self) -> dict:
+        """`k3jax.load_model` options that read weights straight into this engine's placement (each device its
+        shards; `{}` on one device without a mesh): `engine.update_weights(load_model(path, **engine.load_options()))`."""
+        if self.mesh is None:
+            return {}
+        return dict(sharding=self.config.sharding, devices=self.config.devices)
+
     def update_weights(self, model: Model) -> None:
         """Swap in new weights of the same model: an RL loop's policy update, a fine-tuned checkpoint.
         `model` must have this engine's config and parameter shapes; it gets the engine's start-up

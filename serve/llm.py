@@ -32,7 +32,11 @@ class LLM:
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  **engine_options):
-        self.model = model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed)
+        if not isinstance(model, Model):  # one engine on a mesh: each device reads only its shards
+            where = ({k: engine_options.get(k) for k in ("sharding", "devices")} if data_parallel_size == 1
+                     and (engine_options.get("sharding") or engine_options.get("devices") is not None) else {})
+            model = load_model(model, dtype=dtype, seed=seed, **where)
+        self.model = model
         self.progress = progress
         config = EngineConfig(**engine_options)
         # vLLM's data_parallel_size: that many engine replicas on disjoint device groups (serve/data_parallel.py)
@@ -156,7 +160,9 @@ class LLM:
     def update_weights(self, model: Union[Model, str], *, dtype: str = "float32", seed: int = 0) -> None:
         """Swap in new weights of the same model (a `Model`, a checkpoint directory or a preset): the
         compiled programs are reused, the prefix cache is cleared (see `Engine.update_weights`)."""
-        model = model if isinstance(model, Model) else load_model(model, dtype=dtype, seed=seed)
+        if not isinstance(model, Model):
+            where = self.engine.load_options() if hasattr(self.engine, "load_options") else {}
+            model = load_model(model, dtype=dtype, seed=seed, **where)
         self.engine.update_weights(model)
         self.model = model
 

@@ -129,8 +129,7 @@ def run_batch(app, lines, out: IO[str], concurrency: int, api_key: Optional[str]
 def run_batch_main(args) -> int:
     """`k3jax run-batch`: build and warm the engine with the serve options, then run the input file."""
     from serve.api import create_app
-    from serve.cli import DEFAULTS, _say, enable_compile_cache, engine_config, lora_modules, start_engine
-    from k3jax.runtime import load_model
+    from serve.cli import DEFAULTS, _say, enable_compile_cache, engine_config, load_served_model, lora_modules, start_engine
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     cfg = engine_config(o)
@@ -142,7 +141,7 @@ def run_batch_main(args) -> int:
     if not o["no_compile_cache"]:
         enable_compile_cache(o["compile_cache_dir"])
     _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
-    aeng = start_engine(load_model(o["model"], dtype=o["dtype"], seed=o["seed"]), cfg, o, adapters)
+    aeng = start_engine(load_served_model(o, cfg), cfg, o, adapters)
     try:
         app = create_app(aeng, o["served_model_name"] or o["model"], max_waiting=None,
                          max_model_len=cfg.max_model_len, reasoning_parser=not o["no_reasoning_parser"],

@@ -108,20 +108,26 @@ def _broken_checkpoint(model, tmp_path, mutate):
     return path
 
 
-def test_missing_tensor_is_named(model, tmp_path):
+# loaded whole, and straight into a placement (a 1-device mesh: read shard by shard, tests/test_sharding.py)
+PLACED = [{}, dict(devices=[0])]
+
+
+@pytest.mark.parametrize("where", PLACED)
+def test_missing_tensor_is_named(model, tmp_path, where):
     prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
     name = f"{prefix}model.layers.1.self_attn.q_proj.weight"
     path = _broken_checkpoint(model, tmp_path, lambda t: t.pop(name))
     with pytest.raises(CheckpointError, match=name.replace(".", r"\.")):
-        k3jax.load_model(path)
+        k3jax.load_model(path, **where)
 
 
-def test_misshaped_tensor_names_both_shapes(model, tmp_path):
+@pytest.mark.parametrize("where", PLACED)
+def test_misshaped_tensor_names_both_shapes(model, tmp_path, where):
     prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
     name = f"{prefix}model.norm.weight"
     path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, np.ones(5, np.float32)))
     with pytest.raises(CheckpointError, match=rf"{name.replace('.', '.')}.*\(5,\).*\({model.cfg.hidden_size},\)"):
-        k3jax.load_model(path)
+        k3jax.load_model(path, **where)
 
 
 def test_bad_inputs_are_clear(model):

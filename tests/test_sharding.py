@@ -319,6 +319,91 @@ def multi_device():
     return json.loads(line[0][len("RESULT"):])
 
 
+# Weights read straight into their shards (k3jax.load_model(..., sharding=...)): tiny-k3 written as a sharded
+# HF directory (MXFP4 experts, padded A_log) and as Orbax, loaded whole and onto a 4-device mesh.
+_LOADS = textwrap.dedent("""
+    import json, sys, tempfile
+    import jax, numpy as np
+    from flax import nnx
+    from k3jax import checkpoint
+    from k3jax.runtime import load_model
+    from k3jax.sharding import load_sharding_config, placement
+    from serve.engine import Engine, EngineConfig
+
+    out = {}
+    src = load_model("tiny-k3")
+    d = tempfile.mkdtemp()
+    checkpoint.save_hf_checkpoint(d + "/hf", src.cfg, src.params, max_shard_bytes=1 << 18, a_log_pad=3)
+    checkpoint.save_orbax(d + "/orbax", src.cfg, src.params, src.dtype)
+    reads = []  # (tensor, bytes read, the tensor's bytes) of every read from the safetensors files
+    get = checkpoint.SafetensorsDir.get
+
+    def counted(self, name, index=()):
+        arr = get(self, name, index)
+        reads.append((name, arr.nbytes, int(np.prod(self.shape(name))) * arr.itemsize))
+        return arr
+
+    checkpoint.SafetensorsDir.get = counted
+    whole = load_model(d + "/hf")
+    ref = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(whole.params)}
+    out["whole"] = dict(bytes=sum(b for _, b, _ in reads), partial=sum(b < full for _, b, full in reads))
+    for form in ("hf", "orbax"):
+        for sh in ("tp", "ep"):
+            reads.clear()
+            m = load_model(f"{d}/{form}", sharding=sh)
+            place = placement(load_sharding_config(sh))
+            flat = [(k, v[...], v) for k, v in nnx.to_flat_state(m.params)]
+            per = {}  # tensor -> [its bytes, bytes read, reads]
+            for name, b, full in reads:
+                e = per.setdefault(name, [full, 0, 0])
+                e[1], e[2] = e[1] + b, e[2] + 1
+            out[f"{form}/{sh}"] = dict(
+                equal=all(np.array_equal(np.asarray(a), ref[k]) for k, a, _ in flat),
+                placed=all(a.sharding == place(v) for _, a, v in flat),
+                split=sum(not a.sharding.is_fully_replicated for _, a, _ in flat), leaves=len(flat),
+                bytes=sum(b for _, b, _ in reads), partial=sum(b < full for _, b, full in reads),
+                # tensors read in slices: each slice once, the slices adding up to the tensor
+                sliced=sum(e[2] > 1 for e in per.values()),
+                sliced_whole=all(e[1] == e[0] for name, e in per.items() if e[2] > 1 and "A_log" not in name))
+            if form == "hf" and sh == "ep":  # the engine's own placement of these arrays is a no-op
+                eng = Engine(m, EngineConfig(sharding=sh, expert_weights="packed", dense_weights="out_in",
+                                             cache_bytes=4 << 20, max_model_len=64), warmup=False)
+                out["engine"] = dict(kept=all(a is b for a, (_, b, _) in zip(jax.tree.leaves(eng.model.params), flat)),
+                                     load_options=eng.load_options())
+    print("RESULT" + json.dumps(out))
+""")
+
+
+@pytest.fixture(scope="module")
+def sharded_loads():
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", _LOADS], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
+    assert proc.returncode == 0 and line, proc.stderr[-3000:]
+    return json.loads(line[0][len("RESULT"):])
+
+
+@pytest.mark.parametrize("form", ["hf", "orbax"])
+@pytest.mark.parametrize("sh", ["tp", "ep"])
+def test_weights_load_straight_into_their_shards(sharded_loads, form, sh):
+    """`load_model(path, sharding=...)`: every parameter arrives with the sharding the engine gives it, the
+    same values as a whole load; from HF safetensors each device's slice is read on its own (never the
+    whole tensor per device), each byte once."""
+    r, whole = sharded_loads[f"{form}/{sh}"], sharded_loads["whole"]
+    assert r["equal"] and r["placed"] and r["split"] > 0
+    if form == "hf":
+        assert whole["partial"] == 0 and r["partial"] > 0 and r["sliced"] > 0 and r["sliced_whole"]
+        # every tensor byte read once, not once per device (A_log, fixed before slicing, is read whole per slice)
+        assert whole["bytes"] <= r["bytes"] <= whole["bytes"] * 1.01
+
+
+def test_the_engine_keeps_weights_loaded_into_its_placement(sharded_loads):
+    eng = sharded_loads["engine"]
+    assert eng["kept"] and eng["load_options"] == {"sharding": "ep", "devices": None}
+
+
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
 def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     """Same greedy (and seeded) tokens on 1 device, a 4-way tensor mesh (experts split over it too) and a

@@ -240,6 +240,11 @@ def _default_block_h(h: int, variant: str) -> int:
     return h
 
 
+def auto_variant(interpret: bool) -> str:
+    """The variant ``variant="auto"`` runs: Triton on a GPU unless interpreted, else Mosaic."""
+    return "triton" if (not interpret and jax.default_backend() == "gpu") else "mosaic"
+
+
 def paged_mla_decode_pallas(
     q_latent: jax.Array,
     q_rope: jax.Array,
@@ -260,7 +265,7 @@ def paged_mla_decode_pallas(
         q_latent, q_rope, kv_pages, page_table, seq_lens)
     out_dtype = q_latent.dtype if out_dtype is None else out_dtype
     if variant == "auto":
-        variant = "triton" if (not interpret and jax.default_backend() == "gpu") else "mosaic"
+        variant = auto_variant(interpret)
     if variant not in ("mosaic", "triton"):
         raise ValueError(f"variant={variant!r}")
     dt = kv_pages.dtype

@@ -55,6 +55,8 @@ def decode_work_follows_length(backend: str = "auto", interpret: bool = False) -
     skipping the compute of those past the sequence but not the step). A caller that compiles one
     program per table width (the engine's context buckets) needs only the widest where this is True.
     """
-    if resolve_backend(backend) == "reference" or resolve_interpret(backend, interpret):
+    if resolve_backend(backend) == "reference":
         return False
-    return jax.default_backend() == "gpu"
+    from pallas_kernels.mla import kernel  # local import, as in paged_mla_decode
+
+    return kernel.auto_variant(resolve_interpret(backend, interpret)) == "triton"
