@@ -28,7 +28,7 @@ DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     long_prefill_chunk=0,
-    context_buckets=None, cache_mb=128, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
+    context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
@@ -37,7 +37,7 @@ DEFAULTS = dict(
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
-    lora_target_modules=None, max_cpu_loras=None, data_parallel_size=1, data_parallel_routing="cache_aware",
+    lora_target_modules=None, max_cpu_loras=None, tensor_parallel_size=None, data_parallel_size=1, data_parallel_routing="cache_aware",
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
     return_tokens_as_token_ids=False, enable_request_id_headers=False,
 )
@@ -65,6 +65,9 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--context-buckets", default=None,
                    help="comma-separated MLA pages per layer (default: the whole context window)")
     e.add_argument("--cache-mb", type=int, default=d["cache_mb"], help="cache arena budget (MiB)")
+    e.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
+                   help="vLLM's: the fraction of each device's memory for weights, step temporaries and cache; the "
+                        "arena gets what the weights and the largest steps leave, in place of --cache-mb (GPU, TPU)")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--host-cache-mb", type=int, default=None,
@@ -90,6 +93,9 @@ def add_serve_arguments(s) -> None:
                    help="split the MLA latent pages by position over the ranks that split the KDA heads (their "
                         "number, e.g. 4 with --sharding tp on 4 devices): each rank holds every N-th token, so the "
                         "cache holds N times the context (default 1: every page whole on every rank)")
+    e.add_argument("--tensor-parallel-size", "-tp", type=int, default=d["tensor_parallel_size"],
+                   help="vLLM's -tp: the engine's mesh spans this many devices (the first N; each data-parallel "
+                        "replica N of its own), under --sharding (default 'tp' when N > 1)")
     e.add_argument("--data-parallel-size", "-dp", type=int, default=d["data_parallel_size"],
                    help="engine replicas on disjoint device groups (each --sharding's mesh over devices / N, or "
                         "one device each), requests routed by cached prefix and load (default 1)")
@@ -237,7 +243,9 @@ def engine_config(o: dict):
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=max(512, decode[-1] * (1 + drafts) + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
-        seed=o["seed"], sharding=o.get("sharding"), kda_decode=o.get("kda_decode", "auto"),
+        gpu_memory_utilization=o.get("gpu_memory_utilization"),
+        seed=o["seed"], sharding=o.get("sharding"), tensor_parallel_size=o.get("tensor_parallel_size"),
+        kda_decode=o.get("kda_decode", "auto"),
         decode_context_parallel_size=o.get("decode_context_parallel_size", 1),
         enable_eplb=bool(o.get("enable_eplb")), eplb_window_size=o.get("eplb_window_size", 1000),
         eplb_step_interval=o.get("eplb_step_interval", 3000),
@@ -313,8 +321,8 @@ def load_served_model(o: dict, cfg):
     from k3jax.runtime import load_model
 
     single = (o.get("data_parallel_size") or 1) == 1 and disaggregation(o) is None
-    where = (dict(sharding=cfg.sharding, devices=cfg.devices)
-             if single and (cfg.sharding or cfg.devices is not None) else {})
+    where = (dict(sharding=cfg.sharding, devices=cfg.mesh_devices())
+             if single and (cfg.sharding or cfg.mesh_devices() is not None) else {})
     return load_model(o["model"], dtype=o["dtype"], seed=o["seed"], **where)
 
 

@@ -48,6 +48,12 @@ def replica_devices(size: int, config: EngineConfig) -> list[tuple[int, ...]]:
     pool = list(config.devices) if config.devices is not None else list(range(len(jax.devices())))
     if len(set(pool)) != len(pool):
         raise ValueError(f"devices={config.devices!r}: an index appears twice")
+    tp = config.tensor_parallel_size
+    if tp is not None and (config.sharding is not None or tp > 1):  # vLLM's -dp M -tp N: M groups of N devices
+        if size * tp > len(pool):
+            raise ValueError(f"data_parallel_size={size} x tensor_parallel_size={tp}: {size * tp} devices wanted, "
+                             f"{len(pool)} available")
+        return [tuple(pool[i * tp:(i + 1) * tp]) for i in range(size)]
     if config.sharding is None:
         if size > len(pool):
             raise ValueError(f"data_parallel_size={size}: {len(pool)} devices hold at most {len(pool)} one-device "
@@ -205,7 +211,7 @@ def build_replicas(model, config: EngineConfig, size: int, progress: bool = True
     """`size` engines of `config`, each on its own device group -> (engines, their device indices)."""
     if jax.process_count() > 1:
         raise ValueError("data_parallel_size: replicas live in one process; a multi-process mesh runs one engine")
-    dataclasses.replace(config, devices=None).validate()
+    dataclasses.replace(config, devices=None, tensor_parallel_size=None).validate()
     groups = replica_devices(size, config)
     for g in groups:  # each replica's devices exist
         dataclasses.replace(config, devices=g).validate()

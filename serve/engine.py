@@ -39,7 +39,9 @@ from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, read_peft
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
 from serve.buckets import default_buckets, program_shapes
-from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, state_dtype_name
+from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, state_dtype_name
+from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
+                                 step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -90,6 +92,11 @@ class EngineConfig:
     max_model_len: int = 1024
     page_size: int = 16
     cache_bytes: int = 256 << 20  # the one budget for MLA pages and KDA state slots
+    # vLLM's gpu_memory_utilization: the fraction of each device's memory (its allocator's limit) the engine
+    # may use for weights, step temporaries and cache together; the arena gets what the weights and the
+    # largest step programs leave (serve/memory_budget.py), in place of `cache_bytes`. Needs a backend
+    # that reports device memory (GPU, TPU); one process's mesh. None: `cache_bytes`.
+    gpu_memory_utilization: Optional[float] = None
     max_num_seqs: int = 32  # requests running at once = rows of the largest decode bucket (vLLM's meaning)
     prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
     max_prefill_seqs: int = 4  # prefill rows per step
@@ -203,6 +210,10 @@ class EngineConfig:
     # replicas (serve/data_parallel.py), or a disaggregated prefill engine beside its decode engine. Without
     # `sharding` it names one device (the "single" config's mesh on it).
     devices: Optional[tuple[int, ...]] = None
+    # vLLM's tensor_parallel_size (`-tp N`): the engine's mesh spans N devices (the first N, or `devices`, which
+    # must then name N), under `sharding` (default "tp" when N > 1: heads, MLP units, vocabulary and routed
+    # experts split N ways). With data_parallel_size M, M replicas of N devices each. None: see `devices`.
+    tensor_parallel_size: Optional[int] = None
     # Speculative decoding (vLLM's `speculative_config`, e.g. {"method": "ngram", "num_speculative_tokens":
     # 3}): decodes carry n-gram drafts that one step verifies (serve/speculative.py); same outputs,
     # more tokens per step when drafts are accepted. None: off.
@@ -233,6 +244,18 @@ class EngineConfig:
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
+        tp = self.tensor_parallel_size
+        if self.sharding is None and isinstance(tp, int) and not isinstance(tp, bool) and tp > 1:
+            object.__setattr__(self, "sharding", "tp")
+
+    def mesh_devices(self) -> Optional[tuple[int, ...]]:
+        """Indices into `jax.devices()` of the engine's mesh: `devices`, else the first `tensor_parallel_size`;
+        None: every device under a `sharding` config, the default device without one."""
+        if self.devices is not None:
+            return tuple(self.devices)
+        if self.tensor_parallel_size is not None and (self.sharding is not None or self.tensor_parallel_size > 1):
+            return tuple(range(self.tensor_parallel_size))
+        return None
 
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
@@ -303,6 +326,19 @@ class EngineConfig:
             if not isinstance(self.sharding, str) or not self.sharding:
                 raise ValueError(f"sharding={self.sharding!r}: expected a config name in sharding_configs/ or a YAML path")
             load_sharding_config(self.sharding)  # raises, naming the config key at fault
+        f = self.gpu_memory_utilization
+        if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1):
+            raise ValueError(f"gpu_memory_utilization={f!r}: expected a fraction in (0, 1]")
+        tp = self.tensor_parallel_size
+        if tp is not None:
+            if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+                raise ValueError(f"tensor_parallel_size={tp!r}: expected an integer >= 1")
+            if tp > len(jax.devices()):
+                raise ValueError(f"tensor_parallel_size={tp}: only {len(jax.devices())} devices "
+                                 f"({jax.devices()[0].platform})")
+            if self.devices is not None and len(self.devices) != tp:
+                raise ValueError(f"tensor_parallel_size={tp}: devices={self.devices!r} names {len(self.devices)}; "
+                                 f"give {tp} or leave devices unset (the first {tp})")
         if self.devices is not None:
             devs, count = self.devices, len(jax.devices())
             if (isinstance(devs, (str, bytes)) or not hasattr(devs, "__len__") or not devs
@@ -454,15 +490,16 @@ class Engine:
             model = eplb.attach(model, config.eplb_num_redundant_experts)
         self.mesh, self.sharding_config, self.sharding_notes, arena_sharding = None, None, {}, None
         self.state_split = None  # the arena split over a mesh axis by KDA heads (serve/state_split.py)
-        if config.sharding or config.devices is not None:
+        on = config.mesh_devices()
+        if config.sharding or on is not None:
             self.sharding_config = load_sharding_config(config.sharding or "single")
-            devices = None if config.devices is None else [jax.devices()[i] for i in config.devices]
+            devices = None if on is None else [jax.devices()[i] for i in on]
             try:
                 self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config, devices)
             except ValueError as e:
                 if devices is None:
                     raise
-                raise ValueError(f"devices={list(config.devices)!r}: {e}") from None
+                raise ValueError(f"devices={list(on)!r}: {e}") from None
             axis = state_axis(self.sharding_config, dict(self.mesh.shape), model.cfg.kda_num_heads)
             self.state_split = StateSplit(self.mesh, axis) if axis is not None else None
             heads = self.sharding_config.rule("heads")
@@ -487,13 +524,13 @@ class Engine:
             raise ValueError(f"decode_context_parallel_size={dcp}: the MLA pages are split over the ranks that split "
                              f"the KDA heads, {ranks} under sharding={config.sharding!r} on {self.mesh.size} devices "
                              f"({self.cfg.kda_num_heads} KDA heads, heads rule {self.sharding_config.rule('heads')!r})")
-        self.layout = ArenaLayout.plan(self.cfg, config.cache_bytes, config.page_size, model.dtype, ranks,
-                                       config.kv_cache_dtype, config.kda_state_dtype, dcp)
-        self.allocator = Arena(self.layout)
-        self.arena = self.layout.empty(arena_sharding)
-        # token ids at each page position (first MLA layer's units): the penalties' history (serve/step.py)
-        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
-                                  replicated(self.mesh) if self.mesh is not None else None)
+        layout_for = lambda budget: ArenaLayout.plan(  # noqa: E731
+            self.cfg, budget, config.page_size, model.dtype, ranks, config.kv_cache_dtype, config.kda_state_dtype, dcp)
+        if config.gpu_memory_utilization is None:
+            self.layout = layout_for(config.cache_bytes)
+        else:  # the smallest arena for now; _size_arena_from_memory replaces it
+            unsized = layout_for(1 << 60)  # (a layout is arithmetic: nothing is allocated)
+            self.layout = layout_for(min_units(unsized.slot_units) * unsized.unit_bytes)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         # fp8 latents are dequantised after the gather (the paged kernel reads model-dtype pages)
         # the Pallas kernels read a page (a rank's share of one, with context parallelism) as one tile:
@@ -512,8 +549,11 @@ class Engine:
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
                               self.logits_processors)
-        self._step, self._leaves = bind_step(model.graphdef, self.layout, model.params, config.max_logprobs,
-                                             options, arena_sharding)
+        self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
+        self._arena_sharding = arena_sharding
+        bind = lambda layout: bind_step(model.graphdef, layout, model.params, config.max_logprobs,  # noqa: E731
+                                        options, arena_sharding)
+        self._build_arena(self.layout, bind)
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
         self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
         self._param_treedef = jax.tree.structure(model.params)
@@ -521,7 +561,6 @@ class Engine:
         self._lora_leaves = model_lora.module_paths(model.params)
         self._lora_indices = {i for pair in self._lora_leaves.values() for i in pair}
         self.loras = Registry(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
-        self._arena_sharding = arena_sharding
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
         self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
@@ -542,6 +581,9 @@ class Engine:
             max_loras=config.max_loras, prefill_first=config.prefill_first,
             long_prefill_chunk=config.long_prefill_tokens())
         self.align = self.sched_cfg.align
+        self.memory_plan: Optional[MemoryPlan] = None
+        if config.gpu_memory_utilization is not None:
+            self._size_arena_from_memory(layout_for, bind)
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
         self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
         host = None
@@ -574,7 +616,6 @@ class Engine:
         self._ids = itertools.count()
         self._seed_rng = np.random.default_rng(config.seed)
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
-        self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0, eplb_rebalances=0,
                              prompt_tokens=0,
@@ -627,6 +668,47 @@ class Engine:
             self.warmup(progress)
 
     # ---- start-up -----------------------------------------------------------------------------
+    def _build_arena(self, layout: ArenaLayout, bind) -> None:
+        """The arena of `layout` (zeroed), its allocator, the token-id pages and the step `bind(layout)` binds."""
+        self.layout = layout
+        self.allocator = Arena(layout)
+        self._zeroed_arena()
+        self._step, self._leaves = bind(layout)
+
+    def _zeroed_arena(self) -> None:
+        """A zeroed arena of the engine's layout and zeroed token-id pages (token ids at each page position of
+        the first MLA layer's units: the penalties' history, serve/step.py), made on their devices."""
+        self.arena = self.layout.empty(self._arena_sharding)
+        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
+                                  replicated(self.mesh) if self.mesh is not None else None)
+
+    def _size_arena_from_memory(self, layout_for, bind) -> None:
+        """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device
+        holds beside what is on it now (weights, adapters) and the largest step programs' temporaries, measured
+        by compiling those programs against the provisional arena (serve/memory_budget.py). Those two programs
+        compile again at warm-up for the final arena (the compilation cache keeps both across starts)."""
+        if self.mesh is not None and len(mesh_processes(self.mesh)) > 1:
+            raise ValueError("gpu_memory_utilization: not on a multi-process mesh (every process must size the same "
+                             "arena); set cache_bytes")
+        devices = list(self.mesh.devices.flat) if self.mesh is not None else list(self.arena.devices())
+        device_memory(devices)  # before compiling: a backend without statistics fails at once
+        temp = max(step_temp_bytes(self._step.lower(self._leaves, self.arena, self.token_pages,
+                                                    self._pad_batch(rows, t, p, [])).compile())
+                   for rows, t, p in largest_programs(self.bucket_shapes()))
+        jax.block_until_ready(self._leaves)
+        stats = device_memory(devices)
+        lay = self.layout
+        freed = max(sum(s.data.nbytes for x in (self.arena, self.token_pages) for s in x.addressable_shards
+                        if s.device == d) for d in devices)  # what the provisional arena holds on the fullest device
+        budget = plan_cache_bytes(self.config.gpu_memory_utilization, stats, freed, temp, lay.unit_bytes,
+                                  lay.page_size * 4, min_units(lay.slot_units))
+        self.arena = self.token_pages = None  # freed before the real arena is made
+        self._build_arena(layout_for(budget.cache_bytes), bind)
+        self.memory_plan = budget
+        log.info("gpu_memory_utilization=%s: %.2f GiB arena (%d units) beside %.2f GiB in use and %.2f GiB of step "
+                 "temporaries per device", budget.utilization, budget.cache_bytes / 2**30, self.layout.num_units,
+                 budget.bytes_in_use / 2**30, budget.step_temp_bytes / 2**30)
+
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per layer) program this engine may run."""
         return program_shapes(self.decode_buckets, self.prefill_buckets, self.context_buckets,
@@ -1054,7 +1136,7 @@ class Engine:
         shards; `{}` on one device without a mesh): `engine.update_weights(load_model(path, **engine.load_options()))`."""
         if self.mesh is None:
             return {}
-        return dict(sharding=self.config.sharding, devices=self.config.devices)
+        return dict(sharding=self.config.sharding, devices=self.config.mesh_devices())
 
     def update_weights(self, model: Model) -> None:
         """Swap in new weights of the same model: an RL loop's policy update, a fine-tuned checkpoint.
@@ -1205,9 +1287,7 @@ class Engine:
                 self._weights_stale = True
             self._host_leaves = None
         if "kv_cache" in tags and self.arena is None:
-            self.arena = self.layout.empty(self._arena_sharding)
-            self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
-                                      replicated(self.mesh) if self.mesh is not None else None)
+            self._zeroed_arena()
         if self._leaves is not None and self.arena is not None:
             self.sleep_level = 0
 
@@ -1331,9 +1411,7 @@ class Engine:
             self.arena.delete()
         if not self.token_pages.is_deleted():
             self.token_pages.delete()
-        self.arena = self.layout.empty(self._arena_sharding)
-        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
-                                  replicated(self.mesh) if self.mesh is not None else None)
+        self._zeroed_arena()
         self.counters["cache_resets"] += 1
         return True
 
@@ -2100,6 +2178,7 @@ class Engine:
             "num_requests_running": sum(1 for s in live if s.slot is not None),
             "num_requests_waiting": sum(1 for s in live if s.slot is None),
             "arena_bytes": by_kind,
+            "memory_plan": self.memory_plan.as_dict() if self.memory_plan is not None else None,
             "arena_free_units": self.allocator.free_units,
             "arena_baseline_free_units": self.allocator.baseline_free_units,
             "kv_cache_usage": 1.0 - self.allocator.free_units / self.allocator.baseline_free_units,

@@ -32,13 +32,14 @@ class LLM:
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  **engine_options):
+        config = EngineConfig(**engine_options)
         if not isinstance(model, Model):  # one engine on a mesh: each device reads only its shards
-            where = ({k: engine_options.get(k) for k in ("sharding", "devices")} if data_parallel_size == 1
-                     and (engine_options.get("sharding") or engine_options.get("devices") is not None) else {})
+            on = config.mesh_devices()
+            where = (dict(sharding=config.sharding, devices=on) if data_parallel_size == 1
+                     and (config.sharding or on is not None) else {})
             model = load_model(model, dtype=dtype, seed=seed, **where)
         self.model = model
         self.progress = progress
-        config = EngineConfig(**engine_options)
         # vLLM's data_parallel_size: that many engine replicas on disjoint device groups (serve/data_parallel.py)
         self.engine = (Engine(self.model, config, progress=progress) if data_parallel_size == 1
                        else DataParallelEngine.build(self.model, config, data_parallel_size, progress=progress,

@@ -105,7 +105,7 @@ class ArenaLayout:
                       + math.prod(conv_shape))
         slot_units = max(1, -(-slot_words // unit_elems)) if lk else 0
         num_units = budget_bytes // (unit_elems * WORD)
-        need = 2 + 2 * slot_units  # scratch page + scratch slot + at least one real slot/page
+        need = min_units(slot_units)
         if num_units < need:
             raise ValueError(f"cache budget {budget_bytes} B holds {num_units} units of "
                              f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
@@ -194,6 +194,11 @@ class ArenaLayout:
         """A zeroed arena; with a sharding, made in place on the devices (no host copy of the whole)."""
         zeros = lambda: jnp.zeros(self.shape, jnp.float32)
         return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+
+
+def min_units(slot_units: int) -> int:
+    """The smallest arena: the scratch page and slot, and one real page and slot."""
+    return 2 + 2 * slot_units
 
 
 class OutOfMemory(Exception):

@@ -89,6 +89,40 @@ def test_bad_data_parallel_and_device_options_name_the_option():
     assert build_parser().parse_args(["serve", "--data-parallel-size", "2"]).data_parallel_size == 2
 
 
+def test_tensor_parallel_size_picks_the_mesh_devices(monkeypatch):
+    """vLLM's tensor_parallel_size: the first N devices under the `tp` config (or the given one), each
+    data-parallel replica N of its own; mismatches name both options."""
+    import jax
+
+    dev = jax.devices()[0]
+    monkeypatch.setattr(jax, "devices", lambda *a: [dev] * 8)  # an 8-device host, as far as the config can tell
+    c = EngineConfig(tensor_parallel_size=4)
+    c.validate()
+    assert c.sharding == "tp" and c.mesh_devices() == (0, 1, 2, 3)
+    one = EngineConfig(tensor_parallel_size=1)
+    assert one.sharding is None and one.mesh_devices() is None  # one device, no mesh
+    assert EngineConfig(tensor_parallel_size=1, sharding="tp").mesh_devices() == (0,)
+    assert EngineConfig(tensor_parallel_size=2, sharding="tp_ep").sharding == "tp_ep"
+    assert EngineConfig(tensor_parallel_size=2, devices=(4, 6)).mesh_devices() == (4, 6)
+    assert replica_devices(2, EngineConfig(tensor_parallel_size=4)) == [(0, 1, 2, 3), (4, 5, 6, 7)]
+    assert replica_devices(2, EngineConfig(tensor_parallel_size=2, devices=(1, 3, 5, 7))) == [(1, 3), (5, 7)]
+    assert replica_devices(3, EngineConfig(tensor_parallel_size=2)) == [(0, 1), (2, 3), (4, 5)]
+    for kw, match in ((dict(tensor_parallel_size=0), "tensor_parallel_size=0"),
+                      (dict(tensor_parallel_size=True), "tensor_parallel_size=True"),
+                      (dict(tensor_parallel_size=9), "tensor_parallel_size=9: only 8 devices"),
+                      (dict(tensor_parallel_size=2, devices=(0,)), r"devices=\(0,\) names 1")):
+        with pytest.raises(ValueError, match=match):
+            EngineConfig(**kw).validate()
+    with pytest.raises(ValueError, match="data_parallel_size=3 x tensor_parallel_size=4: 12 devices wanted, 8"):
+        replica_devices(3, EngineConfig(tensor_parallel_size=4))
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, engine_config
+
+    args = build_parser().parse_args(["serve", "-tp", "2"])
+    cfg = engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+    assert cfg.tensor_parallel_size == 2 and cfg.sharding == "tp" and cfg.mesh_devices() == (0, 1)
+
+
 def test_disaggregated_serve_options_name_what_is_wrong():
     from k3jax.cli import build_parser
     from serve.cli import DEFAULTS, disaggregation

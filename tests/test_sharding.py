@@ -370,6 +370,14 @@ _LOADS = textwrap.dedent("""
                                              cache_bytes=4 << 20, max_model_len=64), warmup=False)
                 out["engine"] = dict(kept=all(a is b for a, (_, b, _) in zip(jax.tree.leaves(eng.model.params), flat)),
                                      load_options=eng.load_options())
+    # vLLM's tensor_parallel_size: a mesh over the first 2 devices, the weights loaded into it (as LLM does)
+    cfg = EngineConfig(tensor_parallel_size=2, expert_weights="packed", dense_weights="out_in", cache_bytes=4 << 20,
+                       max_model_len=64)
+    m = load_model(d + "/hf", sharding=cfg.sharding, devices=cfg.mesh_devices())
+    eng = Engine(m, cfg, warmup=False)
+    out["tp2"] = dict(mesh=dict(eng.mesh.shape), devices=sorted(x.id for x in eng.mesh.devices.flat),
+                      kept=all(a is b for a, b in zip(jax.tree.leaves(eng.model.params), jax.tree.leaves(m.params))),
+                      load_options=eng.load_options(), arena=sorted(x.id for x in eng.arena.sharding.device_set))
     print("RESULT" + json.dumps(out))
 """)
 
@@ -402,6 +410,9 @@ def test_weights_load_straight_into_their_shards(sharded_loads, form, sh):
 def test_the_engine_keeps_weights_loaded_into_its_placement(sharded_loads):
     eng = sharded_loads["engine"]
     assert eng["kept"] and eng["load_options"] == {"sharding": "ep", "devices": None}
+    tp2 = sharded_loads["tp2"]  # tensor_parallel_size=2 on the 4-device host: devices 0 and 1
+    assert tp2 == dict(mesh={"tensor": 2}, devices=[0, 1], kept=True, arena=[0, 1],
+                       load_options={"sharding": "tp", "devices": [0, 1]})
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])

@@ -1,0 +1,71 @@
+"""vLLM's gpu_memory_utilization: the arena sized from device memory (serve/memory_budget.py). The CPU keeps
+no device-memory statistics, so the engine tests give it a device of a known size whose use is the bytes of
+the live arrays on it, as an accelerator's allocator reports."""
+
+import jax
+import pytest
+
+import k3jax
+import serve.engine
+from serve.memory_budget import MemoryPlan, largest_programs, plan_cache_bytes
+from serve.types import SamplingParams
+
+LIMIT = 48 << 20  # the simulated device
+SMALL = dict(max_model_len=64, decode_buckets=(4,), prefill_buckets=(1,), context_buckets=(4,), max_num_seqs=4,
+             max_prefill_seqs=1)
+
+
+def _live_bytes() -> int:
+    return sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards)
+
+
+def test_plan_takes_what_weights_and_steps_leave():
+    stats = [dict(bytes_limit=1000, bytes_in_use=300), dict(bytes_limit=900, bytes_in_use=250)]
+    # 0.8 x 900 (the smallest limit) - (300 - 100 freed; the fullest device) - 40 temporaries = 480 -> 48 units
+    plan = plan_cache_bytes(0.8, stats, 100, 40, unit_bytes=9, unit_extra=1, min_units=3)
+    assert plan == MemoryPlan(0.8, 900, 200, 40, 48 * 9)
+    assert plan_cache_bytes(0.3, stats, 100, 40, unit_bytes=9, unit_extra=1, min_units=3).cache_bytes == 3 * 9
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=0.29: 29% of .* under the 3 units"):
+        plan_cache_bytes(0.29, stats, 100, 40, unit_bytes=9, unit_extra=1, min_units=3)
+
+
+def test_largest_programs_bound_the_temporaries():
+    shapes = [(1, 1, 4), (4, 1, 4), (4, 1, 8), (1, 64, 4), (1, 64, 8), (2, 64, 8), (4, 4, 8)]
+    assert largest_programs(shapes) == [(2, 64, 8), (4, 1, 8)]
+
+
+def test_cpu_devices_report_no_memory():
+    with pytest.raises(ValueError, match="gpu_memory_utilization: cpu devices report no memory statistics"):
+        k3jax.LLM("tiny-k3", gpu_memory_utilization=0.9, progress=False, **SMALL)
+
+
+@pytest.mark.parametrize("bad", [0, 1.5, "0.9", True])
+def test_bad_fraction_is_named(bad):
+    with pytest.raises(ValueError, match="gpu_memory_utilization="):
+        serve.engine.EngineConfig(gpu_memory_utilization=bad).validate()
+
+
+def test_the_arena_fills_the_device(monkeypatch):
+    """The arena takes what is left of half the device after the weights and the measured step temporaries:
+    everything on the device then fits that half with less than a unit to spare beside the temporaries; the
+    engine serves from that arena with no compile after warm-up and frees it all."""
+    monkeypatch.setattr(serve.engine, "device_memory", lambda devices: [
+        dict(bytes_limit=LIMIT, bytes_in_use=_live_bytes()) for _ in devices])
+    llm = k3jax.LLM("tiny-k3", gpu_memory_utilization=0.5, progress=False, **SMALL)
+    eng = llm.engine
+    plan = eng.memory_plan
+    assert plan.bytes_limit == LIMIT and plan.step_temp_bytes > 0 and plan.cache_bytes == eng.layout.num_units * \
+        eng.layout.unit_bytes
+    # what was on the device: the engine's weights and (on CPU, whose engine expands the MXFP4 experts) the
+    # loaded model's packed ones
+    assert sum(x.nbytes for x in eng._leaves) <= plan.bytes_in_use
+    unit = eng.layout.unit_bytes + eng.layout.page_size * 4  # an arena unit and its token ids
+    assert 0 <= LIMIT // 2 - plan.bytes_in_use - plan.step_temp_bytes - eng.layout.num_units * unit < unit
+    # everything now on the device and the temporaries of the largest step: within half of it, by under a unit
+    assert 0 <= LIMIT // 2 - _live_bytes() - plan.step_temp_bytes < unit
+    assert eng.stats()["memory_plan"] == plan.as_dict()
+    out = llm.generate([list(range(1, 40)), list(range(5, 20))], SamplingParams(max_tokens=8, temperature=0))
+    assert [len(o.token_ids) for o in out] == [8, 8]
+    st = llm.stats()
+    assert st["compiles_after_warmup"] == 0
+    assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
