@@ -10,6 +10,7 @@ Endpoints
   GET  /metrics               Prometheus text (serve/metrics.py)
   POST /tokenize, /detokenize (vLLM's shapes)
   POST /reset_prefix_cache    forget every cached prefix (vLLM's)
+  POST /abort_request         {"rid"} or {"abort_all": true}: end requests in flight (SGLang's)
   with --enable-sleep-mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping
                               (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's),
                               POST /pause?mode=abort|wait[&clear_cache=true], POST /resume, GET /is_paused (vLLM's)
@@ -269,6 +270,14 @@ class UpdateWeightsRequest(_Strict):
     model_path: str
 
 
+class AbortRequestBody(_Strict):
+    """SGLang's /abort_request body."""
+    rid: Optional[str] = Field(None, min_length=1, description="the request's id: its response id (cmpl-..., "
+                                                               "chatcmpl-..., resp_...) or the X-Request-Id / "
+                                                               "request_id the client gave")
+    abort_all: bool = Field(False, description="every request in flight of this API key")
+
+
 class LoadLoRARequest(_Strict):
     """vLLM's /v1/load_lora_adapter body."""
     lora_name: str = Field(min_length=1, max_length=256)
@@ -321,6 +330,7 @@ class ServerState:
         self.created = int(time.time())
         self.requests_in_flight = 0
         self.seqs_in_flight = 0
+        self.runs: dict[str, list] = {}  # response id -> the _Runs in flight under it (ids may repeat)
         self.metrics = ServerMetrics(model_name, self.engine_stats, self._frontend)
 
     # ---- engine ----
@@ -446,6 +456,22 @@ class ServerState:
         self.seqs_in_flight -= seqs
         self.requests_in_flight -= 1
 
+    def track(self, run: "_Run") -> None:
+        self.runs.setdefault(run.response_id, []).append(run)
+
+    def untrack(self, run: "_Run") -> None:
+        held = self.runs.get(run.response_id, [])
+        if run in held:
+            held.remove(run)
+        if not held:
+            self.runs.pop(run.response_id, None)
+
+    def abort_runs(self, key: str, rid: Optional[str]) -> int:
+        """End the requests in flight of API key `key` whose response id is `rid` (or `cmpl-` / `chatcmpl-` +
+        `rid`: the id the client gave), or all of them when `rid` is None -> how many had work left."""
+        ids = list(self.runs) if rid is None else [rid, f"cmpl-{rid}", f"chatcmpl-{rid}"]
+        return sum(run.abort() for i in ids for run in list(self.runs.get(i, ())) if run.key == key)
+
 
 # ---- helpers ------------------------------------------------------------------------------------
 
@@ -541,8 +567,10 @@ class _Run:
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
-                 lora: Optional[str] = None, engine_params: Optional[BeamSearchParams] = None):
+                 lora: Optional[str] = None, engine_params: Optional[BeamSearchParams] = None,
+                 response_id: Optional[str] = None, key: Optional[str] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
+        self.response_id, self.key = response_id or base_id, key  # for /abort_request
         self.engine_params = engine_params or params  # what the engine runs (a beam search, or `params`)
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
@@ -561,8 +589,17 @@ class _Run:
         self._ttft_done = [False] * len(prompts)
 
     def start(self) -> None:
+        self.st.track(self)
         for i, ids in enumerate(self.prompts):
             self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
+
+    def abort(self) -> bool:
+        """End the unfinished engine requests (finish_reason "abort"; their last outputs reach the client as
+        usual) -> whether there were any."""
+        left = sorted(self.unfinished)
+        for i in left:
+            self.st.engine.abort(f"{self.base_id}-{i}")
+        return bool(left)
 
     async def _pump(self, i: int, ids: list[int]) -> None:
         gen = self.st.engine.generate(ids, self.engine_params, f"{self.base_id}-{i}", priority=self.priority,
@@ -636,6 +673,7 @@ class _Run:
         if self.closed:
             return
         self.closed = True
+        self.st.untrack(self)
         for t in self.tasks:
             if not t.done():
                 t.cancel()
@@ -1303,6 +1341,16 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         requests in flight still read some of it (call again once they finish)."""
         return {"reset": bool(await st.engine.reset_prefix_cache())}
 
+    @app.post("/abort_request", responses=_ERRORS)
+    async def abort_request(body: AbortRequestBody, key: str = Depends(authenticate), _r: None = Depends(ready)):
+        """SGLang's endpoint: end requests in flight, by id (`rid`: a response id, or the X-Request-Id /
+        request_id the client gave) or all of them (`abort_all`); only the caller's own (its API key's). They
+        finish with finish_reason "abort" (a stream gets its last chunks) and free their cache at once.
+        `aborted`: how many requests had work left (0 for an unknown or finished id)."""
+        if body.rid is None and not body.abort_all:
+            raise APIError(400, "give rid, or abort_all: true", param="rid")
+        return {"aborted": st.abort_runs(key, None if body.abort_all else body.rid)}
+
     if enable_sleep_mode:  # vLLM's --enable-sleep-mode: the RL weight-sync endpoints (off by default)
         @app.post("/sleep", responses=_ERRORS)
         async def sleep(level: int = 1, key: str = Depends(authenticate), _r: None = Depends(ready)):
@@ -1709,7 +1757,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     if lora is not None:
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
-               beam)
+               beam, response_id=fmt.id, key=key)
     handed_off = False
     try:
         run.start()

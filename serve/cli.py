@@ -367,6 +367,11 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
     if served:
         _say(f"requests that leave them unset sample with the model's generation config: {served} "
              f"(--generation-config vllm ignores it)")
+    if eng.memory_plan is not None:
+        mp = eng.memory_plan
+        _say(f"gpu_memory_utilization {mp.utilization}: cache arena {mp.cache_bytes / 2**30:.2f} GiB per device beside "
+             f"{mp.bytes_in_use / 2**30:.2f} GiB of weights and {mp.step_temp_bytes / 2**30:.2f} GiB of step temporaries "
+             f"(device limit {mp.bytes_limit / 2**30:.2f} GiB)")
     for proc in eng.logits_processors:
         _say(f"logits processor {proc.name!r} (vllm_xargs: {', '.join(proc.arg_names) or 'every request'})")
     replicas = (f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else

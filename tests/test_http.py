@@ -672,6 +672,25 @@ def test_api_keys_401(limited):
     assert good.completions.create(model=MODEL, prompt="x", max_tokens=1).usage.completion_tokens == 1
 
 
+def test_abort_request_reaches_only_the_callers_requests(limited):
+    """With API keys, /abort_request ends only the calling key's requests: another key's abort of the same id
+    (or abort_all) finds nothing; the owner's ends it."""
+    body = dict(model=MODEL, prompt="abc", max_tokens=MAX_MODEL_LEN - 8, temperature=0, ignore_eos=True, stream=True)
+    own, other = {"Authorization": "Bearer k-env1"}, {"Authorization": "Bearer k-env2"}
+    answers, last = [], None
+    with httpx.stream("POST", limited.url + "/v1/completions", json=body, headers={**own, "X-Request-Id": "mine"},
+                      timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                last = json.loads(line[6:])
+                if not answers:
+                    for who, req in ((other, {"rid": "mine"}), (other, {"abort_all": True}), (own, {"rid": "mine"})):
+                        answers.append(httpx.post(limited.url + "/abort_request", json=req, headers=who,
+                                                  timeout=60).json())
+    assert answers == [{"aborted": 0}, {"aborted": 0}, {"aborted": 1}]
+    assert last["choices"][0]["finish_reason"] == "abort"
+
+
 def test_requests_per_minute_429(limited):
     for _ in range(2):
         assert _post(limited, "k-rpm", {"prompt": "x", "max_tokens": 1}).status_code == 200
@@ -847,3 +866,28 @@ def test_request_ids_follow_the_header_or_field(http):
     r = http.post("/v1/completions", json={**body, "request_id": ""})
     assert r.status_code == 400 and r.json()["error"]["param"] == "request_id"
     assert http.get("/health").headers["x-request-id"]
+
+
+def test_abort_request_ends_requests_by_id(http):
+    """SGLang's /abort_request: a streamed request aborted by the id its client gave (X-Request-Id) ends at
+    once with finish_reason "abort", well before its max_tokens; aborting it again (finished) or an unknown
+    id aborts nothing; neither rid nor abort_all is a 400 naming rid."""
+    body = dict(model=MODEL, prompt="abc", max_tokens=MAX_MODEL_LEN - 8, temperature=0, ignore_eos=True, stream=True)
+    got, answers = [], []
+    with http.stream("POST", "/v1/completions", json=body, headers={"X-Request-Id": "to-abort"}) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            got.append(json.loads(line[6:]))
+            if len(got) == 1:  # the request is running: abort it by the client's id
+                answers.append(http.post("/abort_request", json={"rid": "to-abort"}).json())
+    assert answers == [{"aborted": 1}]
+    assert got[-1]["choices"][0]["finish_reason"] == "abort" and got[-1]["id"] == "cmpl-to-abort"
+    assert len("".join(e["choices"][0]["text"] for e in got)) < body["max_tokens"] // 2
+    assert http.post("/abort_request", json={"rid": "cmpl-to-abort"}).json() == {"aborted": 0}
+    assert http.post("/abort_request", json={"rid": "nobody"}).json() == {"aborted": 0}
+    assert http.post("/abort_request", json={"abort_all": True}).json() == {"aborted": 0}
+    r = http.post("/abort_request", json={})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
+    assert http.post("/abort_request", json={"rid": "x", "other": 1}).status_code == 400
+    assert http.get("/health").status_code == 200
