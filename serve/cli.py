@@ -315,14 +315,14 @@ def _say(msg: str) -> None:
 
 
 def load_served_model(o: dict, cfg):
-    """The served model, read straight into the engine's placement when one engine runs on a mesh (each
-    device reads and receives only its shards); data-parallel replicas and a disaggregated pair place
-    their own copies of a model loaded once."""
+    """The served model, read straight into the first engine's placement (each device reads and receives only
+    its shards): the one engine's, the first data-parallel replica's, or the disaggregated prefill engine's;
+    the other engines copy theirs from it (serve/data_parallel.load_options)."""
     from k3jax.runtime import load_model
+    from serve.data_parallel import load_options
 
-    single = (o.get("data_parallel_size") or 1) == 1 and disaggregation(o) is None
-    where = (dict(sharding=cfg.sharding, devices=cfg.mesh_devices())
-             if single and (cfg.sharding or cfg.mesh_devices() is not None) else {})
+    pd = disaggregation(o)
+    where = load_options(cfg, o.get("data_parallel_size") or 1, pd[0] if pd is not None else None)
     return load_model(o["model"], dtype=o["dtype"], seed=o["seed"], **where)
 
 

@@ -65,6 +65,20 @@ def replica_devices(size: int, config: EngineConfig) -> list[tuple[int, ...]]:
     return [tuple(pool[i * group:(i + 1) * group]) for i in range(size)]
 
 
+def load_options(config: EngineConfig, data_parallel_size: int = 1, devices=None) -> dict:
+    """`k3jax.load_model` options that read the weights straight into the placement of the first engine built
+    from `config`: one engine's mesh, the first of `data_parallel_size` replicas' device groups, or `devices`
+    (a disaggregated pair's prefill devices). No device then holds more than its share: the other engines
+    copy theirs from that first one, device to device. `{}` for one engine on the default device."""
+    if devices is None and data_parallel_size > 1:
+        devices = replica_devices(data_parallel_size, config)[0]
+    if devices is None:
+        devices = config.mesh_devices()
+        if devices is None and not config.sharding:
+            return {}
+    return dict(sharding=config.sharding, devices=None if devices is None else tuple(devices))
+
+
 class PrefixRouter:
     """Which replica gets a request: cache-aware, load-balanced (see the module docstring). `route` counts
     the request's sequences as that replica's load until `done` returns them."""

@@ -8,7 +8,7 @@ from k3jax.runtime import Model, load_model
 from serve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from serve import generation_config
 from serve.chat import chat_ids
-from serve.data_parallel import DataParallelEngine
+from serve.data_parallel import DataParallelEngine, load_options
 from serve.engine import Engine, EngineConfig
 from serve.lora import LoRARequest
 from serve.types import RequestOutput, SamplingParams
@@ -33,11 +33,8 @@ class LLM:
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  **engine_options):
         config = EngineConfig(**engine_options)
-        if not isinstance(model, Model):  # one engine on a mesh: each device reads only its shards
-            on = config.mesh_devices()
-            where = (dict(sharding=config.sharding, devices=on) if data_parallel_size == 1
-                     and (config.sharding or on is not None) else {})
-            model = load_model(model, dtype=dtype, seed=seed, **where)
+        if not isinstance(model, Model):  # straight into the (first) engine's shards
+            model = load_model(model, dtype=dtype, seed=seed, **load_options(config, data_parallel_size))
         self.model = model
         self.progress = progress
         # vLLM's data_parallel_size: that many engine replicas on disjoint device groups (serve/data_parallel.py)

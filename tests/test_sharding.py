@@ -378,6 +378,17 @@ _LOADS = textwrap.dedent("""
     out["tp2"] = dict(mesh=dict(eng.mesh.shape), devices=sorted(x.id for x in eng.mesh.devices.flat),
                       kept=all(a is b for a, b in zip(jax.tree.leaves(eng.model.params), jax.tree.leaves(m.params))),
                       load_options=eng.load_options(), arena=sorted(x.id for x in eng.arena.sharding.device_set))
+    del eng
+    # two data-parallel replicas of it: loaded into the first one's shards, copied from there to the second's
+    from serve.data_parallel import build_replicas, load_options
+    opts = load_options(cfg, 2)
+    m = load_model(d + "/hf", **opts)
+    engines, groups = build_replicas(m, cfg, 2, warmup=False)
+    first, second = (jax.tree.leaves(e.model.params) for e in engines)
+    out["dp_tp2"] = dict(options=opts, groups=[list(g) for g in groups],
+                         kept=all(a is b for a, b in zip(first, jax.tree.leaves(m.params))),
+                         second=sorted({x.id for a in second for x in a.sharding.device_set}),
+                         equal=all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in zip(first, second)))
     print("RESULT" + json.dumps(out))
 """)
 
@@ -413,6 +424,9 @@ def test_the_engine_keeps_weights_loaded_into_its_placement(sharded_loads):
     tp2 = sharded_loads["tp2"]  # tensor_parallel_size=2 on the 4-device host: devices 0 and 1
     assert tp2 == dict(mesh={"tensor": 2}, devices=[0, 1], kept=True, arena=[0, 1],
                        load_options={"sharding": "tp", "devices": [0, 1]})
+    # -dp 2 -tp 2: the weights read into replica 0's devices; replica 1's copied there from them
+    assert sharded_loads["dp_tp2"] == dict(options={"sharding": "tp", "devices": [0, 1]}, groups=[[0, 1], [2, 3]],
+                                           kept=True, second=[2, 3], equal=True)
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
