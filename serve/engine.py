@@ -24,6 +24,7 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
 from k3jax import lora as model_lora
@@ -95,7 +96,7 @@ class EngineConfig:
     # vLLM's gpu_memory_utilization: the fraction of each device's memory (its allocator's limit) the engine
     # may use for weights, step temporaries and cache together; the arena gets what the weights and the
     # largest step programs leave (serve/memory_budget.py), in place of `cache_bytes`. Needs a backend
-    # that reports device memory (GPU, TPU); one process's mesh. None: `cache_bytes`.
+    # that reports device memory (GPU, TPU). None: `cache_bytes`.
     gpu_memory_utilization: Optional[float] = None
     max_num_seqs: int = 32  # requests running at once = rows of the largest decode bucket (vLLM's meaning)
     prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
@@ -686,15 +687,12 @@ class Engine:
         """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device
         holds beside what is on it now (weights, adapters) and the largest step programs' temporaries, measured
         by compiling those programs against the provisional arena (serve/memory_budget.py). Those two programs
-        compile again at warm-up for the final arena (the compilation cache keeps both across starts)."""
-        if self.mesh is not None and len(mesh_processes(self.mesh)) > 1:
-            raise ValueError("gpu_memory_utilization: not on a multi-process mesh (every process must size the same "
-                             "arena); set cache_bytes")
-        devices = list(self.mesh.devices.flat) if self.mesh is not None else list(self.arena.devices())
+        compile again at warm-up for the final arena (the compilation cache keeps both across starts). On a
+        multi-process mesh each process plans from its own devices and all take the smallest arena."""
+        devices = [d for d in (self.mesh.devices.flat if self.mesh is not None else self.arena.devices())
+                   if d.process_index == jax.process_index()]  # this process's (a multi-process mesh: min below)
         device_memory(devices)  # before compiling: a backend without statistics fails at once
-        temp = max(step_temp_bytes(self._step.lower(self._leaves, self.arena, self.token_pages,
-                                                    self._pad_batch(rows, t, p, [])).compile())
-                   for rows, t, p in largest_programs(self.bucket_shapes()))
+        temp = self._step_temp_bytes()
         jax.block_until_ready(self._leaves)
         stats = device_memory(devices)
         lay = self.layout
@@ -702,12 +700,21 @@ class Engine:
                         if s.device == d) for d in devices)  # what the provisional arena holds on the fullest device
         budget = plan_cache_bytes(self.config.gpu_memory_utilization, stats, freed, temp, lay.unit_bytes,
                                   lay.page_size * 4, min_units(lay.slot_units))
+        if self.mesh is not None and len(mesh_processes(self.mesh)) > 1:  # one arena for all: the smallest
+            units = multihost_utils.process_allgather(np.int32(budget.cache_bytes // lay.unit_bytes))
+            budget = dataclasses.replace(budget, cache_bytes=int(np.min(units)) * lay.unit_bytes)
         self.arena = self.token_pages = None  # freed before the real arena is made
         self._build_arena(layout_for(budget.cache_bytes), bind)
         self.memory_plan = budget
         log.info("gpu_memory_utilization=%s: %.2f GiB arena (%d units) beside %.2f GiB in use and %.2f GiB of step "
                  "temporaries per device", budget.utilization, budget.cache_bytes / 2**30, self.layout.num_units,
                  budget.bytes_in_use / 2**30, budget.step_temp_bytes / 2**30)
+
+    def _step_temp_bytes(self) -> int:
+        """The largest step programs' temporaries, compiled against the current arena (nothing runs)."""
+        return max(step_temp_bytes(self._step.lower(self._leaves, self.arena, self.token_pages,
+                                                    self._pad_batch(rows, t, p, [])).compile())
+                   for rows, t, p in largest_programs(self.bucket_shapes()))
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per layer) program this engine may run."""

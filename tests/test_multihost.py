@@ -192,6 +192,46 @@ def test_processes_that_build_different_engines_are_told_before_compiling():
         assert "process(es) [1] built a different engine than process 0" in out
 
 
+# gpu_memory_utilization on two processes whose (simulated) devices differ in size: each plans from its own,
+# both must build the same (smallest) arena or the engine check before compiling refuses them. The step
+# temporaries are a given 1 MiB here (their measurement compiles; tests/test_memory_budget.py measures them).
+_MEMORY = textwrap.dedent("""
+    import sys
+    import jax
+    import k3jax
+    import serve.engine
+    from serve.engine import Engine, EngineConfig
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    limit = (48 << 20) if pid == 0 else (40 << 20)
+    used = lambda d: sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards if s.device == d)
+    serve.engine.device_memory = lambda devices: [dict(bytes_limit=limit, bytes_in_use=used(d)) for d in devices]
+    Engine._step_temp_bytes = lambda self: 1 << 20
+    eng = Engine(k3jax.load_model("tiny-k3", sharding="tp"),
+                 EngineConfig(sharding="tp", gpu_memory_utilization=0.5, max_model_len=64, max_num_seqs=4,
+                              prefill_chunk=16, max_prefill_seqs=1, decode_buckets=(4,), prefill_buckets=(1,),
+                              context_buckets=(4,), measure_moe_time=False), warmup=False, progress=False)
+    print("UNITS", eng.layout.num_units, eng.memory_plan.bytes_limit, flush=True)
+    from jax.experimental import multihost_utils
+    import os
+    multihost_utils.sync_global_devices("sized")  # both built: leave without serving (no warm-up, no close)
+    os._exit(0)
+""")
+
+
+def test_processes_size_one_arena_from_their_device_memory():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _MEMORY, str(pid), str(port)], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    got = []
+    for p, out in zip(procs, outs):
+        assert p.returncode == 0, out[-3000:]
+        got.append([int(x) for x in out.split("UNITS ")[1].split()[:2]])
+    (units0, limit0), (units1, limit1) = got
+    assert (limit0, limit1) == (48 << 20, 40 << 20) and units0 == units1  # process 1's smaller device decides
+
+
 def test_serve_multihost_options_are_checked():
     """Multi-host flags without a mesh (or a coordinator) fail at once, saying what is missing."""
     out = subprocess.run([sys.executable, "-m", "k3jax.cli", "serve", "--num-processes", "2"], cwd=ROOT,
