@@ -13,8 +13,8 @@ from serve.memory_budget import MemoryPlan, largest_programs, plan_cache_bytes
 from serve.types import SamplingParams
 
 LIMIT = 48 << 20  # the simulated device
-SMALL = dict(max_model_len=64, decode_buckets=(4,), prefill_buckets=(1,), context_buckets=(4,), max_num_seqs=4,
-             max_prefill_seqs=1)
+SMALL = dict(max_model_len=48, decode_buckets=(4,), prefill_buckets=(1,), context_buckets=(3,), max_num_seqs=4,
+             prefill_chunk=16, max_prefill_seqs=1)
 
 
 def _live_bytes() -> int:
