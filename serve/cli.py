@@ -461,8 +461,10 @@ def serve_main(args) -> int:
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")))
     st = app.state.k3
+    # lifespan off: the app has no start-up or shutdown hooks, and uvicorn's lifespan task, cancelled by Ctrl-C, printed
+    # a CancelledError traceback on every interrupted shutdown
     server = uvicorn.Server(uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"],
-                                           timeout_graceful_shutdown=5))
+                                           lifespan="off", timeout_graceful_shutdown=5))
     holder: dict = {}
 
     def warm() -> None:
