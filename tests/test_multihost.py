@@ -182,13 +182,17 @@ _MISMATCH = textwrap.dedent("""
 """)
 
 
-def test_processes_that_build_different_engines_are_told_before_compiling():
+def _two_processes(script: str) -> list[tuple[int, str]]:
+    """Run `script` as processes 0 and 1 of one cluster -> each one's (exit status, output)."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _MISMATCH, str(pid), str(port)], cwd=ROOT, env=ENV,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), str(port)], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    for p, out in zip(procs, outs):
-        assert p.returncode == 3, out[-3000:]
+    return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=300)[0]) for p in procs)]
+
+
+def test_processes_that_build_different_engines_are_told_before_compiling():
+    for code, out in _two_processes(_MISMATCH):
+        assert code == 3, out[-3000:]
         assert "process(es) [1] built a different engine than process 0" in out
 
 
@@ -220,13 +224,9 @@ _MEMORY = textwrap.dedent("""
 
 
 def test_processes_size_one_arena_from_their_device_memory():
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _MEMORY, str(pid), str(port)], cwd=ROOT, env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
     got = []
-    for p, out in zip(procs, outs):
-        assert p.returncode == 0, out[-3000:]
+    for code, out in _two_processes(_MEMORY):
+        assert code == 0, out[-3000:]
         got.append([int(x) for x in out.split("UNITS ")[1].split()[:2]])
     (units0, limit0), (units1, limit1) = got
     assert (limit0, limit1) == (48 << 20, 40 << 20) and units0 == units1  # process 1's smaller device decides
