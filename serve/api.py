@@ -50,6 +50,7 @@ from typing import Any, Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -1113,7 +1114,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                max_model_len: Optional[int] = None, reasoning_parser: bool = True,
                max_stored_responses: int = 1024, enable_sleep_mode: bool = False,
                allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False,
-               enable_request_id_headers: bool = False) -> FastAPI:
+               enable_request_id_headers: bool = False, allowed_origins: Optional[list[str]] = None,
+               allowed_methods: tuple[str, ...] = ("*",), allowed_headers: tuple[str, ...] = ("*",),
+               allow_credentials: bool = False) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1133,6 +1136,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's).
     enable_request_id_headers: every response carries an `X-Request-Id` header (vLLM's): the request's, else a
       fresh one. Completions and chat ids always follow a request's X-Request-Id (or `request_id` field).
+    allowed_origins: origins whose browser pages may call the API (CORS; `["*"]`: any); None (the default) sends
+      no CORS headers, so browsers keep other sites' pages from reading the answers. `allowed_methods`,
+      `allowed_headers` and `allow_credentials` refine it (vLLM's four options).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
@@ -1147,6 +1153,10 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
     if enable_request_id_headers:
         app.add_middleware(_RequestIdHeader)
+    if allowed_origins:  # outermost: a browser's preflight OPTIONS is answered before the body limit or the keys
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                           allow_headers=list(allowed_headers), allow_credentials=allow_credentials,
+                           expose_headers=["X-Request-Id", "Retry-After"])
 
     # ---- error mapping ----
     @app.exception_handler(APIError)

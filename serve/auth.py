@@ -2,7 +2,8 @@
 
 Keys are bearer tokens (`Authorization: Bearer KEY`). They come from
 
-* the environment variable `K3JAX_API_KEYS` (comma-separated keys), and/or
+* the environment variable `K3JAX_API_KEYS` (comma-separated keys),
+* `--api-key KEY` on the command line (vLLM's flag; repeat it for more keys), and/or
 * a key file (`--api-key-file`): one key per line, optionally followed by per-key limits,
   `KEY [rpm=N] [tpm=N]`; blank lines and `#` comments are ignored.
 
@@ -74,11 +75,16 @@ def parse_key_file(path: str) -> dict[str, Limits]:
     return keys
 
 
-def load_api_keys(key_file: Optional[str] = None, env: Optional[dict] = None) -> Optional[dict[str, Limits]]:
-    """Keys from `K3JAX_API_KEYS` and the key file; None when neither names any (open server)."""
+def load_api_keys(key_file: Optional[str] = None, env: Optional[dict] = None,
+                  given: Iterable[str] = ()) -> Optional[dict[str, Limits]]:
+    """Keys from `K3JAX_API_KEYS`, `given` (`--api-key`) and the key file (whose per-key limits win); None
+    when none names any (open server)."""
     env = os.environ if env is None else env
     keys: dict[str, Limits] = {}
-    for k in (env.get(ENV_KEYS) or "").split(","):
+    given = tuple(given)
+    if any(not k.strip() for k in given):
+        raise ValueError("--api-key: an empty key")
+    for k in [*(env.get(ENV_KEYS) or "").split(","), *given]:
         if k.strip():
             keys[k.strip()] = Limits()
     if key_file:

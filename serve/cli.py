@@ -39,7 +39,9 @@ DEFAULTS = dict(
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
     lora_target_modules=None, max_cpu_loras=None, tensor_parallel_size=None, data_parallel_size=1, data_parallel_routing="cache_aware",
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
-    return_tokens_as_token_ids=False, enable_request_id_headers=False,
+    return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
+    ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
+    allowed_headers="*", allow_credentials=False,
 )
 
 
@@ -166,6 +168,9 @@ def add_serve_arguments(s) -> None:
     m.add_argument("--process-id", type=int, default=d["process_id"],
                    help="0 serves HTTP and schedules; the others run its steps on their devices")
     a = s.add_argument_group("access")
+    a.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="a bearer key the API requires (vLLM's; repeat for more; beside --api-key-file and "
+                        "K3JAX_API_KEYS)")
     a.add_argument("--api-key-file", default=None,
                    help="bearer keys, one per line 'KEY [rpm=N] [tpm=N]' (also: K3JAX_API_KEYS=k1,k2)")
     a.add_argument("--rpm", type=int, default=None, help="default requests per minute per key")
@@ -187,6 +192,20 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--no-reasoning-parser", action="store_true",
                    help="K3 chat: return the raw XTML text as content instead of splitting it into "
                         "reasoning_content and content")
+    h = s.add_argument_group("HTTPS, proxies and browsers")
+    h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
+    h.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")
+    h.add_argument("--ssl-ca-certs", default=None, help="CA certificates (PEM) for verifying client certificates")
+    h.add_argument("--ssl-cert-reqs", type=int, default=d["ssl_cert_reqs"], choices=[0, 1, 2],
+                   help="client certificates: 0 not asked, 1 optional, 2 required (Python's ssl.CERT_*)")
+    h.add_argument("--root-path", default=d["root_path"],
+                   help="the path prefix a reverse proxy serves the API under (e.g. /k3)")
+    h.add_argument("--allowed-origins", default=None,
+                   help="CORS: origins whose browser pages may call the API, comma-separated or a JSON list "
+                        "('*': any; default: no CORS headers)")
+    h.add_argument("--allowed-methods", default=d["allowed_methods"], help="CORS methods (default '*')")
+    h.add_argument("--allowed-headers", default=d["allowed_headers"], help="CORS request headers (default '*')")
+    h.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and authorization")
     s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -417,6 +436,77 @@ def _devices(text: str, name: str) -> tuple[int, ...]:
     return vals
 
 
+def _names(text, name: str) -> Optional[list[str]]:
+    """A CORS list option: comma-separated, or a JSON list of strings as vLLM takes it; None when not given."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if isinstance(text, (list, tuple)):
+        vals = list(text)
+    elif text.strip().startswith("["):
+        try:
+            vals = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--{name}: not a JSON list ({e})") from None
+    else:
+        vals = [v.strip() for v in text.split(",") if v.strip()]
+    if not vals or not all(isinstance(v, str) and v for v in vals):
+        raise ValueError(f"--{name}: expected non-empty names, got {text!r}")
+    return vals
+
+
+def cors_options(o: dict) -> dict:
+    """`create_app`'s CORS keywords from the serve options (none without --allowed-origins)."""
+    origins = _names(o.get("allowed_origins"), "allowed-origins")
+    if origins is None:
+        for flag in ("allowed_methods", "allowed_headers"):
+            if o.get(flag, DEFAULTS[flag]) != DEFAULTS[flag]:
+                raise ValueError(f"--{flag.replace('_', '-')}: needs --allowed-origins")
+        if o.get("allow_credentials"):
+            raise ValueError("--allow-credentials: needs --allowed-origins")
+        return {}
+    if o.get("allow_credentials") and "*" in origins:
+        raise ValueError("--allow-credentials: browsers refuse credentials with --allowed-origins '*'; name the origins")
+    return dict(allowed_origins=origins, allowed_methods=tuple(_names(o.get("allowed_methods"), "allowed-methods") or ("*",)),
+                allowed_headers=tuple(_names(o.get("allowed_headers"), "allowed-headers") or ("*",)),
+                allow_credentials=bool(o.get("allow_credentials")))
+
+
+def server_url(o: dict) -> str:
+    scheme = "https" if o.get("ssl_certfile") else "http"
+    return f"{scheme}://{o['host']}:{o['port']}{o.get('root_path') or ''}"
+
+
+def uvicorn_config(app, o: dict):
+    """uvicorn's settings for the served app: address, TLS, the proxy's root path. The TLS files are read here,
+    so a missing or bad key or certificate is an error naming the option before the model loads."""
+    import ssl
+
+    import uvicorn
+
+    key, cert, ca, reqs = o.get("ssl_keyfile"), o.get("ssl_certfile"), o.get("ssl_ca_certs"), o.get("ssl_cert_reqs", 0)
+    if bool(key) != bool(cert):
+        raise ValueError("--ssl-keyfile, --ssl-certfile: HTTPS needs both")
+    if (ca or reqs) and not cert:
+        raise ValueError("--ssl-ca-certs, --ssl-cert-reqs: need --ssl-keyfile and --ssl-certfile")
+    if reqs and not ca:
+        raise ValueError("--ssl-cert-reqs: verifying client certificates needs --ssl-ca-certs")
+    root = o.get("root_path") or ""
+    if root and (not root.startswith("/") or root.endswith("/")):
+        raise ValueError(f"--root-path: expected a path like /k3 (leading '/', no trailing '/'), got {root!r}")
+    # lifespan off: the app has no start-up or shutdown hooks, and uvicorn's lifespan task, cancelled by Ctrl-C,
+    # printed a CancelledError traceback on every interrupted shutdown
+    config = uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="off",
+                            timeout_graceful_shutdown=5, root_path=root, ssl_keyfile=key, ssl_certfile=cert,
+                            ssl_ca_certs=ca, ssl_cert_reqs=reqs if cert else ssl.CERT_NONE)
+    if cert:
+        try:
+            config.load()  # builds the SSL context (the server reuses the loaded config)
+        except (OSError, ssl.SSLError) as e:
+            names = "--ssl-keyfile, --ssl-certfile" + (", --ssl-ca-certs" if ca else "")
+            raise ValueError(f"{names}: {type(e).__name__}: {e}") from None
+    return config
+
+
 def serve_main(args) -> int:
     import uvicorn
 
@@ -450,7 +540,7 @@ def serve_main(args) -> int:
     cache_dir = None if o["no_compile_cache"] else enable_compile_cache(o["compile_cache_dir"])
     if o["process_id"] > 0:
         return _follow(o, cfg)
-    keys = load_api_keys(o["api_key_file"])
+    keys = load_api_keys(o["api_key_file"], given=o.get("api_key") or ())
     name = o["served_model_name"] or o["model"]
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
                      max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
@@ -459,12 +549,11 @@ def serve_main(args) -> int:
                      enable_request_id_headers=bool(o.get("enable_request_id_headers")),
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
-                     allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")))
+                     allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")),
+                     **cors_options(o))
     st = app.state.k3
-    # lifespan off: the app has no start-up or shutdown hooks, and uvicorn's lifespan task, cancelled by Ctrl-C, printed
-    # a CancelledError traceback on every interrupted shutdown
-    server = uvicorn.Server(uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"],
-                                           lifespan="off", timeout_graceful_shutdown=5))
+    server = uvicorn.Server(uvicorn_config(app, o))
+    url = server_url(o)
     holder: dict = {}
 
     def warm() -> None:
@@ -477,7 +566,7 @@ def serve_main(args) -> int:
             model = load_served_model(o, cfg)
             holder["engine"] = start_engine(model, cfg, o, adapters, cache_dir)
             st.attach(holder["engine"])
-            _say(f"ready: serving {name!r} on http://{o['host']}:{o['port']} "
+            _say(f"ready: serving {name!r} on {url} "
                  f"({time.monotonic() - t0:.1f}s after start, {time.process_time():.1f}s CPU)")
         except BaseException as e:  # the server cannot become ready: say why and stop
             st.fail(f"{type(e).__name__}: {e}")
@@ -485,7 +574,7 @@ def serve_main(args) -> int:
             holder["failed"] = True
             server.should_exit = True
 
-    _say(f"listening on http://{o['host']}:{o['port']} (/health answers 503 until the engine is warm)")
+    _say(f"listening on {url} (/health answers 503 until the engine is warm)")
     threading.Thread(target=warm, name="k3jax-warmup", daemon=True).start()
     try:
         server.run()

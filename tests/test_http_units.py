@@ -52,6 +52,12 @@ def test_key_file_and_env(tmp_path):
     keys = load_api_keys(str(f), env={"K3JAX_API_KEYS": "x, y"})
     assert set(keys) == {"alpha", "beta", "x", "y"}
     assert load_api_keys(None, env={}) is None
+    # --api-key (vLLM's flag, repeatable) adds keys; a key-file entry keeps its limits
+    keys = load_api_keys(str(f), env={}, given=["cli", "beta"])
+    assert set(keys) == {"alpha", "beta", "cli"} and keys["beta"] == Limits(5, 1000)
+    assert set(load_api_keys(None, env={}, given=["k"])) == {"k"}
+    with pytest.raises(ValueError, match="--api-key"):
+        load_api_keys(None, env={}, given=[" "])
     f.write_text("gamma rpm=abc\n")
     with pytest.raises(ValueError, match="rpm"):
         parse_key_file(str(f))
@@ -164,3 +170,132 @@ def test_every_serve_option_reaches_the_server():
     from serve.cli import engine_config
 
     assert engine_config(o).gpu_memory_utilization == 0.8
+
+
+def _serve_options(*argv):
+    import argparse
+
+    from serve.cli import DEFAULTS, add_serve_arguments
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(list(argv))
+    return {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+
+
+def test_cors_answers_the_allowed_origins_preflight_only():
+    """--allowed-origins (vLLM's CORS options): a browser page from an allowed origin may call the API, with its
+    preflight answered before the API key check; other origins get no CORS headers; no option, no headers."""
+    from serve.cli import cors_options
+
+    o = _serve_options("--allowed-origins", '["http://notebook.example"]', "--allowed-methods", "GET,POST")
+    app = create_app(None, "m", api_keys=["k"], **cors_options(o))
+
+    async def go(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            pre = await c.options("/v1/completions", headers={
+                "Origin": "http://notebook.example", "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type"})
+            other = await c.options("/v1/completions", headers={
+                "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+            put = await c.options("/v1/completions", headers={
+                "Origin": "http://notebook.example", "Access-Control-Request-Method": "PUT"})
+            get = await c.get("/v1/models", headers={"Origin": "http://notebook.example"})
+            return pre, other, put, get
+
+    pre, other, put, get = asyncio.run(go(app))
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://notebook.example"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert "authorization" in pre.headers["access-control-allow-headers"].lower()
+    assert "access-control-allow-origin" not in other.headers and put.status_code == 400
+    # the answer itself still needs the key; the browser may read it (and its X-Request-Id / Retry-After)
+    assert get.status_code == 401 and get.headers["access-control-allow-origin"] == "http://notebook.example"
+    assert "x-request-id" in get.headers["access-control-expose-headers"].lower()
+    _, _, _, plain = asyncio.run(go(create_app(None, "m", api_keys=["k"])))
+    assert "access-control-allow-origin" not in plain.headers
+    assert cors_options(_serve_options("--allowed-origins", "http://a.example, http://b.example"))[
+        "allowed_origins"] == ["http://a.example", "http://b.example"]
+    for argv, flag in [(("--allow-credentials",), "--allow-credentials"),
+                       (("--allowed-methods", "GET"), "--allowed-methods"),
+                       (("--allowed-origins", "*", "--allow-credentials"), "--allow-credentials"),
+                       (("--allowed-origins", "[1]"), "--allowed-origins"),
+                       (("--allowed-origins", "[oops"), "--allowed-origins")]:
+        with pytest.raises(ValueError, match=flag):
+            cors_options(_serve_options(*argv))
+
+
+def test_https_serves_with_the_given_certificate(tmp_path):
+    """--ssl-keyfile / --ssl-certfile: uvicorn serves the app over TLS (a real socket, a certificate made for the
+    test), optionally asking clients for certificates (--ssl-ca-certs, --ssl-cert-reqs 2); bad or half-given TLS
+    options are errors naming them before anything loads; --root-path is the proxy's prefix."""
+    import socket
+    import threading
+
+    import trustme
+    import uvicorn
+
+    from serve.cli import server_url, uvicorn_config
+
+    ca = trustme.CA()
+    cert = ca.issue_cert("127.0.0.1", "localhost")
+    key_pem, cert_pem, ca_pem = tmp_path / "key.pem", tmp_path / "cert.pem", tmp_path / "ca.pem"
+    cert.private_key_pem.write_to_path(str(key_pem))
+    cert.cert_chain_pems[0].write_to_path(str(cert_pem))
+    ca.cert_pem.write_to_path(str(ca_pem))
+    client = ca.issue_cert("client.example")
+    client_pem = tmp_path / "client.pem"
+    client_pem.write_bytes(client.private_key_pem.bytes() + b"".join(p.bytes() for p in client.cert_chain_pems))
+
+    def free_port():
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    def serve(*argv):
+        o = _serve_options("--port", str(free_port()), "--log-level", "warning", *argv)
+        server = uvicorn.Server(uvicorn_config(create_app(None, "m"), o))
+        thread = threading.Thread(target=server.run, daemon=True)
+        thread.start()
+        for _ in range(500):
+            if server.started:
+                break
+            threading.Event().wait(0.01)
+        return server, thread, server_url(o)
+
+    import ssl
+
+    trusting = ssl.create_default_context(cafile=str(ca_pem))
+    server, thread, url = serve("--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem), "--root-path", "/k3")
+    try:
+        assert url.startswith("https://127.0.0.1:") and url.endswith("/k3")
+        r = httpx.get(url.removesuffix("/k3") + "/health", verify=trusting)
+        assert r.status_code == 503  # no engine attached yet: the app answers over TLS
+        assert httpx.get(url.removesuffix("/k3") + "/openapi.json", verify=trusting).json()["servers"] == [
+            {"url": "/k3"}]
+        with pytest.raises(httpx.ConnectError):  # a client that does not trust the certificate
+            httpx.get(url.removesuffix("/k3") + "/health")
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    server, thread, url = serve("--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem),
+                                "--ssl-ca-certs", str(ca_pem), "--ssl-cert-reqs", "2")
+    try:
+        with pytest.raises((httpx.ConnectError, httpx.ReadError, httpx.RemoteProtocolError)):
+            httpx.get(url + "/health", verify=trusting)  # no client certificate
+        ctx = ssl.create_default_context(cafile=str(ca_pem))
+        ctx.load_cert_chain(str(client_pem))
+        assert httpx.get(url + "/health", verify=ctx).status_code == 503
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    for argv, flags in [(("--ssl-keyfile", str(key_pem)), "--ssl-keyfile, --ssl-certfile"),
+                        (("--ssl-keyfile", str(key_pem), "--ssl-certfile", str(tmp_path / "none.pem")),
+                         "--ssl-keyfile, --ssl-certfile: FileNotFoundError"),
+                        (("--ssl-keyfile", str(cert_pem), "--ssl-certfile", str(cert_pem)),
+                         "--ssl-keyfile, --ssl-certfile: SSLError"),
+                        (("--ssl-ca-certs", str(ca_pem)), "--ssl-ca-certs, --ssl-cert-reqs"),
+                        (("--ssl-keyfile", str(key_pem), "--ssl-certfile", str(cert_pem), "--ssl-cert-reqs", "2"),
+                         "--ssl-cert-reqs"),
+                        (("--root-path", "k3/"), "--root-path")]:
+        with pytest.raises(ValueError, match=flags):
+            uvicorn_config(create_app(None, "m"), _serve_options(*argv))
