@@ -1202,6 +1202,21 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         msg = st.error or ("engine stopped" if st.ready else "loading")
         return JSONResponse({"status": "unavailable", "detail": msg}, status_code=503)
 
+    async def ping():
+        """SageMaker's liveness route (vLLM serves it too): /health's answer."""
+        return await health()
+
+    for method in ("GET", "POST"):
+        app.add_api_route("/ping", ping, methods=[method], operation_id=f"ping_{method.lower()}",
+                          responses={503: {"model": ErrorResponse}})
+
+    @app.get("/version")
+    async def version():
+        """The server's version (vLLM's route)."""
+        from k3jax import __version__
+
+        return {"version": __version__}
+
     @app.get("/metrics")
     async def metrics():
         return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
@@ -1350,6 +1365,17 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         """Forget every cached prefix, device and host tier (vLLM's endpoint); `reset` is false while
         requests in flight still read some of it (call again once they finish)."""
         return {"reset": bool(await st.engine.reset_prefix_cache())}
+
+    async def flush_cache(key: str = Depends(authenticate), _r: None = Depends(ready)):
+        """SGLang's name for the same (its benchmark scripts call it between runs): 200 once the cache is empty,
+        400 while requests in flight still read some of it."""
+        if await st.engine.reset_prefix_cache():
+            return PlainTextResponse("Cache flushed.")
+        raise APIError(400, "requests in flight still read the prefix cache; flush again once they finish")
+
+    for method in ("GET", "POST"):
+        app.add_api_route("/flush_cache", flush_cache, methods=[method], responses=_ERRORS,
+                          operation_id=f"flush_cache_{method.lower()}")
 
     @app.post("/abort_request", responses=_ERRORS)
     async def abort_request(body: AbortRequestBody, key: str = Depends(authenticate), _r: None = Depends(ready)):

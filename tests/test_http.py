@@ -146,6 +146,7 @@ def test_health_is_503_while_warming_then_200(server, http):
     assert 503 in server.health_seen and server.health_seen[-1] == 200, server.health_seen
     r = http.get("/health")
     assert r.status_code == 200
+    assert http.get("/ping").json() == http.post("/ping").json() == r.json()  # SageMaker's route
 
 
 def test_models(client, http):
@@ -203,6 +204,11 @@ def test_completion_usage_logprobs_and_greedy_determinism(client, http):
     assert http.post("/reset_prefix_cache").json() == {"reset": True}  # (nothing in flight reads it)
     third = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0)
     assert third.usage.prompt_tokens_details.cached_tokens == 0 and third.choices[0].text == again.choices[0].text
+    assert client.completions.create(model=MODEL, prompt=long, max_tokens=1,
+                                     temperature=0).usage.prompt_tokens_details.cached_tokens == 32
+    assert http.post("/flush_cache").text == "Cache flushed."  # SGLang's name
+    assert client.completions.create(model=MODEL, prompt=long, max_tokens=1,
+                                     temperature=0).usage.prompt_tokens_details.cached_tokens == 0
     salted = client.completions.create(model=MODEL, prompt=long, max_tokens=1, temperature=0,
                                        extra_body={"cache_salt": "tenant-a"})  # vLLM's: no sharing across salts
     assert salted.usage.prompt_tokens_details.cached_tokens == 0 and salted.choices[0].text == again.choices[0].text

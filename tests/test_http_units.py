@@ -105,10 +105,13 @@ def test_app_before_warmup_answers_503_everywhere_but_metrics():
             r = await c.post("/v1/completions", json={"prompt": "x"})
             m = await c.get("/metrics")
             s = await c.get("/openapi.json")
-            return h, r, m, s
+            pings = [await c.get("/ping"), await c.post("/ping")]
+            v = await c.get("/version")
+            return h, r, m, s, pings, v
 
-    h, r, m, s = asyncio.run(go())
-    assert h.status_code == 503
+    h, r, m, s, pings, v = asyncio.run(go())
+    assert h.status_code == 503 and [p.status_code for p in pings] == [503, 503]
+    assert v.status_code == 200 and v.json() == {"version": __import__("k3jax").__version__}
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "Retry-After" in r.headers
     assert m.status_code == 200 and 'k3jax:engine_ready{model_name="m"} 0.0' in m.text
     assert s.status_code == 200 and "/v1/chat/completions" in s.json()["paths"]
