@@ -332,6 +332,7 @@ class ServerState:
         self.requests_in_flight = 0
         self.seqs_in_flight = 0
         self.runs: dict[str, list] = {}  # response id -> the _Runs in flight under it (ids may repeat)
+        self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
         self.metrics = ServerMetrics(model_name, self.engine_stats, self._frontend)
 
     # ---- engine ----
@@ -357,7 +358,7 @@ class ServerState:
 
     @property
     def healthy(self) -> bool:
-        if not self.ready or self.engine is None:
+        if not self.ready or self.engine is None or self.shutting_down:
             return False
         return bool(getattr(self.engine, "alive", True))
 
@@ -382,6 +383,8 @@ class ServerState:
 
     # ---- checks ----
     def check_ready(self) -> None:
+        if self.shutting_down:
+            raise APIError(503, "the server is shutting down", "server_unavailable", code="shutting_down")
         if not self.healthy:
             msg = self.error or ("the engine stopped" if self.ready else "the model is still loading/compiling")
             raise APIError(503, f"server not ready: {msg}", "server_unavailable", code="not_ready",
@@ -420,10 +423,23 @@ class ServerState:
         """Return at once, or when POST /resume ends a pause (a request arriving while paused waits here)."""
         self.requests_held += 1
         try:
-            while self.paused:
+            while self.paused and not self.shutting_down:
                 await self._resumed.wait()
         finally:
             self.requests_held -= 1
+        if self.shutting_down:  # held by a pause when the shutdown began: never admitted
+            self.check_ready()
+
+    def start_shutdown(self) -> int:
+        """Refuse new requests from now on (503, /health too) and release those a pause holds -> the requests
+        in flight, which the caller lets finish or aborts (`abort_all_runs`)."""
+        self.shutting_down = True
+        self._resumed.set()
+        return self.requests_in_flight
+
+    def abort_all_runs(self) -> int:
+        """End every request in flight, whoever sent it -> how many had work left."""
+        return sum(run.abort() for held in list(self.runs.values()) for run in list(held))
 
     async def drained(self) -> None:
         """Return when no admitted request is in flight (each has finished, or ended by an abort)."""
@@ -431,6 +447,8 @@ class ServerState:
             await asyncio.sleep(0.02)
 
     def admit(self, key: str, seqs: int, tokens: int):
+        if self.shutting_down:
+            self.check_ready()
         if self.sleeping:
             raise APIError(503, "the engine is sleeping (POST /wake_up first)", "server_unavailable",
                            code="engine_sleeping", headers={"Retry-After": "5"})
@@ -1199,7 +1217,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     async def health():
         if st.healthy:
             return {"status": "ok", "model": st.model_name}
-        msg = st.error or ("engine stopped" if st.ready else "loading")
+        msg = "shutting down" if st.shutting_down else st.error or ("engine stopped" if st.ready else "loading")
         return JSONResponse({"status": "unavailable", "detail": msg}, status_code=503)
 
     async def ping():

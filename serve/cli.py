@@ -41,7 +41,7 @@ DEFAULTS = dict(
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
-    allowed_headers="*", allow_credentials=False,
+    allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0,
 )
 
 
@@ -206,6 +206,9 @@ def add_serve_arguments(s) -> None:
     h.add_argument("--allowed-methods", default=d["allowed_methods"], help="CORS methods (default '*')")
     h.add_argument("--allowed-headers", default=d["allowed_headers"], help="CORS request headers (default '*')")
     h.add_argument("--allow-credentials", action="store_true", help="CORS: allow cookies and authorization")
+    h.add_argument("--shutdown-timeout", type=float, default=d["shutdown_timeout"],
+                   help="vLLM's: on SIGTERM / Ctrl-C, seconds the requests in flight get to finish while new ones "
+                        "are refused (default 0: they are aborted, each still answered)")
     s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -483,6 +486,8 @@ def uvicorn_config(app, o: dict):
 
     import uvicorn
 
+    from serve.shutdown import graceful_timeout
+
     key, cert, ca, reqs = o.get("ssl_keyfile"), o.get("ssl_certfile"), o.get("ssl_ca_certs"), o.get("ssl_cert_reqs", 0)
     if bool(key) != bool(cert):
         raise ValueError("--ssl-keyfile, --ssl-certfile: HTTPS needs both")
@@ -493,10 +498,13 @@ def uvicorn_config(app, o: dict):
     root = o.get("root_path") or ""
     if root and (not root.startswith("/") or root.endswith("/")):
         raise ValueError(f"--root-path: expected a path like /k3 (leading '/', no trailing '/'), got {root!r}")
+    drain = o.get("shutdown_timeout", 0.0)
+    if drain is None or not drain >= 0:
+        raise ValueError(f"--shutdown-timeout: expected seconds >= 0, got {drain}")
     # lifespan off: the app has no start-up or shutdown hooks, and uvicorn's lifespan task, cancelled by Ctrl-C,
     # printed a CancelledError traceback on every interrupted shutdown
     config = uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="off",
-                            timeout_graceful_shutdown=5, root_path=root, ssl_keyfile=key, ssl_certfile=cert,
+                            timeout_graceful_shutdown=graceful_timeout(drain), root_path=root, ssl_keyfile=key, ssl_certfile=cert,
                             ssl_ca_certs=ca, ssl_cert_reqs=reqs if cert else ssl.CERT_NONE)
     if cert:
         try:
@@ -508,10 +516,9 @@ def uvicorn_config(app, o: dict):
 
 
 def serve_main(args) -> int:
-    import uvicorn
-
     from serve.api import create_app
     from serve.auth import Limits, load_api_keys
+    from serve.shutdown import DrainingServer
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     t0 = time.monotonic()
@@ -552,7 +559,7 @@ def serve_main(args) -> int:
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")),
                      **cors_options(o))
     st = app.state.k3
-    server = uvicorn.Server(uvicorn_config(app, o))
+    server = DrainingServer(uvicorn_config(app, o), st, o.get("shutdown_timeout", 0.0), say=_say)
     url = server_url(o)
     holder: dict = {}
 

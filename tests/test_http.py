@@ -120,7 +120,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    s = Server([], cache_dir, str(tmp_path_factory.mktemp("logs") / "server.log"))
+    s = Server(["--shutdown-timeout", "30"], cache_dir, str(tmp_path_factory.mktemp("logs") / "server.log"))
     yield s
     s.stop()
 
@@ -897,3 +897,44 @@ def test_abort_request_ends_requests_by_id(http):
     assert r.status_code == 400 and r.json()["error"]["param"] == "rid"
     assert http.post("/abort_request", json={"rid": "x", "other": 1}).status_code == 400
     assert http.get("/health").status_code == 200
+
+
+# ---- shutdown (last in this file: these stop the module's servers) ------------------------------------------
+
+def _stream_then_signal(s, headers=None):
+    """Stream a long completion and send SIGTERM to server `s` once its first chunk arrived -> (the chunks,
+    the server's exit code)."""
+    body = dict(model=MODEL, prompt="abc", max_tokens=MAX_MODEL_LEN - 8, temperature=0, ignore_eos=True, stream=True,
+                stream_options={"include_usage": True})
+    got = []
+    with httpx.stream("POST", s.url + "/v1/completions", json=body, headers=headers, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                got.append(json.loads(line[6:]))
+                if len(got) == 1:
+                    s.proc.send_signal(signal.SIGTERM)
+    return got, s.proc.wait(60)
+
+
+def test_sigterm_lets_the_request_in_flight_finish(server):
+    """--shutdown-timeout 30 (vLLM's drain): on SIGTERM the server stops listening, and the request in flight
+    runs to its max_tokens before the process exits (0)."""
+    got, rc = _stream_then_signal(server)
+    assert rc == 0, server.tail()
+    assert "1 requests in flight get up to 30s to finish" in server.tail()
+    assert [e["choices"][0]["finish_reason"] for e in got if e["choices"] and e["choices"][0]["finish_reason"]] == [
+        "length"]
+    assert got[-1]["usage"]["completion_tokens"] == MAX_MODEL_LEN - 8
+    with pytest.raises(httpx.ConnectError):
+        httpx.get(server.url + "/health")
+
+
+def test_sigterm_aborts_the_request_in_flight_by_default(limited):
+    """Without --shutdown-timeout, SIGTERM aborts the request in flight: its stream still ends properly, with
+    finish_reason "abort", well before its max_tokens; the process exits (0)."""
+    got, rc = _stream_then_signal(limited, headers={"Authorization": "Bearer k-open"})
+    assert rc == 0, limited.tail()
+    assert "aborting 1 requests in flight" in limited.tail()
+    assert [e["choices"][0]["finish_reason"] for e in got if e["choices"] and e["choices"][0]["finish_reason"]] == [
+        "abort"]
+    assert got[-1]["usage"]["completion_tokens"] < (MAX_MODEL_LEN - 8) // 2

@@ -302,3 +302,99 @@ def test_https_serves_with_the_given_certificate(tmp_path):
                         (("--root-path", "k3/"), "--root-path")]:
         with pytest.raises(ValueError, match=flags):
             uvicorn_config(create_app(None, "m"), _serve_options(*argv))
+
+
+def test_shutting_down_refuses_new_requests_and_fails_health():
+    app = create_app(None, "m", max_model_len=64)
+    assert app.state.k3.start_shutdown() == 0  # nothing in flight
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health"), await c.post("/v1/completions", json={"prompt": "x"})
+
+    h, r = asyncio.run(go())
+    assert h.status_code == 503 and h.json()["detail"] == "shutting down"
+    assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
+
+
+class _Streams:
+    """A stand-in for the API's ServerState: requests that stream a tick every 20 ms until done or aborted."""
+
+    def __init__(self):
+        import threading
+
+        self.stop = threading.Event()
+        self.in_flight = 0
+        self.shutting_down = False
+
+    def start_shutdown(self):
+        self.shutting_down = True
+        return self.in_flight
+
+    def abort_all_runs(self):
+        self.stop.set()
+        return self.in_flight
+
+    async def app(self, scope, receive, send):
+        assert scope["type"] == "http"
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        self.in_flight += 1
+        try:
+            for _ in range(int(scope["path"].strip("/"))):
+                if self.stop.is_set():
+                    await send({"type": "http.response.body", "body": b"abort\n", "more_body": True})
+                    break
+                await send({"type": "http.response.body", "body": b"tick\n", "more_body": True})
+                await asyncio.sleep(0.02)
+            else:
+                await send({"type": "http.response.body", "body": b"done\n", "more_body": True})
+        finally:
+            self.in_flight -= 1
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("timeout_s,ticks,ends", [(0.0, 500, "abort"), (0.3, 500, "abort"), (5.0, 25, "done")])
+def test_shutdown_drains_or_aborts_the_requests_in_flight(timeout_s, ticks, ends):
+    """--shutdown-timeout (vLLM's), serve/shutdown.py: told to stop (what SIGTERM does), the server refuses new
+    connections; the request in flight is aborted at once (0), after the timeout (0.3 s of a 10 s stream), or
+    finishes (0.5 s of 5 s); each answer is whole either way."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+
+    from serve.shutdown import DrainingServer, graceful_timeout
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    streams = _Streams()
+    config = uvicorn.Config(streams.app, host="127.0.0.1", port=port, log_level="warning", lifespan="off",
+                            interface="asgi3", timeout_graceful_shutdown=graceful_timeout(timeout_s))
+    server = DrainingServer(config, streams, timeout_s)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    lines, t0 = [], time.monotonic()
+    with httpx.stream("GET", f"http://127.0.0.1:{port}/{ticks}", timeout=30) as r:
+        for line in r.iter_lines():
+            lines.append(line)
+            if len(lines) == 2:
+                server.should_exit = True  # uvicorn's SIGTERM / SIGINT handler does this
+                t0 = time.monotonic()
+    thread.join(30)
+    took = time.monotonic() - t0
+    assert not thread.is_alive() and server.drained_requests == 1
+    assert lines[-1] == ends and lines[:-1] == ["tick"] * (len(lines) - 1)
+    if timeout_s == 0:
+        assert took < 2.0
+    elif ends == "abort":
+        assert took >= timeout_s - 0.1
+    if ends == "done":
+        assert len(lines) == ticks + 1
+    else:
+        assert len(lines) < ticks
+    with pytest.raises(httpx.ConnectError):  # no longer listening
+        httpx.get(f"http://127.0.0.1:{port}/1", timeout=5)

@@ -1,0 +1,58 @@
+"""Stopping the HTTP server: drain or abort the requests in flight (vLLM's `--shutdown-timeout`).
+
+On SIGTERM or SIGINT uvicorn stops accepting connections and asks every open one to close after its
+current response. Before that, `DrainingServer` marks the server as shutting down (`/health` and new
+requests on connections still open answer 503), then either aborts the requests in flight at once
+(timeout 0, the default) or gives them up to `timeout_s` seconds to finish and aborts the rest. An
+aborted request still gets a whole answer, ending with finish_reason "abort", and its cache memory back.
+A second signal forces the exit (uvicorn's own handling). For a Kubernetes rolling update, set
+`terminationGracePeriodSeconds` above the time the load balancer takes to stop routing plus the timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Callable, Optional
+
+import uvicorn
+
+# seconds an aborted request has to send its last chunks before uvicorn cancels what is left
+ABORT_GRACE_S = 5.0
+
+
+def graceful_timeout(timeout_s: float) -> float:
+    """uvicorn's `timeout_graceful_shutdown` for a drain of `timeout_s` seconds."""
+    return float(timeout_s) + ABORT_GRACE_S
+
+
+class DrainingServer(uvicorn.Server):
+    """A uvicorn server that drains (or aborts) the API's requests in flight when it is told to stop.
+
+    state: the app's `ServerState` (serve/api.py); timeout_s: seconds the requests in flight may take to finish
+    (0: abort them at once); say: where to report what the shutdown does. The config's
+    `timeout_graceful_shutdown` should be `graceful_timeout(timeout_s)`.
+    """
+
+    def __init__(self, config: uvicorn.Config, state, timeout_s: float = 0.0,
+                 say: Optional[Callable[[str], None]] = None):
+        super().__init__(config)
+        self.state = state
+        self.timeout_s = float(timeout_s)
+        self.say = say or (lambda msg: None)
+        self.drained_requests: Optional[int] = None  # set at shutdown: requests in flight then
+
+    async def shutdown(self, sockets=None) -> None:
+        n = self.state.start_shutdown()
+        self.drained_requests = n
+        if n and self.timeout_s > 0:
+            self.say(f"shutting down: {n} requests in flight get up to {self.timeout_s:g}s to finish")
+            asyncio.get_running_loop().call_later(self.timeout_s, self._abort_rest)
+        elif n:
+            self.say(f"shutting down: aborting {n} requests in flight (--shutdown-timeout 0)")
+            self._abort_rest()
+        await super().shutdown(sockets)
+
+    def _abort_rest(self) -> None:
+        left = self.state.abort_all_runs()
+        if left and self.timeout_s > 0:
+            self.say(f"shutdown timeout: aborted the {left} requests still running")
