@@ -528,12 +528,16 @@ def test_expert_load_balancing_moves_experts_without_changing_outputs(multi_devi
 
 def test_expert_parallel_is_exact_and_counts_its_traffic(multi_device):
     """Experts split over 4 devices and nothing else: every slot's output is nonzero on one rank only,
-    so the all-reduce adds exact zeros and the logprobs are the one-device logprobs bit for bit. The
-    traffic estimate is the same for every config that splits the experts over all 4 devices (on tiny-k3:
-    Kimi-Linear's routed experts are split by the same code, checked under tp above)."""
+    so the all-reduce adds exact zeros and the logprobs are the one-device logprobs (bit for bit under XLA's
+    default CPU emitters; the test run's older fusion emitters, tests/conftest.py, may order one of the
+    sharded program's local sums differently: within 1e-5; tensor parallelism's reordered partial sums are
+    checked to 2e-4). The traffic estimate is the same for every config that splits the experts over all 4
+    devices (on tiny-k3: Kimi-Linear's routed experts are split by the same code, checked under tp above)."""
     model = "tiny-k3"
     one, ep = multi_device[f"{model}/None"], multi_device[f"{model}/ep"]
-    assert ep["logprobs"] == one["logprobs"] and ep["tokens"] == one["tokens"]
+    assert ep["tokens"] == one["tokens"]
+    for a, b in zip(ep["logprobs"], one["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-5, rel=0)
     assert ep["exchange"] > 0  # tp, ep and tp_ep all split the experts over the 4 devices
     assert all(multi_device[k]["exchange"] == ep["exchange"] for k in (f"{model}/tp", f"{model}/tp_ep")
                if k in multi_device)
