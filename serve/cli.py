@@ -518,7 +518,7 @@ def uvicorn_config(app, o: dict):
 def serve_main(args) -> int:
     from serve.api import create_app
     from serve.auth import Limits, load_api_keys
-    from serve.shutdown import DrainingServer
+    from serve.shutdown import DrainingServer, Terminated, sigterm_unwinds
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     t0 = time.monotonic()
@@ -584,8 +584,9 @@ def serve_main(args) -> int:
     _say(f"listening on {url} (/health answers 503 until the engine is warm)")
     threading.Thread(target=warm, name="k3jax-warmup", daemon=True).start()
     try:
-        server.run()
-    except KeyboardInterrupt:  # Ctrl-C / SIGINT: uvicorn has shut down gracefully and re-raised it
+        with sigterm_unwinds():
+            server.run()
+    except (KeyboardInterrupt, Terminated):  # SIGINT / SIGTERM: uvicorn has shut down gracefully and re-raised it
         pass
     finally:
         if "engine" in holder:

@@ -170,6 +170,7 @@ def _prompt_ids(engine: Engine, prompt) -> list[int]:
 
 # the same on every replica (configuration, or the replica's own mesh): reported once, not summed
 _SAME = frozenset({"arena_state_ranks", "kv_bytes_per_token_per_layer", "kda_slot_bytes", "max_loras", "processes",
+                   "block_size", "unit_bytes", "kda_slot_units", "gpu_memory_utilization",
                    "sleep_level", "moe_layers", "lora_adapters", "lora_adapters_in_slots", "mesh", "decode_forms",
                    "moe_step_seconds", "spec_decode_cost_ratio", "sharding", "kv_cache_dtype", "kda_state_dtype",
                    "expert_format", "dense_weight_layout", "arena_context_ranks",

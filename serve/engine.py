@@ -2176,6 +2176,14 @@ class Engine:
         return moe_exchange_bytes(self.expert_counts.shape[0], tokens, self.cfg.num_experts_per_token,
                                   self.cfg.expert_in_size, self._ep_ranks, self.mesh.size if self.mesh is not None else 1)
 
+    def cache_config(self) -> dict:
+        """The cache's configuration as it was built (vLLM's `cache_config_info` labels, plus the arena's)."""
+        c, lay = self.config, self.layout
+        return {"block_size": c.page_size, "num_gpu_blocks": lay.num_units, "unit_bytes": lay.unit_bytes,
+                "kda_slot_units": lay.slot_units, "cache_dtype": lay.codec.kind, "kda_state_dtype": lay.state_dtype,
+                "enable_prefix_caching": bool(c.enable_prefix_caching), "host_cache_bytes": c.host_cache_bytes,
+                "gpu_memory_utilization": c.gpu_memory_utilization}
+
     def stats(self) -> dict:
         live = [s for s in self.seqs.values() if not s.finished and not s.internal]
         by_kind = self.allocator.bytes_by_kind()
@@ -2222,6 +2230,7 @@ class Engine:
                              "mla": ("paged" if self.mla_paged else "gathered")
                                     + ("_context_parallel" if self.layout.context_ranks > 1 else "")},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
+            "cache_config": self.cache_config(),
             "spec_decode_accepted_per_pos": self.spec_accepted_per_pos.tolist(),
             # verify / plain decode step time per decode bucket (warm-up) and decode steps whose drafts
             # were dropped because they were not expected to pay (serve/speculative.DraftGate)

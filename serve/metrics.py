@@ -126,6 +126,12 @@ class EngineCollector:
         yield gauge("k3jax:new_token_ratio", "Share of their remaining max_tokens that admission reserves for "
                     "running requests (SGLang's adaptive new-token ratio; 0: no look-ahead).",
                     s.get("new_token_ratio", 0.0))
+        cc = s.get("cache_config")
+        if isinstance(cc, Mapping) and cc:  # vLLM's cache_config_info: the configuration as labels, value 1
+            keys = sorted(cc)
+            yield gauge("vllm:cache_config_info", "The cache's configuration (labels: block_size is the MLA page size "
+                        "in tokens, num_gpu_blocks the arena's units, each a page or a share of a KDA state slot).",
+                        1.0, keys, ["" if cc[k] is None else str(cc[k]) for k in keys])
         yield gauge("k3jax:engine_sleep_level", "0 awake; 1 or 2 while the engine's device memory is released "
                     "(sleep mode).", s.get("sleep_level", 0))
         # LoRA (vLLM's lora_requests_info: the adapters with running / waiting requests, as labels)

@@ -63,6 +63,8 @@ __all__ = [
 #: Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 INT32_MAX = 2 ** 31 - 1
+# float32 temperatures stop here: any larger one samples uniformly all the same (beyond float32's range it cast to inf)
+MAX_TEMPERATURE = 1e30
 #: PRNG implementation of the per-row keys; ``SamplingBatch.seeds`` holds its raw key data.
 KEY_IMPL = "threefry2x32"
 
@@ -182,7 +184,7 @@ class SamplingBatch:
                 presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
             if p is None or p.temperature < GREEDY_EPS:
                 continue  # greedy: the defaults above
-            temperature[i] = p.temperature
+            temperature[i] = min(p.temperature, MAX_TEMPERATURE)
             top_k[i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= the vocabulary is off anyway
             top_p[i] = p.top_p
             min_p[i] = p.min_p

@@ -5,14 +5,19 @@ current response. Before that, `DrainingServer` marks the server as shutting dow
 requests on connections still open answer 503), then either aborts the requests in flight at once
 (timeout 0, the default) or gives them up to `timeout_s` seconds to finish and aborts the rest. An
 aborted request still gets a whole answer, ending with finish_reason "abort", and its cache memory back.
-A second signal forces the exit (uvicorn's own handling). For a Kubernetes rolling update, set
+A second signal forces the exit (uvicorn's own handling). uvicorn raises the signal again once it has
+shut down; `sigterm_unwinds` turns that SIGTERM into an exception, so the process unwinds (the engine
+shut down) and exits 0 as after Ctrl-C, instead of dying by the signal. For a Kubernetes rolling update, set
 `terminationGracePeriodSeconds` above the time the load balancer takes to stop routing plus the timeout.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Callable, Optional
+import contextlib
+import signal
+import threading
+from typing import Callable, Iterator, Optional
 
 import uvicorn
 
@@ -56,3 +61,24 @@ class DrainingServer(uvicorn.Server):
         left = self.state.abort_all_runs()
         if left and self.timeout_s > 0:
             self.say(f"shutdown timeout: aborted the {left} requests still running")
+
+
+class Terminated(Exception):
+    """SIGTERM arrived in the main thread (raised by `sigterm_unwinds`' handler)."""
+
+
+@contextlib.contextmanager
+def sigterm_unwinds() -> Iterator[None]:
+    """Within: SIGTERM raises `Terminated` in the main thread instead of ending the process (elsewhere: no-op)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

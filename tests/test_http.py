@@ -498,6 +498,12 @@ def test_metrics_has_every_metric(server, client):
         assert f"# TYPE {n} " in text or f"# TYPE {n.removesuffix('_total')} " in text, n
     assert metric(text, "vllm:time_to_first_token_seconds_count") >= 1
     assert metric(text, "vllm:generation_tokens_total") >= 3
+    # vLLM's cache_config_info: the cache as built, in labels (a 32 MiB arena of 16-token pages, byte tokens)
+    info = metric(text, "vllm:cache_config_info", block_size="16", cache_dtype="auto", kda_state_dtype="float32",
+                  enable_prefix_caching="True", gpu_memory_utilization="")
+    line = next(l for l in text.splitlines() if l.startswith("vllm:cache_config_info{"))
+    units, unit_bytes = (int(re.search(f'{k}="([0-9]+)"', line).group(1)) for k in ("num_gpu_blocks", "unit_bytes"))
+    assert info == 1 and 0.9 * (32 << 20) < units * unit_bytes <= 32 << 20
     assert metric(text, "k3jax:inter_rank_bytes_total") == 0
     assert metric(text, "k3jax:eplb_rebalances_total") == 0 and metric(text, "k3jax:expert_load_imbalance") == 1
     assert metric(text, "k3jax:moe_dispatch_seconds_total") > 0  # measured per step shape at warm-up
