@@ -41,7 +41,8 @@ DEFAULTS = dict(
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
-    allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0,
+    allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
+    log_stats_interval=10.0,
 )
 
 
@@ -209,6 +210,10 @@ def add_serve_arguments(s) -> None:
     h.add_argument("--shutdown-timeout", type=float, default=d["shutdown_timeout"],
                    help="vLLM's: on SIGTERM / Ctrl-C, seconds the requests in flight get to finish while new ones "
                         "are refused (default 0: they are aborted, each still answered)")
+    s.add_argument("--disable-log-stats", action="store_true",
+                   help="no statistics line (throughput, running / waiting, cache use, prefix hits) while serving")
+    s.add_argument("--log-stats-interval", type=float, default=d["log_stats_interval"],
+                   help="seconds between statistics lines while the server works (default 10)")
     s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -519,6 +524,7 @@ def serve_main(args) -> int:
     from serve.api import create_app
     from serve.auth import Limits, load_api_keys
     from serve.shutdown import DrainingServer, Terminated, sigterm_unwinds
+    from serve.stats_logger import StatsLogger
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     t0 = time.monotonic()
@@ -560,6 +566,8 @@ def serve_main(args) -> int:
                      **cors_options(o))
     st = app.state.k3
     server = DrainingServer(uvicorn_config(app, o), st, o.get("shutdown_timeout", 0.0), say=_say)
+    stats_logger = None if o.get("disable_log_stats") else StatsLogger(
+        st.engine_stats, _say, o.get("log_stats_interval", DEFAULTS["log_stats_interval"]))
     url = server_url(o)
     holder: dict = {}
 
@@ -573,6 +581,8 @@ def serve_main(args) -> int:
             model = load_served_model(o, cfg)
             holder["engine"] = start_engine(model, cfg, o, adapters, cache_dir)
             st.attach(holder["engine"])
+            if stats_logger is not None:
+                stats_logger.start()
             _say(f"ready: serving {name!r} on {url} "
                  f"({time.monotonic() - t0:.1f}s after start, {time.process_time():.1f}s CPU)")
         except BaseException as e:  # the server cannot become ready: say why and stop
@@ -589,6 +599,8 @@ def serve_main(args) -> int:
     except (KeyboardInterrupt, Terminated):  # SIGINT / SIGTERM: uvicorn has shut down gracefully and re-raised it
         pass
     finally:
+        if stats_logger is not None:
+            stats_logger.stop()
         if "engine" in holder:
             holder["engine"].shutdown()
     return 1 if holder.get("failed") else 0

@@ -120,7 +120,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    s = Server(["--shutdown-timeout", "30"], cache_dir, str(tmp_path_factory.mktemp("logs") / "server.log"))
+    s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1"], cache_dir,
+               str(tmp_path_factory.mktemp("logs") / "server.log"))
     yield s
     s.stop()
 
@@ -504,6 +505,9 @@ def test_metrics_has_every_metric(server, client):
     line = next(l for l in text.splitlines() if l.startswith("vllm:cache_config_info{"))
     units, unit_bytes = (int(re.search(f'{k}="([0-9]+)"', line).group(1)) for k in ("num_gpu_blocks", "unit_bytes"))
     assert info == 1 and 0.9 * (32 << 20) < units * unit_bytes <= 32 << 20
+    # the statistics line (serve/stats_logger.py, every second here) while requests ran
+    assert re.search(r"generation [0-9.]+ tokens/s, running [0-9]+ reqs, waiting [0-9]+ reqs, cache [0-9.]+% used",
+                     server.tail()), server.tail()
     assert metric(text, "k3jax:inter_rank_bytes_total") == 0
     assert metric(text, "k3jax:eplb_rebalances_total") == 0 and metric(text, "k3jax:expert_load_imbalance") == 1
     assert metric(text, "k3jax:moe_dispatch_seconds_total") > 0  # measured per step shape at warm-up
