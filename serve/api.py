@@ -46,7 +46,7 @@ import os
 import time
 import uuid
 from collections import deque
-from typing import Any, Literal, Optional, Union
+from typing import Any, Callable, Literal, Optional, Union
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -333,6 +333,7 @@ class ServerState:
         self.seqs_in_flight = 0
         self.runs: dict[str, list] = {}  # response id -> the _Runs in flight under it (ids may repeat)
         self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
+        self.request_log: Optional[Callable[[str], None]] = None  # vLLM's --enable-log-requests: says a line
         self.metrics = ServerMetrics(model_name, self.engine_stats, self._frontend)
 
     # ---- engine ----
@@ -609,6 +610,8 @@ class _Run:
 
     def start(self) -> None:
         self.st.track(self)
+        if self.st.request_log is not None:
+            self.st.request_log(_request_line(self))
         for i, ids in enumerate(self.prompts):
             self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
 
@@ -701,6 +704,28 @@ class _Run:
                 self.st.metrics.finished("abort")
         self.ticket.settle(self.usage()["total_tokens"])
         self.st.release(self.nseqs)
+        if self.st.request_log is not None:
+            self.st.request_log(_finished_line(self))
+
+
+def _request_line(run: _Run) -> str:
+    """A request as `--enable-log-requests` reports it: ids, sizes and sampling, never the prompt's contents."""
+    p = run.params
+    sampling = (f"n={p.n} max_tokens={p.max_tokens} temperature={p.temperature:g} top_p={p.top_p:g} top_k={p.top_k}"
+                + (f" seed={p.seed}" if p.seed is not None else "")
+                + (" structured" if p.structured_outputs is not None else "")
+                + (f" lora={run.extra['lora_request']}" if "lora_request" in run.extra else ""))
+    return (f"request {run.response_id}: {len(run.prompts)} prompt(s), {sum(len(i) for i in run.prompts)} prompt tokens, "
+            f"{sampling}")
+
+
+def _finished_line(run: _Run) -> str:
+    u = run.usage()
+    reasons = sorted({o.finish_reason or "abort" for out in run.latest.values() for o in out.outputs}
+                     | ({"abort"} if run.unfinished and run.tasks else set()))
+    return (f"request {run.response_id} finished ({', '.join(reasons) or 'rejected'}): "
+            f"{u['completion_tokens']} tokens, {u['prompt_tokens_details']['cached_tokens']} prompt tokens cached, "
+            f"{time.monotonic() - run.arrival:.2f}s")
 
 
 # ---- response formatting -------------------------------------------------------------------------
@@ -1134,7 +1159,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False,
                enable_request_id_headers: bool = False, allowed_origins: Optional[list[str]] = None,
                allowed_methods: tuple[str, ...] = ("*",), allowed_headers: tuple[str, ...] = ("*",),
-               allow_credentials: bool = False) -> FastAPI:
+               allow_credentials: bool = False, request_log: Optional[Callable[[str], None]] = None) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1157,9 +1182,12 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     allowed_origins: origins whose browser pages may call the API (CORS; `["*"]`: any); None (the default) sends
       no CORS headers, so browsers keep other sites' pages from reading the answers. `allowed_methods`,
       `allowed_headers` and `allow_credentials` refine it (vLLM's four options).
+    request_log: called with a line when a generation request starts and when it ends (vLLM's
+      --enable-log-requests: ids, sizes, sampling, finish reasons, time; never the prompt or answer text).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
+    st.request_log = request_log
     st.return_tokens_as_token_ids = return_tokens_as_token_ids
     st.responses = ResponseStore(max_stored_responses)
     if async_engine is not None:

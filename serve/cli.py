@@ -42,7 +42,7 @@ DEFAULTS = dict(
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
-    log_stats_interval=10.0,
+    log_stats_interval=10.0, enable_log_requests=False,
 )
 
 
@@ -214,6 +214,9 @@ def add_serve_arguments(s) -> None:
                    help="no statistics line (throughput, running / waiting, cache use, prefix hits) while serving")
     s.add_argument("--log-stats-interval", type=float, default=d["log_stats_interval"],
                    help="seconds between statistics lines while the server works (default 10)")
+    s.add_argument("--enable-log-requests", action="store_true",
+                   help="a line when each generation request starts and ends (ids, token counts, sampling, finish "
+                        "reasons, time; never the prompt or answer text)")
     s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -563,7 +566,7 @@ def serve_main(args) -> int:
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")),
-                     **cors_options(o))
+                     request_log=_say if o.get("enable_log_requests") else None, **cors_options(o))
     st = app.state.k3
     server = DrainingServer(uvicorn_config(app, o), st, o.get("shutdown_timeout", 0.0), say=_say)
     stats_logger = None if o.get("disable_log_stats") else StatsLogger(

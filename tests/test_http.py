@@ -662,7 +662,8 @@ def limited(server, cache_dir, tmp_path_factory):
     d = tmp_path_factory.mktemp("keys")
     keys = d / "keys.txt"
     keys.write_text("# team keys\nk-open\nk-rpm rpm=2\nk-tpm tpm=60\n")
-    s = Server(["--api-key-file", str(keys), "--max-waiting", "1"], cache_dir, str(d / "limited.log"),
+    s = Server(["--api-key-file", str(keys), "--max-waiting", "1", "--enable-log-requests"], cache_dir,
+               str(d / "limited.log"),
                env={"K3JAX_API_KEYS": "k-env1,k-env2"})
     yield s
     s.stop()
@@ -944,7 +945,13 @@ def test_sigterm_aborts_the_request_in_flight_by_default(limited):
     finish_reason "abort", well before its max_tokens; the process exits (0)."""
     got, rc = _stream_then_signal(limited, headers={"Authorization": "Bearer k-open"})
     assert rc == 0, limited.tail()
-    assert "aborting 1 requests in flight" in limited.tail()
+    tail = limited.tail()
+    assert "aborting 1 requests in flight" in tail
+    # --enable-log-requests (vLLM's): a line as each request starts and ends, without its text
+    rid = got[0]["id"]
+    assert re.search(rf"request {rid}: 1 prompt\(s\), [0-9]+ prompt tokens, n=1 max_tokens={MAX_MODEL_LEN - 8} "
+                     r"temperature=0 ", tail), tail
+    assert re.search(rf"request {rid} finished \(abort\): [0-9]+ tokens, 0 prompt tokens cached, [0-9.]+s", tail), tail
     assert [e["choices"][0]["finish_reason"] for e in got if e["choices"] and e["choices"][0]["finish_reason"]] == [
         "abort"]
     assert got[-1]["usage"]["completion_tokens"] < (MAX_MODEL_LEN - 8) // 2
