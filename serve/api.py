@@ -715,8 +715,8 @@ def _request_line(run: _Run) -> str:
                 + (f" seed={p.seed}" if p.seed is not None else "")
                 + (" structured" if p.structured_outputs is not None else "")
                 + (f" lora={run.extra['lora_request']}" if "lora_request" in run.extra else ""))
-    return (f"request {run.response_id}: {len(run.prompts)} prompt(s), {sum(len(i) for i in run.prompts)} prompt tokens, "
-            f"{sampling}")
+    tokens = sum(len(ids) for ids in run.prompts)
+    return f"request {run.response_id}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
 
 
 def _finished_line(run: _Run) -> str:

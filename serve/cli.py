@@ -476,9 +476,11 @@ def cors_options(o: dict) -> dict:
             raise ValueError("--allow-credentials: needs --allowed-origins")
         return {}
     if o.get("allow_credentials") and "*" in origins:
-        raise ValueError("--allow-credentials: browsers refuse credentials with --allowed-origins '*'; name the origins")
-    return dict(allowed_origins=origins, allowed_methods=tuple(_names(o.get("allowed_methods"), "allowed-methods") or ("*",)),
-                allowed_headers=tuple(_names(o.get("allowed_headers"), "allowed-headers") or ("*",)),
+        raise ValueError("--allow-credentials: browsers refuse credentials with --allowed-origins '*'; name the "
+                         "origins")
+    methods = _names(o.get("allowed_methods"), "allowed-methods") or ["*"]
+    headers = _names(o.get("allowed_headers"), "allowed-headers") or ["*"]
+    return dict(allowed_origins=origins, allowed_methods=tuple(methods), allowed_headers=tuple(headers),
                 allow_credentials=bool(o.get("allow_credentials")))
 
 
@@ -512,8 +514,8 @@ def uvicorn_config(app, o: dict):
     # lifespan off: the app has no start-up or shutdown hooks, and uvicorn's lifespan task, cancelled by Ctrl-C,
     # printed a CancelledError traceback on every interrupted shutdown
     config = uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="off",
-                            timeout_graceful_shutdown=graceful_timeout(drain), root_path=root, ssl_keyfile=key, ssl_certfile=cert,
-                            ssl_ca_certs=ca, ssl_cert_reqs=reqs if cert else ssl.CERT_NONE)
+                            timeout_graceful_shutdown=graceful_timeout(drain), root_path=root, ssl_keyfile=key,
+                            ssl_certfile=cert, ssl_ca_certs=ca, ssl_cert_reqs=reqs if cert else ssl.CERT_NONE)
     if cert:
         try:
             config.load()  # builds the SSL context (the server reuses the loaded config)

@@ -63,7 +63,7 @@ __all__ = [
 #: Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
 INT32_MAX = 2 ** 31 - 1
-# float32 temperatures stop here: any larger one samples uniformly all the same (beyond float32's range it cast to inf)
+# temperatures are capped here (any higher one samples as uniformly; beyond float32's range one became inf)
 MAX_TEMPERATURE = 1e30
 #: PRNG implementation of the per-row keys; ``SamplingBatch.seeds`` holds its raw key data.
 KEY_IMPL = "threefry2x32"
