@@ -982,8 +982,8 @@ class Engine:
             seq = Sequence(rid=f"{request_id}#{i}", request_id=request_id, index=i, order=next(self._order),
                            priority=priority, guide=guides[i], bad_words=bad_words,
                            prompt_ids=list(ids), params=params, seed=base_seed + i,
-                           checker=StopChecker(params, self.tokenizer, () if params.ignore_eos else self.stop_ids,
-                                               max_tokens),
+                           checker=StopChecker(params, self.tokenizer if params.detokenize else None,
+                                               () if params.ignore_eos else self.stop_ids, max_tokens),
                            metrics=metrics if group is not None else RequestMetrics(arrival_time=now),
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
@@ -1842,10 +1842,10 @@ class Engine:
         """Store the chunk's prompt logprobs: position k of a row starting at s scores prompt token s+k+1."""
         lp, rank = np.asarray(prompt.logprob), np.asarray(prompt.rank)
         top_ids, top_lps = np.asarray(prompt.top_ids), np.asarray(prompt.top_logprobs)
-        dec = (lambda i: self.tokenizer.decode([i], skip_special=False)) if self.tokenizer else (lambda i: "")
         for i, (seq, (_, start, _)) in enumerate(zip(seqs, rows)):
             if seq.prompt_lps is None:
                 continue
+            dec = self._token_text(seq.params)
             n = seq.params.prompt_logprobs
             for k in np.flatnonzero(targets[i] >= 0):
                 tok = int(targets[i, k])
@@ -1913,6 +1913,12 @@ class Engine:
         # Python-level primitive call per array, ~0.4 ms per step)
         return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots)
 
+    def _token_text(self, params: SamplingParams):
+        """token id -> its text for logprobs ("" without a tokenizer or with detokenize=False)."""
+        if self.tokenizer is None or not params.detokenize:
+            return lambda i: ""
+        return lambda i: self.tokenizer.decode([i], skip_special=False)
+
     def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
         m = seq.metrics
         if m.first_token_time is None:
@@ -1924,7 +1930,7 @@ class Engine:
         self.counters["generation_tokens"] += 1
         if seq.params.logprobs is not None:
             n = seq.params.logprobs
-            dec = (lambda i: self.tokenizer.decode([i], skip_special=False)) if self.tokenizer else (lambda i: "")
+            dec = self._token_text(seq.params)
             seq.logprobs.append((Logprob(tok, lp, dec(tok)),
                                  [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[:n], top_lps[:n])]))
         last = False

@@ -83,7 +83,9 @@ class SamplingParams:
     ignores stop strings) until that many tokens are out. They shape the sampled (or greedy) token;
     logprobs stay those of the raw logits. `extra_args` (vLLM's) carries values for the engine's custom
     logits processors (serve/logits_processors.py): a request setting one of a processor's argument names
-    is processed by it.
+    is processed by it. `detokenize=False` (vLLM's) skips the text: outputs carry token ids only (and logprobs
+    with empty `decoded`), which saves the host's detokenization for callers that work on ids (RL loops);
+    stop strings need the text, so they are refused then.
     """
 
     n: int = 1
@@ -99,6 +101,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -139,6 +142,10 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be non-empty strings")
+        if not isinstance(self.detokenize, bool):
+            bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        if self.stop and not self.detokenize:
+            bad("stop", "stop strings match the text, which detokenize=False skips (use stop_token_ids)")
         for t in self.stop_token_ids:
             if not isinstance(t, int) or not 0 <= t < vocab_size:
                 bad("stop_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")

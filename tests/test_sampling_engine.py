@@ -417,3 +417,27 @@ def test_llm_uses_the_models_default_sampling_and_reports_progress(llm, forward_
                                            for p in (PROMPT, PROMPT[:20])]
     assert [(b.total, b.n, b.closed) for b in Bar.made] == [(2, 2, True)]
     assert llm.get_default_sampling_params() == SP() and llm.get_tokenizer() is e.tokenizer
+
+
+def test_detokenize_false_gives_the_same_ids_without_text(llm):
+    """vLLM's `detokenize=False`: the same tokens and logprobs, no text (output or logprob tokens); stop strings,
+    which match the text, are refused, stop token ids still stop."""
+    import dataclasses
+
+    p = SP(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+    with_text = llm.generate([PROMPT[:20], "The quick"], p)
+    ids_only = llm.generate([PROMPT[:20], "The quick"], dataclasses.replace(p, detokenize=False))
+    assert [o.token_ids for o in ids_only] == [o.token_ids for o in with_text]
+    assert all(o.outputs[0].text == "" for o in ids_only) and all(o.outputs[0].text for o in with_text)
+    for a, b in zip(ids_only, with_text):
+        assert [(x.token_id, x.logprob) for x, _ in a.outputs[0].logprobs] == [
+            (x.token_id, x.logprob) for x, _ in b.outputs[0].logprobs]
+        assert all(x.decoded == "" and all(t.decoded == "" for t in top) for x, top in a.outputs[0].logprobs)
+    assert any(x.decoded for x, _ in with_text[0].outputs[0].logprobs)
+    first = with_text[0].token_ids[2]
+    stopped = llm.generate([PROMPT[:20]], SP(temperature=0, max_tokens=6, detokenize=False, stop_token_ids=[first]))
+    assert stopped[0].token_ids == with_text[0].token_ids[:with_text[0].token_ids.index(first) + 1]
+    assert stopped[0].outputs[0].finish_reason == "stop"
+    with pytest.raises(RequestError, match="stop"):
+        llm.generate(["x"], SP(max_tokens=2, stop=["a"], detokenize=False))
+    assert not llm.engine.has_unfinished()
