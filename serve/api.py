@@ -433,14 +433,10 @@ class ServerState:
 
     def start_shutdown(self) -> int:
         """Refuse new requests from now on (503, /health too) and release those a pause holds -> the requests
-        in flight, which the caller lets finish or aborts (`abort_all_runs`)."""
+        in flight, which the caller lets finish or aborts (`abort_runs(None, None)`)."""
         self.shutting_down = True
         self._resumed.set()
         return self.requests_in_flight
-
-    def abort_all_runs(self) -> int:
-        """End every request in flight, whoever sent it -> how many had work left."""
-        return sum(run.abort() for held in list(self.runs.values()) for run in list(held))
 
     async def drained(self) -> None:
         """Return when no admitted request is in flight (each has finished, or ended by an abort)."""
@@ -486,11 +482,12 @@ class ServerState:
         if not held:
             self.runs.pop(run.response_id, None)
 
-    def abort_runs(self, key: str, rid: Optional[str]) -> int:
-        """End the requests in flight of API key `key` whose response id is `rid` (or `cmpl-` / `chatcmpl-` +
-        `rid`: the id the client gave), or all of them when `rid` is None -> how many had work left."""
+    def abort_runs(self, key: Optional[str], rid: Optional[str]) -> int:
+        """End the requests in flight of API key `key` (None: whoever sent them) whose response id is `rid` (or
+        `cmpl-` / `chatcmpl-` + `rid`: the id the client gave), or all of them when `rid` is None -> how many
+        had work left."""
         ids = list(self.runs) if rid is None else [rid, f"cmpl-{rid}", f"chatcmpl-{rid}"]
-        return sum(run.abort() for i in ids for run in list(self.runs.get(i, ())) if run.key == key)
+        return sum(run.abort() for i in ids for run in list(self.runs.get(i, ())) if key is None or run.key == key)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
