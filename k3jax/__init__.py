@@ -22,12 +22,12 @@ def __getattr__(name):
     if name in ("LogitsProcessor", "ProcessorContext"):
         import serve.logits_processors
         return getattr(serve.logits_processors, name)
-    if name in ("SamplingParams", "RequestOutput", "StructuredOutputsParams"):
+    if name in ("SamplingParams", "RequestOutput", "RequestOutputKind", "StructuredOutputsParams"):
         import serve.types
         return getattr(serve.types, name)
     raise AttributeError(f"module 'k3jax' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LoRARequest", "initialize_distributed", "SamplingParams", "RequestOutput", "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput",
-           "BeamSearchSequence", "LogitsProcessor", "ProcessorContext", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
+__all__ = ["LLM", "LoRARequest", "initialize_distributed", "SamplingParams", "RequestOutput", "RequestOutputKind",
+           "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LogitsProcessor", "ProcessorContext", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
 __version__ = "0.1.0"

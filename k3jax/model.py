@@ -102,28 +102,47 @@ class KimiModel(nnx.Module):
             p = p + layer.ffn(h, trace)
         return self.output_attn_res(bank + [p], eps)
 
-    def __call__(self, tokens: jax.Array, cache: ModelCache | None = None, valid: jax.Array | None = None,
-                 last_only: bool = False) -> tuple[jax.Array, ModelCache | None]:
-        """tokens [B, T] int32 -> (logits fp32 [B, T, V] or [B, V] if last_only, updated cache)."""
+    def __call__(self, tokens: jax.Array | None, cache: ModelCache | None = None, valid: jax.Array | None = None,
+                 last_only: bool = False, inputs_embeds: jax.Array | None = None
+                 ) -> tuple[jax.Array, ModelCache | None]:
+        """tokens [B, T] int32 -> (logits fp32 [B, T, V] or [B, V] if last_only, updated cache).
+        `inputs_embeds` [B, T, H] (HF's name) replaces the token embeddings; `tokens` may then be None."""
+        embeds = None
+        if inputs_embeds is not None:
+            b, t = inputs_embeds.shape[:2]
+            tokens = jnp.zeros((b, t), jnp.int32) if tokens is None else tokens
+            embeds = (inputs_embeds, jnp.ones((b, t), bool))
         b, t = tokens.shape
         if valid is None:
             valid = jnp.full((b,), t, jnp.int32)
         view = FreshView(self.cfg, t) if cache is None else ContiguousView(cache)
-        logits = self.run(tokens, view, valid, last_only)
+        logits = self.run(tokens, view, valid, last_only, embeds=embeds)
         return logits, (None if cache is None else view.result(valid))
 
     def run(self, tokens: jax.Array, view: CacheView, valid: jax.Array, last_only: bool,
-            trace: list | None = None, hidden: list | None = None) -> jax.Array:
+            trace: list | None = None, hidden: list | None = None,
+            embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
         """The forward pass against any cache view (fresh, contiguous, or the engine's paged arena).
         `trace`, when given, collects each MoE layer's routed expert ids; `hidden` receives the final
-        hidden states of every position [B, T, H] (before the norm; `logits` turns them into logits)."""
-        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        hidden states of every position [B, T, H] (before the norm; `logits` turns them into logits).
+        `embeds` = (values [B, T, H], use [B, T] bool): where `use` is set, the position's input is that
+        vector instead of its token's embedding (prompt embeddings)."""
+        x = self.embed(tokens, embeds)
         x = (self._attn_res if self.cfg.uses_attn_res else self._classic)(x, view, valid, trace)
         if hidden is not None:
             hidden.append(x)
         if last_only:
             x = jnp.take_along_axis(x, jnp.maximum(valid - 1, 0)[:, None, None], axis=1)[:, 0]
         return self.logits(x)
+
+    def embed(self, tokens: jax.Array, embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+        """tokens [B, T] -> input vectors [B, T, H]: the embedding table's rows, or `embeds`' values where
+        its mask is set."""
+        x = jnp.take(self.embed_tokens[...], tokens, axis=0)
+        if embeds is None:
+            return x
+        values, use = embeds
+        return jnp.where(use[..., None], values.astype(x.dtype), x)
 
     def logits(self, x: jax.Array) -> jax.Array:
         """Final norm and LM head: hidden [..., H] -> fp32 logits [..., V]."""

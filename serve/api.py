@@ -61,6 +61,7 @@ from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_re
 from k3jax.runtime import load_model
 from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
+from serve import prompt_embeds
 from serve.engine import EngineSleeping
 from serve.lora import LoRAError, LoRARequest
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
@@ -188,7 +189,12 @@ class _GenerationFields(_Strict):
 
 
 class CompletionRequest(_GenerationFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
+    prompt: Optional[Union[str, list[int], list[str], list[list[int]]]] = Field(
+        None, description="text or token ids, one prompt or a list (needed unless prompt_embeds is given)")
+    prompt_embeds: Optional[Union[str, list[str]]] = Field(
+        None, description="vLLM's (--enable-prompt-embeds): prompts as vectors [length, hidden_size], each one "
+                          "base64 string of a torch.save'd tensor, a NumPy .npy or a one-tensor safetensors file; "
+                          "their choices come before those of `prompt`")
     max_tokens: Optional[int] = Field(16, ge=1)
     logprobs: Optional[int] = Field(None, ge=0, le=20, description="with echo: also the prompt tokens' logprobs")
     echo: bool = False
@@ -320,6 +326,7 @@ class ServerState:
         self.max_waiting = max_waiting
         self.max_model_len = max_model_len
         self.engine = None
+        self.embeds_dtype = None  # set by `attach` when the engine takes prompt embeddings
         self.ready = False
         self.sleeping = False  # POST /sleep released the engine's device memory; /wake_up takes it back
         # POST /pause: new generation requests wait (not admitted, so not in flight) until POST /resume
@@ -348,6 +355,8 @@ class ServerState:
         # rows that run at once (summed over data-parallel replicas)
         self.capacity = int(getattr(async_engine, "capacity", None) or eng.decode_buckets[-1])
         self.vocab_size = int(self.cfg.vocab_size)
+        # prompts given as vectors are decoded into this dtype (None: the engine does not take them)
+        self.embeds_dtype = eng.model.dtype if getattr(eng.config, "enable_prompt_embeds", False) else None
         self.generation_defaults = dict(getattr(eng, "generation_defaults", None) or {})
         fam = getattr(self.tokenizer, "chat_family", None)
         self.chat_family = fam or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(self.cfg.family, "byte")
@@ -676,13 +685,13 @@ class _Run:
         if out.finished and i in self.unfinished:
             self.unfinished.discard(i)
             m.e2e.observe(now - self.arrival)
-            m.req_prompt.observe(len(out.prompt_token_ids))
+            m.req_prompt.observe(_prompt_len(self.prompts[i]))
             m.req_gen.observe(sum(len(o.token_ids) for o in out.outputs))
             for o in out.outputs:
                 m.finished(o.finish_reason)
 
     def usage(self) -> dict:
-        p = sum(len(ids) for ids in self.prompts)
+        p = sum(map(_prompt_len, self.prompts))
         c = sum(len(o.token_ids) for out in self.latest.values() for o in out.outputs)
         cached = sum(out.num_cached_tokens for out in self.latest.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
@@ -712,7 +721,7 @@ def _request_line(run: _Run) -> str:
                 + (f" seed={p.seed}" if p.seed is not None else "")
                 + (" structured" if p.structured_outputs is not None else "")
                 + (f" lora={run.extra['lora_request']}" if "lora_request" in run.extra else ""))
-    tokens = sum(len(ids) for ids in run.prompts)
+    tokens = sum(map(_prompt_len, run.prompts))
     return f"request {run.response_id}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
 
 
@@ -1317,13 +1326,16 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
-        texts, prompts = _completion_prompts(st, body.prompt)
+        texts, prompts = await _completion_inputs(st, body)
         params = _sampling(st, body, body.max_tokens, body.logprobs)
         k = params.truncate_prompt_tokens
         if k is not None:  # the echo shows what the model saw
-            texts = [t if len(p) <= k else (st.tokenizer.decode(p[-k:]) if st.tokenizer else "")
-                     for t, p in zip(texts, prompts)]
-            prompts = [p[-k:] for p in prompts]
+            texts = [t if _prompt_len(p) <= k or isinstance(p, dict) else
+                     (st.tokenizer.decode(p[-k:]) if st.tokenizer else "") for t, p in zip(texts, prompts)]
+            prompts = [{"prompt_embeds": p["prompt_embeds"][-k:]} if isinstance(p, dict) else p[-k:] for p in prompts]
+        if body.prompt_embeds is not None and (body.echo or body.prompt_logprobs is not None):
+            name = "echo" if body.echo else "prompt_logprobs"
+            raise APIError(400, f"{name}: a prompt given as embeddings has no tokens to show or score", param=name)
         if body.prompt_logprobs is not None or (body.echo and body.logprobs is not None):
             params.prompt_logprobs = max(body.prompt_logprobs or 0, body.logprobs or 0 if body.echo else 0)
             try:
@@ -1580,6 +1592,41 @@ def _encode(st: ServerState, text: str, param: str) -> list[int]:
     return list(st.tokenizer.encode(text))
 
 
+async def _completion_inputs(st: ServerState, body: "CompletionRequest") -> tuple[list[str], list]:
+    """The request's prompts -> (texts for the echo, engine prompts): first each of `prompt_embeds`
+    ({"prompt_embeds": [L, H]}, decoded off the event loop), then each of `prompt` (token ids); with
+    embeddings an empty `prompt` ("" or omitted) adds nothing (OpenAI's client needs the field)."""
+    if body.prompt_embeds is None:
+        if body.prompt is None:
+            raise APIError(400, "prompt: required (or prompt_embeds)", param="prompt")
+        return _completion_prompts(st, body.prompt)
+    if st.embeds_dtype is None:
+        raise APIError(400, "prompt_embeds: this server was started without --enable-prompt-embeds",
+                       param="prompt_embeds")
+    items = [body.prompt_embeds] if isinstance(body.prompt_embeds, str) else list(body.prompt_embeds)
+    if not items or len(items) > MAX_BATCH:
+        raise APIError(400, f"prompt_embeds: 1 to {MAX_BATCH} prompts per request, got {len(items)}",
+                       param="prompt_embeds")
+    hidden = int(st.cfg.hidden_size)
+    try:
+        vectors = await asyncio.to_thread(lambda: [prompt_embeds.decode_b64(x, hidden, st.embeds_dtype) for x in items])
+    except RequestError as e:
+        raise APIError(400, str(e), param="prompt_embeds") from None
+    texts, prompts = [""] * len(vectors), [{"prompt_embeds": v} for v in vectors]
+    if body.prompt not in (None, "", [], [""]):
+        more_texts, more = _completion_prompts(st, body.prompt)
+        texts, prompts = texts + more_texts, prompts + more
+        if len(prompts) > MAX_BATCH:
+            raise APIError(400, f"prompt: at most {MAX_BATCH} prompts per request with prompt_embeds, got "
+                                f"{len(prompts)}", param="prompt")
+    return texts, prompts
+
+
+def _prompt_len(prompt) -> int:
+    """Positions of an engine prompt: token ids, or {"prompt_embeds": [L, H]}."""
+    return len(prompt["prompt_embeds"]) if isinstance(prompt, dict) else len(prompt)
+
+
 def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
     if isinstance(prompt, str):
         items = [prompt]
@@ -1780,7 +1827,7 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
     for name, value in unsupported:
         if value:
             raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
-    max_tokens = params.max_tokens if params.max_tokens is not None else st.max_model_len - max(map(len, prompts))
+    max_tokens = params.max_tokens if params.max_tokens is not None else st.max_model_len - max(map(_prompt_len, prompts))
     beam = BeamSearchParams(params.n, max_tokens, params.ignore_eos, params.temperature, body.length_penalty,
                             params.include_stop_str_in_output)
     try:
@@ -1793,21 +1840,21 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
 def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str) -> int:
     """Raise 400 naming both numbers when a prompt does not fit; return the tokens to reserve."""
     L, reserve = st.max_model_len, 0
-    for ids in prompts:
+    for ids in map(_prompt_len, prompts):
         if params.max_tokens is None:
-            if len(ids) >= L:
+            if ids >= L:
                 raise APIError(400, f"This model's maximum context length is {L} tokens, but the {param} has "
-                                    f"{len(ids)} tokens (at least one token must be left for the completion).",
+                                    f"{ids} tokens (at least one token must be left for the completion).",
                                param=param, code="context_length_exceeded")
-            gen = L - len(ids)
+            gen = L - ids
         else:
-            if len(ids) + params.max_tokens > L:
+            if ids + params.max_tokens > L:
                 raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
-                                    f"{len(ids) + params.max_tokens} tokens ({len(ids)} in the {param}, "
+                                    f"{ids + params.max_tokens} tokens ({ids} in the {param}, "
                                     f"{params.max_tokens} for the completion). Please reduce the length of the "
                                     f"{param} or max_tokens.", param=param, code="context_length_exceeded")
             gen = params.max_tokens
-        reserve += len(ids) + gen * params.n
+        reserve += ids + gen * params.n
     return reserve
 
 

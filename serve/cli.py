@@ -42,7 +42,7 @@ DEFAULTS = dict(
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
-    log_stats_interval=10.0, enable_log_requests=False,
+    log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False,
 )
 
 
@@ -132,6 +132,10 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--prefill-first", action="store_true", default=d["prefill_first"],
                    help="steps with prompt chunks to run do not decode (SGLang's schedule without mixed chunks): "
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
+    e.add_argument("--enable-prompt-embeds", action="store_true", default=d["enable_prompt_embeds"],
+                   help="accept prompts given as vectors (vLLM's): /v1/completions `prompt_embeds`, base64 of a "
+                        "torch.save'd tensor [length, hidden_size], a NumPy .npy or a safetensors file; every step "
+                        "program then takes a vector per position beside the token ids")
     e.add_argument("--compile-threads", type=int, default=d["compile_threads"],
                    help="compile the step programs at start-up this many at a time (default: min(programs, CPUs, "
                         "8)); 1: one after another")
@@ -289,7 +293,8 @@ def engine_config(o: dict):
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
         max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None,
         logits_processors=tuple(o.get("logits_processors") or ()),
-        generation_config=o.get("generation_config") or "auto")
+        generation_config=o.get("generation_config") or "auto",
+        enable_prompt_embeds=bool(o.get("enable_prompt_embeds")))
 
 
 def lora_modules(o: dict) -> list:

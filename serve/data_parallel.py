@@ -159,9 +159,12 @@ def _num_seqs(params) -> int:
 
 
 def _prompt_ids(engine: Engine, prompt) -> list[int]:
-    """The prompt's token ids for routing; [] when it cannot be read (the replica then names the fault)."""
+    """The prompt's token ids for routing; [] when it cannot be read (the replica then names the fault) or is
+    given as embeddings (placeholder ids: routed by load alone)."""
+    if isinstance(prompt, dict) and "prompt_embeds" in prompt:
+        return []
     try:
-        return list(engine._prompt_ids(prompt)[1])
+        return list(engine._prompt(prompt)[1])
     except Exception:
         return []
 

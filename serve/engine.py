@@ -47,7 +47,7 @@ from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
-from serve import generation_config, logits_processors
+from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
@@ -57,7 +57,7 @@ from serve.step import StepBatch, StepOptions, bind_step
 from serve.stop_checker import StopChecker
 from serve.structured import GrammarCompiler, Guide, ban_words, fill_masks, mask_words
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
-                         SamplingParams)
+                         RequestOutputKind, SamplingParams)
 
 log = logging.getLogger(__name__)
 
@@ -241,6 +241,9 @@ class EngineConfig:
     # directory reads that one's. It fills what a request leaves unset (LLM.generate without sampling
     # parameters; the server's missing temperature / top_p / top_k / min_p / repetition_penalty).
     generation_config: str = "auto"
+    # Prompts given as vectors (vLLM's --enable-prompt-embeds; serve/prompt_embeds.py): every step program takes
+    # a [rows, tokens, hidden] input beside the token ids, and `add_request` accepts {"prompt_embeds": [L, H]}.
+    enable_prompt_embeds: bool = False
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
@@ -318,6 +321,8 @@ class EngineConfig:
                              f"[0, 10] (0: no admission look-ahead)")
         if not isinstance(self.prefill_first, bool):
             raise ValueError(f"prefill_first={self.prefill_first!r}: expected True or False")
+        if not isinstance(self.enable_prompt_embeds, bool):
+            raise ValueError(f"enable_prompt_embeds={self.enable_prompt_embeds!r}: expected True or False")
         if self.compile_threads is not None and (isinstance(self.compile_threads, bool)
                                                  or not isinstance(self.compile_threads, int) or self.compile_threads < 1):
             raise ValueError(f"compile_threads={self.compile_threads!r}: expected a positive integer or None (automatic)")
@@ -424,9 +429,11 @@ class Sequence:
     ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
     spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
     lora: Optional[Adapter] = None  # the LoRA adapter it runs with (None: the base model)
+    embeds: Optional[np.ndarray] = None  # prompt embeddings [L, H]: the inputs of positions < L (prompt_ids: zeros)
     beam: Optional[BeamGroup] = None  # set on the beams of a beam-search request (serve/beam_search.py)
     hyp: Hypothesis = Hypothesis()  # a beam's generated tokens and their logprobs
     proposals: Optional[tuple] = None  # a beam's (top ids, top logprobs) awaiting its group's selection
+    sent: Optional[tuple[int, int]] = (0, 0)  # output_kind DELTA: tokens, text characters out (None: all)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -458,6 +465,8 @@ class Request:
     seqs: list[Sequence]  # a beam search's live beams
     metrics: RequestMetrics
     beam: Optional[BeamGroup] = None
+    embeds: bool = False  # its prompt is vectors: outputs carry no prompt token ids
+    reported: bool = False  # an output went out (output_kind DELTA: prompt logprobs only in the first)
 
     @property
     def finished(self) -> bool:
@@ -938,11 +947,14 @@ class Engine:
                 raise RequestError(f"priority: must be an integer of magnitude < {INTERNAL_PRIORITY}, got {priority!r}")
             if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 256):
                 raise RequestError("cache_salt: must be a non-empty string of at most 256 characters")
-            text, ids = self._prompt_ids(prompt)
+            text, ids, embeds = self._prompt(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
             logits_processors.check_request(self.logits_processors, params.extra_args)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 text, ids = None, ids[-params.truncate_prompt_tokens:]
+                embeds = embeds[-params.truncate_prompt_tokens:] if embeds is not None else None
+            if embeds is not None:
+                self._check_embeds_params(params)
             if params.penalized and not self.cfg.num_mla_layers:
                 raise RequestError("presence_penalty, frequency_penalty, repetition_penalty: this model has no "
                                    "MLA layers, whose pages hold the token history the penalties need")
@@ -974,6 +986,8 @@ class Engine:
         # an adapter changes every cached page and state: its requests share prefixes only among
         # themselves, and only with this load of it (the uid), never with the base model's
         salt = (cache_salt or "").encode() + (b"\0lora:%d" % adapter.uid if adapter is not None else b"")
+        if embeds is not None:  # placeholder ids: the vectors themselves decide what may be shared
+            salt += b"\0embeds:" + prompt_embeds.digest(embeds)
         group = (BeamGroup(beam, len(ids), frozenset() if beam.ignore_eos else frozenset(self.stop_ids), [])
                  if beam is not None else None)
         self.counters["beam_search_requests"] += group is not None
@@ -988,12 +1002,13 @@ class Engine:
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
                            hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter,
-                           beam=group)
+                           embeds=embeds, beam=group)
             if adapter is not None:
                 adapter.requests.add(seq.rid)
             seqs.append(seq)
             self.seqs[seq.rid] = seq
-        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics, group)
+        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics, group,
+                                            embeds is not None)
         if group is not None:
             self._beams[request_id] = self.requests[request_id]
         self.counters["prompt_tokens"] += len(ids) * len(seqs)
@@ -1013,13 +1028,33 @@ class Engine:
                 out.append(spaced)
         return tuple(w for w in out if w)
 
-    def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
-        """A string, token ids, or vLLM's prompt dicts (`{"prompt": str}`, `{"prompt_token_ids": [...]}`)."""
+    def _prompt(self, prompt) -> tuple[Optional[str], list[int], Optional[np.ndarray]]:
+        """A string, token ids, or vLLM's prompt dicts (`{"prompt": str}`, `{"prompt_token_ids": [...]}`,
+        `{"prompt_embeds": [L, H]}`) -> (text, ids, embeddings); an embeddings prompt has L placeholder ids."""
         if isinstance(prompt, dict):
-            if sorted(prompt) not in (["prompt"], ["prompt_token_ids"]):
-                raise RequestError(f"prompt: a prompt dict holds 'prompt' (text) or 'prompt_token_ids', got keys "
-                                   f"{sorted(prompt)}")
+            if sorted(prompt) not in (["prompt"], ["prompt_token_ids"], ["prompt_embeds"]):
+                raise RequestError(f"prompt: a prompt dict holds 'prompt' (text), 'prompt_token_ids' or "
+                                   f"'prompt_embeds', got keys {sorted(prompt)}")
+            if "prompt_embeds" in prompt:
+                if not self.config.enable_prompt_embeds:
+                    raise RequestError("prompt_embeds: this engine was started without enable_prompt_embeds "
+                                       "(--enable-prompt-embeds)")
+                embeds = prompt_embeds.as_prompt_embeds(prompt["prompt_embeds"], self.cfg.hidden_size,
+                                                        self.model.dtype)
+                return None, [0] * len(embeds), embeds
             prompt = next(iter(prompt.values()))
+        return (*self._prompt_ids(prompt), None)
+
+    def _check_embeds_params(self, params) -> None:
+        """What an embeddings prompt cannot do: its token ids are placeholders."""
+        if params.prompt_logprobs is not None:
+            raise RequestError("prompt_logprobs: a prompt given as embeddings has no tokens to score")
+        if params.repetition_penalty != 1:
+            raise RequestError("repetition_penalty: it counts the prompt's tokens, and a prompt given as "
+                               "embeddings has none (presence and frequency penalties count generated tokens)")
+
+    def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
+        """A string or token ids."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt: this model has no tokenizer; pass token ids")
@@ -1377,15 +1412,29 @@ class Engine:
         except BaseException as e:
             err = self._step_failed(running, e)
             done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)
-            err.outputs = [self._output(self.requests[rid]) for rid in sorted(done)]
+            err.outputs = self._outputs(done)
             self._reap()
             if not isinstance(e, Exception):
                 raise  # Ctrl-C in a notebook: the engine is consistent again, the interrupt goes on
             raise err from e
         ended = self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
-        outs = [self._output(self.requests[rid]) for rid in sorted({self.seqs[r].request_id for r in touched} | ended)]
+        outs = self._outputs({self.seqs[r].request_id for r in touched} | ended)
         self._reap()
+        return outs
+
+    def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
+        """The step's outputs of these requests, as each request's `output_kind` asks (FINAL_ONLY: finished
+        ones only; DELTA: none where nothing is new)."""
+        outs = []
+        for rid in sorted(request_ids):
+            req = self.requests[rid]
+            kind = req.params.output_kind
+            if kind == RequestOutputKind.FINAL_ONLY and not req.finished:
+                continue
+            out = self._output(req)
+            if kind != RequestOutputKind.DELTA or out.outputs or out.finished:
+                outs.append(out)
         return outs
 
     def _step_failed(self, rids: list[str], err: BaseException) -> StepFailed:
@@ -1671,7 +1720,8 @@ class Engine:
             mark = seq.computed // pc.decode_interval * pc.decode_interval
             prev = seq.computed - 1 if prev is None else prev
             if seq.reused and mark > prev and not seq.finished:
-                self._spawn_canonical_ids(seq.all_ids + list(ahead), seq.hasher, mark, DECODE, seq.rid, seq.lora)
+                self._spawn_canonical_ids(seq.all_ids + list(ahead), seq.hasher, mark, DECODE, seq.rid, seq.lora,
+                                          seq.embeds)
             return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
         kind = seq.captures.pop(seq.computed, None)
@@ -1690,7 +1740,7 @@ class Engine:
             self.allocator.free_slot(new_slot)
 
     def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str,
-                             adapter: Optional[Adapter] = None) -> None:
+                             adapter: Optional[Adapter] = None, embeds: Optional[np.ndarray] = None) -> None:
         """Queue an internal prefill-only row set over the first `pos` of `all_ids` that registers the
         canonical (chunked-prefill) pages and KDA state at `pos`. It queues behind every real
         request (and is preempted first), never produces output, and is dropped with its memory
@@ -1708,7 +1758,7 @@ class Engine:
                           prompt_ids=list(ids), params=params, seed=0,
                           checker=StopChecker(params, self.tokenizer, (), 1), metrics=RequestMetrics(time.monotonic()),
                           pages=[[] for _ in range(self.cfg.num_mla_layers)],
-                          hasher=hasher.fresh(), internal=kind, lora=adapter)
+                          hasher=hasher.fresh(), internal=kind, lora=adapter, embeds=embeds)
         if adapter is not None:
             adapter.requests.add(rid)
         self.seqs[rid] = shadow
@@ -1868,8 +1918,15 @@ class Engine:
         pos = t if self.spec is not None and t == self.spec.verify_tokens else 1  # verify: a mask per position
         allowed = np.full((rows * pos, self.mask_words), -1, np.int32)
         guided = []  # (guide, row) of the rows that sample under a constraint
+        embeds = embed_mask = None
+        if self.config.enable_prompt_embeds:  # every program takes them: any row may hold prompt positions
+            embeds = np.zeros((rows, t, self.cfg.hidden_size), self.model.dtype)
+            embed_mask = np.zeros((rows, t), bool)
         for i, (seq, start, n) in enumerate(items):
             ids = seq.all_ids
+            if seq.embeds is not None and start < len(seq.embeds):
+                k = min(n, len(seq.embeds) - start)
+                embeds[i, :k], embed_mask[i, :k] = seq.embeds[start:start + k], True
             row = ids[start:start + n]
             tokens[i, :n] = row + seq.draft[:n - len(row)]  # a verify row: the last token, then its drafts
             if seq.prompt_lps is not None and start + 1 < len(seq.prompt_ids):  # the next prompt tokens
@@ -1911,7 +1968,8 @@ class Engine:
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
         # numpy leaves: the jitted step transfers them in its C++ dispatch (jnp.asarray would cost a
         # Python-level primitive call per array, ~0.4 ms per step)
-        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots)
+        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots, embeds,
+                         embed_mask)
 
     def _token_text(self, params: SamplingParams):
         """token id -> its text for logprobs ("" without a tokenizer or with detokenize=False)."""
@@ -1958,7 +2016,8 @@ class Engine:
             self.seqs.pop(seq.rid, None)
             self._canonical_pending.pop(seq.rid, None)
             return
-        if self.prefix_cache is not None and reason != "abort" and not seq.reused:
+        # (not for prompts given as embeddings: a tail would keep the request's vectors alive after it ends)
+        if self.prefix_cache is not None and reason != "abort" and not seq.reused and seq.embeds is None:
             h = seq.hasher.fresh()
             h.extend(list(seq.all_ids))
             self._tails[seq.rid] = (h, seq.lora)  # see _canonicalize_shared_tails
@@ -2003,8 +2062,9 @@ class Engine:
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:
             return self._beam_output(req)
-        outs = [CompletionOutput(s.index, s.checker.text, list(s.output_ids), s.finish_reason, s.stop_reason,
-                                 list(s.logprobs) if s.params.logprobs is not None else None) for s in req.seqs]
+        delta = req.params.output_kind == RequestOutputKind.DELTA
+        outs = [self._completion(s, delta) for s in req.seqs]
+        outs = [o for o in outs if o is not None]
         first = min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None)
         req.metrics.first_token_time = first
         req.metrics.first_scheduled_time = min((s.metrics.first_scheduled_time for s in req.seqs
@@ -2013,8 +2073,29 @@ class Engine:
             req.metrics.finished_time = max(s.metrics.finished_time for s in req.seqs)
         cached = max((s.cached_tokens or 0 for s in req.seqs), default=0)
         prompt_lps = list(req.seqs[0].prompt_lps) if req.seqs[0].prompt_lps is not None else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics, cached,
-                             prompt_lps)
+        if delta and req.reported:
+            prompt_lps = None
+        req.reported = True
+        return RequestOutput(req.request_id, req.prompt, [] if req.embeds else req.prompt_ids, outs, req.finished,
+                             req.metrics, cached, prompt_lps)
+
+    @staticmethod
+    def _completion(s: Sequence, delta: bool) -> Optional[CompletionOutput]:
+        """A sequence's output: everything so far, or (`delta`) what is new since its last one (None: nothing;
+        a finish counts as new once)."""
+        lps = s.params.logprobs is not None
+        if not delta:
+            return CompletionOutput(s.index, s.checker.text, list(s.output_ids), s.finish_reason, s.stop_reason,
+                                    list(s.logprobs) if lps else None)
+        if s.sent is None:  # its finish went out
+            return None
+        (k, c), text = s.sent, s.checker.text
+        if len(s.output_ids) == k and len(text) == c and s.finish_reason is None:
+            return None
+        out = CompletionOutput(s.index, text[c:], list(s.output_ids[k:]), s.finish_reason, s.stop_reason,
+                               list(s.logprobs[k:]) if lps else None)
+        s.sent = None if s.finish_reason is not None else (len(s.output_ids), len(text))
+        return out
 
     # ---- beam search (serve/beam_search.py) ------------------------------------------------------
     def _park(self, seq: Sequence, top_ids, top_lps) -> None:
@@ -2107,7 +2188,7 @@ class Engine:
                          checker=parent.checker, metrics=parent.metrics, output_ids=list(h.tokens),
                          pages=[[] for _ in range(lm)], priority=parent.priority, lora=parent.lora, beam=parent.beam,
                          hyp=h, hasher=parent.hasher.copy() if parent.hasher is not None else None,
-                         reused=parent.reused, cached_tokens=parent.cached_tokens)
+                         reused=parent.reused, cached_tokens=parent.cached_tokens, embeds=parent.embeds)
             if frozen is not None and self._share_beam(c, frozen, src, full, part):
                 c.computed, c.registered_pages = parent.computed, min(parent.registered_pages, full)
                 self.counters["beam_forks"] += 1
@@ -2171,7 +2252,8 @@ class Engine:
             lps = [(Logprob(t, lp, dec([t], False)), []) for t, lp in zip(h.tokens, h.logprobs)]
             outs.append(CompletionOutput(i, dec(list(h.tokens), skip), list(h.tokens), "stop" if h.eos else "length",
                                          logprobs=lps, cumulative_logprob=h.cum_logprob))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, req.finished, req.metrics,
+        return RequestOutput(req.request_id, req.prompt, [] if req.embeds else req.prompt_ids, outs, req.finished,
+                             req.metrics,
                              g.cached_tokens, None)
 
     # ---- introspection --------------------------------------------------------------------------

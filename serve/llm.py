@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Optional, Sequence, Union
 
 from k3jax.runtime import Model, load_model
@@ -11,7 +12,7 @@ from serve.chat import chat_ids
 from serve.data_parallel import DataParallelEngine, load_options
 from serve.engine import Engine, EngineConfig
 from serve.lora import LoRARequest
-from serve.types import RequestOutput, SamplingParams
+from serve.types import RequestOutput, RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str} or {"prompt_token_ids": [...]}
 
@@ -70,6 +71,10 @@ class LLM:
         priority = priority if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+        # only each request's final output is read: the engine builds no output before it (vLLM does the same)
+        final = {id(sp): dataclasses.replace(sp, output_kind=RequestOutputKind.FINAL_ONLY)
+                 for sp in sampling_params if isinstance(sp, SamplingParams)}
+        sampling_params = [final.get(id(sp), sp) for sp in sampling_params]
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")

@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 _STOP, _STEP, _IDLE = 0, 1, 2
 # host tier of the prefix cache (serve/host_cache.py): copies every process runs, named by an int32 payload
 SPILL, RESTORE, FORGET = 3, 4, 5
-#: SamplingBatch fields sent only when some row differs from padding (the header's flag says)
-OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on")
+#: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
+OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 # an idle leader pings the followers this often (bounds how long a follower waits in one collective)
 KEEPALIVE_SECONDS = float(os.environ.get("K3JAX_MULTIHOST_KEEPALIVE", "10"))
 

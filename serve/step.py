@@ -17,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from collections import OrderedDict
 from functools import partial
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +53,10 @@ class StepBatch:
     sampling: SamplingBatch
     targets: jax.Array  # [B, T] int32 next prompt token at each position whose logprob is asked (-1: none)
     lora_slots: jax.Array  # [B] int32 each row's LoRA adapter slot (0: the base model; k3jax/lora.py)
+    # prompt embeddings (engines with enable_prompt_embeds, else None): [B, T, H] vectors that replace
+    # the token embeddings at the positions where embed_mask [B, T] is set
+    embeds: Optional[jax.Array] = None
+    embed_mask: Optional[jax.Array] = None
 
 
 @dataclass(frozen=True)
@@ -468,7 +473,9 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
                      options.state_chunk)
     routed, hidden = [], []
     with lora.rows(batch.lora_slots):
-        logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden)
+        embeds = None if batch.embeds is None else (batch.embeds, batch.embed_mask)
+        logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden,
+                           embeds=embeds)
     arena = view.arena
     if layout.num_mla_layers and not paged and view.context is not None:  # each rank its share of the pages
         def write_shares(ar, kv, batch):

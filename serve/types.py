@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
@@ -10,6 +11,19 @@ from typing import Optional, Union
 
 class RequestError(ValueError):
     """A request is invalid (bad field, too long, can never fit); raised before it takes any memory."""
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each `RequestOutput` of a request holds (vLLM's values).
+
+    CUMULATIVE: everything so far (tokens, text, logprobs), every step that produced something;
+    DELTA: only what is new since the request's previous output (a completion appears only when it has new
+    tokens or has just finished; prompt logprobs only in the first output): streaming without re-sending;
+    FINAL_ONLY: one output, when the request finishes (`LLM.generate` runs every request this way)."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -85,7 +99,8 @@ class SamplingParams:
     logits processors (serve/logits_processors.py): a request setting one of a processor's argument names
     is processed by it. `detokenize=False` (vLLM's) skips the text: outputs carry token ids only (and logprobs
     with empty `decoded`), which saves the host's detokenization for callers that work on ids (RL loops);
-    stop strings need the text, so they are refused then.
+    stop strings need the text, so they are refused then. `output_kind` (vLLM's `RequestOutputKind`): whether the
+    request's outputs are cumulative (default), deltas, or only the final one.
     """
 
     n: int = 1
@@ -113,6 +128,7 @@ class SamplingParams:
     structured_outputs: Optional[StructuredOutputsParams] = None
     bad_words: Optional[list[str]] = None
     extra_args: Optional[dict] = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -144,6 +160,12 @@ class SamplingParams:
             bad("stop", "must be non-empty strings")
         if not isinstance(self.detokenize, bool):
             bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError:
+                bad("output_kind", f"must be a RequestOutputKind (0 cumulative, 1 delta, 2 final only), got "
+                                   f"{self.output_kind!r}")
         if self.stop and not self.detokenize:
             bad("stop", "stop strings match the text, which detokenize=False skips (use stop_token_ids)")
         for t in self.stop_token_ids:

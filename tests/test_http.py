@@ -120,7 +120,7 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1"], cache_dir,
+    s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1", "--enable-prompt-embeds"], cache_dir,
                str(tmp_path_factory.mktemp("logs") / "server.log"))
     yield s
     s.stop()
@@ -263,6 +263,40 @@ def test_completion_batch_prompts(client):
     # token-id prompts are accepted too
     t = client.completions.create(model=MODEL, prompt=[72, 105], max_tokens=2, temperature=0)
     assert t.usage.prompt_tokens == 2
+
+
+def test_completion_prompt_embeds(client, http, limited):
+    """vLLM's `prompt_embeds`: the embedding table's rows of a prompt, sent as base64 .npy, answer as the
+    token prompt does (greedy); embeddings choices come before `prompt`'s; streamed too; faults are 400s
+    naming the field; a server without --enable-prompt-embeds refuses them."""
+    from k3jax.runtime import load_model
+    from serve.prompt_embeds import encode_b64
+
+    table = np.asarray(load_model(MODEL).params["embed_tokens"][...])  # the server's weights (same seed)
+    ids = [72, 105, 33, 44, 90, 101, 7]
+    kw = dict(model=MODEL, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    want = client.completions.create(prompt=ids, **kw).choices[0].text
+    vec = encode_b64(table[ids])
+    r = client.completions.create(prompt="", **{**kw, "extra_body": {"ignore_eos": True, "prompt_embeds": vec}})
+    assert r.choices[0].text == want and r.usage.prompt_tokens == len(ids)
+    other = encode_b64(np.random.default_rng(3).standard_normal((4, table.shape[1])).astype(np.float32))
+    r = client.completions.create(prompt=[[72, 105]], **{**kw, "extra_body": {"ignore_eos": True,
+                                                                              "prompt_embeds": [vec, other]}})
+    texts = [c.text for c in sorted(r.choices, key=lambda c: c.index)]
+    assert len(texts) == 3 and texts[0] == want and r.usage.prompt_tokens == len(ids) + 4 + 2
+    assert texts[2] == client.completions.create(prompt=[72, 105], **kw).choices[0].text
+    stream = client.completions.create(prompt="", stream=True, **{**kw, "extra_body": {"ignore_eos": True,
+                                                                                       "prompt_embeds": vec}})
+    assert "".join(c.choices[0].text for c in stream if c.choices) == want
+    for body, param in [({"prompt_embeds": encode_b64(table[ids][:, :5])}, "prompt_embeds"),
+                        ({"prompt_embeds": "%%%"}, "prompt_embeds"),
+                        ({"prompt_embeds": vec, "echo": True}, "echo"),
+                        ({"prompt_embeds": vec, "prompt_logprobs": 1}, "prompt_logprobs"),
+                        ({}, "prompt")]:
+        got = http.post("/v1/completions", json={"model": MODEL, "max_tokens": 2, **body})
+        assert got.status_code == 400 and got.json()["error"]["param"] == param, (body, got.text)
+    got = _post(limited, "k-open", {"model": MODEL, "prompt_embeds": vec, "max_tokens": 2})
+    assert got.status_code == 400 and "without --enable-prompt-embeds" in got.json()["error"]["message"]
 
 
 def test_completion_stream_matches_non_stream(client):

@@ -253,6 +253,60 @@ def test_step_batch_packing_roundtrip():
         unpack(pack(leaves)[:-1], leaves)
 
 
+def _over_tape(monkeypatch, tape: list, channel, batch, shape):
+    """One exchange over a recorded broadcast: the leader sends `batch` (-> bytes sent), a follower replays
+    the tape (-> the batch it rebuilt)."""
+    from serve import multihost
+
+    def bcast(x):
+        if channel.leader:
+            tape.append(np.asarray(x).copy())
+            return x
+        got = tape.pop(0)
+        assert got.shape == np.asarray(x).shape and got.dtype == np.asarray(x).dtype
+        return got
+    monkeypatch.setattr(multihost, "_broadcast", bcast)
+    if channel.leader:
+        channel.send(batch, shape)
+        return channel._sent
+    return channel.receive()[1]
+
+
+def test_channel_sends_prompt_embeddings_only_when_a_row_has_them(monkeypatch):
+    """A step batch of an engine with enable_prompt_embeds: the [B, T, H] vectors and their mask travel only
+    in steps where some row holds prompt vectors; the follower rebuilds the batch exactly either way."""
+    import jax
+
+    from serve import multihost
+    from serve.sampling import SamplingBatch
+    from serve.step import StepBatch
+
+    rows, t, pages, hidden = 2, 4, 3, 8
+
+    def make(r, t, p, embeds=None, mask=None):
+        z = np.zeros
+        return StepBatch(z((r, t), np.int32), z(r, np.int32), z(r, np.int32), z(r, np.int32), z(r, np.int32),
+                         z((r, 1, p), np.int32), z(2, np.int32), z(2, np.int32),
+                         SamplingBatch.from_params([], [], [], r, None, None, 5, None, 1), z((r, t), np.int32),
+                         z(r, np.int32), z((r, t, hidden), np.float32) if embeds is None else embeds,
+                         z((r, t), bool) if mask is None else mask)
+
+    leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
+    follower.leader = False
+    tape: list = []
+    vectors = np.random.default_rng(0).standard_normal((rows, t, hidden)).astype(np.float32)
+    mask = np.zeros((rows, t), bool)
+    mask[1, :3] = True
+    sizes = []
+    for batch in (make(rows, t, pages), make(rows, t, pages, vectors, mask), make(rows, t, pages)):
+        sizes.append(_over_tape(monkeypatch, tape, leader, batch, (rows, t, pages)))
+        got = _over_tape(monkeypatch, tape, follower, None, (rows, t, pages))
+        for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+    # (one flag for every optional leaf: the sampling extras travel with the vectors)
+    assert sizes[0] == sizes[2] < rows * t * hidden * 4 < rows * t * (hidden * 4 + 1) <= sizes[1] - sizes[0]
+
+
 def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch):
     """Leader and follower channels over a recorded broadcast: the follower rebuilds the leader's batch
     exactly, with the bitmask / bias leaves in the buffer only when some row is not padding, and its
@@ -268,20 +322,7 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch
     leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
     follower.leader = False
     tape: list = []
-
-    def run(channel, batch):
-        def bcast(x):
-            if channel.leader:
-                tape.append(np.asarray(x).copy())
-                return x
-            got = tape.pop(0)
-            assert got.shape == np.asarray(x).shape and got.dtype == np.asarray(x).dtype
-            return got
-        monkeypatch.setattr(multihost, "_broadcast", bcast)
-        if channel.leader:
-            channel.send(batch, (rows, 1, 1))
-            return channel._sent
-        return channel.receive()[1]
+    run = lambda channel, batch: _over_tape(monkeypatch, tape, channel, batch, (rows, 1, 1))  # noqa: E731
 
     allowed = np.full((rows, words), -1, np.int32)
     allowed[1] = [5, 0, -7]

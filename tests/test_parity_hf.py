@@ -204,3 +204,45 @@ def test_bf16_forward_as_close_to_fp32_as_hf_bf16(ref):
     assert np.isfinite(got).all()
     err, hf_err = _rel_err(got, want), _rel_err(hf16, want)
     assert 0 < err <= 2.0 * hf_err, f"k3jax bf16 rel err {err:.3e}, HF bf16 {hf_err:.3e}"
+
+
+def test_prompt_embeds_parity_with_hf_inputs_embeds(ref):
+    """Prompts given as vectors (not rows of the embedding table): the forward's logits equal HF's
+    `model(inputs_embeds=...)` to 1e-4, and the engine's greedy tokens for `{"prompt_embeds": ...}` (chunked
+    prefill, then decode; serve/prompt_embeds.py) equal HF's `generate(inputs_embeds=...)`. One variant
+    (CI time)."""
+    if ref["variant"] != VARIANT_NAMES[0]:
+        pytest.skip("one variant covers prompt embeddings")
+    import jax
+    from flax import nnx
+
+    import k3jax
+
+    hf, model = ref["hf"], _k3_model(ref)
+    table = hf.get_input_embeddings().weight.detach().numpy()
+    rng = np.random.default_rng(ref["seed"])
+    ids = ref["ids"][:, :70]  # > one 64-token KDA chunk
+    vecs = (table[ids] + 0.5 * table.std() * rng.standard_normal(table[ids].shape)).astype(np.float32)
+    with torch.no_grad():
+        want = hf(inputs_embeds=torch.from_numpy(vecs), use_cache=False).logits.float().numpy()
+    fwd = jax.jit(lambda p, x: nnx.merge(model.graphdef, p)(None, inputs_embeds=x)[0])
+    got = np.asarray(fwd(model.params, vecs))
+    err = _rel_err(got, want)
+    assert err <= REL_TOL, f"inputs_embeds rel err {err:.3e}\n" + _diagnose(got, want)
+
+    n = 8
+    with torch.no_grad():
+        saved_eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+        try:
+            out = hf.generate(inputs_embeds=torch.from_numpy(vecs), attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                              do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+                              pad_token_id=hf.config.pad_token_id)
+        finally:
+            hf.generation_config.eos_token_id = saved_eos
+    hf_tokens = out[:, -n:].numpy().tolist()
+    llm = k3jax.LLM(model, max_model_len=128, cache_bytes=16 << 20, max_num_seqs=2, prefill_chunk=32,
+                    max_prefill_seqs=2, decode_buckets=(2,), prefill_buckets=(2,), context_buckets=(8,),
+                    measure_moe_time=False, progress=False, enable_prompt_embeds=True)
+    outs = llm.generate([{"prompt_embeds": v} for v in vecs],
+                        k3jax.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_tokens

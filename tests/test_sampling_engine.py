@@ -171,6 +171,48 @@ def test_engine_min_tokens_bans_stops_until_reached(llm, forward_logits):
     assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
 
+def _run_requests(e, requests):
+    """Add (prompt, params) requests and step the engine until they finish -> each one's outputs, in order."""
+    rids = [e.add_request(p, sp) for p, sp in requests]
+    outs = {r: [] for r in rids}
+    while any(not outs[r] or not outs[r][-1].finished for r in rids):
+        for o in e.step():
+            if o.request_id in outs:
+                outs[o.request_id].append(o)
+    return [outs[r] for r in rids]
+
+
+def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
+    """vLLM's RequestOutputKind: DELTA outputs concatenate to the CUMULATIVE request's last output (text,
+    ids, logprobs; with n = 2 sampled and a stop string that holds text back), each one new, the finish
+    once at the end and prompt logprobs only in the first; FINAL_ONLY gives one output, the same."""
+    from serve.types import RequestOutputKind as K
+
+    e = llm.engine
+    base = dict(temperature=0.8, seed=5, n=2, max_tokens=14, logprobs=2, prompt_logprobs=1, ignore_eos=True)
+    (probe,) = _run_requests(e, [(PROMPT[:20], SP(**base))])
+    text = probe[-1].outputs[0].text
+    stop = [text[4:6]] if len(text) >= 6 and text[4:6].strip() else []
+    runs = _run_requests(e, [(PROMPT[:20], SP(**base, stop=stop, output_kind=k)) for k in K])
+    cumulative, delta, final = runs
+    want = sorted(cumulative[-1].outputs, key=lambda o: o.index)
+    assert len(final) == 1 and final[0].finished
+    assert [(o.text, o.token_ids, o.finish_reason) for o in sorted(final[0].outputs, key=lambda o: o.index)] == \
+        [(o.text, o.token_ids, o.finish_reason) for o in want]
+    assert final[0].prompt_logprobs == cumulative[-1].prompt_logprobs
+    assert delta[0].prompt_logprobs == cumulative[-1].prompt_logprobs and all(d.prompt_logprobs is None for d in delta[1:])
+    assert len(delta) > 2 and delta[-1].finished and not any(d.finished for d in delta[:-1])
+    for w in want:
+        parts = [c for d in delta for c in d.outputs if c.index == w.index]
+        assert all(c.token_ids or c.text or c.finish_reason for c in parts)
+        assert "".join(c.text for c in parts) == w.text
+        assert [t for c in parts for t in c.token_ids] == w.token_ids
+        assert [lp for c in parts for lp in c.logprobs] == w.logprobs
+        assert [c.finish_reason for c in parts if c.finish_reason] == [w.finish_reason]
+    with pytest.raises(RequestError, match="output_kind: must be a RequestOutputKind"):
+        e.add_request(PROMPT[:5], SP(output_kind=7))
+
+
 def _processed_reference(logits_of, prompt, p: SP):
     """Greedy with the bias, then ban_below and HF's no-repeat-n-gram rule written out over prompt + output."""
     xa, out = p.extra_args or {}, []
