@@ -29,5 +29,7 @@ def __getattr__(name):
 
 
 __all__ = ["LLM", "LoRARequest", "initialize_distributed", "SamplingParams", "RequestOutput", "RequestOutputKind",
-           "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LogitsProcessor", "ProcessorContext", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config", "load_model"]
+           "StructuredOutputsParams", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "LogitsProcessor",
+           "ProcessorContext", "Model", "ModelConfig", "PRESETS", "get_preset", "from_hf_config", "load_hf_config",
+           "load_model"]
 __version__ = "0.1.0"

@@ -39,6 +39,7 @@ within the engine's decode capacity (`max_num_seqs`) plus `max_waiting`; otherwi
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import math
@@ -66,7 +67,8 @@ from serve.engine import EngineSleeping
 from serve.lora import LoRAError, LoRARequest
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
-from serve.types import Logprob, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
+from serve.types import (Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
+                         StructuredOutputsParams)
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +76,10 @@ __all__ = ["create_app", "ServerState", "APIError"]
 
 MAX_N = 16  # choices per prompt
 MAX_BATCH = 16  # prompts per completion request
+# GET /health_generate (SGLang's): a server that streamed output this recently is healthy without a probe;
+# else a one-token generation must finish within the timeout
+HEALTH_RECENT_S = 5.0
+HEALTH_GENERATE_TIMEOUT_S = 20.0
 DEFAULT_MAX_BODY = 1 << 20
 LOGPROB_FLOOR = -9999.0  # JSON has no -inf
 
@@ -339,6 +345,7 @@ class ServerState:
         self.requests_in_flight = 0
         self.seqs_in_flight = 0
         self.runs: dict[str, list] = {}  # response id -> the _Runs in flight under it (ids may repeat)
+        self.last_output = -math.inf  # monotonic time of the latest engine output a request received
         self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
         self.request_log: Optional[Callable[[str], None]] = None  # vLLM's --enable-log-requests: says a line
         self.metrics = ServerMetrics(model_name, self.engine_stats, self._frontend)
@@ -589,7 +596,12 @@ def _sse(obj) -> str:
 class _Run:
     """The engine requests of one API request (one per prompt), merged into one stream of
     (prompt index, RequestOutput); `close()` cancels them (aborting unfinished ones) and releases the
-    admission exactly once."""
+    admission exactly once.
+
+    The engine sends deltas (`RequestOutputKind.DELTA`: each output holds only the new tokens, text and
+    logprobs, a completion only when it has some), so a step's host work does not grow with the length of
+    what was generated; the stream formats forward them, and `output(i)` merges them into the whole answer
+    (text joined once, when asked)."""
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
@@ -597,7 +609,8 @@ class _Run:
                  response_id: Optional[str] = None, key: Optional[str] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
         self.response_id, self.key = response_id or base_id, key  # for /abort_request
-        self.engine_params = engine_params or params  # what the engine runs (a beam search, or `params`)
+        # what the engine runs: a beam search (one output, at its end), or `params` sending deltas
+        self.engine_params = engine_params or dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if lora is not None:
@@ -607,10 +620,10 @@ class _Run:
         self.q: asyncio.Queue = asyncio.Queue()
         self.pending: deque = deque()
         self.tasks: list[asyncio.Task] = []
-        self.latest: dict[int, RequestOutput] = {}
+        self._whole: dict[int, RequestOutput] = {}  # prompt -> its deltas merged (text as pieces until asked)
+        self._pieces: dict[tuple[int, int], list[str]] = {}  # (prompt, sample) -> text deltas not yet joined
         self.unfinished = set(range(len(prompts)))
         self.closed = False
-        self._ntok = [[0] * params.n for _ in prompts]
         self._last = [[None] * params.n for _ in prompts]
         self._ttft_done = [False] * len(prompts)
 
@@ -663,11 +676,41 @@ class _Run:
         while self.unfinished:
             yield await self._get()
 
+    def _merge(self, i: int, out: RequestOutput) -> None:
+        """Add a delta to prompt i's whole answer (lists extended in place; text kept as pieces)."""
+        whole = self._whole.get(i)
+        if whole is None:  # the first output: prompt fields, prompt logprobs
+            whole = self._whole[i] = dataclasses.replace(out, outputs=[])
+        whole.finished, whole.metrics, whole.num_cached_tokens = out.finished, out.metrics, out.num_cached_tokens
+        for o in out.outputs:
+            c = next((c for c in whole.outputs if c.index == o.index), None)
+            if c is None:
+                c = dataclasses.replace(o, text="", token_ids=[], logprobs=None if o.logprobs is None else [])
+                whole.outputs.append(c)
+                whole.outputs.sort(key=lambda c: c.index)
+            c.token_ids.extend(o.token_ids)
+            if o.logprobs is not None:
+                c.logprobs.extend(o.logprobs)
+            self._pieces.setdefault((i, o.index), []).append(o.text)
+            c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
+            c.cumulative_logprob = o.cumulative_logprob
+
+    def output(self, i: int) -> RequestOutput:
+        """Prompt i's whole answer so far (every delta merged)."""
+        whole = self._whole[i]
+        for c in whole.outputs:
+            pieces = self._pieces.get((i, c.index))
+            if pieces:
+                c.text += "".join(pieces)
+                pieces.clear()
+        return whole
+
     def _observe(self, i: int, out: RequestOutput) -> None:
         m, now = self.st.metrics, time.monotonic()
-        self.latest[i] = out
-        for j, o in enumerate(out.outputs):
-            k = len(o.token_ids) - self._ntok[i][j]
+        self.st.last_output = now
+        self._merge(i, out)
+        for o in out.outputs:
+            j, k = o.index, len(o.token_ids)
             if k > 0:
                 if not self._ttft_done[i]:
                     self._ttft_done[i] = True
@@ -681,19 +724,18 @@ class _Run:
                     for _ in range(k):
                         m.itl.observe(dt)
                 self._last[i][j] = now
-                self._ntok[i][j] = len(o.token_ids)
         if out.finished and i in self.unfinished:
             self.unfinished.discard(i)
             m.e2e.observe(now - self.arrival)
             m.req_prompt.observe(_prompt_len(self.prompts[i]))
-            m.req_gen.observe(sum(len(o.token_ids) for o in out.outputs))
-            for o in out.outputs:
+            m.req_gen.observe(sum(len(o.token_ids) for o in self._whole[i].outputs))
+            for o in self._whole[i].outputs:
                 m.finished(o.finish_reason)
 
     def usage(self) -> dict:
         p = sum(map(_prompt_len, self.prompts))
-        c = sum(len(o.token_ids) for out in self.latest.values() for o in out.outputs)
-        cached = sum(out.num_cached_tokens for out in self.latest.values())
+        c = sum(len(o.token_ids) for out in self._whole.values() for o in out.outputs)
+        cached = sum(out.num_cached_tokens for out in self._whole.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 
@@ -727,7 +769,7 @@ def _request_line(run: _Run) -> str:
 
 def _finished_line(run: _Run) -> str:
     u = run.usage()
-    reasons = sorted({o.finish_reason or "abort" for out in run.latest.values() for o in out.outputs}
+    reasons = sorted({o.finish_reason or "abort" for out in run._whole.values() for o in out.outputs}
                      | ({"abort"} if run.unfinished and run.tasks else set()))
     return (f"request {run.response_id} finished ({', '.join(reasons) or 'rejected'}): "
             f"{u['completion_tokens']} tokens, {u['prompt_tokens_details']['cached_tokens']} prompt tokens cached, "
@@ -748,9 +790,9 @@ class _Format:
         self.tokens_as_ids = getattr(st, "return_tokens_as_token_ids", False) if tokens_as_ids is None else tokens_as_ids
         self.prompt_field = prompt_field  # return vLLM's `prompt_logprobs`
         self.token_ids = token_ids  # return vLLM's `prompt_token_ids` / `token_ids`
-        self.sent_text: dict[int, int] = {}
-        self.sent_tok: dict[int, int] = {}
+        self.sent_text: dict[int, int] = {}  # characters of text streamed per choice
         self.finished: set[int] = set()
+        self.run: Optional[_Run] = None  # the engine run it formats (set by _serve)
 
     done_marker = True  # streams end with `data: [DONE]`
 
@@ -837,9 +879,9 @@ class _CompletionFormat(_Format):
     def full(self, run: _Run) -> dict:
         choices = []
         for i in range(len(run.prompts)):
-            out = run.latest[i]
-            for j, o in enumerate(out.outputs):
-                echo = self.echo_texts[i]
+            out = run.output(i)
+            for o in out.outputs:
+                j, echo = o.index, self.echo_texts[i]
                 entries = self._echoed(i, out, o.logprobs)
                 choice = {"index": self.index(i, j), "text": echo + o.text,
                           "logprobs": self._logprobs(entries, 0 if entries is not o.logprobs else len(echo)),
@@ -856,20 +898,20 @@ class _CompletionFormat(_Format):
 
     def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
         chunks = []
-        for j, o in enumerate(out.outputs):
-            idx = self.index(i, j)
+        for o in out.outputs:  # each a delta: what is new for sample o.index
+            idx = self.index(i, o.index)
             if idx in self.finished:
                 continue
             first = idx not in self.sent_text
-            t0, k0 = self.sent_text.get(idx, 0), self.sent_tok.get(idx, 0)
-            text = o.text[t0:]
-            new_lps = (o.logprobs or [])[k0:] if self.logprobs is not None else None
-            new_ids = list(o.token_ids[k0:]) if self.token_ids else []
+            t0 = self.sent_text.get(idx, 0)
+            text = o.text
+            new_lps = (o.logprobs or []) if self.logprobs is not None else None
+            new_ids = list(o.token_ids) if self.token_ids else []
             if first and self.echo_texts[i]:
                 text = self.echo_texts[i] + text
             if not text and not new_lps and not new_ids and o.finish_reason is None and not first:
                 continue
-            self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
+            self.sent_text[idx] = t0 + len(o.text)
             entries = self._echoed(i, out, new_lps) if first else new_lps
             choice = {"index": idx, "text": text,
                       "logprobs": self._logprobs(entries, (len(self.echo_texts[i]) if not first else 0) + t0)
@@ -965,7 +1007,8 @@ class _ChatFormat(_Format):
     def full(self, run: _Run) -> dict:
         choices = []
         for i in range(len(run.prompts)):
-            for j, o in enumerate(run.latest[i].outputs):
+            for o in run.output(i).outputs:
+                j = o.index
                 message = {"role": "assistant", "content": o.text, "tool_calls": []}
                 if self.reasoning:
                     reasoning, message["content"] = split_reasoning(o.text, self.reasoning)
@@ -982,7 +1025,7 @@ class _ChatFormat(_Format):
         if self.token_ids:
             out["prompt_token_ids"] = list(run.prompts[0])
         if self.prompt_field:
-            out["prompt_logprobs"] = self._prompt_field(run.latest[0])
+            out["prompt_logprobs"] = self._prompt_field(run.output(0))
         return out
 
     def start(self, nprompts: int, usage_field: bool) -> list[dict]:
@@ -1001,17 +1044,15 @@ class _ChatFormat(_Format):
 
     def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
         chunks = []
-        for j, o in enumerate(out.outputs):
-            idx = self.index(i, j)
+        for o in out.outputs:  # each a delta: what is new for sample o.index
+            idx = self.index(i, o.index)
             if idx in self.finished:
                 continue
-            t0, k0 = self.sent_text.get(idx, 0), self.sent_tok.get(idx, 0)
-            text = o.text[t0:]
-            new_lps = (o.logprobs or [])[k0:] if self.logprobs is not None else None
-            new_ids = list(o.token_ids[k0:]) if self.token_ids else []
+            text = o.text
+            new_lps = (o.logprobs or []) if self.logprobs is not None else None
+            new_ids = list(o.token_ids) if self.token_ids else []
             if not text and not new_lps and not new_ids and o.finish_reason is None:
                 continue
-            self.sent_text[idx], self.sent_tok[idx] = len(o.text), len(o.token_ids)
             delta = {"content": text} if text else {}
             if self.reasoning:
                 split = self.splitters.setdefault(idx, ChannelSplitter(self.reasoning))
@@ -1254,6 +1295,30 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         msg = "shutting down" if st.shutting_down else st.error or ("engine stopped" if st.ready else "loading")
         return JSONResponse({"status": "unavailable", "detail": msg}, status_code=503)
 
+    @app.get("/health_generate", responses={503: {"model": ErrorResponse}})
+    async def health_generate():
+        """SGLang's deep check: /health's answer, and the engine really generates -- it streamed output in
+        the last HEALTH_RECENT_S seconds, or a one-token request (greedy, token id 0) finishes within
+        HEALTH_GENERATE_TIMEOUT_S (503 naming what failed otherwise)."""
+        answer = await health()
+        if not st.healthy or time.monotonic() - st.last_output < HEALTH_RECENT_S:
+            return answer
+        probe = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True, detokenize=False,
+                               output_kind=RequestOutputKind.FINAL_ONLY)
+
+        async def one_token() -> None:
+            async for _ in st.engine.generate([0], probe, f"health-{uuid.uuid4().hex}"):
+                pass
+        try:
+            await asyncio.wait_for(one_token(), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            detail = f"no token generated within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+        except Exception as e:
+            detail = f"generation failed: {type(e).__name__}: {e}"
+        else:
+            return answer
+        return JSONResponse({"status": "unavailable", "detail": detail}, status_code=503)
+
     async def ping():
         """SageMaker's liveness route (vLLM serves it too): /health's answer."""
         return await health()
@@ -1431,6 +1496,10 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     for method in ("GET", "POST"):
         app.add_api_route("/flush_cache", flush_cache, methods=[method], responses=_ERRORS,
                           operation_id=f"flush_cache_{method.lower()}")
+
+    from serve import sglang_generate  # (it imports this module)
+
+    sglang_generate.register(app, st, authenticate, ready, _ERRORS)
 
     @app.post("/abort_request", responses=_ERRORS)
     async def abort_request(body: AbortRequestBody, key: str = Depends(authenticate), _r: None = Depends(ready)):
@@ -1827,7 +1896,8 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
     for name, value in unsupported:
         if value:
             raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
-    max_tokens = params.max_tokens if params.max_tokens is not None else st.max_model_len - max(map(_prompt_len, prompts))
+    longest = max(map(_prompt_len, prompts))
+    max_tokens = params.max_tokens if params.max_tokens is not None else st.max_model_len - longest
     beam = BeamSearchParams(params.n, max_tokens, params.ignore_eos, params.temperature, body.length_penalty,
                             params.include_stop_str_in_output)
     try:
@@ -1884,6 +1954,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
                beam, response_id=fmt.id, key=key)
+    fmt.run = run  # formats that stream whole objects read the merged answer
     handed_off = False
     try:
         run.start()

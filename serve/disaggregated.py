@@ -31,7 +31,7 @@ from serve.async_engine import AsyncEngine
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig
 from serve.host_cache import HostCache
-from serve.types import RequestOutput, SamplingParams
+from serve.types import RequestOutput, RequestOutputKind, SamplingParams
 
 
 def build_pair(model, config: EngineConfig, prefill_devices: tuple[int, ...], decode_devices: tuple[int, ...],
@@ -61,7 +61,8 @@ def _prefill_params(params) -> Optional[SamplingParams]:
     if params.prompt_logprobs is not None:
         return None
     return SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True,
-                          truncate_prompt_tokens=params.truncate_prompt_tokens)
+                          truncate_prompt_tokens=params.truncate_prompt_tokens,
+                          output_kind=RequestOutputKind.FINAL_ONLY)  # only its end is read
 
 
 class DisaggregatedAsyncEngine:

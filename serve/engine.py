@@ -433,7 +433,7 @@ class Sequence:
     beam: Optional[BeamGroup] = None  # set on the beams of a beam-search request (serve/beam_search.py)
     hyp: Hypothesis = Hypothesis()  # a beam's generated tokens and their logprobs
     proposals: Optional[tuple] = None  # a beam's (top ids, top logprobs) awaiting its group's selection
-    sent: Optional[tuple[int, int]] = (0, 0)  # output_kind DELTA: tokens, text characters out (None: all)
+    sent: Optional[tuple[int, int]] = (0, 0)  # output_kind DELTA: tokens and text deltas out (None: all)
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -2089,12 +2089,12 @@ class Engine:
                                     list(s.logprobs) if lps else None)
         if s.sent is None:  # its finish went out
             return None
-        (k, c), text = s.sent, s.checker.text
-        if len(s.output_ids) == k and len(text) == c and s.finish_reason is None:
+        (k, c), chunks = s.sent, s.checker.chunks
+        if len(s.output_ids) == k and chunks == c and s.finish_reason is None:
             return None
-        out = CompletionOutput(s.index, text[c:], list(s.output_ids[k:]), s.finish_reason, s.stop_reason,
-                               list(s.logprobs[k:]) if lps else None)
-        s.sent = None if s.finish_reason is not None else (len(s.output_ids), len(text))
+        out = CompletionOutput(s.index, s.checker.text_from(c), s.output_ids[k:], s.finish_reason, s.stop_reason,
+                               s.logprobs[k:] if lps else None)
+        s.sent = None if s.finish_reason is not None else (len(s.output_ids), chunks)
         return out
 
     # ---- beam search (serve/beam_search.py) ------------------------------------------------------
@@ -2253,8 +2253,7 @@ class Engine:
             outs.append(CompletionOutput(i, dec(list(h.tokens), skip), list(h.tokens), "stop" if h.eos else "length",
                                          logprobs=lps, cumulative_logprob=h.cum_logprob))
         return RequestOutput(req.request_id, req.prompt, [] if req.embeds else req.prompt_ids, outs, req.finished,
-                             req.metrics,
-                             g.cached_tokens, None)
+                             req.metrics, g.cached_tokens, None)
 
     # ---- introspection --------------------------------------------------------------------------
     def _moe_exchange_bytes(self, tokens: int) -> int:

@@ -97,6 +97,15 @@ class StopChecker:
         return self._text_cache
 
     @property
+    def chunks(self) -> int:
+        """Text deltas emitted so far (append-only: `text_from(k)` is what came after the first k)."""
+        return len(self._emitted)
+
+    def text_from(self, chunk: int) -> str:
+        """The text emitted after the first `chunk` deltas: O(new text), where `text` is O(all of it)."""
+        return "".join(self._emitted[chunk:])
+
+    @property
     def held_text(self) -> str:
         """Decoded text held back because it may be the start of a stop string."""
         return self._pending

@@ -299,6 +299,66 @@ def test_completion_prompt_embeds(client, http, limited):
     assert got.status_code == 400 and "without --enable-prompt-embeds" in got.json()["error"]["message"]
 
 
+def test_sglang_generate_matches_the_completions_api(http):
+    """SGLang's native /generate (serve/sglang_generate.py): the same greedy tokens and logprobs as
+    /v1/completions for text, token ids and vectors; a batch is a list with ids per item; finish reasons in
+    SGLang's shape; logprob entries [logprob, id, text]; prompt logprobs from logprob_start_len."""
+    from k3jax.runtime import load_model
+
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    want = http.post("/v1/completions", json={"model": MODEL, "prompt": [72, 105, 33], "max_tokens": 6,
+                                               "temperature": 0, "ignore_eos": True, "logprobs": 2,
+                                               "return_token_ids": True, "prompt_logprobs": 2}).json()["choices"][0]
+    r = http.post("/generate", json={"input_ids": [72, 105, 33], "sampling_params": sp, "return_logprob": True,
+                                     "top_logprobs_num": 2, "logprob_start_len": 1, "return_text_in_logprobs": True})
+    assert r.status_code == 200, r.text
+    g = r.json()
+    meta = g["meta_info"]
+    assert g["text"] == want["text"] and g["output_ids"] == want["token_ids"]
+    assert meta["finish_reason"] == {"type": "length", "length": 6}
+    assert (meta["prompt_tokens"], meta["completion_tokens"]) == (3, 6) and meta["e2e_latency"] > 0
+    assert [e[1] for e in meta["output_token_logprobs"]] == want["token_ids"]
+    np.testing.assert_allclose([e[0] for e in meta["output_token_logprobs"]], want["logprobs"]["token_logprobs"],
+                               rtol=1e-6)
+    assert [e[2] for e in meta["output_token_logprobs"]] == want["logprobs"]["tokens"]
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+    # prompt logprobs from position 1: tokens 105 and 33, as vLLM's prompt_logprobs score them
+    assert [e[1] for e in meta["input_token_logprobs"]] == [105, 33]
+    np.testing.assert_allclose([e[0] for e in meta["input_token_logprobs"]],
+                               [want["prompt_logprobs"][k][str(t)]["logprob"] for k, t in ((1, 105), (2, 33))],
+                               rtol=1e-6)
+    # text, vectors (the embedding table's rows) and a batch
+    table = np.asarray(load_model(MODEL).params["embed_tokens"][...])
+    one = http.post("/generate", json={"text": "Hi!", "sampling_params": sp}).json()
+    vec = http.post("/generate", json={"input_embeds": table[[72, 105, 33]].tolist(), "sampling_params": sp}).json()
+    assert one["output_ids"] == vec["output_ids"] == want["token_ids"]
+    batch = http.post("/generate", json={"input_ids": [[72, 105, 33], [1, 2]], "rid": "mine",
+                                         "sampling_params": {**sp, "n": 2}}).json()
+    assert [b["meta_info"]["id"] for b in batch] == ["mine_0", "mine_1", "mine_2", "mine_3"]
+    assert batch[0]["output_ids"] == batch[1]["output_ids"] == want["token_ids"]  # greedy: the samples agree
+    # a stop token and a stop string, in SGLang's finish shape; the stream's objects are cumulative
+    stop_id = want["token_ids"][2]
+    stop = {**sp, "stop_token_ids": [stop_id], "ignore_eos": False}
+    got = http.post("/generate", json={"input_ids": [72, 105, 33], "sampling_params": stop}).json()
+    assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
+    assert http.get("/health_generate").json()["status"] == "ok"
+    body = {"input_ids": [72, 105, 33], "stream": True, "sampling_params": sp}
+    with http.stream("POST", "/generate", json=body) as s:
+        events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert events[-1] == "[DONE]" and chunks[-1]["output_ids"] == want["token_ids"]
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1]) and chunks[-1]["text"] == want["text"]
+    assert all(len(a["output_ids"]) < len(b["output_ids"]) for a, b in zip(chunks, chunks[1:]))
+    for body, param in [({"text": "x", "image_data": "a.png"}, "image_data"),
+                        ({"text": "x", "input_ids": [1]}, "input_ids"),
+                        ({"text": "x", "return_logprob": True, "top_logprobs_num": 19}, "top_logprobs_num"),
+                        ({"text": "x", "sampling_params": {"max_new_tokens": 2, "json_schema": "{}", "regex": "a"}},
+                         "sampling_params"),
+                        ({"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 500}}, "input_ids")]:
+        r = http.post("/generate", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (body, r.text)
+
+
 def test_completion_stream_matches_non_stream(client):
     kw = dict(model=MODEL, prompt="Streaming test", max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
     full = client.completions.create(**kw)

@@ -317,6 +317,51 @@ def test_shutting_down_refuses_new_requests_and_fails_health():
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
 
+class _OneToken:
+    """A stand-in AsyncEngine: `generate` yields one output after `delay` seconds, or raises `error`."""
+
+    def __init__(self, delay: float = 0.0, error: Exception = None):
+        from types import SimpleNamespace as NS
+
+        self.engine = NS(tokenizer=None, cfg=NS(vocab_size=8, family="kimi_k3", hidden_size=4), decode_buckets=[1],
+                         config=NS(max_model_len=64, max_logprobs=5), generation_defaults={})
+        self.capacity, self.alive, self.delay, self.error, self.calls = 1, True, delay, error, []
+
+    async def generate(self, prompt, params, request_id):
+        self.calls.append((prompt, params.max_tokens))
+        await asyncio.sleep(self.delay)
+        if self.error is not None:
+            raise self.error
+        yield object()
+
+
+@pytest.mark.parametrize("engine, status, detail", [
+    (_OneToken(), 200, None),
+    (_OneToken(delay=5.0), 503, "no token generated within 0.2 s"),
+    (_OneToken(error=RuntimeError("device lost")), 503, "generation failed: RuntimeError: device lost"),
+])
+def test_health_generate_runs_one_token_unless_output_is_recent(monkeypatch, engine, status, detail):
+    """SGLang's /health_generate: a one-token generation within the timeout, skipped while output streams."""
+    import time
+
+    from serve import api
+
+    monkeypatch.setattr(api, "HEALTH_GENERATE_TIMEOUT_S", 0.2)
+    app = create_app(engine, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health_generate")
+
+    r = asyncio.run(go())
+    assert r.status_code == status and engine.calls == [([0], 1)]
+    assert (r.json().get("detail") if status != 200 else None) == detail
+    app.state.k3.last_output = time.monotonic()  # a request just received output: no probe
+    assert asyncio.run(go()).status_code == 200 and len(engine.calls) == 1
+    app.state.k3.start_shutdown()
+    assert asyncio.run(go()).status_code == 503
+
+
 class _Streams:
     """A stand-in for the API's ServerState: requests that stream a tick every 20 ms until done or aborted."""
 

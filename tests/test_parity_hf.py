@@ -234,8 +234,9 @@ def test_prompt_embeds_parity_with_hf_inputs_embeds(ref):
     with torch.no_grad():
         saved_eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
         try:
-            out = hf.generate(inputs_embeds=torch.from_numpy(vecs), attention_mask=torch.ones(ids.shape, dtype=torch.long),
-                              do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+            out = hf.generate(inputs_embeds=torch.from_numpy(vecs), do_sample=False,
+                              attention_mask=torch.ones(ids.shape, dtype=torch.long), max_new_tokens=n,
+                              min_new_tokens=0, eos_token_id=None,
                               pad_token_id=hf.config.pad_token_id)
         finally:
             hf.generation_config.eos_token_id = saved_eos

@@ -56,7 +56,7 @@ def test_chat_format_splits_full_and_streamed_messages():
     from serve.api import _ChatFormat
 
     st = SimpleNamespace(model_name="k3", tokenizer=None)
-    run = SimpleNamespace(prompts=[[1]], latest=[_outputs(FULL, "stop")], usage=lambda: {})
+    run = SimpleNamespace(prompts=[[1]], output=lambda i: _outputs(FULL, "stop"), usage=lambda: {})
     msg = _ChatFormat(st, "id", 1, None, 0, reasoning="think").full(run)["choices"][0]["message"]
     assert msg["reasoning_content"] == THINK and msg["content"] == ANSWER
     raw = _ChatFormat(st, "id", 1, None, 0).full(run)["choices"][0]["message"]
@@ -64,11 +64,13 @@ def test_chat_format_splits_full_and_streamed_messages():
 
     fmt = _ChatFormat(st, "id", 1, None, 0, reasoning="think")
     got = {"reasoning_content": "", "content": ""}
-    for end in range(5, len(FULL) + 1, 11):  # the text grows as tokens arrive
-        for chunk in fmt.deltas(0, _outputs(FULL[:end]), False):
+    sent = 0
+    for end in range(5, len(FULL) + 1, 11):  # the engine's deltas as tokens arrive
+        for chunk in fmt.deltas(0, _outputs(FULL[sent:end]), False):
             for k, v in chunk["choices"][0]["delta"].items():
                 got[k] += v
-    for chunk in fmt.deltas(0, _outputs(FULL, "stop"), False):
+        sent = end
+    for chunk in fmt.deltas(0, _outputs(FULL[sent:], "stop"), False):
         assert chunk["choices"][0]["finish_reason"] == "stop"
         for k, v in chunk["choices"][0]["delta"].items():
             got[k] += v

@@ -200,7 +200,8 @@ def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
     assert [(o.text, o.token_ids, o.finish_reason) for o in sorted(final[0].outputs, key=lambda o: o.index)] == \
         [(o.text, o.token_ids, o.finish_reason) for o in want]
     assert final[0].prompt_logprobs == cumulative[-1].prompt_logprobs
-    assert delta[0].prompt_logprobs == cumulative[-1].prompt_logprobs and all(d.prompt_logprobs is None for d in delta[1:])
+    assert delta[0].prompt_logprobs == cumulative[-1].prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in delta[1:])
     assert len(delta) > 2 and delta[-1].finished and not any(d.finished for d in delta[:-1])
     for w in want:
         parts = [c for d in delta for c in d.outputs if c.index == w.index]

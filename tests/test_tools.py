@@ -17,7 +17,7 @@ from k3jax.tokenizer import ByteTokenizer
 from serve.api import create_app
 from serve.structured import GrammarCompiler, mask_words
 from serve.tools import CallStream, history_message, parse_calls, plan_tools
-from serve.types import CompletionOutput, RequestError, RequestOutput
+from serve.types import CompletionOutput, RequestError, RequestOutput, RequestOutputKind
 
 TOK = ByteTokenizer(320)
 TOOLS = [
@@ -65,7 +65,12 @@ class ScriptedEngine:
             done = k == len(TOK.encode(text)) - 1 or cut
             if done and guide is not None and not cut:
                 assert guide.done, "the scripted answer must complete the constraint"
-            out = CompletionOutput(0, TOK.decode(ids), list(ids), ("length" if cut else "stop") if done else None)
+            finish = ("length" if cut else "stop") if done else None
+            if params.output_kind == RequestOutputKind.DELTA:  # what the server asks of the engine
+                new = TOK.decode(ids)[len(TOK.decode(ids[:-1])):]
+                out = CompletionOutput(0, new, [tok], finish)
+            else:
+                out = CompletionOutput(0, TOK.decode(ids), list(ids), finish)
             yield RequestOutput(request_id, None, list(prompt), [out], finished=done)
             await asyncio.sleep(0)
 

@@ -1,0 +1,266 @@
+"""SGLang's native `POST /generate`: what SGLang's own clients speak -- RL rollout workers that send token
+ids and read back `output_ids` with their logprobs, `sglang.bench_serving --backend sglang`, scripts
+written against SGLang.
+
+Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vectors [L, H], with
+`--enable-prompt-embeds`), a `sampling_params` object (SGLang's names: `max_new_tokens` (default 128),
+`min_new_tokens`, `stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties,
+`n`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `json_schema` / `regex` / `ebnf`,
+`sampling_seed`, `logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
+prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
+loaded adapter's name), `priority`.
+
+Response: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
+"completion_tokens", "cached_tokens", "e2e_latency", logprobs}}` -- a list of them (prompt-major, then the
+`n` samples) for a batch or n > 1. `finish_reason` is null while running, else `{"type": "length",
+"length": N}`, `{"type": "stop", "matched": <token id or string>}` or `{"type": "abort", "message"}`.
+Logprob entries are `[logprob, token_id, text or null]`. Streams send the whole object so far (cumulative
+`text` and `output_ids`, SGLang's default) per update, with `index` for a batch, then `data: [DONE]`.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Optional, Union
+
+from fastapi import Depends, FastAPI, Request
+from pydantic import BaseModel, ConfigDict, Field
+
+from serve import api, prompt_embeds
+from serve.types import RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
+
+# the engine's (vLLM's) names of SGLang's fields, for error messages
+_NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
+          "include_stop_str_in_output": "no_stop_trim", "logprobs": "top_logprobs_num",
+          "prompt_logprobs": "top_logprobs_num", "structured_outputs": "sampling_params"}
+
+
+class GenerateSamplingParams(BaseModel):
+    """SGLang's `sampling_params` (the fields this server serves; any other is refused, named)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    max_new_tokens: Optional[int] = Field(128, ge=1)
+    min_new_tokens: int = Field(0, ge=0)
+    stop: Optional[Union[str, list[str]]] = None
+    stop_token_ids: Optional[list[int]] = None
+    temperature: Optional[float] = Field(None, ge=0)
+    top_p: Optional[float] = Field(None, gt=0, le=1)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = Field(None, ge=0, le=1)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    n: int = Field(1, ge=1, le=16)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    sampling_seed: Optional[int] = Field(None, ge=0)
+    logit_bias: Optional[dict[str, float]] = None
+
+
+class GenerateRequest(BaseModel):
+    """SGLang's `GenerateReqInput` (the fields this server serves)."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    input_embeds: Optional[Union[list[list[float]], list[list[list[float]]]]] = Field(
+        None, description="prompt vectors [L, H] (or a batch of them); needs --enable-prompt-embeds")
+    sampling_params: Optional[GenerateSamplingParams] = None
+    rid: Optional[str] = None
+    return_logprob: bool = False
+    logprob_start_len: int = Field(-1, ge=-1, description="-1: output logprobs only; N: the prompt's from N")
+    top_logprobs_num: int = Field(0, ge=0, le=20)
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    lora_path: Optional[str] = Field(None, description="a loaded LoRA adapter's name")
+    priority: int = Field(0, gt=-(1 << 30), lt=1 << 30)
+
+    @property
+    def model(self) -> Optional[str]:  # what the shared path reads to pick a LoRA adapter
+        return self.lora_path
+
+
+def prompts_of(st: "api.ServerState", body: GenerateRequest) -> tuple[list, bool, str]:
+    """-> (engine prompts, whether the request was a batch, the field that held them)."""
+    given = [k for k in ("text", "input_ids", "input_embeds") if getattr(body, k) is not None]
+    if len(given) != 1:
+        raise api.APIError(400, f"give exactly one of text, input_ids, input_embeds (got {', '.join(given) or 'none'})",
+                           param=given[1] if len(given) > 1 else "text")
+    if body.text is not None:
+        batch = isinstance(body.text, list)
+        prompts = [api._encode(st, t, "text") for t in (body.text if batch else [body.text])]
+    elif body.input_ids is not None:
+        batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
+        prompts = [list(p) for p in (body.input_ids if batch else [body.input_ids])]
+        for p in prompts:
+            api._check_ids(st, p, "input_ids")
+    else:
+        if st.embeds_dtype is None:
+            raise api.APIError(400, "input_embeds: this server was started without --enable-prompt-embeds",
+                               param="input_embeds")
+        batch = bool(body.input_embeds) and bool(body.input_embeds[0]) and isinstance(body.input_embeds[0][0], list)
+        items = body.input_embeds if batch else [body.input_embeds]
+        try:
+            prompts = [{"prompt_embeds": prompt_embeds.as_prompt_embeds(
+                x, int(st.cfg.hidden_size), st.embeds_dtype, "input_embeds")} for x in items]
+        except RequestError as e:
+            raise api.APIError(400, str(e), param="input_embeds") from None
+    if not prompts or any(api._prompt_len(p) == 0 for p in prompts):
+        raise api.APIError(400, f"{given[0]}: empty prompt", param=given[0])
+    if len(prompts) > api.MAX_BATCH:
+        raise api.APIError(400, f"{given[0]}: at most {api.MAX_BATCH} prompts per request, got {len(prompts)}",
+                           param=given[0])
+    return prompts, batch, given[0]
+
+
+def sampling_of(st: "api.ServerState", body: GenerateRequest) -> SamplingParams:
+    sp = body.sampling_params or GenerateSamplingParams()
+    constraints = [(k, v) for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("grammar", sp.ebnf))
+                   if v is not None]
+    if len(constraints) > 1:
+        raise api.APIError(400, "sampling_params: give one of json_schema, regex, ebnf", param="sampling_params")
+    try:
+        bias = {int(k): float(v) for k, v in sp.logit_bias.items()} if sp.logit_bias else None
+    except ValueError:
+        raise api.APIError(400, "sampling_params.logit_bias: keys must be token ids", param="logit_bias") from None
+    defaults = getattr(st, "generation_defaults", {})
+
+    def unset(value, name: str, fallback):
+        return defaults.get(name, fallback) if value is None else value
+    logprobs = body.top_logprobs_num if body.return_logprob else None
+    params = SamplingParams(
+        n=sp.n, temperature=unset(sp.temperature, "temperature", 1.0), top_p=unset(sp.top_p, "top_p", 1.0),
+        top_k=unset(sp.top_k, "top_k", -1), min_p=unset(sp.min_p, "min_p", 0.0), seed=sp.sampling_seed,
+        max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop or [],
+        stop_token_ids=sp.stop_token_ids or [], ignore_eos=sp.ignore_eos, logprobs=logprobs,
+        include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
+        presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
+        repetition_penalty=unset(sp.repetition_penalty, "repetition_penalty", 1.0), logit_bias=bias,
+        prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else None,
+        structured_outputs=StructuredOutputsParams(**dict(constraints)) if constraints else None)
+    try:
+        params.validate(st.vocab_size, st.max_logprobs)
+    except RequestError as e:
+        raise _error(e) from None
+    return params
+
+
+def _error(e: RequestError) -> "api.APIError":
+    """An engine validation error under SGLang's field name."""
+    field, _, why = str(e).partition(": ")
+    name = _NAMES.get(field, field)
+    return api.APIError(400, f"{name}: {why}" if why else str(e), param=name)
+
+
+class GenerateFormat(api._Format):
+    """SGLang's objects, whole and streamed (see the module docstring)."""
+
+    def __init__(self, st, rid: str, run_id: str, params: SamplingParams, body: GenerateRequest, prompts: list,
+                 batch: bool, arrival: float):
+        super().__init__(st, rid, params.n, params.logprobs, int(time.time()), run_id=run_id)
+        self.body, self.batch, self.arrival = body, batch, arrival
+        self.prompt_lens = [api._prompt_len(p) for p in prompts]
+        self.with_text = body.return_text_in_logprobs
+        self.sent_at: dict[int, int] = {}  # stream: output tokens already sent per index (nothing new: no chunk)
+
+    def _entry(self, lp) -> list:
+        return [api._finite_lp(lp.logprob) if lp.logprob is not None else None, lp.token_id,
+                lp.decoded if self.with_text else None]
+
+    def _finish(self, o) -> Optional[dict]:
+        if o.finish_reason is None:
+            return None
+        if o.finish_reason == "length":
+            return {"type": "length", "length": len(o.token_ids)}
+        if o.finish_reason == "abort":
+            return {"type": "abort", "message": "aborted"}
+        return {"type": "stop", "matched": o.stop_reason}
+
+    def item(self, i: int, out: RequestOutput, o) -> dict:
+        """One (prompt, sample)'s object as it stands."""
+        prompt_len = self.prompt_lens[i]
+        meta: dict[str, Any] = {"id": self.id if not self.batch and self.n == 1 else f"{self.id}_{self.index(i, o.index)}",
+                                "finish_reason": self._finish(o), "prompt_tokens": prompt_len,
+                                "completion_tokens": len(o.token_ids), "cached_tokens": out.num_cached_tokens,
+                                "e2e_latency": round(time.monotonic() - self.arrival, 6)}
+        if self.body.return_logprob:
+            entries = o.logprobs or []
+            meta["output_token_logprobs"] = [self._entry(c) for c, _ in entries]
+            if self.body.top_logprobs_num:
+                meta["output_top_logprobs"] = [[self._entry(a) for a in alts] for _, alts in entries]
+            if self.body.logprob_start_len >= 0 and out.prompt_logprobs is not None:
+                start = min(self.body.logprob_start_len, prompt_len)
+                ids = out.prompt_token_ids
+                rows = [([None, ids[0], self._token(ids[0])], []) if k == 0 else
+                        (self._entry(out.prompt_logprobs[k][0]), [self._entry(a) for a in out.prompt_logprobs[k][1]])
+                        for k in range(start, prompt_len)]
+                meta["input_token_logprobs"] = [r for r, _ in rows]
+                if self.body.top_logprobs_num:
+                    meta["input_top_logprobs"] = [t if k else None for k, (_, t) in zip(range(start, prompt_len), rows)]
+        return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
+
+    def _token(self, tid: int) -> Optional[str]:
+        tok = self.st.tokenizer
+        return (tok.decode([tid], skip_special=False) if tok is not None else "") if self.with_text else None
+
+    def full(self, run: "api._Run"):
+        items = [self.item(i, run.output(i), o) for i in range(len(run.prompts)) for o in run.output(i).outputs]
+        return items if self.batch or self.n > 1 else items[0]
+
+    def start(self, nprompts: int, usage_field: bool) -> list[dict]:
+        return []
+
+    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
+        """`out` is a delta; SGLang streams each changed sample's whole object so far."""
+        chunks = []
+        whole = self.run.output(i)
+        for o in whole.outputs:
+            idx = self.index(i, o.index)
+            if idx in self.finished or (self.sent_at.get(idx) == len(o.token_ids) and o.finish_reason is None):
+                continue
+            self.sent_at[idx] = len(o.token_ids)
+            if o.finish_reason is not None:
+                self.finished.add(idx)
+            chunk = self.item(i, whole, o)
+            if self.batch or self.n > 1:
+                chunk["index"] = idx
+            chunks.append(chunk)
+        return chunks
+
+    def end(self, run: "api._Run", include_usage: bool) -> list[dict]:
+        return []
+
+
+async def generate(st: "api.ServerState", request: Request, key: str, body: GenerateRequest):
+    """The route's work: the shared admission, engine run and streaming path with SGLang's shapes."""
+    arrival = time.monotonic()
+    prompts, batch, field = prompts_of(st, body)
+    params = sampling_of(st, body)
+    if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
+        raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",
+                           param="logprob_start_len")
+    rid = body.rid or f"gen-{uuid.uuid4().hex}"
+    run_id = rid if body.rid is None else f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's rid may repeat
+    fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival)
+    try:
+        return await api._serve(st, request, key, prompts, params, body, fmt, arrival, field)
+    except api.APIError as e:  # the engine's refusals name its fields: say SGLang's
+        if e.status == 400 and e.param in _NAMES:
+            raise _error(RequestError(e.message)) from None
+        raise
+
+
+def register(app: FastAPI, st: "api.ServerState", authenticate, ready, responses: dict) -> None:
+    """Add `POST /generate` to the app, behind its key check and readiness."""
+
+    @app.post("/generate", responses=responses)
+    async def generate_route(body: GenerateRequest, request: Request, key: str = Depends(authenticate),
+                             _r: None = Depends(ready)):
+        """SGLang's native generation API: text, token ids or vectors in; text, `output_ids` and `meta_info`
+        (finish reason, token counts, logprobs) out; streamed as SSE."""
+        return await generate(st, request, key, body)
