@@ -24,12 +24,15 @@ import threading
 import time
 from typing import Optional
 
+BODY_BYTES = 1 << 20  # the request body limit's default
+EMBEDS_BODY_BYTES = 512 << 20  # ... when prompts may be vectors (base64 tensors)
+
 DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     long_prefill_chunk=0,
     context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
-    max_body_bytes=1 << 20, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
+    max_body_bytes=None, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
@@ -182,7 +185,10 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--tpm", type=int, default=None, help="default tokens per minute per key")
     a.add_argument("--max-waiting", type=int, default=d["max_waiting"],
                    help="sequences allowed to wait beyond --max-num-seqs; more get 503")
-    a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"])
+    a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"],
+                   help=f"largest request body (413 beyond it); default {BODY_BYTES >> 20} MiB, "
+                        f"{EMBEDS_BODY_BYTES >> 20} MiB with --enable-prompt-embeds (a K3 prompt vector is 14 KiB in "
+                        f"bf16, 19 KiB as base64)")
     a.add_argument("--max-stored-responses", type=int, default=d["max_stored_responses"],
                    help="Responses API objects kept in memory for previous_response_id (0: none)")
     a.add_argument("--enable-sleep-mode", action="store_true",
@@ -470,6 +476,15 @@ def _names(text, name: str) -> Optional[list[str]]:
     return vals
 
 
+def body_limit(o: dict) -> int:
+    """`--max-body-bytes`, else its default: larger when prompts may come as base64 vectors."""
+    if o.get("max_body_bytes") is not None:
+        if o["max_body_bytes"] < 1:
+            raise ValueError(f"--max-body-bytes {o['max_body_bytes']}: expected a positive number of bytes")
+        return o["max_body_bytes"]
+    return EMBEDS_BODY_BYTES if o.get("enable_prompt_embeds") else BODY_BYTES
+
+
 def cors_options(o: dict) -> dict:
     """`create_app`'s CORS keywords from the serve options (none without --allowed-origins)."""
     origins = _names(o.get("allowed_origins"), "allowed-origins")
@@ -566,7 +581,7 @@ def serve_main(args) -> int:
     keys = load_api_keys(o["api_key_file"], given=o.get("api_key") or ())
     name = o["served_model_name"] or o["model"]
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
-                     max_body_bytes=o["max_body_bytes"], max_model_len=cfg.max_model_len,
+                     max_body_bytes=body_limit(o), max_model_len=cfg.max_model_len,
                      reasoning_parser=not o["no_reasoning_parser"],
                      return_tokens_as_token_ids=bool(o.get("return_tokens_as_token_ids")),
                      enable_request_id_headers=bool(o.get("enable_request_id_headers")),

@@ -120,7 +120,8 @@ def cache_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
-    s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1", "--enable-prompt-embeds"], cache_dir,
+    s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1", "--enable-prompt-embeds",
+                "--max-body-bytes", str(1 << 20)], cache_dir,  # the limit without embeddings (413 test)
                str(tmp_path_factory.mktemp("logs") / "server.log"))
     yield s
     s.stop()

@@ -317,6 +317,16 @@ def test_shutting_down_refuses_new_requests_and_fails_health():
     assert r.status_code == 503 and r.json()["error"]["code"] == "shutting_down"
 
 
+def test_body_limit_default_grows_with_prompt_embeddings():
+    from serve.cli import BODY_BYTES, EMBEDS_BODY_BYTES, body_limit
+
+    assert body_limit({}) == BODY_BYTES == 1 << 20
+    assert body_limit({"enable_prompt_embeds": True}) == EMBEDS_BODY_BYTES
+    assert body_limit({"enable_prompt_embeds": True, "max_body_bytes": 4096}) == 4096  # given: it wins
+    with pytest.raises(ValueError, match="--max-body-bytes 0"):
+        body_limit({"max_body_bytes": 0})
+
+
 class _OneToken:
     """A stand-in AsyncEngine: `generate` yields one output after `delay` seconds, or raises `error`."""
 
