@@ -64,6 +64,7 @@ from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
 from serve.engine import EngineSleeping
+from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
@@ -1206,7 +1207,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False,
                enable_request_id_headers: bool = False, allowed_origins: Optional[list[str]] = None,
                allowed_methods: tuple[str, ...] = ("*",), allowed_headers: tuple[str, ...] = ("*",),
-               allow_credentials: bool = False, request_log: Optional[Callable[[str], None]] = None) -> FastAPI:
+               allow_credentials: bool = False, request_log: Optional[Callable[[str], None]] = None,
+               profiler_dir: Optional[str] = None) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1231,6 +1233,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
       `allowed_headers` and `allow_credentials` refine it (vLLM's four options).
     request_log: called with a line when a generation request starts and when it ends (vLLM's
       --enable-log-requests: ids, sizes, sampling, finish reasons, time; never the prompt or answer text).
+    profiler_dir: serve POST /start_profile and /stop_profile, recording `jax.profiler` traces there (vLLM's
+      profiler routes; off without it).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
@@ -1510,6 +1514,26 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         if body.rid is None and not body.abort_all:
             raise APIError(400, "give rid, or abort_all: true", param="rid")
         return {"aborted": st.abort_runs(key, None if body.abort_all else body.rid)}
+
+    if profiler_dir is not None:  # vLLM's profiler routes (its VLLM_TORCH_PROFILER_DIR; here --profiler-dir)
+        profiler = Profiler(profiler_dir)
+
+        @app.post("/start_profile", responses=_ERRORS)
+        async def start_profile(key: str = Depends(authenticate)):
+            """Start a `jax.profiler` trace of the server (serve/profiler.py) into --profiler-dir; 400 while
+            one is recording."""
+            try:
+                return {"status": "recording", "dir": await asyncio.to_thread(profiler.start)}
+            except ProfilerError as e:
+                raise APIError(400, str(e)) from None
+
+        @app.post("/stop_profile", responses=_ERRORS)
+        async def stop_profile(key: str = Depends(authenticate)):
+            """Stop the trace and write it -> {"dir": its run directory, "seconds"}; 400 when none records."""
+            try:
+                return {"status": "written", **await asyncio.to_thread(profiler.stop)}
+            except ProfilerError as e:
+                raise APIError(400, str(e)) from None
 
     if enable_sleep_mode:  # vLLM's --enable-sleep-mode: the RL weight-sync endpoints (off by default)
         @app.post("/sleep", responses=_ERRORS)

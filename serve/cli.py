@@ -45,7 +45,7 @@ DEFAULTS = dict(
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
-    log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False,
+    log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
 )
 
 
@@ -227,6 +227,9 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--enable-log-requests", action="store_true",
                    help="a line when each generation request starts and ends (ids, token counts, sampling, finish "
                         "reasons, time; never the prompt or answer text)")
+    s.add_argument("--profiler-dir", default=d["profiler_dir"], metavar="DIR",
+                   help="serve POST /start_profile and /stop_profile (vLLM's): a jax.profiler trace of the engine "
+                        "between the two, written under DIR (TensorBoard / XProf, and a Perfetto trace)")
     s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
 
 
@@ -588,7 +591,8 @@ def serve_main(args) -> int:
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")),
-                     request_log=_say if o.get("enable_log_requests") else None, **cors_options(o))
+                     request_log=_say if o.get("enable_log_requests") else None,
+                     profiler_dir=o.get("profiler_dir"), **cors_options(o))
     st = app.state.k3
     server = DrainingServer(uvicorn_config(app, o), st, o.get("shutdown_timeout", 0.0), say=_say)
     stats_logger = None if o.get("disable_log_stats") else StatsLogger(

@@ -45,6 +45,7 @@ from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, pl
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
+from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve import generation_config, logits_processors, prompt_embeds
@@ -1839,10 +1840,11 @@ class Engine:
         rows_bucket = 1 if long else _fit(len(rows), self.decode_buckets if decoding else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.decode_context_buckets if decoding and t == 1 else self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
-        (res, prompt, accepted), counts = self._step_fn(batch)
+        with step_annotation(rows_bucket, t, pages_bucket):  # a profile's name for the call (serve/profiler.py)
+            (res, prompt, accepted), counts = self._step_fn(batch)
+            tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         if (batch.targets >= 0).any():
             self._record_prompt_logprobs(seqs, rows, batch.targets, prompt)
-        tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         counts = np.asarray(counts)
         self.expert_counts += counts
         if self.eplb is not None and self.eplb.observe(counts):

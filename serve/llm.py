@@ -12,6 +12,7 @@ from serve.chat import chat_ids
 from serve.data_parallel import DataParallelEngine, load_options
 from serve.engine import Engine, EngineConfig
 from serve.lora import LoRARequest
+from serve.profiler import Profiler, ProfilerError
 from serve.types import RequestOutput, RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str} or {"prompt_token_ids": [...]}
@@ -187,6 +188,22 @@ class LLM:
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (both tiers) -> True when the cache is empty (see Engine)."""
         return self.engine.reset_prefix_cache()
+
+    def start_profile(self, log_dir: Optional[str] = None) -> str:
+        """vLLM's: start a `jax.profiler` trace of what runs until `stop_profile` (each engine step annotated
+        `k3jax.step` with its bucket) into `log_dir`, else $K3JAX_PROFILER_DIR -> that directory
+        (serve/profiler.py)."""
+        self._profiler = Profiler(log_dir)
+        return self._profiler.start()
+
+    def stop_profile(self) -> dict:
+        """Stop the trace -> {"dir": the run directory written (TensorBoard / XProf; a Perfetto
+        `*.trace.json.gz` beside), "seconds"}."""
+        profiler = getattr(self, "_profiler", None)
+        if profiler is None:
+            raise ProfilerError("stop_profile: no profile is being recorded")
+        self._profiler = None
+        return profiler.stop()
 
     def follow(self) -> int:
         """Processes 1.. of a multi-process mesh (serve/multihost.py): run process 0's steps until it

@@ -454,3 +454,27 @@ def test_shutdown_drains_or_aborts_the_requests_in_flight(timeout_s, ticks, ends
         assert len(lines) < ticks
     with pytest.raises(httpx.ConnectError):  # no longer listening
         httpx.get(f"http://127.0.0.1:{port}/1", timeout=5)
+
+
+def test_profiler_routes_record_a_trace(tmp_path):
+    """--profiler-dir (vLLM's profiler routes): start, something runs, stop -> a run directory with the
+    trace; a second start while recording and a stop with none are 400s; without the flag, no routes."""
+    import jax.numpy as jnp
+
+    app = create_app(None, "m", profiler_dir=str(tmp_path / "prof"))
+
+    async def go(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path)
+
+    assert asyncio.run(go("/stop_profile")).json()["error"]["message"] == "stop_profile: no profile is being recorded"
+    r = asyncio.run(go("/start_profile"))
+    assert r.status_code == 200 and r.json()["dir"] == str(tmp_path / "prof")
+    assert "already being recorded" in asyncio.run(go("/start_profile")).json()["error"]["message"]
+    (jnp.ones((64, 64)) @ jnp.ones((64, 64))).block_until_ready()
+    done = asyncio.run(go("/stop_profile")).json()
+    files = [p.name for p in __import__("pathlib").Path(done["dir"]).iterdir()]
+    assert done["status"] == "written" and any(f.endswith(".xplane.pb") for f in files), files
+    assert any(f.endswith(".trace.json.gz") for f in files), files
+    plain = create_app(None, "m")
+    assert "/start_profile" not in {r.path for r in plain.routes}

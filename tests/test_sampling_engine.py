@@ -214,6 +214,26 @@ def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
         e.add_request(PROMPT[:5], SP(output_kind=7))
 
 
+def test_profile_records_the_engine_steps(llm, tmp_path):
+    """LLM.start_profile / stop_profile (vLLM's; serve/profiler.py): a jax.profiler trace in which each step
+    call is a `k3jax.step` annotation naming its bucket."""
+    import gzip
+    import json
+    from pathlib import Path
+
+    from serve.profiler import ProfilerError
+
+    assert llm.start_profile(str(tmp_path)) == str(tmp_path)
+    llm.generate([PROMPT[:10]], SP(temperature=0, max_tokens=3))
+    done = llm.stop_profile()
+    with gzip.open(next(Path(done["dir"]).glob("*.trace.json.gz"))) as f:
+        events = json.load(f)["traceEvents"]
+    steps = [e for e in events if e.get("name") == "k3jax.step"]
+    assert len(steps) >= 3 and {e["args"]["tokens"] for e in steps} >= {"1", "16"}, steps[:2]
+    with pytest.raises(ProfilerError, match="no profile is being recorded"):
+        llm.stop_profile()
+
+
 def _processed_reference(logits_of, prompt, p: SP):
     """Greedy with the bias, then ban_below and HF's no-repeat-n-gram rule written out over prompt + output."""
     xa, out = p.extra_args or {}, []
