@@ -1208,7 +1208,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                enable_request_id_headers: bool = False, allowed_origins: Optional[list[str]] = None,
                allowed_methods: tuple[str, ...] = ("*",), allowed_headers: tuple[str, ...] = ("*",),
                allow_credentials: bool = False, request_log: Optional[Callable[[str], None]] = None,
-               profiler_dir: Optional[str] = None) -> FastAPI:
+               profiler_dir: Optional[str] = None, model_path: Optional[str] = None) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1235,10 +1235,12 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
       --enable-log-requests: ids, sizes, sampling, finish reasons, time; never the prompt or answer text).
     profiler_dir: serve POST /start_profile and /stop_profile, recording `jax.profiler` traces there (vLLM's
       profiler routes; off without it).
+    model_path: the checkpoint directory or preset served (SGLang's /get_model_info; default: model_name).
     """
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
     st.request_log = request_log
+    st.model_path = model_path or model_name
     st.return_tokens_as_token_ids = return_tokens_as_token_ids
     st.responses = ResponseStore(max_stored_responses)
     if async_engine is not None:
@@ -1501,9 +1503,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         app.add_api_route("/flush_cache", flush_cache, methods=[method], responses=_ERRORS,
                           operation_id=f"flush_cache_{method.lower()}")
 
-    from serve import sglang_generate  # (it imports this module)
+    from serve import sglang_api  # (it imports this module)
 
-    sglang_generate.register(app, st, authenticate, ready, _ERRORS)
+    sglang_api.register(app, st, authenticate, ready, _ERRORS)
 
     @app.post("/abort_request", responses=_ERRORS)
     async def abort_request(body: AbortRequestBody, key: str = Depends(authenticate), _r: None = Depends(ready)):

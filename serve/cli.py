@@ -592,7 +592,7 @@ def serve_main(args) -> int:
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")),
                      request_log=_say if o.get("enable_log_requests") else None,
-                     profiler_dir=o.get("profiler_dir"), **cors_options(o))
+                     profiler_dir=o.get("profiler_dir"), model_path=o["model"], **cors_options(o))
     st = app.state.k3
     server = DrainingServer(uvicorn_config(app, o), st, o.get("shutdown_timeout", 0.0), say=_say)
     stats_logger = None if o.get("disable_log_stats") else StatsLogger(

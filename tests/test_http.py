@@ -301,7 +301,7 @@ def test_completion_prompt_embeds(client, http, limited):
 
 
 def test_sglang_generate_matches_the_completions_api(http):
-    """SGLang's native /generate (serve/sglang_generate.py): the same greedy tokens and logprobs as
+    """SGLang's native /generate (serve/sglang_api.py): the same greedy tokens and logprobs as
     /v1/completions for text, token ids and vectors; a batch is a list with ids per item; finish reasons in
     SGLang's shape; logprob entries [logprob, id, text]; prompt logprobs from logprob_start_len."""
     from k3jax.runtime import load_model
@@ -343,6 +343,12 @@ def test_sglang_generate_matches_the_completions_api(http):
     got = http.post("/generate", json={"input_ids": [72, 105, 33], "sampling_params": stop}).json()
     assert got["meta_info"]["finish_reason"] == {"type": "stop", "matched": stop_id}
     assert http.get("/health_generate").json()["status"] == "ok"
+    info = http.get("/get_model_info").json()
+    assert info["model_path"] == MODEL and info["is_generation"] and info["model_type"] == "kimi_k3"
+    server = http.get("/server_info").json()
+    assert server == {**http.get("/get_server_info").json(), "internal_states": server["internal_states"]}
+    assert (server["context_length"], server["max_running_requests"]) == (MAX_MODEL_LEN, CAPACITY)
+    assert server["internal_states"][0]["num_running_reqs"] == 0 and server["max_total_num_tokens"] > 0
     body = {"input_ids": [72, 105, 33], "stream": True, "sampling_params": sp}
     with http.stream("POST", "/generate", json=body) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]

@@ -1,6 +1,8 @@
-"""SGLang's native `POST /generate`: what SGLang's own clients speak -- RL rollout workers that send token
-ids and read back `output_ids` with their logprobs, `sglang.bench_serving --backend sglang`, scripts
-written against SGLang.
+"""SGLang's native API: `POST /generate`, `GET /get_model_info`, `GET /get_server_info` (and its newer name
+`/server_info`) -- what SGLang's own clients speak: RL rollout workers that send token ids and read back
+`output_ids` with their logprobs, `sglang.bench_serving --backend sglang`, routers that ask a worker what it
+serves, scripts written against SGLang. (`/flush_cache`, `/abort_request`, `/health_generate` and
+`/update_weights_from_disk` live with their vLLM twins in serve/api.py.)
 
 Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vectors [L, H], with
 `--enable-prompt-embeds`), a `sampling_params` object (SGLang's names: `max_new_tokens` (default 128),
@@ -255,8 +257,46 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
         raise
 
 
+def model_info(st: "api.ServerState") -> dict:
+    """SGLang's `/get_model_info`."""
+    return {"model_path": st.model_path, "tokenizer_path": st.model_path, "is_generation": True,
+            "preferred_sampling_params": dict(st.generation_defaults) or None, "weight_version": "default",
+            "has_image_understanding": False, "has_audio_understanding": False, "model_type": st.cfg.family,
+            "served_model_name": st.model_name}
+
+
+def server_info(st: "api.ServerState") -> dict:
+    """SGLang's `/get_server_info`: the serving limits and the scheduler's state now (`internal_states`)."""
+    from k3jax import __version__
+
+    stats = st.engine_stats()
+    cache = stats.get("cache_config", {})
+    return {"version": __version__, "model_path": st.model_path, "served_model_name": st.model_name,
+            "context_length": st.max_model_len, "max_running_requests": st.capacity,
+            # tokens the arena holds if every unit is an MLA page (KDA state slots take units too)
+            "page_size": cache.get("block_size"),
+            "max_total_num_tokens": cache.get("num_gpu_blocks", 0) * cache.get("block_size", 0) or None,
+            "internal_states": [{"num_running_reqs": stats.get("num_requests_running", 0),
+                                 "num_waiting_reqs": stats.get("num_requests_waiting", 0),
+                                 "token_usage": round(float(stats.get("kv_cache_usage", 0.0)), 4),
+                                 "cache_hit_tokens": stats.get("prefix_cache", {}).get("hit_tokens"),
+                                 "requests_in_flight": st.requests_in_flight}]}
+
+
 def register(app: FastAPI, st: "api.ServerState", authenticate, ready, responses: dict) -> None:
-    """Add `POST /generate` to the app, behind its key check and readiness."""
+    """Add SGLang's routes to the app: generation behind its key check and readiness, the info routes behind
+    readiness."""
+
+    @app.get("/get_model_info", responses=responses)
+    async def get_model_info(_r: None = Depends(ready)):
+        return model_info(st)
+
+    async def get_server_info(_r: None = Depends(ready)):
+        return server_info(st)
+
+    for path in ("/get_server_info", "/server_info"):
+        app.add_api_route(path, get_server_info, methods=["GET"], responses=responses,
+                          operation_id=path.strip("/"))
 
     @app.post("/generate", responses=responses)
     async def generate_route(body: GenerateRequest, request: Request, key: str = Depends(authenticate),
