@@ -186,7 +186,8 @@ class GenerateFormat(api._Format):
     def item(self, i: int, out: RequestOutput, o) -> dict:
         """One (prompt, sample)'s object as it stands."""
         prompt_len = self.prompt_lens[i]
-        meta: dict[str, Any] = {"id": self.id if not self.batch and self.n == 1 else f"{self.id}_{self.index(i, o.index)}",
+        one = not self.batch and self.n == 1
+        meta: dict[str, Any] = {"id": self.id if one else f"{self.id}_{self.index(i, o.index)}",
                                 "finish_reason": self._finish(o), "prompt_tokens": prompt_len,
                                 "completion_tokens": len(o.token_ids), "cached_tokens": out.num_cached_tokens,
                                 "e2e_latency": round(time.monotonic() - self.arrival, 6)}
