@@ -58,6 +58,7 @@ specials (``<|im_system|>`` 262, ``<|im_user|>`` 259, ``<|im_assistant|>`` 260,
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -380,12 +381,15 @@ def render_chat(
     )
 
 
-def encode_chat(tokenizer: Any, messages: Any, family: ChatFamily | None = None, **kwargs: Any) -> list[int]:
+def encode_chat(tokenizer: Any, messages: Any, family: ChatFamily | None = None, holes: tuple[str, ...] = (),
+                **kwargs: Any) -> list[int]:
     """Render and encode in one step: markers become special ids, message text is plain.
 
     ``family`` defaults to ``tokenizer.chat_family``. Raises ``ValueError`` if the
     tokenizer does not define the family's markers (e.g. a K3 tokenizer asked for
     the Kimi-Linear format), instead of silently shattering them into bytes.
+    ``holes``: strings standing in message text for content given otherwise (prompt embeddings); each
+    occurrence of ``holes[k]`` becomes the id ``-1 - k`` and the text around it is encoded on its own.
     """
     if family is None:
         family = getattr(tokenizer, "chat_family", None)
@@ -396,12 +400,22 @@ def encode_chat(tokenizer: Any, messages: Any, family: ChatFamily | None = None,
     ids: list[int] = []
     pending: list[str] = []
     pending_control: bool | None = None
+    split = re.compile("(" + "|".join(map(re.escape, holes)) + ")") if holes else None
+
+    def run(text: str, control: bool) -> None:
+        parts = [text] if split is None or control else split.split(text)
+        for k, part in enumerate(parts):
+            if k % 2:  # a hole (re.split puts the separators at odd places)
+                ids.append(-1 - holes.index(part))
+            elif part:
+                ids.extend(tokenizer.encode(part, allow_special=control))
+
     for seg in render_chat_segments(messages, family=family, **kwargs):
         if pending_control is not None and seg.control != pending_control:
-            ids.extend(tokenizer.encode("".join(pending), allow_special=pending_control))
+            run("".join(pending), pending_control)
             pending = []
         pending.append(seg.text)
         pending_control = seg.control
     if pending:
-        ids.extend(tokenizer.encode("".join(pending), allow_special=bool(pending_control)))
+        run("".join(pending), bool(pending_control))
     return ids

@@ -49,6 +49,8 @@ import uuid
 from collections import deque
 from typing import Any, Callable, Literal, Optional, Union
 
+import jax.numpy as jnp
+import numpy as np
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
@@ -215,11 +217,19 @@ class TextContentPart(BaseModel):
     text: str
 
 
+class EmbedsContentPart(BaseModel):
+    """vLLM's: content given as vectors [length, hidden_size] (base64, as `prompt_embeds` in completions);
+    the chat template is rendered around them (--enable-prompt-embeds)."""
+    model_config = ConfigDict(extra="ignore")
+    type: Literal["prompt_embeds"]
+    data: str
+
+
 class ChatMessage(BaseModel):
     # Clients echo assistant messages back with fields such as `refusal`: ignore unknown keys here.
     model_config = ConfigDict(extra="ignore")
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Optional[Union[str, list[TextContentPart]]] = None
+    content: Optional[Union[str, list[Union[TextContentPart, EmbedsContentPart]]]] = None
     name: Optional[str] = None
     tool_call_id: Optional[str] = None
     tool_calls: Optional[list[dict[str, Any]]] = None
@@ -379,6 +389,11 @@ class ServerState:
         if not self.ready or self.engine is None or self.shutting_down:
             return False
         return bool(getattr(self.engine, "alive", True))
+
+    def token_embeddings(self, ids: list[int]) -> "np.ndarray":
+        """Rows of the served model's embedding table [len(ids), H] in the prompt-embeddings dtype."""
+        table = self.engine.engine.model.params["embed_tokens"][...]
+        return np.asarray(jnp.take(table, jnp.asarray(ids, jnp.int32), axis=0)).astype(self.embeds_dtype)
 
     def engine_stats(self) -> dict:
         eng = self.engine
@@ -1024,7 +1039,7 @@ class _ChatFormat(_Format):
                     choices[-1]["token_ids"] = list(o.token_ids)
         out = {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
         if self.token_ids:
-            out["prompt_token_ids"] = list(run.prompts[0])
+            out["prompt_token_ids"] = list(self.prompt_ids or [])
         if self.prompt_field:
             out["prompt_logprobs"] = self._prompt_field(run.output(0))
         return out
@@ -1775,10 +1790,14 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
         plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
     except RequestError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
-    ids = _chat_ids(st, body.messages, body.add_generation_prompt, _template_kwargs(st, body), plan,
-                    body.continue_final_message)
+    messages, vectors = _embedded_parts(st, body.messages)
+    ids = _chat_ids(st, messages, body.add_generation_prompt, _template_kwargs(st, body), plan,
+                    body.continue_final_message, holes=tuple(vectors))
+    if vectors:  # the template's tokens as their embeddings, the parts' vectors in their places
+        ids = {"prompt_embeds": prompt_embeds.splice(ids, list(vectors.values()), st.token_embeddings)}
     if body.truncate_prompt_tokens is not None:
-        ids = ids[-body.truncate_prompt_tokens:]
+        ids = ({"prompt_embeds": ids["prompt_embeds"][-body.truncate_prompt_tokens:]} if vectors
+               else ids[-body.truncate_prompt_tokens:])
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -1787,7 +1806,7 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                        constraint=plan.constraint() if plan else None)
     fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),
                       prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
-                      tools=plan, token_ids=body.return_token_ids, prompt_ids=ids,
+                      tools=plan, token_ids=body.return_token_ids, prompt_ids=[] if vectors else ids,
                       tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id)
     return ids, params, fmt
 
@@ -1862,14 +1881,49 @@ def _reasoning_start(st: ServerState, body) -> Optional[str]:
     return "think" if (body.chat_template_kwargs or {}).get("thinking", True) else "response"
 
 
-def _chat_ids(st: ServerState, messages: list[ChatMessage], add_generation_prompt: bool,
-              kwargs: Optional[dict], tools: Optional[ToolPlan] = None, continue_final_message: bool = False) -> list[int]:
+def _embedded_parts(st: ServerState, messages: list[ChatMessage]) -> tuple[list[dict], dict[str, "np.ndarray"]]:
+    """Chat messages as dicts, each `prompt_embeds` content part replaced by a text that stands for it ->
+    (messages, {that text: its vectors [L, H]})."""
+    out, vectors = [], {}
+    for m in messages:
+        d = m.model_dump(exclude_none=True)
+        if isinstance(m.content, list) and any(isinstance(p, EmbedsContentPart) for p in m.content):
+            if st.embeds_dtype is None:
+                raise APIError(400, "messages: prompt_embeds content parts need a server started with "
+                                    "--enable-prompt-embeds", param="messages")
+            parts = []
+            for p in m.content:
+                if isinstance(p, EmbedsContentPart):
+                    hole = f"\x00prompt-embeds-{uuid.uuid4().hex}\x00"
+                    try:
+                        vectors[hole] = prompt_embeds.decode_b64(p.data, int(st.cfg.hidden_size), st.embeds_dtype,
+                                                                 "messages")
+                    except RequestError as e:
+                        raise APIError(400, str(e), param="messages") from None
+                    parts.append({"type": "text", "text": hole})
+                else:
+                    parts.append(p.model_dump())
+            d["content"] = parts
+        out.append(d)
+    return out, vectors
+
+
+def _chat_ids(st: ServerState, messages: list, add_generation_prompt: bool, kwargs: Optional[dict],
+              tools: Optional[ToolPlan] = None, continue_final_message: bool = False,
+              holes: tuple[str, ...] = ()) -> list[int]:
+    """The rendered prompt's ids (`messages`: ChatMessage objects or their dicts); with `holes`, the ids
+    -1 - k where holes[k] stood (content given as vectors)."""
     if st.tokenizer is None:
         raise APIError(400, "messages: this model has no tokenizer; use /v1/completions with token ids",
                        param="messages")
+    dicts = [m if isinstance(m, dict) else m.model_dump(exclude_none=True) for m in messages]
+    if not holes and any(isinstance(p, dict) and p.get("type") == "prompt_embeds"
+                         for d in dicts for p in (d.get("content") if isinstance(d.get("content"), list) else ())):
+        raise APIError(400, "messages: prompt_embeds content parts are taken by /v1/chat/completions only",
+                       param="messages")
     try:
-        return chat_ids(st.tokenizer, st.chat_family, [m.model_dump(exclude_none=True) for m in messages],
-                        add_generation_prompt, kwargs, tools, continue_final_message)
+        return chat_ids(st.tokenizer, st.chat_family, dicts, add_generation_prompt, kwargs, tools,
+                        continue_final_message, holes)
     except RequestError as e:
         param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(p)),
                      "messages")

@@ -45,8 +45,9 @@ def _text(content: Any) -> str:
 
 def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt: bool = True,
              template_kwargs: Optional[dict] = None, tools: Optional[ToolPlan] = None,
-             continue_final_message: bool = False) -> list[int]:
-    """The prompt ids of a conversation; RequestError naming the field on bad input."""
+             continue_final_message: bool = False, holes: tuple[str, ...] = ()) -> list[int]:
+    """The prompt ids of a conversation; RequestError naming the field on bad input. `holes`: texts that
+    stand for content given as vectors, each becoming the id -1 - k (k3jax.chat_template.encode_chat)."""
     if tokenizer is None:
         raise RequestError("messages: this model has no tokenizer; use token ids")
     kwargs = dict(template_kwargs or {})
@@ -57,7 +58,7 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
     msgs = prepare_messages(messages, family, tools)
     try:
         ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt,
-                          continue_final_message=continue_final_message, **kwargs)
+                          continue_final_message=continue_final_message, holes=holes, **kwargs)
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None
     if not ids:

@@ -53,6 +53,16 @@ def as_prompt_embeds(x, hidden_size: int, dtype, field: str = "prompt_embeds") -
     return a
 
 
+def splice(ids: list[int], parts: list[np.ndarray], token_rows) -> np.ndarray:
+    """A prompt of token ids with holes (id -1 - k: part k's vectors go there) -> its vectors [L, H]:
+    `token_rows(ids)` gives the tokens' rows of the embedding table (a chat template rendered around
+    content given as vectors)."""
+    tokens = [t for t in ids if t >= 0]
+    rows = iter(token_rows(tokens) if tokens else ())
+    out = [parts[-1 - t] if t < 0 else next(rows)[None] for t in ids]
+    return np.ascontiguousarray(np.concatenate(out).astype(parts[0].dtype if parts else np.float32))
+
+
 def digest(a: np.ndarray) -> bytes:
     """A salt for the prefix cache: the vectors' shape, dtype and bytes hashed (equal only for equal vectors)."""
     h = hashlib.blake2b(digest_size=16)

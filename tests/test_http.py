@@ -299,6 +299,24 @@ def test_completion_prompt_embeds(client, http, limited):
     got = _post(limited, "k-open", {"model": MODEL, "prompt_embeds": vec, "max_tokens": 2})
     assert got.status_code == 400 and "without --enable-prompt-embeds" in got.json()["error"]["message"]
 
+    # chat (vLLM's `prompt_embeds` content parts): the template is rendered around the vectors
+    words = [72, 101, 108, 108, 111, 33]  # "Hello!" in the byte tokenizer: one token per character
+    text_chat = client.chat.completions.create(messages=[{"role": "user", "content": "Say: Hello!"}],
+                                               **{**kw, "extra_body": {"ignore_eos": True, "return_token_ids": True}})
+    parts = [{"type": "text", "text": "Say: "}, {"type": "prompt_embeds", "data": encode_b64(table[words])}]
+    r = http.post("/v1/chat/completions", json={"model": MODEL, "messages": [{"role": "user", "content": parts}],
+                                                "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+                                                "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    emb_chat = r.json()
+    assert emb_chat["choices"][0]["message"]["content"] == text_chat.choices[0].message.content
+    assert emb_chat["usage"]["prompt_tokens"] == text_chat.usage.prompt_tokens and emb_chat["prompt_token_ids"] == []
+    tok = http.post("/tokenize", json={"messages": [{"role": "user", "content": parts}]})
+    assert tok.status_code == 400 and "/v1/chat/completions only" in tok.json()["error"]["message"]
+    got = _post(limited, "k-open", {"model": MODEL, "messages": [{"role": "user", "content": parts}]},
+                "/v1/chat/completions")
+    assert got.status_code == 400 and "--enable-prompt-embeds" in got.json()["error"]["message"]
+
 
 def test_sglang_generate_matches_the_completions_api(http):
     """SGLang's native /generate (serve/sglang_api.py): the same greedy tokens and logprobs as

@@ -203,3 +203,22 @@ def test_a_safetensors_payload_must_hold_one_tensor():
     two = base64.b64encode(save({"a": np.ones((2, 64), np.float32), "b": np.ones((2, 64), np.float32)})).decode()
     with pytest.raises(RequestError, match="exactly one tensor, got 2"):
         pe.decode_b64(two, 64, np.float32)
+
+
+def test_chat_holes_and_splicing_place_the_vectors_inside_the_template(llm, table):
+    """Chat content given as vectors: the rendered template's text around a hole is encoded on its own and
+    the hole becomes id -1 - k; `splice` puts the part's vectors there and table rows elsewhere."""
+    from k3jax.chat_template import encode_chat
+
+    tok = llm.engine.tokenizer
+    msgs = [{"role": "user", "content": "ab<HOLE>cd"}]
+    plain = encode_chat(tok, [{"role": "user", "content": "abcd"}], family=tok.chat_family)
+    holed = encode_chat(tok, msgs, family=tok.chat_family, holes=("<HOLE>",))
+    at = holed.index(-1)
+    assert holed[:at] + holed[at + 1:] == plain and holed.count(-1) == 1
+    part = RNG.standard_normal((3, table.shape[1])).astype(np.float32)
+    rows = lambda ids: table[ids]  # noqa: E731
+    got = pe.splice(holed, [part], rows)
+    assert got.shape == (len(holed) + 2, table.shape[1])
+    np.testing.assert_array_equal(got[at:at + 3], part)
+    np.testing.assert_array_equal(np.delete(got, range(at, at + 3), axis=0), table[plain])
