@@ -272,6 +272,8 @@ def server_info(st: "api.ServerState") -> dict:
 
     stats = st.engine_stats()
     cache = stats.get("cache_config", {})
+    base = stats.get("arena_baseline_free_units") or 0
+    reclaimable = stats.get("arena_free_units", 0) + stats.get("arena_cached_units", 0)  # cached pages: evictable
     return {"version": __version__, "model_path": st.model_path, "served_model_name": st.model_name,
             "context_length": st.max_model_len, "max_running_requests": st.capacity,
             # tokens the arena holds if every unit is an MLA page (KDA state slots take units too)
@@ -279,7 +281,7 @@ def server_info(st: "api.ServerState") -> dict:
             "max_total_num_tokens": cache.get("num_gpu_blocks", 0) * cache.get("block_size", 0) or None,
             "internal_states": [{"num_running_reqs": stats.get("num_requests_running", 0),
                                  "num_waiting_reqs": stats.get("num_requests_waiting", 0),
-                                 "token_usage": round(float(stats.get("kv_cache_usage", 0.0)), 4),
+                                 "token_usage": round(1.0 - reclaimable / base, 4) if base else 0.0,
                                  "cache_hit_tokens": stats.get("prefix_cache", {}).get("hit_tokens"),
                                  "requests_in_flight": st.requests_in_flight}]}
 

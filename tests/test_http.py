@@ -366,7 +366,8 @@ def test_sglang_generate_matches_the_completions_api(http):
     server = http.get("/server_info").json()
     assert server == {**http.get("/get_server_info").json(), "internal_states": server["internal_states"]}
     assert (server["context_length"], server["max_running_requests"]) == (MAX_MODEL_LEN, CAPACITY)
-    assert server["internal_states"][0]["num_running_reqs"] == 0 and server["max_total_num_tokens"] > 0
+    state = server["internal_states"][0]  # idle: no running request, cached prefixes count as reclaimable
+    assert state["num_running_reqs"] == 0 and state["token_usage"] == 0.0 and server["max_total_num_tokens"] > 0
     body = {"input_ids": [72, 105, 33], "stream": True, "sampling_params": sp}
     with http.stream("POST", "/generate", json=body) as s:
         events = [line[6:] for line in s.iter_lines() if line.startswith("data: ")]
