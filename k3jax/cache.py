@@ -90,6 +90,15 @@ class CacheView(abc.ABC):
         its own share of the context with the partial softmaxes combined (context parallelism)."""
         return None
 
+    def scan_state(self):
+        """The arrays this view carries from layer to layer, as a pytree: inside a scan over layers
+        (k3jax/layer_scan.py) they ride in the loop carry, and the layers there pass traced indices j.
+        Called at the end of each scanned group: a view drops what it held for that group's layers."""
+        return ()
+
+    def set_scan_state(self, state) -> None:
+        """Take the carried arrays back (at the start of a scanned group, and after the scan)."""
+
     def kda_recurrence(self, j: int):
         """None: the j-th KDA layer runs its delta rule on the state `kda()` returned and hands the
         result to `set_kda`. A view that updates states where they are stored instead returns
@@ -155,6 +164,12 @@ class ContiguousView(CacheView):
         kv, mask = append_latents(self.mla_kv[j], latent, self.cache.lengths, valid)
         self.mla_kv = self.mla_kv.at[j].set(kv)
         return kv, mask
+
+    def scan_state(self):
+        return self.kda_conv, self.kda_state, self.mla_kv
+
+    def set_scan_state(self, state) -> None:
+        self.kda_conv, self.kda_state, self.mla_kv = state
 
     def result(self, valid: jax.Array) -> ModelCache:
         return ModelCache(self.kda_conv, self.kda_state, self.mla_kv, self.cache.lengths + valid)

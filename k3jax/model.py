@@ -15,7 +15,8 @@ from flax import nnx
 
 from k3jax.cache import CacheView, ContiguousView, FreshView, ModelCache
 from k3jax.config import ModelConfig
-from k3jax.layers.attn_res import AttnResMixer
+from k3jax.layer_scan import LayerScan, cache_strides
+from k3jax.layers.attn_res import AttnResMixer, DepthBank
 from k3jax.layers.kda import KDA
 from k3jax.layers import initializers as init
 from k3jax.layers.linear import project
@@ -63,8 +64,8 @@ class KimiModel(nnx.Module):
             (cfg.mla_layers.index(l) if cfg.is_mla(l) else cfg.kda_layers.index(l)) for l in range(cfg.num_hidden_layers))
 
     # ---- attention with explicit state ------------------------------------------------------
-    def _attention(self, l: int, x: jax.Array, view: CacheView, valid: jax.Array) -> jax.Array:
-        layer, j = self.layers[l], self.cache_index[l]
+    def _attention(self, layer: DecoderLayer, j, x: jax.Array, view: CacheView, valid: jax.Array) -> jax.Array:
+        """`layer`'s attention on normed x [B, T, H]; j: its index in its kind's cache (traced in a scan)."""
         if layer.is_mla:
             attn: MLA = layer.self_attn
             latent = attn.latent(x)  # [B, T, 576]
@@ -80,27 +81,69 @@ class KimiModel(nnx.Module):
         return y
 
     # ---- the residual stream ------------------------------------------------------------------
-    def _classic(self, x, view, valid, trace):
-        for l, layer in enumerate(self.layers):
-            x = x + self._attention(l, layer.input_layernorm(x), view, valid)
-            x = x + layer.ffn(x, trace)
-        return x
+    def _classic_layer(self, l, layer, j, x, view, valid, trace):
+        x = x + self._attention(layer, j, layer.input_layernorm(x), view, valid)
+        return x + layer.ffn(x, trace)
 
-    def _attn_res(self, emb, view, valid, trace):
-        """Block AttnRes (spec §2.2): `bank` holds closed block sums (bank[0] = embedding)."""
-        eps, block = self.cfg.rms_norm_eps, self.cfg.attn_res_block_size
-        bank: list[jax.Array] = []
-        p = emb
-        for l, layer in enumerate(self.layers):
-            h = layer.self_attention_res(bank + [p], eps) if bank else p
-            if l % block == 0:
-                bank.append(p)
-                p = None
-            a = self._attention(l, layer.input_layernorm(h), view, valid)
-            p = a if p is None else p + a
-            h = layer.mlp_res(bank + [p], eps)
-            p = p + layer.ffn(h, trace)
-        return self.output_attn_res(bank + [p], eps)
+    def _attn_res_layer(self, l, layer, j, carry, view, valid, trace):
+        """Block AttnRes (spec §2.2): `bank` holds closed block sums (bank[0] = embedding), `p` the open
+        block's partial sum (None right after a block closes)."""
+        eps = self.cfg.rms_norm_eps
+        bank, p = carry
+        h = layer.self_attention_res.mix(bank, p, eps) if l else p
+        if l % self.cfg.attn_res_block_size == 0:
+            bank = bank + [p] if isinstance(bank, list) else bank.push(p)
+            p = None
+        a = self._attention(layer, j, layer.input_layernorm(h), view, valid)
+        p = a if p is None else p + a
+        h = layer.mlp_res.mix(bank, p, eps)
+        return bank, p + layer.ffn(h, trace)
+
+    def _layers(self, layer_fn, carry, view, valid, trace, scan):
+        """Run every layer over `carry` (unrolled, and the scanned run as one `lax.scan` when given)."""
+        l = 0
+        while l < self.cfg.num_hidden_layers:
+            if scan is not None and l == scan[0].start:
+                carry = self._scan(layer_fn, carry, view, valid, trace, *scan)
+                l = scan[0].stop
+                continue
+            carry = layer_fn(l, self.layers[l], self.cache_index[l], carry, view, valid, trace)
+            l += 1
+        return carry
+
+    def _scan(self, layer_fn, carry, view, valid, trace, scan: LayerScan, stacked: list):
+        """Layers scan.start .. scan.stop - 1 as a scan over their groups: each step rebuilds the group's
+        layers from `stacked` [per position: state with weights [G, ...]] and runs them with traced
+        cache indices; the view's arrays ride in the carry and the routed expert ids come out per group."""
+        graphs = [nnx.graphdef(self.layers[scan.start + i]) for i in range(scan.period)]
+        first = [self.cache_index[scan.start + i] for i in range(scan.period)]
+        kda_stride, mla_stride = cache_strides(self.cfg, scan)
+        bank_size = None
+        if self.cfg.uses_attn_res:  # the growing list becomes a fixed-size array with a count
+            bank, p = carry
+            bank_size = len(bank) + sum(1 for l in range(scan.start, scan.stop) if l % self.cfg.attn_res_block_size == 0)
+            carry = (DepthBank.of(bank, bank_size), p)
+
+        def body(c, xs):
+            g, states = xs
+            model_carry, view_state = c
+            view.set_scan_state(view_state)
+            routed = [] if trace is not None else None
+            for i in range(scan.period):
+                layer = nnx.merge(graphs[i], states[i])
+                j = first[i] + g * (mla_stride if layer.is_mla else kda_stride)
+                model_carry = layer_fn(scan.start + i, layer, j, model_carry, view, valid, routed)
+            return (model_carry, view.scan_state()), routed or []
+
+        groups = jnp.arange(scan.groups, dtype=jnp.int32)
+        (carry, view_state), routed = jax.lax.scan(body, (carry, view.scan_state()), (groups, stacked))
+        view.set_scan_state(view_state)
+        if trace is not None:  # [per MoE position: ids [G, N, k]] -> layer order
+            trace.extend(ids[g] for g in range(scan.groups) for ids in routed)
+        if bank_size is not None:
+            bank, p = carry
+            carry = (bank.entries(bank_size), p)
+        return carry
 
     def __call__(self, tokens: jax.Array | None, cache: ModelCache | None = None, valid: jax.Array | None = None,
                  last_only: bool = False, inputs_embeds: jax.Array | None = None
@@ -121,14 +164,20 @@ class KimiModel(nnx.Module):
 
     def run(self, tokens: jax.Array, view: CacheView, valid: jax.Array, last_only: bool,
             trace: list | None = None, hidden: list | None = None,
-            embeds: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
+            embeds: tuple[jax.Array, jax.Array] | None = None,
+            scan: tuple[LayerScan, list] | None = None) -> jax.Array:
         """The forward pass against any cache view (fresh, contiguous, or the engine's paged arena).
         `trace`, when given, collects each MoE layer's routed expert ids; `hidden` receives the final
         hidden states of every position [B, T, H] (before the norm; `logits` turns them into logits).
         `embeds` = (values [B, T, H], use [B, T] bool): where `use` is set, the position's input is that
-        vector instead of its token's embedding (prompt embeddings)."""
+        vector instead of its token's embedding (prompt embeddings). `scan` = (plan, stacked weights from
+        `layer_scan.split_params`): the planned run of layers runs as one scan over its groups."""
         x = self.embed(tokens, embeds)
-        x = (self._attn_res if self.cfg.uses_attn_res else self._classic)(x, view, valid, trace)
+        if self.cfg.uses_attn_res:
+            bank, p = self._layers(self._attn_res_layer, ([], x), view, valid, trace, scan)
+            x = self.output_attn_res.mix(bank, p, self.cfg.rms_norm_eps)
+        else:
+            x = self._layers(self._classic_layer, x, view, valid, trace, scan)
         if hidden is not None:
             hidden.append(x)
         if last_only:

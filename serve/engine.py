@@ -27,11 +27,12 @@ import numpy as np
 from jax.experimental import multihost_utils
 from tqdm.auto import tqdm
 
-from k3jax import lora as model_lora
+from k3jax import layer_scan, lora as model_lora
 from k3jax.dequantize import dequantize_experts
 from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, replicated, state_axis,
                             shard_model)
 from k3jax.weight_layout import transpose_dense_weights
+from k3jax.layer_scan import LayerScan, split_params
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
@@ -151,6 +152,13 @@ class EngineConfig:
     # the GIL; each program's first run then finds it compiled), 1: one after another at their first run.
     # None: min(programs, CPU count, 8) -- every concurrent compile holds its own working memory on the host.
     compile_threads: Optional[int] = None
+    # Scan over the model's repeating layers (k3jax/layer_scan.py): the step programs hold one copy of a
+    # repeated group of layers instead of one per layer, so their compile time stops growing with depth
+    # (K3's 93 layers: 7 groups of 12 scanned, 21 layers unrolled). None: where the run saves at least
+    # SCAN_MIN_SAVED layer copies and no feature the scan does not cover is on (LoRA, EPLB, speculative
+    # decoding, decode context parallelism); True: required (an error names what stands in the way);
+    # False: every layer unrolled.
+    scan_layers: Optional[bool] = None
     # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
     # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas
     # decode kernel) and scatters them back; "auto" picks in_place when the kernels resolve to the
@@ -474,6 +482,30 @@ class Request:
         return self.beam.done if self.beam is not None else all(s.finished for s in self.seqs)
 
 
+# The smallest saving (layer copies per program) at which `scan_layers=None` scans: Kimi-Linear's 27 layers
+# save 20, K3's 93 save 72; the tiny test models' 2 groups of 3 or 4 stay unrolled.
+SCAN_MIN_SAVED = 8
+
+
+def scan_plan(config: "EngineConfig", cfg) -> Optional[LayerScan]:
+    """The layer scan an engine runs (see EngineConfig.scan_layers), or None: every layer unrolled."""
+    if config.scan_layers is False:
+        return None
+    plan = layer_scan.plan(cfg)
+    blockers = [name for name, on in (("max_loras", config.max_loras), ("enable_eplb", config.enable_eplb),
+                                      ("speculative_config", config.speculative_config is not None),
+                                      ("decode_context_parallel_size", config.decode_context_parallel_size > 1)) if on]
+    if config.scan_layers is None:
+        return plan if plan is not None and plan.compiled_layers_saved >= SCAN_MIN_SAVED and not blockers else None
+    if plan is None:
+        raise ValueError(f"scan_layers=True: no group of this model's {cfg.num_hidden_layers} layers repeats (the "
+                         f"same attention, FFN and AttnRes block position twice in a row)")
+    if blockers:
+        raise ValueError(f"scan_layers=True: the scanned step does not cover {blockers[0]} yet; set scan_layers=False "
+                         f"(or None, which scans only where it can)")
+    return plan
+
+
 class Engine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), warmup: bool = True,
                  progress: bool = True):
@@ -562,12 +594,21 @@ class Engine:
                               self.logits_processors)
         self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self._arena_sharding = arena_sharding
-        bind = lambda layout: bind_step(model.graphdef, layout, model.params, config.max_logprobs,  # noqa: E731
+        # the model's weights as update_weights takes them (per layer), before any stacking
+        self._param_treedef = jax.tree.structure(model.params)
+        self._param_specs = [(x.shape, x.dtype) for x in jax.tree.leaves(model.params)]
+        self.layer_scan = scan_plan(config, self.cfg)
+        step_params = model.params
+        if self.layer_scan is not None:  # the scanned layers' weights stacked; the engine keeps no per-layer copy
+            step_params = split_params(model.params, self.layer_scan)
+            self.model = model = dataclasses.replace(model, params=step_params[0])
+            options = dataclasses.replace(options, scan=self.layer_scan)
+        self._step_treedef = jax.tree.structure(step_params)
+        bind = lambda layout: bind_step(model.graphdef, layout, step_params, config.max_logprobs,  # noqa: E731
                                         options, arena_sharding)
         self._build_arena(self.layout, bind)
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
         self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
-        self._param_treedef = jax.tree.structure(model.params)
         # LoRA: each projection's (lora_a, lora_b) leaf indices, and what is loaded in which slot
         self._lora_leaves = model_lora.module_paths(model.params)
         self._lora_indices = {i for pair in self._lora_leaves.values() for i in pair}
@@ -756,8 +797,9 @@ class Engine:
             self.gate = DraftGate(self.spec.num_speculative_tokens, self._verify_cost())
         if moe_tokens:
             for n in tqdm(moe_tokens, desc="timing MoE blocks", disable=not progress):
-                self.moe_step_seconds[n] = time_moe_blocks(self.model.graphdef, self.model.params,
-                                                           self.cfg.hidden_size, self.model.dtype, n)
+                self.moe_step_seconds[n] = time_moe_blocks(self.model.graphdef, self._step_params(),
+                                                           self.cfg.hidden_size, self.model.dtype, n,
+                                                           scan=self.layer_scan)
         self.warmed_up = True
 
     def _compile_ahead(self, batches: list[StepBatch], moe_tokens: list[int], progress: bool) -> bool:
@@ -770,8 +812,8 @@ class Engine:
         gains little or nothing (benchmarks/startup.py: k3-small's 5 programs 53-62 s in one thread, 58-64 s
         in two)."""
         jobs = [lambda b=b: self._step.lower(self._leaves, self.arena, self.token_pages, b).compile() for b in batches]
-        jobs += [lambda n=n: compile_moe_blocks(self.model.graphdef, self.model.params, self.cfg.hidden_size,
-                                                self.model.dtype, n) for n in moe_tokens]
+        jobs += [lambda n=n: compile_moe_blocks(self.model.graphdef, self._step_params(), self.cfg.hidden_size,
+                                                self.model.dtype, n, scan=self.layer_scan) for n in moe_tokens]
         threads = self.config.compile_threads or min(len(jobs), os.cpu_count() or 1, 8)
         if threads <= 1 or len(jobs) <= 1:
             return False
@@ -1210,11 +1252,12 @@ class Engine:
         flat, treedef = jax.tree.flatten_with_path(new.params)
         if treedef != self._param_treedef:
             raise ValueError("update_weights: the model's parameter tree differs from the engine's")
-        for (path, a), (shape, dtype, _) in zip(flat, self._leaf_specs):
+        for (path, a), (shape, dtype) in zip(flat, self._param_specs):
             if a.shape != shape or a.dtype != dtype:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
                                  f"engine's {dtype}{list(shape)}")
-        self._set_leaves([a for _, a in flat])
+        params = new.params if self.layer_scan is None else split_params(new.params, self.layer_scan)
+        self._set_leaves(jax.tree.leaves(params))
         if self.eplb is not None:
             self.eplb.reset()
         for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
@@ -1260,7 +1303,13 @@ class Engine:
         one device as plain (uncommitted) arrays like the originals, so the programs see the same signature."""
         place = lambda a, sh: jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
         self._leaves = [place(a, sh) for a, (_, _, sh) in zip(leaves, self._leaf_specs)]
-        self.model = dataclasses.replace(self.model, params=jax.tree.unflatten(self._param_treedef, self._leaves))
+        params = self._step_params()
+        self.model = dataclasses.replace(self.model, params=params if self.layer_scan is None else params[0])
+
+    def _step_params(self):
+        """The weights as the step programs take them: the model's state, or with a layer scan (its state
+        with the scanned layers hollow, their stacked weights)."""
+        return jax.tree.unflatten(self._step_treedef, self._leaves)
 
     @property
     def is_sleeping(self) -> bool:

@@ -43,6 +43,8 @@ class LLM:
         self.engine = (Engine(self.model, config, progress=progress) if data_parallel_size == 1
                        else DataParallelEngine.build(self.model, config, data_parallel_size, progress=progress,
                                                      routing=data_parallel_routing))
+        if data_parallel_size == 1:  # the engine's form of the weights (a layer scan keeps no per-layer copy)
+            self.model = self.engine.model
 
     def get_tokenizer(self):
         """The engine's tokenizer (vLLM's `LLM.get_tokenizer`); None for token-id-only checkpoints."""

@@ -368,13 +368,25 @@ def read_layer_states(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: 
     """KDA layer j's part of a batch's slots -> (conv [B, 3, W-1, P], state [B, N, K, V]): one block read
     of the units it overlaps (zeros where `fresh`)."""
     b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_words
-    first, end = j * le // ue, -(-(j + 1) * le // ue)  # units of the slot that layer j overlaps
-    off = j * le - first * ue
-    rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_words]
+    if isinstance(j, int):
+        first, end = j * le // ue, -(-(j + 1) * le // ue)  # units of the slot that layer j overlaps
+        off = j * le - first * ue
+        rows = read_blocks(arena, slot_base + first, end - first)[:, off:off + le]  # [B, layer_words]
+    else:  # traced j (a scan over layers): the same words as one rectangle of the row view
+        rows = read_slot_rows(arena, layout, slot_base, j * le, le)
     rows = jnp.where(fresh[:, None], 0.0, rows)
     ns = layout.state_words
     state = layout.decode_state(rows[:, :ns].reshape(b, *layout.state_word_shape))
     return rows[:, ns:].reshape(b, *layout.conv_shape[1:]), state
+
+
+def read_slot_rows(arena: jax.Array, layout: ArenaLayout, slot_base: jax.Array, start, words: int) -> jax.Array:
+    """`words` words of each row's slot from word `start` (a multiple of `row_width`, may be traced) ->
+    [B, words]: one block read of the arena viewed as rows of `row_width` words, so the offset needs no
+    static unit arithmetic (a layer's run may start mid-unit)."""
+    rw = layout.row_width
+    first = slot_base * (layout.unit_elems // rw) + start // rw
+    return read_blocks(arena.reshape(-1, rw), first, words // rw)
 
 
 def write_layer_states(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Array, conv: jax.Array,
@@ -412,8 +424,11 @@ def read_conv(arena: jax.Array, layout: ArenaLayout, j: int, slot_base: jax.Arra
     of only the units that hold them."""
     b, ue, le = slot_base.shape[0], layout.unit_elems, layout.layer_words
     start = j * le + layout.state_words  # words into the slot
-    u0, u1 = start // ue, -(-(j + 1) * le // ue)
-    rows = read_blocks(arena, slot_base + u0, u1 - u0)[:, start - u0 * ue:start - u0 * ue + layout.conv_words]
+    if isinstance(j, int):
+        u0, u1 = start // ue, -(-(j + 1) * le // ue)
+        rows = read_blocks(arena, slot_base + u0, u1 - u0)[:, start - u0 * ue:start - u0 * ue + layout.conv_words]
+    else:  # traced j (a scan over layers)
+        rows = read_slot_rows(arena, layout, slot_base, start, layout.conv_words)
     return jnp.where(fresh[:, None], 0.0, rows).reshape(b, *layout.conv_shape[1:])
 
 

@@ -21,12 +21,27 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from k3jax.layer_scan import LayerScan
 
-@partial(jax.jit, static_argnums=(0,))
-def moe_blocks(graphdef, params, x: jax.Array) -> jax.Array:
-    """Run every MoE block of the model on x [N, H] (each block on the same input) -> [L_moe, N, H]."""
+
+@partial(jax.jit, static_argnums=(0,), static_argnames=("scan",))
+def moe_blocks(graphdef, params, x: jax.Array, scan: LayerScan | None = None) -> jax.Array:
+    """Run every MoE block of the model on x [N, H] (each block on the same input) -> [L_moe, N, H].
+    With `scan`, params = (state, stacked weights) as the engine's step takes them, and the scanned
+    layers' blocks run as a map over their groups, as in the step."""
+    stacked = None
+    if scan is not None:
+        params, stacked = params
     model = nnx.merge(graphdef, params)
-    return jnp.stack([layer.block_sparse_moe(x[None])[0] for layer in model.layers if layer.is_moe])
+    block = lambda layer: layer.block_sparse_moe(x[None])[0]  # noqa: E731
+    outs = [block(layer) for l, layer in enumerate(model.layers) if layer.is_moe and not (scan and scan.covers(l))]
+    if scan is not None:
+        graphs = [nnx.graphdef(model.layers[scan.start + i]) for i in range(scan.period)]
+        moe = [i for i in range(scan.period) if model.layers[scan.start + i].is_moe]
+        if moe:
+            ys = jax.lax.map(lambda states: jnp.stack([block(nnx.merge(graphs[i], states[i])) for i in moe]), stacked)
+            outs.append(ys.reshape(-1, *ys.shape[2:]))  # (order across layers does not matter for a timing)
+    return jnp.concatenate([o[None] if o.ndim == 2 else o for o in outs])
 
 
 def moe_input(hidden_size: int, dtype, tokens: int, seed: int = 0) -> jax.Array:
@@ -35,23 +50,23 @@ def moe_input(hidden_size: int, dtype, tokens: int, seed: int = 0) -> jax.Array:
     return jnp.asarray(x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True)), dtype)
 
 
-def compile_moe_blocks(graphdef, params, hidden_size: int, dtype, tokens: int) -> None:
+def compile_moe_blocks(graphdef, params, hidden_size: int, dtype, tokens: int, scan: LayerScan | None = None) -> None:
     """Compile `moe_blocks` at `tokens` tokens without running it (start-up compiles these side by side
     with the step programs; `time_moe_blocks` then finds the program compiled)."""
-    moe_blocks.lower(graphdef, params, moe_input(hidden_size, dtype, tokens)).compile()
+    moe_blocks.lower(graphdef, params, moe_input(hidden_size, dtype, tokens), scan=scan).compile()
 
 
 def time_moe_blocks(graphdef, params, hidden_size: int, dtype, tokens: int, reps: int = 3,
-                    seed: int = 0) -> float:
+                    seed: int = 0, scan: LayerScan | None = None) -> float:
     """Median seconds of all MoE blocks over `tokens` tokens (compile excluded); 0.0 without MoE."""
-    model = nnx.merge(graphdef, params)
+    model = nnx.merge(graphdef, params if scan is None else params[0])
     if not any(layer.is_moe for layer in model.layers):
         return 0.0
     x = moe_input(hidden_size, dtype, tokens, seed)
-    jax.block_until_ready(moe_blocks(graphdef, params, x))
+    jax.block_until_ready(moe_blocks(graphdef, params, x, scan=scan))
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        jax.block_until_ready(moe_blocks(graphdef, params, x))
+        jax.block_until_ready(moe_blocks(graphdef, params, x, scan=scan))
         times.append(time.perf_counter() - t0)
     return float(np.median(times))

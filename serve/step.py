@@ -25,6 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import lora
+from k3jax.layer_scan import LayerScan
 from k3jax.cache import CacheView, append_latents
 from k3jax.layers.linear import matmul
 from k3jax.layers.mla import NEG_INF
@@ -69,6 +70,7 @@ class StepOptions:
     verify_tokens: int = 0  # rows of this many tokens are speculative verify rows (0: no speculation)
     state_chunk: int = 64  # a bf16-stored KDA state is rounded at multiples of this in prefill rows
     logits_processors: tuple = ()  # custom LogitsProcessor objects run by the sampler (serve/logits_processors.py)
+    scan: LayerScan | None = None  # the run of layers scanned over (k3jax/layer_scan.py); params = (state, stacked)
 
 
 class PagedView(CacheView):
@@ -84,11 +86,13 @@ class PagedView(CacheView):
     states when that layer runs instead (`layered`): an up-front read or an end-of-step write would
     not be ordered against those writes, and XLA would copy the arena to keep the old version. Every
     read takes the arena value current at that point of the model, so writes never race an older
-    read."""
+    read. `per_layer` (a scan over layers: the arena rides in the scan's carry and the layers there
+    have traced indices) makes every layer read and write its own state when it runs: KDA states
+    `layered`, and each MLA layer's touched pages written back right after it stored the chunk."""
 
     def __init__(self, layout: ArenaLayout, batch: StepBatch, arena: jax.Array, in_place: bool,
                  split: StateSplit | None = None, paged_mla: bool = False, mla_heads: int = 0,
-                 verify: bool = False, stepwise: bool = True, state_chunk: int = 64):
+                 verify: bool = False, stepwise: bool = True, state_chunk: int = 64, per_layer: bool = False):
         self.layout, self.batch, self.arena = layout, batch, arena
         # a state stored in bf16 is rounded wherever the cache keeps it: every decode token, and every
         # `state_chunk` positions of a prefill row (rows start on multiples of it), so the rounding
@@ -112,7 +116,8 @@ class PagedView(CacheView):
         # row's working slot. A slot being written is never one being read in the same step.
         self.read_base = jnp.where(self.fresh, batch.write_base, batch.read_base)
         self.kv: list = [None] * layout.num_mla_layers  # per MLA layer [B, P * page_size, words]
-        self.layered = paged_mla and not in_place
+        self.per_layer = per_layer
+        self.layered = (paged_mla or per_layer) and not in_place
         self.conv, self.state = {}, {}  # per KDA layer j (batched path)
         if not in_place and not self.layered:
             lk = layout.num_kda_layers
@@ -121,26 +126,43 @@ class PagedView(CacheView):
             convs, states = gather(arena, self.read_base, self.fresh)
             self.conv, self.state = dict(enumerate(convs)), dict(enumerate(states))
 
+    def _on_ranks_at(self, fn, j, in_specs, out_specs):
+        """`on_ranks` of fn(j, *args): j closed over when static, passed whole to every rank when traced
+        (a scan over layers)."""
+        if isinstance(j, int):
+            return on_ranks(self.split, partial(fn, j), in_specs, out_specs)
+        run = on_ranks(self.split, fn, (P(), *in_specs), out_specs)
+        return partial(run, j)
+
+    def scan_state(self):
+        self.conv.pop(_TRACED, None), self.state.pop(_TRACED, None)  # the group's layer-local values
+        return self.arena
+
+    def set_scan_state(self, state) -> None:
+        self.arena = state
+
     def kda(self, j, b):
         if self.in_place:
-            read = on_ranks(self.split, lambda a, base, fresh: read_conv(a, self.layout, j, base, fresh),
-                            (self._a, P(), P()), self._h(3))
+            read = self._on_ranks_at(lambda j, a, base, fresh: read_conv(a, self.layout, j, base, fresh), j,
+                                     (self._a, P(), P()), self._h(3))
             return read(self.arena, self.read_base, self.fresh), None
+        k = _key(j)
         if self.layered:
-            read = on_ranks(self.split, lambda a, base, fresh: read_layer_states(a, self.layout, j, base, fresh),
-                            (self._a, P(), P()), (self._h(3), self._h(1)))
-            self.conv[j], self.state[j] = read(self.arena, self.read_base, self.fresh)
-        return self.conv[j], self.state[j]
+            read = self._on_ranks_at(lambda j, a, base, fresh: read_layer_states(a, self.layout, j, base, fresh), j,
+                                     (self._a, P(), P()), (self._h(3), self._h(1)))
+            self.conv[k], self.state[k] = read(self.arena, self.read_base, self.fresh)
+        return self.conv[k], self.state[k]
 
     def set_kda(self, j, window, state):
         if self.in_place:
             return
+        k = _key(j)
         if state is not None:  # None: a recurrence of this view stored it
-            self.conv[j], self.state[j] = window, state
+            self.conv[k], self.state[k] = window, state
         if self.layered:
-            write = on_ranks(self.split, lambda a, base, c, st: write_layer_states(a, self.layout, j, base, c, st),
-                             (self._a, P(), self._h(3), self._h(1)), self._a)
-            self.arena = write(self.arena, self.batch.write_base, self.conv[j], self.state[j])
+            write = self._on_ranks_at(lambda j, a, base, c, st: write_layer_states(a, self.layout, j, base, c, st), j,
+                                      (self._a, P(), self._h(3), self._h(1)), self._a)
+            self.arena = write(self.arena, self.batch.write_base, self.conv[k], self.state[k])
 
     def kda_recurrence(self, j):
         if self.verify:
@@ -149,7 +171,7 @@ class PagedView(CacheView):
             return self._recurrence_per_rank(j) if self.split or self.state_dtype else None
 
         def run(q, k, v, g, beta, window, scale, inputs):  # [B, 1, N, K] ... -> o [B, 1, N, V]
-            def local(arena, read_base, write_base, fresh, q, k, v, g, beta, window):  # one rank's heads
+            def local(j, arena, read_base, write_base, fresh, q, k, v, g, beta, window):  # one rank's heads
                 def update(i, state):  # one row: state [N, K, V]; inputs [1, N, .]
                     row = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False)[0] for x in (q, k, v, g, beta)]
                     o, state = kda_token_step(state, *row, scale=scale)
@@ -158,8 +180,8 @@ class PagedView(CacheView):
                 return update_states_in_place(arena, self.layout, j, read_base, write_base, fresh, window, update)
 
             h = self._h
-            run_local = on_ranks(self.split, local, (self._a, P(), P(), P(), h(2), h(2), h(2), h(2), h(2), h(3)),
-                                 (self._a, h(2)))
+            run_local = self._on_ranks_at(local, j, (self._a, P(), P(), P(), h(2), h(2), h(2), h(2), h(2), h(3)),
+                                          (self._a, h(2)))
             self.arena, o = run_local(self.arena, self.read_base, self.batch.write_base, self.fresh,
                                       q, k, v, g, beta, window)
             return o
@@ -181,10 +203,10 @@ class PagedView(CacheView):
             def local(q, k, v, g, beta, state):
                 return op(q, k, v, g, beta, scale=scale, initial_state=state, output_final_state=True)
 
-            h = self._h
-            o, self.state[j] = on_ranks(self.split, local, (h(2),) * 5 + (h(1),), (h(2), h(1)))(
-                q, k, v, g, beta, self.state[j])
-            self.conv[j] = window
+            h, key = self._h, _key(j)
+            o, self.state[key] = on_ranks(self.split, local, (h(2),) * 5 + (h(1),), (h(2), h(1)))(
+                q, k, v, g, beta, self.state[key])
+            self.conv[key] = window
             return o
 
         return run
@@ -322,8 +344,21 @@ class PagedView(CacheView):
         pt = self.batch.page_table[:, j]  # [B, P]
         kv = on_ranks(self.split, read_units, (self._a, P()), P())(self.arena, pt)
         kv = kv.reshape(b, pt.shape[1] * lay.page_size, lay.latent_words)
-        self.kv[j], mask = append_latents(kv, lay.codec.encode(latent), self.batch.lengths, valid)
-        return lay.codec.decode(self.kv[j]), mask
+        kv, mask = append_latents(kv, lay.codec.encode(latent), self.batch.lengths, valid)
+        if self.per_layer:  # this layer's touched pages go back now (the arena is the scan's carry)
+            units, rows = touched_pages(lay, self.batch, [kv], [j])
+            write = on_ranks(self.split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (self._a, P(), P()), self._a)
+            self.arena = write(self.arena, units, rows)
+        else:
+            self.kv[j] = kv
+        return lay.codec.decode(kv), mask
+
+
+_TRACED = "traced"  # the key of a scanned layer's KDA values: its index is a tracer, one layer at a time
+
+
+def _key(j):
+    return j if isinstance(j, int) else _TRACED
 
 
 def append_rank_latents(kv: jax.Array, words: jax.Array, lengths: jax.Array, valid: jax.Array, page_size: int,
@@ -379,13 +414,14 @@ def _rank_sum(axis, scatter_heads: bool):
     return partial(jax.lax.psum, axis_name=axis)
 
 
-def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.Array, jax.Array]:
+def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list, layers=None) -> tuple[jax.Array, jax.Array]:
     """The pages holding this step's new tokens, as (units [N], contents [N, unit_elems]) (with context
     parallelism: one rank's shares of them, from its shares of the contexts).
 
     A row of T tokens starting at `lengths` touches at most (T - 1) // page + 2 pages; slots beyond
     the row's real tokens get the out-of-range unit `num_units` and are dropped by the scatter.
-    Full shared pages are never touched: new tokens always land in pages the row owns."""
+    Full shared pages are never touched: new tokens always land in pages the row owns. `layers`: the
+    MLA layer of each entry of `kv` (default: 0, 1, ...; traced in a scan over layers)."""
     b, t = batch.tokens.shape
     ps, ue = layout.page_size, layout.unit_elems
     p = batch.page_table.shape[2]
@@ -394,7 +430,7 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list) -> tuple[jax.
     real = (idx * ps < (batch.lengths + batch.valid)[:, None]) & (idx < p) & (batch.valid[:, None] > 0)
     idx = jnp.minimum(idx, p - 1)
     units, rows = [], []
-    for j, kv_j in enumerate(kv):
+    for j, kv_j in zip(range(len(kv)) if layers is None else layers, kv):
         pages = kv_j.reshape(b, p, ue)
         rows.append(jnp.take_along_axis(pages, idx[:, :, None], axis=1).reshape(b * n, ue))
         unit = jnp.take_along_axis(batch.page_table[:, j], idx, axis=1)
@@ -456,6 +492,10 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     commit of each row's accepted tokens to its KDA states; and, unless updated in place, the writes of
     the working slots. The third result is (samples, prompt logprobs, drafts accepted [B]); a verify
     step's samples are [B, T] (one per position), the others' [B]."""
+    scan = None
+    if options.scan is not None:  # (state with the scanned layers hollow, their stacked weights)
+        params, stacked = params
+        scan = (options.scan, stacked)
     model = nnx.merge(graphdef, params)
     split = options.split
     src, dst = batch.copy_src, batch.copy_dst
@@ -470,12 +510,12 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
     view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place,
-                     options.state_chunk)
+                     options.state_chunk, per_layer=scan is not None)
     routed, hidden = [], []
     with lora.rows(batch.lora_slots):
         embeds = None if batch.embeds is None else (batch.embeds, batch.embed_mask)
         logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden,
-                           embeds=embeds)
+                           embeds=embeds, scan=scan)
     arena = view.arena
     if layout.num_mla_layers and not paged and view.context is not None:  # each rank its share of the pages
         def write_shares(ar, kv, batch):
@@ -484,7 +524,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
 
         shares = [P(None, split.axis)] * layout.num_mla_layers
         arena = on_ranks(split, write_shares, (a, shares, P()), a)(arena, view.kv, batch)
-    elif layout.num_mla_layers and not paged:
+    elif layout.num_mla_layers and not paged and not view.per_layer:
         units, rows = touched_pages(layout, batch, view.kv)
         write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
         arena = write(arena, units, rows)

@@ -1,0 +1,212 @@
+"""The scan over a model's repeating layers (k3jax/layer_scan.py): the plans found for the presets, the
+scanned forward against the unrolled one (cache views, AttnRes and classic residuals, routed experts),
+and engines whose step programs scan (both arena paths: in-place KDA decode with gathered MLA, and
+layered KDA with the paged MLA kernel) against the unrolled model's full forward, with prefix-cache
+resumes, weight updates and sleep."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from k3jax import layer_scan
+from k3jax.cache import ContiguousView, init_cache
+from k3jax.config import get_preset
+from k3jax.layer_scan import LayerScan
+from k3jax.model import KimiModel
+from serve.engine import Engine, EngineConfig, SCAN_MIN_SAVED, scan_plan
+from serve.moe_timing import moe_blocks, moe_input
+from serve.speculative import SpeculativeConfig
+from serve.types import SamplingParams as SP
+
+
+def test_plans_of_the_presets():
+    k3 = layer_scan.plan(get_preset("k3"))  # AttnRes blocks of 12 = 3 x [KDA, KDA, KDA, MLA]; layer 0 dense
+    assert k3 == LayerScan(start=1, period=12, groups=7) and k3.stop == 85 and k3.compiled_layers_saved == 72
+    assert layer_scan.plan(get_preset("kimi-linear-48b-a3b")) == LayerScan(1, 4, 6)  # MLA at 3, 7, ..., 23, 26
+    assert layer_scan.plan(get_preset("tiny-k3")) == LayerScan(1, 3, 2)
+    cfg = get_preset("k3")
+    for i in range(12):  # every group has the same layer kinds at each position
+        assert len({layer_scan.layer_signature(cfg, l) for l in k3.layers_at(i)}) == 1
+    assert layer_scan.cache_strides(cfg, k3) == (9, 3)
+    odd = dataclasses.replace(get_preset("tiny-kimi-linear"), num_hidden_layers=3, mla_layers=(1,))
+    assert layer_scan.plan(odd) is None  # dense KDA, MoE MLA, MoE KDA: nothing repeats
+
+
+def test_engine_scan_choice():
+    k3, tiny = get_preset("k3"), get_preset("tiny-k3")
+    assert scan_plan(EngineConfig(), k3) == layer_scan.plan(k3)
+    assert scan_plan(EngineConfig(), tiny) is None  # saves 3 < SCAN_MIN_SAVED copies
+    assert layer_scan.plan(tiny).compiled_layers_saved < SCAN_MIN_SAVED
+    assert scan_plan(EngineConfig(scan_layers=True), tiny) == LayerScan(1, 3, 2)
+    assert scan_plan(EngineConfig(scan_layers=False), k3) is None
+    assert scan_plan(EngineConfig(max_loras=2), k3) is None  # auto: off where the scan does not reach
+    with pytest.raises(ValueError, match="scan_layers=True: the scanned step does not cover max_loras"):
+        scan_plan(EngineConfig(scan_layers=True, max_loras=2), k3)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="speculative_config"):
+        scan_plan(EngineConfig(scan_layers=True, speculative_config=spec), k3)
+    odd = dataclasses.replace(get_preset("tiny-kimi-linear"), num_hidden_layers=3, mla_layers=(1,))
+    with pytest.raises(ValueError, match="no group of this model's 3 layers repeats"):
+        scan_plan(EngineConfig(scan_layers=True), odd)
+
+
+def _close(a, b, tol):
+    a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+    assert np.max(np.abs(a - b)) <= tol * max(1.0, float(np.max(np.abs(a)))), np.max(np.abs(a - b))
+
+
+@pytest.mark.parametrize("name", ["tiny-k3", "tiny-kimi-linear"])  # AttnRes residuals; classic ones
+def test_scanned_forward_matches_unrolled(name):
+    """Two prefill chunks (ragged) and a decode token through a contiguous cache: logits, the cache, and
+    the routed experts of every MoE layer (in layer order) agree."""
+    cfg = get_preset(name)
+    plan = layer_scan.plan(cfg)
+    assert plan is not None
+    graph, params = nnx.split(KimiModel(cfg, rngs=nnx.Rngs(3)))
+    hollow, stacked = layer_scan.split_params(params, plan)
+    assert all(x.shape == () for l in range(plan.start, plan.stop) for x in jax.tree.leaves(hollow["layers"][l]))
+    rng = np.random.default_rng(5)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+
+    @jax.jit
+    def step(params, stacked, cache, chunk, valid):  # one compile per (shape, form)
+        trace = []
+        view = ContiguousView(cache)
+        scan = None if stacked is None else (plan, stacked)
+        logits = nnx.merge(graph, params).run(chunk, view, valid, chunk.shape[1] == 1, trace=trace, scan=scan)
+        return logits, view.result(valid), trace
+
+    def run(params, stacked):
+        cache, out = init_cache(cfg, 2, 32, jnp.float32), []
+        for chunk, valid in ((tokens[:, :6], [6, 4]), (tokens[:, 6:], [6, 6]), (tokens[:, :1], [1, 1])):
+            logits, cache, trace = step(params, stacked, cache, chunk, jnp.asarray(valid, jnp.int32))
+            out.append((logits, trace))
+        return out, cache
+
+    (want, cache_a), (got, cache_b) = run(params, None), run(hollow, stacked)
+    for (a, trace_a), (b, trace_b) in zip(want, got):
+        _close(a, b, 2e-5)
+        assert len(trace_a) == len(trace_b) == sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
+        assert all(np.array_equal(x, y) for x, y in zip(trace_a, trace_b))
+    for a, b in zip(jax.tree.leaves(cache_a), jax.tree.leaves(cache_b)):
+        _close(a, b, 2e-5)
+
+
+def test_moe_timing_program_runs_the_stacked_blocks():
+    cfg = get_preset("tiny-k3")
+    plan = layer_scan.plan(cfg)
+    graph, params = nnx.split(KimiModel(cfg, rngs=nnx.Rngs(3)))
+    x = moe_input(cfg.hidden_size, jnp.float32, 6)
+    want = np.asarray(moe_blocks(graph, params, x))
+    got = np.asarray(moe_blocks(graph, layer_scan.split_params(params, plan), x, scan=plan))
+    moe = [l for l in range(cfg.num_hidden_layers) if cfg.is_moe(l)]
+    outside = [k for k, l in enumerate(moe) if not plan.covers(l)]
+    inside = [moe.index(l) for g in range(plan.groups) for i in range(plan.period)
+              for l in [plan.start + g * plan.period + i] if cfg.is_moe(l)]
+    _close(want[outside + inside], got, 1e-5)
+
+
+# ---- engines whose step programs scan ------------------------------------------------------------
+KW = dict(max_model_len=128, cache_bytes=16 << 20, max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=2,
+          decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(8,), measure_moe_time=False, max_logprobs=2,
+          scan_layers=True)
+GREEDY = SP(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1)
+RNG = np.random.default_rng(17)
+PROMPTS = [[int(x) for x in RNG.integers(3, 300, n)] for n in (5, 23, 40)]  # one to three prefill chunks
+
+
+@pytest.fixture(scope="module")
+def unrolled():
+    from k3jax.runtime import load_model
+
+    return load_model("tiny-k3")
+
+
+@pytest.fixture(scope="module")
+def reference(unrolled):
+    """Greedy tokens and their logprobs from the unrolled model's full forward (one compile: right padding
+    leaves a causal model's earlier logits as they are)."""
+    total = 64
+    fn = jax.jit(lambda params, ids: jax.nn.log_softmax(nnx.merge(unrolled.graphdef, params)(ids)[0], -1))
+
+    def run(prompt: list[int], n: int, params=None):
+        seq, lps = list(prompt), []
+        for _ in range(n):
+            ids = np.zeros((1, total), np.int32)
+            ids[0, :len(seq)] = seq
+            row = np.asarray(fn(params if params is not None else unrolled.params, jnp.asarray(ids)))[0, len(seq) - 1]
+            seq.append(int(np.argmax(row)))
+            lps.append(float(row[seq[-1]]))
+        return seq[len(prompt):], lps
+    return run
+
+
+@pytest.fixture(scope="module", params=[dict(), dict(kda_decode="gathered", mla_decode="paged")],
+            ids=["in_place-gathered", "layered-paged"])
+def engine(request, unrolled):
+    e = Engine(unrolled, EngineConfig(**KW, **request.param), progress=False)
+    assert e.layer_scan == LayerScan(1, 3, 2)
+    return e
+
+
+def _generate(e, prompts, params=GREEDY):
+    for i, p in enumerate(prompts):
+        e.add_request(p, params, request_id=f"q{i}")
+    done = {}
+    while e.has_unfinished():
+        for o in e.step():
+            if o.finished:
+                done[o.request_id] = o
+    return [done[f"q{i}"] for i in range(len(prompts))]
+
+
+def _arena_back(e) -> bool:
+    return e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+
+def _check(outs, prompts, reference, params=None):
+    for p, o in zip(prompts, outs):
+        tokens, lps = reference(p, GREEDY.max_tokens, params)
+        c = o.outputs[0]
+        assert c.token_ids == tokens
+        _close([lp[0].logprob for lp in c.logprobs], lps, 1e-4)
+
+
+def test_scanning_engine_matches_the_unrolled_forward(engine, reference, unrolled):
+    """Prompts of one to three chunks in one batch, then the same prompts again (prefix-cache resumes,
+    warm = cold); the engine holds the stacked weights and no per-layer copy of the scanned layers."""
+    outs = _generate(engine, PROMPTS)
+    _check(outs, PROMPTS, reference)
+    again = _generate(engine, PROMPTS)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in outs]
+    assert again[2].num_cached_tokens > 0
+    assert engine.compiles_after_warmup == 0
+    assert _arena_back(engine)
+    params = engine.model.params
+    assert all(x.shape == () for x in jax.tree.leaves(params["layers"][1]))
+    stacked = engine._step_params()[1]
+    assert jax.tree.leaves(stacked[0])[0].shape[0] == 2
+
+
+def test_update_weights_and_sleep_keep_the_stacked_form(engine, reference, unrolled):
+    """New weights (given per layer, as a checkpoint loads them) are stacked for the scan; a level-1 sleep
+    brings the stacked weights back."""
+    if engine.config.kda_decode == "gathered":
+        pytest.skip("one arena path is enough for the weight plumbing")
+    from k3jax.runtime import load_model
+
+    new = load_model("tiny-k3", seed=1)
+    engine.update_weights(new)
+    _check(_generate(engine, PROMPTS[:2]), PROMPTS[:2], reference, new.params)
+    engine.sleep(1)
+    engine.wake_up()
+    _check(_generate(engine, PROMPTS[:1]), PROMPTS[:1], reference, new.params)
+    engine.update_weights(unrolled)
+    _check(_generate(engine, PROMPTS[1:2]), PROMPTS[1:2], reference)
+    assert engine.compiles_after_warmup == 0 and _arena_back(engine)
