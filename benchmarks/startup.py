@@ -8,7 +8,8 @@ by side (`EngineConfig.compile_threads`) saves.
    blocks of 12 layers) at 8 / 24 / 48 / 93 layers (93: K3's depth). One engine per depth with one decode
    bucket (8 rows) and one prefill bucket (1 x 64 tokens), compiled one after the other
    (`compile_threads=1`): seconds per program, and per program and layer. The model's layers are unrolled
-   in the step (no scan over layers), so a program's compile time grows with depth; the number of programs
+   in the step (`scan_layers=False`; benchmarks/layer_scan.py measures the scan), so a program's compile
+   time grows with depth; the number of programs
    is fixed by the buckets (printed for K3's defaults below).
 2. Threads. k3-small with the serving benchmark's five buckets (decode 1 / 8 / 32, prefill 1 / 4 x 64),
    `Engine(...)` until warm with `compile_threads` 1 and 2, each start in a fresh process (an in-process
@@ -54,24 +55,26 @@ def one_start(spec: dict) -> dict:
         model = Model(cfg, graphdef, params, jnp.float32, k3jax.load_model("tiny-k3").tokenizer, source=f"deep-{n}")
         ecfg = EngineConfig(max_model_len=256, page_size=16, cache_bytes=64 << 20, max_num_seqs=8, prefill_chunk=64,
                             max_prefill_seqs=1, decode_buckets=(8,), prefill_buckets=(1,), context_buckets=(16,),
-                            enable_prefix_caching=False, measure_moe_time=False, compile_threads=1)
+                            enable_prefix_caching=False, measure_moe_time=False, compile_threads=1,
+                            scan_layers=spec.get("scan_layers", False))
     else:
         model = k3jax.load_model(spec["model"])
         ecfg = EngineConfig(max_model_len=1024, page_size=16, cache_bytes=256 << 20, max_num_seqs=32,
                             prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(1, 8, 32), prefill_buckets=(1, 4),
                             context_buckets=(64,), enable_prefix_caching=False, measure_moe_time=False,
-                            compile_threads=spec["threads"])
+                            compile_threads=spec["threads"], scan_layers=spec.get("scan_layers", False))
     t1 = time.perf_counter()
     engine = Engine(model, ecfg, warmup=True, progress=False)
     t2 = time.perf_counter()
     return dict(spec, model_s=t1 - t0, warmup_s=t2 - t1, programs=len(engine.bucket_shapes()),
                 compiled_ahead=engine.counters["programs_compiled_ahead"],
-                layers=model.cfg.num_hidden_layers)
+                layers=model.cfg.num_hidden_layers, scan_plan=str(engine.layer_scan))
 
 
-def in_fresh_process(spec: dict) -> dict:
+def in_fresh_process(spec: dict, script: str = __file__) -> dict:
+    """Run `script --one SPEC` (its one-start function) in a fresh process with no compilation cache."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("JAX_COMPILATION_CACHE")}
-    proc = subprocess.run([sys.executable, __file__, "--one", json.dumps(spec)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, script, "--one", json.dumps(spec)], capture_output=True, text=True,
                           env=env, cwd=REPO, timeout=1800)
     line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT")]
     if proc.returncode or not line:

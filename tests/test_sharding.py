@@ -126,12 +126,13 @@ _MULTI = textwrap.dedent("""
         # tiny-kimi-linear: tensor-parallel (its experts split over the 4 devices too); expert parallelism alone,
         # the mesh forms' mix and the accelerator's decode forms are the same code, run on tiny-k3 (CI time)
         forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"),
-                  ("tp", "dcp"), ("tp", "dcp_paged"), ("ep", "eplb"))
+                  ("tp", "dcp"), ("tp", "dcp_paged"), ("ep", "eplb"), ("tp", "scan"), ("tp", "scan_paged"))
                  if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered")))
         for sh, mla in forms:
             # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states);
             # "dcp": decode context parallelism (the MLA pages split by position over the 4 ranks too), with the
-            # CPU's decode forms or ("dcp_paged") the accelerator's
+            # CPU's decode forms or ("dcp_paged") the accelerator's; "scan": the layers' repeating group scanned over
+            # (k3jax/layer_scan.py), with the CPU's decode forms or ("scan_paged") the accelerator's
             kda = "gathered" if mla.endswith("paged") else "auto"
             dcp = 4 if mla.startswith("dcp") else 1
             # "eplb": expert-parallel load balancing, re-placing the experts every 3 steps while generating, with
@@ -139,7 +140,8 @@ _MULTI = textwrap.dedent("""
             eplb = (dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
                     if mla == "eplb" else {})
             llm = k3jax.LLM(model, sharding=sh, mla_decode="paged" if mla.endswith("paged") else "gathered",
-                            kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw)
+                            kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw,
+                            scan_layers=mla.startswith("scan"))
             eng = llm.engine
             res = llm.generate(prompts, sps)
             # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
@@ -148,7 +150,7 @@ _MULTI = textwrap.dedent("""
                 eplb_summary = eng.rebalance_experts()
                 res_after = llm.generate(prompts, sps)
             st = llm.stats()
-            leaves = jax.tree.leaves(eng.model.params)
+            leaves = [x for x in jax.tree.leaves(eng._step_params()) if x.ndim]  # (a layer scan's 0-d placeholders out)
             split = [x for x in leaves if x.addressable_shards[0].data.shape != x.shape]
             # compiled decode and prefill programs: one rank's arena is never copied or communicated
             local = "f32[%d,%d]" % (eng.layout.num_units, eng.layout.unit_elems)
@@ -168,7 +170,7 @@ _MULTI = textwrap.dedent("""
                 state_ranks=st["arena_state_ranks"], slot_units=eng.layout.slot_units,
                 arena_spec=str(getattr(eng.arena.sharding, "spec", "")), arena_local=list(eng.arena.addressable_shards[0].data.shape),
                 unit=[eng.layout.num_units, eng.layout.unit_elems], gathers=gathers,
-                context_ranks=st["arena_context_ranks"], mla_form=st["decode_forms"]["mla"],
+                context_ranks=st["arena_context_ranks"], mla_form=st["decode_forms"]["mla"], scan=str(eng.layer_scan),
                 span=4 * eng.layout.page_size, seqs_at_max_len=eng.layout.sequences_at(64),
                 eplb=dict(st["eplb"], summary=eplb_summary, placement=eng.eplb.placement.tolist(),
                           tokens_after=[r.token_ids for r in res_after],
@@ -439,7 +441,8 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     one = multi_device[f"{model}/None"]
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
-                     ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4}), ("tp/dcp_paged", {"tensor": 4})):
+                     ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4}), ("tp/dcp_paged", {"tensor": 4}),
+                     ("tp/scan", {"tensor": 4}), ("tp/scan_paged", {"tensor": 4})):
         if f"{model}/{sh}" not in multi_device:
             assert model != "tiny-k3"  # tiny-k3 runs every form
             continue
@@ -454,6 +457,7 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
         assert r["expert_parallel"] and all(r["expert_parallel"])
         assert r["compiles"] == 0
         assert r["free"] == r["baseline"]  # free + held only by the prefix cache
+        assert (r["scan"] == "LayerScan(start=1, period=3, groups=2)") == ("scan" in sh)
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
@@ -479,7 +483,8 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
     # every arena access runs on the rank's own part: no copy of it and no collective over it, also
     # when decode stores latents and runs the paged MLA kernel per rank (on its query heads); the compiled
     # programs are inspected on tiny-k3 only (the same arena code for both models; CI time)
-    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged") if model == "tiny-k3"):
+    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged", f"{model}/tp/scan", f"{model}/tp/scan_paged")
+               if model == "tiny-k3"):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
