@@ -78,7 +78,7 @@ def _cmd_info(args) -> int:
         # slot 0 (the base model) is allocated too; tensor-parallel ranks split the factors like the weights
         info["lora"] = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
                         "bytes_per_adapter": per, "bytes_all_slots": per * (args.max_loras + 1)}
-    programs = _step_programs(args)
+    programs = _step_programs(args, cfg)
     if programs is not None:
         info["step_programs"] = programs
     if args.cache_gib:
@@ -88,21 +88,29 @@ def _cmd_info(args) -> int:
     return 0
 
 
-def _step_programs(args) -> dict | None:
+def _step_programs(args, cfg) -> dict | None:
     """The step programs an engine with these options compiles before it serves (serve/buckets.py; the
-    engine's default buckets), and how many where one-token decodes need only the widest context bucket
-    (a GPU's paged MLA decode kernel). None without the serving stack."""
+    engine's default buckets), how many where one-token decodes need only the widest context bucket
+    (a GPU's paged MLA decode kernel), and the layer copies each holds, unrolled and with `--scan-layers`
+    (the repeating group scanned). None without the serving stack."""
     try:
         from serve.buckets import default_buckets, program_shapes
+        from k3jax.layer_scan import plan as layer_scan_plan
     except ImportError:
         return None
+    scan = layer_scan_plan(cfg)
     decode, prefill, context = default_buckets(args.max_num_seqs, args.max_prefill_seqs, args.max_model_len,
                                                args.page_size)
     every = program_shapes(decode, prefill, context, context, args.prefill_chunk)
     widest = program_shapes(decode, prefill, context, context[-1:], args.prefill_chunk)
     return {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "page_size": args.page_size,
             "decode_rows": list(decode), "prefill_rows": list(prefill), "context_pages": list(context),
-            "programs": len(every), "programs_with_gpu_paged_decode": len(widest)}
+            "programs": len(every), "programs_with_gpu_paged_decode": len(widest),
+            "layer_scan": None if scan is None else {"first_layer": scan.start, "period": scan.period,
+                                                     "groups": scan.groups},
+            "layers_compiled_per_program": {
+                "unrolled": cfg.num_hidden_layers,
+                "scan_layers": cfg.num_hidden_layers - (scan.compiled_layers_saved if scan else 0)}}
 
 
 def _arena_plan(cfg, dtype, args, ranks: int, context_ranks: int = 1) -> dict:

@@ -121,7 +121,8 @@ class KimiModel(nnx.Module):
         bank_size = None
         if self.cfg.uses_attn_res:  # the growing list becomes a fixed-size array with a count
             bank, p = carry
-            bank_size = len(bank) + sum(1 for l in range(scan.start, scan.stop) if l % self.cfg.attn_res_block_size == 0)
+            opens = sum(1 for l in range(scan.start, scan.stop) if l % self.cfg.attn_res_block_size == 0)
+            bank_size = len(bank) + opens
             carry = (DepthBank.of(bank, bank_size), p)
 
         def body(c, xs):

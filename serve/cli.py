@@ -36,7 +36,7 @@ DEFAULTS = dict(
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
-    schedule_conservativeness=1.0, prefill_first=False, compile_threads=None, scan_layers="auto", log_level="info",
+    schedule_conservativeness=1.0, prefill_first=False, compile_threads=None, scan_layers=False, log_level="info",
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
@@ -142,10 +142,11 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--compile-threads", type=int, default=d["compile_threads"],
                    help="compile the step programs at start-up this many at a time (default: min(programs, CPUs, "
                         "8)); 1: one after another")
-    e.add_argument("--scan-layers", default=d["scan_layers"], choices=["auto", "on", "off"],
+    e.add_argument("--scan-layers", action="store_true", default=d["scan_layers"],
                    help="run the model's repeating group of layers as one scan in every step program: start-up "
-                        "compile time stops growing with depth (K3: 21 of 93 layers unrolled). auto: where it saves "
-                        ">= 8 layer copies and no LoRA, EPLB, speculative decoding or decode context parallelism is on")
+                        "compile time stops growing with depth (K3: 21 of 93 layers compiled per program), each step "
+                        "pays for slicing the stacked weights (CPU: decode 2.3x slower); not with LoRA, EPLB, "
+                        "speculative decoding or decode context parallelism")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     e.add_argument("--generation-config", default=d["generation_config"], metavar="auto|vllm|DIR",
@@ -301,7 +302,7 @@ def engine_config(o: dict):
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),
         compile_threads=o.get("compile_threads"),
-        scan_layers={"auto": None, "on": True, "off": False}[o.get("scan_layers") or "auto"],
+        scan_layers=bool(o.get("scan_layers")),
         long_prefill_chunk=o.get("long_prefill_chunk"),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,

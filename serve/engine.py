@@ -154,11 +154,13 @@ class EngineConfig:
     compile_threads: Optional[int] = None
     # Scan over the model's repeating layers (k3jax/layer_scan.py): the step programs hold one copy of a
     # repeated group of layers instead of one per layer, so their compile time stops growing with depth
-    # (K3's 93 layers: 7 groups of 12 scanned, 21 layers unrolled). None: where the run saves at least
-    # SCAN_MIN_SAVED layer copies and no feature the scan does not cover is on (LoRA, EPLB, speculative
-    # decoding, decode context parallelism); True: required (an error names what stands in the way);
-    # False: every layer unrolled.
-    scan_layers: Optional[bool] = None
+    # (K3's 93 layers: 7 groups of 12 scanned, 21 layers unrolled; a 93-layer model's start-up on the 2-core
+    # CPU host 220 s -> 47 s). The price is paid every step: the loop slices each layer's weights out of the
+    # stacked arrays, which XLA:CPU materialises (every expert of a MoE layer, where the unrolled step
+    # gathers only the routed ones): decode 2.3x and prefill 1.7x slower there (benchmarks/layer_scan.py).
+    # Off by default; not with LoRA, EPLB, speculative decoding or decode context parallelism (an error
+    # names the option).
+    scan_layers: bool = False
     # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
     # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas
     # decode kernel) and scatters them back; "auto" picks in_place when the kernels resolve to the
@@ -482,27 +484,19 @@ class Request:
         return self.beam.done if self.beam is not None else all(s.finished for s in self.seqs)
 
 
-# The smallest saving (layer copies per program) at which `scan_layers=None` scans: Kimi-Linear's 27 layers
-# save 20, K3's 93 save 72; the tiny test models' 2 groups of 3 or 4 stay unrolled.
-SCAN_MIN_SAVED = 8
-
-
 def scan_plan(config: "EngineConfig", cfg) -> Optional[LayerScan]:
     """The layer scan an engine runs (see EngineConfig.scan_layers), or None: every layer unrolled."""
-    if config.scan_layers is False:
+    if not config.scan_layers:
         return None
     plan = layer_scan.plan(cfg)
     blockers = [name for name, on in (("max_loras", config.max_loras), ("enable_eplb", config.enable_eplb),
                                       ("speculative_config", config.speculative_config is not None),
                                       ("decode_context_parallel_size", config.decode_context_parallel_size > 1)) if on]
-    if config.scan_layers is None:
-        return plan if plan is not None and plan.compiled_layers_saved >= SCAN_MIN_SAVED and not blockers else None
     if plan is None:
         raise ValueError(f"scan_layers=True: no group of this model's {cfg.num_hidden_layers} layers repeats (the "
                          f"same attention, FFN and AttnRes block position twice in a row)")
     if blockers:
-        raise ValueError(f"scan_layers=True: the scanned step does not cover {blockers[0]} yet; set scan_layers=False "
-                         f"(or None, which scans only where it can)")
+        raise ValueError(f"scan_layers=True: the scanned step does not cover {blockers[0]} yet; set scan_layers=False")
     return plan
 
 

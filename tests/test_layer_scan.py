@@ -19,7 +19,7 @@ from k3jax.cache import ContiguousView, init_cache
 from k3jax.config import get_preset
 from k3jax.layer_scan import LayerScan
 from k3jax.model import KimiModel
-from serve.engine import Engine, EngineConfig, SCAN_MIN_SAVED, scan_plan
+from serve.engine import Engine, EngineConfig, scan_plan
 from serve.moe_timing import moe_blocks, moe_input
 from serve.speculative import SpeculativeConfig
 from serve.types import SamplingParams as SP
@@ -40,12 +40,9 @@ def test_plans_of_the_presets():
 
 def test_engine_scan_choice():
     k3, tiny = get_preset("k3"), get_preset("tiny-k3")
-    assert scan_plan(EngineConfig(), k3) == layer_scan.plan(k3)
-    assert scan_plan(EngineConfig(), tiny) is None  # saves 3 < SCAN_MIN_SAVED copies
-    assert layer_scan.plan(tiny).compiled_layers_saved < SCAN_MIN_SAVED
+    assert scan_plan(EngineConfig(), k3) is None  # off by default (each step pays for it)
+    assert scan_plan(EngineConfig(scan_layers=True), k3) == layer_scan.plan(k3)
     assert scan_plan(EngineConfig(scan_layers=True), tiny) == LayerScan(1, 3, 2)
-    assert scan_plan(EngineConfig(scan_layers=False), k3) is None
-    assert scan_plan(EngineConfig(max_loras=2), k3) is None  # auto: off where the scan does not reach
     with pytest.raises(ValueError, match="scan_layers=True: the scanned step does not cover max_loras"):
         scan_plan(EngineConfig(scan_layers=True, max_loras=2), k3)
     spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)

@@ -619,6 +619,7 @@ def test_serve_command_line_takes_a_sharding_config_and_decode_forms():
     assert cfg().sharding is None and (cfg().kda_decode, cfg().mla_decode) == ("auto", "auto")
     forms = cfg("--kda-decode", "gathered", "--mla-decode", "paged")
     assert (forms.kda_decode, forms.mla_decode) == ("gathered", "paged")
+    assert not cfg().scan_layers and cfg("--scan-layers").scan_layers
     c = cfg("--sharding", "tp_ep")
     assert c.sharding == "tp_ep"
     c.validate()
@@ -678,6 +679,12 @@ def test_info_counts_the_step_programs_compiled_at_start_up(capsys):
     assert got["decode_rows"] == [1, 4, 16, 64] and got["prefill_rows"] == [1, 4]
     assert got["context_pages"] == [1, 4, 16, 64, 256, 1024, 2048]
     assert (got["programs"], got["programs_with_gpu_paged_decode"]) == (42, 18)
+    assert got["layer_scan"] == {"first_layer": 1, "period": 3, "groups": 2}
+    assert got["layers_compiled_per_program"] == {"unrolled": 8, "scan_layers": 5}
+    assert main(["info", "--model", "k3", "--dtype", "bfloat16"]) == 0
+    got = json.loads(capsys.readouterr().out)["step_programs"]  # K3: 7 groups of 12 scanned, 21 layers compiled
+    assert got["layer_scan"] == {"first_layer": 1, "period": 12, "groups": 7}
+    assert got["layers_compiled_per_program"] == {"unrolled": 93, "scan_layers": 21}
     assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--max-num-seqs", "8", "--max-model-len",
                  "1024", "--page-size", "64", "--max-prefill-seqs", "1"]) == 0
     got = json.loads(capsys.readouterr().out)["step_programs"]
