@@ -82,6 +82,33 @@ def cache_strides(cfg: ModelConfig, scan: LayerScan) -> tuple[int, int]:
     return scan.period - mla, mla
 
 
+def _is_expert_weight(path) -> bool:
+    names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
+    return (len(names) > 1 and names[0] == "block_sparse_moe" and names[1] in ("w1", "w2", "w3"))
+
+
+def split_experts(state) -> tuple:
+    """A scanned position's stacked layer state -> (the state with its routed experts' weights as [G]
+    placeholders, {path: those weights as one stack [G * E, ...]}). The scan slices the first per group;
+    the MoE reads its layer's experts out of the second (`k3jax.layers.moe.stacked_experts`), gathering the
+    routed ones, where a per-group slice would copy every expert of the layer each step. (A reshape of
+    the leading axes: free for arrays whose expert axis is not split over devices.)"""
+    whole = {}
+
+    def cut(path, x):
+        if not _is_expert_weight(path):
+            return x
+        whole[jax.tree_util.keystr(path)] = x.reshape(-1, *x.shape[2:])
+        return jnp.zeros((x.shape[0],), x.dtype)
+
+    return jax.tree_util.tree_map_with_path(cut, state), whole
+
+
+def join_experts(state, whole: dict):
+    """Put `split_experts`' stacks back in place of their placeholders."""
+    return jax.tree_util.tree_map_with_path(lambda p, x: whole.get(jax.tree_util.keystr(p), x), state)
+
+
 def _stack(xs: list[jax.Array]) -> jax.Array:
     """Stack one weight of every group -> [G, ...], keeping a mesh placement (the group axis whole)."""
     sh = getattr(xs[0], "sharding", None)

@@ -9,20 +9,22 @@ Rows are right-padded: `valid[b]` tokens of row b are real; padded tokens change
 
 from __future__ import annotations
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.cache import CacheView, ContiguousView, FreshView, ModelCache
 from k3jax.config import ModelConfig
-from k3jax.layer_scan import LayerScan, cache_strides
+from k3jax.layer_scan import LayerScan, cache_strides, join_experts, split_experts
 from k3jax.layers.attn_res import AttnResMixer, DepthBank
 from k3jax.layers.kda import KDA
 from k3jax.layers import initializers as init
 from k3jax.layers.linear import project
 from k3jax.layers.mla import MLA
 from k3jax.layers.mlp import MLP
-from k3jax.layers.moe import MoE
+from k3jax.layers.moe import MoE, stacked_experts
 from k3jax.layers.norms import RMSNorm
 
 
@@ -111,11 +113,31 @@ class KimiModel(nnx.Module):
             l += 1
         return carry
 
+    def _experts_whole(self, l: int) -> bool:
+        """Layer l has routed experts that are not split over devices (expert parallelism slices per group)."""
+        layer = self.layers[l]
+        return layer.is_moe and getattr(layer.block_sparse_moe, "expert_parallel", None) is None
+
+    def scanned_layers(self, scan: LayerScan, stacked: list):
+        """-> (per position in the group: the weights a loop over the groups slices, `layer_at(i, g, sliced_i)`
+        -> (position i's layer module for group g, the context to run it in)). Routed experts whose expert
+        axis is whole stay one stack per weight, read by expert id (`split_experts`), not sliced per group."""
+        graphs = [nnx.graphdef(self.layers[scan.start + i]) for i in range(scan.period)]
+        split = [split_experts(s) if self._experts_whole(scan.start + i) else (s, {}) for i, s in enumerate(stacked)]
+        experts = [whole for _, whole in split]
+        counts = [jax.tree.leaves(s["block_sparse_moe"]["w1"])[0].shape[1] if whole else 0  # experts per layer
+                  for s, whole in zip(stacked, experts)]
+
+        def layer_at(i: int, g: jax.Array, sliced):
+            layer = nnx.merge(graphs[i], join_experts(sliced, experts[i]))
+            return layer, (stacked_experts(g * counts[i], counts[i]) if experts[i] else contextlib.nullcontext())
+
+        return [s for s, _ in split], layer_at
+
     def _scan(self, layer_fn, carry, view, valid, trace, scan: LayerScan, stacked: list):
         """Layers scan.start .. scan.stop - 1 as a scan over their groups: each step rebuilds the group's
         layers from `stacked` [per position: state with weights [G, ...]] and runs them with traced
         cache indices; the view's arrays ride in the carry and the routed expert ids come out per group."""
-        graphs = [nnx.graphdef(self.layers[scan.start + i]) for i in range(scan.period)]
         first = [self.cache_index[scan.start + i] for i in range(scan.period)]
         kda_stride, mla_stride = cache_strides(self.cfg, scan)
         bank_size = None
@@ -124,6 +146,7 @@ class KimiModel(nnx.Module):
             opens = sum(1 for l in range(scan.start, scan.stop) if l % self.cfg.attn_res_block_size == 0)
             bank_size = len(bank) + opens
             carry = (DepthBank.of(bank, bank_size), p)
+        sliced, layer_at = self.scanned_layers(scan, stacked)
 
         def body(c, xs):
             g, states = xs
@@ -131,13 +154,14 @@ class KimiModel(nnx.Module):
             view.set_scan_state(view_state)
             routed = [] if trace is not None else None
             for i in range(scan.period):
-                layer = nnx.merge(graphs[i], states[i])
+                layer, window = layer_at(i, g, states[i])
                 j = first[i] + g * (mla_stride if layer.is_mla else kda_stride)
-                model_carry = layer_fn(scan.start + i, layer, j, model_carry, view, valid, routed)
+                with window:
+                    model_carry = layer_fn(scan.start + i, layer, j, model_carry, view, valid, routed)
             return (model_carry, view.scan_state()), routed or []
 
         groups = jnp.arange(scan.groups, dtype=jnp.int32)
-        (carry, view_state), routed = jax.lax.scan(body, (carry, view.scan_state()), (groups, stacked))
+        (carry, view_state), routed = jax.lax.scan(body, (carry, view.scan_state()), (groups, sliced))
         view.set_scan_state(view_state)
         if trace is not None:  # [per MoE position: ids [G, N, k]] -> layer order
             trace.extend(ids[g] for g in range(scan.groups) for ids in routed)

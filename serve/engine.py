@@ -155,11 +155,10 @@ class EngineConfig:
     # Scan over the model's repeating layers (k3jax/layer_scan.py): the step programs hold one copy of a
     # repeated group of layers instead of one per layer, so their compile time stops growing with depth
     # (K3's 93 layers: 7 groups of 12 scanned, 21 layers unrolled; a 93-layer model's start-up on the 2-core
-    # CPU host 220 s -> 47 s). The price is paid every step: the loop slices each layer's weights out of the
-    # stacked arrays, which XLA:CPU materialises (every expert of a MoE layer, where the unrolled step
-    # gathers only the routed ones): decode 2.3x and prefill 1.7x slower there (benchmarks/layer_scan.py).
-    # Off by default; not with LoRA, EPLB, speculative decoding or decode context parallelism (an error
-    # names the option).
+    # CPU host 199 s -> 52 s). The price is paid every step: the loop slices each layer's dense weights out
+    # of the stacked arrays, which XLA:CPU materialises (routed experts are read by id out of the stack):
+    # decode 1.18x and prefill 1.38x slower there (benchmarks/layer_scan.py). Off by default; not with LoRA,
+    # EPLB, speculative decoding or decode context parallelism (an error names the option).
     scan_layers: bool = False
     # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
     # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas

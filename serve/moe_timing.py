@@ -36,10 +36,20 @@ def moe_blocks(graphdef, params, x: jax.Array, scan: LayerScan | None = None) ->
     block = lambda layer: layer.block_sparse_moe(x[None])[0]  # noqa: E731
     outs = [block(layer) for l, layer in enumerate(model.layers) if layer.is_moe and not (scan and scan.covers(l))]
     if scan is not None:
-        graphs = [nnx.graphdef(model.layers[scan.start + i]) for i in range(scan.period)]
         moe = [i for i in range(scan.period) if model.layers[scan.start + i].is_moe]
+        sliced, layer_at = model.scanned_layers(scan, stacked)
+
+        def group(xs):  # the group's MoE blocks, built as the step's scan builds them
+            g, states = xs
+            ys = []
+            for i in moe:
+                layer, window = layer_at(i, g, states[i])
+                with window:
+                    ys.append(block(layer))
+            return jnp.stack(ys)
+
         if moe:
-            ys = jax.lax.map(lambda states: jnp.stack([block(nnx.merge(graphs[i], states[i])) for i in moe]), stacked)
+            ys = jax.lax.map(group, (jnp.arange(scan.groups, dtype=jnp.int32), sliced))
             outs.append(ys.reshape(-1, *ys.shape[2:]))  # (order across layers does not matter for a timing)
     return jnp.concatenate([o[None] if o.ndim == 2 else o for o in outs])
 

@@ -135,7 +135,8 @@ class PagedView(CacheView):
         return partial(run, j)
 
     def scan_state(self):
-        self.conv.pop(_TRACED, None), self.state.pop(_TRACED, None)  # the group's layer-local values
+        for held in (self.conv, self.state):  # the scanned group's layer-local values go with the group
+            held.pop(_TRACED, None)
         return self.arena
 
     def set_scan_state(self, state) -> None:

@@ -329,3 +329,33 @@ def test_device_compiled_kernel(quant, dtype):
     ref = gmm_reference(x, w, gs)
     _close(out, ref, rtol=1e-5 if dtype == jnp.float32 else 2e-2)
     assert np.all(np.asarray(out)[sum(sizes):] == 0)
+
+
+@pytest.mark.parametrize("form", ["auto", "looped", "rounds", "blocked", "reference", "interpret"])
+@pytest.mark.parametrize("quant", [False, True], ids=["dense", "mxfp4"])
+def test_group_offset_reads_a_window_of_a_larger_stack(data, form, quant):
+    """`group_offset` (a layer's experts inside every scanned layer's stack, k3jax/layer_scan.py): the
+    same bits as the window alone, for every form, with the offset traced; other experts never read."""
+    w = data["wq"] if quant else data["w"]
+    g = len(GROUPS)
+    rng = np.random.default_rng(4)
+    if quant:  # a stack of 3 layers' experts, this one in the middle
+        other = lambda a: jnp.asarray(rng.integers(0, 256, a.shape, dtype=np.uint8))  # noqa: E731
+        stack = MXFP4Weight(jnp.concatenate([other(w.packed), w.packed, other(w.packed)]),
+                            jnp.concatenate([other(w.scale) * 0 + 127, w.scale, other(w.scale) * 0 + 127]))
+    else:
+        other = jnp.asarray(rng.standard_normal(w.shape).astype(np.float32))
+        stack = jnp.concatenate([other, w, jnp.full_like(w, jnp.nan)])  # a neighbour read would show as NaN
+    kw = dict(preferred_element_type=jnp.float32)
+    call = {"auto": lambda x, s, gs, o: gmm(x, s, gs, group_offset=o, **kw),
+            "looped": lambda x, s, gs, o: gmm_looped(x, s, gs, group_offset=o, **kw),
+            "rounds": lambda x, s, gs, o: gmm_looped(x, s, gs, group_offset=o, rounds=1, block_rows=2, **kw),
+            "blocked": lambda x, s, gs, o: gmm_blocked(x, s, gs, group_offset=o, **kw),
+            "reference": lambda x, s, gs, o: gmm(x, s, gs, group_offset=o, backend="reference", **kw),
+            "interpret": lambda x, s, gs, o: gmm(x, s, gs, group_offset=o, backend="interpret", **kw)}[form]
+    out = np.asarray(jax.jit(call)(data["x"], stack, data["gs"], jnp.int32(g)))
+    alone = {"rounds": lambda x, s, gs: gmm_looped(x, s, gs, rounds=1, block_rows=2, **kw)}.get(
+        form, lambda x, s, gs: call(x, s, gs, None))
+    want = np.asarray(jax.jit(alone)(data["x"], w, data["gs"]))
+    np.testing.assert_array_equal(out, want)
+    _close(out, data["ref_q"] if quant else data["ref_dense"])

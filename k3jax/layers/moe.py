@@ -4,6 +4,9 @@ with a post-combine RMSNorm."""
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+
 import math
 
 import jax
@@ -18,6 +21,23 @@ from k3jax.layers.linear import Linear
 from k3jax.layers.mlp import MLP
 from k3jax.layers.norms import rms_norm
 from pallas_kernels.moe import MXFP4Weight, gmm
+from pallas_kernels.moe.reference import expert_window
+
+# Inside a scan over layers (k3jax/layer_scan.py): (offset, count) when the MoE layer's weights hold every
+# scanned layer's experts and this layer's are experts [offset, offset + count) of them.
+_WINDOW: contextvars.ContextVar = contextvars.ContextVar("k3jax_expert_window", default=None)
+
+
+@contextlib.contextmanager
+def stacked_experts(offset: jax.Array, count: int):
+    """Run MoE layers whose expert weights are the stack of every scanned layer's, this layer's at
+    `[offset, offset + count)`: the grouped matmul reads the routed experts out of the stack (on CPU only
+    those, where slicing the layer's experts first would copy all of them every step)."""
+    token = _WINDOW.set((offset, count))
+    try:
+        yield
+    finally:
+        _WINDOW.reset(token)
 
 
 def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, top_k: int, renormalize: bool,
@@ -103,8 +123,11 @@ class MoE(nnx.Module):
         slots = getattr(self, "expert_slots", None)
         if slots is not None:  # logical ids -> positions of the (moved, copied) weights
             ids = self._physical(ids, slots[...], self.expert_copies[...])
+        window = _WINDOW.get()
+        if window is not None and self.expert_parallel is not None:  # (the scan slices these itself)
+            ws, window = tuple(expert_window(w, *window) for w in ws), None
         if self.expert_parallel is None:
-            out = self._slots(z, ids, ws, 0)
+            out = self._slots(z, ids, ws, 0, window)
         else:
             out = self._slots_expert_parallel(z, ids, ws)
         return jnp.einsum("nkd,nk->nd", out, weights)
@@ -118,12 +141,13 @@ class MoE(nnx.Module):
         copy = jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape) % copies[ids]
         return table[ids, copy]
 
-    def _slots(self, z: jax.Array, ids: jax.Array, ws: tuple, first: jax.Array | int) -> jax.Array:
+    def _slots(self, z: jax.Array, ids: jax.Array, ws: tuple, first: jax.Array | int, window=None) -> jax.Array:
         """Each (token, slot)'s expert output [N, k, Din] fp32, for the experts `[first, first + G)` held
-        in `ws` (G = their leading size); slots routed elsewhere are exactly 0."""
+        in `ws` (G = their leading size, or `window` = (offset, G): `ws` stacks several layers' experts and
+        these are [offset, offset + G) of them); slots routed elsewhere are exactly 0."""
         cfg = self.cfg
         n, k = ids.shape
-        g = ws[0].shape[0]
+        g = ws[0].shape[0] if window is None else window[1]
         local = ids.reshape(-1) - first
         flat = jnp.where((local >= 0) & (local < g), local, g)  # other experts' slots sort last, uncounted
         order = jnp.argsort(flat, stable=True)  # [N*k] assignment slots sorted by expert
@@ -133,7 +157,8 @@ class MoE(nnx.Module):
         dense = not isinstance(ws[0], MXFP4Weight)
         wide = ws[0].dtype if dense and ws[0].dtype.itemsize > z.dtype.itemsize else z.dtype
         xs = z[order // k].astype(wide)
-        kw = dict(preferred_element_type=jnp.float32, rhs_layout="in_out" if self.experts_in_out else "out_in")
+        kw = dict(preferred_element_type=jnp.float32, rhs_layout="in_out" if self.experts_in_out else "out_in",
+                  group_offset=None if window is None else window[0])
         h1 = gmm(xs, ws[0], group_sizes, **kw)
         h3 = gmm(xs, ws[1], group_sizes, **kw)
         a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype).astype(wide)

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe.mxfp4 import MXFP4Weight
-from pallas_kernels.moe.reference import RhsLike, check_gmm_args
+from pallas_kernels.moe.reference import RhsLike, check_gmm_args, expert_window
 
 __all__ = ["gmm_cpu", "gmm_blocked", "gmm_looped", "block_rows_for", "num_blocks", "rounds_for"]
 
@@ -65,13 +65,16 @@ def num_blocks(m: int, g: int, tm: int) -> int:
 
 
 def gmm_cpu(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
-            precision=jax.lax.Precision.HIGHEST, rhs_layout: str = "out_in") -> jax.Array:
-    """``gmm`` on CPU: the looped form for dense weights or when blocks > experts, else blocks."""
+            precision=jax.lax.Precision.HIGHEST, rhs_layout: str = "out_in", group_offset=None) -> jax.Array:
+    """``gmm`` on CPU: the looped form for dense weights or when blocks > experts, else blocks.
+    ``group_offset`` (dense ``rhs`` only): group g uses expert ``group_offset + g`` of the stack."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    m, _, g, _ = check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
+    if group_offset is not None and isinstance(rhs, MXFP4Weight):
+        rhs, group_offset = expert_window(rhs, group_offset, group_sizes.shape[0]), None
+    m, _, g, _ = check_gmm_args(lhs, rhs, group_sizes, rhs_layout, windowed=group_offset is not None)
     tm = block_rows_for(m, g)
     kw = dict(preferred_element_type=preferred_element_type, block_rows=tm, precision=precision,
-              rhs_layout=rhs_layout)
+              rhs_layout=rhs_layout, group_offset=group_offset)
     if not isinstance(rhs, MXFP4Weight) or num_blocks(m, g, tm) > g:
         # fp32 only: XLA:CPU widens a batched bf16 product to fp32 (another summation than the loop's
         # native bf16 dot, and a conversion of every expert per call)
@@ -91,20 +94,25 @@ def rounds_for(m: int, g: int, tm: int) -> int:
 
 def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
                block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST,
-               rhs_layout: str = "out_in", rounds: int = 0) -> jax.Array:
+               rhs_layout: str = "out_in", rounds: int = 0, group_offset=None) -> jax.Array:
     """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` (``[G, K, N]`` if ``rhs_layout="in_out"``)
     -> ``[M, N]``: the first ``rounds * tm`` rows of every group in ``rounds`` batched products over all
     groups, the rest one ``tm``-row block at a time in a loop over the groups that still have rows;
-    rows past the groups are 0."""
+    rows past the groups are 0. ``group_offset``: see ``gmm_cpu`` (a loop block reads its expert out
+    of the stack; the all-expert rounds take the window)."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
+    if group_offset is not None and isinstance(rhs, MXFP4Weight):
+        rhs, group_offset = expert_window(rhs, group_offset, group_sizes.shape[0]), None
+    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes, rhs_layout, windowed=group_offset is not None)
     spec = "mk,kn->mn" if rhs_layout == "in_out" else "mk,nk->mn"
     tm = block_rows or block_rows_for(m, g)
     w_all = rhs.dequantize(dtype=lhs.dtype) if isinstance(rhs, MXFP4Weight) else rhs  # [G, N, K]
+    offset = 0 if group_offset is None else group_offset
     starts = jnp.cumsum(group_sizes) - group_sizes  # [G]
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if rounds:
-        out = _all_groups_rounds(lhs, w_all, starts, group_sizes, rounds, tm, rhs_layout, precision,
+        window = w_all if group_offset is None else expert_window(w_all, group_offset, g)
+        out = _all_groups_rounds(lhs, window, starts, group_sizes, rounds, tm, rhs_layout, precision,
                                  preferred_element_type)
     else:
         out = jnp.zeros((m, n), out_dtype)
@@ -116,7 +124,7 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
 
     def group(i, out):
         e = order[i]
-        w = jax.lax.dynamic_index_in_dim(w_all, e, keepdims=False)  # [N, K] or [K, N]
+        w = jax.lax.dynamic_index_in_dim(w_all, e + offset, keepdims=False)  # [N, K] or [K, N]
         w = w.astype(lhs.dtype) if w.dtype != lhs.dtype else w
         first, size = starts[e] + skip, left[e]
 
@@ -160,11 +168,13 @@ def _all_groups_rounds(lhs, w_all, starts, group_sizes, rounds: int, tm: int, rh
 
 def gmm_blocked(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferred_element_type=jnp.float32,
                 block_rows: int | None = None, precision=jax.lax.Precision.HIGHEST,
-                rhs_layout: str = "out_in") -> jax.Array:
+                rhs_layout: str = "out_in", group_offset=None) -> jax.Array:
     """``lhs [M, K]`` rows sorted by group x ``rhs [G, N, K]`` (``[G, K, N]`` if ``rhs_layout="in_out"``)
-    -> ``[M, N]``; rows past the groups are 0."""
+    -> ``[M, N]``; rows past the groups are 0. ``group_offset``: see ``gmm_cpu``."""
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
+    if group_offset is not None and isinstance(rhs, MXFP4Weight):
+        rhs, group_offset = expert_window(rhs, group_offset, group_sizes.shape[0]), None
+    m, k, g, n = check_gmm_args(lhs, rhs, group_sizes, rhs_layout, windowed=group_offset is not None)
     tm = block_rows or block_rows_for(m, g)
     nb = num_blocks(m, g, tm)
 
@@ -184,7 +194,7 @@ def gmm_blocked(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferr
     elif isinstance(rhs, MXFP4Weight):  # more blocks than experts: dequantise each expert once
         w = rhs.dequantize(dtype=lhs.dtype)[expert]
     else:
-        w = rhs[expert]
+        w = rhs[expert if group_offset is None else expert + group_offset]
         w = w.astype(lhs.dtype) if w.dtype != lhs.dtype else w  # [NB, N, K] or [NB, K, N]
     spec = "bmk,bkn->bmn" if rhs_layout == "in_out" else "bmk,bnk->bmn"
     y = jnp.einsum(spec, x, w, precision=precision, preferred_element_type=preferred_element_type)

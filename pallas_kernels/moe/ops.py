@@ -9,7 +9,8 @@ import jax.numpy as jnp
 
 from pallas_kernels.dispatch import ENV_VAR, resolve_backend, resolve_interpret
 from pallas_kernels.moe.blocked import gmm_cpu
-from pallas_kernels.moe.reference import RhsLike, check_gmm_args, gmm_reference
+from pallas_kernels.moe.mxfp4 import MXFP4Weight
+from pallas_kernels.moe.reference import RhsLike, check_gmm_args, expert_window, gmm_reference
 
 __all__ = ["gmm", "route_and_sort"]
 
@@ -24,6 +25,7 @@ def gmm(
     interpret: bool = False,
     tiling: Optional[Tuple[int, int, int]] = None,
     rhs_layout: str = "out_in",
+    group_offset: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Grouped matmul ``lhs [M, K] x rhs [G, N, K] -> [M, N]``.
 
@@ -39,13 +41,20 @@ def gmm(
     ``rhs_layout="in_out"`` takes a dense ``rhs [G, K, N]`` (each expert transposed, the layout
     XLA:CPU multiplies fastest; see ``k3jax/weight_layout.py``); the Pallas kernel reads the
     ``[G, N, K]`` form and is handed a transposed copy.
+    ``group_offset`` (traced int): ``rhs`` holds more experts than ``group_sizes`` counts and group ``g``
+    uses expert ``group_offset + g`` (a layer's experts inside every layer's stack, k3jax/layer_scan.py).
+    The CPU form reads the used experts out of the stack; the other paths take the window first.
     """
     group_sizes = jnp.asarray(group_sizes).astype(jnp.int32)
-    check_gmm_args(lhs, rhs, group_sizes, rhs_layout)
     resolved = resolve_backend(backend)
-    if resolved == "reference" and backend == "auto" and os.environ.get(ENV_VAR, "").strip() == "":
+    cpu = resolved == "reference" and backend == "auto" and os.environ.get(ENV_VAR, "").strip() == ""
+    if group_offset is not None and not (cpu and not isinstance(rhs, MXFP4Weight)):
+        rhs, group_offset = expert_window(rhs, group_offset, group_sizes.shape[0]), None
+    check_gmm_args(lhs, rhs, group_sizes, rhs_layout, windowed=group_offset is not None)
+    if cpu:
         # CPU: a jnp form that computes only the routed experts (same per-row math).
-        return gmm_cpu(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, rhs_layout=rhs_layout)
+        return gmm_cpu(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type, rhs_layout=rhs_layout,
+                       group_offset=group_offset)
     if resolved == "reference":
         return gmm_reference(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type,
                              rhs_layout=rhs_layout)

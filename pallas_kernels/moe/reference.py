@@ -16,11 +16,20 @@ RhsLike = Union[jax.Array, MXFP4Weight]
 RHS_LAYOUTS = ("out_in", "in_out")
 
 
-def check_gmm_args(lhs, rhs, group_sizes, rhs_layout: str = "out_in"):
+def expert_window(rhs: RhsLike, offset, count: int) -> RhsLike:
+    """Experts ``[offset, offset + count)`` of a larger stack (dense or MXFP4), as one dynamic slice."""
+    if isinstance(rhs, MXFP4Weight):
+        return MXFP4Weight(jax.lax.dynamic_slice_in_dim(rhs.packed, offset, count),
+                           jax.lax.dynamic_slice_in_dim(rhs.scale, offset, count), rhs.group_size)
+    return jax.lax.dynamic_slice_in_dim(rhs, offset, count)
+
+
+def check_gmm_args(lhs, rhs, group_sizes, rhs_layout: str = "out_in", windowed: bool = False):
     """Static shape validation shared by the reference and the kernels. Returns (M, K, G, N).
 
     ``rhs_layout``: ``"out_in"`` for ``rhs [G, N, K]`` (PyTorch ``[out, in]`` per expert, the
-    checkpoint form) or ``"in_out"`` for a dense ``rhs [G, K, N]`` (each expert transposed)."""
+    checkpoint form) or ``"in_out"`` for a dense ``rhs [G, K, N]`` (each expert transposed).
+    ``windowed``: ``rhs`` may hold more experts than the G groups (``gmm``'s ``group_offset``)."""
     if rhs_layout not in RHS_LAYOUTS:
         raise ValueError(f"rhs_layout={rhs_layout!r}: expected one of {RHS_LAYOUTS}")
     if lhs.ndim != 2:
@@ -32,6 +41,8 @@ def check_gmm_args(lhs, rhs, group_sizes, rhs_layout: str = "out_in"):
     if rhs_layout == "in_out" and isinstance(rhs, MXFP4Weight):
         raise ValueError("rhs_layout='in_out' is for dense weights; MXFP4 weights are packed along K ([G, N, K/2])")
     g, n, k2 = rhs.shape if rhs_layout == "out_in" else (rhs.shape[0], rhs.shape[2], rhs.shape[1])
+    if windowed and group_sizes.ndim == 1 and group_sizes.shape[0] <= g:
+        g = group_sizes.shape[0]
     if k2 != k:
         raise ValueError(f"contracting dims differ: lhs {lhs.shape} vs rhs {form} {rhs.shape}")
     if group_sizes.shape != (g,):
