@@ -43,7 +43,9 @@ class LLM:
         self.engine = (Engine(self.model, config, progress=progress) if data_parallel_size == 1
                        else DataParallelEngine.build(self.model, config, data_parallel_size, progress=progress,
                                                      routing=data_parallel_routing))
-        if data_parallel_size == 1:  # the engine's form of the weights (a layer scan keeps no per-layer copy)
+        if data_parallel_size == 1 and self.engine.layer_scan is not None:
+            # the engine keeps the scanned layers' weights stacked only; holding the per-layer model here would
+            # keep a second copy alive (its scanned layers are 0-d placeholders: run it through the engine)
             self.model = self.engine.model
 
     def get_tokenizer(self):
