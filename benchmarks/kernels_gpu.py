@@ -52,6 +52,7 @@ import functools  # noqa: E402
 import importlib.metadata  # noqa: E402
 import importlib.util  # noqa: E402
 import json  # noqa: E402
+import re  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
@@ -133,8 +134,9 @@ PEER_PREFILL_VARIANTS = {
 SMALL_ELEMENTS = 1 << 22       # errors of outputs up to this size: numpy float64, else device
 L2_BYTES = 64 << 20            # about an H100/H200's L2 (50 MB), rounded up
 GOAL_PREFILL_RATIO = 0.8       # our KDA prefill throughput / fla's
-# chunk_kda_pallas(dot_precision=...) variants timed beside the IEEE-fp32 kernel: tensor-core
-# products for the chunk's data matmuls (tf32x3 ~ fp32 accuracy; tf32 one pass)
+# chunk_kda_pallas(dot_precision=...) variants timed beside the kernel's default, less the default
+# itself (GPU: tf32x3, so only tf32; IEEE "highest" is never timed there: Triton unrolls IEEE fp32
+# dots into FMA loops and the kernel did not compile in 5 minutes, see default_dot_precision)
 PREFILL_DOT_PRECISIONS = ("tf32x3", "tf32")
 GOAL_DECODE_BW = 0.7           # KDA decode fraction of measured HBM bandwidth, batch >= 64
 
@@ -323,10 +325,22 @@ class Runner:
     """Runs cases, each wrapped so a failure is recorded and the run goes on; rewrites the
     JSON after every case; skips cases once the time budget is spent."""
 
-    def __init__(self, result, paths, budget_s, t0=None):
+    def __init__(self, result, paths, budget_s, t0=None, case_timeout_s=None):
         self.result, self.paths = result, paths
         self.t0 = time.time() if t0 is None else t0
         self.budget_s = budget_s
+        self.case_timeout_s = case_timeout_s
+
+    def _watchdog(self, name, t0):
+        """A case past ``case_timeout_s`` (a compile that does not end cannot be interrupted from
+        Python): record it as timed out, save, and end the process (the next phase goes on)."""
+        case = dict(name=name, status="timeout", wall_s=round(time.time() - t0, 3),
+                    error=f"timeout: still running after {self.case_timeout_s:.0f} s "
+                          "(compile or run); process ended")
+        self.result["cases"].append(case)
+        print(_line(case), flush=True)
+        self.save()
+        os._exit(4)
 
     def elapsed(self):
         return time.time() - self.t0
@@ -345,12 +359,21 @@ class Runner:
                                                  f"({self.elapsed():.0f} s elapsed)")
         else:
             t0 = time.time()
+            timer = None
+            if self.case_timeout_s:
+                import threading
+                timer = threading.Timer(self.case_timeout_s, self._watchdog, (name, t0))
+                timer.daemon = True
+                timer.start()
             try:
                 case = fn()
                 case.setdefault("status", "ok")
             except Exception as e:  # noqa: BLE001 -- record every failure, keep going
                 case = dict(status="error", error=f"{type(e).__name__}: {e}"[:2000],
                             traceback=traceback.format_exc()[-3000:])
+            finally:
+                if timer is not None:
+                    timer.cancel()
             case["wall_s"] = round(time.time() - t0, 3)
         case = dict(name=name, **case)
         self.result["cases"].append(case)
@@ -370,7 +393,7 @@ def _json_default(x):
 def _line(c):
     """One log line per case."""
     s = f"{c['name']:34s} {c['status']:7s}"
-    if c["status"] == "error":
+    if c["status"] in ("error", "timeout"):
         return s + " " + c["error"].splitlines()[0][:200]
     if c["status"] == "skipped":
         return s + " " + c["reason"]
@@ -764,7 +787,9 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     (o, s), comp = _timed_first_call(fn, *args)
     ref = chunk_kda(*x, scale=scale, initial_state=S0, output_final_state=True,
                     backend="reference")
+    from pallas_kernels.kda.pallas_kda import _default_variant, default_dot_precision
     case = dict(op="chunk_kda", impl=backend,
+                dot_precision=default_dot_precision(_default_variant(), interpret),
                 shape=dict(B=1, T=T, H=H, K=K, V=V, chunk_size=64, dtype="float32",
                            gate="k3 (-5*sigmoid)", initial_state=True),
                 compile_s=comp,
@@ -775,7 +800,7 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     _rates(case, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
     case["dot_precision_variants"] = {
         prec: _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T)
-        for prec in PREFILL_DOT_PRECISIONS}
+        for prec in PREFILL_DOT_PRECISIONS if prec != case["dot_precision"]}
     if peer is not None:
         x_np = [np.asarray(a) for a in x]
         ref_np = (np.asarray(ref[0]), np.asarray(ref[1]))
@@ -979,7 +1004,8 @@ def summarize(cases):
     return dict(
         all_checks_passed=bool(checks) and all(checks.values()),
         checks=checks,
-        errors={c["name"]: c["error"].splitlines()[0] for c in cases if c["status"] == "error"},
+        errors={c["name"]: c["error"].splitlines()[0] for c in cases
+                if c["status"] in ("error", "timeout")},
         skipped=[c["name"] for c in cases if c["status"] == "skipped"],
         goal_kda_prefill=dict(goal=f"ours >= {GOAL_PREFILL_RATIO}x fla throughput", cases=prefill),
         goal_kda_decode=dict(goal=f">= {GOAL_DECODE_BW:.0%} of measured HBM bandwidth at "
@@ -1047,6 +1073,25 @@ def _setup_peer(a, result):
     return peer
 
 
+def merge_runs(paths, notes=None):
+    """One result from several runs (``device_kernels.sh``'s phases, each its own process): the
+    first run's machine, every run's filter / roofline / wall time, all cases (each tagged with
+    its run) and one summary over them."""
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    if not runs:
+        raise ValueError("merge_runs: no result files")
+    cases = [dict(c, run=i) for i, r in enumerate(runs) for c in r["cases"]]
+    return dict(
+        created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        mode=runs[0]["mode"], interpret=runs[0]["interpret"], machine=runs[0]["machine"],
+        config=runs[0]["config"], tolerances=runs[0]["tolerances"],
+        timing_note=runs[0]["timing_note"], peer=runs[0].get("peer"),
+        runs=[dict(file=Path(p).name, created=r["created"], cases_filter=r.get("cases_filter"),
+                   roofline=r.get("roofline"), wall_seconds=r.get("wall_seconds"))
+              for p, r in zip(paths, runs)],
+        notes=list(notes or []), cases=cases, summary=summarize(cases))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test)")
@@ -1056,7 +1101,21 @@ def main(argv=None):
                     help="Pallas interpret mode (runs on CPU; not a performance path)")
     ap.add_argument("--time-budget", type=float, default=300.0,
                     help="seconds after which remaining cases are skipped")
+    ap.add_argument("--cases", default=None,
+                    help="regex: run only the cases whose name it matches (re.search)")
+    ap.add_argument("--case-timeout", type=float, default=None,
+                    help="seconds after which a case still running is recorded as timed out "
+                         "and the process ends")
+    ap.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                    help="merge these result files into --out (see merge_runs) and exit")
     a = ap.parse_args(argv)
+    if a.merge:
+        merged = merge_runs(a.merge)
+        Path(a.out or ROOT / "benchmarks" / "results" / RESULT_NAME).write_text(
+            json.dumps(merged, indent=1, default=_json_default) + "\n")
+        print(f"merged {len(a.merge)} runs, {len(merged['cases'])} cases; errors: "
+              f"{list(merged['summary']['errors'])}", flush=True)
+        return merged
     t0 = time.time()                          # the budget counts from here
     plat = jax.default_backend()
     cfg = config(a.quick)
@@ -1067,7 +1126,8 @@ def main(argv=None):
         tolerances={k: dict(rel_l2=v[0], max_rel=v[1]) for k, v in TOL.items()},
         timing_note=__doc__.split("Timing (compile excluded): ")[1].split("\n\n")[0],
         cases=[])
-    runner = Runner(result, _out_paths(a, plat), a.time_budget, t0=t0)
+    runner = Runner(result, _out_paths(a, plat), a.time_budget, t0=t0,
+                    case_timeout_s=a.case_timeout)
     print(f"platform={plat} device={result['machine']['device_kind']} jax={jax.__version__} "
           f"triton_lowering={result['machine']['pallas_triton_lowering']} "
           f"backend={kernel_backend(a.interpret)}", flush=True)
@@ -1077,8 +1137,10 @@ def main(argv=None):
     print(f"roofline: {roof['bandwidth']['gbps']:.1f} GB/s, "
           f"{roof['matmul_float32']['gflops']:.1f} GFLOP/s fp32, "
           f"{roof['matmul_bfloat16']['gflops']:.1f} GFLOP/s bf16", flush=True)
+    result["cases_filter"] = a.cases
     for name, thunk in plan(cfg, roof, a.interpret, peer):
-        runner.run(name, thunk)
+        if a.cases is None or re.search(a.cases, name):
+            runner.run(name, thunk)
     try:
         result["summary"] = summarize(result["cases"])
     except Exception as e:  # noqa: BLE001 -- the cases are already saved

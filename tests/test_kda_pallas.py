@@ -12,6 +12,9 @@ from pallas_kernels.kda import chunk_kda, fused_recurrent_kda, fused_recurrent_k
 from pallas_kernels.kda import reference as ref
 from pallas_kernels.kda.pallas_kda import (
     chunk_kda_pallas,
+    default_block_c,
+    default_dot_precision,
+    fit_block_t,
     fused_recurrent_kda_pallas,
     fused_recurrent_kda_pool_pallas,
 )
@@ -207,7 +210,8 @@ def test_kernels_lower_for_accelerators(platform, variant):
 def test_chunk_tensor_core_precisions_in_interpret_mode(dense_case, prec, tol):
     """The GPU kernel's tensor-core options, with TF32 rounding emulated in interpret mode:
     three-pass TF32 stays within fp32 tolerance of the token scan, one pass is measurably coarser
-    (so the emulation is really in effect) but bounded, the gate sums staying in IEEE fp32."""
+    (so the emulation is really in effect) but bounded; the gate sums take three TF32 passes
+    whenever the data products are not IEEE (the 0/1 masks are exact in TF32)."""
     x, S0, (o_ref, s_ref) = dense_case["k3_floor"]
     run = lambda p: chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, interpret=True,
                                      variant="gpu", dot_precision=p)
@@ -230,3 +234,37 @@ def test_chunk_tensor_core_precision_lowers_for_cuda():
                       platforms=["cuda"], disabled_checks=checks)(*x, S0)
     with pytest.raises(ValueError, match="dot_precision"):
         chunk_kda_pallas(*x, initial_state=S0, variant="gpu", interpret=True, dot_precision="bf16")
+
+
+@pytest.mark.parametrize("block_c,prec", [(8, "highest"), (16, "tf32x3")])
+def test_gpu_chunk_runs_each_chunk_as_smaller_tiles(dense_case, varlen_case, block_c, prec):
+    """The compiled GPU kernel runs a C-token chunk as C / block_c WY tiles (C = 64 in one tile
+    does not fit an H200's shared memory): the same recurrence, so outputs, final states and the
+    chunk states every C tokens (not every block_c) match the token scan, dense and varlen."""
+    x, S0, (o_ref, s_ref) = dense_case["k3_floor"]
+    o, s, cs = chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=32,
+                                return_chunk_states=True, interpret=True, variant="gpu",
+                                block_c=block_c, dot_precision=prec)
+    assert cs.shape == (B, 4, H, K, V)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    states = token_states(*x, S0)
+    for c, end in enumerate([32, 64, 96, 100]):
+        assert rel_err(cs[:, c], states[:, end - 1]) <= TOL
+    cu, xv, init, (ov_ref, sv_ref, _) = varlen_case
+    ov, sv = chunk_kda_pallas(*xv, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                              chunk_size=32, interpret=True, variant="gpu", block_c=block_c,
+                              dot_precision=prec)
+    assert rel_err(ov, ov_ref) <= TOL and rel_err(sv, sv_ref) <= TOL
+    with pytest.raises(ValueError, match="block_c"):
+        chunk_kda_pallas(*x, chunk_size=32, interpret=True, variant="gpu", block_c=12)
+
+
+def test_compiled_defaults_and_decode_token_blocks():
+    """What the compiled GPU kernels default to (tensor-core tf32x3, 16-token tiles) and what the
+    interpreted ones keep; a decode row runs a 1-token block, not 1 token + 7 of padding."""
+    assert default_dot_precision("gpu", False) == "tf32x3"
+    assert default_dot_precision("gpu", True) == default_dot_precision("tpu", False) == "highest"
+    assert default_block_c(64, False) == 16 and default_block_c(64, True) == 64
+    assert [fit_block_t(8, T) for T in (1, 2, 3, 5, 8, 9, 100)] == [1, 2, 4, 8, 8, 8, 8]
+    with pytest.raises(ValueError, match="block_t"):
+        fit_block_t(6, 4)

@@ -102,6 +102,23 @@ def _mm_nt(a, b, prec="highest", emulate=False):
     return _dot(a, b, (((1,), (1,)), ((), ())), prec, emulate)
 
 
+def default_dot_precision(variant, interpret):
+    """"tf32x3" for the compiled GPU (Triton) kernel, else "highest". Triton lowers an IEEE fp32
+    dot to an unrolled FMA loop (64x64x128 is 8192 FMAs per thread per product): on an H200
+    (JAX 0.11.2, Triton lowering) the all-IEEE chunk kernel had not finished compiling after 5
+    minutes. Three TF32 passes run on tensor cores at about fp32 accuracy."""
+    return "tf32x3" if variant == "gpu" and not interpret else "highest"
+
+
+def default_block_c(C, interpret):
+    """Tokens per math tile of the GPU chunk kernel: 16 compiled, C (one tile) interpreted. Each
+    C-token chunk runs as C / block_c WY tiles back to back (the same recurrence, exactly; chunk
+    states stay every C tokens). On an H200 (tf32x3, H=96, T=8192): C=64 in one tile needs 288 KiB
+    of shared memory (227 KiB available) and does not launch; tiles of 32 took 100 ms, 16 took
+    41 ms, 8 took 46 ms (register pressure of the [C, K] fp32 tiles)."""
+    return C if interpret else min(C, 16)
+
+
 def _tree_levels(C):
     s = 1
     while s < C:
@@ -111,9 +128,13 @@ def _tree_levels(C):
 
 def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
     """One chunk of the WY form. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1].
-    `prec` applies to the data products; the gate sums that feed exp() stay IEEE fp32."""
+    `prec` applies to the data products. The gate sums that feed exp() (0/1 masks @ g) are IEEE
+    fp32 under "highest" and three-pass TF32 otherwise: the masks are exact in TF32, so that is
+    g split into two TF32 halves (~2^-22 relative per term, as close as an fp32 sum gets), and no
+    IEEE dot is left for Triton to unroll into FMA loops."""
     C = q.shape[0]
     mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    gsum = functools.partial(_mm, prec="highest" if prec == "highest" else "tf32x3", emulate=emulate)
     mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
@@ -135,7 +156,7 @@ def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
         ref_r = ((row >> (lg + 1)) << (lg + 1)) + (s - 1)     # split point of row i's block
         second = ((row >> lg) & 1) == 1
         rng = jnp.where(second, (col > ref_r) & (col <= row), (col > row) & (col <= ref_r))
-        F = jnp.exp(_mm(rng.astype(_F32), g))                 # exponent = sum of g <= 0
+        F = jnp.exp(gsum(rng.astype(_F32), g))                 # exponent = sum of g <= 0
         kF = k * F
         Akk = Akk + jnp.where(pair, mm_nt(kF, kF), zero)
         Aqk = Aqk + jnp.where(pair, mm_nt(q * F, kF), zero)
@@ -147,13 +168,13 @@ def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
     for _, pair in pairs:
         Tinv = Tinv - mm(mm(Tinv, jnp.where(pair, A, zero)), Tinv)
 
-    G = _mm(jnp.where(row >= col, 1.0, zero), g)              # inclusive cumsum [C,K]
+    G = gsum(jnp.where(row >= col, 1.0, zero), g)              # inclusive cumsum [C,K]
     eG = jnp.exp(G)
     W = mm(Tinv, beta * (k * eG))
     U = mm(Tinv, beta * v)
     Vn = U - mm(W, S)
     o = mm(q * eG, S) + mm(Aqk, Vn)
-    kd = k * jnp.exp(_mm(jnp.where(col > row, 1.0, zero), g))  # exp(Gamma_C - Gamma_j)
+    kd = k * jnp.exp(gsum(jnp.where(col > row, 1.0, zero), g))  # exp(Gamma_C - Gamma_j)
     gl = jnp.sum(g.T, axis=1, keepdims=True)                    # [K,1] = Gamma_C
     S = jnp.exp(gl) * S + mm(kd.T, Vn)
     return S, o
@@ -280,10 +301,15 @@ def _triton_params():
     return pltriton.CompilerParams(num_warps=4, num_stages=1)
 
 
-def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret):
+def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
+              block_c=None):
     H, TT, K = q.shape
     V = v.shape[-1]
     NB = TT // C
+    bc = C if block_c is None else block_c      # math tile; chunk states stay every C tokens
+    if C % bc or bc & (bc - 1):
+        raise ValueError(f"block_c={bc} must be a power of two dividing the chunk size {C}")
+    sub = C // bc
     nV = V // block_v
     S_n = states.shape[0]
     r_start, r_end, r_state, r_valid = rows
@@ -297,12 +323,15 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
 
         @pl.when(va_ref[r] == 1)
         def _():
-            def body(c, S):
-                off = pl.multiple_of(c * C, C)
-                sl = pl.ds(off, C)
+            def tile(i, S):                   # one math tile of `bc` tokens at token i * bc
+                sl = pl.ds(pl.multiple_of(i * bc, bc), bc)
                 S, o = math(S, q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :],
                             b_ref[sl, :])
                 o_ref[sl, :] = o.astype(o_ref.dtype)
+                return S
+
+            def body(c, S):                       # one chunk of C tokens = C / bc tiles
+                S = tile(c, S) if sub == 1 else lax.fori_loop(c * sub, (c + 1) * sub, tile, S)
                 if cs_ref is not None:
                     cs_ref[c] = S
                 return S
@@ -369,7 +398,7 @@ def _pick_block_v(V, block_v, variant):
 
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-          variant, dot_precision="highest", state_dtype=None):
+          variant, dot_precision="highest", state_dtype=None, block_c=None):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
     `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent")."""
     variant = variant or _default_variant()
@@ -392,6 +421,8 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
     if variant == "gpu":
         if not interpret and not triton_available():
             raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
+        if kind == "chunk":
+            kw["block_c"] = default_block_c(C, interpret) if block_c is None else block_c
         return _call_gpu(math, q, k, v, g, beta, states, rows, **kw)
     raise ValueError(f"variant={variant!r}")
 
@@ -426,7 +457,8 @@ def _unprep_dense(o, B, T, NCb, C):
 
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
-         return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None):
+         return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None,
+         block_c=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -438,7 +470,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
                   else initial_state.astype(_F32))
         res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                     chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                    dot_precision=dot_precision, state_dtype=state_dtype)
+                    dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c)
         o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
@@ -462,7 +494,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
               else initial_state.astype(_F32))
     res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                 chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                dot_precision=dot_precision, state_dtype=state_dtype)
+                dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c)
     o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
@@ -471,23 +503,37 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     return out
 
 
+def fit_block_t(block_t, T):
+    """The recurrent kernel's token block for rows of T tokens: ``block_t``, or the smallest power
+    of two >= T when that is less. A decode row (T = 1) then runs one token, not one token and
+    ``block_t - 1`` padding tokens of the same unrolled state update."""
+    block_t = int(block_t)
+    if block_t < 1 or block_t & (block_t - 1):
+        raise ValueError(f"block_t={block_t} must be a power of two")
+    return min(block_t, 1 << max(0, int(T) - 1).bit_length())
+
+
 # ----------------------------------------------------------------------------------------
 # public entry points (called by ops.py)
 # ----------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
-                                             "variant", "dot_precision", "state_dtype"))
+                                             "variant", "dot_precision", "state_dtype", "block_c"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
-                     variant=None, dot_precision="highest", state_dtype=None):
+                     variant=None, dot_precision=None, state_dtype=None, block_c=None):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
-    ``dot_precision`` (GPU): "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for
-    the chunk's data matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding."""
+    ``dot_precision``: "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for the
+    chunk's matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding. None picks
+    ``default_dot_precision``: "tf32x3" for the compiled GPU kernel, "highest" elsewhere.
+    ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``)."""
+    if dot_precision is None:
+        dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision, state_dtype)
+                variant, dot_precision, state_dtype, block_c)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
@@ -495,7 +541,10 @@ def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
 def fused_recurrent_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                                output_final_state=False, cu_seqlens=None, interpret=False,
                                block_t=8, block_v=None, variant=None, state_dtype=None):
-    """Pallas recurrent KDA (token loop in blocks of ``block_t`` tokens)."""
+    """Pallas recurrent KDA (token loop in blocks of ``block_t`` tokens, fewer when dense T is
+    shorter: see ``fit_block_t``)."""
+    if cu_seqlens is None:
+        block_t = fit_block_t(block_t, q.shape[1])
     return _run("recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(block_t), False, interpret, block_v, variant, state_dtype=state_dtype)
 
@@ -509,7 +558,7 @@ def fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids, scal
     are skipped (nothing written, output zero)."""
     B, T, H, K = q.shape
     scale = float(K) ** -0.5 if scale is None else scale
-    C = int(block_t)
+    C = fit_block_t(block_t, T)
     xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
     slot_ids = slot_ids.astype(jnp.int32)
     valid = slot_ids >= 0
