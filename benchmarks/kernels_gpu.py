@@ -801,6 +801,11 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     case["dot_precision_variants"] = {
         prec: _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T)
         for prec in PREFILL_DOT_PRECISIONS if prec != case["dot_precision"]}
+    # the split form (XLA-batched chunk terms + the state products in Pallas) and the jnp
+    # reference itself (XLA's lax.scan over chunks): what the fused kernel is up against
+    case["form_variants"] = {"split": _prefill_precision_variant(
+        cfg, roof, interpret, x, S0, ref, scale, case["dot_precision"], flops, T, form="split")}
+    case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
     if peer is not None:
         x_np = [np.asarray(a) for a in x]
         ref_np = (np.asarray(ref[0]), np.asarray(ref[1]))
@@ -810,7 +815,8 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
                 target_s=cfg["pipeline_target_s"]), case["time"]["median"])
             if "time" in r:
                 _rates(r, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
-                for v in case["dot_precision_variants"].values():  # fla time / variant time
+                for v in [*case["dot_precision_variants"].values(), *case["form_variants"].values(),
+                          case["reference_xla"]]:                    # fla time / variant time
                     if "time" in v:
                         v.setdefault("ratio_ours_over_peer", {})[variant] = (
                             r["time"]["median"] / v["time"]["median"])
@@ -818,19 +824,38 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     return case
 
 
-def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T):
-    """The Pallas chunk kernel with tensor-core data products (``dot_precision=prec``), checked
-    against the fp32 reference and timed like the main case; errors are recorded, not raised."""
+def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
+    """The jnp reference (``backend="reference"``) timed like the kernels; errors recorded."""
+    try:
+        fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda(q, k, v, g, b, scale=scale, initial_state=s0,
+                                                         output_final_state=True, backend="reference"))
+        args = tuple(x) + (S0,)
+        _, comp = _timed_first_call(fn, *args)
+        res = dict(impl="reference", compile_s=comp)
+        res["time"], res["time_blocked"] = time_jax(fn, args, cfg)
+        B, H, K, V = 1, x[0].shape[2], x[0].shape[3], x[2].shape[3]
+        _rates(res, roof, flops=flops, bytes_=kb.kda_io_bytes(B, T, H, K, V), tokens=T)
+        res["status"] = "ok"
+        return res
+    except Exception as e:  # noqa: BLE001
+        return dict(impl="reference", status="error", error=f"{type(e).__name__}: {e}"[:2000])
+
+
+def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form="fused"):
+    """The Pallas chunk kernel with tensor-core data products (``dot_precision=prec``) or in
+    another ``form``, checked against the fp32 reference and timed like the main case; errors
+    are recorded, not raised."""
     from pallas_kernels.kda.pallas_kda import chunk_kda_pallas
     try:
         fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda_pallas(
             q, k, v, g, b, scale=scale, initial_state=s0, output_final_state=True,
-            interpret=interpret, dot_precision=prec))
+            interpret=interpret, dot_precision=prec, form=form,
+            variant="gpu" if form == "split" else None))
         args = tuple(x) + (S0,)
         (o, s), comp = _timed_first_call(fn, *args)
-        res = dict(dot_precision=prec, compile_s=comp, check=check(
+        res = dict(dot_precision=prec, form=form, compile_s=comp, check=check(
             {"o": (o, ref[0]), "final_state": (s, ref[1])},
-            "kda_f32" if prec == "tf32x3" else "kda_tf32"))
+            "kda_tf32" if prec == "tf32" else "kda_f32"))
         del o, s
         res["time"], res["time_blocked"] = time_jax(fn, args, cfg)
         B, H, K, V = 1, x[0].shape[2], x[0].shape[3], x[2].shape[3]
@@ -838,7 +863,7 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
         res["status"] = "ok"
         return res
     except Exception as e:  # noqa: BLE001
-        return dict(dot_precision=prec, status="error", error=f"{type(e).__name__}: {e}"[:2000],
+        return dict(dot_precision=prec, form=form, status="error", error=f"{type(e).__name__}: {e}"[:2000],
                     traceback=traceback.format_exc()[-2000:])
 
 
@@ -984,17 +1009,21 @@ def summarize(cases):
         ratios = {v: p["ratio_ours_over_peer"] for v, p in (c.get("peer") or {}).items()
                   if "ratio_ours_over_peer" in p}
         if c["op"] == "chunk_kda":
-            variants = {p: dict(tokens_per_s=v.get("tokens_per_s"),
-                                check_passed=(v.get("check") or {}).get("passed"),
-                                ratio_ours_over_fla=v.get("ratio_ours_over_peer", {}),
-                                met={f: r >= GOAL_PREFILL_RATIO
-                                     for f, r in v.get("ratio_ours_over_peer", {}).items()},
-                                error=v.get("error"))
-                        for p, v in (c.get("dot_precision_variants") or {}).items()}
+            roll = lambda vs: {p: dict(tokens_per_s=v.get("tokens_per_s"),
+                                       check_passed=(v.get("check") or {}).get("passed"),
+                                       ratio_ours_over_fla=v.get("ratio_ours_over_peer", {}),
+                                       met={f: r >= GOAL_PREFILL_RATIO
+                                            for f, r in v.get("ratio_ours_over_peer", {}).items()},
+                                       error=v.get("error"))
+                               for p, v in vs.items()}
             prefill.append(dict(case=c["name"], tokens_per_s=c["tokens_per_s"],
+                                dot_precision=c.get("dot_precision"),
                                 ratio_ours_over_fla=ratios,
                                 met={v: r >= GOAL_PREFILL_RATIO for v, r in ratios.items()},
-                                dot_precision_variants=variants))
+                                dot_precision_variants=roll(c.get("dot_precision_variants") or {}),
+                                form_variants=roll(c.get("form_variants") or {}),
+                                reference_xla=roll({"reference": c["reference_xla"]})["reference"]
+                                if "reference_xla" in c else None))
         if c["op"] == "fused_recurrent_kda_pool":
             decode.append(dict(case=c["name"], batch=c["shape"]["B"], gbps=c["gbps"],
                                fraction_of_bandwidth=c["fraction_of_bandwidth"],

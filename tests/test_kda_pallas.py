@@ -268,3 +268,42 @@ def test_compiled_defaults_and_decode_token_blocks():
     assert [fit_block_t(8, T) for T in (1, 2, 3, 5, 8, 9, 100)] == [1, 2, 4, 8, 8, 8, 8]
     with pytest.raises(ValueError, match="block_t"):
         fit_block_t(6, 4)
+
+
+@pytest.mark.parametrize("prec", ["highest", "tf32x3"])
+def test_split_form_matches_the_token_scan(dense_case, varlen_case, prec):
+    """The "split" GPU form (every chunk's state-independent terms batched in XLA, the kernel doing
+    only the four state products per chunk): outputs, final and chunk states match the token scan,
+    dense and varlen; with a bf16 state it rounds per chunk exactly as the fused form does."""
+    x, S0, (o_ref, s_ref) = dense_case["k3_floor"]
+    run = lambda form, **kw: chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=32,
+                                              interpret=True, variant="gpu", dot_precision=prec,
+                                              form=form, **kw)
+    o, s, cs = run("split", return_chunk_states=True)
+    assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
+    states = token_states(*x, S0)
+    for c, end in enumerate([32, 64, 96, 100]):
+        assert rel_err(cs[:, c], states[:, end - 1]) <= TOL
+    (ob, sb), (of, sf) = (run(f, state_dtype="bfloat16") for f in ("split", "fused"))
+    assert rel_err(ob, of) <= 1e-3 and rel_err(sb, sf) <= 1e-3
+    assert sb.dtype == jnp.float32 and bool(jnp.all(sb.astype(jnp.bfloat16).astype(jnp.float32) == sb))
+    cu, xv, init, (ov_ref, sv_ref, _) = varlen_case
+    ov, sv = chunk_kda_pallas(*xv, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                              chunk_size=16, interpret=True, variant="gpu", dot_precision=prec,
+                              form="split")
+    assert rel_err(ov, ov_ref) <= TOL and rel_err(sv, sv_ref) <= TOL
+    with pytest.raises(ValueError, match="form"):
+        chunk_kda_pallas(*x, interpret=True, variant="tpu", form="split")
+    with pytest.raises(ValueError, match="form"):
+        chunk_kda_pallas(*x, interpret=True, variant="gpu", form="blocked")
+
+
+def test_split_form_lowers_for_cuda():
+    from jax import export
+
+    x = make_inputs(193, 1, 70, 2, 128, 128)
+    S0 = make_state(194, 1, 2, 128, 128)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    export.export(jax.jit(lambda *a: chunk_kda_pallas(*a[:5], initial_state=a[5], output_final_state=True,
+                                                      return_chunk_states=True, variant="gpu", form="split")),
+                  platforms=["cuda"], disabled_checks=checks)(*x, S0)

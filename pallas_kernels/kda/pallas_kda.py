@@ -68,6 +68,10 @@ _F32 = jnp.float32
 # fp32): "highest" = IEEE fp32 (CUDA cores on GPU), "tf32x3" = three TF32 tensor-core passes
 # (hi*hi + hi*lo + lo*hi, ~fp32 accuracy), "tf32" = one TF32 pass (~1e-3 relative).
 DOT_PRECISIONS = ("highest", "tf32x3", "tf32")
+# How the GPU chunk kernel is organised: "fused" = one kernel doing each chunk's whole WY form
+# in the state's loop; "split" = the state-independent terms of every chunk computed at once by
+# XLA (batched), the kernel doing only the four state products per chunk (fla's organisation).
+FORMS = ("fused", "split")
 _PRESET = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
            "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 
@@ -126,16 +130,18 @@ def _tree_levels(C):
         s *= 2
 
 
-def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
-    """One chunk of the WY form. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1].
+def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
+    """The state-independent part of one chunk of the WY form: q,k,g [C,K]; v [C,Vb]; beta [C,1].
+    Returns W [C,K], U [C,Vb], Q = q*exp(Gamma) [C,K], Aqk [C,C] (lower incl. diagonal),
+    Kd = k*exp(Gamma_C - Gamma) [C,K] and the chunk decay exp(Gamma_C) as [K,1].
     `prec` applies to the data products. The gate sums that feed exp() (0/1 masks @ g) are IEEE
     fp32 under "highest" and three-pass TF32 otherwise: the masks are exact in TF32, so that is
     g split into two TF32 halves (~2^-22 relative per term, as close as an fp32 sum gets), and no
     IEEE dot is left for Triton to unroll into FMA loops."""
     C = q.shape[0]
     mm = functools.partial(_mm, prec=prec, emulate=emulate)
-    gsum = functools.partial(_mm, prec="highest" if prec == "highest" else "tf32x3", emulate=emulate)
     mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
+    gsum = functools.partial(_mm, prec="highest" if prec == "highest" else "tf32x3", emulate=emulate)
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     zero = jnp.zeros((C, C), _F32)
@@ -172,12 +178,23 @@ def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
     eG = jnp.exp(G)
     W = mm(Tinv, beta * (k * eG))
     U = mm(Tinv, beta * v)
-    Vn = U - mm(W, S)
-    o = mm(q * eG, S) + mm(Aqk, Vn)
     kd = k * jnp.exp(gsum(jnp.where(col > row, 1.0, zero), g))  # exp(Gamma_C - Gamma_j)
-    gl = jnp.sum(g.T, axis=1, keepdims=True)                    # [K,1] = Gamma_C
-    S = jnp.exp(gl) * S + mm(kd.T, Vn)
+    decay = jnp.exp(jnp.sum(g.T, axis=1, keepdims=True))         # [K,1] = exp(Gamma_C)
+    return W, U, q * eG, Aqk, kd, decay
+
+
+def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
+    """The state-dependent part of one chunk: S [K,Vb] -> (S', o [C,Vb]); four products."""
+    mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    Vn = U - mm(W, S)
+    o = mm(Q, S) + mm(Aqk, Vn)
+    S = decay * S + mm(Kd.T, Vn)
     return S, o
+
+
+def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
+    """One chunk of the WY form. S [K,Vb]; q,k,g [C,K]; v [C,Vb]; beta [C,1]."""
+    return _chunk_apply(S, *_chunk_prep(q, k, v, g, beta, prec, emulate), prec, emulate)
 
 
 def _recurrent_math(S, q, k, v, g, beta, state_dtype=None):
@@ -362,6 +379,78 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
     )(r_start, r_end, r_state, r_valid, q, k, v, g, beta, states)
 
 
+def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, prec,
+                    state_dtype):
+    """The "split" form's recurrence (GPU plumbing): ``prep`` = (W, U, Q, Aqk, Kd, decay) laid out
+    [H, NB*C, K|V|C] and decay [H, NB*K, 1], computed for every chunk at once outside the kernel
+    (``_split_prep``); each program walks its row's chunks doing only the four state products."""
+    W, U, Q, Aqk, Kd, decay = prep
+    H, TT, K = W.shape
+    V = U.shape[-1]
+    NB = TT // C
+    nV = V // block_v
+    S_n = states.shape[0]
+    r_start, r_end, r_state, r_valid = rows
+    R = r_start.shape[0]
+    apply = functools.partial(_chunk_apply, prec=prec, emulate=interpret)
+
+    def kernel(rs_ref, re_ref, st_ref, va_ref, w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref, s_in_ref,
+               o_ref, s_out_ref, *rest):
+        cs_ref = rest[0] if chunk_states else None
+        r = pl.program_id(2)
+        slot = st_ref[r]
+
+        @pl.when(va_ref[r] == 1)
+        def _():
+            def body(c, S):
+                sl = pl.ds(pl.multiple_of(c * C, C), C)
+                S, o = apply(S, w_ref[sl, :], u_ref[sl, :], q_ref[sl, :], a_ref[sl, :], kd_ref[sl, :],
+                             d_ref[pl.ds(pl.multiple_of(c * K, K), K), :])
+                S = ref.round_state(S, state_dtype)
+                o_ref[sl, :] = o.astype(o_ref.dtype)
+                if cs_ref is not None:
+                    cs_ref[c] = S
+                return S
+
+            S = lax.fori_loop(rs_ref[r], re_ref[r], body, s_in_ref[slot])
+            s_out_ref[slot] = S
+
+    meta_spec = pl.BlockSpec((R,), lambda h, j, r: (0,))
+    tok = lambda D: pl.BlockSpec((None, TT, D), lambda h, j, r: (h, 0, 0))
+    vtok = pl.BlockSpec((None, TT, block_v), lambda h, j, r: (h, 0, j))
+    dspec = pl.BlockSpec((None, NB * K, 1), lambda h, j, r: (h, 0, 0))
+    sspec = pl.BlockSpec((S_n, None, K, block_v), lambda h, j, r: (0, h, 0, j))
+    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32),
+                 jax.ShapeDtypeStruct(states.shape, _F32)]
+    out_specs = [vtok, sspec]
+    if chunk_states:
+        out_shape.append(jax.ShapeDtypeStruct((NB, H, K, V), _F32))
+        out_specs.append(pl.BlockSpec((NB, None, K, block_v), lambda h, j, r: (0, h, 0, j)))
+    return pl.pallas_call(
+        kernel,
+        out_shape=tuple(out_shape),
+        grid=(H, nV, R),
+        in_specs=[meta_spec] * 4 + [tok(K), vtok, tok(K), tok(C), tok(K), dspec, sspec],
+        out_specs=out_specs,
+        input_output_aliases={4 + 6: 1},
+        compiler_params=None if interpret else _triton_params(),
+        interpret=interpret,
+        name="kda_chunk_split_gpu",
+    )(r_start, r_end, r_state, r_valid, W, U, Q, Aqk, Kd, decay, states)
+
+
+def _split_prep(q, k, v, g, beta, C):
+    """Every chunk's state-independent terms at once (plain XLA, batched over heads and chunks,
+    IEEE fp32): [H, NB*C, D] inputs -> the layouts ``_call_gpu_split`` reads."""
+    H, TT, K = q.shape
+    NB = TT // C
+    per_chunk = lambda x: x.reshape((H, NB, C) + x.shape[2:])
+    prep = jax.vmap(jax.vmap(functools.partial(_chunk_prep, prec="highest")))(
+        *map(per_chunk, (q, k, v, g, beta)))
+    W, U, Q, Aqk, Kd, decay = (x.reshape((H, NB * x.shape[2]) + x.shape[3:]) for x in prep)
+    return W, U, Q, Aqk, Kd, decay                     # decay [H, NB*K, 1]
+
+
 def _block_meta(rows, NB):
     """Per-block (state index, first flag, mode) for the TPU variant from per-row data."""
     r_start, r_end, r_state, r_valid = rows
@@ -398,7 +487,7 @@ def _pick_block_v(V, block_v, variant):
 
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-          variant, dot_precision="highest", state_dtype=None, block_c=None):
+          variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused"):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
     `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent")."""
     variant = variant or _default_variant()
@@ -416,6 +505,16 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
     kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
               chunk_states=chunk_states,
               interpret=interpret)
+    if form not in FORMS:
+        raise ValueError(f"form={form!r}; expected one of {FORMS}")
+    if form == "split":
+        if kind != "chunk" or variant != "gpu":
+            raise ValueError("form='split' is the chunk kernel's GPU-variant form")
+        if not interpret and not triton_available():
+            raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
+        return _call_gpu_split(_split_prep(q, k, v, g, beta, C), states, rows, C=C,
+                               block_v=kw["block_v"], chunk_states=chunk_states,
+                               interpret=interpret, prec=dot_precision, state_dtype=state_dtype)
     if variant == "tpu":
         return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
     if variant == "gpu":
@@ -458,7 +557,7 @@ def _unprep_dense(o, B, T, NCb, C):
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
          return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None,
-         block_c=None):
+         block_c=None, form="fused"):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -470,7 +569,8 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
                   else initial_state.astype(_F32))
         res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                     chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                    dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c)
+                    dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c,
+                    form=form)
         o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
@@ -494,7 +594,8 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
               else initial_state.astype(_F32))
     res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                 chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c)
+                dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c,
+                    form=form)
     o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
@@ -518,22 +619,25 @@ def fit_block_t(block_t, T):
 # ----------------------------------------------------------------------------------------
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
-                                             "variant", "dot_precision", "state_dtype", "block_c"))
+                                             "variant", "dot_precision", "state_dtype", "block_c",
+                                             "form"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
-                     variant=None, dot_precision=None, state_dtype=None, block_c=None):
+                     variant=None, dot_precision=None, state_dtype=None, block_c=None,
+                     form="fused"):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
     ``dot_precision``: "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for the
     chunk's matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding. None picks
     ``default_dot_precision``: "tf32x3" for the compiled GPU kernel, "highest" elsewhere.
-    ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``)."""
+    ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``).
+    ``form`` (GPU variant): "fused" or "split" (see ``FORMS``)."""
     if dot_precision is None:
         dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision, state_dtype, block_c)
+                variant, dot_precision, state_dtype, block_c, form)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
