@@ -950,7 +950,18 @@ def bench_mla(cfg, roof, interpret, H, B, S):
     case["reference"] = dict(op="paged_mla_decode_reference (jnp)", time=rt, time_blocked=rtb)
     case["speedup_vs_reference"] = rt["median"] / case["time"]["median"]
     flops, bytes_ = kb.mla_cost(B, S, H, 512, 64, args[3].size)
-    return _rates(case, roof, flops=flops, bytes_=bytes_, mm="matmul_bfloat16")
+    _rates(case, roof, flops=flops, bytes_=bytes_, mm="matmul_bfloat16")
+    if not interpret and jax.default_backend() == "gpu":   # the Triton kernel: split-K or not
+        from pallas_kernels.mla.kernel import default_num_splits, paged_mla_decode_pallas
+        case["num_splits"] = default_num_splits(B, -(-H // 16) if H % 32 else H // 32, args[3].shape[1])
+        try:
+            f1 = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=MLA_SCALE, num_splits=1))
+            _block(f1(*args))
+            t1, _ = time_jax(f1, args, cfg)
+            case["one_split"] = dict(time=t1, speedup_of_default=t1["median"] / case["time"]["median"])
+        except Exception as e:  # noqa: BLE001
+            case["one_split"] = dict(error=f"{type(e).__name__}: {e}"[:1000])
+    return case
 
 
 # ----------------------------------------------------------------------------------------

@@ -191,3 +191,34 @@ def test_decode_work_follows_length_only_for_the_gpu_kernel(monkeypatch, platfor
     monkeypatch.setattr(jax, "default_backend", lambda: platform)
     monkeypatch.setenv("K3JAX_KERNELS", env)
     assert decode_work_follows_length(backend, interpret) is follows
+
+
+@pytest.mark.parametrize("num_splits", [2, 3, 5])
+def test_triton_split_k_matches_reference(data, num_splits):
+    """Flash-decoding on the Triton kernel: each row's pages shared by `num_splits` programs (5 > any
+    row's 3 pages leaves splits with no keys), merged by log-sum-exp; context and lse equal the
+    one-program kernel's, the empty row stays zeros / -inf."""
+    q, qr, kv = data["np"]
+    ctx, lse = jax.jit(lambda a: paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant="triton",
+                                                         return_lse=True, num_splits=num_splits))(data["args"])
+    _close(ctx, data["ref"])
+    assert np.all(np.asarray(ctx)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
+    keep = np.asarray(SEQ_LENS) > 0
+    want = _brute_lse(q, qr, kv, PAGE_TABLE, SEQ_LENS, SCALE)
+    np.testing.assert_allclose(np.asarray(lse, np.float64)[keep], want[keep], rtol=1e-5, atol=1e-5)
+    bf = {k: (v.astype(jnp.bfloat16) if v.dtype == jnp.float32 else v) for k, v in data["args"].items()}
+    one, many = (paged_mla_decode_pallas(**bf, scale=SCALE, interpret=True, variant="triton", num_splits=n)
+                 for n in (1, num_splits))
+    assert many.dtype == jnp.bfloat16
+    _close(np.asarray(many, np.float32), np.asarray(one, np.float32), rtol=2e-2)
+    with pytest.raises(ValueError, match="num_splits"):
+        paged_mla_decode_pallas(**data["args"], scale=SCALE, interpret=True, variant="triton", num_splits=0)
+
+
+def test_default_num_splits_fills_the_gpu_only_when_batch_does_not():
+    from pallas_kernels.mla.kernel import default_num_splits
+
+    assert default_num_splits(1, 1, 128) == 32           # one row of 8192 tokens (pages of 64): 4 pages each
+    assert default_num_splits(1, 1, 3) == 1              # too short to split
+    assert default_num_splits(32, 1, 128) == 9           # 32 programs -> 288
+    assert default_num_splits(256, 1, 128) == 1          # batch alone fills it
