@@ -824,6 +824,15 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     return case
 
 
+def _timed_prefill(res, fn, args, cfg, roof, flops, T):
+    """Time a prefill variant ``fn(*args)`` (B=1 inputs q, k, v, g, beta, S0) into ``res``."""
+    res["time"], res["time_blocked"] = time_jax(fn, args, cfg)
+    H, K, V = args[0].shape[2], args[0].shape[3], args[2].shape[3]
+    _rates(res, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
+    res["status"] = "ok"
+    return res
+
+
 def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
     """The jnp reference (``backend="reference"``) timed like the kernels; errors recorded."""
     try:
@@ -831,12 +840,7 @@ def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
                                                          output_final_state=True, backend="reference"))
         args = tuple(x) + (S0,)
         _, comp = _timed_first_call(fn, *args)
-        res = dict(impl="reference", compile_s=comp)
-        res["time"], res["time_blocked"] = time_jax(fn, args, cfg)
-        B, H, K, V = 1, x[0].shape[2], x[0].shape[3], x[2].shape[3]
-        _rates(res, roof, flops=flops, bytes_=kb.kda_io_bytes(B, T, H, K, V), tokens=T)
-        res["status"] = "ok"
-        return res
+        return _timed_prefill(dict(impl="reference", compile_s=comp), fn, args, cfg, roof, flops, T)
     except Exception as e:  # noqa: BLE001
         return dict(impl="reference", status="error", error=f"{type(e).__name__}: {e}"[:2000])
 
@@ -857,11 +861,7 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
             {"o": (o, ref[0]), "final_state": (s, ref[1])},
             "kda_tf32" if prec == "tf32" else "kda_f32"))
         del o, s
-        res["time"], res["time_blocked"] = time_jax(fn, args, cfg)
-        B, H, K, V = 1, x[0].shape[2], x[0].shape[3], x[2].shape[3]
-        _rates(res, roof, flops=flops, bytes_=kb.kda_io_bytes(B, T, H, K, V), tokens=T)
-        res["status"] = "ok"
-        return res
+        return _timed_prefill(res, fn, args, cfg, roof, flops, T)
     except Exception as e:  # noqa: BLE001
         return dict(dot_precision=prec, form=form, status="error", error=f"{type(e).__name__}: {e}"[:2000],
                     traceback=traceback.format_exc()[-2000:])

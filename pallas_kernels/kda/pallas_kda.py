@@ -321,62 +321,77 @@ def _triton_params():
 def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
               block_c=None):
     H, TT, K = q.shape
-    V = v.shape[-1]
-    NB = TT // C
     bc = C if block_c is None else block_c      # math tile; chunk states stay every C tokens
     if C % bc or bc & (bc - 1):
         raise ValueError(f"block_c={bc} must be a power of two dividing the chunk size {C}")
     sub = C // bc
-    nV = V // block_v
-    S_n = states.shape[0]
-    r_start, r_end, r_state, r_valid = rows
-    R = r_start.shape[0]
 
-    def kernel(rs_ref, re_ref, st_ref, va_ref, q_ref, k_ref, v_ref, g_ref, b_ref, s_in_ref,
-               o_ref, s_out_ref, *rest):
-        cs_ref = rest[0] if chunk_states else None
+    def chunk(c, S, ins, o_ref):                  # one chunk of C tokens = C / bc math tiles
+        def tile(i, S):
+            sl = pl.ds(pl.multiple_of(i * bc, bc), bc)
+            S, o = math(S, *(x[sl, :] for x in ins))
+            o_ref[sl, :] = o.astype(o_ref.dtype)
+            return S
+
+        return tile(c, S) if sub == 1 else lax.fori_loop(c * sub, (c + 1) * sub, tile, S)
+
+    return _gpu_rows_call(chunk, "kda_scan_gpu", (q, k, v, g, beta), ("K", "K", "V", "K", 1), states, rows,
+                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret)
+
+
+def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret):
+    """The GPU variant: grid (H, V / block_v, rows). Each program runs row r's chunks
+    ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
+    registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
+    Inputs: the 4 row-metadata vectors, ``operands`` [H, n, width] as whole rows per head (width
+    "V": this program's V block; "K" or an int: all of it), the state array (aliased to output 1).
+    Outputs: o [H, TT, V] (TT = the first operand's n, V = the states'), the states, and with
+    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V]."""
+    H, TT, K = operands[0].shape
+    S_n, V = states.shape[0], states.shape[-1]
+    R = rows[0].shape[0]
+    n_in = len(operands)
+
+    def kernel(rs_ref, re_ref, st_ref, va_ref, *refs):
+        ins, s_in_ref = refs[:n_in], refs[n_in]
+        o_ref, s_out_ref = refs[n_in + 1], refs[n_in + 2]
+        cs_ref = refs[n_in + 3] if num_chunks else None
         r = pl.program_id(2)
         slot = st_ref[r]
 
         @pl.when(va_ref[r] == 1)
         def _():
-            def tile(i, S):                   # one math tile of `bc` tokens at token i * bc
-                sl = pl.ds(pl.multiple_of(i * bc, bc), bc)
-                S, o = math(S, q_ref[sl, :], k_ref[sl, :], v_ref[sl, :], g_ref[sl, :],
-                            b_ref[sl, :])
-                o_ref[sl, :] = o.astype(o_ref.dtype)
-                return S
-
-            def body(c, S):                       # one chunk of C tokens = C / bc tiles
-                S = tile(c, S) if sub == 1 else lax.fori_loop(c * sub, (c + 1) * sub, tile, S)
+            def body(c, S):
+                S = chunk(c, S, ins, o_ref)
                 if cs_ref is not None:
                     cs_ref[c] = S
                 return S
 
-            S = lax.fori_loop(rs_ref[r], re_ref[r], body, s_in_ref[slot])
-            s_out_ref[slot] = S
+            s_out_ref[slot] = lax.fori_loop(rs_ref[r], re_ref[r], body, s_in_ref[slot])
 
-    meta_spec = pl.BlockSpec((R,), lambda h, j, r: (0,))
-    tok = lambda D: pl.BlockSpec((None, TT, D), lambda h, j, r: (h, 0, 0))
-    vtok = pl.BlockSpec((None, TT, block_v), lambda h, j, r: (h, 0, j))
+    def tok(width, n=TT):
+        if width == "V":
+            return pl.BlockSpec((None, n, block_v), lambda h, j, r: (h, 0, j))
+        return pl.BlockSpec((None, n, K if width == "K" else width), lambda h, j, r: (h, 0, 0))
+
     sspec = pl.BlockSpec((S_n, None, K, block_v), lambda h, j, r: (0, h, 0, j))
-    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32),
-                 jax.ShapeDtypeStruct(states.shape, _F32)]
-    out_specs = [vtok, sspec]
-    if chunk_states:
-        out_shape.append(jax.ShapeDtypeStruct((NB, H, K, V), _F32))
-        out_specs.append(pl.BlockSpec((NB, None, K, block_v), lambda h, j, r: (0, h, 0, j)))
+    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32), jax.ShapeDtypeStruct(states.shape, _F32)]
+    out_specs = [tok("V"), sspec]
+    if num_chunks:
+        out_shape.append(jax.ShapeDtypeStruct((num_chunks, H, K, V), _F32))
+        out_specs.append(pl.BlockSpec((num_chunks, None, K, block_v), lambda h, j, r: (0, h, 0, j)))
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
-        grid=(H, nV, R),
-        in_specs=[meta_spec] * 4 + [tok(K), tok(K), vtok, tok(K), tok(1), sspec],
+        grid=(H, V // block_v, R),
+        in_specs=[pl.BlockSpec((R,), lambda h, j, r: (0,))] * 4
+        + [tok(w, x.shape[1]) for w, x in zip(widths, operands)] + [sspec],
         out_specs=out_specs,
-        input_output_aliases={4 + 5: 1},
+        input_output_aliases={4 + n_in: 1},
         compiler_params=None if interpret else _triton_params(),
         interpret=interpret,
-        name="kda_scan_gpu",
-    )(r_start, r_end, r_state, r_valid, q, k, v, g, beta, states)
+        name=name,
+    )(*rows, *operands, states)
 
 
 def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, prec,
@@ -384,59 +399,19 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
     """The "split" form's recurrence (GPU plumbing): ``prep`` = (W, U, Q, Aqk, Kd, decay) laid out
     [H, NB*C, K|V|C] and decay [H, NB*K, 1], computed for every chunk at once outside the kernel
     (``_split_prep``); each program walks its row's chunks doing only the four state products."""
-    W, U, Q, Aqk, Kd, decay = prep
-    H, TT, K = W.shape
-    V = U.shape[-1]
-    NB = TT // C
-    nV = V // block_v
-    S_n = states.shape[0]
-    r_start, r_end, r_state, r_valid = rows
-    R = r_start.shape[0]
+    H, TT, K = prep[0].shape
     apply = functools.partial(_chunk_apply, prec=prec, emulate=interpret)
 
-    def kernel(rs_ref, re_ref, st_ref, va_ref, w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref, s_in_ref,
-               o_ref, s_out_ref, *rest):
-        cs_ref = rest[0] if chunk_states else None
-        r = pl.program_id(2)
-        slot = st_ref[r]
+    def chunk(c, S, ins, o_ref):
+        sl = pl.ds(pl.multiple_of(c * C, C), C)
+        w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref = ins
+        S, o = apply(S, w_ref[sl, :], u_ref[sl, :], q_ref[sl, :], a_ref[sl, :], kd_ref[sl, :],
+                     d_ref[pl.ds(pl.multiple_of(c * K, K), K), :])
+        o_ref[sl, :] = o.astype(o_ref.dtype)
+        return ref.round_state(S, state_dtype)
 
-        @pl.when(va_ref[r] == 1)
-        def _():
-            def body(c, S):
-                sl = pl.ds(pl.multiple_of(c * C, C), C)
-                S, o = apply(S, w_ref[sl, :], u_ref[sl, :], q_ref[sl, :], a_ref[sl, :], kd_ref[sl, :],
-                             d_ref[pl.ds(pl.multiple_of(c * K, K), K), :])
-                S = ref.round_state(S, state_dtype)
-                o_ref[sl, :] = o.astype(o_ref.dtype)
-                if cs_ref is not None:
-                    cs_ref[c] = S
-                return S
-
-            S = lax.fori_loop(rs_ref[r], re_ref[r], body, s_in_ref[slot])
-            s_out_ref[slot] = S
-
-    meta_spec = pl.BlockSpec((R,), lambda h, j, r: (0,))
-    tok = lambda D: pl.BlockSpec((None, TT, D), lambda h, j, r: (h, 0, 0))
-    vtok = pl.BlockSpec((None, TT, block_v), lambda h, j, r: (h, 0, j))
-    dspec = pl.BlockSpec((None, NB * K, 1), lambda h, j, r: (h, 0, 0))
-    sspec = pl.BlockSpec((S_n, None, K, block_v), lambda h, j, r: (0, h, 0, j))
-    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32),
-                 jax.ShapeDtypeStruct(states.shape, _F32)]
-    out_specs = [vtok, sspec]
-    if chunk_states:
-        out_shape.append(jax.ShapeDtypeStruct((NB, H, K, V), _F32))
-        out_specs.append(pl.BlockSpec((NB, None, K, block_v), lambda h, j, r: (0, h, 0, j)))
-    return pl.pallas_call(
-        kernel,
-        out_shape=tuple(out_shape),
-        grid=(H, nV, R),
-        in_specs=[meta_spec] * 4 + [tok(K), vtok, tok(K), tok(C), tok(K), dspec, sspec],
-        out_specs=out_specs,
-        input_output_aliases={4 + 6: 1},
-        compiler_params=None if interpret else _triton_params(),
-        interpret=interpret,
-        name="kda_chunk_split_gpu",
-    )(r_start, r_end, r_state, r_valid, W, U, Q, Aqk, Kd, decay, states)
+    return _gpu_rows_call(chunk, "kda_chunk_split_gpu", prep, ("K", "V", "K", C, "K", 1), states, rows,
+                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret)
 
 
 def _split_prep(q, k, v, g, beta, C):
