@@ -88,8 +88,10 @@ def _time_pair(f1, f2, args, reps):
 # ----------------------------------------------------------------------------------------
 # roofline probes
 # ----------------------------------------------------------------------------------------
-def measure_roofline(quick, reps):
-    n = (1 << 22) if quick else (1 << 26)             # 16 MiB / 256 MiB of fp32
+def measure_roofline(quick, reps, n=None, m=None):
+    """Bandwidth over ``n`` fp32 values and matmul rates at ``m``^3 (defaults: 256 MiB and 2048, or
+    16 MiB and 512 with ``quick``; an accelerator needs larger ones, see ``kernels_gpu.py``)."""
+    n = n or ((1 << 22) if quick else (1 << 26))       # 16 MiB / 256 MiB of fp32
     x = jnp.arange(n, dtype=jnp.float32)
     # one op into a fresh output buffer (what a single XLA op sees, allocation included) ...
     t1, _ = _time(jax.jit(lambda a: a + 1.0), (x,), reps)
@@ -103,7 +105,7 @@ def measure_roofline(quick, reps):
         single_op=dict(time=t1, gbps=single / 1e9),
         sustained=dict(time=t8, gbps=sustained / 1e9),
         gbps=max(single, sustained) / 1e9))
-    m = 512 if quick else 2048
+    m = m or (512 if quick else 2048)
     for dt in (jnp.float32, jnp.bfloat16):
         a = jax.random.normal(jax.random.PRNGKey(0), (m, m), jnp.float32).astype(dt)
         f = jax.jit(lambda p, q: jnp.dot(p, q, precision=jax.lax.Precision.HIGHEST,

@@ -110,6 +110,9 @@ TOL = {
     # one-pass TF32 data products (10-bit mantissas; gate sums stay fp32): interpret-mode
     # emulation on CPU lands at ~4e-4
     "kda_tf32": (3e-3, 1e-2),
+    # bf16 data products (8-bit mantissas, fp32 sums; gate sums three-pass TF32): fla's
+    # production inputs are bf16 too
+    "kda_bf16_products": (3e-2, 1e-1),
     # fp32 gmm / MLA: HIGHEST dots (IEEE fp32 in the Triton lowering) on both sides.
     "f32": (1e-5, 1e-4),
     # bf16 / MXFP4 gmm: the products are exact in fp32 (MXFP4 decodes exactly to bf16), only
@@ -135,9 +138,9 @@ SMALL_ELEMENTS = 1 << 22       # errors of outputs up to this size: numpy float6
 L2_BYTES = 64 << 20            # about an H100/H200's L2 (50 MB), rounded up
 GOAL_PREFILL_RATIO = 0.8       # our KDA prefill throughput / fla's
 # chunk_kda_pallas(dot_precision=...) variants timed beside the kernel's default, less the default
-# itself (GPU: tf32x3, so only tf32; IEEE "highest" is never timed there: Triton unrolls IEEE fp32
+# itself (GPU: tf32x3, so tf32 and bf16; IEEE "highest" is never timed there: Triton unrolls IEEE fp32
 # dots into FMA loops and the kernel did not compile in 5 minutes, see default_dot_precision)
-PREFILL_DOT_PRECISIONS = ("tf32x3", "tf32")
+PREFILL_DOT_PRECISIONS = ("tf32x3", "tf32", "bf16")
 GOAL_DECODE_BW = 0.7           # KDA decode fraction of measured HBM bandwidth, batch >= 64
 
 
@@ -859,7 +862,7 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
         (o, s), comp = _timed_first_call(fn, *args)
         res = dict(dot_precision=prec, form=form, compile_s=comp, check=check(
             {"o": (o, ref[0]), "final_state": (s, ref[1])},
-            "kda_tf32" if prec == "tf32" else "kda_f32"))
+            {"tf32": "kda_tf32", "bf16": "kda_bf16_products"}.get(prec, "kda_f32")))
         del o, s
         return _timed_prefill(res, fn, args, cfg, roof, flops, T)
     except Exception as e:  # noqa: BLE001
@@ -1003,7 +1006,11 @@ def machine_info(interpret):
 def measure_roofline(quick, reps):
     """``kernels.measure_roofline``; on failure NaN rates (the cases still run) and the error."""
     try:
-        return kb.measure_roofline(quick, reps)
+        if quick or jax.default_backend() == "cpu":
+            return kb.measure_roofline(quick, reps)
+        # an H200 moves 256 MiB in ~0.1 ms (dispatch-bound: the 2026-12-04 run read 2.4-2.9 TB/s)
+        # and runs a 2048^3 product in ~20 us: probe with 1 GiB and 8192^3 instead
+        return kb.measure_roofline(quick, reps, n=1 << 28, m=8192)
     except Exception as e:  # noqa: BLE001
         nan = float("nan")
         return dict(error=f"{type(e).__name__}: {e}"[:2000], bandwidth=dict(gbps=nan),

@@ -94,7 +94,7 @@ def test_quick_run_timings_and_summary(quick_run):
     assert set(s["checks"]) == {c["name"] for c in res["cases"]}
     assert s["goal_kda_decode"]["cases"] and s["goal_kda_prefill"]["cases"]
     for p in s["goal_kda_prefill"]["cases"]:  # tensor-core variants: checked (emulated) and timed
-        assert set(p["dot_precision_variants"]) == {"tf32x3", "tf32"}
+        assert set(p["dot_precision_variants"]) == {"tf32x3", "tf32", "bf16"}
         for v in p["dot_precision_variants"].values():
             assert v["check_passed"] is True and v["tokens_per_s"] > 0 and not v["error"]
 

@@ -68,10 +68,12 @@ _F32 = jnp.float32
 # ----------------------------------------------------------------------------------------
 # in-kernel math (pure functions on values)
 # ----------------------------------------------------------------------------------------
-# Precision of the chunk form's data products (the gate sums that feed exp() are always IEEE
-# fp32): "highest" = IEEE fp32 (CUDA cores on GPU), "tf32x3" = three TF32 tensor-core passes
-# (hi*hi + hi*lo + lo*hi, ~fp32 accuracy), "tf32" = one TF32 pass (~1e-3 relative).
-DOT_PRECISIONS = ("highest", "tf32x3", "tf32")
+# Precision of the chunk form's data products (the gate sums that feed exp() are IEEE fp32 under
+# "highest", three TF32 passes otherwise): "highest" = IEEE fp32 (CUDA cores on GPU), "tf32x3" =
+# three TF32 tensor-core passes (hi*hi + hi*lo + lo*hi, ~fp32 accuracy), "tf32" = one TF32 pass
+# (~1e-3 relative), "bf16" = both operands rounded to bf16, fp32 accumulation (fla's production
+# inputs; ~1e-2 relative).
+DOT_PRECISIONS = ("highest", "tf32x3", "tf32", "bf16")
 # How the GPU chunk kernel is organised: "fused" = one kernel doing each chunk's whole WY form
 # in the state's loop; "split" = the state-independent terms of every chunk computed at once by
 # XLA (batched), the kernel doing only the four state products per chunk (fla's organisation).
@@ -90,6 +92,11 @@ def _to_tf32(x):
 def _dot(a, b, dims, prec="highest", emulate=False):
     if prec == "highest":
         return lax.dot_general(a, b, dims, precision=_HI, preferred_element_type=_F32)
+    if prec == "bf16":   # exact products of bf16 values, fp32 sums: the same on CPU and tensor cores
+        a, b = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16)
+        if emulate:
+            a, b = a.astype(_F32), b.astype(_F32)
+        return lax.dot_general(a, b, dims, precision=_HI if emulate else None, preferred_element_type=_F32)
     if not emulate:
         return lax.dot_general(a, b, dims, precision=_PRESET[prec], preferred_element_type=_F32)
     hi = lambda x, y: lax.dot_general(x, y, dims, precision=_HI, preferred_element_type=_F32)
