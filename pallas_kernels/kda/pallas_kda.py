@@ -493,19 +493,17 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
               interpret=interpret)
     if form not in FORMS:
         raise ValueError(f"form={form!r}; expected one of {FORMS}")
+    if variant == "gpu" and not interpret and not triton_available():
+        raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
     if form == "split":
         if kind != "chunk" or variant != "gpu":
             raise ValueError("form='split' is the chunk kernel's GPU-variant form")
-        if not interpret and not triton_available():
-            raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
         return _call_gpu_split(_split_prep(q, k, v, g, beta, C), states, rows, C=C,
                                block_v=kw["block_v"], chunk_states=chunk_states,
                                interpret=interpret, prec=dot_precision, state_dtype=state_dtype)
     if variant == "tpu":
         return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
     if variant == "gpu":
-        if not interpret and not triton_available():
-            raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
         if kind == "chunk":
             kw["block_c"] = default_block_c(C, interpret) if block_c is None else block_c
         return _call_gpu(math, q, k, v, g, beta, states, rows, **kw)
