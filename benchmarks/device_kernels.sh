@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # One device run of benchmarks/kernels_gpu.py on a lent GPU (see "Device run" in
 # pallas_kernels/kda/README.md). Device call: command `bash benchmarks/device_kernels.sh`,
-# carry [".whl"] (the fla-core wheel), timeout_s ~570. Three phases, each its own process with
+# carry [".whl"] (the fla-core wheel), timeout_s ~590. Four phases, each its own process with
 # its own time limit and a per-case watchdog, so one case that never finishes compiling costs
-# only its phase: decode + MoE + MLA, then KDA prefill, then the IEEE-fp32 checks.
-# Results: $OUT/kernels-gpu-{decode,prefill,fp32}.json, merged into $OUT/kernels-gpu.json, and
+# only its phase: decode + MoE + MLA, then KDA prefill, then the pooled decode kernel's
+# (block_v, num_warps) sweep, then the IEEE-fp32 checks.
+# Results: $OUT/kernels-gpu-{decode,prefill,sweep,fp32}.json, merged into $OUT/kernels-gpu.json, and
 # $OUT/kernels-gpu.log.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,10 +28,11 @@ phase() {  # name, wall limit (s), per-case limit (s), case regex
   cp "$OUT/kernels-gpu-$1.json" "benchmarks/results/kernels-gpu-$1.json" 2>/dev/null
 }
 phase decode "${K3_PHASE_DECODE_S:-130}" 60 \
-  '^(check_kda_recurrent|check_kda_pool|kda_decode_pool|check_gmm_(bfloat16|mxfp4)|moe_gmm|check_mla_bfloat16|mla_paged)'
+  '^(check_kda_recurrent|check_kda_pool|kda_decode_pool_B|check_gmm_(bfloat16|mxfp4)|moe_gmm|check_mla_bfloat16|mla_paged)'
 phase prefill "${K3_PHASE_PREFILL_S:-240}" 100 '^(check_kda_chunk|kda_prefill_H96_T(1024|4096|8192))'
-phase fp32 "${K3_PHASE_FP32_S:-130}" 60 '^(check_gmm_float32|check_mla_float32|kda_prefill_H8_)'
+phase sweep "${K3_PHASE_SWEEP_S:-80}" 60 '^kda_decode_pool_sweep_B'
+phase fp32 "${K3_PHASE_FP32_S:-100}" 60 '^(check_gmm_float32|check_mla_float32|kda_prefill_H8_)'
 python3 benchmarks/kernels_gpu.py --out "$OUT/kernels-gpu.json" \
-  --merge "$OUT"/kernels-gpu-{decode,prefill,fp32}.json 2>&1 | tee -a "$LOG"
+  --merge "$OUT"/kernels-gpu-{decode,prefill,sweep,fp32}.json 2>&1 | tee -a "$LOG"
 cp "$OUT/kernels-gpu.json" benchmarks/results/kernels-gpu.json 2>/dev/null
 exit 0

@@ -157,6 +157,7 @@ def config(quick):
             check_recurrent=dict(B=2, T=10, H=2), check_pool=dict(B=4, S=6, H=2),
             check_gmm=dict(M=64, K=128, N=64, G=4), check_mla=dict(B=2, H=16, S=64, page=16),
             decode_heads=2, decode_batch=[3], prefill=[(2, 64)], prefill_shard=[],
+            decode_sweep=dict(shapes={3: [(8, 1), (16, 2)]}),
             gmm=dict(E=4, d=128, I=64, M=[64]), mla=[(4, 2, 128)], mla_page=16,
             peer_prefill_variants=["fp32"])
     return dict(
@@ -165,6 +166,11 @@ def config(quick):
         check_recurrent=dict(B=2, T=20, H=4), check_pool=dict(B=8, S=12, H=4),
         check_gmm=dict(M=512, K=1024, N=512, G=8), check_mla=dict(B=4, H=32, S=512, page=64),
         decode_heads=96, decode_batch=[1, 8, 64, 256],
+        # pooled decode kernel shapes (block_v, num_warps) per batch: the goal's batches, 4 x 128
+        # threads over 4096 state values (the default) against fewer/more per program
+        decode_sweep=dict(shapes={64: [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8),
+                                       (128, 8)],
+                                  256: [(16, 1), (32, 2), (32, 4), (64, 4)]}),
         prefill=[(96, 1024), (96, 4096), (96, 8192)],
         prefill_shard=[(8, 1024), (8, 4096), (8, 8192)],
         # M = routed rows on the shard: 64 decode tokens * top-16 / 8, 8192 prefill tokens
@@ -720,13 +726,33 @@ def _attach_peer(case, name, fn, ours_time):
 # ----------------------------------------------------------------------------------------
 # timing cases (K3-like shapes)
 # ----------------------------------------------------------------------------------------
+def _decode_setup(cfg, Bd):
+    """Pooled decode inputs at batch ``Bd``: T=1, K3's heads, a pool of Bd slots read in shuffled
+    order. -> ``(x, pool, slots)``."""
+    x, pool = kda_case(100 + Bd, Bd, 1, cfg["decode_heads"], cfg["kda_dim"], Bd, 0.1)
+    return x, pool, jnp.asarray(np.random.default_rng(Bd).permutation(Bd), jnp.int32)
+
+
+def _time_pool_step(case, step, pool, slots, x, ref, cfg, roof):
+    """First call of a pooled-decode ``step(pool, slots, q, k, v, g, beta) -> (pool, o)`` with the
+    pool donated (compile + one run, checked against ``ref``), then its timing, into ``case``."""
+    (p, o), case["compile_s"] = _timed_first_call(step, pool, slots, *x)
+    case["check"] = check({"o": (o, ref[0]), "pool": (p, ref[1])}, "kda_f32")
+    del o
+    chain = lambda out, args: (out[0],) + tuple(args[1:])
+    case["time"], case["time_blocked"] = time_jax(step, (p, slots) + tuple(x), cfg, chain=chain)
+    Bd, _, H, K = x[0].shape
+    V = x[2].shape[-1]
+    return _rates(case, roof, flops=kb.kda_token_flops(1, H, K, V) * Bd,
+                  bytes_=kb.kda_io_bytes(Bd, 1, H, K, V), tokens=Bd)
+
+
 def bench_kda_decode(cfg, roof, interpret, Bd, peer):
     """Pooled decode, T=1, pool of Bd slots in shuffled order, pool donated (in place)."""
     require_lowering(interpret)
     H, K = cfg["decode_heads"], cfg["kda_dim"]
     V = K
-    x, pool = kda_case(100 + Bd, Bd, 1, H, K, Bd, 0.1)
-    slots = jnp.asarray(np.random.default_rng(Bd).permutation(Bd), jnp.int32)
+    x, pool, slots = _decode_setup(cfg, Bd)
     backend = kernel_backend(interpret)
     # the timed step: pool donated, so the kernel updates it in place (output aliases input)
     step = jax.jit(lambda pl_, sl, q, k, v, g, b:
@@ -737,23 +763,54 @@ def bench_kda_decode(cfg, roof, interpret, Bd, peer):
     if peer is not None:                      # host copies before the pool is donated
         peer_args = ([np.asarray(a) for a in x], np.asarray(pool), np.asarray(slots),
                      (np.asarray(ref[0]), np.asarray(ref[1])))
-    (p, o), comp = _timed_first_call(step, pool, slots, *x)    # checks the timed executable
     case = dict(op="fused_recurrent_kda_pool", impl=backend,
                 shape=dict(B=Bd, T=1, H=H, K=K, V=V, pool=Bd, dtype="float32",
-                           pool_donated=True),
-                compile_s=comp, check=check({"o": (o, ref[0]), "pool": (p, ref[1])},
-                                            "kda_f32"))
-    del o, ref
-    chain = lambda out, args: (out[0],) + tuple(args[1:])
-    args = (p, slots) + tuple(x)
-    case["time"], case["time_blocked"] = time_jax(step, args, cfg, chain=chain)
+                           pool_donated=True))
+    _time_pool_step(case, step, pool, slots, x, ref, cfg, roof)   # checks the timed executable
     if Bd * H * K * V * 4 <= L2_BYTES:
         case["note"] = ("the whole pool fits in L2 (H200: 50 MB): repeated steps may be served "
                         "partly from cache, so GB/s can exceed HBM's")
-    _rates(case, roof, flops=kb.kda_token_flops(1, H, K, V) * Bd,
-           bytes_=kb.kda_io_bytes(Bd, 1, H, K, V), tokens=Bd)
     if peer_args is not None:
         _decode_peer(case, peer, peer_args, cfg, K, roof, Bd, H, V)
+    return case
+
+
+def bench_kda_decode_sweep(cfg, roof, interpret, Bd):
+    """The pooled decode kernel (GPU variant) at batch ``Bd`` over its per-program shapes: the state
+    tile [K, block_v] and the warps it is spread over (``cfg['decode_sweep']``), each checked and
+    timed like ``bench_kda_decode``: which shape the default should be, and whether any meets the
+    bandwidth goal."""
+    require_lowering(interpret)
+    from pallas_kernels.kda.pallas_kda import NUM_WARPS, fused_recurrent_kda_pool_pallas
+    H, K = cfg["decode_heads"], cfg["kda_dim"]
+    x, pool, slots = _decode_setup(cfg, Bd)
+    ref = fused_recurrent_kda_pool(*x, pool, slots, backend="reference")
+    pool_host = np.asarray(pool)              # each shape starts from the same pool (donated)
+    del pool
+    variants = {}
+    for bv, nw in cfg["decode_sweep"]["shapes"][Bd]:
+        res = dict(block_v=bv, num_warps=nw)
+        try:
+            step = jax.jit(lambda pl_, sl, q, k, v, g, b, bv=bv, nw=nw: fused_recurrent_kda_pool_pallas(
+                q, k, v, g, b, pl_, sl, interpret=interpret, variant="gpu", block_v=bv,
+                num_warps=nw)[::-1], donate_argnums=0)
+            _time_pool_step(res, step, jnp.asarray(pool_host), slots, x, ref, cfg, roof)
+            res["status"] = "ok"
+        except Exception as e:  # noqa: BLE001
+            res.update(status="error", error=f"{type(e).__name__}: {e}"[:2000])
+        variants[f"bv{bv}_w{nw}"] = res
+    timed = {n: r for n, r in variants.items() if "time" in r}
+    case = dict(op="fused_recurrent_kda_pool_sweep", impl=kernel_backend(interpret),
+                shape=dict(B=Bd, T=1, H=H, K=K, V=K, pool=Bd, dtype="float32", pool_donated=True),
+                default=dict(block_v=min(K, 32), num_warps=NUM_WARPS), variants=variants)
+    if timed:
+        best = min(timed, key=lambda n: timed[n]["time"]["median"])
+        # the case's check: the best shape's errors, passed only if every timed shape passed its own
+        case.update(best=best, time=timed[best]["time"], time_blocked=timed[best]["time_blocked"],
+                    gbps=timed[best]["gbps"], fraction_of_bandwidth=timed[best]["fraction_of_bandwidth"],
+                    compile_s=sum(r["compile_s"] for r in timed.values()),
+                    check=dict(timed[best]["check"],
+                               passed=all(r["check"]["passed"] for r in timed.values())))
     return case
 
 
@@ -1048,6 +1105,13 @@ def summarize(cases):
                                goal_applies=c["shape"]["B"] >= 64,
                                met=c["fraction_of_bandwidth"] >= GOAL_DECODE_BW,
                                ratio_ours_over_fla=ratios))
+        if c["op"] == "fused_recurrent_kda_pool_sweep":
+            decode.append(dict(case=c["name"], batch=c["shape"]["B"], best=c["best"], gbps=c["gbps"],
+                               fraction_of_bandwidth=c["fraction_of_bandwidth"],
+                               goal_applies=c["shape"]["B"] >= 64,
+                               met=c["fraction_of_bandwidth"] >= GOAL_DECODE_BW,
+                               shapes={n: v.get("fraction_of_bandwidth", v.get("error"))
+                                       for n, v in c["variants"].items()}))
     return dict(
         all_checks_passed=bool(checks) and all(checks.values()),
         checks=checks,
@@ -1075,6 +1139,8 @@ def plan(cfg, roof, interpret, peer):
     cases += [(f"kda_decode_pool_B{b}", lambda b=b: bench_kda_decode(cfg, roof, interpret, b,
                                                                      peer))
               for b in cfg["decode_batch"]]
+    cases += [(f"kda_decode_pool_sweep_B{b}", lambda b=b: bench_kda_decode_sweep(cfg, roof, interpret, b))
+              for b in cfg["decode_sweep"]["shapes"]]
     prefill = lambda H, T: (f"kda_prefill_H{H}_T{T}",
                             lambda: bench_kda_prefill(cfg, roof, interpret, H, T, peer))
     cases += [prefill(H, T) for H, T in cfg["prefill"]]
@@ -1123,10 +1189,14 @@ def _setup_peer(a, result):
 def merge_runs(paths, notes=None):
     """One result from several runs (``device_kernels.sh``'s phases, each its own process): the
     first run's machine, every run's filter / roofline / wall time, all cases (each tagged with
-    its run) and one summary over them."""
+    its run) and one summary over them. A phase that left no file (killed before its first case
+    ended) is named in the notes, not fatal."""
+    missing = [str(p) for p in paths if not Path(p).is_file()]
+    paths = [p for p in paths if Path(p).is_file()]
     runs = [json.loads(Path(p).read_text()) for p in paths]
     if not runs:
         raise ValueError("merge_runs: no result files")
+    notes = list(notes or []) + [f"no result file: {m}" for m in missing]
     cases = [dict(c, run=i) for i, r in enumerate(runs) for c in r["cases"]]
     return dict(
         created=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -1136,7 +1206,7 @@ def merge_runs(paths, notes=None):
         runs=[dict(file=Path(p).name, created=r["created"], cases_filter=r.get("cases_filter"),
                    roofline=r.get("roofline"), wall_seconds=r.get("wall_seconds"))
               for p, r in zip(paths, runs)],
-        notes=list(notes or []), cases=cases, summary=summarize(cases))
+        notes=notes, cases=cases, summary=summarize(cases))
 
 
 def main(argv=None):

@@ -307,3 +307,30 @@ def test_split_form_lowers_for_cuda():
     export.export(jax.jit(lambda *a: chunk_kda_pallas(*a[:5], initial_state=a[5], output_final_state=True,
                                                       return_chunk_states=True, variant="gpu", form="split")),
                   platforms=["cuda"], disabled_checks=checks)(*x, S0)
+
+
+@pytest.mark.parametrize("block_v,num_warps", [(8, 1), (16, 2), (32, 8)])
+def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
+    """The GPU kernels' per-program options (the state tile [K, block_v] and the warps it is spread
+    over, swept by the device script): every choice computes the same pooled decode; num_warps
+    reaches the Triton call; bad values and the TPU variant are refused."""
+    from jax import export
+
+    pool, x = pool_inputs
+    slots = jnp.asarray(POOL_CASES[list(POOL_CASES)[0]], jnp.int32)
+    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*x, pool, slots)
+    o, new_pool = fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="gpu",
+                                                  block_v=block_v, num_warps=num_warps)
+    assert rel_err(o, o_ref) <= TOL and rel_err(new_pool, pool_ref) <= TOL
+    xd = make_inputs(195, 2, 1, 2, 128, 128)
+    pool_d = make_state(196, 3, 2, 128, 128)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    text = export.export(jax.jit(lambda *a: fused_recurrent_kda_pool_pallas(
+        *a, jnp.asarray([2, 0], jnp.int32), variant="gpu", block_v=4 * block_v, num_warps=num_warps)),
+        platforms=["cuda"], disabled_checks=checks)(*xd, pool_d).mlir_module()
+    assert f"num_warps = {num_warps} : i32" in text and f"grid_y = {128 // (4 * block_v)} : i32" in text
+    for bad in (3, 0, 32):
+        with pytest.raises(ValueError, match="num_warps"):
+            fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="gpu", num_warps=bad)
+    with pytest.raises(ValueError, match="num_warps"):
+        fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="tpu", num_warps=2)

@@ -25,7 +25,7 @@ CHECK_CASES = [
     "check_gmm_float32", "check_gmm_bfloat16", "check_gmm_mxfp4",
     "check_mla_float32", "check_mla_bfloat16",
 ]
-TIMED_PREFIXES = ["kda_decode_pool_B", "kda_prefill_H", "moe_gmm_dense_bf16_M",
+TIMED_PREFIXES = ["kda_decode_pool_B", "kda_decode_pool_sweep_B", "kda_prefill_H", "moe_gmm_dense_bf16_M",
                   "moe_gmm_mxfp4_M", "mla_paged_decode_H"]
 
 
@@ -99,6 +99,23 @@ def test_quick_run_timings_and_summary(quick_run):
             assert v["check_passed"] is True and v["tokens_per_s"] > 0 and not v["error"]
 
 
+def test_quick_run_sweeps_the_decode_kernel_shapes(kg, quick_run):
+    """The pooled decode sweep: every (block_v, num_warps) of the config checked and timed, the best
+    one reported with its bandwidth, and the sweep listed under the decode goal."""
+    _, res = quick_run
+    shapes = kg.config(True)["decode_sweep"]["shapes"]
+    sweeps = {c["shape"]["B"]: c for c in res["cases"] if c["op"] == "fused_recurrent_kda_pool_sweep"}
+    assert set(sweeps) == set(shapes)
+    for b, c in sweeps.items():
+        assert list(c["variants"]) == [f"bv{bv}_w{nw}" for bv, nw in shapes[b]]
+        for v in c["variants"].values():
+            assert v["status"] == "ok" and v["check"]["passed"] and v["time"]["median"] > 0 and v["gbps"] > 0
+        assert c["best"] in c["variants"] and c["time"] == c["variants"][c["best"]]["time"]
+        assert c["time"]["median"] == min(v["time"]["median"] for v in c["variants"].values())
+    listed = [d for d in res["summary"]["goal_kda_decode"]["cases"] if "best" in d]
+    assert [d["case"] for d in listed] == [c["name"] for c in sweeps.values()]
+
+
 def test_peer_recorded_as_skipped(quick_run):
     _, res = quick_run
     assert res["peer"]["status"] == "skipped"
@@ -114,6 +131,22 @@ def test_time_budget_skips_and_records(kg, tmp_path):
     assert res["cases"] and all(c["status"] == "skipped" for c in res["cases"])
     assert res["summary"]["skipped"] == [c["name"] for c in res["cases"]]
     assert not res["summary"]["all_checks_passed"]
+
+
+def test_phases_filter_cases_and_merge(kg, tmp_path):
+    """device_kernels.sh's shape: phases pick their cases by regex (each its own file), then one
+    merge; a phase that left no file is named in the merged notes instead of failing the merge."""
+    files = []
+    for name, regex in (("a", "^check_kda_pool$"), ("b", "^kda_decode_pool_sweep_B")):
+        files.append(tmp_path / f"{name}.json")
+        kg.main(["--quick", "--interpret", "--skip-peer", "--cases", regex, "--out", str(files[-1])])
+    merged = kg.main(["--out", str(tmp_path / "m.json"), "--merge", *map(str, files), str(tmp_path / "gone.json")])
+    assert [(c["name"], c["run"]) for c in merged["cases"]] == [("check_kda_pool", 0), ("kda_decode_pool_sweep_B3", 1)]
+    assert [r["cases_filter"] for r in merged["runs"]] == ["^check_kda_pool$", "^kda_decode_pool_sweep_B"]
+    assert merged["notes"] == [f"no result file: {tmp_path / 'gone.json'}"]
+    assert merged["summary"]["all_checks_passed"] and [d["case"] for d in merged["summary"]["goal_kda_decode"]["cases"]] \
+        == ["kda_decode_pool_sweep_B3"]
+    assert json.loads((tmp_path / "m.json").read_text())["cases"] == merged["cases"]
 
 
 def test_runner_records_exceptions(kg, tmp_path):

@@ -322,15 +322,28 @@ def triton_available() -> bool:
     return True
 
 
-def _triton_params():
+# Warps per GPU program (Triton) when the caller does not choose: the state tile [K, block_v] is
+# spread over them. Swept by the device script (``kda_decode_pool_sweep_*``).
+NUM_WARPS = 4
+
+
+def check_num_warps(num_warps):
+    """``num_warps`` (None: ``NUM_WARPS``) -> an int, a power of two from 1 to 16."""
+    nw = NUM_WARPS if num_warps is None else num_warps
+    if not isinstance(nw, int) or nw < 1 or nw > 16 or nw & (nw - 1):
+        raise ValueError(f"num_warps={num_warps!r} must be a power of two from 1 to 16")
+    return nw
+
+
+def _triton_params(num_warps=NUM_WARPS):
     """Select the Pallas Triton lowering explicitly (JAX >= 0.10 defaults to Mosaic GPU,
     which stages every block in shared memory -- wrong for this whole-row kernel)."""
     from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=4, num_stages=1)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
 
 
 def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-              block_c=None):
+              block_c=None, num_warps=NUM_WARPS):
     H, TT, K = q.shape
     bc = C if block_c is None else block_c      # math tile; chunk states stay every C tokens
     if C % bc or bc & (bc - 1):
@@ -347,17 +360,19 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
         return tile(c, S) if sub == 1 else lax.fori_loop(c * sub, (c + 1) * sub, tile, S)
 
     return _gpu_rows_call(chunk, "kda_scan_gpu", (q, k, v, g, beta), ("K", "K", "V", "K", 1), states, rows,
-                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret)
+                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret,
+                          num_warps=num_warps)
 
 
-def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret):
+def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret,
+                   num_warps=NUM_WARPS):
     """The GPU variant: grid (H, V / block_v, rows). Each program runs row r's chunks
     ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
     registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
     Inputs: the 4 row-metadata vectors, ``operands`` [H, n, width] as whole rows per head (width
     "V": this program's V block; "K" or an int: all of it), the state array (aliased to output 1).
     Outputs: o [H, TT, V] (TT = the first operand's n, V = the states'), the states, and with
-    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V]."""
+    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V]. ``num_warps``: per program."""
     H, TT, K = operands[0].shape
     S_n, V = states.shape[0], states.shape[-1]
     R = rows[0].shape[0]
@@ -399,14 +414,14 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
         + [tok(w, x.shape[1]) for w, x in zip(widths, operands)] + [sspec],
         out_specs=out_specs,
         input_output_aliases={4 + n_in: 1},
-        compiler_params=None if interpret else _triton_params(),
+        compiler_params=None if interpret else _triton_params(num_warps),
         interpret=interpret,
         name=name,
     )(*rows, *operands, states)
 
 
 def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, prec,
-                    state_dtype):
+                    state_dtype, num_warps=NUM_WARPS):
     """The "split" form's recurrence (GPU plumbing): ``prep`` = (W, U, Q, Aqk, Kd, decay) laid out
     [H, NB*C, K|V|C] and decay [H, NB*K, 1], computed for every chunk at once outside the kernel
     (``_split_prep``); each program walks its row's chunks doing only the four state products."""
@@ -422,7 +437,8 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
         return ref.round_state(S, state_dtype)
 
     return _gpu_rows_call(chunk, "kda_chunk_split_gpu", prep, ("K", "V", "K", C, "K", 1), states, rows,
-                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret)
+                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret,
+                          num_warps=num_warps)
 
 
 def _split_prep(q, k, v, g, beta, C):
@@ -473,10 +489,15 @@ def _pick_block_v(V, block_v, variant):
 
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-          variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused"):
+          variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused",
+          num_warps=None):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
-    `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent")."""
+    `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent").
+    `num_warps` (GPU variant): warps per program (None: ``NUM_WARPS``)."""
     variant = variant or _default_variant()
+    if num_warps is not None and variant != "gpu":
+        raise ValueError(f"num_warps={num_warps!r} is an option of the GPU (Triton) variant, not {variant!r}")
+    num_warps = check_num_warps(num_warps)
     if dot_precision not in DOT_PRECISIONS:
         raise ValueError(f"dot_precision={dot_precision!r}; expected one of {DOT_PRECISIONS}")
     if dot_precision != "highest" and variant == "tpu" and not interpret:
@@ -500,13 +521,14 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
             raise ValueError("form='split' is the chunk kernel's GPU-variant form")
         return _call_gpu_split(_split_prep(q, k, v, g, beta, C), states, rows, C=C,
                                block_v=kw["block_v"], chunk_states=chunk_states,
-                               interpret=interpret, prec=dot_precision, state_dtype=state_dtype)
+                               interpret=interpret, prec=dot_precision, state_dtype=state_dtype,
+                               num_warps=num_warps)
     if variant == "tpu":
         return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
     if variant == "gpu":
         if kind == "chunk":
             kw["block_c"] = default_block_c(C, interpret) if block_c is None else block_c
-        return _call_gpu(math, q, k, v, g, beta, states, rows, **kw)
+        return _call_gpu(math, q, k, v, g, beta, states, rows, num_warps=num_warps, **kw)
     raise ValueError(f"variant={variant!r}")
 
 
@@ -541,7 +563,7 @@ def _unprep_dense(o, B, T, NCb, C):
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
          return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None,
-         block_c=None, form="fused"):
+         block_c=None, form="fused", num_warps=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -554,7 +576,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                     chunk_states=return_chunk_states, interpret=interpret, variant=variant,
                     dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c,
-                    form=form)
+                    form=form, num_warps=num_warps)
         o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
@@ -579,7 +601,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
                 chunk_states=return_chunk_states, interpret=interpret, variant=variant,
                 dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c,
-                    form=form)
+                form=form, num_warps=num_warps)
     o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
@@ -604,46 +626,52 @@ def fit_block_t(block_t, T):
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
                                              "variant", "dot_precision", "state_dtype", "block_c",
-                                             "form"))
+                                             "form", "num_warps"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
                      variant=None, dot_precision=None, state_dtype=None, block_c=None,
-                     form="fused"):
+                     form="fused", num_warps=None):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
     ``dot_precision``: "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for the
     chunk's matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding. None picks
     ``default_dot_precision``: "tf32x3" for the compiled GPU kernel, "highest" elsewhere.
     ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``).
-    ``form`` (GPU variant): "fused" or "split" (see ``FORMS``)."""
+    ``form`` (GPU variant): "fused" or "split" (see ``FORMS``).
+    ``num_warps`` (GPU variant): warps per program (None: ``NUM_WARPS``)."""
     if dot_precision is None:
         dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision, state_dtype, block_c, form)
+                variant, dot_precision, state_dtype, block_c, form, num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
-                                             "block_t", "block_v", "variant", "state_dtype"))
+                                             "block_t", "block_v", "variant", "state_dtype",
+                                             "num_warps"))
 def fused_recurrent_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                                output_final_state=False, cu_seqlens=None, interpret=False,
-                               block_t=8, block_v=None, variant=None, state_dtype=None):
+                               block_t=8, block_v=None, variant=None, state_dtype=None,
+                               num_warps=None):
     """Pallas recurrent KDA (token loop in blocks of ``block_t`` tokens, fewer when dense T is
-    shorter: see ``fit_block_t``)."""
+    shorter: see ``fit_block_t``; ``num_warps`` as :func:`chunk_kda_pallas`)."""
     if cu_seqlens is None:
         block_t = fit_block_t(block_t, q.shape[1])
     return _run("recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
-                cu_seqlens, int(block_t), False, interpret, block_v, variant, state_dtype=state_dtype)
+                cu_seqlens, int(block_t), False, interpret, block_v, variant, state_dtype=state_dtype,
+                num_warps=num_warps)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "interpret", "block_t", "block_v",
-                                             "variant"))
+                                             "variant", "num_warps"))
 def fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids, scale=None,
-                                    interpret=False, block_t=8, block_v=None, variant=None):
+                                    interpret=False, block_t=8, block_v=None, variant=None,
+                                    num_warps=None):
     """Pallas pooled decode. ``state_pool`` [S,H,K,V] fp32 is aliased to the new pool
     (donate it in the enclosing jit for a true in-place update). Rows with ``slot_ids < 0``
-    are skipped (nothing written, output zero)."""
+    are skipped (nothing written, output zero). ``block_v`` / ``num_warps`` (GPU variant): the
+    state tile [K, block_v] each program carries and the warps it is spread over."""
     B, T, H, K = q.shape
     scale = float(K) ** -0.5 if scale is None else scale
     C = fit_block_t(block_t, T)
@@ -652,7 +680,7 @@ def fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids, scal
     valid = slot_ids >= 0
     rows = (rows[0], rows[1], jnp.where(valid, slot_ids, 0), valid.astype(jnp.int32))
     res = _scan("recurrent", *xs, state_pool.astype(_F32), rows, C=C, block_v=block_v,
-                chunk_states=False, interpret=interpret, variant=variant)
+                chunk_states=False, interpret=interpret, variant=variant, num_warps=num_warps)
     o = _unprep_dense(res[0], B, T, NCb, C)
     o = jnp.where(valid[:, None, None, None], o, 0.0).astype(v.dtype)
     return o, res[1].astype(state_pool.dtype)
