@@ -569,14 +569,14 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     scale = float(K) ** -0.5 if scale is None else scale
     if C & (C - 1):
         raise ValueError(f"chunk size {C} must be a power of two for the Pallas kernels")
+    scan = functools.partial(_scan, kind, C=C, block_v=block_v, chunk_states=return_chunk_states,
+                             interpret=interpret, variant=variant, dot_precision=dot_precision,
+                             state_dtype=state_dtype, block_c=block_c, form=form, num_warps=num_warps)
     if cu_seqlens is None:
         xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
         states = (jnp.zeros((B, H, K, V), _F32) if initial_state is None
                   else initial_state.astype(_F32))
-        res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
-                    chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                    dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c,
-                    form=form, num_warps=num_warps)
+        res = scan(*xs, states, rows)
         o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
@@ -598,10 +598,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     rows = (off[:-1], off[1:], jnp.arange(N, dtype=jnp.int32), jnp.ones((N,), jnp.int32))
     states = (jnp.zeros((N, H, K, V), _F32) if initial_state is None
               else initial_state.astype(_F32))
-    res = _scan(kind, *xs, states, rows, C=C, block_v=block_v,
-                chunk_states=return_chunk_states, interpret=interpret, variant=variant,
-                dot_precision=dot_precision, state_dtype=state_dtype, block_c=block_c,
-                form=form, num_warps=num_warps)
+    res = scan(*xs, states, rows)
     o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
