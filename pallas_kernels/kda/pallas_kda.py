@@ -195,11 +195,15 @@ def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
 
 
 def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
-    """The state-dependent part of one chunk: S [K,Vb] -> (S', o [C,Vb]); four products."""
+    """The state-dependent part of one chunk: S [K,Vb] -> (S', o [C,Vb]); four products.
+    Each term may also be a function returning it, called where the term is first used: a kernel
+    then loads each [C, K] operand right before its product instead of all of them at once
+    (the GPU split form: three [64, 128] fp32 operands held together overflow the registers)."""
     mm = functools.partial(_mm, prec=prec, emulate=emulate)
-    Vn = U - mm(W, S)
-    o = mm(Q, S) + mm(Aqk, Vn)
-    S = decay * S + mm(Kd.T, Vn)
+    get = lambda x: x() if callable(x) else x
+    Vn = get(U) - mm(get(W), S)
+    o = mm(get(Q), S) + mm(get(Aqk), Vn)
+    S = get(decay) * S + mm(get(Kd).T, Vn)
     return S, o
 
 
@@ -431,8 +435,9 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
     def chunk(c, S, ins, o_ref):
         sl = pl.ds(pl.multiple_of(c * C, C), C)
         w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref = ins
-        S, o = apply(S, w_ref[sl, :], u_ref[sl, :], q_ref[sl, :], a_ref[sl, :], kd_ref[sl, :],
-                     d_ref[pl.ds(pl.multiple_of(c * K, K), K), :])
+        load = lambda ref, rows=sl: (lambda: ref[rows, :])         # loaded where first used
+        S, o = apply(S, *map(load, (w_ref, u_ref, q_ref, a_ref, kd_ref)),
+                     load(d_ref, pl.ds(pl.multiple_of(c * K, K), K)))
         o_ref[sl, :] = o.astype(o_ref.dtype)
         return ref.round_state(S, state_dtype)
 

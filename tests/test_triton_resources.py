@@ -1,0 +1,47 @@
+"""benchmarks/triton_resources.py without Triton: the capture step (JAX's Pallas Triton lowering, hooked)
+and the reading of cuobjdump's resource line. Compiling needs the triton package (a side venv)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "triton_resources.py"
+
+
+@pytest.fixture(scope="module")
+def tr():
+    spec = importlib.util.spec_from_file_location("triton_resources_under_test", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_capture_keeps_each_kernels_triton_ir(tr, tmp_path):
+    """Each configuration's kernel IR is written with its warps; the IR is Triton's (a tt.func whose
+    pointer arguments are the kernel's operands), and the hook is removed afterwards."""
+    from jax._src.pallas.triton import pallas_call_registration as reg
+
+    before = reg.lowering.lower_jaxpr_to_triton_module
+    rows = tr.capture(tmp_path, only="kda_decode_pool/bv16")
+    assert reg.lowering.lower_jaxpr_to_triton_module is before
+    assert [(r["config"], r["num_warps"]) for r in rows] == [("kda_decode_pool/bv16/w1", 1), ("kda_decode_pool/bv16/w2", 2)]
+    assert json.loads((tmp_path / "manifest.json").read_text()) == rows
+    for r in rows:
+        ir = (tmp_path / r["ir"]).read_text()
+        assert '"tt.func"' in ir and "sym_name = \"kda_scan_gpu\"" in ir and "!tt.ptr<f32>" in ir
+    assert len({(tmp_path / r["ir"]).read_text() for r in rows}) == 1  # warps are a compile option, not IR
+    names = [n for n, _, _ in tr.configs()]
+    assert len(names) == len(set(n + f"/w{w}" for n, w, _ in tr.configs()))  # every configuration named apart
+    assert set(tr.CALIBRATION) <= {f"{n}/w{w}" for n, w, _ in tr.configs()}
+
+
+def test_resource_line_is_read(tr):
+    text = ("\nResource usage:\n Common:\n  GLOBAL:0\n Function kda_scan_gpu:\n"
+            "  REG:255 STACK:1440 SHARED:1024 LOCAL:0 CONSTANT[0]:640 TEXTURE:0 SURFACE:0 SAMPLER:0\n")
+    assert tr.resource_usage(text) == dict(registers=255, stack_bytes=1440)
+    with pytest.raises(ValueError, match="one kernel"):
+        tr.resource_usage(text + text)
