@@ -171,7 +171,8 @@ def config(quick):
         decode_sweep=dict(shapes={64: [(8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8),
                                        (128, 8)],
                                   256: [(16, 1), (32, 2), (32, 4), (64, 4)]}),
-        prefill=[(96, 1024), (96, 4096), (96, 8192)],
+        # the goal's shape (T = 8192) first: a phase that runs out of time cuts the shorter ones
+        prefill=[(96, 8192), (96, 1024), (96, 4096)],
         prefill_shard=[(8, 1024), (8, 4096), (8, 8192)],
         # M = routed rows on the shard: 64 decode tokens * top-16 / 8, 8192 prefill tokens
         gmm=dict(E=112, d=3584, I=3072, M=[128, 16384]),
@@ -863,11 +864,13 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
         for prec in PREFILL_DOT_PRECISIONS if prec != case["dot_precision"]}
     # the split form (XLA-batched chunk terms + the state products in Pallas) and the jnp
     # reference itself (XLA's lax.scan over chunks): what the fused kernel is up against
-    # (split with bf16 products: the one chunk kernel form Triton compiles without spilling registers,
-    # benchmarks/results/triton-resources.json)
+    # (the split form's default tiles and split with bf16 products compile without spilling registers;
+    # the fused form spills less with 8 warps: benchmarks/results/triton-resources.json)
     case["form_variants"] = {name: _prefill_precision_variant(
-        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form="split")
-        for name, prec in (("split", case["dot_precision"]), ("split_bf16", "bf16"))}
+        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_warps=nw)
+        for name, form, prec, nw in (("split", "split", case["dot_precision"], None),
+                                     ("split_bf16", "split", "bf16", None),
+                                     ("fused_w8", "fused", case["dot_precision"], 8))}
     case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
     if peer is not None:
         x_np = [np.asarray(a) for a in x]
@@ -908,7 +911,8 @@ def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
         return dict(impl="reference", status="error", error=f"{type(e).__name__}: {e}"[:2000])
 
 
-def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form="fused"):
+def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form="fused",
+                               num_warps=None):
     """The Pallas chunk kernel with tensor-core data products (``dot_precision=prec``) or in
     another ``form``, checked against the fp32 reference and timed like the main case; errors
     are recorded, not raised."""
@@ -916,11 +920,11 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
     try:
         fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda_pallas(
             q, k, v, g, b, scale=scale, initial_state=s0, output_final_state=True,
-            interpret=interpret, dot_precision=prec, form=form,
-            variant="gpu" if form == "split" else None))
+            interpret=interpret, dot_precision=prec, form=form, num_warps=num_warps,
+            variant="gpu" if form == "split" or num_warps else None))
         args = tuple(x) + (S0,)
         (o, s), comp = _timed_first_call(fn, *args)
-        res = dict(dot_precision=prec, form=form, compile_s=comp, check=check(
+        res = dict(dot_precision=prec, form=form, num_warps=num_warps, compile_s=comp, check=check(
             {"o": (o, ref[0]), "final_state": (s, ref[1])},
             {"tf32": "kda_tf32", "bf16": "kda_bf16_products"}.get(prec, "kda_f32")))
         del o, s

@@ -196,15 +196,24 @@ def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
 
 def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
     """The state-dependent part of one chunk: S [K,Vb] -> (S', o [C,Vb]); four products.
+
     Each term may also be a function returning it, called where the term is first used: a kernel
-    then loads each [C, K] operand right before its product instead of all of them at once
-    (the GPU split form: three [64, 128] fp32 operands held together overflow the registers)."""
+    then loads each [C, K] operand right before its product instead of all of them at once. With
+    S a tuple of K-blocks ``[K/n, Vb]`` (returned the same way), W, Q, Kd and decay are functions
+    of the block index i returning block i (columns of W, Q, Kd ``[C, K/n]``; rows of decay): every
+    product then contracts or produces K/n rows. Both keep the GPU split form's live values small
+    (its [64, 128] fp32 operands held together overflow a thread's registers; see
+    benchmarks/results/triton-resources.json)."""
     mm = functools.partial(_mm, prec=prec, emulate=emulate)
     get = lambda x: x() if callable(x) else x
-    Vn = get(U) - mm(get(W), S)
-    o = mm(get(Q), S) + mm(get(Aqk), Vn)
-    S = get(decay) * S + mm(get(Kd).T, Vn)
-    return S, o
+    blocked = isinstance(S, tuple)
+    Ss = S if blocked else (S,)
+    part = (lambda x, i: x(i)) if blocked else (lambda x, i: get(x))
+    add = lambda xs: functools.reduce(jnp.add, xs)
+    Vn = get(U) - add([mm(part(W, i), s) for i, s in enumerate(Ss)])
+    o = add([mm(part(Q, i), s) for i, s in enumerate(Ss)]) + mm(get(Aqk), Vn)
+    Ss = tuple(part(decay, i) * s + mm(part(Kd, i).T, Vn) for i, s in enumerate(Ss))
+    return (Ss if blocked else Ss[0]), o
 
 
 def _chunk_math(S, q, k, v, g, beta, prec="highest", emulate=False):
@@ -369,15 +378,28 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
 
 
 def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret,
-                   num_warps=NUM_WARPS):
+                   num_warps=NUM_WARPS, block_k=None):
     """The GPU variant: grid (H, V / block_v, rows). Each program runs row r's chunks
     ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
     registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
     Inputs: the 4 row-metadata vectors, ``operands`` [H, n, width] as whole rows per head (width
     "V": this program's V block; "K" or an int: all of it), the state array (aliased to output 1).
     Outputs: o [H, TT, V] (TT = the first operand's n, V = the states'), the states, and with
-    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V]. ``num_warps``: per program."""
+    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V]. ``num_warps``: per program.
+    ``block_k`` < K: S is carried as a tuple of K / block_k blocks [block_k, block_v], each read and
+    written as its own rows of the state (a value cannot be sliced or joined along K in Triton)."""
     H, TT, K = operands[0].shape
+    bk = K if block_k is None else block_k
+    nk = K // bk
+
+    def read(ref, i):
+        S = tuple(ref[i, pl.ds(b * bk, bk), :] for b in range(nk))
+        return S if nk > 1 else S[0]
+
+    def write(ref, i, S):
+        for b, s in enumerate(S if nk > 1 else (S,)):
+            ref[i, pl.ds(b * bk, bk), :] = s
+
     S_n, V = states.shape[0], states.shape[-1]
     R = rows[0].shape[0]
     n_in = len(operands)
@@ -394,10 +416,10 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
             def body(c, S):
                 S = chunk(c, S, ins, o_ref)
                 if cs_ref is not None:
-                    cs_ref[c] = S
+                    write(cs_ref, c, S)
                 return S
 
-            s_out_ref[slot] = lax.fori_loop(rs_ref[r], re_ref[r], body, s_in_ref[slot])
+            write(s_out_ref, slot, lax.fori_loop(rs_ref[r], re_ref[r], body, read(s_in_ref, slot)))
 
     def tok(width, n=TT):
         if width == "V":
@@ -424,26 +446,46 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
     )(*rows, *operands, states)
 
 
+def default_split_tiles(K, V):
+    """``(block_k, block_v)`` of the split form's programs: the state in 64-row K-blocks, 16 value
+    columns a program. Compiled offline by Triton for sm_90 with tf32x3 products and 4 warps
+    (benchmarks/results/triton-resources.json), the split kernel spills 536 bytes a thread at whole-K
+    products and 32 columns, 328 with 64-row blocks, none with 64-row blocks and 16 columns (also
+    none with bf16 products); 16 columns also give twice the programs (768 at H = 96) to fill the
+    GPU. Not yet timed on hardware."""
+    return min(K, 64), min(V, 16)
+
+
 def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, prec,
-                    state_dtype, num_warps=NUM_WARPS):
+                    state_dtype, num_warps=NUM_WARPS, block_k=None):
     """The "split" form's recurrence (GPU plumbing): ``prep`` = (W, U, Q, Aqk, Kd, decay) laid out
     [H, NB*C, K|V|C] and decay [H, NB*K, 1], computed for every chunk at once outside the kernel
-    (``_split_prep``); each program walks its row's chunks doing only the four state products."""
+    (``_split_prep``); each program walks its row's chunks doing only the four state products, on
+    the state in K-blocks of ``block_k`` rows (``default_split_tiles``), each operand loaded where used."""
     H, TT, K = prep[0].shape
+    bk = default_split_tiles(K, block_v)[0] if block_k is None else block_k
+    if K % bk or bk & (bk - 1):
+        raise ValueError(f"block_k={bk} must be a power of two dividing K={K}")
     apply = functools.partial(_chunk_apply, prec=prec, emulate=interpret)
 
     def chunk(c, S, ins, o_ref):
         sl = pl.ds(pl.multiple_of(c * C, C), C)
         w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref = ins
-        load = lambda ref, rows=sl: (lambda: ref[rows, :])         # loaded where first used
-        S, o = apply(S, *map(load, (w_ref, u_ref, q_ref, a_ref, kd_ref)),
-                     load(d_ref, pl.ds(pl.multiple_of(c * K, K), K)))
+        d0 = pl.multiple_of(c * K, K)
+        if bk == K:
+            load = lambda ref, rows=sl: (lambda: ref[rows, :])
+            W, Q, Kd, decay = load(w_ref), load(q_ref), load(kd_ref), load(d_ref, pl.ds(d0, K))
+        else:                           # block i: columns i*bk.. of W, Q, Kd; rows of decay
+            cols = lambda ref: (lambda i: ref[sl, pl.ds(i * bk, bk)])
+            W, Q, Kd = cols(w_ref), cols(q_ref), cols(kd_ref)
+            decay = lambda i: d_ref[pl.ds(d0 + i * bk, bk), :]
+        S, o = apply(S, W, lambda: u_ref[sl, :], Q, lambda: a_ref[sl, :], Kd, decay)
         o_ref[sl, :] = o.astype(o_ref.dtype)
-        return ref.round_state(S, state_dtype)
+        return jax.tree.map(lambda s: ref.round_state(s, state_dtype), S)
 
     return _gpu_rows_call(chunk, "kda_chunk_split_gpu", prep, ("K", "V", "K", C, "K", 1), states, rows,
                           block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret,
-                          num_warps=num_warps)
+                          num_warps=num_warps, block_k=bk)
 
 
 def _split_prep(q, k, v, g, beta, C):
@@ -495,7 +537,7 @@ def _pick_block_v(V, block_v, variant):
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
           variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused",
-          num_warps=None):
+          num_warps=None, block_k=None):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
     `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent").
     `num_warps` (GPU variant): warps per program (None: ``NUM_WARPS``)."""
@@ -521,13 +563,17 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
         raise ValueError(f"form={form!r}; expected one of {FORMS}")
     if variant == "gpu" and not interpret and not triton_available():
         raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
+    if block_k is not None and form != "split":
+        raise ValueError(f"block_k={block_k!r} is an option of form='split'")
     if form == "split":
         if kind != "chunk" or variant != "gpu":
             raise ValueError("form='split' is the chunk kernel's GPU-variant form")
+        V = v.shape[-1]
+        bv = _pick_block_v(V, default_split_tiles(q.shape[-1], V)[1] if block_v is None else block_v, variant)
         return _call_gpu_split(_split_prep(q, k, v, g, beta, C), states, rows, C=C,
-                               block_v=kw["block_v"], chunk_states=chunk_states,
+                               block_v=bv, chunk_states=chunk_states,
                                interpret=interpret, prec=dot_precision, state_dtype=state_dtype,
-                               num_warps=num_warps)
+                               num_warps=num_warps, block_k=block_k)
     if variant == "tpu":
         return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
     if variant == "gpu":
@@ -568,7 +614,7 @@ def _unprep_dense(o, B, T, NCb, C):
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
          return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None,
-         block_c=None, form="fused", num_warps=None):
+         block_c=None, form="fused", num_warps=None, block_k=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -576,7 +622,8 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
         raise ValueError(f"chunk size {C} must be a power of two for the Pallas kernels")
     scan = functools.partial(_scan, kind, C=C, block_v=block_v, chunk_states=return_chunk_states,
                              interpret=interpret, variant=variant, dot_precision=dot_precision,
-                             state_dtype=state_dtype, block_c=block_c, form=form, num_warps=num_warps)
+                             state_dtype=state_dtype, block_c=block_c, form=form, num_warps=num_warps,
+                             block_k=block_k)
     if cu_seqlens is None:
         xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
         states = (jnp.zeros((B, H, K, V), _F32) if initial_state is None
@@ -628,12 +675,12 @@ def fit_block_t(block_t, T):
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
                                              "variant", "dot_precision", "state_dtype", "block_c",
-                                             "form", "num_warps"))
+                                             "form", "num_warps", "block_k"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
                      variant=None, dot_precision=None, state_dtype=None, block_c=None,
-                     form="fused", num_warps=None):
+                     form="fused", num_warps=None, block_k=None):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
     ``dot_precision``: "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for the
@@ -641,12 +688,14 @@ def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
     ``default_dot_precision``: "tf32x3" for the compiled GPU kernel, "highest" elsewhere.
     ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``).
     ``form`` (GPU variant): "fused" or "split" (see ``FORMS``).
-    ``num_warps`` (GPU variant): warps per program (None: ``NUM_WARPS``)."""
+    ``num_warps`` (GPU variant): warps per program (None: ``NUM_WARPS``).
+    ``block_k`` (split form): state rows per K-block of its products; it and ``block_v`` default
+    to ``default_split_tiles``."""
     if dot_precision is None:
         dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision, state_dtype, block_c, form, num_warps)
+                variant, dot_precision, state_dtype, block_c, form, num_warps, block_k)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
