@@ -46,8 +46,9 @@ CALIBRATION = {"kda_chunk_fused/bv32_bc64_tf32x3/w4": 294912, "moe_gmm_mxfp4/tn1
 # step 1: capture (jax)
 # ----------------------------------------------------------------------------------------
 def configs():
-    """``(name, num_warps, build)``: ``build()`` -> (jitted function, argument shapes) lowering one
-    Pallas Triton kernel at K3's tile sizes (K = V = 128, MLA latent 576, one EP shard of the MoE)."""
+    """``(name, num_warps, num_stages, build)``: ``build()`` -> (jitted function, argument shapes)
+    lowering one Pallas Triton kernel at K3's tile sizes (K = V = 128, MLA latent 576, one EP shard of
+    the MoE); warps and stages as the kernel passes them to Triton (they are compile options, not IR)."""
     import jax
     import jax.numpy as jnp
 
@@ -71,20 +72,23 @@ def configs():
         kw = dict(variant="gpu", form=form, block_v=bv, dot_precision=prec, num_warps=nw,
                   **(dict(block_c=bc) if form == "fused" else dict(block_k=bc)))
         name = f"kda_chunk_{form}/bv{bv}" + (f"_bc{bc}" if form == "fused" else f"_bk{bc}") + f"_{prec}"
-        out.append((name, nw, lambda kw=kw: (jax.jit(lambda *a: chunk_kda_pallas(
+        out.append((name, nw, 1, lambda kw=kw: (jax.jit(lambda *a: chunk_kda_pallas(
             *a[:5], initial_state=a[5], output_final_state=True, **kw)), chunk_args)))
     for bv, nw in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
-        out.append((f"kda_decode_pool/bv{bv}", nw, lambda bv=bv, nw=nw: (jax.jit(
+        out.append((f"kda_decode_pool/bv{bv}", nw, 1, lambda bv=bv, nw=nw: (jax.jit(
             lambda *a: fused_recurrent_kda_pool_pallas(*a, jnp.asarray([2, 0], i32), variant="gpu", block_v=bv,
                                                        num_warps=nw)), pool_args)))
     m, k, n, g = 128, 3584, 3072, 8
     mx = MXFP4Weight(S((g, n, k // 2), jnp.uint8), S((g, n, k // 32), jnp.uint8))
-    for label, w, tiling in (("moe_gmm_bf16/default", S((g, n, k), bf16), None),
-                             ("moe_gmm_mxfp4/default", mx, None), ("moe_gmm_mxfp4/tn128", mx, (64, 512, 128))):
-        out.append((label, 4, lambda w=w, tiling=tiling: (jax.jit(
+    gmm = [("moe_gmm_bf16/default", S((g, n, k), bf16), None, 2), ("moe_gmm_mxfp4/default", mx, None, 2),
+           ("moe_gmm_mxfp4/tn128", mx, (64, 512, 128), 2)]
+    gmm += [(f"moe_gmm_mxfp4/tm{tm}_tn{tn}_s{ns}", mx, (tm, 512, tn), ns)   # MXFP4 tiles and pipeline stages
+            for tm, tn, ns in itertools.product((16, 64), (32, 64), (1, 2)) if (tm, tn, ns) != (64, 32, 2)]
+    for label, w, tiling, ns in gmm:
+        out.append((label, 4, ns, lambda w=w, tiling=tiling: (jax.jit(
             lambda a, b, c: gmm_pallas(a, b, c, variant="triton", tiling=tiling)), [S((m, k), bf16), w, S((g,), i32)])))
     mla_args = [S((4, 16, 512), bf16), S((4, 16, 64), bf16), S((64, 64, 576), bf16), S((4, 8), i32), S((4,), i32)]
-    out.append(("mla_paged_decode/bf16_H16", 4, lambda: (jax.jit(lambda *a: paged_mla_decode_pallas(
+    out.append(("mla_paged_decode/bf16_H16", 4, 2, lambda: (jax.jit(lambda *a: paged_mla_decode_pallas(
         *a, scale=192 ** -0.5, variant="triton")), mla_args)))
     return out
 
@@ -107,7 +111,7 @@ def capture(ir_dir: Path, only: str | None = None) -> list[dict]:
     rows = []
     reg.lowering.lower_jaxpr_to_triton_module = keep
     try:
-        for i, (name, nw, build) in enumerate(configs()):
+        for i, (name, nw, ns, build) in enumerate(configs()):
             if only and only not in name:
                 continue
             fn, args = build()
@@ -118,7 +122,7 @@ def capture(ir_dir: Path, only: str | None = None) -> list[dict]:
                 raise RuntimeError(f"{name}: no Triton kernel was lowered (is the Pallas Triton lowering in use?)")
             path = ir_dir / f"{i:03d}.ttir"
             path.write_text(kernels[-1])  # the op's Pallas call (the last one lowered)
-            rows.append(dict(config=f"{name}/w{nw}", num_warps=nw, ir=path.name))
+            rows.append(dict(config=f"{name}/w{nw}", num_warps=nw, num_stages=ns, ir=path.name))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = lower
     (ir_dir / "manifest.json").write_text(json.dumps(rows, indent=1))
@@ -149,7 +153,7 @@ def compile_all(ir_dir: Path) -> list[dict]:
     for row in rows:
         try:
             kernel = triton.compile(str(ir_dir / row["ir"]), target=GPUTarget(*TARGET),
-                                    options=dict(num_warps=row["num_warps"], num_stages=1))
+                                    options=dict(num_warps=row["num_warps"], num_stages=row["num_stages"]))
             cubin = ir_dir / (row["ir"] + ".cubin")
             cubin.write_bytes(kernel.asm["cubin"])
             usage = subprocess.run([str(tool), "--dump-resource-usage", str(cubin)], capture_output=True,

@@ -28,15 +28,16 @@ def test_capture_keeps_each_kernels_triton_ir(tr, tmp_path):
     before = reg.lowering.lower_jaxpr_to_triton_module
     rows = tr.capture(tmp_path, only="kda_decode_pool/bv16")
     assert reg.lowering.lower_jaxpr_to_triton_module is before
-    assert [(r["config"], r["num_warps"]) for r in rows] == [("kda_decode_pool/bv16/w1", 1), ("kda_decode_pool/bv16/w2", 2)]
+    assert [(r["config"], r["num_warps"], r["num_stages"]) for r in rows] == [
+        ("kda_decode_pool/bv16/w1", 1, 1), ("kda_decode_pool/bv16/w2", 2, 1)]
     assert json.loads((tmp_path / "manifest.json").read_text()) == rows
     for r in rows:
         ir = (tmp_path / r["ir"]).read_text()
         assert '"tt.func"' in ir and "sym_name = \"kda_scan_gpu\"" in ir and "!tt.ptr<f32>" in ir
     assert len({(tmp_path / r["ir"]).read_text() for r in rows}) == 1  # warps are a compile option, not IR
-    names = [n for n, _, _ in tr.configs()]
-    assert len(names) == len(set(n + f"/w{w}" for n, w, _ in tr.configs()))  # every configuration named apart
-    assert set(tr.CALIBRATION) <= {f"{n}/w{w}" for n, w, _ in tr.configs()}
+    names = [f"{n}/w{w}" for n, w, _, _ in tr.configs()]
+    assert len(names) == len(set(names))  # every configuration named apart
+    assert set(tr.CALIBRATION) <= set(names)
 
 
 def test_resource_line_is_read(tr):

@@ -158,9 +158,11 @@ def default_tiling(m: int, k: int, n: int, *, quant_group: Optional[int], varian
     """(tm, tk, tn) defaults per variant (see module docstring for constraints)."""
     if variant == "triton":
         tm = max(16, min(64, 1 << max(0, (m - 1).bit_length())))
-        # MXFP4: tn = 64. With tk = 512 and tn = 128 the decoded tiles need 242 KiB of shared memory
-        # and an H200 has 227 KiB (measured: the launch fails with RESOURCE_EXHAUSTED)
-        tn = max(16, min(64 if quant_group else 128, _pow2_le(max(n, 16))))
+        # MXFP4: tn = 32. With tk = 512 and tn = 128 the decoded tiles need 242 KiB of shared memory
+        # and an H200 has 227 KiB (measured: the launch fails with RESOURCE_EXHAUSTED). Compiled offline
+        # for sm_90 (benchmarks/triton_resources.py, 2 stages), tn = 64 still needs 225 KiB and spills
+        # 2136 bytes a thread; tn = 32 needs 184 KiB and spills 160
+        tn = max(16, min(32 if quant_group else 128, _pow2_le(max(n, 16))))
         tk_min = max(32, 16 * quant_group) if quant_group else 32
         tk = max(tk_min, min(256 if not quant_group else max(512, tk_min), _pow2_le(max(k, 16))))
         return tm, tk, tn
