@@ -334,7 +334,9 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
     text = export.export(jax.jit(lambda *a: fused_recurrent_kda_pool_pallas(
         *a, jnp.asarray([2, 0], jnp.int32), variant="gpu", block_v=4 * block_v, num_warps=num_warps)),
         platforms=["cuda"], disabled_checks=checks)(*xd, pool_d).mlir_module()
-    assert f"num_warps = {num_warps} : i32" in text and f"grid_y = {128 // (4 * block_v)} : i32" in text
+    # grid (V blocks, heads, rows): a head's V blocks are neighbouring programs (they share its operands in L2)
+    assert f"num_warps = {num_warps} : i32" in text
+    assert f"grid_x = {128 // (4 * block_v)} : i32, grid_y = 2 : i32, grid_z = 2 : i32" in text
     for bad in (3, 0, 32):
         with pytest.raises(ValueError, match="num_warps"):
             fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="gpu", num_warps=bad)

@@ -36,7 +36,8 @@ Two pallas_call plumbings ("variants") drive the same math:
   pool rows (slot < 0) are re-pointed at a neighbouring row's slot and do nothing.
 * ``"gpu"`` (Pallas Triton lowering, the default ``pallas_call`` lowering on GPU in JAX
   0.10/0.11; Triton is deprecated in 0.11 and emits a warning; a Mosaic-GPU port is future
-  work): grid ``(H, V/block_v, rows)``; each program loops over its row's blocks with
+  work): grid ``(V/block_v, H, rows)`` (a head's V blocks side by side, sharing its operands in
+  L2); each program loops over its row's blocks with
   ``lax.fori_loop`` (dynamic bounds) carrying the state in registers, reads its slot id as
   a regular int32 input and indexes the aliased state array directly (no scalar prefetch on
   Triton). Tiles must be powers of two (C, K, block_v). Compiled, the chunk kernel takes
@@ -379,7 +380,7 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
 
 def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret,
                    num_warps=NUM_WARPS, block_k=None):
-    """The GPU variant: grid (H, V / block_v, rows). Each program runs row r's chunks
+    """The GPU variant: grid (V / block_v, H, rows). Each program runs row r's chunks
     ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
     registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
     Inputs: the 4 row-metadata vectors, ``operands`` [H, n, width] as whole rows per head (width
@@ -421,22 +422,24 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
 
             write(s_out_ref, slot, lax.fori_loop(rs_ref[r], re_ref[r], body, read(s_in_ref, slot)))
 
+    # grid (V / block_v, H, rows): the V blocks of one head are neighbouring programs, which the GPU
+    # runs at the same time, so the [n, K] operands they all read come from L2 once fetched
     def tok(width, n=TT):
         if width == "V":
-            return pl.BlockSpec((None, n, block_v), lambda h, j, r: (h, 0, j))
-        return pl.BlockSpec((None, n, K if width == "K" else width), lambda h, j, r: (h, 0, 0))
+            return pl.BlockSpec((None, n, block_v), lambda j, h, r: (h, 0, j))
+        return pl.BlockSpec((None, n, K if width == "K" else width), lambda j, h, r: (h, 0, 0))
 
-    sspec = pl.BlockSpec((S_n, None, K, block_v), lambda h, j, r: (0, h, 0, j))
+    sspec = pl.BlockSpec((S_n, None, K, block_v), lambda j, h, r: (0, h, 0, j))
     out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32), jax.ShapeDtypeStruct(states.shape, _F32)]
     out_specs = [tok("V"), sspec]
     if num_chunks:
         out_shape.append(jax.ShapeDtypeStruct((num_chunks, H, K, V), _F32))
-        out_specs.append(pl.BlockSpec((num_chunks, None, K, block_v), lambda h, j, r: (0, h, 0, j)))
+        out_specs.append(pl.BlockSpec((num_chunks, None, K, block_v), lambda j, h, r: (0, h, 0, j)))
     return pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
-        grid=(H, V // block_v, R),
-        in_specs=[pl.BlockSpec((R,), lambda h, j, r: (0,))] * 4
+        grid=(V // block_v, H, R),
+        in_specs=[pl.BlockSpec((R,), lambda j, h, r: (0,))] * 4
         + [tok(w, x.shape[1]) for w, x in zip(widths, operands)] + [sspec],
         out_specs=out_specs,
         input_output_aliases={4 + n_in: 1},
