@@ -452,8 +452,8 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
 def default_split_tiles(K, V):
     """``(block_k, block_v)`` of the split form's programs: the state in 64-row K-blocks, 16 value
     columns a program. Compiled offline by Triton for sm_90 with tf32x3 products and 4 warps
-    (benchmarks/results/triton-resources.json), the split kernel spills 536 bytes a thread at whole-K
-    products and 32 columns, 328 with 64-row blocks, none with 64-row blocks and 16 columns (also
+    (benchmarks/results/triton-resources.json), the split kernel spills 520 bytes a thread at whole-K
+    products and 32 columns, 312 with 64-row blocks, none with 64-row blocks and 16 columns (also
     none with bf16 products); 16 columns also give twice the programs (768 at H = 96) to fill the
     GPU. Not yet timed on hardware."""
     return min(K, 64), min(V, 16)
