@@ -152,6 +152,23 @@ def test_phases_filter_cases_and_merge(kg, tmp_path):
     assert json.loads((tmp_path / "m.json").read_text())["cases"] == merged["cases"]
 
 
+def test_device_phases_cover_every_case_once(kg):
+    """benchmarks/device_kernels.sh: every case of the full plan falls in exactly one phase's regex (a
+    case in none would silently never run on the lent GPU), each phase's watchdog fits its limit, and
+    the phases' limits fit one device call (600 s at most) with time to install and merge."""
+    import re
+
+    sh = (SCRIPT.parent / "device_kernels.sh").read_text()
+    phases = re.findall(r"^phase (\w+) \"\$\{\w+:-(\d+)\}\" (\d+) \\?\s*'([^']+)'", sh, re.M)
+    assert [p[0] for p in phases] == ["decode", "prefill", "sweep", "fp32"]
+    for name, _ in kg.plan(kg.config(False), None, False, None):
+        assert len([p for p in phases if re.search(p[3], name)]) == 1, name
+    assert all(int(case) < int(limit) for _, limit, case, _ in phases)
+    assert sum(int(limit) for _, limit, _, _ in phases) <= 560
+    assert "--merge" in sh and all(f"kernels-gpu-{p[0]}.json" in sh or "{decode,prefill,sweep,fp32}" in sh
+                                   for p in phases)
+
+
 def test_runner_records_exceptions(kg, tmp_path):
     result = dict(cases=[])
     runner = kg.Runner(result, [tmp_path / "r.json"], budget_s=1e9)
