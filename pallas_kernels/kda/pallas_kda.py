@@ -70,10 +70,10 @@ _F32 = jnp.float32
 # in-kernel math (pure functions on values)
 # ----------------------------------------------------------------------------------------
 # Precision of the chunk form's data products (the gate sums that feed exp() are IEEE fp32 under
-# "highest", otherwise one TF32 pass on each of g's two TF32 halves): "highest" = IEEE fp32 (CUDA cores on GPU), "tf32x3" =
-# three TF32 tensor-core passes (hi*hi + hi*lo + lo*hi, ~fp32 accuracy), "tf32" = one TF32 pass
-# (~1e-3 relative), "bf16" = both operands rounded to bf16, fp32 accumulation (fla's production
-# inputs; ~1e-2 relative).
+# "highest", otherwise one TF32 pass on each of g's two TF32 halves): "highest" = IEEE fp32 (CUDA
+# cores on GPU), "tf32x3" = three TF32 tensor-core passes (hi*hi + hi*lo + lo*hi, ~fp32 accuracy),
+# "tf32" = one TF32 pass (~1e-3 relative), "bf16" = both operands rounded to bf16, fp32
+# accumulation (fla's production inputs; ~1e-2 relative).
 DOT_PRECISIONS = ("highest", "tf32x3", "tf32", "bf16")
 # How the GPU chunk kernel is organised: "fused" = one kernel doing each chunk's whole WY form
 # in the state's loop; "split" = the state-independent terms of every chunk computed at once by
@@ -473,7 +473,7 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
     (``_split_prep``); each program walks its row's chunks doing only the four state products, on
     the state in K-blocks of ``block_k`` rows (``default_split_tiles``), each operand loaded where used."""
     H, TT, K = prep[0].shape
-    bk = default_split_tiles(K, block_v)[0] if block_k is None else block_k
+    bk = default_split_tiles(K, states.shape[-1])[0] if block_k is None else block_k
     if K % bk or bk & (bk - 1):
         raise ValueError(f"block_k={bk} must be a power of two dividing K={K}")
     apply = functools.partial(_chunk_apply, prec=prec, emulate=interpret)
