@@ -110,7 +110,7 @@ TOL = {
     # one-pass TF32 data products (10-bit mantissas; gate sums stay fp32): interpret-mode
     # emulation on CPU lands at ~4e-4
     "kda_tf32": (3e-3, 1e-2),
-    # bf16 data products (8-bit mantissas, fp32 sums; gate sums three-pass TF32): fla's
+    # bf16 data products (8-bit mantissas, fp32 sums; gate sums as two TF32 halves): fla's
     # production inputs are bf16 too
     "kda_bf16_products": (3e-2, 1e-1),
     # fp32 gmm / MLA: HIGHEST dots (IEEE fp32 in the Triton lowering) on both sides.
@@ -782,7 +782,7 @@ def bench_kda_decode_sweep(cfg, roof, interpret, Bd):
     timed like ``bench_kda_decode``: which shape the default should be, and whether any meets the
     bandwidth goal."""
     require_lowering(interpret)
-    from pallas_kernels.kda.pallas_kda import NUM_WARPS, fused_recurrent_kda_pool_pallas
+    from pallas_kernels.kda.pallas_kda import NUM_WARPS, _pick_block_v, fused_recurrent_kda_pool_pallas
     H, K = cfg["decode_heads"], cfg["kda_dim"]
     x, pool, slots = _decode_setup(cfg, Bd)
     ref = fused_recurrent_kda_pool(*x, pool, slots, backend="reference")
@@ -803,7 +803,7 @@ def bench_kda_decode_sweep(cfg, roof, interpret, Bd):
     timed = {n: r for n, r in variants.items() if "time" in r}
     case = dict(op="fused_recurrent_kda_pool_sweep", impl=kernel_backend(interpret),
                 shape=dict(B=Bd, T=1, H=H, K=K, V=K, pool=Bd, dtype="float32", pool_donated=True),
-                default=dict(block_v=min(K, 32), num_warps=NUM_WARPS), variants=variants)
+                default=dict(block_v=_pick_block_v(K, None, "gpu"), num_warps=NUM_WARPS), variants=variants)
     if timed:
         best = min(timed, key=lambda n: timed[n]["time"]["median"])
         # the case's check: the best shape's errors, passed only if every timed shape passed its own
