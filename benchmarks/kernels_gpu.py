@@ -862,14 +862,16 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     case["dot_precision_variants"] = {
         prec: _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T)
         for prec in PREFILL_DOT_PRECISIONS if prec != case["dot_precision"]}
-    # the split form (XLA-batched chunk terms + the state products in Pallas) and the jnp
-    # reference itself (XLA's lax.scan over chunks): what the fused kernel is up against
-    # (the split form's default tiles and split with bf16 products compile without spilling registers;
-    # the fused form spills less with 8 warps: benchmarks/results/triton-resources.json)
+    # the split form (XLA-batched chunk terms + the four state products in Pallas), the staged form
+    # (the same, the kernel doing only the two products of the next state, outputs batched after it:
+    # fla's organisation) and the jnp reference itself (XLA's lax.scan over chunks): what the fused
+    # kernel is up against (the split and staged forms' default tiles compile without spilling
+    # registers; the fused form spills less with 8 warps: benchmarks/results/triton-resources.json)
     case["form_variants"] = {name: _prefill_precision_variant(
         cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_warps=nw)
         for name, form, prec, nw in (("split", "split", case["dot_precision"], None),
-                                     ("split_bf16", "split", "bf16", None),
+                                     ("staged", "staged", case["dot_precision"], None),
+                                     ("staged_bf16", "staged", "bf16", None),
                                      ("fused_w8", "fused", case["dot_precision"], 8))}
     case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
     if peer is not None:
@@ -921,7 +923,7 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
         fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda_pallas(
             q, k, v, g, b, scale=scale, initial_state=s0, output_final_state=True,
             interpret=interpret, dot_precision=prec, form=form, num_warps=num_warps,
-            variant="gpu" if form == "split" or num_warps else None))
+            variant="gpu" if form != "fused" or num_warps else None))
         args = tuple(x) + (S0,)
         (o, s), comp = _timed_first_call(fn, *args)
         res = dict(dot_precision=prec, form=form, num_warps=num_warps, compile_s=comp, check=check(

@@ -63,12 +63,13 @@ def configs():
     chunk_args = [S((1, 128, 2, K), f32)] * 4 + [S((1, 128, 2), f32), S((1, 2, K, K), f32)]
     pool_args = [S((2, 1, 2, K), f32)] * 4 + [S((2, 1, 2), f32), S((3, 2, K, K), f32)]
     out = []
-    for form, bv, bc, prec, nw in itertools.product(("fused", "split"), (16, 32, 64), (16, 32, 64, 128),
+    for form, bv, bc, prec, nw in itertools.product(("fused", "split", "staged"), (16, 32, 64), (16, 32, 64, 128),
                                                     ("tf32x3", "bf16"), (4, 8)):
-        if (form == "split" and bc not in (64, 128)) or (form == "fused" and bc == 128) or (
-                form == "fused" and bc == 64 and (bv, prec, nw) != (32, "tf32x3", 4)):
+        if (form != "fused" and bc not in (64, 128)) or (form == "fused" and bc == 128) or (
+                form == "fused" and bc == 64 and (bv, prec, nw) != (32, "tf32x3", 4)) or (
+                form == "staged" and nw == 8):
             continue  # bc: the fused form's tile (64: the hardware's launch failure, for calibration);
-            #           the split form's K-block (128: whole-K products)
+            #           the split and staged forms' K-block (128: whole-K products)
         kw = dict(variant="gpu", form=form, block_v=bv, dot_precision=prec, num_warps=nw,
                   **(dict(block_c=bc) if form == "fused" else dict(block_k=bc)))
         name = f"kda_chunk_{form}/bv{bv}" + (f"_bc{bc}" if form == "fused" else f"_bk{bc}") + f"_{prec}"

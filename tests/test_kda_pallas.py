@@ -270,30 +270,36 @@ def test_compiled_defaults_and_decode_token_blocks():
         fit_block_t(6, 4)
 
 
-@pytest.mark.parametrize("prec,block_k", [("highest", None), ("tf32x3", None), ("highest", 4)])
-def test_split_form_matches_the_token_scan(dense_case, varlen_case, prec, block_k):
+@pytest.mark.parametrize("form,prec,block_k", [("split", "highest", None), ("split", "tf32x3", None),
+                                               ("split", "highest", 4), ("staged", "highest", None),
+                                               ("staged", "tf32x3", 4)])
+def test_split_forms_match_the_token_scan(dense_case, varlen_case, form, prec, block_k):
     """The "split" GPU form (every chunk's state-independent terms batched in XLA, the kernel doing
-    only the four state products per chunk, on the state whole or in K-blocks): outputs, final and
-    chunk states match the token scan, dense and varlen; with a bf16 state it rounds per chunk
-    exactly as the fused form does."""
+    only the four state products per chunk, on the state whole or in K-blocks) and the "staged" form
+    (the kernel doing only the two products of the next state, every chunk's output batched after it):
+    outputs, final and chunk states match the token scan, dense and varlen (with an empty sequence);
+    with a bf16 state they round per chunk exactly as the fused form does."""
     x, S0, (o_ref, s_ref) = dense_case["k3_floor"]
     split_kw = dict(block_k=block_k)
     run = lambda form, **kw: chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=32,
                                               interpret=True, variant="gpu", dot_precision=prec,
                                               form=form, **kw)
-    o, s, cs = run("split", return_chunk_states=True, **split_kw)
+    o, s, cs = run(form, return_chunk_states=True, **split_kw)
     assert rel_err(o, o_ref) <= TOL and rel_err(s, s_ref) <= TOL
     states = token_states(*x, S0)
     for c, end in enumerate([32, 64, 96, 100]):
         assert rel_err(cs[:, c], states[:, end - 1]) <= TOL
-    (ob, sb), (of, sf) = (run(f, state_dtype="bfloat16", **kw) for f, kw in (("split", split_kw), ("fused", {})))
+    (ob, sb), (of, sf) = (run(f, state_dtype="bfloat16", **kw) for f, kw in ((form, split_kw), ("fused", {})))
     assert rel_err(ob, of) <= 1e-3 and rel_err(sb, sf) <= 1e-3
     assert sb.dtype == jnp.float32 and bool(jnp.all(sb.astype(jnp.bfloat16).astype(jnp.float32) == sb))
-    cu, xv, init, (ov_ref, sv_ref, _) = varlen_case
-    ov, sv = chunk_kda_pallas(*xv, initial_state=init, output_final_state=True, cu_seqlens=cu,
-                              chunk_size=16, interpret=True, variant="gpu", dot_precision=prec,
-                              form="split", **split_kw)
+    cu, xv, init, (ov_ref, sv_ref, cv_ref) = varlen_case
+    ov, sv, cv = chunk_kda_pallas(*xv, initial_state=init, output_final_state=True, cu_seqlens=cu,
+                                  chunk_size=16, interpret=True, variant="gpu", dot_precision=prec,
+                                  form=form, return_chunk_states=True, **split_kw)
     assert rel_err(ov, ov_ref) <= TOL and rel_err(sv, sv_ref) <= TOL
+    used = int(ref.varlen_chunk_offsets(cu, 16)[-1])
+    assert rel_err(cv[:, :used], cv_ref[:, :used]) <= TOL
+    np.testing.assert_array_equal(np.asarray(sv[2]), np.asarray(init[2]))   # empty sequence
     with pytest.raises(ValueError, match="block_k"):
         chunk_kda_pallas(*x, interpret=True, variant="gpu", form="split", block_k=6)
     with pytest.raises(ValueError, match="block_k"):
@@ -304,14 +310,15 @@ def test_split_form_matches_the_token_scan(dense_case, varlen_case, prec, block_
         chunk_kda_pallas(*x, interpret=True, variant="gpu", form="blocked")
 
 
-def test_split_form_lowers_for_cuda():
+@pytest.mark.parametrize("form", ["split", "staged"])
+def test_split_forms_lower_for_cuda(form):
     from jax import export
 
     x = make_inputs(193, 1, 70, 2, 128, 128)
     S0 = make_state(194, 1, 2, 128, 128)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     export.export(jax.jit(lambda *a: chunk_kda_pallas(*a[:5], initial_state=a[5], output_final_state=True,
-                                                      return_chunk_states=True, variant="gpu", form="split")),
+                                                      return_chunk_states=True, variant="gpu", form=form)),
                   platforms=["cuda"], disabled_checks=checks)(*x, S0)
 
 

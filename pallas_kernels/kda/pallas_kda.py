@@ -42,8 +42,10 @@ Two pallas_call plumbings ("variants") drive the same math:
   a regular int32 input and indexes the aliased state array directly (no scalar prefetch on
   Triton). Tiles must be powers of two (C, K, block_v). Compiled, the chunk kernel takes
   three-pass TF32 products and 16-token math tiles inside each chunk (``default_dot_precision``,
-  ``default_block_c``), and has a second form, ``"split"``, whose state-independent chunk
-  terms are batched by XLA (``FORMS``).
+  ``default_block_c``), and has two more forms (``FORMS``) whose state-independent chunk terms
+  are batched by XLA: ``"split"`` (the kernel does the four state products of each chunk) and
+  ``"staged"`` (the kernel does the two products of the next state; all chunks' outputs are
+  batched products after it).
 
 Both variants are verified in interpret mode against the jnp reference. The GPU variant was
 compiled and timed on an H200 (JAX 0.11.2, 2026-12-04: benchmarks/results/kernels-gpu.json);
@@ -77,8 +79,10 @@ _F32 = jnp.float32
 DOT_PRECISIONS = ("highest", "tf32x3", "tf32", "bf16")
 # How the GPU chunk kernel is organised: "fused" = one kernel doing each chunk's whole WY form
 # in the state's loop; "split" = the state-independent terms of every chunk computed at once by
-# XLA (batched), the kernel doing only the four state products per chunk (fla's organisation).
-FORMS = ("fused", "split")
+# XLA (batched), the kernel doing only the four state products per chunk; "staged" = as "split", but
+# the kernel does only the two products the next state needs, recording each chunk's start state and
+# new values, and every chunk's output is then one batched product outside it (fla's organisation).
+FORMS = ("fused", "split", "staged")
 _PRESET = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
            "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 
@@ -203,7 +207,9 @@ def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
 
 
 def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
-    """The state-dependent part of one chunk: S [K,Vb] -> (S', o [C,Vb]); four products.
+    """The state-dependent part of one chunk: S [K,Vb] -> (S', o [C,Vb]); four products. With Q and
+    Aqk None, only the two products the next state needs: -> (S', Vn [C,Vb]), the chunk's new values
+    ``U - W S``, from which the staged form computes o outside the recurrence (``_staged_output``).
 
     Each term may also be a function returning it, called where the term is first used: a kernel
     then loads each [C, K] operand right before its product instead of all of them at once. With
@@ -219,7 +225,7 @@ def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
     part = (lambda x, i: x(i)) if blocked else (lambda x, i: get(x))
     add = lambda xs: functools.reduce(jnp.add, xs)
     Vn = get(U) - add([mm(part(W, i), s) for i, s in enumerate(Ss)])
-    o = add([mm(part(Q, i), s) for i, s in enumerate(Ss)]) + mm(get(Aqk), Vn)
+    o = Vn if Q is None else add([mm(part(Q, i), s) for i, s in enumerate(Ss)]) + mm(get(Aqk), Vn)
     Ss = tuple(part(decay, i) * s + mm(part(Kd, i).T, Vn) for i, s in enumerate(Ss))
     return (Ss if blocked else Ss[0]), o
 
@@ -386,14 +392,15 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
 
 
 def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret,
-                   num_warps=NUM_WARPS, block_k=None):
+                   num_warps=NUM_WARPS, block_k=None, state_before=False):
     """The GPU variant: grid (V / block_v, H, rows). Each program runs row r's chunks
     ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
     registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
     Inputs: the 4 row-metadata vectors, ``operands`` [H, n, width] as whole rows per head (width
     "V": this program's V block; "K" or an int: all of it), the state array (aliased to output 1).
     Outputs: o [H, TT, V] (TT = the first operand's n, V = the states'), the states, and with
-    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V]. ``num_warps``: per program.
+    ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V] (with ``state_before``: the
+    state each chunk starts from). ``num_warps``: per program.
     ``block_k`` < K: S is carried as a tuple of K / block_k blocks [block_k, block_v], each read and
     written as its own rows of the state (a value cannot be sliced or joined along K in Triton)."""
     H, TT, K = operands[0].shape
@@ -422,8 +429,10 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
         @pl.when(va_ref[r] == 1)
         def _():
             def body(c, S):
+                if cs_ref is not None and state_before:
+                    write(cs_ref, c, S)
                 S = chunk(c, S, ins, o_ref)
-                if cs_ref is not None:
+                if cs_ref is not None and not state_before:
                     write(cs_ref, c, S)
                 return S
 
@@ -456,46 +465,80 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
     )(*rows, *operands, states)
 
 
-def default_split_tiles(K, V):
-    """``(block_k, block_v)`` of the split form's programs: the state in 64-row K-blocks, 16 value
-    columns a program. Compiled offline by Triton for sm_90 with tf32x3 products and 4 warps
-    (benchmarks/results/triton-resources.json), the split kernel spills 520 bytes a thread at whole-K
-    products and 32 columns, 312 with 64-row blocks, none with 64-row blocks and 16 columns (also
-    none with bf16 products); 16 columns also give twice the programs (768 at H = 96) to fill the
-    GPU. Not yet timed on hardware."""
-    return min(K, 64), min(V, 16)
+def default_split_tiles(K, V, form="split"):
+    """``(block_k, block_v)`` of the split and staged forms' programs: the state in 64-row K-blocks;
+    16 value columns a program for "split", 32 for "staged". Compiled offline by Triton for sm_90 with
+    tf32x3 products and 4 warps (benchmarks/results/triton-resources.json): the split kernel spills
+    520 bytes a thread at whole-K products and 32 columns, 312 with 64-row blocks, none with 64-row
+    blocks and 16 columns (768 programs at H = 96). The staged kernel holds less (two products a
+    chunk) and spills nothing at 32 columns (223 registers; 201 at 16): 384 programs at H = 96, which
+    at two resident programs an SM (register-bound) are 2 waves on 132 SMs where 16 columns are 3.
+    Not yet timed on hardware."""
+    return min(K, 64), min(V, 32 if form == "staged" else 16)
 
 
 def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, prec,
-                    state_dtype, num_warps=NUM_WARPS, block_k=None):
+                    state_dtype, num_warps=NUM_WARPS, block_k=None, staged=False):
     """The "split" form's recurrence (GPU plumbing): ``prep`` = (W, U, Q, Aqk, Kd, decay) laid out
     [H, NB*C, K|V|C] and decay [H, NB*K, 1], computed for every chunk at once outside the kernel
     (``_split_prep``); each program walks its row's chunks doing only the four state products, on
-    the state in K-blocks of ``block_k`` rows (``default_split_tiles``), each operand loaded where used."""
+    the state in K-blocks of ``block_k`` rows (``default_split_tiles``), each operand loaded where used.
+
+    ``staged`` (the "staged" form): the loop does only the two products the next state needs, writing
+    each chunk's new values Vn (in o's place) and the state it starts from; the outputs of all chunks
+    are then batched products outside the kernel (``_staged_output``)."""
     H, TT, K = prep[0].shape
-    bk = default_split_tiles(K, states.shape[-1])[0] if block_k is None else block_k
+    bk = default_split_tiles(K, states.shape[-1])[0] if block_k is None else block_k  # same for both forms
     if K % bk or bk & (bk - 1):
         raise ValueError(f"block_k={bk} must be a power of two dividing K={K}")
     apply = functools.partial(_chunk_apply, prec=prec, emulate=interpret)
+    operands, widths = prep, ("K", "V", "K", C, "K", 1)
+    if staged:
+        operands, widths = prep[:2] + prep[4:], widths[:2] + widths[4:]
 
     def chunk(c, S, ins, o_ref):
         sl = pl.ds(pl.multiple_of(c * C, C), C)
-        w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref = ins
+        if staged:
+            w_ref, u_ref, kd_ref, d_ref = ins
+            q_ref = a_ref = None
+        else:
+            w_ref, u_ref, q_ref, a_ref, kd_ref, d_ref = ins
         d0 = pl.multiple_of(c * K, K)
         if bk == K:
-            load = lambda ref, rows=sl: (lambda: ref[rows, :])
+            load = lambda ref, rows=sl: None if ref is None else (lambda: ref[rows, :])
             W, Q, Kd, decay = load(w_ref), load(q_ref), load(kd_ref), load(d_ref, pl.ds(d0, K))
         else:                           # block i: columns i*bk.. of W, Q, Kd; rows of decay
-            cols = lambda ref: (lambda i: ref[sl, pl.ds(i * bk, bk)])
+            cols = lambda ref: None if ref is None else (lambda i: ref[sl, pl.ds(i * bk, bk)])
             W, Q, Kd = cols(w_ref), cols(q_ref), cols(kd_ref)
             decay = lambda i: d_ref[pl.ds(d0 + i * bk, bk), :]
-        S, o = apply(S, W, lambda: u_ref[sl, :], Q, lambda: a_ref[sl, :], Kd, decay)
+        S, o = apply(S, W, lambda: u_ref[sl, :], Q, None if a_ref is None else (lambda: a_ref[sl, :]), Kd, decay)
         o_ref[sl, :] = o.astype(o_ref.dtype)
         return jax.tree.map(lambda s: ref.round_state(s, state_dtype), S)
 
-    return _gpu_rows_call(chunk, "kda_chunk_split_gpu", prep, ("K", "V", "K", C, "K", 1), states, rows,
-                          block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret,
-                          num_warps=num_warps, block_k=bk)
+    name = "kda_chunk_staged_gpu" if staged else "kda_chunk_split_gpu"
+    return _gpu_rows_call(chunk, name, operands, widths, states, rows, block_v=block_v,
+                          num_chunks=TT // C if chunk_states or staged else 0, interpret=interpret,
+                          num_warps=num_warps, block_k=bk, state_before=staged)
+
+
+def _staged_output(Q, Aqk, Vn, h, *, C, prec, emulate):
+    """The staged form's outputs, every chunk at once: o_c = Q_c h_c + Aqk_c Vn_c (h_c: the state
+    chunk c starts from). Q [H, NB*C, K], Aqk [H, NB*C, C], Vn [H, NB*C, V], h [NB, H, K, V] ->
+    o [H, NB*C, V]: two batched products over heads x chunks, with the kernel's precision."""
+    H, TT, K = Q.shape
+    NB = TT // C
+    per_chunk = lambda x: x.reshape(H, NB, C, x.shape[-1])
+    mm = jax.vmap(jax.vmap(functools.partial(_mm, prec=prec, emulate=emulate)))
+    o = mm(per_chunk(Q), jnp.swapaxes(h, 0, 1)) + mm(per_chunk(Aqk), per_chunk(Vn))  # [H, NB, C, V]
+    return o.reshape(H, TT, -1)
+
+
+def _states_after(h, final, rows):
+    """Chunk-end states from chunk-start states: chunk c ends in the state chunk c + 1 starts from,
+    except a row's last chunk, which ends in the row's final state. h [NB, H, K, V], final [S, H, K, V]."""
+    rs, re, st, _ = rows
+    last = jnp.where(re > rs, re - 1, h.shape[0])            # rows without chunks write nothing
+    return jnp.roll(h, -1, axis=0).at[last].set(final[st], mode="drop")
 
 
 def _split_prep(q, k, v, g, beta, C):
@@ -573,17 +616,23 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
         raise ValueError(f"form={form!r}; expected one of {FORMS}")
     if variant == "gpu" and not interpret and not triton_available():
         raise NotImplementedError("KDA Pallas GPU kernel needs the Pallas Triton lowering")
-    if block_k is not None and form != "split":
-        raise ValueError(f"block_k={block_k!r} is an option of form='split'")
-    if form == "split":
+    if block_k is not None and form == "fused":
+        raise ValueError(f"block_k={block_k!r} is an option of form='split' or 'staged'")
+    if form != "fused":
         if kind != "chunk" or variant != "gpu":
-            raise ValueError("form='split' is the chunk kernel's GPU-variant form")
+            raise ValueError(f"form={form!r} is a form of the chunk kernel's GPU variant")
         V = v.shape[-1]
-        bv = _pick_block_v(V, default_split_tiles(q.shape[-1], V)[1] if block_v is None else block_v, variant)
-        return _call_gpu_split(_split_prep(q, k, v, g, beta, C), states, rows, C=C,
-                               block_v=bv, chunk_states=chunk_states,
-                               interpret=interpret, prec=dot_precision, state_dtype=state_dtype,
-                               num_warps=num_warps, block_k=block_k)
+        bv = _pick_block_v(V, default_split_tiles(q.shape[-1], V, form)[1] if block_v is None else block_v, variant)
+        prep = _split_prep(q, k, v, g, beta, C)
+        staged = form == "staged"
+        res = _call_gpu_split(prep, states, rows, C=C, block_v=bv, chunk_states=chunk_states,
+                              interpret=interpret, prec=dot_precision, state_dtype=state_dtype,
+                              num_warps=num_warps, block_k=block_k, staged=staged)
+        if not staged:
+            return res
+        vn, final, h = res
+        o = _staged_output(prep[2], prep[3], vn, h, C=C, prec=dot_precision, emulate=interpret)
+        return (o, final) + ((_states_after(h, final, rows),) if chunk_states else ())
     if variant == "tpu":
         return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
     if variant == "gpu":
@@ -697,10 +746,10 @@ def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
     chunk's matmuls (see ``DOT_PRECISIONS``); interpret mode emulates TF32 rounding. None picks
     ``default_dot_precision``: "tf32x3" for the compiled GPU kernel, "highest" elsewhere.
     ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``).
-    ``form`` (GPU variant): "fused" or "split" (see ``FORMS``).
+    ``form`` (GPU variant): "fused", "split" or "staged" (see ``FORMS``).
     ``num_warps`` (GPU variant): warps per program (None: ``NUM_WARPS``).
-    ``block_k`` (split form): state rows per K-block of its products; it and ``block_v`` default
-    to ``default_split_tiles``."""
+    ``block_k`` (split and staged forms): state rows per K-block of their products; it and
+    ``block_v`` default to ``default_split_tiles``."""
     if dot_precision is None:
         dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
