@@ -349,3 +349,26 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
             fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="gpu", num_warps=bad)
     with pytest.raises(ValueError, match="num_warps"):
         fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="tpu", num_warps=2)
+
+
+@pytest.mark.parametrize("gate", ["k3", "kimi", "k3_floor"])
+def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
+    """The split / staged forms' batched chunk terms (A_qk and the triangular inverse built from
+    [s, s] blocks, gate sums as cumulative sums) equal the fused kernel's per-chunk terms (full-size
+    masked products) for every chunk and head, the gate at its floor included."""
+    import functools
+
+    from pallas_kernels.kda import pallas_kda as pk
+
+    Hh, C, NB = 3, 32, 3
+    x = make_inputs(211, 1, NB * C, Hh, K, V, gate=gate)
+    heads = lambda t: jnp.moveaxis(t[0].astype(jnp.float32), 1, 0)      # [H, NB*C, D]
+    q, k, v, g = map(heads, x[:4])
+    beta = heads(x[4])[..., None]
+    got = pk._split_prep(q, k, v, g, beta, C)
+    per_chunk = lambda t: t.reshape((Hh, NB, C) + t.shape[2:])
+    want = jax.vmap(jax.vmap(functools.partial(pk._chunk_prep, prec="highest")))(
+        *map(per_chunk, (q, k, v, g, beta)))
+    for name, a, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, want):
+        b = b.reshape((Hh, NB * b.shape[2]) + b.shape[3:])
+        assert a.shape == b.shape and rel_err(a, b) <= TOL, name
