@@ -353,8 +353,8 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
 
 @pytest.mark.parametrize("gate", ["k3", "kimi", "k3_floor"])
 def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
-    """The split / staged forms' batched chunk terms (A_qk and the triangular inverse built from
-    [s, s] blocks, gate sums as cumulative sums) equal the fused kernel's per-chunk terms (full-size
+    """The split / staged forms' batched chunk terms (the reference's block form: A_qk and the
+    triangular inverse joined from [s, s] blocks) equal the fused kernel's per-chunk terms (full-size
     masked products) for every chunk and head, the gate at its floor included."""
     import functools
 

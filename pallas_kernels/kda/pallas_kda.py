@@ -544,66 +544,21 @@ def _states_after(h, final, rows):
 def _split_prep(q, k, v, g, beta, C):
     """Every chunk's state-independent terms at once (plain XLA, batched over heads and chunks,
     IEEE fp32): [H, NB*C, D] inputs -> the layouts ``_call_gpu_split`` reads: W, U, Q, Kd [H, NB*C, K|V],
-    Aqk [H, NB*C, C], decay [H, NB*K, 1]. The same terms as ``_chunk_prep`` (the fused kernel's,
-    which must stay 2-D matmuls on [C, C] masks inside Triton), computed here with block shapes
-    instead: ``_wy_blocks`` builds A_qk and (I + A)^-1 level by level from [s, s] blocks, and the gate
-    sums are cumulative sums. A 64-token chunk of one head (K = V = 128) then costs 4.1 MFLOP instead of
-    30 (XLA's cost analysis), 2.2x less time on CPU."""
+    Aqk [H, NB*C, C], decay [H, NB*K, 1]. The same terms as ``_chunk_prep`` (the fused kernel's, which
+    must stay 2-D products of [C, C] masks inside Triton), here from the reference's block form
+    (``reference._chunk_local``: A_qk and the triangular inverse joined level by level from [s, s]
+    blocks, every gate sum from one product with a constant range-sum matrix): a 64-token chunk of one
+    head (K = V = 128) costs 12.9 MFLOP instead of 30 (XLA's cost analysis)."""
     H, TT, K = q.shape
     NB = TT // C
     q, k, v, g, beta = (x.reshape(H, NB, C, x.shape[-1]) for x in (q, k, v, g, beta))
-    Aqk, Tinv = _wy_blocks(q, k, g, beta)
-    eG = jnp.exp(jnp.cumsum(g, axis=-2))                               # exp(Gamma_i), Gamma_i <= 0
+    Aqk, Tinv, eG, eS = ref._chunk_local(q, k, g, beta[..., 0])
     mm = functools.partial(jnp.matmul, precision=_HI)
     W = mm(Tinv, beta * (k * eG))
     U = mm(Tinv, beta * v)
-    kd = k * jnp.exp(_suffix_sums(g))                                   # exp(Gamma_C - Gamma_j)
-    decay = jnp.exp(jnp.sum(g, axis=-2))[..., None]                     # [H, NB, K, 1]
+    decay = jnp.swapaxes(eG[..., -1:, :], -1, -2)                      # exp(Gamma_C) [H, NB, K, 1]
     flat = lambda x: x.reshape(H, NB * x.shape[2], x.shape[3])
-    return flat(W), flat(U), flat(q * eG), flat(Aqk), flat(kd), flat(decay)
-
-
-def _suffix_sums(x):
-    """Along the token axis (-2): y_j = sum of x over (j, n) (exclusive), each a direct sum of the
-    later terms (a reversed cumulative sum of x shifted by one), never a difference of two sums."""
-    later = jnp.concatenate([x[..., 1:, :], jnp.zeros_like(x[..., :1, :])], axis=-2)
-    return jnp.flip(jnp.cumsum(jnp.flip(later, -2), axis=-2), -2)
-
-
-def _wy_blocks(q, k, g, beta):
-    """A_qk [.., C, C] (lower, diagonal included) and (I + A)^-1 [.., C, C], A = Diag(beta) strict_lower(A_kk),
-    for chunks q, k, g [.., C, K], beta [.., C, 1], built over the binary tree of ``_chunk_prep``: at
-    level s each 2s-token block joins its two halves. Its lower-left [s, s] block pairs rows i of the
-    second half with columns j of the first, whose decay exp(Gamma_i - Gamma_j) splits at the block's
-    split point r into exp(sum g over (r, i]) * exp(sum g over (j, r]): two factors <= 1 from direct
-    sums (cumulative from r). The inverse of [[T1, 0], [A21, T2]] is [[T1, 0], [-T2 A21 T1, T2]] with
-    T1, T2 the halves' inverses from the level below: blocked forward substitution, ~2 C s^2 FLOPs a
-    level where the fused kernel's full-size masked products take ~4 C^3."""
-    lead, C = q.shape[:-2], q.shape[-2]
-    mm = functools.partial(jnp.matmul, precision=_HI)
-    nt = lambda a, b: mm(a, jnp.swapaxes(b, -1, -2))
-    Aqk = jnp.sum(q * k, axis=-1)[..., None, None]                      # [.., C, 1, 1] diagonal blocks
-    Tinv = jnp.ones(lead + (C, 1, 1), _F32)
-    for s in _tree_levels(C):
-        halves = lambda x: x.reshape(lead + (C // (2 * s), 2, s, x.shape[-1]))
-        (q2, k1, k2, g1, g2, b2) = (h[..., i, :, :] for h, i in (
-            (halves(q), 1), (halves(k), 0), (halves(k), 1), (halves(g), 0), (halves(g), 1), (halves(beta), 1)))
-        F2 = jnp.exp(jnp.cumsum(g2, axis=-2))                           # rows: sum of g over (r, i]
-        kF1 = k1 * jnp.exp(_suffix_sums(g1))                            # cols: sum of g over (j, r]
-        aqk = nt(q2 * F2, kF1)                                          # [.., C/2s, s, s]
-        a21 = b2 * nt(k2 * F2, kF1)
-        join = lambda d, low: _join_blocks(d.reshape(lead + (C // (2 * s), 2, s, s)), low)
-        t = Tinv.reshape(lead + (C // (2 * s), 2, s, s))
-        Aqk = join(Aqk, aqk)
-        Tinv = join(Tinv, -mm(mm(t[..., 1, :, :], a21), t[..., 0, :, :]))
-    return Aqk[..., 0, :, :], Tinv[..., 0, :, :]
-
-
-def _join_blocks(diag, low):
-    """[[d0, 0], [low, d1]]: diag [.., n, 2, s, s], low [.., n, s, s] -> [.., n, 2s, 2s]."""
-    top = jnp.concatenate([diag[..., 0, :, :], jnp.zeros_like(low)], axis=-1)
-    bottom = jnp.concatenate([low, diag[..., 1, :, :]], axis=-1)
-    return jnp.concatenate([top, bottom], axis=-2)
+    return flat(W), flat(U), flat(q * eG), flat(Aqk), flat(k * eS), flat(decay)
 
 
 def _block_meta(rows, NB):
