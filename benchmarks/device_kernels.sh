@@ -29,10 +29,10 @@ phase() {  # name, wall limit (s), per-case limit (s), case regex
 }
 phase decode "${K3_PHASE_DECODE_S:-130}" 60 \
   '^(check_kda_recurrent|check_kda_pool|kda_decode_pool_B|check_gmm_(bfloat16|mxfp4)|moe_gmm|check_mla_bfloat16|mla_paged)'
-# one prefill case times 9 things (3 precisions, 3 forms, XLA's reference, 2 fla variants): 190 s each
-phase prefill "${K3_PHASE_PREFILL_S:-240}" 190 '^(check_kda_chunk|kda_prefill_H96_T(1024|4096|8192))'
+# one prefill case times 11 things (3 precisions, 5 other forms, XLA's reference, 2 fla variants): 220 s each
+phase prefill "${K3_PHASE_PREFILL_S:-270}" 220 '^(check_kda_chunk|kda_prefill_H96_T(1024|4096|8192))'
 phase sweep "${K3_PHASE_SWEEP_S:-80}" 60 '^kda_decode_pool_sweep_B'
-phase fp32 "${K3_PHASE_FP32_S:-100}" 60 '^(check_gmm_float32|check_mla_float32|kda_prefill_H8_)'
+phase fp32 "${K3_PHASE_FP32_S:-70}" 60 '^(check_gmm_float32|check_mla_float32|kda_prefill_H8_)'
 python3 benchmarks/kernels_gpu.py --out "$OUT/kernels-gpu.json" \
   --merge "$OUT"/kernels-gpu-{decode,prefill,sweep,fp32}.json 2>&1 | tee -a "$LOG"
 cp "$OUT/kernels-gpu.json" benchmarks/results/kernels-gpu.json 2>/dev/null

@@ -867,12 +867,14 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     # fla's organisation) and the jnp reference itself (XLA's lax.scan over chunks): what the fused
     # kernel is up against (the split and staged forms' default tiles compile without spilling
     # registers; the fused form spills less with 8 warps: benchmarks/results/triton-resources.json)
+    # (staged_s2: its loop's loads pipelined two deep, 90 KiB of shared memory offline)
     case["form_variants"] = {name: _prefill_precision_variant(
-        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_warps=nw)
-        for name, form, prec, nw in (("split", "split", case["dot_precision"], None),
-                                     ("staged", "staged", case["dot_precision"], None),
-                                     ("staged_bf16", "staged", "bf16", None),
-                                     ("fused_w8", "fused", case["dot_precision"], 8))}
+        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_warps=nw, num_stages=ns)
+        for name, form, prec, nw, ns in (("split", "split", case["dot_precision"], None, None),
+                                         ("staged", "staged", case["dot_precision"], None, None),
+                                         ("staged_s2", "staged", case["dot_precision"], None, 2),
+                                         ("staged_bf16", "staged", "bf16", None, None),
+                                         ("fused_w8", "fused", case["dot_precision"], 8, None))}
     case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
     if peer is not None:
         x_np = [np.asarray(a) for a in x]
@@ -914,7 +916,7 @@ def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
 
 
 def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form="fused",
-                               num_warps=None):
+                               num_warps=None, num_stages=None):
     """The Pallas chunk kernel with tensor-core data products (``dot_precision=prec``) or in
     another ``form``, checked against the fp32 reference and timed like the main case; errors
     are recorded, not raised."""
@@ -922,11 +924,11 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
     try:
         fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda_pallas(
             q, k, v, g, b, scale=scale, initial_state=s0, output_final_state=True,
-            interpret=interpret, dot_precision=prec, form=form, num_warps=num_warps,
-            variant="gpu" if form != "fused" or num_warps else None))
+            interpret=interpret, dot_precision=prec, form=form, num_warps=num_warps, num_stages=num_stages,
+            variant="gpu" if form != "fused" or num_warps or num_stages else None))
         args = tuple(x) + (S0,)
         (o, s), comp = _timed_first_call(fn, *args)
-        res = dict(dot_precision=prec, form=form, num_warps=num_warps, compile_s=comp, check=check(
+        res = dict(dot_precision=prec, form=form, num_warps=num_warps, num_stages=num_stages, compile_s=comp, check=check(
             {"o": (o, ref[0]), "final_state": (s, ref[1])},
             {"tf32": "kda_tf32", "bf16": "kda_bf16_products"}.get(prec, "kda_f32")))
         del o, s

@@ -73,8 +73,11 @@ def configs():
         kw = dict(variant="gpu", form=form, block_v=bv, dot_precision=prec, num_warps=nw,
                   **(dict(block_c=bc) if form == "fused" else dict(block_k=bc)))
         name = f"kda_chunk_{form}/bv{bv}" + (f"_bc{bc}" if form == "fused" else f"_bk{bc}") + f"_{prec}"
-        out.append((name, nw, 1, lambda kw=kw: (jax.jit(lambda *a: chunk_kda_pallas(
-            *a[:5], initial_state=a[5], output_final_state=True, **kw)), chunk_args)))
+        build = lambda kw=kw: (jax.jit(lambda *a: chunk_kda_pallas(
+            *a[:5], initial_state=a[5], output_final_state=True, **kw)), chunk_args)
+        out.append((name, nw, 1, build))
+        if form == "staged" and bc == 64 and bv <= 32:   # its chunk loop's loads pipelined 2 / 3 deep
+            out += [(f"{name}_s{ns}", nw, ns, build) for ns in (2, 3)]
     for bv, nw in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
         out.append((f"kda_decode_pool/bv{bv}", nw, 1, lambda bv=bv, nw=nw: (jax.jit(
             lambda *a: fused_recurrent_kda_pool_pallas(*a, jnp.asarray([2, 0], i32), variant="gpu", block_v=bv,

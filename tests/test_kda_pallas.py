@@ -310,16 +310,22 @@ def test_split_forms_match_the_token_scan(dense_case, varlen_case, form, prec, b
         chunk_kda_pallas(*x, interpret=True, variant="gpu", form="blocked")
 
 
-@pytest.mark.parametrize("form", ["split", "staged"])
-def test_split_forms_lower_for_cuda(form):
+@pytest.mark.parametrize("form,num_stages", [("split", None), ("staged", 2)])
+def test_split_forms_lower_for_cuda(form, num_stages):
+    """Both forms lower for CUDA; ``num_stages`` (Triton's pipelining of the chunk loop's loads)
+    reaches the Triton call, and bad values or the TPU variant are refused."""
     from jax import export
 
     x = make_inputs(193, 1, 70, 2, 128, 128)
     S0 = make_state(194, 1, 2, 128, 128)
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-    export.export(jax.jit(lambda *a: chunk_kda_pallas(*a[:5], initial_state=a[5], output_final_state=True,
-                                                      return_chunk_states=True, variant="gpu", form=form)),
-                  platforms=["cuda"], disabled_checks=checks)(*x, S0)
+    text = export.export(jax.jit(lambda *a: chunk_kda_pallas(
+        *a[:5], initial_state=a[5], output_final_state=True, return_chunk_states=True, variant="gpu",
+        form=form, num_stages=num_stages)), platforms=["cuda"], disabled_checks=checks)(*x, S0).mlir_module()
+    assert f"num_stages = {num_stages or 1} : i32" in text
+    for bad, variant in ((0, "gpu"), (5, "gpu"), (2, "tpu")):
+        with pytest.raises(ValueError, match="num_stages"):
+            chunk_kda_pallas(*x[:5], interpret=True, variant=variant, num_stages=bad)
 
 
 @pytest.mark.parametrize("block_v,num_warps", [(8, 1), (16, 2), (32, 8)])

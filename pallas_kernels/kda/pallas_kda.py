@@ -362,15 +362,25 @@ def check_num_warps(num_warps):
     return nw
 
 
-def _triton_params(num_warps=NUM_WARPS):
+def check_num_stages(num_stages):
+    """``num_stages`` (None: 1) -> an int from 1 to 4: Triton's software pipelining of the loads in a
+    program's chunk loop (the operands of chunk c + 1 fetched into shared memory while chunk c runs;
+    each stage holds a copy of them)."""
+    ns = 1 if num_stages is None else num_stages
+    if not isinstance(ns, int) or not 1 <= ns <= 4:
+        raise ValueError(f"num_stages={num_stages!r} must be an int from 1 to 4")
+    return ns
+
+
+def _triton_params(num_warps=NUM_WARPS, num_stages=1):
     """Select the Pallas Triton lowering explicitly (JAX >= 0.10 defaults to Mosaic GPU,
     which stages every block in shared memory -- wrong for this whole-row kernel)."""
     from jax.experimental.pallas import triton as pltriton
-    return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
 
 
 def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-              block_c=None, num_warps=NUM_WARPS):
+              block_c=None, num_warps=NUM_WARPS, num_stages=1):
     H, TT, K = q.shape
     bc = C if block_c is None else block_c      # math tile; chunk states stay every C tokens
     if C % bc or bc & (bc - 1):
@@ -388,11 +398,11 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
 
     return _gpu_rows_call(chunk, "kda_scan_gpu", (q, k, v, g, beta), ("K", "K", "V", "K", 1), states, rows,
                           block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret,
-                          num_warps=num_warps)
+                          num_warps=num_warps, num_stages=num_stages)
 
 
 def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret,
-                   num_warps=NUM_WARPS, block_k=None, state_before=False):
+                   num_warps=NUM_WARPS, block_k=None, state_before=False, num_stages=1):
     """The GPU variant: grid (V / block_v, H, rows). Each program runs row r's chunks
     ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
     registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
@@ -400,7 +410,7 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
     "V": this program's V block; "K" or an int: all of it), the state array (aliased to output 1).
     Outputs: o [H, TT, V] (TT = the first operand's n, V = the states'), the states, and with
     ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V] (with ``state_before``: the
-    state each chunk starts from). ``num_warps``: per program.
+    state each chunk starts from). ``num_warps``: per program; ``num_stages``: ``check_num_stages``.
     ``block_k`` < K: S is carried as a tuple of K / block_k blocks [block_k, block_v], each read and
     written as its own rows of the state (a value cannot be sliced or joined along K in Triton)."""
     H, TT, K = operands[0].shape
@@ -459,7 +469,7 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
         + [tok(w, x.shape[1]) for w, x in zip(widths, operands)] + [sspec],
         out_specs=out_specs,
         input_output_aliases={4 + n_in: 1},
-        compiler_params=None if interpret else _triton_params(num_warps),
+        compiler_params=None if interpret else _triton_params(num_warps, num_stages),
         interpret=interpret,
         name=name,
     )(*rows, *operands, states)
@@ -478,7 +488,7 @@ def default_split_tiles(K, V, form="split"):
 
 
 def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, prec,
-                    state_dtype, num_warps=NUM_WARPS, block_k=None, staged=False):
+                    state_dtype, num_warps=NUM_WARPS, block_k=None, staged=False, num_stages=1):
     """The "split" form's recurrence (GPU plumbing): ``prep`` = (W, U, Q, Aqk, Kd, decay) laid out
     [H, NB*C, K|V|C] and decay [H, NB*K, 1], computed for every chunk at once outside the kernel
     (``_split_prep``); each program walks its row's chunks doing only the four state products, on
@@ -518,7 +528,7 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
     name = "kda_chunk_staged_gpu" if staged else "kda_chunk_split_gpu"
     return _gpu_rows_call(chunk, name, operands, widths, states, rows, block_v=block_v,
                           num_chunks=TT // C if chunk_states or staged else 0, interpret=interpret,
-                          num_warps=num_warps, block_k=bk, state_before=staged)
+                          num_warps=num_warps, block_k=bk, state_before=staged, num_stages=num_stages)
 
 
 def _staged_output(Q, Aqk, Vn, h, *, C, prec, emulate):
@@ -598,14 +608,16 @@ def _pick_block_v(V, block_v, variant):
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
           variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused",
-          num_warps=None, block_k=None):
+          num_warps=None, block_k=None, num_stages=None):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
     `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent").
-    `num_warps` (GPU variant): warps per program (None: ``NUM_WARPS``)."""
+    `num_warps` / `num_stages` (GPU variant): warps per program (None: ``NUM_WARPS``) and load
+    pipelining stages of its loop (None: 1)."""
     variant = variant or _default_variant()
-    if num_warps is not None and variant != "gpu":
-        raise ValueError(f"num_warps={num_warps!r} is an option of the GPU (Triton) variant, not {variant!r}")
-    num_warps = check_num_warps(num_warps)
+    for name, val in (("num_warps", num_warps), ("num_stages", num_stages)):
+        if val is not None and variant != "gpu":
+            raise ValueError(f"{name}={val!r} is an option of the GPU (Triton) variant, not {variant!r}")
+    num_warps, num_stages = check_num_warps(num_warps), check_num_stages(num_stages)
     if dot_precision not in DOT_PRECISIONS:
         raise ValueError(f"dot_precision={dot_precision!r}; expected one of {DOT_PRECISIONS}")
     if dot_precision != "highest" and variant == "tpu" and not interpret:
@@ -635,7 +647,7 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
         staged = form == "staged"
         res = _call_gpu_split(prep, states, rows, C=C, block_v=bv, chunk_states=chunk_states,
                               interpret=interpret, prec=dot_precision, state_dtype=state_dtype,
-                              num_warps=num_warps, block_k=block_k, staged=staged)
+                              num_warps=num_warps, block_k=block_k, staged=staged, num_stages=num_stages)
         if not staged:
             return res
         vn, final, h = res
@@ -646,7 +658,7 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
     if variant == "gpu":
         if kind == "chunk":
             kw["block_c"] = default_block_c(C, interpret) if block_c is None else block_c
-        return _call_gpu(math, q, k, v, g, beta, states, rows, num_warps=num_warps, **kw)
+        return _call_gpu(math, q, k, v, g, beta, states, rows, num_warps=num_warps, num_stages=num_stages, **kw)
     raise ValueError(f"variant={variant!r}")
 
 
@@ -681,7 +693,7 @@ def _unprep_dense(o, B, T, NCb, C):
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
          return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None,
-         block_c=None, form="fused", num_warps=None, block_k=None):
+         block_c=None, form="fused", num_warps=None, block_k=None, num_stages=None):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
@@ -690,6 +702,7 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     scan = functools.partial(_scan, kind, C=C, block_v=block_v, chunk_states=return_chunk_states,
                              interpret=interpret, variant=variant, dot_precision=dot_precision,
                              state_dtype=state_dtype, block_c=block_c, form=form, num_warps=num_warps,
+                             num_stages=num_stages,
                              block_k=block_k)
     if cu_seqlens is None:
         xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
@@ -742,12 +755,12 @@ def fit_block_t(block_t, T):
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
                                              "variant", "dot_precision", "state_dtype", "block_c",
-                                             "form", "num_warps", "block_k"))
+                                             "form", "num_warps", "block_k", "num_stages"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
                      variant=None, dot_precision=None, state_dtype=None, block_c=None,
-                     form="fused", num_warps=None, block_k=None):
+                     form="fused", num_warps=None, block_k=None, num_stages=None):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
     ``dot_precision``: "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for the
@@ -756,13 +769,15 @@ def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
     ``block_c`` (GPU variant): tokens per math tile inside a chunk (``default_block_c``).
     ``form`` (GPU variant): "fused", "split" or "staged" (see ``FORMS``).
     ``num_warps`` (GPU variant): warps per program (None: ``NUM_WARPS``).
+    ``num_stages`` (GPU variant): Triton pipelining stages of each program's chunk loop (None: 1;
+    ``check_num_stages``).
     ``block_k`` (split and staged forms): state rows per K-block of their products; it and
     ``block_v`` default to ``default_split_tiles``."""
     if dot_precision is None:
         dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision, state_dtype, block_c, form, num_warps, block_k)
+                variant, dot_precision, state_dtype, block_c, form, num_warps, block_k, num_stages)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
