@@ -1085,6 +1085,23 @@ def measure_roofline(quick, reps):
                     matmul_float32=dict(gflops=nan), matmul_bfloat16=dict(gflops=nan))
 
 
+def _fastest_prefill(case, variants):
+    """The checked prefill variant with the most tokens/s (the default kernel is "default"), with its
+    ratio to each fla variant: which form and product precision to make the default."""
+    timed = {"default": dict(tokens_per_s=case["tokens_per_s"], check_passed=case["check"]["passed"],
+                             ratio_ours_over_fla={v: p["ratio_ours_over_peer"]
+                                                  for v, p in (case.get("peer") or {}).items()
+                                                  if "ratio_ours_over_peer" in p})}
+    timed.update(variants)
+    ok = {n: v for n, v in timed.items() if v.get("tokens_per_s") and v.get("check_passed")}
+    if not ok:
+        return None
+    name = max(ok, key=lambda n: ok[n]["tokens_per_s"])
+    return dict(variant=name, tokens_per_s=ok[name]["tokens_per_s"],
+                ratio_ours_over_fla=ok[name]["ratio_ours_over_fla"],
+                met={f: r >= GOAL_PREFILL_RATIO for f, r in ok[name]["ratio_ours_over_fla"].items()})
+
+
 def summarize(cases):
     """Correctness roll-up, errors, and the two goals (recorded whether met or not)."""
     checks = {c["name"]: c["check"]["passed"] for c in cases if "check" in c}
@@ -1102,12 +1119,14 @@ def summarize(cases):
                                             for f, r in v.get("ratio_ours_over_peer", {}).items()},
                                        error=v.get("error"))
                                for p, v in vs.items()}
+            variants = dict(roll(c.get("dot_precision_variants") or {}), **roll(c.get("form_variants") or {}))
             prefill.append(dict(case=c["name"], tokens_per_s=c["tokens_per_s"],
                                 dot_precision=c.get("dot_precision"),
                                 ratio_ours_over_fla=ratios,
                                 met={v: r >= GOAL_PREFILL_RATIO for v, r in ratios.items()},
                                 dot_precision_variants=roll(c.get("dot_precision_variants") or {}),
                                 form_variants=roll(c.get("form_variants") or {}),
+                                fastest=_fastest_prefill(c, variants),
                                 reference_xla=roll({"reference": c["reference_xla"]})["reference"]
                                 if "reference_xla" in c else None))
         if c["op"] == "fused_recurrent_kda_pool":

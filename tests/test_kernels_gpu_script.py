@@ -100,6 +100,10 @@ def test_quick_run_timings_and_summary(quick_run):
         assert set(p["form_variants"]) == {"split", "staged", "staged_s2", "staged_bf16", "fused_w8"}
         for v in p["form_variants"].values():
             assert v["check_passed"] is True and v["tokens_per_s"] > 0 and not v["error"]
+        every = {"default": p["tokens_per_s"], **{n: v["tokens_per_s"] for n, v in
+                                                  {**p["dot_precision_variants"], **p["form_variants"]}.items()}}
+        assert p["fastest"]["tokens_per_s"] == max(every.values())
+        assert every[p["fastest"]["variant"]] == p["fastest"]["tokens_per_s"]
 
 
 def test_quick_run_sweeps_the_decode_kernel_shapes(kg, quick_run):
