@@ -266,6 +266,7 @@ def test_compiled_defaults_and_decode_token_blocks():
     assert default_dot_precision("gpu", True) == default_dot_precision("tpu", False) == "highest"
     assert default_block_c(64, False) == 16 and default_block_c(64, True) == 64
     assert [fit_block_t(8, T) for T in (1, 2, 3, 5, 8, 9, 100)] == [1, 2, 4, 8, 8, 8, 8]
+    assert fit_block_t(8, 1, "tpu") == 8     # TPU token tiles need 8 rows
     with pytest.raises(ValueError, match="block_t"):
         fit_block_t(6, 4)
 
@@ -378,3 +379,32 @@ def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     for name, a, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, want):
         b = b.reshape((Hh, NB * b.shape[2]) + b.shape[3:])
         assert a.shape == b.shape and rel_err(a, b) <= TOL, name
+
+
+def test_gpu_kernels_read_the_callers_layout(pool_inputs):
+    """The GPU variant's fused / recurrent kernels read the caller's [tokens, H, D] in its dtype (q
+    scaled and every operand widened to fp32 in the kernel) and write o in it: bf16 inputs give the
+    reference's outputs and pool, skipped rows zeros; the lowered pooled decode step moves no operand
+    through an XLA transpose (the head-major TPU layout would)."""
+    from jax import export
+
+    pool, x = pool_inputs
+    xb = [a.astype(jnp.bfloat16) for a in x]
+    slots = jnp.asarray(POOL_CASES["mixed"], jnp.int32)
+    o, new_pool = fused_recurrent_kda_pool_pallas(*xb, pool, slots, interpret=True, variant="gpu")
+    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*xb, pool, slots)
+    assert o.dtype == jnp.bfloat16 and rel_err(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= 1e-2
+    assert rel_err(new_pool, pool_ref) <= TOL
+    assert not bool(jnp.any(o[jnp.asarray(POOL_CASES["mixed"]) < 0].astype(jnp.float32)))
+    oc, sc = chunk_kda_pallas(*xb, initial_state=pool[:5], output_final_state=True, chunk_size=16,
+                              interpret=True, variant="gpu")
+    oc_ref, sc_ref = naive(*xb, None, pool[:5])
+    assert oc.dtype == jnp.bfloat16 and rel_err(oc.astype(jnp.float32), oc_ref.astype(jnp.float32)) <= 1e-2
+    assert rel_err(sc, sc_ref) <= TOL
+    xd = [a.astype(jnp.bfloat16) for a in make_inputs(195, 2, 1, 2, 128, 128)]
+    pool_d = make_state(196, 3, 2, 128, 128)
+    checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+    lowered = lambda variant: export.export(jax.jit(lambda *a: fused_recurrent_kda_pool_pallas(
+        *a, jnp.asarray([2, -1], jnp.int32), variant=variant)), platforms=["cuda" if variant == "gpu" else "tpu"],
+        disabled_checks=checks)(*xd, pool_d).mlir_module()
+    assert "stablehlo.transpose" not in lowered("gpu") and "stablehlo.transpose" in lowered("tpu")

@@ -380,8 +380,13 @@ def _triton_params(num_warps=NUM_WARPS, num_stages=1):
 
 
 def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
-              block_c=None, num_warps=NUM_WARPS, num_stages=1):
-    H, TT, K = q.shape
+              block_c=None, num_warps=NUM_WARPS, num_stages=1, token_major=False, scale=None,
+              out_dtype=_F32):
+    """The fused chunk / recurrent kernel on the GPU variant. Operands head-major [H, TT, D] fp32
+    (scaled q), or with ``token_major`` the caller's [TT, H, D] in its dtype: then q is scaled by
+    ``scale`` and every operand widened to fp32 in the kernel, o comes back [TT, H, V] in
+    ``out_dtype``, and the step needs no XLA transposes or casts around the kernel."""
+    TT = q.shape[0] if token_major else q.shape[1]
     bc = C if block_c is None else block_c      # math tile; chunk states stay every C tokens
     if C % bc or bc & (bc - 1):
         raise ValueError(f"block_c={bc} must be a power of two dividing the chunk size {C}")
@@ -390,7 +395,10 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
     def chunk(c, S, ins, o_ref):                  # one chunk of C tokens = C / bc math tiles
         def tile(i, S):
             sl = pl.ds(pl.multiple_of(i * bc, bc), bc)
-            S, o = math(S, *(x[sl, :] for x in ins))
+            xs = [x[sl, :].astype(_F32) for x in ins]
+            if scale is not None:
+                xs[0] = xs[0] * scale
+            S, o = math(S, *xs)
             o_ref[sl, :] = o.astype(o_ref.dtype)
             return S
 
@@ -398,11 +406,13 @@ def _call_gpu(math, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states,
 
     return _gpu_rows_call(chunk, "kda_scan_gpu", (q, k, v, g, beta), ("K", "K", "V", "K", 1), states, rows,
                           block_v=block_v, num_chunks=TT // C if chunk_states else 0, interpret=interpret,
-                          num_warps=num_warps, num_stages=num_stages)
+                          num_warps=num_warps, num_stages=num_stages, token_major=token_major,
+                          out_dtype=out_dtype, zero_rows=C)
 
 
 def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_chunks, interpret,
-                   num_warps=NUM_WARPS, block_k=None, state_before=False, num_stages=1):
+                   num_warps=NUM_WARPS, block_k=None, state_before=False, num_stages=1,
+                   token_major=False, out_dtype=_F32, zero_rows=None):
     """The GPU variant: grid (V / block_v, H, rows). Each program runs row r's chunks
     ``rs[r] <= c < re[r]`` through ``chunk(c, S, in_refs, o_ref) -> S`` (S [K, block_v] fp32, in
     registers), starting from and writing back ``states[slot[r]]`` (rows with valid 0 do nothing).
@@ -412,8 +422,13 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
     ``num_chunks`` > 0 the state after every chunk [num_chunks, H, K, V] (with ``state_before``: the
     state each chunk starts from). ``num_warps``: per program; ``num_stages``: ``check_num_stages``.
     ``block_k`` < K: S is carried as a tuple of K / block_k blocks [block_k, block_v], each read and
-    written as its own rows of the state (a value cannot be sliced or joined along K in Triton)."""
-    H, TT, K = operands[0].shape
+    written as its own rows of the state (a value cannot be sliced or joined along K in Triton).
+    ``token_major``: operands and o laid out [n, H, width] instead (the same [n, width] refs in the
+    kernel, strided). ``out_dtype``: o's. ``zero_rows`` = C: rows with valid 0 write zeros to their
+    chunks' C-token slices of o (else they leave o unwritten)."""
+    TT, H, K = operands[0].shape
+    if not token_major:
+        H, TT = TT, H
     bk = K if block_k is None else block_k
     nk = K // bk
 
@@ -436,6 +451,16 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
         r = pl.program_id(2)
         slot = st_ref[r]
 
+        if zero_rows:
+            @pl.when(va_ref[r] != 1)
+            def _():
+                def zero(c, carry):
+                    o_ref[pl.ds(pl.multiple_of(c * zero_rows, zero_rows), zero_rows), :] = jnp.zeros(
+                        (zero_rows, block_v), o_ref.dtype)
+                    return carry
+
+                lax.fori_loop(rs_ref[r], re_ref[r], zero, 0)
+
         @pl.when(va_ref[r] == 1)
         def _():
             def body(c, S):
@@ -451,12 +476,15 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
     # grid (V / block_v, H, rows): the V blocks of one head are neighbouring programs, which the GPU
     # runs at the same time, so the [n, K] operands they all read come from L2 once fetched
     def tok(width, n=TT):
-        if width == "V":
-            return pl.BlockSpec((None, n, block_v), lambda j, h, r: (h, 0, j))
-        return pl.BlockSpec((None, n, K if width == "K" else width), lambda j, h, r: (h, 0, 0))
+        w = block_v if width == "V" else K if width == "K" else width
+        col = (lambda j: j) if width == "V" else (lambda j: 0)
+        if token_major:
+            return pl.BlockSpec((n, None, w), lambda j, h, r: (0, h, col(j)))
+        return pl.BlockSpec((None, n, w), lambda j, h, r: (h, 0, col(j)))
 
     sspec = pl.BlockSpec((S_n, None, K, block_v), lambda j, h, r: (0, h, 0, j))
-    out_shape = [jax.ShapeDtypeStruct((H, TT, V), _F32), jax.ShapeDtypeStruct(states.shape, _F32)]
+    o_shape = (TT, H, V) if token_major else (H, TT, V)
+    out_shape = [jax.ShapeDtypeStruct(o_shape, out_dtype), jax.ShapeDtypeStruct(states.shape, _F32)]
     out_specs = [tok("V"), sspec]
     if num_chunks:
         out_shape.append(jax.ShapeDtypeStruct((num_chunks, H, K, V), _F32))
@@ -466,7 +494,7 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
         out_shape=tuple(out_shape),
         grid=(V // block_v, H, R),
         in_specs=[pl.BlockSpec((R,), lambda j, h, r: (0,))] * 4
-        + [tok(w, x.shape[1]) for w, x in zip(widths, operands)] + [sspec],
+        + [tok(w, x.shape[0 if token_major else 1]) for w, x in zip(widths, operands)] + [sspec],
         out_specs=out_specs,
         input_output_aliases={4 + n_in: 1},
         compiler_params=None if interpret else _triton_params(num_warps, num_stages),
@@ -608,8 +636,10 @@ def _pick_block_v(V, block_v, variant):
 
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
           variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused",
-          num_warps=None, block_k=None, num_stages=None):
-    """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32. With
+          num_warps=None, block_k=None, num_stages=None, token_major=False, scale=None, out_dtype=_F32):
+    """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32 (with
+    `token_major`, the GPU fused / recurrent kernels: [NB*C, H, D] in any float dtype, q unscaled, see
+    ``_call_gpu``). With
     `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent").
     `num_warps` / `num_stages` (GPU variant): warps per program (None: ``NUM_WARPS``) and load
     pipelining stages of its loop (None: 1)."""
@@ -628,7 +658,9 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
                                  state_dtype)
     elif state_dtype is not None:
         math = functools.partial(math, state_dtype=state_dtype)
-    NB = q.shape[1] // C
+    if token_major and (variant != "gpu" or form != "fused"):
+        raise ValueError("token-major operands are the GPU variant's fused / recurrent kernel layout")
+    NB = q.shape[0 if token_major else 1] // C
     kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
               chunk_states=chunk_states,
               interpret=interpret)
@@ -658,26 +690,31 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
     if variant == "gpu":
         if kind == "chunk":
             kw["block_c"] = default_block_c(C, interpret) if block_c is None else block_c
-        return _call_gpu(math, q, k, v, g, beta, states, rows, num_warps=num_warps, num_stages=num_stages, **kw)
+        return _call_gpu(math, q, k, v, g, beta, states, rows, num_warps=num_warps, num_stages=num_stages,
+                         token_major=token_major, scale=scale, out_dtype=out_dtype, **kw)
     raise ValueError(f"variant={variant!r}")
 
 
 # ----------------------------------------------------------------------------------------
 # layouts
 # ----------------------------------------------------------------------------------------
-def _prep_dense(q, k, v, g, beta, scale, C):
-    """[B,T,H,D] -> [H, B*NCb*C, D] fp32 (T padded to a multiple of C with zeros)."""
+def _prep_dense(q, k, v, g, beta, scale, C, token_major=False):
+    """[B,T,H,D] -> [H, B*NCb*C, D] fp32 with q scaled (T padded to a multiple of C with zeros); with
+    ``token_major``, [B*NCb*C, H, D] as given (a reshape unless T needs padding; the kernel scales
+    and widens)."""
     B, T, H, K = q.shape
     NCb = max(1, -(-T // C))
     pad = NCb * C - T
 
     def f(x):
-        x = x.astype(_F32)
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        x = jnp.moveaxis(x, 2, 0)                 # [H, B, Tp, ...]
+        if pad:
+            x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        if token_major:
+            return x.reshape((B * NCb * C,) + x.shape[2:])
+        x = jnp.moveaxis(x.astype(_F32), 2, 0)    # [H, B, Tp, ...]
         return x.reshape((H, B * NCb * C) + x.shape[3:])
 
-    out = [f(q) * scale, f(k), f(v), f(g), f(beta)[..., None]]
+    out = [f(q) if token_major else f(q) * scale, f(k), f(v), f(g), f(beta)[..., None]]
     rows = (jnp.arange(B, dtype=jnp.int32) * NCb,
             jnp.arange(1, B + 1, dtype=jnp.int32) * NCb,
             jnp.arange(B, dtype=jnp.int32),
@@ -685,10 +722,21 @@ def _prep_dense(q, k, v, g, beta, scale, C):
     return out, rows, NCb
 
 
-def _unprep_dense(o, B, T, NCb, C):
+def _unprep_dense(o, B, T, NCb, C, token_major=False):
+    """The kernel's o ([H, B*NCb*C, V], or token-major [B*NCb*C, H, V]) -> [B, T, H, V]."""
+    if token_major:
+        return o.reshape((B, NCb * C) + o.shape[1:])[:, :T]
     H, _, V = o.shape
     o = o.reshape(H, B, NCb * C, V)[:, :, :T]
     return jnp.moveaxis(o, 0, 2)                  # [B, T, H, V]
+
+
+def _token_major(variant, form):
+    """Whether the kernel reads the caller's [tokens, H, D] layout: the GPU variant's fused chunk and
+    recurrent kernels (strided rows cost a Triton program nothing; XLA transposes cost a pass over
+    every operand and the output). The TPU variant tiles heads-major; the split forms' XLA prep
+    lays its terms out itself."""
+    return (variant or _default_variant()) == "gpu" and form == "fused"
 
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
@@ -699,17 +747,18 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     scale = float(K) ** -0.5 if scale is None else scale
     if C & (C - 1):
         raise ValueError(f"chunk size {C} must be a power of two for the Pallas kernels")
+    tm = _token_major(variant, form)
     scan = functools.partial(_scan, kind, C=C, block_v=block_v, chunk_states=return_chunk_states,
                              interpret=interpret, variant=variant, dot_precision=dot_precision,
                              state_dtype=state_dtype, block_c=block_c, form=form, num_warps=num_warps,
-                             num_stages=num_stages,
-                             block_k=block_k)
+                             num_stages=num_stages, block_k=block_k, token_major=tm,
+                             scale=scale if tm else None, out_dtype=v.dtype if tm else _F32)
     if cu_seqlens is None:
-        xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
+        xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C, tm)
         states = (jnp.zeros((B, H, K, V), _F32) if initial_state is None
                   else initial_state.astype(_F32))
         res = scan(*xs, states, rows)
-        o = _unprep_dense(res[0], B, T, NCb, C).astype(v.dtype)
+        o = _unprep_dense(res[0], B, T, NCb, C, tm).astype(v.dtype)
         out = (o, res[1] if output_final_state else None)
         if return_chunk_states:
             out = out + (res[2].reshape(B, NCb, H, K, V),)
@@ -720,18 +769,18 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     N = cu_seqlens.shape[0] - 1
     lay = ref.varlen_layout(cu_seqlens, T, C)
 
-    def f(x):   # [T, H, ...] -> [H, NC*C, ...]
-        x = ref.pack_varlen(x.astype(_F32), lay, C)
+    def f(x):   # [T, H, ...] -> [NC*C, H, ...], head-major: [H, NC*C, ...] fp32
+        x = ref.pack_varlen(x, lay, C)
         x = x.reshape((-1,) + x.shape[2:])
-        return jnp.moveaxis(x, 1, 0)
+        return x if tm else jnp.moveaxis(x.astype(_F32), 1, 0)
 
-    xs = [f(q[0]) * scale, f(k[0]), f(v[0]), f(g[0]), f(beta[0])[..., None]]
+    xs = [f(q[0]) if tm else f(q[0]) * scale, f(k[0]), f(v[0]), f(g[0]), f(beta[0])[..., None]]
     off = lay.chunk_offsets
     rows = (off[:-1], off[1:], jnp.arange(N, dtype=jnp.int32), jnp.ones((N,), jnp.int32))
     states = (jnp.zeros((N, H, K, V), _F32) if initial_state is None
               else initial_state.astype(_F32))
     res = scan(*xs, states, rows)
-    o = jnp.moveaxis(res[0], 0, 1)                               # [NC*C, H, V]
+    o = res[0] if tm else jnp.moveaxis(res[0], 0, 1)             # [NC*C, H, V]
     o = jnp.take(o, lay.dst, axis=0)[None].astype(v.dtype)
     out = (o, res[1] if output_final_state else None)
     if return_chunk_states:
@@ -739,13 +788,16 @@ def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_se
     return out
 
 
-def fit_block_t(block_t, T):
-    """The recurrent kernel's token block for rows of T tokens: ``block_t``, or the smallest power
-    of two >= T when that is less. A decode row (T = 1) then runs one token, not one token and
-    ``block_t - 1`` padding tokens of the same unrolled state update."""
+def fit_block_t(block_t, T, variant="gpu"):
+    """The recurrent kernel's token block for rows of T tokens: ``block_t``, or on the GPU variant
+    the smallest power of two >= T when that is less. A GPU decode row (T = 1) then runs one token,
+    not one token and ``block_t - 1`` padding tokens of the same unrolled state update. The TPU
+    variant keeps ``block_t``: its token tiles need 8 rows (sublanes) to lower."""
     block_t = int(block_t)
     if block_t < 1 or block_t & (block_t - 1):
         raise ValueError(f"block_t={block_t} must be a power of two")
+    if (variant or _default_variant()) != "gpu":
+        return block_t
     return min(block_t, 1 << max(0, int(T) - 1).bit_length())
 
 
@@ -790,7 +842,7 @@ def fused_recurrent_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
     """Pallas recurrent KDA (token loop in blocks of ``block_t`` tokens, fewer when dense T is
     shorter: see ``fit_block_t``; ``num_warps`` as :func:`chunk_kda_pallas`)."""
     if cu_seqlens is None:
-        block_t = fit_block_t(block_t, q.shape[1])
+        block_t = fit_block_t(block_t, q.shape[1], variant)
     return _run("recurrent", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(block_t), False, interpret, block_v, variant, state_dtype=state_dtype,
                 num_warps=num_warps)
@@ -807,13 +859,16 @@ def fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids, scal
     state tile [K, block_v] each program carries and the warps it is spread over."""
     B, T, H, K = q.shape
     scale = float(K) ** -0.5 if scale is None else scale
-    C = fit_block_t(block_t, T)
-    xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C)
+    C = fit_block_t(block_t, T, variant)
+    tm = _token_major(variant, "fused")
+    xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C, tm)
     slot_ids = slot_ids.astype(jnp.int32)
     valid = slot_ids >= 0
     rows = (rows[0], rows[1], jnp.where(valid, slot_ids, 0), valid.astype(jnp.int32))
     res = _scan("recurrent", *xs, state_pool.astype(_F32), rows, C=C, block_v=block_v,
-                chunk_states=False, interpret=interpret, variant=variant, num_warps=num_warps)
-    o = _unprep_dense(res[0], B, T, NCb, C)
-    o = jnp.where(valid[:, None, None, None], o, 0.0).astype(v.dtype)
-    return o, res[1].astype(state_pool.dtype)
+                chunk_states=False, interpret=interpret, variant=variant, num_warps=num_warps,
+                token_major=tm, scale=scale if tm else None, out_dtype=v.dtype if tm else _F32)
+    o = _unprep_dense(res[0], B, T, NCb, C, tm)
+    if not tm:   # the GPU kernel writes zeros for skipped rows itself
+        o = jnp.where(valid[:, None, None, None], o, 0.0)
+    return o.astype(v.dtype), res[1].astype(state_pool.dtype)
