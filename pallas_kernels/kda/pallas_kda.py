@@ -639,8 +639,8 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
           num_warps=None, block_k=None, num_stages=None, token_major=False, scale=None, out_dtype=_F32):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32 (with
     `token_major`, the GPU fused / recurrent kernels: [NB*C, H, D] in any float dtype, q unscaled, see
-    ``_call_gpu``). With
-    `state_dtype` the state is rounded to it after every chunk ("chunk") or token ("recurrent").
+    ``_call_gpu``). With `state_dtype` the state is rounded to it after every chunk ("chunk") or token
+    ("recurrent").
     `num_warps` / `num_stages` (GPU variant): warps per program (None: ``NUM_WARPS``) and load
     pipelining stages of its loop (None: 1)."""
     variant = variant or _default_variant()
