@@ -15,6 +15,7 @@ from pallas_kernels.kda.pallas_kda import (
     default_block_c,
     default_dot_precision,
     fit_block_t,
+    prep_precision,
     fused_recurrent_kda_pallas,
     fused_recurrent_kda_pool_pallas,
 )
@@ -324,6 +325,9 @@ def test_split_forms_lower_for_cuda(form, num_stages):
         *a[:5], initial_state=a[5], output_final_state=True, return_chunk_states=True, variant="gpu",
         form=form, num_stages=num_stages)), platforms=["cuda"], disabled_checks=checks)(*x, S0).mlir_module()
     assert f"num_stages = {num_stages or 1} : i32" in text
+    # the XLA prep's products take the kernel's tensor cores too: three-pass TF32, not CUDA-core fp32
+    assert "num_primitive_operations = 3" in text
+    assert prep_precision("tf32x3", True) == prep_precision("highest", False) == jax.lax.Precision.HIGHEST
     for bad, variant in ((0, "gpu"), (5, "gpu"), (2, "tpu")):
         with pytest.raises(ValueError, match="num_stages"):
             chunk_kda_pallas(*x[:5], interpret=True, variant=variant, num_stages=bad)

@@ -579,19 +579,31 @@ def _states_after(h, final, rows):
     return jnp.roll(h, -1, axis=0).at[last].set(final[st], mode="drop")
 
 
-def _split_prep(q, k, v, g, beta, C):
-    """Every chunk's state-independent terms at once (plain XLA, batched over heads and chunks,
-    IEEE fp32): [H, NB*C, D] inputs -> the layouts ``_call_gpu_split`` reads: W, U, Q, Kd [H, NB*C, K|V],
-    Aqk [H, NB*C, C], decay [H, NB*K, 1]. The same terms as ``_chunk_prep`` (the fused kernel's, which
-    must stay 2-D products of [C, C] masks inside Triton), here from the reference's block form
-    (``reference._chunk_local``: A_qk and the triangular inverse joined level by level from [s, s]
-    blocks, every gate sum from one product with a constant range-sum matrix): a 64-token chunk of one
-    head (K = V = 128) costs 12.9 MFLOP instead of 30 (XLA's cost analysis)."""
+def prep_precision(dot_precision, interpret):
+    """Precision of the split forms' XLA prep products: IEEE fp32, except on a GPU whose kernel takes
+    tensor-core products ("tf32x3", "tf32", "bf16"), where the prep takes three-pass TF32 -- about
+    fp32 accuracy (the triangular inverse and the gate sums need it) at tensor-core rates; IEEE fp32
+    runs on the CUDA cores, ~67 TFLOP/s on an H200 against ~160 MFLOP a 64-token chunk of 96 heads.
+    Interpreted (CPU): IEEE fp32, which the TF32 emulation of the kernel's products is checked against."""
+    if interpret or dot_precision == "highest":
+        return _HI
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+
+
+def _split_prep(q, k, v, g, beta, C, precision=_HI):
+    """Every chunk's state-independent terms at once (plain XLA, batched over heads and chunks;
+    products at ``precision``, see ``prep_precision``): [H, NB*C, D] inputs -> the layouts
+    ``_call_gpu_split`` reads: W, U, Q, Kd [H, NB*C, K|V], Aqk [H, NB*C, C], decay [H, NB*K, 1]. The
+    same terms as ``_chunk_prep`` (the fused kernel's, which must stay 2-D products of [C, C] masks
+    inside Triton), here from the reference's block form (``reference._chunk_local``: A_qk and the
+    triangular inverse joined level by level from [s, s] blocks, every gate sum from one product with
+    a constant range-sum matrix): a 64-token chunk of one head (K = V = 128) costs 12.9 MFLOP instead
+    of 30 (XLA's cost analysis)."""
     H, TT, K = q.shape
     NB = TT // C
     q, k, v, g, beta = (x.reshape(H, NB, C, x.shape[-1]) for x in (q, k, v, g, beta))
-    Aqk, Tinv, eG, eS = ref._chunk_local(q, k, g, beta[..., 0])
-    mm = functools.partial(jnp.matmul, precision=_HI)
+    Aqk, Tinv, eG, eS = ref._chunk_local(q, k, g, beta[..., 0], precision)
+    mm = functools.partial(jnp.matmul, precision=precision)
     W = mm(Tinv, beta * (k * eG))
     U = mm(Tinv, beta * v)
     decay = jnp.swapaxes(eG[..., -1:, :], -1, -2)                      # exp(Gamma_C) [H, NB, K, 1]
@@ -675,7 +687,7 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
             raise ValueError(f"form={form!r} is a form of the chunk kernel's GPU variant")
         V = v.shape[-1]
         bv = _pick_block_v(V, default_split_tiles(q.shape[-1], V, form)[1] if block_v is None else block_v, variant)
-        prep = _split_prep(q, k, v, g, beta, C)
+        prep = _split_prep(q, k, v, g, beta, C, prep_precision(dot_precision, interpret))
         staged = form == "staged"
         res = _call_gpu_split(prep, states, rows, C=C, block_v=bv, chunk_states=chunk_states,
                               interpret=interpret, prec=dot_precision, state_dtype=state_dtype,

@@ -27,6 +27,8 @@ a state-only loop; see the section comment below for the layout and cost.
 
 from __future__ import annotations
 
+import functools
+
 from typing import NamedTuple
 
 import jax
@@ -254,8 +256,8 @@ _SUB = 16
 _STEP_TOKENS = 64           # tokens per loop step (G = sub-chunks per step, a multiple of R)
 
 
-def _mm(spec, a, b):
-    return jnp.einsum(spec, a, b, precision=_HI)
+def _mm(spec, a, b, precision=_HI):
+    return jnp.einsum(spec, a, b, precision=precision)
 
 
 def _range_sum_matrix(P):
@@ -276,7 +278,7 @@ def _range_sum_matrix(P):
     return np.concatenate(rows, 0).astype(np.float32)
 
 
-def _chunk_local(q, k, g, beta):
+def _chunk_local(q, k, g, beta, precision=_HI):
     """State-independent part of a sub-chunk, exact for any ``g <= 0``.
 
     ``q, k, g [..., P, K]``, ``beta [..., P]`` (P a power of two). Returns ``(A_qk [..., P, P]
@@ -286,11 +288,13 @@ def _chunk_local(q, k, g, beta):
     exp(Gamma_r - Gamma_j) (r = last token of the 1st half), both exponents range sums from
     :func:`_range_sum_matrix` (one matmul); the inverse is assembled level by level by block
     doubling ([[T0, 0], [Y, T1]], Y = -T1 A10 T0: blocked forward substitution, every
-    intermediate a sub-block of the exact inverse).
+    intermediate a sub-block of the exact inverse). ``precision``: of every product (IEEE fp32 here;
+    the Pallas split forms pass three-pass TF32 on a GPU, see ``pallas_kda._split_prep``).
     """
+    mm = functools.partial(_mm, precision=precision)
     *lead, P, K = q.shape
     lead = tuple(lead)
-    F = jnp.exp(_mm("rp,...pk->...rk", jnp.asarray(_range_sum_matrix(P)), g))   # [..., nP, K]
+    F = jnp.exp(mm("rp,...pk->...rk", jnp.asarray(_range_sum_matrix(P)), g))   # [..., nP, K]
     KQ = jnp.stack([k, q], axis=-3)             # [..., 2, P, K]
     Aqk = jnp.zeros(lead + (P, 1, 1), jnp.float32)
     Tinv = jnp.ones(lead + (P, 1, 1), jnp.float32)
@@ -301,7 +305,7 @@ def _chunk_local(q, k, g, beta):
         KQr = KQ.reshape(lead + (2, nb, 2, s, K))
         lhs = KQr[..., 1, :, :] * Fr[..., None, :, 1, :, :]     # i in the 2nd half
         kb = KQr[..., 0, :, 0, :, :] * Fr[..., 0, :, :]          # j in the 1st half
-        X = _mm("...xnik,...njk->...xnij", lhs, kb)             # [..., 2, nb, s, s]
+        X = mm("...xnik,...njk->...xnij", lhs, kb)             # [..., 2, nb, s, s]
         Xkk, Xqk = X[..., 0, :, :, :], X[..., 1, :, :, :]
         z = jnp.zeros(lead + (nb, s, s), jnp.float32)
         Aq = Aqk.reshape(lead + (nb, 2, s, s))
@@ -309,14 +313,14 @@ def _chunk_local(q, k, g, beta):
                                jnp.concatenate([Xqk, Aq[..., 1, :, :]], -1)], -2)
         Tb = Tinv.reshape(lead + (nb, 2, s, s))
         T0, T1 = Tb[..., 0, :, :], Tb[..., 1, :, :]
-        Y = -_mm("...ij,...jk->...ik",
-                 _mm("...ij,...jk->...ik", T1,
-                     beta.reshape(lead + (nb, 2, s))[..., 1, :, None] * Xkk), T0)
+        Y = -mm("...ij,...jk->...ik",
+                mm("...ij,...jk->...ik", T1,
+                    beta.reshape(lead + (nb, 2, s))[..., 1, :, None] * Xkk), T0)
         Tinv = jnp.concatenate([jnp.concatenate([T0, z], -1),
                                 jnp.concatenate([Y, T1], -1)], -2)
         s, lvl = 2 * s, lvl + 1
     i = np.arange(P)
-    qk = _mm("...ik,...jk->...ij", q, k)                        # diagonal: q_i . k_i
+    qk = mm("...ik,...jk->...ij", q, k)                        # diagonal: q_i . k_i
     Aqk = Aqk.reshape(lead + (P, P)) + jnp.where(jnp.asarray(i[:, None] == i[None, :]), qk, 0.0)
     return Aqk, Tinv.reshape(lead + (P, P)), F[..., :P, :], F[..., P:2 * P, :]
 
