@@ -583,7 +583,8 @@ def prep_precision(dot_precision, interpret):
     """Precision of the split forms' XLA prep products: IEEE fp32, except on a GPU whose kernel takes
     tensor-core products ("tf32x3", "tf32", "bf16"), where the prep takes three-pass TF32 -- about
     fp32 accuracy (the triangular inverse and the gate sums need it) at tensor-core rates; IEEE fp32
-    runs on the CUDA cores, ~67 TFLOP/s on an H200 against ~160 MFLOP a 64-token chunk of 96 heads.
+    runs on the CUDA cores, ~67 TFLOP/s on an H200, against 1.2 GFLOP a 64-token chunk of 96 heads
+    (160 GFLOP at T = 8192: ~2.4 ms at that peak).
     Interpreted (CPU): IEEE fp32, which the TF32 emulation of the kernel's products is checked against."""
     if interpret or dot_precision == "highest":
         return _HI
