@@ -875,6 +875,7 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
                                          ("staged_s2", "staged", case["dot_precision"], None, 2),
                                          ("staged_bf16", "staged", "bf16", None, None),
                                          ("fused_w8", "fused", case["dot_precision"], 8, None))}
+    case["staged_parts"] = _time_staged_parts(cfg, interpret, x, S0, scale, case["dot_precision"])
     case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
     if peer is not None:
         x_np = [np.asarray(a) for a in x]
@@ -901,6 +902,35 @@ def _timed_prefill(res, fn, args, cfg, roof, flops, T):
     _rates(res, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
     res["status"] = "ok"
     return res
+
+
+def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
+    """Where the staged form's time goes: each of its stages jitted and timed alone at the case's
+    shape -- the head-major fp32 layout (XLA transposes), the chunk terms (XLA prep), the Pallas state
+    loop, the output products (XLA) -- so the next change goes to the stage that dominates. Errors
+    are recorded, not raised."""
+    from pallas_kernels.kda import pallas_kda as pk
+    try:
+        K, V = x[0].shape[-1], x[2].shape[-1]
+        bk, bv = pk.default_split_tiles(K, V, "staged")
+        layout = jax.jit(lambda *a: pk._prep_dense(*a, scale, C)[0])
+        prep = jax.jit(lambda *a: pk._split_prep(*a, C, pk.prep_precision(prec, interpret)))
+        rows = pk._prep_dense(*x, scale, C)[1]
+        loop = jax.jit(lambda p, s0: pk._call_gpu_split(p, s0, rows, C=C, block_v=bv, chunk_states=False,
+                                                        interpret=interpret, prec=prec, state_dtype=None,
+                                                        block_k=bk, staged=True))
+        output = jax.jit(lambda p, vn, h: pk._staged_output(p[2], p[3], vn, h, C=C, prec=prec, emulate=interpret))
+        res = {}
+        xs = _block(layout(*x))
+        p = _block(prep(*xs))
+        vn, _, h = _block(loop(p, S0))
+        for name, fn, args in (("layout", layout, tuple(x)), ("prep", prep, tuple(xs)), ("loop", loop, (p, S0)),
+                               ("output", output, (p, vn, h))):
+            res[name] = time_jax(fn, args, cfg)[0]["median"]
+        res["sum_s"] = sum(res.values())
+        return res
+    except Exception as e:  # noqa: BLE001
+        return dict(status="error", error=f"{type(e).__name__}: {e}"[:2000])
 
 
 def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
@@ -1127,6 +1157,7 @@ def summarize(cases):
                                 dot_precision_variants=roll(c.get("dot_precision_variants") or {}),
                                 form_variants=roll(c.get("form_variants") or {}),
                                 fastest=_fastest_prefill(c, variants),
+                                staged_parts=c.get("staged_parts"),
                                 reference_xla=roll({"reference": c["reference_xla"]})["reference"]
                                 if "reference_xla" in c else None))
         if c["op"] == "fused_recurrent_kda_pool":
