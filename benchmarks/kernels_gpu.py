@@ -867,14 +867,16 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
     # fla's organisation) and the jnp reference itself (XLA's lax.scan over chunks): what the fused
     # kernel is up against (the split and staged forms' default tiles compile without spilling
     # registers; the fused form spills less with 8 warps: benchmarks/results/triton-resources.json)
-    # (staged_s2: its loop's loads pipelined two deep, 90 KiB of shared memory offline)
+    # (staged_s2: its loop's loads pipelined two deep, 88 KiB of shared memory offline; staged_pk: its
+    # chunk terms from the prep kernel, 16-token tiles on chip, instead of XLA's batched prep)
+    dp = case["dot_precision"]
     case["form_variants"] = {name: _prefill_precision_variant(
-        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_warps=nw, num_stages=ns)
-        for name, form, prec, nw, ns in (("split", "split", case["dot_precision"], None, None),
-                                         ("staged", "staged", case["dot_precision"], None, None),
-                                         ("staged_s2", "staged", case["dot_precision"], None, 2),
-                                         ("staged_bf16", "staged", "bf16", None, None),
-                                         ("fused_w8", "fused", case["dot_precision"], 8, None))}
+        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_stages=ns, prep=pp)
+        for name, form, prec, ns, pp in (("split", "split", dp, None, "xla"),
+                                         ("staged", "staged", dp, None, "xla"),
+                                         ("staged_s2", "staged", dp, 2, "xla"),
+                                         ("staged_bf16", "staged", "bf16", None, "xla"),
+                                         ("staged_pk", "staged", dp, None, "pallas"))}
     case["staged_parts"] = _time_staged_parts(cfg, interpret, x, S0, scale, case["dot_precision"])
     case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
     if peer is not None:
@@ -946,7 +948,7 @@ def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
 
 
 def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form="fused",
-                               num_warps=None, num_stages=None):
+                               num_warps=None, num_stages=None, prep="xla"):
     """The Pallas chunk kernel with tensor-core data products (``dot_precision=prec``) or in
     another ``form``, checked against the fp32 reference and timed like the main case; errors
     are recorded, not raised."""
@@ -955,10 +957,11 @@ def _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, fl
         fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda_pallas(
             q, k, v, g, b, scale=scale, initial_state=s0, output_final_state=True,
             interpret=interpret, dot_precision=prec, form=form, num_warps=num_warps, num_stages=num_stages,
-            variant="gpu" if form != "fused" or num_warps or num_stages else None))
+            prep=prep, variant="gpu" if form != "fused" or num_warps or num_stages else None))
         args = tuple(x) + (S0,)
         (o, s), comp = _timed_first_call(fn, *args)
-        res = dict(dot_precision=prec, form=form, num_warps=num_warps, num_stages=num_stages, compile_s=comp, check=check(
+        res = dict(dot_precision=prec, form=form, num_warps=num_warps, num_stages=num_stages, prep=prep,
+                   compile_s=comp, check=check(
             {"o": (o, ref[0]), "final_state": (s, ref[1])},
             {"tf32": "kda_tf32", "bf16": "kda_bf16_products"}.get(prec, "kda_f32")))
         del o, s

@@ -78,6 +78,11 @@ def configs():
         out.append((name, nw, 1, build))
         if form == "staged" and bc == 64 and bv <= 32:   # its chunk loop's loads pipelined 2 / 3 deep
             out += [(f"{name}_s{ns}", nw, ns, build) for ns in (2, 3)]
+    from pallas_kernels.kda.pallas_kda import _call_gpu_prep
+    tok_args = [S((128, 2, K), f32)] * 4 + [S((128, 2, 1), f32)]
+    for nw in (4, 8):   # the split forms' prep kernel: one program per (64-token chunk, head)
+        out.append((f"kda_chunk_prep/tf32x3", nw, 1, lambda nw=nw: (jax.jit(lambda *a: _call_gpu_prep(
+            *a, C=64, scale=K ** -0.5, prec="tf32x3", interpret=False, num_warps=nw)), tok_args)))
     for bv, nw in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
         out.append((f"kda_decode_pool/bv{bv}", nw, 1, lambda bv=bv, nw=nw: (jax.jit(
             lambda *a: fused_recurrent_kda_pool_pallas(*a, jnp.asarray([2, 0], i32), variant="gpu", block_v=bv,

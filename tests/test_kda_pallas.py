@@ -272,17 +272,19 @@ def test_compiled_defaults_and_decode_token_blocks():
         fit_block_t(6, 4)
 
 
-@pytest.mark.parametrize("form,prec,block_k", [("split", "highest", None), ("split", "tf32x3", None),
-                                               ("split", "highest", 4), ("staged", "highest", None),
-                                               ("staged", "tf32x3", 4)])
-def test_split_forms_match_the_token_scan(dense_case, varlen_case, form, prec, block_k):
+@pytest.mark.parametrize("form,prec,block_k,prep", [
+    ("split", "highest", None, "xla"), ("split", "tf32x3", None, "xla"), ("split", "highest", 4, "xla"),
+    ("staged", "highest", None, "xla"), ("staged", "tf32x3", 4, "xla"), ("staged", "highest", None, "pallas"),
+    ("split", "tf32x3", 4, "pallas")])
+def test_split_forms_match_the_token_scan(dense_case, varlen_case, form, prec, block_k, prep):
     """The "split" GPU form (every chunk's state-independent terms batched in XLA, the kernel doing
     only the four state products per chunk, on the state whole or in K-blocks) and the "staged" form
     (the kernel doing only the two products of the next state, every chunk's output batched after it):
     outputs, final and chunk states match the token scan, dense and varlen (with an empty sequence);
-    with a bf16 state they round per chunk exactly as the fused form does."""
+    with a bf16 state they round per chunk exactly as the fused form does. Their chunk terms come
+    from XLA's batched prep or from the prep kernel (``prep``)."""
     x, S0, (o_ref, s_ref) = dense_case["k3_floor"]
-    split_kw = dict(block_k=block_k)
+    split_kw = dict(block_k=block_k, prep=prep)
     run = lambda form, **kw: chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=32,
                                               interpret=True, variant="gpu", dot_precision=prec,
                                               form=form, **kw)
@@ -310,10 +312,15 @@ def test_split_forms_match_the_token_scan(dense_case, varlen_case, form, prec, b
         chunk_kda_pallas(*x, interpret=True, variant="tpu", form="split")
     with pytest.raises(ValueError, match="form"):
         chunk_kda_pallas(*x, interpret=True, variant="gpu", form="blocked")
+    with pytest.raises(ValueError, match="prep"):
+        chunk_kda_pallas(*x, interpret=True, variant="gpu", prep="pallas")      # the fused form has none
+    with pytest.raises(ValueError, match="prep"):
+        chunk_kda_pallas(*x, interpret=True, variant="gpu", form="staged", prep="triton")
 
 
-@pytest.mark.parametrize("form,num_stages", [("split", None), ("staged", 2)])
-def test_split_forms_lower_for_cuda(form, num_stages):
+@pytest.mark.parametrize("form,num_stages,prep", [("split", None, "xla"), ("staged", 2, "xla"),
+                                                 ("staged", None, "pallas")])
+def test_split_forms_lower_for_cuda(form, num_stages, prep):
     """Both forms lower for CUDA; ``num_stages`` (Triton's pipelining of the chunk loop's loads)
     reaches the Triton call, and bad values or the TPU variant are refused."""
     from jax import export
@@ -323,11 +330,12 @@ def test_split_forms_lower_for_cuda(form, num_stages):
     checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
     text = export.export(jax.jit(lambda *a: chunk_kda_pallas(
         *a[:5], initial_state=a[5], output_final_state=True, return_chunk_states=True, variant="gpu",
-        form=form, num_stages=num_stages)), platforms=["cuda"], disabled_checks=checks)(*x, S0).mlir_module()
+        form=form, num_stages=num_stages, prep=prep)), platforms=["cuda"], disabled_checks=checks)(*x, S0).mlir_module()
     assert f"num_stages = {num_stages or 1} : i32" in text
     # the XLA prep's products take the kernel's tensor cores too: three-pass TF32, not CUDA-core fp32
     assert "num_primitive_operations = 3" in text
-    assert prep_precision("tf32x3", True) == prep_precision("highest", False) == jax.lax.Precision.HIGHEST
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == (2 if prep == "pallas" else 1)
+    assert prep_precision("tf32x3", True) == prep_precision("highest", False) == "highest"
     for bad, variant in ((0, "gpu"), (5, "gpu"), (2, "tpu")):
         with pytest.raises(ValueError, match="num_stages"):
             chunk_kda_pallas(*x[:5], interpret=True, variant=variant, num_stages=bad)
@@ -364,14 +372,16 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
 
 @pytest.mark.parametrize("gate", ["k3", "kimi", "k3_floor"])
 def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
-    """The split / staged forms' batched chunk terms (the reference's block form: A_qk and the
-    triangular inverse joined from [s, s] blocks) equal the fused kernel's per-chunk terms (full-size
-    masked products) for every chunk and head, the gate at its floor included."""
+    """The split / staged forms' chunk terms -- XLA's batched prep (the reference's block form: A_qk
+    and the triangular inverse joined from [s, s] blocks) and the prep kernel (16-token tiles on chip,
+    from the caller's token-major bf16-or-fp32 operands, q scaled inside) -- equal the fused kernel's
+    per-chunk terms (full-size masked products) for every chunk and head, the gate at its floor
+    included."""
     import functools
 
     from pallas_kernels.kda import pallas_kda as pk
 
-    Hh, C, NB = 3, 32, 3
+    Hh, C, NB = 2, 64, 2
     x = make_inputs(211, 1, NB * C, Hh, K, V, gate=gate)
     heads = lambda t: jnp.moveaxis(t[0].astype(jnp.float32), 1, 0)      # [H, NB*C, D]
     q, k, v, g = map(heads, x[:4])
@@ -380,9 +390,12 @@ def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     per_chunk = lambda t: t.reshape((Hh, NB, C) + t.shape[2:])
     want = jax.vmap(jax.vmap(functools.partial(pk._chunk_prep, prec="highest")))(
         *map(per_chunk, (q, k, v, g, beta)))
-    for name, a, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, want):
+    kernel = pk._call_gpu_prep(*(jnp.moveaxis(t, 0, 1) for t in (q / K ** -0.5, k, v, g, beta)), C=C,
+                               scale=K ** -0.5, prec="highest", interpret=True)
+    for name, a, c, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, kernel, want):
         b = b.reshape((Hh, NB * b.shape[2]) + b.shape[3:])
-        assert a.shape == b.shape and rel_err(a, b) <= TOL, name
+        assert a.shape == c.shape == b.shape, name
+        assert rel_err(a, b) <= TOL and rel_err(c, b) <= (2e-5 if name == "decay" else TOL), name
 
 
 def test_gpu_kernels_read_the_callers_layout(pool_inputs):

@@ -83,6 +83,10 @@ DOT_PRECISIONS = ("highest", "tf32x3", "tf32", "bf16")
 # the kernel does only the two products the next state needs, recording each chunk's start state and
 # new values, and every chunk's output is then one batched product outside it (fla's organisation).
 FORMS = ("fused", "split", "staged")
+# Where the split forms' chunk terms are computed: "xla" = batched XLA ops (``_split_prep``);
+# "pallas" = a Pallas kernel per (chunk, head) building them from 16-token tiles on chip
+# (``_call_gpu_prep``), which never writes the gate-sum factors to memory.
+PREPS = ("xla", "pallas")
 _PRESET = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
            "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
 
@@ -146,25 +150,28 @@ def _tree_levels(C):
         s *= 2
 
 
-def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
-    """The state-independent part of one chunk of the WY form: q,k,g [C,K]; v [C,Vb]; beta [C,1].
-    Returns W [C,K], U [C,Vb], Q = q*exp(Gamma) [C,K], Aqk [C,C] (lower incl. diagonal),
-    Kd = k*exp(Gamma_C - Gamma) [C,K] and the chunk decay exp(Gamma_C) as [K,1].
-    `prec` applies to the data products. The gate sums that feed exp() (0/1 masks @ g) are IEEE
-    fp32 under "highest" and otherwise g split into two TF32 halves, each multiplied in one TF32
-    pass (the masks are exact in TF32, so this is three-pass TF32 without its zero third pass:
-    ~2^-22 relative per term, as close as an fp32 sum gets), and no IEEE dot is left for Triton to
-    unroll into FMA loops. Two passes instead of three also cut the compiled kernel's register
-    spills (offline sm_90 compile: 1432 -> 1208 bytes a thread at 4 warps)."""
+def _gate_sums(g, prec="highest", emulate=False):
+    """``m -> m @ g`` for 0/1 masks ``m`` [., C] over a tile's gates g [C, K]: IEEE fp32 under
+    "highest", otherwise g split into two TF32 halves, each multiplied in one TF32 pass (the masks are
+    exact in TF32, so this is three-pass TF32 without its zero third pass: ~2^-22 relative per term,
+    as close as an fp32 sum gets), and no IEEE dot is left for Triton to unroll into FMA loops. Two
+    passes instead of three also cut the compiled kernel's register spills (offline sm_90 compile:
+    1432 -> 1208 bytes a thread at 4 warps)."""
+    if prec == "highest":
+        return lambda m: _mm(m, g, "highest", emulate)
+    g_hi = _to_tf32(g)
+    g_lo = g - g_hi
+    return lambda m: _mm(m, g_hi, "tf32", emulate) + _mm(m, g_lo, "tf32", emulate)
+
+
+def _tile_wy(q, k, beta, gsum, prec="highest", emulate=False):
+    """A_qk [C,C] (lower incl. diagonal) and (I + A)^-1 [C,C], A = Diag(beta) strict_lower(A_kk), of one
+    tile: q, k [C,K], beta [C,1], ``gsum`` its ``_gate_sums``. ``exp(Gamma_i - Gamma_j)`` is split at
+    the lowest-common-ancestor split point of i and j in a binary tree over the tile into two factors
+    <= 1, each exponent a masked sum of g; the inverse by recursive block doubling."""
     C = q.shape[0]
     mm = functools.partial(_mm, prec=prec, emulate=emulate)
     mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
-    if prec == "highest":
-        gsum = functools.partial(_mm, prec="highest", emulate=emulate)
-    else:   # 0/1 mask @ g: the mask is exact in TF32, so two one-pass products on g's TF32 halves
-        g_hi = _to_tf32(g)
-        g_lo = g - g_hi
-        gsum = lambda m, _g: _mm(m, g_hi, "tf32", emulate) + _mm(m, g_lo, "tf32", emulate)
     row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
     col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
     zero = jnp.zeros((C, C), _F32)
@@ -185,7 +192,7 @@ def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
         ref_r = ((row >> (lg + 1)) << (lg + 1)) + (s - 1)     # split point of row i's block
         second = ((row >> lg) & 1) == 1
         rng = jnp.where(second, (col > ref_r) & (col <= row), (col > row) & (col <= ref_r))
-        F = jnp.exp(gsum(rng.astype(_F32), g))                 # exponent = sum of g <= 0
+        F = jnp.exp(gsum(rng.astype(_F32)))                    # exponent = sum of g <= 0
         kF = k * F
         Akk = Akk + jnp.where(pair, mm_nt(kF, kF), zero)
         Aqk = Aqk + jnp.where(pair, mm_nt(q * F, kF), zero)
@@ -196,14 +203,74 @@ def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
     Tinv = jnp.where(row == col, 1.0, zero)
     for _, pair in pairs:
         Tinv = Tinv - mm(mm(Tinv, jnp.where(pair, A, zero)), Tinv)
+    return Aqk, Tinv
 
-    G = gsum(jnp.where(row >= col, 1.0, zero), g)              # inclusive cumsum [C,K]
-    eG = jnp.exp(G)
+
+def _prefix_masks(C):
+    """0/1 [C,C] masks: inclusive prefix (j <= i) and exclusive suffix (j > i) -- with ``_gate_sums``
+    the sums of g over [0, i] and (i, C)."""
+    row = lax.broadcasted_iota(jnp.int32, (C, C), 0)
+    col = lax.broadcasted_iota(jnp.int32, (C, C), 1)
+    return jnp.where(row >= col, 1.0, 0.0).astype(_F32), jnp.where(col > row, 1.0, 0.0).astype(_F32)
+
+
+def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
+    """The state-independent part of one chunk of the WY form: q,k,g [C,K]; v [C,Vb]; beta [C,1].
+    Returns W [C,K], U [C,Vb], Q = q*exp(Gamma) [C,K], Aqk [C,C] (lower incl. diagonal),
+    Kd = k*exp(Gamma_C - Gamma) [C,K] and the chunk decay exp(Gamma_C) as [K,1].
+    `prec` applies to the data products; the gate sums: ``_gate_sums``."""
+    mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    gsum = _gate_sums(g, prec, emulate)
+    Aqk, Tinv = _tile_wy(q, k, beta, gsum, prec, emulate)
+    incl, excl_suffix = _prefix_masks(q.shape[0])
+    eG = jnp.exp(gsum(incl))                                     # exp(Gamma_i), inclusive
     W = mm(Tinv, beta * (k * eG))
     U = mm(Tinv, beta * v)
-    kd = k * jnp.exp(gsum(jnp.where(col > row, 1.0, zero), g))  # exp(Gamma_C - Gamma_j)
+    kd = k * jnp.exp(gsum(excl_suffix))                          # exp(Gamma_C - Gamma_j)
     decay = jnp.exp(jnp.sum(g.T, axis=1, keepdims=True))         # [K,1] = exp(Gamma_C)
     return W, U, q * eG, Aqk, kd, decay
+
+
+def _chunk_prep_tiles(ld, put, n, prec="highest", emulate=False):
+    """``_chunk_prep``'s terms of one chunk of n tiles of P tokens, built tile by tile so that nothing
+    larger than [P, K] or [P, P] is formed (the split forms' prep kernel, ``_call_gpu_prep``).
+    ``ld(name, i)`` -> tile i of "q" (scaled), "k", "v", "g" [P, D] fp32 or "beta" [P, 1], loaded when
+    called; ``put(name, i, x)`` receives tile i of "W", "U", "Q", "Kd", block i = (row, col) of "Aqk"
+    (col <= row) and "decay" [K, 1] (i None), each as soon as it is known. Per-tile [P, K] terms are
+    recomputed where used rather than kept (a Triton program holds its values in registers).
+
+    A pair (a in tile i, b in tile j < i) decays by the sum of g over (b, a] = (b, end of tile j] +
+    the tiles strictly between + (start of tile i, a]: two factors <= 1 from direct sums, as in the
+    tree. Within a tile: ``_tile_wy``. (I + A)^-1 by block forward substitution over the tiles:
+    X_ii from ``_tile_wy``, X_ij = -X_ii sum_{j <= m < i} Diag(beta_i) A_kk,im X_mj."""
+    mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
+    add = lambda xs: functools.reduce(jnp.add, xs)
+    gsum = lambda i: _gate_sums(ld("g", i), prec, emulate)
+    masks = lambda i: _prefix_masks(ld("g", i).shape[0])
+    pre = lambda i: gsum(i)(masks(i)[0])                          # sum of g over [tile start, a]
+    suf = lambda i: gsum(i)(masks(i)[1])                          # over (b, tile end]
+    tot = [jnp.sum(ld("g", i), axis=0, keepdims=True) for i in range(n)]     # [1, K] each tile's sum
+    between = lambda j, i: add([jnp.zeros_like(tot[0])] + tot[j + 1:i])     # tiles strictly between
+    X, Akk = {}, {}
+    for i in range(n):
+        aqk, X[i, i] = _tile_wy(ld("q", i), ld("k", i), ld("beta", i), gsum(i), prec, emulate)
+        put("Aqk", (i, i), aqk)
+        for j in range(i):
+            R = jnp.exp(pre(i) + between(j, i))                   # rows a of tile i
+            kL = ld("k", j) * jnp.exp(suf(j))                     # columns b of tile j
+            Akk[i, j] = mm_nt(ld("k", i) * R, kL)
+            put("Aqk", (i, j), mm_nt(ld("q", i) * R, kL))
+    for i in range(1, n):
+        for j in range(i):
+            X[i, j] = -mm(X[i, i], add([mm(ld("beta", i) * Akk[i, m], X[m, j]) for m in range(j, i)]))
+    eG = lambda i: jnp.exp(pre(i) + between(-1, i))              # exp(Gamma_a) from the chunk start
+    for i in range(n):
+        put("W", i, add([mm(X[i, j], ld("beta", j) * (ld("k", j) * eG(j))) for j in range(i + 1)]))
+        put("U", i, add([mm(X[i, j], ld("beta", j) * ld("v", j)) for j in range(i + 1)]))
+        put("Q", i, ld("q", i) * eG(i))
+        put("Kd", i, ld("k", i) * jnp.exp(suf(i) + between(i, n)))
+    put("decay", None, jnp.exp(add([jnp.sum(ld("g", i).T, axis=1, keepdims=True) for i in range(n)])))
 
 
 def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
@@ -559,6 +626,57 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
                           num_warps=num_warps, block_k=bk, state_before=staged, num_stages=num_stages)
 
 
+PREP_TILE = 16   # tokens per tile of the split forms' prep kernel (``_call_gpu_prep``)
+
+
+def _call_gpu_prep(q, k, v, g, beta, *, C, scale, prec, interpret, num_warps=NUM_WARPS):
+    """The split forms' chunk terms as a Pallas kernel, one program per (chunk, head), the terms built
+    from ``PREP_TILE``-token tiles on chip (``_chunk_prep_tiles``) instead of XLA's batched prep, which
+    materialises every gate-sum factor ([chunks, 8 C, K] fp32) in memory. Inputs token-major
+    [NB*C, H, D] in the caller's dtype (beta [NB*C, H, 1]; q scaled and all widened in the kernel);
+    outputs the layouts ``_call_gpu_split`` reads, as ``_split_prep``."""
+    TT, H, K = q.shape
+    V = v.shape[-1]
+    NB, P = TT // C, min(PREP_TILE, C)
+
+    def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qo_ref, a_ref, kd_ref, d_ref):
+        refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref, beta=b_ref)
+
+        def ld(name, i):
+            x = refs[name][pl.ds(i * P, P), :].astype(_F32)
+            return x * scale if name == "q" else x
+
+        outs = dict(W=w_ref, U=u_ref, Q=qo_ref, Kd=kd_ref)
+
+        def put(name, i, x):
+            if name == "decay":
+                d_ref[...] = x
+            elif name == "Aqk":
+                a_ref[pl.ds(i[0] * P, P), pl.ds(i[1] * P, P)] = x
+            else:
+                outs[name][pl.ds(i * P, P), :] = x
+
+        n = C // P
+        for i in range(n):             # A_qk's blocks above the diagonal
+            for j in range(i + 1, n):
+                a_ref[pl.ds(i * P, P), pl.ds(j * P, P)] = jnp.zeros((P, P), _F32)
+        _chunk_prep_tiles(ld, put, n, prec, interpret)
+
+    tok = lambda w: pl.BlockSpec((C, None, w), lambda c, h: (c, h, 0))
+    head = lambda w, n=C: pl.BlockSpec((None, n, w), lambda c, h: (h, c, 0))
+    shape = lambda w, n=TT: jax.ShapeDtypeStruct((H, n, w), _F32)
+    return pl.pallas_call(
+        kernel,
+        out_shape=(shape(K), shape(V), shape(K), shape(C), shape(K), shape(1, NB * K)),
+        grid=(NB, H),
+        in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
+        out_specs=(head(K), head(V), head(K), head(C), head(K), head(1, K)),
+        compiler_params=None if interpret else _triton_params(num_warps),
+        interpret=interpret,
+        name="kda_chunk_prep_gpu",
+    )(q, k, v, g, beta)
+
+
 def _staged_output(Q, Aqk, Vn, h, *, C, prec, emulate):
     """The staged form's outputs, every chunk at once: o_c = Q_c h_c + Aqk_c Vn_c (h_c: the state
     chunk c starts from). Q [H, NB*C, K], Aqk [H, NB*C, C], Vn [H, NB*C, V], h [NB, H, K, V] ->
@@ -580,20 +698,18 @@ def _states_after(h, final, rows):
 
 
 def prep_precision(dot_precision, interpret):
-    """Precision of the split forms' XLA prep products: IEEE fp32, except on a GPU whose kernel takes
+    """Precision ("highest" or "tf32x3") of the split forms' prep products: IEEE fp32, except on a GPU whose kernel takes
     tensor-core products ("tf32x3", "tf32", "bf16"), where the prep takes three-pass TF32 -- about
     fp32 accuracy (the triangular inverse and the gate sums need it) at tensor-core rates; IEEE fp32
     runs on the CUDA cores, ~67 TFLOP/s on an H200, against 1.2 GFLOP a 64-token chunk of 96 heads
     (160 GFLOP at T = 8192: ~2.4 ms at that peak).
     Interpreted (CPU): IEEE fp32, which the TF32 emulation of the kernel's products is checked against."""
-    if interpret or dot_precision == "highest":
-        return _HI
-    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return "highest" if interpret or dot_precision == "highest" else "tf32x3"
 
 
-def _split_prep(q, k, v, g, beta, C, precision=_HI):
+def _split_prep(q, k, v, g, beta, C, prec="highest"):
     """Every chunk's state-independent terms at once (plain XLA, batched over heads and chunks;
-    products at ``precision``, see ``prep_precision``): [H, NB*C, D] inputs -> the layouts
+    products at ``prec``, see ``prep_precision``): [H, NB*C, D] inputs -> the layouts
     ``_call_gpu_split`` reads: W, U, Q, Kd [H, NB*C, K|V], Aqk [H, NB*C, C], decay [H, NB*K, 1]. The
     same terms as ``_chunk_prep`` (the fused kernel's, which must stay 2-D products of [C, C] masks
     inside Triton), here from the reference's block form (``reference._chunk_local``: A_qk and the
@@ -603,6 +719,7 @@ def _split_prep(q, k, v, g, beta, C, precision=_HI):
     H, TT, K = q.shape
     NB = TT // C
     q, k, v, g, beta = (x.reshape(H, NB, C, x.shape[-1]) for x in (q, k, v, g, beta))
+    precision = _HI if prec == "highest" else _PRESET[prec]
     Aqk, Tinv, eG, eS = ref._chunk_local(q, k, g, beta[..., 0], precision)
     mm = functools.partial(jnp.matmul, precision=precision)
     W = mm(Tinv, beta * (k * eG))
@@ -647,15 +764,42 @@ def _pick_block_v(V, block_v, variant):
     return block_v
 
 
+def _split_forms(form, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret, prec,
+                 state_dtype, num_warps, block_k, num_stages, prep, scale):
+    """The "split" and "staged" forms: the chunk terms (XLA's ``_split_prep`` on head-major fp32
+    operands, or with ``prep="pallas"`` the ``_call_gpu_prep`` kernel on the caller's token-major
+    ones), the Pallas state loop, and for "staged" the batched outputs. o comes back in the
+    operands' layout."""
+    V = v.shape[-1]
+    bv = _pick_block_v(V, default_split_tiles(q.shape[-1], V, form)[1] if block_v is None else block_v, "gpu")
+    if prep == "pallas":
+        terms = _call_gpu_prep(q, k, v, g, beta, C=C, scale=scale, prec=prep_precision(prec, interpret),
+                               interpret=interpret, num_warps=num_warps)
+    else:
+        terms = _split_prep(q, k, v, g, beta, C, prep_precision(prec, interpret))
+    staged = form == "staged"
+    res = _call_gpu_split(terms, states, rows, C=C, block_v=bv, chunk_states=chunk_states,
+                          interpret=interpret, prec=prec, state_dtype=state_dtype,
+                          num_warps=num_warps, block_k=block_k, staged=staged, num_stages=num_stages)
+    if staged:
+        vn, final, h = res
+        o = _staged_output(terms[2], terms[3], vn, h, C=C, prec=prec, emulate=interpret)
+        res = (o, final) + ((_states_after(h, final, rows),) if chunk_states else ())
+    if prep == "pallas":     # head-major o [H, NB*C, V] -> the caller's [NB*C, H, V]
+        res = (jnp.swapaxes(res[0], 0, 1),) + tuple(res[1:])
+    return res
+
+
 def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, interpret,
           variant, dot_precision="highest", state_dtype=None, block_c=None, form="fused",
-          num_warps=None, block_k=None, num_stages=None, token_major=False, scale=None, out_dtype=_F32):
+          num_warps=None, block_k=None, num_stages=None, token_major=False, scale=None, out_dtype=_F32,
+          prep="xla"):
     """q,k,g [H,NB*C,K] fp32, v [H,NB*C,V], beta [H,NB*C,1], states [S,H,K,V] fp32 (with
     `token_major`, the GPU fused / recurrent kernels: [NB*C, H, D] in any float dtype, q unscaled, see
     ``_call_gpu``). With `state_dtype` the state is rounded to it after every chunk ("chunk") or token
     ("recurrent").
     `num_warps` / `num_stages` (GPU variant): warps per program (None: ``NUM_WARPS``) and load
-    pipelining stages of its loop (None: 1)."""
+    pipelining stages of its loop (None: 1). `prep` (split forms): ``PREPS``."""
     variant = variant or _default_variant()
     for name, val in (("num_warps", num_warps), ("num_stages", num_stages)):
         if val is not None and variant != "gpu":
@@ -671,8 +815,13 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
                                  state_dtype)
     elif state_dtype is not None:
         math = functools.partial(math, state_dtype=state_dtype)
-    if token_major and (variant != "gpu" or form != "fused"):
-        raise ValueError("token-major operands are the GPU variant's fused / recurrent kernel layout")
+    if prep not in PREPS:
+        raise ValueError(f"prep={prep!r}; expected one of {PREPS}")
+    if prep != "xla" and form == "fused":
+        raise ValueError(f"prep={prep!r} is an option of form='split' or 'staged'")
+    if token_major and (variant != "gpu" or (form != "fused" and prep != "pallas")):
+        raise ValueError("token-major operands are the GPU variant's layout for the fused / recurrent "
+                         "kernels and the prep kernel")
     NB = q.shape[0 if token_major else 1] // C
     kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
               chunk_states=chunk_states,
@@ -686,18 +835,10 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
     if form != "fused":
         if kind != "chunk" or variant != "gpu":
             raise ValueError(f"form={form!r} is a form of the chunk kernel's GPU variant")
-        V = v.shape[-1]
-        bv = _pick_block_v(V, default_split_tiles(q.shape[-1], V, form)[1] if block_v is None else block_v, variant)
-        prep = _split_prep(q, k, v, g, beta, C, prep_precision(dot_precision, interpret))
-        staged = form == "staged"
-        res = _call_gpu_split(prep, states, rows, C=C, block_v=bv, chunk_states=chunk_states,
-                              interpret=interpret, prec=dot_precision, state_dtype=state_dtype,
-                              num_warps=num_warps, block_k=block_k, staged=staged, num_stages=num_stages)
-        if not staged:
-            return res
-        vn, final, h = res
-        o = _staged_output(prep[2], prep[3], vn, h, C=C, prec=dot_precision, emulate=interpret)
-        return (o, final) + ((_states_after(h, final, rows),) if chunk_states else ())
+        return _split_forms(form, q, k, v, g, beta, states, rows, C=C, block_v=block_v,
+                            chunk_states=chunk_states, interpret=interpret, prec=dot_precision,
+                            state_dtype=state_dtype, num_warps=num_warps, block_k=block_k,
+                            num_stages=num_stages, prep=prep, scale=scale)
     if variant == "tpu":
         return _call_tpu(math, q, k, v, g, beta, states, _block_meta(rows, NB), **kw)
     if variant == "gpu":
@@ -744,28 +885,28 @@ def _unprep_dense(o, B, T, NCb, C, token_major=False):
     return jnp.moveaxis(o, 0, 2)                  # [B, T, H, V]
 
 
-def _token_major(variant, form):
+def _token_major(variant, form, prep="xla"):
     """Whether the kernel reads the caller's [tokens, H, D] layout: the GPU variant's fused chunk and
     recurrent kernels (strided rows cost a Triton program nothing; XLA transposes cost a pass over
     every operand and the output). The TPU variant tiles heads-major; the split forms' XLA prep
     lays its terms out itself."""
-    return (variant or _default_variant()) == "gpu" and form == "fused"
+    return (variant or _default_variant()) == "gpu" and (form == "fused" or prep == "pallas")
 
 
 def _run(kind, q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens, C,
          return_chunk_states, interpret, block_v, variant, dot_precision="highest", state_dtype=None,
-         block_c=None, form="fused", num_warps=None, block_k=None, num_stages=None):
+         block_c=None, form="fused", num_warps=None, block_k=None, num_stages=None, prep="xla"):
     B, T, H, K = q.shape
     V = v.shape[-1]
     scale = float(K) ** -0.5 if scale is None else scale
     if C & (C - 1):
         raise ValueError(f"chunk size {C} must be a power of two for the Pallas kernels")
-    tm = _token_major(variant, form)
+    tm = _token_major(variant, form, prep)
     scan = functools.partial(_scan, kind, C=C, block_v=block_v, chunk_states=return_chunk_states,
                              interpret=interpret, variant=variant, dot_precision=dot_precision,
                              state_dtype=state_dtype, block_c=block_c, form=form, num_warps=num_warps,
                              num_stages=num_stages, block_k=block_k, token_major=tm,
-                             scale=scale if tm else None, out_dtype=v.dtype if tm else _F32)
+                             scale=scale if tm else None, out_dtype=v.dtype if tm else _F32, prep=prep)
     if cu_seqlens is None:
         xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C, tm)
         states = (jnp.zeros((B, H, K, V), _F32) if initial_state is None
@@ -820,12 +961,12 @@ def fit_block_t(block_t, T, variant="gpu"):
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "chunk_size",
                                              "return_chunk_states", "interpret", "block_v",
                                              "variant", "dot_precision", "state_dtype", "block_c",
-                                             "form", "num_warps", "block_k", "num_stages"))
+                                             "form", "num_warps", "block_k", "num_stages", "prep"))
 def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
                      output_final_state=False, cu_seqlens=None, chunk_size=64,
                      return_chunk_states=False, interpret=False, block_v=None,
                      variant=None, dot_precision=None, state_dtype=None, block_c=None,
-                     form="fused", num_warps=None, block_k=None, num_stages=None):
+                     form="fused", num_warps=None, block_k=None, num_stages=None, prep="xla"):
     """Pallas chunked KDA; same contract as :func:`ops.chunk_kda` (chunk_size: power of 2).
 
     ``dot_precision``: "highest" (IEEE fp32), "tf32x3" or "tf32" tensor-core products for the
@@ -837,12 +978,14 @@ def chunk_kda_pallas(q, k, v, g, beta, scale=None, initial_state=None,
     ``num_stages`` (GPU variant): Triton pipelining stages of each program's chunk loop (None: 1;
     ``check_num_stages``).
     ``block_k`` (split and staged forms): state rows per K-block of their products; it and
-    ``block_v`` default to ``default_split_tiles``."""
+    ``block_v`` default to ``default_split_tiles``.
+    ``prep`` (split and staged forms): where their chunk terms are computed, "xla" or "pallas"
+    (``PREPS``)."""
     if dot_precision is None:
         dot_precision = default_dot_precision(variant or _default_variant(), interpret)
     return _run("chunk", q, k, v, g, beta, scale, initial_state, output_final_state,
                 cu_seqlens, int(chunk_size), return_chunk_states, interpret, block_v,
-                variant, dot_precision, state_dtype, block_c, form, num_warps, block_k, num_stages)
+                variant, dot_precision, state_dtype, block_c, form, num_warps, block_k, num_stages, prep)
 
 
 @functools.partial(jax.jit, static_argnames=("scale", "output_final_state", "interpret",
