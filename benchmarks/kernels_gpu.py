@@ -908,9 +908,10 @@ def _timed_prefill(res, fn, args, cfg, roof, flops, T):
 
 def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
     """Where the staged form's time goes: each of its stages jitted and timed alone at the case's
-    shape -- the head-major fp32 layout (XLA transposes), the chunk terms (XLA prep), the Pallas state
-    loop, the output products (XLA) -- so the next change goes to the stage that dominates. Errors
-    are recorded, not raised."""
+    shape -- the head-major fp32 layout (XLA transposes), the chunk terms (XLA prep; and the prep
+    kernel on the caller's layout, ``prep_kernel``, its alternative), the Pallas state loop, the output
+    products (XLA) -- so the next change goes to the stage that dominates. ``sum_s`` adds the XLA
+    path's four. Errors are recorded, not raised."""
     from pallas_kernels.kda import pallas_kda as pk
     try:
         K, V = x[0].shape[-1], x[2].shape[-1]
@@ -922,6 +923,8 @@ def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
                                                         interpret=interpret, prec=prec, state_dtype=None,
                                                         block_k=bk, staged=True))
         output = jax.jit(lambda p, vn, h: pk._staged_output(p[2], p[3], vn, h, C=C, prec=prec, emulate=interpret))
+        prep_kernel = jax.jit(lambda *a: pk._call_gpu_prep(*a, C=C, scale=scale, interpret=interpret,
+                                                           prec=pk.prep_precision(prec, interpret)))
         res = {}
         xs = _block(layout(*x))
         p = _block(prep(*xs))
@@ -930,6 +933,8 @@ def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
                                ("output", output, (p, vn, h))):
             res[name] = time_jax(fn, args, cfg)[0]["median"]
         res["sum_s"] = sum(res.values())
+        res["prep_kernel"] = time_jax(prep_kernel, tuple(pk._prep_dense(*x, scale, C, token_major=True)[0]),
+                                      cfg)[0]["median"]
         return res
     except Exception as e:  # noqa: BLE001
         return dict(status="error", error=f"{type(e).__name__}: {e}"[:2000])
