@@ -47,6 +47,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 os.environ.setdefault("FLA_DISABLE_BACKEND_DISPATCH", "1")
 
 import argparse  # noqa: E402
+import copy  # noqa: E402
 import datetime  # noqa: E402
 import functools  # noqa: E402
 import importlib.metadata  # noqa: E402
@@ -833,12 +834,28 @@ def _decode_peer(case, peer, peer_args, cfg, K, roof, Bd, H, V):
         case.setdefault("peer", {})[name] = r
 
 
-def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
-    """Dense prefill B=1 from a random initial state, final state returned."""
-    require_lowering(interpret)
-    K = V = cfg["kda_dim"]
+def _prefill_inputs(cfg, H, T):
+    """B=1 prefill inputs (K3's gate) from a random initial state, the same draws for every case at
+    (H, T), and the reference outputs. -> ``(x, S0, scale, ref)``."""
+    K = cfg["kda_dim"]
     scale = K ** -0.5
     x, S0 = kda_case(T + H, 1, T, H, K, 1)
+    ref = chunk_kda(*x, scale=scale, initial_state=S0, output_final_state=True, backend="reference")
+    return x, S0, scale, ref
+
+
+def _prefill_shape(cfg, H, T):
+    K = cfg["kda_dim"]
+    return dict(B=1, T=T, H=H, K=K, V=K, chunk_size=64, dtype="float32", gate="k3 (-5*sigmoid)",
+                initial_state=True)
+
+
+def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
+    """Dense prefill B=1 from a random initial state, final state returned: the default kernel, fla
+    right after it (the goal's ratio), the other product precisions and XLA's chunked reference."""
+    require_lowering(interpret)
+    K = V = cfg["kda_dim"]
+    x, S0, scale, ref = _prefill_inputs(cfg, H, T)
     backend = kernel_backend(interpret)
     fn = jax.jit(lambda q, k, v, g, b, s0: chunk_kda(q, k, v, g, b, scale=scale,
                                                      initial_state=s0,
@@ -846,39 +863,16 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
                                                      backend=backend))
     args = tuple(x) + (S0,)
     (o, s), comp = _timed_first_call(fn, *args)
-    ref = chunk_kda(*x, scale=scale, initial_state=S0, output_final_state=True,
-                    backend="reference")
     from pallas_kernels.kda.pallas_kda import _default_variant, default_dot_precision
     case = dict(op="chunk_kda", impl=backend,
                 dot_precision=default_dot_precision(_default_variant(), interpret),
-                shape=dict(B=1, T=T, H=H, K=K, V=V, chunk_size=64, dtype="float32",
-                           gate="k3 (-5*sigmoid)", initial_state=True),
-                compile_s=comp,
+                shape=_prefill_shape(cfg, H, T), compile_s=comp,
                 check=check({"o": (o, ref[0]), "final_state": (s, ref[1])}, "kda_f32"))
     del o, s
     case["time"], case["time_blocked"] = time_jax(fn, args, cfg)
     flops = kb.kda_chunk_flops(T, H, K, V, 64)
     _rates(case, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
-    case["dot_precision_variants"] = {
-        prec: _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T)
-        for prec in PREFILL_DOT_PRECISIONS if prec != case["dot_precision"]}
-    # the split form (XLA-batched chunk terms + the four state products in Pallas), the staged form
-    # (the same, the kernel doing only the two products of the next state, outputs batched after it:
-    # fla's organisation) and the jnp reference itself (XLA's lax.scan over chunks): what the fused
-    # kernel is up against (the split and staged forms' default tiles compile without spilling
-    # registers; the fused form spills less with 8 warps: benchmarks/results/triton-resources.json)
-    # (staged_s2: its loop's loads pipelined two deep, 88 KiB of shared memory offline; staged_pk: its
-    # chunk terms from the prep kernel, 16-token tiles on chip, instead of XLA's batched prep)
-    dp = case["dot_precision"]
-    case["form_variants"] = {name: _prefill_precision_variant(
-        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_stages=ns, prep=pp)
-        for name, form, prec, ns, pp in (("split", "split", dp, None, "xla"),
-                                         ("staged", "staged", dp, None, "xla"),
-                                         ("staged_s2", "staged", dp, 2, "xla"),
-                                         ("staged_bf16", "staged", "bf16", None, "xla"),
-                                         ("staged_pk", "staged", dp, None, "pallas"))}
-    case["staged_parts"] = _time_staged_parts(cfg, interpret, x, S0, scale, case["dot_precision"])
-    case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
+    peer_times = {}
     if peer is not None:
         x_np = [np.asarray(a) for a in x]
         ref_np = (np.asarray(ref[0]), np.asarray(ref[1]))
@@ -888,13 +882,56 @@ def bench_kda_prefill(cfg, roof, interpret, H, T, peer):
                 target_s=cfg["pipeline_target_s"]), case["time"]["median"])
             if "time" in r:
                 _rates(r, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
-                for v in [*case["dot_precision_variants"].values(), *case["form_variants"].values(),
-                          case["reference_xla"]]:                    # fla time / variant time
-                    if "time" in v:
-                        v.setdefault("ratio_ours_over_peer", {})[variant] = (
-                            r["time"]["median"] / v["time"]["median"])
+                peer_times[variant] = r["time"]["median"]
         _free_peer_memory(peer)
+    case["dot_precision_variants"] = {
+        prec: _prefill_precision_variant(cfg, roof, interpret, x, S0, ref, scale, prec, flops, T)
+        for prec in PREFILL_DOT_PRECISIONS if prec != case["dot_precision"]}
+    case["reference_xla"] = _time_reference_prefill(cfg, roof, x, S0, scale, flops, T)
+    for v in [*case["dot_precision_variants"].values(), case["reference_xla"]]:
+        _peer_ratios(v, peer_times)
     return case
+
+
+def _peer_ratios(variant, peer_times):
+    """fla time / the variant's time, per fla variant (> 1: ours faster)."""
+    if "time" in variant:
+        for name, t in peer_times.items():
+            variant.setdefault("ratio_ours_over_peer", {})[name] = t / variant["time"]["median"]
+
+
+def bench_kda_prefill_forms(cfg, roof, interpret, H, T):
+    """The chunk kernel's other GPU forms at the shape and draws of ``kda_prefill_H{H}_T{T}``, a case of
+    its own (its own watchdog and JSON write, so these compiles cannot cost that case's numbers or
+    fla's): the split form (XLA-batched chunk terms, the four state products in Pallas), the staged
+    form (the loop doing the two products of the next state, outputs batched after it: fla's
+    organisation) with 2 load stages (``staged_s2``, 88 KiB of shared memory offline), bf16 products
+    and the prep kernel's chunk terms (``staged_pk``), and the staged form's stages timed alone. The
+    case's time is its fastest form's; ratios to fla are joined in the summary."""
+    require_lowering(interpret)
+    K = V = cfg["kda_dim"]
+    x, S0, scale, ref = _prefill_inputs(cfg, H, T)
+    from pallas_kernels.kda.pallas_kda import _default_variant, default_dot_precision
+    dp = default_dot_precision(_default_variant(), interpret)
+    flops = kb.kda_chunk_flops(T, H, K, V, 64)
+    variants = {name: _prefill_precision_variant(
+        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_stages=ns, prep=pp)
+        for name, form, prec, ns, pp in (("split", "split", dp, None, "xla"),
+                                         ("staged", "staged", dp, None, "xla"),
+                                         ("staged_s2", "staged", dp, 2, "xla"),
+                                         ("staged_bf16", "staged", "bf16", None, "xla"),
+                                         ("staged_pk", "staged", dp, None, "pallas"))}
+    case = dict(op="chunk_kda_forms", impl=kernel_backend(interpret), dot_precision=dp,
+                shape=_prefill_shape(cfg, H, T), form_variants=variants,
+                staged_parts=_time_staged_parts(cfg, interpret, x, S0, scale, dp))
+    ok = {n: v for n, v in variants.items() if "time" in v and (v.get("check") or {}).get("passed")}
+    if not ok:
+        raise RuntimeError("no split / staged form ran and passed its check: "
+                           + "; ".join(f"{n}: {v.get('error', 'check failed')}"[:300] for n, v in variants.items()))
+    best = min(ok, key=lambda n: ok[n]["time"]["median"])
+    case.update(best=best, time=ok[best]["time"], time_blocked=ok[best]["time_blocked"],
+                check=ok[best]["check"], compile_s=ok[best]["compile_s"])
+    return _rates(case, roof, flops=flops, bytes_=kb.kda_io_bytes(1, T, H, K, V), tokens=T)
 
 
 def _timed_prefill(res, fn, args, cfg, roof, flops, T):
@@ -1144,6 +1181,10 @@ def summarize(cases):
     """Correctness roll-up, errors, and the two goals (recorded whether met or not)."""
     checks = {c["name"]: c["check"]["passed"] for c in cases if "check" in c}
     prefill, decode = [], []
+    # the split / staged forms run as cases of their own (kda_prefill_forms_*); joined to the default
+    # kernel's case of the same shape, whose fla times give their ratios
+    forms = {(c["shape"]["H"], c["shape"]["T"]): c for c in cases
+             if c.get("op") == "chunk_kda_forms" and c["status"] == "ok"}
     for c in cases:
         if c["status"] != "ok" or "time" not in c:
             continue
@@ -1157,15 +1198,20 @@ def summarize(cases):
                                             for f, r in v.get("ratio_ours_over_peer", {}).items()},
                                        error=v.get("error"))
                                for p, v in vs.items()}
-            variants = dict(roll(c.get("dot_precision_variants") or {}), **roll(c.get("form_variants") or {}))
+            fc = forms.get((c["shape"]["H"], c["shape"]["T"])) or {}
+            peer_times = {v: p["time"]["median"] for v, p in (c.get("peer") or {}).items() if "time" in p}
+            form_variants = copy.deepcopy(fc.get("form_variants") or {})
+            for v in form_variants.values():
+                _peer_ratios(v, peer_times)
+            variants = dict(roll(c.get("dot_precision_variants") or {}), **roll(form_variants))
             prefill.append(dict(case=c["name"], tokens_per_s=c["tokens_per_s"],
                                 dot_precision=c.get("dot_precision"),
                                 ratio_ours_over_fla=ratios,
                                 met={v: r >= GOAL_PREFILL_RATIO for v, r in ratios.items()},
                                 dot_precision_variants=roll(c.get("dot_precision_variants") or {}),
-                                form_variants=roll(c.get("form_variants") or {}),
+                                form_variants=roll(form_variants),
                                 fastest=_fastest_prefill(c, variants),
-                                staged_parts=c.get("staged_parts"),
+                                staged_parts=fc.get("staged_parts"),
                                 reference_xla=roll({"reference": c["reference_xla"]})["reference"]
                                 if "reference_xla" in c else None))
         if c["op"] == "fused_recurrent_kda_pool":
@@ -1212,7 +1258,9 @@ def plan(cfg, roof, interpret, peer):
               for b in cfg["decode_sweep"]["shapes"]]
     prefill = lambda H, T: (f"kda_prefill_H{H}_T{T}",
                             lambda: bench_kda_prefill(cfg, roof, interpret, H, T, peer))
-    cases += [prefill(H, T) for H, T in cfg["prefill"]]
+    forms = lambda H, T: (f"kda_prefill_forms_H{H}_T{T}",
+                          lambda: bench_kda_prefill_forms(cfg, roof, interpret, H, T))
+    cases += [c for H, T in cfg["prefill"] for c in (prefill(H, T), forms(H, T))]
     cases += [(f"moe_gmm_{kind}_M{M}", lambda kind=kind, M=M: bench_gmm(cfg, roof, interpret,
                                                                        kind, M))
               for M in cfg["gmm"]["M"] for kind in ("dense_bf16", "mxfp4")]

@@ -25,7 +25,8 @@ CHECK_CASES = [
     "check_gmm_float32", "check_gmm_bfloat16", "check_gmm_mxfp4",
     "check_mla_float32", "check_mla_bfloat16",
 ]
-TIMED_PREFIXES = ["kda_decode_pool_B", "kda_decode_pool_sweep_B", "kda_prefill_H", "moe_gmm_dense_bf16_M",
+TIMED_PREFIXES = ["kda_decode_pool_B", "kda_decode_pool_sweep_B", "kda_prefill_H", "kda_prefill_forms_H",
+                  "moe_gmm_dense_bf16_M",
                   "moe_gmm_mxfp4_M", "mla_paged_decode_H"]
 
 
@@ -276,3 +277,22 @@ def test_peer_decode_path(kg, decay):
         if decay:
             assert all(e["rel_l2"] < 1e-5 for e in res[name]["check"]["tensors"].values())
         assert res[name]["time"]["median"] > 0
+
+
+def test_summary_joins_the_forms_case_to_fla(kg):
+    """The split / staged forms run as their own case; the summary joins them to the default kernel's
+    case of the same shape and takes their ratios from its fla times (fla time / form time)."""
+    main = dict(name="kda_prefill_H96_T8192", op="chunk_kda", status="ok", shape=dict(H=96, T=8192),
+                time=dict(median=0.04), tokens_per_s=8192 / 0.04, check=dict(passed=True), dot_precision="tf32x3",
+                peer=dict(fp32=dict(time=dict(median=0.004), ratio_ours_over_peer=0.1)), dot_precision_variants={})
+    forms = dict(name="kda_prefill_forms_H96_T8192", op="chunk_kda_forms", status="ok", shape=dict(H=96, T=8192),
+                 time=dict(median=0.005), check=dict(passed=True), staged_parts=dict(loop=0.003),
+                 form_variants=dict(staged=dict(time=dict(median=0.005), tokens_per_s=8192 / 0.005,
+                                                check=dict(passed=True)),
+                                    split=dict(status="error", error="launch failed")))
+    p = kg.summarize([main, forms])["goal_kda_prefill"]["cases"]
+    assert len(p) == 1 and p[0]["staged_parts"] == {"loop": 0.003}
+    assert math.isclose(p[0]["form_variants"]["staged"]["ratio_ours_over_fla"]["fp32"], 0.8)
+    assert p[0]["form_variants"]["split"]["error"] == "launch failed"
+    assert p[0]["fastest"]["variant"] == "staged" and p[0]["fastest"]["met"] == {"fp32": True}
+    assert "ratio_ours_over_peer" not in forms["form_variants"]["staged"]   # the case itself is left as recorded
