@@ -900,14 +900,25 @@ def _peer_ratios(variant, peer_times):
             variant.setdefault("ratio_ours_over_peer", {})[name] = t / variant["time"]["median"]
 
 
-def bench_kda_prefill_forms(cfg, roof, interpret, H, T):
-    """The chunk kernel's other GPU forms at the shape and draws of ``kda_prefill_H{H}_T{T}``, a case of
-    its own (its own watchdog and JSON write, so these compiles cannot cost that case's numbers or
-    fla's): the split form (XLA-batched chunk terms, the four state products in Pallas), the staged
-    form (the loop doing the two products of the next state, outputs batched after it: fla's
-    organisation) with 2 load stages (``staged_s2``, 88 KiB of shared memory offline), bf16 products
-    and the prep kernel's chunk terms (``staged_pk``), and the staged form's stages timed alone. The
-    case's time is its fastest form's; ratios to fla are joined in the summary."""
+# The split / staged variants of the chunk kernel timed by the device run, in two cases per shape:
+# name -> (form, products (None: the default kernel's), num_stages, prep). "prep_kernel" is its own case:
+# the prep kernel took ~90 s to compile offline (PyPI Triton, sm_90), the others 2-5 s.
+FORM_CASES = {
+    "forms": {"split": ("split", None, None, "xla"), "staged": ("staged", None, None, "xla"),
+              "staged_s2": ("staged", None, 2, "xla"), "staged_bf16": ("staged", "bf16", None, "xla")},
+    "prep_kernel": {"staged_pk": ("staged", None, None, "pallas")},
+}
+
+
+def bench_kda_prefill_forms(cfg, roof, interpret, H, T, group="forms"):
+    """The chunk kernel's other GPU forms (``FORM_CASES[group]``) at the shape and draws of
+    ``kda_prefill_H{H}_T{T}``, a case of their own (own watchdog and JSON write, so these compiles
+    cannot cost that case's numbers or fla's): the split form (XLA-batched chunk terms, the four state
+    products in Pallas), the staged form (the loop doing the two products of the next state, outputs
+    batched after it: fla's organisation) with 2 load stages (``staged_s2``, 88 KiB of shared memory
+    offline), bf16 products, or its chunk terms from the prep kernel (``staged_pk``); with "forms" also
+    the staged form's stages timed alone. The case's time is its fastest variant's; ratios to fla are
+    joined in the summary."""
     require_lowering(interpret)
     K = V = cfg["kda_dim"]
     x, S0, scale, ref = _prefill_inputs(cfg, H, T)
@@ -915,15 +926,12 @@ def bench_kda_prefill_forms(cfg, roof, interpret, H, T):
     dp = default_dot_precision(_default_variant(), interpret)
     flops = kb.kda_chunk_flops(T, H, K, V, 64)
     variants = {name: _prefill_precision_variant(
-        cfg, roof, interpret, x, S0, ref, scale, prec, flops, T, form=form, num_stages=ns, prep=pp)
-        for name, form, prec, ns, pp in (("split", "split", dp, None, "xla"),
-                                         ("staged", "staged", dp, None, "xla"),
-                                         ("staged_s2", "staged", dp, 2, "xla"),
-                                         ("staged_bf16", "staged", "bf16", None, "xla"),
-                                         ("staged_pk", "staged", dp, None, "pallas"))}
+        cfg, roof, interpret, x, S0, ref, scale, prec or dp, flops, T, form=form, num_stages=ns, prep=pp)
+        for name, (form, prec, ns, pp) in FORM_CASES[group].items()}
     case = dict(op="chunk_kda_forms", impl=kernel_backend(interpret), dot_precision=dp,
-                shape=_prefill_shape(cfg, H, T), form_variants=variants,
-                staged_parts=_time_staged_parts(cfg, interpret, x, S0, scale, dp))
+                shape=_prefill_shape(cfg, H, T), form_variants=variants)
+    if group == "forms":
+        case["staged_parts"] = _time_staged_parts(cfg, interpret, x, S0, scale, dp)
     ok = {n: v for n, v in variants.items() if "time" in v and (v.get("check") or {}).get("passed")}
     if not ok:
         raise RuntimeError("no split / staged form ran and passed its check: "
@@ -945,10 +953,9 @@ def _timed_prefill(res, fn, args, cfg, roof, flops, T):
 
 def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
     """Where the staged form's time goes: each of its stages jitted and timed alone at the case's
-    shape -- the head-major fp32 layout (XLA transposes), the chunk terms (XLA prep; and the prep
-    kernel on the caller's layout, ``prep_kernel``, its alternative), the Pallas state loop, the output
-    products (XLA) -- so the next change goes to the stage that dominates. ``sum_s`` adds the XLA
-    path's four. Errors are recorded, not raised."""
+    shape -- the head-major fp32 layout (XLA transposes), the chunk terms (XLA prep), the Pallas state
+    loop, the output products (XLA) -- so the next change goes to the stage that dominates (``staged_pk``
+    minus loop and output: the prep kernel's share). Errors are recorded, not raised."""
     from pallas_kernels.kda import pallas_kda as pk
     try:
         K, V = x[0].shape[-1], x[2].shape[-1]
@@ -960,8 +967,6 @@ def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
                                                         interpret=interpret, prec=prec, state_dtype=None,
                                                         block_k=bk, staged=True))
         output = jax.jit(lambda p, vn, h: pk._staged_output(p[2], p[3], vn, h, C=C, prec=prec, emulate=interpret))
-        prep_kernel = jax.jit(lambda *a: pk._call_gpu_prep(*a, C=C, scale=scale, interpret=interpret,
-                                                           prec=pk.prep_precision(prec, interpret)))
         res = {}
         xs = _block(layout(*x))
         p = _block(prep(*xs))
@@ -970,8 +975,6 @@ def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
                                ("output", output, (p, vn, h))):
             res[name] = time_jax(fn, args, cfg)[0]["median"]
         res["sum_s"] = sum(res.values())
-        res["prep_kernel"] = time_jax(prep_kernel, tuple(pk._prep_dense(*x, scale, C, token_major=True)[0]),
-                                      cfg)[0]["median"]
         return res
     except Exception as e:  # noqa: BLE001
         return dict(status="error", error=f"{type(e).__name__}: {e}"[:2000])
@@ -1183,8 +1186,12 @@ def summarize(cases):
     prefill, decode = [], []
     # the split / staged forms run as cases of their own (kda_prefill_forms_*); joined to the default
     # kernel's case of the same shape, whose fla times give their ratios
-    forms = {(c["shape"]["H"], c["shape"]["T"]): c for c in cases
-             if c.get("op") == "chunk_kda_forms" and c["status"] == "ok"}
+    forms = {}
+    for c in cases:
+        if c.get("op") == "chunk_kda_forms" and c["status"] == "ok":
+            f = forms.setdefault((c["shape"]["H"], c["shape"]["T"]), {"form_variants": {}})
+            f["form_variants"].update(c["form_variants"])
+            f["staged_parts"] = c.get("staged_parts", f.get("staged_parts"))
     for c in cases:
         if c["status"] != "ok" or "time" not in c:
             continue
@@ -1258,9 +1265,10 @@ def plan(cfg, roof, interpret, peer):
               for b in cfg["decode_sweep"]["shapes"]]
     prefill = lambda H, T: (f"kda_prefill_H{H}_T{T}",
                             lambda: bench_kda_prefill(cfg, roof, interpret, H, T, peer))
-    forms = lambda H, T: (f"kda_prefill_forms_H{H}_T{T}",
-                          lambda: bench_kda_prefill_forms(cfg, roof, interpret, H, T))
-    cases += [c for H, T in cfg["prefill"] for c in (prefill(H, T), forms(H, T))]
+    forms = lambda H, T, grp, tag: (f"kda_prefill_{tag}_H{H}_T{T}",
+                                    lambda: bench_kda_prefill_forms(cfg, roof, interpret, H, T, grp))
+    cases += [c for H, T in cfg["prefill"]
+              for c in (prefill(H, T), forms(H, T, "forms", "forms"), forms(H, T, "prep_kernel", "prepk"))]
     cases += [(f"moe_gmm_{kind}_M{M}", lambda kind=kind, M=M: bench_gmm(cfg, roof, interpret,
                                                                        kind, M))
               for M in cfg["gmm"]["M"] for kind in ("dense_bf16", "mxfp4")]
