@@ -247,10 +247,10 @@ def _chunk_prep_tiles(ld, put, n, prec="highest", emulate=False):
     mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
     add = lambda xs: functools.reduce(jnp.add, xs)
     gsum = lambda i: _gate_sums(ld("g", i), prec, emulate)
-    masks = lambda i: _prefix_masks(ld("g", i).shape[0])
-    pre = lambda i: gsum(i)(masks(i)[0])                          # sum of g over [tile start, a]
-    suf = lambda i: gsum(i)(masks(i)[1])                          # over (b, tile end]
     tot = [jnp.sum(ld("g", i), axis=0, keepdims=True) for i in range(n)]     # [1, K] each tile's sum
+    incl, excl_suffix = _prefix_masks(ld("g", 0).shape[0])
+    pre = lambda i: gsum(i)(incl)                                 # sum of g over [tile start, a]
+    suf = lambda i: gsum(i)(excl_suffix)                          # over (b, tile end]
     between = lambda j, i: add([jnp.zeros_like(tot[0])] + tot[j + 1:i])     # tiles strictly between
     X, Akk = {}, {}
     for i in range(n):
@@ -493,9 +493,8 @@ def _gpu_rows_call(chunk, name, operands, widths, states, rows, *, block_v, num_
     ``token_major``: operands and o laid out [n, H, width] instead (the same [n, width] refs in the
     kernel, strided). ``out_dtype``: o's. ``zero_rows`` = C: rows with valid 0 write zeros to their
     chunks' C-token slices of o (else they leave o unwritten)."""
-    TT, H, K = operands[0].shape
-    if not token_major:
-        H, TT = TT, H
+    shape = operands[0].shape
+    TT, H, K = shape if token_major else (shape[1], shape[0], shape[2])
     bk = K if block_k is None else block_k
     nk = K // bk
 
@@ -698,12 +697,12 @@ def _states_after(h, final, rows):
 
 
 def prep_precision(dot_precision, interpret):
-    """Precision ("highest" or "tf32x3") of the split forms' prep products: IEEE fp32, except on a GPU whose kernel takes
-    tensor-core products ("tf32x3", "tf32", "bf16"), where the prep takes three-pass TF32 -- about
-    fp32 accuracy (the triangular inverse and the gate sums need it) at tensor-core rates; IEEE fp32
-    runs on the CUDA cores, ~67 TFLOP/s on an H200, against 1.2 GFLOP a 64-token chunk of 96 heads
-    (160 GFLOP at T = 8192: ~2.4 ms at that peak).
-    Interpreted (CPU): IEEE fp32, which the TF32 emulation of the kernel's products is checked against."""
+    """Precision ("highest" or "tf32x3") of the split forms' prep products: IEEE fp32, except on a
+    GPU whose kernel takes tensor-core products ("tf32x3", "tf32", "bf16"), where the prep takes
+    three-pass TF32 -- about fp32 accuracy (the triangular inverse and the gate sums need it) at
+    tensor-core rates; IEEE fp32 runs on the CUDA cores, ~67 TFLOP/s on an H200, against 1.2 GFLOP a
+    64-token chunk of 96 heads (160 GFLOP at T = 8192: ~2.4 ms at that peak). Interpreted (CPU): IEEE
+    fp32, which the TF32 emulation of the kernel's products is checked against."""
     return "highest" if interpret or dot_precision == "highest" else "tf32x3"
 
 
@@ -887,9 +886,9 @@ def _unprep_dense(o, B, T, NCb, C, token_major=False):
 
 def _token_major(variant, form, prep="xla"):
     """Whether the kernel reads the caller's [tokens, H, D] layout: the GPU variant's fused chunk and
-    recurrent kernels (strided rows cost a Triton program nothing; XLA transposes cost a pass over
-    every operand and the output). The TPU variant tiles heads-major; the split forms' XLA prep
-    lays its terms out itself."""
+    recurrent kernels and the split forms' prep kernel (strided rows cost a Triton program nothing;
+    XLA transposes cost a pass over every operand and the output). The TPU variant tiles heads-major;
+    the split forms' XLA prep lays its terms out itself."""
     return (variant or _default_variant()) == "gpu" and (form == "fused" or prep == "pallas")
 
 
