@@ -31,8 +31,8 @@ phase decode "${K3_PHASE_DECODE_S:-130}" 60 \
   '^(check_kda_recurrent|check_kda_pool|kda_decode_pool_B|check_gmm_(bfloat16|mxfp4)|moe_gmm|check_mla_bfloat16|mla_paged)'
 # per shape three cases, each with its own 150 s watchdog and JSON write: kda_prefill_* (the default
 # kernel, fla fp32 / bf16, 2 other precisions, XLA's reference), kda_prefill_forms_* (4 split / staged
-# variants, the staged form's stages alone) and kda_prefill_prepk_* (staged with the prep kernel, ~90 s
-# to compile offline), T = 8192 first
+# variants, the staged form's stages alone) and kda_prefill_prepk_* (staged and split with the prep
+# kernels), T = 8192 first
 phase prefill "${K3_PHASE_PREFILL_S:-270}" 150 '^(check_kda_chunk|kda_prefill_(forms_|prepk_)?H96_T(1024|4096|8192))'
 phase sweep "${K3_PHASE_SWEEP_S:-80}" 60 '^kda_decode_pool_sweep_B'
 phase fp32 "${K3_PHASE_FP32_S:-70}" 60 '^(check_gmm_float32|check_mla_float32|kda_prefill_H8_)'

@@ -901,12 +901,12 @@ def _peer_ratios(variant, peer_times):
 
 
 # The split / staged variants of the chunk kernel timed by the device run, in two cases per shape:
-# name -> (form, products (None: the default kernel's), num_stages, prep). "prep_kernel" is its own case:
-# the prep kernel took ~90 s to compile offline (PyPI Triton, sm_90), the others 2-5 s.
+# name -> (form, products (None: the default kernel's), num_stages, prep). "prep_kernel" is its own case
+# (its three kernels compile in ~13 s offline, PyPI Triton, sm_90; as one kernel it took ~90 s).
 FORM_CASES = {
     "forms": {"split": ("split", None, None, "xla"), "staged": ("staged", None, None, "xla"),
               "staged_s2": ("staged", None, 2, "xla"), "staged_bf16": ("staged", "bf16", None, "xla")},
-    "prep_kernel": {"staged_pk": ("staged", None, None, "pallas")},
+    "prep_kernel": {"staged_pk": ("staged", None, None, "pallas"), "split_pk": ("split", None, None, "pallas")},
 }
 
 
@@ -916,8 +916,8 @@ def bench_kda_prefill_forms(cfg, roof, interpret, H, T, group="forms"):
     cannot cost that case's numbers or fla's): the split form (XLA-batched chunk terms, the four state
     products in Pallas), the staged form (the loop doing the two products of the next state, outputs
     batched after it: fla's organisation) with 2 load stages (``staged_s2``, 88 KiB of shared memory
-    offline), bf16 products, or its chunk terms from the prep kernel (``staged_pk``); with "forms" also
-    the staged form's stages timed alone. The case's time is its fastest variant's; ratios to fla are
+    offline), bf16 products, or the chunk terms from the prep kernels (``staged_pk``, ``split_pk``); with
+    "forms" also the staged form's stages timed alone. The case's time is its fastest variant's; ratios to fla are
     joined in the summary."""
     require_lowering(interpret)
     K = V = cfg["kda_dim"]

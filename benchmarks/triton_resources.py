@@ -46,9 +46,10 @@ CALIBRATION = {"kda_chunk_fused/bv32_bc64_tf32x3/w4": 294912, "moe_gmm_mxfp4/tn1
 # step 1: capture (jax)
 # ----------------------------------------------------------------------------------------
 def configs():
-    """``(name, num_warps, num_stages, build)``: ``build()`` -> (jitted function, argument shapes)
-    lowering one Pallas Triton kernel at K3's tile sizes (K = V = 128, MLA latent 576, one EP shard of
-    the MoE); warps and stages as the kernel passes them to Triton (they are compile options, not IR)."""
+    """``(name, num_warps, num_stages, build[, pick])``: ``build()`` -> (jitted function, argument shapes)
+    lowering one Pallas Triton kernel (several: ``pick`` indexes the one kept, default the last) at K3's
+    tile sizes (K = V = 128, MLA latent 576, one EP shard of the MoE); warps and stages as the kernel
+    passes them to Triton (they are compile options, not IR)."""
     import jax
     import jax.numpy as jnp
 
@@ -80,9 +81,11 @@ def configs():
             out += [(f"{name}_s{ns}", nw, ns, build) for ns in (2, 3)]
     from pallas_kernels.kda.pallas_kda import _call_gpu_prep
     tok_args = [S((128, 2, K), f32)] * 4 + [S((128, 2, 1), f32)]
-    for nw in (4, 8):   # the split forms' prep kernel: one program per (64-token chunk, head)
-        out.append((f"kda_chunk_prep/tf32x3", nw, 1, lambda nw=nw: (jax.jit(lambda *a: _call_gpu_prep(
-            *a, C=64, scale=K ** -0.5, prec="tf32x3", interpret=False, num_warps=nw)), tok_args)))
+    for (part, pick), nw in itertools.product((("pairs", 0), ("solve", 1), ("columns", 2)), (4, 8)):
+        # the split forms' prep kernels: pairs per (64-token chunk, head, 16-token row tile), solve per (chunk,
+        # head), columns per (chunk, head, K-block)
+        out.append((f"kda_chunk_prep_{part}/tf32x3", nw, 1, lambda nw=nw: (jax.jit(lambda *a: _call_gpu_prep(
+            *a, C=64, scale=K ** -0.5, prec="tf32x3", interpret=False, num_warps=nw)), tok_args), pick))
     for bv, nw in ((8, 1), (16, 1), (16, 2), (32, 2), (32, 4), (64, 4), (64, 8), (128, 8)):
         out.append((f"kda_decode_pool/bv{bv}", nw, 1, lambda bv=bv, nw=nw: (jax.jit(
             lambda *a: fused_recurrent_kda_pool_pallas(*a, jnp.asarray([2, 0], i32), variant="gpu", block_v=bv,
@@ -120,7 +123,7 @@ def capture(ir_dir: Path, only: str | None = None) -> list[dict]:
     rows = []
     reg.lowering.lower_jaxpr_to_triton_module = keep
     try:
-        for i, (name, nw, ns, build) in enumerate(configs()):
+        for i, (name, nw, ns, build, *pick) in enumerate(configs()):
             if only and only not in name:
                 continue
             fn, args = build()
@@ -130,7 +133,7 @@ def capture(ir_dir: Path, only: str | None = None) -> list[dict]:
             if not kernels:
                 raise RuntimeError(f"{name}: no Triton kernel was lowered (is the Pallas Triton lowering in use?)")
             path = ir_dir / f"{i:03d}.ttir"
-            path.write_text(kernels[-1])  # the op's Pallas call (the last one lowered)
+            path.write_text(kernels[pick[0] if pick else -1])  # the op's Pallas call (default: the last one lowered)
             rows.append(dict(config=f"{name}/w{nw}", num_warps=nw, num_stages=ns, ir=path.name))
     finally:
         reg.lowering.lower_jaxpr_to_triton_module = lower

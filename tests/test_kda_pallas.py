@@ -282,7 +282,7 @@ def test_split_forms_match_the_token_scan(dense_case, varlen_case, form, prec, b
     (the kernel doing only the two products of the next state, every chunk's output batched after it):
     outputs, final and chunk states match the token scan, dense and varlen (with an empty sequence);
     with a bf16 state they round per chunk exactly as the fused form does. Their chunk terms come
-    from XLA's batched prep or from the prep kernel (``prep``)."""
+    from XLA's batched prep or from the prep kernels (``prep``)."""
     x, S0, (o_ref, s_ref) = dense_case["k3_floor"]
     split_kw = dict(block_k=block_k, prep=prep)
     run = lambda form, **kw: chunk_kda_pallas(*x, initial_state=S0, output_final_state=True, chunk_size=32,
@@ -334,7 +334,7 @@ def test_split_forms_lower_for_cuda(form, num_stages, prep):
     assert f"num_stages = {num_stages or 1} : i32" in text
     # the XLA prep's products take the kernel's tensor cores too: three-pass TF32, not CUDA-core fp32
     assert "num_primitive_operations = 3" in text
-    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == (2 if prep == "pallas" else 1)
+    assert text.count("stablehlo.custom_call @__gpu$xla.gpu.triton") == (4 if prep == "pallas" else 1)  # + pairs, solve, columns
     assert prep_precision("tf32x3", True) == prep_precision("highest", False) == "highest"
     for bad, variant in ((0, "gpu"), (5, "gpu"), (2, "tpu")):
         with pytest.raises(ValueError, match="num_stages"):
@@ -373,10 +373,10 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
 @pytest.mark.parametrize("gate", ["k3", "kimi", "k3_floor"])
 def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     """The split / staged forms' chunk terms -- XLA's batched prep (the reference's block form: A_qk
-    and the triangular inverse joined from [s, s] blocks) and the prep kernel (16-token tiles on chip,
-    from the caller's token-major bf16-or-fp32 operands, q scaled inside) -- equal the fused kernel's
-    per-chunk terms (full-size masked products) for every chunk and head, the gate at its floor
-    included."""
+    and the triangular inverse joined from [s, s] blocks) and the prep kernels (pairs from 16-token
+    tiles on chip, the block triangular solve, the columns in one or two K-blocks; from the caller's
+    token-major bf16-or-fp32 operands, q scaled inside) -- equal the fused kernel's per-chunk terms
+    (full-size masked products) for every chunk and head, the gate at its floor included."""
     import functools
 
     from pallas_kernels.kda import pallas_kda as pk
@@ -390,12 +390,14 @@ def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     per_chunk = lambda t: t.reshape((Hh, NB, C) + t.shape[2:])
     want = jax.vmap(jax.vmap(functools.partial(pk._chunk_prep, prec="highest")))(
         *map(per_chunk, (q, k, v, g, beta)))
-    kernel = pk._call_gpu_prep(*(jnp.moveaxis(t, 0, 1) for t in (q / K ** -0.5, k, v, g, beta)), C=C,
-                               scale=K ** -0.5, prec="highest", interpret=True)
-    for name, a, c, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, kernel, want):
+    kernel = lambda cols: pk._call_gpu_prep(*(jnp.moveaxis(t, 0, 1) for t in (q / K ** -0.5, k, v, g, beta)),
+                                            C=C, scale=K ** -0.5, prec="highest", interpret=True, cols=cols)
+    assert pk.prep_col_blocks(K, V, 8) == 2 and pk.prep_col_blocks(K, V) == 1 and pk.prep_col_blocks(24, 32, 8) == 1
+    for name, a, c, c2, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, kernel(None), kernel(8), want):
         b = b.reshape((Hh, NB * b.shape[2]) + b.shape[3:])
-        assert a.shape == c.shape == b.shape, name
-        assert rel_err(a, b) <= TOL and rel_err(c, b) <= (2e-5 if name == "decay" else TOL), name
+        assert a.shape == c.shape == c2.shape == b.shape, name
+        tol = 2e-5 if name == "decay" else TOL
+        assert rel_err(a, b) <= TOL and rel_err(c, b) <= tol and rel_err(c2, b) <= tol, name
 
 
 def test_gpu_kernels_read_the_callers_layout(pool_inputs):

@@ -99,7 +99,7 @@ def test_quick_run_timings_and_summary(quick_run):
         assert set(p["dot_precision_variants"]) == {"tf32x3", "tf32", "bf16"}
         for v in p["dot_precision_variants"].values():
             assert v["check_passed"] is True and v["tokens_per_s"] > 0 and not v["error"]
-        assert set(p["form_variants"]) == {"split", "staged", "staged_s2", "staged_bf16", "staged_pk"}
+        assert set(p["form_variants"]) == {"split", "staged", "staged_s2", "staged_bf16", "staged_pk", "split_pk"}
         for v in p["form_variants"].values():
             assert v["check_passed"] is True and v["tokens_per_s"] > 0 and not v["error"]
         every = {"default": p["tokens_per_s"], **{n: v["tokens_per_s"] for n, v in

@@ -35,9 +35,13 @@ def test_capture_keeps_each_kernels_triton_ir(tr, tmp_path):
         ir = (tmp_path / r["ir"]).read_text()
         assert '"tt.func"' in ir and "sym_name = \"kda_scan_gpu\"" in ir and "!tt.ptr<f32>" in ir
     assert len({(tmp_path / r["ir"]).read_text() for r in rows}) == 1  # warps are a compile option, not IR
-    names = [f"{n}/w{w}" for n, w, _, _ in tr.configs()]
+    names = [f"{c[0]}/w{c[1]}" for c in tr.configs()]
     assert len(names) == len(set(names))  # every configuration named apart
     assert set(tr.CALIBRATION) <= set(names)
+    # an op of several kernels: each configuration keeps the one it names (`pick`)
+    for r in tr.capture(tmp_path, only="kda_chunk_prep_"):
+        part = r["config"].split("/")[0].removeprefix("kda_chunk_prep_")
+        assert f'sym_name = "kda_chunk_prep_{part}_gpu"' in (tmp_path / r["ir"]).read_text(), r["config"]
 
 
 def test_resource_line_is_read(tr):

@@ -84,8 +84,8 @@ DOT_PRECISIONS = ("highest", "tf32x3", "tf32", "bf16")
 # new values, and every chunk's output is then one batched product outside it (fla's organisation).
 FORMS = ("fused", "split", "staged")
 # Where the split forms' chunk terms are computed: "xla" = batched XLA ops (``_split_prep``);
-# "pallas" = a Pallas kernel per (chunk, head) building them from 16-token tiles on chip
-# (``_call_gpu_prep``), which never writes the gate-sum factors to memory.
+# "pallas" = three Pallas kernels building them from 16-token tiles on chip (``_call_gpu_prep``: pairs,
+# triangular solve, columns), which never write the gate-sum factors to memory.
 PREPS = ("xla", "pallas")
 _PRESET = {"tf32x3": lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
            "tf32": lax.DotAlgorithmPreset.TF32_TF32_F32}
@@ -219,58 +219,77 @@ def _chunk_prep(q, k, v, g, beta, prec="highest", emulate=False):
     Returns W [C,K], U [C,Vb], Q = q*exp(Gamma) [C,K], Aqk [C,C] (lower incl. diagonal),
     Kd = k*exp(Gamma_C - Gamma) [C,K] and the chunk decay exp(Gamma_C) as [K,1].
     `prec` applies to the data products; the gate sums: ``_gate_sums``."""
+    Aqk, Tinv = _tile_wy(q, k, beta, _gate_sums(g, prec, emulate), prec, emulate)
+    W, U, Q, Kd, decay = _chunk_columns(q, k, v, g, beta, Tinv, prec, emulate)
+    return W, U, Q, Aqk, Kd, decay
+
+
+def _chunk_columns(q, k, v, g, beta, Tinv, prec="highest", emulate=False):
+    """A chunk's terms that follow from its triangular inverse Tinv = (I + A)^-1 [C,C]: W [C,K],
+    U [C,Vb], Q [C,K], Kd [C,K], decay [K,1] (see ``_chunk_prep``). The gate acts per channel, so q,
+    k, g may be any block of K columns and v of V columns: each term's columns need only their own."""
     mm = functools.partial(_mm, prec=prec, emulate=emulate)
     gsum = _gate_sums(g, prec, emulate)
-    Aqk, Tinv = _tile_wy(q, k, beta, gsum, prec, emulate)
     incl, excl_suffix = _prefix_masks(q.shape[0])
     eG = jnp.exp(gsum(incl))                                     # exp(Gamma_i), inclusive
     W = mm(Tinv, beta * (k * eG))
     U = mm(Tinv, beta * v)
     kd = k * jnp.exp(gsum(excl_suffix))                          # exp(Gamma_C - Gamma_j)
     decay = jnp.exp(jnp.sum(g.T, axis=1, keepdims=True))         # [K,1] = exp(Gamma_C)
-    return W, U, q * eG, Aqk, kd, decay
+    return W, U, q * eG, kd, decay
 
 
-def _chunk_prep_tiles(ld, put, n, prec="highest", emulate=False):
-    """``_chunk_prep``'s terms of one chunk of n tiles of P tokens, built tile by tile so that nothing
-    larger than [P, K] or [P, P] is formed (the split forms' prep kernel, ``_call_gpu_prep``).
-    ``ld(name, i)`` -> tile i of "q" (scaled), "k", "v", "g" [P, D] fp32 or "beta" [P, 1], loaded when
-    called; ``put(name, i, x)`` receives tile i of "W", "U", "Q", "Kd", block i = (row, col) of "Aqk"
-    (col <= row) and "decay" [K, 1] (i None), each as soon as it is known. Per-tile [P, K] terms are
-    recomputed where used rather than kept (a Triton program holds its values in registers).
+def _pair_row(ld, put, i, n, prec="highest", emulate=False):
+    """Row tile i (static or traced) of one chunk's pair terms, the chunk cut into n tiles of P tokens:
+    ``put(name, j, x)`` receives block (i, j) of "Aqk" ([P, P], A_qk lower incl. diagonal) and of "A"
+    (Diag(beta_i) A_kk,ij below the diagonal; at (i, i) the tile's own inverse (I + A_ii)^-1, what
+    ``_block_solve`` starts from), and zeros for j > i. ``ld(name, t)`` -> tile t of "q" (scaled),
+    "k", "g" [P, K] fp32 or "beta" [P, 1], loaded when called. Nothing larger than [P, K] is formed.
 
-    A pair (a in tile i, b in tile j < i) decays by the sum of g over (b, a] = (b, end of tile j] +
-    the tiles strictly between + (start of tile i, a]: two factors <= 1 from direct sums, as in the
-    tree. Within a tile: ``_tile_wy``. (I + A)^-1 by block forward substitution over the tiles:
-    X_ii from ``_tile_wy``, X_ij = -X_ii sum_{j <= m < i} Diag(beta_i) A_kk,im X_mj."""
-    mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    Within the tile: ``_tile_wy``. A pair (a in tile i, b in tile j < i) decays by the sum of g over
+    (b, a] = (b, end of tile j] + the tiles strictly between + (start of tile i, a]: two factors <= 1
+    from direct sums, as in the tree. The tiles left of i run in a loop from i - 1 down, carrying the
+    sum of g over the tiles passed."""
     mm_nt = functools.partial(_mm_nt, prec=prec, emulate=emulate)
-    add = lambda xs: functools.reduce(jnp.add, xs)
-    gsum = lambda i: _gate_sums(ld("g", i), prec, emulate)
-    tot = [jnp.sum(ld("g", i), axis=0, keepdims=True) for i in range(n)]     # [1, K] each tile's sum
+    gsum = lambda t: _gate_sums(ld("g", t), prec, emulate)
     incl, excl_suffix = _prefix_masks(ld("g", 0).shape[0])
-    pre = lambda i: gsum(i)(incl)                                 # sum of g over [tile start, a]
-    suf = lambda i: gsum(i)(excl_suffix)                          # over (b, tile end]
-    between = lambda j, i: add([jnp.zeros_like(tot[0])] + tot[j + 1:i])     # tiles strictly between
-    X, Akk = {}, {}
+    beta = ld("beta", i)
+    aqk, own_inverse = _tile_wy(ld("q", i), ld("k", i), beta, gsum(i), prec, emulate)
+    put("Aqk", i, aqk)
+    put("A", i, own_inverse)
+    pre = gsum(i)(incl)                                          # sum of g over (start of tile i, a]
+
+    def left(t, between):                                        # tile j = i - 1 - t
+        j = i - 1 - t
+        R = jnp.exp(pre + between)                               # rows a of tile i
+        kL = ld("k", j) * jnp.exp(gsum(j)(excl_suffix))          # columns b of tile j: (b, end of tile j]
+        put("A", j, beta * mm_nt(ld("k", i) * R, kL))
+        put("Aqk", j, mm_nt(ld("q", i) * R, kL))
+        return between + jnp.sum(ld("g", j), axis=0, keepdims=True)
+
+    def right(j, carry):
+        zero = jnp.zeros((beta.shape[0],) * 2, _F32)
+        put("A", j, zero)
+        put("Aqk", j, zero)
+        return carry
+
+    lax.fori_loop(0, i, left, jnp.zeros((1, pre.shape[1]), _F32))
+    lax.fori_loop(i + 1, n, right, 0)
+
+
+def _block_solve(get, put, n, prec="highest", emulate=False):
+    """(I + A)^-1 of a chunk of n tiles by block forward substitution, from ``get(i, j)`` -> block
+    (i, j) of ``_pair_row``'s "A" (j <= i): X_ii = the tile's own inverse, X_ij = -X_ii
+    sum_{j <= m < i} A_im X_mj. ``put(i, j, x)`` receives every block, zeros above the diagonal."""
+    mm = functools.partial(_mm, prec=prec, emulate=emulate)
+    add = lambda xs: functools.reduce(jnp.add, xs)
+    X = {}
     for i in range(n):
-        aqk, X[i, i] = _tile_wy(ld("q", i), ld("k", i), ld("beta", i), gsum(i), prec, emulate)
-        put("Aqk", (i, i), aqk)
+        X[i, i] = get(i, i)
         for j in range(i):
-            R = jnp.exp(pre(i) + between(j, i))                   # rows a of tile i
-            kL = ld("k", j) * jnp.exp(suf(j))                     # columns b of tile j
-            Akk[i, j] = mm_nt(ld("k", i) * R, kL)
-            put("Aqk", (i, j), mm_nt(ld("q", i) * R, kL))
-    for i in range(1, n):
-        for j in range(i):
-            X[i, j] = -mm(X[i, i], add([mm(ld("beta", i) * Akk[i, m], X[m, j]) for m in range(j, i)]))
-    eG = lambda i: jnp.exp(pre(i) + between(-1, i))              # exp(Gamma_a) from the chunk start
-    for i in range(n):
-        put("W", i, add([mm(X[i, j], ld("beta", j) * (ld("k", j) * eG(j))) for j in range(i + 1)]))
-        put("U", i, add([mm(X[i, j], ld("beta", j) * ld("v", j)) for j in range(i + 1)]))
-        put("Q", i, ld("q", i) * eG(i))
-        put("Kd", i, ld("k", i) * jnp.exp(suf(i) + between(i, n)))
-    put("decay", None, jnp.exp(add([jnp.sum(ld("g", i).T, axis=1, keepdims=True) for i in range(n)])))
+            X[i, j] = -mm(X[i, i], add([mm(get(i, m), X[m, j]) for m in range(j, i)]))
+        for j in range(n):
+            put(i, j, X[i, j] if j <= i else jnp.zeros_like(X[i, i]))
 
 
 def _chunk_apply(S, W, U, Q, Aqk, Kd, decay, prec="highest", emulate=False):
@@ -625,55 +644,94 @@ def _call_gpu_split(prep, states, rows, *, C, block_v, chunk_states, interpret, 
                           num_warps=num_warps, block_k=bk, state_before=staged, num_stages=num_stages)
 
 
-PREP_TILE = 16   # tokens per tile of the split forms' prep kernel (``_call_gpu_prep``)
+PREP_TILE = 16   # tokens per tile of the split forms' pair kernel (``_call_gpu_prep``)
+PREP_COLS = 32   # K columns per program of their column kernel
 
 
-def _call_gpu_prep(q, k, v, g, beta, *, C, scale, prec, interpret, num_warps=NUM_WARPS):
-    """The split forms' chunk terms as a Pallas kernel, one program per (chunk, head), the terms built
-    from ``PREP_TILE``-token tiles on chip (``_chunk_prep_tiles``) instead of XLA's batched prep, which
-    materialises every gate-sum factor ([chunks, 8 C, K] fp32) in memory. Inputs token-major
-    [NB*C, H, D] in the caller's dtype (beta [NB*C, H, 1]; q scaled and all widened in the kernel);
-    outputs the layouts ``_call_gpu_split`` reads, as ``_split_prep``."""
+def prep_col_blocks(K, V, cols=None):
+    """Programs per (chunk, head) of the prep's column kernel: K in blocks of ``cols`` (default
+    ``PREP_COLS``) columns, V in as many blocks; one block where the widths do not divide."""
+    bk = min(K, cols or PREP_COLS)
+    n = K // bk if K % bk == 0 else 1
+    return n if V % n == 0 else 1
+
+
+def _call_gpu_prep(q, k, v, g, beta, *, C, scale, prec, interpret, num_warps=NUM_WARPS, cols=None):
+    """The split forms' chunk terms as three Pallas kernels instead of XLA's batched prep (which
+    materialises every gate-sum factor, [chunks, 8 C, K] fp32, in memory), organised as fla's are:
+
+    1. pairs, one program per (chunk, head, ``PREP_TILE``-token row tile): the row's blocks of A_qk
+       and of Diag(beta) A_kk, with the tile's own triangular inverse on the diagonal (``_pair_row``);
+    2. solve, one program per (chunk, head): (I + A)^-1 [C, C] from those blocks (``_block_solve``);
+    3. columns, one program per (chunk, head, K-block of ``cols``): W, Q, Kd and the decay of its K
+       columns and U of as many V columns, from the inverse (``_chunk_columns``; the gate acts per
+       channel, so a column block needs no other).
+    Each program's live values stay small: one kernel doing all of it spilled ~1.6 KB a thread at
+    sm_90 (benchmarks/results/triton-resources.json). Inputs token-major [NB*C, H, D] in the
+    caller's dtype (beta [NB*C, H, 1]; q scaled and all widened in the kernels); outputs the layouts
+    ``_call_gpu_split`` reads, as ``_split_prep``."""
     TT, H, K = q.shape
     V = v.shape[-1]
     NB, P = TT // C, min(PREP_TILE, C)
+    n = C // P
+    params = None if interpret else _triton_params(num_warps)
+    shape = lambda w, n=TT: jax.ShapeDtypeStruct((H, n, w), _F32)
+    block = lambda ref, i, j: ref.at[pl.ds(i * P, P), pl.ds(j * P, P)]
 
-    def kernel(q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qo_ref, a_ref, kd_ref, d_ref):
-        refs = dict(q=q_ref, k=k_ref, v=v_ref, g=g_ref, beta=b_ref)
+    def pairs(q_ref, k_ref, g_ref, b_ref, aqk_ref, a_ref):
+        i = pl.program_id(2)
+        refs = dict(q=q_ref, k=k_ref, g=g_ref, beta=b_ref)
+        outs = dict(Aqk=aqk_ref, A=a_ref)
 
-        def ld(name, i):
-            x = refs[name][pl.ds(i * P, P), :].astype(_F32)
+        def ld(name, t):
+            x = refs[name][pl.ds(t * P, P), :].astype(_F32)
             return x * scale if name == "q" else x
 
-        outs = dict(W=w_ref, U=u_ref, Q=qo_ref, Kd=kd_ref)
+        def put(name, j, x):
+            block(outs[name], 0, j)[...] = x
 
-        def put(name, i, x):
-            if name == "decay":
-                d_ref[...] = x
-            elif name == "Aqk":
-                a_ref[pl.ds(i[0] * P, P), pl.ds(i[1] * P, P)] = x
-            else:
-                outs[name][pl.ds(i * P, P), :] = x
+        _pair_row(ld, put, i, n, prec, interpret)
 
-        n = C // P
-        for i in range(n):             # A_qk's blocks above the diagonal
-            for j in range(i + 1, n):
-                a_ref[pl.ds(i * P, P), pl.ds(j * P, P)] = jnp.zeros((P, P), _F32)
-        _chunk_prep_tiles(ld, put, n, prec, interpret)
+    tok = lambda w: pl.BlockSpec((C, None, w), lambda c, h, i: (c, h, 0))
+    rows = pl.BlockSpec((None, P, C), lambda c, h, i: (h, c * n + i, 0))
+    Aqk, A = pl.pallas_call(
+        pairs, out_shape=(shape(C), shape(C)), grid=(NB, H, n),
+        in_specs=[tok(K), tok(K), tok(K), tok(1)], out_specs=(rows, rows),
+        compiler_params=params, interpret=interpret, name="kda_chunk_prep_pairs_gpu",
+    )(q, k, g, beta)
 
-    tok = lambda w: pl.BlockSpec((C, None, w), lambda c, h: (c, h, 0))
-    head = lambda w, n=C: pl.BlockSpec((None, n, w), lambda c, h: (h, c, 0))
-    shape = lambda w, n=TT: jax.ShapeDtypeStruct((H, n, w), _F32)
-    return pl.pallas_call(
-        kernel,
-        out_shape=(shape(K), shape(V), shape(K), shape(C), shape(K), shape(1, NB * K)),
-        grid=(NB, H),
-        in_specs=[tok(K), tok(K), tok(V), tok(K), tok(1)],
-        out_specs=(head(K), head(V), head(K), head(C), head(K), head(1, K)),
-        compiler_params=None if interpret else _triton_params(num_warps),
-        interpret=interpret,
-        name="kda_chunk_prep_gpu",
-    )(q, k, v, g, beta)
+    def solve(a_ref, t_ref):
+        def put(i, j, x):
+            block(t_ref, i, j)[...] = x
+
+        _block_solve(lambda i, j: block(a_ref, i, j)[...], put, n, prec, interpret)
+
+    chunk = pl.BlockSpec((None, C, C), lambda c, h: (h, c, 0))
+    Tinv = pl.pallas_call(
+        solve, out_shape=shape(C), grid=(NB, H), in_specs=[chunk], out_specs=chunk,
+        compiler_params=params, interpret=interpret, name="kda_chunk_prep_solve_gpu",
+    )(A)
+
+    nc = prep_col_blocks(K, V, cols)
+    bk, bv = K // nc, V // nc
+
+    def columns(q_ref, k_ref, v_ref, g_ref, b_ref, t_ref, w_ref, u_ref, qo_ref, kd_ref, d_ref):
+        f32 = lambda ref: ref[...].astype(_F32)
+        W, U, Q, Kd, decay = _chunk_columns(f32(q_ref) * scale, f32(k_ref), f32(v_ref), f32(g_ref), f32(b_ref),
+                                            t_ref[...], prec, interpret)
+        w_ref[...], u_ref[...], qo_ref[...], kd_ref[...], d_ref[...] = W, U, Q, Kd, decay
+
+    tok = lambda w: pl.BlockSpec((C, None, w), lambda c, h, b: (c, h, b))
+    head = lambda w: pl.BlockSpec((None, C, w), lambda c, h, b: (h, c, b))
+    W, U, Q, Kd, decay = pl.pallas_call(
+        columns, out_shape=(shape(K), shape(V), shape(K), shape(K), shape(1, NB * K)), grid=(NB, H, nc),
+        in_specs=[tok(bk), tok(bk), tok(bv), tok(bk), pl.BlockSpec((C, None, 1), lambda c, h, b: (c, h, 0)),
+                  pl.BlockSpec((None, C, C), lambda c, h, b: (h, c, 0))],
+        out_specs=(head(bk), head(bv), head(bk), head(bk),
+                   pl.BlockSpec((None, bk, 1), lambda c, h, b: (h, c * nc + b, 0))),
+        compiler_params=params, interpret=interpret, name="kda_chunk_prep_columns_gpu",
+    )(q, k, v, g, beta, Tinv)
+    return W, U, Q, Aqk, Kd, decay
 
 
 def _staged_output(Q, Aqk, Vn, h, *, C, prec, emulate):
@@ -820,7 +878,7 @@ def _scan(kind, q, k, v, g, beta, states, rows, *, C, block_v, chunk_states, int
         raise ValueError(f"prep={prep!r} is an option of form='split' or 'staged'")
     if token_major and (variant != "gpu" or (form != "fused" and prep != "pallas")):
         raise ValueError("token-major operands are the GPU variant's layout for the fused / recurrent "
-                         "kernels and the prep kernel")
+                         "kernels and the prep kernels")
     NB = q.shape[0 if token_major else 1] // C
     kw = dict(C=C, block_v=_pick_block_v(v.shape[-1], block_v, variant),
               chunk_states=chunk_states,
@@ -886,7 +944,7 @@ def _unprep_dense(o, B, T, NCb, C, token_major=False):
 
 def _token_major(variant, form, prep="xla"):
     """Whether the kernel reads the caller's [tokens, H, D] layout: the GPU variant's fused chunk and
-    recurrent kernels and the split forms' prep kernel (strided rows cost a Triton program nothing;
+    recurrent kernels and the split forms' prep kernels (strided rows cost a Triton program nothing;
     XLA transposes cost a pass over every operand and the output). The TPU variant tiles heads-major;
     the split forms' XLA prep lays its terms out itself."""
     return (variant or _default_variant()) == "gpu" and (form == "fused" or prep == "pallas")
