@@ -932,6 +932,8 @@ def bench_kda_prefill_forms(cfg, roof, interpret, H, T, group="forms"):
                 shape=_prefill_shape(cfg, H, T), form_variants=variants)
     if group == "forms":
         case["staged_parts"] = _time_staged_parts(cfg, interpret, x, S0, scale, dp)
+    if group == "prep_kernel":
+        case["staged_parts"] = _time_prep_kernels(cfg, interpret, x, scale, dp)
     ok = {n: v for n, v in variants.items() if "time" in v and (v.get("check") or {}).get("passed")}
     if not ok:
         raise RuntimeError("no split / staged form ran and passed its check: "
@@ -978,6 +980,21 @@ def _time_staged_parts(cfg, interpret, x, S0, scale, prec, C=64):
         return res
     except Exception as e:  # noqa: BLE001
         return dict(status="error", error=f"{type(e).__name__}: {e}"[:2000])
+
+
+def _time_prep_kernels(cfg, interpret, x, scale, prec, C=64):
+    """The prep kernels alone (pairs, solve, columns: ``prep="pallas"``) on the caller's token-major
+    operands -> {"prep_kernels": seconds}, beside ``_time_staged_parts``'s XLA "prep" (which starts
+    from the head-major layout); an error is recorded as {"prep_kernels_error": message}."""
+    from pallas_kernels.kda import pallas_kda as pk
+    try:
+        fn = jax.jit(lambda q, k, v, g, b: pk._call_gpu_prep(
+            q[0], k[0], v[0], g[0], b[0][..., None], C=C, scale=scale, prec=pk.prep_precision(prec, interpret),
+            interpret=interpret))
+        _block(fn(*x[:5]))
+        return {"prep_kernels": time_jax(fn, tuple(x[:5]), cfg)[0]["median"]}
+    except Exception as e:  # noqa: BLE001
+        return {"prep_kernels_error": f"{type(e).__name__}: {e}"[:2000]}
 
 
 def _time_reference_prefill(cfg, roof, x, S0, scale, flops, T):
@@ -1191,7 +1208,7 @@ def summarize(cases):
         if c.get("op") == "chunk_kda_forms" and c["status"] == "ok":
             f = forms.setdefault((c["shape"]["H"], c["shape"]["T"]), {"form_variants": {}})
             f["form_variants"].update(c["form_variants"])
-            f["staged_parts"] = c.get("staged_parts", f.get("staged_parts"))
+            f["staged_parts"] = {**(f.get("staged_parts") or {}), **(c.get("staged_parts") or {})} or None
     for c in cases:
         if c["status"] != "ok" or "time" not in c:
             continue

@@ -107,7 +107,7 @@ def test_quick_run_timings_and_summary(quick_run):
         assert p["fastest"]["tokens_per_s"] == max(every.values())
         assert every[p["fastest"]["variant"]] == p["fastest"]["tokens_per_s"]
         parts = p["staged_parts"]   # the staged form's stages timed alone
-        assert set(parts) == {"layout", "prep", "loop", "output", "sum_s"}
+        assert set(parts) == {"layout", "prep", "loop", "output", "sum_s", "prep_kernels"}  # the last: prepk case
         assert min(parts.values()) > 0
 
 
@@ -292,11 +292,11 @@ def test_summary_joins_the_forms_case_to_fla(kg):
                                                 check=dict(passed=True)),
                                     split=dict(status="error", error="launch failed")))
     prepk = dict(name="kda_prefill_prepk_H96_T8192", op="chunk_kda_forms", status="ok", shape=dict(H=96, T=8192),
-                 time=dict(median=0.01), check=dict(passed=True),
+                 time=dict(median=0.01), check=dict(passed=True), staged_parts=dict(prep_kernels=0.002),
                  form_variants=dict(staged_pk=dict(time=dict(median=0.01), tokens_per_s=8192 / 0.01,
                                                    check=dict(passed=True))))
     p = kg.summarize([main, forms, prepk])["goal_kda_prefill"]["cases"]
-    assert len(p) == 1 and p[0]["staged_parts"] == {"loop": 0.003}
+    assert len(p) == 1 and p[0]["staged_parts"] == {"loop": 0.003, "prep_kernels": 0.002}
     assert set(p[0]["form_variants"]) == {"staged", "split", "staged_pk"}
     assert math.isclose(p[0]["form_variants"]["staged_pk"]["ratio_ours_over_fla"]["fp32"], 0.4)
     assert math.isclose(p[0]["form_variants"]["staged"]["ratio_ours_over_fla"]["fp32"], 0.8)
