@@ -18,9 +18,7 @@ Compile time is excluded (all engines warm up first and share compiled programs)
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -33,7 +31,7 @@ import numpy as np  # noqa: E402
 import k3jax  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import machine_info, mean, measure_bandwidth, pct, write_result  # noqa: E402
+from serving import machine_info, mean, measure_bandwidth, pct, trace_bench_start, write_result  # noqa: E402
 
 
 def run_round_robin(engine: Engine, docs, users, sp, concurrency: int) -> list[dict]:
@@ -67,18 +65,8 @@ def summarize(records: list[dict], wall: float) -> dict:
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--model", default=None, help="preset (default k3-small; --quick: tiny-k3)")
-    ap.add_argument("--out", default=None)
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+    args, name, out_path, log, t_start = trace_bench_start("host_cache", __doc__, argv)
     q = args.quick
-    t_start = time.perf_counter()
-    log = lambda s: print(f"[{time.perf_counter() - t_start:7.1f}s] {s}", flush=True)  # noqa: E731
-    out_path = Path(args.out) if args.out else (
-        Path(tempfile.gettempdir()) / "host_cache-cpu-quick.json" if q else REPO / "benchmarks/results/host_cache-cpu.json")
-    name = args.model or ("tiny-k3" if q else "k3-small")
     P = dict(sessions=4 if q else 8, turns=2 if q else 3, concurrency=2, doc_len=(100, 160) if q else (320, 448),
              user_len=(8, 16), response_len=8 if q else 16, resident_sessions=1 if q else 2)
     mml, ps, chunk = (256, 16, 16) if q else (768, 16, 64)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import gc
 import sys
-import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,11 +36,10 @@ import numpy as np  # noqa: E402
 
 import k3jax  # noqa: E402
 from k3jax.config import PRESETS  # noqa: E402
-from kv_cache_dtype import against_hf, teacher_forced, teacher_forced_delta  # noqa: E402
-from serve.engine import Engine, EngineConfig  # noqa: E402
+from kv_cache_dtype import against_hf, engine_for, hf_reference, hf_summary, teacher_forced  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, track_peak_running, write_result  # noqa: E402
+from serving import bench_start, med, run_wave, track_peak_running, write_result  # noqa: E402
 
 STATES = ("float32", "bfloat16")
 
@@ -57,35 +55,16 @@ def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]
     return out
 
 
-def engine_for(model, state: str, max_len: int, seqs: int, budget: int = 64 << 20, chunk: int = 64,
-               buckets: tuple = ()) -> Engine:
-    buckets = buckets or (seqs,)
-    return Engine(model, EngineConfig(max_model_len=max_len, page_size=16, cache_bytes=budget, max_num_seqs=seqs,
-                                      prefill_chunk=chunk, max_prefill_seqs=4, decode_buckets=buckets,
-                                      prefill_buckets=(4,), max_logprobs=1, enable_prefix_caching=False,
-                                      kda_state_dtype=state), progress=False)
-
-
 def accuracy(quick: bool, n: int, prompt_len: int, gen: int, long_n: int, long_len: int, log) -> dict:
-    rng = np.random.default_rng(3)
-    with tempfile.TemporaryDirectory() as tmp:
-        path, hf_model, _ = build_kimi_linear(tmp, quick)
-        model = k3jax.load_model(path)
-        prompts = rng.integers(0, 500, (n, prompt_len)).tolist()
-        t_hf, hf_out = hf_generate(hf_model, prompts, gen)
-        hf_out = hf_out.tolist()
+    with hf_reference(quick, n, prompt_len, gen) as (rng, model, prompts, hf_out, res):
         longs = rng.integers(0, 500, (long_n, long_len)).tolist()
-        res = dict(model="Kimi-Linear (HF checkpoint, float32)", requests=n, prompt_len=prompt_len, gen=gen,
-                   hf_generate_s=t_hf)
         per, long_lps = {}, {}
         for st in STATES:
-            eng = engine_for(model, st, max(prompt_len + gen, long_len) + 16, n)
+            eng = engine_for(model, max(prompt_len + gen, long_len) + 16, n, kda_state_dtype=st)
             per[st] = against_hf(eng, prompts, hf_out)
             long_lps[st] = np.array([[x[0] for x in s] for s in teacher_forced(eng, longs)])
             log(f"  {st} states: {per[st]['identical_to_hf']}/{n} requests token-identical to HF")
-        for st in STATES:
-            res[st] = {k: v for k, v in per[st].items() if k != "lps"}
-        res["teacher_forced"] = teacher_forced_delta(per, "float32", "bfloat16")
+        res.update(hf_summary(per, "float32", "bfloat16"))
         dl = np.abs(long_lps["float32"] - long_lps["bfloat16"])  # [long_n, long_len - 1]
         bucket = max(64, long_len // 8)
         res["long_recurrence"] = dict(
@@ -100,7 +79,7 @@ def wave(model, state: str, budget: int, n: int, prompt_len: int, gen: int, seqs
     # two decode buckets: a wave's last partial batch pays for half the rows, not all (more buckets, more
     # compiled programs in this one process: LLVM ran out of code memory with five)
     buckets = tuple(sorted({max(1, seqs // 2), seqs}))
-    eng = engine_for(model, state, prompt_len + gen + 16, seqs, budget, buckets=buckets)
+    eng = engine_for(model, prompt_len + gen + 16, seqs, budget, buckets=buckets, kda_state_dtype=state)
     prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
     running = track_peak_running(eng)
     w = run_wave(eng, prompts, SamplingParams(max_tokens=gen, temperature=0.0, ignore_eos=True))

@@ -23,6 +23,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import tempfile
 import time
@@ -59,6 +60,32 @@ def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]
     return out
 
 
+def engine_for(model, max_len: int, seqs: int, budget: int = 64 << 20, page: int = 16, buckets: tuple = (),
+               **cfg) -> Engine:
+    """The engines of this benchmark and kda_state_dtype.py: `seqs` requests at once (decode buckets `buckets`,
+    default `(seqs,)`), chunks of 64, no prefix cache, one logprob; `cfg`: the other EngineConfig fields (the
+    cache dtypes compared)."""
+    return Engine(model, EngineConfig(max_model_len=max_len, page_size=page, cache_bytes=budget, max_num_seqs=seqs,
+                                      prefill_chunk=64, max_prefill_seqs=4, decode_buckets=buckets or (seqs,),
+                                      prefill_buckets=(4,), max_logprobs=1, enable_prefix_caching=False, **cfg),
+                  progress=False)
+
+
+@contextlib.contextmanager
+def hf_reference(quick: bool, n: int, prompt_len: int, gen: int):
+    """The HF-written Kimi-Linear checkpoint loaded in k3jax, `n` random prompts [n, prompt_len] and HF's greedy
+    continuations [n, gen] -> (rng, model, prompts, hf_out, result head); `rng` goes on after the prompts' draws."""
+    rng = np.random.default_rng(3)
+    with tempfile.TemporaryDirectory() as tmp:
+        path, hf_model, _ = build_kimi_linear(tmp, quick)
+        model = k3jax.load_model(path)
+        prompts = rng.integers(0, 500, (n, prompt_len)).tolist()
+        t_hf, hf_out = hf_generate(hf_model, prompts, gen)
+        res = dict(model="Kimi-Linear (HF checkpoint, float32)", requests=n, prompt_len=prompt_len, gen=gen,
+                   hf_generate_s=t_hf)
+        yield rng, model, prompts, hf_out.tolist(), res
+
+
 def teacher_forced(engine: Engine, seqs: list[list[int]]) -> list[list[tuple[float, int]]]:
     """Per sequence, per position after the first: (logprob of the given token, its rank)."""
     sp = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1)
@@ -90,28 +117,20 @@ def teacher_forced_delta(per: dict, base: str, other: str) -> dict:
             f"mean_logprob_{other}": float(b.mean()), "rank1_agreement": float((top1(base) == top1(other)).mean())}
 
 
+def hf_summary(per: dict, base: str, other: str) -> dict:
+    """Each engine's `against_hf` result (`per[k]`) without its logprobs, and the teacher-forced deltas of the two."""
+    return {**{k: {f: v for f, v in r.items() if f != "lps"} for k, r in per.items()},
+            "teacher_forced": teacher_forced_delta(per, base, other)}
+
+
 def accuracy(quick: bool, n: int, prompt_len: int, gen: int, log) -> dict:
-    rng = np.random.default_rng(3)
-    with tempfile.TemporaryDirectory() as tmp:
-        path, hf_model, _ = build_kimi_linear(tmp, quick)
-        model = k3jax.load_model(path)
-        prompts = rng.integers(0, 500, (n, prompt_len)).tolist()
-        t_hf, hf_out = hf_generate(hf_model, prompts, gen)
-        hf_out = hf_out.tolist()
-        res = dict(model="Kimi-Linear (HF checkpoint, float32)", requests=n, prompt_len=prompt_len, gen=gen,
-                   hf_generate_s=t_hf)
+    with hf_reference(quick, n, prompt_len, gen) as (_, model, prompts, hf_out, res):
         per = {}
         for kind in KINDS:
-            eng = Engine(model, EngineConfig(max_model_len=prompt_len + gen + 16, page_size=16, cache_bytes=64 << 20,
-                                             max_num_seqs=n, prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(n,),
-                                             prefill_buckets=(4,), max_logprobs=1, enable_prefix_caching=False,
-                                             kv_cache_dtype=kind), progress=False)
+            eng = engine_for(model, prompt_len + gen + 16, n, kv_cache_dtype=kind)
             per[kind] = against_hf(eng, prompts, hf_out)
             log(f"  {kind}: {per[kind]['identical_to_hf']}/{n} requests token-identical to HF")
-        for kind in KINDS:
-            res[kind] = {k: v for k, v in per[kind].items() if k != "lps"}
-        res["teacher_forced"] = teacher_forced_delta(per, "auto", "fp8")
-        return res
+        return dict(res, **hf_summary(per, "auto", "fp8"))
 
 
 def full_length_capacity(model, kind: str, budget: int, page: int, tokens: int) -> int:
@@ -124,12 +143,9 @@ def kv_bound_wave(model, kind: str, budget: int, n: int, prompt_len: int, gen: i
     """`n` requests through an arena of `budget` bytes, by default run with as many at once as it holds at
     full length (max_num_seqs set to that, as an operator would; more may be preempted and recomputed)."""
     seqs = seqs or min(n, full_length_capacity(model, kind, budget, page, prompt_len + gen))
-    cfg = EngineConfig(max_model_len=prompt_len + gen + page, page_size=page, cache_bytes=budget, max_num_seqs=seqs,
-                       prefill_chunk=64, max_prefill_seqs=4, decode_buckets=(seqs,), prefill_buckets=(4,),
-                       max_logprobs=1, enable_prefix_caching=False, kv_cache_dtype=kind,
-                       schedule_conservativeness=conservativeness)
     t0 = time.perf_counter()
-    eng = Engine(model, cfg, progress=False)
+    eng = engine_for(model, prompt_len + gen + page, seqs, budget, page, kv_cache_dtype=kind,
+                     schedule_conservativeness=conservativeness)
     build = time.perf_counter() - t0
     prompts = np.random.default_rng(5).integers(0, 250, (n, prompt_len)).tolist()
     running = track_peak_running(eng)

@@ -23,10 +23,8 @@ Compile time is excluded (engines warm up first; both engines share the same com
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -39,7 +37,7 @@ import numpy as np  # noqa: E402
 import k3jax  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import arena_budget, machine_info, mean, med, pct, write_result  # noqa: E402
+from serving import arena_budget, machine_info, mean, med, pct, trace_bench_start, write_result  # noqa: E402
 
 
 def make_trace(rng, system_len: int, sessions: int, turns: int, user_lo: int, user_hi: int, vocab_hi: int):
@@ -187,11 +185,8 @@ def alignment_variant(model, ecfg: dict, P: dict, args, chunk: int, result: dict
     return out
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--model", default=None, help="preset (default k3-small; --quick: tiny-k3)")
-    ap.add_argument("--out", default=None)
+def _trace_args(ap) -> None:
+    """This benchmark's own arguments (`trace_bench_start` adds the common ones)."""
     ap.add_argument("--sessions", type=int, default=None)
     ap.add_argument("--turns", type=int, default=None)
     ap.add_argument("--system-len", type=int, default=None)
@@ -203,15 +198,11 @@ def main(argv=None):
                     help="run only --alignment-variant and merge it into the existing --out JSON")
     ap.add_argument("--chunk", type=int, default=None,
                     help="prefill_chunk = decode_checkpoint_interval = KDA checkpoint alignment (default 16)")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
-    q = args.quick
-    t_start = time.perf_counter()
-    log = lambda s: print(f"[{time.perf_counter() - t_start:7.1f}s] {s}", flush=True)  # noqa: E731
-    out_path = Path(args.out) if args.out else (
-        Path(tempfile.gettempdir()) / "prefix_cache-cpu-quick.json" if q else REPO / "benchmarks/results/prefix_cache-cpu.json")
 
-    name = args.model or ("tiny-k3" if q else "k3-small")
+
+def main(argv=None):
+    args, name, out_path, log, t_start = trace_bench_start("prefix_cache", __doc__, argv, extra=_trace_args)
+    q = args.quick
     P = dict(  # trace and engine parameters
         system_len=args.system_len or (96 if q else 640), sessions=args.sessions or (2 if q else 4),
         turns=args.turns or (3 if q else 5), user_len=(8, 16) if q else (24, 40), response_len=8 if q else 32,

@@ -769,6 +769,26 @@ def bench_start(name: str, doc: str, argv=None, extra=None):
     return args, out, log, t_start, dict(benchmark=name, machine=machine_info(), bandwidth=bw)
 
 
+def trace_bench_start(name: str, doc: str, argv=None, extra=None):
+    """The common start of a multi-turn trace benchmark (prefix_cache.py, host_cache.py) -> (args, model preset,
+    output path, log, start time): `--quick` / `--model` / `--out`, any `extra(parser)` adds, `--seed`;
+    `results/<name>-cpu.json` (`<name>-cpu-quick.json` in the temp dir with --quick); `log` stamps the seconds
+    since the start."""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--model", default=None, help="preset (default k3-small; --quick: tiny-k3)")
+    ap.add_argument("--out", default=None)
+    if extra is not None:
+        extra(ap)
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    t_start = time.perf_counter()
+    log = lambda s: print(f"[{time.perf_counter() - t_start:7.1f}s] {s}", flush=True)  # noqa: E731
+    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / f"{name}-cpu-quick.json" if args.quick
+                                           else REPO / "benchmarks" / "results" / f"{name}-cpu.json")
+    return args, args.model or ("tiny-k3" if args.quick else "k3-small"), out, log, t_start
+
+
 def write_result(result: dict, out_path: Path, t_start: float, log) -> dict:
     """Finish a benchmark's result (load average at the end, wall time) and write it as JSON (also used
     by benchmarks/prefix_cache.py and benchmarks/speculative.py)."""

@@ -70,7 +70,7 @@ from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
-from serve.types import (Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
+from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
                          StructuredOutputsParams)
 
 log = logging.getLogger(__name__)
@@ -811,6 +811,7 @@ class _Format:
         self.run: Optional[_Run] = None  # the engine run it formats (set by _serve)
 
     done_marker = True  # streams end with `data: [DONE]`
+    chunk_object: str  # the `object` of its streamed chunks
 
     def index(self, i: int, j: int) -> int:
         return i * self.n + j
@@ -826,6 +827,31 @@ class _Format:
     def head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created,
                 "model": getattr(self, "model", None) or self.st.model_name}
+
+    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
+        """The streamed chunks of what is new in prompt `i`'s output: one per unfinished sample with news (its
+        choice from the endpoint's `_delta_choice`), `stop_reason` once the sample finishes."""
+        chunks = []
+        for o in out.outputs:  # each a delta: what is new for sample o.index
+            idx = self.index(i, o.index)
+            if idx in self.finished:
+                continue
+            new_lps = (o.logprobs or []) if self.logprobs is not None else None
+            new_ids = list(o.token_ids) if self.token_ids else []
+            choice = self._delta_choice(i, out, o, idx, new_lps, new_ids)
+            if choice is None:
+                continue
+            if o.finish_reason is not None:
+                choice["stop_reason"] = o.stop_reason
+                self.finished.add(idx)
+            chunk = {**self.head(self.chunk_object), "choices": [choice]}
+            if usage_field:
+                chunk["usage"] = None
+            chunks.append(chunk)
+        return chunks
+
+    def usage_chunk(self, run: _Run) -> dict:
+        return {**self.head(self.chunk_object), "choices": [], "usage": run.usage()}
 
     def _prompt_field(self, out: RequestOutput) -> Optional[list]:
         """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, text}."""
@@ -861,6 +887,8 @@ class _CompletionFormat(_Format):
     """`echo` with `logprobs` puts the prompt tokens' logprobs first (the first token's is null: OpenAI's
     legacy shape, which evaluation harnesses read); `prompt_logprobs` (vLLM) adds
     `choices[].prompt_logprobs`."""
+
+    chunk_object = "text_completion"
 
     def __init__(self, *a, echo_texts: list[str], **kw):
         super().__init__(*a, **kw)
@@ -912,44 +940,29 @@ class _CompletionFormat(_Format):
     def start(self, nprompts: int, usage_field: bool) -> list[dict]:
         return []
 
-    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
-        chunks = []
-        for o in out.outputs:  # each a delta: what is new for sample o.index
-            idx = self.index(i, o.index)
-            if idx in self.finished:
-                continue
-            first = idx not in self.sent_text
-            t0 = self.sent_text.get(idx, 0)
-            text = o.text
-            new_lps = (o.logprobs or []) if self.logprobs is not None else None
-            new_ids = list(o.token_ids) if self.token_ids else []
-            if first and self.echo_texts[i]:
-                text = self.echo_texts[i] + text
-            if not text and not new_lps and not new_ids and o.finish_reason is None and not first:
-                continue
-            self.sent_text[idx] = t0 + len(o.text)
-            entries = self._echoed(i, out, new_lps) if first else new_lps
-            choice = {"index": idx, "text": text,
-                      "logprobs": self._logprobs(entries, (len(self.echo_texts[i]) if not first else 0) + t0)
-                      if self.logprobs is not None else None,
-                      "finish_reason": o.finish_reason}
-            if first and self.prompt_field:
-                choice["prompt_logprobs"] = self._prompt_field(out)
-            if self.token_ids:
-                choice["token_ids"] = new_ids
-                if first:
-                    choice["prompt_token_ids"] = list(out.prompt_token_ids)
-            if o.finish_reason is not None:
-                choice["stop_reason"] = o.stop_reason
-                self.finished.add(idx)
-            chunk = {**self.head("text_completion"), "choices": [choice]}
-            if usage_field:
-                chunk["usage"] = None
-            chunks.append(chunk)
-        return chunks
-
-    def usage_chunk(self, run: _Run) -> dict:
-        return {**self.head("text_completion"), "choices": [], "usage": run.usage()}
+    def _delta_choice(self, i: int, out: RequestOutput, o: CompletionOutput, idx: int, new_lps,
+                      new_ids: list[int]) -> Optional[dict]:
+        """Choice `idx` of a streamed chunk: sample `o`'s new text (the echo first), None when nothing is new."""
+        first = idx not in self.sent_text
+        t0 = self.sent_text.get(idx, 0)
+        text = o.text
+        if first and self.echo_texts[i]:
+            text = self.echo_texts[i] + text
+        if not text and not new_lps and not new_ids and o.finish_reason is None and not first:
+            return None
+        self.sent_text[idx] = t0 + len(o.text)
+        entries = self._echoed(i, out, new_lps) if first else new_lps
+        choice = {"index": idx, "text": text,
+                  "logprobs": self._logprobs(entries, (len(self.echo_texts[i]) if not first else 0) + t0)
+                  if self.logprobs is not None else None,
+                  "finish_reason": o.finish_reason}
+        if first and self.prompt_field:
+            choice["prompt_logprobs"] = self._prompt_field(out)
+        if self.token_ids:
+            choice["token_ids"] = new_ids
+            if first:
+                choice["prompt_token_ids"] = list(out.prompt_token_ids)
+        return choice
 
 
 class _ChatFormat(_Format):
@@ -957,6 +970,8 @@ class _ChatFormat(_Format):
     `content` (serve/reasoning.py). With `tools`, an answer that is a call becomes `tool_calls`
     (serve/tools.py); streamed, named and `required` calls stream as they are written, and a possible
     `auto` call is held back and sent whole when the choice finishes."""
+
+    chunk_object = "chat.completion.chunk"
 
     def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None,
                  prompt_ids: Optional[list[int]] = None, **kw):
@@ -1058,47 +1073,33 @@ class _ChatFormat(_Format):
                 chunks.append(chunk)
         return chunks
 
-    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
-        chunks = []
-        for o in out.outputs:  # each a delta: what is new for sample o.index
-            idx = self.index(i, o.index)
-            if idx in self.finished:
-                continue
-            text = o.text
-            new_lps = (o.logprobs or []) if self.logprobs is not None else None
-            new_ids = list(o.token_ids) if self.token_ids else []
-            if not text and not new_lps and not new_ids and o.finish_reason is None:
-                continue
-            delta = {"content": text} if text else {}
-            if self.reasoning:
-                split = self.splitters.setdefault(idx, ChannelSplitter(self.reasoning))
-                reasoning, content = split.feed(text)
-                if o.finish_reason is not None:
-                    r2, c2 = split.finish()
-                    reasoning, content = reasoning + r2, content + c2
-                delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
-            content, calls, finish = self._hold(idx, delta.pop("content", ""), o.finish_reason)
-            if content:
-                delta["content"] = content
-            if calls:
-                delta["tool_calls"] = calls
-            if not delta and not new_lps and not new_ids and finish is None:
-                continue
-            choice = {"index": idx, "delta": delta,
-                      "logprobs": self._logprobs(new_lps), "finish_reason": finish}
-            if self.token_ids:
-                choice["token_ids"] = new_ids
+    def _delta_choice(self, i: int, out: RequestOutput, o: CompletionOutput, idx: int, new_lps,
+                      new_ids: list[int]) -> Optional[dict]:
+        """Choice `idx` of a streamed chunk: sample `o`'s new text as a `delta` (reasoning split off, tool calls
+        held or streamed), None when nothing is new."""
+        text = o.text
+        if not text and not new_lps and not new_ids and o.finish_reason is None:
+            return None
+        delta = {"content": text} if text else {}
+        if self.reasoning:
+            split = self.splitters.setdefault(idx, ChannelSplitter(self.reasoning))
+            reasoning, content = split.feed(text)
             if o.finish_reason is not None:
-                choice["stop_reason"] = o.stop_reason
-                self.finished.add(idx)
-            chunk = {**self.head("chat.completion.chunk"), "choices": [choice]}
-            if usage_field:
-                chunk["usage"] = None
-            chunks.append(chunk)
-        return chunks
-
-    def usage_chunk(self, run: _Run) -> dict:
-        return {**self.head("chat.completion.chunk"), "choices": [], "usage": run.usage()}
+                r2, c2 = split.finish()
+                reasoning, content = reasoning + r2, content + c2
+            delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+        content, calls, finish = self._hold(idx, delta.pop("content", ""), o.finish_reason)
+        if content:
+            delta["content"] = content
+        if calls:
+            delta["tool_calls"] = calls
+        if not delta and not new_lps and not new_ids and finish is None:
+            return None
+        choice = {"index": idx, "delta": delta,
+                  "logprobs": self._logprobs(new_lps), "finish_reason": finish}
+        if self.token_ids:
+            choice["token_ids"] = new_ids
+        return choice
 
 
 class _ResponsesFormat:

@@ -7,6 +7,8 @@ import pytest
 from pallas_kernels.mla import paged_mla_decode, paged_mla_decode_reference
 from pallas_kernels.mla.kernel import paged_mla_decode_pallas
 
+from numeric_checks import assert_close
+
 B, H, L, R, PS, MAX_PAGES, NUM_PAGES = 4, 16, 32, 8, 4, 3, 12
 SCALE = (L // 4 + R) ** -0.5
 SEQ_LENS = [9, 5, 0, 12]  # ragged, partial last page, a length-0 row, an exactly full table
@@ -32,12 +34,6 @@ def _brute(q, qr, kv, pt, sl, scale):
     return out
 
 
-def _close(out, ref, rtol=1e-5):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out))
-    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
-
-
 @pytest.fixture(scope="module")
 def data():
     rng = np.random.default_rng(0)
@@ -55,7 +51,7 @@ def data():
 def test_reference_matches_brute_force(data):
     q, qr, kv = data["np"]
     want = _brute(q, qr, kv, PAGE_TABLE, SEQ_LENS, SCALE)
-    _close(data["ref"], want)
+    assert_close(data["ref"], want)
     assert np.all(data["ref"][2] == 0)
 
 
@@ -65,7 +61,7 @@ def test_kernel_matches_reference(data, variant, block_h):
                                                     block_h=block_h))
     out = np.asarray(fn(data["args"]))
     assert out.shape == (B, H, L) and out.dtype == np.float32
-    _close(out, data["ref"])
+    assert_close(out, data["ref"])
     assert np.all(out[2] == 0)
 
 
@@ -96,7 +92,7 @@ def test_log_sum_exp_output(data, impl):
     assert np.all(np.isneginf(np.asarray(lse)[2]))
     keep = np.asarray(SEQ_LENS) > 0
     np.testing.assert_allclose(np.asarray(lse, np.float64)[keep], want[keep], rtol=1e-5, atol=1e-5)
-    _close(ctx, data["ref"])
+    assert_close(ctx, data["ref"])
 
 
 def test_triton_pads_a_head_count_no_block_divides(data):
@@ -107,7 +103,7 @@ def test_triton_pads_a_head_count_no_block_divides(data):
                                                          return_lse=True))(args)
     ref_ctx, ref_lse = paged_mla_decode_reference(**args, scale=SCALE, return_lse=True)
     assert ctx.shape == (B, 12, L) and lse.shape == (B, 12)
-    _close(ctx, data["ref"][:, :12])
+    assert_close(ctx, data["ref"][:, :12])
     np.testing.assert_allclose(np.asarray(lse), np.asarray(ref_lse), rtol=1e-5)
 
 
@@ -120,7 +116,7 @@ def test_stale_entries_do_not_matter(data):
     kv[3, 1:] = -7.0  # different stale slot contents
     a["kv_pages"] = jnp.asarray(kv)
     out = paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant="mosaic", block_h=16)
-    _close(out, data["ref"])
+    assert_close(out, data["ref"])
     np.testing.assert_array_equal(np.asarray(paged_mla_decode_reference(**a, scale=SCALE)), data["ref"])
 
 
@@ -133,7 +129,7 @@ def test_ops_dispatch_and_bf16(data, monkeypatch):
     ref16 = paged_mla_decode(**a, scale=SCALE, backend="reference")
     out16 = paged_mla_decode(**a, scale=SCALE, backend="interpret")
     assert out16.dtype == jnp.bfloat16
-    _close(out16.astype(jnp.float32), ref16.astype(jnp.float32), rtol=3e-2)
+    assert_close(out16.astype(jnp.float32), ref16.astype(jnp.float32), rtol=3e-2)
 
 
 # ----------------------------------------------------------------------------- lowering / device
@@ -169,7 +165,7 @@ def test_device_compiled_kernel(dtype):
     sl = jnp.asarray([100, 0, 128, 17], jnp.int32)
     out = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5))(q, qr, kv, pt, sl)
     ref = paged_mla_decode_reference(q, qr, kv, pt, sl, scale=192 ** -0.5)
-    _close(out.astype(jnp.float32), ref.astype(jnp.float32), rtol=1e-5 if dtype == jnp.float32 else 3e-2)
+    assert_close(out.astype(jnp.float32), ref.astype(jnp.float32), rtol=1e-5 if dtype == jnp.float32 else 3e-2)
 
 
 @pytest.mark.parametrize("platform,backend,interpret,env,follows", [
@@ -201,7 +197,7 @@ def test_triton_split_k_matches_reference(data, num_splits):
     q, qr, kv = data["np"]
     ctx, lse = jax.jit(lambda a: paged_mla_decode_pallas(**a, scale=SCALE, interpret=True, variant="triton",
                                                          return_lse=True, num_splits=num_splits))(data["args"])
-    _close(ctx, data["ref"])
+    assert_close(ctx, data["ref"])
     assert np.all(np.asarray(ctx)[2] == 0) and np.all(np.isneginf(np.asarray(lse)[2]))
     keep = np.asarray(SEQ_LENS) > 0
     want = _brute_lse(q, qr, kv, PAGE_TABLE, SEQ_LENS, SCALE)
@@ -210,7 +206,7 @@ def test_triton_split_k_matches_reference(data, num_splits):
     one, many = (paged_mla_decode_pallas(**bf, scale=SCALE, interpret=True, variant="triton", num_splits=n)
                  for n in (1, num_splits))
     assert many.dtype == jnp.bfloat16
-    _close(np.asarray(many, np.float32), np.asarray(one, np.float32), rtol=2e-2)
+    assert_close(np.asarray(many, np.float32), np.asarray(one, np.float32), rtol=2e-2)
     with pytest.raises(ValueError, match="num_splits"):
         paged_mla_decode_pallas(**data["args"], scale=SCALE, interpret=True, variant="triton", num_splits=0)
 

@@ -10,6 +10,8 @@ from pallas_kernels.moe import (MXFP4Weight, gmm, gmm_blocked, gmm_cpu, gmm_loop
 from pallas_kernels.moe.blocked import block_rows_for, num_blocks, rounds_for
 from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
 
+from numeric_checks import assert_close
+
 CPU_FORMS = {"blocked": gmm_blocked, "looped": gmm_looped,
              "rounds": lambda *a, **kw: gmm_looped(*a, rounds=2, **kw)}  # 2 all-expert rounds, then the loop
 
@@ -27,12 +29,6 @@ def _naive(x, w_nk, sizes):
         out[off:off + sz] = x[off:off + sz] @ np.asarray(w_nk[g], np.float64).T
         off += sz
     return out
-
-
-def _close(out, ref, rtol=1e-5):
-    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out))
-    np.testing.assert_allclose(out, ref, rtol=rtol, atol=rtol * np.abs(ref).max())
 
 
 @pytest.fixture(scope="module")
@@ -55,9 +51,9 @@ def data():
 def test_reference_matches_naive(data):
     n = sum(GROUPS)
     x = np.asarray(data["x"])
-    _close(data["ref_dense"][:n], _naive(x[:n], np.asarray(data["w"]), GROUPS)[:n])
+    assert_close(data["ref_dense"][:n], _naive(x[:n], np.asarray(data["w"]), GROUPS)[:n])
     wd = np.asarray(data["wq"].dequantize())
-    _close(data["ref_q"][:n], _naive(x[:n], wd, GROUPS)[:n])
+    assert_close(data["ref_q"][:n], _naive(x[:n], wd, GROUPS)[:n])
     assert np.all(data["ref_dense"][n:] == 0) and np.all(data["ref_q"][n:] == 0)
 
 
@@ -90,7 +86,7 @@ def test_kernel_matches_reference(data, variant, quant):
     fn = jax.jit(lambda x, r, g: gmm_pallas(x, r, g, tiling=TILING, interpret=True, variant=variant))
     out = np.asarray(fn(data["x"], rhs, data["gs"]))
     assert out.shape == (M, N) and out.dtype == np.float32
-    _close(out, ref)
+    assert_close(out, ref)
     assert np.all(out[sum(GROUPS):] == 0)
 
 
@@ -101,7 +97,7 @@ def test_kernel_edge_group_sizes(sizes):
     w = MXFP4Weight.from_float(rng.standard_normal((3, 16, 64)) * 0.05)
     gs = jnp.asarray(sizes, jnp.int32)
     out = gmm_pallas(x, w, gs, tiling=(8, 64, 16), interpret=True, variant="mosaic")
-    _close(out, gmm_reference(x, w, gs))
+    assert_close(out, gmm_reference(x, w, gs))
 
 
 def test_bf16_and_default_tiling():
@@ -111,7 +107,7 @@ def test_bf16_and_default_tiling():
     gs = jnp.asarray([7, 0, 11], jnp.int32)
     out = gmm_pallas(x, w, gs, interpret=True)  # default tiles (whole small dims)
     ref = gmm_reference(x, w, gs)  # same bf16 inputs, fp32 accumulation
-    _close(out, ref, rtol=1e-2)
+    assert_close(out, ref, rtol=1e-2)
     out16 = gmm_pallas(x, w, gs, interpret=True, preferred_element_type=jnp.bfloat16)
     assert out16.dtype == jnp.bfloat16
 
@@ -121,7 +117,7 @@ def test_ops_dispatch(data, monkeypatch):
     ref = gmm(data["x"], data["wq"], data["gs"], backend="reference")
     np.testing.assert_array_equal(np.asarray(ref), data["ref_q"])
     out = gmm(data["x"], data["wq"], data["gs"], backend="interpret", tiling=TILING)
-    _close(out, data["ref_q"])
+    assert_close(out, data["ref_q"])
 
 
 @pytest.mark.parametrize("form", sorted(CPU_FORMS))
@@ -133,7 +129,7 @@ def test_cpu_forms_match_reference(data, form, quant, tm):
     ref = data["ref_q"] if quant else data["ref_dense"]
     fn = CPU_FORMS[form]
     out = jax.jit(lambda x, w, g: fn(x, w, g, block_rows=tm))(data["x"], data["wq"] if quant else data["w"], data["gs"])
-    _close(out, ref)
+    assert_close(out, ref)
     assert np.all(np.asarray(out)[sum(GROUPS):] == 0)
 
 
@@ -151,8 +147,8 @@ def test_blocked_random_routings_and_block_bound():
             assert sum(-(-int(s) // tm) for s in sizes) <= num_blocks(m, g, tm)
             want = _naive(x, np.asarray(w), sizes)
             blocked, looped = gmm_blocked(x, w, gs), gmm_looped(x, w, gs)
-            _close(blocked, want)
-            _close(looped, want)
+            assert_close(blocked, want)
+            assert_close(looped, want)
             np.testing.assert_array_equal(np.asarray(looped), np.asarray(blocked))  # same bits per row
 
 
@@ -245,7 +241,7 @@ def test_in_out_layout_matches_out_in(data, backend, form):
         out = gmm(data["x"], w_kn, data["gs"], backend=backend, rhs_layout="in_out")
     else:
         out = CPU_FORMS[form](data["x"], w_kn, data["gs"], rhs_layout="in_out")
-    _close(out, data["ref_dense"])
+    assert_close(out, data["ref_dense"])
     assert np.all(np.asarray(out)[sum(GROUPS):] == 0)
 
 
@@ -273,7 +269,7 @@ def test_route_and_sort_moe_roundtrip():
     y = gmm(xs, jnp.asarray(w), gs, backend="reference")
     y = jnp.zeros_like(y).at[sort_idx].set(y).reshape(t, k, n)
     want = np.stack([[x[i] @ w[j].T if j >= 0 else np.zeros(n) for j in ids[i]] for i in range(t)])
-    _close(y, want)
+    assert_close(y, want)
 
 
 def test_quantized_weights_from_quantizer_match_dense(data):
@@ -327,7 +323,7 @@ def test_device_compiled_kernel(quant, dtype):
     gs = jnp.asarray(sizes, jnp.int32)
     out = jax.jit(lambda a, b, c: gmm_pallas(a, b, c))(x, w, gs)
     ref = gmm_reference(x, w, gs)
-    _close(out, ref, rtol=1e-5 if dtype == jnp.float32 else 2e-2)
+    assert_close(out, ref, rtol=1e-5 if dtype == jnp.float32 else 2e-2)
     assert np.all(np.asarray(out)[sum(sizes):] == 0)
 
 
@@ -358,4 +354,4 @@ def test_group_offset_reads_a_window_of_a_larger_stack(data, form, quant):
         form, lambda x, s, gs: call(x, s, gs, None))
     want = np.asarray(jax.jit(alone)(data["x"], w, data["gs"]))
     np.testing.assert_array_equal(out, want)
-    _close(out, data["ref_q"] if quant else data["ref_dense"])
+    assert_close(out, data["ref_q"] if quant else data["ref_dense"])
