@@ -64,6 +64,19 @@ def engine(ref):
     return eng
 
 
+@pytest.fixture
+def ab(engine, ref):
+    """The module's engine with adapters "a" and "b" loaded, in that order: the state
+    `test_mixed_batch_matches_peft` leaves (it loads "b" on first use), so that a later test run on its
+    own starts from it too."""
+    if engine.list_loras() != ["a", "b"]:
+        for name in engine.list_loras():
+            engine.remove_lora(name)
+        engine.add_lora(LoRARequest("a", 1, ref[2]["default"]))
+        engine.add_lora(LoRARequest("b", 2, ref[2]["second"]))
+    return engine
+
+
 @pytest.mark.parametrize("form", ["masked", "gathered"])
 def test_apply_forms_equal_per_row_products(form):
     """Both forms of the adapters' term equal each row's own `(x A_s^T) B_s^T` (slot 0: zero), on
@@ -141,7 +154,7 @@ def test_mixed_batch_matches_peft(engine, ref):
     assert not np.array_equal(base, with_a) and not np.array_equal(base, with_b) and not np.array_equal(with_a, with_b)
 
 
-def test_rows_alone_equal_the_mixed_batch(engine, ref):
+def test_rows_alone_equal_the_mixed_batch(ab, engine, ref):
     """A request's tokens and logprobs do not depend on which adapters the other rows use."""
     prompts = hfx.make_prompt(VARIANT, 4, batch=3, length=40)
     reqs = [(prompts[0], "a"), (prompts[1], "b"), (prompts[2], None)]
@@ -172,7 +185,7 @@ def test_beam_search_with_an_adapter_matches_peft(engine, ref):
     assert got != base
 
 
-def test_prefix_cache_is_per_adapter_load(engine, ref):
+def test_prefix_cache_is_per_adapter_load(ab, engine, ref):
     """Cached prefixes are shared only by requests of the same adapter, and only with the same load of
     it: a reloaded adapter never hits pages its previous load computed."""
     _, _, dirs = ref
@@ -188,7 +201,7 @@ def test_prefix_cache_is_per_adapter_load(engine, ref):
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
 
 
-def test_more_adapters_than_slots(engine, ref):
+def test_more_adapters_than_slots(ab, engine, ref):
     """Three adapters on two device slots (`max_cpu_loras`): the running requests never use more than two
     at once, a waiting adapter is swapped in once one is idle, and a swapped-in adapter gives the tokens
     it gives from a slot it never left ("c" is "b"'s directory under another name)."""
@@ -226,7 +239,7 @@ def _write_adapter(d, tensors: dict, **conf):
     return d
 
 
-def test_bad_adapters_and_registry_errors(engine, ref, tmp_path):
+def test_bad_adapters_and_registry_errors(ab, engine, ref, tmp_path):
     """Every failure names what is wrong and leaves the loaded adapters as they were."""
     _, _, dirs = ref
     q = "base_model.model.model.layers.1.self_attn.q_proj"
@@ -286,7 +299,7 @@ def test_target_modules(ref):
     assert eng.list_loras() == []
 
 
-def test_update_weights_keeps_adapters_and_nothing_leaks(engine, ref):
+def test_update_weights_keeps_adapters_and_nothing_leaks(ab, engine, ref):
     """New base weights (here the same checkpoint) keep the loaded adapters serving; no step compiled
     after warm-up; the arena is back at its baseline."""
     path = ref[0]
@@ -304,7 +317,7 @@ def test_update_weights_keeps_adapters_and_nothing_leaks(engine, ref):
     assert stats["lora_bytes"] == 3 * slot_bytes(engine.cfg, engine.model.dtype, 4)
 
 
-def test_http_models_requests_and_runtime_loading(engine, ref):
+def test_http_models_requests_and_runtime_loading(ab, engine, ref):
     """An adapter is a model of its own name: listed with its parent, chosen by `model`, named in the
     response; vLLM's load / unload endpoints; a name that is neither is a 404 listing what is served."""
     import httpx
