@@ -30,7 +30,10 @@ from any checkpoint kind is therefore bit-identical to a cold recompute.
 
 Eviction is LRU with reference counts: checkpoint slots first (prompt-end states of recently
 active conversations last), then pages nobody holds; evicting a page evicts the checkpoints and
-deeper pages that depend on it. A checkpoint may be evicted without its pages.
+deeper pages that depend on it. A checkpoint may be evicted without its pages. A state slot needs
+a slot-aligned run of units (slots come from the arena's top, pages from its bottom): when none is
+free once the checkpoints are gone, eviction frees the run whose units the fewest cache entries
+hold, and only those entries (`_free_cheapest_slot_run`).
 
 With a host tier (`serve/host_cache.py`), what eviction drops is first copied to host memory (one
 batched read per eviction round, `spill`), lookups walk both tiers, and a hit's host parts are
@@ -339,9 +342,11 @@ class PrefixCache(UnitRefs):
     def evict_for(self, units: int, slots: int, keep: frozenset = frozenset()) -> None:
         """Evict LRU entries until `units` free units and `slots` free slot runs exist (best effort).
         Checkpoints in `keep` (what waiting requests plan to resume from) go last."""
+        def short_of_slots():
+            return bool(slots) and len(self.alloc._free_slot_bases(slots)) < slots
+
         def short():
-            return (self.alloc.free_units < units
-                    or (slots and len(self.alloc._free_slot_bases(slots)) < slots))
+            return self.alloc.free_units < units or short_of_slots()
 
         try:
             order = sorted((c for c in self.ckpts.values() if c.pins == 0),
@@ -350,6 +355,8 @@ class PrefixCache(UnitRefs):
                 if not short():
                     return
                 self._drop_ckpt(c)
+            while short_of_slots() and self._free_cheapest_slot_run():
+                pass
             refs = self._entry_refs()
             leaves = sorted((e for e in self.pages.values()), key=lambda e: (-e.index, e.last_used))
             for e in leaves:
@@ -360,6 +367,73 @@ class PrefixCache(UnitRefs):
                     self._drop_page(e)
         finally:
             self._flush_spill()
+
+    def _free_cheapest_slot_run(self) -> bool:
+        """Free one slot-aligned run of units (what a state slot needs) by evicting exactly the cache entries
+        that hold its units, choosing the run that drops the fewest entries (then the least recently used)
+        -> whether a run was freed. Pages come from the arena's low end and slots from its top, so once
+        pages reach into the slot region a new slot needs the pages of one particular run gone: evicting
+        in LRU / depth order instead would drop most of the cache before that run happened to be free.
+        A run is out of reach if a request holds any of its units (a slot, or a page a request shares)
+        or a pinned checkpoint depends on one of its pages."""
+        alloc, su = self.alloc, self.layout.slot_units
+        refs = self._entry_refs()
+        holders: dict[int, list] = {}
+        for e in self.pages.values():
+            for u in e.units:
+                holders.setdefault(u, []).append(e)
+        slots = {c.slot: c for c in self.ckpts.values()}
+        best = None
+        for base in range(self.layout.scratch_slot - su, 0, -su):
+            run = self._run_entries(base, su, refs, holders, slots)
+            if run is None:
+                continue
+            pages, ckpts = run
+            if not pages and not ckpts:
+                continue  # free already (then the caller was short of units, not of this run)
+            cost = (len(pages) + len(ckpts), max([self.pages[k].last_used for k in pages]
+                                                 + [self.ckpts[k].last_used for k in ckpts]))
+            if best is None or cost < best[0]:
+                best = (cost, pages, ckpts)
+        if best is None:
+            return False
+        for k in best[2]:
+            if k in self.ckpts:
+                self._drop_ckpt(self.ckpts[k])
+        for k in sorted(best[1], key=lambda k: -self.pages[k].index):  # deepest first: no cascades
+            if k in self.pages:
+                self._drop_page(self.pages[k])
+        return True
+
+    def _run_entries(self, base: int, su: int, refs: dict, holders: dict, slots: dict):
+        """The entries evicting units [base, base + su) takes -> (page keys incl. their deeper pages,
+        checkpoint keys), or None when the run cannot be freed."""
+        pages, ckpts = set(), set()
+        for u in range(base, base + su):
+            kind = self.alloc.owner[u]
+            if kind == self.alloc.FREE:
+                continue
+            if kind == self.alloc.SLOT:
+                c = slots.get(base)
+                if c is None or c.pins:
+                    return None  # a request's state slot
+                ckpts.add(c.key)
+                continue
+            if u not in holders or self.unit_refs.get(u) != refs.get(u):
+                return None  # a page a request holds
+            stack = [e.key for e in holders[u]]
+            while stack:
+                k = stack.pop()
+                if k not in pages:
+                    pages.add(k)
+                    stack.extend(c for c in self.pages[k].children if c in self.pages)
+        for k in pages:
+            for ck in self.pages[k].dependents:
+                if ck in self.ckpts:
+                    if self.ckpts[ck].pins:
+                        return None  # a checkpoint a waiting request is about to read needs the page
+                    ckpts.add(ck)
+        return pages, ckpts
 
     def _flush_spill(self) -> None:
         """Copy this round's evicted entries to the host tier: one read of all their units. Their

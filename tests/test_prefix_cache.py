@@ -59,6 +59,13 @@ def toks(seed, n):
     return np.random.default_rng(seed).integers(0, 256, n).tolist()
 
 
+def emptied(engines):
+    """The engines with an empty prefix cache: a test that sets up one checkpoint kind and expects to hit
+    it starts from nothing other tests left (in a full cache, eviction may take that checkpoint first)."""
+    assert engines[0].reset_prefix_cache()
+    return engines
+
+
 def warm_vs_cold(engines, prompt, kind, exact=True):
     on, off = engines
     before = hits(on, kind)
@@ -102,12 +109,14 @@ def close_to_exact(exact, lossy, prompts, n=12):
 
 
 def test_chunk_end_checkpoint(engines):
+    emptied(engines)
     base = toks(1, 300)
     run(engines[0], base)  # captures the chunk-end state at 256 (and the prompt end at 288)
     warm_vs_cold(engines, base[:280] + toks(2, 20), "chunk_end")
 
 
 def test_prompt_end_checkpoint(engines):
+    emptied(engines)
     base = toks(3, 100)  # prompt end 100 -> aligned checkpoint at 96
     run(engines[0], base)
     warm_vs_cold(engines, base + toks(4, 7), "prompt_end")
@@ -124,6 +133,7 @@ def test_outputs_report_the_prompt_tokens_taken_from_the_cache(engines):
 
 
 def test_branch_point_checkpoint(engines):
+    emptied(engines)
     system = toks(5, 150)
     run(engines[0], system + toks(6, 30))  # states only at its own prompt end (176)
     run(engines[0], system + toks(7, 30))  # second sighting: pages reach 128+, no state -> capture at 128
@@ -133,6 +143,7 @@ def test_branch_point_checkpoint(engines):
 def test_branch_point_seen_by_several_requests_in_one_step(engines):
     """Three requests reach an uncheckpointed shared prefix together: one computes and captures the
     branch point, the other two wait a few steps and resume from it (bit-identical to cold)."""
+    emptied(engines)
     on, off = engines
     system = toks(20, 150)
     run(on, system + toks(21, 30))  # pages past 128, a state only at its prompt end
@@ -153,6 +164,7 @@ def test_branch_point_seen_by_several_requests_in_one_step(engines):
 def test_decode_interval_checkpoint(engines):
     """Decode-interval checkpoints come from a canonical re-prefill of the conversation so far, so a
     warm resume from one is bit-identical to a cold prefill (the decode's own states are not shared)."""
+    emptied(engines)
     on, _ = engines
     p = toks(10, 40)
     before = on.stats()["canonical_rows"]
@@ -310,3 +322,38 @@ def test_random_sharing_trees_match_caching_off(engines, data):
     assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
     on.prefix_cache.clear()
     assert on.stats()["arena_free_units"] == on.stats()["arena_baseline_free_units"]
+
+
+def test_a_state_slot_evicts_only_the_entries_of_one_run():
+    """A new state slot needs one slot-aligned run of units, and pages (from the arena's low end) reach
+    into the slot region once the cache is full: eviction then drops exactly the cache entries holding
+    the units of the cheapest run (and the deeper pages of their chains), not whatever the LRU / depth
+    order reaches first until some run happens to be free (when a branch point's capture needed the slot,
+    that dropped 82 entries, the shared prefix's pages with them), and the engine answers as before."""
+    model = k3jax.load_model("tiny-k3", seed=2)
+    page, chunk = LAYOUTS["page_aligned"]
+    on = Engine(model, config(page, chunk, 6000 // page), progress=False)
+    for i in range(40):  # unrelated prompts fill the arena with cached pages
+        run(on, toks(1000 + i, 200), n=4)
+    pc, alloc, su = on.prefix_cache, on.allocator, on.layout.slot_units
+    for c in list(pc.ckpts.values()):  # no checkpoint slot to give up: pages must go
+        pc._drop_ckpt(c)
+    free_runs = set(alloc._free_slot_bases(len(alloc.owner)))
+    before = {k: (list(e.units), e.parent) for k, e in pc.pages.items()}
+    pc.evict_for(0, len(free_runs) + 1)
+    (freed,) = set(alloc._free_slot_bases(len(alloc.owner))) - free_runs
+    gone = set(before) - set(pc.pages)
+    in_run = {k for k in gone if any(freed <= u < freed + su for u in before[k][0])}
+    assert in_run and len(gone) <= su < len(before) // 4  # 7 of 109 here (29 before the change)
+
+    def below(k):  # an evicted page is in the run or deeper in a chain through one that is
+        while k is not None:
+            if k in in_run:
+                return True
+            k = before[k][1]
+        return False
+
+    assert all(below(k) for k in gone)
+    off = Engine(model, config(page, chunk, 6000 // page, enable_prefix_caching=False), progress=False)
+    p = toks(1000, 200) + toks(7, 9)
+    assert logprobs(run(on, p)) == logprobs(run(off, p))
