@@ -923,12 +923,14 @@ class Engine:
                 np.concatenate([t for _, t in pieces]))
 
     def _send_copy(self, cmd: int, units: list[int], segments: list[tuple[int, int]]) -> None:
-        """The leader of a multi-process engine names a host-tier copy to the followers (after the
-        entries its store dropped since the last one)."""
+        """The leader of a multi-process engine names a host-tier copy to the followers, then the entries
+        its store dropped since the last one. In that order: a restore may read entries the store has just
+        dropped (the host copies of pages a request takes back onto the device are discarded as it is
+        admitted, before its restore runs), and a spill may name entries the store refused at once."""
         if self.channel is None or not self.channel.leader:
             return
-        self._send_forgotten()
         self.channel.command(cmd, np.asarray([len(units), *units, *[x for seg in segments for x in seg]], np.int32))
+        self._send_forgotten()
 
     def _send_forgotten(self) -> None:
         """The leader tells the followers which host entries its store dropped (they free their pieces)."""

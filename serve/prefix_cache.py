@@ -28,12 +28,13 @@ queues an internal *canonical* prefill row over the conversation so far (from th
 checkpoint), whose pages and state are registered as the decode-interval checkpoint. A warm resume
 from any checkpoint kind is therefore bit-identical to a cold recompute.
 
-Eviction is LRU with reference counts: checkpoint slots first (prompt-end states of recently
-active conversations last), then pages nobody holds; evicting a page evicts the checkpoints and
-deeper pages that depend on it. A checkpoint may be evicted without its pages. A state slot needs
-a slot-aligned run of units (slots come from the arena's top, pages from its bottom): when none is
-free once the checkpoints are gone, eviction frees the run whose units the fewest cache entries
-hold, and only those entries (`_free_cheapest_slot_run`).
+Eviction is LRU with reference counts over checkpoints and the pages nobody else holds together
+(a conversation's deeper pages before its shallower ones; checkpoints waiting requests plan to
+resume from last), so a fresh checkpoint outlives old pages; evicting a page evicts the checkpoints
+and deeper pages that depend on it, and a checkpoint may be evicted without its pages. A state slot
+needs a slot-aligned run of units (slots come from the arena's top, pages from its bottom): the
+least recently used checkpoint gives one up; with none left, eviction frees the run whose units the
+fewest cache entries hold, and only those entries (`_free_cheapest_slot_run`).
 
 With a host tier (`serve/host_cache.py`), what eviction drops is first copied to host memory (one
 batched read per eviction round, `spill`), lookups walk both tiers, and a hit's host parts are
@@ -349,22 +350,27 @@ class PrefixCache(UnitRefs):
             return self.alloc.free_units < units or short_of_slots()
 
         try:
-            order = sorted((c for c in self.ckpts.values() if c.pins == 0),
-                           key=lambda c: (c.key in keep, c.kind == PROMPT_END, c.last_used))
-            for c in order:
-                if not short():
-                    return
+            free = [c for c in self.ckpts.values() if c.pins == 0]
+            kept = sorted((c for c in free if c.key in keep), key=lambda c: c.last_used)
+            ckpts = sorted((c for c in free if c.key not in keep), key=lambda c: c.last_used)
+            for c in ckpts + kept:
+                if not short_of_slots():
+                    break
                 self._drop_ckpt(c)
             while short_of_slots() and self._free_cheapest_slot_run():
                 pass
             refs = self._entry_refs()
-            leaves = sorted((e for e in self.pages.values()), key=lambda e: (-e.index, e.last_used))
-            for e in leaves:
-                if not short():
-                    return
-                if e.key in self.pages and not e.dependents and all(
-                        self.unit_refs.get(u) == refs.get(u) for u in e.units):
-                    self._drop_page(e)
+            lru = sorted([((c.last_used, 0, 0), c) for c in ckpts]
+                         + [((e.last_used, 1, -e.index), e) for e in self.pages.values()], key=lambda x: x[0])
+            for entries in ([e for _, e in lru], kept, [e for _, e in lru if isinstance(e, PageEntry)]):
+                for e in entries:
+                    if not short():
+                        return
+                    if isinstance(e, CkptEntry):
+                        self._drop_ckpt(e)
+                    elif e.key in self.pages and not e.dependents and all(
+                            self.unit_refs.get(u) == refs.get(u) for u in e.units):
+                        self._drop_page(e)
         finally:
             self._flush_spill()
 

@@ -357,3 +357,20 @@ def test_a_state_slot_evicts_only_the_entries_of_one_run():
     off = Engine(model, config(page, chunk, 6000 // page, enable_prefix_caching=False), progress=False)
     p = toks(1000, 200) + toks(7, 9)
     assert logprobs(run(on, p)) == logprobs(run(off, p))
+
+
+def test_a_fresh_checkpoint_outlives_old_pages_in_a_full_arena():
+    """Eviction is least recently used over checkpoints and pages together: in an arena full of old
+    prompts' pages, a branch point seen twice is captured and then hit (evicting checkpoints before any
+    page, it was dropped by the next admission and the third request missed)."""
+    model = k3jax.load_model("tiny-k3", seed=2)
+    page, chunk = LAYOUTS["page_aligned"]
+    on = Engine(model, config(page, chunk, 6000 // page), progress=False)
+    off = Engine(model, config(page, chunk, 6000 // page, enable_prefix_caching=False), progress=False)
+    for i in range(40):
+        run(on, toks(1000 + i, 200), n=4)
+    system = toks(5, 150)
+    run(on, system + toks(6, 30))
+    run(on, system + toks(7, 30))  # the second sighting captures the branch point at 128
+    assert on.allocator.free_units < on.allocator.baseline_free_units // 4  # still full
+    warm_vs_cold((on, off), system + toks(8, 11), "branch_point")
