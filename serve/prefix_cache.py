@@ -382,7 +382,7 @@ class PrefixCache(UnitRefs):
         in LRU / depth order instead would drop most of the cache before that run happened to be free.
         A run is out of reach if a request holds any of its units (a slot, or a page a request shares)
         or a pinned checkpoint depends on one of its pages."""
-        alloc, su = self.alloc, self.layout.slot_units
+        su = self.layout.slot_units
         refs = self._entry_refs()
         holders: dict[int, list] = {}
         for e in self.pages.values():
