@@ -34,7 +34,10 @@ resume from last), so a fresh checkpoint outlives old pages; evicting a page evi
 and deeper pages that depend on it, and a checkpoint may be evicted without its pages. A state slot
 needs a slot-aligned run of units (slots come from the arena's top, pages from its bottom): the
 least recently used checkpoint gives one up; with none left, eviction frees the run whose units the
-fewest cache entries hold, and only those entries (`_free_cheapest_slot_run`).
+fewest cache entries hold, and only those entries (`_free_cheapest_slot_run`). Which units only the cache
+holds is a compare of two arrays over the arena (all holders, `UnitRefs.counts`; page entries,
+`cache_refs`), so what the scheduler asks every step stays under a millisecond at K3 arena sizes
+(~10^6 units, ~10^4 entries; benchmarks/cache_bookkeeping.py).
 
 With a host tier (`serve/host_cache.py`), what eviction drops is first copied to host memory (one
 batched read per eviction round, `spill`), lookups walk both tiers, and a hit's host parts are
@@ -149,11 +152,13 @@ class PrefixCache(UnitRefs):
         self.host, self.read_units = host, read_units
         self._spill: list = []  # (entry, units) evicted this round, copied to host by `_flush_spill`
         self._clearing = False
+        self._released: Optional[list] = None  # while not None, evicted pages' units are collected here
         self.ps = layout.page_size
         self.interval = max(align, cfg.checkpoint_interval // align * align)
         self.decode_interval = max(align, cfg.decode_interval // align * align)
         self.pages: dict[bytes, PageEntry] = {}
         self.ckpts: dict[bytes, CkptEntry] = {}
+        self.cache_refs = np.zeros(layout.num_units, np.int32)  # [num_units] how many page entries hold each unit
         self._clock = itertools.count()
         self.metrics = dict(queries=0, query_tokens=0, hit_tokens=0, mla_tokens_reused=0, kda_hits=0,
                             kda_misses=0, recomputed_no_checkpoint=0, checkpoints_registered=0,
@@ -270,7 +275,7 @@ class PrefixCache(UnitRefs):
         units then have one more holder: the cache). None if the device tier has that page already."""
         if e.key in self.pages:
             return None
-        self.ref(units)
+        self._hold(units)
         page = PageEntry(e.key, list(units), e.index, e.valid, next(self._clock), e.parent)
         self.pages[e.key] = page
         if e.parent in self.pages:
@@ -288,7 +293,7 @@ class PrefixCache(UnitRefs):
                 continue  # an identical page is already shared; the request keeps its own copy
             parent = h.key(FULL, j * self.ps) if j else None
             units = [seq_pages[l][j] for l in range(len(seq_pages))]
-            self.ref(units)
+            self._hold(units)
             self.pages[key] = PageEntry(key, units, j, self.ps, now, parent)
             if self.host is not None:
                 self.host.discard(key)
@@ -308,7 +313,7 @@ class PrefixCache(UnitRefs):
             if pkey not in self.pages:
                 j = pos // self.ps
                 units = [seq_pages[l][j] for l in range(len(seq_pages))]
-                self.ref(units)
+                self._hold(units)
                 parent = h.key(FULL, j * self.ps) if j else None
                 self.pages[pkey] = PageEntry(pkey, units, j, pos % self.ps, next(self._clock), parent)
                 if parent in self.pages:
@@ -326,18 +331,27 @@ class PrefixCache(UnitRefs):
         return True
 
     # ---- eviction -----------------------------------------------------------------------------
-    def _entry_refs(self) -> dict[int, int]:
-        refs: dict[int, int] = {}
-        for e in self.pages.values():
-            for u in e.units:
-                refs[u] = refs.get(u, 0) + 1
-        return refs
+    def _hold(self, units) -> None:
+        """A page entry takes a hold on `units`."""
+        self.ref(units)
+        np.add.at(self.cache_refs, np.asarray(units, np.int64), 1)
+
+    def _let_go(self, units) -> None:
+        units = np.asarray(units, np.int64)
+        np.subtract.at(self.cache_refs, units, 1)
+        self.unref(units)
+
+    def _only_cached(self) -> np.ndarray:
+        """[num_units] bool: units that page entries hold and nothing else (no request shares them).
+        Dropping entries keeps it true for the rest (both counts fall together), so one evaluation
+        serves a whole eviction round."""
+        return (self.cache_refs > 0) & (self.cache_refs == self.counts)
 
     def evictable(self) -> tuple[int, int]:
         """(units, slots) that eviction could free right now: unpinned checkpoint slots and pages
         that only cache entries hold."""
         slots = sum(1 for c in self.ckpts.values() if c.pins == 0)
-        units = sum(1 for u, n in self._entry_refs().items() if self.unit_refs.get(u) == n)
+        units = int(np.count_nonzero(self._only_cached()))
         return units + slots * self.layout.slot_units, slots
 
     def evict_for(self, units: int, slots: int, keep: frozenset = frozenset()) -> None:
@@ -349,6 +363,8 @@ class PrefixCache(UnitRefs):
         def short():
             return self.alloc.free_units < units or short_of_slots()
 
+        if not short():
+            return  # the common case, every step: nothing to sort
         try:
             free = [c for c in self.ckpts.values() if c.pins == 0]
             kept = sorted((c for c in free if c.key in keep), key=lambda c: c.last_used)
@@ -359,20 +375,30 @@ class PrefixCache(UnitRefs):
                 self._drop_ckpt(c)
             while short_of_slots() and self._free_cheapest_slot_run():
                 pass
-            refs = self._entry_refs()
-            lru = sorted([((c.last_used, 0, 0), c) for c in ckpts]
-                         + [((e.last_used, 1, -e.index), e) for e in self.pages.values()], key=lambda x: x[0])
-            for entries in ([e for _, e in lru], kept, [e for _, e in lru if isinstance(e, PageEntry)]):
+            only = self._only_cached()
+            lru = self._lru_order(ckpts)
+            for entries in (lru, kept, [e for e in lru if isinstance(e, PageEntry)]):
                 for e in entries:
                     if not short():
                         return
                     if isinstance(e, CkptEntry):
                         self._drop_ckpt(e)
-                    elif e.key in self.pages and not e.dependents and all(
-                            self.unit_refs.get(u) == refs.get(u) for u in e.units):
+                    elif e.key in self.pages and not e.dependents and only[e.units].all():
                         self._drop_page(e)
         finally:
             self._flush_spill()
+
+    def _lru_order(self, ckpts: list[CkptEntry]) -> list:
+        """`ckpts` and every page entry, least recently used first (a checkpoint before pages of the same
+        use, a conversation's deeper pages before its shallower ones). Sorted as arrays: ~10^5 entries
+        at K3 sizes, where building a key tuple for each took ~0.2 s."""
+        pages = list(self.pages.values())
+        both = ckpts + pages
+        lu = np.fromiter((e.last_used for e in both), np.int64, count=len(both))
+        is_page = np.repeat(np.arange(2), [len(ckpts), len(pages)])
+        depth = np.concatenate([np.zeros(len(ckpts), np.int64),
+                                np.fromiter((e.index for e in pages), np.int64, count=len(pages))])
+        return [both[k] for k in np.lexsort((-depth, is_page, lu)).tolist()]
 
     def _free_cheapest_slot_run(self) -> bool:
         """Free one slot-aligned run of units (what a state slot needs) by evicting exactly the cache entries
@@ -381,24 +407,54 @@ class PrefixCache(UnitRefs):
         pages reach into the slot region a new slot needs the pages of one particular run gone: evicting
         in LRU / depth order instead would drop most of the cache before that run happened to be free.
         A run is out of reach if a request holds any of its units (a slot, or a page a request shares)
-        or a pinned checkpoint depends on one of its pages."""
-        su = self.layout.slot_units
-        refs = self._entry_refs()
-        holders: dict[int, list] = {}
-        for e in self.pages.values():
-            for u in e.units:
-                holders.setdefault(u, []).append(e)
-        slots = {c.slot: c for c in self.ckpts.values()}
+        or a pinned checkpoint depends on one of its pages.
+
+        At K3 sizes an arena has ~10^6 units in ~10^3 runs and ~10^4 page entries, so runs are screened
+        with arrays: which are out of reach, and for each the entries holding its units directly (a lower
+        bound on what freeing it costs, as (entries, most recent use)); only runs in that order have their
+        full cost (deeper pages of the chains, dependent checkpoints) walked, until the bound passes the
+        best found."""
+        rows, start = self.alloc.slot_runs()  # [runs, su]
+        su, n_runs = self.layout.slot_units, len(rows)
+        if not n_runs:
+            return False
+        ckpt_at: dict[int, CkptEntry] = {}
+        slot_free, slot_lu = np.zeros(n_runs, bool), np.full(n_runs, -1, np.int64)
+        for c in self.ckpts.values():
+            i = (c.slot - start) // su  # slots are always allocated at run bases
+            if 0 <= i < n_runs and not c.pins:
+                ckpt_at[i], slot_free[i], slot_lu[i] = c, True, c.last_used
+        only = self._only_cached()[start:start + rows.size].reshape(rows.shape)
+        blocked = ((rows == self.alloc.PAGE) & ~only).any(axis=1)  # a page a request holds (or shares)
+        blocked |= (rows == self.alloc.SLOT).any(axis=1) & ~slot_free  # a request's state slot
+        cand = np.flatnonzero((rows != self.alloc.FREE).any(axis=1) & ~blocked)
+        if not len(cand):
+            return False
+        # the entries holding each run's units directly (an entry holds one unit per MLA layer)
+        entries = list(self.pages.values())
+        ne, nl = len(entries), self.layout.num_mla_layers
+        units = np.fromiter(itertools.chain.from_iterable(e.units for e in entries), np.int64,
+                            count=ne * nl).reshape(ne, nl)  # [entries, layers]
+        runs = np.where((units >= start) & (units < start + rows.size), (units - start) // su, -1)
+        runs.sort(axis=1)
+        first = runs >= 0
+        first[:, 1:] &= runs[:, 1:] != runs[:, :-1]  # each (entry, run) pair once
+        lu = np.fromiter((e.last_used for e in entries), np.int64, count=ne)
+        bound_n = np.bincount(runs[first], minlength=n_runs) + slot_free
+        bound_lu = slot_lu.copy()
+        np.maximum.at(bound_lu, runs[first], np.broadcast_to(lu[:, None], runs.shape)[first])
+        order = cand[np.lexsort((-cand, bound_lu[cand], bound_n[cand]))]
         best = None
-        for base in range(self.layout.scratch_slot - su, 0, -su):
-            run = self._run_entries(base, su, refs, holders, slots)
+        for i in order.tolist():
+            if best is not None and (bound_n[i], bound_lu[i], -i) >= best[0]:
+                break  # (ties: the highest run, as a scan from the top would take)
+            direct = np.flatnonzero((runs == i).any(axis=1))
+            run = self._run_entries([entries[k] for k in direct.tolist()], ckpt_at.get(i))
             if run is None:
                 continue
             pages, ckpts = run
-            if not pages and not ckpts:
-                continue  # free already (then the caller was short of units, not of this run)
             cost = (len(pages) + len(ckpts), max([self.pages[k].last_used for k in pages]
-                                                 + [self.ckpts[k].last_used for k in ckpts]))
+                                                 + [self.ckpts[k].last_used for k in ckpts]), -i)
             if best is None or cost < best[0]:
                 best = (cost, pages, ckpts)
         if best is None:
@@ -411,28 +467,19 @@ class PrefixCache(UnitRefs):
                 self._drop_page(self.pages[k])
         return True
 
-    def _run_entries(self, base: int, su: int, refs: dict, holders: dict, slots: dict):
-        """The entries evicting units [base, base + su) takes -> (page keys incl. their deeper pages,
-        checkpoint keys), or None when the run cannot be freed."""
+    def _run_entries(self, direct: list[PageEntry], ckpt: Optional[CkptEntry]):
+        """What evicting a run takes, given the page entries holding its units and the checkpoint whose
+        slot it is -> (page keys incl. their deeper pages, checkpoint keys), or None when a pinned
+        checkpoint needs one of those pages."""
         pages, ckpts = set(), set()
-        for u in range(base, base + su):
-            kind = self.alloc.owner[u]
-            if kind == self.alloc.FREE:
-                continue
-            if kind == self.alloc.SLOT:
-                c = slots.get(base)
-                if c is None or c.pins:
-                    return None  # a request's state slot
-                ckpts.add(c.key)
-                continue
-            if u not in holders or self.unit_refs.get(u) != refs.get(u):
-                return None  # a page a request holds
-            stack = [e.key for e in holders[u]]
-            while stack:
-                k = stack.pop()
-                if k not in pages:
-                    pages.add(k)
-                    stack.extend(c for c in self.pages[k].children if c in self.pages)
+        if ckpt is not None:
+            ckpts.add(ckpt.key)
+        stack = [e.key for e in direct]
+        while stack:
+            k = stack.pop()
+            if k not in pages:
+                pages.add(k)
+                stack.extend(c for c in self.pages[k].children if c in self.pages)
         for k in pages:
             for ck in self.pages[k].dependents:
                 if ck in self.ckpts:
@@ -510,25 +557,27 @@ class PrefixCache(UnitRefs):
             self.pages[e.parent].children.discard(e.key)
         if self.host is not None and not self._clearing:
             self._spill.append((e, list(e.units)))
-        self.unref(e.units)
+        if self._released is None:
+            self._let_go(e.units)
+        else:
+            self._released.extend(e.units)
         self.metrics["pages_evicted"] += 1
 
     def clear(self) -> bool:
         """Drop every entry of both tiers that no request holds (nothing is copied to host memory)
         -> whether the cache is empty now. Checkpoints a request is about to read and pages running
         requests share stay until they are released."""
-        self._clearing = True
+        self._clearing, self._released = True, []
         try:
             for c in [c for c in self.ckpts.values() if c.pins == 0]:
                 self._drop_ckpt(c)
-            refs = self._entry_refs()
+            only = self._only_cached()
             for e in sorted(self.pages.values(), key=lambda e: -e.index):
-                if e.key in self.pages and not e.dependents and all(
-                        self.unit_refs.get(u) == refs.get(u) for u in e.units):
+                if e.key in self.pages and not e.dependents and only[e.units].all():
                     self._drop_page(e)
-                    refs = self._entry_refs()
         finally:
-            self._clearing = False
+            released, self._clearing, self._released = self._released, False, None
+            self._let_go(released)  # one release of every unit (per page, numpy's call overhead took seconds)
         if self.host is not None:
             self.host.clear()
         return not self.ckpts and not self.pages and (self.host is None or not self.host.entries)

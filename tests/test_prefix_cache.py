@@ -374,3 +374,118 @@ def test_a_fresh_checkpoint_outlives_old_pages_in_a_full_arena():
     run(on, system + toks(7, 30))  # the second sighting captures the branch point at 128
     assert on.allocator.free_units < on.allocator.baseline_free_units // 4  # still full
     warm_vs_cold((on, off), system + toks(8, 11), "branch_point")
+
+
+# ---- host bookkeeping alone (no model): arena units, reference counts, eviction choices ------------
+
+def host_cache(page=16, align=16, units=900):
+    """A prefix cache over a bare arena laid out for tiny-k3 (no engine, no device work)."""
+    from serve.memory import Arena, ArenaLayout
+    from serve.prefix_cache import PrefixCache, PrefixCacheConfig
+    layout = ArenaLayout.plan(k3jax.get_preset("tiny-k3"), units * page * 40 * 4, page, np.float32)
+    alloc = Arena(layout)
+    return alloc, PrefixCache(alloc, layout, align=align, cfg=PrefixCacheConfig(hash_unit=8))
+
+
+def cache_prompt(alloc, pc, ids, ckpt_at=None, keep=False):
+    """What an engine does for a prompt: a slot and pages, the pages shared, a checkpoint at `ckpt_at`,
+    the request's holds released (unless `keep`) -> its units."""
+    from serve.prefix_cache import PROMPT_END, PrefixHasher
+    lm, npg = alloc.layout.num_mla_layers, -(-len(ids) // pc.ps)
+    slot, units = alloc.alloc_slot() if ckpt_at else None, alloc.alloc_pages(npg * lm)
+    pc.ref(units)
+    pages = [units[l * npg:(l + 1) * npg] for l in range(lm)]
+    h = PrefixHasher(8)
+    h.extend(list(ids))
+    pc.register_pages(h, pages, len(ids), 0)
+    if ckpt_at and not pc.register_checkpoint(h, ckpt_at, slot, PROMPT_END, pages):
+        alloc.free_slot(slot)
+    if not keep:
+        pc.unref(units)
+    return units
+
+
+def test_unit_refs_refuse_a_release_nobody_holds():
+    alloc, pc = host_cache()
+    units = alloc.alloc_pages(3)
+    pc.ref(units)
+    pc.ref(units[:1])
+    with pytest.raises(KeyError, match="nobody holds"):
+        pc.unref([units[1], units[1]])
+    assert pc.unit_refs == {units[0]: 2, units[1]: 1, units[2]: 1}  # unchanged by the refused release
+    pc.unref(units)
+    pc.unref(units[:1])
+    assert pc.unit_refs == {} and alloc.free_units == alloc.baseline_free_units
+
+
+def test_entries_sharing_units_are_evicted_in_one_round():
+    """A checkpoint mid-page registers a partial-page entry on the request's page, and the full page later
+    registers another entry on the same units: one eviction round frees both (it once compared each
+    unit's holders with counts taken before the round, so the second looked shared and stayed)."""
+    alloc, pc = host_cache(page=16, align=8)
+    cache_prompt(alloc, pc, toks(3, 16), ckpt_at=8)  # page 0 full, and partial at 8 (the same units)
+    assert len(pc.pages) == 2 and len({tuple(e.units) for e in pc.pages.values()}) == 1
+    assert pc.evictable()[0] == alloc.layout.num_mla_layers + alloc.layout.slot_units
+    pc.evict_for(alloc.baseline_free_units, 0)
+    assert not pc.pages and not pc.ckpts and alloc.free_units == alloc.baseline_free_units
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.data())
+def test_slot_eviction_takes_the_cheapest_run(data):
+    """With no checkpoint slot to give up, a new slot frees the slot-aligned run whose eviction drops the
+    fewest entries (its pages' holders, their deeper pages, the checkpoints on them), least recently used
+    on ties, skipping runs a request holds -- compared with every run's cost counted unit by unit."""
+    alloc, pc = host_cache(page=16, align=16, units=700)
+    su, rng = alloc.layout.slot_units, np.random.default_rng(data.draw(st.integers(0, 2 ** 16)))
+    base = toks(1, 200)
+    while True:
+        ids = base[:int(rng.integers(0, 200))] + toks(int(rng.integers(10 ** 6)), int(rng.integers(8, 120)))
+        if not alloc.can_fit(-(-len(ids) // 16) * alloc.layout.num_mla_layers, 1):
+            break
+        pos = (len(ids) - 1) // 16 * 16
+        cache_prompt(alloc, pc, ids, ckpt_at=pos if rng.random() < 0.5 else None, keep=rng.random() < 0.15)
+    for c in list(pc.ckpts.values())[::3]:
+        c.pins += 1  # a waiting request is about to read it
+    for c in list(pc.ckpts.values()):  # some or all of the others gone: their slots are cheap runs
+        if rng.random() < data.draw(st.sampled_from([0.5, 1.0])):
+            pc._drop_ckpt(c)
+    while alloc.free_units >= alloc.layout.num_mla_layers:  # fill what is left with one-page prompts
+        cache_prompt(alloc, pc, toks(int(rng.integers(10 ** 6)), 16))
+    for e in [*pc.pages.values(), *pc.ckpts.values()]:
+        e.last_used = int(rng.integers(0, 8))  # plenty of ties
+
+    def cost(b):  # the entries freeing units [b, b + su) evicts, counted unit by unit; None: out of reach
+        pages, ckpts, slots = set(), set(), {c.slot: c for c in pc.ckpts.values()}
+        for u in range(b, b + su):
+            if alloc.owner[u] == alloc.SLOT:
+                if b not in slots or slots[b].pins:
+                    return None
+                ckpts.add(slots[b].key)
+            elif alloc.owner[u] == alloc.PAGE:
+                holders = [e for e in pc.pages.values() if u in e.units]
+                if not holders or pc.counts[u] != len(holders):
+                    return None
+                stack = [e.key for e in holders]
+                while stack:
+                    k = stack.pop()
+                    if k not in pages:
+                        pages.add(k)
+                        stack.extend(c for c in pc.pages[k].children if c in pc.pages)
+        for k in pages:
+            for ck in pc.pages[k].dependents:
+                if ck in pc.ckpts and pc.ckpts[ck].pins:
+                    return None
+                ckpts.add(ck)
+        if not pages and not ckpts:
+            return None
+        lu = [pc.pages[k].last_used for k in pages] + [pc.ckpts[k].last_used for k in ckpts]
+        return len(pages) + len(ckpts), max(lu), -b, pages, ckpts
+
+    runs = [c for b in range(alloc.layout.scratch_slot - su, 0, -su) if (c := cost(b)) is not None]
+    assert runs and not alloc._free_slot_bases(1)
+    want = min(runs, key=lambda c: c[:3])
+    before_pages, before_ckpts = set(pc.pages), set(pc.ckpts)
+    assert pc._free_cheapest_slot_run()
+    assert alloc._free_slot_bases(2) == [-want[2]]
+    assert before_pages - set(pc.pages) == want[3] and before_ckpts - set(pc.ckpts) == want[4]
