@@ -15,7 +15,8 @@ a state slot and its pages, the pages shared as cache entries and a prompt-end c
 request's holds then released, until the next prompt does not fit. Then all checkpoints are dropped and
 the remaining units handed to a running request, so that a new slot can only come from freeing pages.
 Measured (median of `--repeats`): `evictable()`; `evict_for(0, 0)` (nothing short: every step);
-`evict_for(one page group, 0)`; `evict_for(0, 1)` (one state slot: the slot-run choice); then, with the
+`evict_for(one page group, 0)`; `evict_for(0, 1)` (one state slot: the slot-run choice); 256 `can_fit`
+checks (one per running request a step) against as many counts of the owner array (what each was); then, with the
 running request's holds released, one `clear()` (weight updates, sleep, /reset_prefix_cache).
 
 Also the page-table rows of a K3 decode step (256 requests x 24 MLA layers x 64 / 512 / 2048 pages): every
@@ -93,6 +94,10 @@ def measure(page_size: int, ranks: int, budget_gb: float, repeats: int) -> dict:
     row = dict(page_size=page_size, ranks=ranks, budget_gb=budget_gb, units=layout.num_units,
                slot_units=layout.slot_units, slot_runs=(layout.scratch_slot - 1) // layout.slot_units,
                prompts=prompts, page_entries=len(pc.pages), fill_s=fill_s)
+    # the scheduler checks every running request's growth against the free count (`Arena.can_fit`)
+    row["can_fit_x256"] = timed(lambda: [alloc.can_fit(lm, 0) for _ in range(256)], repeats)
+    row["owner_count_x256"] = timed(lambda: [np.count_nonzero(alloc.owner == alloc.FREE) for _ in range(256)],
+                                    repeats)  # what each of those cost before
     row["evictable"] = timed(pc.evictable, repeats)
     row["evict_for_nothing_short"] = timed(lambda: pc.evict_for(0, 0), repeats)
 
@@ -168,7 +173,8 @@ def main(argv=None) -> dict:
         log(f"page {ps:4d} ranks {ranks} {gb:5.0f} GB: {row['units']:8d} units, {row['page_entries']:6d} entries | "
             + " | ".join(f"{k} {row[k]['median_ms']:.1f} ms" for k in
                          ("evictable", "evict_for_nothing_short", "evict_for_one_page_group", "evict_for_one_slot"))
-            + f" | clear {row['clear_ms']:.0f} ms")
+            + f" | clear {row['clear_ms']:.0f} ms | can_fit x256 {row['can_fit_x256']['median_ms']:.2f} ms"
+            + f" (owner counts {row['owner_count_x256']['median_ms']:.1f} ms)")
     # a K3 decode step: 24 MLA layers, page 64, contexts of 4k / 32k / 128k tokens
     result["page_tables"] = []
     for rows, pages in ([(16, 64)] if args.quick else [(256, 64), (256, 512), (256, 2048)]):

@@ -237,7 +237,9 @@ class UnitRefs:
 
 
 class Arena:
-    """Host-side bookkeeping of which units hold pages, slots, or are free."""
+    """Host-side bookkeeping of which units hold pages, slots, or are free. The free count and the lowest
+    unit that may be free are kept as they change: the scheduler asks for the count per request each step,
+    and a count or a scan over a K3 arena (~10^6 units) each time added up to tens of milliseconds a step."""
 
     FREE, PAGE, SLOT = 0, 1, 2
 
@@ -246,13 +248,15 @@ class Arena:
         self.owner = np.zeros(layout.num_units, np.int8)
         self.owner[layout.scratch_page] = self.PAGE
         self.owner[layout.scratch_slot:layout.scratch_slot + layout.slot_units] = self.SLOT
-        self._baseline = self.free_units
+        self._free = int(np.count_nonzero(self.owner == self.FREE))
+        self._low = 0  # no free unit below this one (pages are taken from the low end)
+        self._baseline = self._free
         self.peak_used_units = 0
 
     # ---- queries ------------------------------------------------------------------------------
     @property
     def free_units(self) -> int:
-        return int(np.count_nonzero(self.owner == self.FREE))
+        return self._free
 
     @property
     def baseline_free_units(self) -> int:
@@ -272,13 +276,21 @@ class Arena:
 
     # ---- allocation ---------------------------------------------------------------------------
     def alloc_pages(self, n: int) -> list[int]:
-        free = np.flatnonzero(self.owner == self.FREE)
-        if len(free) < n:
-            raise OutOfMemory(f"need {n} pages, {len(free)} units free")
-        got = free[:n]  # low end
-        self.owner[got] = self.PAGE
+        """The `n` lowest free units, as pages."""
+        if self._free < n:
+            raise OutOfMemory(f"need {n} pages, {self._free} units free")
+        got, start, window = [], self._low, max(4096, 4 * n)
+        while len(got) < n:  # windows up from the lowest unit that may be free, not the whole arena
+            assert start < len(self.owner), "the free count is out of step with the owners"
+            free = np.flatnonzero(self.owner[start:start + window] == self.FREE)[:n - len(got)]
+            got.extend((free + start).tolist())
+            start += window
+        if got:
+            self.owner[got] = self.PAGE
+            self._free -= n
+            self._low = got[-1] + 1
         self._track()
-        return got.tolist()
+        return got
 
     def alloc_slot(self) -> int:
         bases = self._free_slot_bases(1)
@@ -286,22 +298,28 @@ class Arena:
             raise OutOfMemory("no contiguous run of units for a state slot")
         b = bases[0]
         self.owner[b:b + self.layout.slot_units] = self.SLOT
+        self._free -= self.layout.slot_units
         self._track()
         return b
 
     def free_pages(self, units) -> None:
         units = units if isinstance(units, np.ndarray) else np.asarray(list(units), np.int64)
         if len(units):
-            assert np.all(self.owner[units] == self.PAGE), "double free of a page"
+            units = np.sort(units)
+            assert np.all(self.owner[units] == self.PAGE) and np.all(units[1:] != units[:-1]), "double free of a page"
             self.owner[units] = self.FREE
+            self._free += len(units)
+            self._low = min(self._low, int(units[0]))
 
     def free_slot(self, base: int) -> None:
         s = slice(base, base + self.layout.slot_units)
         assert base != self.layout.scratch_slot and np.all(self.owner[s] == self.SLOT), "bad slot free"
         self.owner[s] = self.FREE
+        self._free += self.layout.slot_units
+        self._low = min(self._low, base)
 
     def _track(self) -> None:
-        self.peak_used_units = max(self.peak_used_units, self._baseline - self.free_units)
+        self.peak_used_units = max(self.peak_used_units, self._baseline - self._free)
 
     def reset_peak(self) -> None:
         self.peak_used_units = self._baseline - self.free_units

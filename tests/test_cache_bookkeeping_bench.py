@@ -17,7 +17,7 @@ def test_quick_run_times_real_evictions(tmp_path):
     assert tables["rows"] == 16 and len(tables["page_table"]["all_ms"]) == 2
     assert row["prompts"] > 10 and row["page_entries"] > 100
     assert row["page_entries_after"] < row["page_entries"]  # the page-group and slot evictions dropped entries
-    for k in ("evictable", "evict_for_nothing_short", "evict_for_one_page_group", "evict_for_one_slot"):
+    for k in ("evictable", "evict_for_nothing_short", "evict_for_one_page_group", "evict_for_one_slot", "can_fit_x256"):
         assert len(row[k]["all_ms"]) == 2 and row[k]["median_ms"] >= 0
     assert row["clear_ms"] > 0  # (the run asserts the clear emptied the arena)
 
