@@ -467,7 +467,8 @@ class Sequence:
             self._table_n, self._table_of = 0, of
         if self._table is None or self._table.shape[0] != len(self.pages) or n > self._table.shape[1]:
             grown = np.zeros((len(self.pages), max(16, 2 * n)), np.int32)
-            grown[:, :self._table_n] = self._table[:, :self._table_n] if self._table_n else 0
+            if self._table_n:
+                grown[:, :self._table_n] = self._table[:, :self._table_n]
             self._table = grown
         k = self._table_n
         if n > k:
