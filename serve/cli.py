@@ -46,6 +46,7 @@ DEFAULTS = dict(
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
     log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
+    async_scheduling=False,
 )
 
 
@@ -135,6 +136,10 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--prefill-first", action="store_true", default=d["prefill_first"],
                    help="steps with prompt chunks to run do not decode (SGLang's schedule without mixed chunks): "
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
+    e.add_argument("--async-scheduling", action="store_true", default=d["async_scheduling"],
+                   help="launch each step before the one in flight is read back (vLLM's): scheduling and output "
+                        "processing run while the device computes; same outputs (not with --speculative-config "
+                        "or --enable-eplb, or on a multi-process mesh)")
     e.add_argument("--enable-prompt-embeds", action="store_true", default=d["enable_prompt_embeds"],
                    help="accept prompts given as vectors (vLLM's): /v1/completions `prompt_embeds`, base64 of a "
                         "torch.save'd tensor [length, hidden_size], a NumPy .npy or a safetensors file; every step "
@@ -309,7 +314,8 @@ def engine_config(o: dict):
         max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None,
         logits_processors=tuple(o.get("logits_processors") or ()),
         generation_config=o.get("generation_config") or "auto",
-        enable_prompt_embeds=bool(o.get("enable_prompt_embeds")))
+        enable_prompt_embeds=bool(o.get("enable_prompt_embeds")),
+        async_scheduling=bool(o.get("async_scheduling")))
 
 
 def lora_modules(o: dict) -> list:

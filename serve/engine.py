@@ -3,7 +3,9 @@ plans; turns sampled tokens into request outputs.
 
 Each `step()` runs at most two device programs (a decode batch, then a prefill batch), each padded to
 a bucket compiled at start-up. Host work per step is proportional to the number of requests in the
-step, never to layers or tokens of context.
+step, never to layers or tokens of context. With `async_scheduling` that work leaves the device's critical
+path: a step is launched (`_launch`) before the step launched by the call before is read back (`_land`),
+and a request's next input token, sampled by the step in flight, reaches the next step on the device.
 """
 
 from __future__ import annotations
@@ -254,6 +256,15 @@ class EngineConfig:
     # Prompts given as vectors (vLLM's --enable-prompt-embeds; serve/prompt_embeds.py): every step program takes
     # a [rows, tokens, hidden] input beside the token ids, and `add_request` accepts {"prompt_embeds": [L, H]}.
     enable_prompt_embeds: bool = False
+    # Async scheduling (vLLM's --async-scheduling): `step()` plans and launches the next device step before it
+    # reads back the one in flight, so the host's scheduling, batch building and output processing run while
+    # the device computes instead of between its steps. A running request's next input token is the one its
+    # step in flight samples, passed on the device (StepBatch.carry); a request that turns out to have finished
+    # wastes that one row. Outputs are those of the synchronous engine, token for token; each `step()` returns
+    # the outputs of the step before it. Rows whose next step depends on the host seeing the token first
+    # (structured outputs, bad words, beams, a KDA checkpoint taken at the row's end) run that step
+    # synchronously. Not with speculative decoding, EPLB or a multi-process mesh (an error names them).
+    async_scheduling: bool = False
 
     def __post_init__(self):
         if isinstance(self.speculative_config, dict):  # vLLM's form
@@ -392,6 +403,12 @@ class EngineConfig:
             raise ValueError(f"long_prefill_chunk={n!r}: expected None, 0 (off) or a multiple of prefill_chunk "
                              f"({self.prefill_chunk}) from {2 * self.prefill_chunk} to max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})")
+        if self.async_scheduling:
+            for key, on in (("speculative_config", self.speculative_config is not None),
+                            ("enable_eplb", self.enable_eplb)):
+                if on:
+                    raise ValueError(f"async_scheduling: not available with {key} (its next step needs the "
+                                     f"host to see each step's tokens first); turn one of them off")
         if n and self.speculative_config is not None and self.speculative_config.verify_tokens == n:
             raise ValueError(f"long_prefill_chunk={n} equals the verify rows' tokens (1 + num_speculative_tokens): "
                              f"the two programs would share a shape; pick another")
@@ -444,6 +461,11 @@ class Sequence:
     hyp: Hypothesis = Hypothesis()  # a beam's generated tokens and their logprobs
     proposals: Optional[tuple] = None  # a beam's (top ids, top logprobs) awaiting its group's selection
     sent: Optional[tuple[int, int]] = (0, 0)  # output_kind DELTA: tokens and text deltas out (None: all)
+    # async scheduling: what launched steps not read back yet will add (see Engine._launch / _land)
+    pending: int = 0  # tokens they sample for it, not in output_ids yet
+    flight_end: int = 0  # the end of its latest launched row (`computed` once that step is read back)
+    carry_at: int = -1  # the carry entry of its latest sampled token (StepBatch.carry)
+    epoch: int = 0  # counts releases of its memory: a step launched before one is stale
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -495,6 +517,22 @@ class _FrozenSlot:
     slot: int
     units: list[int]
     pins: int = 0  # children that have not yet read the slot
+
+
+@dataclass
+class _Flight:
+    """A launched step program not read back yet: what `Engine._land` needs to take its results in."""
+
+    seqs: list[Sequence]
+    rows: list[tuple[str, int, int]]  # (request id, start, tokens)
+    epochs: list[int]  # each sequence's `epoch` at the launch (another one when read back: stale row)
+    samples: list[bool]  # rows that sample their sequence's next token
+    t: int
+    rows_bucket: int
+    targets: np.ndarray  # [B, T] the batch's prompt-logprob targets
+    out: tuple  # device results: ((samples, prompt logprobs, drafts accepted), expert counts)
+    pins: list  # checkpoint entries pinned until this step has read them
+    chainable: bool  # the next step may be launched before this one is read back
 
 
 @dataclass
@@ -612,10 +650,17 @@ class Engine:
                                                           and self.layout.codec.kind == "auto" and not small_share)
         self.spec = config.speculative_config
         self.logits_processors = logits_processors.resolve(config.logits_processors)
+        self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(
+            config.max_num_seqs, config.max_prefill_seqs, config.max_model_len, config.page_size,
+            config.decode_buckets, config.prefill_buckets, config.context_buckets)
+        # async scheduling: the samples passed on the device from step to step, decode programs' rows first
+        self._carry_size = self.decode_buckets[-1] + self.prefill_buckets[-1] if config.async_scheduling else 0
+        self._flight: list[_Flight] = []  # launched steps not read back yet (async scheduling)
+        self._landed: set[str] = set()  # sequences with outputs from steps read back outside `step()`
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
-                              self.logits_processors)
+                              self.logits_processors, carry_offset=self.decode_buckets[-1] if self._carry_size else 0)
         self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self._arena_sharding = arena_sharding
         # the model's weights as update_weights takes them (per layer), before any stacking
@@ -640,9 +685,6 @@ class Engine:
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
         self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
-        self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(
-            config.max_num_seqs, config.max_prefill_seqs, config.max_model_len, config.page_size,
-            config.decode_buckets, config.prefill_buckets, config.context_buckets)
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
         # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
         # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
@@ -701,7 +743,7 @@ class Engine:
                              spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
                              lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
                              kv_transfer_published=0, failed_steps=0, requests_failed=0, cache_resets=0,
-                             programs_compiled_ahead=0)
+                             programs_compiled_ahead=0, steps_launched_ahead=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -736,6 +778,9 @@ class Engine:
             if self.eplb is not None:
                 raise ValueError("enable_eplb: not available on a multi-process mesh (every process would have to "
                                  "move the same experts at the same step)")
+            if config.async_scheduling:
+                raise ValueError("async_scheduling: not available on a multi-process mesh (the leader sends each "
+                                 "step's batch with its tokens); turn it off")
             self.channel = StepChannel(lambda rows, t, pages: self._pad_batch(rows, t, pages, []))
             self.channel.check(self._fingerprint())
             if self.channel.leader:
@@ -757,6 +802,8 @@ class Engine:
         self.arena = self.layout.empty(self._arena_sharding)
         self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
                                   replicated(self.mesh) if self.mesh is not None else None)
+        self._carry = (_zeros((self._carry_size,), np.int32, replicated(self.mesh) if self.mesh is not None else None)
+                       if self._carry_size else None)  # placed as the token pages are (one program signature)
 
     def _size_arena_from_memory(self, layout_for, bind) -> None:
         """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device
@@ -878,9 +925,13 @@ class Engine:
             self._send_forgotten()
             self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
         before = self._step._cache_size()
-        self.arena, self.token_pages, res, counts = self._step(self._leaves, self.arena, self.token_pages, batch)
+        if self._carry is not None:
+            batch.carry = self._carry  # the latest samples (the batch may have been built before the last step)
+        self.arena, self.token_pages, (res, prompt, accepted, carry), counts = self._step(
+            self._leaves, self.arena, self.token_pages, batch)
+        self._carry = carry
         self._count_compiles(self._step._cache_size() > before, f"step shape {batch.tokens.shape}")
-        return res, counts
+        return (res, prompt, accepted), counts
 
     def lower_step(self, batch: StepBatch):
         """The step program of `batch`'s bucket, lowered (tests and benchmarks read its HLO)."""
@@ -1186,6 +1237,7 @@ class Engine:
         """Unload an adapter (vLLM's `remove_lora`); refused while requests use it. Its slot is zeroed
         and its cached prefixes can never be hit again (their hashes name this load of it)."""
         self._leader_only("remove_lora")
+        self._drain()
         adapter = self.loras.get(name)
         for s in [s for s in self.seqs.values() if s.internal and s.lora is adapter and not s.finished]:
             self._finish(s, "abort")  # canonical rows of its prefixes
@@ -1256,6 +1308,7 @@ class Engine:
         programs are reused (no compile), and the prefix cache is cleared (its pages and states came from
         the old weights). Requests must not be in flight (finish or abort them first)."""
         self._leader_only("update_weights")
+        self._drain()
         if self.channel is not None:
             raise RuntimeError("update_weights: not available on a multi-process mesh (every process would "
                                "have to swap in the same step)")
@@ -1359,6 +1412,7 @@ class Engine:
         after `wake_up(["weights"])`). Cached prefixes are forgotten (both tiers). The compiled programs
         stay: `wake_up` needs no compile. Requests must not be in flight."""
         self._leader_only("sleep")
+        self._drain()
         if self.channel is not None:
             raise RuntimeError("sleep: not available on a multi-process mesh")
         if level not in (1, 2):
@@ -1414,18 +1468,82 @@ class Engine:
         the cache is empty now; entries that requests in flight still read stay until they finish
         (call again once idle). Outputs do not change: every resume is bit-identical to a cold prefill."""
         self._leader_only("reset_prefix_cache")
+        self._drain()
         if self.prefix_cache is None:
             return True
         self._tails.clear()
         return self.prefix_cache.clear()
 
+    def _drain(self) -> None:
+        """Read back the step in flight (async scheduling) before changing what it ran on; its outputs go out
+        with the next `step()`'s."""
+        if self._flight:
+            self._land_flight(self._landed)
+
     def has_unfinished(self) -> bool:
-        return any(not s.finished for s in self.seqs.values())
+        """Requests not finished, or a launched step not read back yet (async scheduling)."""
+        return bool(self._flight) or any(not s.finished for s in self.seqs.values())
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Schedule and run one step; return outputs of requests that made progress."""
+        """Schedule and run one step; return outputs of requests that made progress. With async scheduling the
+        step is launched before the one the call before launched is read back, and the outputs are that one's."""
         self._leader_only("step")
+        touched, self._landed = self._landed, set()
+        ended: set[str] = set()
+        if self._flight and not all(f.chainable for f in self._flight):
+            self._land_flight(touched)  # a row whose next step needs the host to see its results first
+            ended = self._select_beams() if self._beams else set()
+        plan = self._plan()
+        if plan.empty:
+            if self._flight:
+                self._land_flight(touched)
+                ended |= self._select_beams() if self._beams else set()
+            return self._step_outputs(touched, ended)  # aborted requests leave even when nothing runs
+        self._allocate(plan)
+        self._place_adapters(plan.admit)
+        now = time.monotonic()
+        for rid in plan.admit:
+            m = self.seqs[rid].metrics
+            m.first_scheduled_time = m.first_scheduled_time or now
+        chain = self.config.async_scheduling
+        launched, running = [], list(plan.decode)
+        self.counters["steps_launched_ahead"] += bool(self._flight)  # this step overlaps the one in flight
+        try:
+            if plan.decode:
+                rows = [(rid, self._view_computed(self.seqs[rid]), 1 + plan.draft.get(rid, 0)) for rid in plan.decode]
+                launched.append(self._launch(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1,
+                                             decoding=True))
+                if not chain:
+                    self._land(launched.pop(), touched)
+                self.counters["decode_steps"] += 1
+            if plan.prefill:
+                running = [r for r, _, _ in plan.prefill]
+                launched.append(self._launch(running, plan.prefill, self.config.prefill_chunk, decoding=False))
+                if not chain:
+                    self._land(launched.pop(), touched)
+                self.counters["prefill_steps"] += 1
+                self.counters["long_prefill_steps"] += bool(self.sched_cfg.long_prefill_chunk) and len(running) == 1
+        except BaseException as e:  # read back what ran, then end the failed part's requests
+            self._land_flight(touched, failed=(running, e), then=launched)
+        # the step launched before this one is read back; this one stays in flight unless a row of it needs
+        # the host before anything else is planned, or it only computes rows of requests that ended meanwhile
+        self._land_flight(touched, then=launched)
+        if self._flight and (not all(f.chainable for f in self._flight)
+                             or all(s.finished for f in self._flight for s in f.seqs)):
+            self._land_flight(touched)
+        ended |= self._select_beams() if self._beams else set()
+        self.counters["steps"] += 1
+        return self._step_outputs(touched, ended)
+
+    def _step_outputs(self, touched: set[str], ended: set[str] = frozenset()) -> list[RequestOutput]:
+        outs = self._outputs({self.seqs[r].request_id for r in touched if r in self.seqs} | ended)
+        self._reap()
+        return outs
+
+    def _plan(self) -> StepPlan:
+        """The scheduler's plan for the next step. Sequences in a step still in flight count with what it adds:
+        its positions computed and the token it samples (their next row takes that token on the device)."""
         self._unpark_for_laggards()
         live = [s for s in self.seqs.values() if not s.finished and s.proposals is None]
         for s in live:
@@ -1452,9 +1570,10 @@ class Engine:
                                        [s.spec_p for s in drafting]):
                     for s in decoding:
                         s.draft = []
-        views = [SeqView(s.rid, s.order, len(s.all_ids), s.computed, s.slot is not None, self._held_units(s),
-                         self._next_stop(s), s.priority, len(s.draft), len(s.prompt_ids) + s.checker.max_tokens,
-                         s.lora.uid if s.lora is not None else 0, self._decode_rows(s))
+        views = [SeqView(s.rid, s.order, self._view_total(s), self._view_computed(s), s.slot is not None,
+                         self._held_units(s), self._next_stop(s), s.priority, len(s.draft),
+                         len(s.prompt_ids) + s.checker.max_tokens, s.lora.uid if s.lora is not None else 0,
+                         self._decode_rows(s))
                  for s in live if s.rid not in deferred]
         free_units, free_slots = self.allocator.free_units, self._free_slots()
         if self.prefix_cache:
@@ -1462,42 +1581,52 @@ class Engine:
             free_units, free_slots = free_units + eu, free_slots + es
         plan = schedule(views, Memory(free_units, free_slots), self.sched_cfg, self.new_token_ratio)
         self._adapt_new_token_ratio(plan)
-        touched: set[str] = set()
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
-        if plan.empty:
-            self._reap()  # aborted requests leave even when nothing runs
-            return []
-        self._allocate(plan)
-        self._place_adapters(plan.admit)
-        now = time.monotonic()
-        for rid in plan.admit:
-            m = self.seqs[rid].metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
-        running = list(plan.decode)
-        try:
-            if plan.decode:
-                rows = [(rid, self.seqs[rid].computed, 1 + plan.draft.get(rid, 0)) for rid in plan.decode]
-                self._run(plan.decode, rows, self.spec.verify_tokens if plan.draft else 1, touched, decoding=True)
-                self.counters["decode_steps"] += 1
-            if plan.prefill:
-                running = [r for r, _, _ in plan.prefill]
-                self._run(running, plan.prefill, self.config.prefill_chunk, touched, decoding=False)
-                self.counters["prefill_steps"] += 1
-                self.counters["long_prefill_steps"] += bool(self.sched_cfg.long_prefill_chunk) and len(running) == 1
-        except BaseException as e:
-            err = self._step_failed(running, e)
-            done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)
-            err.outputs = self._outputs(done)
-            self._reap()
-            if not isinstance(e, Exception):
-                raise  # Ctrl-C in a notebook: the engine is consistent again, the interrupt goes on
-            raise err from e
-        ended = self._select_beams() if self._beams else set()
-        self.counters["steps"] += 1
-        outs = self._outputs({self.seqs[r].request_id for r in touched} | ended)
+        return plan
+
+    @staticmethod
+    def _view_total(seq: Sequence) -> int:
+        """Tokens of `seq` once every launched step is read back, less a last token in flight that ends it at
+        max_tokens: it runs (holding its memory, row and adapter) with nothing left to compute."""
+        n = len(seq.all_ids) + seq.pending
+        last = seq.checker.max_tokens is not None and len(seq.output_ids) + seq.pending >= seq.checker.max_tokens
+        return n - 1 if seq.pending and last else n
+
+    @staticmethod
+    def _view_computed(seq: Sequence) -> int:
+        """Positions of `seq` computed once every launched step is read back."""
+        return max(seq.computed, seq.flight_end)
+
+    def _land_flight(self, touched: set[str], failed: Optional[tuple[list[str], BaseException]] = None,
+                     then: list = ()) -> None:
+        """Read back every launched step (in launch order) into the requests' state; `then` (steps launched
+        after them) stays in flight. A step that fails here, or the launch `failed` names ((its request ids,
+        the error)), ends the requests it ran, and `then` is read back too (it ran on what failed): raises
+        StepFailed carrying every other output (the KeyboardInterrupt itself for a Ctrl-C, once consistent)."""
+        flights, self._flight = self._flight, []
+        rids, first = (list(failed[0]), failed[1]) if failed else ([], None)
+        for f in flights:
+            try:
+                self._land(f, touched)
+            except BaseException as e:
+                rids += [r for r, _, _ in f.rows]
+                first = first if first is not None else e
+        if first is None:
+            self._flight = list(then)
+            return
+        for f in then:
+            try:
+                self._land(f, touched)
+            except BaseException as e:
+                rids += [r for r, _, _ in f.rows]
+        err = self._step_failed(rids, first)
+        done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)
+        err.outputs = self._outputs(done)
         self._reap()
-        return outs
+        if not isinstance(first, Exception):
+            raise first  # Ctrl-C in a notebook: the engine is consistent again, the interrupt goes on
+        raise err from first
 
     def _outputs(self, request_ids: set[str]) -> list[RequestOutput]:
         """The step's outputs of these requests, as each request's `output_kind` asks (FINAL_ONLY: finished
@@ -1774,11 +1903,7 @@ class Engine:
 
     def _after_row(self, seq: Sequence, decoded: bool, prev: Optional[int] = None, ahead: list[int] = ()) -> None:
         """Bookkeeping after a step computed rows of `seq` (from position `prev` on a decode; `ahead`: accepted
-        drafts in the cache, not yet appended to its output): drop pins, share pages, capture states."""
-        if seq.read_pin is not None:
-            seq.read_pin.pins -= 1
-        seq.read_slot = seq.read_pin = None
-        seq.copies = []
+        drafts in the cache, not yet appended to its output): share pages, capture states."""
         pc = self.prefix_cache
         if pc is None:
             return
@@ -1905,8 +2030,11 @@ class Engine:
         for j in range(self.cfg.num_mla_layers):
             seq.pages[j].extend(got[j * per:(j + 1) * per])
 
-    def _run(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, touched: set[str],
-             decoding: bool) -> None:
+    def _launch(self, rids: list[str], rows: list[tuple[str, int, int]], t: int, decoding: bool) -> "_Flight":
+        """Build the batch of `rows` ((request id, start, tokens)) and launch its step program; the device
+        results stay where they are until `_land` reads them. What the batch consumed (checkpoint reads,
+        copy-on-write copies) is taken off the sequences here, so a next step launched before this one is read
+        back does not repeat it."""
         seqs = [self.seqs[r] for r in rids]
         need_pages = max(-(-(s + n) // self.config.page_size) for _, s, n in rows)
         long = not decoding and bool(self.sched_cfg.long_prefill_chunk) and len(rows) == 1
@@ -1916,10 +2044,42 @@ class Engine:
         pages_bucket = _fit(need_pages, self.decode_context_buckets if decoding and t == 1 else self.context_buckets)
         batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
         with step_annotation(rows_bucket, t, pages_bucket):  # a profile's name for the call (serve/profiler.py)
-            (res, prompt, accepted), counts = self._step_fn(batch)
-            tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
-        if (batch.targets >= 0).any():
-            self._record_prompt_logprobs(seqs, rows, batch.targets, prompt)
+            out = self._step_fn(batch)
+        pins = [s.read_pin for s in seqs if s.read_pin is not None]
+        offset = 0 if decoding else self.decode_buckets[-1]  # where the program puts its samples in the carry
+        samples, epochs = [], []
+        for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
+            seq.read_slot = seq.read_pin = None
+            seq.copies = []
+            sampled = start + n >= len(seq.all_ids) + seq.pending  # the row's last position is the sequence's
+            if sampled:
+                seq.pending += 1
+                seq.carry_at = offset + i
+            seq.flight_end = start + n
+            samples.append(sampled)
+            epochs.append(seq.epoch)
+        chainable = self._carry is not None and all(self._chains(seq, s + n) for seq, (_, s, n) in zip(seqs, rows))
+        return _Flight(seqs, rows, epochs, samples, t, rows_bucket, batch.targets, out, pins, chainable)
+
+    def _chains(self, seq: Sequence, end: int) -> bool:
+        """Whether a step may be launched after a row of `seq` ending at `end` before that row is read back:
+        not when its next inputs depend on the host seeing the sampled token (structured outputs, bad
+        words, beams, drafts) or when reading it back changes the sequence's slot (a KDA checkpoint taken at
+        `end`) or ends an internal row."""
+        return (seq.guide is None and not seq.bad_words and seq.beam is None and not seq.draft
+                and end not in seq.captures and not (seq.internal and end >= len(seq.all_ids)))
+
+    def _land(self, f: "_Flight", touched: set[str]) -> None:
+        """Read a launched step's results back: advance its sequences, append their tokens, share pages and
+        capture states. A row whose sequence released its memory since the launch (finished, aborted or
+        preempted) only gives a preempted sequence the token it sampled."""
+        for ck in f.pins:  # the step has read them (device order: anything launched later runs after it)
+            ck.pins -= 1
+        (res, prompt, accepted), counts = f.out
+        seqs, rows, t, rows_bucket = f.seqs, f.rows, f.t, f.rows_bucket
+        tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
+        if (f.targets >= 0).any():
+            self._record_prompt_logprobs(seqs, rows, f.targets, prompt)
         counts = np.asarray(counts)
         self.expert_counts += counts
         if self.eplb is not None and self.eplb.observe(counts):
@@ -1931,6 +2091,15 @@ class Engine:
         self.inter_rank_bytes += self._moe_exchange_bytes(rows_bucket * t)
         now = time.monotonic()
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
+            if f.samples[i]:
+                seq.pending -= 1
+            if seq.epoch != f.epochs[i]:
+                if f.samples[i] and not (seq.finished or seq.internal or seq.beam is not None or verify):
+                    touched.add(seq.rid)
+                    self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+                continue
+            if verify:  # (never chained) the drafts rejected were launched but are not computed
+                seq.flight_end = start + 1 + (0 if seq.beam is not None else int(accepted[i]))
             if verify and seq.beam is not None:  # a beam never drafts: its row verified nothing
                 seq.computed = start + 1
                 self._after_row(seq, decoded=True, prev=start)
@@ -1992,6 +2161,7 @@ class Engine:
         params, seeds, steps, plens, bans = [], [], [], [], []
         targets = np.full((rows, t), -1, np.int32)
         lora_slots = np.zeros(rows, np.int32)  # 0: the base model
+        splice = np.full(rows, -1, np.int32)  # async scheduling: the carry entry holding a row's first token
         pos = t if self.spec is not None and t == self.spec.verify_tokens else 1  # verify: a mask per position
         allowed = np.full((rows * pos, self.mask_words), -1, np.int32)
         guided = []  # (guide, row) of the rows that sample under a constraint
@@ -2005,6 +2175,10 @@ class Engine:
                 k = min(n, len(seq.embeds) - start)
                 embeds[i, :k], embed_mask[i, :k] = seq.embeds[start:start + k], True
             row = ids[start:start + n]
+            if start == len(ids) and seq.pending:  # its input token is still on the device, sampled in flight
+                if n != 1 or seq.carry_at < 0:
+                    raise AssertionError(f"{seq.rid}: a row of {n} tokens at {start} after a token in flight")
+                row, splice[i] = [0], seq.carry_at
             tokens[i, :n] = row + seq.draft[:n - len(row)]  # a verify row: the last token, then its drafts
             if seq.prompt_lps is not None and start + 1 < len(seq.prompt_ids):  # the next prompt tokens
                 nxt = seq.prompt_ids[start + 1:start + n + 1]
@@ -2020,9 +2194,10 @@ class Engine:
                 guided.append((seq.guide, i * pos))
             params.append(seq.params)
             seeds.append(seq.seed)
-            steps.append(len(seq.output_ids))
+            steps.append(len(seq.output_ids) + seq.pending)
             plens.append(len(seq.prompt_ids))
-            bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) < seq.params.min_tokens else None)
+            bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) + seq.pending < seq.params.min_tokens
+                        else None)
         if guided:
             t0 = time.perf_counter()
             fill_masks(guided, allowed)
@@ -2046,7 +2221,7 @@ class Engine:
         # numpy leaves: the jitted step transfers them in its C++ dispatch (jnp.asarray would cost a
         # Python-level primitive call per array, ~0.4 ms per step)
         return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots, embeds,
-                         embed_mask)
+                         embed_mask, self._carry, splice if self._carry is not None else None)
 
     def _token_text(self, params: SamplingParams):
         """token id -> its text for logprobs ("" without a tokenizer or with detokenize=False)."""
@@ -2116,6 +2291,7 @@ class Engine:
             seq.read_pin.pins -= 1
         seq.hit = seq.read_pin = seq.read_slot = None
         seq.copies, seq.registered_pages = [], 0
+        seq.epoch, seq.flight_end = seq.epoch + 1, 0
         if seq.slot is not None:
             self.allocator.free_slot(seq.slot)
             seq.slot = None

@@ -14,6 +14,7 @@ same ranks, and each MLA layer attends over every rank's share, combining the pa
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from collections import OrderedDict
 from functools import partial
@@ -58,6 +59,11 @@ class StepBatch:
     # the token embeddings at the positions where embed_mask [B, T] is set
     embeds: Optional[jax.Array] = None
     embed_mask: Optional[jax.Array] = None
+    # async scheduling (engines with `async_scheduling`, else None): the tokens sampled by the steps before,
+    # still on the device, [C] int32 (decode programs' rows at 0.., prefill programs' at `carry_offset`..),
+    # and for each row the carry entry that is its first token ([B] int32; -1: `tokens` has it)
+    carry: Optional[jax.Array] = None
+    splice: Optional[jax.Array] = None
 
 
 @dataclass(frozen=True)
@@ -71,6 +77,7 @@ class StepOptions:
     state_chunk: int = 64  # a bf16-stored KDA state is rounded at multiples of this in prefill rows
     logits_processors: tuple = ()  # custom LogitsProcessor objects run by the sampler (serve/logits_processors.py)
     scan: LayerScan | None = None  # the run of layers scanned over (k3jax/layer_scan.py); params = (state, stacked)
+    carry_offset: int = 0  # where prefill programs put their samples in the carry (decode programs: at 0)
 
 
 class PagedView(CacheView):
@@ -504,10 +511,12 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         src, dst = jnp.tile(src, 2), jnp.tile(dst, 2)  # per view of the arena, copying the arena for it
     a = split.arena if split else None
     arena = on_ranks(split, lambda ar, s, d: ar.at[d].set(ar[s]), (a, P(), P()), a)(arena, src, dst)
-    token_pages = write_tokens(token_pages.at[dst].set(token_pages[src]), batch)
     b, t = batch.tokens.shape
     decode = t == 1
     verify = options.verify_tokens > 1 and t == options.verify_tokens
+    if batch.carry is not None:  # rows whose input token the step before sampled: take it from the carry
+        batch = splice_tokens(batch)
+    token_pages = write_tokens(token_pages.at[dst].set(token_pages[src]), batch)
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
     view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place,
@@ -553,7 +562,25 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     # decode and verify rows never score prompt tokens (verify logits are the sampled positions' own)
     prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not (decode or verify)
               else no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
-    return arena, token_pages, (res, prompt, accepted), expert_counts(routed, batch, model.cfg.num_experts)
+    carry = None
+    if batch.carry is not None:
+        carry = carry_samples(batch.carry, res.tokens if res.tokens.ndim == 1 else res.tokens[:, 0],
+                              0 if decode or verify else options.carry_offset)
+    return arena, token_pages, (res, prompt, accepted, carry), expert_counts(routed, batch, model.cfg.num_experts)
+
+
+def splice_tokens(batch: StepBatch) -> StepBatch:
+    """The batch with each row's first token taken from the carry where `splice` names an entry."""
+    take = batch.splice >= 0  # [B]
+    first = jnp.where(take, batch.carry[jnp.maximum(batch.splice, 0)], batch.tokens[:, 0])
+    return dataclasses.replace(batch, tokens=batch.tokens.at[:, 0].set(first))
+
+
+def carry_samples(carry: jax.Array, samples: jax.Array, offset: int) -> jax.Array:
+    """The carry [C] with this program's samples [B] at entries offset..offset+B-1 (static)."""
+    if offset + samples.shape[0] > carry.shape[0]:
+        raise ValueError(f"carry of {carry.shape[0]} entries cannot hold {samples.shape[0]} rows at {offset}")
+    return jax.lax.dynamic_update_slice(carry, samples.astype(carry.dtype), (offset,))
 
 
 def write_tokens(token_pages: jax.Array, batch: StepBatch) -> jax.Array:
