@@ -1,8 +1,8 @@
 """Async scheduling (`EngineConfig.async_scheduling`): what overlapping the host's work with the device step
 gains, against the same waves on the synchronous engine in the same process.
 
-    python benchmarks/async_scheduling.py            # tiny-k3 and k3-small, c = 1 / 8 / 32 (~12 min)
-    python benchmarks/async_scheduling.py --quick    # tiny-k3, c = 8, one pair of waves
+    python benchmarks/async_scheduling.py            # tiny-k3 and k3-small, c = 1 / 8 / 32 (~15 min)
+    python benchmarks/async_scheduling.py --quick    # tiny-k3, c = 8, one pair of waves, one constrained round
 
 What is measured
 ----------------
@@ -17,6 +17,12 @@ What is measured
   wrapped calls; host time = the rest of `engine.step()` (scheduling, batch building, reading back, output
   processing). Overlap can save at most min(host, device) of each step: the bound on the async speed-up is
   (host + device) / max(host, device).
+* Constrained rows (`structured_mix`): a tiny-k3 wave of c = 32 greedy requests, every 8th constrained to a
+  regex, on the synchronous engine, the async engine (a decode program's logits sampled by a program launched
+  once the step before is read back, with the masks built then), and the async engine under the rule before
+  that (a step holding a constrained row read back before the next is planned); tokens compared, the share of
+  steps launched while another was in flight recorded.
+* Host time against rows (`host_scaling`): the synchronous split above on tiny-k3 at 32, 128 and 256 rows.
 * `tiny-k3` stands in for a fast accelerator: its device step is a few ms, so host work is a large share of
   each step, as for K3 on a GPU slice, where a decode step takes milliseconds and the host work of 256 rows
   does not shrink with the device. `k3-small` is device-bound on this CPU host.
@@ -40,7 +46,7 @@ import numpy as np  # noqa: E402
 import k3jax  # noqa: E402
 from serving import _loadavg, arena_budget, machine_info, med  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
-from serve.types import SamplingParams  # noqa: E402
+from serve.types import SamplingParams, StructuredOutputsParams  # noqa: E402
 
 GEN = 32
 
@@ -54,10 +60,10 @@ def engine_config(model, c: int, mml: int = 256, **kw) -> dict:
     return cfg
 
 
-def wave(engine: Engine, prompts: list[list[int]]) -> dict:
-    sp = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+def wave(engine: Engine, prompts: list[list[int]], params: list[SamplingParams] | None = None) -> dict:
+    params = params or [SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)] * len(prompts)
     t0 = time.perf_counter()
-    ids = [engine.add_request(p, sp) for p in prompts]
+    ids = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
     done, steps = {}, 0
     while engine.has_unfinished():
         for o in engine.step():
@@ -146,6 +152,68 @@ def run_model(name: str, concurrency: list[int], reps: int, seed: int) -> dict:
     return out
 
 
+def structured_mix(name: str, c: int, reps: int, seed: int, every: int = 8) -> dict:
+    """A wave of c greedy requests of which every `every`-th is constrained to a regex (structured outputs), on
+    three engines of one layout taking turns: synchronous; async (decode logits sampled by a program launched
+    once the step before is read back, its masks built then); and async under the rule before that program
+    (a step holding a constrained row read back before the next one is planned: `host_masks`)."""
+    model = k3jax.load_model(name, seed=1)
+    rng = np.random.default_rng(seed)
+    sync = Engine(model, EngineConfig(**engine_config(model, c)), progress=False)
+    asyn = Engine(model, EngineConfig(**engine_config(model, c, async_scheduling=True)), progress=False)
+    host_masks = Engine(model, EngineConfig(**engine_config(model, c, async_scheduling=True)), progress=False)
+    chains = host_masks._chains
+    host_masks._chains = lambda seq, end: chains(seq, end) and seq.guide is None and not seq.bad_words
+    engines = dict(sync=sync, async_=asyn, async_host_masks=host_masks)
+    regex = r"[a-z][a-z ]{0,200}"  # longer than the wave's tokens: every constrained row runs to max_tokens
+    params = [SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True,
+                             structured_outputs=StructuredOutputsParams(regex=regex) if i % every == 0 else None)
+              for i in range(c)]
+    rounds = []
+    for r in range(reps + 1):  # the first round warms caches and is not recorded
+        prompts = [rng.integers(0, model.cfg.vocab_size, int(n)).tolist() for n in rng.integers(32, 97, c)]
+        names = list(engines)[r % 3:] + list(engines)[:r % 3]
+        got = {}
+        for k in names:
+            e = engines[k]
+            before = dict(e.counters)
+            got[k] = wave(e, prompts, params)
+            got[k]["launched_ahead"] = ((e.counters["steps_launched_ahead"] - before["steps_launched_ahead"])
+                                        / (e.counters["steps"] - before["steps"]))
+        if r:
+            rounds.append({k: dict(gen_tok_s=v["gen_tok_s"], launched_ahead=v["launched_ahead"],
+                                   same_tokens=v["token_ids"] == got["sync"]["token_ids"]) for k, v in got.items()})
+    out = dict(model=name, concurrency=c, constrained_every=every, regex=regex, reps=reps, rounds=rounds,
+               compiles_after_warmup={k: e.compiles_after_warmup for k, e in engines.items()})
+    for k in engines:
+        out[k] = dict(gen_tok_s=med([x[k]["gen_tok_s"] for x in rounds]),
+                      launched_ahead=med([x[k]["launched_ahead"] for x in rounds]),
+                      same_tokens=all(x[k]["same_tokens"] for x in rounds))
+        out[k]["vs_sync"] = med([x[k]["gen_tok_s"] / x["sync"]["gen_tok_s"] for x in rounds])
+    print(f"{name} c={c}, every {every}th constrained: " + ", ".join(
+        f"{k} {v['gen_tok_s']:.1f} tok/s (x{v['vs_sync']:.3f}, {100 * v['launched_ahead']:.0f} % launched ahead)"
+        for k, v in ((k, out[k]) for k in engines)), flush=True)
+    return out
+
+
+def host_scaling(name: str, rows: list[int], seed: int) -> list[dict]:
+    """Host time of a synchronous decode step as the rows grow (the per-row and the fixed part)."""
+    model = k3jax.load_model(name, seed=1)
+    rng = np.random.default_rng(seed)
+    out = []
+    for c in rows:
+        eng = Engine(model, EngineConfig(**engine_config(model, c, decode_buckets=tuple(sorted({1, 8, c})))),
+                     progress=False)
+        runs = [split_step_time(eng, [rng.integers(0, model.cfg.vocab_size, int(n)).tolist()
+                                      for n in rng.integers(32, 97, c)]) for _ in range(3)]
+        res = dict(rows=c, **{k: med([x[k] for x in runs]) for k in ("step_ms", "device_ms", "host_ms")})
+        res["host_us_per_row"] = 1e3 * res["host_ms"] / c
+        out.append(res)
+        print(f"{name} {c} rows: host {res['host_ms']:.2f} ms a decode step ({res['host_us_per_row']:.1f} us a row), "
+              f"device {res['device_ms']:.2f} ms", flush=True)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true")
@@ -158,6 +226,9 @@ def main():
     res = dict(benchmark="async_scheduling", machine=machine_info(), gen_tokens=GEN, models=[])
     for name, conc in models:
         res["models"].append(run_model(name, conc, reps, a.seed))
+    res["structured_mix"] = [structured_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
+    if not a.quick:
+        res["host_scaling"] = host_scaling("tiny-k3", [32, 128, 256], a.seed)
     res["machine"]["loadavg_end"] = _loadavg()
     path = Path(a.out) if a.out else REPO / "benchmarks" / "results" / (
         "async_scheduling-cpu-quick.json" if a.quick else "async_scheduling-cpu.json")

@@ -6,6 +6,8 @@ a bucket compiled at start-up. Host work per step is proportional to the number 
 step, never to layers or tokens of context. With `async_scheduling` that work leaves the device's critical
 path: a step is launched (`_launch`) before the step launched by the call before is read back (`_land`),
 and a request's next input token, sampled by the step in flight, reaches the next step on the device.
+Decode programs then return their logits and a sample program, launched once the step before is read back
+(`_complete`), samples them: the rows' masks (structured outputs, bad words) need the token that step sampled.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve import eplb
 from serve.state_split import StateSplit
-from serve.step import StepBatch, StepOptions, bind_step
+from serve.step import StepBatch, StepOptions, bind_sample, bind_step
 from serve.stop_checker import StopChecker
 from serve.structured import GrammarCompiler, Guide, ban_words, fill_masks, mask_words
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
@@ -533,6 +535,9 @@ class _Flight:
     out: tuple  # device results: ((samples, prompt logprobs, drafts accepted), expert counts)
     pins: list  # checkpoint entries pinned until this step has read them
     chainable: bool  # the next step may be launched before this one is read back
+    # a decode program whose logits are not sampled yet (async scheduling: `Engine._complete`): its batch's
+    # sampling parameters and first MLA layer's page table [B, 1, P]; `out` holds the logits until then
+    deferred: Optional[tuple] = None
 
 
 @dataclass
@@ -660,7 +665,12 @@ class Engine:
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
-                              self.logits_processors, carry_offset=self.decode_buckets[-1] if self._carry_size else 0)
+                              self.logits_processors, carry_offset=self.decode_buckets[-1] if self._carry_size else 0,
+                              sample_apart=config.async_scheduling)
+        # async scheduling: decode programs leave sampling to this one, launched once the step before is read
+        # back, so the rows' masks (structured outputs, bad words) see the token it sampled (`_complete`)
+        self._sample = (bind_sample(config.max_logprobs, self.logits_processors, arena_sharding)
+                        if config.async_scheduling else None)
         self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self._arena_sharding = arena_sharding
         # the model's weights as update_weights takes them (per layer), before any stacking
@@ -854,7 +864,10 @@ class Engine:
         ahead = self._compile_ahead(batches, moe_tokens, progress)
         for (rows, t, p), batch in zip(tqdm(shapes, desc="running step buckets" if ahead else "compiling step buckets",
                                             disable=not progress), batches):
-            self._step_fn(batch)
+            (logits, _, _), _ = self._step_fn(batch)
+            if self._sample is not None and t == 1:  # the decode program's sample program
+                _, self._carry = self._sample(self.token_pages, logits, batch.sampling, batch.page_table[:, :1],
+                                              self._carry)
             if self.channel is not None:
                 self.channel.prime((rows, t, p))
         if self.host_transfers is not None:  # compile the host tier's two copies (on the scratch page)
@@ -929,7 +942,8 @@ class Engine:
             batch.carry = self._carry  # the latest samples (the batch may have been built before the last step)
         self.arena, self.token_pages, (res, prompt, accepted, carry), counts = self._step(
             self._leaves, self.arena, self.token_pages, batch)
-        self._carry = carry
+        if carry is not None:  # (a decode program sampling apart returns none: its sample program will)
+            self._carry = carry
         self._count_compiles(self._step._cache_size() > before, f"step shape {batch.tokens.shape}")
         return (res, prompt, accepted), counts
 
@@ -1529,12 +1543,25 @@ class Engine:
         # the step launched before this one is read back; this one stays in flight unless a row of it needs
         # the host before anything else is planned, or it only computes rows of requests that ended meanwhile
         self._land_flight(touched, then=launched)
+        self._complete_flight(touched)
         if self._flight and (not all(f.chainable for f in self._flight)
                              or all(s.finished for f in self._flight for s in f.seqs)):
             self._land_flight(touched)
         ended |= self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
         return self._step_outputs(touched, ended)
+
+    def _complete_flight(self, touched: set[str]) -> None:
+        """Launch the sample programs of the decode steps in flight (async scheduling; `_complete`), now that
+        the steps before them are read back. One that fails ends its requests, as a failed launch does."""
+        for f in [f for f in self._flight if f.deferred is not None]:
+            try:
+                self._complete(f)
+            except BaseException as e:
+                self._flight.remove(f)
+                for seq, sampled in zip(f.seqs, f.samples):
+                    seq.pending -= sampled
+                self._land_flight(touched, failed=([r for r, _, _ in f.rows], e))
 
     def _step_outputs(self, touched: set[str], ended: set[str] = frozenset()) -> list[RequestOutput]:
         outs = self._outputs({self.seqs[r].request_id for r in touched if r in self.seqs} | ended)
@@ -2042,7 +2069,9 @@ class Engine:
             t = self.sched_cfg.long_prefill_chunk
         rows_bucket = 1 if long else _fit(len(rows), self.decode_buckets if decoding else self.prefill_buckets)
         pages_bucket = _fit(need_pages, self.decode_context_buckets if decoding and t == 1 else self.context_buckets)
-        batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows])
+        apart = self._sample is not None and t == 1  # sampled once the step before is read back (`_complete`)
+        batch = self._pad_batch(rows_bucket, t, pages_bucket, [(self.seqs[r], s, n) for r, s, n in rows],
+                                masks=not apart)
         with step_annotation(rows_bucket, t, pages_bucket):  # a profile's name for the call (serve/profiler.py)
             out = self._step_fn(batch)
         pins = [s.read_pin for s in seqs if s.read_pin is not None]
@@ -2059,20 +2088,40 @@ class Engine:
             samples.append(sampled)
             epochs.append(seq.epoch)
         chainable = self._carry is not None and all(self._chains(seq, s + n) for seq, (_, s, n) in zip(seqs, rows))
-        return _Flight(seqs, rows, epochs, samples, t, rows_bucket, batch.targets, out, pins, chainable)
+        return _Flight(seqs, rows, epochs, samples, t, rows_bucket, batch.targets, out, pins, chainable,
+                       (batch.sampling, batch.page_table[:, :1]) if apart else None)
+
+    def _complete(self, f: "_Flight") -> None:
+        """Sample a launched decode program's logits (async scheduling), its rows' masks built now that the
+        step before it is read back: a structured-output row's constraint and a row's bad words have seen the
+        token that step sampled, which was this row's input on the device. Rows of sequences that finished
+        meanwhile sample unconstrained (their tokens are dropped when read back)."""
+        sampling, table = f.deferred
+        live = [(i, seq, start, n) for i, (seq, (_, start, n)) in enumerate(zip(f.seqs, f.rows)) if not seq.finished]
+        allowed = np.full((f.rows_bucket, self.mask_words), -1, np.int32)
+        self._fill_allowed(allowed, live, 1)
+        (logits, prompt, accepted), counts = f.out
+        before = self._sample._cache_size()
+        res, carry = self._sample(self.token_pages, logits, dataclasses.replace(sampling, allowed=allowed), table,
+                                  self._carry)
+        self._count_compiles(self._sample._cache_size() > before, f"sample shape {tuple(logits.shape)}")
+        self._carry, f.out, f.deferred = carry, ((res, prompt, accepted), counts), None
 
     def _chains(self, seq: Sequence, end: int) -> bool:
         """Whether a step may be launched after a row of `seq` ending at `end` before that row is read back:
-        not when its next inputs depend on the host seeing the sampled token (structured outputs, bad
-        words, beams, drafts) or when reading it back changes the sequence's slot (a KDA checkpoint taken at
-        `end`) or ends an internal row."""
-        return (seq.guide is None and not seq.bad_words and seq.beam is None and not seq.draft
+        not when its next inputs depend on the host seeing the sampled token (beams, drafts; structured outputs
+        and bad words unless decode programs sample apart, `_complete`) or when reading it back changes the
+        sequence's slot (a KDA checkpoint taken at `end`) or ends an internal row."""
+        masks = self._sample is None and (seq.guide is not None or bool(seq.bad_words))  # else: `_complete`
+        return (not masks and seq.beam is None and not seq.draft
                 and end not in seq.captures and not (seq.internal and end >= len(seq.all_ids)))
 
     def _land(self, f: "_Flight", touched: set[str]) -> None:
         """Read a launched step's results back: advance its sequences, append their tokens, share pages and
         capture states. A row whose sequence released its memory since the launch (finished, aborted or
         preempted) only gives a preempted sequence the token it sampled."""
+        if f.deferred is not None:  # (a failed step's read-back) sample it first
+            self._complete(f)
         for ck in f.pins:  # the step has read them (device order: anything launched later runs after it)
             ck.pins -= 1
         (res, prompt, accepted), counts = f.out
@@ -2149,7 +2198,10 @@ class Engine:
                     Logprob(tok, float(lp[i, k]), dec(tok), int(rank[i, k])),
                     [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[i, k, :n], top_lps[i, k, :n])])
 
-    def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]]) -> StepBatch:
+    def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]],
+                   masks: bool = True) -> StepBatch:
+        """The padded batch of `items` ((sequence, start, tokens)) for a (rows, t, pages) program; with
+        `masks` False the rows' allowed-token masks are left open (a deferred sample builds them)."""
         lay, lm = self.layout, max(1, self.cfg.num_mla_layers)
         tokens = np.zeros((rows, t), np.int32)
         valid = np.zeros(rows, np.int32)
@@ -2164,7 +2216,6 @@ class Engine:
         splice = np.full(rows, -1, np.int32)  # async scheduling: the carry entry holding a row's first token
         pos = t if self.spec is not None and t == self.spec.verify_tokens else 1  # verify: a mask per position
         allowed = np.full((rows * pos, self.mask_words), -1, np.int32)
-        guided = []  # (guide, row) of the rows that sample under a constraint
         embeds = embed_mask = None
         if self.config.enable_prompt_embeds:  # every program takes them: any row may hold prompt positions
             embeds = np.zeros((rows, t, self.cfg.hidden_size), self.model.dtype)
@@ -2190,27 +2241,14 @@ class Engine:
             if self.cfg.num_mla_layers:
                 held = seq.page_table()[:, :pages]
                 table[i, :, :held.shape[1]] = held
-            if seq.guide is not None and start + n >= len(ids):  # this row samples the next token
-                guided.append((seq.guide, i * pos))
             params.append(seq.params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids) + seq.pending)
             plens.append(len(seq.prompt_ids))
             bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) + seq.pending < seq.params.min_tokens
                         else None)
-        if guided:
-            t0 = time.perf_counter()
-            fill_masks(guided, allowed)
-            for i, (seq, start, n) in enumerate(items):  # verify rows: the mask after each draft too
-                if seq.guide is not None and n > 1:
-                    seq.guide.fill_drafts(seq.draft[:n - 1], allowed[i * pos + 1:i * pos + n])
-            self.mask_seconds += time.perf_counter() - t0
-        for i, (seq, start, n) in enumerate(items):
-            if seq.bad_words and start + n == len(seq.prompt_ids) + len(seq.output_ids):  # never drafts
-                row = allowed[i * pos].copy()
-                ban_words(row, seq.bad_words, seq.output_ids)
-                if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
-                    allowed[i * pos] = row
+        if masks:
+            self._fill_allowed(allowed, [(i, seq, start, n) for i, (seq, start, n) in enumerate(items)], pos)
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed,
                                        processors=self.logits_processors)
         ncopy = rows * lm
@@ -2222,6 +2260,26 @@ class Engine:
         # Python-level primitive call per array, ~0.4 ms per step)
         return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots, embeds,
                          embed_mask, self._carry, splice if self._carry is not None else None)
+
+    def _fill_allowed(self, allowed: np.ndarray, rows: list[tuple[int, Sequence, int, int]], pos: int) -> None:
+        """Write the next-token masks of `rows` ((batch row, sequence, start, tokens)) into `allowed`
+        [B * pos, W] (`pos` masks a row: a verify batch's positions): the structured-output constraint of each
+        row that samples its sequence's next token (and, for verify rows, after each draft), then bad words."""
+        guided = [(seq.guide, i * pos) for i, seq, start, n in rows
+                  if seq.guide is not None and start + n >= len(seq.all_ids)]  # this row samples the next token
+        if guided:
+            t0 = time.perf_counter()
+            fill_masks(guided, allowed)
+            for i, seq, start, n in rows:  # verify rows: the mask after each draft too
+                if seq.guide is not None and n > 1:
+                    seq.guide.fill_drafts(seq.draft[:n - 1], allowed[i * pos + 1:i * pos + n])
+            self.mask_seconds += time.perf_counter() - t0
+        for i, seq, start, n in rows:
+            if seq.bad_words and start + n == len(seq.prompt_ids) + len(seq.output_ids):  # never drafts
+                row = allowed[i * pos].copy()
+                ban_words(row, seq.bad_words, seq.output_ids)
+                if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
+                    allowed[i * pos] = row
 
     def _token_text(self, params: SamplingParams):
         """token id -> its text for logprobs ("" without a tokenizer or with detokenize=False)."""

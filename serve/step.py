@@ -9,7 +9,8 @@ layer), so every program is compiled at start-up. With the
 arena split over a mesh axis by KDA heads, every arena access runs on each rank's own part
 (`serve/state_split.py`); with decode context parallelism the MLA pages are split by position over the
 same ranks, and each MLA layer attends over every rank's share, combining the partial softmaxes
-(`PagedView._context_parallel`).
+(`PagedView._context_parallel`). With async scheduling, decode programs return their logits and
+`bind_sample`'s program samples them (`StepOptions.sample_apart`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,10 @@ class StepOptions:
     logits_processors: tuple = ()  # custom LogitsProcessor objects run by the sampler (serve/logits_processors.py)
     scan: LayerScan | None = None  # the run of layers scanned over (k3jax/layer_scan.py); params = (state, stacked)
     carry_offset: int = 0  # where prefill programs put their samples in the carry (decode programs: at 0)
+    # decode programs return their next-token logits [B, V] unsampled, and `bind_sample`'s program samples
+    # them (async scheduling: a structured-output row's mask depends on the token the step before sampled,
+    # which the host reads back only after this step is launched)
+    sample_apart: bool = False
 
 
 class PagedView(CacheView):
@@ -485,6 +490,29 @@ _BOUND: OrderedDict = OrderedDict()
 _BOUND_MAX = 8
 
 
+def bind_sample(num_top_logprobs: int, processors: tuple = (), sharding=None):
+    """-> sample(token_pages, logits, sampling, page_table, carry) -> (SampleResult, carry): the sampling a
+    decode program with `StepOptions.sample_apart` left out, as its own small program (one per rows and
+    pages bucket). `page_table` [B, 1, P] is the rows' first MLA layer's pages (the penalties' and
+    processors' history, as the fused step reads it); the samples go to carry entries 0..B-1. With
+    `sharding` (the engine's mesh) the results are whole on every device, as the fused step's are."""
+    key = ("sample", num_top_logprobs, processors, sharding)
+    if key not in _BOUND:
+
+        def run(token_pages, logits, sampling, page_table, carry):
+            res = sample(logits, sampling, num_top_logprobs, history=lambda: token_history(token_pages, page_table),
+                         processors=processors)
+            carry = carry_samples(carry, res.tokens, 0)
+            if sharding is not None:
+                res, carry = jax.lax.with_sharding_constraint((res, carry), NamedSharding(sharding.mesh, P()))
+            return res, carry
+
+        _BOUND[key] = jax.jit(run)
+        while len(_BOUND) > _BOUND_MAX:
+            _BOUND.popitem(last=False)
+    return _BOUND[key]
+
+
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_pages: jax.Array,
                  batch: StepBatch, num_top_logprobs: int,
                  options: StepOptions = StepOptions()
@@ -498,8 +526,9 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
     touched pages (unless decode stored them through the paged MLA path); sampling; for verify rows, the
     commit of each row's accepted tokens to its KDA states; and, unless updated in place, the writes of
-    the working slots. The third result is (samples, prompt logprobs, drafts accepted [B]); a verify
-    step's samples are [B, T] (one per position), the others' [B]."""
+    the working slots. The third result is (samples, prompt logprobs, drafts accepted [B], carry); a verify
+    step's samples are [B, T] (one per position), the others' [B]; a decode step with
+    `options.sample_apart` gives its logits [B, V] fp32 in place of samples, and no carry (`bind_sample`)."""
     scan = None
     if options.scan is not None:  # (state with the scanned layers hollow, their stacked weights)
         params, stacked = params
@@ -538,9 +567,12 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         units, rows = touched_pages(layout, batch, view.kv)
         write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
         arena = write(arena, units, rows)
-    history = lambda: token_history(token_pages, batch)
+    history = lambda: token_history(token_pages, batch.page_table)
     accepted = jnp.zeros((b,), jnp.int32)
-    if verify:  # a token sampled at every position, as decoding would sample it at that output index
+    apart = options.sample_apart and decode
+    if apart:  # sampled by the engine's sample program once the rows' masks are known
+        res = logits.astype(jnp.float32)
+    elif verify:  # a token sampled at every position, as decoding would sample it at that output index
         rows = jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), batch.sampling)
         rows.steps = rows.steps + jnp.tile(jnp.arange(t, dtype=rows.steps.dtype), b)
         if batch.sampling.allowed.shape[0] == b * t:  # structured outputs: a mask per position
@@ -563,7 +595,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not (decode or verify)
               else no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
     carry = None
-    if batch.carry is not None:
+    if batch.carry is not None and not apart:
         carry = carry_samples(batch.carry, res.tokens if res.tokens.ndim == 1 else res.tokens[:, 0],
                               0 if decode or verify else options.carry_offset)
     return arena, token_pages, (res, prompt, accepted, carry), expert_counts(routed, batch, model.cfg.num_experts)
@@ -593,9 +625,10 @@ def write_tokens(token_pages: jax.Array, batch: StepBatch) -> jax.Array:
     return token_pages.at[unit, pos % ps].set(batch.tokens, mode="drop")
 
 
-def token_history(token_pages: jax.Array, batch: StepBatch) -> tuple[jax.Array, jax.Array]:
-    """Each row's token ids over its page positions and the positions: ([B, P * ps], [B, P * ps])."""
-    ids = token_pages[batch.page_table[:, 0]].reshape(batch.tokens.shape[0], -1)
+def token_history(token_pages: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's token ids over its first MLA layer's page positions (page_table [B, Lm, P]) and the
+    positions: ([B, P * ps], [B, P * ps])."""
+    ids = token_pages[page_table[:, 0]].reshape(page_table.shape[0], -1)
     return ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :], ids.shape)
 
 

@@ -18,3 +18,11 @@ def test_one_pair_at_c1(monkeypatch):
     assert split["decode_steps"] >= 4 and split["device_ms"] > 0 and split["host_ms"] > 0
     assert split["device_ms"] + split["host_ms"] == pytest.approx(split["step_ms"])
     assert 1.0 <= split["overlap_bound"] <= 2.0
+
+
+def test_structured_mix_keeps_steps_in_flight(monkeypatch):
+    monkeypatch.setattr(async_scheduling, "GEN", 6)
+    res = async_scheduling.structured_mix("tiny-k3", 8, reps=1, seed=0, every=4)
+    assert all(res[k]["same_tokens"] for k in ("async_", "async_host_masks"))
+    assert set(res["compiles_after_warmup"].values()) == {0}
+    assert res["async_"]["launched_ahead"] > res["async_host_masks"]["launched_ahead"]
