@@ -17,11 +17,10 @@ What is measured
   wrapped calls; host time = the rest of `engine.step()` (scheduling, batch building, reading back, output
   processing). Overlap can save at most min(host, device) of each step: the bound on the async speed-up is
   (host + device) / max(host, device).
-* Constrained rows (`structured_mix`): a tiny-k3 wave of c = 32 greedy requests, every 8th constrained to a
-  regex, on the synchronous engine, the async engine (a decode program's logits sampled by a program launched
-  once the step before is read back, with the masks built then), and the async engine under the rule before
-  that (a step holding a constrained row read back before the next is planned); tokens compared, the share of
-  steps launched while another was in flight recorded.
+* Constrained rows (`structured_mix`): tiny-k3 waves of c = 32 greedy requests, every 8th constrained to a
+  regex, on the synchronous and the async engine (a decode program's logits sampled by a program launched
+  once the step before is read back, with the masks built then); tokens compared, the share of steps
+  launched while another was in flight recorded. `--only-structured` runs just this part.
 * Host time against rows (`host_scaling`): the synchronous split above on tiny-k3 at 32, 128 and 256 rows.
 * `tiny-k3` stands in for a fast accelerator: its device step is a few ms, so host work is a large share of
   each step, as for K3 on a GPU slice, where a decode step takes milliseconds and the host work of 256 rows
@@ -153,18 +152,13 @@ def run_model(name: str, concurrency: list[int], reps: int, seed: int) -> dict:
 
 
 def structured_mix(name: str, c: int, reps: int, seed: int, every: int = 8) -> dict:
-    """A wave of c greedy requests of which every `every`-th is constrained to a regex (structured outputs), on
-    three engines of one layout taking turns: synchronous; async (decode logits sampled by a program launched
-    once the step before is read back, its masks built then); and async under the rule before that program
-    (a step holding a constrained row read back before the next one is planned: `host_masks`)."""
+    """A wave of c greedy requests of which every `every`-th is constrained to a regex (structured outputs): the
+    synchronous and the async engine of one layout taking turns (the async engine's decode logits sampled by a
+    program launched once the step before is read back, with the masks built then)."""
     model = k3jax.load_model(name, seed=1)
     rng = np.random.default_rng(seed)
-    sync = Engine(model, EngineConfig(**engine_config(model, c)), progress=False)
-    asyn = Engine(model, EngineConfig(**engine_config(model, c, async_scheduling=True)), progress=False)
-    host_masks = Engine(model, EngineConfig(**engine_config(model, c, async_scheduling=True)), progress=False)
-    chains = host_masks._chains
-    host_masks._chains = lambda seq, end: chains(seq, end) and seq.guide is None and not seq.bad_words
-    engines = dict(sync=sync, async_=asyn, async_host_masks=host_masks)
+    engines = dict(sync=Engine(model, EngineConfig(**engine_config(model, c)), progress=False),
+                   async_=Engine(model, EngineConfig(**engine_config(model, c, async_scheduling=True)), progress=False))
     regex = r"[a-z][a-z ]{0,200}"  # longer than the wave's tokens: every constrained row runs to max_tokens
     params = [SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True,
                              structured_outputs=StructuredOutputsParams(regex=regex) if i % every == 0 else None)
@@ -172,9 +166,8 @@ def structured_mix(name: str, c: int, reps: int, seed: int, every: int = 8) -> d
     rounds = []
     for r in range(reps + 1):  # the first round warms caches and is not recorded
         prompts = [rng.integers(0, model.cfg.vocab_size, int(n)).tolist() for n in rng.integers(32, 97, c)]
-        names = list(engines)[r % 3:] + list(engines)[:r % 3]
         got = {}
-        for k in names:
+        for k in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
             e = engines[k]
             before = dict(e.counters)
             got[k] = wave(e, prompts, params)
@@ -189,10 +182,12 @@ def structured_mix(name: str, c: int, reps: int, seed: int, every: int = 8) -> d
         out[k] = dict(gen_tok_s=med([x[k]["gen_tok_s"] for x in rounds]),
                       launched_ahead=med([x[k]["launched_ahead"] for x in rounds]),
                       same_tokens=all(x[k]["same_tokens"] for x in rounds))
-        out[k]["vs_sync"] = med([x[k]["gen_tok_s"] / x["sync"]["gen_tok_s"] for x in rounds])
-    print(f"{name} c={c}, every {every}th constrained: " + ", ".join(
-        f"{k} {v['gen_tok_s']:.1f} tok/s (x{v['vs_sync']:.3f}, {100 * v['launched_ahead']:.0f} % launched ahead)"
-        for k, v in ((k, out[k]) for k in engines)), flush=True)
+    ratios = [x["async_"]["gen_tok_s"] / x["sync"]["gen_tok_s"] for x in rounds]
+    out.update(speedup_median=med(ratios), speedup_min=min(ratios), speedup_max=max(ratios))
+    print(f"{name} c={c}, every {every}th constrained: sync {out['sync']['gen_tok_s']:.1f} tok/s, async "
+          f"{out['async_']['gen_tok_s']:.1f} tok/s, x{out['speedup_median']:.3f} ({out['speedup_min']:.3f}-"
+          f"{out['speedup_max']:.3f}), {100 * out['async_']['launched_ahead']:.0f} % of async steps launched ahead, "
+          f"same tokens {out['async_']['same_tokens']}", flush=True)
     return out
 
 
@@ -220,19 +215,22 @@ def main():
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--only-structured", action="store_true", help="only the constrained-rows waves")
     a = ap.parse_args()
     models = [("tiny-k3", [8])] if a.quick else [("tiny-k3", [1, 8, 32]), ("k3-small", [1, 8, 32])]
+    models = [] if a.only_structured else models
     reps = 1 if a.quick else a.reps
     res = dict(benchmark="async_scheduling", machine=machine_info(), gen_tokens=GEN, models=[])
     for name, conc in models:
         res["models"].append(run_model(name, conc, reps, a.seed))
     res["structured_mix"] = [structured_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
-    if not a.quick:
+    if not (a.quick or a.only_structured):
         res["host_scaling"] = host_scaling("tiny-k3", [32, 128, 256], a.seed)
     res["machine"]["loadavg_end"] = _loadavg()
     path = Path(a.out) if a.out else REPO / "benchmarks" / "results" / (
-        "async_scheduling-cpu-quick.json" if a.quick else "async_scheduling-cpu.json")
-    if a.quick and not a.out:
+        "async_scheduling-cpu-quick.json" if a.quick else
+        "async_scheduling-cpu-structured.json" if a.only_structured else "async_scheduling-cpu.json")
+    if (a.quick or a.only_structured) and not a.out:  # partial runs do not replace the recorded results
         path = Path("/tmp") / path.name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))
