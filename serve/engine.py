@@ -844,9 +844,21 @@ class Engine:
 
     def _step_temp_bytes(self) -> int:
         """The largest step programs' temporaries, compiled against the current arena (nothing runs)."""
-        return max(step_temp_bytes(self._step.lower(self._leaves, self.arena, self.token_pages,
-                                                    self._pad_batch(rows, t, p, [])).compile())
-                   for rows, t, p in largest_programs(self.bucket_shapes()))
+        return max(self._program_temp_bytes(*shape) for shape in largest_programs(self.bucket_shapes()))
+
+    def _program_temp_bytes(self, rows: int, t: int, pages: int) -> int:
+        """The temporaries of one (rows, t, pages) step program. A decode program sampling apart (async
+        scheduling) counts its sample program's too: its logits (an output, counted) stay on the device until
+        that program has run."""
+        batch = self._pad_batch(rows, t, pages, [])
+        lowered = self._step.lower(self._leaves, self.arena, self.token_pages, batch)
+        n = step_temp_bytes(lowered.compile())
+        if self._sample is not None and t == 1:
+            out = lowered.out_info[2][0]  # the logits [rows, V]
+            logits = jax.ShapeDtypeStruct(out.shape, out.dtype)
+            n += step_temp_bytes(self._sample.lower(self.token_pages, logits, batch.sampling, batch.page_table[:, :1],
+                                                    self._carry).compile())
+        return n
 
     def bucket_shapes(self) -> list[tuple[int, int, int]]:
         """Every (rows, tokens per row, pages per layer) program this engine may run."""

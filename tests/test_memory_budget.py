@@ -5,11 +5,12 @@ the live arrays on it, as an accelerator's allocator reports."""
 import gc
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 import k3jax
 import serve.engine
-from serve.memory_budget import MemoryPlan, largest_programs, plan_cache_bytes
+from serve.memory_budget import MemoryPlan, largest_programs, plan_cache_bytes, step_temp_bytes
 from serve.types import SamplingParams
 
 LIMIT = 48 << 20  # the simulated device
@@ -47,18 +48,30 @@ def test_bad_fraction_is_named(bad):
         serve.engine.EngineConfig(gpu_memory_utilization=bad).validate()
 
 
-def test_the_arena_fills_the_device(monkeypatch):
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_arena_fills_the_device(monkeypatch, async_scheduling):
     """The arena takes what is left of half the device after the weights and the measured step temporaries:
     everything on the device then fits that half with less than a unit to spare beside the temporaries; the
-    engine serves from that arena with no compile after warm-up and frees it all."""
+    engine serves from that arena with no compile after warm-up and frees it all. With async scheduling the
+    decode programs' temporaries include their separate sample program's."""
     gc.collect()
     before = _live_bytes()  # other tests' arrays in this process are not on the simulated device
     on_device = lambda: _live_bytes() - before  # noqa: E731
     monkeypatch.setattr(serve.engine, "device_memory", lambda devices: [
         dict(bytes_limit=LIMIT, bytes_in_use=on_device()) for _ in devices])
-    llm = k3jax.LLM("tiny-k3", gpu_memory_utilization=0.5, progress=False, **SMALL)
+    llm = k3jax.LLM("tiny-k3", gpu_memory_utilization=0.5, progress=False, async_scheduling=async_scheduling,
+                    **SMALL)
     eng = llm.engine
     plan = eng.memory_plan
+    if async_scheduling:  # a decode program's sample program's temporaries count beside the logits it leaves
+        shape = (eng.decode_buckets[-1], 1, eng.decode_context_buckets[-1])
+        b = eng._pad_batch(*shape, [])
+        logits = jax.ShapeDtypeStruct((shape[0], eng.cfg.vocab_size), jnp.float32)
+        sample = step_temp_bytes(eng._sample.lower(eng.token_pages, logits, b.sampling, b.page_table[:, :1],
+                                                   eng._carry).compile())
+        decode = step_temp_bytes(eng._step.lower(eng._leaves, eng.arena, eng.token_pages, b).compile())
+        assert decode >= logits.size * 4 and sample > 0
+        assert eng._program_temp_bytes(*shape) == decode + sample
     assert plan.bytes_limit == LIMIT and plan.step_temp_bytes > 0 and plan.cache_bytes == eng.layout.num_units * \
         eng.layout.unit_bytes
     # what was on the device: the engine's weights and (on CPU, whose engine expands the MXFP4 experts) the
