@@ -489,3 +489,7 @@ def test_slot_eviction_takes_the_cheapest_run(data):
     assert pc._free_cheapest_slot_run()
     assert alloc._free_slot_bases(2) == [-want[2]]
     assert before_pages - set(pc.pages) == want[3] and before_ckpts - set(pc.ckpts) == want[4]
+    # the units array the screening reads holds exactly the entries left, one row each
+    rows = {e.key: list(u) for e, u in zip(pc._rows.entries, pc._rows.units.tolist()) if e is not None}
+    assert rows == {k: list(e.units) for k, e in pc.pages.items()}
+    assert all(u == [-1] * len(u) for e, u in zip(pc._rows.entries, pc._rows.units.tolist()) if e is None)
