@@ -113,6 +113,9 @@ class PageEntry:
     dependents: set = field(default_factory=set)  # checkpoint keys needing this page
 
 
+_NEVER = np.iinfo(np.int64).max  # the last use of a free row: after every entry
+
+
 class EntryRows:
     """The page entries' units (one per MLA layer) as rows of one array, kept as entries come and go: the
     slot-run screening reads them all at each eviction, and rebuilding the array from the entries' lists
@@ -121,6 +124,9 @@ class EntryRows:
 
     def __init__(self, layers: int):
         self._units = np.full((64, layers), -1, np.int32)
+        self._index = np.zeros(64, np.int64)  # the entry's page index (depth in its chain)
+        self._added = np.zeros(64, np.int64)  # when it was added (the cache's dict order)
+        self._count = itertools.count()
         self.entries: list = []  # row -> PageEntry, or None for a free row
         self._free: list[int] = []
         self._row: dict[bytes, int] = {}
@@ -129,6 +135,14 @@ class EntryRows:
     def units(self) -> np.ndarray:
         """[rows, layers] int32 (a view: valid until the next `add`)."""
         return self._units[:len(self.entries)]
+
+    @property
+    def index(self) -> np.ndarray:
+        return self._index[:len(self.entries)]
+
+    @property
+    def added(self) -> np.ndarray:
+        return self._added[:len(self.entries)]
 
     def add(self, e: PageEntry) -> None:
         if self._free:
@@ -140,7 +154,10 @@ class EntryRows:
                 grown = np.full((2 * r, self._units.shape[1]), -1, np.int32)
                 grown[:r] = self._units
                 self._units = grown
+                self._index, self._added = (np.concatenate([a, np.zeros(r, np.int64)])
+                                            for a in (self._index, self._added))
         self._units[r] = e.units
+        self._index[r], self._added[r] = e.index, next(self._count)
         self.entries[r] = e
         self._row[e.key] = r
 
@@ -421,7 +438,7 @@ class PrefixCache(UnitRefs):
                 return  # (a slot was all that was short: no page order needed)
             only = self._only_cached()
             lru = self._lru_order(ckpts)
-            for entries in (lru, kept, [e for e in lru if isinstance(e, PageEntry)]):
+            for entries in (lru(), kept, lru(pages_only=True)):
                 for e in entries:
                     if not short():
                         return
@@ -432,17 +449,29 @@ class PrefixCache(UnitRefs):
         finally:
             self._flush_spill()
 
-    def _lru_order(self, ckpts: list[CkptEntry]) -> list:
-        """`ckpts` and every page entry, least recently used first (a checkpoint before pages of the same
-        use, a conversation's deeper pages before its shallower ones). Sorted as arrays: ~10^5 entries
-        at K3 sizes, where building a key tuple for each took ~0.2 s."""
-        pages = list(self.pages.values())
-        both = ckpts + pages
-        lu = np.fromiter((e.last_used for e in both), np.int64, count=len(both))
-        is_page = np.repeat(np.arange(2), [len(ckpts), len(pages)])
-        depth = np.concatenate([np.zeros(len(ckpts), np.int64),
-                                np.fromiter((e.index for e in pages), np.int64, count=len(pages))])
-        return [both[k] for k in np.lexsort((-depth, is_page, lu)).tolist()]
+    def _lru_order(self, ckpts: list[CkptEntry]):
+        """-> walk(pages_only=False): a generator of `ckpts` and every page entry, least recently used first (a
+        checkpoint before pages of the same use, a conversation's deeper pages before its shallower ones,
+        then the order they were cached), skipping pages dropped since. Sorted as arrays over the page rows
+        (`EntryRows`): ~10^5 entries at K3 sizes, where building a key tuple for each took ~0.2 s; entries
+        are only looked up as far as the walk goes."""
+        rows = self._rows.entries
+        nc, nr = len(ckpts), len(rows)
+        lu = np.fromiter(itertools.chain((c.last_used for c in ckpts),
+                                         (_NEVER if e is None else e.last_used for e in rows)), np.int64, count=nc + nr)
+        is_page = np.repeat(np.arange(2), [nc, nr])
+        depth = np.concatenate([np.zeros(nc, np.int64), self._rows.index])
+        added = np.concatenate([np.zeros(nc, np.int64), self._rows.added])
+        order = np.lexsort((added, -depth, is_page, lu))[:nc + len(self.pages)].tolist()  # (free rows last)
+
+        def walk(pages_only: bool = False):
+            for k in order:
+                if k < nc:
+                    if not pages_only:
+                        yield ckpts[k]
+                elif (e := rows[k - nc]) is not None:
+                    yield e
+        return walk
 
     def _free_cheapest_slot_run(self) -> bool:
         """Free one slot-aligned run of units (what a state slot needs) by evicting exactly the cache entries

@@ -493,3 +493,35 @@ def test_slot_eviction_takes_the_cheapest_run(data):
     rows = {e.key: list(u) for e, u in zip(pc._rows.entries, pc._rows.units.tolist()) if e is not None}
     assert rows == {k: list(e.units) for k, e in pc.pages.items()}
     assert all(u == [-1] * len(u) for e, u in zip(pc._rows.entries, pc._rows.units.tolist()) if e is None)
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.integers(0, 2 ** 16))
+def test_lru_walk_is_the_sorted_order_of_the_entries_left(seed):
+    """Eviction walks checkpoints and pages least recently used first (a checkpoint before pages of the same
+    use, deeper pages first, then the order they were cached), over page rows kept as entries come and go:
+    after drops and re-registrations it is the order of sorting the entries themselves."""
+    from serve.prefix_cache import PageEntry
+    alloc, pc = host_cache(page=16, align=16, units=900)
+    rng = np.random.default_rng(seed)
+    base = toks(2, 120)
+    for round_ in range(3):
+        while True:
+            ids = base[:int(rng.integers(0, 120))] + toks(int(rng.integers(10 ** 6)), int(rng.integers(8, 90)))
+            if not alloc.can_fit(-(-len(ids) // 16) * alloc.layout.num_mla_layers, 1):
+                break
+            pos = (len(ids) - 1) // 16 * 16
+            cache_prompt(alloc, pc, ids, ckpt_at=pos if rng.random() < 0.5 else None)
+        for e in [*pc.pages.values(), *pc.ckpts.values()]:
+            e.last_used = int(rng.integers(0, 6))  # plenty of ties
+        for e in list(pc.pages.values()):  # drop some (and what hangs on them): free rows to reuse
+            if e.key in pc.pages and rng.random() < 0.3:
+                pc._drop_page(e)
+        pc._flush_spill()
+    ckpts = sorted((c for c in pc.ckpts.values() if c.pins == 0), key=lambda c: c.last_used)
+    entries = ckpts + list(pc.pages.values())
+    want = [e for _, e in sorted(enumerate(entries), key=lambda ie: (
+        ie[1].last_used, isinstance(ie[1], PageEntry), -getattr(ie[1], "index", 0), ie[0]))]
+    walk = pc._lru_order(ckpts)
+    assert [e.key for e in walk()] == [e.key for e in want]
+    assert [e.key for e in walk(pages_only=True)] == [e.key for e in want if isinstance(e, PageEntry)]
