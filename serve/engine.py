@@ -878,8 +878,7 @@ class Engine:
                                             disable=not progress), batches):
             (logits, _, _), _ = self._step_fn(batch)
             if self._sample is not None and t == 1:  # the decode program's sample program
-                _, self._carry = self._sample(self.token_pages, logits, batch.sampling, batch.page_table[:, :1],
-                                              self._carry)
+                self._sample_fn(logits, batch.sampling, batch.page_table[:, :1])
             if self.channel is not None:
                 self.channel.prime((rows, t, p))
         if self.host_transfers is not None:  # compile the host tier's two copies (on the scratch page)
@@ -2113,11 +2112,16 @@ class Engine:
         allowed = np.full((f.rows_bucket, self.mask_words), -1, np.int32)
         self._fill_allowed(allowed, live, 1)
         (logits, prompt, accepted), counts = f.out
+        res = self._sample_fn(logits, dataclasses.replace(sampling, allowed=allowed), table)
+        f.out, f.deferred = ((res, prompt, accepted), counts), None
+
+    def _sample_fn(self, logits, sampling, table):
+        """Run the sample program on a decode program's logits (the carry updated) -> its SampleResult; a
+        call that grows the jit cache after warm-up counts as a compile."""
         before = self._sample._cache_size()
-        res, carry = self._sample(self.token_pages, logits, dataclasses.replace(sampling, allowed=allowed), table,
-                                  self._carry)
+        res, self._carry = self._sample(self.token_pages, logits, sampling, table, self._carry)
         self._count_compiles(self._sample._cache_size() > before, f"sample shape {tuple(logits.shape)}")
-        self._carry, f.out, f.deferred = carry, ((res, prompt, accepted), counts), None
+        return res
 
     def _chains(self, seq: Sequence, end: int) -> bool:
         """Whether a step may be launched after a row of `seq` ending at `end` before that row is read back:

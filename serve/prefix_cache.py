@@ -117,10 +117,10 @@ _NEVER = np.iinfo(np.int64).max  # the last use of a free row: after every entry
 
 
 class EntryRows:
-    """The page entries' units (one per MLA layer) as rows of one array, kept as entries come and go: the
-    slot-run screening reads them all at each eviction, and rebuilding the array from the entries' lists
-    took ~0.1 s a call at K3 sizes (10^5 entries at page 16). Rows of removed entries hold -1 and are
-    reused."""
+    """The page entries as rows of arrays (units, one per MLA layer; page index; order of caching), kept as
+    entries come and go: the slot-run screening and the LRU order read them all at each eviction, and
+    rebuilding them from the entries took ~0.1 s a call at K3 sizes (10^5 entries at page 16). Rows of
+    removed entries hold -1 units and are reused."""
 
     def __init__(self, layers: int):
         self._units = np.full((64, layers), -1, np.int32)
@@ -212,7 +212,7 @@ class PrefixCache(UnitRefs):
         self.interval = max(align, cfg.checkpoint_interval // align * align)
         self.decode_interval = max(align, cfg.decode_interval // align * align)
         self.pages: dict[bytes, PageEntry] = {}
-        self._rows = EntryRows(layout.num_mla_layers)  # the page entries' units as one array (slot eviction)
+        self._rows = EntryRows(layout.num_mla_layers)  # the page entries as array rows (eviction)
         self.ckpts: dict[bytes, CkptEntry] = {}
         self.cache_refs = np.zeros(layout.num_units, np.int32)  # [num_units] how many page entries hold each unit
         self._clock = itertools.count()

@@ -478,9 +478,7 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
                 token_pages, res, counts = jax.lax.with_sharding_constraint((token_pages, res, counts), whole)
             return arena, token_pages, res, counts
 
-        _BOUND[key] = jax.jit(step, donate_argnums=(1, 2))
-        while len(_BOUND) > _BOUND_MAX:  # an engine keeps its own step; only sharing is forgotten
-            _BOUND.popitem(last=False)
+        _remember(key, jax.jit(step, donate_argnums=(1, 2)))
     return _BOUND[key], leaves
 
 
@@ -488,6 +486,12 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
 # test run) does not keep every old engine's compiled programs, and their mapped code, alive.
 _BOUND: OrderedDict = OrderedDict()
 _BOUND_MAX = 8
+
+
+def _remember(key, fn) -> None:
+    _BOUND[key] = fn
+    while len(_BOUND) > _BOUND_MAX:  # an engine keeps its own programs; only sharing is forgotten
+        _BOUND.popitem(last=False)
 
 
 def bind_sample(num_top_logprobs: int, processors: tuple = (), sharding=None):
@@ -507,9 +511,7 @@ def bind_sample(num_top_logprobs: int, processors: tuple = (), sharding=None):
                 res, carry = jax.lax.with_sharding_constraint((res, carry), NamedSharding(sharding.mesh, P()))
             return res, carry
 
-        _BOUND[key] = jax.jit(run)
-        while len(_BOUND) > _BOUND_MAX:
-            _BOUND.popitem(last=False)
+        _remember(key, jax.jit(run))
     return _BOUND[key]
 
 
