@@ -19,9 +19,12 @@ Measured (median of `--repeats`): `evictable()`; `evict_for(0, 0)` (nothing shor
 checks (one per running request a step) against as many counts of the owner array (what each was); then, with the
 running request's holds released, one `clear()` (weight updates, sleep, /reset_prefix_cache).
 
-Also the page-table rows of a K3 decode step (256 requests x 24 MLA layers x 64 / 512 / 2048 pages): every
-request's page lists converted each step, against `Sequence.page_table` (kept as an array, extended by the
-step's new page).
+Also the page tables of a K3 decode step (256 requests x 24 MLA layers x 64 / 512 / 2048 pages): every
+request's page lists converted each step (the engine at first), `Sequence.page_table` arrays copied into the
+step's [rows, layers, pages] table (the engine until the tables moved to the device), and the device page
+tables (serve/page_tables.py: each row's new entries written on the device, the batch naming rows), for a
+step where every row crossed a page boundary (one new page a layer each: the worst case, timed for all three)
+and for one where none did (what `page_size - 1` of every `page_size` decode steps are).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ import numpy as np  # noqa: E402
 from k3jax.config import get_preset  # noqa: E402
 from serve.memory import Arena, ArenaLayout  # noqa: E402
 from serve.engine import Sequence  # noqa: E402
+from serve.page_tables import PageTables  # noqa: E402
 from serve.prefix_cache import PROMPT_END, PrefixCache, PrefixCacheConfig, PrefixHasher  # noqa: E402
 from serve.types import RequestMetrics, SamplingParams  # noqa: E402
 from serving import machine_info, write_result  # noqa: E402
@@ -122,17 +126,34 @@ def measure(page_size: int, ranks: int, budget_gb: float, repeats: int) -> dict:
 
 
 def page_tables(rows: int, layers: int, pages: int, repeats: int) -> dict:
-    """A decode step's page-table rows [rows, layers, pages] from the requests' page lists: every list converted
-    each step (the engine before) against `Sequence.page_table` (an array kept across steps, extended by the one
-    page a layer the step added). Both fill the same table; checked equal."""
+    """A decode step's page tables [rows, layers, pages] from the requests' page lists: every list converted
+    each step (the engine at first) against `Sequence.page_table` (an array kept across steps, extended by the
+    one page a layer the step added) copied into the step's table (the engine before the device tables), both
+    checked equal; then the device tables (`PageTables`: rows named, new entries written on the device, timed
+    to the end of the device write), checked against the same table, with one new page a layer for every row
+    and with none."""
     rng = np.random.default_rng(0)
     seqs = [Sequence(rid=str(i), request_id=str(i), index=0, order=i, prompt_ids=[0], params=SamplingParams(),
                      seed=0, checker=None, metrics=RequestMetrics(0.0),
-                     pages=rng.integers(1, 10 ** 6, (layers, pages - repeats)).tolist()) for i in range(rows)]
+                     pages=rng.integers(1, 10 ** 6, (layers, pages - 2 * repeats)).tolist()) for i in range(rows)]
     for s in seqs:
         s.page_table()  # read by the steps before
+    device = PageTables(rows, layers, pages, 0)
+    device.warmup()
+
+    def device_step() -> tuple[float, np.ndarray, int]:
+        t = time.perf_counter()
+        device.begin_batch()
+        named = np.array([device.row_of(s, s.page_table()) for s in seqs], np.int32)
+        quads = device.pending_quads()
+        if quads is not None:
+            device.apply(quads)
+        device.array.block_until_ready()
+        return (time.perf_counter() - t) * 1e3, named, 0 if quads is None else quads.shape[1]
+
+    device_step()  # every row written whole once (the steps before)
     table = np.zeros((rows, layers, pages), np.int32)
-    lists, cached = [], []
+    lists, cached, on_device, unchanged, sent = [], [], [], [], []
     for _ in range(repeats):
         for s in seqs:
             for p in s.pages:
@@ -150,9 +171,18 @@ def page_tables(rows: int, layers: int, pages: int, repeats: int) -> dict:
             table[i, :, :held.shape[1]] = held
         cached.append((time.perf_counter() - t) * 1e3)
         assert np.array_equal(table, want)
+        ms, named, n = device_step()
+        on_device.append(ms)
+        sent.append(n)
+        assert np.array_equal(np.asarray(device.array)[named], want)
+        ms, named, n = device_step()  # the next step: no row crossed a page boundary
+        assert n == 0
+        unchanged.append(ms)
     med = statistics.median
     return dict(rows=rows, layers=layers, pages=pages, table_mb=table.nbytes / 1e6,
-                lists=dict(median_ms=med(lists), all_ms=lists), page_table=dict(median_ms=med(cached), all_ms=cached))
+                lists=dict(median_ms=med(lists), all_ms=lists), page_table=dict(median_ms=med(cached), all_ms=cached),
+                device_tables=dict(median_ms=med(on_device), all_ms=on_device, sent_mb=med(sent) * 16 / 1e6,
+                                   no_new_page_median_ms=med(unchanged), no_new_page_all_ms=unchanged))
 
 
 def main(argv=None) -> dict:
@@ -180,8 +210,10 @@ def main(argv=None) -> dict:
     for rows, pages in ([(16, 64)] if args.quick else [(256, 64), (256, 512), (256, 2048)]):
         row = page_tables(rows, 24, pages, 2 if args.quick else args.repeats)
         result["page_tables"].append(row)
+        d = row["device_tables"]
         log(f"page table {rows} rows x 24 layers x {pages} pages ({row['table_mb']:.0f} MB): lists "
-            f"{row['lists']['median_ms']:.1f} ms, page_table {row['page_table']['median_ms']:.1f} ms")
+            f"{row['lists']['median_ms']:.1f} ms, page_table {row['page_table']['median_ms']:.1f} ms, device tables "
+            f"{d['median_ms']:.2f} ms ({d['sent_mb']:.2f} MB sent; no new page {d['no_new_page_median_ms']:.2f} ms)")
     return write_result(result, out, t_start, log)
 
 

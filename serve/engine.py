@@ -49,7 +49,8 @@ from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, s
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
-from serve.multihost import FORGET, RESTORE, SPILL, StepChannel, mesh_processes
+from serve.multihost import FORGET, RESTORE, SPILL, TABLES, StepChannel, mesh_processes
+from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
@@ -474,6 +475,12 @@ class Sequence:
     _table: Optional[np.ndarray] = field(default=None, repr=False, compare=False)  # [MLA layers, capacity]
     _table_n: int = field(default=0, repr=False, compare=False)  # pages of `_table` in step with `pages`
     _table_of: tuple = field(default=(), repr=False, compare=False)  # ids of the lists it was read from
+    table_gen: int = field(default=0, repr=False, compare=False)  # counts re-reads of `pages` from the start
+    # its row of the device page tables (serve/page_tables.py; -1: none) and what that row holds: the pages
+    # of `page_table()` as of generation `table_sent_gen`
+    table_row: int = field(default=-1, repr=False, compare=False)
+    table_sent: int = field(default=0, repr=False, compare=False)
+    table_sent_gen: int = field(default=-1, repr=False, compare=False)
 
     @property
     def all_ids(self) -> list[int]:
@@ -489,6 +496,7 @@ class Sequence:
         of = tuple(map(id, self.pages))
         if of != self._table_of or n < self._table_n:
             self._table_n, self._table_of = 0, of
+            self.table_gen += 1
         if self._table is None or self._table.shape[0] != len(self.pages) or n > self._table.shape[1]:
             grown = np.zeros((len(self.pages), max(16, 2 * n)), np.int32)
             if self._table_n:
@@ -506,6 +514,7 @@ class Sequence:
     def pages_changed(self) -> None:
         """`pages` were changed other than by appending (the cached `page_table` is read again)."""
         self._table_n = 0
+        self.table_gen += 1
 
     @property
     def num_units(self) -> int:
@@ -685,6 +694,11 @@ class Engine:
         self._step_treedef = jax.tree.structure(step_params)
         bind = lambda layout: bind_step(model.graphdef, layout, step_params, config.max_logprobs,  # noqa: E731
                                         options, arena_sharding)
+        # each running sequence's MLA page table, on the device, written by the entries that changed: one row per
+        # sequence of the largest decode and prefill batches together (serve/page_tables.py)
+        self.page_tables = PageTables(self.decode_buckets[-1] + self.prefill_buckets[-1], max(1, self.cfg.num_mla_layers),
+                                      self.context_buckets[-1], self.layout.scratch_page,
+                                      replicated(self.mesh) if self.mesh is not None else None)
         self._build_arena(self.layout, bind)
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
         self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
@@ -814,6 +828,7 @@ class Engine:
                                   replicated(self.mesh) if self.mesh is not None else None)
         self._carry = (_zeros((self._carry_size,), np.int32, replicated(self.mesh) if self.mesh is not None else None)
                        if self._carry_size else None)  # placed as the token pages are (one program signature)
+        self.page_tables.reset()  # the pages they named are gone: every sequence writes its table again
 
     def _size_arena_from_memory(self, layout_for, bind) -> None:
         """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device
@@ -851,12 +866,11 @@ class Engine:
         scheduling) counts its sample program's too: its logits (an output, counted) stay on the device until
         that program has run."""
         batch = self._pad_batch(rows, t, pages, [])
-        lowered = self._step.lower(self._leaves, self.arena, self.token_pages, batch)
+        lowered = self.lower_step(batch)
         n = step_temp_bytes(lowered.compile())
         if self._sample is not None and t == 1:
-            out = lowered.out_info[2][0]  # the logits [rows, V]
-            logits = jax.ShapeDtypeStruct(out.shape, out.dtype)
-            n += step_temp_bytes(self._sample.lower(self.token_pages, logits, batch.sampling, batch.page_table[:, :1],
+            logits, table = (jax.ShapeDtypeStruct(x.shape, x.dtype) for x in lowered.out_info[2][0])  # [rows, V], [rows, 1, P]
+            n += step_temp_bytes(self._sample.lower(self.token_pages, logits, batch.sampling, table,
                                                     self._carry).compile())
         return n
 
@@ -874,11 +888,12 @@ class Engine:
         moe_tokens = (sorted({rows * t for rows, t, _ in shapes})
                       if self.config.measure_moe_time and self.expert_counts.shape[0] else [])
         ahead = self._compile_ahead(batches, moe_tokens, progress)
+        self.page_tables.warmup()
         for (rows, t, p), batch in zip(tqdm(shapes, desc="running step buckets" if ahead else "compiling step buckets",
                                             disable=not progress), batches):
-            (logits, _, _), _ = self._step_fn(batch)
+            (res, _, _), _ = self._step_fn(batch)
             if self._sample is not None and t == 1:  # the decode program's sample program
-                self._sample_fn(logits, batch.sampling, batch.page_table[:, :1])
+                self._sample_fn(*res, batch.sampling)
             if self.channel is not None:
                 self.channel.prime((rows, t, p))
         if self.host_transfers is not None:  # compile the host tier's two copies (on the scratch page)
@@ -906,7 +921,7 @@ class Engine:
         On the 2-core CPU host, where XLA:CPU's compile already keeps both cores busy, it
         gains little or nothing (benchmarks/startup.py: k3-small's 5 programs 53-62 s in one thread, 58-64 s
         in two)."""
-        jobs = [lambda b=b: self._step.lower(self._leaves, self.arena, self.token_pages, b).compile() for b in batches]
+        jobs = [lambda b=b: self.lower_step(b).compile() for b in batches]
         jobs += [lambda n=n: compile_moe_blocks(self.model.graphdef, self._step_params(), self.cfg.hidden_size,
                                                 self.model.dtype, n, scan=self.layer_scan) for n in moe_tokens]
         threads = self.config.compile_threads or min(len(jobs), os.cpu_count() or 1, 8)
@@ -945,14 +960,20 @@ class Engine:
     def _step_fn(self, batch: StepBatch):
         """Run the compiled step on the engine's cache (updated) -> ((sampled tokens, prompt logprobs, drafts
         accepted), expert counts); a call that grows the jit cache after warm-up counts as a compile."""
-        if self.channel is not None and self.channel.leader and self.warmed_up:
+        leader = self.channel is not None and self.channel.leader and self.warmed_up
+        quads = self.page_tables.pending_quads()  # the page-table entries the batch's rows lack
+        if leader:
             self._send_forgotten()
-            self.channel.send(batch, batch.page_table.shape[:1] + batch.tokens.shape[1:] + batch.page_table.shape[2:])
+            if quads is not None:
+                self.channel.command(TABLES, quads.reshape(-1))
+            self.channel.send(batch, batch.tokens.shape + (batch.pages,))
+        if quads is not None:
+            self._count_compiles(self.page_tables.apply(quads) > 0, "page-table update")
         before = self._step._cache_size()
         if self._carry is not None:
             batch.carry = self._carry  # the latest samples (the batch may have been built before the last step)
         self.arena, self.token_pages, (res, prompt, accepted, carry), counts = self._step(
-            self._leaves, self.arena, self.token_pages, batch)
+            self._leaves, self.arena, self.token_pages, self.page_tables.array, batch)
         if carry is not None:  # (a decode program sampling apart returns none: its sample program will)
             self._carry = carry
         self._count_compiles(self._step._cache_size() > before, f"step shape {batch.tokens.shape}")
@@ -960,7 +981,7 @@ class Engine:
 
     def lower_step(self, batch: StepBatch):
         """The step program of `batch`'s bucket, lowered (tests and benchmarks read its HLO)."""
-        return self._step.lower(self._leaves, self.arena, self.token_pages, batch)
+        return self._step.lower(self._leaves, self.arena, self.token_pages, self.page_tables.array, batch)
 
     def _store_fingerprint(self) -> dict:
         """What engines sharing a host store (`kv_transfer_config`) must agree on for its entries to mean the
@@ -999,6 +1020,9 @@ class Engine:
             try:
                 if cmd in (SPILL, RESTORE, FORGET):
                     self._follow_copy(cmd, batch)
+                    continue
+                if cmd == TABLES:  # the page-table entries the leader's next step writes first
+                    self.page_tables.apply(batch.reshape(4, -1))
                     continue
                 self._step_fn(batch)
             except Exception:
@@ -1464,6 +1488,7 @@ class Engine:
         if self.arena is not None:
             self.arena.delete()
             self.token_pages.delete()
+            self.page_tables.array.delete()  # made again with the arena
             self.arena = self.token_pages = None
         self.sleep_level = max(self.sleep_level, level)
         self.counters["sleeps"] += 1
@@ -2100,24 +2125,25 @@ class Engine:
             epochs.append(seq.epoch)
         chainable = self._carry is not None and all(self._chains(seq, s + n) for seq, (_, s, n) in zip(seqs, rows))
         return _Flight(seqs, rows, epochs, samples, t, rows_bucket, batch.targets, out, pins, chainable,
-                       (batch.sampling, batch.page_table[:, :1]) if apart else None)
+                       batch.sampling if apart else None)
 
     def _complete(self, f: "_Flight") -> None:
         """Sample a launched decode program's logits (async scheduling), its rows' masks built now that the
         step before it is read back: a structured-output row's constraint and a row's bad words have seen the
         token that step sampled, which was this row's input on the device. Rows of sequences that finished
         meanwhile sample unconstrained (their tokens are dropped when read back)."""
-        sampling, table = f.deferred
+        sampling = f.deferred
         live = [(i, seq, start, n) for i, (seq, (_, start, n)) in enumerate(zip(f.seqs, f.rows)) if not seq.finished]
         allowed = np.full((f.rows_bucket, self.mask_words), -1, np.int32)
         self._fill_allowed(allowed, live, 1)
-        (logits, prompt, accepted), counts = f.out
-        res = self._sample_fn(logits, dataclasses.replace(sampling, allowed=allowed), table)
+        ((logits, table), prompt, accepted), counts = f.out
+        res = self._sample_fn(logits, table, dataclasses.replace(sampling, allowed=allowed))
         f.out, f.deferred = ((res, prompt, accepted), counts), None
 
-    def _sample_fn(self, logits, sampling, table):
-        """Run the sample program on a decode program's logits (the carry updated) -> its SampleResult; a
-        call that grows the jit cache after warm-up counts as a compile."""
+    def _sample_fn(self, logits, table, sampling):
+        """Run the sample program on a decode program's logits and its rows' first-layer page tables (its
+        outputs; the carry updated) -> its SampleResult; a call that grows the jit cache after warm-up counts
+        as a compile."""
         before = self._sample._cache_size()
         res, self._carry = self._sample(self.token_pages, logits, sampling, table, self._carry)
         self._count_compiles(self._sample._cache_size() > before, f"sample shape {tuple(logits.shape)}")
@@ -2224,7 +2250,9 @@ class Engine:
         lengths = np.zeros(rows, np.int32)
         read = np.full(rows, -1, np.int32)
         write = np.full(rows, lay.scratch_slot, np.int32)
-        table = np.full((rows, lm, pages), lay.scratch_page, np.int32)
+        tables = self.page_tables
+        tables.begin_batch()
+        table_rows = np.full(rows, tables.pad_row, np.int32)
         copies = []
         params, seeds, steps, plens, bans = [], [], [], [], []
         targets = np.full((rows, t), -1, np.int32)
@@ -2255,8 +2283,7 @@ class Engine:
             read[i] = seq.read_slot if seq.read_slot is not None else (-1 if start == 0 else seq.slot)
             copies += seq.copies
             if self.cfg.num_mla_layers:
-                held = seq.page_table()[:, :pages]
-                table[i, :, :held.shape[1]] = held
+                table_rows[i] = tables.row_of(seq, seq.page_table())
             params.append(seq.params)
             seeds.append(seq.seed)
             steps.append(len(seq.output_ids) + seq.pending)
@@ -2274,8 +2301,8 @@ class Engine:
             src[:len(copies)], dst[:len(copies)] = zip(*copies)
         # numpy leaves: the jitted step transfers them in its C++ dispatch (jnp.asarray would cost a
         # Python-level primitive call per array, ~0.4 ms per step)
-        return StepBatch(tokens, valid, lengths, read, write, table, src, dst, sb, targets, lora_slots, embeds,
-                         embed_mask, self._carry, splice if self._carry is not None else None)
+        return StepBatch(tokens, valid, lengths, read, write, table_rows, src, dst, sb, targets, lora_slots, embeds,
+                         embed_mask, self._carry, splice if self._carry is not None else None, pages)
 
     def _fill_allowed(self, allowed: np.ndarray, rows: list[tuple[int, Sequence, int, int]], pos: int) -> None:
         """Write the next-token masks of `rows` ((batch row, sequence, start, tokens)) into `allowed`
@@ -2366,6 +2393,7 @@ class Engine:
         seq.hit = seq.read_pin = seq.read_slot = None
         seq.copies, seq.registered_pages = [], 0
         seq.epoch, seq.flight_end = seq.epoch + 1, 0
+        self.page_tables.release(seq)
         if seq.slot is not None:
             self.allocator.free_slot(seq.slot)
             seq.slot = None
@@ -2613,6 +2641,7 @@ class Engine:
             "arena_baseline_free_units": self.allocator.baseline_free_units,
             "kv_cache_usage": 1.0 - self.allocator.free_units / self.allocator.baseline_free_units,
             "arena_cached_units": self._cached_units(),
+            **self.page_tables.counters, "page_tables_bytes": self.page_tables.nbytes,
             "expert_counts": self.expert_counts.tolist(),
             "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
             "moe_dispatch_seconds": self.moe_dispatch_seconds,

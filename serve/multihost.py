@@ -4,7 +4,7 @@ JAX runs multi-host programs multi-controller: every process must launch the sam
 in the same order, on the same global shapes. The engine keeps that contract with a leader and
 followers. Process 0 (the leader) owns everything on the host side: requests, the scheduler, the
 arena's bookkeeping, the prefix cache, sampling parameters, outputs. Before each step program it
-broadcasts the step's batch (the padded numpy arrays: tokens, page tables, slot bases, copy lists,
+broadcasts the step's batch (the padded numpy arrays: tokens, page-table rows, slot bases, copy lists,
 sampling rows) over the `StepChannel`; every other process (a follower) sits in `Engine.follow()`,
 receives the batch and runs the same step program on its own devices. The followers keep no request
 state: everything a step does to the cache is named by its batch, so replaying the batches replays
@@ -19,15 +19,17 @@ at interpreter exit) releases the followers.
 The host tier of the prefix cache (serve/host_cache.py) keeps process-local copies: before its copy
 programs run on the leader, a SPILL / RESTORE command names the units and entries (uids) so every
 process runs the same program and keeps or supplies its own columns; FORGET drops entries the leader's
-store no longer holds.
+store no longer holds. The device page tables (serve/page_tables.py) are replayed the same way: before a
+step whose rows lack entries, a TABLES command carries those entries and every process writes them.
 
 The channel is two `broadcast_one_to_all` collectives per step: a fixed header (command, rows,
 tokens per row, pages per layer, a flag) and the batch packed into one byte buffer. The sampling
 extras that are almost always padding (the structured-output bitmask, `[rows, V / 32]` int32, 20 KB
 a row at K3's vocabulary; the logit-bias rows) are left out of the buffer when every row is padding,
 which the flag says (so each bucket has two buffer sizes, both compiled at warm-up). Both are small next to a
-step (a decode batch of 64 rows over 2048 pages per MLA layer is ~12 MB of page table for K3's 24
-MLA layers, most of it padding; the rest is KBs), and both programs are compiled during warm-up.
+step (KBs: a row's page table is one index into the device tables; the entries a decode step adds are 16
+bytes per page per MLA layer, once every page_size tokens a row), and both programs are compiled during
+warm-up.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ log = logging.getLogger(__name__)
 _STOP, _STEP, _IDLE = 0, 1, 2
 # host tier of the prefix cache (serve/host_cache.py): copies every process runs, named by an int32 payload
 SPILL, RESTORE, FORGET = 3, 4, 5
+# device page-table entries (serve/page_tables.py) the next step's rows lack, as flat (row, layer, index, unit) quads
+TABLES = 6
+_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES)  # commands that carry an int32 payload
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 # an idle leader pings the followers this often (bounds how long a follower waits in one collective)
@@ -137,7 +142,7 @@ class StepChannel:
                 full = any(not np.array_equal(leaves[i], template[i]) for i in optional)
         head = _broadcast(np.asarray([cmd, *shape, int(bool(full))], np.int32))
         cmd, shape, full = int(head[0]), tuple(int(x) for x in head[1:4]), bool(head[4])
-        if cmd in (SPILL, RESTORE, FORGET):  # shape = (padded payload length, payload length, 0)
+        if cmd in _PAYLOADS:  # shape = (padded payload length, payload length, 0)
             buf = np.zeros(shape[0], np.int32)
             if self.leader:
                 buf[:shape[1]] = batch
@@ -185,8 +190,8 @@ class StepChannel:
         self.steps += 1
 
     def command(self, cmd: int, payload: np.ndarray) -> None:
-        """Send a host-tier copy command (SPILL / RESTORE / FORGET) and its int32 payload; the payload is
-        padded to a power of two so few broadcast shapes are ever compiled."""
+        """Send a command with an int32 payload (host-tier copies SPILL / RESTORE / FORGET, page-table entries
+        TABLES); the payload is padded to a power of two so few broadcast shapes are ever compiled."""
         if self.closed:
             raise RuntimeError("the step channel is closed (the followers were released)")
         n = len(payload)
@@ -207,8 +212,8 @@ class StepChannel:
 
     # ---- follower -----------------------------------------------------------------------------
     def receive(self):
-        """-> the leader's next (command, step batch or payload): (_STEP, batch), (SPILL / RESTORE / FORGET,
-        int32 payload), or None once the leader closed the channel."""
+        """-> the leader's next (command, step batch or payload): (_STEP, batch), (SPILL / RESTORE / FORGET /
+        TABLES, int32 payload), or None once the leader closed the channel."""
         while True:
             cmd, _, batch = self._exchange(_STOP, (0, 0, 0))
             if cmd == _STOP:
@@ -217,6 +222,6 @@ class StepChannel:
             if cmd == _STEP:
                 self.steps += 1
                 return cmd, batch
-            if cmd in (SPILL, RESTORE, FORGET):
+            if cmd in _PAYLOADS:
                 return cmd, batch
             self.pings += 1

@@ -16,7 +16,7 @@ same ranks, and each MLA layer attends over every rank's share, combining the pa
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from collections import OrderedDict
 from functools import partial
 from typing import Optional
@@ -50,7 +50,7 @@ class StepBatch:
     lengths: jax.Array  # [B] int32 tokens already in the cache
     read_base: jax.Array  # [B] int32 first unit of the KDA slot to start from; -1: fresh (zero) state
     write_base: jax.Array  # [B] int32 first unit of the row's private working slot
-    page_table: jax.Array  # [B, Lm, P] int32 units holding the row's MLA pages, per MLA layer
+    table_rows: jax.Array  # [B] int32 each row's row of the device page tables (serve/page_tables.py)
     copy_src: jax.Array  # [C] int32 units copied to copy_dst before the step (copy-on-write pages)
     copy_dst: jax.Array  # [C] int32
     sampling: SamplingBatch
@@ -65,6 +65,9 @@ class StepBatch:
     # and for each row the carry entry that is its first token ([B] int32; -1: `tokens` has it)
     carry: Optional[jax.Array] = None
     splice: Optional[jax.Array] = None
+    pages: int = field(default=1, metadata=dict(static=True))  # MLA pages per layer the step reads (the bucket)
+    # [B, Lm, P] int32 units holding each row's MLA pages per MLA layer: gathered by the step from the tables
+    page_table: Optional[jax.Array] = None
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,8 @@ class PagedView(CacheView):
             heads = self._q != P()  # the query heads split like the KDA heads: each rank keeps its own
 
             def local(kv, mask, q):
-                return attend_share(lay.codec.decode(kv), mask, q, q_lat.shape[-1], scale, split.axis, heads)
+                return attend_share(known_keys(lay.codec.decode(kv), mask), mask, q, q_lat.shape[-1], scale, split.axis,
+                                    heads)
 
             q = jnp.concatenate([q_lat, q_rope], -1)  # [B, T, nh, r + dr], whole on every rank
             by_head = P(None, None, split.axis)  # also the mask's spec: [B, T, R * span]
@@ -364,7 +368,7 @@ class PagedView(CacheView):
             self.arena = write(self.arena, units, rows)
         else:
             self.kv[j] = kv
-        return lay.codec.decode(kv), mask
+        return known_keys(lay.codec.decode(kv), mask), mask
 
 
 _TRACED = "traced"  # the key of a scanned layer's KDA values: its index is a tracer, one layer at a time
@@ -372,6 +376,17 @@ _TRACED = "traced"  # the key of a scanned layer's KDA values: its index is a tr
 
 def _key(j):
     return j if isinstance(j, int) else _TRACED
+
+
+def known_keys(latents: jax.Array, mask: jax.Array) -> jax.Array:
+    """latents [B, S, w] with the slots no query may see ([B, T, S] `mask` false for every query) zeroed.
+
+    The gathered context holds whole pages: past a row's last token a page keeps whatever its unit held
+    before (another layer's latents, a freed KDA slot's state words, read in the latent format), and so
+    does every page past the row's own. Their scores are masked, but their values still enter the
+    context product with a weight of 0, and 0 x NaN is NaN: bf16 or fp8 words reinterpreted from other
+    data are NaN or inf often enough to poison every row of a step."""
+    return jnp.where(mask.any(axis=1)[:, :, None], latents, jnp.zeros((), latents.dtype))
 
 
 def append_rank_latents(kv: jax.Array, words: jax.Array, lengths: jax.Array, valid: jax.Array, page_size: int,
@@ -453,7 +468,7 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list, layers=None) 
 
 def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, options: StepOptions = StepOptions(),
               arena_sharding=None):
-    """-> (step(leaves, arena, token_pages, batch), leaves): `_engine_step` jitted with the model graph, arena
+    """-> (step(leaves, arena, token_pages, tables, batch), leaves): `_engine_step` jitted with the model graph, arena
     layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
     keeps one sharding from step to step (one program per bucket, updated in place), and the token
@@ -468,9 +483,10 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
         _BOUND.move_to_end(key)
     else:
 
-        def step(leaves, arena, token_pages, batch):
+        def step(leaves, arena, token_pages, tables, batch):
             arena, token_pages, res, counts = _engine_step(graphdef, layout, jax.tree.unflatten(treedef, leaves),
-                                                           arena, token_pages, batch, num_top_logprobs, options)
+                                                           arena, token_pages, tables, batch, num_top_logprobs,
+                                                           options)
             if arena_sharding is not None:
                 arena = jax.lax.with_sharding_constraint(arena, arena_sharding)
                 # the rest whole on every device: each process (multi-host: the leader) reads outputs locally
@@ -516,13 +532,14 @@ def bind_sample(num_top_logprobs: int, processors: tuple = (), sharding=None):
 
 
 def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_pages: jax.Array,
-                 batch: StepBatch, num_top_logprobs: int,
+                 tables: jax.Array, batch: StepBatch, num_top_logprobs: int,
                  options: StepOptions = StepOptions()
                  ) -> tuple[jax.Array, jax.Array, tuple[SampleResult, PromptLogprobs, jax.Array], jax.Array]:
     """One model step over the arena `float32[num_units, state_ranks * unit_elems]` (donated, updated in
     place; split over `split`'s axis by KDA heads, or one rank's whole arena) and the token pages
     `int32[num_units, page_size]` (the token ids at each page position, kept for units holding the first
-    MLA layer's pages: the penalties' history; same copies, written with the step's tokens).
+    MLA layer's pages: the penalties' history; same copies, written with the step's tokens). `tables`
+    [R + 1, Lm, P_max] are the device page tables (serve/page_tables.py) the batch's `table_rows` name.
 
     Order on the arena: copy-on-write page copies; then the model, whose layers read (and, for
     in-place KDA decode, rewrite) the arena value current when they run; then the writes of the
@@ -530,7 +547,9 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     commit of each row's accepted tokens to its KDA states; and, unless updated in place, the writes of
     the working slots. The third result is (samples, prompt logprobs, drafts accepted [B], carry); a verify
     step's samples are [B, T] (one per position), the others' [B]; a decode step with
-    `options.sample_apart` gives its logits [B, V] fp32 in place of samples, and no carry (`bind_sample`)."""
+    `options.sample_apart` gives (its logits [B, V] fp32, the rows' first-layer page tables [B, 1, P]: the
+    history `bind_sample` reads) in place of samples, and no carry."""
+    batch = dataclasses.replace(batch, page_table=tables[:, :, :batch.pages][batch.table_rows])  # [B, Lm, P]
     scan = None
     if options.scan is not None:  # (state with the scanned layers hollow, their stacked weights)
         params, stacked = params
@@ -573,7 +592,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     accepted = jnp.zeros((b,), jnp.int32)
     apart = options.sample_apart and decode
     if apart:  # sampled by the engine's sample program once the rows' masks are known
-        res = logits.astype(jnp.float32)
+        res = (logits.astype(jnp.float32), batch.page_table[:, :1])
     elif verify:  # a token sampled at every position, as decoding would sample it at that output index
         rows = jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), batch.sampling)
         rows.steps = rows.steps + jnp.tile(jnp.arange(t, dtype=rows.steps.dtype), b)

@@ -202,13 +202,13 @@ class _FailingStep:
         self.engine, self.real, self.at, self.consume, self.calls = engine, engine._step, at, consume, 0
         self._cache_size = self.real._cache_size
 
-    def __call__(self, leaves, arena, token_pages, batch):
+    def __call__(self, leaves, arena, token_pages, tables, batch):
         self.calls += 1
         if self.calls == self.at:
             if self.consume:
                 arena.delete()
             raise RuntimeError("injected device failure")
-        return self.real(leaves, arena, token_pages, batch)
+        return self.real(leaves, arena, token_pages, tables, batch)
 
 
 @pytest.mark.parametrize("consume", [False, True], ids=["cache-kept", "cache-consumed"])

@@ -109,6 +109,31 @@ def test_bf16_engine_is_within_bf16_rounding_of_fp32(engine, models):
     assert s["compiles_after_warmup"] == 0 and s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+def _generate(engine, prompts, sp) -> list[list[int]]:
+    ids = [engine.add_request(p, sp) for p in prompts]
+    done = {}
+    while engine.has_unfinished():
+        done.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    return [list(done[r]) for r in ids]
+
+
+def test_stale_arena_words_never_reach_the_outputs(engine):
+    """A page's positions past a row's last token, and the pages a step gathers past the row's own, hold
+    whatever their units held before (a freed KDA slot's state words, another layer's latents). Read as bf16
+    latent pairs such words are NaN or inf at times; the attention masks their scores, and must also keep
+    their values out of the context product (0 x NaN is NaN). With every free unit filled with NaN bit
+    patterns the same prompts give the same tokens (before the fix: every token 0)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    want = _generate(engine, PROMPTS, sp)
+    alloc = engine.allocator
+    free = np.flatnonzero(alloc.owner == alloc.FREE)
+    assert len(free) == alloc.free_units
+    nan = np.uint32(0x7FC07FC0).view(np.float32)  # a NaN as float32 and as each of its two bf16 halves
+    engine.arena = engine.arena.at[free].set(nan)
+    assert _generate(engine, PROMPTS, sp) == want
+    assert engine.stats()["compiles_after_warmup"] == 0
+
+
 def test_bf16_dense_experts_are_widened_on_cpu():
     """A bf16 model with dense (non-MXFP4) routed experts, Kimi-Linear's form: the CPU engine holds them in
     fp32 too (a bf16 grouped-matmul loop converts the whole stack every step), the rest in bf16."""

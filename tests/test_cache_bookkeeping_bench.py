@@ -15,6 +15,8 @@ def test_quick_run_times_real_evictions(tmp_path):
     (row,) = result["cases"]
     (tables,) = result["page_tables"]  # (the run checks the cached table equals the lists' table)
     assert tables["rows"] == 16 and len(tables["page_table"]["all_ms"]) == 2
+    # (and the device tables' rows against the same table; one new page a layer per row: 16 x 24 entries)
+    assert tables["device_tables"]["sent_mb"] == 16 * 24 * 16 / 1e6 and len(tables["device_tables"]["all_ms"]) == 2
     assert row["prompts"] > 10 and row["page_entries"] > 100
     assert row["page_entries_after"] < row["page_entries"]  # the page-group and slot evictions dropped entries
     for k in ("evictable", "evict_for_nothing_short", "evict_for_one_page_group", "evict_for_one_slot", "can_fit_x256"):

@@ -377,7 +377,7 @@ class _FailingStep:
         self._cache_size = self.real._cache_size
         self.calls, self.decoded_in, self.failed = 0, None, False
 
-    def __call__(self, leaves, arena, token_pages, batch):
+    def __call__(self, leaves, arena, token_pages, tables, batch):
         self.calls += 1
         step = self.engine.counters["steps"]
         prefill = batch.tokens.shape[1] > 1
@@ -388,7 +388,7 @@ class _FailingStep:
             raise self.exc("injected device failure")
         if not prefill:
             self.decoded_in = step
-        return self.real(leaves, arena, token_pages, batch)
+        return self.real(leaves, arena, token_pages, tables, batch)
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=list(HealthCheck))

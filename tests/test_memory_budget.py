@@ -67,9 +67,9 @@ def test_the_arena_fills_the_device(monkeypatch, async_scheduling):
         shape = (eng.decode_buckets[-1], 1, eng.decode_context_buckets[-1])
         b = eng._pad_batch(*shape, [])
         logits = jax.ShapeDtypeStruct((shape[0], eng.cfg.vocab_size), jnp.float32)
-        sample = step_temp_bytes(eng._sample.lower(eng.token_pages, logits, b.sampling, b.page_table[:, :1],
-                                                   eng._carry).compile())
-        decode = step_temp_bytes(eng._step.lower(eng._leaves, eng.arena, eng.token_pages, b).compile())
+        table = jax.ShapeDtypeStruct((shape[0], 1, shape[2]), jnp.int32)  # the rows' first-layer page tables
+        sample = step_temp_bytes(eng._sample.lower(eng.token_pages, logits, b.sampling, table, eng._carry).compile())
+        decode = step_temp_bytes(eng.lower_step(b).compile())
         assert decode >= logits.size * 4 and sample > 0
         assert eng._program_temp_bytes(*shape) == decode + sample
     assert plan.bytes_limit == LIMIT and plan.step_temp_bytes > 0 and plan.cache_bytes == eng.layout.num_units * \

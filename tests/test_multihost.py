@@ -286,10 +286,10 @@ def test_channel_sends_prompt_embeddings_only_when_a_row_has_them(monkeypatch):
     def make(r, t, p, embeds=None, mask=None):
         z = np.zeros
         return StepBatch(z((r, t), np.int32), z(r, np.int32), z(r, np.int32), z(r, np.int32), z(r, np.int32),
-                         z((r, 1, p), np.int32), z(2, np.int32), z(2, np.int32),
+                         z(r, np.int32), z(2, np.int32), z(2, np.int32),
                          SamplingBatch.from_params([], [], [], r, None, None, 5, None, 1), z((r, t), np.int32),
                          z(r, np.int32), z((r, t, hidden), np.float32) if embeds is None else embeds,
-                         z((r, t), bool) if mask is None else mask)
+                         z((r, t), bool) if mask is None else mask, pages=p)
 
     leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
     follower.leader = False
