@@ -94,6 +94,14 @@ class LatentCodec:
         return codec
 
     @property
+    def as_stored(self) -> bool:
+        """Latents are the arena's float32 words themselves (fp32 model, `auto`). Every other arena word is a
+        finite float32 too (fp32 states and conv windows; bf16-packed states, whose high halves are finite bf16
+        values, read as finite float32), so a stale word read as a latent is finite; under any other format it
+        may be NaN or inf (a float32's low half read as bf16, any byte read as fp8)."""
+        return self.kind == "auto" and self.dtype == "float32"
+
+    @property
     def compressed(self) -> int:
         return self.width - self.rope
 

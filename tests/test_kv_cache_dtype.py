@@ -136,3 +136,16 @@ def test_fp8_prefix_hits_and_batching_are_bit_identical(engines):
     for e in (on, off):
         assert e.stats()["compiles_after_warmup"] == 0
         assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+
+def test_fp8_engine_never_reads_stale_words(engines):
+    """Context slots past a row's last token hold whatever their units held before; read as fp8 codes and
+    scales such words are NaN or inf at times. With every free unit filled with a finite float32 whose bytes
+    include an fp8 NaN code (0x7F), the same prompt gives the same tokens and logprobs."""
+    _, off, _ = engines
+    prompt = toks(3, 37)
+    want = logprobs(run(off, prompt))
+    free = np.flatnonzero(off.allocator.owner == off.allocator.FREE)
+    off.arena = off.arena.at[free].set(np.uint32(0x3F807F7F).view(np.float32))
+    assert logprobs(run(off, prompt)) == want
+    assert off.stats()["compiles_after_warmup"] == 0

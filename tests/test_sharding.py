@@ -144,9 +144,9 @@ _MULTI = textwrap.dedent("""
                             scan_layers=mla.startswith("scan"))
             eng = llm.engine
             res = llm.generate(prompts, sps)
-            # stale words in every free unit (NaN in every latent format): masked context slots must not read them
+            # stale words in every free unit (a finite float32 word, NaN as bf16 or fp8): masked slots must not read them
             free = np.flatnonzero(eng.allocator.owner == eng.allocator.FREE)
-            stale = eng.arena.at[free].set(np.uint32(0x7FC07FC0).view(np.float32))
+            stale = eng.arena.at[free].set(np.uint32(0x3F807FC0).view(np.float32))
             eng.arena = stale if eng.mesh is None else jax.device_put(stale, eng.arena.sharding)
             # reuse: prompts extending an earlier one resume from its KDA checkpoints and shared pages
             again = llm.generate([list(range(10, 47)) + [3, 1, 4], list(range(10, 43)) + [9] * 9], sps[:2])
