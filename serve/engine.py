@@ -962,13 +962,17 @@ class Engine:
         accepted), expert counts); a call that grows the jit cache after warm-up counts as a compile."""
         leader = self.channel is not None and self.channel.leader and self.warmed_up
         quads = self.page_tables.pending_quads()  # the page-table entries the batch's rows lack
-        if leader:
-            self._send_forgotten()
+        try:
+            if leader:
+                self._send_forgotten()
+                if quads is not None:
+                    self.channel.command(TABLES, quads.reshape(-1))
+                self.channel.send(batch, batch.tokens.shape + (batch.pages,))
             if quads is not None:
-                self.channel.command(TABLES, quads.reshape(-1))
-            self.channel.send(batch, batch.tokens.shape + (batch.pages,))
-        if quads is not None:
-            self._count_compiles(self.page_tables.apply(quads) > 0, "page-table update")
+                self._count_compiles(self.page_tables.apply(quads) > 0, "page-table update")
+        except BaseException:
+            self.page_tables.reset()  # those entries may be missing anywhere: every sequence writes its table again
+            raise
         before = self._step._cache_size()
         if self._carry is not None:
             batch.carry = self._carry  # the latest samples (the batch may have been built before the last step)

@@ -71,7 +71,12 @@ class PageTables:
         return (self.rows + 1) * self.layers * self.width * 4
 
     def begin_batch(self) -> None:
-        """A new batch is being built: the rows it names from now on are kept from being taken."""
+        """A new batch is being built: the rows it names from now on are kept from being taken. Entries still
+        queued belong to a batch that never ran (an error between building and launching it): written now, they
+        could land after, or in one scatter with, the next owner's of a row taken back, so every sequence
+        writes its table again instead."""
+        if self._pending:
+            self.reset()
         self.batches += 1
 
     def row_of(self, seq, table: np.ndarray) -> int:

@@ -127,3 +127,21 @@ def test_writes_larger_than_the_largest_program_are_split(tables):
     big.apply(big.pending_quads())
     assert np.array_equal(np.asarray(big.array[r]), np.asarray(s.pages, np.int32))
     assert big.counters["page_table_entries_sent"] == 2 * SIZES[-1]
+
+
+def test_entries_of_a_batch_that_never_ran_are_not_written_later(tables):
+    """A batch built but never launched (an error in between) leaves its entries queued; the next batch starts
+    from fresh tables instead, and every row it names is written whole."""
+    tables.reset()
+    seqs = [seq(i) for i in range(2)]
+    for s in seqs:
+        for p in s.pages:
+            p.extend([3, 4])
+    check(tables, seqs, build(tables, seqs))
+    for p in seqs[0].pages:
+        p.append(9)
+    tables.begin_batch()
+    tables.row_of(seqs[0], seqs[0].page_table())  # queued, never written
+    written = tables.counters["page_table_rows_written"]
+    check(tables, seqs, build(tables, seqs))
+    assert tables.counters["page_table_rows_written"] == written + 2
