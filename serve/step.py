@@ -1,6 +1,7 @@
 """The engine's jitted step: run the model against the arena (MLA pages read per layer; KDA states
 gathered and scattered back, or on decode rewritten in place row by row), write the touched pages,
-sample on device. The arena is donated and returned.
+sample on device. The arena is donated and returned. Each row's MLA page table comes from the device page
+tables (serve/page_tables.py), gathered through the row's table row, which the step only reads.
 
 One program serves prefill chunks (T > 1), decode (T == 1) and, with speculative decoding, verify rows
 (T == 1 + drafts: a token sampled at every position, only the accepted prefix committed to the KDA
