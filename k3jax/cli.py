@@ -95,6 +95,7 @@ def _step_programs(args, cfg) -> dict | None:
     (the repeating group scanned). None without the serving stack."""
     try:
         from serve.buckets import default_buckets, program_shapes
+        from serve.page_tables import tables_bytes
         from k3jax.layer_scan import plan as layer_scan_plan
     except ImportError:
         return None
@@ -106,6 +107,9 @@ def _step_programs(args, cfg) -> dict | None:
     return {"max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len, "page_size": args.page_size,
             "decode_rows": list(decode), "prefill_rows": list(prefill), "context_pages": list(context),
             "programs": len(every), "programs_with_gpu_paged_decode": len(widest),
+            # the device page tables (serve/page_tables.py): a row per sequence of the largest decode and prefill
+            # batches, each MLA layer's pages up to the widest context bucket
+            "page_tables_bytes": tables_bytes(decode[-1] + prefill[-1], max(1, cfg.num_mla_layers), context[-1]),
             "layer_scan": None if scan is None else {"first_layer": scan.start, "period": scan.period,
                                                      "groups": scan.groups},
             "layers_compiled_per_program": {

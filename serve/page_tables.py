@@ -39,6 +39,11 @@ import numpy as np
 SIZES = (1 << 10, 1 << 14, 1 << 18)
 
 
+def tables_bytes(rows: int, layers: int, width: int) -> int:
+    """Device bytes of the tables: `rows` sequences' and the padding rows' [layers, width] int32."""
+    return (rows + 1) * layers * width * 4
+
+
 def _apply(tables: jax.Array, quads: jax.Array) -> jax.Array:
     """tables [R + 1, Lm, P] with quads [4, K] (row, layer, index, unit) written; out-of-range rows dropped."""
     return tables.at[quads[0], quads[1], quads[2]].set(quads[3], mode="drop")
@@ -68,7 +73,7 @@ class PageTables:
 
     @property
     def nbytes(self) -> int:
-        return (self.rows + 1) * self.layers * self.width * 4
+        return tables_bytes(self.rows, self.layers, self.width)
 
     def begin_batch(self) -> None:
         """A new batch is being built: the rows it names from now on are kept from being taken. Entries still

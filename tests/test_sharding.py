@@ -683,6 +683,8 @@ def test_info_counts_the_step_programs_compiled_at_start_up(capsys):
     assert got["decode_rows"] == [1, 4, 16, 64] and got["prefill_rows"] == [1, 4]
     assert got["context_pages"] == [1, 4, 16, 64, 256, 1024, 2048]
     assert (got["programs"], got["programs_with_gpu_paged_decode"]) == (42, 18)
+    from k3jax.config import PRESETS
+    assert got["page_tables_bytes"] == (64 + 4 + 1) * PRESETS["tiny-k3"].num_mla_layers * 2048 * 4
     assert got["layer_scan"] == {"first_layer": 1, "period": 3, "groups": 2}
     assert got["layers_compiled_per_program"] == {"unrolled": 8, "scan_layers": 5}
     assert main(["info", "--model", "k3", "--dtype", "bfloat16"]) == 0
