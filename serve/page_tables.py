@@ -10,7 +10,8 @@ for each of the R sequences that ran most recently, and a last row of scratch pa
 read. A batch names each row's table row (`StepBatch.table_rows` [B]) and the step gathers the
 `[B, Lm, P']` it reads (P': its bucket) on the device. What the host sends is the entries a row lacks,
 as (table row, layer, page index, unit) quads, scattered into the tables by a small program before the
-step (`flush`): the pages a sequence appended since its row was last written (`Sequence.page_table`
+step (`pending_quads`, then `apply`; a multi-process leader names them to the followers in between): the
+pages a sequence appended since its row was last written (`Sequence.page_table`
 counts them), or its whole table when it takes a row or its page lists were replaced or changed
 (`Sequence.pages_changed`). The program is compiled at start-up for a few quad counts (padded up,
 split above the largest), so no step of any mix compiles.
@@ -86,7 +87,7 @@ class PageTables:
 
     def row_of(self, seq, table: np.ndarray) -> int:
         """`seq`'s table row for the batch being built, with the entries of `table` [Lm, n] (its
-        `page_table()`) that the row lacks queued for `flush`."""
+        `page_table()`) that the row lacks queued for `pending_quads`."""
         r, n = seq.table_row, min(table.shape[1], self.width)
         if r < 0 or self.owner[r] is not seq:
             r, start = self._take(seq), 0
@@ -162,13 +163,6 @@ class PageTables:
             raise
         self.counters["page_table_entries_sent"] += k
         return grew
-
-    def flush(self) -> Optional[np.ndarray]:
-        """Write the queued entries -> the quads written (None: none), for a multi-process leader to name."""
-        quads = self.pending_quads()
-        if quads is not None:
-            self.apply(quads)
-        return quads
 
     def warmup(self) -> None:
         """Compile the update program at every size (writing padding only)."""
