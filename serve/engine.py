@@ -49,7 +49,7 @@ from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, s
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
-from serve.multihost import FORGET, RESTORE, SPILL, TABLES, StepChannel, mesh_processes
+from serve.multihost import EPLB, FORGET, RESTORE, SAMPLE, SPILL, TABLES, StepChannel, mesh_processes
 from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -406,12 +406,9 @@ class EngineConfig:
             raise ValueError(f"long_prefill_chunk={n!r}: expected None, 0 (off) or a multiple of prefill_chunk "
                              f"({self.prefill_chunk}) from {2 * self.prefill_chunk} to max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})")
-        if self.async_scheduling:
-            for key, on in (("speculative_config", self.speculative_config is not None),
-                            ("enable_eplb", self.enable_eplb)):
-                if on:
-                    raise ValueError(f"async_scheduling: not available with {key} (its next step needs the "
-                                     f"host to see each step's tokens first); turn one of them off")
+        if self.async_scheduling and self.speculative_config is not None:
+            raise ValueError("async_scheduling: not available with speculative_config (a verify step's next "
+                             "row needs the host to see the drafts it accepted first); turn one of them off")
         if n and self.speculative_config is not None and self.speculative_config.verify_tokens == n:
             raise ValueError(f"long_prefill_chunk={n} equals the verify rows' tokens (1 + num_speculative_tokens): "
                              f"the two programs would share a shape; pick another")
@@ -545,8 +542,9 @@ class _Flight:
     pins: list  # checkpoint entries pinned until this step has read them
     chainable: bool  # the next step may be launched before this one is read back
     # a decode program whose logits are not sampled yet (async scheduling: `Engine._complete`): its batch's
-    # sampling parameters and first MLA layer's page table [B, 1, P]; `out` holds the logits until then
-    deferred: Optional[tuple] = None
+    # sampling parameters; `out` holds the logits and first MLA layer's page table [B, 1, P] until then
+    deferred: Optional[SamplingBatch] = None
+    channel_step: int = 0  # its number on a multi-process engine's step channel (names it to the followers)
 
 
 @dataclass
@@ -799,12 +797,6 @@ class Engine:
                 raise ValueError(f"sharding={config.sharding!r}: the mesh holds the devices of processes "
                                  f"{sorted(mesh_processes(self.mesh))} of {jax.process_count()}; a multi-process "
                                  f"mesh must span every process")
-            if self.eplb is not None:
-                raise ValueError("enable_eplb: not available on a multi-process mesh (every process would have to "
-                                 "move the same experts at the same step)")
-            if config.async_scheduling:
-                raise ValueError("async_scheduling: not available on a multi-process mesh (the leader sends each "
-                                 "step's batch with its tokens); turn it off")
             self.channel = StepChannel(lambda rows, t, pages: self._pad_batch(rows, t, pages, []))
             self.channel.check(self._fingerprint())
             if self.channel.leader:
@@ -895,7 +887,7 @@ class Engine:
             if self._sample is not None and t == 1:  # the decode program's sample program
                 self._sample_fn(*res, batch.sampling)
             if self.channel is not None:
-                self.channel.prime((rows, t, p))
+                self.channel.prime((rows, t, p), sample=self._sample is not None and t == 1)
         if self.host_transfers is not None:  # compile the host tier's two copies (on the scratch page)
             pad = [self.layout.scratch_page]
             rows, toks = self.host_transfers.read(self.arena, self.token_pages, pad)
@@ -1019,6 +1011,7 @@ class Engine:
         if not self.warmed_up:
             raise RuntimeError("warm the engine up (as the leader does) before following")
         n = 0
+        unsampled: dict[int, tuple] = {}  # async scheduling: channel step -> (logits, table) of a decode program
         while (got := self.channel.receive()) is not None:
             cmd, batch = got
             try:
@@ -1028,7 +1021,21 @@ class Engine:
                 if cmd == TABLES:  # the page-table entries the leader's next step writes first
                     self.page_tables.apply(batch.reshape(4, -1))
                     continue
-                self._step_fn(batch)
+                if cmd == EPLB:  # the experts the leader moves before its next step: rows (layer, placement)
+                    rows = batch.reshape(-1, 1 + self.eplb.placement.shape[1])
+                    self._move_experts({int(r[0]): r[1:].copy() for r in rows}, {})
+                    continue
+                if cmd == SAMPLE:  # the leader samples a decode step launched earlier (`_complete`)
+                    step, sampling = batch
+                    for k in [k for k in unsampled if k < step]:  # steps the leader never sampled (failed)
+                        del unsampled[k]
+                    if step not in unsampled:
+                        raise RuntimeError(f"no logits kept for step {step} (it failed here)")
+                    self._sample_fn(*unsampled.pop(step), sampling)
+                    continue
+                (res, _, _), _ = self._step_fn(batch)
+                if self._sample is not None and batch.tokens.shape[1] == 1:  # sampled apart: keep its logits
+                    unsampled[self.channel.steps] = res
             except Exception:
                 log.exception("step %d failed on process %d", n, self.channel.process)
                 self._renew_arena_if_lost()  # as the leader does (serve/engine.py Engine._step_failed)
@@ -1409,26 +1416,34 @@ class Engine:
         plan each MoE layer's placement from the routed-token counts of the last `eplb_window_size` steps and
         move the layers that gain (serve/eplb.py). Outputs do not change. -> the plan's summary (mean busiest
         rank / mean rank load over the MoE layers before and after, layers moved)."""
+        self._leader_only("rebalance_experts")
         if self.eplb is None:
             raise RuntimeError("rebalance_experts: the engine was built without enable_eplb")
         moves, summary = self.eplb.plan()
         t0 = time.perf_counter()
+        if moves and self.channel is not None and self.warmed_up:  # every process moves the same experts now
+            self.channel.command(EPLB, np.asarray([[layer, *new] for layer, new in moves.items()], np.int32).reshape(-1))
+        self._move_experts(moves, summary)
+        summary["seconds"] = time.perf_counter() - t0
+        return summary
+
+    def _move_experts(self, moves: dict[int, np.ndarray], summary: dict) -> None:
+        """Gather each moved MoE layer's expert weights into their new places ({layer: placement}) and write its
+        placement tables. Index and tables go in as numpy values (the same on every process of a multi-process
+        mesh, whose followers run this on the leader's EPLB command)."""
         leaves = list(self._leaves)
         for layer, new in moves.items():
-            weight_leaves = self._eplb_leaves[layer][2]
-            index = jnp.asarray(eplb.moved_index(self.eplb.placement[layer], new))
-            for i in weight_leaves:
+            index = eplb.moved_index(self.eplb.placement[layer], new)
+            for i in self._eplb_leaves[layer][2]:
                 leaves[i] = eplb.take_experts(leaves[i], index)
         self.eplb.applied(moves, summary)
         for layer in moves:
             slots_leaf, copies_leaf, _ = self._eplb_leaves[layer]
-            leaves[slots_leaf], leaves[copies_leaf] = map(jnp.asarray, self.eplb.tables(layer))
+            leaves[slots_leaf], leaves[copies_leaf] = self.eplb.tables(layer)
         if moves:
             self._set_leaves(leaves)
             jax.block_until_ready(self._leaves)
-        summary["seconds"] = time.perf_counter() - t0
         self.counters["eplb_rebalances"] += 1
-        return summary
 
     def _set_leaves(self, leaves: list) -> None:
         """Place `leaves` where the step programs expect the weights: on a mesh, each with its sharding; on
@@ -2129,7 +2144,7 @@ class Engine:
             epochs.append(seq.epoch)
         chainable = self._carry is not None and all(self._chains(seq, s + n) for seq, (_, s, n) in zip(seqs, rows))
         return _Flight(seqs, rows, epochs, samples, t, rows_bucket, batch.targets, out, pins, chainable,
-                       batch.sampling if apart else None)
+                       batch.sampling if apart else None, self.channel.steps if self.channel is not None else 0)
 
     def _complete(self, f: "_Flight") -> None:
         """Sample a launched decode program's logits (async scheduling), its rows' masks built now that the
@@ -2141,13 +2156,16 @@ class Engine:
         allowed = np.full((f.rows_bucket, self.mask_words), -1, np.int32)
         self._fill_allowed(allowed, live, 1)
         ((logits, table), prompt, accepted), counts = f.out
-        res = self._sample_fn(logits, table, dataclasses.replace(sampling, allowed=allowed))
+        res = self._sample_fn(logits, table, dataclasses.replace(sampling, allowed=allowed), f.channel_step)
         f.out, f.deferred = ((res, prompt, accepted), counts), None
 
-    def _sample_fn(self, logits, table, sampling):
+    def _sample_fn(self, logits, table, sampling, channel_step: int = 0):
         """Run the sample program on a decode program's logits and its rows' first-layer page tables (its
         outputs; the carry updated) -> its SampleResult; a call that grows the jit cache after warm-up counts
-        as a compile."""
+        as a compile. The leader of a multi-process engine first sends `sampling` to the followers, naming the
+        step by its channel number (`channel_step`): each runs the same program on the logits it kept."""
+        if self.channel is not None and self.channel.leader and self.warmed_up:
+            self.channel.sample(channel_step, sampling)
         before = self._sample._cache_size()
         res, self._carry = self._sample(self.token_pages, logits, sampling, table, self._carry)
         self._count_compiles(self._sample._cache_size() > before, f"sample shape {tuple(logits.shape)}")

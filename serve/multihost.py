@@ -22,6 +22,15 @@ process runs the same program and keeps or supplies its own columns; FORGET drop
 store no longer holds. The device page tables (serve/page_tables.py) are replayed the same way: before a
 step whose rows lack entries, a TABLES command carries those entries and every process writes them.
 
+Async scheduling replays too. Every process updates the carry of sampled tokens (a device array the next
+step's rows read their input from) by running the same programs, so a step batch's `carry` leaf is never
+sent (nor read on the leader's host, which would wait for the step in flight). A decode program samples
+apart: its logits stay on every process until the leader has read the step before back and built the
+rows' masks; then a SAMPLE command carries the sampling batch with the decode step's number on the channel,
+and each follower runs the sample program on the logits it kept for that step. The broadcasts are
+collective programs, queued behind the step in flight: the leader's planning before a send and its output
+processing after a launch overlap the device, the send itself does not.
+
 The channel is two `broadcast_one_to_all` collectives per step: a fixed header (command, rows,
 tokens per row, pages per layer, a flag) and the batch packed into one byte buffer. The sampling
 extras that are almost always padding (the structured-output bitmask, `[rows, V / 32]` int32, 20 KB
@@ -50,9 +59,16 @@ _STOP, _STEP, _IDLE = 0, 1, 2
 SPILL, RESTORE, FORGET = 3, 4, 5
 # device page-table entries (serve/page_tables.py) the next step's rows lack, as flat (row, layer, index, unit) quads
 TABLES = 6
-_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES)  # commands that carry an int32 payload
+# expert-parallel load balancing (serve/eplb.py): the MoE layers the leader moves, as flat (layer, placement) rows
+EPLB = 8
+_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB)  # commands that carry an int32 payload
+# async scheduling: the sampling batch of a decode step launched earlier, whose logits wait on the device (the
+# header names the step by its number on the channel)
+SAMPLE = 7
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
+#: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)
+LOCAL_FIELDS = ("carry",)
 # an idle leader pings the followers this often (bounds how long a follower waits in one collective)
 KEEPALIVE_SECONDS = float(os.environ.get("K3JAX_MULTIHOST_KEEPALIVE", "10"))
 
@@ -122,22 +138,29 @@ class StepChannel:
         self._templates: dict = {}
 
     # ---- both sides ---------------------------------------------------------------------------
-    def _template(self, shape: tuple[int, int, int]):
-        """The padding batch of a bucket: (leaves, treedef, indices of the optional leaves)."""
-        if shape not in self._templates:
-            flat, treedef = jax.tree.flatten_with_path(self.make_batch(*shape))
-            leaves = [np.asarray(x) for _, x in flat]
-            optional = [i for i, (path, _) in enumerate(flat) if getattr(path[-1], "name", None) in OPTIONAL_FIELDS]
-            self._templates[shape] = (leaves, treedef, optional)
-        return self._templates[shape]
+    def _template(self, cmd: int, shape: tuple[int, int, int]):
+        """The padding batch of a bucket (`_STEP`) or its sampling batch (`SAMPLE`, shape = (rows, step, 0)):
+        (leaves, treedef, indices of the optional leaves, indices of the leaves sent)."""
+        key = (cmd, shape[0]) if cmd == SAMPLE else (cmd, shape)
+        if key not in self._templates:
+            pad = self.make_batch(shape[0], 1, 1).sampling if cmd == SAMPLE else self.make_batch(*shape)
+            flat, treedef = jax.tree.flatten_with_path(pad)
+            name = lambda path: getattr(path[-1], "name", None)  # noqa: E731
+            leaves = [None if name(path) in LOCAL_FIELDS else np.asarray(x) for path, x in flat]
+            optional = [i for i, (path, _) in enumerate(flat) if name(path) in OPTIONAL_FIELDS]
+            sent = [i for i, (path, _) in enumerate(flat) if name(path) not in LOCAL_FIELDS]
+            self._templates[key] = (leaves, treedef, optional, sent)
+        return self._templates[key]
 
     def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None, full: Optional[bool] = None):
-        """Broadcast a header and (for a step) its batch from the leader; -> (cmd, shape, batch).
-        `full`: send the optional leaves (default: only when some differ from padding)."""
+        """Broadcast a header and (for a step or a sample) its batch from the leader; -> (cmd, shape, batch).
+        `full`: send the optional leaves (default: only when some differ from padding). Local leaves (the
+        async carry) are neither sent nor read: the follower's batch has None there."""
         leaves = None
-        if self.leader and cmd == _STEP:
-            template, _, optional = self._template(shape)
-            leaves = [np.asarray(x) for x in jax.tree.leaves(batch)]
+        if self.leader and cmd in (_STEP, SAMPLE):
+            template, _, optional, sent = self._template(cmd, shape)
+            flat = jax.tree.leaves(batch)
+            leaves = [np.asarray(flat[i]) if i in sent else None for i in range(len(flat))]
             if full is None:
                 full = any(not np.array_equal(leaves[i], template[i]) for i in optional)
         head = _broadcast(np.asarray([cmd, *shape, int(bool(full))], np.int32))
@@ -149,9 +172,9 @@ class StepChannel:
             batch = np.asarray(_broadcast(buf))[:shape[1]]
             self.last = time.monotonic()
             return cmd, shape, batch
-        if cmd == _STEP:
-            template, treedef, optional = self._template(shape)
-            sent = [i for i in range(len(template)) if full or i not in optional]
+        if cmd in (_STEP, SAMPLE):
+            template, treedef, optional, sent = self._template(cmd, shape)
+            sent = [i for i in sent if full or i not in optional]
             got = np.asarray(_broadcast(pack([(leaves or template)[i] for i in sent])))
             out = list(template)
             for i, x in zip(sent, unpack(got, [template[i] for i in sent])):
@@ -159,13 +182,16 @@ class StepChannel:
             batch = jax.tree.unflatten(treedef, out)
             self._sent = got.size
         self.last = time.monotonic()
-        return cmd, shape, batch if cmd == _STEP else None
+        return cmd, shape, batch if cmd in (_STEP, SAMPLE) else None
 
-    def prime(self, shape: tuple[int, int, int]) -> None:
+    def prime(self, shape: tuple[int, int, int], sample: bool = False) -> None:
         """Compile the channel's programs for one bucket, with and without the optional leaves (every
-        process, in the same order: warm-up)."""
+        process, in the same order: warm-up); `sample`: also those of its sampling batch (a decode bucket
+        of an async engine)."""
         for full in (True, False):
             self._exchange(_STEP, shape, self.make_batch(*shape), full=full)
+            if sample:
+                self._exchange(SAMPLE, (shape[0], 0, 0), self.make_batch(*shape).sampling, full=full)
 
     def check(self, fingerprint: str) -> None:
         """Every process compares its engine fingerprint with the leader's; raises on a mismatch."""
@@ -188,6 +214,16 @@ class StepChannel:
         self.seconds += time.monotonic() - t0
         self.bytes += self._sent
         self.steps += 1
+
+    def sample(self, step: int, sampling) -> None:
+        """Async scheduling: the sampling batch (masks built now) of the decode step sent as number `step`,
+        whose logits every process keeps until this arrives."""
+        if self.closed:
+            raise RuntimeError("the step channel is closed (the followers were released)")
+        t0 = time.monotonic()
+        self._exchange(SAMPLE, (int(sampling.temperature.shape[0]), step, 0), sampling)
+        self.seconds += time.monotonic() - t0
+        self.bytes += self._sent
 
     def command(self, cmd: int, payload: np.ndarray) -> None:
         """Send a command with an int32 payload (host-tier copies SPILL / RESTORE / FORGET, page-table entries
@@ -213,15 +249,18 @@ class StepChannel:
     # ---- follower -----------------------------------------------------------------------------
     def receive(self):
         """-> the leader's next (command, step batch or payload): (_STEP, batch), (SPILL / RESTORE / FORGET /
-        TABLES, int32 payload), or None once the leader closed the channel."""
+        TABLES, int32 payload), (SAMPLE, (step number, sampling batch)), or None once the leader closed the
+        channel."""
         while True:
-            cmd, _, batch = self._exchange(_STOP, (0, 0, 0))
+            cmd, shape, batch = self._exchange(_STOP, (0, 0, 0))
             if cmd == _STOP:
                 self.closed = True
                 return None
             if cmd == _STEP:
                 self.steps += 1
                 return cmd, batch
+            if cmd == SAMPLE:  # (the step it samples, its sampling batch)
+                return cmd, (shape[1], batch)
             if cmd in _PAYLOADS:
                 return cmd, batch
             self.pings += 1

@@ -167,6 +167,83 @@ def test_two_processes_serve_like_one_device(cluster, reference):
     assert re.fullmatch("(cat|dog)-[0-9]{2}", got[3]["choices"][0]["text"])
 
 
+# The same engine as `reference`, with async scheduling, over a 2 x 2-device mesh: the leader launches each step
+# before reading the one in flight back, the followers keep the async carry themselves, and a decode step's logits
+# wait on every process until the leader's SAMPLE command brings the sampling batch (masks built then). Tensor
+# parallel, or expert parallel with load balancing (every 3 steps, 4 redundant experts: the leader's EPLB command
+# makes every process move the same experts).
+_ASYNC = textwrap.dedent("""
+    import dataclasses, json, sys
+    import k3jax
+    from k3jax.runtime import load_model
+    from serve.cli import DEFAULTS, engine_config
+    from serve.engine import Engine
+    from serve.types import SamplingParams, StructuredOutputsParams
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    form = sys.argv[4]
+    eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
+    o = dict(DEFAULTS, max_model_len=128, max_num_seqs=8, decode_buckets="8", prefill_buckets="1",
+             context_buckets="8", prefill_chunk=32, cache_mb=32, sharding=form, async_scheduling=True,
+             **(eplb if form == "ep" else {}))
+    cfg = dataclasses.replace(engine_config(o), measure_moe_time=False)
+    eng = Engine(load_model("tiny-k3", sharding=form), cfg, progress=False)
+    if eng.is_follower:
+        print("FOLLOWED", eng.follow(), flush=True)
+        sys.exit(0)
+    ids = []
+    for prompt, kw in json.loads(sys.argv[3]):
+        if "structured_outputs" in kw:
+            kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
+        if "logit_bias" in kw:
+            kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
+        ids.append(eng.add_request(prompt, SamplingParams(ignore_eos=True, logprobs=1, **kw)))
+    done = {}
+    while eng.has_unfinished():
+        done.update({o.request_id: o for o in eng.step() if o.finished})
+    st = eng.stats()
+    eng.close()
+    print("RESULT" + json.dumps(dict(
+        texts=[done[i].outputs[0].text for i in ids],
+        logprobs=[[lp.logprob for lp, _ in done[i].outputs[0].logprobs] for i in ids],
+        ahead=eng.counters["steps_launched_ahead"], steps=eng.counters["steps"],
+        compiles=st["compiles_after_warmup"], free=st["arena_free_units"] + st["arena_cached_units"],
+        baseline=st["arena_baseline_free_units"], eplb=st.get("eplb"),
+        placement=eng.eplb.placement.tolist() if eng.eplb is not None else None)), flush=True)
+""")
+
+
+@pytest.mark.parametrize("form", ["tp", "ep"])
+def test_two_processes_schedule_async_like_one_device(reference, form):
+    """async_scheduling on a 2-process mesh: greedy, seeded, structured-output (its masks sent with the deferred
+    sample) and logit-bias requests, in one batch, give one synchronous device's texts (logprobs to fp32
+    rounding) while most steps are launched before the one in flight is read back; the follower replays every
+    step and sample; nothing compiles after warm-up and the arena is back at its baseline. Under `ep` the
+    experts are also re-placed every 3 steps (EPLB), on both processes alike, without changing an output."""
+    import json
+
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC, str(pid), str(port), json.dumps(PROMPTS), form],
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (0, 1)]
+    (out0, out1) = (p.communicate(timeout=600)[0] for p in procs)
+    assert procs[0].returncode == 0, out0[-4000:]
+    assert procs[1].returncode == 0 and "failed on process" not in out1, out1[-4000:]
+    got = json.loads(out0.split("RESULT")[1])
+    want = _reference_outputs(reference, PROMPTS)
+    assert got["texts"] == [w.outputs[0].text for w in want]
+    for g, w in zip(got["logprobs"], want):
+        np.testing.assert_allclose(g, [lp.logprob for lp, _ in w.outputs[0].logprobs], atol=2e-4)
+    assert got["ahead"] > got["steps"] // 2 and got["compiles"] == 0 and got["free"] == got["baseline"]
+    assert int(out1.split("FOLLOWED")[1].split()[0]) >= max(kw["max_tokens"] for _, kw in PROMPTS)
+    import re
+    assert re.fullmatch("(cat|dog)-[0-9]{2}", got["texts"][3])
+    if form == "ep":
+        initial = list(range(8)) + [0, 1, 2, 3]
+        assert got["eplb"]["rebalances"] >= 3 and got["eplb"]["layers_moved"] >= 1
+        assert any(p != initial for p in got["placement"])
+
+
 _MISMATCH = textwrap.dedent("""
     import sys
     import k3jax
@@ -305,6 +382,57 @@ def test_channel_sends_prompt_embeddings_only_when_a_row_has_them(monkeypatch):
             assert np.array_equal(np.asarray(a), np.asarray(b))
     # (one flag for every optional leaf: the sampling extras travel with the vectors)
     assert sizes[0] == sizes[2] < rows * t * hidden * 4 < rows * t * (hidden * 4 + 1) <= sizes[1] - sizes[0]
+
+
+def test_channel_names_deferred_samples_and_never_sends_the_carry(monkeypatch):
+    """Async scheduling over the channel: a step batch's carry (a device array each process updates itself) is
+    never read or sent -- the follower's batch has None there and everything else equal -- and a SAMPLE carries
+    a sampling batch with the number of the step it samples."""
+    import jax
+
+    from serve import multihost
+    from serve.sampling import SamplingBatch
+    from serve.step import StepBatch
+    from serve.types import SamplingParams
+
+    class Unreadable:  # reading the carry on the host would wait for the step in flight
+        def __array__(self, *a, **k):
+            raise AssertionError("the carry was read on the host")
+
+    rows, t, pages = 2, 1, 3
+
+    def make(r, t, p, sampling=None, tokens=None):
+        z = np.zeros
+        return StepBatch(z((r, t), np.int32) if tokens is None else tokens, z(r, np.int32), z(r, np.int32),
+                         z(r, np.int32), z(r, np.int32), z(r, np.int32), z(2, np.int32), z(2, np.int32),
+                         sampling or SamplingBatch.from_params([], [], [], r, None, None, 5, None, 1),
+                         z((r, t), np.int32), z(r, np.int32), carry=Unreadable(), splice=np.full(r, -1, np.int32),
+                         pages=p)
+
+    leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
+    follower.leader = False
+    tape: list = []
+    batch = make(rows, t, pages, tokens=np.asarray([[5], [9]], np.int32))
+    batch.splice = np.asarray([3, -1], np.int32)
+    sent = _over_tape(monkeypatch, tape, leader, batch, (rows, t, pages))
+    got = _over_tape(monkeypatch, tape, follower, None, (rows, t, pages))
+    assert got.carry is None and leader.steps == follower.steps == 1
+    want = jax.tree.leaves(dataclasses.replace(batch, carry=None))
+    assert len(want) == len(jax.tree.leaves(got)) == len(jax.tree.leaves(batch)) - 1
+    assert all(np.array_equal(a, b) for a, b in zip(want, jax.tree.leaves(got)))
+    assert sent == sum(a.nbytes for a in want) - rows * (1 * 4 + 5 * 8 + 1)  # the extras are padding: not sent
+
+    allowed = np.full((rows, 1), -1, np.int32)
+    allowed[1] = [6]
+    sampling = SamplingBatch.from_params([SamplingParams(temperature=0.5, seed=1)], [1], [2], rows, None, None, 5,
+                                         allowed, 1)
+    monkeypatch.setattr(multihost, "_broadcast", lambda x: tape.append(np.asarray(x).copy()) or x)
+    leader.sample(7, sampling)
+    monkeypatch.setattr(multihost, "_broadcast", lambda x: tape.pop(0))
+    cmd, (step, back) = follower.receive()
+    assert cmd == multihost.SAMPLE and step == 7 and leader.steps == follower.steps == 1
+    for a, b in zip(jax.tree.leaves(sampling), jax.tree.leaves(back)):
+        assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch):

@@ -136,9 +136,10 @@ _MULTI = textwrap.dedent("""
             kda = "gathered" if mla.endswith("paged") else "auto"
             dcp = 4 if mla.startswith("dcp") else 1
             # "eplb": expert-parallel load balancing, re-placing the experts every 3 steps while generating, with
-            # 4 redundant experts (12 stacked, 3 per rank)
-            eplb = (dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
-                    if mla == "eplb" else {})
+            # 4 redundant experts (12 stacked, 3 per rank), under async scheduling (a step is in flight, on the
+            # experts' old places, whenever the counts read back call for a move)
+            eplb = (dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4,
+                         async_scheduling=True) if mla == "eplb" else {})
             llm = k3jax.LLM(model, sharding=sh, mla_decode="paged" if mla.endswith("paged") else "gathered",
                             kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw,
                             scan_layers=mla.startswith("scan"))
@@ -177,6 +178,7 @@ _MULTI = textwrap.dedent("""
                 context_ranks=st["arena_context_ranks"], mla_form=st["decode_forms"]["mla"], scan=str(eng.layer_scan),
                 span=4 * eng.layout.page_size, seqs_at_max_len=eng.layout.sequences_at(64),
                 eplb=dict(st["eplb"], summary=eplb_summary, placement=eng.eplb.placement.tolist(),
+                          ahead=eng.counters["steps_launched_ahead"],
                           tokens_after=[r.token_ids for r in res_after],
                           logprobs_after=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res_after])
                 if eplb else None,
@@ -516,13 +518,14 @@ def test_expert_load_balancing_moves_experts_without_changing_outputs(multi_devi
     layer's experts every 3 steps (and once more on demand) so the ranks' shares of the recently routed tokens
     even out; the weights move with their placement tables, so tokens and logprobs stay those of the plain
     expert-parallel engine bit for bit (every slot is still computed by one copy on one rank), with no compile
-    after warm-up and no cache leaked."""
+    after warm-up and no cache leaked. The balancing engine schedules asynchronously: the counts that trigger a
+    move are read back while the next step, launched on the old placement, is in flight."""
     ep, r = multi_device["tiny-k3/ep"], multi_device["tiny-k3/ep/eplb"]
     e = r["eplb"]
     assert r["tokens"] == ep["tokens"] and r["logprobs"] == ep["logprobs"]
     assert e["tokens_after"] == ep["tokens"] and e["logprobs_after"] == ep["logprobs"]
     assert r["again"] == ep["again"] and r["cached"] == ep["cached"]
-    assert e["rebalances"] >= 3 and e["layers_moved"] >= 1 and e["ranks"] == 4
+    assert e["rebalances"] >= 3 and e["layers_moved"] >= 1 and e["ranks"] == 4 and e["ahead"] > 10
     assert e["num_redundant_experts"] == 4 and e["physical_experts"] == 12
     initial = list(range(8)) + [0, 1, 2, 3]
     assert any(p != initial for p in e["placement"])  # experts really moved and were copied anew
