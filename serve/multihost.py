@@ -27,27 +27,30 @@ step's rows read their input from) by running the same programs, so a step batch
 sent (nor read on the leader's host, which would wait for the step in flight). A decode program samples
 apart: its logits stay on every process until the leader has read the step before back and built the
 rows' masks; then a SAMPLE command carries the sampling batch with the decode step's number on the channel,
-and each follower runs the sample program on the logits it kept for that step. The broadcasts are
-collective programs, queued behind the step in flight: the leader's planning before a send and its output
-processing after a launch overlap the device, the send itself does not.
+and each follower runs the sample program on the logits it kept for that step.
 
-The channel is two `broadcast_one_to_all` collectives per step: a fixed header (command, rows,
-tokens per row, pages per layer, a flag) and the batch packed into one byte buffer. The sampling
-extras that are almost always padding (the structured-output bitmask, `[rows, V / 32]` int32, 20 KB
-a row at K3's vocabulary; the logit-bias rows) are left out of the buffer when every row is padding,
-which the flag says (so each bucket has two buffer sizes, both compiled at warm-up). Both are small next to a
-step (KBs: a row's page table is one index into the device tables; the entries a decode step adds are 16
-bytes per page per MLA layer, once every page_size tokens a row), and both programs are compiled during
-warm-up.
+The channel is host to host, never a device program (`KeyValueTransport`): each message is one value in the
+key-value store of `jax.distributed`'s coordination service (which every multi-process JAX job runs), keyed
+by its number; followers read them in order. A device collective (`broadcast_one_to_all`, the first form)
+queues behind the step in flight and makes the leader wait for it, which defeats async scheduling and cost
+two collectives and host syncs a step. A message is a fixed header (command, rows, tokens per row, pages
+per layer, a flag) and the batch packed into bytes. The sampling extras that are almost always padding (the
+structured-output bitmask, `[rows, V / 32]` int32, 20 KB a row at K3's vocabulary; the logit-bias rows)
+are left out when every row is padding, which the flag says. A step's message is small (KBs: a row's page
+table is one index into the device tables; the entries a decode step adds are 16 bytes per page per MLA
+layer, once every page_size tokens a row). Messages are kept in blocks of `BLOCK`; each follower acknowledges
+the blocks it has read and the leader deletes the blocks every follower has, so the store holds only what a
+follower has yet to read.
 """
 
 from __future__ import annotations
 
 import hashlib
+import itertools
 import logging
 import os
 import time
-from typing import Callable, Optional
+from typing import Callable, Optional, Protocol
 
 import jax
 import numpy as np
@@ -69,8 +72,9 @@ SAMPLE = 7
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 #: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)
 LOCAL_FIELDS = ("carry",)
-# an idle leader pings the followers this often (bounds how long a follower waits in one collective)
+# an idle leader pings the followers this often (a follower's log shows the leader alive while idle)
 KEEPALIVE_SECONDS = float(os.environ.get("K3JAX_MULTIHOST_KEEPALIVE", "10"))
+_HEADER = 5  # int32 words: command, shape (3), full flag
 
 
 def initialize(coordinator_address: str, num_processes: int, process_id: int,
@@ -94,10 +98,75 @@ def mesh_processes(mesh) -> set[int]:
     return {d.process_index for d in mesh.devices.flat}
 
 
-def _broadcast(tree):
-    from jax.experimental import multihost_utils
+class Transport(Protocol):
+    """Messages (bytes) from process 0 to every other process, in order."""
 
-    return multihost_utils.broadcast_one_to_all(tree)
+    def send(self, message: bytes) -> None: ...
+
+    def receive(self) -> bytes: ...
+
+
+_CHANNELS = itertools.count()  # channels made in this process (every process makes them in the same order)
+
+
+class KeyValueTransport:
+    """Messages through the key-value store of `jax.distributed`'s coordination service: the leader sets
+    `{prefix}/{block}/{n}` for its n-th message, followers wait for each key in turn. Every `BLOCK` messages a
+    follower records the blocks it has read (`{prefix}/ack/{process}`), and as the leader starts a block it
+    deletes (one call, the block's directory) those every follower has read."""
+
+    BLOCK = 64
+    POLL_MS = 60_000  # a follower's wait for one message is renewed after this (the leader may idle for long)
+
+    def __init__(self, process: int, processes: int, client=None):
+        if client is None:
+            try:
+                from jax._src import distributed
+
+                client = distributed.global_state.client
+            except (ImportError, AttributeError) as e:  # pragma: no cover - a JAX without the coordination client
+                raise RuntimeError(f"this JAX ({jax.__version__}) exposes no jax.distributed key-value client, "
+                                   f"which the multi-process step channel uses: {e}") from e
+            if client is None:
+                raise RuntimeError("a multi-process step channel needs jax.distributed.initialize() first")
+        self.client, self.process, self.processes = client, process, processes
+        self.prefix = f"k3jax/channel{next(_CHANNELS)}"
+        self.n = 0  # messages sent (leader) or received (follower)
+        self.deleted = 0  # leader: blocks deleted
+
+    def send(self, message: bytes) -> None:
+        if self.n % self.BLOCK == 0 and self.n // self.BLOCK > self.deleted:
+            self._delete_read_blocks()
+        self.client.key_value_set_bytes(f"{self.prefix}/{self.n // self.BLOCK}/{self.n}", message)
+        self.n += 1
+
+    def _delete_read_blocks(self) -> None:
+        read = [self._acked(p) for p in range(1, self.processes)]
+        for block in range(self.deleted, min(read, default=self.n // self.BLOCK)):
+            self.client.key_value_delete(f"{self.prefix}/{block}")
+            self.deleted = block + 1
+
+    def _acked(self, process: int) -> int:
+        """Blocks the follower has read (0 before its first acknowledgement)."""
+        try:
+            return int(self.client.key_value_try_get_bytes(f"{self.prefix}/ack/{process}"))
+        except Exception:  # not set yet
+            return 0
+
+    def receive(self) -> bytes:
+        key = f"{self.prefix}/{self.n // self.BLOCK}/{self.n}"
+        while True:
+            try:
+                message = self.client.blocking_key_value_get_bytes(key, self.POLL_MS)
+                break
+            except Exception as e:
+                if "DEADLINE_EXCEEDED" not in str(e):
+                    raise
+        self.n += 1
+        if self.n % self.BLOCK == 0:
+            self.client.key_value_set_bytes(f"{self.prefix}/ack/{self.process}", str(self.n // self.BLOCK).encode(),
+                                            allow_overwrite=True)
+        return message
 
 
 def pack(leaves: list[np.ndarray]) -> np.ndarray:
@@ -122,12 +191,13 @@ class StepChannel:
     """The leader's step batches, replayed by every follower (see the module docstring).
 
     `make_batch(rows, t, pages)` builds a padding batch of that bucket: the followers' template for
-    shapes and dtypes (the engine's `_pad_batch` with no rows)."""
+    shapes and dtypes (the engine's `_pad_batch` with no rows). `transport`: default `KeyValueTransport`."""
 
-    def __init__(self, make_batch: Callable):
+    def __init__(self, make_batch: Callable, transport: Optional[Transport] = None):
         self.make_batch = make_batch
         self.process = jax.process_index()
         self.leader = self.process == 0
+        self.transport = transport if transport is not None else KeyValueTransport(self.process, jax.process_count())
         self.closed = False
         self.steps = 0  # batches sent (leader) or received (follower)
         self.pings = 0  # idle keepalives sent (leader) or received (follower)
@@ -152,46 +222,48 @@ class StepChannel:
             self._templates[key] = (leaves, treedef, optional, sent)
         return self._templates[key]
 
-    def _exchange(self, cmd: int, shape: tuple[int, int, int], batch=None, full: Optional[bool] = None):
-        """Broadcast a header and (for a step or a sample) its batch from the leader; -> (cmd, shape, batch).
-        `full`: send the optional leaves (default: only when some differ from padding). Local leaves (the
-        async carry) are neither sent nor read: the follower's batch has None there."""
-        leaves = None
-        if self.leader and cmd in (_STEP, SAMPLE):
+    def _send(self, cmd: int, shape: tuple[int, int, int], batch=None) -> None:
+        """Leader: one message of a header and (a step or a sample) its batch or (a command) its int32 payload.
+        The optional leaves go only when some differ from padding; local leaves (the async carry) are neither
+        read nor sent."""
+        body, full = b"", False
+        if cmd in (_STEP, SAMPLE):
             template, _, optional, sent = self._template(cmd, shape)
             flat = jax.tree.leaves(batch)
-            leaves = [np.asarray(flat[i]) if i in sent else None for i in range(len(flat))]
-            if full is None:
-                full = any(not np.array_equal(leaves[i], template[i]) for i in optional)
-        head = _broadcast(np.asarray([cmd, *shape, int(bool(full))], np.int32))
+            leaves = {i: np.asarray(flat[i]) for i in sent}
+            full = any(not np.array_equal(leaves[i], template[i]) for i in optional)
+            body = pack([leaves[i] for i in sent if full or i not in optional]).tobytes()
+        elif cmd in _PAYLOADS:
+            body = np.ascontiguousarray(batch, np.int32).tobytes()
+        head = np.asarray([cmd, *shape, int(full)], np.int32).tobytes()
+        self.transport.send(head + body)
+        self._sent = len(body)
+        self.last = time.monotonic()
+
+    def _receive(self):
+        """Follower: the next message -> (cmd, shape, batch, payload or None)."""
+        message = self.transport.receive()
+        head = np.frombuffer(message[:4 * _HEADER], np.int32)
         cmd, shape, full = int(head[0]), tuple(int(x) for x in head[1:4]), bool(head[4])
-        if cmd in _PAYLOADS:  # shape = (padded payload length, payload length, 0)
-            buf = np.zeros(shape[0], np.int32)
-            if self.leader:
-                buf[:shape[1]] = batch
-            batch = np.asarray(_broadcast(buf))[:shape[1]]
-            self.last = time.monotonic()
-            return cmd, shape, batch
+        body = np.frombuffer(message[4 * _HEADER:], np.uint8)
+        if cmd in _PAYLOADS:
+            return cmd, shape, body.view(np.int32).copy()
         if cmd in (_STEP, SAMPLE):
             template, treedef, optional, sent = self._template(cmd, shape)
             sent = [i for i in sent if full or i not in optional]
-            got = np.asarray(_broadcast(pack([(leaves or template)[i] for i in sent])))
             out = list(template)
-            for i, x in zip(sent, unpack(got, [template[i] for i in sent])):
-                out[i] = x
-            batch = jax.tree.unflatten(treedef, out)
-            self._sent = got.size
-        self.last = time.monotonic()
-        return cmd, shape, batch if cmd in (_STEP, SAMPLE) else None
+            for i, x in zip(sent, unpack(body, [template[i] for i in sent])):
+                out[i] = x.copy()
+            return cmd, shape, jax.tree.unflatten(treedef, out)
+        return cmd, shape, None
 
     def prime(self, shape: tuple[int, int, int], sample: bool = False) -> None:
-        """Compile the channel's programs for one bucket, with and without the optional leaves (every
-        process, in the same order: warm-up); `sample`: also those of its sampling batch (a decode bucket
-        of an async engine)."""
-        for full in (True, False):
-            self._exchange(_STEP, shape, self.make_batch(*shape), full=full)
-            if sample:
-                self._exchange(SAMPLE, (shape[0], 0, 0), self.make_batch(*shape).sampling, full=full)
+        """Build one bucket's templates (every process, at warm-up: `make_batch` touches the engine's batch
+        state, which it must not in the middle of a step); `sample`: also its sampling batch's (a decode
+        bucket of an async engine)."""
+        self._template(_STEP, shape)
+        if sample:
+            self._template(SAMPLE, (shape[0], 0, 0))
 
     def check(self, fingerprint: str) -> None:
         """Every process compares its engine fingerprint with the leader's; raises on a mismatch."""
@@ -210,7 +282,7 @@ class StepChannel:
         if self.closed:
             raise RuntimeError("the step channel is closed (the followers were released)")
         t0 = time.monotonic()
-        self._exchange(_STEP, shape, batch)
+        self._send(_STEP, shape, batch)
         self.seconds += time.monotonic() - t0
         self.bytes += self._sent
         self.steps += 1
@@ -221,30 +293,29 @@ class StepChannel:
         if self.closed:
             raise RuntimeError("the step channel is closed (the followers were released)")
         t0 = time.monotonic()
-        self._exchange(SAMPLE, (int(sampling.temperature.shape[0]), step, 0), sampling)
+        self._send(SAMPLE, (int(sampling.temperature.shape[0]), step, 0), sampling)
         self.seconds += time.monotonic() - t0
         self.bytes += self._sent
 
     def command(self, cmd: int, payload: np.ndarray) -> None:
         """Send a command with an int32 payload (host-tier copies SPILL / RESTORE / FORGET, page-table entries
-        TABLES); the payload is padded to a power of two so few broadcast shapes are ever compiled."""
+        TABLES, expert moves EPLB)."""
         if self.closed:
             raise RuntimeError("the step channel is closed (the followers were released)")
-        n = len(payload)
-        self._exchange(cmd, (max(64, 1 << (n - 1).bit_length()), n, 0), np.asarray(payload, np.int32))
+        self._send(cmd, (len(payload), 0, 0), payload)
 
     def keepalive(self) -> None:
-        """An idle leader's ping (every KEEPALIVE_SECONDS): no follower waits in one collective for
-        long, whatever the collectives' timeouts."""
+        """An idle leader's ping (every KEEPALIVE_SECONDS): the followers count them (their exit log says how
+        many), which shows the leader alive through idle time."""
         if self.leader and not self.closed and time.monotonic() - self.last >= KEEPALIVE_SECONDS:
-            self._exchange(_IDLE, (0, 0, 0))
+            self._send(_IDLE, (0, 0, 0))
             self.pings += 1
 
     def close(self) -> None:
         """Release the followers (their `follow()` returns)."""
         if self.leader and not self.closed:
             self.closed = True
-            self._exchange(_STOP, (0, 0, 0))
+            self._send(_STOP, (0, 0, 0))
 
     # ---- follower -----------------------------------------------------------------------------
     def receive(self):
@@ -252,7 +323,7 @@ class StepChannel:
         TABLES, int32 payload), (SAMPLE, (step number, sampling batch)), or None once the leader closed the
         channel."""
         while True:
-            cmd, shape, batch = self._exchange(_STOP, (0, 0, 0))
+            cmd, shape, batch = self._receive()
             if cmd == _STOP:
                 self.closed = True
                 return None

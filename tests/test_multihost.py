@@ -330,26 +330,39 @@ def test_step_batch_packing_roundtrip():
         unpack(pack(leaves)[:-1], leaves)
 
 
-def _over_tape(monkeypatch, tape: list, channel, batch, shape):
-    """One exchange over a recorded broadcast: the leader sends `batch` (-> bytes sent), a follower replays
-    the tape (-> the batch it rebuilt)."""
+class _Tape:
+    """An in-memory transport: the leader's messages, read back in order by a follower."""
+
+    def __init__(self):
+        self.messages: list[bytes] = []
+
+    def send(self, message: bytes) -> None:
+        self.messages.append(bytes(message))
+
+    def receive(self) -> bytes:
+        return self.messages.pop(0)
+
+
+def _channels(make):
+    """A leader and a follower channel over one tape."""
     from serve import multihost
 
-    def bcast(x):
-        if channel.leader:
-            tape.append(np.asarray(x).copy())
-            return x
-        got = tape.pop(0)
-        assert got.shape == np.asarray(x).shape and got.dtype == np.asarray(x).dtype
-        return got
-    monkeypatch.setattr(multihost, "_broadcast", bcast)
+    tape = _Tape()
+    leader, follower = multihost.StepChannel(make, tape), multihost.StepChannel(make, tape)
+    follower.leader = False
+    return leader, follower, tape
+
+
+def _over_tape(channel, batch, shape):
+    """One exchange: the leader sends `batch` (-> bytes of batch sent), a follower reads it (-> the batch it
+    rebuilt)."""
     if channel.leader:
         channel.send(batch, shape)
         return channel._sent
     return channel.receive()[1]
 
 
-def test_channel_sends_prompt_embeddings_only_when_a_row_has_them(monkeypatch):
+def test_channel_sends_prompt_embeddings_only_when_a_row_has_them():
     """A step batch of an engine with enable_prompt_embeds: the [B, T, H] vectors and their mask travel only
     in steps where some row holds prompt vectors; the follower rebuilds the batch exactly either way."""
     import jax
@@ -368,23 +381,21 @@ def test_channel_sends_prompt_embeddings_only_when_a_row_has_them(monkeypatch):
                          z(r, np.int32), z((r, t, hidden), np.float32) if embeds is None else embeds,
                          z((r, t), bool) if mask is None else mask, pages=p)
 
-    leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
-    follower.leader = False
-    tape: list = []
+    leader, follower, _ = _channels(make)
     vectors = np.random.default_rng(0).standard_normal((rows, t, hidden)).astype(np.float32)
     mask = np.zeros((rows, t), bool)
     mask[1, :3] = True
     sizes = []
     for batch in (make(rows, t, pages), make(rows, t, pages, vectors, mask), make(rows, t, pages)):
-        sizes.append(_over_tape(monkeypatch, tape, leader, batch, (rows, t, pages)))
-        got = _over_tape(monkeypatch, tape, follower, None, (rows, t, pages))
+        sizes.append(_over_tape(leader, batch, (rows, t, pages)))
+        got = _over_tape(follower, None, (rows, t, pages))
         for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
             assert np.array_equal(np.asarray(a), np.asarray(b))
     # (one flag for every optional leaf: the sampling extras travel with the vectors)
     assert sizes[0] == sizes[2] < rows * t * hidden * 4 < rows * t * (hidden * 4 + 1) <= sizes[1] - sizes[0]
 
 
-def test_channel_names_deferred_samples_and_never_sends_the_carry(monkeypatch):
+def test_channel_names_deferred_samples_and_never_sends_the_carry():
     """Async scheduling over the channel: a step batch's carry (a device array each process updates itself) is
     never read or sent -- the follower's batch has None there and everything else equal -- and a SAMPLE carries
     a sampling batch with the number of the step it samples."""
@@ -409,13 +420,11 @@ def test_channel_names_deferred_samples_and_never_sends_the_carry(monkeypatch):
                          z((r, t), np.int32), z(r, np.int32), carry=Unreadable(), splice=np.full(r, -1, np.int32),
                          pages=p)
 
-    leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
-    follower.leader = False
-    tape: list = []
+    leader, follower, _ = _channels(make)
     batch = make(rows, t, pages, tokens=np.asarray([[5], [9]], np.int32))
     batch.splice = np.asarray([3, -1], np.int32)
-    sent = _over_tape(monkeypatch, tape, leader, batch, (rows, t, pages))
-    got = _over_tape(monkeypatch, tape, follower, None, (rows, t, pages))
+    sent = _over_tape(leader, batch, (rows, t, pages))
+    got = _over_tape(follower, None, (rows, t, pages))
     assert got.carry is None and leader.steps == follower.steps == 1
     want = jax.tree.leaves(dataclasses.replace(batch, carry=None))
     assert len(want) == len(jax.tree.leaves(got)) == len(jax.tree.leaves(batch)) - 1
@@ -426,19 +435,16 @@ def test_channel_names_deferred_samples_and_never_sends_the_carry(monkeypatch):
     allowed[1] = [6]
     sampling = SamplingBatch.from_params([SamplingParams(temperature=0.5, seed=1)], [1], [2], rows, None, None, 5,
                                          allowed, 1)
-    monkeypatch.setattr(multihost, "_broadcast", lambda x: tape.append(np.asarray(x).copy()) or x)
     leader.sample(7, sampling)
-    monkeypatch.setattr(multihost, "_broadcast", lambda x: tape.pop(0))
     cmd, (step, back) = follower.receive()
     assert cmd == multihost.SAMPLE and step == 7 and leader.steps == follower.steps == 1
     for a, b in zip(jax.tree.leaves(sampling), jax.tree.leaves(back)):
         assert np.array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch):
-    """Leader and follower channels over a recorded broadcast: the follower rebuilds the leader's batch
-    exactly, with the bitmask / bias leaves in the buffer only when some row is not padding, and its
-    buffer always has the leader's size (a mismatch would hang a real collective)."""
+def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them():
+    """Leader and follower channels over an in-memory transport: the follower rebuilds the leader's batch
+    exactly, with the bitmask / bias leaves in the message only when some row is not padding."""
     import jax
 
     from serve import multihost
@@ -447,10 +453,8 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch
 
     rows, words = 4, 3
     make = lambda r, t, p: SamplingBatch.from_params([], [], [], r, None, None, 5, None, words)  # noqa: E731
-    leader, follower = multihost.StepChannel(make), multihost.StepChannel(make)
-    follower.leader = False
-    tape: list = []
-    run = lambda channel, batch: _over_tape(monkeypatch, tape, channel, batch, (rows, 1, 1))  # noqa: E731
+    leader, follower, _ = _channels(make)
+    run = lambda channel, batch: _over_tape(channel, batch, (rows, 1, 1))  # noqa: E731
 
     allowed = np.full((rows, words), -1, np.int32)
     allowed[1] = [5, 0, -7]
@@ -466,3 +470,82 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them(monkeypatch
             assert np.array_equal(np.asarray(a), np.asarray(b))
     assert sizes[0] == sizes[2] < sizes[1]
     assert sizes[1] - sizes[0] == rows * (words * 4 + 5 * 8 + 1)  # mask + bias ids/values + restrict
+
+
+class _FakeStore:
+    """The coordination service's key-value calls the transport makes, in memory. A wait for a key not yet
+    set times out (as a real one does after POLL_MS); `fail` makes the next wait fail otherwise."""
+
+    def __init__(self):
+        self.kv: dict[str, bytes] = {}
+        self.waits = 0
+        self.fail = None
+        self.ever: set[str] = set()
+
+    def key_value_set_bytes(self, key, value, allow_overwrite=False):
+        assert allow_overwrite or key not in self.kv, key
+        self.kv[key] = bytes(value)
+        self.ever.add(key)
+
+    def key_value_try_get_bytes(self, key):
+        if key not in self.kv:
+            raise RuntimeError(f"NOT_FOUND: {key}")
+        return self.kv[key]
+
+    def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+        self.waits += 1
+        if self.fail is not None:
+            raise RuntimeError(self.fail)
+        assert key in self.kv or key not in self.ever, f"{key} was deleted before this follower read it"
+        if key not in self.kv:
+            raise RuntimeError(f"DEADLINE_EXCEEDED: {key} not set within {timeout_in_ms} ms")
+        return self.kv[key]
+
+    def key_value_delete(self, key):
+        for k in [k for k in self.kv if k == key or k.startswith(key + "/")]:
+            del self.kv[k]
+
+
+def test_key_value_transport_delivers_in_order_and_keeps_only_unread_blocks():
+    """Two followers reading the leader's messages at their own pace: each gets every message in order; the
+    leader deletes a block of messages only once both have read it, so the store holds what the slower one has
+    yet to read (plus at most the block being written and the one read last); a wait that times out is renewed, another error is raised."""
+    from serve.multihost import KeyValueTransport
+
+    store = _FakeStore()
+    leader = KeyValueTransport(0, 3, client=store)
+    fast, slow = (KeyValueTransport(p, 3, client=store) for p in (1, 2))
+    fast.prefix = slow.prefix = leader.prefix  # (each process numbers its own channels alike)
+    block = KeyValueTransport.BLOCK
+    messages = [f"m{i}".encode() * (i % 7 + 1) for i in range(5 * block + 3)]
+    got_fast, got_slow = [], []
+    for i, m in enumerate(messages):
+        leader.send(m)
+        got_fast.append(fast.receive())
+        while len(got_slow) < i - 2 and i % 5 == 4:  # the slow follower reads in bursts, 3 messages behind
+            got_slow.append(slow.receive())
+        stored = [k for k in store.kv if "/ack/" not in k]
+        oldest = min(int(k.rsplit("/", 1)[1]) for k in stored)
+        assert oldest <= len(got_slow)  # nothing unread is gone
+        assert len(stored) <= (i + 1 - len(got_slow)) + 2 * block  # unread + the blocks in writing and just read
+    assert len(stored) < 2 * block  # read blocks went
+    while len(got_slow) < len(messages):
+        got_slow.append(slow.receive())
+    assert got_fast == messages and got_slow == messages
+
+    waits = store.waits
+    with pytest.raises(RuntimeError):
+        store.fail = "UNAVAILABLE: the coordination service is gone"
+        fast.receive()
+    store.fail = None
+    assert store.waits == waits + 1
+
+    class Later(_FakeStore):  # the key appears while the follower waits (after two renewed waits)
+        def blocking_key_value_get_bytes(self, key, timeout_in_ms):
+            if self.waits == 2:
+                self.kv[key] = b"late"
+            return super().blocking_key_value_get_bytes(key, timeout_in_ms)
+
+    store = Later()
+    follower = KeyValueTransport(1, 2, client=store)
+    assert follower.receive() == b"late" and store.waits == 3
