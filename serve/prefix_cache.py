@@ -117,15 +117,21 @@ _NEVER = np.iinfo(np.int64).max  # the last use of a free row: after every entry
 
 
 class EntryRows:
-    """The page entries as rows of arrays (units, one per MLA layer; page index; order of caching), kept as
-    entries come and go: the slot-run screening and the LRU order read them all at each eviction, and
-    rebuilding them from the entries took ~0.1 s a call at K3 sizes (10^5 entries at page 16). Rows of
-    removed entries hold -1 units and are reused."""
+    """The page entries as rows of arrays (units, one per MLA layer; the slot runs those units fall in; page
+    index; order of caching; last use), kept as entries come and go or are used: the slot-run screening and
+    the LRU order read them all at each eviction, and rebuilding them from the entries took ~0.1 s a call at
+    K3 sizes (10^5 entries at page 16). Rows of removed entries hold -1 units and runs and are reused.
 
-    def __init__(self, layers: int):
+    `runs`: the runs are the arena's fixed slot-aligned runs (`Arena.slot_runs`: run i is units
+    [run_base + i * slot_units, ...)); a row lists each run its units fall in once, ascending, -1 after."""
+
+    def __init__(self, layers: int, run_base: int = 0, slot_units: int = 1, num_runs: int = 0):
         self._units = np.full((64, layers), -1, np.int32)
+        self._runs = np.full((64, layers), -1, np.int32)
         self._index = np.zeros(64, np.int64)  # the entry's page index (depth in its chain)
         self._added = np.zeros(64, np.int64)  # when it was added (the cache's dict order)
+        self._last_used = np.full(64, _NEVER, np.int64)  # the entry's last use (free rows: _NEVER)
+        self.run_base, self.slot_units, self.num_runs = run_base, max(1, slot_units), num_runs
         self._count = itertools.count()
         self.entries: list = []  # row -> PageEntry, or None for a free row
         self._free: list[int] = []
@@ -137,8 +143,17 @@ class EntryRows:
         return self._units[:len(self.entries)]
 
     @property
+    def runs(self) -> np.ndarray:
+        """[rows, layers] int32 (a view: valid until the next `add`)."""
+        return self._runs[:len(self.entries)]
+
+    @property
     def index(self) -> np.ndarray:
         return self._index[:len(self.entries)]
+
+    @property
+    def last_used(self) -> np.ndarray:
+        return self._last_used[:len(self.entries)]
 
     @property
     def added(self) -> np.ndarray:
@@ -151,19 +166,29 @@ class EntryRows:
             r = len(self.entries)
             self.entries.append(None)
             if r == len(self._units):
-                grown = np.full((2 * r, self._units.shape[1]), -1, np.int32)
-                grown[:r] = self._units
-                self._units = grown
+                self._units, self._runs = (np.concatenate([a, np.full_like(a, -1)]) for a in (self._units, self._runs))
                 self._index, self._added = (np.concatenate([a, np.zeros(r, np.int64)])
                                             for a in (self._index, self._added))
+                self._last_used = np.concatenate([self._last_used, np.full(r, _NEVER, np.int64)])
         self._units[r] = e.units
-        self._index[r], self._added[r] = e.index, next(self._count)
+        units = np.asarray(e.units, np.int64)
+        runs = np.unique((units[units >= self.run_base] - self.run_base) // self.slot_units)
+        runs = runs[runs < self.num_runs]
+        self._runs[r] = -1
+        self._runs[r, :len(runs)] = runs
+        self._index[r], self._added[r], self._last_used[r] = e.index, next(self._count), e.last_used
         self.entries[r] = e
         self._row[e.key] = r
 
+    def touch(self, e: PageEntry, now: int) -> None:
+        """The entry was used at `now`."""
+        e.last_used = now
+        self._last_used[self._row[e.key]] = now
+
     def remove(self, key: bytes) -> None:
         r = self._row.pop(key)
-        self._units[r] = -1
+        self._units[r] = self._runs[r] = -1
+        self._last_used[r] = _NEVER
         self.entries[r] = None
         self._free.append(r)
 
@@ -212,7 +237,9 @@ class PrefixCache(UnitRefs):
         self.interval = max(align, cfg.checkpoint_interval // align * align)
         self.decode_interval = max(align, cfg.decode_interval // align * align)
         self.pages: dict[bytes, PageEntry] = {}
-        self._rows = EntryRows(layout.num_mla_layers)  # the page entries as array rows (eviction)
+        _, run_base = allocator.slot_runs()
+        self._rows = EntryRows(layout.num_mla_layers, run_base, layout.slot_units,  # the page entries as array
+                               len(allocator.slot_runs()[0]))  # rows (eviction)
         self.ckpts: dict[bytes, CkptEntry] = {}
         self.cache_refs = np.zeros(layout.num_units, np.int32)  # [num_units] how many page entries hold each unit
         self._clock = itertools.count()
@@ -294,13 +321,13 @@ class PrefixCache(UnitRefs):
         for e in hit.pages:
             if isinstance(e, HostEntry):
                 continue
-            e.last_used = now
+            self._rows.touch(e, now)
             self.ref(e.units)
         if isinstance(hit.ckpt, CkptEntry):
             hit.ckpt.pins += 1
             hit.ckpt.last_used = now
         if isinstance(hit.partial, PageEntry):
-            hit.partial.last_used = now
+            self._rows.touch(hit.partial, now)
             self.ref(hit.partial.units)  # held until the copy has run
 
     def unpin(self, hit: Hit) -> None:
@@ -457,8 +484,7 @@ class PrefixCache(UnitRefs):
         are only looked up as far as the walk goes."""
         rows = self._rows.entries
         nc, nr = len(ckpts), len(rows)
-        lu = np.fromiter(itertools.chain((c.last_used for c in ckpts),
-                                         (_NEVER if e is None else e.last_used for e in rows)), np.int64, count=nc + nr)
+        lu = np.concatenate([np.fromiter((c.last_used for c in ckpts), np.int64, count=nc), self._rows.last_used])
         is_page = np.repeat(np.arange(2), [nc, nr])
         depth = np.concatenate([np.zeros(nc, np.int64), self._rows.index])
         added = np.concatenate([np.zeros(nc, np.int64), self._rows.added])
@@ -503,18 +529,15 @@ class PrefixCache(UnitRefs):
         cand = np.flatnonzero((rows != self.alloc.FREE).any(axis=1) & ~blocked)
         if not len(cand):
             return False
-        # the entries holding each run's units directly (an entry holds one unit per MLA layer; rows of
+        # the entries holding each run's units directly (each row lists its entry's runs once; rows of
         # entries gone are -1)
-        units, entries = self._rows.units, self._rows.entries  # [rows, layers], row -> entry or None
-        ne = len(entries)
-        runs = np.where((units >= start) & (units < start + rows.size), (units - start) // su, -1)
-        runs.sort(axis=1)
+        runs, entries = self._rows.runs, self._rows.entries  # [rows, layers], row -> entry or None
+        assert (self._rows.run_base, self._rows.num_runs) == (start, n_runs)
         first = runs >= 0
-        first[:, 1:] &= runs[:, 1:] != runs[:, :-1]  # each (entry, run) pair once
-        lu = np.fromiter((-1 if e is None else e.last_used for e in entries), np.int64, count=ne)
-        bound_n = np.bincount(runs[first], minlength=n_runs) + slot_free
+        held = runs[first]
+        bound_n = np.bincount(held, minlength=n_runs) + slot_free
         bound_lu = slot_lu.copy()
-        np.maximum.at(bound_lu, runs[first], np.broadcast_to(lu[:, None], runs.shape)[first])
+        np.maximum.at(bound_lu, held, np.broadcast_to(self._rows.last_used[:, None], runs.shape)[first])
         order = cand[np.lexsort((-cand, bound_lu[cand], bound_n[cand]))]
         best = None
         for i in order.tolist():
@@ -534,9 +557,17 @@ class PrefixCache(UnitRefs):
         for k in best[2]:
             if k in self.ckpts:
                 self._drop_ckpt(self.ckpts[k])
-        for k in sorted(best[1], key=lambda k: -self.pages[k].index):  # deepest first: no cascades
-            if k in self.pages:
-                self._drop_page(self.pages[k])
+        collect = self._released is None  # the pages' units released at once (numpy's per-call cost)
+        if collect:
+            self._released = []
+        try:
+            for k in sorted(best[1], key=lambda k: -self.pages[k].index):  # deepest first: no cascades
+                if k in self.pages:
+                    self._drop_page(self.pages[k])
+        finally:
+            if collect:
+                released, self._released = self._released, None
+                self._let_go(released)
         return True
 
     def _run_entries(self, direct: list[PageEntry], ckpt: Optional[CkptEntry]):

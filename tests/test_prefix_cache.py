@@ -405,6 +405,37 @@ def cache_prompt(alloc, pc, ids, ckpt_at=None, keep=False):
     return units
 
 
+def test_a_hit_renews_the_pages_it_reads():
+    """A prefix read again moves to the back of the eviction order: with A cached before B and then read,
+    the units the arena is short of come from B's pages (after A's last page, which the hit did not read),
+    and the pages read stay."""
+    from serve.prefix_cache import FULL, PrefixHasher
+    alloc, pc = host_cache()
+    a, b = toks(1, 64), toks(2, 64)
+    cache_prompt(alloc, pc, a, ckpt_at=48)
+    cache_prompt(alloc, pc, b)
+    keys = {}
+    for name, ids in (("a", a), ("b", b)):
+        h = PrefixHasher(8)
+        h.extend(ids)
+        keys[name] = [h.key(FULL, j * pc.ps) for j in range(1, 5)]
+    assert all(k in pc.pages for ks in keys.values() for k in ks)
+    h = PrefixHasher(8)
+    h.extend(a)
+    hit = pc.match(h, len(a))
+    assert hit.pos == 48 and len(hit.pages) == 3
+    pc.acquire(hit)  # a request admitted on A's prefix ...
+    pc.unpin(hit)
+    pc.unref([u for e in hit.pages for u in e.units])  # ... and finished
+    pc._drop_ckpt(hit.ckpt)  # (its pages no longer kept for it: only their use orders them)
+    lm = alloc.layout.num_mla_layers
+    pc.ref(alloc.alloc_pages(alloc.free_units))  # a running request holds the rest
+    pc.evict_for(2 * lm, 0)
+    read = [e.key for e in hit.pages]
+    assert read == keys["a"][:3]  # (A's last page, past the hit, was not read: it is older than B's)
+    assert all(k in pc.pages for k in read) and not all(k in pc.pages for k in keys["b"])
+
+
 def test_unit_refs_refuse_a_release_nobody_holds():
     alloc, pc = host_cache()
     units = alloc.alloc_pages(3)
@@ -452,8 +483,10 @@ def test_slot_eviction_takes_the_cheapest_run(data):
             pc._drop_ckpt(c)
     while alloc.free_units >= alloc.layout.num_mla_layers:  # fill what is left with one-page prompts
         cache_prompt(alloc, pc, toks(int(rng.integers(10 ** 6)), 16))
-    for e in [*pc.pages.values(), *pc.ckpts.values()]:
-        e.last_used = int(rng.integers(0, 8))  # plenty of ties
+    for e in pc.pages.values():  # uses (plenty of ties)
+        pc._rows.touch(e, int(rng.integers(0, 8)))
+    for c in pc.ckpts.values():
+        c.last_used = int(rng.integers(0, 8))
 
     def cost(b):  # the entries freeing units [b, b + su) evicts, counted unit by unit; None: out of reach
         pages, ckpts, slots = set(), set(), {c.slot: c for c in pc.ckpts.values()}
@@ -512,8 +545,10 @@ def test_lru_walk_is_the_sorted_order_of_the_entries_left(seed):
                 break
             pos = (len(ids) - 1) // 16 * 16
             cache_prompt(alloc, pc, ids, ckpt_at=pos if rng.random() < 0.5 else None)
-        for e in [*pc.pages.values(), *pc.ckpts.values()]:
-            e.last_used = int(rng.integers(0, 6))  # plenty of ties
+        for e in pc.pages.values():  # uses (plenty of ties)
+            pc._rows.touch(e, int(rng.integers(0, 6)))
+        for c in pc.ckpts.values():
+            c.last_used = int(rng.integers(0, 6))
         for e in list(pc.pages.values()):  # drop some (and what hangs on them): free rows to reuse
             if e.key in pc.pages and rng.random() < 0.3:
                 pc._drop_page(e)
