@@ -38,7 +38,8 @@ per layer, a flag) and the batch packed into bytes. The sampling extras that are
 structured-output bitmask, `[rows, V / 32]` int32, 20 KB a row at K3's vocabulary; the logit-bias rows)
 are left out when every row is padding, which the flag says. A step's message is small (KBs: a row's page
 table is one index into the device tables; the entries a decode step adds are 16 bytes per page per MLA
-layer, once every page_size tokens a row). Messages are kept in blocks of `BLOCK`; each follower acknowledges
+layer, once every page_size tokens a row; with structured-output rows or prompt vectors a few MB: values of 6 to
+200 MiB passed whole through the service in a two-process probe). Messages are kept in blocks of `BLOCK`; each follower acknowledges
 the blocks it has read and the leader deletes the blocks every follower has, so the store holds only what a
 follower has yet to read.
 """
