@@ -1088,8 +1088,8 @@ class Engine:
             self.channel.close()
 
     def idle(self) -> None:
-        """Call when there is nothing to step (the async engine does): keeps a multi-process engine's
-        followers from waiting in one collective for long (serve/multihost.py)."""
+        """Call when there is nothing to step (the async engine does): an idle multi-process engine pings its
+        followers now and then (serve/multihost.py), which shows them the leader alive."""
         if self.channel is not None and self.channel.leader and not self.channel.closed:
             self.channel.keepalive()
 
@@ -2674,7 +2674,7 @@ class Engine:
             "eplb": self.eplb.stats() if self.eplb is not None else None,
             "mesh": dict(self.mesh.shape) if self.mesh is not None else None,
             "processes": len(mesh_processes(self.mesh)) if self.mesh is not None else 1,
-            # multi-process: host seconds the leader spent broadcasting step batches to the followers
+            # multi-process: host seconds the leader spent sending step batches and samples to the followers
             "step_broadcast_seconds": self.channel.seconds if self.channel is not None else 0.0,
             "step_broadcast_bytes": self.channel.bytes if self.channel is not None else 0,
             "sharding": self.config.sharding,

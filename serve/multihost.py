@@ -4,7 +4,7 @@ JAX runs multi-host programs multi-controller: every process must launch the sam
 in the same order, on the same global shapes. The engine keeps that contract with a leader and
 followers. Process 0 (the leader) owns everything on the host side: requests, the scheduler, the
 arena's bookkeeping, the prefix cache, sampling parameters, outputs. Before each step program it
-broadcasts the step's batch (the padded numpy arrays: tokens, page-table rows, slot bases, copy lists,
+sends the step's batch (the padded numpy arrays: tokens, page-table rows, slot bases, copy lists,
 sampling rows) over the `StepChannel`; every other process (a follower) sits in `Engine.follow()`,
 receives the batch and runs the same step program on its own devices. The followers keep no request
 state: everything a step does to the cache is named by its batch, so replaying the batches replays
@@ -202,9 +202,9 @@ class StepChannel:
         self.closed = False
         self.steps = 0  # batches sent (leader) or received (follower)
         self.pings = 0  # idle keepalives sent (leader) or received (follower)
-        self.seconds = 0.0  # leader: host time spent broadcasting step batches (after warm-up)
+        self.seconds = 0.0  # leader: host time spent sending step batches and samples (after warm-up)
         self.last = time.monotonic()  # last exchange
-        self.bytes = 0  # leader: step-batch bytes broadcast (after warm-up)
+        self.bytes = 0  # leader: step-batch and sample bytes sent (after warm-up)
         self._sent = 0
         self._templates: dict = {}
 
