@@ -63,12 +63,12 @@ _STOP, _STEP, _IDLE = 0, 1, 2
 SPILL, RESTORE, FORGET = 3, 4, 5
 # device page-table entries (serve/page_tables.py) the next step's rows lack, as flat (row, layer, index, unit) quads
 TABLES = 6
-# expert-parallel load balancing (serve/eplb.py): the MoE layers the leader moves, as flat (layer, placement) rows
-EPLB = 8
-_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB)  # commands that carry an int32 payload
 # async scheduling: the sampling batch of a decode step launched earlier, whose logits wait on the device (the
 # header names the step by its number on the channel)
 SAMPLE = 7
+# expert-parallel load balancing (serve/eplb.py): the MoE layers the leader moves, as flat (layer, placement) rows
+EPLB = 8
+_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB)  # commands that carry an int32 payload
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 #: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)
@@ -226,8 +226,10 @@ class StepChannel:
     def _send(self, cmd: int, shape: tuple[int, int, int], batch=None) -> None:
         """Leader: one message of a header and (a step or a sample) its batch or (a command) its int32 payload.
         The optional leaves go only when some differ from padding; local leaves (the async carry) are neither
-        read nor sent."""
-        body, full = b"", False
+        read nor sent. Steps and samples count in `seconds` and `bytes`."""
+        if self.closed and cmd != _STOP:
+            raise RuntimeError("the step channel is closed (the followers were released)")
+        t0, body, full = time.monotonic(), b"", False
         if cmd in (_STEP, SAMPLE):
             template, _, optional, sent = self._template(cmd, shape)
             flat = jax.tree.leaves(batch)
@@ -240,9 +242,12 @@ class StepChannel:
         self.transport.send(head + body)
         self._sent = len(body)
         self.last = time.monotonic()
+        if cmd in (_STEP, SAMPLE):
+            self.seconds += self.last - t0
+            self.bytes += len(body)
 
     def _receive(self):
-        """Follower: the next message -> (cmd, shape, batch, payload or None)."""
+        """Follower: the next message -> (cmd, shape, its batch, int32 payload or None)."""
         message = self.transport.receive()
         head = np.frombuffer(message[:4 * _HEADER], np.int32)
         cmd, shape, full = int(head[0]), tuple(int(x) for x in head[1:4]), bool(head[4])
@@ -280,29 +285,17 @@ class StepChannel:
 
     # ---- leader -------------------------------------------------------------------------------
     def send(self, batch, shape: tuple[int, int, int]) -> None:
-        if self.closed:
-            raise RuntimeError("the step channel is closed (the followers were released)")
-        t0 = time.monotonic()
         self._send(_STEP, shape, batch)
-        self.seconds += time.monotonic() - t0
-        self.bytes += self._sent
         self.steps += 1
 
     def sample(self, step: int, sampling) -> None:
         """Async scheduling: the sampling batch (masks built now) of the decode step sent as number `step`,
         whose logits every process keeps until this arrives."""
-        if self.closed:
-            raise RuntimeError("the step channel is closed (the followers were released)")
-        t0 = time.monotonic()
         self._send(SAMPLE, (int(sampling.temperature.shape[0]), step, 0), sampling)
-        self.seconds += time.monotonic() - t0
-        self.bytes += self._sent
 
     def command(self, cmd: int, payload: np.ndarray) -> None:
         """Send a command with an int32 payload (host-tier copies SPILL / RESTORE / FORGET, page-table entries
         TABLES, expert moves EPLB)."""
-        if self.closed:
-            raise RuntimeError("the step channel is closed (the followers were released)")
         self._send(cmd, (len(payload), 0, 0), payload)
 
     def keepalive(self) -> None:

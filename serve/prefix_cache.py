@@ -46,6 +46,7 @@ restored into the requesting sequence's memory at admission (see `Engine._admit`
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import itertools
 from dataclasses import dataclass, field
@@ -237,9 +238,9 @@ class PrefixCache(UnitRefs):
         self.interval = max(align, cfg.checkpoint_interval // align * align)
         self.decode_interval = max(align, cfg.decode_interval // align * align)
         self.pages: dict[bytes, PageEntry] = {}
-        _, run_base = allocator.slot_runs()
-        self._rows = EntryRows(layout.num_mla_layers, run_base, layout.slot_units,  # the page entries as array
-                               len(allocator.slot_runs()[0]))  # rows (eviction)
+        runs, run_base = allocator.slot_runs()
+        self._rows = EntryRows(layout.num_mla_layers, run_base, layout.slot_units, len(runs))  # page entries as
+        # array rows (eviction)
         self.ckpts: dict[bytes, CkptEntry] = {}
         self.cache_refs = np.zeros(layout.num_units, np.int32)  # [num_units] how many page entries hold each unit
         self._clock = itertools.count()
@@ -557,17 +558,10 @@ class PrefixCache(UnitRefs):
         for k in best[2]:
             if k in self.ckpts:
                 self._drop_ckpt(self.ckpts[k])
-        collect = self._released is None  # the pages' units released at once (numpy's per-call cost)
-        if collect:
-            self._released = []
-        try:
+        with self._releasing_at_once():
             for k in sorted(best[1], key=lambda k: -self.pages[k].index):  # deepest first: no cascades
                 if k in self.pages:
                     self._drop_page(self.pages[k])
-        finally:
-            if collect:
-                released, self._released = self._released, None
-                self._let_go(released)
         return True
 
     def _run_entries(self, direct: list[PageEntry], ckpt: Optional[CkptEntry]):
@@ -643,6 +637,20 @@ class PrefixCache(UnitRefs):
         self.alloc.free_slot(c.slot)
         self.metrics["checkpoints_evicted"] += 1
 
+    @contextlib.contextmanager
+    def _releasing_at_once(self):
+        """Pages dropped inside release their units in one call at the end: per page, numpy's call overhead
+        took seconds for `clear()` and a fifth of a slot eviction at K3 sizes."""
+        if self._released is not None:  # (an outer block releases them)
+            yield
+            return
+        self._released = []
+        try:
+            yield
+        finally:
+            released, self._released = self._released, None
+            self._let_go(released)
+
     def _drop_page(self, e: PageEntry) -> None:
         """Evict a page, the deeper pages of its chain and the checkpoints depending on any of them."""
         if e.key not in self.pages:
@@ -671,17 +679,17 @@ class PrefixCache(UnitRefs):
         """Drop every entry of both tiers that no request holds (nothing is copied to host memory)
         -> whether the cache is empty now. Checkpoints a request is about to read and pages running
         requests share stay until they are released."""
-        self._clearing, self._released = True, []
+        self._clearing = True
         try:
-            for c in [c for c in self.ckpts.values() if c.pins == 0]:
-                self._drop_ckpt(c)
-            only = self._only_cached()
-            for e in sorted(self.pages.values(), key=lambda e: -e.index):
-                if e.key in self.pages and not e.dependents and only[e.units].all():
-                    self._drop_page(e)
+            with self._releasing_at_once():
+                for c in [c for c in self.ckpts.values() if c.pins == 0]:
+                    self._drop_ckpt(c)
+                only = self._only_cached()
+                for e in sorted(self.pages.values(), key=lambda e: -e.index):
+                    if e.key in self.pages and not e.dependents and only[e.units].all():
+                        self._drop_page(e)
         finally:
-            released, self._clearing, self._released = self._released, False, None
-            self._let_go(released)  # one release of every unit (per page, numpy's call overhead took seconds)
+            self._clearing = False
         if self.host is not None:
             self.host.clear()
         return not self.ckpts and not self.pages and (self.host is None or not self.host.entries)
