@@ -21,6 +21,12 @@ What is measured
   regex, on the synchronous and the async engine (a decode program's logits sampled by a program launched
   once the step before is read back, with the masks built then); tokens compared, the share of steps
   launched while another was in flight recorded. `--only-structured` runs just this part.
+* Speculative decoding (`speculative_mix`): tiny-k3 waves of c = 32 greedy requests on three engines of one
+  layout: synchronous with n-gram drafts, async with drafts (a row whose token is in flight drafts on a guess
+  of it, serve/engine.py `_drafts`) and async without. Two proposers: `sparse`, the plain run's own
+  continuation offered at every 4th output token (right proposals, sparse as real n-gram hits are), and the
+  real `ngram` proposer (these random-weight models repeat little: few proposals, fewer accepted). Tokens
+  compared with the plain run; guesses made and right recorded. `--only-speculative` runs just this part.
 * Host time against rows (`host_scaling`): the synchronous split above on tiny-k3 at 32, 128 and 256 rows.
 * `tiny-k3` stands in for a fast accelerator: its device step is a few ms, so host work is a large share of
   each step, as for K3 on a GPU slice, where a decode step takes milliseconds and the host work of 256 rows
@@ -191,6 +197,62 @@ def structured_mix(name: str, c: int, reps: int, seed: int, every: int = 8) -> d
     return out
 
 
+def speculative_mix(name: str, c: int, reps: int, seed: int, every: int = 4) -> dict:
+    """Synchronous and async engines with n-gram speculative decoding (and async without) on one wave shape."""
+    model = k3jax.load_model(name, seed=1)
+    rng = np.random.default_rng(seed)
+    spec = dict(method="ngram", num_speculative_tokens=3, adaptive=False)
+    engines = dict(sync_spec=Engine(model, EngineConfig(**engine_config(model, c, speculative_config=spec)),
+                                    progress=False),
+                   async_spec=Engine(model, EngineConfig(**engine_config(model, c, speculative_config=spec,
+                                                                         async_scheduling=True)), progress=False),
+                   async_plain=Engine(model, EngineConfig(**engine_config(model, c, async_scheduling=True)),
+                                      progress=False))
+    ngram = {k: e._propose for k, e in engines.items()}
+    keys = ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "spec_decode_num_guessed_drafts",
+            "spec_decode_num_guesses_right", "steps_launched_ahead", "steps")
+    out = dict(model=name, concurrency=c, sparse_every=every, reps=reps, modes={})
+    for mode in ("sparse", "ngram"):
+        rounds = []
+        for r in range(reps + 1):  # the first round warms caches and is not recorded
+            prompts = [rng.integers(0, model.cfg.vocab_size, int(n)).tolist() for n in rng.integers(32, 97, c)]
+            engines["sync_spec"]._propose = lambda q, k: []
+            plain = wave(engines["sync_spec"], prompts)["token_ids"]
+            want = {tuple(p): t for p, t in zip(prompts, plain)}
+            got = {}
+            for k in (list(engines) if r % 2 == 0 else list(engines)[::-1]):
+                e = engines[k]
+                if k != "async_plain":
+                    e._propose = ngram[k] if mode == "ngram" else (
+                        lambda q, n: [] if len(q.output_ids) % every else list(want[tuple(q.prompt_ids)][
+                            len(q.output_ids):][:n]))
+                before = dict(e.counters)
+                w = wave(e, prompts)
+                got[k] = dict(gen_tok_s=w["gen_tok_s"], same_tokens=w["token_ids"] == plain,
+                              **{x: e.counters[x] - before[x] for x in keys})
+            if r:
+                rounds.append(got)
+        res = {k: dict(gen_tok_s=med([x[k]["gen_tok_s"] for x in rounds]),
+                       same_tokens=all(x[k]["same_tokens"] for x in rounds),
+                       **{x: int(sum(y[k][x] for y in rounds)) for x in keys}) for k in engines}
+        for k, v in res.items():
+            v["launched_ahead"] = v["steps_launched_ahead"] / max(v["steps"], 1)
+        res["async_spec_over_sync_spec"] = med([x["async_spec"]["gen_tok_s"] / x["sync_spec"]["gen_tok_s"]
+                                                for x in rounds])
+        res["async_spec_over_async_plain"] = med([x["async_spec"]["gen_tok_s"] / x["async_plain"]["gen_tok_s"]
+                                                  for x in rounds])
+        res["rounds"] = rounds
+        out["modes"][mode] = res
+        print(f"{name} c={c} {mode}: sync+spec {res['sync_spec']['gen_tok_s']:.1f}, async+spec "
+              f"{res['async_spec']['gen_tok_s']:.1f}, async {res['async_plain']['gen_tok_s']:.1f} tok/s; async+spec / "
+              f"sync+spec x{res['async_spec_over_sync_spec']:.3f}, / async x{res['async_spec_over_async_plain']:.3f}; "
+              f"guesses {res['async_spec']['spec_decode_num_guesses_right']}/"
+              f"{res['async_spec']['spec_decode_num_guessed_drafts']} right; same tokens "
+              f"{all(res[k]['same_tokens'] for k in engines)}", flush=True)
+    out["compiles_after_warmup"] = {k: e.compiles_after_warmup for k, e in engines.items()}
+    return out
+
+
 def host_scaling(name: str, rows: list[int], seed: int) -> list[dict]:
     """Host time of a synchronous decode step as the rows grow (the per-row and the fixed part)."""
     model = k3jax.load_model(name, seed=1)
@@ -216,21 +278,27 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", default=None)
     ap.add_argument("--only-structured", action="store_true", help="only the constrained-rows waves")
+    ap.add_argument("--only-speculative", action="store_true", help="only the speculative-decoding waves")
     a = ap.parse_args()
+    part = a.only_structured or a.only_speculative
     models = [("tiny-k3", [8])] if a.quick else [("tiny-k3", [1, 8, 32]), ("k3-small", [1, 8, 32])]
-    models = [] if a.only_structured else models
+    models = [] if part else models
     reps = 1 if a.quick else a.reps
     res = dict(benchmark="async_scheduling", machine=machine_info(), gen_tokens=GEN, models=[])
     for name, conc in models:
         res["models"].append(run_model(name, conc, reps, a.seed))
-    res["structured_mix"] = [structured_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
-    if not (a.quick or a.only_structured):
+    if not a.only_speculative:
+        res["structured_mix"] = [structured_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
+    if not a.only_structured:
+        res["speculative_mix"] = [speculative_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
+    if not (a.quick or part):
         res["host_scaling"] = host_scaling("tiny-k3", [32, 128, 256], a.seed)
     res["machine"]["loadavg_end"] = _loadavg()
     path = Path(a.out) if a.out else REPO / "benchmarks" / "results" / (
         "async_scheduling-cpu-quick.json" if a.quick else
-        "async_scheduling-cpu-structured.json" if a.only_structured else "async_scheduling-cpu.json")
-    if (a.quick or a.only_structured) and not a.out:  # partial runs do not replace the recorded results
+        "async_scheduling-cpu-structured.json" if a.only_structured else
+        "async_scheduling-cpu-speculative.json" if a.only_speculative else "async_scheduling-cpu.json")
+    if a.quick and not a.out:  # quick runs do not replace the recorded results
         path = Path("/tmp") / path.name
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(res, indent=1))

@@ -338,17 +338,24 @@ def read_orbax_config(path: str) -> tuple[ModelConfig, str]:
 
 # ---- entry point ----------------------------------------------------------------------------
 
+def read_config(path: str) -> ModelConfig:
+    """The model config of an HF safetensors or Orbax checkpoint directory (no weights read)."""
+    if not os.path.isdir(path):
+        raise CheckpointError(f"{path}: not a directory")
+    if is_orbax_dir(path):
+        return read_orbax_config(path)[0]
+    if not os.path.exists(os.path.join(path, "config.json")):
+        raise CheckpointError(f"{path}: no config.json (HF) and no {K3JAX_CONFIG} (Orbax)")
+    return load_hf_config(path)
+
+
 def load_checkpoint(path: str, dtype, progress: bool = True, place: Callable | None = None):
     """-> (cfg, graphdef, params) for an HF safetensors or Orbax directory; `place(var) -> Sharding` puts
     each parameter straight into its shards (see `load_hf_params`)."""
     from k3jax.runtime import abstract_model
 
-    if is_orbax_dir(path):
-        cfg, _ = read_orbax_config(path)
-        graphdef, abstract = abstract_model(cfg, dtype)
-        return cfg, graphdef, load_orbax_params(path, abstract, place)
-    if not os.path.exists(os.path.join(path, "config.json")):
-        raise CheckpointError(f"{path}: no config.json (HF) and no {K3JAX_CONFIG} (Orbax)")
-    cfg = load_hf_config(path)
+    cfg = read_config(path)
     graphdef, abstract = abstract_model(cfg, dtype)
+    if is_orbax_dir(path):
+        return cfg, graphdef, load_orbax_params(path, abstract, place)
     return cfg, graphdef, load_hf_params(path, cfg, abstract, dtype, progress, place)

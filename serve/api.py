@@ -61,7 +61,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
-from k3jax.runtime import load_model
 from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
@@ -1594,7 +1593,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 raise APIError(400, f"model_path: {path!r} is not a checkpoint directory on the server", param="model_path")
 
             def update(engine):
-                engine.update_weights(load_model(path, dtype=engine.model.dtype, **engine.load_options()))
+                engine.update_weights_from_disk(path)
                 return engine.is_sleeping
 
             try:

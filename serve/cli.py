@@ -138,7 +138,7 @@ def add_serve_arguments(s) -> None:
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
     e.add_argument("--async-scheduling", action="store_true", default=d["async_scheduling"],
                    help="launch each step before the one in flight is read back (vLLM's): scheduling and output "
-                        "processing run while the device computes; same outputs (not with --speculative-config)")
+                        "processing run while the device computes; same outputs")
     e.add_argument("--enable-prompt-embeds", action="store_true", default=d["enable_prompt_embeds"],
                    help="accept prompts given as vectors (vLLM's): /v1/completions `prompt_embeds`, base64 of a "
                         "torch.save'd tensor [length, hidden_size], a NumPy .npy or a safetensors file; every step "

@@ -347,6 +347,10 @@ class DataParallelEngine:
         self._all(lambda e: e.update_weights(model))
         self.router.forget()
 
+    def update_weights_from_disk(self, path: str) -> None:
+        self._all(lambda e: e.update_weights_from_disk(path))  # each replica reads into its own devices
+        self.router.forget()
+
     def sleep(self, level: int = 1) -> None:
         self._all(lambda e: e.sleep(level))
         self.router.forget()

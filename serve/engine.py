@@ -37,6 +37,7 @@ from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_ex
                             shard_model)
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.layer_scan import LayerScan, split_params
+from k3jax.checkpoint import read_config
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
@@ -49,7 +50,8 @@ from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, s
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
-from serve.multihost import EPLB, FORGET, RESTORE, SAMPLE, SPILL, TABLES, StepChannel, mesh_processes
+from serve.multihost import (EPLB, FORGET, RESTORE, SAMPLE, SLEEP, SPILL, TABLES, UPDATE, WAKE, HostCopy, StepChannel,
+                             mesh_processes, payload_text, text_payload)
 from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -265,8 +267,10 @@ class EngineConfig:
     # step in flight samples, passed on the device (StepBatch.carry); a request that turns out to have finished
     # wastes that one row. Outputs are those of the synchronous engine, token for token; each `step()` returns
     # the outputs of the step before it. Rows whose next step depends on the host seeing the token first
-    # (structured outputs, bad words, beams, a KDA checkpoint taken at the row's end) run that step
-    # synchronously. Not with speculative decoding, EPLB or a multi-process mesh (an error names them).
+    # (beams, a KDA checkpoint taken at the row's end, drafts being verified) run that step synchronously.
+    # With speculative decoding a row whose token is in flight drafts on a guess of that token (the n-gram's
+    # first proposal; `Engine._drafts`), and structured-output and bad-words rows run synchronously (their
+    # verify masks need every token on the host).
     async_scheduling: bool = False
 
     def __post_init__(self):
@@ -406,9 +410,6 @@ class EngineConfig:
             raise ValueError(f"long_prefill_chunk={n!r}: expected None, 0 (off) or a multiple of prefill_chunk "
                              f"({self.prefill_chunk}) from {2 * self.prefill_chunk} to max_num_batched_tokens "
                              f"({self.max_num_batched_tokens})")
-        if self.async_scheduling and self.speculative_config is not None:
-            raise ValueError("async_scheduling: not available with speculative_config (a verify step's next "
-                             "row needs the host to see the drafts it accepted first); turn one of them off")
         if n and self.speculative_config is not None and self.speculative_config.verify_tokens == n:
             raise ValueError(f"long_prefill_chunk={n} equals the verify rows' tokens (1 + num_speculative_tokens): "
                              f"the two programs would share a shape; pick another")
@@ -453,6 +454,8 @@ class Sequence:
     guide: Optional[Guide] = None  # structured outputs: the constraint's matcher (serve/structured.py)
     bad_words: tuple = ()  # token sequences never to complete (SamplingParams.bad_words)
     draft: list[int] = field(default_factory=list)  # speculative tokens proposed for the next decode
+    # async scheduling: the token its drafts guessed was in flight (the n-gram's first proposal; None: no guess)
+    guess: Optional[int] = None
     ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
     spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
     lora: Optional[Adapter] = None  # the LoRA adapter it runs with (None: the base model)
@@ -706,7 +709,9 @@ class Engine:
         self.loras = Registry(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
-        self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
+        # why the weights are not real ones ("": they are): woken from level 2 with placeholders; requests are
+        # refused until an update succeeds
+        self._weights_stale = ""
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
         # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
         # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
@@ -765,7 +770,8 @@ class Engine:
                              spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
                              lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
                              kv_transfer_published=0, failed_steps=0, requests_failed=0, cache_resets=0,
-                             programs_compiled_ahead=0, steps_launched_ahead=0)
+                             programs_compiled_ahead=0, steps_launched_ahead=0,
+                             spec_decode_num_guessed_drafts=0, spec_decode_num_guesses_right=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -1024,6 +1030,15 @@ class Engine:
                 if cmd == EPLB:  # the experts the leader moves before its next step: rows (layer, placement)
                     rows = batch.reshape(-1, 1 + self.eplb.placement.shape[1])
                     self._move_experts({int(r[0]): r[1:].copy() for r in rows}, {})
+                    continue
+                if cmd == SLEEP:
+                    self._release_device_memory(int(batch[0]))
+                    continue
+                if cmd == WAKE:
+                    self._take_back_device_memory({t for t, on in zip(("weights", "kv_cache"), batch) if on})
+                    continue
+                if cmd == UPDATE:  # every process loads the checkpoint and installs it where all could
+                    self._load_weights_together(payload_text(batch))
                     continue
                 if cmd == SAMPLE:  # the leader samples a decode step launched earlier (`_complete`)
                     step, sampling = batch
@@ -1356,7 +1371,7 @@ class Engine:
 
     def load_options(self) -> dict:
         """`k3jax.load_model` options that read weights straight into this engine's placement (each device its
-        shards; `{}` on one device without a mesh): `engine.update_weights(load_model(path, **engine.load_options()))`."""
+        shards; `{}` on one device without a mesh), as `update_weights_from_disk` loads them."""
         if self.mesh is None:
             return {}
         return dict(sharding=self.config.sharding, devices=self.config.mesh_devices())
@@ -1366,18 +1381,71 @@ class Engine:
         `model` must have this engine's config and parameter shapes; it gets the engine's start-up
         transforms (experts expanded, dense weights transposed, placement on the mesh), the compiled step
         programs are reused (no compile), and the prefix cache is cleared (its pages and states came from
-        the old weights). Requests must not be in flight (finish or abort them first)."""
+        the old weights). Requests must not be in flight (finish or abort them first). On a multi-process
+        mesh every process must load the weights: `update_weights_from_disk`."""
         self._leader_only("update_weights")
-        self._drain()
         if self.channel is not None:
-            raise RuntimeError("update_weights: not available on a multi-process mesh (every process would "
-                               "have to swap in the same step)")
+            raise RuntimeError("update_weights: on a multi-process mesh every process loads the new weights itself; "
+                               "call update_weights_from_disk(path) with a checkpoint directory they all can read")
+        self._ready_for_new_weights("update_weights")
+        self._install_weights(self._engine_leaves(model))
+        self._forget_old_weights()
+
+    def update_weights_from_disk(self, path: str) -> None:
+        """`update_weights` with the weights of a checkpoint directory (SGLang's `update_weights_from_disk`),
+        read straight into this engine's placement. On a multi-process mesh every process loads `path` itself
+        (each its own shards; the directory must hold the same checkpoint on every host): all first check
+        that they can read its config, then load together; the weights change only if every process
+        loaded them, else the leader raises naming the processes that failed (their logs say why)."""
+        self._leader_only("update_weights_from_disk")
+        self._ready_for_new_weights("update_weights_from_disk")
+        path = os.path.abspath(path)
+        read_config(path)  # a missing or unreadable directory here raises before any process is told
+        if self.channel is not None:
+            self.channel.command(UPDATE, text_payload(path))
+        self._load_weights_together(path)
+        self._forget_old_weights()
+
+    def _load_weights_together(self, path: str) -> None:
+        """(every process, in step) Load a checkpoint's weights and install them where every process could.
+        Two rounds, each closed by every process's verdict: reading the config (host only: a process
+        without the directory fails before any device program, which the others would wait in), then
+        loading and transforming the weights. Raises on the leader when any process failed."""
+        from k3jax.runtime import load_model
+
+        err, leaves = None, None
+        for attempt in ("config", "weights"):
+            try:
+                if attempt == "config":
+                    read_config(path)
+                else:
+                    leaves = self._engine_leaves(load_model(path, dtype=self.model.dtype, **self.load_options()))
+            except Exception as e:  # noqa: BLE001 - reported to the leader through the verdict
+                err = e
+                if self.is_follower:
+                    log.exception("update_weights_from_disk: process %d could not load %s", self.channel.process, path)
+            failed = self._processes_failed(err is None)
+            if failed:
+                if self.is_follower:
+                    return
+                if err is not None:
+                    raise err
+                raise RuntimeError(f"update_weights_from_disk: process(es) {failed} could not load the weights of "
+                                   f"{path} (their logs say why); the weights are unchanged")
+        self._install_weights(leaves)
+
+    def _ready_for_new_weights(self, what: str) -> None:
+        self._drain()
         busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
         if busy:
-            raise RuntimeError(f"update_weights: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort "
+            raise RuntimeError(f"{what}: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort "
                                f"them first")
+
+    def _engine_leaves(self, model: Model) -> list:
+        """`model`'s weights with the engine's start-up transforms, checked against the engine's -> the leaves
+        the step programs take (not placed yet). Raises ValueError naming what differs."""
         new = model
-        if self.config.max_loras:  # the same adapter slots; the loaded adapters are written back below
+        if self.config.max_loras:  # the same adapter slots; the loaded adapters are written back later
             targets = self.config.lora_target_modules
             new = model_lora.attach(new, self.config.max_loras, self.config.max_lora_rank,
                                     tuple(targets) if targets is not None else None)
@@ -1396,20 +1464,39 @@ class Engine:
                 raise ValueError(f"update_weights: {jax.tree_util.keystr(path)} is {a.dtype}{list(a.shape)}, the "
                                  f"engine's {dtype}{list(shape)}")
         params = new.params if self.layer_scan is None else split_params(new.params, self.layer_scan)
-        self._set_leaves(jax.tree.leaves(params))
+        return jax.tree.leaves(params)
+
+    def _install_weights(self, leaves: list) -> None:
+        """(every process) Place new weights: experts back at their initial placement, loaded adapters written
+        over them again; the engine is awake once its cache is too."""
+        self._set_leaves(leaves)
         if self.eplb is not None:
             self.eplb.reset()
         for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
             self._write_lora(slot, adapter.factors)
-        self._host_leaves, self._weights_stale = None, False
+        self._host_leaves, self._weights_stale = None, ""
         if self.sleep_level and self.arena is not None:
             self.sleep_level = 0  # the cache was woken already: the engine is awake again
+
+    def _forget_old_weights(self) -> None:
+        """(leader) What the old weights computed goes: canonical rows in flight, shared tails, the prefix cache."""
         for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
             self._finish(s, "abort")  # canonical rows of the old weights' prefixes
         self._tails.clear()
         if self.prefix_cache is not None and not self.prefix_cache.clear():
             raise RuntimeError("update_weights: the prefix cache could not be cleared")  # nothing holds it
+        if self.channel is not None:
+            self._send_forgotten()  # the followers drop their host-tier pieces of the cleared entries
         self.counters["weight_updates"] += 1
+
+    def _processes_failed(self, ok: bool) -> list[int]:
+        """(every process of a multi-process engine, together) -> the processes that report `ok` False."""
+        if self.channel is None:
+            return [] if ok else [0]
+        from jax.experimental import multihost_utils
+
+        every = np.asarray(multihost_utils.process_allgather(np.asarray([int(ok)], np.int32))).reshape(-1)
+        return [i for i, x in enumerate(every) if not x]
 
     def rebalance_experts(self) -> dict:
         """Expert-parallel load balancing now (the engine also runs it every `eplb_step_interval` steps):
@@ -1448,7 +1535,10 @@ class Engine:
     def _set_leaves(self, leaves: list) -> None:
         """Place `leaves` where the step programs expect the weights: on a mesh, each with its sharding; on
         one device as plain (uncommitted) arrays like the originals, so the programs see the same signature."""
-        place = lambda a, sh: jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
+        def place(a, sh):
+            if isinstance(a, HostCopy):
+                return a.restore(sh)
+            return jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
         self._leaves = [place(a, sh) for a, (_, _, sh) in zip(leaves, self._leaf_specs)]
         params = self._step_params()
         self.model = dataclasses.replace(self.model, params=params if self.layer_scan is None else params[0])
@@ -1461,7 +1551,7 @@ class Engine:
     @property
     def is_sleeping(self) -> bool:
         """True from `sleep` until `wake_up` has brought back both parts and the weights are real ones."""
-        return self.sleep_level > 0 or self._weights_stale
+        return self.sleep_level > 0 or bool(self._weights_stale)
 
     def _check_awake(self, what: str) -> None:
         if self.sleep_level and (self._leaves is None or self.arena is None):
@@ -1469,8 +1559,7 @@ class Engine:
             raise EngineSleeping(f"{what}: the engine is sleeping ({' and '.join(asleep)} released by "
                                  f"sleep(level={self.sleep_level})); call wake_up() first")
         if self._weights_stale:
-            raise EngineSleeping(f"{what}: sleep(level=2) discarded the weights; load new ones with "
-                                 f"update_weights() first")
+            raise EngineSleeping(f"{what}: {self._weights_stale}; load new ones with update_weights() first")
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, for RL loops that share the device between training and generation: release
@@ -1478,11 +1567,10 @@ class Engine:
         caller's `Model` also holds stay until the caller drops it; `LLM.sleep` does). Level 1 copies the
         weights to host memory and frees them and the cache arena; level 2 discards the weights too (load new ones with `update_weights`, asleep or
         after `wake_up(["weights"])`). Cached prefixes are forgotten (both tiers). The compiled programs
-        stay: `wake_up` needs no compile. Requests must not be in flight."""
+        stay: `wake_up` needs no compile. Requests must not be in flight. On a multi-process mesh every
+        process releases its own devices' memory (level 1: each keeps its own shards in host memory)."""
         self._leader_only("sleep")
         self._drain()
-        if self.channel is not None:
-            raise RuntimeError("sleep: not available on a multi-process mesh")
         if level not in (1, 2):
             raise ValueError(f"sleep: level must be 1 (weights to host memory) or 2 (weights discarded), got {level!r}")
         busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
@@ -1494,10 +1582,17 @@ class Engine:
         if self.prefix_cache is not None and not self.prefix_cache.clear():
             raise RuntimeError("sleep: the prefix cache could not be cleared")  # nothing holds it
         assert self.allocator.free_units == self.allocator.baseline_free_units
+        if self.channel is not None:
+            self._send_forgotten()  # the followers drop their host-tier pieces of the cleared entries
+            self.channel.command(SLEEP, np.asarray([level], np.int32))
+        self._release_device_memory(level)
+        self.counters["sleeps"] += 1
+
+    def _release_device_memory(self, level: int) -> None:
+        """(every process) Sleep's device side: weights to host memory (level 1) or dropped, the arena freed."""
         if self._leaves is not None:
             if level == 1 and not self._weights_stale:
-                # copies: on CPU device_get may return a view that would keep the device buffer alive
-                self._host_leaves = [np.array(jax.device_get(x), copy=True) for x in self._leaves]
+                self._host_leaves = [HostCopy.of(x) for x in self._leaves]
             # dropped, not deleted: leaves the caller's Model shares (those no start-up transform copied)
             # stay with it; what only the engine held is freed (LLM drops its Model too)
             self._leaves = None
@@ -1510,7 +1605,6 @@ class Engine:
             self.page_tables.array.delete()  # made again with the arena
             self.arena = self.token_pages = None
         self.sleep_level = max(self.sleep_level, level)
-        self.counters["sleeps"] += 1
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Take back what `sleep` released: `tags` "weights" and / or "kv_cache" (vLLM's; default both).
@@ -1520,12 +1614,18 @@ class Engine:
         tags = {"weights", "kv_cache"} if tags is None else set(tags)
         if not tags <= {"weights", "kv_cache"}:
             raise ValueError(f"wake_up: tags must be 'weights' and / or 'kv_cache', got {sorted(tags)}")
+        if self.channel is not None:
+            self.channel.command(WAKE, np.asarray(["weights" in tags, "kv_cache" in tags], np.int32))
+        self._take_back_device_memory(tags)
+
+    def _take_back_device_memory(self, tags: set[str]) -> None:
+        """(every process) wake_up's device side."""
         if "weights" in tags and self._leaves is None:
             if self._host_leaves is not None:
                 self._set_leaves(self._host_leaves)
             else:
                 self._set_leaves([np.zeros(shape, dtype) for shape, dtype, _ in self._leaf_specs])
-                self._weights_stale = True
+                self._weights_stale = "sleep(level=2) discarded the weights"
             self._host_leaves = None
         if "kv_cache" in tags and self.arena is None:
             self._zeroed_arena()
@@ -1560,7 +1660,7 @@ class Engine:
         self._leader_only("step")
         touched, self._landed = self._landed, set()
         ended: set[str] = set()
-        if self._flight and not all(f.chainable for f in self._flight):
+        if self._flight and (not all(f.chainable for f in self._flight) or self._masks_block_drafts()):
             self._land_flight(touched)  # a row whose next step needs the host to see its results first
             ended = self._select_beams() if self._beams else set()
         plan = self._plan()
@@ -1638,11 +1738,15 @@ class Engine:
                     self._match(s)
         deferred = self._deferred(live)
         if self.spec:
-            decoding = [s for s in live if s.slot is not None and s.computed == len(s.all_ids) - 1]
+            decoding = [s for s in live
+                        if s.slot is not None and self._view_computed(s) == len(s.all_ids) + s.pending - 1]
             cap = self.spec.disable_by_batch_size
             off = cap is not None and len(decoding) >= cap
             for s in live:
                 s.draft = [] if off else self._drafts(s)
+            if any(self._masked_in_flight(s) for s in decoding):  # (`step` reads such rows back when others draft)
+                for s in decoding:
+                    s.draft = []
             drafting = [s for s in decoding if s.draft]
             if drafting and self.gate is not None:
                 rows = min(len(decoding), self.decode_buckets[-1])
@@ -1769,19 +1873,45 @@ class Engine:
         elif not plan.empty:
             self.new_token_ratio = max(floor, self.new_token_ratio - (init - floor) / 600)
 
+    @staticmethod
+    def _masked_in_flight(seq: Sequence) -> bool:
+        """A row of `seq` would need masks built from a token still in flight (a verify step builds masks at
+        launch; a plain decode step of async scheduling builds them once that token is read back)."""
+        return bool(seq.pending) and (seq.guide is not None or bool(seq.bad_words))
+
+    def _masks_block_drafts(self) -> bool:
+        """Speculative decoding with async scheduling: whether the steps in flight must be read back before the
+        next is planned so that it may draft -- a masked row with its token in flight would otherwise keep the
+        next decode program a plain one. Proposals are cheap (dictionary probes); the gate is not consulted."""
+        if self.spec is None or not any(self._masked_in_flight(s) for f in self._flight for s in f.seqs):
+            return False
+        decoding = [s for s in self.seqs.values() if not s.finished and s.proposals is None and s.slot is not None
+                    and self._view_computed(s) == len(s.all_ids) + s.pending - 1]
+        cap = self.spec.disable_by_batch_size
+        return not (cap is not None and len(decoding) >= cap) and any(self._drafts(s) for s in decoding)
+
     def _drafts(self, seq: Sequence) -> list[int]:
         """Drafts for a running request about to decode, within its max_tokens and the context window.
         A structured-output request drafts once its constraint is active, and only the drafts its
         grammar accepts (each verify position then gets its own mask, see _pad_batch). Requests whose
         next tokens depend on host state the drafts would bypass (bad words, a min_tokens ban, a
-        constraint still waiting for the end of reasoning) decode one token at a time."""
-        if (seq.slot is None or seq.internal or seq.beam is not None or seq.computed != len(seq.all_ids) - 1
-                or seq.bad_words
-                or len(seq.output_ids) < seq.params.min_tokens or (seq.guide is not None and not seq.guide.active)):
+        constraint still waiting for the end of reasoning) decode one token at a time.
+
+        Async scheduling: a request whose input token is still in flight drafts on a guess of it, the
+        n-gram's first proposal (`seq.guess`), and its verify row takes the real token from the device.
+        Verification is exact either way; a wrong guess only costs the drafts (they follow the guess)."""
+        ahead = seq.pending  # tokens in flight (0 or 1 at planning: a verify row is always read back first)
+        if (seq.slot is None or seq.internal or seq.beam is not None or ahead > 1
+                or self._view_computed(seq) != len(seq.all_ids) + ahead - 1 or seq.bad_words
+                or len(seq.output_ids) + ahead < seq.params.min_tokens
+                or (seq.guide is not None and (ahead or not seq.guide.active))):
+            seq.guess = None
             return []
-        k = min(self.spec.num_speculative_tokens, seq.checker.max_tokens - len(seq.output_ids) - 1,
-                self.config.max_model_len - len(seq.all_ids))
-        d = self._propose(seq, k)[:k] if k > 0 else []
+        k = min(self.spec.num_speculative_tokens, seq.checker.max_tokens - len(seq.output_ids) - ahead - 1,
+                self.config.max_model_len - len(seq.all_ids) - ahead)
+        d = self._propose(seq, k + ahead)[:k + ahead] if k > 0 else []
+        seq.guess = d[0] if ahead and len(d) > 1 else None
+        d = d[ahead:]
         if d and seq.guide is not None:
             d = d[:seq.guide.matcher.validate_tokens(d)]
         return d
@@ -2221,6 +2351,10 @@ class Engine:
             if verify:  # the input token and the accepted drafts are in the cache; emit those drafts + 1
                 a = int(accepted[i])
                 self._count_drafts(seq, n - 1, a)
+                if seq.guess is not None and n > 1:  # its drafts followed a guess of its input token
+                    self.counters["spec_decode_num_guessed_drafts"] += 1
+                    self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
+                seq.guess = None
                 seq.computed = start + 1 + a
                 if seq.slot is not None:
                     self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
@@ -2293,7 +2427,7 @@ class Engine:
                 embeds[i, :k], embed_mask[i, :k] = seq.embeds[start:start + k], True
             row = ids[start:start + n]
             if start == len(ids) and seq.pending:  # its input token is still on the device, sampled in flight
-                if n != 1 or seq.carry_at < 0:
+                if n - 1 > len(seq.draft) or seq.carry_at < 0:
                     raise AssertionError(f"{seq.rid}: a row of {n} tokens at {start} after a token in flight")
                 row, splice[i] = [0], seq.carry_at
             tokens[i, :n] = row + seq.draft[:n - len(row)]  # a verify row: the last token, then its drafts

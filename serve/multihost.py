@@ -68,7 +68,10 @@ TABLES = 6
 SAMPLE = 7
 # expert-parallel load balancing (serve/eplb.py): the MoE layers the leader moves, as flat (layer, placement) rows
 EPLB = 8
-_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB)  # commands that carry an int32 payload
+# sleep mode and weight updates (Engine.sleep / wake_up / update_weights_from_disk), which every process runs on
+# its own devices: the level; (weights, kv_cache) flags; a checkpoint directory's path (`text_payload`)
+SLEEP, WAKE, UPDATE = 9, 10, 11
+_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB, SLEEP, WAKE, UPDATE)  # commands that carry an int32 payload
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 #: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)
@@ -92,6 +95,45 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
         log.info("CPU collectives option not set: %s", e)
     jax.distributed.initialize(coordinator_address, num_processes=num_processes, process_id=process_id,
                                local_device_ids=local_device_ids)
+
+
+def text_payload(text: str) -> np.ndarray:
+    """A string as an int32 command payload: its UTF-8 length, then its bytes padded to whole words."""
+    raw = text.encode()
+    return np.concatenate([np.asarray([len(raw)], np.int32), np.frombuffer(raw + b"\0" * (-len(raw) % 4), np.int32)])
+
+
+def payload_text(payload: np.ndarray) -> str:
+    return payload[1:].tobytes()[:int(payload[0])].decode()
+
+
+class HostCopy:
+    """A device array's values in this process's host memory (sleep level 1): the whole array where this
+    process holds all of it, else (a multi-process mesh) only its own devices' shards, each distinct shard
+    once; `restore` puts them back on the same devices."""
+
+    def __init__(self, shape: tuple[int, ...], dtype, shards: dict, where: list):
+        self.shape, self.dtype = shape, dtype
+        self.shards = shards  # shard index (start, stop, step per dim) -> values
+        self.where = where  # (device, shard index) per addressable device, in the array's order
+
+    @classmethod
+    def of(cls, x: jax.Array) -> "HostCopy":
+        shards, where = {}, []
+        for s in x.addressable_shards:
+            key = tuple((sl.start, sl.stop, sl.step) for sl in s.index)
+            if key not in shards:  # copies: on CPU a device array's host view would keep its buffer alive
+                shards[key] = np.array(s.data, copy=True)
+            where.append((s.device, key))
+        return cls(x.shape, x.dtype, shards, where)
+
+    def restore(self, sharding) -> jax.Array:
+        """-> the array again, with `sharding` (its own, from the engine's leaf specs; None: one device)."""
+        if sharding is None:
+            (key,) = self.shards
+            return jax.numpy.asarray(self.shards[key])
+        pieces = [jax.device_put(self.shards[key], device) for device, key in self.where]
+        return jax.make_array_from_single_device_arrays(self.shape, sharding, pieces)
 
 
 def mesh_processes(mesh) -> set[int]:

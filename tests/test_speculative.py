@@ -296,3 +296,66 @@ def test_structured_outputs_draft_within_their_grammar(engine, monkeypatch):
             assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 40
         else:  # only the unconstrained request drafts its invalid tokens
             assert d["spec_decode_num_accepted_tokens"] == 0 < d["spec_decode_num_draft_tokens"] <= K * 30
+
+
+@pytest.fixture(scope="module")
+def async_engine():
+    """The `engine` fixture's layout with async scheduling: a step is launched before the one in flight is read."""
+    model = k3jax.load_model("tiny-k3", dtype="float32", seed=0)
+    cfg = EngineConfig(max_model_len=256, cache_bytes=32 << 20, max_num_seqs=8, prefill_chunk=32, page_size=16,
+                       decode_buckets=(8,), prefill_buckets=(4,), context_buckets=(16,), measure_moe_time=False,
+                       async_scheduling=True,
+                       speculative_config={"method": "ngram", "num_speculative_tokens": K, "adaptive": False})
+    return Engine(model, cfg, progress=False)
+
+
+def test_async_scheduling_drafts_on_a_guess_of_the_token_in_flight(engine, async_engine, monkeypatch):
+    """With async scheduling a decoding request's input token is usually still on the device when the next
+    step is planned: it drafts on a guess of that token (its proposal's first token) and the verify row takes
+    the real one from the device. Outputs must be the plain synchronous engine's for guesses that are right,
+    wrong, and the real n-gram's. With structured-output and bad-words rows in flight (a verify step builds
+    masks at launch) the steps are read back before one that drafts."""
+    from serve.types import StructuredOutputsParams as SO
+
+    rng = np.random.default_rng(17)
+    prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 50)))] for _ in range(8)]
+    prompts = [p + p[:10] for p in prompts]  # something for the real n-gram to find
+    params = [SAMPLING[kind](i) for i, kind in enumerate(list(SAMPLING) * 2)]
+    masked = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(regex=r"([a-f]{2}-){2,6}[0-9]{2}")),
+               SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, bad_words=["a", "zz"])]
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [])
+    plain = _run(engine, prompts, params + masked)
+    want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
+
+    def oracle(s, k, mode):  # the plain continuation (its first token is the guess of a token in flight)
+        if (not s.pending) if mode in ("right", "wrong") else len(s.output_ids) % 3:
+            return []  # only on a guess / only every third token
+        d = list(want[tuple(s.prompt_ids)][len(s.output_ids):][:k])
+        if mode == "wrong" and d:
+            d[0] = (d[0] + 1) % 200
+        return d
+
+    ngram = async_engine._propose
+    for mode, extra in (("right", []), ("wrong", []), ("ngram", masked), ("every third", masked)):
+        monkeypatch.setattr(async_engine, "_propose", ngram if mode == "ngram" else
+                            lambda s, k, m=mode: oracle(s, k, m))
+        before = dict(async_engine.counters)
+        outs = _run(async_engine, prompts[:len(params + extra)], params + extra)
+        d = {k: async_engine.counters[k] - before[k] for k in before}
+        for o, p in zip(outs, plain):
+            assert o.token_ids == p.token_ids, mode
+            if p.logprobs is not None:
+                np.testing.assert_allclose([lp[0].logprob for lp in o.logprobs], [lp[0].logprob for lp in p.logprobs],
+                                           rtol=1e-4, atol=1e-4)
+        assert d["steps_launched_ahead"] > 0, (mode, d)
+        if mode in ("right", "every third"):  # drafts after a right guess are the plain continuation: all accepted
+            assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 20, d
+        if mode == "right":
+            assert d["spec_decode_num_guesses_right"] == d["spec_decode_num_guessed_drafts"] > 5, d
+        if mode == "wrong":
+            assert d["spec_decode_num_guessed_drafts"] > 5 and d["spec_decode_num_guesses_right"] == 0, d
+        assert all(q.pending == 0 and q.guess is None for q in async_engine.seqs.values())
+        assert not async_engine._flight
+    st = async_engine.stats()
+    assert st["compiles_after_warmup"] == 0
+    assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
