@@ -21,7 +21,7 @@ What is measured
   regex, on the synchronous and the async engine (a decode program's logits sampled by a program launched
   once the step before is read back, with the masks built then); tokens compared, the share of steps
   launched while another was in flight recorded. `--only-structured` runs just this part.
-* Speculative decoding (`speculative_mix`): tiny-k3 waves of c = 32 greedy requests on three engines of one
+* Speculative decoding (`speculative_mix`): tiny-k3 waves of c = 8 and 32 greedy requests on three engines of one
   layout: synchronous with n-gram drafts, async with drafts (a row whose token is in flight drafts on a guess
   of it, serve/engine.py `_drafts`) and async without. Two proposers: `sparse`, the plain run's own
   continuation offered at every 4th output token (right proposals, sparse as real n-gram hits are), and the
@@ -290,7 +290,7 @@ def main():
     if not a.only_speculative:
         res["structured_mix"] = [structured_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
     if not a.only_structured:
-        res["speculative_mix"] = [speculative_mix("tiny-k3", 8 if a.quick else 32, reps, a.seed)]
+        res["speculative_mix"] = [speculative_mix("tiny-k3", c, reps, a.seed) for c in ([8] if a.quick else [8, 32])]
     if not (a.quick or part):
         res["host_scaling"] = host_scaling("tiny-k3", [32, 128, 256], a.seed)
     res["machine"]["loadavg_end"] = _loadavg()

@@ -16,6 +16,7 @@ import atexit
 import collections
 import dataclasses
 import hashlib
+import io
 import itertools
 import logging
 import os
@@ -50,8 +51,9 @@ from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, s
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
-from serve.multihost import (EPLB, FORGET, RESTORE, SAMPLE, SLEEP, SPILL, TABLES, UPDATE, WAKE, HostCopy, StepChannel,
-                             mesh_processes, payload_text, text_payload)
+from serve.multihost import (ADAPTER, ADAPTER_CHUNK, EPLB, FORGET, LORA, LORA_DROP, RESTORE, SAMPLE, SLEEP, SPILL, TABLES,
+                             UPDATE, WAKE, HostCopy, StepChannel, bytes_payload, mesh_processes, payload_bytes,
+                             payload_text, text_payload)
 from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -707,6 +709,9 @@ class Engine:
         self._lora_leaves = model_lora.module_paths(model.params)
         self._lora_indices = {i for pair in self._lora_leaves.values() for i in pair}
         self.loras = Registry(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
+        # followers of a multi-process engine: the leader's adapters' factors by uid (and chunks still arriving)
+        self._adapter_factors: dict[int, dict] = {}
+        self._adapter_parts: dict[int, list[bytes]] = {}
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
         # why the weights are not real ones ("": they are): woken from level 2 with placeholders; requests are
@@ -1040,6 +1045,16 @@ class Engine:
                 if cmd == UPDATE:  # every process loads the checkpoint and installs it where all could
                     self._load_weights_together(payload_text(batch))
                     continue
+                if cmd == ADAPTER:
+                    self._receive_adapter(batch)
+                    continue
+                if cmd == LORA:
+                    slot, uid = batch.tolist()
+                    self._write_lora_factors(slot, self._adapter_factors[uid] if uid else {})
+                    continue
+                if cmd == LORA_DROP:
+                    self._adapter_factors.pop(int(batch[0]), None)
+                    continue
                 if cmd == SAMPLE:  # the leader samples a decode step launched earlier (`_complete`)
                     step, sampling = batch
                     for k in [k for k in unsampled if k < step]:  # steps the leader never sampled (failed)
@@ -1078,6 +1093,30 @@ class Engine:
             self.arena, self.token_pages = self.host_transfers.write(
                 self.arena, self.token_pages, units, np.concatenate([r for r, _ in pieces]),
                 np.concatenate([t for _, t in pieces]))
+
+    def _send_adapter(self, adapter: Adapter) -> None:
+        """The leader sends a loaded adapter's factors (host arrays, as npz bytes, in chunks of ADAPTER_CHUNK) to the
+        followers, which keep them by uid until LORA_DROP: every process writes them into its own slot shards."""
+        buf = io.BytesIO()
+        np.savez(buf, **{f"{m}|{i}": x for m, pair in adapter.factors.items() for i, x in enumerate(pair)})
+        raw = buf.getvalue()
+        n = max(1, -(-len(raw) // ADAPTER_CHUNK))
+        for k in range(n):
+            self.channel.command(ADAPTER, bytes_payload([adapter.uid, k, n], raw[k * ADAPTER_CHUNK:(k + 1) * ADAPTER_CHUNK]))
+
+    def _receive_adapter(self, payload: np.ndarray) -> None:
+        """A follower's part of `_send_adapter`: one chunk; the last one makes the factors."""
+        (uid, k, n), raw = payload_bytes(payload, 3)
+        parts = self._adapter_parts.setdefault(uid, [])
+        parts.append(raw)
+        if k < n - 1:
+            return
+        data = np.load(io.BytesIO(b"".join(self._adapter_parts.pop(uid))))
+        factors: dict[str, list] = {}
+        for key in data.files:
+            module, i = key.rsplit("|", 1)
+            factors.setdefault(module, [None, None])[int(i)] = data[key]
+        self._adapter_factors[uid] = {m: tuple(pair) for m, pair in factors.items()}
 
     def _send_copy(self, cmd: int, units: list[int], segments: list[tuple[int, int]]) -> None:
         """The leader of a multi-process engine names a host-tier copy to the followers, then the entries
@@ -1291,8 +1330,6 @@ class Engine:
         self._check_awake("add_lora")
         if not self.config.max_loras:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
-        if self.channel is not None:
-            raise LoRAError("add_lora: not available on a multi-process mesh")
         name = lora_request.lora_name
         if not isinstance(name, str) or not name or len(name) > 256:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
@@ -1304,8 +1341,10 @@ class Engine:
         rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
                                   self.config.lora_target_modules)
         adapter = self.loras.add(name, lora_request.lora_path, rank, factors, lora_request.lora_int_id)
+        if self.channel is not None:
+            self._send_adapter(adapter)
         if len(self.loras.in_slot) < self.loras.slots:  # a free slot: take it now (else when first needed)
-            self._write_lora(self.loras.place(adapter, set()), factors)
+            self._write_lora(self.loras.place(adapter, set()), adapter)
         return adapter
 
     def remove_lora(self, name: str) -> None:
@@ -1320,7 +1359,9 @@ class Engine:
         for rid in [r for r, (_, a) in self._tails.items() if a is adapter]:
             del self._tails[rid]
         if self._leaves is not None and adapter.slot is not None:
-            self._write_lora(adapter.slot, {})
+            self._write_lora(adapter.slot, None)
+        if self.channel is not None:
+            self.channel.command(LORA_DROP, np.asarray([adapter.uid], np.int32))
 
     def list_loras(self) -> list[str]:
         return sorted(self.loras.by_name)
@@ -1341,11 +1382,19 @@ class Engine:
         for adapter in need:
             slot = self.loras.place(adapter, busy)
             if slot is not None:
-                self._write_lora(slot, adapter.factors)
+                self._write_lora(slot, adapter)
                 self.counters["lora_swaps"] += 1
 
-    def _write_lora(self, slot: int, factors: dict) -> None:
-        """Write one slot of every projection's factors (zeros where `factors` has no entry)."""
+    def _write_lora(self, slot: int, adapter: Optional[Adapter]) -> None:
+        """Write one slot of every projection's factors: `adapter`'s (zeros where it has no entry; None: all
+        zeros). The leader of a multi-process engine first names the slot and adapter to the followers."""
+        if self.channel is not None and self.channel.leader:
+            self.channel.command(LORA, np.asarray([slot, adapter.uid if adapter is not None else 0], np.int32))
+        self._write_lora_factors(slot, adapter.factors if adapter is not None else {})
+
+    def _write_lora_factors(self, slot: int, factors: dict) -> None:
+        if self.mesh is not None:  # one replicated value on every device of the mesh (every process: the same)
+            factors = {m: tuple(jax.device_put(x, replicated(self.mesh)) for x in pair) for m, pair in factors.items()}
         leaves = list(self._leaves)
         for module, (ia, ib) in self._lora_leaves.items():
             leaves[ia], leaves[ib] = model_lora.write_slot(leaves[ia], leaves[ib], slot, *factors.get(module, (None, None)))
@@ -1473,7 +1522,7 @@ class Engine:
         if self.eplb is not None:
             self.eplb.reset()
         for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
-            self._write_lora(slot, adapter.factors)
+            self._write_lora(slot, adapter)
         self._host_leaves, self._weights_stale = None, ""
         if self.sleep_level and self.arena is not None:
             self.sleep_level = 0  # the cache was woken already: the engine is awake again

@@ -29,6 +29,13 @@ apart: its logits stay on every process until the leader has read the step befor
 rows' masks; then a SAMPLE command carries the sampling batch with the decode step's number on the channel,
 and each follower runs the sample program on the logits it kept for that step.
 
+Sleep mode, weight updates from disk and LoRA adapters replay as commands too: SLEEP / WAKE make every
+process release or take back its own devices' memory (level 1 keeps each process's own shards in host
+memory: `HostCopy`); UPDATE names a checkpoint directory that every process loads into its own shards, in two
+rounds each closed by an all-gather of every process's verdict (the config read, then the weights), so the
+weights change only where all could load them; ADAPTER carries a loaded adapter's factors (npz bytes, in
+chunks) and LORA the slot each write fills, before the step that needs it.
+
 The channel is host to host, never a device program (`KeyValueTransport`): each message is one value in the
 key-value store of `jax.distributed`'s coordination service (which every multi-process JAX job runs), keyed
 by its number; followers read them in order. A device collective (`broadcast_one_to_all`, the first form)
@@ -71,7 +78,13 @@ EPLB = 8
 # sleep mode and weight updates (Engine.sleep / wake_up / update_weights_from_disk), which every process runs on
 # its own devices: the level; (weights, kv_cache) flags; a checkpoint directory's path (`text_payload`)
 SLEEP, WAKE, UPDATE = 9, 10, 11
-_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB, SLEEP, WAKE, UPDATE)  # commands that carry an int32 payload
+# LoRA adapters (serve/lora.py): a loaded adapter's factors (uid, chunk, chunks, then `bytes_payload` of their npz
+# bytes: an adapter may exceed one message), the factors a slot takes before the next step (slot, uid; 0: zeros),
+# an adapter removed (uid)
+ADAPTER, LORA, LORA_DROP = 12, 13, 14
+ADAPTER_CHUNK = 64 << 20  # bytes of an adapter's factors per message
+_PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB, SLEEP, WAKE, UPDATE, ADAPTER, LORA,
+             LORA_DROP)  # commands that carry an int32 payload
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 #: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)
@@ -97,14 +110,24 @@ def initialize(coordinator_address: str, num_processes: int, process_id: int,
                                local_device_ids=local_device_ids)
 
 
+def bytes_payload(head: list[int], raw: bytes) -> np.ndarray:
+    """An int32 command payload of `head` words, the length of `raw`, then `raw` padded to whole words."""
+    return np.concatenate([np.asarray([*head, len(raw)], np.int32),
+                           np.frombuffer(raw + b"\0" * (-len(raw) % 4), np.int32)])
+
+
+def payload_bytes(payload: np.ndarray, words: int) -> tuple[list[int], bytes]:
+    """`bytes_payload`'s inverse -> (its `words` head words, its bytes)."""
+    head, n = payload[:words].tolist(), int(payload[words])
+    return head, payload[words + 1:].tobytes()[:n]
+
+
 def text_payload(text: str) -> np.ndarray:
-    """A string as an int32 command payload: its UTF-8 length, then its bytes padded to whole words."""
-    raw = text.encode()
-    return np.concatenate([np.asarray([len(raw)], np.int32), np.frombuffer(raw + b"\0" * (-len(raw) % 4), np.int32)])
+    return bytes_payload([], text.encode())
 
 
 def payload_text(payload: np.ndarray) -> str:
-    return payload[1:].tobytes()[:int(payload[0])].decode()
+    return payload_bytes(payload, 0)[1].decode()
 
 
 class HostCopy:

@@ -180,12 +180,14 @@ _ASYNC = textwrap.dedent("""
     from k3jax.runtime import load_model
     from serve.cli import DEFAULTS, engine_config
     from serve.engine import Engine, EngineSleeping
+    from serve.lora import LoRARequest
     from serve.types import SamplingParams, StructuredOutputsParams
     pid, port = int(sys.argv[1]), sys.argv[2]
     k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-    form, checkpoint = sys.argv[4], sys.argv[5]
+    form, checkpoint, adapter, merged = sys.argv[4:8]
     eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
-    spec = dict(speculative_config=json.dumps(dict(method="ngram", num_speculative_tokens=2, adaptive=False)))
+    spec = dict(speculative_config=json.dumps(dict(method="ngram", num_speculative_tokens=2, adaptive=False)),
+                enable_lora=True, max_loras=1, max_lora_rank=4)
     o = dict(DEFAULTS, max_model_len=128, max_num_seqs=8, decode_buckets="8", prefill_buckets="1",
              context_buckets="8", prefill_chunk=32, cache_mb=32, sharding=form, async_scheduling=True,
              **(eplb if form == "ep" else spec))
@@ -201,14 +203,14 @@ _ASYNC = textwrap.dedent("""
         print("FOLLOWED", eng.follow(), flush=True)
         sys.exit(0)
 
-    def run():
+    def run(lora=None):
         ids = []
         for prompt, kw in json.loads(sys.argv[3]):
             if "structured_outputs" in kw:
                 kw["structured_outputs"] = StructuredOutputsParams(**kw["structured_outputs"])
             if "logit_bias" in kw:
                 kw["logit_bias"] = {int(k): v for k, v in kw["logit_bias"].items()}
-            ids.append(eng.add_request(prompt, SamplingParams(ignore_eos=True, logprobs=1, **kw)))
+            ids.append(eng.add_request(prompt, SamplingParams(ignore_eos=True, logprobs=1, **kw), lora_request=lora))
         done = {}
         while eng.has_unfinished():
             done.update({o.request_id: o for o in eng.step() if o.finished})
@@ -234,6 +236,11 @@ _ASYNC = textwrap.dedent("""
             again.append(str(e))
         eng.update_weights_from_disk(checkpoint)
         again.append(run()[0])
+        eng.add_lora(LoRARequest("a", 1, adapter))  # the leader sends its factors; every process writes its slot
+        again.append(run("a"))
+        eng.remove_lora("a")
+        eng.update_weights_from_disk(merged)  # the same adapter merged into the weights
+        again.append(run())
     eng.close()
     print("RESULT" + json.dumps(dict(
         texts=texts, logprobs=logprobs, again=again, drafts=c["spec_decode_num_drafts"],
@@ -263,9 +270,10 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     model = k3jax.load_model("tiny-k3")  # the script's weights, as a checkpoint directory
     save_hf_checkpoint(str(tmp_path / "ckpt"), model.cfg, model.params)
     os.symlink(tmp_path / "ckpt", tmp_path / "ckpt-leader-only")  # the follower's script cannot read this one
+    _lora_and_merged(model, tmp_path / "adapter", tmp_path / "merged")
     port = _free_port()
     procs = [subprocess.Popen([sys.executable, "-c", _ASYNC, str(pid), str(port), json.dumps(PROMPTS), form,
-                               str(tmp_path / "ckpt")],
+                               *(str(tmp_path / d) for d in ("ckpt", "adapter", "merged"))],
                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in (0, 1)]
     (out0, out1) = (p.communicate(timeout=600)[0] for p in procs)
@@ -285,13 +293,46 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     if form == "tp":
         assert got["drafts"] > 0 and got["guessed"] > 0, got
         again = got["again"]
-        assert again[0] == got["texts"] and again[-1] == got["texts"], again
+        assert again[0] == got["texts"] and again[3] == got["texts"], again
         assert "sleep(level=2) discarded the weights" in again[1], again
         assert "process(es) [1] could not load" in again[2] and "unchanged" in again[2], again
+        (lora, lora_lps), (merged, merged_lps) = again[4:]  # an adapter's outputs are its merged weights'
+        assert lora == merged and lora != got["texts"], (lora, merged)
+        for a, b in zip(lora_lps, merged_lps):
+            np.testing.assert_allclose(a, b, atol=1e-3)
     if form == "ep":
         initial = list(range(8)) + [0, 1, 2, 3]
         assert got["eplb"]["rebalances"] >= 3 and got["eplb"]["layers_moved"] >= 1
         assert any(p != initial for p in got["placement"])
+
+
+def _lora_and_merged(model, adapter, merged):
+    """A PEFT adapter on three of `model`'s projections (written to `adapter`) and the model with it merged into
+    those weights (W + alpha / r * B @ A, an HF checkpoint in `merged`)."""
+    import json
+
+    import jax.numpy as jnp
+    from flax import nnx
+    from safetensors.numpy import save_file
+
+    from k3jax.checkpoint import save_hf_checkpoint
+
+    rng, r, alpha = np.random.default_rng(5), 4, 8.0
+    flat = dict(nnx.to_flat_state(model.params))
+    tensors = {}
+    for layer, module in ((0, ("self_attn", "o_proj")), (0, ("self_attn", "q_proj")), (0, ("mlp", "down_proj"))):
+        key = ("layers", layer, *module, "weight")
+        w = np.asarray(flat[key][...])  # [out, in]
+        a = rng.normal(0, 0.3, (r, w.shape[1])).astype(np.float32)
+        b = rng.normal(0, 0.3, (w.shape[0], r)).astype(np.float32)
+        name = f"base_model.model.language_model.model.layers.{layer}.{'.'.join(module)}"
+        tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a, b
+        flat[key] = flat[key].replace(value=jnp.asarray(w + alpha / r * b @ a, w.dtype))
+    os.makedirs(adapter)
+    save_file(tensors, os.path.join(adapter, "adapter_model.safetensors"))
+    with open(os.path.join(adapter, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha}, f)
+    save_hf_checkpoint(str(merged), model.cfg, nnx.from_flat_state(list(flat.items())))
 
 
 _MISMATCH = textwrap.dedent("""
@@ -378,6 +419,41 @@ def test_step_batch_packing_roundtrip():
         assert a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
     with pytest.raises(ValueError, match="does not match"):
         unpack(pack(leaves)[:-1], leaves)
+
+
+_HOST_COPY = textwrap.dedent("""
+    import jax, numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from serve.multihost import HostCopy
+    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
+    for spec, kept in ((P("x"), 2), (P(), 1)):
+        a = jax.device_put(x, NamedSharding(mesh, spec))
+        h = HostCopy.of(a)
+        assert len(h.shards) == kept and len(h.where) == 2, (spec, h.shards.keys())
+        a.delete()
+        b = h.restore(NamedSharding(mesh, spec))
+        assert b.sharding == NamedSharding(mesh, spec) and np.array_equal(np.asarray(b), x)
+    one = HostCopy.of(jax.numpy.asarray(x))
+    assert np.array_equal(np.asarray(one.restore(None)), x)
+    print("OK")
+""")
+
+
+def test_command_payloads_and_host_copies_roundtrip():
+    """Bytes and text in int32 command payloads (every length mod 4, non-ASCII); a sleeping engine's host copy
+    of a sharded and of a replicated array (2 devices) comes back with its values and sharding, a replicated
+    one kept once."""
+    from serve.multihost import bytes_payload, payload_bytes, payload_text, text_payload
+
+    for n in range(9):
+        raw = bytes(np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8))
+        p = bytes_payload([7, -1, n], raw)
+        assert p.dtype == np.int32 and payload_bytes(p, 3) == ([7, -1, n], raw)
+    assert payload_text(text_payload("/ckpt/K3 — étape 2")) == "/ckpt/K3 — étape 2"
+    out = subprocess.run([sys.executable, "-c", _HOST_COPY], cwd=ROOT, env=ENV, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
 
 
 class _Tape:
