@@ -170,9 +170,9 @@ def test_two_processes_serve_like_one_device(cluster, reference):
 # The same engine as `reference`, with async scheduling, over a 2 x 2-device mesh: the leader launches each step
 # before reading the one in flight back, the followers keep the async carry themselves, and a decode step's logits
 # wait on every process until the leader's SAMPLE command brings the sampling batch (masks built then). Tensor
-# parallel with n-gram speculative decoding (verify rows whose input token is still in flight; then sleep mode and a
-# weight update from disk, which every process runs on its own devices), or expert parallel with load balancing
-# (every 3 steps, 4 redundant experts: the leader's EPLB command makes every process move the same experts).
+# parallel, then sleep mode, weight updates from disk and a LoRA adapter loaded at runtime, which every process
+# applies to its own devices; or expert parallel with load balancing (every 3 steps, 4 redundant experts: the
+# leader's EPLB command makes every process move the same experts).
 _ASYNC = textwrap.dedent("""
     import dataclasses, json, sys
     import k3jax
@@ -186,11 +186,10 @@ _ASYNC = textwrap.dedent("""
     k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
     form, checkpoint, adapter, merged = sys.argv[4:8]
     eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
-    spec = dict(speculative_config=json.dumps(dict(method="ngram", num_speculative_tokens=2, adaptive=False)),
-                enable_lora=True, max_loras=1, max_lora_rank=4)
+    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=4)
     o = dict(DEFAULTS, max_model_len=128, max_num_seqs=8, decode_buckets="8", prefill_buckets="1",
              context_buckets="8", prefill_chunk=32, cache_mb=32, sharding=form, async_scheduling=True,
-             **(eplb if form == "ep" else spec))
+             **(eplb if form == "ep" else lora))
     cfg = dataclasses.replace(engine_config(o), measure_moe_time=False)
     eng = Engine(load_model("tiny-k3", sharding=form), cfg, progress=False)
     if eng.is_follower:
@@ -243,8 +242,7 @@ _ASYNC = textwrap.dedent("""
         again.append(run())
     eng.close()
     print("RESULT" + json.dumps(dict(
-        texts=texts, logprobs=logprobs, again=again, drafts=c["spec_decode_num_drafts"],
-        guessed=c["spec_decode_num_guessed_drafts"], ahead=c["steps_launched_ahead"], steps=c["steps"],
+        texts=texts, logprobs=logprobs, again=again, ahead=c["steps_launched_ahead"], steps=c["steps"],
         compiles=st["compiles_after_warmup"], free=st["arena_free_units"] + st["arena_cached_units"],
         baseline=st["arena_baseline_free_units"], eplb=st.get("eplb"),
         placement=eng.eplb.placement.tolist() if eng.eplb is not None else None)), flush=True)
@@ -256,11 +254,12 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     """async_scheduling on a 2-process mesh: greedy, seeded, structured-output (its masks sent with the deferred
     sample) and logit-bias requests, in one batch, give one synchronous device's texts (logprobs to fp32
     rounding) while most steps are launched before the one in flight is read back; the follower replays every
-    step and sample; nothing compiles after warm-up and the arena is back at its baseline. Under `tp` with
-    speculative decoding (drafts verified, some on a guess of the token in flight), then after sleep(1) and
-    wake_up the same texts; after sleep(2) requests are refused until update_weights_from_disk, which fails
-    as a whole when one process cannot read the directory, then succeeds. Under `ep` the experts are also
-    re-placed every 3 steps (EPLB), on both processes alike, without changing an output."""
+    step and sample; nothing compiles after warm-up and the arena is back at its baseline. Under `tp`, then:
+    after sleep(1) and wake_up the same texts; after sleep(2) requests are refused until
+    update_weights_from_disk, which fails as a whole when one process cannot read the directory, then
+    succeeds; an adapter loaded at runtime gives the texts of its weights merged into the checkpoint. Under
+    `ep` the experts are also re-placed every 3 steps (EPLB), on both processes alike, without changing an
+    output."""
     import json
 
     from k3jax.checkpoint import save_hf_checkpoint
@@ -284,14 +283,11 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     assert got["texts"] == [w.outputs[0].text for w in want]
     for g, w in zip(got["logprobs"], want):
         np.testing.assert_allclose(g, [lp.logprob for lp, _ in w.outputs[0].logprobs], atol=2e-4)
-    # (tp: verify steps are read back before the next is planned)
-    assert got["ahead"] > (2 if form == "tp" else got["steps"] // 2), got
-    assert got["compiles"] == 0 and got["free"] == got["baseline"]
+    assert got["ahead"] > got["steps"] // 2 and got["compiles"] == 0 and got["free"] == got["baseline"]
     assert int(out1.split("FOLLOWED")[1].split()[0]) >= max(kw["max_tokens"] for _, kw in PROMPTS)
     import re
     assert re.fullmatch("(cat|dog)-[0-9]{2}", got["texts"][3])
     if form == "tp":
-        assert got["drafts"] > 0 and got["guessed"] > 0, got
         again = got["again"]
         assert again[0] == got["texts"] and again[3] == got["texts"], again
         assert "sleep(level=2) discarded the weights" in again[1], again
