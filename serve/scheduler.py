@@ -28,7 +28,9 @@ are first come, first served):
   than that takes the one long row instead;
 - memory: a request needs a state slot once and MLA pages as its context grows; when decodes cannot
   get their next pages, the newest running requests are preempted (their memory is freed and they
-  are recomputed later, never corrupted);
+  are recomputed later, never corrupted); so are running requests newer than a partly prefilled one
+  whose next row does not fit, when nothing else in the step uses them and their memory makes it fit
+  (else prompts admitted together could each hold part of the arena and wait on each other forever);
 - admission looks ahead (SGLang's new-token ratio): a waiting request is admitted only if, after its
   first chunk, the free pages still cover the growth every running request (and it) is expected to
   need: the rest of its prompt plus `new_token_ratio` of its remaining max_tokens. The engine keeps
@@ -97,7 +99,7 @@ class StepPlan:
     grow: dict[str, int] = field(default_factory=dict)  # rid -> MLA units to add
     draft: dict[str, int] = field(default_factory=dict)  # rid -> drafts its decode verifies
     preempt: list[str] = field(default_factory=list)
-    retracted: int = 0  # of `preempt`: running requests preempted because decodes ran out of pages
+    retracted: int = 0  # of `preempt`: running requests preempted because decodes or prompts ran out of pages
     row_tokens: int = 0  # the prefill program's tokens per row: 0 prefill_chunk, else the long row's
 
     @property
@@ -237,6 +239,8 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
     for s in candidates:
         if len(plan.prefill) >= max_rows or budget <= 0:
             break
+        if s.rid in preempted:  # (yielded its memory to an older prompt below)
+            continue
         start = s.computed
         # rows end on multiples of prefill_chunk: the next one, or the last within the long row
         aligned_end = ((start + row_tokens) // cfg.prefill_chunk if row_tokens else start // cfg.prefill_chunk + 1
@@ -257,6 +261,19 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
             continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         if s.rid in reserved:  # step 0 held its memory and row
             free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + s.rows
+        if s.running and units > free_units:  # a prompt under way: newer running requests idle this step yield
+            planned = set(plan.decode) | {r for r, _, _ in plan.prefill}
+            spare = [v for v in victims if key(v) > key(s) and v.rid not in planned]
+            if units <= free_units + sum(v.pages + cfg.slot_units for v in spare):
+                while units > free_units:
+                    v = spare.pop(0)
+                    victims.remove(v)
+                    plan.preempt.append(v.rid)
+                    preempted.add(v.rid)
+                    free_units += v.pages + cfg.slot_units
+                    free_slots += 1
+                    rows += v.rows
+                    plan.retracted += 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots or slots * s.rows > rows:
             break  # FCFS: nobody overtakes a request that does not fit
         if slots and new_token_ratio > 0:

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule, units_for
 
 CFG = SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=16, align=16, token_budget=64,
@@ -181,3 +184,64 @@ def test_a_long_prompt_alone_takes_the_long_row():
     plan = schedule([SeqView("a", 1, 42, 32, True, 4), wait("b", 2, 100)], Memory(100, 4), cfg)
     assert plan.prefill == [("a", 32, 10), ("b", 0, 16)] and plan.row_tokens == 0
     assert schedule([wait("w", 1, 100)], Memory(100, 4), CFG).row_tokens == 0  # no long program: rows of 16
+
+
+def test_prompts_under_way_that_do_not_fit_preempt_newer_idle_ones():
+    """Partly prefilled requests that each hold part of the arena, none of whose next rows fits: the oldest
+    takes the memory of the newest ones nothing in the step uses (before, nobody moved, forever)."""
+    seqs = [SeqView("p1", 1, 100, 16, True, 2), SeqView("p2", 2, 100, 32, True, 4),
+            SeqView("p3", 3, 100, 32, True, 4)]
+    plan = schedule(seqs, Memory(0, 0), CFG)
+    assert plan.preempt == ["p3"] and plan.retracted == 1
+    assert plan.prefill[0] == ("p1", 16, 16) and "p3" not in [r for r, _, _ in plan.prefill]
+    # a newer request that decodes in this step keeps its memory; nobody yields where it would not be enough
+    busy = [SeqView("p1", 1, 100, 16, True, 2), run("d", 2, 49, pages=8)]
+    assert schedule(busy, Memory(0, 0), CFG).preempt == []
+    assert schedule(seqs[:1] + [SeqView("p2", 2, 100, 16, True, 2)], Memory(0, 0),
+                    replace(CFG, slot_units=0)).preempt == ["p2"]
+    big = SeqView("p1", 1, 200, 0, True, 0, stop=None)
+    assert schedule([replace(big, computed=16, pages=2), SeqView("q", 2, 40, 16, True, 0)], Memory(0, 0),
+                    replace(CFG, slot_units=0)).preempt == []  # "q" holds nothing to give
+
+
+@settings(max_examples=60, deadline=None)
+@given(arena=st.integers(12, 40), reqs=st.lists(st.tuples(st.integers(1, 90), st.integers(1, 30), st.integers(0, 2)),
+                                                min_size=1, max_size=10))
+def test_every_request_finishes_whatever_the_arena(arena, reqs):
+    """Liveness: the engine's cycle (plan, preempt, admit, grow, advance) over a random workload in an arena
+    that fits each request alone, but not all at once, ends every request; memory never runs negative."""
+    cfg = replace(CFG, max_num_seqs=3, max_prefill_seqs=2)
+    total = {f"r{i}": p for i, (p, _, _) in enumerate(reqs)}
+    limit = {f"r{i}": p + g for i, (p, g, _) in enumerate(reqs)}
+    prio = {f"r{i}": pr for i, (_, _, pr) in enumerate(reqs)}
+    if any(units_for(n, cfg) + cfg.slot_units > arena for n in limit.values()):
+        return  # (the engine rejects those before they take memory)
+    computed, held, running, done = dict.fromkeys(total, 0), dict.fromkeys(total, 0), set(), set()
+    for _ in range(3000):
+        live = [r for r in total if r not in done]
+        if not live:
+            return
+        used = sum(held.values()) + cfg.slot_units * len(running)
+        assert used <= arena
+        views = [SeqView(r, int(r[1:]), total[r], computed[r], r in running, held[r], priority=prio[r],
+                         limit=limit[r]) for r in live]
+        plan = schedule(views, Memory(arena - used, (arena - used) // cfg.slot_units), cfg)
+        for r in plan.preempt:
+            running.discard(r)
+            computed[r], held[r] = 0, 0
+        running.update(plan.admit)
+        for r, n in plan.grow.items():
+            held[r] += n
+        for r, start, n in plan.prefill:
+            assert start == computed[r]
+            computed[r] = start + n
+        for r in plan.decode:
+            computed[r] = total[r]
+        for r in plan.decode + [r for r, _, _ in plan.prefill]:
+            if computed[r] == total[r]:  # a row that ends the known tokens samples the next one
+                total[r] += 1
+                if total[r] >= limit[r]:
+                    done.add(r)
+                    running.discard(r)
+                    held[r] = 0
+    raise AssertionError(f"not finished: {[(r, computed[r], total[r], r in running) for r in total if r not in done]}")
