@@ -714,9 +714,7 @@ class Engine:
         self._adapter_parts: dict[int, list[bytes]] = {}
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
-        # why the weights are not real ones ("": they are): woken from level 2 with placeholders; requests are
-        # refused until an update succeeds
-        self._weights_stale = ""
+        self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
         # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
         # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
@@ -1436,9 +1434,10 @@ class Engine:
         if self.channel is not None:
             raise RuntimeError("update_weights: on a multi-process mesh every process loads the new weights itself; "
                                "call update_weights_from_disk(path) with a checkpoint directory they all can read")
-        self._ready_for_new_weights("update_weights")
+        self._check_idle("update_weights")
         self._install_weights(self._engine_leaves(model))
-        self._forget_old_weights()
+        self._forget_cached("update_weights")
+        self.counters["weight_updates"] += 1
 
     def update_weights_from_disk(self, path: str) -> None:
         """`update_weights` with the weights of a checkpoint directory (SGLang's `update_weights_from_disk`),
@@ -1447,13 +1446,14 @@ class Engine:
         that they can read its config, then load together; the weights change only if every process
         loaded them, else the leader raises naming the processes that failed (their logs say why)."""
         self._leader_only("update_weights_from_disk")
-        self._ready_for_new_weights("update_weights_from_disk")
+        self._check_idle("update_weights_from_disk")
         path = os.path.abspath(path)
         read_config(path)  # a missing or unreadable directory here raises before any process is told
         if self.channel is not None:
             self.channel.command(UPDATE, text_payload(path))
         self._load_weights_together(path)
-        self._forget_old_weights()
+        self._forget_cached("update_weights_from_disk")
+        self.counters["weight_updates"] += 1
 
     def _load_weights_together(self, path: str) -> None:
         """(every process, in step) Load a checkpoint's weights and install them where every process could.
@@ -1483,7 +1483,8 @@ class Engine:
                                    f"{path} (their logs say why); the weights are unchanged")
         self._install_weights(leaves)
 
-    def _ready_for_new_weights(self, what: str) -> None:
+    def _check_idle(self, what: str) -> None:
+        """Sleep and weight updates: read back the step in flight; raise if requests are still running."""
         self._drain()
         busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
         if busy:
@@ -1523,20 +1524,20 @@ class Engine:
             self.eplb.reset()
         for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
             self._write_lora(slot, adapter)
-        self._host_leaves, self._weights_stale = None, ""
+        self._host_leaves, self._weights_stale = None, False
         if self.sleep_level and self.arena is not None:
             self.sleep_level = 0  # the cache was woken already: the engine is awake again
 
-    def _forget_old_weights(self) -> None:
-        """(leader) What the old weights computed goes: canonical rows in flight, shared tails, the prefix cache."""
+    def _forget_cached(self, what: str) -> None:
+        """(leader; sleep, weight updates) Forget what the cache holds: canonical rows in flight, shared tails,
+        the prefix cache (both tiers; the followers drop their host-tier pieces of it too)."""
         for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
-            self._finish(s, "abort")  # canonical rows of the old weights' prefixes
+            self._finish(s, "abort")  # canonical rows of the cached prefixes
         self._tails.clear()
         if self.prefix_cache is not None and not self.prefix_cache.clear():
-            raise RuntimeError("update_weights: the prefix cache could not be cleared")  # nothing holds it
+            raise RuntimeError(f"{what}: the prefix cache could not be cleared")  # nothing holds it
         if self.channel is not None:
-            self._send_forgotten()  # the followers drop their host-tier pieces of the cleared entries
-        self.counters["weight_updates"] += 1
+            self._send_forgotten()
 
     def _processes_failed(self, ok: bool) -> list[int]:
         """(every process of a multi-process engine, together) -> the processes that report `ok` False."""
@@ -1600,7 +1601,7 @@ class Engine:
     @property
     def is_sleeping(self) -> bool:
         """True from `sleep` until `wake_up` has brought back both parts and the weights are real ones."""
-        return self.sleep_level > 0 or bool(self._weights_stale)
+        return self.sleep_level > 0 or self._weights_stale
 
     def _check_awake(self, what: str) -> None:
         if self.sleep_level and (self._leaves is None or self.arena is None):
@@ -1608,7 +1609,8 @@ class Engine:
             raise EngineSleeping(f"{what}: the engine is sleeping ({' and '.join(asleep)} released by "
                                  f"sleep(level={self.sleep_level})); call wake_up() first")
         if self._weights_stale:
-            raise EngineSleeping(f"{what}: {self._weights_stale}; load new ones with update_weights() first")
+            raise EngineSleeping(f"{what}: sleep(level=2) discarded the weights; load new ones with "
+                                 f"update_weights() first")
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode, for RL loops that share the device between training and generation: release
@@ -1619,20 +1621,12 @@ class Engine:
         stay: `wake_up` needs no compile. Requests must not be in flight. On a multi-process mesh every
         process releases its own devices' memory (level 1: each keeps its own shards in host memory)."""
         self._leader_only("sleep")
-        self._drain()
         if level not in (1, 2):
             raise ValueError(f"sleep: level must be 1 (weights to host memory) or 2 (weights discarded), got {level!r}")
-        busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
-        if busy:
-            raise RuntimeError(f"sleep: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort them first")
-        for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
-            self._finish(s, "abort")
-        self._tails.clear()
-        if self.prefix_cache is not None and not self.prefix_cache.clear():
-            raise RuntimeError("sleep: the prefix cache could not be cleared")  # nothing holds it
+        self._check_idle("sleep")
+        self._forget_cached("sleep")
         assert self.allocator.free_units == self.allocator.baseline_free_units
         if self.channel is not None:
-            self._send_forgotten()  # the followers drop their host-tier pieces of the cleared entries
             self.channel.command(SLEEP, np.asarray([level], np.int32))
         self._release_device_memory(level)
         self.counters["sleeps"] += 1
@@ -1674,7 +1668,7 @@ class Engine:
                 self._set_leaves(self._host_leaves)
             else:
                 self._set_leaves([np.zeros(shape, dtype) for shape, dtype, _ in self._leaf_specs])
-                self._weights_stale = "sleep(level=2) discarded the weights"
+                self._weights_stale = True
             self._host_leaves = None
         if "kv_cache" in tags and self.arena is None:
             self._zeroed_arena()
@@ -1787,10 +1781,8 @@ class Engine:
                     self._match(s)
         deferred = self._deferred(live)
         if self.spec:
-            decoding = [s for s in live
-                        if s.slot is not None and self._view_computed(s) == len(s.all_ids) + s.pending - 1]
-            cap = self.spec.disable_by_batch_size
-            off = cap is not None and len(decoding) >= cap
+            decoding = [s for s in live if self._decodes_next(s)]
+            off = self._drafting_off(len(decoding))
             for s in live:
                 s.draft = [] if off else self._drafts(s)
             if any(self._masked_in_flight(s) for s in decoding):  # (`step` reads such rows back when others draft)
@@ -1934,10 +1926,16 @@ class Engine:
         next decode program a plain one. Proposals are cheap (dictionary probes); the gate is not consulted."""
         if self.spec is None or not any(self._masked_in_flight(s) for f in self._flight for s in f.seqs):
             return False
-        decoding = [s for s in self.seqs.values() if not s.finished and s.proposals is None and s.slot is not None
-                    and self._view_computed(s) == len(s.all_ids) + s.pending - 1]
+        decoding = [s for s in self.seqs.values() if not s.finished and s.proposals is None and self._decodes_next(s)]
+        return not self._drafting_off(len(decoding)) and any(self._drafts(s) for s in decoding)
+
+    def _decodes_next(self, seq: Sequence) -> bool:
+        """Whether `seq`'s next row is a decode: its last token (on the host or in flight) is all it has left."""
+        return seq.slot is not None and self._view_computed(seq) == len(seq.all_ids) + seq.pending - 1
+
+    def _drafting_off(self, decoding: int) -> bool:
         cap = self.spec.disable_by_batch_size
-        return not (cap is not None and len(decoding) >= cap) and any(self._drafts(s) for s in decoding)
+        return cap is not None and decoding >= cap
 
     def _drafts(self, seq: Sequence) -> list[int]:
         """Drafts for a running request about to decode, within its max_tokens and the context window.
@@ -1950,8 +1948,7 @@ class Engine:
         n-gram's first proposal (`seq.guess`), and its verify row takes the real token from the device.
         Verification is exact either way; a wrong guess only costs the drafts (they follow the guess)."""
         ahead = seq.pending  # tokens in flight (0 or 1 at planning: a verify row is always read back first)
-        if (seq.slot is None or seq.internal or seq.beam is not None or ahead > 1
-                or self._view_computed(seq) != len(seq.all_ids) + ahead - 1 or seq.bad_words
+        if (seq.internal or seq.beam is not None or ahead > 1 or not self._decodes_next(seq) or seq.bad_words
                 or len(seq.output_ids) + ahead < seq.params.min_tokens
                 or (seq.guide is not None and (ahead or not seq.guide.active))):
             seq.guess = None
