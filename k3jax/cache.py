@@ -99,6 +99,14 @@ class CacheView(abc.ABC):
     def set_scan_state(self, state) -> None:
         """Take the carried arrays back (at the start of a scanned group, and after the scan)."""
 
+    def scan_outputs(self):
+        """What this view keeps of a scanned group's layers beyond the carry (a pytree, stacked over the
+        groups by the scan and handed back through `set_scan_outputs`). Called at the end of each group."""
+        return ()
+
+    def set_scan_outputs(self, outputs) -> None:
+        """Take the stacked `scan_outputs` back after the scan."""
+
     def kda_recurrence(self, j: int):
         """None: the j-th KDA layer runs its delta rule on the state `kda()` returned and hands the
         result to `set_kda`. A view that updates states where they are stored instead returns

@@ -131,6 +131,32 @@ def split_params(params, scan: LayerScan):
     def hollow(path, x):
         scanned = (len(path) > 1 and getattr(path[0], "key", None) == "layers"
                    and scan.covers(getattr(path[1], "key", -1)))
-        return jnp.zeros((), x.dtype) if scanned else x
+        if not scanned:
+            return x
+        sh = getattr(x, "sharding", None)  # on a mesh, placed on it like every weight (weight writes re-place
+        zero = jnp.zeros((), x.dtype)      # every leaf where it was: the programs must see the same placement)
+        return jax.device_put(zero, NamedSharding(sh.mesh, P())) if isinstance(sh, NamedSharding) else zero
 
     return jax.tree_util.tree_map_with_path(hollow, params), stacked
+
+
+def leaf_map(params, scan: LayerScan) -> list[tuple[int, Optional[int]]]:
+    """Where each weight of `params` (in `jax.tree.flatten` order) is held among the leaves of
+    `split_params(params, scan)`: (leaf, None) for a layer outside the run (its own leaf, same index), or
+    (leaf, group) for a scanned layer's weight, at `group` along the leading axis of its position's
+    stacked leaf. Lets the engine write one layer's weights (adapter slots, moved experts) either way."""
+    flat = jax.tree.flatten_with_path(params)[0]
+    at, base = {}, len(flat)  # (position in the group, path inside the layer) -> stacked leaf
+    for i in range(scan.period):
+        inner = jax.tree.flatten_with_path(params["layers"][scan.start + i])[0]
+        at.update({(i, jax.tree_util.keystr(p)): base + k for k, (p, _) in enumerate(inner)})
+        base += len(inner)
+    out = []
+    for k, (path, _) in enumerate(flat):
+        layer = getattr(path[1], "key", None) if len(path) > 1 and getattr(path[0], "key", None) == "layers" else None
+        if isinstance(layer, int) and scan.covers(layer):
+            group, i = divmod(layer - scan.start, scan.period)
+            out.append((at[(i, jax.tree_util.keystr(path[2:]))], group))
+        else:
+            out.append((k, None))
+    return out

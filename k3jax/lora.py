@@ -139,10 +139,25 @@ def slot_arrays(a: np.ndarray, b: np.ndarray, rank: int, scaling: float) -> tupl
 
 
 def write_slot(lora_a: jax.Array, lora_b: jax.Array, slot: int, a, b) -> tuple[jax.Array, jax.Array]:
-    """`lora_a` / `lora_b` with slot `slot` set to `slot_arrays` contents (zeros where a / b is None)."""
-    a = jnp.zeros((lora_a.shape[0], lora_a.shape[2]), lora_a.dtype) if a is None else jnp.asarray(a, lora_a.dtype)
-    b = jnp.zeros(lora_b.shape[1:], lora_b.dtype) if b is None else jnp.asarray(b, lora_b.dtype)
-    return lora_a.at[:, slot].set(a), lora_b.at[slot].set(b)
+    """`lora_a` [..., in, S + 1, R] / `lora_b` [..., S + 1, R, out] with slot `slot` set to `slot_arrays`
+    contents a [..., in, R] / b [..., R, out] (zeros where a / b is None). Leading axes: a scanned run's
+    layers stacked (k3jax/layer_scan.py)."""
+    lead = lora_a.shape[:-3]
+    a = jnp.zeros((*lead, lora_a.shape[-3], lora_a.shape[-1]), lora_a.dtype) if a is None else jnp.asarray(a, lora_a.dtype)
+    b = jnp.zeros((*lead, *lora_b.shape[-2:]), lora_b.dtype) if b is None else jnp.asarray(b, lora_b.dtype)
+    return lora_a.at[..., slot, :].set(a), lora_b.at[..., slot, :, :].set(b)
+
+
+def stack_slot(pairs: list, lora_a: jax.Array, lora_b: jax.Array) -> tuple:
+    """Per group of a scanned run, its layer's (a, b) or (None, None) -> one (a [G, in, R], b [G, R, out])
+    for `write_slot` on the stacked `lora_a` / `lora_b`, zeros for the layers the adapter leaves out
+    ((None, None) when it has none of them)."""
+    if all(a is None and b is None for a, b in pairs):
+        return None, None
+    za = jnp.zeros((lora_a.shape[-3], lora_a.shape[-1]), lora_a.dtype)
+    zb = jnp.zeros(lora_b.shape[-2:], lora_b.dtype)
+    return (jnp.stack([za if a is None else jnp.asarray(a, lora_a.dtype) for a, _ in pairs]),
+            jnp.stack([zb if b is None else jnp.asarray(b, lora_b.dtype) for _, b in pairs]))
 
 
 def projection_names(cfg) -> set[str]:

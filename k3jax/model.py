@@ -158,11 +158,12 @@ class KimiModel(nnx.Module):
                 j = first[i] + g * (mla_stride if layer.is_mla else kda_stride)
                 with window:
                     model_carry = layer_fn(scan.start + i, layer, j, model_carry, view, valid, routed)
-            return (model_carry, view.scan_state()), routed or []
+            return (model_carry, view.scan_state()), (routed or [], view.scan_outputs())
 
         groups = jnp.arange(scan.groups, dtype=jnp.int32)
-        (carry, view_state), routed = jax.lax.scan(body, (carry, view.scan_state()), (groups, sliced))
+        (carry, view_state), (routed, outputs) = jax.lax.scan(body, (carry, view.scan_state()), (groups, sliced))
         view.set_scan_state(view_state)
+        view.set_scan_outputs(outputs)
         if trace is not None:  # [per MoE position: ids [G, N, k]] -> layer order
             trace.extend(ids[g] for g in range(scan.groups) for ids in routed)
         if bank_size is not None:

@@ -149,8 +149,7 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--scan-layers", action="store_true", default=d["scan_layers"],
                    help="run the model's repeating group of layers as one scan in every step program: start-up "
                         "compile time stops growing with depth (K3: 21 of 93 layers compiled per program), each step "
-                        "pays for slicing the stacked weights (CPU: decode 1.2x, prefill 1.4x slower); not with LoRA, EPLB, "
-                        "speculative decoding or decode context parallelism")
+                        "pays for slicing the stacked weights (CPU: decode 1.2x, prefill 1.4x slower)")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
     e.add_argument("--generation-config", default=d["generation_config"], metavar="auto|vllm|DIR",

@@ -44,7 +44,7 @@ from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
-from serve.lora import Adapter, LoRAError, LoRARequest, Registry, read_peft
+from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, read_peft
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
 from serve.buckets import default_buckets, program_shapes
 from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, state_dtype_name
@@ -166,8 +166,9 @@ class EngineConfig:
     # (K3's 93 layers: 7 groups of 12 scanned, 21 layers unrolled; a 93-layer model's start-up on the 2-core
     # CPU host 199 s -> 52 s). The price is paid every step: the loop slices each layer's dense weights out
     # of the stacked arrays, which XLA:CPU materialises (routed experts are read by id out of the stack):
-    # decode 1.18x and prefill 1.38x slower there (benchmarks/layer_scan.py). Off by default; not with LoRA,
-    # EPLB, speculative decoding or decode context parallelism (an error names the option).
+    # decode 1.18x and prefill 1.38x slower there (benchmarks/layer_scan.py). Off by default. LoRA slots and
+    # EPLB's expert moves are written into the stacked weights per group; verify rows keep the scanned layers'
+    # inputs as scan outputs and commit them in a second scan over the groups.
     scan_layers: bool = False
     # Decode-step KDA state handling: "in_place" rewrites each row's slot in the arena (the reference
     # recurrence, row by row); "gathered" gathers the batch's states for the batched op (the Pallas
@@ -574,14 +575,9 @@ def scan_plan(config: "EngineConfig", cfg) -> Optional[LayerScan]:
     if not config.scan_layers:
         return None
     plan = layer_scan.plan(cfg)
-    blockers = [name for name, on in (("max_loras", config.max_loras), ("enable_eplb", config.enable_eplb),
-                                      ("speculative_config", config.speculative_config is not None),
-                                      ("decode_context_parallel_size", config.decode_context_parallel_size > 1)) if on]
     if plan is None:
         raise ValueError(f"scan_layers=True: no group of this model's {cfg.num_hidden_layers} layers repeats (the "
                          f"same attention, FFN and AttnRes block position twice in a row)")
-    if blockers:
-        raise ValueError(f"scan_layers=True: the scanned step does not cover {blockers[0]} yet; set scan_layers=False")
     return plan
 
 
@@ -689,7 +685,11 @@ class Engine:
         self._param_treedef = jax.tree.structure(model.params)
         self._param_specs = [(x.shape, x.dtype) for x in jax.tree.leaves(model.params)]
         self.layer_scan = scan_plan(config, self.cfg)
-        step_params = model.params
+        step_params = per_layer = model.params
+        # where each per-layer weight is held among the step programs' leaves: (leaf, None), or (stacked leaf,
+        # group) for a scanned layer's (adapter slots and moved experts are written per layer either way)
+        self._leaf_at = ([(k, None) for k in range(len(self._param_specs))] if self.layer_scan is None
+                         else layer_scan.leaf_map(model.params, self.layer_scan))
         if self.layer_scan is not None:  # the scanned layers' weights stacked; the engine keeps no per-layer copy
             step_params = split_params(model.params, self.layer_scan)
             self.model = model = dataclasses.replace(model, params=step_params[0])
@@ -705,9 +705,9 @@ class Engine:
         self._build_arena(self.layout, bind)
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
         self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
-        # LoRA: each projection's (lora_a, lora_b) leaf indices, and what is loaded in which slot
-        self._lora_leaves = model_lora.module_paths(model.params)
-        self._lora_indices = {i for pair in self._lora_leaves.values() for i in pair}
+        # LoRA: the step programs' (lora_a, lora_b) leaves with their projections, and what is loaded in which slot
+        self._lora_leaves = factor_leaves(model_lora.module_paths(per_layer), self._leaf_at)
+        self._lora_indices = {i for t in self._lora_leaves for i in (t.a, t.b)}
         self.loras = Registry(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         # followers of a multi-process engine: the leader's adapters' factors by uid (and chunks still arriving)
         self._adapter_factors: dict[int, dict] = {}
@@ -1334,7 +1334,8 @@ class Engine:
         if name in self.loras.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
         self.loras.check_room()  # raises when full, before reading anything
-        shapes = {m: (self._leaves[b].shape[2], self._leaves[a].shape[0]) for m, (a, b) in self._lora_leaves.items()}
+        shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-3]) for t in self._lora_leaves
+                  for m in t.modules}  # (out, in)
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
                                   self.config.lora_target_modules)
@@ -1394,8 +1395,10 @@ class Engine:
         if self.mesh is not None:  # one replicated value on every device of the mesh (every process: the same)
             factors = {m: tuple(jax.device_put(x, replicated(self.mesh)) for x in pair) for m, pair in factors.items()}
         leaves = list(self._leaves)
-        for module, (ia, ib) in self._lora_leaves.items():
-            leaves[ia], leaves[ib] = model_lora.write_slot(leaves[ia], leaves[ib], slot, *factors.get(module, (None, None)))
+        for t in self._lora_leaves:
+            pairs = [factors.get(m, (None, None)) for m in t.modules]
+            a, b = model_lora.stack_slot(pairs, leaves[t.a], leaves[t.b]) if t.stacked else pairs[0]
+            leaves[t.a], leaves[t.b] = model_lora.write_slot(leaves[t.a], leaves[t.b], slot, a, b)
         self._set_leaves(leaves)
 
     def abort(self, request_id: str) -> bool:
@@ -1568,15 +1571,21 @@ class Engine:
         """Gather each moved MoE layer's expert weights into their new places ({layer: placement}) and write its
         placement tables. Index and tables go in as numpy values (the same on every process of a multi-process
         mesh, whose followers run this on the leader's EPLB command)."""
-        leaves = list(self._leaves)
+        leaves, at = list(self._leaves), self._leaf_at
+        taken: dict[int, dict] = {}  # step leaf -> {group (None: not stacked): gather index}
         for layer, new in moves.items():
             index = eplb.moved_index(self.eplb.placement[layer], new)
             for i in self._eplb_leaves[layer][2]:
-                leaves[i] = eplb.take_experts(leaves[i], index)
+                leaf, group = at[i]
+                taken.setdefault(leaf, {})[group] = index
+        for leaf, index in taken.items():  # a scanned run's stacked leaf: every moved group in one gather
+            leaves[leaf] = (eplb.take_experts(leaves[leaf], index[None]) if None in index
+                            else eplb.take_stacked_experts(leaves[leaf], index))
         self.eplb.applied(moves, summary)
         for layer in moves:
-            slots_leaf, copies_leaf, _ = self._eplb_leaves[layer]
-            leaves[slots_leaf], leaves[copies_leaf] = self.eplb.tables(layer)
+            for i, table in zip(self._eplb_leaves[layer][:2], self.eplb.tables(layer)):
+                leaf, group = at[i]
+                leaves[leaf] = table if group is None else jnp.asarray(leaves[leaf]).at[group].set(table)
         if moves:
             self._set_leaves(leaves)
             jax.block_until_ready(self._leaves)

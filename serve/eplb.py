@@ -237,3 +237,12 @@ class ExpertBalancer:
 def take_experts(weight: jax.Array, index: jax.Array) -> jax.Array:
     """weight [P, ...] with its expert rows gathered by `index` [P] (placement stays the caller's)."""
     return jnp.take(weight, index, axis=0)
+
+
+def take_stacked_experts(weight: jax.Array, index: dict[int, np.ndarray]) -> jax.Array:
+    """A scanned run's stacked weight [G, P, ...] with group g's expert rows gathered by `index[g]` [P] (the
+    other groups as they are), in one gather."""
+    full = np.tile(np.arange(weight.shape[1], dtype=np.int32), (weight.shape[0], 1))  # [G, P]
+    for g, ix in index.items():
+        full[g] = ix
+    return jax.vmap(take_experts)(weight, jnp.asarray(full))

@@ -68,6 +68,29 @@ class Adapter:
     requests: set = field(default_factory=set)  # sequences in flight with it (engine rids)
 
 
+@dataclass(frozen=True)
+class FactorLeaves:
+    """One (lora_a, lora_b) pair among the step programs' weight leaves and the projections it holds: one
+    projection, or (`stacked`: a scanned run of layers, k3jax/layer_scan.py) the same projection of every
+    group, in group order along the leading axis."""
+
+    a: int
+    b: int
+    modules: tuple[str, ...]
+    stacked: bool
+
+
+def factor_leaves(paths: dict[str, tuple[int, int]], leaf_at: list[tuple[int, Optional[int]]]) -> list[FactorLeaves]:
+    """`model_lora.module_paths` of the per-layer weights and `layer_scan.leaf_map` (or the identity) -> the
+    factor leaves of the step programs' weights, each with its projections."""
+    held: dict[tuple[int, int], dict] = {}
+    for module, (ia, ib) in paths.items():
+        (a, group), (b, _) = leaf_at[ia], leaf_at[ib]
+        held.setdefault((a, b), {})[group] = module
+    return [FactorLeaves(a, b, tuple(by[g] for g in sorted(by)) if None not in by else (by[None],), None not in by)
+            for (a, b), by in held.items()]
+
+
 def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = "",
               targets: Optional[tuple[str, ...]] = None) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Read a PEFT LoRA directory against the model's projections `shapes` (module path -> (out, in))

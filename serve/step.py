@@ -120,6 +120,9 @@ class PagedView(CacheView):
         # accepted prefix into the states afterwards (`stepwise`: with the token step the in-place
         # decode runs, else with the batched recurrent op, whichever plain decode would use)
         self.verify, self.stepwise, self.pending = verify, stepwise, {}
+        # verify rows under a scan over layers: the scanned layers' kept inputs, one tuple per KDA position of the
+        # group while it runs (`scan_outputs`), then stacked over the groups [G, ...] once the scan is done
+        self.group_pending, self.scanned_pending, self.scale = [], [], None
         # MLA query heads split like the KDA heads when the split divides them (the kernel then runs
         # on each rank's heads against its own copy of the pages), else whole on every rank
         self._q = split.heads(1) if split and mla_heads % split.ranks == 0 else P()
@@ -158,6 +161,23 @@ class PagedView(CacheView):
     def set_scan_state(self, state) -> None:
         self.arena = state
 
+    def scan_outputs(self):
+        out, self.group_pending = self.group_pending, []
+        return out
+
+    def set_scan_outputs(self, outputs) -> None:
+        self.scanned_pending.extend(outputs)
+
+    def _read_layer(self, j, base):
+        read = self._on_ranks_at(lambda j, a, base, fresh: read_layer_states(a, self.layout, j, base, fresh), j,
+                                 (self._a, P(), P()), (self._h(3), self._h(1)))
+        return read(self.arena, base, self.fresh)
+
+    def _write_layer(self, j, conv, state) -> None:
+        write = self._on_ranks_at(lambda j, a, base, c, st: write_layer_states(a, self.layout, j, base, c, st), j,
+                                  (self._a, P(), self._h(3), self._h(1)), self._a)
+        self.arena = write(self.arena, self.batch.write_base, conv, state)
+
     def kda(self, j, b):
         if self.in_place:
             read = self._on_ranks_at(lambda j, a, base, fresh: read_conv(a, self.layout, j, base, fresh), j,
@@ -165,9 +185,7 @@ class PagedView(CacheView):
             return read(self.arena, self.read_base, self.fresh), None
         k = _key(j)
         if self.layered:
-            read = self._on_ranks_at(lambda j, a, base, fresh: read_layer_states(a, self.layout, j, base, fresh), j,
-                                     (self._a, P(), P()), (self._h(3), self._h(1)))
-            self.conv[k], self.state[k] = read(self.arena, self.read_base, self.fresh)
+            self.conv[k], self.state[k] = self._read_layer(j, self.read_base)
         return self.conv[k], self.state[k]
 
     def set_kda(self, j, window, state):
@@ -177,9 +195,7 @@ class PagedView(CacheView):
         if state is not None:  # None: a recurrence of this view stored it
             self.conv[k], self.state[k] = window, state
         if self.layered:
-            write = self._on_ranks_at(lambda j, a, base, c, st: write_layer_states(a, self.layout, j, base, c, st), j,
-                                      (self._a, P(), self._h(3), self._h(1)), self._a)
-            self.arena = write(self.arena, self.batch.write_base, self.conv[k], self.state[k])
+            self._write_layer(j, self.conv[k], self.state[k])
 
     def kda_recurrence(self, j):
         if self.verify:
@@ -249,24 +265,49 @@ class PagedView(CacheView):
         """Verify rows: outputs for all T tokens, the state left as it was; the inputs are kept for
         `commit` (ReplaySSM: the accepted prefix is folded in once the step knows its length)."""
         def run(q, k, v, g, beta, window, scale, inputs):  # [B, T, N, .], inputs [B, 3, T, P]
-            full = jnp.concatenate([self.conv[j], inputs.astype(jnp.float32)], axis=2)  # [B, 3, W-1+T, P]
-            self.pending[j] = (q, k, v, g, beta, full, scale)
-            return self._token_recurrence(q, k, v, g, beta, self.state[j], scale)[0]
+            key, self.scale = _key(j), scale
+            full = jnp.concatenate([self.conv[key], inputs.astype(jnp.float32)], axis=2)  # [B, 3, W-1+T, P]
+            if isinstance(j, int):
+                self.pending[j] = (q, k, v, g, beta, full)
+            else:  # a scanned layer: its inputs leave the group's step as scan outputs, with its index
+                self.group_pending.append((j, q, k, v, g, beta, full))
+            return self._token_recurrence(q, k, v, g, beta, self.state[key], scale)[0]
 
         return run
+
+    def _replay(self, pending, state, keep):
+        """A verify row's kept tokens folded into KDA state [B, N, K, V] -> (conv window, state)."""
+        q, k, v, g, beta, full = pending
+        t, w = q.shape[1], full.shape[2] - q.shape[1]
+        kept = jnp.arange(t)[None, :] < keep[:, None]  # [B, T]
+        g, beta = jnp.where(kept[:, :, None, None], g, 0.0), jnp.where(kept[:, :, None], beta, 0.0)
+        state = self._token_recurrence(q, k, v, g, beta, state, self.scale)[1]
+        return jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, w, axis=1))(full, keep), state
 
     def commit(self, keep: jax.Array) -> None:
         """Verify rows: absorb each row's first `keep` [B] tokens into its KDA states and conv windows.
 
         The same recurrence replays the kept tokens; the others get a gate of 0 and a beta of 0, which
         leave a state exactly as it is (S * exp(0) + k * 0), so the state is the one decoding the kept
-        tokens one per step would have left."""
-        for j, (q, k, v, g, beta, full, scale) in self.pending.items():
-            t, w = q.shape[1], full.shape[2] - q.shape[1]
-            kept = jnp.arange(t)[None, :] < keep[:, None]  # [B, T]
-            g, beta = jnp.where(kept[:, :, None, None], g, 0.0), jnp.where(kept[:, :, None], beta, 0.0)
-            self.state[j] = self._token_recurrence(q, k, v, g, beta, self.state[j], scale)[1]
-            self.conv[j] = jax.vmap(lambda f, n: jax.lax.dynamic_slice_in_dim(f, n, w, axis=1))(full, keep)
+        tokens one per step would have left. Layers whose states went back to the arena as they ran
+        (`layered`: a scan over layers) are read from their working slots and written again; a scanned
+        run's layers in one scan over its groups."""
+        for j, pending in self.pending.items():
+            conv, state = self._replay(pending, self.state[j], keep)
+            if self.layered:
+                self._write_layer(j, conv, state)
+            else:
+                self.conv[j], self.state[j] = conv, state
+
+        def group(arena, stacked):  # one scanned KDA layer
+            j, pending = stacked[0], stacked[1:]
+            self.arena = arena
+            conv, state = self._replay(pending, self._read_layer(j, self.batch.write_base)[1], keep)
+            self._write_layer(j, conv, state)
+            return self.arena, None
+
+        for stacked in self.scanned_pending:  # per KDA position of the scanned group: [G, ...] each
+            self.arena = jax.lax.scan(group, self.arena, tuple(stacked))[0]
 
     def mla_attend(self, j, latent, valid):
         if self.paged_mla and latent.shape[1] == 1:
@@ -340,8 +381,16 @@ class PagedView(CacheView):
             return append_rank_latents(kv, words, lengths, valid, lay.page_size, split.ranks, rank[0])
 
         run = on_ranks(split, store, (self._a, P(), P(), P(), P(), P(split.axis)), (ctx_spec, P(None, None, split.axis)))
-        self.kv[j], mask = run(self.arena, pt, lay.codec.encode(latent), batch.lengths, valid,
-                               jnp.arange(split.ranks, dtype=jnp.int32))
+        kv, mask = run(self.arena, pt, lay.codec.encode(latent), batch.lengths, valid,
+                       jnp.arange(split.ranks, dtype=jnp.int32))
+        if self.per_layer:  # each rank's share of this layer's touched pages goes back now (the scan's carry)
+            def write_share(j, ar, kv, batch):
+                units, rows = touched_pages(lay, batch, [kv], [j])
+                return ar.at[units].set(rows, mode="drop")
+
+            self.arena = self._on_ranks_at(write_share, j, (self._a, ctx_spec, P()), self._a)(self.arena, kv, batch)
+        else:
+            self.kv[j] = kv
 
         def attend(q_lat, q_rope, scale):  # [B, T, nh, r], [B, T, nh, dr] -> [B, T, nh, r] fp32
             heads = self._q != P()  # the query heads split like the KDA heads: each rank keeps its own
@@ -353,7 +402,7 @@ class PagedView(CacheView):
             q = jnp.concatenate([q_lat, q_rope], -1)  # [B, T, nh, r + dr], whole on every rank
             by_head = P(None, None, split.axis)  # also the mask's spec: [B, T, R * span]
             run = on_ranks(split, local, (ctx_spec, by_head, P()), by_head if heads else P())
-            return run(self.kv[j], mask, q)
+            return run(kv, mask, q)
 
         return attend
 
@@ -584,7 +633,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden,
                            embeds=embeds, scan=scan)
     arena = view.arena
-    if layout.num_mla_layers and not paged and view.context is not None:  # each rank its share of the pages
+    if layout.num_mla_layers and not paged and view.context is not None and not view.per_layer:  # each rank its share
         def write_shares(ar, kv, batch):
             units, rows = touched_pages(layout, batch, kv)
             return ar.at[units].set(rows, mode="drop")
@@ -610,7 +659,9 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
                       processors=options.logits_processors)
         res = SampleResult(*(x.reshape(b, t, *x.shape[1:]) for x in flat))
         accepted = accepted_lengths(batch.tokens, res.tokens, batch.valid)
+        view.arena = arena  # (layered states are committed in the arena itself)
         view.commit(jnp.minimum(accepted + 1, batch.valid))
+        arena = view.arena
     else:
         res = sample(logits, batch.sampling, num_top_logprobs, history=history, processors=options.logits_processors)
     if layout.num_kda_layers and not in_place and not view.layered:

@@ -43,11 +43,8 @@ def test_engine_scan_choice():
     assert scan_plan(EngineConfig(), k3) is None  # off by default (each step pays for it)
     assert scan_plan(EngineConfig(scan_layers=True), k3) == layer_scan.plan(k3)
     assert scan_plan(EngineConfig(scan_layers=True), tiny) == LayerScan(1, 3, 2)
-    with pytest.raises(ValueError, match="scan_layers=True: the scanned step does not cover max_loras"):
-        scan_plan(EngineConfig(scan_layers=True, max_loras=2), k3)
-    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="speculative_config"):
-        scan_plan(EngineConfig(scan_layers=True, speculative_config=spec), k3)
+    spec = SpeculativeConfig(method="ngram", num_speculative_tokens=2)  # what the scanned step covers too
+    assert scan_plan(EngineConfig(scan_layers=True, max_loras=2, speculative_config=spec), k3) == layer_scan.plan(k3)
     odd = dataclasses.replace(get_preset("tiny-kimi-linear"), num_hidden_layers=3, mla_layers=(1,))
     with pytest.raises(ValueError, match="no group of this model's 3 layers repeats"):
         scan_plan(EngineConfig(scan_layers=True), odd)
@@ -229,3 +226,83 @@ def test_scan_with_the_arena_codecs_matches_the_unrolled_engine(options):
         assert llm.stats()["compiles_after_warmup"] == 0 and _arena_back(llm.engine)
     assert runs[True][:3] == runs[False][:3] and sum(runs[True][2]) > 0
     _close(runs[True][3], runs[False][3], 1e-4)
+
+
+def test_leaf_map_finds_every_layer_weight_in_the_stacked_leaves():
+    cfg = get_preset("tiny-k3")
+    plan = layer_scan.plan(cfg)
+    _, params = nnx.split(KimiModel(cfg, rngs=nnx.Rngs(3)))
+    where = layer_scan.leaf_map(params, plan)
+    split = jax.tree.leaves(layer_scan.split_params(params, plan))
+    for x, (leaf, group) in zip(jax.tree.leaves(params), where):
+        np.testing.assert_array_equal(x, split[leaf] if group is None else split[leaf][group])
+    groups = [g for _, g in where if g is not None]
+    assert set(groups) == {0, 1} and len(groups) == sum(len(jax.tree.leaves(params["layers"][l]))
+                                                         for l in range(plan.start, plan.stop))
+
+
+def _adapter(model, path, seed, modules):
+    """A PEFT adapter with random factors on `modules` ((layer, module path) of `model`) -> (its directory,
+    `model`'s weights with it merged in: W + alpha / r * B @ A)."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    rng, r, alpha = np.random.default_rng(seed), 4, 8.0
+    flat, tensors = dict(nnx.to_flat_state(model.params)), {}
+    for layer, module in modules:
+        key = ("layers", layer, *module, "weight")
+        w = np.asarray(flat[key][...])  # [out, in]
+        a, b = rng.normal(0, 0.3, (r, w.shape[1])), rng.normal(0, 0.3, (w.shape[0], r))
+        name = f"base_model.model.language_model.model.layers.{layer}.{'.'.join(module)}"
+        tensors[f"{name}.lora_A.weight"], tensors[f"{name}.lora_B.weight"] = a.astype(np.float32), b.astype(np.float32)
+        flat[key] = flat[key].replace(value=jnp.asarray(w + alpha / r * b @ a, w.dtype))
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha}, f)
+    return str(path), nnx.from_flat_state(list(flat.items()))
+
+
+def test_scanned_engine_serves_adapters_and_drafts(unrolled, reference, tmp_path):
+    """LoRA and speculative decoding under the scan: two adapters (projections of an unrolled layer and of
+    both groups of the scanned run, one group left out by the second) take turns in one slot; each request's
+    greedy tokens are those of the unrolled model's full forward with its adapter merged into the weights,
+    while its rows are verified against drafts that are right, half right and wrong (the verify step's kept
+    tokens folded into the scanned layers' states by the second scan over the groups)."""
+    from serve.lora import LoRARequest
+
+    mods = {"x": [(0, ("self_attn", "q_proj")), (1, ("self_attn", "o_proj")), (4, ("self_attn", "o_proj")),
+                  (3, ("block_sparse_moe", "shared_experts", "down_proj"))],
+            "y": [(2, ("self_attn", "v_proj")), (6, ("block_sparse_moe", "shared_experts", "up_proj"))]}
+    adapters = {n: _adapter(unrolled, tmp_path / n, seed, m) for seed, (n, m) in enumerate(mods.items())}
+    e = Engine(unrolled, EngineConfig(**KW, max_loras=1, max_lora_rank=4, max_cpu_loras=2,
+                                      speculative_config={"num_speculative_tokens": 3, "adaptive": False}),
+               progress=False)
+    assert e.layer_scan == LayerScan(1, 3, 2) and any(t.stacked for t in e._lora_leaves)
+    for uid, (name, (path, _)) in enumerate(adapters.items(), 1):
+        e.add_lora(LoRARequest(name, uid, path))
+    jobs = [(p, name) for p in PROMPTS for name in (None, "x", "y")]  # the adapters alternate in the slot
+    want = {f"r{i}": reference(p, GREEDY.max_tokens, adapters[name][1] if name else None) for i, (p, name) in enumerate(jobs)}
+
+    def propose(seq, k):  # right for the first prompt, half right for the second, wrong for the third
+        n, tokens = len(seq.output_ids), want[seq.request_id][0]
+        d = tokens[n:n + k]
+        kind = int(seq.request_id[1:]) // 3
+        return d if kind == 0 else d[:1] + [t + 1 for t in d[1:]] if kind == 1 else [t + 1 for t in d]
+
+    e._propose = propose
+    done = {}
+    for wave in (range(len(jobs)), [1]):  # then "x" once more, after "y" took the slot
+        for i in wave:
+            e.add_request(jobs[i][0], GREEDY, request_id=f"r{i}", lora_request=jobs[i][1])
+        while e.has_unfinished():
+            done.update({o.request_id: o for o in e.step() if o.finished})
+    for rid, (tokens, lps) in want.items():
+        c = done[rid].outputs[0]
+        assert c.token_ids == tokens, rid
+        _close([lp[0].logprob for lp in c.logprobs], lps, 1e-3)
+    assert len({tuple(t) for t, _ in want.values()}) == len(want)  # each adapter changes every prompt's tokens
+    assert 0 < e.counters["spec_decode_num_accepted_tokens"] < e.counters["spec_decode_num_draft_tokens"]
+    assert e.counters["lora_swaps"] >= 2 and e.compiles_after_warmup == 0 and _arena_back(e)

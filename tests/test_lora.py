@@ -292,7 +292,7 @@ def test_target_modules(ref):
     with pytest.raises(ValueError, match="lora_target_modules: this model has no projection named 'qq_proj'"):
         Engine(model, EngineConfig(**cfg, lora_target_modules=("q_proj", "qq_proj")), warmup=False)
     eng = Engine(model, EngineConfig(**cfg, lora_target_modules=("q_proj", "kv_b_proj")), warmup=False)
-    assert {m.rsplit(".", 1)[1] for m in eng._lora_leaves} == {"q_proj", "kv_b_proj"}
+    assert {m.rsplit(".", 1)[1] for t in eng._lora_leaves for m in t.modules} == {"q_proj", "kv_b_proj"}
     assert eng.lora_bytes == 2 * slot_bytes(eng.cfg, eng.model.dtype, 4, ("q_proj", "kv_b_proj"))
     with pytest.raises(LoRAError, match=r"_proj\.lora_[AB]\.weight: .* lora_target_modules=\['q_proj', 'kv_b_proj'\]"):
         eng.add_lora(LoRARequest("second", 1, dirs["second"]))

@@ -126,23 +126,25 @@ _MULTI = textwrap.dedent("""
         # tiny-kimi-linear: tensor-parallel (its experts split over the 4 devices too); expert parallelism alone,
         # the mesh forms' mix and the accelerator's decode forms are the same code, run on tiny-k3 (CI time)
         forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"),
-                  ("tp", "dcp"), ("tp", "dcp_paged"), ("ep", "eplb"), ("tp", "scan"), ("tp", "scan_paged"))
+                  ("tp", "dcp"), ("tp", "dcp_paged"), ("ep", "eplb_scan"), ("tp", "scan"), ("tp", "scan_dcp_paged"))
                  if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered")))
         for sh, mla in forms:
             # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states);
             # "dcp": decode context parallelism (the MLA pages split by position over the 4 ranks too), with the
             # CPU's decode forms or ("dcp_paged") the accelerator's; "scan": the layers' repeating group scanned over
-            # (k3jax/layer_scan.py), with the CPU's decode forms or ("scan_paged") the accelerator's
+            # (k3jax/layer_scan.py), with the CPU's decode forms or ("scan_dcp_paged") the accelerator's and decode
+            # context parallelism
             kda = "gathered" if mla.endswith("paged") else "auto"
-            dcp = 4 if mla.startswith("dcp") else 1
-            # "eplb": expert-parallel load balancing, re-placing the experts every 3 steps while generating, with
-            # 4 redundant experts (12 stacked, 3 per rank), under async scheduling (a step is in flight, on the
-            # experts' old places, whenever the counts read back call for a move)
+            dcp = 4 if "dcp" in mla else 1
+            # "eplb_scan": expert-parallel load balancing, re-placing the experts every 3 steps while generating,
+            # with 4 redundant experts (12 stacked, 3 per rank), under async scheduling (a step is in flight, on the
+            # experts' old places, whenever the counts read back call for a move), the layers scanned (a move
+            # gathers the stacked experts of every moved group at once)
             eplb = (dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4,
-                         async_scheduling=True) if mla == "eplb" else {})
+                         async_scheduling=True) if mla.startswith("eplb") else {})
             llm = k3jax.LLM(model, sharding=sh, mla_decode="paged" if mla.endswith("paged") else "gathered",
                             kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw,
-                            scan_layers=mla.startswith("scan"))
+                            scan_layers="scan" in mla)
             eng = llm.engine
             res = llm.generate(prompts, sps)
             # stale words in every free unit (a finite float32 word, NaN as bf16 or fp8): masked slots must not read them
@@ -448,7 +450,7 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
                      ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4}), ("tp/dcp_paged", {"tensor": 4}),
-                     ("tp/scan", {"tensor": 4}), ("tp/scan_paged", {"tensor": 4})):
+                     ("tp/scan", {"tensor": 4}), ("tp/scan_dcp_paged", {"tensor": 4})):
         if f"{model}/{sh}" not in multi_device:
             assert model != "tiny-k3"  # tiny-k3 runs every form
             continue
@@ -489,22 +491,23 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
     # every arena access runs on the rank's own part: no copy of it and no collective over it, also
     # when decode stores latents and runs the paged MLA kernel per rank (on its query heads); the compiled
     # programs are inspected on tiny-k3 only (the same arena code for both models; CI time)
-    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged", f"{model}/tp/scan", f"{model}/tp/scan_paged")
+    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged", f"{model}/tp/scan", f"{model}/tp/scan_dcp_paged")
                if model == "tiny-k3"):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
-@pytest.mark.parametrize("form", ["dcp", "dcp_paged"])
+@pytest.mark.parametrize("form", ["dcp", "dcp_paged", "scan_dcp_paged"])
 def test_decode_context_parallel_splits_the_pages_by_position(multi_device, form):
     """decode_context_parallel_size=4 under tp on 4 devices: each rank holds every 4th token of each page, so a
     unit is a quarter of a page and the same per-rank budget holds 4x the units; prefill and decode attend
     over each rank's share with the partial softmaxes combined (at decode also through the paged MLA kernel's
-    log-sum-exp: `dcp_paged`), the same tokens and prefix-cache reuse as one device (checked above), no arena
-    copy or collective, and no all-gather rebuilds a context."""
+    log-sum-exp: `dcp_paged`; also with the layers scanned, each MLA layer's shares written back as it runs:
+    `scan_dcp_paged`), the same tokens and prefix-cache reuse as one device (checked above), no arena copy or
+    collective, and no all-gather rebuilds a context."""
     tp, dcp = multi_device["tiny-k3/tp"], multi_device[f"tiny-k3/tp/{form}"]
     assert tp["context_ranks"] == 1 and dcp["context_ranks"] == 4 and dcp["state_ranks"] == 4
     assert tp["mla_form"] == "gathered"
-    assert dcp["mla_form"] == ("paged" if form == "dcp_paged" else "gathered") + "_context_parallel"
+    assert dcp["mla_form"] == ("paged" if form.endswith("paged") else "gathered") + "_context_parallel"
     assert dcp["unit"][1] * 4 == tp["unit"][1] and dcp["unit"][0] // 4 == tp["unit"][0]
     assert dcp["slot_units"] >= tp["slot_units"] * 4 - 3  # a state slot: the same bytes in smaller units
     assert dcp["seqs_at_max_len"] > tp["seqs_at_max_len"]
@@ -519,11 +522,16 @@ def test_expert_load_balancing_moves_experts_without_changing_outputs(multi_devi
     even out; the weights move with their placement tables, so tokens and logprobs stay those of the plain
     expert-parallel engine bit for bit (every slot is still computed by one copy on one rank), with no compile
     after warm-up and no cache leaked. The balancing engine schedules asynchronously: the counts that trigger a
-    move are read back while the next step, launched on the old placement, is in flight."""
-    ep, r = multi_device["tiny-k3/ep"], multi_device["tiny-k3/ep/eplb"]
+    move are read back while the next step, launched on the old placement, is in flight. Its layers are scanned:
+    each move gathers the stacked experts of the moved groups (the scan reorders some sums: logprobs to 1e-5
+    against the unrolled engine, bit for bit across its own moves)."""
+    ep, r = multi_device["tiny-k3/ep"], multi_device["tiny-k3/ep/eplb_scan"]
     e = r["eplb"]
-    assert r["tokens"] == ep["tokens"] and r["logprobs"] == ep["logprobs"]
-    assert e["tokens_after"] == ep["tokens"] and e["logprobs_after"] == ep["logprobs"]
+    assert r["scan"] == "LayerScan(start=1, period=3, groups=2)"
+    assert r["tokens"] == ep["tokens"] and e["tokens_after"] == ep["tokens"]
+    for a, b in zip(r["logprobs"], ep["logprobs"]):
+        assert a == pytest.approx(b, abs=1e-5, rel=0)
+    assert e["logprobs_after"] == r["logprobs"]
     assert r["again"] == ep["again"] and r["cached"] == ep["cached"]
     assert e["rebalances"] >= 3 and e["layers_moved"] >= 1 and e["ranks"] == 4 and e["ahead"] > 10
     assert e["num_redundant_experts"] == 4 and e["physical_experts"] == 12
