@@ -2,7 +2,7 @@
 scanned forward against the unrolled one (cache views, AttnRes and classic residuals, routed experts),
 and engines whose step programs scan (both arena paths: in-place KDA decode with gathered MLA, and
 layered KDA with the paged MLA kernel) against the unrolled model's full forward, with prefix-cache
-resumes, weight updates and sleep."""
+resumes, weight updates, sleep, LoRA adapters and speculative verify rows."""
 
 from __future__ import annotations
 
