@@ -9,9 +9,11 @@ against depth, and what the scan costs a step once compiled.
    8 rows, one prefill bucket of 1 x 64 tokens, `compile_threads=1`), each start in a fresh process with no
    persistent compilation cache (benchmarks/startup.py's harness).
 2. Step time. k3-small's width (hidden 512, 16 experts) at 29 layers (6 scanned groups of 4), unrolled and
-   scanned: the compiled decode program (8 rows x 1 token) and prefill program (1 x 64) called on full rows
-   of random tokens, median of 15 calls after 3 warm ones. Decode on CPU reads every weight once a step,
-   so this is where a loop's per-iteration slicing of the stacked weights would show.
+   scanned: the compiled decode program (8 rows x 1 token), prefill program (1 x 64) and speculative verify
+   program (8 rows x 4 tokens: 3 drafts; scanned, the accepted tokens are committed by a second scan over the
+   groups) called on full rows of random tokens, median of 15 calls after 3 warm ones. Decode on CPU reads
+   every weight once a step, so this is where a loop's per-iteration slicing of the stacked weights would show.
+   `--steps-only` runs this part alone.
 
 Results: `results/layer_scan-cpu.json`.
 """
@@ -49,12 +51,12 @@ def step_times(spec: dict) -> dict:
     ecfg = EngineConfig(max_model_len=256, page_size=16, cache_bytes=256 << 20, max_num_seqs=8, prefill_chunk=64,
                         max_prefill_seqs=1, decode_buckets=(8,), prefill_buckets=(1,), context_buckets=(16,),
                         enable_prefix_caching=False, measure_moe_time=False, compile_threads=1,
-                        scan_layers=spec["scan"])
+                        scan_layers=spec["scan"], speculative_config=dict(num_speculative_tokens=3, adaptive=False))
     t0 = time.perf_counter()
     engine = Engine(model, ecfg, warmup=True, progress=False)
     out = dict(spec, warmup_s=time.perf_counter() - t0, scan_plan=str(engine.layer_scan))
     rng = np.random.default_rng(0)
-    for name, rows, t in (("decode_8x1", 8, 1), ("prefill_1x64", 1, 64)):
+    for name, rows, t in (("decode_8x1", 8, 1), ("prefill_1x64", 1, 64), ("verify_8x4", 8, 4)):
         batch = engine._pad_batch(rows, t, 16, [])
         batch = dataclasses.replace(batch, tokens=jnp.asarray(rng.integers(3, cfg.vocab_size, (rows, t)), jnp.int32),
                                     valid=jnp.full((rows,), t, jnp.int32))
@@ -71,8 +73,11 @@ def step_times(spec: dict) -> dict:
 
 
 def main(argv=None) -> dict:
-    args, out_path, log, t_start, result = bench_start("layer_scan", __doc__, argv)
-    depths = (8,) if args.quick else (48, 93)
+    args, out_path, log, t_start, result = bench_start(
+        "layer_scan", __doc__, argv, lambda ap: ap.add_argument("--steps-only", action="store_true"))
+    depths = () if args.steps_only else (8,) if args.quick else (48, 93)
+    if args.steps_only and not args.out:
+        out_path = out_path.with_name(out_path.stem + "-steps" + out_path.suffix)
     rows = []
     for n in depths:
         for scan in (False, True):
@@ -88,7 +93,8 @@ def main(argv=None) -> dict:
         r = in_fresh_process(spec, __file__)
         steps.append(r)
         log(f"{spec['width']} x {spec['layers']} layers, scan={scan}: warm-up {r['warmup_s']:.1f} s, decode 8x1 "
-            f"{r['decode_8x1_ms']:.1f} ms, prefill 1x64 {r['prefill_1x64_ms']:.1f} ms ({r['scan_plan']})")
+            f"{r['decode_8x1_ms']:.1f} ms, prefill 1x64 {r['prefill_1x64_ms']:.1f} ms, verify 8x4 "
+            f"{r['verify_8x4_ms']:.1f} ms ({r['scan_plan']})")
     result["steps"] = steps
     # the decode roofline's numerator on CPU (dequantized experts: every weight read once per step)
     result["decode_weight_read_floor_ms"] = steps[0]["weight_bytes"] / (result["bandwidth"]["read_GBps"] * 1e9) * 1e3

@@ -54,6 +54,7 @@ def configs():
     import jax.numpy as jnp
 
     from pallas_kernels.kda.pallas_kda import chunk_kda_pallas, fused_recurrent_kda_pool_pallas
+    from pallas_kernels.mla.fp8_latents import Fp8Latents
     from pallas_kernels.mla.kernel import paged_mla_decode_pallas
     from pallas_kernels.moe.kernel import gmm_pallas
     from pallas_kernels.moe.mxfp4 import MXFP4Weight
@@ -102,6 +103,10 @@ def configs():
     mla_args = [S((4, 16, 512), bf16), S((4, 16, 64), bf16), S((64, 64, 576), bf16), S((4, 8), i32), S((4,), i32)]
     out.append(("mla_paged_decode/bf16_H16", 4, 2, lambda: (jax.jit(lambda *a: paged_mla_decode_pallas(
         *a, scale=192 ** -0.5, variant="triton")), mla_args)))
+    fp8 = Fp8Latents(512, 64, 128)  # fp8 latent pages (kv_cache_dtype="fp8"): 164 words a token
+    fp8_args = mla_args[:2] + [S((64, 64, fp8.words), jnp.float32)] + mla_args[3:]
+    out.append(("mla_paged_decode/fp8_H16", 4, 2, lambda: (jax.jit(lambda *a: paged_mla_decode_pallas(
+        *a, scale=192 ** -0.5, variant="triton", kv_format=fp8)), fp8_args)))
     return out
 
 

@@ -184,6 +184,7 @@ class EngineConfig:
     # dtype (bit-exact); "fp8" (or "fp8_e4m3", "fp8_ds_mla") stores the compressed 512 values as
     # float8_e4m3 with a scale per 128 and the rotary 64 in the model dtype: 656 B per token and layer
     # for a bf16 model instead of 1152, so the same budget holds 1.76x the tokens (KDA states: `kda_state_dtype`).
+    # The paged MLA kernel dequantises fp8 pages in its tile (pallas_kernels/mla/fp8_latents.py).
     kv_cache_dtype: str = "auto"
     # KDA recurrent state storage (vLLM's --mamba-ssm-cache-dtype): "float32" (or "auto"; the spec's
     # dtype) or "bfloat16", which halves a state slot (K3: 414 -> 207 MiB per sequence, the part of a
@@ -321,9 +322,6 @@ class EngineConfig:
         if dcp > 1 and not self.sharding:
             raise ValueError(f"decode_context_parallel_size={dcp} splits the MLA pages over a mesh axis: it needs a "
                              "`sharding` config whose `heads` rule splits the KDA heads over that many devices")
-        if self.mla_decode == "paged" and canonical_kv_cache_dtype(self.kv_cache_dtype) != "auto":
-            raise ValueError(f"mla_decode='paged' reads the arena's pages in the model dtype; kv_cache_dtype="
-                             f"{self.kv_cache_dtype!r} needs mla_decode 'gathered' or 'auto'")
         if self.expert_weights not in ("auto", "packed", "dequantized"):
             raise ValueError(f"expert_weights={self.expert_weights!r}: expected 'auto', 'packed' or 'dequantized'")
         if self.dense_weights not in ("auto", "out_in", "in_out"):
@@ -650,7 +648,7 @@ class Engine:
             unsized = layout_for(1 << 60)  # (a layout is arithmetic: nothing is allocated)
             self.layout = layout_for(min_units(unsized.slot_units) * unsized.unit_bytes)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
-        # fp8 latents are dequantised after the gather (the paged kernel reads model-dtype pages)
+        # fp8 latents: the paged kernel reads the words and dequantises in the tile; the gathered form after the gather
         # the Pallas kernels read a page (a rank's share of one, with context parallelism) as one tile:
         # Triton's dot needs at least 16 rows (a power of two), TPU tiles multiples of 8
         share = self.layout.rank_page
@@ -660,7 +658,7 @@ class Engine:
                              f"rank's {share}-token share of a page as one tile and needs a power of two >= 16; use "
                              f"page_size >= {16 * dcp} or mla_decode 'gathered'")
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference
-                                                          and self.layout.codec.kind == "auto" and not small_share)
+                                                          and not small_share)
         self.spec = config.speculative_config
         self.logits_processors = logits_processors.resolve(config.logits_processors)
         self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(

@@ -118,6 +118,15 @@ class LatentCodec:
             return self.width * size // WORD
         return self.compressed // WORD + self.compressed // self.tile + self.rope * size // WORD
 
+    def kernel_format(self):
+        """What the paged MLA decode kernel is told of the words it reads: None (pages of model-dtype values, a
+        view of the words) or the fp8 layout (`pallas_kernels.mla.Fp8Latents`), dequantised in the tile."""
+        if self.kind == "auto":
+            return None
+        from pallas_kernels.mla.fp8_latents import Fp8Latents
+
+        return Fp8Latents(self.compressed, self.rope, self.tile, self.dtype)
+
     def encode(self, x: jax.Array) -> jax.Array:
         """[..., width] latents -> [..., words] float32 words."""
         x = x.astype(self.dtype)

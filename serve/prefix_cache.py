@@ -137,6 +137,10 @@ class EntryRows:
         self.entries: list = []  # row -> PageEntry, or None for a free row
         self._free: list[int] = []
         self._row: dict[bytes, int] = {}
+        # run -> the rows holding units in it, and how many: what freeing a run costs at least, without a pass
+        # over every row per run considered (~3 M (row, run) pairs at K3 sizes, page 16)
+        self.in_run: list[set[int]] = [set() for _ in range(num_runs)]
+        self.run_rows = np.zeros(num_runs, np.int64)
 
     @property
     def units(self) -> np.ndarray:
@@ -177,6 +181,9 @@ class EntryRows:
         runs = runs[runs < self.num_runs]
         self._runs[r] = -1
         self._runs[r, :len(runs)] = runs
+        for i in runs.tolist():
+            self.in_run[i].add(r)
+        self.run_rows[runs] += 1
         self._index[r], self._added[r], self._last_used[r] = e.index, next(self._count), e.last_used
         self.entries[r] = e
         self._row[e.key] = r
@@ -188,6 +195,10 @@ class EntryRows:
 
     def remove(self, key: bytes) -> None:
         r = self._row.pop(key)
+        runs = self._runs[r][self._runs[r] >= 0]
+        for i in runs.tolist():
+            self.in_run[i].discard(r)
+        self.run_rows[runs] -= 1
         self._units[r] = self._runs[r] = -1
         self._last_used[r] = _NEVER
         self.entries[r] = None
@@ -530,29 +541,31 @@ class PrefixCache(UnitRefs):
         cand = np.flatnonzero((rows != self.alloc.FREE).any(axis=1) & ~blocked)
         if not len(cand):
             return False
-        # the entries holding each run's units directly (each row lists its entry's runs once; rows of
-        # entries gone are -1)
-        runs, entries = self._rows.runs, self._rows.entries  # [rows, layers], row -> entry or None
-        assert (self._rows.run_base, self._rows.num_runs) == (start, n_runs)
-        first = runs >= 0
-        held = runs[first]
-        bound_n = np.bincount(held, minlength=n_runs) + slot_free
-        bound_lu = slot_lu.copy()
-        np.maximum.at(bound_lu, held, np.broadcast_to(self._rows.last_used[:, None], runs.shape)[first])
-        order = cand[np.lexsort((-cand, bound_lu[cand], bound_n[cand]))]
+        # a lower bound on each run's cost: (entries holding its units directly, the most recent use among them);
+        # runs are taken in that order, a group of equal counts at a time (their uses read only then), and only
+        # until the bound passes the best exact cost found (ties: the highest run, as a scan from the top would)
+        held = self._rows
+        assert (held.run_base, held.num_runs) == (start, n_runs)
+        bound_n = held.run_rows + slot_free
         best = None
-        for i in order.tolist():
-            if best is not None and (bound_n[i], bound_lu[i], -i) >= best[0]:
-                break  # (ties: the highest run, as a scan from the top would take)
-            direct = np.flatnonzero((runs == i).any(axis=1))
-            run = self._run_entries([entries[k] for k in direct.tolist()], ckpt_at.get(i))
-            if run is None:
-                continue
-            pages, ckpts = run
-            cost = (len(pages) + len(ckpts), max([self.pages[k].last_used for k in pages]
-                                                 + [self.ckpts[k].last_used for k in ckpts]), -i)
-            if best is None or cost < best[0]:
-                best = (cost, pages, ckpts)
+        for n in np.unique(bound_n[cand]).tolist():
+            if best is not None and n > best[0][0]:
+                break
+            group = cand[bound_n[cand] == n]
+            lu = np.array([max(int(slot_lu[i]), int(held.last_used[list(held.in_run[i])].max(initial=-1)))
+                           for i in group.tolist()], np.int64)
+            for i, bound_lu in sorted(zip(group.tolist(), lu.tolist()), key=lambda x: (x[1], -x[0])):
+                if best is not None and (n, bound_lu, -i) >= best[0]:
+                    break
+                direct = sorted(held.in_run[i])
+                run = self._run_entries([held.entries[k] for k in direct], ckpt_at.get(i))
+                if run is None:
+                    continue
+                pages, ckpts = run
+                cost = (len(pages) + len(ckpts), max([self.pages[k].last_used for k in pages]
+                                                     + [self.ckpts[k].last_used for k in ckpts]), -i)
+                if best is None or cost < best[0]:
+                    best = (cost, pages, ckpts)
         if best is None:
             return False
         for k in best[2]:

@@ -345,20 +345,25 @@ class PagedView(CacheView):
         seq_lens = batch.lengths + valid
 
         def attend(q_lat, q_rope, scale):  # [B, 1, nh, r], [B, 1, nh, dr] -> [B, 1, nh, r] fp32
+            fmt = lay.codec.kernel_format()  # fp8: the kernel reads the words and dequantises in the tile
+
+            def pages_of(a, rows):  # [U, rows, 576] values (a view of the words), or the fp8 words [U, rows, lw]
+                words = a.reshape(lay.num_units, rows, lw)
+                return words if fmt is not None else lay.codec.decode(words)
+
             if ctx is None:
                 def local(a, q_lat, q_rope, pt, seq_lens):
-                    pages = lay.codec.decode(a.reshape(lay.num_units, ps, lw))  # [U, ps, 576]
-                    return paged_mla_decode(q_lat, q_rope, pages, pt, seq_lens, scale=scale, out_dtype=jnp.float32)
+                    return paged_mla_decode(q_lat, q_rope, pages_of(a, ps), pt, seq_lens, scale=scale,
+                                            out_dtype=jnp.float32, kv_format=fmt)
 
                 run = on_ranks(self.split, local, (self._a, self._q, self._q, P(), P()), self._q)
                 return run(self.arena, q_lat[:, 0], q_rope[:, 0], pt, seq_lens)[:, None]
             heads = self._q != P()  # each rank keeps its own heads of the combined result
 
             def local_share(a, q_lat, q_rope, pt, seq_lens, rank):  # every head, this rank's share
-                pages = lay.codec.decode(a.reshape(lay.num_units, lp, lw))  # [U, ps / R, 576]
                 share = jnp.maximum(seq_lens - rank[0] + ranks - 1, 0) // ranks  # positions r, r + R, ...
-                out, lse = paged_mla_decode(q_lat, q_rope, pages, pt, share, scale=scale, out_dtype=jnp.float32,
-                                            return_lse=True)
+                out, lse = paged_mla_decode(q_lat, q_rope, pages_of(a, lp), pt, share, scale=scale,
+                                            out_dtype=jnp.float32, return_lse=True, kv_format=fmt)
                 return combine_shares(out, lse, ctx.axis, heads)
 
             run = on_ranks(self.split, local_share, (self._a, P(), P(), P(), P(), rank_spec), self._q if heads else P())

@@ -2,6 +2,8 @@
 budget, outputs close to the model-dtype cache, and the engine's invariants kept exactly (prefix-cache
 hits and batching bit-identical to a cold single request of the same fp8 engine)."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import jax
@@ -64,8 +66,7 @@ def test_kv_cache_dtype_names_and_errors():
     for bad in ("fp8_e5m2", "int8", None):
         with pytest.raises(ValueError, match="kv_cache_dtype"):
             EngineConfig(kv_cache_dtype=bad).validate()
-    with pytest.raises(ValueError, match="mla_decode='paged'.*kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="fp8", mla_decode="paged").validate()
+    EngineConfig(kv_cache_dtype="fp8", mla_decode="paged").validate()  # the paged kernel reads fp8 words
     args = dict(max_model_len=64, max_num_seqs=2, page_size=16, prefill_chunk=16, decode_buckets=None,
                 prefill_buckets=None, context_buckets=None, cache_mb=8, max_logprobs=1, seed=0,
                 kv_cache_dtype="fp8")
@@ -136,6 +137,30 @@ def test_fp8_prefix_hits_and_batching_are_bit_identical(engines):
     for e in (on, off):
         assert e.stats()["compiles_after_warmup"] == 0
         assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+
+def test_fp8_paged_decode_reads_the_words(engines, monkeypatch):
+    """mla_decode='paged' over fp8 latents: each decode step's MLA op reads the arena's words through the page
+    table and dequantises them itself (`pallas_kernels.mla.Fp8Latents`; on CPU the op's reference, whose
+    kernels are checked against it in tests/test_mla_paged.py), with stale words in the free units: the same
+    tokens as the gathered form, logprobs to fp32 rounding, no compile after warm-up."""
+    import serve.step
+
+    _, off, _ = engines
+    seen, op = [], serve.step.paged_mla_decode
+    monkeypatch.setattr(serve.step, "paged_mla_decode", lambda *a, **kw: seen.append((a[2].shape, kw["kv_format"]))
+                        or op(*a, **kw))
+    paged = Engine(off.model, dataclasses.replace(off.config, mla_decode="paged"), progress=False)
+    assert paged.mla_paged and paged.stats()["decode_forms"]["mla"] == "paged"
+    words = paged.layout.codec.words  # the op is handed the arena's words (17 a token here), not decoded values
+    assert seen and all(shape[-1] == words and fmt == paged.layout.codec.kernel_format() for shape, fmt in seen)
+    free = np.flatnonzero(paged.allocator.owner == paged.allocator.FREE)
+    paged.arena = paged.arena.at[free].set(np.uint32(0x3F807F7F).view(np.float32))
+    for p in (toks(3, 37), toks(5, 70)):
+        a, b = logprobs(run(off, p, n=10)), logprobs(run(paged, p, n=10))
+        assert [x[0] for x in a] == [x[0] for x in b]
+        np.testing.assert_allclose([x[1] for x in a], [x[1] for x in b], atol=1e-4)
+    assert paged.stats()["compiles_after_warmup"] == 0
 
 
 def test_fp8_engine_never_reads_stale_words(engines):

@@ -136,17 +136,24 @@ def test_ops_dispatch_and_bf16(data, monkeypatch):
 _TRITON_CHECKS = [jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
 
 
-@pytest.mark.parametrize("return_lse", [False, True], ids=["ctx", "ctx+lse"])
+@pytest.mark.parametrize("return_lse,fp8", [(False, False), (True, False), (False, True)],
+                         ids=["ctx", "ctx+lse", "fp8"])
 @pytest.mark.parametrize("platform,variant", [("tpu", "mosaic"), ("cuda", "triton")])
-def test_kernel_lowers_at_k3_shapes(platform, variant, return_lse):
+def test_kernel_lowers_at_k3_shapes(platform, variant, return_lse, fp8):
     """Lower (not run) the kernel for TPU Mosaic / GPU Triton at K3 MLA shapes (96 heads, 512+64), also
-    with the log-sum-exp output decode context parallelism uses (12 heads: one of 8 tensor-parallel ranks)."""
+    with the log-sum-exp output decode context parallelism uses (12 heads: one of 8 tensor-parallel ranks),
+    and over fp8 latent pages (164 words a token, dequantised in the tile)."""
+    from pallas_kernels.mla import Fp8Latents
+
     b, h, ps, mp, pages = 4, 12 if return_lse else 96, 16, 8, 64  # 12: Triton pads to 16 heads
     dt = jnp.bfloat16
+    fmt = Fp8Latents(512, 64, 128) if fp8 else None
     args = (jax.ShapeDtypeStruct((b, h, 512), dt), jax.ShapeDtypeStruct((b, h, 64), dt),
-            jax.ShapeDtypeStruct((pages, ps, 576), dt), jax.ShapeDtypeStruct((b, mp), jnp.int32),
-            jax.ShapeDtypeStruct((b,), jnp.int32))
-    fn = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5, variant=variant, return_lse=return_lse))
+            jax.ShapeDtypeStruct((pages, ps, 576), dt) if not fp8 else
+            jax.ShapeDtypeStruct((pages, ps, fmt.words), jnp.float32),
+            jax.ShapeDtypeStruct((b, mp), jnp.int32), jax.ShapeDtypeStruct((b,), jnp.int32))
+    fn = jax.jit(lambda *a: paged_mla_decode_pallas(*a, scale=192 ** -0.5, variant=variant, return_lse=return_lse,
+                                                    kv_format=fmt))
     exp = jax.export.export(fn, platforms=[platform], disabled_checks=_TRITON_CHECKS)(*args)
     text = exp.mlir_module()
     assert ("tpu_custom_call" in text) if platform == "tpu" else ("xla.gpu.triton" in text)
@@ -218,3 +225,64 @@ def test_default_num_splits_fills_the_gpu_only_when_batch_does_not():
     assert default_num_splits(1, 1, 3) == 1              # too short to split
     assert default_num_splits(32, 1, 128) == 9           # 32 programs -> 288
     assert default_num_splits(256, 1, 128) == 1          # batch alone fills it
+
+
+# ---- fp8 latent pages (kv_cache_dtype="fp8"): the kernels dequantise the cache's words in the tile ------------
+def _fp8_pages(dtype, lat=L, rope=R):
+    """The data fixture's pages as the fp8 codec stores them (float32 words), random magnitudes per token so
+    the tiles' scales differ, a stale page of NaN words; -> (format, words, their values as stored)."""
+    from serve.latent_codec import LatentCodec
+    from pallas_kernels.mla import Fp8Latents
+
+    rng = np.random.default_rng(3)
+    codec = LatentCodec.make("fp8", dtype, lat + rope, rope)
+    fmt = Fp8Latents(lat, rope, codec.tile, jnp.dtype(dtype).name)
+    vals = rng.standard_normal((NUM_PAGES, PS, lat + rope)) * np.exp(rng.normal(0, 2, (NUM_PAGES, PS, 1)))
+    words = codec.encode(jnp.asarray(vals, jnp.float32)).at[11].set(np.float32(np.nan))
+    return fmt, words, codec.decode(words)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("impl", ["reference", "mosaic", "triton"])
+def test_fp8_pages_match_attention_over_the_values_they_store(data, dtype, impl):
+    """fp8 pages (compressed part as e4m3 with a power-of-two scale per tile, rotary key in the model dtype)
+    passed as words: every form attends over exactly the values the cache stores (the codec's decode), as the
+    model-dtype kernel does over decoded pages; stale NaN words and out-of-range entries never leak, length-0
+    rows give zeros and -inf. The planes' products sum in another order: fp32 to 1e-5."""
+    fmt, words, values = _fp8_pages(dtype)
+    assert fmt.words == words.shape[-1] < values.shape[-1] * jnp.dtype(dtype).itemsize // 4
+    a = dict(data["args"], q_latent=data["args"]["q_latent"].astype(dtype), q_rope=data["args"]["q_rope"].astype(dtype))
+    want, want_lse = paged_mla_decode_reference(**dict(a, kv_pages=values), scale=SCALE, return_lse=True,
+                                                out_dtype=jnp.float32)
+    if impl == "reference":
+        got, lse = paged_mla_decode_reference(**dict(a, kv_pages=words), scale=SCALE, return_lse=True,
+                                              out_dtype=jnp.float32, kv_format=fmt)
+    else:
+        got, lse = jax.jit(lambda a, w: paged_mla_decode_pallas(
+            **dict(a, kv_pages=w), scale=SCALE, interpret=True, variant=impl, block_h=16, kv_format=fmt,
+            return_lse=True, out_dtype=jnp.float32))(a, words)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    assert np.all(np.isfinite(np.asarray(got))) and np.all(np.asarray(got)[2] == 0)
+    assert_close(got, want, rtol=tol)
+    assert np.asarray(lse)[2].tolist() == [-np.inf] * H
+    assert_close(np.asarray(lse)[[0, 1, 3]], np.asarray(want_lse)[[0, 1, 3]], rtol=1e-5)
+    if impl == "reference" and dtype == jnp.float32:
+        q, qr, _ = data["np"]  # and the reference is attention over those values (brute force in float64)
+        assert_close(got, _brute(q, qr, np.asarray(values), PAGE_TABLE, SEQ_LENS, SCALE))
+
+
+def test_fp8_format_checks_and_layout():
+    from pallas_kernels.mla import Fp8Latents
+
+    fmt = Fp8Latents(512, 64, 128)
+    assert (fmt.words, fmt.tiles, fmt.plane, fmt.scale_word, fmt.rope_word) == (164, 4, 32, 128, 132)
+    assert Fp8Latents(512, 64, 128, "float32").words == 196  # an fp32 model's rotary key: 64 words
+    with pytest.raises(ValueError, match="tile 96 must divide 512"):
+        Fp8Latents(512, 64, 96)
+    q = jnp.arange(2 * 512, dtype=jnp.float32).reshape(2, 512)
+    ql, qr = fmt.permute(q, jnp.tile(jnp.arange(64, dtype=jnp.float32), (2, 1)))
+    assert ql[0, :3].tolist() == [0, 4, 8] and ql[0, 32] == 1 and ql[0, 128] == 128 and qr[0, :2].tolist() == [0, 2]
+    np.testing.assert_array_equal(fmt.unpermute(ql), q)
+    with pytest.raises(ValueError, match="float32 words"):
+        paged_mla_decode_reference(q[:, None], jnp.zeros((2, 1, 64)), jnp.zeros((4, 16, 576)),
+                                   jnp.zeros((2, 2), jnp.int32), jnp.zeros((2,), jnp.int32), scale=1.0, kv_format=fmt)

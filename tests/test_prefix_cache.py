@@ -526,6 +526,13 @@ def test_slot_eviction_takes_the_cheapest_run(data):
     rows = {e.key: list(u) for e, u in zip(pc._rows.entries, pc._rows.units.tolist()) if e is not None}
     assert rows == {k: list(e.units) for k, e in pc.pages.items()}
     assert all(u == [-1] * len(u) for e, u in zip(pc._rows.entries, pc._rows.units.tolist()) if e is None)
+    # and each slot run's index of the rows holding its units is that of the units left
+    held = pc._rows
+    for i in range(held.num_runs):
+        lo = held.run_base + i * held.slot_units
+        want_rows = {r for r, e in enumerate(held.entries) if e is not None
+                     and any(lo <= u < lo + held.slot_units for u in e.units)}
+        assert held.in_run[i] == want_rows and held.run_rows[i] == len(want_rows)
 
 
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -71,10 +71,18 @@ def _nn(a, b, precision):
                            preferred_element_type=jnp.float32)
 
 
-def _page_update(q_lat, q_rope, c, kr, pos0, seq_len, m, l, acc, *, scale, page_size, precision):
-    """One online-softmax step over a page. Returns new (m, l, acc)."""
-    bh = q_lat.shape[0]
-    s = (_nt(q_lat, c, precision) + _nt(q_rope, kr, precision)) * scale  # [bh, ps]
+def _page_update(q_planes, k_planes, qr_planes, kr_planes, pos0, seq_len, m, l, accs, *, scale, page_size,
+                 precision, values_masked=False):
+    """One online-softmax step over a page -> new (m, l, accs). The latent and its queries come as planes
+    (one [bh, L] / [ps, L] plane each for model-dtype pages; fp8 pages: one per scale tile and byte), the
+    score summing their products; each plane of values feeds its own accumulator. `values_masked`: the
+    value planes' rows past the sequence are zero already."""
+    bh = q_planes[0].shape[0]
+    s = None
+    for q, k in zip(q_planes + qr_planes, k_planes + kr_planes):
+        d = _nt(q, k, precision)
+        s = d if s is None else s + d
+    s = s * scale  # [bh, ps]
     pos = pos0 + lax.broadcasted_iota(jnp.int32, (bh, page_size), 1)
     valid = pos < seq_len
     s = jnp.where(valid, s, _NEG_INF)
@@ -82,10 +90,32 @@ def _page_update(q_lat, q_rope, c, kr, pos0, seq_len, m, l, acc, *, scale, page_
     alpha = jnp.exp(m - m_new)
     p = jnp.where(valid, jnp.exp(s - m_new), 0.0)
     l_new = alpha * l + jnp.sum(p, axis=1, keepdims=True)
-    rows = pos0 + lax.broadcasted_iota(jnp.int32, c.shape, 0)
-    c_masked = jnp.where(rows < seq_len, c, jnp.zeros((), c.dtype))
-    acc_new = alpha * acc + _nn(p.astype(c.dtype), c_masked, precision)
-    return m_new, l_new, acc_new
+    accs_new = []
+    for acc, c in zip(accs, k_planes):
+        if not values_masked:
+            rows = pos0 + lax.broadcasted_iota(jnp.int32, c.shape, 0)
+            c = jnp.where(rows < seq_len, c, jnp.zeros((), c.dtype))
+        accs_new.append(alpha * acc + _nn(p.astype(c.dtype), c, precision))
+    return m_new, l_new, accs_new
+
+
+def _page_planes(load, kv_format, pos0, seq_len, page_size, lat, dtype):
+    """A page's (latent planes, rotary planes, values masked?) from `load(first, n) -> [ps, n]`: the latent and
+    rotary slices of a model-dtype page, or the dequantised planes of an fp8 page."""
+    if kv_format is None:
+        return [load(0, lat)], [load(lat, None)], False
+    valid = pos0 + lax.broadcasted_iota(jnp.int32, (page_size, 1), 0) < seq_len
+    c, r = kv_format.planes(load, valid)
+    return [x.astype(dtype) for x in c], [x.astype(dtype) for x in r], True
+
+
+def _query_planes(q_lat, q_rope, kv_format, lat):
+    """Split (plane-ordered) queries into the planes `_page_planes` gives."""
+    if kv_format is None:
+        return [q_lat], [q_rope]
+    pw, rw = kv_format.plane, kv_format.rope // kv_format.rope_halves
+    return ([q_lat[:, i * pw:(i + 1) * pw] for i in range(lat // pw)],
+            [q_rope[:, k * rw:(k + 1) * rw] for k in range(kv_format.rope_halves)])
 
 
 # ----------------------------------------------------------------------------- mosaic / interpret
@@ -95,7 +125,7 @@ def _lse(m, l):
 
 
 def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *refs, scale, page_size, lat, precision,
-                       return_lse):
+                       return_lse, kv_format=None):
     del pt_ref
     lse_ref, (m_ref, l_ref, acc_ref) = (refs[0], refs[1:]) if return_lse else (None, refs)
     b = pl.program_id(0)
@@ -112,12 +142,18 @@ def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *refs, s
     @pl.when(p * page_size < seq_len)
     def _compute():
         kv = kv_ref[...]
-        m, l, acc = _page_update(ql_ref[...], qr_ref[...], kv[:, :lat], kv[:, lat:], p * page_size, seq_len,
-                                 m_ref[...], l_ref[...], acc_ref[...], scale=scale, page_size=page_size,
-                                 precision=precision)
+        q_lat, q_rope = ql_ref[...], qr_ref[...]
+        load = lambda a, n: kv[:, a:] if n is None else kv[:, a:a + n]  # noqa: E731
+        c, kr, masked = _page_planes(load, kv_format, p * page_size, seq_len, page_size, lat, q_lat.dtype)
+        qc, qr = _query_planes(q_lat, q_rope, kv_format, lat)
+        w = lat // len(c)
+        acc = acc_ref[...]
+        m, l, accs = _page_update(qc, c, qr, kr, p * page_size, seq_len, m_ref[...], l_ref[...],
+                                  [acc[:, i * w:(i + 1) * w] for i in range(len(c))], scale=scale,
+                                  page_size=page_size, precision=precision, values_masked=masked)
         m_ref[...] = m
         l_ref[...] = l
-        acc_ref[...] = acc
+        acc_ref[...] = accs[0] if len(accs) == 1 else jnp.concatenate(accs, axis=1)
 
     @pl.when(p == np_ - 1)
     def _store():
@@ -128,7 +164,7 @@ def _mla_mosaic_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, *refs, s
 
 
 def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, block_h, out_dtype,
-                precision, interpret, return_lse=False):
+                precision, interpret, return_lse=False, kv_format=None):
     from jax.experimental.pallas import tpu as pltpu
 
     b, h, lat = q_latent.shape
@@ -141,7 +177,7 @@ def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, bloc
         return (pt[bi, jnp.minimum(p, last)], 0, 0)
 
     kernel = functools.partial(_mla_mosaic_kernel, scale=float(scale), page_size=page_size, lat=lat,
-                               precision=precision, return_lse=return_lse)
+                               precision=precision, return_lse=return_lse, kv_format=kv_format)
     out_shape = jax.ShapeDtypeStruct((b, h, lat), out_dtype)
     out_spec = pl.BlockSpec((_SQUEEZED, block_h, lat), lambda bi, hi, p, pt, sl: (bi, hi, 0))
     if return_lse:  # [B, H, 1]: a trailing unit axis keeps the block's minor dims TPU-tileable
@@ -174,7 +210,7 @@ def _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, bloc
 
 # ----------------------------------------------------------------------------- triton
 def _mla_triton_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, lse_ref, *, scale, page_size, lat, rope,
-                       block_h, precision, num_splits):
+                       block_h, precision, num_splits, kv_format=None):
     """One program = (row, head block, split): the split's share of the row's pages, written as its
     normalised partial context and log-sum-exp (one split: the final context)."""
     b = pl.program_id(0)
@@ -182,25 +218,35 @@ def _mla_triton_kernel(pt_ref, sl_ref, ql_ref, qr_ref, kv_ref, out_ref, lse_ref,
     sp = pl.program_id(2)
     seq_len = sl_ref[b]
     h0 = hb * block_h
-    q_lat = ql_ref[b, pl.ds(h0, block_h), :]
-    q_rope = qr_ref[b, pl.ds(h0, block_h), :]
     n_pages = lax.div(seq_len + page_size - 1, page_size)
     per_split = lax.div(n_pages + num_splits - 1, num_splits)
     first = jnp.minimum(sp * per_split, n_pages)
     last = jnp.minimum(first + per_split, n_pages)
 
+    planes = 1 if kv_format is None else lat // kv_format.plane
+    w = lat // planes
+    if kv_format is None:
+        qc, qr = [ql_ref[b, pl.ds(h0, block_h), :]], [qr_ref[b, pl.ds(h0, block_h), :]]
+    else:  # query planes read straight from the (plane-ordered) queries: no slicing of loaded values
+        rw = rope // kv_format.rope_halves
+        qc = [ql_ref[b, pl.ds(h0, block_h), pl.ds(i * w, w)] for i in range(planes)]
+        qr = [qr_ref[b, pl.ds(h0, block_h), pl.ds(k * rw, rw)] for k in range(kv_format.rope_halves)]
+
     def body(p, carry):
-        m, l, acc = carry
+        m, l, accs = carry
         page = pt_ref[b, p]
-        c = kv_ref[page, :, pl.ds(0, lat)]
-        kr = kv_ref[page, :, pl.ds(lat, rope)]
-        return _page_update(q_lat, q_rope, c, kr, p * page_size, seq_len, m, l, acc, scale=scale,
-                            page_size=page_size, precision=precision)
+        load = lambda a, n: kv_ref[page, :, pl.ds(a, rope if n is None else n)]  # noqa: E731
+        c, kr, masked = _page_planes(load, kv_format, p * page_size, seq_len, page_size, lat, qc[0].dtype)
+        m, l, accs = _page_update(qc, c, qr, kr, p * page_size, seq_len, m, l, list(accs), scale=scale,
+                                  page_size=page_size, precision=precision, values_masked=masked)
+        return m, l, tuple(accs)
 
     init = (jnp.full((block_h, 1), _NEG_INF, jnp.float32), jnp.zeros((block_h, 1), jnp.float32),
-            jnp.zeros((block_h, lat), jnp.float32))
-    m, l, acc = lax.fori_loop(first, last, body, init)
-    out_ref[...] = (acc / jnp.where(l > 0, l, 1.0)).astype(out_ref.dtype)
+            tuple(jnp.zeros((block_h, w), jnp.float32) for _ in range(planes)))
+    m, l, accs = lax.fori_loop(first, last, body, init)
+    norm = jnp.where(l > 0, l, 1.0)
+    for i, acc in enumerate(accs):
+        out_ref[:, pl.ds(i * w, w)] = (acc / norm).astype(out_ref.dtype)
     lse_ref[...] = _lse(m, l)[:, 0]
 
 
@@ -228,12 +274,12 @@ def default_num_splits(b: int, head_blocks: int, max_pages: int, *, programs: in
 
 
 def _mla_triton(q_latent, q_rope, kv_pages, page_table, seq_lens, *, scale, block_h, out_dtype,
-                precision, interpret, num_warps=4, num_stages=2, return_lse=False, num_splits=1):
+                precision, interpret, num_warps=4, num_stages=2, return_lse=False, num_splits=1, kv_format=None):
     b, h, lat = q_latent.shape
     r = q_rope.shape[-1]
     page_size = kv_pages.shape[1]
     kernel = functools.partial(_mla_triton_kernel, scale=float(scale), page_size=page_size, lat=lat, rope=r,
-                               block_h=block_h, precision=precision, num_splits=num_splits)
+                               block_h=block_h, precision=precision, num_splits=num_splits, kv_format=kv_format)
     compiler_params = None
     if not interpret:
         from jax.experimental.pallas import triton as pltriton
@@ -295,21 +341,27 @@ def paged_mla_decode_pallas(
     variant: str = "auto",
     return_lse: bool = False,
     num_splits: Optional[int] = None,
+    kv_format=None,
 ):
     """Pallas paged MLA decode; ``variant``: auto | mosaic | triton (auto = triton on GPU). With
     ``return_lse`` also each row's fp32 log-sum-exp ``[B, H]`` (see the reference).
     ``num_splits`` (Triton): programs per row and head block, each over a share of the row's pages,
-    merged by log-sum-exp (None: ``default_num_splits``; the Mosaic form walks every page itself)."""
+    merged by log-sum-exp (None: ``default_num_splits``; the Mosaic form walks every page itself).
+    ``kv_format`` (:class:`~pallas_kernels.mla.fp8_latents.Fp8Latents`): ``kv_pages`` are fp8 latent words,
+    dequantised in the tile plane by plane; the queries are permuted to plane order here and the context
+    back after."""
     b, h, lat, r, num_pages, page_size, max_pages = check_paged_mla_args(
-        q_latent, q_rope, kv_pages, page_table, seq_lens)
+        q_latent, q_rope, kv_pages, page_table, seq_lens, kv_format)
     out_dtype = q_latent.dtype if out_dtype is None else out_dtype
     if variant == "auto":
         variant = auto_variant(interpret)
     if variant not in ("mosaic", "triton"):
         raise ValueError(f"variant={variant!r}")
-    dt = kv_pages.dtype
+    dt = kv_pages.dtype if kv_format is None else q_latent.dtype  # fp8 values are exact in the query dtype
     q_latent = q_latent.astype(dt)
     q_rope = q_rope.astype(dt)
+    if kv_format is not None:
+        q_latent, q_rope = kv_format.permute(q_latent, q_rope)
     pad = 0
     if variant == "triton" and block_h is None and h % 16:
         # Triton blocks are powers of two: a head count no 16 divides (K3's 96 heads over 8 tensor-parallel
@@ -323,7 +375,7 @@ def paged_mla_decode_pallas(
     seq_lens = jnp.clip(seq_lens.astype(jnp.int32), 0, max_pages * page_size)
     precision = lax.Precision.HIGHEST if dt == jnp.float32 else lax.Precision.DEFAULT
     kw = dict(scale=scale, block_h=block_h, out_dtype=out_dtype, precision=precision, interpret=interpret,
-              return_lse=return_lse)
+              return_lse=return_lse, kv_format=kv_format)
     if variant == "triton":
         if num_splits is None:
             num_splits = default_num_splits(b, (h + pad) // block_h, max_pages)
@@ -334,4 +386,6 @@ def paged_mla_decode_pallas(
         out = _mla_mosaic(q_latent, q_rope, kv_pages, page_table, seq_lens, **kw)
     if pad:
         out = tuple(x[:, :h] for x in out) if return_lse else out[:, :h]
+    if kv_format is not None:
+        out = (kv_format.unpermute(out[0]), out[1]) if return_lse else kv_format.unpermute(out)
     return out

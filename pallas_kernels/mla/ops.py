@@ -6,9 +6,10 @@ from typing import Optional
 import jax
 
 from pallas_kernels.dispatch import resolve_backend, resolve_interpret
+from pallas_kernels.mla.fp8_latents import Fp8Latents
 from pallas_kernels.mla.reference import paged_mla_decode_reference
 
-__all__ = ["paged_mla_decode", "decode_work_follows_length"]
+__all__ = ["paged_mla_decode", "decode_work_follows_length", "Fp8Latents"]
 
 
 def paged_mla_decode(
@@ -24,6 +25,7 @@ def paged_mla_decode(
     out_dtype=None,
     block_h: Optional[int] = None,
     return_lse: bool = False,
+    kv_format=None,
 ):
     """Absorbed MLA decode over a paged latent cache -> ``ctx [B, H, L]`` (and, with ``return_lse``,
     the fp32 log-sum-exp of each row's scores ``[B, H]``).
@@ -32,17 +34,20 @@ def paged_mla_decode(
     semantics (fp32 softmax over the first ``seq_lens[b]`` tokens gathered through
     ``page_table``; zero rows for ``seq_lens == 0``; stale page-table entries ignored).
     ``backend``: ``"auto"`` | ``"reference"`` | ``"pallas"`` | ``"interpret"``.
-    ``block_h``: query heads per kernel program (Pallas only).
+    ``block_h``: query heads per kernel program (Pallas only). ``kv_format``: an
+    :class:`~pallas_kernels.mla.fp8_latents.Fp8Latents` when ``kv_pages`` are fp8 latent words, which the
+    kernels dequantise in the tile (the reference after its gather).
     """
     if resolve_backend(backend) == "reference":
         return paged_mla_decode_reference(
             q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype,
-            return_lse=return_lse)
+            return_lse=return_lse, kv_format=kv_format)
     from pallas_kernels.mla import kernel  # local import
 
     return kernel.paged_mla_decode_pallas(
         q_latent, q_rope, kv_pages, page_table, seq_lens, scale=scale, out_dtype=out_dtype,
-        block_h=block_h, interpret=resolve_interpret(backend, interpret), return_lse=return_lse)
+        block_h=block_h, interpret=resolve_interpret(backend, interpret), return_lse=return_lse,
+        kv_format=kv_format)
 
 
 def decode_work_follows_length(backend: str = "auto", interpret: bool = False) -> bool:

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 __all__ = ["paged_mla_decode_reference", "check_paged_mla_args"]
 
 
-def check_paged_mla_args(q_latent, q_rope, kv_pages, page_table, seq_lens):
+def check_paged_mla_args(q_latent, q_rope, kv_pages, page_table, seq_lens, kv_format=None):
     """Static shape validation. Returns (B, H, L, R, num_pages, page_size, max_pages)."""
     if q_latent.ndim != 3 or q_rope.ndim != 3:
         raise ValueError(f"q_latent/q_rope must be [B, H, *], got {q_latent.shape}, {q_rope.shape}")
@@ -15,7 +15,13 @@ def check_paged_mla_args(q_latent, q_rope, kv_pages, page_table, seq_lens):
     if q_rope.shape[:2] != (b, h):
         raise ValueError(f"q_rope {q_rope.shape} does not match q_latent {q_latent.shape}")
     r = q_rope.shape[2]
-    if kv_pages.ndim != 3 or kv_pages.shape[2] != l + r:
+    if kv_format is not None:
+        if (kv_format.lat, kv_format.rope) != (l, r):
+            raise ValueError(f"kv_format {kv_format} does not match q_latent / q_rope widths {l} / {r}")
+        if kv_pages.ndim != 3 or kv_pages.shape[2] != kv_format.words or kv_pages.dtype != jnp.float32:
+            raise ValueError(f"kv_pages must be float32 words [num_pages, page_size, {kv_format.words}] under "
+                             f"kv_format, got {kv_pages.dtype}{list(kv_pages.shape)}")
+    elif kv_pages.ndim != 3 or kv_pages.shape[2] != l + r:
         raise ValueError(f"kv_pages must be [num_pages, page_size, {l}+{r}], got {kv_pages.shape}")
     num_pages, page_size, _ = kv_pages.shape
     if page_table.ndim != 2 or page_table.shape[0] != b:
@@ -35,6 +41,7 @@ def paged_mla_decode_reference(
     scale: float,
     out_dtype=None,
     return_lse: bool = False,
+    kv_format=None,
 ):
     """One decode step of absorbed MLA against a paged latent cache.
 
@@ -51,13 +58,19 @@ def paged_mla_decode_reference(
     With ``return_lse`` also ``lse [B, H]`` fp32 = log Σ_s exp(score[b,h,s]) (-inf where
     ``seq_lens == 0``): what combining partial attentions over disjoint token sets needs
     (decode context parallelism).
+
+    ``kv_format`` (a :class:`pallas_kernels.mla.fp8_latents.Fp8Latents`): ``kv_pages`` are the cache's
+    float32 words ``[P, page_size, words]`` of fp8 latents, dequantised after the gather (values exactly as
+    stored, in ``q_latent``'s dtype).
     """
     b, h, l, r, num_pages, page_size, max_pages = check_paged_mla_args(
-        q_latent, q_rope, kv_pages, page_table, seq_lens)
+        q_latent, q_rope, kv_pages, page_table, seq_lens, kv_format)
     out_dtype = q_latent.dtype if out_dtype is None else out_dtype
     seq_lens = seq_lens.astype(jnp.int32)
     pt = jnp.clip(page_table.astype(jnp.int32), 0, num_pages - 1)
-    kv = kv_pages[pt].reshape(b, max_pages * page_size, l + r)  # [B, S, L+R]
+    kv = kv_pages[pt].reshape(b, max_pages * page_size, kv_pages.shape[2])  # [B, S, L+R] (or words)
+    if kv_format is not None:
+        kv = jnp.concatenate(kv_format.decode(kv), axis=-1).astype(q_latent.dtype)
     pos = jnp.arange(max_pages * page_size, dtype=jnp.int32)
     valid = pos[None, :] < seq_lens[:, None]  # [B, S]
     kv = jnp.where(valid[:, :, None], kv, jnp.zeros((), kv.dtype))
