@@ -28,7 +28,7 @@ phase() {  # name, wall limit (s), per-case limit (s), case regex
   cp "$OUT/kernels-gpu-$1.json" "benchmarks/results/kernels-gpu-$1.json" 2>/dev/null
 }
 phase decode "${K3_PHASE_DECODE_S:-130}" 60 \
-  '^(check_kda_recurrent|check_kda_pool|kda_decode_pool_B|check_gmm_(bfloat16|mxfp4)|moe_gmm|check_mla_bfloat16|mla_paged)'
+  '^(check_kda_recurrent|check_kda_pool|kda_decode_pool_B|check_gmm_(bfloat16|mxfp4)|moe_gmm|check_mla_(bfloat16|fp8)|mla_paged)'
 # per shape three cases, each with its own 150 s watchdog and JSON write: kda_prefill_* (the default
 # kernel, fla fp32 / bf16, 2 other precisions, XLA's reference), kda_prefill_forms_* (4 split / staged
 # variants, the staged form's stages alone) and kda_prefill_prepk_* (staged and split with the prep

@@ -295,12 +295,14 @@ def bench_gmm(cfg, roof, reps, backend):
 # ----------------------------------------------------------------------------------------
 # paged MLA decode
 # ----------------------------------------------------------------------------------------
-def mla_cost(B, S, H, L, R, page_table_size):
+def mla_cost(B, S, H, L, R, page_table_size, token_bytes=None):
     """(flops, bytes) of one absorbed paged MLA decode step in bf16: scores over ``L + R``
-    and context over ``L`` per head and token; the ``B*S`` cached ``[L + R]`` rows read once,
-    the queries read, the context written, the int32 page table read."""
+    and context over ``L`` per head and token; the ``B*S`` cached ``[L + R]`` rows read once
+    (``token_bytes`` each: bf16 by default, 656 for fp8 latent pages), the queries read, the context
+    written, the int32 page table read."""
     flops = 2 * B * H * S * (L + R) + 2 * B * H * S * L
-    bytes_ = B * S * (L + R) * 2 + B * H * (L + R) * 2 + B * H * L * 2 + page_table_size * 4
+    per_token = (L + R) * 2 if token_bytes is None else token_bytes
+    bytes_ = B * S * per_token + B * H * (L + R) * 2 + B * H * L * 2 + page_table_size * 4
     return flops, bytes_
 
 

@@ -564,15 +564,26 @@ def _mla_inputs(seed, B, H, S, page, dtype, ragged=True):
 MLA_SCALE = (128 + 64) ** -0.5
 
 
+def _fp8_pages(args):
+    """bf16 MLA inputs with the pages stored as the engine's fp8 cache stores them -> (args, kv_format)."""
+    from serve.latent_codec import LatentCodec
+
+    codec = LatentCodec.make("fp8", "bfloat16", 576, 64)
+    q, qr, kv, pt, sl = args
+    return (q, qr, codec.encode(kv), pt, sl), codec.kernel_format()
+
+
 def check_mla(cfg, interpret, dtype):
-    """Paged MLA decode vs the reference (fp32 or bf16 cache)."""
+    """Paged MLA decode vs the reference (fp32 or bf16 cache, or fp8 pages dequantised in the tile)."""
     require_lowering(interpret)
     c = cfg["check_mla"]
     dt = jnp.float32 if dtype == "float32" else jnp.bfloat16
-    args = _mla_inputs(61, c["B"], c["H"], c["S"], c["page"], dt)
+    args, fmt = _mla_inputs(61, c["B"], c["H"], c["S"], c["page"], dt), None
+    if dtype == "fp8":
+        args, fmt = _fp8_pages(args)
     out, comp = _timed_first_call(lambda: paged_mla_decode(
-        *args, scale=MLA_SCALE, backend=kernel_backend(interpret)))
-    ref = paged_mla_decode(*args, scale=MLA_SCALE, backend="reference")
+        *args, scale=MLA_SCALE, backend=kernel_backend(interpret), kv_format=fmt))
+    ref = paged_mla_decode(*args, scale=MLA_SCALE, backend="reference", kv_format=fmt)
     return dict(op="paged_mla_decode",
                 shape=dict(B=c["B"], H=c["H"], S=c["S"], L=512, R=64, page_size=c["page"],
                            seq_lens=np.asarray(args[4]).tolist(), dtype=dtype),
@@ -1097,27 +1108,30 @@ def bench_gmm(cfg, roof, interpret, kind, M):
     return _rates(case, roof, flops=flops, bytes_=bytes_, mm="matmul_bfloat16", tokens=M)
 
 
-def bench_mla(cfg, roof, interpret, H, B, S):
-    """Paged MLA decode (bf16 cache, all rows full length) vs the reference, both timed."""
+def bench_mla(cfg, roof, interpret, H, B, S, fp8=False):
+    """Paged MLA decode (bf16 cache, or fp8 pages dequantised in the tile; all rows full length) vs the
+    reference, both timed."""
     require_lowering(interpret)
     page = cfg["mla_page"]
-    args = _mla_inputs(400 + B, B, H, S, page, jnp.bfloat16, ragged=False)
+    args, fmt = _mla_inputs(400 + B, B, H, S, page, jnp.bfloat16, ragged=False), None
+    if fp8:
+        args, fmt = _fp8_pages(args)
     backend = kernel_backend(interpret)
-    fn = jax.jit(lambda *a: paged_mla_decode(*a, scale=MLA_SCALE, backend=backend))
-    fr = jax.jit(lambda *a: paged_mla_decode(*a, scale=MLA_SCALE, backend="reference"))
+    fn = jax.jit(lambda *a: paged_mla_decode(*a, scale=MLA_SCALE, backend=backend, kv_format=fmt))
+    fr = jax.jit(lambda *a: paged_mla_decode(*a, scale=MLA_SCALE, backend="reference", kv_format=fmt))
     out, comp = _timed_first_call(fn, *args)
     ref = _block(fr(*args))
     case = dict(op="paged_mla_decode", impl=backend,
-                shape=dict(B=B, S=S, H=H, L=512, R=64, page_size=page, dtype="bfloat16"),
+                shape=dict(B=B, S=S, H=H, L=512, R=64, page_size=page, dtype="fp8" if fp8 else "bfloat16"),
                 compile_s=comp, check=check({"ctx": (out, ref)}, "mla_bf16"))
     del out, ref
     case["time"], case["time_blocked"] = time_jax(fn, args, cfg)
     rt, rtb = time_jax(fr, args, cfg)
     case["reference"] = dict(op="paged_mla_decode_reference (jnp)", time=rt, time_blocked=rtb)
     case["speedup_vs_reference"] = rt["median"] / case["time"]["median"]
-    flops, bytes_ = kb.mla_cost(B, S, H, 512, 64, args[3].size)
+    flops, bytes_ = kb.mla_cost(B, S, H, 512, 64, args[3].size, token_bytes=fmt.words * 4 if fp8 else None)
     _rates(case, roof, flops=flops, bytes_=bytes_, mm="matmul_bfloat16")
-    if not interpret and jax.default_backend() == "gpu":   # the Triton kernel: split-K or not
+    if not interpret and jax.default_backend() == "gpu" and not fp8:   # the Triton kernel: split-K or not
         from pallas_kernels.mla.kernel import default_num_splits, paged_mla_decode_pallas
         case["num_splits"] = default_num_splits(B, -(-H // 16) if H % 32 else H // 32, args[3].shape[1])
         try:
@@ -1274,7 +1288,7 @@ def plan(cfg, roof, interpret, peer):
     cases += [(f"check_gmm_{k}", lambda k=k: check_gmm(cfg, interpret, k))
               for k in ("float32", "bfloat16", "mxfp4")]
     cases += [(f"check_mla_{d}", lambda d=d: check_mla(cfg, interpret, d))
-              for d in ("float32", "bfloat16")]
+              for d in ("float32", "bfloat16", "fp8")]
     cases += [(f"kda_decode_pool_B{b}", lambda b=b: bench_kda_decode(cfg, roof, interpret, b,
                                                                      peer))
               for b in cfg["decode_batch"]]
@@ -1292,6 +1306,9 @@ def plan(cfg, roof, interpret, peer):
     cases += [(f"mla_paged_decode_H{H}_B{B}_S{S}",
                lambda H=H, B=B, S=S: bench_mla(cfg, roof, interpret, H, B, S))
               for H, B, S in cfg["mla"]]
+    cases += [(f"mla_paged_decode_fp8_H{H}_B{B}_S{S}",  # fp8 pages: 656 B a token instead of 1152
+               lambda H=H, B=B, S=S: bench_mla(cfg, roof, interpret, H, B, S, fp8=True))
+              for H, B, S in cfg["mla"][-2:]]
     cases += [prefill(H, T) for H, T in cfg["prefill_shard"]]
     return cases
 

@@ -23,12 +23,12 @@ CHECK_CASES = [
     "check_kda_chunk", "check_kda_chunk_varlen", "check_kda_chunk_bf16_state", "check_kda_recurrent",
     "check_kda_pool",
     "check_gmm_float32", "check_gmm_bfloat16", "check_gmm_mxfp4",
-    "check_mla_float32", "check_mla_bfloat16",
+    "check_mla_float32", "check_mla_bfloat16", "check_mla_fp8",
 ]
 TIMED_PREFIXES = ["kda_decode_pool_B", "kda_decode_pool_sweep_B", "kda_prefill_H", "kda_prefill_forms_H",
                   "kda_prefill_prepk_H",
                   "moe_gmm_dense_bf16_M",
-                  "moe_gmm_mxfp4_M", "mla_paged_decode_H"]
+                  "moe_gmm_mxfp4_M", "mla_paged_decode_H", "mla_paged_decode_fp8_H"]
 
 
 def _load_script():
