@@ -2231,13 +2231,22 @@ class Engine:
         self._canonical_pending[rid] = key
         self.counters["canonical_rows"] += 1
 
+    @staticmethod
+    def _defer_admission(plan: StepPlan, rid: str) -> None:
+        """Take an admission out of this step's plan (the request stays waiting)."""
+        plan.admit.remove(rid)
+        plan.prefill = [r for r in plan.prefill if r[0] != rid]
+        plan.grow.pop(rid, None)
+
     def _allocate(self, plan: StepPlan) -> None:
         """Carry out the plan's memory: evict, admit (slot, shared pages, copy-on-write page), grow.
 
-        Admitted requests pin what they will read *before* anything is evicted, so eviction can
-        never free a page or state a request is about to read. Pinning may leave eviction short of
-        what the scheduler counted on; an admission that then does not fit is dropped from this
-        step (the request stays waiting), never half-done."""
+        Running requests grow first (the scheduler counted on all evictable memory for them); an admission
+        whose planned hit lost an entry to that eviction waits (its prefix is matched again next step). The
+        others pin what they will read before the eviction made for them, so eviction never frees a page
+        or state a request is about to read. Pinning may leave eviction short of what the scheduler
+        counted on; an admission that then does not fit is dropped from this step (the request stays
+        waiting), never half-done."""
         pc, lm = self.prefix_cache, self.cfg.num_mla_layers
         running = [r for r in plan.grow if r not in plan.admit]
         if pc is not None and pc.host is not None:  # host entries to restore stay in the store meanwhile
@@ -2259,9 +2268,15 @@ class Engine:
                 continue
             self._grow(self.seqs[rid], plan.grow[rid])
         if pc is not None and plan.admit:
-            for rid in plan.admit:
+            for rid in list(plan.admit):
                 hit = self.seqs[rid].hit
-                if hit is not None and hit.pos:
+                if hit is not None and hit.pos and not pc.holds(hit):
+                    # the running requests' eviction took part of what the hit reads: the request waits and
+                    # its prefix is matched again next step (it would have read freed units)
+                    if pc.host is not None:
+                        pc.unpin_host(hit)
+                    self._defer_admission(plan, rid)
+                elif hit is not None and hit.pos:
                     pc.acquire(hit)
             units = sum(plan.grow.get(r, 0) for r in plan.admit) + lm * len(plan.admit)
             pc.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit), keep=self._wanted())
@@ -2272,9 +2287,7 @@ class Engine:
             if not self.allocator.can_fit(partial + plan.grow.get(rid, 0), 1):
                 if pc is not None and seq.hit is not None and seq.hit.pos:
                     pc.release_hit(seq.hit)
-                plan.admit.remove(rid)
-                plan.prefill = [r for r in plan.prefill if r[0] != rid]
-                plan.grow.pop(rid, None)
+                self._defer_admission(plan, rid)
                 continue
             restored = self._admit(seq, restore)
             if plan.grow.get(rid, 0) > restored:

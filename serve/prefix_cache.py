@@ -326,6 +326,13 @@ class PrefixCache(UnitRefs):
         for e in hit.host_entries:
             self.host.pin(e)
 
+    def holds(self, hit: Hit) -> bool:
+        """Whether every device-tier entry `hit` reads is still cached: between planning and admission an
+        eviction for the running requests may have taken one (it was not pinned yet)."""
+        return (all(self.pages.get(e.key) is e for e in hit.pages if isinstance(e, PageEntry))
+                and (not isinstance(hit.ckpt, CkptEntry) or self.ckpts.get(hit.ckpt.key) is hit.ckpt)
+                and (not isinstance(hit.partial, PageEntry) or self.pages.get(hit.partial.key) is hit.partial))
+
     def acquire(self, hit: Hit) -> None:
         """Pin what a newly admitted request will read in its first step (its host entries are pinned
         by `pin_host`)."""

@@ -115,6 +115,30 @@ def test_chunk_end_checkpoint(engines):
     warm_vs_cold(engines, base[:280] + toks(2, 20), "chunk_end")
 
 
+def test_an_admission_whose_hit_the_running_requests_evicted_waits(engines, monkeypatch):
+    """A step first evicts for its running requests, then pins what its admissions' hits read. When that first
+    eviction takes part of a planned hit (here: everything no request holds), the admission must not read the
+    freed units: it waits, is matched again next step (now a miss) and gives the cold result. (Found by a
+    randomized run with speculative decoding: the engine raised in `acquire` on an evicted entry.)"""
+    on, off = emptied(engines)
+    pc, base = on.prefix_cache, toks(21, 150)
+    run(on, base)  # cached: pages and a prompt-end checkpoint
+    calls, evict = [], pc.evict_for
+
+    def first_takes_everything(units, slots, keep=frozenset()):
+        calls.append((units, slots))
+        if len(calls) == 1:  # the running requests' eviction of the admitting step
+            pc.clear()
+        return evict(units, slots, keep)
+
+    monkeypatch.setattr(pc, "evict_for", first_takes_everything)
+    prompt = base + toks(22, 20)
+    warm, cold = run(on, prompt), run(off, prompt)
+    assert len(calls) > 2 and warm.num_cached_tokens == 0  # deferred once, then admitted without a hit
+    assert warm.token_ids == cold.token_ids and logprobs(warm) == logprobs(cold)
+    assert on.allocator.free_units + on._cached_units() == on.allocator.baseline_free_units
+
+
 def test_prompt_end_checkpoint(engines):
     emptied(engines)
     base = toks(3, 100)  # prompt end 100 -> aligned checkpoint at 96
