@@ -24,6 +24,8 @@ import threading
 import time
 from typing import Optional
 
+from serve.types import LOGPROBS_MODES
+
 BODY_BYTES = 1 << 20  # the request body limit's default
 EMBEDS_BODY_BYTES = 512 << 20  # ... when prompts may be vectors (base64 tensors)
 
@@ -31,7 +33,7 @@ DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     long_prefill_chunk=0,
-    context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=5, api_key_file=None, rpm=None, tpm=None, max_waiting=256,
+    context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=5, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=None, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
@@ -76,6 +78,9 @@ def add_serve_arguments(s) -> None:
                    help="vLLM's: the fraction of each device's memory for weights, step temporaries and cache; the "
                         "arena gets what the weights and the largest steps leave, in place of --cache-mb (GPU, TPU)")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
+    e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d["logprobs_mode"],
+                   help="vLLM's: what logprobs hold: the model's log-softmax or logits (raw_*), or those the token was "
+                        "drawn from after bias, penalties, temperature, top-k/top-p/min-p (processed_*)")
     e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     e.add_argument("--host-cache-mb", type=int, default=None,
                    help="host-memory tier of the prefix cache (MiB): evicted pages and KDA checkpoints are "
@@ -294,6 +299,7 @@ def engine_config(o: dict):
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=max(512, decode[-1] * (1 + drafts) + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
+        logprobs_mode=o.get("logprobs_mode", "raw_logprobs"),
         gpu_memory_utilization=o.get("gpu_memory_utilization"),
         seed=o["seed"], sharding=o.get("sharding"), tensor_parallel_size=o.get("tensor_parallel_size"),
         kda_decode=o.get("kda_decode", "auto"),

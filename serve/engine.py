@@ -59,7 +59,7 @@ from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
 from serve import generation_config, logits_processors, prompt_embeds
-from serve.sampling import SamplingBatch
+from serve.sampling import SamplingBatch, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve import eplb
@@ -142,6 +142,11 @@ class EngineConfig:
     prefill_buckets: Optional[tuple[int, ...]] = None  # default: (1, max_prefill_seqs)
     context_buckets: Optional[tuple[int, ...]] = None  # MLA pages per layer; default: powers of 4
     max_logprobs: int = 5
+    # What logprobs (sampled, top-n and prompt) hold (vLLM's --logprobs-mode; serve/sampling.py): "raw_logprobs"
+    # (log_softmax of the model's logits), "raw_logits", "processed_logprobs" (log of the distribution the token
+    # was drawn from: after bias, penalties, processors, temperature, top-k/top-p/min-p; what RL importance ratios
+    # need) or "processed_logits". Prompt positions are never processed: raw values of the mode's kind.
+    logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     enable_prefix_caching: bool = True
     prefix_hash_unit: int = 16  # tokens per chained-hash block (<= 128)
@@ -298,6 +303,7 @@ class EngineConfig:
             raise ValueError(f"kda_decode={self.kda_decode!r}: expected 'auto', 'in_place' or 'gathered'")
         if self.mla_decode not in ("auto", "paged", "gathered"):
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
+        check_logprobs_mode(self.logprobs_mode)  # raises, naming logprobs_mode
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
         state_dtype_name(self.kda_state_dtype)  # raises, naming kda_state_dtype
         if isinstance(self.logits_processors, (str, logits_processors.LogitsProcessor)):
@@ -671,11 +677,12 @@ class Engine:
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
-                              self.logits_processors, carry_offset=self.decode_buckets[-1] if self._carry_size else 0,
+                              self.logits_processors, config.logprobs_mode,
+                              carry_offset=self.decode_buckets[-1] if self._carry_size else 0,
                               sample_apart=config.async_scheduling)
         # async scheduling: decode programs leave sampling to this one, launched once the step before is read
         # back, so the rows' masks (structured outputs, bad words) see the token it sampled (`_complete`)
-        self._sample = (bind_sample(config.max_logprobs, self.logits_processors, arena_sharding)
+        self._sample = (bind_sample(config.max_logprobs, self.logits_processors, arena_sharding, config.logprobs_mode)
                         if config.async_scheduling else None)
         self.mask_words = mask_words(self.cfg.vocab_size)  # int32 words of a structured-output mask row
         self._arena_sharding = arena_sharding
@@ -1167,6 +1174,9 @@ class Engine:
         try:
             if isinstance(params, BeamSearchParams):
                 params.validate(self.config.max_logprobs)
+                if self.config.logprobs_mode.endswith("_logits"):
+                    raise RequestError(f"beam_width: beams are ranked by summed logprobs, but this engine returns "
+                                       f"logits (logprobs_mode={self.config.logprobs_mode!r})")
                 if params.beam_width > self.sched_cfg.max_num_seqs:
                     raise RequestError(f"beam_width: {params.beam_width} beams exceed max_num_seqs="
                                        f"{self.sched_cfg.max_num_seqs}, the most sequences a step decodes")

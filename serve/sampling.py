@@ -22,7 +22,12 @@ Semantics (vLLM's):
   on its seed, its step and its logits: not on its batch row, the batch size or the padding.
 * ``logprob`` is ``log_softmax`` of the RAW logits (before temperature and filtering) at the
   chosen token, and ``top_ids``/``top_logprobs`` are ``lax.top_k`` of that same ``log_softmax``
-  (vLLM's default "raw logprobs").
+  (vLLM's default "raw logprobs"). vLLM's other ``logprobs_mode``s (static, one per engine) return
+  instead the raw logits (``raw_logits``), or the values the token was drawn from
+  (``processed_logits``: after the mask, bias, penalties and processors, then, for a sampled row,
+  temperature, top-k, top-p and min-p, a filtered token at -inf) or their ``log_softmax``
+  (``processed_logprobs``: the log of the exact distribution sampled; a greedy row's is that of
+  its processed logits, whose argmax it took). The top-n are the n largest of the same values.
 
 Before any of that, ``serve/penalties.py`` masks a structured-output row's disallowed tokens (its
 bitmask, ``serve/structured.py``), adds the row's logit bias (``logit_bias`` and the engine's
@@ -48,7 +53,7 @@ from jax import lax
 from serve import logits_processors
 from serve.logits_processors import LogitsProcessor, ProcessorContext
 from serve.penalties import apply_bias, apply_bitmask, apply_penalties
-from serve.types import SamplingParams
+from serve.types import LOGPROBS_MODES, SamplingParams
 
 __all__ = [
     "GREEDY_EPS",
@@ -58,6 +63,7 @@ __all__ = [
     "sample",
     "seed_key_data",
     "max_logprobs",
+    "LOGPROBS_MODES",
 ]
 
 #: Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
@@ -196,7 +202,7 @@ class SamplingBatch:
 
 class SampleResult(NamedTuple):
     tokens: jax.Array  # [B] i32
-    logprob: jax.Array  # [B] f32 log_softmax(raw logits)[token]
+    logprob: jax.Array  # [B] f32 log_softmax(raw logits)[token] (or another `logprobs_mode`'s value)
     top_ids: jax.Array  # [B, n] i32
     top_logprobs: jax.Array  # [B, n] f32
 
@@ -210,16 +216,26 @@ class PromptLogprobs(NamedTuple):
     top_logprobs: jax.Array  # [B, T, n] f32
 
 
+def check_logprobs_mode(mode: str) -> None:
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode={mode!r}: expected one of {', '.join(LOGPROBS_MODES)}")
+
+
 def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                    num_top_logprobs: int) -> PromptLogprobs:
+                    num_top_logprobs: int, logprobs_mode: str = "raw_logprobs") -> PromptLogprobs:
     """hidden [B, T, H] -> the raw logprob and rank of targets [B, T] (-1: not asked) and the top-n.
+    Prompt positions are scored, not sampled, so nothing processes their logits: the `*_logits` modes
+    give the logits, the `*_logprobs` modes their log_softmax (vLLM's).
 
     The [B, T, V] logits are only computed (`lax.cond`) when some position asks."""
+    check_logprobs_mode(logprobs_mode)
     b, t = targets.shape
     n = int(num_top_logprobs)
 
     def compute(h):
-        lp = jax.nn.log_softmax(logits_fn(h), axis=-1)  # [B, T, V]
+        lp = logits_fn(h).astype(jnp.float32)  # [B, T, V]
+        if logprobs_mode.endswith("_logprobs"):
+            lp = jax.nn.log_softmax(lp, axis=-1)
         chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], axis=-1)  # [B, T, 1]
         rank = 1 + jnp.sum(lp > chosen, axis=-1, dtype=jnp.int32)
         if n:
@@ -332,19 +348,20 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
 
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(_row_keys(batch))
     sampled = first_argmax(masked + gumbel)
-    return jnp.where(is_greedy, greedy_tokens, sampled)
+    return jnp.where(is_greedy, greedy_tokens, sampled), masked  # [B], [B, V] (-inf: filtered)
 
 
 def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
            history: Optional[Callable[[], tuple[jax.Array, jax.Array]]] = None,
-           processors: Sequence[LogitsProcessor] = ()) -> SampleResult:
-    """Sample one token per row. ``num_top_logprobs`` and ``processors`` must be static under jit
-    (``jax.jit(sample, static_argnames=("num_top_logprobs", "processors"))``).
+           processors: Sequence[LogitsProcessor] = (), logprobs_mode: str = "raw_logprobs") -> SampleResult:
+    """Sample one token per row. ``num_top_logprobs``, ``processors`` and ``logprobs_mode`` must be static
+    under jit (``jax.jit(sample, static_argnames=("num_top_logprobs", "processors", "logprobs_mode"))``).
 
     The batch's logit bias applies first, then, when any row has a penalty, the penalties over the
     rows' tokens: ``history()`` -> (ids [B, S], positions [B, S]) (``serve/penalties.py``; only traced
     inside that branch), then the custom logits processors on their rows. Greedy rows take the argmax
-    of the processed logits; logprobs stay those of the raw logits."""
+    of the processed logits; logprobs are those of the raw logits unless `logprobs_mode` says otherwise."""
+    check_logprobs_mode(logprobs_mode)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
     n = int(num_top_logprobs)
@@ -387,18 +404,30 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
                  process, lambda x: x, logits)
     greedy_tokens = first_argmax(x)
     is_greedy = batch.temperature < GREEDY_EPS
-    tokens = lax.cond(
-        jnp.all(is_greedy),
-        lambda: greedy_tokens,
-        lambda: _sample_random(x, batch, is_greedy, greedy_tokens),
-    )
+    processed = logprobs_mode.startswith("processed")
+    if processed:  # the values each row's token was drawn from: a greedy row's processed logits, a sampled row's
+        # after temperature and the filters (only materialised in these modes)
+        tokens, values = lax.cond(
+            jnp.all(is_greedy),
+            lambda: (greedy_tokens, x),
+            lambda: _sample_random(x, batch, is_greedy, greedy_tokens),
+        )
+        values = jnp.where(is_greedy[:, None], x, values)
+    else:
+        tokens = lax.cond(
+            jnp.all(is_greedy),
+            lambda: greedy_tokens,
+            lambda: _sample_random(x, batch, is_greedy, greedy_tokens)[0],
+        )
+        values = logits
 
     # log_softmax(x)[t] = x[t] - logsumexp(x): no [B, V] log-softmax is written (the top-n are the top-n logits)
-    lse = jax.nn.logsumexp(logits, axis=-1)  # [B]
-    logprob = jnp.take_along_axis(logits, tokens[:, None], axis=-1)[:, 0] - lse
+    lse = (jax.nn.logsumexp(values, axis=-1) if logprobs_mode.endswith("_logprobs")
+           else jnp.zeros((b,), jnp.float32))  # [B]
+    logprob = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0] - lse
     if n > 0:
-        top_logits, top_ids = lax.top_k(logits, n)
-        top_logprobs = top_logits - lse[:, None]
+        top_values, top_ids = lax.top_k(values, n)
+        top_logprobs = top_values - lse[:, None]
         top_ids = top_ids.astype(jnp.int32)
     else:
         top_logprobs = jnp.zeros((b, 0), jnp.float32)

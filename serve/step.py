@@ -81,6 +81,7 @@ class StepOptions:
     verify_tokens: int = 0  # rows of this many tokens are speculative verify rows (0: no speculation)
     state_chunk: int = 64  # a bf16-stored KDA state is rounded at multiples of this in prefill rows
     logits_processors: tuple = ()  # custom LogitsProcessor objects run by the sampler (serve/logits_processors.py)
+    logprobs_mode: str = "raw_logprobs"  # what the logprobs hold (vLLM's; serve/sampling.LOGPROBS_MODES)
     scan: LayerScan | None = None  # the run of layers scanned over (k3jax/layer_scan.py); params = (state, stacked)
     carry_offset: int = 0  # where prefill programs put their samples in the carry (decode programs: at 0)
     # decode programs return their next-token logits [B, V] unsampled, and `bind_sample`'s program samples
@@ -571,18 +572,18 @@ def _remember(key, fn) -> None:
         _BOUND.popitem(last=False)
 
 
-def bind_sample(num_top_logprobs: int, processors: tuple = (), sharding=None):
+def bind_sample(num_top_logprobs: int, processors: tuple = (), sharding=None, logprobs_mode: str = "raw_logprobs"):
     """-> sample(token_pages, logits, sampling, page_table, carry) -> (SampleResult, carry): the sampling a
     decode program with `StepOptions.sample_apart` left out, as its own small program (one per rows and
     pages bucket). `page_table` [B, 1, P] is the rows' first MLA layer's pages (the penalties' and
     processors' history, as the fused step reads it); the samples go to carry entries 0..B-1. With
     `sharding` (the engine's mesh) the results are whole on every device, as the fused step's are."""
-    key = ("sample", num_top_logprobs, processors, sharding)
+    key = ("sample", num_top_logprobs, processors, sharding, logprobs_mode)
     if key not in _BOUND:
 
         def run(token_pages, logits, sampling, page_table, carry):
             res = sample(logits, sampling, num_top_logprobs, history=lambda: token_history(token_pages, page_table),
-                         processors=processors)
+                         processors=processors, logprobs_mode=logprobs_mode)
             carry = carry_samples(carry, res.tokens, 0)
             if sharding is not None:
                 res, carry = jax.lax.with_sharding_constraint((res, carry), NamedSharding(sharding.mesh, P()))
@@ -661,14 +662,15 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
             rows.allowed = batch.sampling.allowed
         flat = sample(logits.reshape(b * t, -1), rows, num_top_logprobs,
                       history=lambda: jax.tree.map(lambda x: jnp.repeat(x, t, axis=0), history()),
-                      processors=options.logits_processors)
+                      processors=options.logits_processors, logprobs_mode=options.logprobs_mode)
         res = SampleResult(*(x.reshape(b, t, *x.shape[1:]) for x in flat))
         accepted = accepted_lengths(batch.tokens, res.tokens, batch.valid)
         view.arena = arena  # (layered states are committed in the arena itself)
         view.commit(jnp.minimum(accepted + 1, batch.valid))
         arena = view.arena
     else:
-        res = sample(logits, batch.sampling, num_top_logprobs, history=history, processors=options.logits_processors)
+        res = sample(logits, batch.sampling, num_top_logprobs, history=history, processors=options.logits_processors,
+                     logprobs_mode=options.logprobs_mode)
     if layout.num_kda_layers and not in_place and not view.layered:
         lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
         scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),
@@ -676,7 +678,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
         arena = scatter(arena, batch.write_base, convs, states)
     # decode and verify rows never score prompt tokens (verify logits are the sampled positions' own)
-    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs) if not (decode or verify)
+    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs, options.logprobs_mode)
+              if not (decode or verify)
               else no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
     carry = None
     if batch.carry is not None and not apart:

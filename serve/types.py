@@ -8,6 +8,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
+#: vLLM's `logprobs_mode`s, what an engine's logprobs hold (serve/sampling.py says what each means).
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
+
 
 class RequestError(ValueError):
     """A request is invalid (bad field, too long, can never fit); raised before it takes any memory."""

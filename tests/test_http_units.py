@@ -167,12 +167,16 @@ def test_every_serve_option_reaches_the_server():
     add_serve_arguments(parser)
     assert {a.dest for a in parser._actions if a.dest != "help"} == set(DEFAULTS)
     args = parser.parse_args(["--return-tokens-as-token-ids", "--enable-request-id-headers",
-                              "--gpu-memory-utilization", "0.8"])
+                              "--gpu-memory-utilization", "0.8", "--logprobs-mode", "processed_logprobs"])
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     assert o["return_tokens_as_token_ids"] and o["enable_request_id_headers"]
     from serve.cli import engine_config
 
-    assert engine_config(o).gpu_memory_utilization == 0.8
+    cfg = engine_config(o)
+    assert cfg.gpu_memory_utilization == 0.8 and cfg.logprobs_mode == "processed_logprobs"
+    assert engine_config(dict(DEFAULTS)).logprobs_mode == "raw_logprobs"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--logprobs-mode", "processed"])
 
 
 def _serve_options(*argv):

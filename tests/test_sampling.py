@@ -30,7 +30,7 @@ def _random_logits(rows, vocab=V, seed=0, scale=2.0):
     return (np.random.default_rng(seed).standard_normal((rows, vocab)) * scale).astype(np.float32)
 
 
-def _run(fn, logits, params, seeds=None, steps=None, bucket=None, n=4) -> SampleResult:
+def _run(fn, logits, params, seeds=None, steps=None, bucket=None, n=4, bias_width=0) -> SampleResult:
     rows = len(params)
     seeds = list(range(rows)) if seeds is None else seeds
     steps = [0] * rows if steps is None else steps
@@ -38,7 +38,7 @@ def _run(fn, logits, params, seeds=None, steps=None, bucket=None, n=4) -> Sample
     if logits.shape[0] < bucket:
         pad = np.zeros((bucket - logits.shape[0], logits.shape[1]), np.float32)
         logits = np.concatenate([logits, pad])
-    batch = SamplingBatch.from_params(params, seeds, steps, bucket)
+    batch = SamplingBatch.from_params(params, seeds, steps, bucket, bias_width=bias_width)
     out = jax.device_get(fn(jnp.asarray(logits), batch, num_top_logprobs=n))
     assert out.tokens.shape == (bucket,)
     return SampleResult(*(a[:rows] for a in out))  # drop the padding rows
@@ -269,6 +269,123 @@ def test_logprobs_are_raw_log_softmax(sample_fn):
     np.testing.assert_allclose(out.top_logprobs[:5], np.asarray(ref_lp)[:5], rtol=1e-6, atol=1e-6)
     assert out.top_ids.shape == (5, 4) and out.top_ids.dtype == np.int32
     assert out.top_logprobs.dtype == np.float32 and out.logprob.dtype == np.float32
+
+
+def _processed_reference(logits, params):
+    """The values each row samples from, by the definition (numpy, a sort for top-k / top-p): a greedy row's
+    logits plus its bias; a sampled row's biased logits / temperature with tokens outside top-k, the top-p
+    nucleus or min-p at -inf."""
+    out = []
+    for row, p in zip(logits, params):
+        x = row.astype(np.float32).copy()
+        for t, b in (p.logit_bias or {}).items():
+            x[t] += np.float32(b)
+        if p.temperature < 1e-5:
+            out.append(x)
+            continue
+        x = x / np.float32(p.temperature)
+        v = len(x)
+        use_k, use_p = 0 < p.top_k < v, p.top_p < 1.0
+        thr, edge = _sorted_thresholds(x[None], [p.top_k], [p.top_p], [use_k], [use_p])
+        assert edge[0] > 1e-5  # not on a rounding knife edge
+        keep = x >= thr[0]
+        if p.min_p > 0:
+            keep &= x - x.max() >= np.log(p.min_p)
+        out.append(np.where(keep, x, -np.inf).astype(np.float32))
+    return np.stack(out)
+
+
+@pytest.fixture(scope="module")
+def sample_mode_fn():
+    return jax.jit(sample, static_argnames=("num_top_logprobs", "logprobs_mode"))
+
+
+def test_logprobs_modes_return_what_vllm_names(sample_mode_fn):
+    """raw_logits / processed_logits / processed_logprobs (vLLM's logprobs_mode) against the definition:
+    the raw logits, or the values the row's token was drawn from (after bias, temperature, top-k, top-p,
+    min-p) and their log_softmax; the tokens never depend on the mode."""
+    from functools import partial
+
+    def log_softmax(x, axis):
+        m = np.max(x, axis=axis, keepdims=True)
+        return x - m - np.log(np.sum(np.exp(x - m), axis=axis, keepdims=True))
+
+    n = 6
+    logits = _random_logits(7, vocab=VB, seed=21)
+    params = [
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=0.0, logit_bias={3: 4.0, 17: -2.5}),
+        SamplingParams(temperature=0.3, top_k=5),
+        SamplingParams(temperature=2.0, top_p=0.5),
+        SamplingParams(temperature=1.0, min_p=0.2),
+        SamplingParams(temperature=0.7, top_k=50, top_p=0.9, min_p=0.01, logit_bias={5: 1.5}),
+        SamplingParams(temperature=1.3, top_k=3),  # fewer survivors than n: -inf in the top-n
+    ]
+    runs = {m: _run(partial(sample_mode_fn, logprobs_mode=m), logits, params, n=n, seeds=list(range(50, 57)),
+                 bias_width=2)
+            for m in ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")}
+    for m, out in runs.items():
+        np.testing.assert_array_equal(out.tokens, runs["raw_logprobs"].tokens, err_msg=m)
+    tok = runs["raw_logprobs"].tokens
+    rows = np.arange(len(params))
+    proc = _processed_reference(logits, params)
+    for m, values in (("raw_logits", logits.astype(np.float64)), ("processed_logits", proc.astype(np.float64)),
+                      ("processed_logprobs", log_softmax(proc.astype(np.float64), axis=-1))):
+        out = runs[m]
+        np.testing.assert_allclose(out.logprob, values[rows, tok], rtol=1e-5, atol=1e-5, err_msg=m)
+        want = -np.sort(-values, axis=-1)[:, :n]
+        np.testing.assert_allclose(out.top_logprobs, want, rtol=1e-5, atol=1e-5, err_msg=m)
+        finite = np.isfinite(want)
+        np.testing.assert_array_equal(np.take_along_axis(values, out.top_ids, -1)[finite], want[finite], err_msg=m)
+    assert np.isfinite(runs["processed_logprobs"].logprob).all()  # the sampled token always survives
+    assert np.isneginf(runs["processed_logprobs"].top_logprobs[6, 3:]).all()  # top_k=3 keeps 3
+    # a greedy row's processed logprobs are those of its (biased) logits
+    np.testing.assert_allclose(runs["processed_logprobs"].logprob[0], runs["raw_logprobs"].logprob[0], rtol=1e-6)
+
+
+def test_processed_logprobs_are_the_sampling_distribution(sample_mode_fn):
+    """exp(processed logprob) of a token = how often it is drawn (4000 seeds, within 4.5 sigma)."""
+    from functools import partial
+
+    draws = 4000
+    row = _random_logits(1, vocab=VB, seed=22)[0]
+    p = SamplingParams(temperature=1.5, top_k=12, top_p=0.8, min_p=0.03)
+    out = _run(partial(sample_mode_fn, logprobs_mode="processed_logprobs"), np.tile(row, (draws, 1)), [p] * draws,
+               seeds=list(range(draws)), n=12)
+    probs = np.exp(out.top_logprobs[0].astype(np.float64))
+    assert 2 <= np.sum(probs > 0) < 12 and abs(probs.sum() - 1) < 1e-5  # filtered, renormalised
+    counts = np.array([np.sum(out.tokens == t) for t in out.top_ids[0]])
+    assert counts.sum() == draws  # nothing outside the support
+    sigma = np.sqrt(draws * probs * (1 - probs)) + 1e-9
+    assert np.all(np.abs(counts - draws * probs) <= 4.5 * sigma + 1), (counts, draws * probs)
+    np.testing.assert_allclose(out.logprob, out.top_logprobs[0][np.argmax(out.top_ids[0][None] == out.tokens[:, None], 1)],
+                               rtol=1e-6)
+
+
+def test_logprobs_mode_is_checked():
+    logits = jnp.asarray(_random_logits(2, vocab=V))
+    batch = SamplingBatch.from_params([SamplingParams()] * 2, [0, 1], [0, 0], 2)
+    with pytest.raises(ValueError, match="logprobs_mode='raw'"):
+        sample(logits, batch, 2, logprobs_mode="raw")
+
+
+@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs"])
+def test_prompt_positions_are_scored_raw_in_every_mode(mode):
+    """Prompt logprobs: the `*_logits` modes give the logits, the `*_logprobs` ones their log_softmax; ranks
+    and the top-n are the same either way (prompt tokens are scored, never processed)."""
+    from serve.sampling import prompt_logprobs
+
+    x = _random_logits(6, vocab=VB, seed=23).reshape(2, 3, VB)
+    targets = np.array([[4, -1, 900], [17, 3, 0]], np.int32)
+    got = jax.device_get(prompt_logprobs(lambda h: h, jnp.asarray(x), jnp.asarray(targets), 3, mode))
+    want = x.astype(np.float64)
+    if mode.endswith("_logprobs"):
+        want = want - np.log(np.sum(np.exp(want), axis=-1, keepdims=True))
+    safe = np.maximum(targets, 0)
+    np.testing.assert_allclose(got.logprob, np.take_along_axis(want, safe[..., None], -1)[..., 0], rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(got.rank, 1 + np.sum(x > np.take_along_axis(x, safe[..., None], -1), -1))
+    np.testing.assert_array_equal(got.top_ids, np.argsort(-x, -1, kind="stable")[..., :3])
+    np.testing.assert_allclose(got.top_logprobs, -np.sort(-want, -1)[..., :3], rtol=1e-5, atol=1e-5)
 
 
 def test_zero_top_logprobs(sample_fn):

@@ -504,3 +504,68 @@ def test_detokenize_false_gives_the_same_ids_without_text(llm):
     with pytest.raises(RequestError, match="stop"):
         llm.generate(["x"], SP(max_tokens=2, stop=["a"], detokenize=False))
     assert not llm.engine.has_unfinished()
+
+
+def _sampled_from(x, p: SP):
+    """float64 values a row of (biased, penalised) logits `x` is sampled from, by the definition (a sort):
+    greedy rows as they are; sampled rows over the temperature with top-k, the top-p nucleus and min-p at -inf."""
+    if p.temperature < 1e-5:
+        return x
+    x = x / p.temperature
+    keep = np.ones(x.shape, bool)
+    if 0 < p.top_k < len(x):
+        keep &= x >= np.sort(x)[::-1][p.top_k - 1]
+    if p.top_p < 1:
+        s = np.sort(np.where(keep, x, -np.inf))[::-1]
+        probs = np.exp(s - s[0]) / np.sum(np.exp(s - s[0]))
+        before = np.cumsum(probs) - probs
+        assert np.min(np.abs(before - p.top_p)) > 2e-5  # not on a rounding knife edge
+        keep &= x >= s[max(int(np.sum(before < p.top_p)), 1) - 1]
+    if p.min_p > 0:
+        keep &= x - x.max() >= np.log(p.min_p)
+    return np.where(keep, x, -np.inf)
+
+
+def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
+    """`logprobs_mode="processed_logprobs"` on an engine with async scheduling and n-gram drafts, so tokens are
+    sampled by prefill programs, by the separate sample program of async decode steps and by verify steps: each
+    token's logprob and the top-3 are the log-softmax of the values it was drawn from, computed from the full
+    forward (bias, penalty, temperature, top-k / top-p / min-p); tokens = the raw-mode engine's; prompt logprobs
+    stay raw (prompts are scored, not sampled)."""
+    import k3jax
+
+    def log_softmax(x):
+        return x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+
+    e = k3jax.LLM("tiny-k3", **{**KW, "logprobs_mode": "processed_logprobs", "async_scheduling": True,
+                                "speculative_config": {"num_speculative_tokens": 2, "adaptive": False}})
+    g = dict(max_tokens=12, ignore_eos=True, logprobs=3)
+    cases = [SP(temperature=0, logit_bias={5: 4.0}, repetition_penalty=1.3, **g),
+             SP(temperature=0.8, top_k=20, seed=3, **g),
+             SP(temperature=0.3, top_p=0.7, min_p=0.02, seed=4, **g),
+             SP(temperature=0, prompt_logprobs=2, **g)]
+    prompts = [PROMPT[:12] * 3, PROMPT[5:17] * 3, PROMPT[:30], PROMPT[10:40]]  # repeats: the drafts find n-grams
+    got = e.generate(prompts, cases)
+    raw = llm.generate(prompts, cases)
+    assert [o.token_ids for o in got] == [o.token_ids for o in raw]
+    stats = e.engine.counters
+    assert stats["spec_decode_num_drafts"] > 0 and stats["steps_launched_ahead"] > 0
+    assert e.stats()["compiles_after_warmup"] == 0
+    for prompt, p, o, r in zip(prompts, cases, got, raw):
+        out = o.token_ids
+        for i, (chosen, top) in enumerate(o.outputs[0].logprobs):
+            x = _ref(forward_logits(prompt + out[:i])[-1], prompt, out[:i], repetition=p.repetition_penalty,
+                     bias=p.logit_bias)
+            want = log_softmax(_sampled_from(x, p))
+            assert chosen.token_id == out[i] and chosen.logprob == pytest.approx(want[out[i]], rel=1e-4, abs=1e-4)
+            order = np.argsort(-want, kind="stable")[:3]
+            np.testing.assert_allclose([t.logprob for t in top], want[order], rtol=1e-4, atol=1e-4)
+        sampled = p.temperature > 0
+        differs = [a.logprob != pytest.approx(b.logprob, abs=1e-3) for (a, _), (b, _) in
+                   zip(o.outputs[0].logprobs, r.outputs[0].logprobs)]
+        assert all(differs) if sampled or p.repetition_penalty != 1 else not any(differs)
+    np.testing.assert_allclose([c.logprob for c, _ in got[3].prompt_logprobs[1:]],
+                               [c.logprob for c, _ in raw[3].prompt_logprobs[1:]], rtol=1e-5, atol=1e-5)
+    with pytest.raises(RequestError, match="logprobs_mode"):
+        k3jax.LLM("tiny-k3", **{**KW, "logprobs_mode": "raw_logits"}).beam_search(
+            [PROMPT[:10]], __import__("serve.beam_search", fromlist=["x"]).BeamSearchParams(beam_width=1, max_tokens=2))
