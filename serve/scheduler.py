@@ -236,10 +236,18 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
         if new_token_ratio > 0 else 0
     candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting
     candidates.sort(key=lambda s: (s.priority, not s.running, s.order))  # stable among equals
+    # once a waiting request is left waiting nobody is admitted after it (FCFS), but running prompts behind it
+    # (lower priorities: canonical rows, low-priority requests) go on: they hold memory the waiting one may need,
+    # which only their progress (or a preemption) gives back -- stopping them could leave nothing to run at all
+    admitting = True
     for s in candidates:
         if len(plan.prefill) >= max_rows or budget <= 0:
             break
         if s.rid in preempted:  # (yielded its memory to an older prompt below)
+            continue
+        if not s.running and not admitting:
+            if s.rid in reserved:  # (step 0 held memory for it: the running ones may use it this step)
+                free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + s.rows
             continue
         start = s.computed
         # rows end on multiples of prefill_chunk: the next one, or the last within the long row
@@ -275,11 +283,15 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
                     rows += v.rows
                     plan.retracted += 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots or slots * s.rows > rows:
-            break  # FCFS: nobody overtakes a request that does not fit
+            if s.running:
+                break  # FCFS: nobody overtakes a prompt under way that does not fit
+            admitting = False  # ... nor a request that does not fit
+            continue
         if slots and new_token_ratio > 0:
             own = expected_growth(s, s.pages + units, new_token_ratio, cfg)
             if (live or plan.admit) and units + cfg.slot_units + ahead + own > free_units:
-                break  # it fits now, but the running requests' expected growth would preempt someone
+                admitting = False  # it fits now, but the running requests' expected growth would preempt someone
+                continue
             ahead += own
         elif s.running and new_token_ratio > 0:
             ahead -= min(units, expected_growth(s, s.pages, new_token_ratio, cfg))  # now held, not ahead

@@ -245,3 +245,22 @@ def test_every_request_finishes_whatever_the_arena(arena, reqs):
                     running.discard(r)
                     held[r] = 0
     raise AssertionError(f"not finished: {[(r, computed[r], total[r], r in running) for r in total if r not in done]}")
+
+
+def test_a_waiting_request_held_back_never_stalls_the_running_prompts_behind_it():
+    """A waiting request that fits but is held back by the admission look-ahead (or does not fit) stops the
+    admissions after it, not the running prompts of lower priority behind it (a canonical re-prefill row, a
+    low-priority request): they hold memory that only their progress gives back. Before, the FCFS stop left
+    such a step with nothing to run, and the engine stalled for good (found with a small arena)."""
+    canonical = SeqView("c", 1, 112, 64, True, 8, priority=1 << 30, rows=0)
+    low = SeqView("l", 2, 112, 64, True, 8, priority=5)
+    for running in (canonical, low):
+        seqs = [running, wait("w", 3, 110), wait("w2", 4, 20)]
+        plan = schedule(seqs, Memory(10, 2), CFG, new_token_ratio=0.7)
+        assert plan.prefill == [(running.rid, 64, 16)] and plan.admit == [] and plan.preempt == []
+        # without the look-ahead both waiting requests are admitted (their reservations taken)
+        plan = schedule(seqs, Memory(10, 2), CFG)
+        assert plan.admit == ["w", "w2"] and plan.preempt == []
+    # a waiting request that does not fit at all preempts the lower priorities (step 0), as before
+    plan = schedule([low, wait("w", 3, 110)], Memory(2, 0), CFG)
+    assert plan.preempt == ["l"] and plan.admit == ["w"]
