@@ -369,6 +369,7 @@ class ServerState:
         self.cfg = eng.cfg
         self.max_model_len = eng.config.max_model_len
         self.max_logprobs = eng.config.max_logprobs
+        self.routed_experts = bool(getattr(eng.config, "enable_return_routed_experts", False))
         # rows that run at once (summed over data-parallel replicas)
         self.capacity = int(getattr(async_engine, "capacity", None) or eng.decode_buckets[-1])
         self.vocab_size = int(self.cfg.vocab_size)
@@ -709,6 +710,8 @@ class _Run:
             self._pieces.setdefault((i, o.index), []).append(o.text)
             c.finish_reason, c.stop_reason = o.finish_reason, o.stop_reason
             c.cumulative_logprob = o.cumulative_logprob
+            if o.routed_experts is not None:  # (the finishing delta's: the whole sequence's)
+                c.routed_experts = o.routed_experts
 
     def output(self, i: int) -> RequestOutput:
         """Prompt i's whole answer so far (every delta merged)."""

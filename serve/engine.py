@@ -19,6 +19,7 @@ import hashlib
 import io
 import itertools
 import logging
+import math
 import os
 import time
 import weakref
@@ -58,6 +59,7 @@ from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
+from serve.routed_experts import RoutesStore, SequenceRoutes
 from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
@@ -161,6 +163,13 @@ class EngineConfig:
     # The store is the host tier of every engine given it; a producer publishes each finished request's
     # prompt (pages and deepest KDA checkpoint) into it, and a consumer resumes prompts from it.
     kv_transfer_config: Optional[dict] = None
+    # Rollout routing replay (vLLM's --enable-return-routed-experts; serve/routed_experts.py): a finished
+    # sequence's CompletionOutput.routed_experts holds the logical expert ids every position it fed through the
+    # model was routed to, [len(prompt) + len(output) - 1, MoE layers, experts per token] int32. Prefix-cache hits
+    # take the ids of the positions they skip from a host store of `routed_experts_cache_bytes` (None: room for
+    # every token the arena and the host tier can hold); a hit whose ids it lost is not taken.
+    enable_return_routed_experts: bool = False
+    routed_experts_cache_bytes: Optional[int] = None
     measure_moe_time: bool = True  # time the MoE blocks per step shape at warm-up (serve/moe_timing.py)
     # Start-up: the bucket programs are compiled ahead of time in this many threads (XLA compiles outside
     # the GIL; each program's first run then finds it compiled), 1: one after another at their first run.
@@ -304,6 +313,12 @@ class EngineConfig:
         if self.mla_decode not in ("auto", "paged", "gathered"):
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
         check_logprobs_mode(self.logprobs_mode)  # raises, naming logprobs_mode
+        if self.enable_return_routed_experts and self.kv_transfer_config is not None:
+            raise ValueError("enable_return_routed_experts with kv_transfer_config: a decode engine resumes prompts "
+                             "another engine computed, whose routed experts are not transferred")
+        rb = self.routed_experts_cache_bytes
+        if rb is not None and (not isinstance(rb, int) or isinstance(rb, bool) or rb < 0):
+            raise ValueError(f"routed_experts_cache_bytes={rb!r}: expected an integer >= 0 (or None)")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
         state_dtype_name(self.kda_state_dtype)  # raises, naming kda_state_dtype
         if isinstance(self.logits_processors, (str, logits_processors.LogitsProcessor)):
@@ -476,6 +491,9 @@ class Sequence:
     flight_end: int = 0  # the end of its latest launched row (`computed` once that step is read back)
     carry_at: int = -1  # the carry entry of its latest sampled token (StepBatch.carry)
     epoch: int = 0  # counts releases of its memory: a step launched before one is stale
+    # enable_return_routed_experts: its routed ids by position, and those its planned prefix-cache hit skips
+    routes: Optional[SequenceRoutes] = None
+    hit_routes: Optional[list] = None
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -677,7 +695,7 @@ class Engine:
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
-                              self.logits_processors, config.logprobs_mode,
+                              self.logits_processors, config.logprobs_mode, config.enable_return_routed_experts,
                               carry_offset=self.decode_buckets[-1] if self._carry_size else 0,
                               sample_apart=config.async_scheduling)
         # async scheduling: decode programs leave sampling to this one, launched once the step before is read
@@ -779,7 +797,8 @@ class Engine:
                              lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
                              kv_transfer_published=0, failed_steps=0, requests_failed=0, cache_resets=0,
                              programs_compiled_ahead=0, steps_launched_ahead=0,
-                             spec_decode_num_guessed_drafts=0, spec_decode_num_guesses_right=0)
+                             spec_decode_num_guessed_drafts=0, spec_decode_num_guesses_right=0,
+                             routed_experts_hits_dropped=0, routed_experts_incomplete=0)
         # accepted drafts by position in the draft (vLLM's spec_decode_num_accepted_tokens_per_pos)
         self.spec_accepted_per_pos = np.zeros(self.spec.num_speculative_tokens if self.spec else 0, np.int64)
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
@@ -788,6 +807,13 @@ class Engine:
         self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
+        self.routes_store: Optional[RoutesStore] = None  # routed ids of cached prefixes (serve/routed_experts.py)
+        if config.enable_return_routed_experts:
+            if not n_moe:
+                raise ValueError("enable_return_routed_experts: this model has no MoE layers, so no routed experts")
+            if self.prefix_cache is not None:
+                self.routes_store = RoutesStore(math.gcd(self.align, config.prefix_hash_unit),
+                                                self._routes_budget(config, n_moe))
         self.eplb: Optional[eplb.ExpertBalancer] = None
         if config.enable_eplb:
             if self._ep_ranks < 2:
@@ -993,6 +1019,16 @@ class Engine:
         """The step program of `batch`'s bucket, lowered (tests and benchmarks read its HLO)."""
         return self._step.lower(self._leaves, self.arena, self.token_pages, self.page_tables.array, batch)
 
+    def _routes_budget(self, config: EngineConfig, n_moe: int) -> int:
+        """The routes store's bytes: `routed_experts_cache_bytes`, else the ids of every token the arena's MLA
+        units and the host tier could hold at once (what the prefix cache can hit)."""
+        if config.routed_experts_cache_bytes is not None:
+            return config.routed_experts_cache_bytes
+        per_token = n_moe * self.cfg.num_experts_per_token * (2 if self.cfg.num_experts <= 32767 else 4)
+        tokens = self.layout.num_units * self.layout.page_size // max(1, self.cfg.num_mla_layers)
+        arena = max(1, self.layout.num_units * self.layout.unit_bytes)
+        return int(tokens * (1 + config.host_cache_bytes / arena) * per_token)
+
     def _store_fingerprint(self) -> dict:
         """What engines sharing a host store (`kv_transfer_config`) must agree on for its entries to mean the
         same: the model, its weights (a sample of three arrays), the arena layout and the prefix hashing."""
@@ -1174,6 +1210,9 @@ class Engine:
         try:
             if isinstance(params, BeamSearchParams):
                 params.validate(self.config.max_logprobs)
+                if self.config.enable_return_routed_experts:
+                    raise RequestError("beam_width: beam search does not return routed experts "
+                                       "(enable_return_routed_experts)")
                 if self.config.logprobs_mode.endswith("_logits"):
                     raise RequestError(f"beam_width: beams are ranked by summed logprobs, but this engine returns "
                                        f"logits (logprobs_mode={self.config.logprobs_mode!r})")
@@ -1243,6 +1282,9 @@ class Engine:
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
                            hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter,
                            embeds=embeds, beam=group)
+            if self.config.enable_return_routed_experts:
+                seq.routes = SequenceRoutes(self.expert_counts.shape[0], self.cfg.num_experts_per_token,
+                                            np.int16 if self.cfg.num_experts <= 32767 else np.int32, len(ids) + 16)
             if adapter is not None:
                 adapter.requests.add(seq.rid)
             seqs.append(seq)
@@ -1547,6 +1589,8 @@ class Engine:
         self._tails.clear()
         if self.prefix_cache is not None and not self.prefix_cache.clear():
             raise RuntimeError(f"{what}: the prefix cache could not be cleared")  # nothing holds it
+        if self.routes_store is not None:
+            self.routes_store.clear()  # (computed with the old weights)
         if self.channel is not None:
             self._send_forgotten()
 
@@ -1701,6 +1745,8 @@ class Engine:
         if self.prefix_cache is None:
             return True
         self._tails.clear()
+        if self.routes_store is not None:
+            self.routes_store.clear()
         return self.prefix_cache.clear()
 
     def _drain(self) -> None:
@@ -1733,8 +1779,11 @@ class Engine:
         self._place_adapters(plan.admit)
         now = time.monotonic()
         for rid in plan.admit:
-            m = self.seqs[rid].metrics
-            m.first_scheduled_time = m.first_scheduled_time or now
+            seq = self.seqs[rid]
+            seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
+            if seq.hit_routes is not None:  # it resumes from a cached prefix: that prefix's routed ids
+                seq.routes.fill(seq.hit_routes)
+                seq.hit_routes = None
         chain = self.config.async_scheduling
         launched, running = [], list(plan.decode)
         self.counters["steps_launched_ahead"] += bool(self._flight)  # this step overlaps the one in flight
@@ -2000,6 +2049,12 @@ class Engine:
         # prompt logprobs need every prompt position computed: no reuse until they are all in
         scored = seq.prompt_lps is not None and any(x is None for x in seq.prompt_lps[1:])
         hit = Hit(0, None, [], None, 0) if scored else self.prefix_cache.match(seq.hasher, len(ids))
+        seq.hit_routes = None
+        if hit.pos and seq.routes is not None and self.routes_store is not None:  # the skipped positions' ids
+            seq.hit_routes = self.routes_store.take(seq.hasher, hit.pos)
+            if seq.hit_routes is None:  # not held (evicted, or the hit ends inside a granule): compute them
+                self.counters["routed_experts_hits_dropped"] += 1
+                hit = Hit(0, None, [], None, 0)
         seq.hit, seq.computed = hit, hit.pos
         a, n = self.align, len(ids)
         interval = self.prefix_cache.interval
@@ -2395,6 +2450,10 @@ class Engine:
         for ck in f.pins:  # the step has read them (device order: anything launched later runs after it)
             ck.pins -= 1
         (res, prompt, accepted), counts = f.out
+        routes = None
+        if self.config.enable_return_routed_experts:
+            counts, routes = counts
+            routes = np.asarray(routes)  # [B, T, L_moe, k]
         seqs, rows, t, rows_bucket = f.seqs, f.rows, f.t, f.rows_bucket
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         if (f.targets >= 0).any():
@@ -2415,6 +2474,7 @@ class Engine:
             if seq.epoch != f.epochs[i]:
                 if f.samples[i] and not (seq.finished or seq.internal or seq.beam is not None or verify):
                     touched.add(seq.rid)
+                    self._record_routes(seq, start, routes, i, n)  # (it may finish on this token)
                     self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
                 continue
             if verify:  # (never chained) the drafts rejected were launched but are not computed
@@ -2432,6 +2492,7 @@ class Engine:
                     self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
                 seq.guess = None
                 seq.computed = start + 1 + a
+                self._record_routes(seq, start, routes, i, 1 + a)
                 if seq.slot is not None:
                     self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
                 for j in range(a + 1):
@@ -2442,6 +2503,7 @@ class Engine:
                 seq.draft = []
                 continue
             seq.computed = start + n
+            self._record_routes(seq, start, routes, i, n)
             if seq.internal:
                 self._after_row(seq, decoded=False)
                 if seq.computed == len(seq.all_ids):
@@ -2456,6 +2518,17 @@ class Engine:
             elif not seq.finished and seq.computed == len(seq.all_ids):
                 touched.add(seq.rid)
                 self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+
+    def _record_routes(self, seq: Sequence, start: int, routes: Optional[np.ndarray], row: int, n: int) -> None:
+        """Keep the routed ids of the n positions from `start` that row `row` of a read-back step computed for
+        `seq` (enable_return_routed_experts), and give the routes store the granules they complete."""
+        if routes is None or seq.routes is None:
+            return
+        seq.routes.write(start, routes[row, :n])
+        store = self.routes_store
+        if store is not None and seq.hasher is not None and (start + n) // store.granule > start // store.granule:
+            seq.hasher.extend(seq.all_ids)
+            store.put(seq.hasher, seq.routes.ids, start, start + n)
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], rows, targets: np.ndarray, prompt) -> None:
         """Store the chunk's prompt logprobs: position k of a row starting at s scores prompt token s+k+1."""
@@ -2652,6 +2725,10 @@ class Engine:
             return self._beam_output(req)
         delta = req.params.output_kind == RequestOutputKind.DELTA
         outs = [self._completion(s, delta) for s in req.seqs]
+        for s, o in zip(req.seqs, outs):
+            if o is not None and s.routes is not None and s.finish_reason in ("stop", "length"):
+                o.routed_experts = s.routes.first(len(s.prompt_ids) + len(s.output_ids) - 1)
+                self.counters["routed_experts_incomplete"] += bool((o.routed_experts < 0).any())
         outs = [o for o in outs if o is not None]
         first = min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None)
         req.metrics.first_token_time = first
@@ -2906,6 +2983,10 @@ class Engine:
                              "mla": ("paged" if self.mla_paged else "gathered")
                                     + ("_context_parallel" if self.layout.context_ranks > 1 else "")},
             "prefix_cache": self.prefix_cache.stats() if self.prefix_cache else {},
+            # enable_return_routed_experts: the host store of cached prefixes' routed ids (serve/routed_experts.py)
+            "routed_experts_store": ({"bytes": self.routes_store.bytes, "budget": self.routes_store.budget,
+                                      "granules": len(self.routes_store.blocks), "evicted": self.routes_store.evicted}
+                                     if self.routes_store is not None else {}),
             "cache_config": self.cache_config(),
             "spec_decode_accepted_per_pos": self.spec_accepted_per_pos.tolist(),
             # verify / plain decode step time per decode bucket (warm-up) and decode steps whose drafts

@@ -10,10 +10,12 @@ Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vector
 `n`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `json_schema` / `regex` / `ebnf`,
 `sampling_seed`, `logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
 prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
-loaded adapter's name), `priority`.
+loaded adapter's name), `priority`, `return_routed_experts` (with `--enable-return-routed-experts`; from
+`routed_experts_start_len`).
 
 Response: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens", "e2e_latency", logprobs}}` -- a list of them (prompt-major, then the
+"completion_tokens", "cached_tokens", "e2e_latency", logprobs, "routed_experts" (once finished: base64 of the
+int32 ids [positions, MoE layers, experts per token])}}` -- a list of them (prompt-major, then the
 `n` samples) for a batch or n > 1. `finish_reason` is null while running, else `{"type": "length",
 "length": N}`, `{"type": "stop", "matched": <token id or string>}` or `{"type": "abort", "message"}`.
 Logprob entries are `[logprob, token_id, text or null]`. Streams send the whole object so far (cumulative
@@ -22,10 +24,12 @@ Logprob entries are `[logprob, token_id, text or null]`. Streams send the whole 
 
 from __future__ import annotations
 
+import base64
 import time
 import uuid
 from typing import Any, Optional, Union
 
+import numpy as np
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -81,6 +85,9 @@ class GenerateRequest(BaseModel):
     stream: bool = False
     lora_path: Optional[str] = Field(None, description="a loaded LoRA adapter's name")
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30)
+    return_routed_experts: bool = Field(False, description="the experts every position was routed to (needs "
+                                                           "--enable-return-routed-experts)")
+    routed_experts_start_len: int = Field(0, ge=0, description="routed experts from this position on")
 
     @property
     def model(self) -> Optional[str]:  # what the shared path reads to pick a LoRA adapter
@@ -205,6 +212,8 @@ class GenerateFormat(api._Format):
                 meta["input_token_logprobs"] = [r for r, _ in rows]
                 if self.body.top_logprobs_num:
                     meta["input_top_logprobs"] = [t if k else None for k, (_, t) in zip(range(start, prompt_len), rows)]
+        if self.body.return_routed_experts and o.routed_experts is not None:  # once finished
+            meta["routed_experts"] = routed_experts_b64(o.routed_experts, self.body.routed_experts_start_len)
         return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
 
     def _token(self, tid: int) -> Optional[str]:
@@ -247,6 +256,9 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
         raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",
                            param="logprob_start_len")
+    if body.return_routed_experts and not st.routed_experts:
+        raise api.APIError(400, "return_routed_experts: this server was started without "
+                                "--enable-return-routed-experts", param="return_routed_experts")
     rid = body.rid or f"gen-{uuid.uuid4().hex}"
     run_id = rid if body.rid is None else f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's rid may repeat
     fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival)
@@ -256,6 +268,12 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
         if e.status == 400 and e.param in _NAMES:
             raise _error(RequestError(e.message)) from None
         raise
+
+
+def routed_experts_b64(routes, start: int = 0) -> str:
+    """SGLang's encoding of a sequence's routed experts: the int32 ids [positions from `start`, MoE layers,
+    experts per token], little-endian, flattened in that order, base64."""
+    return base64.b64encode(np.ascontiguousarray(routes[start:], "<i4").tobytes()).decode("ascii")
 
 
 def model_info(st: "api.ServerState") -> dict:

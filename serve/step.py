@@ -82,6 +82,8 @@ class StepOptions:
     state_chunk: int = 64  # a bf16-stored KDA state is rounded at multiples of this in prefill rows
     logits_processors: tuple = ()  # custom LogitsProcessor objects run by the sampler (serve/logits_processors.py)
     logprobs_mode: str = "raw_logprobs"  # what the logprobs hold (vLLM's; serve/sampling.LOGPROBS_MODES)
+    # the step also returns each position's routed expert ids [B, T, L_moe, k] (serve/routed_experts.py)
+    return_routes: bool = False
     scan: LayerScan | None = None  # the run of layers scanned over (k3jax/layer_scan.py); params = (state, stacked)
     carry_offset: int = 0  # where prefill programs put their samples in the carry (decode programs: at 0)
     # decode programs return their next-token logits [B, V] unsampled, and `bind_sample`'s program samples
@@ -534,7 +536,7 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
     layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
     keeps one sharding from step to step (one program per bucket, updated in place), and the token
-    pages, sampled tokens, logprobs and expert counts are replicated.
+    pages, sampled tokens, logprobs and expert counts (and routed ids) are replicated.
 
     Passing the NNX graph as a static argument costs a Python hash of the whole graph and a
     pytree flatten of the parameter state on every call (~8 ms per step for k3-small on CPU);
@@ -685,7 +687,10 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     if batch.carry is not None and not apart:
         carry = carry_samples(batch.carry, res.tokens if res.tokens.ndim == 1 else res.tokens[:, 0],
                               0 if decode or verify else options.carry_offset)
-    return arena, token_pages, (res, prompt, accepted, carry), expert_counts(routed, batch, model.cfg.num_experts)
+    counts = expert_counts(routed, batch, model.cfg.num_experts)
+    if options.return_routes:  # (counts, the logical expert ids each position's router chose in each MoE layer)
+        counts = (counts, routed_ids(routed, b, t, model.cfg.num_experts))
+    return arena, token_pages, (res, prompt, accepted, carry), counts
 
 
 def splice_tokens(batch: StepBatch) -> StepBatch:
@@ -717,6 +722,15 @@ def token_history(token_pages: jax.Array, page_table: jax.Array) -> tuple[jax.Ar
     positions: ([B, P * ps], [B, P * ps])."""
     ids = token_pages[page_table[:, 0]].reshape(page_table.shape[0], -1)
     return ids, jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32)[None, :], ids.shape)
+
+
+def routed_ids(routed: list, b: int, t: int, num_experts: int) -> jax.Array:
+    """Per-layer routed ids [B*T, k] -> [B, T, L_moe, k], int16 while the ids fit (a quarter of the bytes to read
+    back at K3's 896 experts than int32)."""
+    dtype = jnp.int16 if num_experts <= jnp.iinfo(jnp.int16).max else jnp.int32
+    if not routed:
+        return jnp.zeros((b, t, 0, 0), dtype)
+    return jnp.stack(routed, axis=1).reshape(b, t, len(routed), -1).astype(dtype)
 
 
 def expert_counts(routed: list, batch: StepBatch, num_experts: int) -> jax.Array:

@@ -257,6 +257,9 @@ class CompletionOutput:
     # per generated token: (sampled token's Logprob, top-N alternatives)
     logprobs: Optional[list[tuple[Logprob, list[Logprob]]]] = None
     cumulative_logprob: Optional[float] = None  # a beam search's hypotheses: the sum of their token logprobs
+    # enable_return_routed_experts, once finished: the logical expert ids each position fed through the model was
+    # routed to, int32 [len(prompt) + len(output) - 1, MoE layers, experts per token] (serve/routed_experts.py)
+    routed_experts: Optional["np.ndarray"] = None
 
 
 @dataclass

@@ -121,6 +121,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
     s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1", "--enable-prompt-embeds",
+                "--enable-return-routed-experts",
                 "--max-body-bytes", str(1 << 20)], cache_dir,  # the limit without embeddings (413 test)
                str(tmp_path_factory.mktemp("logs") / "server.log"))
     yield s
@@ -316,6 +317,48 @@ def test_completion_prompt_embeds(client, http, limited):
     got = _post(limited, "k-open", {"model": MODEL, "messages": [{"role": "user", "content": parts}]},
                 "/v1/chat/completions")
     assert got.status_code == 400 and "--enable-prompt-embeds" in got.json()["error"]["message"]
+
+
+def test_sglang_generate_returns_routed_experts(http, limited):
+    """/generate's `return_routed_experts` (the server started with --enable-return-routed-experts): base64 of
+    the int32 ids [positions, MoE layers, k] of the finished sequence, = a full forward's; from
+    `routed_experts_start_len`; in the last streamed object only; 400 naming the field where it is off."""
+    import base64
+
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from k3jax.cache import FreshView
+    from k3jax.runtime import load_model
+
+    model = load_model(MODEL)
+    cfg = model.cfg
+    sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
+    r = http.post("/generate", json={"input_ids": [72, 105, 33, 7], "sampling_params": sp,
+                                     "return_routed_experts": True})
+    assert r.status_code == 200, r.text
+    g = r.json()
+    layers = sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
+    got = np.frombuffer(base64.b64decode(g["meta_info"]["routed_experts"]), "<i4").reshape(
+        -1, layers, cfg.num_experts_per_token)
+    seq = [72, 105, 33, 7] + g["output_ids"]
+    trace = []
+    m = nnx.merge(model.graphdef, model.params)
+    ids = jnp.asarray([seq[:-1]], jnp.int32)
+    m.run(ids, FreshView(cfg, ids.shape[1]), jnp.asarray([ids.shape[1]]), False, trace=trace)
+    np.testing.assert_array_equal(got, np.stack([np.asarray(t) for t in trace], 1))
+    tail = http.post("/generate", json={"input_ids": [72, 105, 33, 7], "sampling_params": sp,
+                                        "return_routed_experts": True, "routed_experts_start_len": 3}).json()
+    assert base64.b64decode(tail["meta_info"]["routed_experts"]) == got[3:].tobytes()
+    assert "routed_experts" not in http.post("/generate", json={"input_ids": [72, 105], "sampling_params": sp}
+                                             ).json()["meta_info"]
+    body = {"input_ids": [72, 105, 33, 7], "stream": True, "sampling_params": sp, "return_routed_experts": True}
+    with http.stream("POST", "/generate", json=body) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [("routed_experts" in c["meta_info"]) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["meta_info"]["routed_experts"] == g["meta_info"]["routed_experts"]
+    off = _post(limited, "k-open", {"input_ids": [72, 105], "return_routed_experts": True}, "/generate")
+    assert off.status_code == 400 and off.json()["error"]["param"] == "return_routed_experts"
 
 
 def test_sglang_generate_matches_the_completions_api(http):

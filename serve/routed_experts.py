@@ -1,0 +1,105 @@
+"""Routed experts per token (vLLM's `enable_return_routed_experts`, SGLang's `return_routed_experts`).
+
+Rollout routing replay (R3) trains a MoE policy with the expert choices its rollouts made: the serving
+engine returns, for every position a sequence fed through the model (prompt and generated tokens but the
+last), the logical expert ids each MoE layer's router picked, `[len(prompt) + len(output) - 1, L_moe, k]`.
+Ids are logical (before expert-parallel placement and redundant copies), so they do not change when EPLB
+moves experts.
+
+The step programs return each position's ids beside the expert counts (`StepOptions.return_routes`); the
+engine copies a row's computed positions into its sequence (`Sequence.routes`). Positions a sequence does
+not compute, a prefix-cache hit's, come from this module's `RoutesStore`: the ids of every computed
+granule of positions (`granule` tokens, keyed by the prefix hash of the tokens up to its end, so a key
+names exactly the tokens the ids depend on, salt and adapter included), held in host memory under a byte
+budget with least-recently-used eviction. A hit whose granules are not all held is not taken (the
+request computes its prompt), so a finished sequence's ids always cover every position.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Optional
+
+import numpy as np
+
+from serve.prefix_cache import PrefixHasher
+
+KEY = b"R"  # the store's kind of prefix key
+
+
+class RoutesStore:
+    """Routed ids of cached prefixes, by granule: `granule` positions [L_moe, k] each, keyed by the prefix
+    hash of the tokens through the granule's end; at most `budget` bytes, least recently used evicted."""
+
+    def __init__(self, granule: int, budget: int):
+        if granule < 1:
+            raise ValueError(f"granule must be >= 1, got {granule}")
+        self.granule, self.budget = granule, int(budget)
+        self.blocks: OrderedDict[bytes, np.ndarray] = OrderedDict()  # key -> [granule, L_moe, k]
+        self.bytes = 0
+        self.evicted = 0  # granules dropped for the budget
+
+    def put(self, hasher: PrefixHasher, routes: np.ndarray, start: int, end: int) -> None:
+        """Keep the granules that end in (start, end] (positions computed from `start` to `end` complete them).
+        `routes` [>= end, L_moe, k] holds the sequence's ids by position, `hasher` its tokens through `end`."""
+        g = self.granule
+        for c in range(start // g, end // g):  # the granules this range completes
+            key = hasher.key(KEY, (c + 1) * g)
+            if key in self.blocks:
+                self.blocks.move_to_end(key)
+                continue
+            block = routes[c * g:(c + 1) * g].copy()
+            if block.nbytes > self.budget or (block < 0).any():  # (a position not recorded: never stored)
+                continue
+            self.blocks[key] = block
+            self.bytes += block.nbytes
+            while self.bytes > self.budget:
+                _, old = self.blocks.popitem(last=False)
+                self.bytes -= old.nbytes
+                self.evicted += 1
+
+    def take(self, hasher: PrefixHasher, n: int) -> Optional[list[np.ndarray]]:
+        """The granules of positions [0, n) in order (the stored arrays, not copies), or None when n is not a
+        whole number of granules or one of them is not held. Taking refreshes them."""
+        g = self.granule
+        if n % g:
+            return None
+        keys = [hasher.key(KEY, (c + 1) * g) for c in range(n // g)]
+        if not all(k in self.blocks for k in keys):
+            return None
+        for k in keys:
+            self.blocks.move_to_end(k)
+        return [self.blocks[k] for k in keys]
+
+    def clear(self) -> None:
+        self.blocks.clear()
+        self.bytes = 0
+
+
+class SequenceRoutes:
+    """One sequence's routed ids by position, grown as it computes: [capacity, L_moe, k], -1 where not
+    (yet) recorded."""
+
+    def __init__(self, layers: int, k: int, dtype, capacity: int = 64):
+        self.ids = np.full((capacity, layers, k), -1, dtype)
+
+    def write(self, start: int, ids: np.ndarray) -> None:
+        """Positions [start, start + len(ids)) computed with these ids [n, L_moe, k]."""
+        end = start + len(ids)
+        if end > len(self.ids):
+            grown = np.full((max(end, 2 * len(self.ids)), *self.ids.shape[1:]), -1, self.ids.dtype)
+            grown[:len(self.ids)] = self.ids
+            self.ids = grown
+        self.ids[start:end] = ids
+
+    def fill(self, blocks: list[np.ndarray]) -> None:
+        """Positions from the start, granule by granule (a prefix-cache hit's)."""
+        if blocks:
+            self.write(0, np.concatenate(blocks))
+
+    def first(self, n: int) -> np.ndarray:
+        """Positions [0, n) as int32 [n, L_moe, k] (a copy)."""
+        out = np.full((n, *self.ids.shape[1:]), -1, np.int32)
+        m = min(n, len(self.ids))
+        out[:m] = self.ids[:m]
+        return out
