@@ -2492,7 +2492,7 @@ class Engine:
                     self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
                 seq.guess = None
                 seq.computed = start + 1 + a
-                self._record_routes(seq, start, routes, i, 1 + a)
+                self._record_routes(seq, start, routes, i, 1 + a, ahead=seq.draft[:a])
                 if seq.slot is not None:
                     self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
                 for j in range(a + 1):
@@ -2519,15 +2519,17 @@ class Engine:
                 touched.add(seq.rid)
                 self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
 
-    def _record_routes(self, seq: Sequence, start: int, routes: Optional[np.ndarray], row: int, n: int) -> None:
+    def _record_routes(self, seq: Sequence, start: int, routes: Optional[np.ndarray], row: int, n: int,
+                       ahead: list[int] = ()) -> None:
         """Keep the routed ids of the n positions from `start` that row `row` of a read-back step computed for
-        `seq` (enable_return_routed_experts), and give the routes store the granules they complete."""
+        `seq` (enable_return_routed_experts), and give the routes store the granules they complete. `ahead`: a
+        verify row's accepted drafts, computed but not appended to the sequence yet."""
         if routes is None or seq.routes is None:
             return
         seq.routes.write(start, routes[row, :n])
         store = self.routes_store
         if store is not None and seq.hasher is not None and (start + n) // store.granule > start // store.granule:
-            seq.hasher.extend(seq.all_ids)
+            seq.hasher.extend(seq.all_ids + list(ahead))
             store.put(seq.hasher, seq.routes.ids, start, start + n)
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], rows, targets: np.ndarray, prompt) -> None:

@@ -88,16 +88,18 @@ def reference():
 def test_routed_experts_are_the_full_forwards_whatever_computed_them(llm, reference):
     """Waves of a shared-prefix batch with n = 2, sampled, on a small arena (preemptions), async scheduling and
     n-gram drafts: every finished sequence's ids = the full forward's, position by position, including the
-    positions a prefix-cache hit skipped; then with the store emptied hits are dropped, the ids still whole."""
+    positions a prefix-cache hit skipped, and verify rows whose drafts are all accepted; with the store emptied a
+    hit is dropped, the ids still whole."""
     eng = llm.engine
     rng = np.random.default_rng(0)
     base = rng.integers(3, 300, 70).tolist()
     prompts = [base + rng.integers(3, 300, k).tolist() for k in (5, 20, 40)] + [rng.integers(3, 300, 12).tolist() * 3]
     params = [SP(temperature=0.8, seed=i, max_tokens=40, ignore_eos=True, n=2 if i == 1 else 1) for i in range(4)]
+    # a row whose drafts are all accepted (the bias makes the model repeat 5): verify rows cross granules
+    prompts.append(list(range(10, 40)) + [5] * 8)
+    params.append(SP(temperature=0, logit_bias={5: 100.0}, max_tokens=40, ignore_eos=True))
     cached = 0
     for wave in range(3):
-        if wave == 2:
-            eng.routes_store.clear()
         for out in llm.generate(prompts, params):
             cached += out.num_cached_tokens
             for c in out.outputs:
@@ -105,8 +107,16 @@ def test_routed_experts_are_the_full_forwards_whatever_computed_them(llm, refere
                 assert c.routed_experts.dtype == np.int32
                 np.testing.assert_array_equal(c.routed_experts, reference(seq), err_msg=f"{out.request_id}#{c.index}")
     n = eng.counters
-    assert cached > 0 and n["preemptions"] > 0 and n["spec_decode_num_drafts"] > 0
-    assert n["routed_experts_hits_dropped"] > 0 and n["routed_experts_incomplete"] == 0
+    assert cached > 0 and n["preemptions"] > 0 and n["spec_decode_num_accepted_tokens"] > 30
+    assert n["routed_experts_hits_dropped"] == 0 and n["routed_experts_incomplete"] == 0
+    # the store emptied (as eviction would): the cached prefix is not taken, and taken again once its ids are back
+    p, sp = prompts[3], SP(temperature=0, max_tokens=8, ignore_eos=True)
+    llm.generate([p], sp)
+    eng.routes_store.clear()
+    cold, warm = llm.generate([p], sp)[0], llm.generate([p], sp)[0]
+    assert cold.num_cached_tokens == 0 and n["routed_experts_hits_dropped"] > 0 and warm.num_cached_tokens > 0
+    for out in (cold, warm):
+        np.testing.assert_array_equal(out.outputs[0].routed_experts, reference(p + out.token_ids))
     assert llm.stats()["compiles_after_warmup"] == 0
     assert eng.allocator.free_units + eng._cached_units() == eng.allocator.baseline_free_units
     # beam search is refused
