@@ -1210,9 +1210,6 @@ class Engine:
         try:
             if isinstance(params, BeamSearchParams):
                 params.validate(self.config.max_logprobs)
-                if self.config.enable_return_routed_experts:
-                    raise RequestError("beam_width: beam search does not return routed experts "
-                                       "(enable_return_routed_experts)")
                 if self.config.logprobs_mode.endswith("_logits"):
                     raise RequestError(f"beam_width: beams are ranked by summed logprobs, but this engine returns "
                                        f"logits (logprobs_mode={self.config.logprobs_mode!r})")
@@ -1282,7 +1279,7 @@ class Engine:
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
                            hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter,
                            embeds=embeds, beam=group)
-            if self.config.enable_return_routed_experts:
+            if self.config.enable_return_routed_experts and group is None:  # (beam hypotheses carry none)
                 seq.routes = SequenceRoutes(self.expert_counts.shape[0], self.cfg.num_experts_per_token,
                                             np.int16 if self.cfg.num_experts <= 32767 else np.int32, len(ids) + 16)
             if adapter is not None:

@@ -13,7 +13,7 @@ from flax import nnx
 
 from serve.prefix_cache import PrefixHasher
 from serve.routed_experts import RoutesStore, SequenceRoutes
-from serve.types import RequestError, SamplingParams as SP
+from serve.types import SamplingParams as SP
 
 PAD = 256
 
@@ -119,11 +119,11 @@ def test_routed_experts_are_the_full_forwards_whatever_computed_them(llm, refere
         np.testing.assert_array_equal(out.outputs[0].routed_experts, reference(p + out.token_ids))
     assert llm.stats()["compiles_after_warmup"] == 0
     assert eng.allocator.free_units + eng._cached_units() == eng.allocator.baseline_free_units
-    # beam search is refused
+    # beam search runs beside (its hypotheses carry no ids)
     from serve.beam_search import BeamSearchParams
 
-    with pytest.raises(RequestError, match="routed experts"):
-        eng.add_request(prompts[0], BeamSearchParams(beam_width=1, max_tokens=2))
+    beams = llm.beam_search([prompts[0]], BeamSearchParams(beam_width=2, max_tokens=3))
+    assert len(beams[0].sequences) == 2
     rid = eng.add_request(prompts[0], SP(max_tokens=30, ignore_eos=True))
     eng.step()
     eng.abort(rid)  # mid-prompt: nothing to return, nothing left behind
