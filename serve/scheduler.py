@@ -143,6 +143,9 @@ def _plan_rows(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token
     prompt alone computes all its rows in one program and a prefix-cache resume of it runs the same
     program as its cold prefill), else when it computes more prompt tokens."""
     plan = _plan(seqs, mem, cfg, new_token_ratio, decode)
+    if not plan.decode and not plan.prefill and not plan.preempt and any(s.running for s in seqs):
+        # nothing would run: the running prompts behind a waiting request held back go on (see `_plan`)
+        plan = _plan(seqs, mem, cfg, new_token_ratio, decode, past_held=True)
     if cfg.long_prefill_chunk and plan.prefill and (len(plan.prefill) == 1
                                                      or _prompt_tokens(plan) < cfg.long_prefill_chunk):
         long = _plan(seqs, mem, cfg, new_token_ratio, decode, row_tokens=cfg.long_prefill_chunk)
@@ -152,10 +155,13 @@ def _plan_rows(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token
 
 
 def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float, decode: bool,
-          row_tokens: int = 0) -> StepPlan:
+          row_tokens: int = 0, past_held: bool = False) -> StepPlan:
     """One step plan; `decode=False` leaves the decodes out (nobody is preempted to make room for them).
     `row_tokens`: one prefill row of up to that many tokens (the long program) instead of `max_prefill_seqs`
-    rows of up to `prefill_chunk`."""
+    rows of up to `prefill_chunk`. `past_held`: a waiting request held back (not fitting, or the admission
+    look-ahead) stops the admissions after it but not the running prompts of lower priority behind it
+    (canonical re-prefill rows, low-priority requests): the plan when the first one would run nothing, since
+    such rows hold memory that only their progress (or a preemption) gives back."""
     plan = StepPlan(row_tokens=row_tokens)
     max_rows = 1 if row_tokens else cfg.max_prefill_seqs
     free_units, free_slots = mem.free_units, mem.free_slots
@@ -236,10 +242,7 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
         if new_token_ratio > 0 else 0
     candidates = [s for s in running if s.total - s.computed > 1 and s.rid not in preempted] + waiting
     candidates.sort(key=lambda s: (s.priority, not s.running, s.order))  # stable among equals
-    # once a waiting request is left waiting nobody is admitted after it (FCFS), but running prompts behind it
-    # (lower priorities: canonical rows, low-priority requests) go on: they hold memory the waiting one may need,
-    # which only their progress (or a preemption) gives back -- stopping them could leave nothing to run at all
-    admitting = True
+    admitting = True  # (past_held: until a waiting request is held back)
     for s in candidates:
         if len(plan.prefill) >= max_rows or budget <= 0:
             break
@@ -283,14 +286,16 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
                     rows += v.rows
                     plan.retracted += 1
         if units + slots * cfg.slot_units > free_units or slots > free_slots or slots * s.rows > rows:
-            if s.running:
-                break  # FCFS: nobody overtakes a prompt under way that does not fit
-            admitting = False  # ... nor a request that does not fit
+            if s.running or not past_held:
+                break  # FCFS: nobody overtakes a request that does not fit
+            admitting = False
             continue
         if slots and new_token_ratio > 0:
             own = expected_growth(s, s.pages + units, new_token_ratio, cfg)
             if (live or plan.admit) and units + cfg.slot_units + ahead + own > free_units:
-                admitting = False  # it fits now, but the running requests' expected growth would preempt someone
+                if not past_held:
+                    break  # it fits now, but the running requests' expected growth would preempt someone
+                admitting = False
                 continue
             ahead += own
         elif s.running and new_token_ratio > 0:

@@ -86,7 +86,7 @@ def reference():
 
 
 def test_routed_experts_are_the_full_forwards_whatever_computed_them(llm, reference):
-    """Waves of a shared-prefix batch with n = 2, sampled, on a small arena (preemptions), async scheduling and
+    """Two waves of a shared-prefix batch with n = 2, sampled, on a small arena (preemptions), async scheduling and
     n-gram drafts: every finished sequence's ids = the full forward's, position by position, including the
     positions a prefix-cache hit skipped, and verify rows whose drafts are all accepted; with the store emptied a
     hit is dropped, the ids still whole."""
@@ -99,7 +99,7 @@ def test_routed_experts_are_the_full_forwards_whatever_computed_them(llm, refere
     prompts.append(list(range(10, 40)) + [5] * 8)
     params.append(SP(temperature=0, logit_bias={5: 100.0}, max_tokens=40, ignore_eos=True))
     cached = 0
-    for wave in range(3):
+    for wave in range(2):
         for out in llm.generate(prompts, params):
             cached += out.num_cached_tokens
             for c in out.outputs:

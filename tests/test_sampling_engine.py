@@ -539,7 +539,7 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
 
     e = k3jax.LLM("tiny-k3", **{**KW, "logprobs_mode": "processed_logprobs", "async_scheduling": True,
                                 "speculative_config": {"num_speculative_tokens": 2, "adaptive": False}})
-    g = dict(max_tokens=12, ignore_eos=True, logprobs=3)
+    g = dict(max_tokens=8, ignore_eos=True, logprobs=3)
     cases = [SP(temperature=0, logit_bias={5: 4.0}, repetition_penalty=1.3, **g),
              SP(temperature=0.8, top_k=20, seed=3, **g),
              SP(temperature=0.3, top_p=0.7, min_p=0.02, seed=4, **g),
