@@ -67,6 +67,7 @@ from serve import prompt_embeds
 from serve.engine import EngineSleeping
 from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
+from serve.routed_experts import to_base64
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
@@ -194,6 +195,12 @@ class _GenerationFields(_Strict):
     use_beam_search: bool = Field(False, description="vLLM's: a beam search of width n; the choices are its n best "
                                                      "hypotheses, best first (sent when the search ends)")
     length_penalty: float = Field(1.0, description="beam search: scores are cumulative logprob / length ** this")
+    # SGLang extension (rollout routing replay)
+    return_routed_experts: bool = Field(
+        False, description="SGLang's: each choice's `sgl_ext.routed_experts` (once finished): base64 of the int32 "
+                           "logical expert ids [positions, MoE layers, experts per token] every position fed through "
+                           "the model was routed to (needs --enable-return-routed-experts)")
+    routed_experts_start_len: int = Field(0, ge=0, description="SGLang's: routed experts from this position on")
 
 
 class CompletionRequest(_GenerationFields):
@@ -811,6 +818,7 @@ class _Format:
         self.sent_text: dict[int, int] = {}  # characters of text streamed per choice
         self.finished: set[int] = set()
         self.run: Optional[_Run] = None  # the engine run it formats (set by _serve)
+        self.routes_from: Optional[int] = None  # return routed experts from this position (set by _serve)
 
     done_marker = True  # streams end with `data: [DONE]`
     chunk_object: str  # the `object` of its streamed chunks
@@ -845,12 +853,18 @@ class _Format:
                 continue
             if o.finish_reason is not None:
                 choice["stop_reason"] = o.stop_reason
+                self._add_ext(choice, o)  # (the finishing delta carries the whole sequence's routes)
                 self.finished.add(idx)
             chunk = {**self.head(self.chunk_object), "choices": [choice]}
             if usage_field:
                 chunk["usage"] = None
             chunks.append(chunk)
         return chunks
+
+    def _add_ext(self, choice: dict, o: CompletionOutput) -> None:
+        """SGLang's `sgl_ext` of a finished choice: its routed experts, when the request asked."""
+        if self.routes_from is not None and o.routed_experts is not None:
+            choice["sgl_ext"] = {"routed_experts": to_base64(o.routed_experts, self.routes_from)}
 
     def usage_chunk(self, run: _Run) -> dict:
         return {**self.head(self.chunk_object), "choices": [], "usage": run.usage()}
@@ -936,6 +950,7 @@ class _CompletionFormat(_Format):
                     choice["prompt_logprobs"] = self._prompt_field(out)
                 if self.token_ids:
                     choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(o.token_ids)
+                self._add_ext(choice, o)
                 choices.append(choice)
         return {**self.head("text_completion"), "choices": choices, "usage": run.usage()}
 
@@ -1054,6 +1069,7 @@ class _ChatFormat(_Format):
                                 "finish_reason": finish, "stop_reason": o.stop_reason})
                 if self.token_ids:
                     choices[-1]["token_ids"] = list(o.token_ids)
+                self._add_ext(choices[-1], o)
         out = {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
         if self.token_ids:
             out["prompt_token_ids"] = list(self.prompt_ids or [])
@@ -2017,6 +2033,14 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     if stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
     include_usage = bool(stream_options and stream_options.include_usage)
+    if getattr(body, "return_routed_experts", False):
+        if not st.routed_experts:
+            raise APIError(400, "return_routed_experts: this server was started without "
+                                "--enable-return-routed-experts", param="return_routed_experts")
+        if getattr(body, "use_beam_search", False):
+            raise APIError(400, "return_routed_experts: beam search hypotheses carry no routed experts",
+                           param="return_routed_experts")
+        fmt.routes_from = body.routed_experts_start_len
     continuous = include_usage and stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
     reserve = _check_context(st, prompts, params, param)
     beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None

@@ -154,7 +154,7 @@ def add_serve_arguments(s) -> None:
                         "8)); 1: one after another")
     e.add_argument("--enable-return-routed-experts", action="store_true", default=d["enable_return_routed_experts"],
                    help="vLLM's / SGLang's: record the experts every token was routed to (rollout routing replay); "
-                        "/generate returns them with return_routed_experts")
+                        "/generate, /v1/completions and /v1/chat/completions return them with return_routed_experts")
     e.add_argument("--scan-layers", action="store_true", default=d["scan_layers"],
                    help="run the model's repeating group of layers as one scan in every step program: start-up "
                         "compile time stops growing with depth (K3: 21 of 93 layers compiled per program), each step "

@@ -59,7 +59,7 @@ from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
-from serve.routed_experts import RoutesStore, SequenceRoutes
+from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
@@ -1024,7 +1024,7 @@ class Engine:
         units and the host tier could hold at once (what the prefix cache can hit)."""
         if config.routed_experts_cache_bytes is not None:
             return config.routed_experts_cache_bytes
-        per_token = n_moe * self.cfg.num_experts_per_token * (2 if self.cfg.num_experts <= 32767 else 4)
+        per_token = n_moe * self.cfg.num_experts_per_token * ids_dtype(self.cfg.num_experts).itemsize
         tokens = self.layout.num_units * self.layout.page_size // max(1, self.cfg.num_mla_layers)
         arena = max(1, self.layout.num_units * self.layout.unit_bytes)
         return int(tokens * (1 + config.host_cache_bytes / arena) * per_token)
@@ -1281,7 +1281,7 @@ class Engine:
                            embeds=embeds, beam=group)
             if self.config.enable_return_routed_experts and group is None:  # (beam hypotheses carry none)
                 seq.routes = SequenceRoutes(self.expert_counts.shape[0], self.cfg.num_experts_per_token,
-                                            np.int16 if self.cfg.num_experts <= 32767 else np.int32, len(ids) + 16)
+                                            ids_dtype(self.cfg.num_experts), len(ids) + 16)
             if adapter is not None:
                 adapter.requests.add(seq.rid)
             seqs.append(seq)

@@ -17,6 +17,7 @@ request computes its prompt), so a finished sequence's ids always cover every po
 
 from __future__ import annotations
 
+import base64
 from collections import OrderedDict
 from typing import Optional
 
@@ -25,6 +26,19 @@ import numpy as np
 from serve.prefix_cache import PrefixHasher
 
 KEY = b"R"  # the store's kind of prefix key
+
+
+def ids_dtype(num_experts: int) -> np.dtype:
+    """The ids' dtype: int16 while every expert id fits (half the bytes of int32 to read back and keep: K3's 896
+    experts fit), else int32. One rule for the step programs' outputs and the engine's host copies."""
+    return np.dtype(np.int16 if num_experts <= np.iinfo(np.int16).max else np.int32)
+
+
+def to_base64(routes: np.ndarray, start: int = 0) -> str:
+    """SGLang's wire form of a sequence's routed experts (`/generate`'s `meta_info.routed_experts`, the OpenAI
+    routes' `sgl_ext.routed_experts`): the int32 ids [positions from `start`, MoE layers, experts per token],
+    little-endian, flattened in that order, base64."""
+    return base64.b64encode(np.ascontiguousarray(routes[start:], "<i4").tobytes()).decode("ascii")
 
 
 class RoutesStore:

@@ -24,16 +24,15 @@ Logprob entries are `[logprob, token_id, text or null]`. Streams send the whole 
 
 from __future__ import annotations
 
-import base64
 import time
 import uuid
 from typing import Any, Optional, Union
 
-import numpy as np
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field
 
 from serve import api, prompt_embeds
+from serve.routed_experts import to_base64
 from serve.types import RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
 # the engine's (vLLM's) names of SGLang's fields, for error messages
@@ -213,7 +212,7 @@ class GenerateFormat(api._Format):
                 if self.body.top_logprobs_num:
                     meta["input_top_logprobs"] = [t if k else None for k, (_, t) in zip(range(start, prompt_len), rows)]
         if self.body.return_routed_experts and o.routed_experts is not None:  # once finished
-            meta["routed_experts"] = routed_experts_b64(o.routed_experts, self.body.routed_experts_start_len)
+            meta["routed_experts"] = to_base64(o.routed_experts, self.body.routed_experts_start_len)
         return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
 
     def _token(self, tid: int) -> Optional[str]:
@@ -256,9 +255,6 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
         raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",
                            param="logprob_start_len")
-    if body.return_routed_experts and not st.routed_experts:
-        raise api.APIError(400, "return_routed_experts: this server was started without "
-                                "--enable-return-routed-experts", param="return_routed_experts")
     rid = body.rid or f"gen-{uuid.uuid4().hex}"
     run_id = rid if body.rid is None else f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's rid may repeat
     fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival)
@@ -268,12 +264,6 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
         if e.status == 400 and e.param in _NAMES:
             raise _error(RequestError(e.message)) from None
         raise
-
-
-def routed_experts_b64(routes, start: int = 0) -> str:
-    """SGLang's encoding of a sequence's routed experts: the int32 ids [positions from `start`, MoE layers,
-    experts per token], little-endian, flattened in that order, base64."""
-    return base64.b64encode(np.ascontiguousarray(routes[start:], "<i4").tobytes()).decode("ascii")
 
 
 def model_info(st: "api.ServerState") -> dict:

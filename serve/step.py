@@ -39,6 +39,7 @@ from serve.memory import (ArenaLayout, gather_states, read_conv, read_layer_stat
                           update_states_in_place, write_layer_states)
 from serve.sampling import (PromptLogprobs, SampleResult, SamplingBatch, no_prompt_logprobs, prompt_logprobs,
                             sample)
+from serve.routed_experts import ids_dtype
 from serve.speculative import accepted_lengths
 from serve.state_split import StateSplit, on_ranks
 
@@ -725,9 +726,8 @@ def token_history(token_pages: jax.Array, page_table: jax.Array) -> tuple[jax.Ar
 
 
 def routed_ids(routed: list, b: int, t: int, num_experts: int) -> jax.Array:
-    """Per-layer routed ids [B*T, k] -> [B, T, L_moe, k], int16 while the ids fit (a quarter of the bytes to read
-    back at K3's 896 experts than int32)."""
-    dtype = jnp.int16 if num_experts <= jnp.iinfo(jnp.int16).max else jnp.int32
+    """Per-layer routed ids [B*T, k] -> [B, T, L_moe, k] in `routed_experts.ids_dtype` (int16 while they fit)."""
+    dtype = ids_dtype(num_experts)
     if not routed:
         return jnp.zeros((b, t, 0, 0), dtype)
     return jnp.stack(routed, axis=1).reshape(b, t, len(routed), -1).astype(dtype)

@@ -319,10 +319,12 @@ def test_completion_prompt_embeds(client, http, limited):
     assert got.status_code == 400 and "--enable-prompt-embeds" in got.json()["error"]["message"]
 
 
-def test_sglang_generate_returns_routed_experts(http, limited):
-    """/generate's `return_routed_experts` (the server started with --enable-return-routed-experts): base64 of
-    the int32 ids [positions, MoE layers, k] of the finished sequence, = a full forward's; from
-    `routed_experts_start_len`; in the last streamed object only; 400 naming the field where it is off."""
+def test_routed_experts_over_generate_completions_and_chat(http, limited):
+    """`return_routed_experts` (the server started with --enable-return-routed-experts): base64 of the int32 ids
+    [positions, MoE layers, k] of each finished sequence, = a full forward's. /generate: `meta_info.routed_experts`;
+    /v1/completions and /v1/chat/completions: each finished choice's `sgl_ext.routed_experts` (SGLang's); from
+    `routed_experts_start_len`; streamed, in the finishing object or chunk only; 400 naming the field where it is
+    off or with beam search."""
     import base64
 
     import jax.numpy as jnp
@@ -333,32 +335,71 @@ def test_sglang_generate_returns_routed_experts(http, limited):
 
     model = load_model(MODEL)
     cfg = model.cfg
+    m = nnx.merge(model.graphdef, model.params)
+    layers = sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
+
+    def decode(b64):
+        return np.frombuffer(base64.b64decode(b64), "<i4").reshape(-1, layers, cfg.num_experts_per_token)
+
+    def forward(seq):  # every position but the last, through a full forward: [T - 1, layers, k]
+        trace = []
+        ids = jnp.asarray([seq[:-1]], jnp.int32)
+        m.run(ids, FreshView(cfg, ids.shape[1]), jnp.asarray([ids.shape[1]]), False, trace=trace)
+        return np.stack([np.asarray(t) for t in trace], 1)
+
+    prompt = [72, 105, 33, 7]
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}
-    r = http.post("/generate", json={"input_ids": [72, 105, 33, 7], "sampling_params": sp,
-                                     "return_routed_experts": True})
+    r = http.post("/generate", json={"input_ids": prompt, "sampling_params": sp, "return_routed_experts": True})
     assert r.status_code == 200, r.text
     g = r.json()
-    layers = sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
-    got = np.frombuffer(base64.b64decode(g["meta_info"]["routed_experts"]), "<i4").reshape(
-        -1, layers, cfg.num_experts_per_token)
-    seq = [72, 105, 33, 7] + g["output_ids"]
-    trace = []
-    m = nnx.merge(model.graphdef, model.params)
-    ids = jnp.asarray([seq[:-1]], jnp.int32)
-    m.run(ids, FreshView(cfg, ids.shape[1]), jnp.asarray([ids.shape[1]]), False, trace=trace)
-    np.testing.assert_array_equal(got, np.stack([np.asarray(t) for t in trace], 1))
-    tail = http.post("/generate", json={"input_ids": [72, 105, 33, 7], "sampling_params": sp,
+    got = decode(g["meta_info"]["routed_experts"])
+    np.testing.assert_array_equal(got, forward(prompt + g["output_ids"]))
+    tail = http.post("/generate", json={"input_ids": prompt, "sampling_params": sp,
                                         "return_routed_experts": True, "routed_experts_start_len": 3}).json()
     assert base64.b64decode(tail["meta_info"]["routed_experts"]) == got[3:].tobytes()
     assert "routed_experts" not in http.post("/generate", json={"input_ids": [72, 105], "sampling_params": sp}
                                              ).json()["meta_info"]
-    body = {"input_ids": [72, 105, 33, 7], "stream": True, "sampling_params": sp, "return_routed_experts": True}
+    body = {"input_ids": prompt, "stream": True, "sampling_params": sp, "return_routed_experts": True}
     with http.stream("POST", "/generate", json=body) as s:
         chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
     assert [("routed_experts" in c["meta_info"]) for c in chunks] == [False] * (len(chunks) - 1) + [True]
     assert chunks[-1]["meta_info"]["routed_experts"] == g["meta_info"]["routed_experts"]
-    off = _post(limited, "k-open", {"input_ids": [72, 105], "return_routed_experts": True}, "/generate")
-    assert off.status_code == 400 and off.json()["error"]["param"] == "return_routed_experts"
+
+    # completions: the same greedy sequence (same ids); n = 2 sampled choices, each its own sequence's ids
+    c = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0, "ignore_eos": True,
+                                           "return_routed_experts": True, "routed_experts_start_len": 2}).json()
+    np.testing.assert_array_equal(decode(c["choices"][0]["sgl_ext"]["routed_experts"]), got[2:])
+    c = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 6, "temperature": 1.0, "seed": 3, "n": 2,
+                                           "return_token_ids": True, "return_routed_experts": True}).json()
+    for ch in c["choices"]:
+        np.testing.assert_array_equal(decode(ch["sgl_ext"]["routed_experts"]), forward(prompt + ch["token_ids"]))
+    assert "sgl_ext" not in http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 2}).json()["choices"][0]
+    with http.stream("POST", "/v1/completions", json={"prompt": prompt, "max_tokens": 5, "temperature": 0,
+                                                      "ignore_eos": True, "stream": True,
+                                                      "return_routed_experts": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [("sgl_ext" in ch["choices"][0]) for ch in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"][0]["sgl_ext"]["routed_experts"] == g["meta_info"]["routed_experts"]
+
+    # chat: the rendered prompt and the answer, full and streamed
+    msgs = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "return_routed_experts": True}
+    ch = http.post("/v1/chat/completions", json=msgs).json()
+    want = forward(ch["prompt_token_ids"] + ch["choices"][0]["token_ids"])
+    np.testing.assert_array_equal(decode(ch["choices"][0]["sgl_ext"]["routed_experts"]), want)
+    with http.stream("POST", "/v1/chat/completions", json={**msgs, "stream": True}) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    ext = [ch["choices"][0]["sgl_ext"] for ch in chunks if ch["choices"] and "sgl_ext" in ch["choices"][0]]
+    assert len(ext) == 1 and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    np.testing.assert_array_equal(decode(ext[0]["routed_experts"]), want)
+
+    beam = http.post("/v1/completions", json={"prompt": prompt, "max_tokens": 3, "n": 2, "use_beam_search": True,
+                                              "return_routed_experts": True})
+    assert beam.status_code == 400 and beam.json()["error"]["param"] == "return_routed_experts"
+    for route, extra in (("/generate", {"input_ids": [72, 105]}), ("/v1/completions", {"prompt": [72, 105]})):
+        off = _post(limited, "k-open", {**extra, "return_routed_experts": True}, route)
+        assert off.status_code == 400 and off.json()["error"]["param"] == "return_routed_experts", route
 
 
 def test_sglang_generate_matches_the_completions_api(http):
