@@ -5,6 +5,7 @@ full forward; and prompt logprobs (serve/sampling.py `prompt_logprobs`) against 
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import jax
@@ -485,8 +486,6 @@ def test_llm_uses_the_models_default_sampling_and_reports_progress(llm, forward_
 def test_detokenize_false_gives_the_same_ids_without_text(llm):
     """vLLM's `detokenize=False`: the same tokens and logprobs, no text (output or logprob tokens); stop strings,
     which match the text, are refused, stop token ids still stop."""
-    import dataclasses
-
     p = SP(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
     with_text = llm.generate([PROMPT[:20], "The quick"], p)
     ids_only = llm.generate([PROMPT[:20], "The quick"], dataclasses.replace(p, detokenize=False))
@@ -566,6 +565,10 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
         assert all(differs) if sampled or p.repetition_penalty != 1 else not any(differs)
     np.testing.assert_allclose([c.logprob for c, _ in got[3].prompt_logprobs[1:]],
                                [c.logprob for c, _ in raw[3].prompt_logprobs[1:]], rtol=1e-5, atol=1e-5)
+    from serve.beam_search import BeamSearchParams
+    from serve.engine import Engine
+
+    logits = Engine(llm.engine.model, dataclasses.replace(llm.engine.config, logprobs_mode="raw_logits"),
+                    warmup=False, progress=False)  # (refused before anything compiles)
     with pytest.raises(RequestError, match="logprobs_mode"):
-        k3jax.LLM("tiny-k3", **{**KW, "logprobs_mode": "raw_logits"}).beam_search(
-            [PROMPT[:10]], __import__("serve.beam_search", fromlist=["x"]).BeamSearchParams(beam_width=1, max_tokens=2))
+        logits.add_request(PROMPT[:10], BeamSearchParams(beam_width=1, max_tokens=2))
