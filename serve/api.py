@@ -300,6 +300,24 @@ class UpdateWeightsRequest(_Strict):
     model_path: str
 
 
+class MemoryOccupationRequest(_Strict):
+    """SGLang's /release_memory_occupation and /resume_memory_occupation body."""
+    tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = Field(
+        None, description="the parts to release or take back (default all; cuda_graph: nothing to do here)")
+
+
+class PauseGenerationRequest(_Strict):
+    mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+def _memory_tags(body: Optional[MemoryOccupationRequest]) -> Optional[list[str]]:
+    """The engine's tags of an SGLang memory request: None for all; "cuda_graph" dropped (compiled programs
+    stay where they are)."""
+    if body is None or not body.tags:
+        return None
+    return sorted({t for t in body.tags if t != "cuda_graph"}) or []
+
+
 class AbortRequestBody(_Strict):
     """SGLang's /abort_request body."""
     rid: Optional[str] = Field(None, min_length=1, description="the request's id: its response id (cmpl-..., "
@@ -1242,7 +1260,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                enable_request_id_headers: bool = False, allowed_origins: Optional[list[str]] = None,
                allowed_methods: tuple[str, ...] = ("*",), allowed_headers: tuple[str, ...] = ("*",),
                allow_credentials: bool = False, request_log: Optional[Callable[[str], None]] = None,
-               profiler_dir: Optional[str] = None, model_path: Optional[str] = None) -> FastAPI:
+               profiler_dir: Optional[str] = None, model_path: Optional[str] = None,
+               weights_cpu_backup: bool = False) -> FastAPI:
     """The OpenAI-compatible app.
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
@@ -1255,8 +1274,12 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
       False returns the raw XTML text as `content`.
     max_stored_responses: Responses API objects kept in memory for `previous_response_id` (0: none).
     enable_sleep_mode: serve POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's), POST
-      /update_weights_from_disk (SGLang's) and POST /pause, POST /resume, GET /is_paused (vLLM's): what an RL
-      loop sharing the device with training, or swapping in new policy weights, calls.
+      /update_weights_from_disk (SGLang's) and POST /pause, POST /resume, GET /is_paused (vLLM's), and SGLang's
+      names for the same: /release_memory_occupation, /resume_memory_occupation, /pause_generation,
+      /continue_generation: what an RL loop sharing the device with training, or swapping in new policy
+      weights, calls.
+    weights_cpu_backup: /release_memory_occupation keeps the weights in host memory (SGLang's
+      --enable-weights-cpu-backup; without it they are discarded: load new ones before generating again).
     allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
       they read adapter directories from the server's disk, so they are off by default).
     return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's).
@@ -1579,15 +1602,44 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             while requests are in flight."""
             if level not in (1, 2):
                 raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+            await release(level, None, "level")
+            return {"is_sleeping": True, "level": level}
+
+        async def release(level: int, tags: Optional[list[str]], param: str) -> None:
             if st.requests_in_flight:
-                raise APIError(400, f"{st.requests_in_flight} requests in flight; sleep when idle", param="level")
+                raise APIError(400, f"{st.requests_in_flight} requests in flight; sleep when idle", param=param)
             st.sleeping = True  # before the engine call: no request is admitted while it runs
             try:
-                await st.engine.sleep(level)
-            except RuntimeError as e:
+                await st.engine.sleep(level, tags)
+            except (RuntimeError, ValueError) as e:
                 st.sleeping = await st.engine.is_sleeping()
-                raise APIError(400, str(e), param="level") from None
-            return {"is_sleeping": True, "level": level}
+                raise APIError(400, str(e), param=param) from None
+
+        async def release_memory_occupation(body: Optional[MemoryOccupationRequest] = None,
+                                            key: str = Depends(authenticate), _r: None = Depends(ready)):
+            """SGLang's sleep: release the `tags` ("weights", "kv_cache"; SGLang's "cuda_graph" is accepted: the
+            compiled programs stay, nothing to release; default all). The weights are discarded (load new ones
+            with /update_weights_from_disk) unless the server keeps a host copy (--enable-weights-cpu-backup)."""
+            tags = _memory_tags(body)
+            if tags != []:  # (only cuda_graph: nothing to release)
+                await release(1 if weights_cpu_backup else 2, tags, "tags")
+            return {"success": True, "released": ["weights", "kv_cache"] if tags is None else tags,
+                    "is_sleeping": st.sleeping}
+
+        async def resume_memory_occupation(body: Optional[MemoryOccupationRequest] = None,
+                                           key: str = Depends(authenticate), _r: None = Depends(ready)):
+            """SGLang's wake-up: take back the `tags` (default all)."""
+            tags = _memory_tags(body)
+            try:
+                if tags != []:
+                    st.sleeping = await st.engine.wake_up(tags)
+            except ValueError as e:
+                raise APIError(400, str(e), param="tags") from None
+            return {"success": True, "is_sleeping": st.sleeping}
+
+        for path, route in (("/release_memory_occupation", release_memory_occupation),
+                            ("/resume_memory_occupation", resume_memory_occupation)):
+            app.add_api_route(path, route, methods=["GET", "POST"], responses=_ERRORS)
 
         @app.post("/wake_up", responses=_ERRORS)
         async def wake_up(tags: Optional[list[str]] = Query(None), key: str = Depends(authenticate),
@@ -1651,6 +1703,27 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             """End a pause: the requests that waited go on."""
             st.resume()
             return {"status": "resumed"}
+
+        @app.post("/pause_generation", responses=_ERRORS)
+        async def pause_generation(body: Optional[PauseGenerationRequest] = None, key: str = Depends(authenticate),
+                                   _r: None = Depends(ready)):
+            """SGLang's pause: `mode` "abort" (default) aborts the requests in flight and holds new ones until
+            /continue_generation; the prefix cache is kept (/flush_cache, or a weight update, clears it)."""
+            mode = body.mode if body is not None else "abort"
+            if mode != "abort":
+                raise APIError(400, f"mode={mode!r} (requests kept mid-generation and resumed under the new weights) "
+                                    f"is not available: k3jax swaps weights only between requests; use abort",
+                               param="mode")
+            st.pause()
+            await st.engine.abort_all()
+            await st.drained()
+            return {"message": "Generation paused successfully.", "status": "ok"}
+
+        @app.post("/continue_generation", responses=_ERRORS)
+        async def continue_generation(key: str = Depends(authenticate)):
+            """SGLang's end of a pause."""
+            st.resume()
+            return {"message": "Generation continued successfully.", "status": "ok"}
 
         @app.get("/is_paused", responses=_ERRORS)
         async def is_paused(key: str = Depends(authenticate)):

@@ -108,9 +108,9 @@ class AsyncEngine:
         """`Engine.reset_prefix_cache` on the engine thread."""
         return await self.call(lambda engine: engine.reset_prefix_cache())
 
-    async def sleep(self, level: int = 1) -> None:
-        """`Engine.sleep` on the engine thread (vLLM's sleep mode)."""
-        await self.call(lambda engine: engine.sleep(level))
+    async def sleep(self, level: int = 1, tags=None) -> None:
+        """`Engine.sleep` on the engine thread (vLLM's sleep mode; `tags`: the parts to release)."""
+        await self.call(lambda engine: engine.sleep(level, tags))
 
     async def wake_up(self, tags=None) -> bool:
         """`Engine.wake_up` on the engine thread -> whether the engine is still sleeping."""

@@ -42,6 +42,7 @@ DEFAULTS = dict(
     enable_return_routed_experts=False,
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
+    enable_weights_cpu_backup=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
     lora_target_modules=None, max_cpu_loras=None, tensor_parallel_size=None, data_parallel_size=1, data_parallel_routing="cache_aware",
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
@@ -208,10 +209,15 @@ def add_serve_arguments(s) -> None:
                         f"bf16, 19 KiB as base64)")
     a.add_argument("--max-stored-responses", type=int, default=d["max_stored_responses"],
                    help="Responses API objects kept in memory for previous_response_id (0: none)")
-    a.add_argument("--enable-sleep-mode", action="store_true",
+    a.add_argument("--enable-sleep-mode", "--enable-memory-saver", action="store_true",
                    help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's), POST /update_weights_from_disk "
-                        "(SGLang's) and POST /pause, /resume, GET /is_paused (vLLM's): release and reload the device "
+                        "(SGLang's) and POST /pause, /resume, GET /is_paused (vLLM's), and SGLang's "
+                        "/release_memory_occupation, /resume_memory_occupation, /pause_generation, "
+                        "/continue_generation (--enable-memory-saver is SGLang's name): release and reload the device "
                         "memory around training steps of an RL loop, hold new requests while weights change")
+    a.add_argument("--enable-weights-cpu-backup", action="store_true",
+                   help="SGLang's: /release_memory_occupation keeps a host copy of the weights (default: discarded, "
+                        "load new ones before generating again)")
     a.add_argument("--enable-request-id-headers", action="store_true",
                    help="every response carries an X-Request-Id header: the request's, else a fresh id (vLLM's)")
     a.add_argument("--return-tokens-as-token-ids", action="store_true",
@@ -611,6 +617,7 @@ def serve_main(args) -> int:
                      enable_request_id_headers=bool(o.get("enable_request_id_headers")),
                      max_stored_responses=o.get("max_stored_responses", DEFAULTS["max_stored_responses"]),
                      enable_sleep_mode=bool(o.get("enable_sleep_mode")),
+                     weights_cpu_backup=bool(o.get("enable_weights_cpu_backup")),
                      allow_runtime_lora_updating=bool(o.get("allow_runtime_lora_updating")),
                      request_log=_say if o.get("enable_log_requests") else None,
                      profiler_dir=o.get("profiler_dir"), model_path=o["model"], **cors_options(o))

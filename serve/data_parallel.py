@@ -351,8 +351,8 @@ class DataParallelEngine:
         self._all(lambda e: e.update_weights_from_disk(path))  # each replica reads into its own devices
         self.router.forget()
 
-    def sleep(self, level: int = 1) -> None:
-        self._all(lambda e: e.sleep(level))
+    def sleep(self, level: int = 1, tags=None) -> None:
+        self._all(lambda e: e.sleep(level, tags))
         self.router.forget()
 
     def wake_up(self, tags=None) -> None:
@@ -441,8 +441,8 @@ class DataParallelAsyncEngine:
         self.router.forget()
         return done
 
-    async def sleep(self, level: int = 1) -> None:
-        await asyncio.gather(*(a.sleep(level) for a in self.replicas))
+    async def sleep(self, level: int = 1, tags=None) -> None:
+        await asyncio.gather(*(a.sleep(level, tags) for a in self.replicas))
         self.router.forget()
 
     async def wake_up(self, tags=None) -> bool:

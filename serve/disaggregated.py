@@ -148,8 +148,8 @@ class DisaggregatedAsyncEngine:
     async def reset_prefix_cache(self) -> bool:
         return all(await asyncio.gather(self.prefill.reset_prefix_cache(), self.decode.reset_prefix_cache()))
 
-    async def sleep(self, level: int = 1) -> None:
-        await asyncio.gather(self.prefill.sleep(level), self.decode.sleep(level))
+    async def sleep(self, level: int = 1, tags=None) -> None:
+        await asyncio.gather(self.prefill.sleep(level, tags), self.decode.sleep(level, tags))
 
     async def wake_up(self, tags=None) -> bool:
         return any(await asyncio.gather(self.prefill.wake_up(tags), self.decode.wake_up(tags)))

@@ -101,6 +101,19 @@ class StepFailed(RuntimeError):
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer_config["kv_role"]
 
 
+MEMORY_TAGS = ("weights", "kv_cache")  # what sleep releases and wake_up takes back (vLLM's / SGLang's tags)
+
+
+def _memory_tags(what: str, tags: Optional[list[str]]) -> frozenset:
+    """`tags` as a set of `MEMORY_TAGS` (None or empty: both), else a ValueError naming the unknown ones."""
+    if not tags:
+        return frozenset(MEMORY_TAGS)
+    bad = sorted(set(tags) - set(MEMORY_TAGS))
+    if bad:
+        raise ValueError(f"{what}: tags must be 'weights' and / or 'kv_cache', got {bad}")
+    return frozenset(tags)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     max_model_len: int = 1024
@@ -1075,8 +1088,9 @@ class Engine:
                     rows = batch.reshape(-1, 1 + self.eplb.placement.shape[1])
                     self._move_experts({int(r[0]): r[1:].copy() for r in rows}, {})
                     continue
-                if cmd == SLEEP:
-                    self._release_device_memory(int(batch[0]))
+                if cmd == SLEEP:  # (level, weights?, kv_cache?)
+                    self._release_device_memory(int(batch[0]), frozenset(
+                        t for t, on in zip(("weights", "kv_cache"), batch[1:3]) if on))
                     continue
                 if cmd == WAKE:
                     self._take_back_device_memory({t for t, on in zip(("weights", "kv_cache"), batch) if on})
@@ -1670,37 +1684,41 @@ class Engine:
             raise EngineSleeping(f"{what}: sleep(level=2) discarded the weights; load new ones with "
                                  f"update_weights() first")
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, tags: Optional[list[str]] = None) -> None:
         """vLLM's sleep mode, for RL loops that share the device between training and generation: release
         the device memory the engine holds (the arena, and its references to the weights: weights the
         caller's `Model` also holds stay until the caller drops it; `LLM.sleep` does). Level 1 copies the
-        weights to host memory and frees them and the cache arena; level 2 discards the weights too (load new ones with `update_weights`, asleep or
-        after `wake_up(["weights"])`). Cached prefixes are forgotten (both tiers). The compiled programs
-        stay: `wake_up` needs no compile. Requests must not be in flight. On a multi-process mesh every
-        process releases its own devices' memory (level 1: each keeps its own shards in host memory)."""
+        weights to host memory and frees them and the cache arena; level 2 discards the weights too (load new
+        ones with `update_weights`, asleep or after `wake_up(["weights"])`). `tags` ("weights", "kv_cache";
+        default both; SGLang's `release_memory_occupation`) releases only those parts. Cached prefixes are
+        forgotten (both tiers) whatever is released. The compiled programs stay: `wake_up` needs no compile.
+        Requests must not be in flight. On a multi-process mesh every process releases its own devices'
+        memory (level 1: each keeps its own shards in host memory)."""
         self._leader_only("sleep")
         if level not in (1, 2):
             raise ValueError(f"sleep: level must be 1 (weights to host memory) or 2 (weights discarded), got {level!r}")
+        tags = _memory_tags("sleep", tags)
         self._check_idle("sleep")
         self._forget_cached("sleep")
         assert self.allocator.free_units == self.allocator.baseline_free_units
         if self.channel is not None:
-            self.channel.command(SLEEP, np.asarray([level], np.int32))
-        self._release_device_memory(level)
+            self.channel.command(SLEEP, np.asarray([level, "weights" in tags, "kv_cache" in tags], np.int32))
+        self._release_device_memory(level, tags)
         self.counters["sleeps"] += 1
 
-    def _release_device_memory(self, level: int) -> None:
-        """(every process) Sleep's device side: weights to host memory (level 1) or dropped, the arena freed."""
-        if self._leaves is not None:
+    def _release_device_memory(self, level: int, tags: frozenset = frozenset({"weights", "kv_cache"})) -> None:
+        """(every process) Sleep's device side: weights to host memory (level 1) or dropped, the arena freed
+        (each where `tags` names it)."""
+        if self._leaves is not None and "weights" in tags:
             if level == 1 and not self._weights_stale:
                 self._host_leaves = [HostCopy.of(x) for x in self._leaves]
             # dropped, not deleted: leaves the caller's Model shares (those no start-up transform copied)
             # stay with it; what only the engine held is freed (LLM drops its Model too)
             self._leaves = None
             self.model = dataclasses.replace(self.model, params=None)
-        if level == 2:
+        if level == 2 and "weights" in tags:
             self._host_leaves = None
-        if self.arena is not None:
+        if self.arena is not None and "kv_cache" in tags:
             self.arena.delete()
             self.token_pages.delete()
             self.page_tables.array.delete()  # made again with the arena
@@ -1712,9 +1730,7 @@ class Engine:
         Weights come back from host memory (level 1) or, after level 2, as zeros to be overwritten by
         `update_weights` before any request; the arena comes back empty."""
         self._leader_only("wake_up")
-        tags = {"weights", "kv_cache"} if tags is None else set(tags)
-        if not tags <= {"weights", "kv_cache"}:
-            raise ValueError(f"wake_up: tags must be 'weights' and / or 'kv_cache', got {sorted(tags)}")
+        tags = _memory_tags("wake_up", tags)
         if self.channel is not None:
             self.channel.command(WAKE, np.asarray(["weights" in tags, "kv_cache" in tags], np.int32))
         self._take_back_device_memory(tags)

@@ -180,11 +180,13 @@ class LLM:
         self.engine.update_weights(model)
         self.model = model
 
-    def sleep(self, level: int = 1) -> None:
+    def sleep(self, level: int = 1, tags: Optional[list[str]] = None) -> None:
         """Release the device memory of the weights and the cache (vLLM's sleep mode; see `Engine.sleep`):
-        level 1 keeps the weights in host memory, level 2 discards them (`update_weights` loads new ones)."""
-        self.engine.sleep(level)
-        self.model = None  # the engine's host copy (level 1) is the only one left
+        level 1 keeps the weights in host memory, level 2 discards them (`update_weights` loads new ones);
+        `tags` ("weights", "kv_cache"; default both) releases only those."""
+        self.engine.sleep(level, tags)
+        if self.engine.model.params is None:
+            self.model = None  # the engine's host copy (level 1) is the only one left
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Take back the weights and / or the cache (`tags`: "weights", "kv_cache"; default both)."""

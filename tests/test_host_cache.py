@@ -386,11 +386,28 @@ def test_sleep_releases_device_memory_and_wake_up_answers_the_same(engines):
     assert on.is_sleeping
     on.wake_up(["kv_cache"])
     assert not on.is_sleeping and [logprobs(o) for o in generate_all(on, PROMPTS)] == before
+    # one part at a time (SGLang's release tags): the cache alone (the weights stay on the device), then the
+    # weights alone at level 2 (the arena stays; new weights wake the engine)
+    kept = [x.unsafe_buffer_pointer() for x in on._leaves]
+    on.sleep(1, ["kv_cache"])
+    assert on.arena is None and [x.unsafe_buffer_pointer() for x in on._leaves] == kept
+    with pytest.raises(EngineSleeping, match=r"\(kv_cache released"):
+        on.add_request(PROMPTS[0])
+    on.wake_up(["kv_cache"])
+    assert not on.is_sleeping and [logprobs(o) for o in generate_all(on, PROMPTS)] == before
+    on.sleep(2, ["weights"])
+    assert on._leaves is None and on.arena is not None
+    with pytest.raises(EngineSleeping, match=r"\(weights released"):
+        on.add_request(PROMPTS[0])
+    on.update_weights(weights)
+    assert not on.is_sleeping and [logprobs(o) for o in generate_all(on, PROMPTS)] == before
     with pytest.raises(ValueError, match="level"):
         on.sleep(3)
     with pytest.raises(ValueError, match="tags"):
         on.wake_up(["kv"])
-    assert on.stats()["compiles_after_warmup"] == 0 and on.stats()["sleeps"] == sleeps + 3
+    with pytest.raises(ValueError, match=r"tags.*'cuda_graph'"):
+        on.sleep(1, ["weights", "cuda_graph"])
+    assert on.stats()["compiles_after_warmup"] == 0 and on.stats()["sleeps"] == sleeps + 5
     settled(on)
 
 
@@ -446,6 +463,78 @@ def test_sleep_endpoints(engines, tmp_path):
     assert on.stats()["compiles_after_warmup"] == 0
     plain = create_app(None, "m")  # without enable_sleep_mode the routes do not exist
     assert "/sleep" not in {r.path for r in plain.routes}
+
+
+def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
+    """SGLang's names for the weight-sync routes (served with enable_sleep_mode): /release_memory_occupation and
+    /resume_memory_occupation by `tags` (one part or all; "cuda_graph" accepted, nothing to do), the weights
+    discarded unless the server keeps a host copy (weights_cpu_backup), /pause_generation (abort mode: the
+    running request ends, new ones wait) and /continue_generation; the answers afterwards are the same."""
+    import asyncio
+
+    import httpx
+
+    from serve.api import create_app
+
+    on, aeng, app = _weight_sync_app(engines, tmp_path)
+    backup = create_app(aeng, "tiny-k3", enable_sleep_mode=True, weights_cpu_backup=True)
+    body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    long = dict(prompt=PROMPTS[1], max_tokens=300, temperature=0, ignore_eos=True)
+
+    async def answer(c):
+        r = await c.post("/v1/completions", json=body)
+        return r.json()["choices"][0] if r.status_code == 200 else r.status_code
+
+    async def go():
+        t = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=t, base_url="http://t", timeout=120) as c, \
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=backup), base_url="http://t", timeout=120) as b:
+            first = await answer(c)
+            r = (await c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})).json()
+            assert r == {"success": True, "released": ["kv_cache"], "is_sleeping": True}
+            assert on.arena is None and on._leaves is not None and await answer(c) == 503
+            r = (await c.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]})).json()
+            assert r == {"success": True, "is_sleeping": False} and await answer(c) == first
+            # all parts, no body (SGLang's default): the weights are discarded -> loaded from disk
+            assert (await c.post("/release_memory_occupation")).json()["released"] == ["weights", "kv_cache"]
+            assert on.stats()["sleep_level"] == 2
+            assert (await c.post("/resume_memory_occupation", json={"tags": ["weights"]})).json()["is_sleeping"]
+            assert await answer(c) == 503
+            assert (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()["success"]
+            assert not (await c.get("/resume_memory_occupation")).json()["is_sleeping"]  # (GET, as SGLang's)
+            assert await answer(c) == first
+            # with a host copy of the weights: all released and taken back, no reload
+            assert (await b.post("/release_memory_occupation", json={})).json()["success"]
+            assert on.stats()["sleep_level"] == 1
+            assert not (await b.post("/resume_memory_occupation", json={})).json()["is_sleeping"]
+            assert await answer(b) == first
+            r = (await c.post("/release_memory_occupation", json={"tags": ["cuda_graph"]})).json()
+            assert r["released"] == [] and not r["is_sleeping"]
+            r = await c.post("/release_memory_occupation", json={"tags": ["nope"]})
+            assert r.status_code == 400 and "tags" in r.json()["error"]["message"], r.text
+
+            running = asyncio.ensure_future(c.post("/v1/completions", json=long))
+            while not on.stats()["num_requests_running"]:
+                await asyncio.sleep(0.01)
+            r = (await c.post("/pause_generation", json={"mode": "abort"})).json()
+            assert r == {"message": "Generation paused successfully.", "status": "ok"}
+            assert (await running).json()["choices"][0]["finish_reason"] == "abort"
+            held = asyncio.ensure_future(answer(c))
+            await asyncio.sleep(0.3)
+            assert not held.done() and on.stats()["num_requests_waiting"] == 0
+            r = await c.post("/pause_generation", json={"mode": "retract"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
+            assert (await c.post("/continue_generation")).json()["status"] == "ok"
+            assert await held == first
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+    plain = create_app(None, "m")
+    assert not {"/release_memory_occupation", "/pause_generation"} & {r.path for r in plain.routes}
 
 
 def test_pause_endpoints(engines, tmp_path):

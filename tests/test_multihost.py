@@ -226,7 +226,9 @@ _ASYNC = textwrap.dedent("""
     c = dict(eng.counters)
     again = []
     if form == "tp":
-        eng.sleep(1)
+        eng.sleep(1, ["kv_cache"])  # the cache alone, then the weights alone: every process releases the same part
+        eng.wake_up()
+        eng.sleep(1, ["weights"])
         eng.wake_up()
         again.append(run()[0])  # the weights each process kept of its own shards
         eng.sleep(2)
