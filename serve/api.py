@@ -373,6 +373,8 @@ class ServerState:
         # POST /pause: new generation requests wait (not admitted, so not in flight) until POST /resume
         self.paused = False
         self.requests_held = 0  # waiting for /resume
+        # /pause_generation mode=retract: the engine holds the requests in flight without memory (weights may change)
+        self.retracted = False
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.error: Optional[str] = None
@@ -1606,7 +1608,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             return {"is_sleeping": True, "level": level}
 
         async def release(level: int, tags: Optional[list[str]], param: str) -> None:
-            if st.requests_in_flight:
+            if st.requests_in_flight and not st.retracted:
                 raise APIError(400, f"{st.requests_in_flight} requests in flight; sleep when idle", param=param)
             st.sleeping = True  # before the engine call: no request is admitted while it runs
             try:
@@ -1657,8 +1659,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             """SGLang's endpoint: load new weights of the served model from a local checkpoint directory
             (`model_path`) and swap them in (Engine.update_weights: same config and shapes, no compile, prefix
             cache cleared). Also how weights come back after /sleep?level=2. 400 while requests are in flight."""
-            if st.requests_in_flight:
-                raise APIError(400, f"{st.requests_in_flight} requests in flight; update when idle", param="model_path")
+            if st.requests_in_flight and not st.retracted:
+                raise APIError(400, f"{st.requests_in_flight} requests in flight; update when idle (or retract them: "
+                                    f"/pause_generation with mode retract)", param="model_path")
             path = body.model_path
             if not os.path.isdir(path):
                 raise APIError(400, f"model_path: {path!r} is not a checkpoint directory on the server", param="model_path")
@@ -1684,44 +1687,69 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             POST /resume. `mode=abort` (default) aborts the requests in flight (their answers end with
             finish_reason "abort", their cache is freed); `mode=wait` (or vLLM's older
             `wait_for_inflight_requests=true`) lets them finish. Answers once none is in flight, so
-            /update_weights_from_disk or /sleep may follow; `clear_cache` then forgets the prefix cache."""
+            /update_weights_from_disk or /sleep may follow; `clear_cache` then forgets the prefix cache.
+            `mode=keep` keeps the requests in flight open without their cache (`Engine.retract`): the weights may
+            change meanwhile and each recomputes its cache under the new ones on /resume (vLLM keeps the old
+            weights' cache instead)."""
             mode = "wait" if wait_for_inflight_requests else mode
-            if mode == "keep":
-                raise APIError(400, "mode=keep (requests frozen mid-generation, resumed under the new weights) is not "
-                                    "available: k3jax swaps weights only between requests; use abort or wait",
-                               param="mode")
-            if mode not in ("abort", "wait"):
-                raise APIError(400, f"mode must be 'abort' or 'wait', got {mode!r}", param="mode")
+            if mode not in ("abort", "wait", "keep"):
+                raise APIError(400, f"mode must be 'abort', 'wait' or 'keep', got {mode!r}", param="mode")
+            if mode == "keep" and not hasattr(st.engine, "retract"):
+                raise APIError(400, "mode=keep is not available with disaggregated prefill", param="mode")
             st.pause()
-            aborted = await st.engine.abort_all() if mode == "abort" else 0
-            await st.drained()
+            aborted = retracted = 0
+            if mode == "keep":
+                retracted = await st.engine.retract()
+                st.retracted = True
+            else:
+                aborted = await st.engine.abort_all() if mode == "abort" else 0
+                await st.drained()
             reset = bool(await st.engine.reset_prefix_cache()) if clear_cache else False
-            return {"status": "paused", "mode": mode, "aborted": aborted, "prefix_cache_reset": reset}
+            out = {"status": "paused", "mode": mode, "aborted": aborted, "prefix_cache_reset": reset}
+            return {**out, "retracted": retracted} if mode == "keep" else out
 
         @app.post("/resume", responses=_ERRORS)
         async def resume(key: str = Depends(authenticate)):
-            """End a pause: the requests that waited go on."""
+            """End a pause: the requests that waited go on (retracted ones recompute under the weights now served)."""
+            await unretract()
             st.resume()
             return {"status": "resumed"}
+
+        async def unretract() -> None:
+            if st.retracted:
+                try:
+                    await st.engine.continue_generation()
+                except EngineSleeping as e:
+                    raise APIError(400, f"the retracted requests cannot go on: {e}") from None
+                st.retracted = False
 
         @app.post("/pause_generation", responses=_ERRORS)
         async def pause_generation(body: Optional[PauseGenerationRequest] = None, key: str = Depends(authenticate),
                                    _r: None = Depends(ready)):
-            """SGLang's pause: `mode` "abort" (default) aborts the requests in flight and holds new ones until
-            /continue_generation; the prefix cache is kept (/flush_cache, or a weight update, clears it)."""
+            """SGLang's pause: new requests wait until /continue_generation. `mode` "abort" (default) aborts the
+            requests in flight; "retract" keeps them, freeing their cache (prompt and tokens so far kept), so the
+            weights may change (/update_weights_from_disk, /release_memory_occupation) and each recomputes its
+            cache under the new weights when generation continues (partial rollouts). The prefix cache is kept
+            (a weight update clears it)."""
             mode = body.mode if body is not None else "abort"
-            if mode != "abort":
-                raise APIError(400, f"mode={mode!r} (requests kept mid-generation and resumed under the new weights) "
-                                    f"is not available: k3jax swaps weights only between requests; use abort",
-                               param="mode")
+            if mode == "in_place":
+                raise APIError(400, "mode='in_place' (requests kept with their cache from the old weights) is not "
+                                    "available; 'retract' keeps them and recomputes their cache", param="mode")
+            if mode == "retract" and not hasattr(st.engine, "retract"):
+                raise APIError(400, "mode='retract' is not available with disaggregated prefill", param="mode")
             st.pause()
-            await st.engine.abort_all()
-            await st.drained()
+            if mode == "retract":
+                await st.engine.retract()
+                st.retracted = True
+            else:
+                await st.engine.abort_all()
+                await st.drained()
             return {"message": "Generation paused successfully.", "status": "ok"}
 
         @app.post("/continue_generation", responses=_ERRORS)
         async def continue_generation(key: str = Depends(authenticate)):
-            """SGLang's end of a pause."""
+            """SGLang's end of a pause: retracted requests recompute under the weights now served and go on."""
+            await unretract()
             st.resume()
             return {"message": "Generation continued successfully.", "status": "ok"}
 

@@ -108,6 +108,13 @@ class AsyncEngine:
         """`Engine.reset_prefix_cache` on the engine thread."""
         return await self.call(lambda engine: engine.reset_prefix_cache())
 
+    async def retract(self) -> int:
+        """`Engine.retract` on the engine thread (SGLang's pause in retract mode) -> the requests retracted."""
+        return await self.call(lambda engine: engine.retract())
+
+    async def continue_generation(self) -> None:
+        await self.call(lambda engine: engine.continue_generation())
+
     async def sleep(self, level: int = 1, tags=None) -> None:
         """`Engine.sleep` on the engine thread (vLLM's sleep mode; `tags`: the parts to release)."""
         await self.call(lambda engine: engine.sleep(level, tags))
@@ -133,11 +140,13 @@ class AsyncEngine:
     def _loop(self) -> None:
         while not self._stop:
             self._drain_commands()
-            if not self.engine.has_unfinished():
+            if not self.engine.has_unfinished() or getattr(self.engine, "held", False):
                 self.engine.idle()
                 self._wake.wait(timeout=0.05)
                 self._wake.clear()
-                continue
+                if not self.engine.has_unfinished():
+                    continue
+                # held (`retract`): a step that runs nothing but hands out what aborts finished
             try:
                 outs = self.engine.step()
             except StepFailed as e:  # never take the engine down: the step's requests end with the error

@@ -441,6 +441,12 @@ class DataParallelAsyncEngine:
         self.router.forget()
         return done
 
+    async def retract(self) -> int:
+        return sum(await asyncio.gather(*(a.retract() for a in self.replicas)))
+
+    async def continue_generation(self) -> None:
+        await asyncio.gather(*(a.continue_generation() for a in self.replicas))
+
     async def sleep(self, level: int = 1, tags=None) -> None:
         await asyncio.gather(*(a.sleep(level, tags) for a in self.replicas))
         self.router.forget()

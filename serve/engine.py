@@ -749,6 +749,7 @@ class Engine:
         self._adapter_factors: dict[int, dict] = {}
         self._adapter_parts: dict[int, list[bytes]] = {}
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
+        self.held = False  # `retract`: requests kept, nothing scheduled until `continue_generation`
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
         self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
@@ -801,7 +802,7 @@ class Engine:
         self._seed_rng = np.random.default_rng(config.seed)
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
-        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0, eplb_rebalances=0,
+        self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0, requests_retracted=0, eplb_rebalances=0,
                              prompt_tokens=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
@@ -1548,9 +1549,11 @@ class Engine:
         self._install_weights(leaves)
 
     def _check_idle(self, what: str) -> None:
-        """Sleep and weight updates: read back the step in flight; raise if requests are still running."""
+        """Sleep and weight updates: read back the step in flight; raise if requests are still running (requests
+        `retract` holds without memory may wait)."""
         self._drain()
-        busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal]
+        busy = [s.request_id for s in self.seqs.values() if not s.finished and not s.internal
+                and not (self.held and s.slot is None and not any(s.pages))]
         if busy:
             raise RuntimeError(f"{what}: {len(busy)} requests in flight (e.g. {busy[0]!r}); finish or abort "
                                f"them first")
@@ -1597,6 +1600,9 @@ class Engine:
         the prefix cache (both tiers; the followers drop their host-tier pieces of it too)."""
         for s in [s for s in self.seqs.values() if s.internal and not s.finished]:
             self._finish(s, "abort")  # canonical rows of the cached prefixes
+        for s in self.seqs.values():  # requests waiting (`retract`): their planned prefix hits go with the cache
+            if not s.finished and s.slot is None:
+                s.hit = s.hit_routes = None
         self._tails.clear()
         if self.prefix_cache is not None and not self.prefix_cache.clear():
             raise RuntimeError(f"{what}: the prefix cache could not be cleared")  # nothing holds it
@@ -1768,6 +1774,30 @@ class Engine:
         if self._flight:
             self._land_flight(self._landed)
 
+    def retract(self) -> int:
+        """SGLang's `pause_generation(mode="retract")`, for RL weight updates in the middle of a rollout: read
+        back the step in flight, free the cache every unfinished request holds (a preemption: prompt and
+        tokens so far are kept) and schedule nothing until `continue_generation`. Meanwhile the requests wait
+        holding no memory, so `update_weights` / `sleep` may run; afterwards each recomputes its prompt and
+        tokens so far under the weights then served and goes on generating. -> the requests retracted."""
+        self._leader_only("retract")
+        self._drain()
+        self.held = True
+        retracted = set()
+        for s in self.seqs.values():
+            if not s.finished and not s.internal:
+                if s.slot is not None or any(s.pages):
+                    self._preempt(s)
+                retracted.add(s.request_id)
+        self.counters["requests_retracted"] += len(retracted)
+        return len(retracted)
+
+    def continue_generation(self) -> None:
+        """End `retract`: the waiting requests are scheduled again (an engine still asleep, or without weights
+        since a level-2 sleep, raises `EngineSleeping` and stays held)."""
+        self._check_awake("continue_generation")
+        self.held = False
+
     def has_unfinished(self) -> bool:
         """Requests not finished, or a launched step not read back yet (async scheduling)."""
         return bool(self._flight) or any(not s.finished for s in self.seqs.values())
@@ -1779,6 +1809,8 @@ class Engine:
         self._leader_only("step")
         touched, self._landed = self._landed, set()
         ended: set[str] = set()
+        if self.held:  # (`retract`): nothing runs; aborted requests still leave
+            return self._step_outputs(touched, ended)
         if self._flight and (not all(f.chainable for f in self._flight) or self._masks_block_drafts()):
             self._land_flight(touched)  # a row whose next step needs the host to see its results first
             ended = self._select_beams() if self._beams else set()

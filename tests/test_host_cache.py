@@ -469,7 +469,8 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
     """SGLang's names for the weight-sync routes (served with enable_sleep_mode): /release_memory_occupation and
     /resume_memory_occupation by `tags` (one part or all; "cuda_graph" accepted, nothing to do), the weights
     discarded unless the server keeps a host copy (weights_cpu_backup), /pause_generation (abort mode: the
-    running request ends, new ones wait) and /continue_generation; the answers afterwards are the same."""
+    running request ends, new ones wait; retract mode: it waits without memory while other weights load, then
+    goes on under them) and /continue_generation; the answers afterwards are the same."""
     import asyncio
 
     import httpx
@@ -478,6 +479,8 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
 
     on, aeng, app = _weight_sync_app(engines, tmp_path)
     backup = create_app(aeng, "tiny-k3", enable_sleep_mode=True, weights_cpu_backup=True)
+    other = k3jax.load_model("tiny-k3", seed=3)  # other weights, loaded while requests are retracted
+    __import__("k3jax.checkpoint", fromlist=["x"]).save_hf_checkpoint(str(tmp_path / "other"), other.cfg, other.params)
     body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
     long = dict(prompt=PROMPTS[1], max_tokens=300, temperature=0, ignore_eos=True)
 
@@ -522,10 +525,38 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
             held = asyncio.ensure_future(answer(c))
             await asyncio.sleep(0.3)
             assert not held.done() and on.stats()["num_requests_waiting"] == 0
-            r = await c.post("/pause_generation", json={"mode": "retract"})
+            r = await c.post("/pause_generation", json={"mode": "in_place"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "mode"
             assert (await c.post("/continue_generation")).json()["status"] == "ok"
             assert await held == first
+
+            # retract: the running request keeps its tokens, frees its cache and waits while new weights load;
+            # on /continue_generation it recomputes under them and goes on: its tokens from the retract point
+            # are the new weights' greedy continuation of the prompt and the tokens before it
+            r40 = dict(prompt=PROMPTS[1], max_tokens=40, temperature=0, ignore_eos=True, return_token_ids=True)
+            running = asyncio.ensure_future(c.post("/v1/completions", json=r40))
+            seq = None
+            while seq is None or len(seq.output_ids) < 8:
+                await asyncio.sleep(0.01)
+                seq = next((s for s in on.seqs.values() if not s.finished and not s.internal), None)
+            assert (await c.post("/pause_generation", json={"mode": "retract"})).json()["status"] == "ok"
+            k = len(seq.output_ids)
+            st = on.stats()
+            assert on.held and st["requests_retracted"] >= 1 and 8 <= k < 40 and not running.done()
+            assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+            r = (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "other")})).json()
+            assert r["success"], r
+            await asyncio.sleep(0.2)
+            assert not running.done() and len(seq.output_ids) == k  # held: nothing ran
+            assert (await c.post("/continue_generation")).json()["status"] == "ok"
+            done = (await running).json()["choices"][0]
+            assert done["finish_reason"] == "length" and len(done["token_ids"]) == 40
+            rest = (await c.post("/v1/completions", json=dict(r40, prompt=PROMPTS[1] + done["token_ids"][:k],
+                                                               max_tokens=40 - k))).json()["choices"][0]
+            assert rest["token_ids"] == done["token_ids"][k:]
+            # the same under the fixture's weights again (as other tests expect them)
+            assert (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()["success"]
+            assert await answer(c) == first
 
     try:
         asyncio.run(go())
@@ -541,7 +572,8 @@ def test_pause_endpoints(engines, tmp_path):
     """POST /pause (vLLM's, served with enable_sleep_mode): `abort` (the default) ends the request in flight
     (finish_reason "abort", its cache freed) and holds new ones, unadmitted, until POST /resume, so new
     weights load meanwhile (a held request is not in flight); the held request then answers as before the
-    pause. `wait` lets the running request finish first; `keep` and unknown modes are refused."""
+    pause. `wait` lets the running request finish first; `keep` keeps it open without its cache until /resume
+    (the same tokens as uninterrupted); unknown modes are refused."""
     import asyncio
     import re
 
@@ -586,12 +618,22 @@ def test_pause_endpoints(engines, tmp_path):
             assert not on.has_unfinished()  # answered once the running request had finished
             done = (await running).json()
             assert done["choices"][0]["finish_reason"] == "length" and done["usage"]["completion_tokens"] == 24
-            for bad in ("keep", "drain"):
+            for bad in ("retract", "drain"):
                 r = await c.post("/pause", params={"mode": bad})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
             assert (await c.post("/resume")).json() == {"status": "resumed"}
             assert (await c.get("/is_paused")).json() == {"is_paused": False}
             assert (await c.post("/v1/completions", json=body)).json()["choices"][0]["text"] == first["text"]
+
+            # keep: the running request stays open without its cache and goes on after /resume, as uninterrupted
+            whole = (await c.post("/v1/completions", json=dict(long, return_token_ids=True))).json()["choices"][0]
+            running = await started(c, dict(long, return_token_ids=True))
+            assert (await c.post("/pause", params={"mode": "keep", "clear_cache": "false"})).json() == {
+                "status": "paused", "mode": "keep", "aborted": 0, "prefix_cache_reset": False, "retracted": 1}
+            assert not running.done() and on.held
+            assert (await c.post("/resume")).json() == {"status": "resumed"}
+            kept = (await running).json()["choices"][0]
+            assert kept["finish_reason"] == "length" and kept["token_ids"] == whole["token_ids"]
 
     try:
         asyncio.run(go())
