@@ -15,7 +15,7 @@ scrape before warm-up or on an engine that does not report some statistic still 
 
 Engine statistics read (all optional; absent means 0 / no samples):
   num_requests_running, num_requests_waiting, kv_cache_usage, prompt_tokens, generation_tokens,
-  preemptions, requests_aborted, failed_steps, requests_failed, cache_resets, compiles_after_warmup,
+  preemptions, requests_retracted, requests_aborted, failed_steps, requests_failed, cache_resets, compiles_after_warmup,
   arena_bytes{kda_slots, mla_pages, free, total}, arena_free_units, arena_baseline_free_units,
   arena_cached_units (held only by the prefix cache, reclaimable),
   prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes, host_query_tokens,
@@ -67,6 +67,7 @@ NAMES = (
     "k3jax:cache_resets_total", "k3jax:structured_output_requests_total",
     "k3jax:structured_output_errors_total", "k3jax:structured_output_mask_seconds_total", "k3jax:engine_ready", "k3jax:api_requests_in_flight",
     "k3jax:api_sequences_in_flight", "k3jax:api_paused", "k3jax:api_requests_held", "k3jax:http_requests_rejected_total", "k3jax:retractions_total",
+    "k3jax:requests_retracted_total",
     "k3jax:new_token_ratio", "k3jax:engine_sleep_level", "k3jax:replica_requests_running",
     "k3jax:replica_requests_waiting", "k3jax:replica_kv_cache_usage_perc", "k3jax:data_parallel_routed_total",
 )
@@ -123,6 +124,8 @@ class EngineCollector:
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.get("preemptions", 0))
         yield counter("k3jax:retractions", "Preemptions because decodes ran out of pages (the admission "
                       "look-ahead's estimate was too low).", s.get("retractions", 0))
+        yield counter("k3jax:requests_retracted", "Requests a pause kept open without their cache (retract / keep: "
+                      "recomputed under the weights served when generation continues).", s.get("requests_retracted", 0))
         yield gauge("k3jax:new_token_ratio", "Share of their remaining max_tokens that admission reserves for "
                     "running requests (SGLang's adaptive new-token ratio; 0: no look-ahead).",
                     s.get("new_token_ratio", 0.0))

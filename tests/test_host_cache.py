@@ -631,6 +631,7 @@ def test_pause_endpoints(engines, tmp_path):
             assert (await c.post("/pause", params={"mode": "keep", "clear_cache": "false"})).json() == {
                 "status": "paused", "mode": "keep", "aborted": 0, "prefix_cache_reset": False, "retracted": 1}
             assert not running.done() and on.held
+            assert re.search(r"k3jax:requests_retracted_total(\{[^}]*\})? [1-9]", (await c.get("/metrics")).text)
             assert (await c.post("/resume")).json() == {"status": "resumed"}
             kept = (await running).json()["choices"][0]
             assert kept["finish_reason"] == "length" and kept["token_ids"] == whole["token_ids"]
