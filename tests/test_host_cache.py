@@ -425,6 +425,22 @@ def _weight_sync_app(engines, tmp_path):
     return on, aeng, create_app(aeng, "tiny-k3", enable_sleep_mode=True)
 
 
+def _serve_weight_sync(go, aeng, on, routes: set) -> None:
+    """Run the client coroutine `go` against the weight-sync app; afterwards the engine compiled nothing and
+    holds nothing, and an app without enable_sleep_mode has none of `routes`."""
+    import asyncio
+
+    from serve.api import create_app
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+    assert not routes & {r.path for r in create_app(None, "m").routes}
+
+
 def test_sleep_endpoints(engines, tmp_path):
     """POST /sleep, /wake_up, GET /is_sleeping (vLLM's) and /update_weights_from_disk (SGLang's), served
     with enable_sleep_mode; completions answer 503 while asleep and the same text after waking."""
@@ -558,14 +574,7 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
             assert (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()["success"]
             assert await answer(c) == first
 
-    try:
-        asyncio.run(go())
-    finally:
-        aeng.shutdown()
-    assert on.stats()["compiles_after_warmup"] == 0
-    settled(on)
-    plain = create_app(None, "m")
-    assert not {"/release_memory_occupation", "/pause_generation"} & {r.path for r in plain.routes}
+    _serve_weight_sync(go, aeng, on, {"/release_memory_occupation", "/pause_generation", "/continue_generation"})
 
 
 def test_pause_endpoints(engines, tmp_path):
@@ -578,8 +587,6 @@ def test_pause_endpoints(engines, tmp_path):
     import re
 
     import httpx
-
-    from serve.api import create_app
 
     on, aeng, app = _weight_sync_app(engines, tmp_path)
     body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
@@ -636,11 +643,4 @@ def test_pause_endpoints(engines, tmp_path):
             kept = (await running).json()["choices"][0]
             assert kept["finish_reason"] == "length" and kept["token_ids"] == whole["token_ids"]
 
-    try:
-        asyncio.run(go())
-    finally:
-        aeng.shutdown()
-    assert on.stats()["compiles_after_warmup"] == 0
-    settled(on)
-    plain = create_app(None, "m")  # without enable_sleep_mode the routes do not exist
-    assert not {"/pause", "/resume", "/is_paused"} & {r.path for r in plain.routes}
+    _serve_weight_sync(go, aeng, on, {"/pause", "/resume", "/is_paused"})
