@@ -298,6 +298,14 @@ class ResponsesRequest(_Strict):
 
 class UpdateWeightsRequest(_Strict):
     model_path: str
+    weight_version: Optional[str] = Field(None, min_length=1, max_length=256,
+                                          description="SGLang's: the served weights' version from now on "
+                                                      "(/get_model_info, /generate's meta_info)")
+
+
+class UpdateWeightVersionRequest(_Strict):
+    new_version: str = Field(min_length=1, max_length=256)
+    abort_all_requests: bool = False
 
 
 class MemoryOccupationRequest(_Strict):
@@ -375,6 +383,7 @@ class ServerState:
         self.requests_held = 0  # waiting for /resume
         # /pause_generation mode=retract: the engine holds the requests in flight without memory (weights may change)
         self.retracted = False
+        self.weight_version = "default"  # SGLang's: names the weights served (set with a weight update)
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.error: Optional[str] = None
@@ -1674,7 +1683,22 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 st.sleeping = await st.engine.call(update)
             except Exception as e:  # noqa: BLE001 - a checkpoint that does not load is the request's fault
                 raise APIError(400, f"model_path: {type(e).__name__}: {e}", param="model_path") from None
-            return {"success": True, "message": f"weights loaded from {path}", "is_sleeping": st.sleeping}
+            message = f"weights loaded from {path}"
+            if body.weight_version is not None:
+                st.weight_version = body.weight_version
+                message += f"; weight version {body.weight_version}"
+            return {"success": True, "message": message, "is_sleeping": st.sleeping}
+
+        @app.post("/update_weight_version", responses=_ERRORS)
+        async def update_weight_version(body: UpdateWeightVersionRequest, key: str = Depends(authenticate),
+                                        _r: None = Depends(ready)):
+            """SGLang's: name the weights served (RL loops that load weights their own way tag rollouts with it);
+            `abort_all_requests` first ends the requests in flight."""
+            if body.abort_all_requests:
+                await st.engine.abort_all()
+            st.weight_version = body.new_version
+            return {"success": True, "message": f"weight version updated to {body.new_version}",
+                    "new_version": body.new_version}
 
         @app.get("/is_sleeping", responses=_ERRORS)
         async def is_sleeping(key: str = Depends(authenticate)):

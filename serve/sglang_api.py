@@ -14,7 +14,7 @@ loaded adapter's name), `priority`, `return_routed_experts` (with `--enable-retu
 `routed_experts_start_len`).
 
 Response: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
-"completion_tokens", "cached_tokens", "e2e_latency", logprobs, "routed_experts" (once finished: base64 of the
+"completion_tokens", "cached_tokens", "e2e_latency", "weight_version", logprobs, "routed_experts" (once finished: base64 of the
 int32 ids [positions, MoE layers, experts per token])}}` -- a list of them (prompt-major, then the
 `n` samples) for a batch or n > 1. `finish_reason` is null while running, else `{"type": "length",
 "length": N}`, `{"type": "stop", "matched": <token id or string>}` or `{"type": "abort", "message"}`.
@@ -196,7 +196,8 @@ class GenerateFormat(api._Format):
         meta: dict[str, Any] = {"id": self.id if one else f"{self.id}_{self.index(i, o.index)}",
                                 "finish_reason": self._finish(o), "prompt_tokens": prompt_len,
                                 "completion_tokens": len(o.token_ids), "cached_tokens": out.num_cached_tokens,
-                                "e2e_latency": round(time.monotonic() - self.arrival, 6)}
+                                "e2e_latency": round(time.monotonic() - self.arrival, 6),
+                                "weight_version": self.st.weight_version}
         if self.body.return_logprob:
             entries = o.logprobs or []
             meta["output_token_logprobs"] = [self._entry(c) for c, _ in entries]
@@ -269,7 +270,7 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
 def model_info(st: "api.ServerState") -> dict:
     """SGLang's `/get_model_info`."""
     return {"model_path": st.model_path, "tokenizer_path": st.model_path, "is_generation": True,
-            "preferred_sampling_params": dict(st.generation_defaults) or None, "weight_version": "default",
+            "preferred_sampling_params": dict(st.generation_defaults) or None, "weight_version": st.weight_version,
             "has_image_understanding": False, "has_audio_understanding": False, "model_type": st.cfg.family,
             "served_model_name": st.model_name}
 

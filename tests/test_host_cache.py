@@ -486,7 +486,8 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
     /resume_memory_occupation by `tags` (one part or all; "cuda_graph" accepted, nothing to do), the weights
     discarded unless the server keeps a host copy (weights_cpu_backup), /pause_generation (abort mode: the
     running request ends, new ones wait; retract mode: it waits without memory while other weights load, then
-    goes on under them) and /continue_generation; the answers afterwards are the same."""
+    goes on under them) and /continue_generation; the answers afterwards are the same; SGLang's weight version
+    (set by a weight update or /update_weight_version, read in /get_model_info and /generate's meta_info)."""
     import asyncio
 
     import httpx
@@ -570,11 +571,22 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
             rest = (await c.post("/v1/completions", json=dict(r40, prompt=PROMPTS[1] + done["token_ids"][:k],
                                                                max_tokens=40 - k))).json()["choices"][0]
             assert rest["token_ids"] == done["token_ids"][k:]
-            # the same under the fixture's weights again (as other tests expect them)
-            assert (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path)})).json()["success"]
-            assert await answer(c) == first
+            # the same under the fixture's weights again (as other tests expect them), with SGLang's weight version
+            assert (await c.get("/get_model_info")).json()["weight_version"] == "default"
+            r = (await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path),
+                                                                 "weight_version": "v2"})).json()
+            assert r["success"] and "v2" in r["message"] and await answer(c) == first
+            assert (await c.get("/get_model_info")).json()["weight_version"] == "v2"
+            g = (await c.post("/generate", json={"input_ids": PROMPTS[0], "sampling_params": {"max_new_tokens": 2}}))
+            assert g.json()["meta_info"]["weight_version"] == "v2"
+            r = (await c.post("/update_weight_version", json={"new_version": "v3"})).json()
+            assert r == {"success": True, "message": "weight version updated to v3", "new_version": "v3"}
+            assert (await c.get("/get_model_info")).json()["weight_version"] == "v3"
+            r = await c.post("/update_weight_version", json={"new_version": ""})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "new_version", r.text
 
-    _serve_weight_sync(go, aeng, on, {"/release_memory_occupation", "/pause_generation", "/continue_generation"})
+    _serve_weight_sync(go, aeng, on, {"/release_memory_occupation", "/pause_generation", "/continue_generation",
+                                      "/update_weight_version"})
 
 
 def test_pause_endpoints(engines, tmp_path):
