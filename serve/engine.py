@@ -1729,7 +1729,7 @@ class Engine:
             self.token_pages.delete()
             self.page_tables.array.delete()  # made again with the arena
             self.arena = self.token_pages = None
-        self.sleep_level = max(self.sleep_level, level)
+        self.sleep_level = max(self.sleep_level, level if "weights" in tags else 1)  # (2: weights discarded)
 
     def wake_up(self, tags: Optional[list[str]] = None) -> None:
         """Take back what `sleep` released: `tags` "weights" and / or "kv_cache" (vLLM's; default both).

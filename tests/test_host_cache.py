@@ -513,6 +513,7 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
             r = (await c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})).json()
             assert r == {"success": True, "released": ["kv_cache"], "is_sleeping": True}
             assert on.arena is None and on._leaves is not None and await answer(c) == 503
+            assert on.stats()["sleep_level"] == 1  # (the weights are all there: level 2 discards only weights)
             r = (await c.post("/resume_memory_occupation", json={"tags": ["kv_cache", "cuda_graph"]})).json()
             assert r == {"success": True, "is_sleeping": False} and await answer(c) == first
             # all parts, no body (SGLang's default): the weights are discarded -> loaded from disk
