@@ -1718,16 +1718,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             mode = "wait" if wait_for_inflight_requests else mode
             if mode not in ("abort", "wait", "keep"):
                 raise APIError(400, f"mode must be 'abort', 'wait' or 'keep', got {mode!r}", param="mode")
-            if mode == "keep" and not hasattr(st.engine, "retract"):
-                raise APIError(400, "mode=keep is not available with disaggregated prefill", param="mode")
-            st.pause()
-            aborted = retracted = 0
-            if mode == "keep":
-                retracted = await st.engine.retract()
-                st.retracted = True
-            else:
-                aborted = await st.engine.abort_all() if mode == "abort" else 0
-                await st.drained()
+            aborted, retracted = await hold(mode, f"mode={mode}")
             reset = bool(await st.engine.reset_prefix_cache()) if clear_cache else False
             out = {"status": "paused", "mode": mode, "aborted": aborted, "prefix_cache_reset": reset}
             return {**out, "retracted": retracted} if mode == "keep" else out
@@ -1738,6 +1729,21 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             await unretract()
             st.resume()
             return {"status": "resumed"}
+
+        async def hold(mode: str, name: str) -> tuple[int, int]:
+            """A pause: new requests wait (until /resume or /continue_generation); those in flight are retracted
+            ("keep": open, without memory, see `Engine.retract`), aborted ("abort") or finished ("wait") ->
+            (aborted, retracted)."""
+            if mode == "keep" and not hasattr(st.engine, "retract"):
+                raise APIError(400, f"{name} is not available with disaggregated prefill", param="mode")
+            st.pause()
+            if mode == "keep":
+                retracted = await st.engine.retract()
+                st.retracted = True
+                return 0, retracted
+            aborted = await st.engine.abort_all() if mode == "abort" else 0
+            await st.drained()
+            return aborted, 0
 
         async def unretract() -> None:
             if st.retracted:
@@ -1759,15 +1765,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if mode == "in_place":
                 raise APIError(400, "mode='in_place' (requests kept with their cache from the old weights) is not "
                                     "available; 'retract' keeps them and recomputes their cache", param="mode")
-            if mode == "retract" and not hasattr(st.engine, "retract"):
-                raise APIError(400, "mode='retract' is not available with disaggregated prefill", param="mode")
-            st.pause()
-            if mode == "retract":
-                await st.engine.retract()
-                st.retracted = True
-            else:
-                await st.engine.abort_all()
-                await st.drained()
+            await hold("keep" if mode == "retract" else "abort", f"mode={mode!r}")
             return {"message": "Generation paused successfully.", "status": "ok"}
 
         @app.post("/continue_generation", responses=_ERRORS)

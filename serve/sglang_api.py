@@ -212,8 +212,8 @@ class GenerateFormat(api._Format):
                 meta["input_token_logprobs"] = [r for r, _ in rows]
                 if self.body.top_logprobs_num:
                     meta["input_top_logprobs"] = [t if k else None for k, (_, t) in zip(range(start, prompt_len), rows)]
-        if self.body.return_routed_experts and o.routed_experts is not None:  # once finished
-            meta["routed_experts"] = to_base64(o.routed_experts, self.body.routed_experts_start_len)
+        if self.routes_from is not None and o.routed_experts is not None:  # asked (see api._serve), once finished
+            meta["routed_experts"] = to_base64(o.routed_experts, self.routes_from)
         return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
 
     def _token(self, tid: int) -> Optional[str]:
