@@ -13,7 +13,9 @@ Endpoints
   POST /abort_request         {"rid"} or {"abort_all": true}: end requests in flight (SGLang's)
   with --enable-sleep-mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping
                               (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's),
-                              POST /pause?mode=abort|wait[&clear_cache=true], POST /resume, GET /is_paused (vLLM's)
+                              POST /pause?mode=abort|wait[&clear_cache=true], POST /resume, GET /is_paused (vLLM's),
+                              SGLang's memory, pause and weight-version routes, GET|POST /get_weights_by_name,
+                              POST /update_weights_from_tensor (serve/named_weights.py)
   GET  /openapi.json          the schema (FastAPI)
 
 Both generation endpoints stream with SSE (`stream: true`): `data: {json}` events ending with
@@ -65,6 +67,7 @@ from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
 from serve.engine import EngineSleeping
+from serve.named_weights import WeightNameError
 from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.routed_experts import to_base64
@@ -308,6 +311,24 @@ class UpdateWeightVersionRequest(_Strict):
     abort_all_requests: bool = False
 
 
+class WeightsByNameRequest(_Strict):
+    """SGLang's /get_weights_by_name body."""
+    name: str = Field(min_length=1, max_length=1024, description="a checkpoint tensor name, as the model's "
+                                                                 "safetensors files name it")
+    truncate_size: Optional[int] = Field(100, ge=0, description="its first rows only (null: all of it)")
+
+
+class UpdateWeightsFromTensorRequest(_Strict):
+    """SGLang's /update_weights_from_tensor body, with tensors this server can read: safetensors files."""
+    serialized_named_tensors: list[str] = Field(min_length=1, description="base64 safetensors files of named "
+                                                                          "checkpoint tensors, applied together")
+    load_format: Optional[str] = Field(None, description="'safetensors' (SGLang's torch IPC handles cannot reach "
+                                                         "a JAX server)")
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = Field(None, min_length=1, max_length=256)
+
+
 class MemoryOccupationRequest(_Strict):
     """SGLang's /release_memory_occupation and /resume_memory_occupation body."""
     tags: Optional[list[Literal["weights", "kv_cache", "cuda_graph"]]] = Field(
@@ -316,6 +337,23 @@ class MemoryOccupationRequest(_Strict):
 
 class PauseGenerationRequest(_Strict):
     mode: Literal["abort", "retract", "in_place"] = "abort"
+
+
+def _safetensors_items(text: str, field: str) -> list[tuple[str, Any]]:
+    """A base64 safetensors file -> its (name, array) pairs (bfloat16 kept: read with JAX's numpy types)."""
+    import base64
+    import binascii
+
+    from safetensors.flax import load
+
+    try:
+        data = base64.b64decode(text, validate=True)
+    except (binascii.Error, ValueError) as e:
+        raise ValueError(f"{field}: not base64 ({e})") from None
+    try:
+        return [(name, np.asarray(a)) for name, a in load(data).items()]
+    except Exception as e:  # noqa: BLE001 - any parse failure is the request's fault
+        raise ValueError(f"{field}: not a safetensors file ({type(e).__name__}: {e})") from None
 
 
 def _memory_tags(body: Optional[MemoryOccupationRequest]) -> Optional[list[str]]:
@@ -1287,8 +1325,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     enable_sleep_mode: serve POST /sleep, POST /wake_up, GET /is_sleeping (vLLM's), POST
       /update_weights_from_disk (SGLang's) and POST /pause, POST /resume, GET /is_paused (vLLM's), and SGLang's
       names for the same: /release_memory_occupation, /resume_memory_occupation, /pause_generation,
-      /continue_generation: what an RL loop sharing the device with training, or swapping in new policy
-      weights, calls.
+      /continue_generation, with /update_weight_version, /get_weights_by_name and /update_weights_from_tensor:
+      what an RL loop sharing the device with training, or swapping in new policy weights, calls.
     weights_cpu_backup: /release_memory_occupation keeps the weights in host memory (SGLang's
       --enable-weights-cpu-backup; without it they are discarded: load new ones before generating again).
     allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
@@ -1684,6 +1722,63 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             except Exception as e:  # noqa: BLE001 - a checkpoint that does not load is the request's fault
                 raise APIError(400, f"model_path: {type(e).__name__}: {e}", param="model_path") from None
             message = f"weights loaded from {path}"
+            if body.weight_version is not None:
+                st.weight_version = body.weight_version
+                message += f"; weight version {body.weight_version}"
+            return {"success": True, "message": message, "is_sleeping": st.sleeping}
+
+        async def get_weights_by_name(body: WeightsByNameRequest, key: str = Depends(authenticate),
+                                      _r: None = Depends(ready)):
+            """SGLang's: a checkpoint tensor as the engine serves it now (its first `truncate_size` rows), as nested
+            lists; with data-parallel replicas a list of each replica's (an RL loop checks a weight sync)."""
+            def read(engine):
+                return engine.get_weights_by_name(body.name, body.truncate_size)
+
+            try:
+                values = await st.engine.call_each(read)
+            except WeightNameError as e:
+                raise APIError(400, str(e), param="name") from None
+            except EngineSleeping as e:
+                raise APIError(503, str(e), "server_unavailable", code="engine_sleeping") from None
+            lists = [(v.astype(np.float32) if v.dtype.kind == "V" or v.dtype == jnp.bfloat16 else v).tolist()
+                     for v in values]
+            return lists[0] if len(lists) == 1 else lists
+
+        app.add_api_route("/get_weights_by_name", get_weights_by_name, methods=["GET", "POST"], responses=_ERRORS)
+
+        @app.post("/update_weights_from_tensor", responses=_ERRORS)
+        async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, key: str = Depends(authenticate),
+                                             _r: None = Depends(ready)):
+            """SGLang's: write the named checkpoint tensors of `serialized_named_tensors` (base64 safetensors files,
+            `load_format` "safetensors"), the other weights unchanged, no compile; `flush_cache` forgets the prefix
+            cache. 400 while requests are in flight (unless retracted or `abort_all_requests`)."""
+            if body.load_format != "safetensors":
+                raise APIError(400, f"load_format: {body.load_format!r} is not readable here; send each bucket as a "
+                                    f"base64 safetensors file with load_format 'safetensors' (torch IPC handles, "
+                                    f"SGLang's default, point into another process's memory)", param="load_format")
+            if body.abort_all_requests:
+                await st.engine.abort_all()
+                await st.drained()
+            if st.requests_in_flight and not st.retracted:
+                raise APIError(400, f"{st.requests_in_flight} requests in flight; update when idle (or retract them: "
+                                    f"/pause_generation with mode retract)", param="serialized_named_tensors")
+            try:
+                named = [item for i, text in enumerate(body.serialized_named_tensors)
+                         for item in _safetensors_items(text, f"serialized_named_tensors[{i}]")]
+            except ValueError as e:
+                raise APIError(400, str(e), param="serialized_named_tensors") from None
+
+            def update(engine):
+                engine.update_weights_from_tensor(named, body.flush_cache)
+                return engine.is_sleeping
+
+            try:
+                st.sleeping = await st.engine.call(update)
+            except EngineSleeping as e:
+                raise APIError(503, str(e), "server_unavailable", code="engine_sleeping") from None
+            except (WeightNameError, ValueError, RuntimeError) as e:
+                raise APIError(400, str(e), param="serialized_named_tensors") from None
+            message = f"{len(named)} tensors written"
             if body.weight_version is not None:
                 st.weight_version = body.weight_version
                 message += f"; weight version {body.weight_version}"

@@ -104,6 +104,11 @@ class AsyncEngine:
         self._wake.set()
         return await done
 
+    async def call_each(self, fn) -> list:
+        """`fn(engine)` on each engine holding weights -> their results (one here; one per replica with data
+        parallelism)."""
+        return [await self.call(fn)]
+
     async def reset_prefix_cache(self) -> bool:
         """`Engine.reset_prefix_cache` on the engine thread."""
         return await self.call(lambda engine: engine.reset_prefix_cache())

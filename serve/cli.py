@@ -206,15 +206,18 @@ def add_serve_arguments(s) -> None:
     a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"],
                    help=f"largest request body (413 beyond it); default {BODY_BYTES >> 20} MiB, "
                         f"{EMBEDS_BODY_BYTES >> 20} MiB with --enable-prompt-embeds (a K3 prompt vector is 14 KiB in "
-                        f"bf16, 19 KiB as base64)")
+                        f"bf16, 19 KiB as base64) or --enable-sleep-mode (weights pushed by "
+                        f"/update_weights_from_tensor)")
     a.add_argument("--max-stored-responses", type=int, default=d["max_stored_responses"],
                    help="Responses API objects kept in memory for previous_response_id (0: none)")
     a.add_argument("--enable-sleep-mode", "--enable-memory-saver", action="store_true",
                    help="serve POST /sleep, /wake_up, GET /is_sleeping (vLLM's), POST /update_weights_from_disk "
                         "(SGLang's) and POST /pause, /resume, GET /is_paused (vLLM's), and SGLang's "
                         "/release_memory_occupation, /resume_memory_occupation, /pause_generation, "
-                        "/continue_generation (--enable-memory-saver is SGLang's name): release and reload the device "
-                        "memory around training steps of an RL loop, hold new requests while weights change")
+                        "/continue_generation, /update_weight_version, /get_weights_by_name, "
+                        "/update_weights_from_tensor (--enable-memory-saver is SGLang's name): release and reload the "
+                        "device memory around training steps of an RL loop, hold new requests while weights change, "
+                        "push and check weights by name")
     a.add_argument("--enable-weights-cpu-backup", action="store_true",
                    help="SGLang's: /release_memory_occupation keeps a host copy of the weights (default: discarded, "
                         "load new ones before generating again)")
@@ -512,7 +515,7 @@ def body_limit(o: dict) -> int:
         if o["max_body_bytes"] < 1:
             raise ValueError(f"--max-body-bytes {o['max_body_bytes']}: expected a positive number of bytes")
         return o["max_body_bytes"]
-    return EMBEDS_BODY_BYTES if o.get("enable_prompt_embeds") else BODY_BYTES
+    return EMBEDS_BODY_BYTES if o.get("enable_prompt_embeds") or o.get("enable_sleep_mode") else BODY_BYTES
 
 
 def cors_options(o: dict) -> dict:

@@ -351,6 +351,15 @@ class DataParallelEngine:
         self._all(lambda e: e.update_weights_from_disk(path))  # each replica reads into its own devices
         self.router.forget()
 
+    def get_weights_by_name(self, name: str, truncate_size=100) -> list:
+        return self._all(lambda e: e.get_weights_by_name(name, truncate_size))  # each replica's (SGLang's form)
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
+        named_tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        self._all(lambda e: e.update_weights_from_tensor(named_tensors, flush_cache))
+        if flush_cache:
+            self.router.forget()
+
     def sleep(self, level: int = 1, tags=None) -> None:
         self._all(lambda e: e.sleep(level, tags))
         self.router.forget()
@@ -427,11 +436,15 @@ class DataParallelAsyncEngine:
         return merge_stats([a.engine.stats() for a in self.replicas], self.devices, self.router)
 
     async def call(self, fn):
+        return (await self.call_each(fn))[0]
+
+    async def call_each(self, fn) -> list:
+        """`fn(engine)` on every replica's engine thread -> their results, in replica order."""
         results = await asyncio.gather(*(a.call(fn) for a in self.replicas), return_exceptions=True)
         for res in results:
             if isinstance(res, BaseException):
                 raise res
-        return results[0]
+        return list(results)
 
     async def abort_all(self) -> int:
         return sum(await asyncio.gather(*(a.abort_all() for a in self.replicas)))

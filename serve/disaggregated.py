@@ -141,6 +141,10 @@ class DisaggregatedAsyncEngine:
                 raise res
         return results[1]
 
+    async def call_each(self, fn) -> list:
+        """`fn(engine)` on both engines -> the decode engine's result alone (both serve the same weights)."""
+        return [await self.call(fn)]
+
     async def abort_all(self) -> int:
         """Both phases' requests (one handed over while this runs may still finish: `POST /pause` waits for it)."""
         return sum(await asyncio.gather(self.prefill.abort_all(), self.decode.abort_all()))

@@ -52,6 +52,8 @@ from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, s
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
+from serve import named_weights
+from serve.named_weights import WeightNameError, WeightNames, pair_expanded
 from serve.multihost import (ADAPTER, ADAPTER_CHUNK, EPLB, FORGET, LORA, LORA_DROP, RESTORE, SAMPLE, SLEEP, SPILL, TABLES,
                              UPDATE, WAKE, HostCopy, StepChannel, bytes_payload, mesh_processes, payload_bytes,
                              payload_text, text_payload)
@@ -632,6 +634,10 @@ class Engine:
                 targets = tuple(targets)
             model = model_lora.attach(model, config.max_loras, config.max_lora_rank, targets)
         self._dequantize = config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference)
+        # the checkpoint's MXFP4 group when its packed experts are held expanded (weights by name)
+        self._expanded_group = (model.cfg.mxfp4_group_size if self._dequantize and model.cfg.expert_format == "mxfp4"
+                                else None)
+        self._weight_names: Optional[WeightNames] = None
         # expanded to fp32 on CPU even for a bf16 model (k3jax/dequantize.py); else to the model dtype
         self._expert_dtype = jnp.float32 if reference else None
         if self._dequantize:
@@ -752,6 +758,8 @@ class Engine:
         self.held = False  # `retract`: requests kept, nothing scheduled until `continue_generation`
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
         self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
+        self._stale_written: set = set()  # what update_weights_from_tensor wrote over the placeholders so far
+        self._pending_halves: dict = {}  # update_weights_from_tensor: MXFP4 halves waiting for their partner
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
         # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
         # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
@@ -1520,6 +1528,108 @@ class Engine:
         self._forget_cached("update_weights_from_disk")
         self.counters["weight_updates"] += 1
 
+    # ---- weights by checkpoint name (serve/named_weights.py) --------------------------------------------------
+    @property
+    def weight_names(self) -> WeightNames:
+        """The checkpoint names of this engine's weights and where each is held (built on first use)."""
+        if self._weight_names is None:
+            params = jax.tree.unflatten(self._param_treedef, [jax.ShapeDtypeStruct(s, d) for s, d in self._param_specs])
+            self._weight_names = WeightNames(dataclasses.replace(self.model, params=params), self._expanded_group)
+        return self._weight_names
+
+    def get_weights_by_name(self, name: str, truncate_size: Optional[int] = 100) -> np.ndarray:
+        """SGLang's `get_weights_by_name`: the checkpoint tensor `name` as this engine serves it now, in the
+        checkpoint's layout (however the engine holds it: transposed, expert-balanced, layer-stacked, on a mesh),
+        its first `truncate_size` rows (all of it with None) -> numpy. An RL loop checks a weight sync with it.
+        Names as `load_model` reads them (serve/named_weights.py); an unknown name raises `WeightNameError`
+        naming it and its neighbours."""
+        self._leader_only("get_weights_by_name")
+        self._single_process("get_weights_by_name")
+        if truncate_size is not None and (isinstance(truncate_size, bool) or not isinstance(truncate_size, int)
+                                          or truncate_size < 0):
+            raise ValueError(f"truncate_size: expected an integer >= 0 or None, got {truncate_size!r}")
+        names = self.weight_names
+        entry, expert = names.resolve(name)
+        if entry.packed_half is not None:
+            raise WeightNameError(f"tensor {name}: this engine holds its MXFP4 routed experts expanded "
+                                  f"(expert_weights={self.config.expert_weights!r} on this backend); read "
+                                  f"{name[:-len(entry.packed_half)]}weight, their dense value")
+        self._weights_present("get_weights_by_name")
+        leaf, group = self._leaf_at[entry.leaf]
+        lead = (() if group is None else (group,)) + (
+            () if expert is None else (int(self._expert_places(entry.moe_layer, expert)[0]),))
+        held = self._leaves[leaf]
+        # only the rows asked for leave the device (the checkpoint's rows are the held columns when transposed)
+        rows_axis = held.ndim - len(lead) - 1 if entry.transposed else 0
+        out = names.to_checkpoint(entry, named_weights.read(held, lead, None if entry.a_log else truncate_size, rows_axis))
+        return out if truncate_size is None else out[:truncate_size]
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
+        """SGLang's `update_weights_from_tensor`: write some weights, given as (checkpoint name, tensor) pairs (or a
+        dict; numpy, JAX or torch CPU tensors) in the checkpoint's layout and shapes: an RL trainer's weight
+        sync, often in buckets of tensors, one call each. Each tensor gets the engine's start-up transforms and
+        goes where the engine holds it (every physical copy of an expert); the others stay. Everything is
+        checked before anything is written (a bad name, shape or dtype raises naming the tensor, weights
+        unchanged). No compile. `flush_cache` (default) forgets the prefix cache, whose states came from the
+        old weights. Requests must not be in flight (or be retracted). After `sleep(level=2)` and
+        `wake_up(["weights"])` the engine serves again once every checkpoint tensor has been written."""
+        self._leader_only("update_weights_from_tensor")
+        self._single_process("update_weights_from_tensor")
+        self._check_idle("update_weights_from_tensor")
+        self._weights_present("update_weights_from_tensor", stale_ok=True)
+        names = self.weight_names
+        items = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        if not items:
+            raise ValueError("update_weights_from_tensor: no tensors given")
+        writes = []
+        for item in items:
+            if not (isinstance(item, (tuple, list)) and len(item) == 2):
+                raise ValueError(f"update_weights_from_tensor: expected (name, tensor) pairs, got {type(item).__name__}")
+            name, value = item
+            entry, expert = names.resolve(name)
+            writes.append((name, entry, expert, names.to_held(name, entry, value)))
+        if names.expanded_group:  # MXFP4 halves -> dense once both came (a lone half waits for a later call)
+            pending = {k: dict(v) for k, v in self._pending_halves.items()}
+            writes = pair_expanded(writes, names.expanded_group, [d for _, d in self._param_specs], pending)
+            self._pending_halves = pending
+        per_leaf: dict[int, dict] = {}  # step leaf -> {index: value} (a later write of the same place wins)
+        for _, entry, expert, value in writes:
+            leaf, group = self._leaf_at[entry.leaf]
+            at = () if group is None else (group,)
+            places = [None] if expert is None else self._expert_places(entry.moe_layer, expert)
+            for p in places:
+                per_leaf.setdefault(leaf, {})[at if p is None else at + (int(p),)] = value
+        leaves = list(self._leaves)
+        for leaf, by_index in per_leaf.items():
+            leaves[leaf] = named_weights.write(leaves[leaf], by_index.items())
+        self._set_leaves(leaves)
+        jax.block_until_ready(self._leaves)
+        if self._weights_stale:
+            self._stale_written |= {(entry.leaf, expert) for _, entry, expert, _ in writes}
+            if self._stale_written >= names.keys():
+                self._weights_stale, self._stale_written = False, set()
+        if flush_cache:
+            self._forget_cached("update_weights_from_tensor")
+        self.counters["weight_updates"] += 1
+
+    def _expert_places(self, moe_layer: int, expert: int) -> np.ndarray:
+        """The physical positions of a routed expert in its MoE layer's stacked weights (EPLB: maybe several)."""
+        if self.eplb is None:
+            return np.asarray([expert])
+        return np.flatnonzero(self.eplb.placement[moe_layer] == expert)
+
+    def _single_process(self, what: str) -> None:
+        if self.channel is not None:
+            raise RuntimeError(f"{what}: not on a multi-process mesh (each process holds only its shards); load "
+                               f"weights with update_weights_from_disk")
+
+    def _weights_present(self, what: str, stale_ok: bool = False) -> None:
+        if self._leaves is None:
+            raise EngineSleeping(f"{what}: the weights were released by sleep(level={self.sleep_level}); call "
+                                 f"wake_up(['weights']) first")
+        if self._weights_stale and not stale_ok:
+            raise EngineSleeping(f"{what}: sleep(level=2) discarded the weights; load new ones first")
+
     def _load_weights_together(self, path: str) -> None:
         """(every process, in step) Load a checkpoint's weights and install them where every process could.
         Two rounds, each closed by every process's verdict: reading the config (host only: a process
@@ -1591,7 +1701,7 @@ class Engine:
             self.eplb.reset()
         for slot, adapter in self.loras.in_slot.items():  # loaded adapters stay loaded over new weights
             self._write_lora(slot, adapter)
-        self._host_leaves, self._weights_stale = None, False
+        self._host_leaves, self._weights_stale, self._pending_halves = None, False, {}
         if self.sleep_level and self.arena is not None:
             self.sleep_level = 0  # the cache was woken already: the engine is awake again
 
@@ -1748,7 +1858,7 @@ class Engine:
                 self._set_leaves(self._host_leaves)
             else:
                 self._set_leaves([np.zeros(shape, dtype) for shape, dtype, _ in self._leaf_specs])
-                self._weights_stale = True
+                self._weights_stale, self._stale_written = True, set()
             self._host_leaves = None
         if "kv_cache" in tags and self.arena is None:
             self._zeroed_arena()

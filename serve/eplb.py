@@ -76,11 +76,16 @@ def attach(model, redundant: int = 0):
         if isinstance(node, MoE) and getattr(node, "expert_slots", None) is None:
             node.expert_slots = ExpertPlacement(jnp.asarray(table))
             node.expert_copies = ExpertCopies(jnp.asarray(copies))
-            if redundant:
+            if redundant:  # new variables: the caller's model keeps its own (merge shares them)
                 take = jnp.asarray(expert_at)
-                for w in (node.w1, node.w3, node.w2):
-                    for var in ((w.weight_packed, w.weight_scale) if isinstance(w, MXFP4Params) else (w,)):
-                        var.set_value(jnp.take(var[...], take, axis=0))
+                for name in ("w1", "w3", "w2"):
+                    w = getattr(node, name)
+                    if isinstance(w, MXFP4Params):
+                        for half in ("weight_packed", "weight_scale"):
+                            var = getattr(w, half)
+                            setattr(w, half, var.replace(jnp.take(var[...], take, axis=0)))
+                    else:
+                        setattr(node, name, w.replace(jnp.take(w[...], take, axis=0)))
     graphdef, params = nnx.split(module)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 

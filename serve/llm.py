@@ -180,6 +180,17 @@ class LLM:
         self.engine.update_weights(model)
         self.model = model
 
+    def get_weights_by_name(self, name: str, truncate_size: Optional[int] = 100):
+        """A checkpoint tensor as the engine serves it now, its first `truncate_size` rows (SGLang's; see
+        `Engine.get_weights_by_name`); with data-parallel replicas, a list with each replica's."""
+        return self.engine.get_weights_by_name(name, truncate_size)
+
+    def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
+        """Write some weights, given as (checkpoint name, tensor) pairs (SGLang's; see
+        `Engine.update_weights_from_tensor`): the others stay, no compile."""
+        self.engine.update_weights_from_tensor(named_tensors, flush_cache)
+        self.model = self.engine.model  # (the caller's Model no longer holds these weights)
+
     def sleep(self, level: int = 1, tags: Optional[list[str]] = None) -> None:
         """Release the device memory of the weights and the cache (vLLM's sleep mode; see `Engine.sleep`):
         level 1 keeps the weights in host memory, level 2 discards them (`update_weights` loads new ones);

@@ -330,6 +330,33 @@ def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
     settled(on)
 
 
+def test_update_weights_from_tensor_answers_as_update_weights(engines):
+    """SGLang's update_weights_from_tensor: the checkpoint tensors of other weights, pushed in two buckets by
+    name (MXFP4 pairs split between them), answer exactly as `update_weights` with the whole model; no
+    compile; the prefix cache is forgotten unless `flush_cache=False` keeps it."""
+    from k3jax.checkpoint import hf_tensors
+
+    on, _ = engines
+    base, new = k3jax.load_model("tiny-k3", seed=2), k3jax.load_model("tiny-k3", seed=5)  # the fixture's, others
+    on.update_weights(new)
+    want = generate_all(on, PROMPTS)
+    on.update_weights(base)
+    before = generate_all(on, PROMPTS)
+    tensors = list(hf_tensors(new.cfg, new.params))
+    on.update_weights_from_tensor(tensors[:len(tensors) // 2 + 1])
+    on.update_weights_from_tensor(tensors[len(tensors) // 2 + 1:])
+    got = generate_all(on, PROMPTS)
+    assert [logprobs(o) for o in got] == [logprobs(o) for o in want] != [logprobs(o) for o in before]
+    assert all(o.num_cached_tokens == 0 for o in got)
+    on.update_weights_from_tensor(tensors[:3], flush_cache=False)  # (the same values): cached prefixes stay
+    again = generate_all(on, PROMPTS)
+    assert [logprobs(o) for o in again] == [logprobs(o) for o in want] and again[0].num_cached_tokens > 0
+    on.update_weights_from_tensor(list(hf_tensors(base.cfg, base.params)))
+    assert [logprobs(o) for o in generate_all(on, PROMPTS)] == [logprobs(o) for o in before]
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+
+
 def live_bytes():
     import gc
 
@@ -588,6 +615,63 @@ def test_sglang_memory_and_pause_endpoints(engines, tmp_path):
 
     _serve_weight_sync(go, aeng, on, {"/release_memory_occupation", "/pause_generation", "/continue_generation",
                                       "/update_weight_version"})
+
+
+def test_weights_by_name_endpoints(engines, tmp_path):
+    """SGLang's /get_weights_by_name (GET or POST: a checkpoint tensor's first rows as nested lists) and
+    /update_weights_from_tensor (served with enable_sleep_mode; here the tensors come as base64 safetensors
+    files, `load_format` "safetensors"): pushed tensors read back and change the answers, the originals
+    pushed back answer as before; bad names, formats and files are 400s naming the field, weights unchanged."""
+    import base64
+
+    import httpx
+    from safetensors.numpy import save
+
+    from k3jax.checkpoint import hf_tensors
+
+    on, aeng, app = _weight_sync_app(engines, tmp_path)
+    base, other = (dict(hf_tensors(m.cfg, m.params)) for m in (k3jax.load_model("tiny-k3", seed=s) for s in (2, 3)))
+    names = sorted(n for n in base if ".layers.0." in n or "embed" in n)  # (under the 1 MiB body limit)
+    files = lambda ts: [base64.b64encode(save({n: ts[n] for n in part})).decode() for part in (names[::2], names[1::2])]
+    body = dict(prompt=PROMPTS[0], max_tokens=4, temperature=0, logprobs=2)
+    embed = "language_model.model.embed_tokens.weight"
+
+    async def answer(c):
+        return (await c.post("/v1/completions", json=body)).json()["choices"][0]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            first = await answer(c)
+            r = await c.request("GET", "/get_weights_by_name", json={"name": embed, "truncate_size": 2})
+            assert r.status_code == 200 and r.json() == base[embed][:2].tolist(), r.text
+            r = (await c.post("/get_weights_by_name", json={"name": names[0], "truncate_size": None})).json()
+            assert np.array_equal(np.asarray(r, np.float32), base[names[0]])
+            r = await c.post("/get_weights_by_name", json={"name": "model.nope"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "name" and "model.nope" in r.text
+
+            push = lambda ts, **kw: c.post("/update_weights_from_tensor", json=dict(
+                serialized_named_tensors=files(ts), load_format="safetensors", **kw))
+            updates = on.stats()["weight_updates"]
+            for bad, param in ((dict(load_format=None), "load_format"),
+                               (dict(serialized_named_tensors=["%%%"]), "serialized_named_tensors"),
+                               (dict(serialized_named_tensors=[base64.b64encode(b"x" * 16).decode()]),
+                                "serialized_named_tensors"),
+                               (dict(serialized_named_tensors=[base64.b64encode(save(
+                                   {embed: np.zeros((3, 64), np.float32)})).decode()]), "serialized_named_tensors")):
+                r = await c.post("/update_weights_from_tensor", json={**dict(
+                    serialized_named_tensors=files(other), load_format="safetensors"), **bad})
+                assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+            assert "does not match the model's [320, 64]" in r.text and on.stats()["weight_updates"] == updates
+            r = (await push(other, weight_version="pushed")).json()
+            assert r == {"success": True, "message": f"{len(names)} tensors written; weight version pushed",
+                         "is_sleeping": False}
+            got = (await c.post("/get_weights_by_name", json={"name": embed, "truncate_size": 1})).json()
+            assert got == other[embed][:1].tolist() and (await answer(c))["logprobs"] != first["logprobs"]
+            assert (await c.get("/get_model_info")).json()["weight_version"] == "pushed"
+            assert (await push(base)).json()["success"] and await answer(c) == first
+            assert on.stats()["weight_updates"] == updates + 2
+
+    _serve_weight_sync(go, aeng, on, {"/get_weights_by_name", "/update_weights_from_tensor"})
 
 
 def test_pause_endpoints(engines, tmp_path):

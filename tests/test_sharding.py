@@ -6,6 +6,7 @@ import sys
 import textwrap
 
 import jax
+import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
@@ -122,6 +123,36 @@ _MULTI = textwrap.dedent("""
               decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(4,), measure_moe_time=False,
               progress=False)
     out = {}
+
+    def named_weights(llm, model, write):
+        # weights by checkpoint name on a mesh: every 5th tensor read back as the checkpoint has it (experts
+        # that the CPU engine holds expanded, dense); `write`: other weights pushed by name read back, then the
+        # originals pushed back (the generations that follow check that they landed where they were)
+        from k3jax.checkpoint import hf_tensors
+        from pallas_kernels.moe.mxfp4 import dequantize_mxfp4
+        mism = []
+
+        def check(m):
+            ts = dict(hf_tensors(m.cfg, m.params))
+            for name in sorted(ts)[::5]:
+                want = ts[name]
+                if name.endswith("weight_scale") and llm.engine._expanded_group:
+                    continue
+                if name.endswith("weight_packed") and llm.engine._expanded_group:
+                    want = np.asarray(dequantize_mxfp4(want, ts[name.replace("packed", "scale")]))
+                    name = name.replace("weight_packed", "weight")
+                got = llm.get_weights_by_name(name, None)
+                if got.shape != want.shape or not np.array_equal(got, want):
+                    mism.append(name)
+        base = k3jax.load_model(model, seed=0)
+        check(base)
+        if write:
+            other = k3jax.load_model(model, seed=1)
+            llm.update_weights_from_tensor(list(hf_tensors(other.cfg, other.params)))
+            check(other)
+            llm.update_weights_from_tensor(list(hf_tensors(base.cfg, base.params)))
+        return mism
+
     for model in sys.argv[1:]:
         # tiny-kimi-linear: tensor-parallel (its experts split over the 4 devices too); expert parallelism alone,
         # the mesh forms' mix and the accelerator's decode forms are the same code, run on tiny-k3 (CI time)
@@ -146,6 +177,7 @@ _MULTI = textwrap.dedent("""
                             kda_decode=kda, decode_context_parallel_size=dcp, **eplb, **kw,
                             scan_layers="scan" in mla)
             eng = llm.engine
+            weights_mismatched = named_weights(llm, model, write=sh == "tp_ep" or mla == "eplb_scan")
             res = llm.generate(prompts, sps)
             # stale words in every free unit (a finite float32 word, NaN as bf16 or fp8): masked slots must not read them
             free = np.flatnonzero(eng.allocator.owner == eng.allocator.FREE)
@@ -186,6 +218,7 @@ _MULTI = textwrap.dedent("""
                 if eplb else None,
                 logprobs=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res],
                 mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
+                weights_mismatched=weights_mismatched,
                 devices=sorted(d.id for d in eng.arena.sharding.device_set),
                 arena_replicated=eng.arena.sharding.is_fully_replicated,
                 free=st["arena_free_units"] + st["arena_cached_units"], baseline=st["arena_baseline_free_units"],
@@ -255,6 +288,8 @@ _GROUPS = textwrap.dedent("""
                      arena=[sorted(d.id for d in e.arena.sharding.device_set) for e in dp.engine.replicas],
                      params=[sorted({d.id for x in jax.tree.leaves(e.model.params) for d in x.sharding.device_set})
                              for e in dp.engine.replicas])
+    out["dp"]["weights"] = [np.asarray(w).tolist() for w in dp.get_weights_by_name(
+        "language_model.model.layers.0.self_attn.q_proj.weight", 2)]
     # replicas of a 2-way tensor mesh each: placed (built, not compiled: CI time)
     engines, groups = build_replicas(dp.model, dataclasses.replace(cfg, sharding="tp"), 2, warmup=False)
     out["dp_tp"] = dict(groups=[list(g) for g in groups], mesh=[dict(e.mesh.shape) for e in engines],
@@ -466,6 +501,9 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
         assert r["compiles"] == 0
         assert r["free"] == r["baseline"]  # free + held only by the prefix cache
         assert (r["scan"] == "LayerScan(start=1, period=3, groups=2)") == ("scan" in sh)
+    # weights by checkpoint name (serve/named_weights.py) read back whatever the mesh, form or expert placement;
+    # pushed by name and restored on tp_ep and eplb_scan (their generations above then match one device's)
+    assert all(r.get("weights_mismatched") == [] for k, r in multi_device.items() if k.startswith(model + "/"))
 
 
 @pytest.mark.parametrize("model", ["tiny-k3", "tiny-kimi-linear"])
@@ -576,6 +614,9 @@ def test_data_parallel_replicas_generate_what_one_engine_does(multi_device):
     assert dp["compiles"] == 0 and dp["running"] == 0 and dp["free"] == dp["baseline"]
     tp = multi_device["dp_tp"]
     assert tp["groups"] == [[0, 1], [2, 3]] == tp["arena"] and tp["mesh"] == [{"tensor": 2}] * 2
+    # get_weights_by_name on replicas: each replica's copy (SGLang's list form)
+    q = np.asarray(load_model("tiny-k3", seed=0).params["layers"][0]["self_attn"]["q_proj"]["weight"][...])[:2]
+    assert dp["weights"] == [q.tolist(), q.tolist()]
 
 
 def test_http_server_over_data_parallel_replicas(multi_device):

@@ -1,0 +1,281 @@
+"""The engine's weights by checkpoint tensor name: read one, write some (an RL trainer's weight sync).
+
+SGLang's `get_weights_by_name` (check that a sync landed) and `update_weights_from_tensor` (push
+tensors, often in buckets, without a checkpoint on disk) speak the HF checkpoint's names and layout,
+while the engine holds its weights otherwise: dense projections transposed on CPU
+(`k3jax/weight_layout.py`), MXFP4 experts expanded (`k3jax/dequantize.py`), routed experts at their
+load-balanced physical places (`serve/eplb.py`), a layer scan's layers stacked (`k3jax/layer_scan.py`),
+split over a mesh. `WeightNames` maps each checkpoint name to the per-layer weight holding it and the
+transform between the two layouts; the engine reads and writes through its `_leaf_at` table, so a
+name means the same tensor in every one of those forms.
+
+Names follow `k3jax.checkpoint.hf_name` (the names `load_model` reads): routed experts one tensor per
+expert (`...experts.{e}.w1.weight`, or `weight_packed` / `weight_scale` for MXFP4), the dense layer-0
+MLP under `mlp.` or `block_sparse_moe.`, `lm_head.weight` the embedding when tied. `A_log` comes as
+the checkpoint's shape for Kimi-Linear ([1, 1, H, 1]) and as its live heads [H] for K3 (whose
+checkpoint pads it to 128 entries; any padded length is taken on writes). MXFP4 experts the engine
+holds expanded answer under `...weight` (dense); their packed names are accepted on writes (a half
+waits for its partner, in the same call or a later one) but not read back (a dense weight does not
+determine its scales).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from typing import Any, Iterable, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from k3jax.checkpoint import hf_name
+from k3jax.layers.linear import Linear
+from k3jax.layers.moe import MoE
+from k3jax.lora import path_names
+
+_EXPERT = re.compile(r"\.experts\.(\d+)\.")
+
+
+class WeightNameError(KeyError, ValueError):
+    """A tensor name this model does not have, or a tensor of the wrong shape or dtype (names it)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class NamedWeight:
+    """Where one checkpoint tensor is held among the engine's per-layer weights, and how."""
+    leaf: int                      # the weight in `jax.tree.flatten` order of the engine's per-layer state
+    shape: tuple[int, ...]         # the checkpoint tensor's shape (one expert's, for routed experts)
+    dtype: Any                     # the checkpoint tensor's dtype as the engine takes it
+    transposed: bool = False       # held [in, out] (experts [E, in, out]); the checkpoint's is [out, in]
+                                   # (a packed half: the dense weight it expands to is)
+    moe_layer: Optional[int] = None  # routed experts: the MoE layer's index in depth order (the name has the expert)
+    packed_half: Optional[str] = None  # "weight_packed" / "weight_scale" of MXFP4 experts held expanded
+    a_log: Optional[str] = None    # A_log's checkpoint form: "kimi_linear" ([1, 1, H, 1]) or "kimi_k3" (padded [H+])
+
+
+class WeightNames:
+    """Checkpoint tensor names -> `NamedWeight` for one engine's per-layer weights (`model`: its `Model` after
+    the start-up transforms, before any layer scan). `expanded_group`: the MXFP4 group size when the
+    checkpoint's packed experts are held expanded (else None)."""
+
+    def __init__(self, model, expanded_group: Optional[int] = None):
+        cfg = model.cfg
+        self.family, self.expanded_group = cfg.family, expanded_group
+        self.prefix = "language_model." if cfg.family == "kimi_k3" else ""
+        module = nnx.merge(model.graphdef, model.params)
+        transposed: set[tuple] = set()
+        for path, node in nnx.iter_graph(module):
+            path = tuple(str(p) for p in path)
+            if isinstance(node, Linear) and node.in_out:
+                transposed.add(path + ("weight",))
+            elif isinstance(node, MoE) and node.experts_in_out:
+                transposed.update(path + (w,) for w in ("w1", "w2", "w3"))
+        if getattr(module, "head_in_out", False):
+            transposed.add(("lm_head",))
+        flat = jax.tree.flatten_with_path(model.params)[0]
+        names = [tuple(path_names(p)[:-1]) for p, _ in flat]  # (the trailing "value")
+        moe_layers = sorted({int(n[1]) for n in names if len(n) > 3 and n[2] == "block_sparse_moe" and n[3] == "w1"})
+        self.templates: dict[str, NamedWeight] = {}
+        for k, (n, (_, x)) in enumerate(zip(names, flat)):
+            if n[-1] in ("lora_a", "lora_b", "expert_slots", "expert_copies"):
+                continue  # adapter slots and placement tables: not checkpoint tensors
+            experts = len(n) > 3 and n[2] == "block_sparse_moe" and n[3] in ("w1", "w2", "w3")
+            shape = tuple(x.shape[1:] if experts else x.shape)
+            flip = n in transposed or (experts and n[:4] in transposed)
+            if flip:
+                shape = shape[:-2] + (shape[-1], shape[-2])
+            entry = NamedWeight(k, shape, x.dtype, flip, moe_layers.index(int(n[1])) if experts else None,
+                                a_log=cfg.family if n[-1] == "A_log" else None)
+            name = hf_name(n, self.prefix)
+            self._add(name, entry)
+            if experts and expanded_group and len(n) == 4:  # dense here, packed in the checkpoint
+                rows, cols = shape
+                for half, width in (("weight_packed", cols // 2), ("weight_scale", cols // expanded_group)):
+                    self._add(name[:-len("weight")] + half,
+                              dataclasses.replace(entry, shape=(rows, width), dtype=np.dtype(np.uint8),
+                                                  packed_half=half))
+        self.tied = cfg.tie_word_embeddings and self.prefix + "lm_head.weight" not in self.templates
+        self.experts = cfg.num_experts
+
+    def _add(self, name: str, entry: NamedWeight) -> None:
+        self.templates[name] = entry
+        if ".mlp." in name:  # HF transformers 5.x writes the dense layer-0 MLP under block_sparse_moe.
+            self.templates[name.replace(".mlp.", ".block_sparse_moe.")] = entry
+
+    def resolve(self, name: str) -> tuple[NamedWeight, Optional[int]]:
+        """-> (where `name` is held, its expert index or None). Raises WeightNameError naming it."""
+        if not isinstance(name, str) or not name:
+            raise WeightNameError(f"name: expected a tensor name, got {name!r}")
+        if self.tied and name == self.prefix + "lm_head.weight":
+            name = self.prefix + "model.embed_tokens.weight"  # tied: the embedding is the head
+        entry = self.templates.get(name)
+        if entry is not None and entry.moe_layer is None:
+            return entry, None
+        m = _EXPERT.search(name)
+        if m is not None:
+            entry = self.templates.get(name[:m.start()] + ".experts.{e}." + name[m.end():])
+            if entry is not None:
+                e = int(m.group(1))
+                if e >= self.experts:
+                    raise WeightNameError(f"tensor {name}: expert {e} out of range (the model has {self.experts})")
+                return entry, e
+        hint = ""
+        if name.endswith((".weight_packed", ".weight_scale")) and m is not None:
+            hint = " (this engine holds its routed experts dense: ask for `...weight`)"
+        near = difflib.get_close_matches(name, list(self.templates), n=3, cutoff=0.8)
+        raise WeightNameError(f"tensor {name}: no such weight in this model{hint}"
+                              + (f"; near it: {', '.join(near)}" if near else ""))
+
+    def _checkpoint_templates(self) -> Iterable[tuple[str, NamedWeight]]:
+        for t, entry in self.templates.items():
+            if ".block_sparse_moe." in t and t.replace(".block_sparse_moe.", ".mlp.") in self.templates:
+                continue  # the alias of a dense MLP
+            if entry.moe_layer is not None and self.expanded_group and entry.packed_half is None:
+                continue  # its checkpoint form is the packed pair
+            yield t, entry
+
+    def names(self) -> list[str]:
+        """Every checkpoint tensor name (routed experts one per expert; MXFP4 held expanded: the packed pairs)."""
+        return [t.format(e=e) if "{e}" in t else t for t, _ in self._checkpoint_templates()
+                for e in (range(self.experts) if "{e}" in t else [None])]
+
+    def keys(self) -> set[tuple]:
+        """(weight, expert) of every held tensor: what writing every checkpoint tensor covers."""
+        return {(entry.leaf, e) for t, entry in self._checkpoint_templates()
+                for e in (range(self.experts) if "{e}" in t else [None])}
+
+    # ---- layout conversions -------------------------------------------------------------------------------
+    def to_checkpoint(self, entry: NamedWeight, held: np.ndarray) -> np.ndarray:
+        """One tensor as the engine holds it -> the checkpoint's layout."""
+        if entry.transposed:
+            held = np.swapaxes(held, -1, -2)
+        if entry.a_log == "kimi_linear":
+            held = held.reshape(1, 1, -1, 1)
+        return held
+
+    def to_held(self, name: str, entry: NamedWeight, value) -> np.ndarray:
+        """A checkpoint tensor (numpy, JAX or torch) -> the engine's layout and dtype, checked."""
+        a = as_numpy(value)
+        if entry.a_log is not None:
+            flat = a.reshape(-1)
+            heads = entry.shape[0]
+            if flat.size < heads:
+                raise WeightNameError(f"tensor {name}: {flat.size} entries for {heads} heads")
+            a = flat[:heads]
+        elif tuple(a.shape) != entry.shape:
+            raise WeightNameError(f"tensor {name}: shape {list(a.shape)} does not match the model's {list(entry.shape)}")
+        if entry.packed_half is not None or entry.dtype == np.uint8:
+            if a.dtype != np.uint8:
+                raise WeightNameError(f"tensor {name}: packed MXFP4 data must be uint8, got {a.dtype}")
+        elif not np.issubdtype(a.dtype, np.floating) and a.dtype != jnp.bfloat16:
+            raise WeightNameError(f"tensor {name}: expected floating-point values, got {a.dtype}")
+        if entry.transposed and entry.packed_half is None:
+            a = a.T
+        return a
+
+
+def as_numpy(value) -> np.ndarray:
+    """numpy / JAX / torch (CPU, any float dtype incl. bfloat16) -> a numpy array."""
+    if hasattr(value, "detach"):  # a torch tensor: numpy has no bfloat16, go through float32 (exact)
+        t = value.detach().cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            return np.asarray(t.float().numpy()).astype(jnp.bfloat16)
+        return np.asarray(t.numpy())
+    return np.asarray(value)
+
+
+def pair_expanded(writes: list[tuple[str, NamedWeight, Optional[int], np.ndarray]], group: int, dtypes: list,
+                  pending: dict) -> list:
+    """Writes of MXFP4 halves (for experts held expanded) -> dense writes: each matrix's packed and scale
+    tensors dequantised together (to `dtypes[leaf]`, the held weight's dtype). A half whose partner has not
+    come yet waits in `pending` ({(stem, expert): {half: (entry, value)}}, kept by the caller across calls:
+    a trainer's buckets may split a pair)."""
+    from pallas_kernels.moe.mxfp4 import dequantize_mxfp4  # noqa: PLC0415
+
+    out = []
+    for name, entry, e, a in writes:
+        if entry.packed_half is None:
+            out.append((name, entry, e, a))
+            continue
+        stem = name[:-len(entry.packed_half)]
+        got = pending.setdefault((stem, e), {})
+        got[entry.packed_half] = (entry, a)
+        if len(got) < 2:
+            continue
+        del pending[(stem, e)]
+        (entry, packed), (_, scale) = got["weight_packed"], got["weight_scale"]
+        dense = np.asarray(dequantize_mxfp4(packed, scale, dtype=dtypes[entry.leaf], group_size=group))
+        dense_entry = dataclasses.replace(entry, shape=dense.shape, dtype=dense.dtype, packed_half=None)
+        out.append((stem + "weight", dense_entry, e, dense.T if entry.transposed else dense))
+    return out
+
+
+def _bounds(index: tuple, shape: tuple) -> list[tuple[int, int]]:
+    """A shard's index (slices) -> [(start, stop)] per axis."""
+    return [(sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, shape)]
+
+
+def read(leaf: jax.Array, lead: tuple[int, ...], rows: Optional[int] = None, rows_axis: int = 0) -> np.ndarray:
+    """`leaf[lead]` on the host, at most `rows` entries along `rows_axis` of the result, copied shard by shard:
+    only the bytes asked for leave the device and no cross-device op runs (a tensor split over a mesh is
+    put together on the host)."""
+    shape = leaf.shape[len(lead):]
+    want = [(0, n) for n in shape]
+    if rows is not None:
+        want[rows_axis] = (0, min(rows, shape[rows_axis]))
+    out = np.empty([b - a for a, b in want], leaf.dtype)
+    done = set()
+    for shard in leaf.addressable_shards:
+        bounds = _bounds(shard.index, leaf.shape)
+        head, rest = bounds[:len(lead)], bounds[len(lead):]
+        if any(not lo <= i < hi for i, (lo, hi) in zip(lead, head)) or tuple(rest) in done:
+            continue
+        cut = [(max(a, lo), min(b, hi)) for (a, b), (lo, hi) in zip(want, rest)]
+        if any(a >= b for a, b in cut):
+            continue
+        done.add(tuple(rest))
+        local = tuple(i - lo for i, (lo, _) in zip(lead, head)) + tuple(
+            slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cut, rest))
+        out[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(cut, want))] = np.asarray(shard.data[local])
+    return out
+
+
+def write(leaf: jax.Array, writes: Iterable[tuple[tuple, np.ndarray]]) -> jax.Array:
+    """-> `leaf` with each (leading index, value of the remaining axes) written: one scatter per device on its own
+    shard (no cross-device op), or the value whole for an empty index. Not donated: the caller's `Model` may
+    share the array."""
+    writes = list(writes)
+    if len(leaf.sharding.device_set) == 1:  # one device: the array as it was (committed or not), one scatter
+        if writes[-1][0] == ():
+            return jnp.asarray(writes[-1][1], leaf.dtype)
+        index = tuple(np.array(ix, np.int32) for ix in zip(*[w[0] for w in writes]))
+        return _scatter(leaf, index, np.stack([w[1] for w in writes]).astype(leaf.dtype))
+    parts = []
+    for shard in leaf.addressable_shards:
+        bounds = _bounds(shard.index, leaf.shape)
+        mine = [(ix, v) for ix, v in writes
+                if all(lo <= i < hi for i, (lo, hi) in zip(ix, bounds))]
+        data = shard.data
+        if mine:
+            depth = len(mine[0][0])
+            cut = tuple(slice(lo, hi) for lo, hi in bounds[depth:])
+            if depth == 0:
+                data = jax.device_put(np.asarray(mine[-1][1][cut], leaf.dtype), shard.device)
+            else:
+                index = tuple(np.array([i - lo for i in col], np.int32)
+                              for col, (lo, _) in zip(zip(*[ix for ix, _ in mine]), bounds))
+                values = np.stack([v[cut] for _, v in mine]).astype(leaf.dtype)
+                data = _scatter(data, jax.device_put(index, shard.device), jax.device_put(values, shard.device))
+        parts.append(data)
+    return jax.make_array_from_single_device_arrays(leaf.shape, leaf.sharding, parts)
+
+
+@jax.jit
+def _scatter(leaf, index, values):
+    return leaf.at[index].set(values)
