@@ -11,11 +11,21 @@ Pallas grouped matmul dequantises inside the tile and the experts stay packed.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
+import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.layers.moe import MoE, MXFP4Params
+from pallas_kernels.moe.mxfp4 import dequantize_mxfp4
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "group_size"))
+def expand_mxfp4(packed: jax.Array, scale: jax.Array, dtype, group_size: int = 32) -> jax.Array:
+    """`dequantize_mxfp4` as one fused program: eagerly each of its elementwise steps is a pass over all
+    the experts (k3-small's 33 expert weights: ~1.8 s eager, ~0.2 s fused, on the 2-core host)."""
+    return dequantize_mxfp4(packed, scale, dtype=dtype, group_size=group_size)
 
 
 def dequantize_experts(model, dtype=None):
@@ -39,7 +49,9 @@ def dequantize_experts(model, dtype=None):
         for name in ("w1", "w2", "w3"):
             w = getattr(node, name)
             if isinstance(w, MXFP4Params):
-                setattr(node, name, nnx.Param(w.value().dequantize(dtype=dtype),
+                q = w.value()
+                setattr(node, name, nnx.Param(expand_mxfp4(q.packed, q.scale, dtype=jnp.dtype(dtype),
+                                                           group_size=q.group_size),
                                               axes=("experts", "expert_mlp", None)))
                 changed = True
             elif widen and w[...].dtype != dtype:
