@@ -18,6 +18,7 @@ import dataclasses
 import hashlib
 import io
 import itertools
+import json
 import logging
 import math
 import os
@@ -54,9 +55,9 @@ from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, pl
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
 from serve import named_weights
 from serve.named_weights import WeightNameError, WeightNames, pair_expanded
-from serve.multihost import (ADAPTER, ADAPTER_CHUNK, EPLB, FORGET, LORA, LORA_DROP, RESTORE, SAMPLE, SLEEP, SPILL, TABLES,
-                             UPDATE, WAKE, HostCopy, StepChannel, bytes_payload, mesh_processes, payload_bytes,
-                             payload_text, text_payload)
+from serve.multihost import (ADAPTER, ADAPTER_CHUNK, EPLB, FORGET, LORA, LORA_DROP, NAMED_READ, NAMED_WRITE, RESTORE,
+                             SAMPLE, SLEEP, SPILL, TABLES, UPDATE, WAKE, HostCopy, StepChannel, bytes_payload,
+                             mesh_processes, payload_bytes, payload_text, text_payload)
 from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
@@ -754,6 +755,7 @@ class Engine:
         # followers of a multi-process engine: the leader's adapters' factors by uid (and chunks still arriving)
         self._adapter_factors: dict[int, dict] = {}
         self._adapter_parts: dict[int, list[bytes]] = {}
+        self._named_parts: list[bytes] = []  # chunks of the tensors of a named write (update_weights_from_tensor)
         self.sleep_level = 0  # vLLM's sleep mode: 0 awake, 1 weights on the host, 2 weights discarded
         self.held = False  # `retract`: requests kept, nothing scheduled until `continue_generation`
         self._host_leaves: Optional[list] = None  # level 1: the weights, copied to host memory
@@ -1109,6 +1111,9 @@ class Engine:
                     continue
                 if cmd == ADAPTER:
                     self._receive_adapter(batch)
+                    continue
+                if cmd in (NAMED_WRITE, NAMED_READ):
+                    self._receive_named(cmd, batch)
                     continue
                 if cmd == LORA:
                     slot, uid = batch.tolist()
@@ -1542,26 +1547,42 @@ class Engine:
         checkpoint's layout (however the engine holds it: transposed, expert-balanced, layer-stacked, on a mesh),
         its first `truncate_size` rows (all of it with None) -> numpy. An RL loop checks a weight sync with it.
         Names as `load_model` reads them (serve/named_weights.py); an unknown name raises `WeightNameError`
-        naming it and its neighbours."""
+        naming it and its neighbours. On a multi-process mesh every process reads its own shards of it."""
         self._leader_only("get_weights_by_name")
-        self._single_process("get_weights_by_name")
         if truncate_size is not None and (isinstance(truncate_size, bool) or not isinstance(truncate_size, int)
                                           or truncate_size < 0):
             raise ValueError(f"truncate_size: expected an integer >= 0 or None, got {truncate_size!r}")
-        names = self.weight_names
-        entry, expert = names.resolve(name)
+        entry, _ = self.weight_names.resolve(name)
         if entry.packed_half is not None:
             raise WeightNameError(f"tensor {name}: this engine holds its MXFP4 routed experts expanded "
                                   f"(expert_weights={self.config.expert_weights!r} on this backend); read "
                                   f"{name[:-len(entry.packed_half)]}weight, their dense value")
         self._weights_present("get_weights_by_name")
+        if self.channel is not None:
+            self.channel.command(NAMED_READ, text_payload(json.dumps([name, truncate_size])))
+        return self._read_named(name, truncate_size)
+
+    def _read_named(self, name: str, truncate_size: Optional[int]) -> np.ndarray:
+        """(every process, together) `get_weights_by_name`'s read: each process copies the rows asked for from
+        its own shards; on a multi-process mesh they are put together (an all-gather of the rows and of which
+        process held each)."""
+        names = self.weight_names
+        entry, expert = names.resolve(name)
         leaf, group = self._leaf_at[entry.leaf]
         lead = (() if group is None else (group,)) + (
             () if expert is None else (int(self._expert_places(entry.moe_layer, expert)[0]),))
         held = self._leaves[leaf]
         # only the rows asked for leave the device (the checkpoint's rows are the held columns when transposed)
         rows_axis = held.ndim - len(lead) - 1 if entry.transposed else 0
-        out = names.to_checkpoint(entry, named_weights.read(held, lead, None if entry.a_log else truncate_size, rows_axis))
+        out, mine = named_weights.read(held, lead, None if entry.a_log else truncate_size, rows_axis)
+        if self.channel is not None:
+            from jax.experimental import multihost_utils
+
+            every = np.asarray(multihost_utils.process_allgather(out.view(np.uint8)))  # (bytes: any dtype)
+            owner = np.asarray(multihost_utils.process_allgather(mine))
+            for values, there in zip(every, owner):
+                out = np.where(there, values.view(out.dtype).reshape(out.shape), out)
+        out = names.to_checkpoint(entry, out)
         return out if truncate_size is None else out[:truncate_size]
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
@@ -1572,26 +1593,57 @@ class Engine:
         checked before anything is written (a bad name, shape or dtype raises naming the tensor, weights
         unchanged). No compile. `flush_cache` (default) forgets the prefix cache, whose states came from the
         old weights. Requests must not be in flight (or be retracted). After `sleep(level=2)` and
-        `wake_up(["weights"])` the engine serves again once every checkpoint tensor has been written."""
+        `wake_up(["weights"])` the engine serves again once every checkpoint tensor has been written. On a
+        multi-process mesh the leader sends the tensors to every process, each writes its own shards, and the
+        leader raises naming any process that could not."""
         self._leader_only("update_weights_from_tensor")
-        self._single_process("update_weights_from_tensor")
         self._check_idle("update_weights_from_tensor")
         self._weights_present("update_weights_from_tensor", stale_ok=True)
-        names = self.weight_names
         items = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
         if not items:
             raise ValueError("update_weights_from_tensor: no tensors given")
-        writes = []
         for item in items:
             if not (isinstance(item, (tuple, list)) and len(item) == 2):
                 raise ValueError(f"update_weights_from_tensor: expected (name, tensor) pairs, got {type(item).__name__}")
-            name, value = item
+        items = [(name, named_weights.as_numpy(value)) for name, value in items]
+        writes = self._named_writes(items)  # raises before anything is sent or written
+        if self.channel is not None:
+            raw = named_weights.pack_tensors(items)
+            n = max(1, -(-len(raw) // ADAPTER_CHUNK))
+            for k in range(n):
+                self.channel.command(NAMED_WRITE, bytes_payload([k, n], raw[k * ADAPTER_CHUNK:(k + 1) * ADAPTER_CHUNK]))
+        err = None
+        try:
+            self._apply_named(writes)
+        except Exception as e:  # noqa: BLE001 - reported with the other processes' verdicts
+            err = e
+        failed = self._processes_failed(err is None)
+        if failed and self.channel is None:
+            raise err
+        if failed:
+            raise RuntimeError(f"update_weights_from_tensor: process(es) {failed} could not write the tensors (their "
+                               f"logs say why); the processes' weights may now differ: write them again") from err
+        if flush_cache:
+            self._forget_cached("update_weights_from_tensor")
+        self.counters["weight_updates"] += 1
+
+    def _named_writes(self, items: list) -> list:
+        """(name, array) pairs -> checked writes (name, where, expert, value in the held layout); raises naming a
+        tensor that is unknown or of the wrong shape or dtype."""
+        names = self.weight_names
+        out = []
+        for name, value in items:
             entry, expert = names.resolve(name)
-            writes.append((name, entry, expert, names.to_held(name, entry, value)))
+            out.append((name, entry, expert, names.to_held(name, entry, value)))
+        return out
+
+    def _apply_named(self, writes: list) -> None:
+        """(every process) Write checked named tensors where this process holds them: MXFP4 halves paired (a lone
+        half waits), each tensor at every place its weight is held, then placed as the step programs expect."""
+        names = self.weight_names
+        pending = {k: dict(v) for k, v in self._pending_halves.items()}  # (kept only once the writes are made)
         if names.expanded_group:  # MXFP4 halves -> dense once both came (a lone half waits for a later call)
-            pending = {k: dict(v) for k, v in self._pending_halves.items()}
             writes = pair_expanded(writes, names.expanded_group, [d for _, d in self._param_specs], pending)
-            self._pending_halves = pending
         per_leaf: dict[int, dict] = {}  # step leaf -> {index: value} (a later write of the same place wins)
         for _, entry, expert, value in writes:
             leaf, group = self._leaf_at[entry.leaf]
@@ -1604,24 +1656,36 @@ class Engine:
             leaves[leaf] = named_weights.write(leaves[leaf], by_index.items())
         self._set_leaves(leaves)
         jax.block_until_ready(self._leaves)
+        self._pending_halves = pending
         if self._weights_stale:
             self._stale_written |= {(entry.leaf, expert) for _, entry, expert, _ in writes}
             if self._stale_written >= names.keys():
                 self._weights_stale, self._stale_written = False, set()
-        if flush_cache:
-            self._forget_cached("update_weights_from_tensor")
-        self.counters["weight_updates"] += 1
+
+    def _receive_named(self, cmd: int, payload: np.ndarray) -> None:
+        """A follower's part of a named write (the last chunk writes, then every process's verdict) or read."""
+        if cmd == NAMED_READ:
+            name, truncate_size = json.loads(payload_text(payload))
+            self._read_named(name, truncate_size)
+            return
+        (k, n), raw = payload_bytes(payload, 2)
+        self._named_parts.append(raw)
+        if k < n - 1:
+            return
+        raw, self._named_parts = b"".join(self._named_parts), []
+        ok = True
+        try:
+            self._apply_named(self._named_writes(named_weights.unpack_tensors(raw)))
+        except Exception:  # noqa: BLE001 - the leader names this process
+            log.exception("update_weights_from_tensor: process %d could not write the tensors", self.channel.process)
+            ok = False
+        self._processes_failed(ok)
 
     def _expert_places(self, moe_layer: int, expert: int) -> np.ndarray:
         """The physical positions of a routed expert in its MoE layer's stacked weights (EPLB: maybe several)."""
         if self.eplb is None:
             return np.asarray([expert])
         return np.flatnonzero(self.eplb.placement[moe_layer] == expert)
-
-    def _single_process(self, what: str) -> None:
-        if self.channel is not None:
-            raise RuntimeError(f"{what}: not on a multi-process mesh (each process holds only its shards); load "
-                               f"weights with update_weights_from_disk")
 
     def _weights_present(self, what: str, stale_ok: bool = False) -> None:
         if self._leaves is None:

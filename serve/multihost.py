@@ -83,8 +83,12 @@ SLEEP, WAKE, UPDATE = 9, 10, 11
 # an adapter removed (uid)
 ADAPTER, LORA, LORA_DROP = 12, 13, 14
 ADAPTER_CHUNK = 64 << 20  # bytes of an adapter's factors per message
+# weights by checkpoint name (serve/named_weights.py): tensors to write (chunk, chunks, then `bytes_payload` of
+# their `pack_tensors` bytes), and a tensor to read (`text_payload` of [name, truncate_size] as JSON); every process
+# writes / reads its own shards, then all answer together
+NAMED_WRITE, NAMED_READ = 15, 16
 _PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB, SLEEP, WAKE, UPDATE, ADAPTER, LORA,
-             LORA_DROP)  # commands that carry an int32 payload
+             LORA_DROP, NAMED_WRITE, NAMED_READ)  # commands that carry an int32 payload
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
 OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
 #: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)

@@ -17,12 +17,18 @@ checkpoint pads it to 128 entries; any padded length is taken on writes). MXFP4 
 holds expanded answer under `...weight` (dense); their packed names are accepted on writes (a half
 waits for its partner, in the same call or a later one) but not read back (a dense weight does not
 determine its scales).
+
+Reads and writes go shard by shard: each device's own shard is scattered into (`write`), and a read copies only
+the asked rows of the shards holding them (`read`), so no cross-device program runs. On a multi-process mesh
+the leader sends the tensors (`pack_tensors`) and every process writes its shards; a read's rows are
+all-gathered from the processes holding them (serve/engine.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import re
 from typing import Any, Iterable, Optional
 
@@ -222,15 +228,18 @@ def _bounds(index: tuple, shape: tuple) -> list[tuple[int, int]]:
     return [(sl.start or 0, n if sl.stop is None else sl.stop) for sl, n in zip(index, shape)]
 
 
-def read(leaf: jax.Array, lead: tuple[int, ...], rows: Optional[int] = None, rows_axis: int = 0) -> np.ndarray:
+def read(leaf: jax.Array, lead: tuple[int, ...], rows: Optional[int] = None, rows_axis: int = 0
+         ) -> tuple[np.ndarray, np.ndarray]:
     """`leaf[lead]` on the host, at most `rows` entries along `rows_axis` of the result, copied shard by shard:
     only the bytes asked for leave the device and no cross-device op runs (a tensor split over a mesh is
-    put together on the host)."""
+    put together on the host) -> (values, which of them this process holds: on a multi-process mesh the rest
+    are other processes' shards)."""
     shape = leaf.shape[len(lead):]
     want = [(0, n) for n in shape]
     if rows is not None:
         want[rows_axis] = (0, min(rows, shape[rows_axis]))
-    out = np.empty([b - a for a, b in want], leaf.dtype)
+    out = np.zeros([b - a for a, b in want], leaf.dtype)
+    held = np.zeros(out.shape, bool)
     done = set()
     for shard in leaf.addressable_shards:
         bounds = _bounds(shard.index, leaf.shape)
@@ -243,7 +252,26 @@ def read(leaf: jax.Array, lead: tuple[int, ...], rows: Optional[int] = None, row
         done.add(tuple(rest))
         local = tuple(i - lo for i, (lo, _) in zip(lead, head)) + tuple(
             slice(a - lo, b - lo) for (a, b), (lo, _) in zip(cut, rest))
-        out[tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(cut, want))] = np.asarray(shard.data[local])
+        at = tuple(slice(a - w, b - w) for (a, b), (w, _) in zip(cut, want))
+        out[at], held[at] = np.asarray(shard.data[local]), True
+    return out, held
+
+
+def pack_tensors(items: list[tuple[str, np.ndarray]]) -> bytes:
+    """(name, array) pairs -> bytes (a JSON header of names, dtypes and shapes, then the raw values; bfloat16
+    kept), what the leader of a multi-process mesh sends its followers."""
+    head = json.dumps([[n, str(a.dtype), list(a.shape)] for n, a in items]).encode()
+    return b"".join([len(head).to_bytes(8, "little"), head, *(np.ascontiguousarray(a).tobytes() for _, a in items)])
+
+
+def unpack_tensors(raw: bytes) -> list[tuple[str, np.ndarray]]:
+    n = int.from_bytes(raw[:8], "little")
+    at, out = 8 + n, []
+    for name, dtype, shape in json.loads(raw[8:at]):
+        dt = np.dtype(jnp.dtype(dtype))
+        size = int(np.prod(shape)) * dt.itemsize
+        out.append((name, np.frombuffer(raw[at:at + size], dt).reshape(shape)))
+        at += size
     return out
 
 

@@ -175,6 +175,7 @@ def test_two_processes_serve_like_one_device(cluster, reference):
 # leader's EPLB command makes every process move the same experts).
 _ASYNC = textwrap.dedent("""
     import dataclasses, json, sys
+    import numpy as np
     import k3jax
     import serve.engine
     from k3jax.runtime import load_model
@@ -249,6 +250,23 @@ _ASYNC = textwrap.dedent("""
         eng.remove_lora("a")
         eng.update_weights_from_disk(merged)  # the same adapter merged into the weights
         again.append(run())
+    # weights by checkpoint name: the leader sends the tensors, every process writes its own shards (ep: experts
+    # at their balanced places, half of them on each process) and reads back its part of a tensor
+    from k3jax.checkpoint import hf_tensors
+    from pallas_kernels.moe.mxfp4 import dequantize_mxfp4
+    base, other = (dict(hf_tensors(m.cfg, m.params)) for m in (load_model("tiny-k3"), load_model("tiny-k3", seed=1)))
+    def reads_back(ts):
+        same = []
+        for e in range(8):
+            stem = f"language_model.model.layers.1.block_sparse_moe.experts.{e}.w1."
+            want = np.asarray(dequantize_mxfp4(ts[stem + "weight_packed"], ts[stem + "weight_scale"]))
+            same.append(np.array_equal(eng.get_weights_by_name(stem + "weight", None), want))
+        q = "language_model.model.layers.0.self_attn.q_proj.weight"
+        return all(same) and np.array_equal(eng.get_weights_by_name(q, 3), ts[q][:3])
+    eng.update_weights_from_tensor(list(other.items()))
+    read_other = reads_back(other)
+    eng.update_weights_from_tensor(list(base.items()))
+    again += [bool(read_other and reads_back(base)), run()[0]]
     eng.close()
     print("RESULT" + json.dumps(dict(
         texts=texts, logprobs=logprobs, again=again, ahead=c["steps_launched_ahead"], steps=c["steps"],
@@ -268,7 +286,8 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     update_weights_from_disk, which fails as a whole when one process cannot read the directory or one of
     its tensors (after reading others: no process is left waiting in a load program), then succeeds; an adapter loaded at runtime gives the texts of its weights merged into the checkpoint. Under
     `ep` the experts are also re-placed every 3 steps (EPLB), on both processes alike, without changing an
-    output."""
+    output. Both: other weights written by checkpoint name (every process writing its own shards) read back
+    across the processes, and the originals written back give the first texts."""
     import json
 
     from k3jax.checkpoint import save_hf_checkpoint
@@ -303,10 +322,12 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
         assert "sleep(level=2) discarded the weights" in again[1], again
         for refused in again[2:4]:
             assert "process(es) [1] could not load" in refused and "unchanged" in refused, again
-        (lora, lora_lps), (merged, merged_lps) = again[5:]  # an adapter's outputs are its merged weights'
+        (lora, lora_lps), (merged, merged_lps) = again[5:7]  # an adapter's outputs are its merged weights'
         assert lora == merged and lora != got["texts"], (lora, merged)
         for a, b in zip(lora_lps, merged_lps):
             np.testing.assert_allclose(a, b, atol=1e-3)
+    # other weights written by name read back on both processes' shards; the originals written back answer as before
+    assert got["again"][-2:] == [True, got["texts"]], got["again"][-2:]
     if form == "ep":
         initial = list(range(8)) + [0, 1, 2, 3]
         assert got["eplb"]["rebalances"] >= 3 and got["eplb"]["layers_moved"] >= 1
