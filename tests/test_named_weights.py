@@ -214,3 +214,19 @@ def test_weights_discarded_by_sleep_come_back_tensor_by_tensor(k3):
     engine.update_weights_from_tensor(tensors[-5:])
     assert not engine.is_sleeping
     assert_holds(engine, model)
+
+
+def test_tensors_cross_to_other_processes_bit_exactly():
+    """What the leader of a multi-process mesh sends (`pack_tensors`): names, dtypes (bf16 and packed uint8
+    included), shapes and bits come back."""
+    from serve.named_weights import pack_tensors, unpack_tensors
+
+    rng = np.random.default_rng(0)
+    items = [("a.weight", rng.normal(size=(3, 5)).astype(np.float32)),
+             ("b.weight", rng.normal(size=(4,)).astype(jnp.bfloat16)),
+             ("c.weight_packed", rng.integers(0, 256, (2, 8), dtype=np.uint8)),
+             ("d", np.zeros((0, 2), np.float32))]
+    back = unpack_tensors(pack_tensors(items))
+    assert [n for n, _ in back] == [n for n, _ in items]
+    for (_, a), (_, b) in zip(items, back):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
