@@ -161,7 +161,8 @@ def add_serve_arguments(s) -> None:
                         "compile time stops growing with depth (K3: 21 of 93 layers compiled per program), each step "
                         "pays for slicing the stacked weights (CPU: decode 1.2x, prefill 1.4x slower)")
     e.add_argument("--speculative-config", default=d["speculative_config"],
-                   help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\'')
+                   help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
+                        '(methods: ngram, suffix)')
     e.add_argument("--generation-config", default=d["generation_config"], metavar="auto|vllm|DIR",
                    help="default sampling for requests that leave it unset: 'auto' reads the checkpoint's "
                         "generation_config.json (K3: temperature 1.0, top_p 0.95), 'vllm' ignores it, a directory "

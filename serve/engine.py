@@ -26,7 +26,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -65,7 +65,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, Pref
 from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, check_logprobs_mode
-from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig
+from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, SuffixIndex, SuffixProposer
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve import eplb
 from serve.state_split import StateSplit
@@ -494,7 +494,7 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # speculative tokens proposed for the next decode
     # async scheduling: the token its drafts guessed was in flight (the n-gram's first proposal; None: no guess)
     guess: Optional[int] = None
-    ngrams: Optional[NgramIndex] = None  # where its n-grams occurred (the drafts' source)
+    ngrams: Optional[Union[NgramIndex, SuffixIndex]] = None  # where its n-grams / patterns occurred (drafts' source)
     spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
     lora: Optional[Adapter] = None  # the LoRA adapter it runs with (None: the base model)
     embeds: Optional[np.ndarray] = None  # prompt embeddings [L, H]: the inputs of positions < L (prompt_ids: zeros)
@@ -704,6 +704,8 @@ class Engine:
         self.mla_paged = config.mla_decode == "paged" or (config.mla_decode == "auto" and not reference
                                                           and not small_share)
         self.spec = config.speculative_config
+        # suffix decoding: the responses of finished requests, to draft from (serve/speculative.py)
+        self.suffix = SuffixProposer(self.spec) if self.spec is not None and self.spec.method == "suffix" else None
         self.logits_processors = logits_processors.resolve(config.logits_processors)
         self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(
             config.max_num_seqs, config.max_prefill_seqs, config.max_model_len, config.page_size,
@@ -2248,7 +2250,11 @@ class Engine:
         return d
 
     def _propose(self, seq: Sequence, k: int) -> list[int]:
-        """Up to k n-gram drafts (serve/speculative.py)."""
+        """Up to k drafts (serve/speculative.py): n-gram, or suffix decoding (own tokens and finished responses)."""
+        if self.spec.method == "suffix":
+            if seq.ngrams is None:
+                seq.ngrams = SuffixIndex()
+            return self.suffix.propose(seq.ngrams, seq.all_ids, k)
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return seq.ngrams.propose(seq.all_ids, k)
@@ -2902,6 +2908,8 @@ class Engine:
             self._tails[seq.rid] = (h, seq.lora)  # see _canonicalize_shared_tails
             while len(self._tails) > MAX_TAILS:
                 self._tails.popitem(last=False)
+        if self.suffix is not None and reason != "abort" and seq.beam is None and seq.embeds is None:
+            self.suffix.add_response(seq.prompt_ids, seq.output_ids)  # suffix decoding drafts from it later
         req = self.requests[seq.request_id]
         if req.finished and reason != "abort":
             self.counters["requests_finished"] += 1

@@ -37,7 +37,8 @@ import numpy as np
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config` for the ngram method (its field names)."""
+    """vLLM's `speculative_config` for its model-free methods (its field names): `ngram` (prompt lookup) and
+    `suffix` (Suffix Decoding: the request's own tokens and the responses of finished requests, `SuffixProposer`)."""
 
     method: str = "ngram"
     num_speculative_tokens: int = 3  # drafts per step and row (verify rows carry 1 + this many tokens)
@@ -50,6 +51,13 @@ class SpeculativeConfig:
     # draft only when the expected accepted tokens pay for the verify program's extra cost, measured per
     # decode bucket at warm-up (`DraftGate`); False: draft whenever a proposal exists
     adaptive: bool = True
+    # `suffix`: the longest match considered (tokens), finished requests whose responses are kept to draft from
+    # (0: the request's own tokens only), drafts of at most this factor times the match length, and a draft
+    # continued only while the estimated probability that all of it is accepted stays at or above this
+    suffix_decoding_max_tree_depth: int = 24
+    suffix_decoding_max_cached_requests: int = 10000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
@@ -60,9 +68,18 @@ class SpeculativeConfig:
         return cls(**d)
 
     def validate(self, prefill_chunk: int) -> None:
-        if self.method != "ngram":
-            raise ValueError(f"speculative_config.method={self.method!r}: only 'ngram' is available (K3 ships "
+        if self.method not in ("ngram", "suffix"):
+            raise ValueError(f"speculative_config.method={self.method!r}: 'ngram' or 'suffix' (model-free; K3 ships "
                              f"no draft or MTP weights)")
+        if self.method == "suffix":
+            for key, ok in (("suffix_decoding_max_tree_depth", lambda x: isinstance(x, int) and x >= 2),
+                            ("suffix_decoding_max_cached_requests", lambda x: isinstance(x, int) and x >= 0),
+                            ("suffix_decoding_max_spec_factor", lambda x: isinstance(x, (int, float)) and x > 0),
+                            ("suffix_decoding_min_token_prob", lambda x: isinstance(x, (int, float)) and 0 <= x <= 1)):
+                x = getattr(self, key)
+                if isinstance(x, bool) or not ok(x):
+                    raise ValueError(f"speculative_config.{key}={x!r}: out of range (depth >= 2, cached requests >= 0, "
+                                     f"spec factor > 0, min token prob in [0, 1])")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: expected an integer in [1, 16]")
@@ -133,6 +150,130 @@ class NgramIndex:
                     out.append(ids[p] if p < len(ids) else out[p - len(ids)])
                 return out
         return []
+
+
+class SuffixIndex:
+    """Tokens and where each `KEY`-token pattern occurred in them (the positions just after it, whose next token is
+    known), for longest-suffix matching: a request's own prompt and output, or the corpus of finished responses.
+    Appending a token costs one dict store; a match looks at the most recent `SCAN` occurrences of the context's
+    last `KEY` tokens and extends each backwards."""
+
+    KEY = 2  # shortest match (tokens)
+    SCAN = 64  # occurrences of a pattern examined per match (the most recent)
+
+    def __init__(self):
+        self.tokens: list[int] = []
+        self.index: dict[tuple, list[int]] = {}
+        self.indexed = 0  # positions p < this have their pattern ending at p indexed (when tokens[p] is known)
+
+    def extend(self, ids) -> None:
+        self.tokens.extend(int(t) for t in ids)
+        toks, k = self.tokens, self.KEY
+        for p in range(max(self.indexed, k), len(toks)):  # the pattern before p, followed by tokens[p]
+            if min(toks[p - k:p]) >= 0:  # (no pattern across a separator)
+                self.index.setdefault(tuple(toks[p - k:p]), []).append(p)
+        self.indexed = max(self.indexed, len(toks))
+
+    def match(self, ctx: list[int], depth: int, start: int = 0) -> tuple[int, list[int]]:
+        """The longest suffix of `ctx` (up to `depth` tokens, at least KEY) that occurs in the tokens at or after
+        `start` -> (its length, the positions just after its occurrences, most recent first); (0, []) if none."""
+        if len(ctx) < self.KEY:
+            return 0, []
+        found = self.index.get(tuple(ctx[-self.KEY:]))
+        if not found:
+            return 0, []
+        toks, best, where = self.tokens, 0, []
+        for p in reversed(found[-self.SCAN:]):
+            if p < start:
+                break
+            n = self.KEY
+            limit = min(depth, len(ctx), p)
+            while n < limit and toks[p - n - 1] == ctx[-n - 1] and toks[p - n - 1] >= 0:
+                n += 1
+            if n > best:
+                best, where = n, [p]
+            elif n == best:
+                where.append(p)
+        return best, where
+
+
+def continue_matches(tokens: list[int], where: list[int], k: int, min_prob: float, own: bool = False) -> list[int]:
+    """Up to k tokens continuing the match occurrences `where`: at each position the token most of the remaining
+    occurrences continue with (ties: the most recent occurrence's); those that continue otherwise drop out, and the
+    draft stops once the product of the chosen tokens' shares falls below `min_prob` (an estimate of the chance
+    the whole draft is accepted) or no occurrence continues. `own`: the tokens are the request's own, so an
+    occurrence that runs into the present continues with the draft itself (a repeating pattern)."""
+    out: list[int] = []
+    prob = 1.0
+    alive = list(where)
+    end = len(tokens)
+    for j in range(k):
+        counts: dict[int, int] = {}
+        nxt = []
+        for p in alive:
+            q = p + j
+            t = tokens[q] if q < end else (out[q - end] if own and q - end < len(out) else -1)
+            if t >= 0:
+                counts[t] = counts.get(t, 0) + 1
+                nxt.append((p, t))
+        if not counts:
+            break
+        best = max(counts, key=lambda t: counts[t])  # (dicts keep insertion order: the most recent wins ties)
+        prob *= counts[best] / len(alive)
+        if prob < min_prob:
+            break
+        out.append(best)
+        alive = [p for p, t in nxt if t == best]
+    return out
+
+
+class SuffixProposer:
+    """vLLM's `suffix` speculation (Suffix Decoding, arXiv 2411.04975), model-free: drafts continue the longest
+    suffix of a request's tokens that occurred before, in its own prompt and output or in the responses of the last
+    `suffix_decoding_max_cached_requests` finished requests (each kept with the last `depth` tokens of its prompt, so
+    a new request on the same prompt drafts a previous answer from its first token: RL rollouts, agent loops,
+    self-consistency). The longer match wins; among a match's occurrences the draft follows the majority
+    continuation; its length adapts: at most `max_spec_factor` x the match length, and only while the estimated
+    acceptance probability stays >= `min_token_prob`. Exactness is the verify step's (serve/step.py): drafts only
+    change how many tokens a step emits."""
+
+    def __init__(self, cfg: SpeculativeConfig):
+        self.depth, self.capacity = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests
+        self.factor, self.min_prob = cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob
+        self.corpus = SuffixIndex()
+        self.starts: list[int] = []  # where each cached response (with its prompt tail) starts in the corpus, oldest first
+
+    def propose(self, own: SuffixIndex, ids: list[int], k: int) -> list[int]:
+        """Up to k drafts for a request whose tokens so far are `ids` (`own` indexes them, kept by the caller)."""
+        if k <= 0:
+            return []
+        own.extend(ids[len(own.tokens):])
+        ctx = ids[-self.depth:]
+        n_own, at_own = own.match(ctx, self.depth)
+        live = self.starts[0] if self.starts else len(self.corpus.tokens)
+        n_glob, at_glob = self.corpus.match(ctx, self.depth, live) if self.capacity else (0, [])
+        if max(n_own, n_glob) < SuffixIndex.KEY:
+            return []
+        if n_own >= n_glob:
+            n, tokens, where, mine = n_own, own.tokens, at_own, True
+        else:
+            n, tokens, where, mine = n_glob, self.corpus.tokens, at_glob, False
+        return continue_matches(tokens, where, min(k, max(1, int(self.factor * n))), self.min_prob, own=mine)
+
+    def add_response(self, prompt: list[int], output: list[int]) -> None:
+        """Keep a finished request's response (after the tail of its prompt) to draft from."""
+        if not self.capacity or not output:
+            return
+        self.starts.append(len(self.corpus.tokens))
+        self.corpus.extend(list(prompt[-self.depth:]) + list(output) + [-1])
+        if len(self.starts) > self.capacity:
+            self.starts.pop(0)  # (its tokens stay until the next compaction; matches skip them)
+        live = self.starts[0]
+        if live >= len(self.corpus.tokens) - live:  # as many dead tokens as live ones: rebuild without them
+            keep = self.corpus.tokens[live:]
+            self.corpus = SuffixIndex()
+            self.corpus.extend(keep)
+            self.starts = [s - live for s in self.starts]
 
 
 class DraftGate:

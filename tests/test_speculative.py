@@ -12,7 +12,8 @@ import k3jax
 from k3jax import SamplingParams
 from serve.engine import Engine, EngineConfig
 from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule
-from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, accepted_lengths
+from serve.speculative import (DraftGate, NgramIndex, SpeculativeConfig, SuffixIndex, SuffixProposer,
+                               accepted_lengths)
 
 K = 3  # drafts per step
 
@@ -50,6 +51,50 @@ def test_ngram_proposals():
     assert NgramIndex(1, 3).propose([1, 2, 3, 9, 9, 1, 2], 3) == [3, 9, 9]  # suffix [1, 2] seen at the start
     assert NgramIndex(1, 3).propose([4, 7, 4, 7, 4], 5) == [7, 4, 7, 4, 7]  # a period of 2, continued
     assert NgramIndex(2, 3).propose([1, 2, 3, 1], 3) == []  # one-token suffixes are below lo
+
+
+def _suffix(**kw):
+    return SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=8, **kw))
+
+
+def test_suffix_proposals():
+    """Suffix decoding (vLLM's `suffix` method): the longest earlier match of the request's own tokens or of a
+    finished response (after its prompt's tail), its majority continuation, a length of at most factor x the match
+    length, cut where the estimated acceptance falls below min_token_prob; old responses are evicted."""
+    sp = _suffix()
+    own = SuffixIndex()
+    assert sp.propose(own, [1, 2, 3, 4, 5, 1, 2, 3], 8) == [4, 5, 1]  # match "1 2 3": 3 tokens (factor 1)
+    assert _suffix(suffix_decoding_max_spec_factor=3.0).propose(SuffixIndex(), [1, 2, 3, 4, 5, 1, 2, 3], 8) == [
+        4, 5, 1, 2, 3, 4, 5, 1]  # runs into the present: continues with its own draft (a repeating pattern)
+    assert sp.propose(SuffixIndex(), [1, 2, 3, 4], 8) == []  # nothing occurred before
+    # a finished response, drafted by a request that ends like its prompt (an RL rollout of the same prompt)
+    sp = _suffix(suffix_decoding_max_spec_factor=4.0)
+    sp.add_response([9, 9, 7, 8], [10, 11, 12, 13])
+    assert sp.propose(SuffixIndex(), [5, 7, 8], 8) == [10, 11, 12, 13]  # (stops at the response's end)
+    assert sp.propose(SuffixIndex(), [5, 7, 8, 10, 11], 2) == [12, 13]
+    # the majority continuation; the draft stops where its estimated acceptance drops below min_token_prob
+    sp = _suffix(suffix_decoding_max_spec_factor=4.0, suffix_decoding_min_token_prob=0.5)
+    for out in ([10, 20, 21], [10, 20, 22], [30, 31, 32]):
+        sp.add_response([7, 8], out)
+    assert sp.propose(SuffixIndex(), [1, 7, 8], 8) == [10, 20]  # 2/3 then 1 (0.67); 1/2 more would give 0.33
+    strict = _suffix(suffix_decoding_max_spec_factor=4.0, suffix_decoding_min_token_prob=0.7)
+    for out in ([10, 20, 21], [10, 20, 22], [30, 31, 32]):
+        strict.add_response([7, 8], out)
+    assert strict.propose(SuffixIndex(), [1, 7, 8], 8) == []
+    # the longer match wins: own "3 4 5" (3 tokens) over the corpus's "4 5" (2)
+    sp = _suffix(suffix_decoding_max_spec_factor=4.0)
+    sp.add_response([4, 5], [60, 61])
+    assert sp.propose(SuffixIndex(), [3, 4, 5, 50, 51, 3, 4, 5], 2) == [50, 51]
+    assert sp.propose(SuffixIndex(), [0, 4, 5], 2) == [60, 61]
+    # eviction: with room for one response only the newest is drafted from; compaction keeps it
+    sp = _suffix(suffix_decoding_max_cached_requests=1)
+    sp.add_response([1, 2], [3, 4])
+    sp.add_response([5, 6], [7, 8])
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2) == [] and sp.propose(SuffixIndex(), [0, 5, 6], 2) == [7, 8]
+    assert len(sp.corpus.tokens) == 5 and sp.starts == [0]  # the evicted response's tokens are gone
+    none = _suffix(suffix_decoding_max_cached_requests=0)
+    none.add_response([1, 2], [3, 4])
+    assert none.propose(SuffixIndex(), [0, 1, 2], 2) == []
 
 
 def test_accepted_lengths():
@@ -111,6 +156,12 @@ def test_config_errors_name_the_field():
         EngineConfig(prefill_chunk=8, speculative_config={"num_speculative_tokens": 7}).validate()
     with pytest.raises(ValueError, match="unknown key"):
         EngineConfig(speculative_config={"draft_model": "x"})
+    for key, bad in (("suffix_decoding_max_tree_depth", 1), ("suffix_decoding_max_cached_requests", -1),
+                     ("suffix_decoding_max_spec_factor", 0), ("suffix_decoding_min_token_prob", 1.5),
+                     ("suffix_decoding_max_tree_depth", True)):
+        with pytest.raises(ValueError, match=f"speculative_config.{key}={bad!r}"):
+            EngineConfig(speculative_config={"method": "suffix", key: bad}).validate()
+    EngineConfig(speculative_config={"method": "suffix", "num_speculative_tokens": 8}).validate()
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config == SpeculativeConfig(
         num_speculative_tokens=2)
 
@@ -179,6 +230,36 @@ def test_outputs_equal_plain_decoding(engine, monkeypatch, kind):
             assert d["decode_steps"] < plain_steps / 2
         if mode == "corrupt":  # the first draft of each row accepted, the second rejected
             assert 0 < d["spec_decode_num_accepted_tokens"] < d["spec_decode_num_draft_tokens"]
+    st = engine.stats()
+    assert st["compiles_after_warmup"] == 0
+    assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+
+
+def test_suffix_decoding_drafts_rollouts_from_earlier_answers(engine, monkeypatch):
+    """`method: suffix` on the same compiled engine (the proposer is host code): GRPO-style rollouts, each prompt
+    answered greedily twice. The second answers are drafted from the first (kept with their prompt's tail): most
+    drafts are accepted and the steps drop, while every output stays the plain decoding's, token for token."""
+    import dataclasses
+
+    rng = np.random.default_rng(11)
+    prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 40)))] for _ in range(4)]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    monkeypatch.setattr(engine, "_propose", lambda s, k: [])
+    plain = _run(engine, prompts, greedy)
+    monkeypatch.undo()
+    spec = dataclasses.replace(engine.spec, method="suffix", suffix_decoding_max_spec_factor=4.0)
+    monkeypatch.setattr(engine, "spec", spec)
+    monkeypatch.setattr(engine, "suffix", SuffixProposer(spec))
+    rounds = []
+    for _ in range(2):
+        before = dict(engine.counters)
+        outs = _run(engine, prompts, greedy)
+        assert [o.token_ids for o in outs] == [p.token_ids for p in plain]
+        rounds.append({k: engine.counters[k] - before[k] for k in before})
+    first, second = rounds
+    assert second["spec_decode_num_accepted_tokens"] >= 0.9 * second["spec_decode_num_draft_tokens"] > 40, second
+    assert second["decode_steps"] < first["decode_steps"] / 2, rounds
+    assert len(engine.suffix.starts) == 2 * len(prompts)
     st = engine.stats()
     assert st["compiles_after_warmup"] == 0
     assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
