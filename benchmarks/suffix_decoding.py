@@ -18,9 +18,7 @@ matching is Python on the step's critical path).
 
 from __future__ import annotations
 
-import argparse
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -36,7 +34,7 @@ import k3jax  # noqa: E402
 from serve.engine import Engine, EngineConfig  # noqa: E402
 from serve.speculative import SuffixProposer  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
-from serving import machine_info, prompts_for, write_result  # noqa: E402
+from serving import machine_info, prompts_for, trace_bench_start, write_result  # noqa: E402
 
 K = 3
 
@@ -57,15 +55,7 @@ def wave(engine: Engine, prompts, params) -> dict:
 
 
 def main(argv=None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--out", default=None)
-    args = ap.parse_args(argv)
-    t_start = time.perf_counter()
-    log = lambda s: print(f"[{time.perf_counter() - t_start:7.1f}s] {s}", flush=True)  # noqa: E731
-    preset = "tiny-k3" if args.quick else "k3-small"
-    out = Path(args.out) if args.out else (Path(tempfile.gettempdir()) / "suffix_decoding-cpu-quick.json" if args.quick
-                                           else REPO / "benchmarks" / "results" / "suffix_decoding-cpu.json")
+    args, preset, out, log, t_start = trace_bench_start("suffix_decoding", __doc__, argv)
     model = k3jax.load_model(preset, seed=0)
     waves = (8,) if args.quick else (8, 32)
     spec = dict(method="suffix", num_speculative_tokens=K, adaptive=False, suffix_decoding_max_spec_factor=4.0)
