@@ -2,11 +2,13 @@
 
     python benchmarks/spec_exactness_probe.py [--model k3-small] [-c 24]   # ~1.5 min on the 2-core host
 
-An open failure (benchmarks/README.md, "Suffix decoding on rollouts"): on k3-small with 24-32 requests, drafts
-that are always wrong given to every 5th request on every 4th output make a request that never drafts get
-different logits (logprob off by up to 0.13; at c = 32 one greedy token flips), while every other variant
-agrees to ~3e-5 (`--mode`: `rare_wrong` fails; `rare_right`, `all_wrong`, `plain_again` pass). Prints, per mode,
-the requests whose tokens differ from plain decoding and the largest logprob difference on equal tokens.
+Found with benchmarks/suffix_decoding.py (benchmarks/README.md, "Suffix decoding on rollouts"): on k3-small with
+24-32 requests, drafts that are always wrong given to every 5th request on every 4th output make a request that
+never drafts get other logits (logprob off by up to 0.13; at c = 32 one greedy token flips), while the other
+modes agree to ~3e-5 (`--mode`: `rare_wrong`; `rare_right`, `all_wrong`, `plain_again`). The cause: the verify
+program sums a row's products in another order than the decode program, and at a MoE router near-tie that
+rounding picks another expert (the routed experts of that position differ). Prints, per mode, the requests
+whose tokens differ from plain decoding and the largest logprob difference on equal tokens.
 """
 
 from __future__ import annotations
