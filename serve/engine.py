@@ -1168,10 +1168,14 @@ class Engine:
         followers, which keep them by uid until LORA_DROP: every process writes them into its own slot shards."""
         buf = io.BytesIO()
         np.savez(buf, **{f"{m}|{i}": x for m, pair in adapter.factors.items() for i, x in enumerate(pair)})
-        raw = buf.getvalue()
+        self._send_in_chunks(ADAPTER, [adapter.uid], buf.getvalue())
+
+    def _send_in_chunks(self, cmd: int, head: list[int], raw: bytes) -> None:
+        """The leader sends `raw` to the followers as `cmd` messages of ADAPTER_CHUNK bytes each, headed
+        `[*head, chunk, chunks]` (a payload may exceed one message)."""
         n = max(1, -(-len(raw) // ADAPTER_CHUNK))
         for k in range(n):
-            self.channel.command(ADAPTER, bytes_payload([adapter.uid, k, n], raw[k * ADAPTER_CHUNK:(k + 1) * ADAPTER_CHUNK]))
+            self.channel.command(cmd, bytes_payload([*head, k, n], raw[k * ADAPTER_CHUNK:(k + 1) * ADAPTER_CHUNK]))
 
     def _receive_adapter(self, payload: np.ndarray) -> None:
         """A follower's part of `_send_adapter`: one chunk; the last one makes the factors."""
@@ -1610,10 +1614,7 @@ class Engine:
         items = [(name, named_weights.as_numpy(value)) for name, value in items]
         writes = self._named_writes(items)  # raises before anything is sent or written
         if self.channel is not None:
-            raw = named_weights.pack_tensors(items)
-            n = max(1, -(-len(raw) // ADAPTER_CHUNK))
-            for k in range(n):
-                self.channel.command(NAMED_WRITE, bytes_payload([k, n], raw[k * ADAPTER_CHUNK:(k + 1) * ADAPTER_CHUNK]))
+            self._send_in_chunks(NAMED_WRITE, [], named_weights.pack_tensors(items))
         err = None
         try:
             self._apply_named(writes)

@@ -73,7 +73,7 @@ class WeightNames:
 
     def __init__(self, model, expanded_group: Optional[int] = None):
         cfg = model.cfg
-        self.family, self.expanded_group = cfg.family, expanded_group
+        self.expanded_group = expanded_group
         self.prefix = "language_model." if cfg.family == "kimi_k3" else ""
         module = nnx.merge(model.graphdef, model.params)
         transposed: set[tuple] = set()

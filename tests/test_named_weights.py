@@ -125,6 +125,10 @@ print("ok")
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
                JAX_PLATFORMS="cpu")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    if out.returncode != 0 and "Termination timeout for `all reduce" in out.stderr:
+        # XLA:CPU aborts a collective whose device threads a loaded 2-core host starved for 40 s (seen once in a
+        # full parallel run): not this code's outcome, run it again once
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     said = "\n".join(l for l in out.stderr.splitlines() if not l.lstrip().startswith("@"))  # (no native frames)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), said[-3000:]
 
