@@ -44,7 +44,7 @@ DEFAULTS = dict(
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_weights_cpu_backup=False,
     enable_lora=False, max_loras=1, max_lora_rank=16, lora_modules=None, allow_runtime_lora_updating=False,
-    lora_target_modules=None, max_cpu_loras=None, tensor_parallel_size=None, data_parallel_size=1, data_parallel_routing="cache_aware",
+    lora_target_modules=None, lora_experts_shared_a=False, max_cpu_loras=None, tensor_parallel_size=None, data_parallel_size=1, data_parallel_routing="cache_aware",
     prefill_devices=None, decode_devices=None, kv_store_mb=1024, logits_processors=None, generation_config="auto",
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
@@ -183,7 +183,11 @@ def add_serve_arguments(s) -> None:
                     help="adapters registered at once (default --max-loras); the others wait in host memory")
     lo.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
                     help="projections that take adapters (e.g. q_proj k_proj v_proj o_proj; default: all dense "
-                         "projections); fewer cost less per step")
+                         "projections); fewer cost less per step. 'all-linear' names every dense projection, "
+                         "'experts' the routed experts (per-expert factors: E times a projection's memory)")
+    lo.add_argument("--lora-experts-shared-a", action="store_true",
+                    help="routed-expert adapters with one A per matrix shared by all experts (a B per expert; "
+                         "miles' K3 LoRA recipe): 1/E of the A memory")
     lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help='adapters to load at start-up: name=path or JSON {"name": ..., "path": ...}')
     lo.add_argument("--allow-runtime-lora-updating", action="store_true",
@@ -330,6 +334,7 @@ def engine_config(o: dict):
         long_prefill_chunk=o.get("long_prefill_chunk"),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,
+        lora_experts_shared_a=bool(o.get("lora_experts_shared_a")),
         max_cpu_loras=o.get("max_cpu_loras") if o.get("enable_lora") else None,
         logits_processors=tuple(o.get("logits_processors") or ()),
         generation_config=o.get("generation_config") or "auto",

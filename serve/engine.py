@@ -280,8 +280,13 @@ class EngineConfig:
     max_cpu_loras: Optional[int] = None
     # Projections that get adapter slots, by name (e.g. ("q_proj", "k_proj", "v_proj", "o_proj")); None: every
     # dense projection. Each projection with slots adds its adapters' term to every step, and an adapter
-    # touching a projection without slots is refused, naming it.
+    # touching a projection without slots is refused, naming it. "all-linear": every dense projection;
+    # "experts" (or "w1" / "w3" / "w2"): the routed experts too, per-expert factors of E x a projection's size
+    # (k3jax/lora.py), e.g. ("all-linear", "experts").
     lora_target_modules: Optional[tuple[str, ...]] = None
+    # Routed-expert adapters with one A per matrix for all experts and a B per expert (miles' K3 LoRA
+    # recipe): the A slots take 1/E of the memory; adapters whose experts' A differ are refused.
+    lora_experts_shared_a: bool = False
     # Custom logits processors (vLLM's `logits_processors`; serve/logits_processors.py): pure JAX functions over
     # the batch's logits, traced into every step program at start-up and run on the rows whose request sets
     # one of their arguments in `SamplingParams.extra_args`. `LogitsProcessor` objects or import paths
@@ -353,6 +358,9 @@ class EngineConfig:
         if x and not self.enable_eplb:
             raise ValueError(f"eplb_num_redundant_experts={x}: redundant experts are placed by expert-parallel load "
                              "balancing; set enable_eplb")
+        if self.enable_eplb and self.max_loras and model_lora.split_targets(self.lora_target_modules)[1]:
+            raise ValueError("lora_target_modules: adapters on the routed experts do not move with expert-parallel "
+                             "load balancing (enable_eplb); serve them without it")
         if self.enable_eplb and not self.sharding:
             raise ValueError("enable_eplb balances routed experts split over a mesh axis: it needs a `sharding` "
                              "config whose `experts` rule splits them (expert parallelism)")
@@ -431,6 +439,8 @@ class EngineConfig:
                 or not all(isinstance(t, str) and t for t in self.lora_target_modules)):
             raise ValueError(f"lora_target_modules={self.lora_target_modules!r}: expected None or a non-empty "
                              f"tuple of projection names")
+        if not isinstance(self.lora_experts_shared_a, bool):
+            raise ValueError(f"lora_experts_shared_a={self.lora_experts_shared_a!r}: expected a bool")
         for key, low in (("max_loras", 0), ("max_lora_rank", 1)):
             v = getattr(self, key)
             if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= 1024:
@@ -633,7 +643,8 @@ class Engine:
                     raise ValueError(f"lora_target_modules: this model has no projection named {unknown[0]!r} "
                                      f"(it has {', '.join(sorted(model_lora.projection_names(model.cfg)))})")
                 targets = tuple(targets)
-            model = model_lora.attach(model, config.max_loras, config.max_lora_rank, targets)
+            model = model_lora.attach(model, config.max_loras, config.max_lora_rank, targets,
+                                      config.lora_experts_shared_a)
         self._dequantize = config.expert_weights == "dequantized" or (config.expert_weights == "auto" and reference)
         # the checkpoint's MXFP4 group when its packed experts are held expanded (weights by name)
         self._expanded_group = (model.cfg.mxfp4_group_size if self._dequantize and model.cfg.expert_format == "mxfp4"
@@ -1415,11 +1426,13 @@ class Engine:
         if name in self.loras.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
         self.loras.check_room()  # raises when full, before reading anything
-        shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-3]) for t in self._lora_leaves
-                  for m in t.modules}  # (out, in)
+        shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
+                  for t in self._lora_leaves for m in t.modules}  # (out, in)
+        experts = {m: (self._leaves[t.b].shape[-4], self._leaves[t.a].shape[-4] == 1)
+                   for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
-                                  self.config.lora_target_modules)
+                                  self.config.lora_target_modules, experts)
         adapter = self.loras.add(name, lora_request.lora_path, rank, factors, lora_request.lora_int_id)
         if self.channel is not None:
             self._send_adapter(adapter)
@@ -1478,8 +1491,9 @@ class Engine:
         leaves = list(self._leaves)
         for t in self._lora_leaves:
             pairs = [factors.get(m, (None, None)) for m in t.modules]
-            a, b = model_lora.stack_slot(pairs, leaves[t.a], leaves[t.b]) if t.stacked else pairs[0]
-            leaves[t.a], leaves[t.b] = model_lora.write_slot(leaves[t.a], leaves[t.b], slot, a, b)
+            a, b = model_lora.stack_slot(pairs, leaves[t.a], leaves[t.b], t.experts) if t.stacked else pairs[0]
+            write = model_lora.write_expert_slot if t.experts else model_lora.write_slot
+            leaves[t.a], leaves[t.b] = write(leaves[t.a], leaves[t.b], slot, a, b)
         self._set_leaves(leaves)
 
     def abort(self, request_id: str) -> bool:
@@ -1742,7 +1756,7 @@ class Engine:
         if self.config.max_loras:  # the same adapter slots; the loaded adapters are written back later
             targets = self.config.lora_target_modules
             new = model_lora.attach(new, self.config.max_loras, self.config.max_lora_rank,
-                                    tuple(targets) if targets is not None else None)
+                                    tuple(targets) if targets is not None else None, self.config.lora_experts_shared_a)
         new = dequantize_experts(new, self._expert_dtype) if self._dequantize else new
         new = transpose_dense_weights(new) if self.dense_in_out else new
         # checkpoint order, then the initial copies

@@ -8,6 +8,18 @@ projections; each is checked against the model's projection (name and shape) bef
 written, so a bad adapter is an error naming the tensor, never a half-loaded slot. The scaling
 (`lora_alpha / r`, `/ sqrt(r)` with `use_rslora`, per module with `alpha_pattern`) is folded into B.
 
+Routed experts (when the engine targets them, `lora_target_modules` naming "experts") come in either
+form trainers write:
+- per expert, as vLLM / SGLang / miles name them: `...experts.{e}.w1.lora_A.weight [r, in]` and
+  `lora_B.weight [out, r]` (w1 gate, w3 up, w2 down; under `block_sparse_moe.` or `mlp.`); an A (or B)
+  without the expert index, `...experts.w1.lora_A.weight`, is every expert's (a shared A);
+- PEFT's `target_parameters` on transformers' fused experts (`mlp.experts.gate_up_proj [E, 2I, H]`,
+  `mlp.experts.down_proj [E, H, I]`): `...mlp.experts[.base_layer].lora_A.weight [E r, in]` /
+  `lora_B.weight [out, E r]`, expert e's factors `A.reshape(E, r, in)[e]` and
+  `B.reshape(out, r, E)[:, :, e]` (PEFT's `ParamWrapper`), gate_up's B rows split into w1 then w3;
+  which parameter a pair adapts is read from its shapes.
+An engine holding one A per matrix (`lora_experts_shared_a`) takes adapters whose experts share A.
+
 Adapters take no arena memory: their factors are model parameters of fixed size (`max_loras` slots
 of rank `max_lora_rank` on every projection), allocated at start-up beside the weights. More adapters
 than slots may be registered (`max_cpu_loras`, vLLM's): their factors wait in host memory and are
@@ -79,6 +91,11 @@ class FactorLeaves:
     modules: tuple[str, ...]
     stacked: bool
 
+    @property
+    def experts(self) -> bool:
+        """A routed-expert matrix's factors (`model_lora.ExpertFactors`' layout), not a projection's."""
+        return ".expert_lora." in self.modules[0]
+
 
 def factor_leaves(paths: dict[str, tuple[int, int]], leaf_at: list[tuple[int, Optional[int]]]) -> list[FactorLeaves]:
     """`model_lora.module_paths` of the per-layer weights and `layer_scan.leaf_map` (or the identity) -> the
@@ -92,10 +109,14 @@ def factor_leaves(paths: dict[str, tuple[int, int]], leaf_at: list[tuple[int, Op
 
 
 def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = "",
-              targets: Optional[tuple[str, ...]] = None) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+              targets: Optional[tuple[str, ...]] = None, experts: Optional[dict[str, tuple[int, bool]]] = None,
+              ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Read a PEFT LoRA directory against the model's projections `shapes` (module path -> (out, in))
-    -> (largest rank, {module: (A [max_rank, in], B [out, max_rank]) with the scaling folded in}).
+    -> (largest rank, {module: one slot's contents, as `model_lora.slot_arrays` lays them out, with the
+    scaling folded in}). `experts`: the routed-expert matrices with slots (module path ->
+    (experts, shared A)); their `shapes` are one expert's and their contents (A [Ea, in, R], B [E, R, out]).
     `prefix` is the checkpoint's text-model prefix ("language_model." for K3)."""
+    experts = experts or {}
     if not os.path.isdir(path):
         raise LoRAError(f"lora_path {path!r}: not a directory")
     cfg_file = os.path.join(path, CONFIG)
@@ -126,22 +147,53 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
         raise LoRAError(f"lora_path {path!r}: no {WEIGHTS}" + (f" (found {other}: save it with safetensors)"
                                                                    if other else ""))
     tensors: dict[str, dict[str, np.ndarray]] = {}
+    by_expert: dict[str, dict[str, dict]] = {}  # expert matrix -> A / B -> expert (None: all) -> (name, array)
+    fused: dict[str, dict[str, tuple]] = {}  # PEFT module of a fused expert parameter -> A / B -> (name, array)
     with safe_open(weights, framework="numpy") as f:
         for name in f.keys():
             m = _FACTOR.match(name)
             if m is None:
                 raise LoRAError(f"{weights}: tensor {name}: not a LoRA factor (lora_A / lora_B weight)")
+            hit = _expert_module(m.group("module"), prefix)
+            if hit is not None and any(e.startswith(hit[0]) for e in experts):
+                module, expert = hit
+                if expert == "fused":
+                    fused.setdefault((module, m.group("module")), {})[m.group("which")] = (name, f.get_tensor(name))
+                else:
+                    got = by_expert.setdefault(module, {}).setdefault(m.group("which"), {})
+                    got[expert] = (name, f.get_tensor(name))
+                continue
             module = _module_path(m.group("module"), prefix, shapes)
             if module is None:
                 where = (f"lora_target_modules={list(targets)}" if targets is not None else
-                         "the dense projections; routed experts, the router, embeddings and lm_head are not supported")
+                         "the dense projections; routed experts only when lora_target_modules names 'experts', "
+                         "the router, embeddings and lm_head never")
                 raise LoRAError(f"{weights}: tensor {name}: this model has no projection {m.group('module')!r} that "
                                 f"takes adapters (they apply to {where})")
             tensors.setdefault(module, {})[m.group("which")] = (name, f.get_tensor(name))
-    if not tensors:
+    if not tensors and not by_expert and not fused:
         raise LoRAError(f"{weights}: no LoRA factors")
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
     top = 0
+    per_expert = _unfuse(weights, fused, shapes, experts)
+    per_expert.update(_per_expert(weights, by_expert, shapes, experts))
+    for module, (na, a, b) in sorted(per_expert.items()):
+        r = a.shape[1]
+        if r > max_rank:
+            raise LoRAError(f"{weights}: tensor {na}: rank {r} exceeds max_lora_rank={max_rank}")
+        scaling = _pattern(alpha_pattern, module, alpha) / (math.sqrt(r) if rslora else r)
+        n_exp, shared = experts[module]
+        if shared and a.shape[0] > 1:
+            if not all(np.array_equal(a[0], a[e]) for e in range(1, a.shape[0])):
+                e = next(e for e in range(1, a.shape[0]) if not np.array_equal(a[0], a[e]))
+                raise LoRAError(f"{weights}: tensor {na}: lora_A of experts 0 and {e} differ, and this engine holds "
+                                f"one A for all experts (lora_experts_shared_a); start it without that to serve "
+                                f"per-expert A")
+            a = a[:1]
+        pairs = [model_lora.slot_arrays(a[min(e, a.shape[0] - 1)], b[e], max_rank, scaling) for e in range(n_exp)]
+        out[module] = (np.stack([p[0] for p in pairs[:a.shape[0] if shared else n_exp]]),
+                       np.stack([p[1] for p in pairs]))
+        top = max(top, r)
     for module, pair in sorted(tensors.items()):
         if set(pair) != {"A", "B"}:
             missing = ({"A", "B"} - set(pair)).pop()
@@ -163,9 +215,8 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
     return top, out
 
 
-def _module_path(name: str, prefix: str, shapes: dict) -> Optional[str]:
-    """A PEFT module name (`base_model.model.model.layers.0.self_attn.q_proj`) -> the model's module
-    path (`layers.0.self_attn.q_proj`), or None."""
+def _strip(name: str, prefix: str) -> str:
+    """A PEFT module name without PEFT's and the checkpoint's leading names: `layers.0.self_attn.q_proj`."""
     for head in ("base_model.model.", ""):
         if name.startswith(head):
             name = name[len(head):]
@@ -174,6 +225,117 @@ def _module_path(name: str, prefix: str, shapes: dict) -> Optional[str]:
         if p and name.startswith(p):
             name = name[len(p):]
             break
+    return name
+
+
+_EXPERT = re.compile(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts(?:\.(\d+))?(?:\.(w[123]))?")
+
+
+def _expert_module(name: str, prefix: str) -> Optional[tuple[str, object]]:
+    """A PEFT module name of routed experts -> (the model's expert-matrix path, the expert index or None
+    for all experts), or (the layer's `expert_lora` path, "fused") for PEFT's fused-parameter form; None
+    when it names no routed expert."""
+    name = _strip(name, prefix)
+    while name.endswith(".base_layer"):  # PEFT nests one wrapper per targeted parameter of a module
+        name = name[:-len(".base_layer")]
+    m = _EXPERT.fullmatch(name)
+    if m is None or (m.group(2) is not None and m.group(3) is None):
+        return None
+    base = f"layers.{m.group(1)}.block_sparse_moe.expert_lora"
+    if m.group(3) is None:
+        return base, "fused"
+    return f"{base}.{m.group(3)}", None if m.group(2) is None else int(m.group(2))
+
+
+def _pair(weights: str, where: str, parts: dict) -> tuple:
+    if set(parts) != {"A", "B"}:
+        missing = ({"A", "B"} - set(parts)).pop()
+        raise LoRAError(f"{weights}: {where}: lora_{missing} is missing (found only {next(iter(parts.values()))[0]})")
+    return parts["A"], parts["B"]
+
+
+def _unfuse(weights: str, fused: dict, shapes: dict, experts: dict) -> dict:
+    """PEFT's fused-parameter expert factors ({(layer's expert_lora path, PEFT module): {A / B: (name, array)}})
+    -> {expert matrix: (A's name, A [E, r, in], B [E, out, r])}."""
+    out = {}
+    for (base, peft_module), parts in sorted(fused.items()):
+        (na, a), (nb, b) = _pair(weights, peft_module, parts)
+        held = [m for m in experts if m.rsplit(".", 1)[0] == base]
+        n_exp = experts[held[0]][0]
+        o, n = shapes[held[0]]
+        i, d = (n, o) if held[0].endswith(".w2") else (o, n)  # intermediate, expert input widths
+        if a.ndim != 2 or b.ndim != 2 or a.shape[0] % n_exp or b.shape[1] != a.shape[0]:
+            raise LoRAError(f"{weights}: tensors {na} {list(a.shape)} / {nb} {list(b.shape)}: expected "
+                            f"[{n_exp} r, in] / [out, {n_exp} r] (PEFT's factors of a fused expert parameter)")
+        r = a.shape[0] // n_exp
+        ae = a.reshape(n_exp, r, a.shape[1]).astype(np.float32)
+        be = np.transpose(b.reshape(b.shape[0], r, n_exp), (2, 0, 1)).astype(np.float32)  # [E, out, r]
+        if a.shape[1] == d and b.shape[0] == 2 * i:  # gate_up_proj = [w1; w3]
+            parts_of = {"w1": be[:, :i], "w3": be[:, i:]}
+        elif a.shape[1] == i and b.shape[0] == d:  # down_proj
+            parts_of = {"w2": be}
+        else:
+            raise LoRAError(f"{weights}: tensors {na} {list(a.shape)} / {nb} {list(b.shape)}: neither the experts' "
+                            f"gate_up_proj (in {d}, out {2 * i}) nor their down_proj (in {i}, out {d})")
+        for w, bw in parts_of.items():
+            if f"{base}.{w}" not in experts:
+                raise LoRAError(f"{weights}: tensor {na}: adapts the routed experts' {w}, which hold no adapter "
+                                f"slots here (lora_target_modules)")
+            out[f"{base}.{w}"] = (na, ae, np.ascontiguousarray(bw))
+    return out
+
+
+def _per_expert(weights: str, by_expert: dict, shapes: dict, experts: dict) -> dict:
+    """Per-expert (or all-expert) factors -> {expert matrix: (A's name, A [E or 1, r, in], B [E, out, r])};
+    experts the adapter leaves out get zeros."""
+    out = {}
+    for module, parts in sorted(by_expert.items()):
+        if module not in experts:
+            name = next(iter(next(iter(parts.values())).values()))[0]
+            raise LoRAError(f"{weights}: tensor {name}: adapts routed experts' {module.rsplit('.', 1)[1]}, which "
+                            f"hold no adapter slots here (lora_target_modules)")
+        n_exp, _ = experts[module]
+        o, i = shapes[module]
+        a_parts, b_parts = parts.get("A", {}), parts.get("B", {})
+        for which, have in (("A", a_parts), ("B", b_parts)):
+            if not have:
+                found = next(iter((a_parts or b_parts).values()))[0]
+                raise LoRAError(f"{weights}: {module}: lora_{which} is missing (found only {found})")
+        for e in (set(a_parts) | set(b_parts)) - {None}:
+            found = (a_parts.get(e) or b_parts.get(e))[0]
+            if not 0 <= e < n_exp:
+                raise LoRAError(f"{weights}: tensor {found}: expert {e} is out of range (the model has {n_exp})")
+            for which, have in (("A", a_parts), ("B", b_parts)):
+                if e not in have and None not in have:
+                    raise LoRAError(f"{weights}: {module} expert {e}: lora_{which} is missing (found only {found})")
+        ranks = {x.shape[0] if x.ndim else -1 for _, x in a_parts.values()}
+        na = next(iter(a_parts.values()))[0]
+        if len(ranks) != 1:
+            raise LoRAError(f"{weights}: {module}: its experts' lora_A have different ranks {sorted(ranks)}")
+        r = ranks.pop()
+        for nm, x in a_parts.values():
+            if x.shape != (r, i):
+                raise LoRAError(f"{weights}: tensor {nm}: shape {list(x.shape)}, the expert matrix takes [r, {i}]")
+        for nm, x in b_parts.values():
+            if x.shape != (o, r):
+                raise LoRAError(f"{weights}: tensor {nm}: shape {list(x.shape)}, expected [{o}, {r}] (out, r)")
+        a = np.zeros((n_exp, r, i), np.float32)
+        b = np.zeros((n_exp, o, r), np.float32)
+        present = [e for e in range(n_exp) if e in b_parts or None in b_parts]
+        for e in present:
+            a[e] = (a_parts.get(e) or a_parts[None])[1]
+            b[e] = (b_parts.get(e) or b_parts[None])[1]
+        a[[e for e in range(n_exp) if e not in present]] = a[present[0]]  # (their B is 0: any A is exact)
+        if set(a_parts) == {None}:  # one A given for all experts
+            a = a_parts[None][1][None].astype(np.float32)
+        out[module] = (na, a, b)
+    return out
+
+
+def _module_path(name: str, prefix: str, shapes: dict) -> Optional[str]:
+    """A PEFT module name (`base_model.model.model.layers.0.self_attn.q_proj`) -> the model's module
+    path (`layers.0.self_attn.q_proj`), or None."""
+    name = _strip(name, prefix)
     names = [name]
     for old, new in _ALIASES:
         names += [n.replace(old, new) for n in names if old in n]

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from k3jax import lora
 from k3jax.config import ModelConfig
 from k3jax.layers.activations import glu
 from k3jax.layers import initializers as init
@@ -107,6 +108,7 @@ class MoE(nnx.Module):
         # stacked weights and how many there are, when expert-parallel load balancing moves and copies them
         # (`ExpertPlacement` [E, 1 + X], `ExpertCopies` [E]; the weights then hold E + X experts); absent:
         # checkpoint order
+        # `expert_lora` (set only by k3jax/lora.py `attach`): the routed experts' adapter slots
 
     @property
     def physical_experts(self) -> int:
@@ -117,9 +119,17 @@ class MoE(nnx.Module):
     def _expert_weight(self, w):
         return w.value() if isinstance(w, MXFP4Params) else w[...]
 
+    def _adapters(self, n: int):
+        """(each token's adapter slot [n], {matrix: (lora_a, lora_b)}) inside a `lora.rows` context when the
+        routed experts hold adapter slots, else None."""
+        held = getattr(self, "expert_lora", None)
+        slots = lora.token_slots(n) if held is not None else None
+        return None if slots is None else (slots, held.factors())
+
     def experts(self, z: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
         """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din]."""
         ws = tuple(self._expert_weight(w) for w in (self.w1, self.w3, self.w2))
+        adapters = self._adapters(z.shape[0])
         slots = getattr(self, "expert_slots", None)
         if slots is not None:  # logical ids -> positions of the (moved, copied) weights
             ids = self._physical(ids, slots[...], self.expert_copies[...])
@@ -127,9 +137,9 @@ class MoE(nnx.Module):
         if window is not None and self.expert_parallel is not None:  # (the scan slices these itself)
             ws, window = tuple(expert_window(w, *window) for w in ws), None
         if self.expert_parallel is None:
-            out = self._slots(z, ids, ws, 0, window)
+            out = self._slots(z, ids, ws, 0, window, adapters)
         else:
-            out = self._slots_expert_parallel(z, ids, ws)
+            out = self._slots_expert_parallel(z, ids, ws, adapters)
         return jnp.einsum("nkd,nk->nd", out, weights)
 
     @staticmethod
@@ -141,10 +151,12 @@ class MoE(nnx.Module):
         copy = jnp.arange(ids.size, dtype=jnp.int32).reshape(ids.shape) % copies[ids]
         return table[ids, copy]
 
-    def _slots(self, z: jax.Array, ids: jax.Array, ws: tuple, first: jax.Array | int, window=None) -> jax.Array:
+    def _slots(self, z: jax.Array, ids: jax.Array, ws: tuple, first: jax.Array | int, window=None,
+               adapters=None) -> jax.Array:
         """Each (token, slot)'s expert output [N, k, Din] fp32, for the experts `[first, first + G)` held
         in `ws` (G = their leading size, or `window` = (offset, G): `ws` stacks several layers' experts and
-        these are [offset, offset + G) of them); slots routed elsewhere are exactly 0."""
+        these are [offset, offset + G) of them); slots routed elsewhere are exactly 0. `adapters`: each
+        token's adapter slot and the factors of these G experts (`_adapters`)."""
         cfg = self.cfg
         n, k = ids.shape
         g = ws[0].shape[0] if window is None else window[1]
@@ -159,13 +171,20 @@ class MoE(nnx.Module):
         xs = z[order // k].astype(wide)
         kw = dict(preferred_element_type=jnp.float32, rhs_layout="in_out" if self.experts_in_out else "out_in",
                   group_offset=None if window is None else window[0])
-        h1 = gmm(xs, ws[0], group_sizes, **kw)
-        h3 = gmm(xs, ws[1], group_sizes, **kw)
+        held = {} if adapters is None else adapters[1]
+        if held:  # each sorted row's expert (g: elsewhere) and adapter slot
+            row_expert, row_slot = flat[order], adapters[0][order // k]
+
+        def product(name, x, w):  # x w^T for each row's expert, plus its adapter's term
+            y = gmm(x, w, group_sizes, **kw)
+            return y if name not in held else y + lora.expert_term(x, row_expert, row_slot, *held[name], g)
+
+        h1, h3 = product("w1", xs, ws[0]), product("w3", xs, ws[1])
         a = glu(cfg.hidden_act, h1, h3, cfg.situ_beta, cfg.situ_linear_beta).astype(z.dtype).astype(wide)
-        out = gmm(a, ws[2], group_sizes, **kw)  # rows past the groups (other ranks' slots) are 0
+        out = product("w2", a, ws[2])  # rows past the groups (other ranks' slots) are 0
         return jnp.zeros_like(out).at[order].set(out).reshape(n, k, -1)
 
-    def _slots_expert_parallel(self, z: jax.Array, ids: jax.Array, ws: tuple) -> jax.Array:
+    def _slots_expert_parallel(self, z: jax.Array, ids: jax.Array, ws: tuple, adapters=None) -> jax.Array:
         """`_slots` with the experts split over a mesh axis: tokens and routing replicated, each rank
         multiplies its slots by its own experts, and one all-reduce of the [N, k, Din] slot outputs
         combines them. Every slot is nonzero on exactly one rank, so the sum is exact: the same values
@@ -175,15 +194,18 @@ class MoE(nnx.Module):
         mesh, axis = self.expert_parallel  # axis: a mesh axis name or a tuple of them
         per_rank = ws[0].shape[0] // axes_size(axis, dict(mesh.shape))  # physical experts (with any copies)
 
-        def local(z, ids, ws):
+        def local(z, ids, ws, adapters):
             first = jax.lax.axis_index(axis) * per_rank
-            return jax.lax.psum(self._slots(z, ids, ws, first), axis)
+            return jax.lax.psum(self._slots(z, ids, ws, first, None, adapters), axis)
 
         spec_w = jax.tree.map(lambda _: P(axis), ws)
+        # adapter factors split like the experts (a shared A whole), token slots whole
+        spec_a = P() if adapters is None else (P(), {w: (P(axis) if a.shape[0] > 1 else P(), P(axis))
+                                                      for w, (a, _) in adapters[1].items()})
         # check_vma=False: the grouped matmul's loops start from replicated zeros and accumulate
         # per-rank values, which the varying-axes type check rejects; the psum makes the result replicated.
-        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), spec_w), out_specs=P(),
-                             check_vma=False)(z, ids, ws)
+        return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), spec_w, spec_a), out_specs=P(),
+                             check_vma=False)(z, ids, ws, adapters)
 
     def __call__(self, x: jax.Array, trace: list | None = None) -> jax.Array:
         """x [B, T, H] normed -> [B, T, H]. `trace`, when given, collects the routed expert ids [N, k]."""

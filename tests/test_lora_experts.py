@@ -1,0 +1,180 @@
+"""LoRA on the routed experts (k3jax/lora.py `ExpertLoRA`, serve/lora.py) against PEFT, a reference we did
+not write.
+
+PEFT adapts transformers' fused expert parameters (`target_parameters`: `mlp.experts.gate_up_proj`,
+`mlp.experts.down_proj`; its `ParamWrapper` folds each expert's `B_e A_e` into the weight) beside dense
+projections. The engine serves such adapters with per-expert factors, one with every expert's own A and
+one whose experts share an A (the miles K3 recipe) given in the per-expert naming vLLM / SGLang / miles
+use, with an A tensor for all experts; rows of each and of the base model run in one batch and are
+compared teacher-forced with `PeftModel`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+peft = pytest.importorskip("peft")
+pytestmark = pytest.mark.parity
+
+import hf_fixtures as hfx  # noqa: E402
+
+from k3jax import load_model  # noqa: E402
+from k3jax.lora import slot_bytes  # noqa: E402
+from serve.engine import Engine, EngineConfig  # noqa: E402
+from serve.lora import LoRAError, LoRARequest  # noqa: E402
+from test_lora import _peft_logprobs, _run, _write_adapter  # noqa: E402
+
+VARIANT = "b5_qlora"
+EXPERT_PARAMS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
+N_EXP, INTER, HIDDEN = 16, 24, 96
+
+
+def _share_a(pm, adapter: str) -> None:
+    """Give every expert of `adapter`'s expert factors expert 0's A (PEFT's layout: rows [E r, in])."""
+    for name, mod in pm.named_modules():
+        if hasattr(mod, "num_experts") and mod.num_experts > 1 and adapter in getattr(mod, "lora_A", {}):
+            w = mod.lora_A[adapter].weight
+            r = w.shape[0] // mod.num_experts
+            with torch.no_grad():
+                w.copy_(w[:r].repeat(mod.num_experts, 1))
+
+
+def _per_expert_names(src: str, dst: str, conf: dict) -> str:
+    """Rewrite a PEFT fused-parameter adapter (experts sharing A) in the per-expert naming, the shared A
+    once per matrix (`experts.w1.lora_A.weight`), B per expert -- the math of PEFT's ParamWrapper."""
+    from safetensors.numpy import load_file
+
+    out = {}
+    for name, x in load_file(f"{src}/adapter_model.safetensors").items():
+        if ".mlp.experts." not in name:
+            out[name] = x
+            continue
+        if not name.endswith("lora_A.weight"):
+            continue
+        b = load_file(f"{src}/adapter_model.safetensors")[name.replace("lora_A", "lora_B")]
+        layer = name.split(".mlp.experts")[0]
+        r = x.shape[0] // N_EXP
+        a0, be = x[:r], b.reshape(b.shape[0], r, N_EXP)
+        parts = {"w1": (slice(0, INTER),), "w3": (slice(INTER, 2 * INTER),)} if x.shape[1] == HIDDEN else {"w2": (slice(None),)}
+        for w, (rows,) in parts.items():
+            out[f"{layer}.block_sparse_moe.experts.{w}.lora_A.weight"] = np.ascontiguousarray(a0)
+            for e in range(N_EXP):
+                out[f"{layer}.block_sparse_moe.experts.{e}.{w}.lora_B.weight"] = np.ascontiguousarray(be[rows, :, e])
+    return _write_adapter(dst, out, **conf)
+
+
+@pytest.fixture(scope="module")
+def ref(tmp_path_factory):
+    """(checkpoint dir, PeftModel with adapters "own" (per-expert A) and "shared" (experts share A), their
+    directories, the shared one also in the per-expert naming)."""
+    root = tmp_path_factory.mktemp("lora_experts")
+    path, hf = hfx.make_hf_kimi_linear(str(root / "ckpt"), VARIANT)
+    torch.manual_seed(1)
+    own = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["o_proj", "down_proj"],
+                          target_parameters=EXPERT_PARAMS, init_lora_weights=False)
+    shared = peft.LoraConfig(r=3, lora_alpha=4, target_modules=[], target_parameters=EXPERT_PARAMS,
+                             init_lora_weights=False)
+    pm = peft.get_peft_model(hf, own, adapter_name="own")
+    pm.add_adapter("shared", shared)
+    _share_a(pm, "shared")
+    pm.eval()
+    pm.save_pretrained(str(root / "adapters"))
+    dirs = {"own": str(root / "adapters" / "own"), "shared": str(root / "adapters" / "shared")}
+    dirs["shared_named"] = _per_expert_names(dirs["shared"], str(root / "shared_named"), {"r": 3, "lora_alpha": 4})
+    return path, pm, dirs
+
+
+def _engine(path, **kw):
+    return Engine(load_model(path), EngineConfig(
+        max_model_len=256, page_size=16, cache_bytes=24 << 20, max_num_seqs=4, decode_buckets=(4,),
+        prefill_buckets=(2,), context_buckets=(16,), max_num_batched_tokens=256, max_loras=2, max_lora_rank=4,
+        lora_target_modules=("all-linear", "experts"), **kw), progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(ref):
+    return _engine(ref[0])
+
+
+def _check(pm, reqs, outs, names):
+    for (prompt, lr), out in zip(reqs, outs):
+        adapter = names[lr]
+        toks = np.asarray(out.outputs[0].token_ids)
+        want, gap, argmax = _peft_logprobs(pm, adapter, prompt, toks)
+        got = np.asarray([lp.logprob for lp, _ in out.outputs[0].logprobs])
+        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=f"adapter {adapter}")
+        clear = gap > 1e-3  # greedy may part from PEFT's only at near-ties
+        assert (toks[clear] == argmax[clear]).all(), (adapter, toks, argmax)
+
+
+def test_expert_adapters_match_peft_in_one_batch(engine, ref):
+    """Rows with per-expert A, rows with a shared A (per-expert naming) and base rows in one batch: each
+    row's greedy tokens and logprobs are PEFT's for its adapter; the expert factors change the outputs."""
+    _, pm, dirs = ref
+    engine.add_lora(LoRARequest("own", 1, dirs["own"]))
+    engine.add_lora(LoRARequest("shared", 2, dirs["shared_named"]))
+    prompts = hfx.make_prompt(VARIANT, 11, batch=3, length=70)
+    reqs = [(prompts[0], "own"), (prompts[1], None), (prompts[2], "shared"), (prompts[0], "shared"),
+            (prompts[0], None)]
+    outs = _run(engine, reqs)
+    _check(pm, reqs, outs, {None: None, "own": "own", "shared": "shared"})
+    toks = [out.outputs[0].token_ids for out in outs]
+    assert toks[0] != toks[4] and toks[3] != toks[4] and toks[0] != toks[3]
+    stats = engine.stats()
+    assert stats["compiles_after_warmup"] == 0
+    # dense projections: 3 slots (the base one too); expert matrices: 2
+    dense = slot_bytes(engine.cfg, engine.model.dtype, 4, ("all-linear",))
+    assert stats["lora_bytes"] == 3 * dense + 2 * (slot_bytes(engine.cfg, engine.model.dtype, 4,
+                                                              ("all-linear", "experts")) - dense)
+
+
+def test_fused_form_equals_per_expert_form(engine, ref):
+    """The shared adapter read in PEFT's fused-parameter form writes the same slot contents as in the
+    per-expert naming; swapping it in gives the same tokens."""
+    _, _, dirs = ref
+    p = hfx.make_prompt(VARIANT, 12, batch=1, length=30)[0]
+    want = _run(engine, [(p, "shared")])[0].outputs[0].token_ids
+    engine.remove_lora("shared")
+    engine.add_lora(LoRARequest("shared", 2, dirs["shared"]))
+    assert _run(engine, [(p, "shared")])[0].outputs[0].token_ids == want
+
+
+def test_shared_a_engine_and_errors(ref, tmp_path):
+    """`lora_experts_shared_a`: A slots of one expert, the shared adapter served as PEFT serves it; an
+    adapter whose experts' A differ is refused naming the tensor; experts without slots refuse expert
+    factors; bad expert tensors name what is wrong, and nothing is loaded."""
+    path, pm, dirs = ref
+    eng = _engine(path, lora_experts_shared_a=True, max_cpu_loras=2)
+    eng.add_lora(LoRARequest("shared", 1, dirs["shared"]))
+    with pytest.raises(LoRAError, match=r"mlp\.experts\.(base_layer\.)?lora_A\.weight: lora_A of experts 0 and 1 "
+                                        r"differ.*lora_experts_shared_a"):
+        eng.add_lora(LoRARequest("own", 2, dirs["own"]))
+    prompts = hfx.make_prompt(VARIANT, 13, batch=2, length=40)
+    reqs = [(prompts[0], "shared"), (prompts[1], None)]
+    _check(pm, reqs, _run(eng, reqs), {None: None, "shared": "shared"})
+    b = "base_model.model.model.layers.1.block_sparse_moe.experts"
+    ok_a, ok_b = np.ones((2, HIDDEN), np.float32), np.ones((INTER, 2), np.float32)
+    cases = [
+        ({f"{b}.16.w1.lora_A.weight": ok_a, f"{b}.16.w1.lora_B.weight": ok_b}, "expert 16 is out of range"),
+        ({f"{b}.3.w1.lora_A.weight": ok_a}, r"expert_lora\.w1: lora_B is missing"),
+        ({f"{b}.3.w1.lora_A.weight": ok_a, f"{b}.3.w1.lora_B.weight": np.ones((INTER + 1, 2), np.float32)},
+         r"3\.w1\.lora_B\.weight: shape \[25, 2\], expected \[24, 2\]"),
+        ({f"{b}.w2.lora_A.weight": ok_a, f"{b}.0.w2.lora_B.weight": np.ones((HIDDEN, 2), np.float32)},
+         r"w2\.lora_A\.weight: shape \[2, 96\], the expert matrix takes \[r, 24\]"),
+        ({"base_model.model.model.layers.1.mlp.experts.lora_A.weight": np.ones((32, 24), np.float32),
+          "base_model.model.model.layers.1.mlp.experts.lora_B.weight": np.ones((95, 32), np.float32)},
+         "neither the experts' gate_up_proj"),
+    ]
+    for k, (tensors, match) in enumerate(cases):
+        with pytest.raises(LoRAError, match=match):
+            eng.add_lora(LoRARequest(f"bad{k}", 5 + k, _write_adapter(str(tmp_path / f"bad{k}"), tensors)))
+    assert eng.list_loras() == ["shared"]
+    with pytest.raises(ValueError, match="do not move with expert-parallel load balancing"):
+        Engine(load_model(path), EngineConfig(max_model_len=256, cache_bytes=8 << 20, max_loras=1,
+                                              lora_target_modules=("experts",), enable_eplb=True), warmup=False)
+    dense_only = Engine(load_model(path), EngineConfig(max_model_len=256, cache_bytes=8 << 20, max_loras=1,
+                                                       max_lora_rank=4), warmup=False)
+    with pytest.raises(LoRAError, match=r"mlp\.experts.*routed experts only when lora_target_modules names 'experts'"):
+        dense_only.add_lora(LoRARequest("own", 1, dirs["own"]))
