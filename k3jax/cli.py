@@ -72,12 +72,18 @@ def _cmd_info(args) -> int:
               file=sys.stderr)
         return 2
     if getattr(args, "max_loras", 0):
-        from k3jax.lora import slot_bytes
+        from k3jax.lora import slot_bytes, split_targets
 
-        per = slot_bytes(cfg, dtype, args.max_lora_rank)
-        # slot 0 (the base model) is allocated too; tensor-parallel ranks split the factors like the weights
+        targets = tuple(args.lora_target_modules) if args.lora_target_modules else None
+        dense_targets = split_targets(targets)[0]
+        per = slot_bytes(cfg, dtype, args.max_lora_rank, targets, args.lora_experts_shared_a)
+        dense = slot_bytes(cfg, dtype, args.max_lora_rank, ("all-linear",) if dense_targets is None else
+                           dense_targets or ("-",))
+        # the projections' slot 0 (the base model) is allocated too; tensor-parallel ranks split the factors like
+        # the weights, expert-parallel ranks the routed experts' like the experts
         info["lora"] = {"max_loras": args.max_loras, "max_lora_rank": args.max_lora_rank,
-                        "bytes_per_adapter": per, "bytes_all_slots": per * (args.max_loras + 1)}
+                        "bytes_per_adapter": per, "bytes_routed_experts_per_adapter": per - dense,
+                        "bytes_all_slots": per * args.max_loras + dense}
     programs = _step_programs(args, cfg)
     if programs is not None:
         info["step_programs"] = programs
@@ -189,6 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--prefill-chunk", type=int, default=64, help="for the count of step programs")
     i.add_argument("--max-loras", type=int, default=0, help="also the device bytes of this many LoRA adapter slots")
     i.add_argument("--max-lora-rank", type=int, default=16)
+    i.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
+                   help="as for serve: 'experts' adds the routed experts' adapter slots")
+    i.add_argument("--lora-experts-shared-a", action="store_true", help="as for serve: one A for all experts")
     i.set_defaults(fn=_cmd_info)
 
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)")

@@ -306,3 +306,77 @@ def test_scanned_engine_serves_adapters_and_drafts(unrolled, reference, tmp_path
     assert len({tuple(t) for t, _ in want.values()}) == len(want)  # each adapter changes every prompt's tokens
     assert 0 < e.counters["spec_decode_num_accepted_tokens"] < e.counters["spec_decode_num_draft_tokens"]
     assert e.counters["lora_swaps"] >= 2 and e.compiles_after_warmup == 0 and _arena_back(e)
+
+
+def _expert_adapter(dense, path, seed, layers, shared):
+    """A per-expert adapter (vLLM / SGLang / miles naming) with random factors on the routed experts' w1, w3
+    and w2 of `layers` of `dense` (a model with dense experts) -> (its directory, `dense`'s weights with it
+    merged into every expert: W_e + alpha / r * B_e @ A_e). `shared`: one A per matrix, given once."""
+    import json
+    import os
+
+    from safetensors.numpy import save_file
+
+    rng, r, alpha = np.random.default_rng(seed), 3, 4.0
+    flat, tensors = dict(nnx.to_flat_state(dense.params)), {}
+    for layer in layers:
+        name = f"base_model.model.language_model.model.layers.{layer}.block_sparse_moe.experts"
+        for w in ("w1", "w3", "w2"):
+            key = ("layers", layer, "block_sparse_moe", w)
+            ws = np.asarray(flat[key][...])  # [E, out, in]
+            a = rng.normal(0, 0.3, (1 if shared else ws.shape[0], r, ws.shape[2])).astype(np.float32)
+            b = rng.normal(0, 0.3, (ws.shape[0], ws.shape[1], r)).astype(np.float32)
+            if shared:
+                tensors[f"{name}.{w}.lora_A.weight"] = a[0]
+            for e in range(ws.shape[0]):
+                if not shared:
+                    tensors[f"{name}.{e}.{w}.lora_A.weight"] = a[e]
+                tensors[f"{name}.{e}.{w}.lora_B.weight"] = b[e]
+            delta = np.einsum("eor,eri->eoi", b, np.broadcast_to(a, (ws.shape[0], *a.shape[1:])))
+            flat[key] = flat[key].replace(value=jnp.asarray(ws + alpha / r * delta, ws.dtype))
+    os.makedirs(path)
+    save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+    with open(os.path.join(path, "adapter_config.json"), "w") as f:
+        json.dump({"peft_type": "LORA", "r": r, "lora_alpha": alpha}, f)
+    return str(path), nnx.from_flat_state(list(flat.items()))
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-A", "shared-A"])
+def test_scanned_engine_serves_expert_adapters(unrolled, tmp_path, shared):
+    """Adapters on K3's routed experts (latent MoE, MXFP4 experts) in both groups of the scanned run and in
+    the unrolled last layer: each request's greedy tokens and logprobs are those of the unrolled model's full
+    forward with the adapter merged into its (dequantized) experts, beside base rows in the same batch."""
+    from k3jax.dequantize import dequantize_experts
+    from serve.lora import LoRARequest
+
+    dense = dequantize_experts(unrolled)
+    path, merged = _expert_adapter(dense, tmp_path / "experts", 5, (1, 5, 7), shared)
+    fn = jax.jit(lambda params, ids: jax.nn.log_softmax(nnx.merge(dense.graphdef, params)(ids)[0], -1))
+
+    def reference(prompt, params):
+        seq, lps = list(prompt), []
+        for _ in range(GREEDY.max_tokens):
+            ids = np.zeros((1, 64), np.int32)
+            ids[0, :len(seq)] = seq
+            row = np.asarray(fn(params, jnp.asarray(ids)))[0, len(seq) - 1]
+            seq.append(int(np.argmax(row)))
+            lps.append(float(row[seq[-1]]))
+        return seq[len(prompt):], lps
+
+    e = Engine(unrolled, EngineConfig(**KW, max_loras=1, max_lora_rank=4, lora_target_modules=("experts",),
+                                      lora_experts_shared_a=shared), progress=False)
+    assert e.layer_scan == LayerScan(1, 3, 2) and any(t.stacked and t.experts for t in e._lora_leaves)
+    e.add_lora(LoRARequest("experts", 1, path))
+    jobs = [(p, lr) for p in PROMPTS[:2] for lr in (None, "experts")]
+    for i, (p, lr) in enumerate(jobs):
+        e.add_request(p, GREEDY, request_id=f"r{i}", lora_request=lr)
+    done = {}
+    while e.has_unfinished():
+        done.update({o.request_id: o for o in e.step() if o.finished})
+    for i, (p, lr) in enumerate(jobs):
+        tokens, lps = reference(p, merged if lr else dense.params)
+        c = done[f"r{i}"].outputs[0]
+        assert c.token_ids == tokens, (i, lr)
+        _close([lp[0].logprob for lp in c.logprobs], lps, 1e-3)
+    assert done["r0"].outputs[0].token_ids != done["r1"].outputs[0].token_ids
+    assert e.compiles_after_warmup == 0 and _arena_back(e)

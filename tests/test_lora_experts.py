@@ -11,6 +11,8 @@ compared teacher-forced with `PeftModel`.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -178,3 +180,83 @@ def test_shared_a_engine_and_errors(ref, tmp_path):
                                                        max_lora_rank=4), warmup=False)
     with pytest.raises(LoRAError, match=r"mlp\.experts.*routed experts only when lora_target_modules names 'experts'"):
         dense_only.add_lora(LoRARequest("own", 1, dirs["own"]))
+
+
+_EP = r'''
+import os
+os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+import jax, jax.numpy as jnp, numpy as np
+from flax import nnx
+from k3jax import lora
+from k3jax.config import get_preset
+from k3jax.layers.moe import MoE
+
+out = {}
+for name in ("tiny-kimi-linear", "tiny-k3"):
+    for shared in (False, True):
+        cfg = get_preset(name)
+        cfg = __import__("dataclasses").replace(cfg, expert_format="dense")
+        moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(0))
+        e, s, r, d, i = cfg.num_experts, 3, 4, cfg.expert_in_size, cfg.moe_intermediate_size
+        rng = np.random.default_rng(1)
+        moe.expert_lora = lora.ExpertLoRA({w: lora.ExpertFactors(e, s, r, *dims, jnp.float32, shared)
+                                           for w, dims in (("w1", (d, i)), ("w3", (d, i)), ("w2", (i, d)))})
+        for w in ("w1", "w3", "w2"):
+            f = getattr(moe.expert_lora, w)
+            f.lora_a.value = jnp.asarray(rng.normal(0, 0.5, f.lora_a.value.shape), jnp.float32)
+            f.lora_b.value = jnp.asarray(rng.normal(0, 0.5, f.lora_b.value.shape), jnp.float32)
+        x = jnp.asarray(rng.normal(size=(6, 5, cfg.hidden_size)), jnp.float32)  # [B, T, H]
+        slots = jnp.asarray([2, 0, 3, 1, 0, 2], jnp.int32)
+        base = moe(x)
+        with lora.rows(slots):
+            one = moe(x)
+        mesh = jax.make_mesh((4,), ("ep",))
+        moe.expert_parallel = (mesh, "ep")
+        split = lambda v, spec: jax.device_put(v, jax.sharding.NamedSharding(mesh, spec))
+        for path, v in nnx.iter_graph(moe):  # experts and their factors split, everything else whole
+            if isinstance(v, nnx.Variable):
+                by_expert = path[-1] in ("w1", "w2", "w3", "lora_b") or (path[-1] == "lora_a" and not shared)
+                v.value = split(v.value, jax.sharding.PartitionSpec("ep" if by_expert else None))
+        with lora.rows(split(slots, jax.sharding.PartitionSpec())):
+            four = jax.jit(lambda x: moe(x))(split(x, jax.sharding.PartitionSpec()))
+        out[f"{name}/{shared}"] = dict(
+            ep=float(jnp.max(jnp.abs(four - one))), scale=float(jnp.max(jnp.abs(one))),
+            changed=[bool(jnp.any(one[b] != base[b])) for b in range(6)])
+print("RESULT", __import__("json").dumps(out))
+'''
+
+
+def test_expert_parallel_adapter_term_equals_one_device():
+    """The routed experts' adapter term with the experts (and their factors) split over 4 expert ranks equals
+    one device's, for both MoE kinds and both A forms; rows of slot 0 are exactly the base model's."""
+    import json
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "-c", _EP], capture_output=True, text=True, timeout=600,
+                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.split("RESULT", 1)[1])
+    for key, r in out.items():
+        assert r["ep"] <= 1e-5 * max(1.0, r["scale"]), (key, r)
+        assert r["changed"] == [True, False, True, True, False, True], (key, r)
+
+
+@pytest.mark.parametrize("targets,shared", [(None, False), (["all-linear", "experts"], False),
+                                            (["q_proj", "w2"], True)])
+def test_info_plans_what_the_engine_allocates(capsys, targets, shared):
+    """`k3jax info --max-loras` gives the bytes an engine's adapter slots take, routed experts included."""
+    import json
+
+    from k3jax.cli import main
+    from k3jax.runtime import load_model as load_preset
+
+    args = ["info", "--model", "tiny-k3", "--dtype", "float32", "--max-loras", "2", "--max-lora-rank", "4"]
+    args += (["--lora-target-modules", *targets] if targets else []) + (["--lora-experts-shared-a"] if shared else [])
+    assert main(args) == 0
+    info = json.loads(capsys.readouterr().out)["lora"]
+    eng = Engine(load_preset("tiny-k3"), EngineConfig(max_model_len=64, cache_bytes=4 << 20, max_loras=2, max_lora_rank=4,
+                                                      lora_target_modules=tuple(targets) if targets else None,
+                                                      lora_experts_shared_a=shared), warmup=False)
+    assert info["bytes_all_slots"] == eng.lora_bytes
+    assert (info["bytes_routed_experts_per_adapter"] > 0) == (targets is not None)
