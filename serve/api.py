@@ -378,6 +378,24 @@ class LoadLoRARequest(_Strict):
     lora_path: str = Field(min_length=1)
 
 
+class SGLangLoadLoRARequest(_Strict):
+    """SGLang's /load_lora_adapter body (`pinned`: accepted; this engine's slots are taken by use, LRU)."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class LoadLoRAFromTensorsRequest(_Strict):
+    """SGLang's /load_lora_adapter_from_tensors body: the adapter's tensors as base64 safetensors files named
+    as PEFT saves them (one or a list), its PEFT config as `config_dict`."""
+    lora_name: str = Field(min_length=1, max_length=256)
+    config_dict: dict
+    serialized_tensors: Union[str, list[str]]
+    load_format: Optional[str] = None
+    pinned: bool = False
+    added_tokens_config: Optional[dict] = None
+
+
 class UnloadLoRARequest(_Strict):
     """vLLM's /v1/unload_lora_adapter body (`lora_int_id` is accepted and ignored: names identify adapters)."""
     lora_name: str = Field(min_length=1, max_length=256)
@@ -1493,6 +1511,58 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             except LoRAError as e:
                 raise APIError(400, str(e), param="lora_name") from None
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
+
+        # SGLang's routes for the same (RL trainers on SGLang call these): JSON verdicts
+        # {"success", "error_message", "loaded_adapters"}, 400 on failure
+        def lora_verdict(error: Optional[str] = None):
+            loaded = {n: a.path for n, a in st.lora_adapters().items()}
+            return JSONResponse({"success": error is None, "error_message": error or "", "loaded_adapters": loaded},
+                                status_code=200 if error is None else 400)
+
+        async def load(body, fn):
+            if body.lora_name == st.model_name:
+                return lora_verdict(f"lora_name {body.lora_name!r} is the base model's name")
+            try:
+                await st.engine.call(fn)
+            except LoRAError as e:
+                return lora_verdict(str(e))
+            return lora_verdict()
+
+        @app.post("/load_lora_adapter", responses=_ERRORS)
+        async def sglang_load_lora_adapter(body: SGLangLoadLoRARequest, key: str = Depends(authenticate),
+                                           _r: None = Depends(ready)):
+            """SGLang's: load a PEFT adapter directory (as /v1/load_lora_adapter)."""
+            return await load(body, lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path)))
+
+        @app.post("/load_lora_adapter_from_tensors", responses=_ERRORS)
+        async def load_lora_adapter_from_tensors(body: LoadLoRAFromTensorsRequest, key: str = Depends(authenticate),
+                                                 _r: None = Depends(ready)):
+            """SGLang's: an adapter from tensors sent in the request (base64 safetensors files, `load_format`
+            "safetensors") and its PEFT `config_dict`: the RL loop's adapter sync, no files on the server."""
+            if body.load_format != "safetensors":
+                return lora_verdict(f"load_format: {body.load_format!r} is not readable here; send the tensors as "
+                                    f"base64 safetensors files with load_format 'safetensors' (SGLang's pickled torch "
+                                    f"payloads point into another process's memory)")
+            if body.added_tokens_config:
+                return lora_verdict("added_tokens_config: adapters that add tokens are not supported")
+            texts = [body.serialized_tensors] if isinstance(body.serialized_tensors, str) else body.serialized_tensors
+            try:
+                named = [item for i, t in enumerate(texts) for item in _safetensors_items(t, f"serialized_tensors[{i}]")]
+            except ValueError as e:
+                return lora_verdict(str(e))
+            return await load(body, lambda e: e.load_lora_adapter_from_tensors(body.lora_name, named, body.config_dict))
+
+        @app.post("/unload_lora_adapter", responses=_ERRORS)
+        async def sglang_unload_lora_adapter(body: UnloadLoRARequest, key: str = Depends(authenticate),
+                                             _r: None = Depends(ready)):
+            """SGLang's: unload an adapter (refused while requests in flight use it)."""
+            if body.lora_name not in st.lora_adapters():
+                return lora_verdict(f"lora_name {body.lora_name!r}: no adapter of that name is loaded")
+            try:
+                await st.engine.call(lambda e: e.remove_lora(body.lora_name))
+            except LoRAError as e:
+                return lora_verdict(str(e))
+            return lora_verdict()
 
     @app.post("/v1/completions", responses=_ERRORS)
     async def completions(body: CompletionRequest, request: Request, key: str = Depends(authenticate),

@@ -337,6 +337,9 @@ class DataParallelEngine:
     def add_lora(self, lora_request):
         return self._all(lambda e: e.add_lora(lora_request))[0]
 
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict):
+        return self._all(lambda e: e.load_lora_adapter_from_tensors(lora_name, tensors, config_dict))[0]
+
     def remove_lora(self, name: str) -> None:
         self._all(lambda e: e.remove_lora(name))
 

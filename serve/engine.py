@@ -46,7 +46,7 @@ from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
-from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, read_peft
+from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, parse_peft, read_peft
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
 from serve.buckets import default_buckets, program_shapes
 from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, state_dtype_name
@@ -1416,11 +1416,30 @@ class Engine:
     def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Load a PEFT adapter directory into a free slot (vLLM's `add_lora`): its factors are checked
         against the model's projections before anything is written; no compile. Raises `LoRAError`."""
-        self._leader_only("add_lora")
-        self._check_awake("add_lora")
+        return self._load_adapter("add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path,
+                                  lambda *a: read_peft(lora_request.lora_path, *a))
+
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
+                                       lora_int_id: int = 0) -> Adapter:
+        """SGLang's `load_lora_adapter_from_tensors`: an adapter from tensors in memory, named as PEFT saves them
+        (`[(name, tensor), ...]` or a dict; numpy, JAX or torch, bf16 included) with its PEFT config as a dict,
+        the same checks and slots as `add_lora`; what an RL trainer pushes after each step (unload the previous
+        version first, as SGLang's clients do). Raises `LoRAError`."""
+        from serve.named_weights import as_numpy  # noqa: PLC0415
+
+        items = list(tensors.items()) if isinstance(tensors, dict) else list(tensors)
+        try:
+            named = {str(n): as_numpy(t) for n, t in items}
+        except (TypeError, ValueError) as e:
+            raise LoRAError(f"tensors: expected (name, tensor) pairs or a dict of tensors ({e})") from None
+        return self._load_adapter("load_lora_adapter_from_tensors", lora_name, lora_int_id, "",
+                                  lambda *a: parse_peft(config_dict, named, *a, cfg_where="config_dict"))
+
+    def _load_adapter(self, what: str, name, int_id: int, path: str, read) -> Adapter:
+        self._leader_only(what)
+        self._check_awake(what)
         if not self.config.max_loras:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
-        name = lora_request.lora_name
         if not isinstance(name, str) or not name or len(name) > 256:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
         if name in self.loras.by_name:
@@ -1431,9 +1450,8 @@ class Engine:
         experts = {m: (self._leaves[t.b].shape[-4], self._leaves[t.a].shape[-4] == 1)
                    for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
-        rank, factors = read_peft(lora_request.lora_path, shapes, self.config.max_lora_rank, prefix,
-                                  self.config.lora_target_modules, experts)
-        adapter = self.loras.add(name, lora_request.lora_path, rank, factors, lora_request.lora_int_id)
+        rank, factors = read(shapes, self.config.max_lora_rank, prefix, self.config.lora_target_modules, experts)
+        adapter = self.loras.add(name, path, rank, factors, int_id)
         if self.channel is not None:
             self._send_adapter(adapter)
         if len(self.loras.in_slot) < self.loras.slots:  # a free slot: take it now (else when first needed)
@@ -2147,7 +2165,7 @@ class Engine:
         for f in then:
             try:
                 self._land(f, touched)
-            except BaseException as e:
+            except BaseException:
                 rids += [r for r, _, _ in f.rows]
         err = self._step_failed(rids, first)
         done = {self.seqs[r].request_id for r in touched if r in self.seqs} - set(err.request_ids)

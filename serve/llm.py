@@ -158,6 +158,11 @@ class LLM:
         self.engine.add_lora(lora_request)
         return True
 
+    def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict) -> bool:
+        """An adapter from tensors in memory and its PEFT config (SGLang's; see `Engine`): no disk, no compile."""
+        self.engine.load_lora_adapter_from_tensors(lora_name, tensors, config_dict)
+        return True
+
     def remove_lora(self, name: str) -> bool:
         """Unload an adapter (not while requests use it)."""
         self.engine.remove_lora(name)

@@ -111,12 +111,7 @@ def factor_leaves(paths: dict[str, tuple[int, int]], leaf_at: list[tuple[int, Op
 def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = "",
               targets: Optional[tuple[str, ...]] = None, experts: Optional[dict[str, tuple[int, bool]]] = None,
               ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
-    """Read a PEFT LoRA directory against the model's projections `shapes` (module path -> (out, in))
-    -> (largest rank, {module: one slot's contents, as `model_lora.slot_arrays` lays them out, with the
-    scaling folded in}). `experts`: the routed-expert matrices with slots (module path ->
-    (experts, shared A)); their `shapes` are one expert's and their contents (A [Ea, in, R], B [E, R, out]).
-    `prefix` is the checkpoint's text-model prefix ("language_model." for K3)."""
-    experts = experts or {}
+    """Read a PEFT LoRA directory against the model's projections (`parse_peft`)."""
     if not os.path.isdir(path):
         raise LoRAError(f"lora_path {path!r}: not a directory")
     cfg_file = os.path.join(path, CONFIG)
@@ -127,50 +122,69 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
             conf = json.load(f)
         except json.JSONDecodeError as e:
             raise LoRAError(f"{cfg_file}: not JSON ({e})") from None
-    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
-        raise LoRAError(f"{cfg_file}: peft_type {conf.get('peft_type')!r}; only LORA adapters are served")
-    for key, ok, why in (("use_dora", lambda v: not v, "DoRA adapters are not supported"),
-                         ("bias", lambda v: v in (None, "none"), "adapters with trained biases are not supported"),
-                         ("modules_to_save", lambda v: not v, "adapters that replace whole modules are not supported"),
-                         ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out factors are not supported")):
-        if key in conf and not ok(conf[key]):
-            raise LoRAError(f"{cfg_file}: {key}={conf[key]!r}: {why}")
-    try:
-        alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
-    except (TypeError, ValueError):
-        raise LoRAError(f"{cfg_file}: lora_alpha={conf.get('lora_alpha')!r} is not a number") from None
-    alpha_pattern = dict(conf.get("alpha_pattern") or {})
-    rslora = bool(conf.get("use_rslora", False))
     weights = os.path.join(path, WEIGHTS)
     if not os.path.exists(weights):
         other = [f for f in os.listdir(path) if f.startswith("adapter_model")]
         raise LoRAError(f"lora_path {path!r}: no {WEIGHTS}" + (f" (found {other}: save it with safetensors)"
                                                                    if other else ""))
+    with safe_open(weights, framework="numpy") as f:
+        named = {name: f.get_tensor(name) for name in f.keys()}
+    return parse_peft(conf, named, shapes, max_rank, prefix, targets, experts, cfg_file, weights)
+
+
+def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = "",
+               targets: Optional[tuple[str, ...]] = None, experts: Optional[dict[str, tuple[int, bool]]] = None,
+               cfg_where: str = "config", weights: str = "tensors",
+               ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
+    """A PEFT LoRA adapter (its `adapter_config.json` as a dict, its tensors by name) against the model's
+    projections `shapes` (module path -> (out, in)) -> (largest rank, {module: one slot's contents, as
+    `model_lora.slot_arrays` lays them out, with the scaling folded in}). `experts`: the routed-expert
+    matrices with slots (module path -> (experts, shared A)); their `shapes` are one expert's and their
+    contents (A [Ea, in, R], B [E, R, out]). `prefix` is the checkpoint's text-model prefix
+    ("language_model." for K3). `cfg_where` / `weights` name the config and the tensors in errors."""
+    experts = experts or {}
+    if not isinstance(conf, dict):
+        raise LoRAError(f"{cfg_where}: expected a JSON object, got {type(conf).__name__}")
+    if str(conf.get("peft_type", "LORA")).upper() != "LORA":
+        raise LoRAError(f"{cfg_where}: peft_type {conf.get('peft_type')!r}; only LORA adapters are served")
+    for key, ok, why in (("use_dora", lambda v: not v, "DoRA adapters are not supported"),
+                         ("bias", lambda v: v in (None, "none"), "adapters with trained biases are not supported"),
+                         ("modules_to_save", lambda v: not v, "adapters that replace whole modules are not supported"),
+                         ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out factors are not supported")):
+        if key in conf and not ok(conf[key]):
+            raise LoRAError(f"{cfg_where}: {key}={conf[key]!r}: {why}")
+    try:
+        alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
+    except (TypeError, ValueError):
+        raise LoRAError(f"{cfg_where}: lora_alpha={conf.get('lora_alpha')!r} is not a number") from None
+    alpha_pattern = dict(conf.get("alpha_pattern") or {})
+    rslora = bool(conf.get("use_rslora", False))
     tensors: dict[str, dict[str, np.ndarray]] = {}
     by_expert: dict[str, dict[str, dict]] = {}  # expert matrix -> A / B -> expert (None: all) -> (name, array)
     fused: dict[str, dict[str, tuple]] = {}  # PEFT module of a fused expert parameter -> A / B -> (name, array)
-    with safe_open(weights, framework="numpy") as f:
-        for name in f.keys():
-            m = _FACTOR.match(name)
-            if m is None:
-                raise LoRAError(f"{weights}: tensor {name}: not a LoRA factor (lora_A / lora_B weight)")
-            hit = _expert_module(m.group("module"), prefix)
-            if hit is not None and any(e.startswith(hit[0]) for e in experts):
-                module, expert = hit
-                if expert == "fused":
-                    fused.setdefault((module, m.group("module")), {})[m.group("which")] = (name, f.get_tensor(name))
-                else:
-                    got = by_expert.setdefault(module, {}).setdefault(m.group("which"), {})
-                    got[expert] = (name, f.get_tensor(name))
-                continue
-            module = _module_path(m.group("module"), prefix, shapes)
-            if module is None:
-                where = (f"lora_target_modules={list(targets)}" if targets is not None else
-                         "the dense projections; routed experts only when lora_target_modules names 'experts', "
-                         "the router, embeddings and lm_head never")
-                raise LoRAError(f"{weights}: tensor {name}: this model has no projection {m.group('module')!r} that "
-                                f"takes adapters (they apply to {where})")
-            tensors.setdefault(module, {})[m.group("which")] = (name, f.get_tensor(name))
+    for name, value in named.items():
+        m = _FACTOR.match(name)
+        if m is None:
+            raise LoRAError(f"{weights}: tensor {name}: not a LoRA factor (lora_A / lora_B weight)")
+        value = np.asarray(value)
+        if value.dtype.kind not in "fV" and value.dtype.name != "bfloat16":
+            raise LoRAError(f"{weights}: tensor {name}: dtype {value.dtype}, expected floating point")
+        hit = _expert_module(m.group("module"), prefix)
+        if hit is not None and any(e.startswith(hit[0]) for e in experts):
+            module, expert = hit
+            if expert == "fused":
+                fused.setdefault((module, m.group("module")), {})[m.group("which")] = (name, value)
+            else:
+                by_expert.setdefault(module, {}).setdefault(m.group("which"), {})[expert] = (name, value)
+            continue
+        module = _module_path(m.group("module"), prefix, shapes)
+        if module is None:
+            where = (f"lora_target_modules={list(targets)}" if targets is not None else
+                     "the dense projections; routed experts only when lora_target_modules names 'experts', "
+                     "the router, embeddings and lm_head never")
+            raise LoRAError(f"{weights}: tensor {name}: this model has no projection {m.group('module')!r} that "
+                            f"takes adapters (they apply to {where})")
+        tensors.setdefault(module, {})[m.group("which")] = (name, value)
     if not tensors and not by_expert and not fused:
         raise LoRAError(f"{weights}: no LoRA factors")
     out: dict[str, tuple[np.ndarray, np.ndarray]] = {}
@@ -201,7 +215,7 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
                             f"{next(iter(pair.values()))[0]})")
         (na, a), (nb, b) = pair["A"], pair["B"]
         o, i = shapes[module]
-        r = a.shape[0]
+        r = a.shape[0] if a.ndim else 0
         if a.ndim != 2 or a.shape[1] != i:
             raise LoRAError(f"{weights}: tensor {na}: shape {list(a.shape)}, the projection takes [r, {i}]")
         if b.ndim != 2 or b.shape != (o, r):

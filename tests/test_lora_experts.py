@@ -260,3 +260,60 @@ def test_info_plans_what_the_engine_allocates(capsys, targets, shared):
                                                       lora_experts_shared_a=shared), warmup=False)
     assert info["bytes_all_slots"] == eng.lora_bytes
     assert (info["bytes_routed_experts_per_adapter"] > 0) == (targets is not None)
+
+
+def test_adapter_from_tensors_python_and_http(engine, ref):
+    """SGLang's `load_lora_adapter_from_tensors`, the RL loop's adapter sync: PEFT's in-memory state dict (torch
+    tensors) and config give the tokens the saved directory gives, from Python and over HTTP (base64
+    safetensors); a bad payload is a 400 verdict that names it and loads nothing."""
+    import asyncio
+    import base64
+    import json
+
+    import httpx
+    from safetensors.torch import save as st_save
+
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    _, pm, dirs = ref
+    for name in engine.list_loras():
+        engine.remove_lora(name)
+    engine.add_lora(LoRARequest("disk", 1, dirs["own"]))
+    prompt = [int(t) for t in hfx.make_prompt(VARIANT, 14, batch=1, length=30)[0]]
+    want = _run(engine, [(prompt, "disk")])[0].outputs[0].token_ids
+    state = peft.get_peft_model_state_dict(pm, adapter_name="own")
+    conf = json.loads(json.dumps(pm.peft_config["own"].to_dict(), default=sorted))
+    engine.remove_lora("disk")
+    engine.load_lora_adapter_from_tensors("mem", list(state.items()), conf)
+    assert _run(engine, [(prompt, "mem")])[0].outputs[0].token_ids == want
+    engine.remove_lora("mem")
+    with pytest.raises(LoRAError, match="config_dict: use_dora=True"):
+        engine.load_lora_adapter_from_tensors("mem", state, {**conf, "use_dora": True})
+    aeng = AsyncEngine(engine)
+    app = create_app(aeng, "kimi", allow_runtime_lora_updating=True)
+    payload = base64.b64encode(st_save({k: v.contiguous() for k, v in state.items()})).decode()
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"lora_name": "web", "config_dict": conf, "serialized_tensors": payload}
+            r = await c.post("/load_lora_adapter_from_tensors", json=body)
+            assert r.status_code == 400 and "load_format" in r.json()["error_message"], r.text
+            r = await c.post("/load_lora_adapter_from_tensors", json={**body, "load_format": "safetensors",
+                                                                      "serialized_tensors": ["eA=="]})
+            assert r.status_code == 400 and "serialized_tensors[0]: not a safetensors file" in r.json()["error_message"]
+            r = await c.post("/load_lora_adapter_from_tensors", json={**body, "load_format": "safetensors"})
+            assert r.status_code == 200 and r.json()["success"] and "web" in r.json()["loaded_adapters"], r.text
+            r = await c.post("/v1/completions", json={"model": "web", "prompt": prompt, "max_tokens": len(want),
+                                                      "temperature": 0, "ignore_eos": True, "return_token_ids": True})
+            assert r.json()["choices"][0]["token_ids"] == want, r.text
+            r = await c.post("/unload_lora_adapter", json={"lora_name": "web"})
+            assert r.status_code == 200 and r.json()["loaded_adapters"] == {}
+            r = await c.post("/load_lora_adapter", json={"lora_name": "dir", "lora_path": "/no/such/dir"})
+            assert r.status_code == 400 and "not a directory" in r.json()["error_message"]
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert engine.list_loras() == []
