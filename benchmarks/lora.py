@@ -127,11 +127,21 @@ def part_k3_small(quick: bool, bw: float, log) -> dict:
                adapter_factor_bytes=one, qkvo_adapter_factor_bytes=one_attn, qkvo_lora_bytes=attn.lora_bytes,
                compiles_after_warmup=lora.stats()["compiles_after_warmup"] + attn.stats()["compiles_after_warmup"],
                cases={})
+    summarize(out, runs, slots, roof_base, lambda k: one_attn if "q/k/v/o" in k else one, bw, "lora engine, base rows",
+              log)
+    return out
+
+
+def summarize(out: dict, runs: dict, slots: int, roof_base: float, factor_bytes_of, bw: float, base_rows: str,
+              log) -> None:
+    """Per case of `runs` ({name: waves}, the first the base engine): median decode step against its roofline (the
+    base step's bytes + the factors of the distinct adapters in the batch, `factor_bytes_of(name)` each) and
+    against the first case; and whether the `base_rows` case gave the base engine's tokens."""
     ref = None
     for k, ws in runs.items():
         steps = [dt for w in ws for dt in w["decode_steps"]]
         distinct = 0 if "base" in k else (1 if "one" in k else slots)
-        roof = (roof_base + distinct * (one_attn if "q/k/v/o" in k else one)) / (bw * 1e9)
+        roof = (roof_base + distinct * factor_bytes_of(k)) / (bw * 1e9)
         step = med(steps)
         ref = ref or step
         out["cases"][k] = dict(decode_step_median_s=step, decode_steps=len(steps),
@@ -140,10 +150,9 @@ def part_k3_small(quick: bool, bw: float, log) -> dict:
                                roofline_s=roof, step_over_roofline=step / roof, step_over_base_engine=step / ref)
         log(f"  {k}: decode step {step * 1e3:.1f} ms ({step / roof:.2f}x its roofline {roof * 1e3:.1f} ms, "
             f"{step / ref:.2f}x the base engine), {out['cases'][k]['gen_tok_s']:.1f} gen tok/s")
-    same = [a == b for w1, w2 in zip(runs["base engine"], runs["lora engine, base rows"])
-            for a, b in zip(w1["token_ids"], w2["token_ids"])]
+    first = next(iter(runs))
+    same = [a == b for w1, w2 in zip(runs[first], runs[base_rows]) for a, b in zip(w1["token_ids"], w2["token_ids"])]
     out["base_rows_identical_to_base_engine"] = f"{sum(same)}/{len(same)}"
-    return out
 
 
 def expert_adapter(model, out_dir: str, rank: int, seed: int, shared: bool, scale: float = 0.02) -> str:
@@ -210,23 +219,8 @@ def part_experts(quick: bool, bw: float, log) -> dict:
                adapter_load_s={k: med(v) for k, v in load_s.items()},
                compiles_after_warmup=sum(e.stats()["compiles_after_warmup"] for e in (dense, *engines.values())),
                cases={})
-    ref = None
-    for k, ws in runs.items():
-        steps = [dt for w in ws for dt in w["decode_steps"]]
-        distinct = 0 if ("base" in k) else (1 if "one" in k else slots)
-        kind = "dense" if "dense" in k else "shared A" if "shared" in k else "own A"
-        roof = (roof_base + distinct * per[kind]) / (bw * 1e9)
-        step = med(steps)
-        ref = ref or step
-        out["cases"][k] = dict(decode_step_median_s=step, decode_steps=len(steps),
-                               decode_step_wave_medians_s=[med(w["decode_steps"]) for w in ws],
-                               gen_tok_s=med([w["gen_tok_s"] for w in ws]), adapters_in_batch=distinct,
-                               roofline_s=roof, step_over_roofline=step / roof, step_over_base_engine=step / ref)
-        log(f"  {k}: decode step {step * 1e3:.1f} ms ({step / roof:.2f}x its roofline {roof * 1e3:.1f} ms, "
-            f"{step / ref:.2f}x the base engine), {out['cases'][k]['gen_tok_s']:.1f} gen tok/s")
-    same = [a == b for w1, w2 in zip(runs["base engine"], runs["expert lora engine (own A), base rows"])
-            for a, b in zip(w1["token_ids"], w2["token_ids"])]
-    out["base_rows_identical_to_base_engine"] = f"{sum(same)}/{len(same)}"
+    kind = lambda k: "dense" if "dense" in k else "shared A" if "shared" in k else "own A"  # noqa: E731
+    summarize(out, runs, slots, roof_base, lambda k: per[kind(k)], bw, "expert lora engine (own A), base rows", log)
     return out
 
 

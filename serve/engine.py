@@ -358,9 +358,6 @@ class EngineConfig:
         if x and not self.enable_eplb:
             raise ValueError(f"eplb_num_redundant_experts={x}: redundant experts are placed by expert-parallel load "
                              "balancing; set enable_eplb")
-        if self.enable_eplb and self.max_loras and model_lora.split_targets(self.lora_target_modules)[1]:
-            raise ValueError("lora_target_modules: adapters on the routed experts do not move with expert-parallel "
-                             "load balancing (enable_eplb); serve them without it")
         if self.enable_eplb and not self.sharding:
             raise ValueError("enable_eplb balances routed experts split over a mesh axis: it needs a `sharding` "
                              "config whose `experts` rule splits them (expert parallelism)")
@@ -858,7 +855,7 @@ class Engine:
                                  f"routed experts over a mesh axis (its `experts` rule, on {self.mesh.size} devices)")
             self.eplb = eplb.ExpertBalancer(n_moe, self.cfg.num_experts, self._ep_ranks, config.eplb_window_size,
                                             config.eplb_step_interval, config.eplb_num_redundant_experts)
-            self._eplb_leaves = eplb.expert_leaves(self.model.params)
+            self._eplb_leaves = eplb.expert_leaves(self.model.params, config.lora_experts_shared_a)
         self.moe_step_seconds: dict[int, float] = {}  # tokens per step program -> measured MoE time
         self.moe_dispatch_seconds = 0.0
         self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
@@ -1447,7 +1444,7 @@ class Engine:
         self.loras.check_room()  # raises when full, before reading anything
         shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
                   for t in self._lora_leaves for m in t.modules}  # (out, in)
-        experts = {m: (self._leaves[t.b].shape[-4], self._leaves[t.a].shape[-4] == 1)
+        experts = {m: (self.cfg.num_experts, self.config.lora_experts_shared_a)
                    for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read(shapes, self.config.max_lora_rank, prefix, self.config.lora_target_modules, experts)
@@ -1509,10 +1506,22 @@ class Engine:
         leaves = list(self._leaves)
         for t in self._lora_leaves:
             pairs = [factors.get(m, (None, None)) for m in t.modules]
+            if t.experts and self.eplb is not None:  # each physical expert (moved, copied) takes its expert's rows
+                pairs = [self._physical_factors(m, a, b) for m, (a, b) in zip(t.modules, pairs)]
             a, b = model_lora.stack_slot(pairs, leaves[t.a], leaves[t.b], t.experts) if t.stacked else pairs[0]
             write = model_lora.write_expert_slot if t.experts else model_lora.write_slot
             leaves[t.a], leaves[t.b] = write(leaves[t.a], leaves[t.b], slot, a, b)
         self._set_leaves(leaves)
+
+    def _physical_factors(self, module: str, a, b) -> tuple:
+        """A routed-expert matrix's slot contents by logical expert (A [E or 1, in, R], B [E, R, out]) -> by physical
+        expert under the layer's current EPLB placement (a shared A as it is)."""
+        if b is None:
+            return a, b
+        layer = int(module.split(".")[1])
+        moe = [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)]
+        at = np.asarray(self.eplb.placement[moe.index(layer)])  # [P]: the expert each physical place holds
+        return (a if a.shape[0] == 1 else a[at]), b[at]
 
     def abort(self, request_id: str) -> bool:
         req = self.requests.get(request_id)

@@ -86,13 +86,20 @@ def attach(model, redundant: int = 0):
                             setattr(w, half, var.replace(jnp.take(var[...], take, axis=0)))
                     else:
                         setattr(node, name, w.replace(jnp.take(w[...], take, axis=0)))
+                held = getattr(node, "expert_lora", None)  # routed-expert adapter slots: one per physical expert
+                for name in ("w1", "w3", "w2"):
+                    f = getattr(held, name, None) if held is not None else None
+                    for var in ([] if f is None else [f.lora_b] + ([f.lora_a] if f.lora_a[...].shape[0] == e else [])):
+                        which = "lora_b" if var is f.lora_b else "lora_a"
+                        setattr(f, which, var.replace(jnp.take(var[...], take, axis=0)))
     graphdef, params = nnx.split(module)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 
 
-def expert_leaves(params) -> list[tuple[int, int, list[int]]]:
+def expert_leaves(params, shared_a: bool = False) -> list[tuple[int, int, list[int]]]:
     """Per MoE layer in depth order: the indices of its `ExpertPlacement` and `ExpertCopies` leaves and of its
-    routed experts' weight leaves (w1, w3, w2, packed or dense) in `jax.tree.flatten(params)` order."""
+    routed experts' weight leaves (w1, w3, w2, packed or dense; and their adapter slots, k3jax/lora.py
+    `ExpertLoRA`: every B, the A unless one is shared by all experts) in `jax.tree.flatten(params)` order."""
     layers: dict[int, list] = {}
     for i, (path, _) in enumerate(jax.tree.flatten_with_path(params)[0]):
         names = path_names(path)
@@ -104,7 +111,7 @@ def expert_leaves(params) -> list[tuple[int, int, list[int]]]:
             entry[0] = i
         elif rest[0] == "expert_copies":
             entry[1] = i
-        elif rest[0] in ("w1", "w2", "w3"):
+        elif rest[0] in ("w1", "w2", "w3") or (rest[0] == "expert_lora" and (rest[-1] == "lora_b" or not shared_a)):
             entry[2].append(i)
     return [tuple(entry) for _, entry in sorted(layers.items())]
 

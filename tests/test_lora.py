@@ -132,6 +132,19 @@ def _peft_logprobs(pm, adapter, prompt, tokens) -> tuple[np.ndarray, np.ndarray]
             at.argmax(-1).numpy())
 
 
+def check_against_peft(pm, reqs, outs, names: dict) -> None:
+    """Each (prompt, adapter) row's greedy tokens and logprobs are `PeftModel`'s with adapter `names[adapter]`
+    (None: disabled), teacher-forced: logprobs within 2e-4, tokens equal wherever PEFT's top-2 gap is clear."""
+    for (prompt, lr), out in zip(reqs, outs):
+        adapter = names[lr]
+        toks = np.asarray(out.outputs[0].token_ids)
+        want, gap, argmax = _peft_logprobs(pm, adapter, prompt, toks)
+        got = np.asarray([lp.logprob for lp, _ in out.outputs[0].logprobs])
+        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=f"adapter {adapter}")
+        clear = gap > 1e-3  # greedy may part from PEFT's only at near-ties
+        assert (toks[clear] == argmax[clear]).all(), (adapter, toks, argmax)
+
+
 def test_mixed_batch_matches_peft(engine, ref):
     """Base rows, adapter "a" rows and adapter "second" rows (loaded on first use from its path) in one
     batch: every row's greedy tokens and logprobs are PEFT's for its adapter, and the adapters change
@@ -142,14 +155,8 @@ def test_mixed_batch_matches_peft(engine, ref):
     reqs = [(prompts[0], "a"), (prompts[1], None), (prompts[2], second), (prompts[0], "b"), (prompts[0], None)]
     outs = _run(engine, reqs)
     assert engine.list_loras() == ["a", "b"]
-    for (prompt, lr), out in zip(reqs, outs):
-        adapter = {None: None, "a": "default", "b": "second"}[lr if isinstance(lr, str) or lr is None else "b"]
-        toks = np.asarray(out.outputs[0].token_ids)
-        want, gap, argmax = _peft_logprobs(pm, adapter, prompt, toks)
-        got = np.asarray([lp.logprob for lp, _ in out.outputs[0].logprobs])
-        np.testing.assert_allclose(got, want, atol=2e-4, err_msg=f"adapter {adapter}")
-        clear = gap > 1e-3  # greedy may part from PEFT's only at near-ties
-        assert (toks[clear] == argmax[clear]).all(), (adapter, toks, argmax)
+    check_against_peft(pm, [(p, lr if isinstance(lr, str) or lr is None else "b") for p, lr in reqs], outs,
+                       {None: None, "a": "default", "b": "second"})
     base, with_a, with_b = (np.asarray(outs[i].outputs[0].token_ids) for i in (4, 0, 3))
     assert not np.array_equal(base, with_a) and not np.array_equal(base, with_b) and not np.array_equal(with_a, with_b)
 
