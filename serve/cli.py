@@ -38,7 +38,7 @@ DEFAULTS = dict(
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
-    schedule_conservativeness=1.0, prefill_first=False, compile_threads=None, scan_layers=False, log_level="info",
+    schedule_conservativeness=1.0, prefill_first=False, enable_deterministic_inference=False, compile_threads=None, scan_layers=False, log_level="info",
     enable_return_routed_experts=False,
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
@@ -140,6 +140,9 @@ def add_serve_arguments(s) -> None:
                    help="admission look-ahead (SGLang's): admit a request only when the free pages cover the "
                         "running requests' expected growth at a new-token ratio of 0.7 x this (adaptive); "
                         "0 admits whatever fits now")
+    e.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="a request's logits do not depend on its batch (one decode, prefill and context program, the "
+                        "largest; no speculative decoding): greedy and seeded sampling repeat exactly")
     e.add_argument("--prefill-first", action="store_true", default=d["prefill_first"],
                    help="steps with prompt chunks to run do not decode (SGLang's schedule without mixed chunks): "
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
@@ -289,7 +292,8 @@ def engine_config(o: dict):
     # decodes in the 1-row program (k3-small, 2 cores: 14 ms a token against 26-31 ms padded to 8 rows,
     # benchmarks/online_serving.py); each further bucket costs a compile at start-up (~12 s for k3-small)
     # for less (8 context pages instead of 32: 10-15 % of a decode step).
-    decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({1, o["max_num_seqs"]}))
+    one = bool(o.get("enable_deterministic_inference"))  # one program per kind: the largest
+    decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({o["max_num_seqs"]} | (set() if one else {1})))
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
     context = _ints(o["context_buckets"], "context-buckets") or (pages,)
     extra = {}
@@ -328,6 +332,7 @@ def engine_config(o: dict):
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),
+        enable_deterministic_inference=bool(o.get("enable_deterministic_inference")),
         compile_threads=o.get("compile_threads"),
         scan_layers=bool(o.get("scan_layers")),
         enable_return_routed_experts=bool(o.get("enable_return_routed_experts")),

@@ -156,6 +156,17 @@ class EngineConfig:
     # mixed steps' decodes being ~12 % of a wave), longer inter-token gaps while new prompts prefill. False: every
     # step decodes every running request first (vLLM's chunked-prefill policy).
     prefill_first: bool = False
+    # Deterministic inference (SGLang's --enable-deterministic-inference, vLLM's batch invariance): a request's
+    # logits are the same bits whatever else is in its batch, wherever its row sits, however its prompt's
+    # chunks are scheduled, and on a prefix-cache hit (greedy and seeded sampling then repeat exactly: RL
+    # rollouts match a replay). Every step runs one program per kind -- one decode, one prefill and one context
+    # bucket, the largest -- since XLA rounds the same row differently in programs of other shapes (~1e-5 in
+    # the logprobs). Costs the small batches their small programs; no speculative decoding (verify rows are
+    # another program) and no long-prefill program. The decode program's rows are rounded up to a multiple of
+    # DETERMINISTIC_ROWS: XLA:CPU's matmul kernels take rows in groups, and rows past the last whole group run
+    # another code path that rounds differently (tiny-k3, 6 decode rows: a request on the last row differed from
+    # the same request on row 0 by 2.6e-6 in its logprobs; 8 and 32 rows: 0).
+    enable_deterministic_inference: bool = False
     decode_buckets: Optional[tuple[int, ...]] = None  # default: powers of 4 up to max_num_seqs
     prefill_buckets: Optional[tuple[int, ...]] = None  # default: (1, max_prefill_seqs)
     context_buckets: Optional[tuple[int, ...]] = None  # MLA pages per layer; default: powers of 4
@@ -358,6 +369,18 @@ class EngineConfig:
         if x and not self.enable_eplb:
             raise ValueError(f"eplb_num_redundant_experts={x}: redundant experts are placed by expert-parallel load "
                              "balancing; set enable_eplb")
+        if self.enable_deterministic_inference:
+            if self.speculative_config is not None:
+                raise ValueError("enable_deterministic_inference: speculative decoding computes accepted tokens in its "
+                                 "verify program, other tokens in the decode program; turn one of them off")
+            if self.long_prefill_chunk != 0:
+                raise ValueError(f"enable_deterministic_inference: long_prefill_chunk={self.long_prefill_chunk!r} "
+                                 f"runs a prompt's chunks in another program when it prefills alone; set 0")
+            for key in ("decode_buckets", "prefill_buckets", "context_buckets"):
+                given = getattr(self, key)
+                if given is not None and len(set(given)) > 1:
+                    raise ValueError(f"{key}={tuple(given)!r}: deterministic inference runs one program per kind; "
+                                     f"give one size (or none: the largest default)")
         if self.enable_eplb and not self.sharding:
             raise ValueError("enable_eplb balances routed experts split over a mesh axis: it needs a `sharding` "
                              "config whose `experts` rule splits them (expert parallelism)")
@@ -466,6 +489,9 @@ class EngineConfig:
         if n is None:
             n = min(self.max_prefill_seqs * c, self.max_num_batched_tokens // c * c, -(-self.max_model_len // c) * c)
         return n if n >= 2 * c else 0
+
+
+DETERMINISTIC_ROWS = 8  # deterministic inference: decode rows in whole groups of the CPU matmul kernels (above)
 
 
 @dataclass
@@ -718,6 +744,10 @@ class Engine:
         self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(
             config.max_num_seqs, config.max_prefill_seqs, config.max_model_len, config.page_size,
             config.decode_buckets, config.prefill_buckets, config.context_buckets)
+        if config.enable_deterministic_inference:  # one program per kind: a row's bits never depend on its batch
+            self.decode_buckets, self.prefill_buckets, self.context_buckets = (
+                (-(-self.decode_buckets[-1] // DETERMINISTIC_ROWS) * DETERMINISTIC_ROWS,), self.prefill_buckets[-1:],
+                self.context_buckets[-1:])
         # async scheduling: the samples passed on the device from step to step, decode programs' rows first
         self._carry_size = self.decode_buckets[-1] + self.prefill_buckets[-1] if config.async_scheduling else 0
         self._flight: list[_Flight] = []  # launched steps not read back yet (async scheduling)
@@ -3250,6 +3280,7 @@ class Engine:
             "kda_slot_bytes": self.layout.slot_units * self.layout.unit_bytes,
             "expert_format": self.cfg.expert_format,  # as the step reads them ("dense" once dequantized)
             "dense_weight_layout": "in_out" if self.dense_in_out else "out_in",
+            "deterministic_inference": self.config.enable_deterministic_inference,
             "decode_forms": {"kda": "in_place" if self.kda_in_place else "gathered",
                              "mla": ("paged" if self.mla_paged else "gathered")
                                     + ("_context_parallel" if self.layout.context_ranks > 1 else "")},
