@@ -1895,9 +1895,14 @@ class Engine:
             for i in self._eplb_leaves[layer][2]:
                 leaf, group = at[i]
                 taken.setdefault(leaf, {})[group] = index
+        host = jax.default_backend() == "cpu"
         for leaf, index in taken.items():  # a scanned run's stacked leaf: every moved group in one gather
-            leaves[leaf] = (eplb.take_experts(leaves[leaf], index[None]) if None in index
-                            else eplb.take_stacked_experts(leaves[leaf], index))
+            x = leaves[leaf]
+            if host and getattr(x, "is_fully_addressable", True):  # XLA:CPU, one process: see eplb.take_on_host
+                leaves[leaf] = eplb.take_on_host(x, index)
+            else:
+                leaves[leaf] = (eplb.take_experts(x, index[None]) if None in index
+                                else eplb.take_stacked_experts(x, index))
         self.eplb.applied(moves, summary)
         for layer in moves:
             for i, table in zip(self._eplb_leaves[layer][:2], self.eplb.tables(layer)):

@@ -258,3 +258,17 @@ def take_stacked_experts(weight: jax.Array, index: dict[int, np.ndarray]) -> jax
     for g, ix in index.items():
         full[g] = ix
     return jax.vmap(take_experts)(weight, jnp.asarray(full))
+
+
+def take_on_host(weight: jax.Array, index: dict) -> jax.Array:
+    """`take_experts` / `take_stacked_experts` ({None: index} or {group: index}) done in host memory and placed
+    back shard by shard, for XLA:CPU in one process: its devices share the host's memory, and the jitted gather
+    over a mesh-split expert axis is a cross-device program whose in-process collective XLA:CPU aborts when a
+    loaded host leaves one device's thread unscheduled for 40 s (seen in CI runs of the EPLB tests)."""
+    full = np.array(weight)  # [P, ...] or [G, P, ...]
+    if None in index:
+        full = full[index[None]]
+    else:
+        for g, ix in index.items():
+            full[g] = full[g][ix]
+    return jax.device_put(full, weight.sharding)
