@@ -81,7 +81,7 @@ def main(argv=None):
     for (k, c), ws in runs.items():
         steps = [dt for w in ws for dt, rows in w["decode_only_steps"] if rows == c]
         row = dict(gen_tok_s=med([w["gen_tok_s"] for w in ws]), decode_step_median_s=med(steps),
-                   decode_steps=len(steps), token_ids=[w["token_ids"] for w in ws])
+                   decode_steps=len(steps))
         result["waves"][f"{k}, c={c}"] = row
         log(f"  {k}, c = {c}: {row['gen_tok_s']:.1f} gen tok/s, decode step "
             f"{(row['decode_step_median_s'] or 0) * 1e3:.1f} ms")
@@ -96,9 +96,6 @@ def main(argv=None):
             log(f"  probe on {k}, {case}: tokens equal {r['tokens_equal']}, logprobs bitwise "
                 f"{r['logprobs_bitwise_equal']} (max diff {r['logprob_max_abs_diff']:.2e})")
     result["compiles_after_warmup"] = {k: e.stats()["compiles_after_warmup"] for k, e in engines.items()}
-    for e in engines.values():
-        for w in result["waves"].values():
-            w.pop("token_ids", None)
     write_result(result, out_path, t_start, log)
 
 

@@ -224,13 +224,13 @@ def module_paths(params) -> dict[str, tuple[int, int]]:
 
 
 def slot_arrays(a: np.ndarray, b: np.ndarray, rank: int, scaling: float) -> tuple[np.ndarray, np.ndarray]:
-    """One module's PEFT factors A [r, in], B [out, r] -> one slot of `lora_a` / `lora_b` ([in, R],
-    [R, out]) with the scaling folded into B and the rank zero-padded to R."""
-    r = a.shape[0]
-    pa = np.zeros((a.shape[1], rank), np.float32)
-    pb = np.zeros((rank, b.shape[0]), np.float32)
-    pa[:, :r] = a.T
-    pb[:r] = b.T.astype(np.float32) * scaling
+    """One module's PEFT factors A [..., r, in], B [..., out, r] -> one slot of `lora_a` / `lora_b` ([..., in, R],
+    [..., R, out]) with the scaling folded into B and the rank zero-padded to R (leading axes: experts)."""
+    r = a.shape[-2]
+    pa = np.zeros((*a.shape[:-2], a.shape[-1], rank), np.float32)
+    pb = np.zeros((*b.shape[:-2], rank, b.shape[-2]), np.float32)
+    pa[..., :r] = np.swapaxes(a, -1, -2)
+    pb[..., :r, :] = np.swapaxes(b, -1, -2).astype(np.float32) * scaling
     return pa, pb
 
 

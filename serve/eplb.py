@@ -87,11 +87,10 @@ def attach(model, redundant: int = 0):
                     else:
                         setattr(node, name, w.replace(jnp.take(w[...], take, axis=0)))
                 held = getattr(node, "expert_lora", None)  # routed-expert adapter slots: one per physical expert
-                for name in ("w1", "w3", "w2"):
-                    f = getattr(held, name, None) if held is not None else None
-                    for var in ([] if f is None else [f.lora_b] + ([f.lora_a] if f.lora_a[...].shape[0] == e else [])):
-                        which = "lora_b" if var is f.lora_b else "lora_a"
-                        setattr(f, which, var.replace(jnp.take(var[...], take, axis=0)))
+                for f in ([] if held is None else [getattr(held, w) for w in ("w1", "w3", "w2") if hasattr(held, w)]):
+                    f.lora_b = f.lora_b.replace(jnp.take(f.lora_b[...], take, axis=0))
+                    if f.lora_a[...].shape[0] == e:  # (a shared A stays one)
+                        f.lora_a = f.lora_a.replace(jnp.take(f.lora_a[...], take, axis=0))
     graphdef, params = nnx.split(module)
     return dataclasses.replace(model, graphdef=graphdef, params=params)
 

@@ -203,10 +203,8 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
                 raise LoRAError(f"{weights}: tensor {na}: lora_A of experts 0 and {e} differ, and this engine holds "
                                 f"one A for all experts (lora_experts_shared_a); start it without that to serve "
                                 f"per-expert A")
-            a = a[:1]
-        pairs = [model_lora.slot_arrays(a[min(e, a.shape[0] - 1)], b[e], max_rank, scaling) for e in range(n_exp)]
-        out[module] = (np.stack([p[0] for p in pairs[:a.shape[0] if shared else n_exp]]),
-                       np.stack([p[1] for p in pairs]))
+        a = a[:1] if shared else np.broadcast_to(a, (n_exp, *a.shape[1:]))  # one A, or each expert's
+        out[module] = model_lora.slot_arrays(a, b, max_rank, scaling)
         top = max(top, r)
     for module, pair in sorted(tensors.items()):
         if set(pair) != {"A", "B"}:
