@@ -1,16 +1,15 @@
-"""Deterministic inference on CPU: what one program per kind costs, and whether a request's bits then stop
-depending on its batch.
+"""Deterministic inference on CPU: what it costs, and whether a request's bits then stop depending on its batch.
 
-    python benchmarks/deterministic.py            # k3-small, ~4 min quiet
+    python benchmarks/deterministic.py            # k3-small, ~5 min quiet
     python benchmarks/deterministic.py --quick    # tiny-k3 (writes to the temp dir)
 
-Two engines on the same weights: the default buckets (decode rows 1, 4, 16, 32; prefill rows 1 and 4) and
-`enable_deterministic_inference=True` (one 32-row decode, one 4-row prefill, one context program). Waves of
-c = 1, 8 and 32 requests (64-128 random prompt tokens, 32 greedy tokens), interleaved between the engines and
-repeated: generated tokens/s and the median decode step. Then the check: a probe request alone, first in a
-full batch, and last in a full batch whose prompts arrive a few steps apart -- its greedy tokens and the bits
-of its logprobs on each engine.
-"""
+Two engines on the same weights: the default buckets (decode rows 1, 4, 16, 32; prefill rows 1 and 4; context
+1, 4, 16, 32 pages) and `enable_deterministic_inference=True` (decode programs of 16 and 32 rows run as tiles of
+8 rows, every context bucket, one 4-row prefill program, all compiled without XLA:CPU's library fusions of
+reductions). Waves of c = 1, 8 and 32 requests (64-128 random prompt tokens, 32 greedy tokens), interleaved
+between the engines and repeated: generated tokens/s and the median decode step. Then the check: a probe request
+alone, first in a full batch, and last in a full batch whose prompts arrive a few steps apart -- its greedy
+tokens and the bits of its logprobs on each engine."""
 
 from __future__ import annotations
 

@@ -701,6 +701,9 @@ def _sse(obj) -> str:
 
 # ---- one API request's engine runs -----------------------------------------------------------------
 
+_ACCEPTED = object()  # a _Run queue item: the engine queued that prompt's request
+
+
 class _Run:
     """The engine requests of one API request (one per prompt), merged into one stream of
     (prompt index, RequestOutput); `close()` cancels them (aborting unfinished ones) and releases the
@@ -751,8 +754,9 @@ class _Run:
         return bool(left)
 
     async def _pump(self, i: int, ids: list[int]) -> None:
+        accept = lambda: self.q.put_nowait((i, _ACCEPTED))  # noqa: E731
         gen = self.st.engine.generate(ids, self.engine_params, f"{self.base_id}-{i}", priority=self.priority,
-                                      **self.extra)
+                                      on_accept=accept, **self.extra)
         try:
             async for out in gen:
                 self.q.put_nowait((i, out))
@@ -765,20 +769,23 @@ class _Run:
 
     async def _get(self):
         i, item = self.pending.popleft() if self.pending else await self.q.get()
+        while item is _ACCEPTED:
+            i, item = self.pending.popleft() if self.pending else await self.q.get()
         if isinstance(item, BaseException):
             raise item
         self._observe(i, item)
         return i, item
 
     async def prime(self) -> None:
-        """Wait until every prompt produced its first output (so it was accepted) or one was rejected."""
+        """Wait until the engine accepted every prompt (or produced its first output) or one was rejected."""
         seen: set[int] = set()
         while len(seen) < len(self.prompts):
             i, item = await self.q.get()
             if isinstance(item, BaseException):
                 raise item
             seen.add(i)
-            self.pending.append((i, item))
+            if item is not _ACCEPTED:
+                self.pending.append((i, item))
 
     async def items(self):
         while self.unfinished:
@@ -968,6 +975,13 @@ class _Format:
             rows.append(row)
         return rows
 
+    def _with_prompt(self, i: int, out: RequestOutput) -> RequestOutput:
+        """`out`, or (a delta after the request's first output, which alone carries the prompt's logprobs)
+        the merged answer that kept them."""
+        if out.prompt_logprobs is None and self.run is not None and i in self.run._whole:
+            return self.run._whole[i]
+        return out
+
     def token_text(self, lp: Logprob) -> str:
         """A logprob entry's `token`: its text, or vLLM's 'token_id:{id}' under return_tokens_as_token_ids."""
         return f"token_id:{lp.token_id}" if self.tokens_as_ids else lp.decoded
@@ -1012,6 +1026,7 @@ class _CompletionFormat(_Format):
 
     def _echoed(self, i: int, out: RequestOutput, entries):
         """The generated entries, preceded by the prompt's when echoing with logprobs."""
+        out = self._with_prompt(i, out)
         if not self.echo_texts[i] or out.prompt_logprobs is None or entries is None:
             return entries
         first = Logprob(out.prompt_token_ids[0], None, self._decode(out.prompt_token_ids[0]))
@@ -1055,11 +1070,11 @@ class _CompletionFormat(_Format):
         self.sent_text[idx] = t0 + len(o.text)
         entries = self._echoed(i, out, new_lps) if first else new_lps
         choice = {"index": idx, "text": text,
-                  "logprobs": self._logprobs(entries, (len(self.echo_texts[i]) if not first else 0) + t0)
+                  "logprobs": self._logprobs(entries, 0 if entries is not new_lps else len(self.echo_texts[i]) + t0)
                   if self.logprobs is not None else None,
                   "finish_reason": o.finish_reason}
         if first and self.prompt_field:
-            choice["prompt_logprobs"] = self._prompt_field(out)
+            choice["prompt_logprobs"] = self._prompt_field(self._with_prompt(i, out))
         if self.token_ids:
             choice["token_ids"] = new_ids
             if first:
@@ -2006,7 +2021,11 @@ def _check_ids(st: ServerState, ids: list[int], param: str) -> None:
 def _encode(st: ServerState, text: str, param: str) -> list[int]:
     if st.tokenizer is None:
         raise APIError(400, f"{param}: this model has no tokenizer; pass token ids", param=param)
-    return list(st.tokenizer.encode(text))
+    try:
+        return list(st.tokenizer.encode(text))
+    except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800" in the JSON): not encodable text
+        raise APIError(400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})",
+                       param=param) from None
 
 
 async def _completion_inputs(st: ServerState, body: "CompletionRequest") -> tuple[list[str], list]:
@@ -2109,6 +2128,9 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
+    if body.prompt_logprobs is not None and body.stream:  # (vLLM's rule: a chat chunk has no place for them)
+        raise APIError(400, "prompt_logprobs: not available with stream: true in chat completions",
+                       param="prompt_logprobs")
     params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body),
                        constraint=plan.constraint() if plan else None)
     fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),

@@ -56,7 +56,8 @@ class AsyncEngine:
     # ---- public API (event-loop side) -------------------------------------------------------
     async def generate(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,
-                       lora_request=None) -> AsyncIterator[RequestOutput]:
+                       lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:
+        """`on_accept()`: called once the engine has queued the request (it passed validation)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
@@ -68,6 +69,8 @@ class AsyncEngine:
         finished = False
         try:
             await done  # raises RequestError if the request was rejected
+            if on_accept is not None:
+                on_accept()
             while True:
                 item = await q.get()
                 if isinstance(item, BaseException):

@@ -22,6 +22,8 @@ final EOS) ** length_penalty. Without EOS within max_tokens this equals HF trans
 """
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,7 +88,12 @@ def score(h: Hypothesis, prompt_len: int, length_penalty: float) -> float:
     """vLLM's beam score: the cumulative logprob over the length (prompt included, a final EOS not)
     raised to `length_penalty`."""
     n = prompt_len + len(h.tokens) - int(h.eos)
-    return h.cum_logprob / (max(n, 1) ** length_penalty)
+    try:
+        return h.cum_logprob / (max(n, 1) ** length_penalty)
+    except OverflowError:  # n ** length_penalty beyond a float: the quotient's limit is 0
+        return math.copysign(0.0, h.cum_logprob)
+    except ZeroDivisionError:  # n ** length_penalty underflowed to 0 (a large negative penalty)
+        return -math.inf if h.cum_logprob < 0 else 0.0
 
 
 def expand(beams: list[tuple[Hypothesis, list[int], list[float]]], width: int, eos_ids: frozenset[int],

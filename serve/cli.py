@@ -141,8 +141,9 @@ def add_serve_arguments(s) -> None:
                         "running requests' expected growth at a new-token ratio of 0.7 x this (adaptive); "
                         "0 admits whatever fits now")
     e.add_argument("--enable-deterministic-inference", action="store_true",
-                   help="a request's logits do not depend on its batch (one decode, prefill and context program, the "
-                        "largest; no speculative decoding): greedy and seeded sampling repeat exactly")
+                   help="a request's logits do not depend on its batch (CPU: decode rows in tiles of 8, no library "
+                        "fusions of reductions; elsewhere one program per kind, the largest; no speculative "
+                        "decoding): greedy and seeded sampling repeat exactly")
     e.add_argument("--prefill-first", action="store_true", default=d["prefill_first"],
                    help="steps with prompt chunks to run do not decode (SGLang's schedule without mixed chunks): "
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
@@ -292,8 +293,7 @@ def engine_config(o: dict):
     # decodes in the 1-row program (k3-small, 2 cores: 14 ms a token against 26-31 ms padded to 8 rows,
     # benchmarks/online_serving.py); each further bucket costs a compile at start-up (~12 s for k3-small)
     # for less (8 context pages instead of 32: 10-15 % of a decode step).
-    one = bool(o.get("enable_deterministic_inference"))  # one program per kind: the largest
-    decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({o["max_num_seqs"]} | (set() if one else {1})))
+    decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({o["max_num_seqs"], 1}))
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
     context = _ints(o["context_buckets"], "context-buckets") or (pages,)
     extra = {}

@@ -416,12 +416,13 @@ class DataParallelAsyncEngine:
         return all(a.alive for a in self.replicas)
 
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None, lora_request=None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         seqs = _num_seqs(params or SamplingParams())
         r = self.router.route(_prompt_ids(self.engine, prompt), _salt(cache_salt, lora_request), seqs)
         self._where[request_id] = r
-        stream = self.replicas[r].generate(prompt, params, request_id, priority, cache_salt, lora_request)
+        stream = self.replicas[r].generate(prompt, params, request_id, priority, cache_salt, lora_request,
+                                           on_accept=on_accept)
         try:
             async for out in stream:
                 yield out

@@ -88,14 +88,16 @@ class DisaggregatedAsyncEngine:
         return self.prefill.alive and self.decode.alive
 
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
-                       cache_salt: Optional[str] = None, lora_request=None) -> AsyncIterator[RequestOutput]:
+                       cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         # an adapter's prefixes are hashed with its load on one engine, so the other could not find them
         pre = _prefill_params(params) if lora_request is None else None
         try:
             if pre is not None:
                 self._phase[request_id] = self.prefill
-                stream = self.prefill.generate(prompt, pre, request_id, priority, cache_salt, lora_request)
+                stream = self.prefill.generate(prompt, pre, request_id, priority, cache_salt, lora_request,
+                                               on_accept=on_accept)
+                on_accept = None  # (accepted once)
                 last = None
                 try:
                     async for last in stream:
@@ -109,7 +111,8 @@ class DisaggregatedAsyncEngine:
                         yield last
                     return
             self._phase[request_id] = self.decode
-            stream = self.decode.generate(prompt, params, request_id, priority, cache_salt, lora_request)
+            stream = self.decode.generate(prompt, params, request_id, priority, cache_salt, lora_request,
+                                          on_accept=on_accept)
             try:
                 async for out in stream:
                     yield out

@@ -159,13 +159,17 @@ class EngineConfig:
     # Deterministic inference (SGLang's --enable-deterministic-inference, vLLM's batch invariance): a request's
     # logits are the same bits whatever else is in its batch, wherever its row sits, however its prompt's
     # chunks are scheduled, and on a prefix-cache hit (greedy and seeded sampling then repeat exactly: RL
-    # rollouts match a replay). Every step runs one program per kind -- one decode, one prefill and one context
-    # bucket, the largest -- since XLA rounds the same row differently in programs of other shapes (~1e-5 in
-    # the logprobs). Costs the small batches their small programs; no speculative decoding (verify rows are
-    # another program) and no long-prefill program. The decode program's rows are rounded up to a multiple of
-    # DETERMINISTIC_ROWS: XLA:CPU's matmul kernels take rows in groups, and rows past the last whole group run
-    # another code path that rounds differently (tiny-k3, 6 decode rows: a request on the last row differed from
-    # the same request on row 0 by 2.6e-6 in its logprobs; 8 and 32 rows: 0).
+    # rollouts match a replay). By default XLA rounds the same row differently in programs of other shapes
+    # (~1e-5 in the logprobs). On the CPU reference path of one device the mode removes the two causes found
+    # (tiny-k3 and k3-small): XLA:CPU hands reductions and elementwise fusions to its YNNPACK library or not by
+    # the operands' shapes, so every program is compiled with dots alone going there
+    # (DETERMINISTIC_XLA_CPU_OPTIONS); and a dot's rounding depends on its row count (the MLA output projection
+    # at 32 rows vs 8: 5e-5 apart), so decode programs run the model over tiles of DETERMINISTIC_ROWS rows, one
+    # after another (`StepOptions.row_tile`; decode buckets rounded up to whole tiles, two at least). Every
+    # decode and context bucket is kept; prefill runs the largest program alone (k3-small: a prompt's chunk in
+    # the 1-row and the 4-row program 5e-7 apart). Elsewhere (a mesh, the Pallas paths, scan_layers) one
+    # program per kind runs, the largest. No speculative decoding (verify rows are another program) and no
+    # long-prefill program.
     enable_deterministic_inference: bool = False
     decode_buckets: Optional[tuple[int, ...]] = None  # default: powers of 4 up to max_num_seqs
     prefill_buckets: Optional[tuple[int, ...]] = None  # default: (1, max_prefill_seqs)
@@ -376,11 +380,6 @@ class EngineConfig:
             if self.long_prefill_chunk != 0:
                 raise ValueError(f"enable_deterministic_inference: long_prefill_chunk={self.long_prefill_chunk!r} "
                                  f"runs a prompt's chunks in another program when it prefills alone; set 0")
-            for key in ("decode_buckets", "prefill_buckets", "context_buckets"):
-                given = getattr(self, key)
-                if given is not None and len(set(given)) > 1:
-                    raise ValueError(f"{key}={tuple(given)!r}: deterministic inference runs one program per kind; "
-                                     f"give one size (or none: the largest default)")
         if self.enable_eplb and not self.sharding:
             raise ValueError("enable_eplb balances routed experts split over a mesh axis: it needs a `sharding` "
                              "config whose `experts` rule splits them (expert parallelism)")
@@ -492,6 +491,10 @@ class EngineConfig:
 
 
 DETERMINISTIC_ROWS = 8  # deterministic inference: decode rows in whole groups of the CPU matmul kernels (above)
+# deterministic inference on XLA:CPU: only dots go to the YNNPACK library; its reductions and elementwise fusions
+# are taken or not by the operands' shapes and sum in another order (a row's logprobs 1e-6..1e-5 apart between
+# programs of 8 and 32 rows, or of 4 and 16 context pages); XLA's own loops sum a row alike in every shape
+DETERMINISTIC_XLA_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
 @dataclass
@@ -744,10 +747,19 @@ class Engine:
         self.decode_buckets, self.prefill_buckets, self.context_buckets = default_buckets(
             config.max_num_seqs, config.max_prefill_seqs, config.max_model_len, config.page_size,
             config.decode_buckets, config.prefill_buckets, config.context_buckets)
-        if config.enable_deterministic_inference:  # one program per kind: a row's bits never depend on its batch
-            self.decode_buckets, self.prefill_buckets, self.context_buckets = (
-                (-(-self.decode_buckets[-1] // DETERMINISTIC_ROWS) * DETERMINISTIC_ROWS,), self.prefill_buckets[-1:],
-                self.context_buckets[-1:])
+        # deterministic inference on the CPU reference path of one device: decode programs run their rows in tiles
+        # of DETERMINISTIC_ROWS and every program is compiled without XLA:CPU's library fusions of reductions and
+        # elementwise ops, which makes a row's bits the same in every decode and context bucket (below)
+        self.row_tile = (DETERMINISTIC_ROWS if config.enable_deterministic_inference and reference
+                         and self.state_split is None and not self.mla_paged and not config.scan_layers else 0)
+        if config.enable_deterministic_inference:  # a row's bits never depend on its batch
+            round_up = lambda n: -(-n // DETERMINISTIC_ROWS) * DETERMINISTIC_ROWS  # noqa: E731
+            if self.row_tile:  # every decode bucket, in whole tiles (two at least); every context bucket; one prefill
+                self.decode_buckets = tuple(sorted({max(round_up(n), 2 * DETERMINISTIC_ROWS) for n in self.decode_buckets}))
+                self.prefill_buckets = self.prefill_buckets[-1:]  # (k3-small: 1 and 4 prefill rows 5e-7 apart)
+            else:  # one program per kind, the largest (row tiles need the CPU reference path on one device)
+                self.decode_buckets, self.prefill_buckets, self.context_buckets = (
+                    (round_up(self.decode_buckets[-1]),), self.prefill_buckets[-1:], self.context_buckets[-1:])
         # async scheduling: the samples passed on the device from step to step, decode programs' rows first
         self._carry_size = self.decode_buckets[-1] + self.prefill_buckets[-1] if config.async_scheduling else 0
         self._flight: list[_Flight] = []  # launched steps not read back yet (async scheduling)
@@ -757,7 +769,7 @@ class Engine:
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
                               self.logits_processors, config.logprobs_mode, config.enable_return_routed_experts,
                               carry_offset=self.decode_buckets[-1] if self._carry_size else 0,
-                              sample_apart=config.async_scheduling)
+                              sample_apart=config.async_scheduling, row_tile=self.row_tile)
         # async scheduling: decode programs leave sampling to this one, launched once the step before is read
         # back, so the rows' masks (structured outputs, bad words) see the token it sampled (`_complete`)
         self._sample = (bind_sample(config.max_logprobs, self.logits_processors, arena_sharding, config.logprobs_mode)
@@ -778,8 +790,9 @@ class Engine:
             self.model = model = dataclasses.replace(model, params=step_params[0])
             options = dataclasses.replace(options, scan=self.layer_scan)
         self._step_treedef = jax.tree.structure(step_params)
+        compiler_options = DETERMINISTIC_XLA_CPU_OPTIONS if self.row_tile else None
         bind = lambda layout: bind_step(model.graphdef, layout, step_params, config.max_logprobs,  # noqa: E731
-                                        options, arena_sharding)
+                                        options, arena_sharding, compiler_options)
         # each running sequence's MLA page table, on the device, written by the entries that changed: one row per
         # sequence of the largest decode and prefill batches together (serve/page_tables.py)
         self.page_tables = PageTables(self.decode_buckets[-1] + self.prefill_buckets[-1], max(1, self.cfg.num_mla_layers),
@@ -1310,6 +1323,9 @@ class Engine:
                 raise RequestError(f"stop_token_ids: at most {MIN_TOKENS_STOP_IDS} stop tokens (with EOS) when "
                                    f"min_tokens is set")
             max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len - len(ids)
+            if max_tokens < 1:  # max_tokens None: the prompt leaves no room for a completion
+                raise RequestError(f"prompt: {len(ids)} prompt tokens leave no room for a completion in the context "
+                                   f"window of {self.config.max_model_len} tokens")
             if len(ids) + max_tokens > self.config.max_model_len:
                 raise RequestError(
                     f"prompt: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context window of "

@@ -91,6 +91,9 @@ class StepOptions:
     # them (async scheduling: a structured-output row's mask depends on the token the step before sampled,
     # which the host reads back only after this step is launched)
     sample_apart: bool = False
+    # decode programs run the model over tiles of this many rows, one after another (0: all rows at once):
+    # deterministic inference, where a row's bits must not depend on how many rows its program has
+    row_tile: int = 0
 
 
 class PagedView(CacheView):
@@ -532,7 +535,7 @@ def touched_pages(layout: ArenaLayout, batch: StepBatch, kv: list, layers=None) 
 
 
 def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, options: StepOptions = StepOptions(),
-              arena_sharding=None):
+              arena_sharding=None, compiler_options: dict | None = None):
     """-> (step(leaves, arena, token_pages, tables, batch), leaves): `_engine_step` jitted with the model graph, arena
     layout, logprob width and step options bound once and the parameters passed as flat leaves.
     With `arena_sharding` (a device mesh), the returned arena is pinned to it, so the donated arena
@@ -543,7 +546,8 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
     pytree flatten of the parameter state on every call (~8 ms per step for k3-small on CPU);
     the bound form's per-call work is the C++ dispatch of a flat list of arrays."""
     leaves, treedef = jax.tree.flatten(params)
-    key = (graphdef, treedef, layout, num_top_logprobs, options, arena_sharding)
+    key = (graphdef, treedef, layout, num_top_logprobs, options, arena_sharding,
+           tuple(sorted((compiler_options or {}).items())))
     if key in _BOUND:  # engines over the same model and layout share their compiled programs
         _BOUND.move_to_end(key)
     else:
@@ -559,7 +563,7 @@ def bind_step(graphdef, layout: ArenaLayout, params, num_top_logprobs: int, opti
                 token_pages, res, counts = jax.lax.with_sharding_constraint((token_pages, res, counts), whole)
             return arena, token_pages, res, counts
 
-        _remember(key, jax.jit(step, donate_argnums=(1, 2)))
+        _remember(key, jax.jit(step, donate_argnums=(1, 2), compiler_options=compiler_options))
     return _BOUND[key], leaves
 
 
@@ -634,25 +638,37 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     token_pages = write_tokens(token_pages.at[dst].set(token_pages[src]), batch)
     in_place = options.kda_in_place and decode and layout.num_kda_layers > 0
     paged = options.mla_paged and decode
-    view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify, options.kda_in_place,
-                     options.state_chunk, per_layer=scan is not None)
-    routed, hidden = [], []
-    with lora.rows(batch.lora_slots):
-        embeds = None if batch.embeds is None else (batch.embeds, batch.embed_mask)
-        logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden,
-                           embeds=embeds, scan=scan)
-    arena = view.arena
-    if layout.num_mla_layers and not paged and view.context is not None and not view.per_layer:  # each rank its share
-        def write_shares(ar, kv, batch):
-            units, rows = touched_pages(layout, batch, kv)
-            return ar.at[units].set(rows, mode="drop")
+    tiled = decode and options.row_tile > 0
 
-        shares = [P(None, split.axis)] * layout.num_mla_layers
-        arena = on_ranks(split, write_shares, (a, shares, P()), a)(arena, view.kv, batch)
-    elif layout.num_mla_layers and not paged and not view.per_layer:
-        units, rows = touched_pages(layout, batch, view.kv)
-        write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
-        arena = write(arena, units, rows)
+    def run_rows(arena, batch):  # the model over `batch`'s rows, their touched pages written back
+        view = PagedView(layout, batch, arena, in_place, split, paged, options.mla_heads, verify,
+                         options.kda_in_place, options.state_chunk, per_layer=scan is not None)
+        routed, hidden = [], []
+        with lora.rows(batch.lora_slots):
+            embeds = None if batch.embeds is None else (batch.embeds, batch.embed_mask)
+            logits = model.run(batch.tokens, view, batch.valid, last_only=not verify, trace=routed, hidden=hidden,
+                               embeds=embeds, scan=scan)
+        arena = view.arena
+        if layout.num_mla_layers and not paged and view.context is not None and not view.per_layer:  # rank shares
+            def write_shares(ar, kv, batch):
+                units, rows = touched_pages(layout, batch, kv)
+                return ar.at[units].set(rows, mode="drop")
+
+            shares = [P(None, split.axis)] * layout.num_mla_layers
+            arena = on_ranks(split, write_shares, (a, shares, P()), a)(arena, view.kv, batch)
+        elif layout.num_mla_layers and not paged and not view.per_layer:
+            units, rows = touched_pages(layout, batch, view.kv)
+            write = on_ranks(split, lambda ar, u, r: ar.at[u].set(r, mode="drop"), (a, P(), P()), a)
+            arena = write(arena, units, rows)
+        if tiled and layout.num_kda_layers and not in_place and not view.layered:  # (before sampling: same arena)
+            arena = _scatter_view_states(arena, layout, split, batch.write_base, view)
+        return arena, logits, routed, hidden, view
+
+    if tiled:
+        arena, logits, routed = _row_tiles(run_rows, arena, batch, options.row_tile)
+        hidden, view = [], None
+    else:
+        arena, logits, routed, hidden, view = run_rows(arena, batch)
     history = lambda: token_history(token_pages, batch.page_table)
     accepted = jnp.zeros((b,), jnp.int32)
     apart = options.sample_apart and decode
@@ -674,12 +690,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     else:
         res = sample(logits, batch.sampling, num_top_logprobs, history=history, processors=options.logits_processors,
                      logprobs_mode=options.logprobs_mode)
-    if layout.num_kda_layers and not in_place and not view.layered:
-        lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
-        scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),
-                           (a, P(), [h(3)] * lk, [h(1)] * lk), a)
-        convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
-        arena = scatter(arena, batch.write_base, convs, states)
+    if layout.num_kda_layers and not in_place and not tiled and not view.layered:
+        arena = _scatter_view_states(arena, layout, split, batch.write_base, view)
     # decode and verify rows never score prompt tokens (verify logits are the sampled positions' own)
     prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs, options.logprobs_mode)
               if not (decode or verify)
@@ -692,6 +704,51 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     if options.return_routes:  # (counts, the logical expert ids each position's router chose in each MoE layer)
         counts = (counts, routed_ids(routed, b, t, model.cfg.num_experts))
     return arena, token_pages, (res, prompt, accepted, carry), counts
+
+
+# StepBatch fields with a leading row dimension: what one row tile of a decode step takes (`_row_tiles`)
+_ROW_FIELDS = ("tokens", "valid", "lengths", "read_base", "write_base", "table_rows", "targets", "lora_slots",
+               "embeds", "embed_mask", "page_table")
+
+
+def _row_tiles(run_rows, arena: jax.Array, batch: StepBatch, tile: int):
+    """A decode step's model pass as a loop over tiles of `tile` rows (`StepOptions.row_tile`):
+    `run_rows(arena, rows)` runs on each tile in turn, the arena carried from tile to tile (rows touch
+    disjoint slots and pages, so the order is immaterial). Every program of any row count then computes a
+    row with the same `tile`-row operations, so its bits do not depend on the batch it is in (deterministic
+    inference). -> (arena, logits [B, V], routed ids per MoE layer [B, k])."""
+    b = batch.tokens.shape[0]
+    if b % tile or b < 2 * tile:
+        # one tile would be the whole batch: XLA drops slices of whole arrays, and that program rounds otherwise
+        raise ValueError(f"a row-tiled decode step needs a multiple of {tile} rows, at least {2 * tile}; got {b}")
+
+    def tile_of(i):
+        rows = {f: jax.lax.dynamic_slice_in_dim(getattr(batch, f), i * tile, tile, axis=0)
+                for f in _ROW_FIELDS if getattr(batch, f) is not None}
+        return dataclasses.replace(batch, **rows)
+
+    def body(i, carry):
+        arena, logits, routed = carry
+        arena, out, ids, _, _ = run_rows(arena, tile_of(i))
+        put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), i * tile, 0)
+        return arena, put(logits, out), [put(r, x) for r, x in zip(routed, ids)]
+
+    _, out, ids = jax.eval_shape(lambda ar: run_rows(ar, tile_of(0))[:3], arena)
+    zeros = lambda x: jnp.zeros((b, *x.shape[1:]), x.dtype)  # noqa: E731
+    # tiles up to the last with a real row (tiles of padding rows are skipped: their logits stay 0 and they
+    # write nothing); the count comes from the batch, so the loop is the same loop in every program
+    last = jnp.max(jnp.where(batch.valid > 0, jnp.arange(b), -1))
+    return jax.lax.fori_loop(0, (last + tile) // tile, body, (arena, zeros(out), [zeros(x) for x in ids]))
+
+
+def _scatter_view_states(arena: jax.Array, layout: ArenaLayout, split, write_base: jax.Array, view) -> jax.Array:
+    """The batched path's KDA conv windows and states (held by `view`) written to the rows' working slots."""
+    lk, h = layout.num_kda_layers, (split.heads if split else lambda d: None)
+    a = split.arena if split else None
+    scatter = on_ranks(split, lambda ar, base, c, st: scatter_states(ar, layout, base, c, st),
+                       (a, P(), [h(3)] * lk, [h(1)] * lk), a)
+    convs, states = [view.conv[j] for j in range(lk)], [view.state[j] for j in range(lk)]
+    return scatter(arena, write_base, convs, states)
 
 
 def splice_tokens(batch: StepBatch) -> StepBatch:

@@ -157,8 +157,11 @@ def history_message(message: dict) -> dict:
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
             raise RequestError(f"messages: tool_calls[{i}] must be {{'type': 'function', 'function': {{'name', "
                                f"'arguments'}}}}")
+        raw = f.get("arguments")
+        if raw is not None and not isinstance(raw, str):
+            raise RequestError(f"messages: tool_calls[{i}].function.arguments must be a JSON string")
         try:
-            args = json.loads(f.get("arguments") or "{}")
+            args = json.loads(raw or "{}")
         except json.JSONDecodeError:
             raise RequestError(f"messages: tool_calls[{i}].function.arguments is not JSON") from None
         out.append({"name": f["name"], "parameters": args})

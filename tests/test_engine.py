@@ -347,6 +347,8 @@ def test_logprobs_are_returned(engine, prompts):
 
 @pytest.mark.parametrize("prompt,params,match", [
     ([1] * 600, GREEDY, "context window of 512"),
+    ([1] * 512, SamplingParams(max_tokens=None), "no room for a completion"),  # None: what the window leaves
+    ([1] * 600, SamplingParams(max_tokens=None), "no room for a completion"),
     ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
     ([1, 2], SamplingParams(temperature=-1), "temperature"),
     ([1, 2], SamplingParams(top_p=0), "top_p"),

@@ -481,6 +481,44 @@ def test_completion_stream_matches_non_stream(client):
     assert chunks[-1].usage.prompt_tokens == len("Streaming test")
 
 
+def test_streamed_samples_each_carry_the_prompt_logprobs(http):
+    """n > 1, streamed: every sample's first chunk has the prompt's logprobs -- vLLM's `prompt_logprobs`, and with
+    `echo` + `logprobs` the prompt's tokens ahead of the sample's own -- as the whole answer has them (the engine
+    sends them in a request's first output only, which one sample alone receives)."""
+    for extra in ({"prompt_logprobs": 1}, {"echo": True, "logprobs": 1}):
+        body = {"prompt": ["Hi there", "Yo"], "max_tokens": 3, "n": 2, "seed": 3, "temperature": 1.0, **extra}
+        whole = http.post("/v1/completions", json=body).json()["choices"]
+        with http.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+            chunks = [json.loads(x[6:]) for x in r.iter_lines() if x.startswith("data: {")]
+        assert len(whole) == 4
+        for c in whole:
+            mine = [ch for chunk in chunks for ch in chunk["choices"] if ch["index"] == c["index"]]
+            if "prompt_logprobs" in extra:
+                assert mine[0]["prompt_logprobs"] == c["prompt_logprobs"] and c["prompt_logprobs"], c["index"]
+            else:
+                lp = {k: sum((ch["logprobs"][k] for ch in mine if ch["logprobs"]), [])
+                      for k in ("tokens", "token_logprobs", "text_offset")}
+                echoed = len(c["logprobs"]["tokens"]) - 3
+                assert echoed >= 2 and lp["tokens"] == c["logprobs"]["tokens"], c["index"]
+                assert lp["token_logprobs"] == c["logprobs"]["token_logprobs"]
+                assert lp["text_offset"][:echoed + 1] == c["logprobs"]["text_offset"][:echoed + 1]
+
+
+def test_a_stream_of_more_prompts_than_rows_starts_at_once(http):
+    """A streamed batch of more prompts than the engine runs at once: its first chunk comes as soon as the engine
+    has taken every prompt (queued or running), not only once each has output -- prompts waiting for a row to
+    free up are still waiting when it arrives."""
+    body = {"prompt": [f"p{i}" for i in range(2 * CAPACITY)], "max_tokens": 64, "ignore_eos": True,
+            "stream": True}
+    with http.stream("POST", "/v1/completions", json=body) as r:
+        lines = r.iter_lines()
+        next(x for x in lines if x.startswith("data: {"))
+        waiting = metric(http.get("/metrics").text, "vllm:num_requests_waiting")
+        done = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert waiting > 0
+    assert sum(1 for c in done for ch in c["choices"] if ch["finish_reason"] == "length") == 2 * CAPACITY
+
+
 def test_stop_string_ends_text(client):
     kw = dict(model=MODEL, prompt="stop here", max_tokens=16, temperature=0, extra_body={"ignore_eos": True})
     g = client.completions.create(**kw).choices[0].text
@@ -664,6 +702,31 @@ def test_malformed_json_and_wrong_content(http):
     _err(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
                                                 "tools": [{"type": "function"}]}), 400)
     _err(http.get("/v1/nothing-here"), 404)
+    surrogate = b'{"prompt": "a\\ud800b", "max_tokens": 2}'  # valid JSON, a lone surrogate: no UTF-8 text to tokenize
+    assert _err(http.post("/v1/completions", content=surrogate, headers={"content-type": "application/json"}),
+                400)["param"] == "prompt"
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": {"a": 1}}}  # not a JSON string
+    err = _err(http.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                     {"role": "tool", "tool_call_id": "c1", "content": "42"}],
+        "tools": [{"type": "function", "function": {"name": "f"}}], "max_tokens": 2}), 400)
+    assert "arguments must be a JSON string" in err["message"]
+    err = _err(http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                      "prompt_logprobs": 1, "stream": True}), 400)
+    assert err["param"] == "prompt_logprobs"  # (vLLM's rule; not streamed they come whole)
+
+
+def test_beam_search_length_penalty_at_the_float_limits(http):
+    """n ** length_penalty beyond a float (overflow) or below it (0): the score takes its limit; the request is
+    answered and the engine, which runs the beams' bookkeeping for every request, keeps serving."""
+    with http.stream("POST", "/v1/completions", json={"prompt": "other", "max_tokens": 24, "ignore_eos": True,
+                                                      "stream": True}) as other:
+        for penalty in (1000.0, -1000.0):
+            r = http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 3, "use_beam_search": True, "n": 2,
+                                                   "length_penalty": penalty})
+            assert r.status_code == 200 and len(r.json()["choices"]) == 2, r.text
+        events = [json.loads(x[6:]) for x in other.iter_lines() if x.startswith("data: {")]
+    assert events[-1]["choices"][0]["finish_reason"] == "length"
 
 
 def test_unknown_model_404(client, http):

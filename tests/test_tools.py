@@ -47,7 +47,7 @@ class ScriptedEngine:
     def stats(self) -> dict:
         return {}
 
-    async def generate(self, prompt, params, request_id=None, priority=0):
+    async def generate(self, prompt, params, request_id=None, priority=0, on_accept=None):
         self.seen.append((list(prompt), params))
         text = self.script.pop(0)
         guide = self.grammars.guide(params.structured_outputs) if params.structured_outputs else None
