@@ -1653,14 +1653,21 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         except ValidationError as e:
             raise APIError(400, f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
         rid = f"resp_{uuid.uuid4().hex}"
-        ids, params, chat_fmt = _chat_request(st, chat, rid)
-        count = (lambda text: len(st.tokenizer.encode(text))) if st.tokenizer is not None else (lambda text: 0)
-        keep = None
-        if body.store is not False and st.responses.max_entries:
-            conversation = previous + input_items(body)
-            keep = lambda r: st.responses.put(key, r, conversation + r["output"])  # noqa: E731
-        fmt = _ResponsesFormat(chat_fmt, body, st.check_model(body.model) or st.model_name, count, keep)
-        return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
+        try:
+            ids, params, chat_fmt = _chat_request(st, chat, rid)
+            count = (lambda text: len(st.tokenizer.encode(text))) if st.tokenizer is not None else (lambda text: 0)
+            keep = None
+            if body.store is not False and st.responses.max_entries:
+                conversation = previous + input_items(body)
+                keep = lambda r: st.responses.put(key, r, conversation + r["output"])  # noqa: E731
+            fmt = _ResponsesFormat(chat_fmt, body, st.check_model(body.model) or st.model_name, count, keep)
+            return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
+        except APIError as e:  # the chat request's field names -> the Responses request's
+            name = _RESPONSES_NAMES.get((e.param or "").split(".")[0])
+            if e.status != 400 or name is None:
+                raise
+            why = e.message.partition(": ")[2] or e.message
+            raise APIError(400, f"{name}: {why}", param=name, code=e.code) from None
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(response_id: str, key: str = Depends(authenticate)):
@@ -2003,6 +2010,25 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 def _lora_param(message: str) -> str:
     """The field a `LoRAError` is about: the name (in use, not loaded, no free slot) or else the path."""
     return "lora_name" if message.startswith(("lora_name", "max_loras")) else "lora_path"
+
+
+# a Responses request's fields under the names of the chat request it becomes (serve/responses.py), for errors
+_RESPONSES_NAMES = {"reasoning_effort": "reasoning.effort", "response_format": "text.format",
+                    "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+
+
+def _constraint_param(body, param: Optional[str]) -> Optional[str]:
+    """The request field an output constraint's error (`structured_outputs.<key>`: what `_structured` made of
+    it) came from: `response_format`, a `guided_*` field, or the tools of a forced call."""
+    if not param or not param.startswith("structured_outputs") or getattr(body, "structured_outputs", None):
+        return param
+    rf = getattr(body, "response_format", None)
+    if isinstance(rf, dict) and rf.get("type") in ("json_object", "json_schema"):
+        return "response_format"
+    for name in ("json", "regex", "choice", "grammar"):
+        if getattr(body, f"guided_{name}", None) is not None:
+            return f"guided_{name}"
+    return "tools" if getattr(body, "tools", None) else param
 
 
 def _param_of(message: str) -> Optional[str]:
@@ -2359,7 +2385,10 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         try:  # compile here, off the engine thread; the engine finds it cached
             await asyncio.to_thread(grammars.compile, params.structured_outputs)
         except RequestError as e:
-            raise APIError(400, str(e), param=_param_of(str(e))) from None
+            field = _param_of(str(e))
+            name = _constraint_param(body, field)
+            why = str(e).partition(": ")[2] if field else str(e)
+            raise APIError(400, f"{name}: {why}" if name else str(e), param=name) from None
     if st.paused:  # POST /pause: wait for /resume (a client that leaves meanwhile is gone: 499)
         try:
             await _unless_disconnected(request, st.unpaused())

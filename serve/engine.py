@@ -1388,7 +1388,10 @@ class Engine:
             raise RequestError("bad_words: this model has no tokenizer")
         out = []
         for w in words:
-            plain = tuple(self.tokenizer.encode(w.lstrip()))
+            try:
+                plain = tuple(self.tokenizer.encode(w.lstrip()))
+            except UnicodeEncodeError as e:  # a lone surrogate: no text to tokenize
+                raise RequestError(f"bad_words: {w!r} is not valid Unicode text ({e.reason})") from None
             out.append(plain)
             spaced = tuple(self.tokenizer.encode(" " + w.lstrip()))
             if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):

@@ -38,7 +38,9 @@ from serve.types import RequestError, RequestOutput, SamplingParams, StructuredO
 # the engine's (vLLM's) names of SGLang's fields, for error messages
 _NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
           "include_stop_str_in_output": "no_stop_trim", "logprobs": "top_logprobs_num",
-          "prompt_logprobs": "top_logprobs_num", "structured_outputs": "sampling_params"}
+          "prompt_logprobs": "top_logprobs_num", "structured_outputs": "sampling_params",
+          "structured_outputs.json": "sampling_params.json_schema", "structured_outputs.regex": "sampling_params.regex",
+          "structured_outputs.grammar": "sampling_params.ebnf"}
 
 
 class GenerateSamplingParams(BaseModel):

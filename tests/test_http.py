@@ -1070,9 +1070,21 @@ def test_structured_outputs_over_http(client, http):
                        ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice"),
                        ({"response_format": {"type": "yaml"}}, "response_format"),
                        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format"),
-                       ({"guided_json": {"type": "nonsense"}}, "structured_outputs.json")):
+                       ({"guided_json": {"type": "nonsense"}}, "guided_json"),  # the field the client sent
+                       ({"guided_choice": []}, "guided_choice"),
+                       ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                           "type": "nonsense"}}}}, "response_format")):
         err = _err(http.post("/v1/chat/completions", json={**body, **bad}), 400)
-        assert err["param"] == param, (bad, err)
+        assert err["param"] == param and err["message"].startswith(param), (bad, err)
+    err = _err(http.post("/generate", json={"text": "x", "sampling_params": {"json_schema": '{"type": "nonsense"}',
+                                                                   "max_new_tokens": 4}}),
+               400)
+    assert err["param"] == "sampling_params.json_schema", err  # SGLang's name
+    err = _err(http.post("/v1/responses", json={"input": "x", "reasoning": {"effort": "extreme"}}), 400)
+    assert err["param"] == "reasoning.effort" and err["message"].startswith("reasoning.effort: "), err
+    surrogate = b'{"prompt": "x", "max_tokens": 2, "bad_words": ["a\\ud800"]}'
+    assert _err(http.post("/v1/completions", content=surrogate, headers={"content-type": "application/json"}),
+                400)["param"] == "bad_words"
     text = http.get("/metrics").text
     assert metric(text, "k3jax:compiles_after_warmup") == 0
     assert metric(text, "k3jax:structured_output_requests_total") >= 6
