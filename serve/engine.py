@@ -764,6 +764,8 @@ class Engine:
         self._carry_size = self.decode_buckets[-1] + self.prefill_buckets[-1] if config.async_scheduling else 0
         self._flight: list[_Flight] = []  # launched steps not read back yet (async scheduling)
         self._landed: set[str] = set()  # sequences with outputs from steps read back outside `step()`
+        # (request id, error) of requests whose host-side bookkeeping raised this step: only they end (`step`)
+        self._host_failures: list[tuple[str, Exception]] = []
         options = StepOptions(self.kda_in_place, self.mla_paged, self.state_split, self.cfg.num_attention_heads,
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
@@ -2077,8 +2079,45 @@ class Engine:
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Schedule and run one step; return outputs of requests that made progress. With async scheduling the
-        step is launched before the one the call before launched is read back, and the outputs are that one's."""
+        step is launched before the one the call before launched is read back, and the outputs are that one's.
+
+        A request whose host-side bookkeeping raises (reading back its row, its stop checks and detokenizing, its
+        beam search's selection) ends alone: StepFailed names it and carries every other output; the rest of
+        the step is processed as usual."""
         self._leader_only("step")
+        self._host_failures = []
+        try:
+            outs = self._run_step()
+        except StepFailed as e:
+            if self._host_failures:
+                more = self._end_host_failures()
+                e.request_ids = sorted(set(e.request_ids) | set(more))
+                e.outputs = [o for o in e.outputs if o.request_id not in more]
+            raise
+        if not self._host_failures:
+            return outs
+        first = self._host_failures[0][1]
+        ended = self._end_host_failures()
+        err = StepFailed(ended, first, [o for o in outs if o.request_id not in ended])
+        raise err from first
+
+    def _end_host_failures(self) -> list[str]:
+        """End the requests in `_host_failures` (aborted, their memory freed, counted as failed) -> their ids."""
+        ended = sorted({rid for rid, _ in self._host_failures})
+        self._host_failures = []
+        self.counters["failed_steps"] += 1
+        for request_id in ended:
+            if self.abort(request_id):
+                self.counters["requests_aborted"] -= 1
+                self.counters["requests_failed"] += 1
+        self._reap()
+        return ended
+
+    def _host_failed(self, request_id: str, err: Exception) -> None:
+        log.error("request %s failed in the engine's bookkeeping", request_id, exc_info=err)
+        self._host_failures.append((request_id, err))
+
+    def _run_step(self) -> list[RequestOutput]:
         touched, self._landed = self._landed, set()
         ended: set[str] = set()
         if self.held:  # (`retract`): nothing runs; aborted requests still leave
@@ -2792,53 +2831,56 @@ class Engine:
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
             if f.samples[i]:
                 seq.pending -= 1
-            if seq.epoch != f.epochs[i]:
-                if f.samples[i] and not (seq.finished or seq.internal or seq.beam is not None or verify):
-                    touched.add(seq.rid)
-                    self._record_routes(seq, start, routes, i, n)  # (it may finish on this token)
-                    self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
-                continue
-            if verify:  # (never chained) the drafts rejected were launched but are not computed
-                seq.flight_end = start + 1 + (0 if seq.beam is not None else int(accepted[i]))
-            if verify and seq.beam is not None:  # a beam never drafts: its row verified nothing
-                seq.computed = start + 1
-                self._after_row(seq, decoded=True, prev=start)
-                self._park(seq, top_ids[i, 0], top_lps[i, 0])
-                continue
-            if verify:  # the input token and the accepted drafts are in the cache; emit those drafts + 1
-                a = int(accepted[i])
-                self._count_drafts(seq, n - 1, a)
-                if seq.guess is not None and n > 1:  # its drafts followed a guess of its input token
-                    self.counters["spec_decode_num_guessed_drafts"] += 1
-                    self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
-                seq.guess = None
-                seq.computed = start + 1 + a
-                self._record_routes(seq, start, routes, i, 1 + a, ahead=seq.draft[:a])
+            try:
+                if seq.epoch != f.epochs[i]:
+                    if f.samples[i] and not (seq.finished or seq.internal or seq.beam is not None or verify):
+                        touched.add(seq.rid)
+                        self._record_routes(seq, start, routes, i, n)  # (it may finish on this token)
+                        self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+                    continue
+                if verify:  # (never chained) the drafts rejected were launched but are not computed
+                    seq.flight_end = start + 1 + (0 if seq.beam is not None else int(accepted[i]))
+                if verify and seq.beam is not None:  # a beam never drafts: its row verified nothing
+                    seq.computed = start + 1
+                    self._after_row(seq, decoded=True, prev=start)
+                    self._park(seq, top_ids[i, 0], top_lps[i, 0])
+                    continue
+                if verify:  # the input token and the accepted drafts are in the cache; emit those drafts + 1
+                    a = int(accepted[i])
+                    self._count_drafts(seq, n - 1, a)
+                    if seq.guess is not None and n > 1:  # its drafts followed a guess of its input token
+                        self.counters["spec_decode_num_guessed_drafts"] += 1
+                        self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
+                    seq.guess = None
+                    seq.computed = start + 1 + a
+                    self._record_routes(seq, start, routes, i, 1 + a, ahead=seq.draft[:a])
+                    if seq.slot is not None:
+                        self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
+                    for j in range(a + 1):
+                        if seq.finished:
+                            break
+                        touched.add(seq.rid)
+                        self._append(seq, int(tokens[i, j]), float(lps[i, j]), top_ids[i, j], top_lps[i, j], now)
+                    seq.draft = []
+                    continue
+                seq.computed = start + n
+                self._record_routes(seq, start, routes, i, n)
+                if seq.internal:
+                    self._after_row(seq, decoded=False)
+                    if seq.computed == len(seq.all_ids):
+                        self._finish(seq, "canonical")
+                    continue
+                # Share pages and capture states before the sampled token is appended: a request that
+                # finishes on this token (max_tokens=1, a stop) releases its memory in `_append`.
                 if seq.slot is not None:
-                    self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
-                for j in range(a + 1):
-                    if seq.finished:
-                        break
+                    self._after_row(seq, decoded=t == 1)
+                if not seq.finished and seq.computed == len(seq.all_ids) and seq.beam is not None:
+                    self._park(seq, top_ids[i], top_lps[i])
+                elif not seq.finished and seq.computed == len(seq.all_ids):
                     touched.add(seq.rid)
-                    self._append(seq, int(tokens[i, j]), float(lps[i, j]), top_ids[i, j], top_lps[i, j], now)
-                seq.draft = []
-                continue
-            seq.computed = start + n
-            self._record_routes(seq, start, routes, i, n)
-            if seq.internal:
-                self._after_row(seq, decoded=False)
-                if seq.computed == len(seq.all_ids):
-                    self._finish(seq, "canonical")
-                continue
-            # Share pages and capture states before the sampled token is appended: a request that
-            # finishes on this token (max_tokens=1, a stop) releases its memory in `_append`.
-            if seq.slot is not None:
-                self._after_row(seq, decoded=t == 1)
-            if not seq.finished and seq.computed == len(seq.all_ids) and seq.beam is not None:
-                self._park(seq, top_ids[i], top_lps[i])
-            elif not seq.finished and seq.computed == len(seq.all_ids):
-                touched.add(seq.rid)
-                self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+                    self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+            except Exception as e:  # this request's bookkeeping only: it ends, the others go on
+                self._host_failed(seq.request_id, e)
 
     def _record_routes(self, seq: Sequence, start: int, routes: Optional[np.ndarray], row: int, n: int,
                        ahead: list[int] = ()) -> None:
@@ -3111,54 +3153,63 @@ class Engine:
         times forks into k), or finish -> the ids of the searches that ended."""
         now, ended = time.monotonic(), set()
         for rid, req in list(self._beams.items()):
-            g, beams = req.beam, req.seqs
+            beams = req.seqs
             if not beams or any(s.proposals is None for s in beams):
                 continue
-            p = g.params
-            survivors, done = expand([(s.hyp, *s.proposals) for s in beams], p.beam_width, g.eos_ids, g.prompt_len,
-                                     p.length_penalty)
-            g.completed += done
-            g.rounds += 1
-            if g.rounds == 1:
-                g.cached_tokens = beams[0].cached_tokens or 0
-            m = beams[0].metrics  # shared by the request's beams
-            if m.first_token_time is None:
-                m.first_token_time = now
-            elif m.last_token_time is not None:
-                self.latency["itl"].append(now - m.last_token_time)
-            m.last_token_time = now
-            self.counters["generation_tokens"] += len(beams)
-            if g.rounds >= p.max_tokens or not survivors:
-                g.final = best(g.completed + [h for _, h in survivors], p.beam_width, g.prompt_len, p.length_penalty)
-                for s in beams:
-                    self._drop_beam(s)
-                req.seqs = []
-                del self._beams[rid]
-                ended.add(rid)
-                m.finished_time = now
-                self.counters["requests_finished"] += 1
-                for k, v in (("ttft", m.ttft), ("e2e", m.e2e), ("queue", m.queue_time)):
-                    if v is not None:
-                        self.latency[k].append(v)
-                continue
-            chosen: list[list[tuple[int, Hypothesis]]] = [[] for _ in beams]
-            for rank, (i, h) in enumerate(survivors):
-                chosen[i].append((rank, h))
-            ranked = []
-            for s, mine in zip(beams, chosen):
-                if len(mine) == 1:
-                    s.hyp, s.proposals = mine[0][1], None
-                    s.output_ids.append(s.hyp.tokens[-1])
-                    ranked.append((mine[0][0], s))
-                elif mine:
-                    ranked += zip([r for r, _ in mine], self._fork_beam(s, [h for _, h in mine]))
-                else:
-                    self._drop_beam(s)
-            req.seqs = [s for _, s in sorted(ranked, key=lambda x: x[0])]
-            for i, s in enumerate(req.seqs):
-                s.index = i
+            try:
+                if self._select_beam(rid, req, now):
+                    ended.add(rid)
+            except Exception as e:  # this search only: it ends, the others go on
+                self._host_failed(rid, e)
         self._sweep_frozen()
         return ended
+
+    def _select_beam(self, rid: str, req: Request, now: float) -> bool:
+        """One selection round of beam search `rid` (`_select_beams`) -> whether it ended."""
+        g, beams = req.beam, req.seqs
+        p = g.params
+        survivors, done = expand([(s.hyp, *s.proposals) for s in beams], p.beam_width, g.eos_ids, g.prompt_len,
+                                 p.length_penalty)
+        g.completed += done
+        g.rounds += 1
+        if g.rounds == 1:
+            g.cached_tokens = beams[0].cached_tokens or 0
+        m = beams[0].metrics  # shared by the request's beams
+        if m.first_token_time is None:
+            m.first_token_time = now
+        elif m.last_token_time is not None:
+            self.latency["itl"].append(now - m.last_token_time)
+        m.last_token_time = now
+        self.counters["generation_tokens"] += len(beams)
+        if g.rounds >= p.max_tokens or not survivors:
+            g.final = best(g.completed + [h for _, h in survivors], p.beam_width, g.prompt_len, p.length_penalty)
+            for s in beams:
+                self._drop_beam(s)
+            req.seqs = []
+            del self._beams[rid]
+            m.finished_time = now
+            self.counters["requests_finished"] += 1
+            for k, v in (("ttft", m.ttft), ("e2e", m.e2e), ("queue", m.queue_time)):
+                if v is not None:
+                    self.latency[k].append(v)
+            return True
+        chosen: list[list[tuple[int, Hypothesis]]] = [[] for _ in beams]
+        for rank, (i, h) in enumerate(survivors):
+            chosen[i].append((rank, h))
+        ranked = []
+        for s, mine in zip(beams, chosen):
+            if len(mine) == 1:
+                s.hyp, s.proposals = mine[0][1], None
+                s.output_ids.append(s.hyp.tokens[-1])
+                ranked.append((mine[0][0], s))
+            elif mine:
+                ranked += zip([r for r, _ in mine], self._fork_beam(s, [h for _, h in mine]))
+            else:
+                self._drop_beam(s)
+        req.seqs = [s for _, s in sorted(ranked, key=lambda x: x[0])]
+        for i, s in enumerate(req.seqs):
+            s.index = i
+        return False
 
     def _fork_beam(self, parent: Sequence, hyps: list[Hypothesis]) -> list[Sequence]:
         """Children of a beam chosen more than once. Each shares the parent's full MLA pages, gets a

@@ -180,6 +180,38 @@ def test_forks_under_memory_pressure_and_abort(engine, prompts):
     assert_idle(engine)
 
 
+def test_a_search_whose_selection_raises_ends_alone(engine, prompts, monkeypatch):
+    """A beam search whose selection round raises (here: the third round of the one with length_penalty 3) ends
+    alone: StepFailed names it, the other search finishes as it does alone, and every beam's memory is freed."""
+    import serve.engine as engine_mod
+    from serve.engine import StepFailed
+
+    ok = BeamSearchParams(WIDTH, GEN, ignore_eos=True)
+    alone = run_beams(engine, prompts[:1], ok)[0]
+    real = engine_mod.expand
+
+    def expand(beams, width, eos, prompt_len, length_penalty):
+        if length_penalty == 3.0 and len(beams[0][0].tokens) >= 2:
+            raise OverflowError("boom")
+        return real(beams, width, eos, prompt_len, length_penalty)
+
+    monkeypatch.setattr(engine_mod, "expand", expand)
+    good = engine.add_request(prompts[0], ok)
+    bad = engine.add_request(prompts[1], BeamSearchParams(WIDTH, GEN, ignore_eos=True, length_penalty=3.0))
+    failures, done = [], {}
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except StepFailed as e:
+            failures.append(e)
+            outs = e.outputs
+        done.update({o.request_id: o for o in outs if o.finished})
+    assert [f.request_ids for f in failures] == [[bad]] and "boom" in str(failures[0])
+    assert [c.token_ids for c in done[good].outputs] == [c.token_ids for c in alone.outputs]
+    engine._reap()
+    assert_idle(engine)
+
+
 def test_rejections(engine, prompts):
     with pytest.raises(RequestError, match="max_logprobs"):
         engine.add_request(prompts[0], BeamSearchParams(WIDTH + 1, 4))

@@ -66,6 +66,40 @@ def test_alone_matches_model_generate_greedy(model, engine, alone, prompts):
         assert out == model.generate_greedy(np.array([p]), 12)[0].tolist()
 
 
+def test_a_request_whose_bookkeeping_raises_ends_alone(engine, prompts, alone, monkeypatch):
+    """A request whose host-side bookkeeping raises (here: appending its third token) ends alone -- StepFailed
+    names it and carries the step's other outputs -- and its memory is freed; the request beside it finishes
+    with the tokens it has alone, and the engine goes on."""
+    from serve.engine import StepFailed
+
+    bad = engine.add_request(prompts[1], GREEDY)
+    good = engine.add_request(prompts[2], GREEDY)
+    real = engine._append
+
+    def append(seq, *args):
+        if seq.request_id == bad and len(seq.output_ids) >= 2:
+            raise ValueError("boom")
+        return real(seq, *args)
+
+    monkeypatch.setattr(engine, "_append", append)
+    failed_before = engine.stats()["requests_failed"]
+    failures, done = [], {}
+    while engine.has_unfinished():
+        try:
+            outs = engine.step()
+        except StepFailed as e:
+            failures.append(e)
+            outs = e.outputs
+        done.update({o.request_id: o for o in outs if o.finished})
+    assert [f.request_ids for f in failures] == [[bad]] and "boom" in str(failures[0])
+    assert bad not in done and done[good].token_ids == alone[2]
+    s = engine.stats()
+    assert s["requests_failed"] == failed_before + 1
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
+    monkeypatch.undo()
+    assert run_all(engine, [prompts[1]])[0].token_ids == alone[1]
+
+
 def test_batch_of_32_mixed_lengths_is_token_identical(engine, prompts, alone):
     outs = run_all(engine, prompts)
     assert [o.token_ids for o in outs] == alone
