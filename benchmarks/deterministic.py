@@ -1,6 +1,6 @@
 """Deterministic inference on CPU: what it costs, and whether a request's bits then stop depending on its batch.
 
-    python benchmarks/deterministic.py            # k3-small, ~5 min quiet
+    python benchmarks/deterministic.py            # k3-small, ~6 min quiet
     python benchmarks/deterministic.py --quick    # tiny-k3 (writes to the temp dir)
 
 Two engines on the same weights: the default buckets (decode rows 1, 4, 16, 32; prefill rows 1 and 4; context

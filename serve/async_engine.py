@@ -62,13 +62,20 @@ class AsyncEngine:
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
+        entry = (loop, q)
         with self._lock:
-            self._streams[request_id] = (loop, q)
+            if request_id in self._streams:  # (replacing its entry would end another stream: refused here)
+                raise RequestError(f"request_id: {request_id!r} is already in use")
+            self._streams[request_id] = entry
         self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt, lora_request))
         self._wake.set()
         finished = False
         try:
-            await done  # raises RequestError if the request was rejected
+            try:
+                await done  # raises RequestError if the request was rejected
+            except RequestError:
+                finished = True  # never queued: nothing of this stream's to abort (the id may be another's)
+                raise
             if on_accept is not None:
                 on_accept()
             while True:
@@ -83,7 +90,8 @@ class AsyncEngine:
                     return
         finally:
             with self._lock:
-                self._streams.pop(request_id, None)
+                if self._streams.get(request_id) is entry:
+                    del self._streams[request_id]
             if not finished:  # consumer went away early (client disconnect): free its cache now
                 self.abort(request_id)
 

@@ -17,10 +17,12 @@ import collections
 import dataclasses
 import hashlib
 import io
+import functools
 import itertools
 import json
 import logging
 import math
+import operator
 import os
 import time
 import weakref
@@ -497,6 +499,18 @@ DETERMINISTIC_ROWS = 8  # deterministic inference: decode rows in whole groups o
 DETERMINISTIC_XLA_CPU_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": "LIBRARY_FUSION_TYPE_INDIVIDUAL_DOT"}
 
 
+@functools.cache
+def _compiler_options_known(options: tuple) -> bool:
+    """Whether this XLA compiles with `options` (an experimental flag may be renamed or dropped by another
+    jaxlib: the deterministic engine then runs one program per kind, and says so)."""
+    try:
+        jax.jit(lambda x: x + 1, compiler_options=dict(options)).lower(jnp.zeros((), jnp.float32)).compile()
+        return True
+    except Exception as e:  # (XLA's error for an unknown option)
+        log.warning("deterministic inference: this XLA does not take %s (%s); one program per kind", dict(options), e)
+        return False
+
+
 @dataclass
 class Sequence:
     rid: str  # engine-internal id (request id + sample index)
@@ -751,7 +765,8 @@ class Engine:
         # of DETERMINISTIC_ROWS and every program is compiled without XLA:CPU's library fusions of reductions and
         # elementwise ops, which makes a row's bits the same in every decode and context bucket (below)
         self.row_tile = (DETERMINISTIC_ROWS if config.enable_deterministic_inference and reference
-                         and self.state_split is None and not self.mla_paged and not config.scan_layers else 0)
+                         and self.state_split is None and not self.mla_paged and not config.scan_layers
+                         and _compiler_options_known(tuple(DETERMINISTIC_XLA_CPU_OPTIONS.items())) else 0)
         if config.enable_deterministic_inference:  # a row's bits never depend on its batch
             round_up = lambda n: -(-n // DETERMINISTIC_ROWS) * DETERMINISTIC_ROWS  # noqa: E731
             if self.row_tile:  # every decode bucket, in whole tiles (two at least); every context bucket; one prefill
@@ -1433,7 +1448,11 @@ class Engine:
             ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, (list, tuple, np.ndarray)):
-            ids, text = [int(t) for t in prompt], None
+            try:  # integers only (int() would truncate 1.5, or fail naming no field)
+                ids, text = [operator.index(t) for t in prompt], None
+            except TypeError:
+                wrong = next((t for t in prompt if not hasattr(t, "__index__")), prompt)
+                raise RequestError(f"prompt: token ids must be integers, got {wrong!r}") from None
             bad = [t for t in ids if not 0 <= t < self.cfg.vocab_size]
             if bad:
                 raise RequestError(f"prompt: token id {bad[0]} is outside [0, {self.cfg.vocab_size})")

@@ -6,6 +6,8 @@ import dataclasses
 import os
 from typing import Callable, Optional, Sequence, Union
 
+import numpy as np
+
 from k3jax.runtime import Model, load_model
 from serve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
 from serve import generation_config
@@ -68,7 +70,9 @@ class LLM:
         a list with one per prompt (None: the base model). Without `sampling_params`, the model's
         defaults (`get_default_sampling_params`). `use_tqdm` (vLLM's): a progress bar over finished
         prompts (True, or a tqdm-like factory; default: the `progress` the LLM was built with)."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, np.ndarray):  # one prompt's ids ([L]) or a batch of them ([B, L])
+            prompts = [prompts] if prompts.ndim == 1 else list(prompts)
+        if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
         if sampling_params is None or isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
             sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)

@@ -136,8 +136,10 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        self.stop = list(self.stop or [])
-        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.stop is None or isinstance(self.stop, (list, tuple)):  # (anything else: validate names it)
+            self.stop = list(self.stop or [])
+        if self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)):
+            self.stop_token_ids = list(self.stop_token_ids or [])
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError(f"logit_bias: must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
 
@@ -159,8 +161,10 @@ class SamplingParams:
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            bad("stop", "must be non-empty strings")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            bad("stop", "must be a non-empty string or a list of them")
+        if not isinstance(self.stop_token_ids, list):
+            bad("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         if not isinstance(self.detokenize, bool):
             bad("detokenize", f"must be true or false, got {self.detokenize!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -189,6 +193,8 @@ class SamplingParams:
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")
         if self.allowed_token_ids is not None:
+            if not isinstance(self.allowed_token_ids, (list, tuple)):
+                bad("allowed_token_ids", f"must be a list of token ids, got {type(self.allowed_token_ids).__name__}")
             if not 1 <= len(self.allowed_token_ids) <= MAX_LOGIT_BIAS:
                 bad("allowed_token_ids", f"must list 1 to {MAX_LOGIT_BIAS} tokens, got {len(self.allowed_token_ids)}")
             for t in self.allowed_token_ids:

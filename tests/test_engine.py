@@ -389,6 +389,12 @@ def test_logprobs_are_returned(engine, prompts):
     ([], GREEDY, "empty prompt"),
     ([10 ** 6], GREEDY, "outside"),
     ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, GREEDY, "prompt dict"),
+    ([1.5, 2], GREEDY, "token ids must be integers"),  # not truncated to 1
+    (["a", 2], GREEDY, "token ids must be integers"),
+    ([[1, 2]], GREEDY, "token ids must be integers"),
+    ([1, 2], SamplingParams(allowed_token_ids=5), "allowed_token_ids"),
+    ([1, 2], SamplingParams(stop=5), "stop"),
+    ([1, 2], SamplingParams(stop_token_ids=5), "stop_token_ids"),
 ])
 def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, match):
     free = engine.allocator.free_units
@@ -460,6 +466,10 @@ def test_arena_returns_to_baseline_after_any_arrival_and_abort_order(engine, ops
     assert s["num_requests_running"] == 0 and s["num_requests_waiting"] == 0
 
 
+async def _collect(stream) -> list:
+    return [o async for o in stream]
+
+
 def test_async_engine_streams_and_aborts(model):
     """Streaming, an early leave (abort) and a rejected request through `AsyncEngine`: host logic, the same
     for both models, run on tiny-k3 (CI time)."""
@@ -496,6 +506,15 @@ def test_async_engine_streams_and_aborts(model):
         with pytest.raises(RequestError, match="max_tokens"):
             async for _ in aeng.generate([1], SamplingParams(max_tokens=0), "c"):
                 pass
+        # a second stream under a request id in use is refused and leaves the first one running to its end
+        first = asyncio.ensure_future(_collect(aeng.generate([9] * 8, SamplingParams(temperature=0.0, max_tokens=60,
+                                                                                       ignore_eos=True), "e")))
+        while not first.done() and "e" not in eng.requests:
+            await asyncio.sleep(0.005)
+        with pytest.raises(RequestError, match="already in use"):
+            await _collect(aeng.generate([1], sp, "e"))
+        outs = await asyncio.wait_for(first, 60)
+        assert outs[-1].outputs[0].finish_reason == "length" and len(outs[-1].outputs[0].token_ids) == 60
         for _ in range(100):
             await asyncio.sleep(0.05)
             if not eng.has_unfinished():
