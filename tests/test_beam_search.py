@@ -184,7 +184,7 @@ def test_a_search_whose_selection_raises_ends_alone(engine, prompts, monkeypatch
     """A beam search whose selection round raises (here: the third round of the one with length_penalty 3) ends
     alone: StepFailed names it, the other search finishes as it does alone, and every beam's memory is freed."""
     import serve.engine as engine_mod
-    from serve.engine import StepFailed
+    from step_failures import drain_through_failures
 
     ok = BeamSearchParams(WIDTH, GEN, ignore_eos=True)
     alone = run_beams(engine, prompts[:1], ok)[0]
@@ -198,14 +198,7 @@ def test_a_search_whose_selection_raises_ends_alone(engine, prompts, monkeypatch
     monkeypatch.setattr(engine_mod, "expand", expand)
     good = engine.add_request(prompts[0], ok)
     bad = engine.add_request(prompts[1], BeamSearchParams(WIDTH, GEN, ignore_eos=True, length_penalty=3.0))
-    failures, done = [], {}
-    while engine.has_unfinished():
-        try:
-            outs = engine.step()
-        except StepFailed as e:
-            failures.append(e)
-            outs = e.outputs
-        done.update({o.request_id: o for o in outs if o.finished})
+    failures, done = drain_through_failures(engine)
     assert [f.request_ids for f in failures] == [[bad]] and "boom" in str(failures[0])
     assert [c.token_ids for c in done[good].outputs] == [c.token_ids for c in alone.outputs]
     engine._reap()

@@ -70,7 +70,7 @@ def test_a_request_whose_bookkeeping_raises_ends_alone(engine, prompts, alone, m
     """A request whose host-side bookkeeping raises (here: appending its third token) ends alone -- StepFailed
     names it and carries the step's other outputs -- and its memory is freed; the request beside it finishes
     with the tokens it has alone, and the engine goes on."""
-    from serve.engine import StepFailed
+    from step_failures import drain_through_failures
 
     bad = engine.add_request(prompts[1], GREEDY)
     good = engine.add_request(prompts[2], GREEDY)
@@ -83,14 +83,7 @@ def test_a_request_whose_bookkeeping_raises_ends_alone(engine, prompts, alone, m
 
     monkeypatch.setattr(engine, "_append", append)
     failed_before = engine.stats()["requests_failed"]
-    failures, done = [], {}
-    while engine.has_unfinished():
-        try:
-            outs = engine.step()
-        except StepFailed as e:
-            failures.append(e)
-            outs = e.outputs
-        done.update({o.request_id: o for o in outs if o.finished})
+    failures, done = drain_through_failures(engine)
     assert [f.request_ids for f in failures] == [[bad]] and "boom" in str(failures[0])
     assert bad not in done and done[good].token_ids == alone[2]
     s = engine.stats()
