@@ -79,6 +79,19 @@ def test_programs_and_what_the_mode_refuses():
             Engine(model, EngineConfig(**KW, enable_deterministic_inference=True, **extra), warmup=False)
 
 
+def test_an_xla_without_the_compiler_option_runs_one_program_per_kind(monkeypatch, caplog):
+    """Where XLA refuses the option (an experimental flag another jaxlib may rename), the engine says so and runs
+    one program per kind, the largest, instead of programs that would round a row differently."""
+    import serve.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "DETERMINISTIC_XLA_CPU_OPTIONS", {"xla_cpu_no_such_option_k3jax": "x"})
+    with caplog.at_level("WARNING", logger=engine_mod.log.name):
+        eng = Engine(k3jax.load_model("tiny-k3"), EngineConfig(**KW, enable_deterministic_inference=True),
+                     warmup=False)
+    assert (eng.row_tile, eng.decode_buckets, eng.prefill_buckets, len(eng.context_buckets)) == (0, (32,), (4,), 1)
+    assert "xla_cpu_no_such_option_k3jax" in caplog.text
+
+
 def test_row_tiles_need_two_whole_tiles():
     from serve.step import _row_tiles
 
