@@ -730,7 +730,10 @@ def _row_tiles(run_rows, arena: jax.Array, batch: StepBatch, tile: int):
     def body(i, carry):
         arena, logits, routed = carry
         arena, out, ids, _, _ = run_rows(arena, tile_of(i))
-        put = lambda whole, part: jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), i * tile, 0)
+
+        def put(whole, part):  # tile i's rows into the step's [B, ...]
+            return jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), i * tile, 0)
+
         return arena, put(logits, out), [put(r, x) for r, x in zip(routed, ids)]
 
     _, out, ids = jax.eval_shape(lambda ar: run_rows(ar, tile_of(0))[:3], arena)
