@@ -492,7 +492,7 @@ class EngineConfig:
         return n if n >= 2 * c else 0
 
 
-DETERMINISTIC_ROWS = 8  # deterministic inference: decode rows in whole groups of the CPU matmul kernels (above)
+DETERMINISTIC_ROWS = 8  # deterministic inference: the rows of a decode tile (`StepOptions.row_tile`; EngineConfig above)
 # deterministic inference on XLA:CPU: only dots go to the YNNPACK library; its reductions and elementwise fusions
 # are taken or not by the operands' shapes and sum in another order (a row's logprobs 1e-6..1e-5 apart between
 # programs of 8 and 32 rows, or of 4 and 16 context pages); XLA's own loops sum a row alike in every shape
@@ -2107,7 +2107,7 @@ class Engine:
         self._host_failures = []
         try:
             outs = self._run_step()
-        except StepFailed as e:
+        except StepFailed as e:  # (already counted as a failed step)
             if self._host_failures:
                 more = self._end_host_failures()
                 e.request_ids = sorted(set(e.request_ids) | set(more))
@@ -2116,21 +2116,25 @@ class Engine:
         if not self._host_failures:
             return outs
         first = self._host_failures[0][1]
+        self.counters["failed_steps"] += 1
         ended = self._end_host_failures()
         err = StepFailed(ended, first, [o for o in outs if o.request_id not in ended])
         raise err from first
 
     def _end_host_failures(self) -> list[str]:
-        """End the requests in `_host_failures` (aborted, their memory freed, counted as failed) -> their ids."""
+        """End the requests in `_host_failures` -> their ids."""
         ended = sorted({rid for rid, _ in self._host_failures})
         self._host_failures = []
-        self.counters["failed_steps"] += 1
-        for request_id in ended:
+        self._end_failed(ended)
+        self._reap()
+        return ended
+
+    def _end_failed(self, request_ids: list[str]) -> None:
+        """End requests a failure took with it: aborted (their memory freed), counted as failed, not aborted."""
+        for request_id in request_ids:
             if self.abort(request_id):
                 self.counters["requests_aborted"] -= 1
                 self.counters["requests_failed"] += 1
-        self._reap()
-        return ended
 
     def _host_failed(self, request_id: str, err: Exception) -> None:
         log.error("request %s failed in the engine's bookkeeping", request_id, exc_info=err)
@@ -2319,10 +2323,7 @@ class Engine:
         log.error("engine step failed: %s: %s", type(err).__name__, err)
         self.counters["failed_steps"] += 1
         ended = sorted({self.seqs[r].request_id for r in rids if r in self.seqs})
-        for request_id in ended:
-            if self.abort(request_id):
-                self.counters["requests_aborted"] -= 1
-                self.counters["requests_failed"] += 1
+        self._end_failed(ended)
         if self._renew_arena_if_lost():
             for s in self.seqs.values():
                 if not s.finished and (s.slot is not None or any(s.pages)):
