@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from tqdm.auto import tqdm
 
 from k3jax.config import ModelConfig, load_hf_config
@@ -44,16 +44,26 @@ class SafetensorsDir:
         self.path = path
         index = os.path.join(path, "model.safetensors.index.json")
         if os.path.exists(index):
-            with open(index) as f:
-                self.where = dict(json.load(f)["weight_map"])
+            try:
+                with open(index) as f:
+                    weight_map = json.load(f)["weight_map"]
+                self.where = {str(k): str(v) for k, v in weight_map.items()}
+            except json.JSONDecodeError as e:
+                raise CheckpointError(f"{index}: not valid JSON ({e})") from None
+            except (KeyError, TypeError, AttributeError):
+                raise CheckpointError(f"{index}: expected an object with a 'weight_map' object "
+                                      f"(tensor name -> file name)") from None
+            missing = sorted({fn for fn in self.where.values() if not os.path.isfile(os.path.join(path, fn))})
+            if missing:
+                raise CheckpointError(f"{index}: weight_map names {len(missing)} file(s) not in {path}, e.g. "
+                                      f"{missing[:3]}")
         else:
             files = sorted(fn for fn in os.listdir(path) if fn.endswith(".safetensors"))
             if not files:
                 raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
             self.where = {}
             for fn in files:
-                with safe_open(os.path.join(path, fn), framework="numpy") as f:
-                    self.where.update({k: fn for k in f.keys()})
+                self.where.update({k: fn for k in self._open_file(fn).keys()})
         self._open: dict[str, Any] = {}
         self.bytes_read = 0  # tensor bytes copied out of the files so far
 
@@ -61,19 +71,34 @@ class SafetensorsDir:
         return name in self.where
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(name).get_shape())
+        return tuple(self._slice(name).get_shape())
 
     def get(self, name: str, index: tuple = ()) -> np.ndarray:
         """Tensor `name`, or only its slice `index` (a tuple of slices; read from the memory map alone)."""
-        arr = self._file(name).get_slice(name)[index] if index else self._file(name).get_tensor(name)
+        try:
+            arr = self._slice(name)[index] if index else self._file(name).get_tensor(name)
+        except SafetensorError as e:
+            raise CheckpointError(f"tensor {name} in {self.where[name]}: unreadable ({e})") from None
         self.bytes_read += arr.nbytes
         return arr
+
+    def _slice(self, name: str):
+        try:
+            return self._file(name).get_slice(name)
+        except SafetensorError as e:  # e.g. the index names a file that does not hold the tensor
+            raise CheckpointError(f"tensor {name} in {self.where[name]}: unreadable ({e})") from None
 
     def _file(self, name: str):
         fn = self.where[name]
         if fn not in self._open:
-            self._open[fn] = safe_open(os.path.join(self.path, fn), framework="numpy")
+            self._open[fn] = self._open_file(fn)
         return self._open[fn]
+
+    def _open_file(self, fn: str):
+        try:
+            return safe_open(os.path.join(self.path, fn), framework="numpy")
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{os.path.join(self.path, fn)}: not a readable safetensors file ({e})") from None
 
 
 # ---- name mapping ---------------------------------------------------------------------------
@@ -112,7 +137,10 @@ def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], fix: Callable | 
                 raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
             arr = st.get(cand, index if fix is None else ())
             if fix is not None:
-                arr = fix(arr)
+                try:
+                    arr = fix(arr)
+                except CheckpointError as e:
+                    raise CheckpointError(f"tensor {cand}: {e}") from None
                 if tuple(arr.shape) != want:
                     raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
                 arr = arr[index] if index else arr
@@ -153,29 +181,52 @@ def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, prog
     prefix = "language_model." if cfg.family == "kimi_k3" else ""
     flat = list(nnx.to_flat_state(abstract))
     used: set[str] = set()
+    for key, var in flat:
+        name = hf_name(key, prefix)
+        names = [name.format(e=e) for e in range(var.shape[0])] if "{e}" in name else _aliases(name)
+        used.update(n for n in names if n in st)
+    _check_unused(st, used, prefix, cfg.num_hidden_layers)
     values = {}
     for key, var in tqdm(flat, desc=f"loading {os.path.basename(path.rstrip('/'))}", unit="tensor",
                          disable=not progress):
         shape, target = tuple(var.shape), var.dtype
         name = hf_name(key, prefix)
         fix = _fix_a_log(shape[0]) if key[-1] == "A_log" else None
-        names = [name.format(e=e) for e in range(shape[0])] if "{e}" in name else _aliases(name)
-        used.update(n for n in names if n in st)
 
         def read(index: tuple = (), name=name, shape=shape, fix=fix, target=target) -> np.ndarray:
             arr = _read_param(st, name, shape, fix, index)
             if arr.dtype == np.uint8 and target != jnp.uint8:
                 raise CheckpointError(f"tensor {name}: packed uint8 data where the model expects {target}; "
                                       f"check text_config.quantization_config")
+            if np.issubdtype(arr.dtype, np.integer) and not jnp.issubdtype(target, jnp.integer):
+                raise CheckpointError(f"tensor {name}: integer data ({arr.dtype}) where the model expects {target}")
             return arr.astype(target) if arr.dtype != target else arr
 
         sharding = place(var) if place is not None else None
         values[key] = jnp.asarray(read()) if sharding is None else _placed(shape, sharding, read)
-    leftover = [k for k in st.where if k not in used and k.startswith(prefix + "model.layers.")]
-    if leftover:
-        log.warning("%d checkpoint tensors were not used, e.g. %s", len(leftover), leftover[:3])
     log.info("%s: read %.2f GiB of tensors", path, st.bytes_read / 2 ** 30)
     return _fill(abstract, values)
+
+
+def _check_unused(st: SafetensorsDir, used: set[str], prefix: str, num_layers: int) -> None:
+    """Tensors of the decoder layers that the model has no parameter for mean config.json describes another
+    model than the weights (e.g. `num_shared_experts` missing or 0 beside shared-expert weights): an error,
+    before any tensor is read. Layers past `num_hidden_layers` (e.g. MTP heads) are skipped with a warning."""
+    head = prefix + "model.layers."
+    unused, beyond = [], []
+    for k in st.where:
+        if k in used or not k.startswith(head):
+            continue
+        layer = k[len(head):].split(".", 1)[0]
+        (beyond if layer.isdigit() and int(layer) >= num_layers else unused).append(k)
+    if unused:
+        hint = ("; MXFP4 experts need text_config.quantization_config" if any(
+            k.endswith((".weight_packed", ".weight_scale")) for k in unused) else "")
+        raise CheckpointError(f"{len(unused)} checkpoint tensors have no place in the model config.json describes, "
+                              f"e.g. {sorted(unused)[:3]}: config.json does not match the weights{hint}")
+    if beyond:
+        log.warning("%d checkpoint tensors of layers past num_hidden_layers=%d were not used, e.g. %s",
+                    len(beyond), num_layers, beyond[:3])
 
 
 def _placed(shape: tuple[int, ...], sharding, read: Callable) -> jax.Array:
@@ -324,15 +375,45 @@ def load_orbax_params(path: str, abstract: nnx.State, place: Callable | None = N
                                         for k, v in nnx.to_flat_state(abstract)])
     target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                           nnx.to_pure_dict(abstract))
+    params = os.path.join(os.path.abspath(path), ORBAX_PARAMS)
     with ocp.StandardCheckpointer() as ckpt:
-        restored = ckpt.restore(os.path.join(os.path.abspath(path), ORBAX_PARAMS), target)
+        metadata = ckpt.metadata(params)
+        _check_orbax_shapes(path, getattr(metadata, "item_metadata", metadata), target)
+        restored = ckpt.restore(params, target)
     nnx.replace_by_pure_dict(abstract, restored)
     return abstract
 
 
+def _check_orbax_shapes(path: str, stored, target) -> None:
+    """The stored arrays are the model's (same names and shapes): else an error naming the parameter, before
+    Orbax fails on the first mismatch without naming it."""
+    def flat(tree) -> dict[str, tuple]:
+        return {".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in kp): tuple(v.shape)
+                for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+    have, want = flat(stored), flat(target)
+    where = f"{path}: the Orbax params do not match {K3JAX_CONFIG}"
+    missing = sorted(set(want) - set(have))
+    if missing:
+        raise CheckpointError(f"{where}: {len(missing)} parameters missing, e.g. {missing[:3]}")
+    extra = sorted(set(have) - set(want))
+    if extra:
+        raise CheckpointError(f"{where}: {len(extra)} parameters the model has no place for, e.g. {extra[:3]}")
+    for name, shape in want.items():
+        if have[name] != shape:
+            raise CheckpointError(f"{where}: parameter {name} is stored with shape {have[name]}, the model's is {shape}")
+
+
 def read_orbax_config(path: str) -> tuple[ModelConfig, str]:
-    with open(os.path.join(path, K3JAX_CONFIG)) as f:
-        d = json.load(f)
+    file = os.path.join(path, K3JAX_CONFIG)
+    try:
+        with open(file) as f:
+            d = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{file}: not valid JSON ({e})") from None
+    if not isinstance(d, dict) or not isinstance(d.get("config"), dict) or not isinstance(d.get("dtype"), str):
+        raise CheckpointError(f"{file}: expected an object with 'config' (an object of k3jax config keys) and "
+                              f"'dtype'")
     return ModelConfig.from_dict(d["config"]), d["dtype"]
 
 

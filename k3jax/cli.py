@@ -37,6 +37,20 @@ def _cmd_info(args) -> int:
     from k3jax.config import PRESETS, load_hf_config
     from k3jax.runtime import abstract_model, param_counts, parse_dtype
 
+    for flag in ("devices", "page_size", "max_num_seqs", "max_model_len", "max_prefill_seqs", "prefill_chunk",
+                 "max_lora_rank"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
+    if args.max_loras < 0:
+        raise ValueError(f"--max-loras: expected an integer >= 0, got {args.max_loras}")
+    if args.cache_gib is not None and not args.cache_gib > 0:
+        raise ValueError(f"--cache-gib: expected a positive size, got {args.cache_gib}")
+    try:
+        contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
+    except ValueError:
+        contexts = []
+    if not contexts or min(contexts) < 1:
+        raise ValueError(f"--context: expected comma-separated positive token counts, got {args.context!r}")
     cfg = PRESETS[args.model] if args.model in PRESETS else load_hf_config(args.model)
     dtype = parse_dtype(args.dtype)
     _, abstract = abstract_model(cfg, dtype)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -78,9 +79,33 @@ class ModelConfig:
             raise ConfigError(f"hidden_act must be 'silu' or 'situ', got {self.hidden_act!r}")
         if self.expert_format not in ("dense", "mxfp4"):
             raise ConfigError(f"expert_format must be 'dense' or 'mxfp4', got {self.expert_format!r}")
+        for name in _POSITIVE:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ConfigError(f"{name} must be a positive integer, got {v!r}")
+        for name in _NON_NEGATIVE:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ConfigError(f"{name} must be an integer >= 0, got {v!r}")
+        for name in ("q_lora_rank", "routed_expert_hidden_size", "attn_res_block_size"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+                raise ConfigError(f"{name} must be None or a positive integer, got {v!r}")
+        if self.mla_layers and self.num_attention_heads < 1:
+            raise ConfigError(f"num_attention_heads must be >= 1 with MLA layers, got {self.num_attention_heads}")
+        if len(self.mla_layers) < self.num_hidden_layers and self.kda_num_heads < 1:
+            raise ConfigError(f"linear_attn_config.num_heads must be >= 1 with KDA layers, got {self.kda_num_heads}")
+        if self.num_experts and self.moe_intermediate_size < 1:
+            raise ConfigError(f"moe_intermediate_size must be >= 1 with num_experts={self.num_experts}")
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"rms_norm_eps must be > 0, got {self.rms_norm_eps!r}")
+        if self.gate_lower_bound is not None and not self.gate_lower_bound < 0:
+            raise ConfigError(f"gate_lower_bound must be negative (K3: -5.0), got {self.gate_lower_bound!r}")
         for l in self.mla_layers:
-            if not 0 <= l < self.num_hidden_layers:
+            if isinstance(l, bool) or not isinstance(l, int) or not 0 <= l < self.num_hidden_layers:
                 raise ConfigError(f"full_attn_layers entry {l + 1} is outside 1..{self.num_hidden_layers}")
+        if len(set(self.mla_layers)) != len(self.mla_layers):
+            raise ConfigError(f"full_attn_layers names a layer twice: {[l + 1 for l in self.mla_layers]}")
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_token={self.num_experts_per_token} must be in 1..num_experts={self.num_experts}")
@@ -143,14 +168,68 @@ class ModelConfig:
         unknown = set(d) - names
         if unknown:
             raise ConfigError(f"unknown k3jax config keys: {sorted(unknown)}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.name not in d and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+        if missing:
+            raise ConfigError(f"k3jax config lacks required keys: {missing}")
         d = dict(d)
         for k in ("mla_layers", "eos_token_ids"):
             if k in d and d[k] is not None:
+                if not isinstance(d[k], (list, tuple)):
+                    raise ConfigError(f"k3jax config key {k}: expected a list, got {d[k]!r}")
                 d[k] = tuple(d[k])
         return cls(**d)
 
 
+_POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kv_lora_rank",
+             "qk_nope_head_dim", "v_head_dim", "kda_head_dim", "short_conv_kernel_size", "moe_layer_freq",
+             "mxfp4_group_size")
+_NON_NEGATIVE = ("num_attention_heads", "qk_rope_head_dim", "kda_num_heads", "num_experts", "num_experts_per_token",
+                 "moe_intermediate_size", "num_shared_experts")
+
+
 # ---- reading HF config.json ---------------------------------------------------------------
+
+_MISSING = object()
+
+
+def _get(d: Mapping[str, Any], key: str, where: str, default: Any):
+    v = d.get(key)
+    if v is None:
+        if default is _MISSING:
+            raise ConfigError(f"{where}: required key {key!r} is missing")
+        return default
+    return v
+
+
+def _int(d: Mapping[str, Any], key: str, where: str, default: Any = _MISSING):
+    """`d[key]` as an int (`default` when absent or null; required without one): a ConfigError naming the key
+    for a value of another type (a string, a list, 2.5, true)."""
+    v = _get(d, key, where, default)
+    if v is default:
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
+        raise ConfigError(f"{where}: {key} must be an integer, got {v!r}")
+    return int(v)
+
+
+def _float(d: Mapping[str, Any], key: str, where: str, default: Any = _MISSING):
+    v = _get(d, key, where, default)
+    if v is default:
+        return v
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"{where}: {key} must be a finite number, got {v!r}")
+    return float(v)
+
+
+def _bool(d: Mapping[str, Any], key: str, where: str, default: Any = _MISSING):
+    v = _get(d, key, where, default)
+    if v is default:
+        return v
+    if not isinstance(v, bool):
+        raise ConfigError(f"{where}: {key} must be true or false, got {v!r}")
+    return v
+
 
 _K3_REQUIRED_TEXT_KEYS = (
     "routed_scaling_factor", "first_k_dense_replace", "mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm",
@@ -166,10 +245,14 @@ def _req(d: Mapping[str, Any], key: str, where: str):
 
 
 def _one_based_to_zero(layers, key: str, n: int) -> tuple[int, ...]:
+    if not isinstance(layers, (list, tuple)):
+        raise ConfigError(f"linear_attn_config.{key}: expected a list of 1-based layer indices, got {layers!r}")
     out = []
     for x in layers:
-        if not isinstance(x, int) or not 1 <= x <= n:
+        if isinstance(x, bool) or not isinstance(x, int) or not 1 <= x <= n:
             raise ConfigError(f"linear_attn_config.{key}: entry {x!r} is not a 1-based layer index in 1..{n}")
+        if x - 1 in out:
+            raise ConfigError(f"linear_attn_config.{key}: layer {x} is listed twice")
         out.append(x - 1)
     return tuple(sorted(out))
 
@@ -185,11 +268,13 @@ def _eos_ids(*vals) -> tuple[int, ...]:
 
 def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json` (K3 with `text_config`, or flat Kimi-Linear)."""
+    if not isinstance(cfg, Mapping):
+        raise ConfigError(f"config.json: expected a JSON object, got {type(cfg).__name__}")
     top_type = cfg.get("model_type")
     if top_type == "kimi_k3" or "text_config" in cfg:
         family = "kimi_k3"
-        if "text_config" not in cfg:
-            raise ConfigError("config.json: model_type 'kimi_k3' needs a 'text_config' section")
+        if not isinstance(cfg.get("text_config"), Mapping):
+            raise ConfigError("config.json: model_type 'kimi_k3' needs a 'text_config' object")
         tc = cfg["text_config"]
         where = "config.json text_config"
     elif top_type == "kimi_linear":
@@ -197,9 +282,11 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     else:
         raise ConfigError(f"config.json: model_type {top_type!r} is not 'kimi_k3' or 'kimi_linear'")
 
-    n = int(_req(tc, "num_hidden_layers", where))
+    n = _int(tc, "num_hidden_layers", where)
     lac = _req(tc, "linear_attn_config", where)
     lwhere = f"{where}.linear_attn_config"
+    if not isinstance(lac, Mapping):
+        raise ConfigError(f"{lwhere}: expected an object, got {lac!r}")
     mla = _one_based_to_zero(_req(lac, "full_attn_layers", lwhere), "full_attn_layers", n)
     if "kda_layers" in lac and lac["kda_layers"] is not None:
         kda = _one_based_to_zero(lac["kda_layers"], "kda_layers", n)
@@ -209,38 +296,40 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         raise ConfigError(f"{where}: mla_use_nope=false (rotary MLA) is not supported; K3/Kimi-Linear are NoPE")
 
     common = dict(
-        vocab_size=int(_req(tc, "vocab_size", where)),
-        hidden_size=int(_req(tc, "hidden_size", where)),
+        vocab_size=_int(tc, "vocab_size", where),
+        hidden_size=_int(tc, "hidden_size", where),
         num_hidden_layers=n,
-        intermediate_size=int(_req(tc, "intermediate_size", where)),
-        rms_norm_eps=float(tc.get("rms_norm_eps", 1e-5)),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", tc.get("tie_word_embeddings", False))),
-        num_attention_heads=int(_req(tc, "num_attention_heads", where)),
-        q_lora_rank=tc.get("q_lora_rank"),
-        kv_lora_rank=int(_req(tc, "kv_lora_rank", where)),
-        qk_nope_head_dim=int(_req(tc, "qk_nope_head_dim", where)),
-        qk_rope_head_dim=int(_req(tc, "qk_rope_head_dim", where)),
-        v_head_dim=int(_req(tc, "v_head_dim", where)),
+        intermediate_size=_int(tc, "intermediate_size", where),
+        rms_norm_eps=_float(tc, "rms_norm_eps", where, 1e-5),
+        tie_word_embeddings=_bool(cfg, "tie_word_embeddings", "config.json",
+                                  _bool(tc, "tie_word_embeddings", where, False)),
+        num_attention_heads=_int(tc, "num_attention_heads", where),
+        q_lora_rank=_int(tc, "q_lora_rank", where, None),
+        kv_lora_rank=_int(tc, "kv_lora_rank", where),
+        qk_nope_head_dim=_int(tc, "qk_nope_head_dim", where),
+        qk_rope_head_dim=_int(tc, "qk_rope_head_dim", where),
+        v_head_dim=_int(tc, "v_head_dim", where),
         mla_layers=mla,
-        kda_num_heads=int(_req(lac, "num_heads", lwhere)),
-        kda_head_dim=int(_req(lac, "head_dim", lwhere)),
-        short_conv_kernel_size=int(lac.get("short_conv_kernel_size", 4)),
-        num_experts=int(tc.get("num_experts") or 0),
-        num_experts_per_token=int(tc.get("num_experts_per_token") or 0),
-        moe_intermediate_size=int(tc.get("moe_intermediate_size") or 0),
-        num_shared_experts=int(tc.get("num_shared_experts") or 0),
+        kda_num_heads=_int(lac, "num_heads", lwhere),
+        kda_head_dim=_int(lac, "head_dim", lwhere),
+        short_conv_kernel_size=_int(lac, "short_conv_kernel_size", lwhere, 4),
+        num_experts=_int(tc, "num_experts", where, 0),
+        num_experts_per_token=_int(tc, "num_experts_per_token", where, 0),
+        moe_intermediate_size=_int(tc, "moe_intermediate_size", where, 0),
+        num_shared_experts=_int(tc, "num_shared_experts", where, 0),
         # HF's KimiLinearConfig defaults (K3 requires both keys, see _K3_REQUIRED_TEXT_KEYS)
-        routed_scaling_factor=float(tc.get("routed_scaling_factor", 2.446)),
-        moe_renormalize=bool(tc.get("moe_renormalize", True)),
-        first_k_dense_replace=int(tc.get("first_k_dense_replace", 1)),
-        moe_layer_freq=int(tc.get("moe_layer_freq", 1)),
+        routed_scaling_factor=_float(tc, "routed_scaling_factor", where, 2.446),
+        moe_renormalize=_bool(tc, "moe_renormalize", where, True),
+        first_k_dense_replace=_int(tc, "first_k_dense_replace", where, 1),
+        moe_layer_freq=_int(tc, "moe_layer_freq", where, 1),
         bos_token_id=cfg.get("bos_token_id", tc.get("bos_token_id")),
         pad_token_id=cfg.get("pad_token_id", tc.get("pad_token_id")),
-        max_position_embeddings=int(tc.get("max_position_embeddings", tc.get("model_max_length", 1 << 20))),
+        max_position_embeddings=_int(tc, "max_position_embeddings", where,
+                                     _int(tc, "model_max_length", where, 1 << 20)),
     )
     if tc.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"{where}: moe_router_activation_func must be 'sigmoid'")
-    if tc.get("use_grouped_topk") and int(tc.get("num_expert_group") or 1) != 1:
+    if tc.get("use_grouped_topk") and _int(tc, "num_expert_group", where, 1) != 1:
         raise ConfigError(f"{where}: grouped top-k with num_expert_group > 1 is not supported")
 
     if family == "kimi_k3":
@@ -251,35 +340,44 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         act = tc["hidden_act"]
         qc = tc.get("quantization_config")
         expert_format, group = "dense", 32
+        if qc is not None and not isinstance(qc, Mapping):
+            raise ConfigError(f"{where}.quantization_config: expected an object, got {qc!r}")
         if qc:
             fmt = qc.get("format")
             if fmt != "mxfp4-pack-quantized":
                 raise ConfigError(f"{where}.quantization_config.format {fmt!r} is not 'mxfp4-pack-quantized'")
             expert_format = "mxfp4"
             try:
-                group = int(qc["config_groups"]["group_0"]["weights"]["group_size"])
+                weights = qc["config_groups"]["group_0"]["weights"]
             except (KeyError, TypeError):
-                group = 32
+                weights = {}
+            qwhere = f"{where}.quantization_config.config_groups.group_0.weights"
+            group = _int(weights, "group_size", qwhere, 32) if isinstance(weights, Mapping) else 32
+            if isinstance(weights, Mapping) and _int(weights, "num_bits", qwhere, 4) != 4:
+                raise ConfigError(f"{qwhere}: num_bits {weights['num_bits']!r} is not 4 (MXFP4)")
         return ModelConfig(
             family=family, **common,
-            mla_use_output_gate=bool(tc["mla_use_output_gate"]),
-            gate_lower_bound=float(lac["gate_lower_bound"]),
-            kda_full_rank_output_gate=bool(lac["use_full_rank_gate"]),
-            routed_expert_hidden_size=int(tc["routed_expert_hidden_size"]),
-            latent_moe_use_norm=bool(tc["latent_moe_use_norm"]),
+            mla_use_output_gate=_bool(tc, "mla_use_output_gate", where),
+            gate_lower_bound=_float(lac, "gate_lower_bound", lwhere),
+            kda_full_rank_output_gate=_bool(lac, "use_full_rank_gate", lwhere),
+            routed_expert_hidden_size=_int(tc, "routed_expert_hidden_size", where),
+            latent_moe_use_norm=_bool(tc, "latent_moe_use_norm", where),
             expert_format=expert_format, mxfp4_group_size=group,
-            hidden_act=act, situ_beta=float(tc["activation_situ_beta"]),
-            situ_linear_beta=float(tc["activation_situ_linear_beta"]),
-            attn_res_block_size=int(tc["attn_res_block_size"]),
+            hidden_act=act, situ_beta=_float(tc, "activation_situ_beta", where),
+            situ_linear_beta=_float(tc, "activation_situ_linear_beta", where),
+            attn_res_block_size=_int(tc, "attn_res_block_size", where),
             # K3's tokenizer_config says [EOS]=163585, the configs say <|end_of_msg|>=163586: stop on both.
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id"),
                                    *[i for i in (163585, 163586) if i < common["vocab_size"]]),
         )
+    if tc.get("quantization_config"):
+        raise ConfigError(f"{where}: quantization_config is not supported for kimi_linear checkpoints (only K3's "
+                          f"MXFP4 routed experts, under text_config)")
     return ModelConfig(
         family=family, **common,
-        mla_use_output_gate=bool(tc.get("mla_use_output_gate", False)),
-        gate_lower_bound=lac.get("gate_lower_bound"),
-        kda_full_rank_output_gate=bool(lac.get("use_full_rank_gate", False)),
+        mla_use_output_gate=_bool(tc, "mla_use_output_gate", where, False),
+        gate_lower_bound=_float(lac, "gate_lower_bound", lwhere, None),
+        kda_full_rank_output_gate=_bool(lac, "use_full_rank_gate", lwhere, False),
         hidden_act=tc.get("hidden_act", "silu"),
         eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id")),
     )
@@ -288,7 +386,11 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
 def load_hf_config(path: str | os.PathLike) -> ModelConfig:
     p = os.path.join(path, "config.json") if os.path.isdir(path) else path
     with open(p) as f:
-        return from_hf_config(json.load(f))
+        try:
+            raw = json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{p}: not valid JSON ({e})") from None
+    return from_hf_config(raw)
 
 
 # ---- presets -------------------------------------------------------------------------------

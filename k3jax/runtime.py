@@ -184,8 +184,10 @@ def load_model(path_or_preset: str, dtype="float32", seed: int = 0, *, sharding:
         return Model(cfg, graphdef, params, dt, tok, source=path_or_preset)
     if not os.path.isdir(path_or_preset):
         raise FileNotFoundError(f"{path_or_preset!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
+    # the tokenizer first: a missing or mismatched tokenizer file fails before the weights are read
+    tok = _checkpoint_tokenizer(path_or_preset, checkpoint.read_config(path_or_preset))
     cfg, graphdef, params = checkpoint.load_checkpoint(path_or_preset, dt, place=place)
-    return Model(cfg, graphdef, params, dt, _checkpoint_tokenizer(path_or_preset, cfg), source=path_or_preset)
+    return Model(cfg, graphdef, params, dt, tok, source=path_or_preset)
 
 
 def _checkpoint_tokenizer(path: str, cfg: ModelConfig):

@@ -285,6 +285,10 @@ def engine_config(o: dict):
 
     from serve.engine import EngineConfig
 
+    for key in ("max_model_len", "page_size", "max_num_seqs", "prefill_chunk", "cache_mb"):
+        v = o[key]
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise ValueError(f"--{key.replace('_', '-')}: expected an integer >= 1, got {v!r}")
     pages = -(-o["max_model_len"] // o["page_size"])
     dp = o.get("data_parallel_size", 1)
     if not isinstance(dp, int) or dp < 1:
@@ -345,6 +349,22 @@ def engine_config(o: dict):
         generation_config=o.get("generation_config") or "auto",
         enable_prompt_embeds=bool(o.get("enable_prompt_embeds")),
         async_scheduling=bool(o.get("async_scheduling")))
+
+
+def check_model(model: str) -> None:
+    """`--model` names a preset or a checkpoint directory whose config reads: else an error naming it before the
+    server listens (the weights load after it does)."""
+    from k3jax.checkpoint import read_config
+    from k3jax.config import PRESETS
+
+    if model in PRESETS:
+        return
+    if not os.path.isdir(model):
+        raise ValueError(f"--model {model!r}: neither a preset ({sorted(PRESETS)}) nor a directory")
+    try:
+        read_config(model)
+    except ValueError as e:
+        raise ValueError(f"--model {model!r}: {e}") from None
 
 
 def lora_modules(o: dict) -> list:
@@ -599,6 +619,7 @@ def serve_main(args) -> int:
     t0 = time.monotonic()
     cfg = engine_config(o)
     cfg.validate()
+    check_model(o["model"])
     adapters = lora_modules(o)
     if o["num_processes"] > 1 or o["coordinator_address"]:
         if o["data_parallel_size"] > 1:

@@ -92,3 +92,65 @@ def test_bad_values_are_rejected():
         get_preset("tiny-k3").replace(num_experts_per_token=9)
     with pytest.raises(ConfigError, match="unknown preset"):
         get_preset("k4")
+
+
+def _kl(**kw):
+    d = hf_config_dict(get_preset("tiny-kimi-linear"))
+    d.update(kw)
+    return d
+
+
+def _k3_with(mutate):
+    d = hf_config_dict(get_preset("tiny-k3"))
+    mutate(d, d["text_config"])
+    return d
+
+
+@pytest.mark.parametrize("d,match", [
+    # a value of the wrong type or out of range is a ConfigError naming the key, not a ZeroDivisionError /
+    # TypeError / ValueError from deep inside the model build or its first step
+    (_kl(moe_layer_freq=0), "moe_layer_freq"),
+    (_kl(vocab_size="abc"), "vocab_size"),
+    (_kl(hidden_size=0), "hidden_size"),
+    (_kl(q_lora_rank="16"), "q_lora_rank"),
+    (_kl(moe_intermediate_size=0), "moe_intermediate_size"),
+    (_kl(rms_norm_eps="x"), "rms_norm_eps"),
+    (_kl(moe_renormalize="false"), "moe_renormalize"),  # bool("false") was True
+    (_kl(quantization_config={"quant_method": "fp8"}), "quantization_config"),  # was ignored
+    # a layer listed twice was counted twice (two MLA cache layers for one) or hid an unassigned layer
+    (_kl(linear_attn_config={"num_heads": 4, "head_dim": 16, "full_attn_layers": [4, 4]}), "twice"),
+    (_kl(linear_attn_config={"num_heads": 4, "head_dim": 16, "full_attn_layers": [4], "kda_layers": [1, 1, 2]}),
+     "twice"),
+    (_kl(linear_attn_config={"num_heads": 4, "head_dim": 16, "full_attn_layers": 4}), "full_attn_layers"),
+    (_k3_with(lambda d, tc: d.update(text_config=None)), "text_config"),
+    (_k3_with(lambda d, tc: tc.update(attn_res_block_size=0)), "attn_res_block_size"),
+    (_k3_with(lambda d, tc: tc["linear_attn_config"].update(gate_lower_bound=0)), "gate_lower_bound"),
+    (_k3_with(lambda d, tc: tc["quantization_config"]["config_groups"]["group_0"]["weights"].update(group_size=0)),
+     "group_size"),
+    (_k3_with(lambda d, tc: tc["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8)),
+     "num_bits"),
+    ([], "JSON object"),
+])
+def test_bad_config_values_are_named(d, match):
+    with pytest.raises(ConfigError, match=match):
+        from_hf_config(d)
+
+
+def test_unreadable_config_json_names_the_file(tmp_path):
+    from k3jax.config import load_hf_config
+
+    (tmp_path / "config.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="config.json: not valid JSON"):
+        load_hf_config(str(tmp_path))
+
+
+@pytest.mark.parametrize("flags,match", [
+    (["--page-size", "0"], "--page-size"), (["--sharding", "tp", "--devices", "0"], "--devices"),
+    (["--cache-gib", "1", "--context", "abc"], "--context"), (["--max-loras", "-2"], "--max-loras"),
+])
+def test_info_rejects_bad_flags_by_name(flags, match, capsys):
+    """`k3jax info` with a flag it cannot plan with: exit 2 naming the flag (was a ZeroDivisionError traceback)."""
+    from k3jax.cli import main
+
+    assert main(["info", "--model", "tiny-k3", *flags]) == 2
+    assert match in capsys.readouterr().err

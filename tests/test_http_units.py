@@ -482,3 +482,21 @@ def test_profiler_routes_record_a_trace(tmp_path):
     assert any(f.endswith(".trace.json.gz") for f in files), files
     plain = create_app(None, "m")
     assert "/start_profile" not in {r.path for r in plain.routes}
+
+
+def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
+    """--page-size 0 was a ZeroDivisionError; --max-num-seqs 0 or -4 silently became 1; a missing or unreadable
+    --model failed only after the server listened."""
+    from serve.cli import check_model, engine_config
+
+    for flag in ("--page-size", "--max-num-seqs", "--cache-mb"):
+        with pytest.raises(ValueError, match=flag):
+            engine_config(_serve_options(flag, "0"))
+    with pytest.raises(ValueError, match="--max-num-seqs"):
+        engine_config(_serve_options("--max-num-seqs", "-4"))
+    with pytest.raises(ValueError, match="--model .*neither a preset"):
+        check_model(str(tmp_path / "missing"))
+    (tmp_path / "config.json").write_text('{"model_type": "kimi_linear"}')
+    with pytest.raises(ValueError, match="--model .*num_hidden_layers"):
+        check_model(str(tmp_path))
+    check_model("k3-small")

@@ -148,3 +148,74 @@ def test_bad_inputs_are_clear(model):
 def test_real_shapes_are_abstract_only():
     with pytest.raises(ValueError, match="planning"):
         k3jax.load_model("k3")
+
+
+def _edit_config(path, edit):
+    f = os.path.join(path, "config.json")
+    d = json.load(open(f))
+    edit(d.get("text_config", d))
+    json.dump(d, open(f, "w"))
+
+
+def test_tensors_the_config_has_no_place_for_are_an_error(model, tmp_path):
+    """config.json without num_shared_experts (HF's default: 1) beside shared-expert weights: the loader dropped
+    the shared experts with a log warning and served a model with other logits."""
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(path, model.cfg, model.params)
+    _edit_config(path, lambda tc: tc.pop("num_shared_experts"))
+    with pytest.raises(CheckpointError, match=r"shared_experts.*config\.json does not match the weights"):
+        k3jax.load_model(path)
+
+
+def test_bad_shard_index_or_file_is_named(model, tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(path, model.cfg, model.params, max_shard_bytes=100_000)
+    index = os.path.join(path, "model.safetensors.index.json")
+    first = sorted(set(json.load(open(index))["weight_map"].values()))[0]
+    os.rename(os.path.join(path, first), os.path.join(path, "moved"))
+    with pytest.raises(CheckpointError, match=rf"index\.json: weight_map names 1 file.*{first}"):
+        k3jax.load_model(path)
+    open(os.path.join(path, first), "wb").write(b"not safetensors")
+    with pytest.raises(CheckpointError, match=rf"{first}: not a readable safetensors file"):
+        k3jax.load_model(path)
+    json.dump({"metadata": {}}, open(index, "w"))
+    with pytest.raises(CheckpointError, match=r"index\.json: expected an object with a 'weight_map'"):
+        k3jax.load_model(path)
+
+
+def test_integer_tensor_for_a_float_weight_is_refused(model, tmp_path):
+    prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
+    name = f"{prefix}model.norm.weight"
+    path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, np.ones(model.cfg.hidden_size, np.int32)))
+    with pytest.raises(CheckpointError, match=rf"{name.replace('.', '.')}: integer data"):
+        k3jax.load_model(path)
+
+
+def test_orbax_config_mismatch_names_the_parameter(model, tmp_path):
+    path = str(tmp_path / "orbax")
+    save_orbax(path, model.cfg, model.params, model.dtype)
+    f = os.path.join(path, "k3jax_config.json")
+    d = json.load(open(f))
+    d["config"]["vocab_size"] += 1
+    json.dump(d, open(f, "w"))
+    with pytest.raises(CheckpointError, match=r"(embed_tokens|lm_head) is stored with shape"):
+        k3jax.load_model(path)
+
+
+def test_bad_tokenizer_fails_before_the_weights_are_read(model, tmp_path, monkeypatch):
+    """A tiktoken.model without its tokenizer_config.json: the error came after every tensor was read (a full
+    K3 checkpoint is 1.5 TB)."""
+    import base64
+
+    from k3jax import checkpoint
+
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(path, model.cfg, model.params)
+    with open(os.path.join(path, "tiktoken.model"), "w") as f:
+        f.writelines(f"{base64.b64encode(bytes([i])).decode()} {i}\n" for i in range(256))
+    reads = []
+    get = checkpoint.SafetensorsDir.get
+    monkeypatch.setattr(checkpoint.SafetensorsDir, "get", lambda st, name, *a: reads.append(name) or get(st, name, *a))
+    with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
+        k3jax.load_model(path)
+    assert reads == []
