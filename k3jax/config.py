@@ -185,7 +185,7 @@ _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_siz
              "qk_nope_head_dim", "v_head_dim", "kda_head_dim", "short_conv_kernel_size", "moe_layer_freq",
              "mxfp4_group_size")
 _NON_NEGATIVE = ("num_attention_heads", "qk_rope_head_dim", "kda_num_heads", "num_experts", "num_experts_per_token",
-                 "moe_intermediate_size", "num_shared_experts")
+                 "moe_intermediate_size", "num_shared_experts", "first_k_dense_replace")
 
 
 # ---- reading HF config.json ---------------------------------------------------------------
@@ -261,7 +261,9 @@ def _eos_ids(*vals) -> tuple[int, ...]:
     out: list[int] = []
     for v in vals:
         for x in (v if isinstance(v, (list, tuple)) else [v]):
-            if isinstance(x, int) and x not in out:
+            if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
+                raise ConfigError(f"config.json: eos_token_id entries must be token ids (integers >= 0), got {x!r}")
+            if x is not None and x not in out:
                 out.append(x)
     return tuple(out)
 

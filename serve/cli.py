@@ -351,6 +351,16 @@ def engine_config(o: dict):
         async_scheduling=bool(o.get("async_scheduling")))
 
 
+def check_server_flags(o: dict) -> None:
+    """The HTTP server's own flags, checked before the model loads: an error naming the flag."""
+    if not 0 <= o["port"] <= 65535:
+        raise ValueError(f"--port {o['port']}: expected a TCP port in 0..65535")
+    for key in ("max_waiting", "rpm", "tpm"):
+        v, least = o.get(key), 0 if key == "max_waiting" else 1
+        if v is not None and v < least:
+            raise ValueError(f"--{key.replace('_', '-')} {v}: expected an integer >= {least}")
+
+
 def check_model(model: str) -> None:
     """`--model` names a preset or a checkpoint directory whose config reads: else an error naming it before the
     server listens (the weights load after it does)."""
@@ -619,6 +629,7 @@ def serve_main(args) -> int:
     t0 = time.monotonic()
     cfg = engine_config(o)
     cfg.validate()
+    check_server_flags(o)
     check_model(o["model"])
     adapters = lora_modules(o)
     if o["num_processes"] > 1 or o["coordinator_address"]:

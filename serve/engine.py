@@ -351,6 +351,8 @@ class EngineConfig:
         if self.mla_decode not in ("auto", "paged", "gathered"):
             raise ValueError(f"mla_decode={self.mla_decode!r}: expected 'auto', 'paged' or 'gathered'")
         check_logprobs_mode(self.logprobs_mode)  # raises, naming logprobs_mode
+        if isinstance(self.max_logprobs, bool) or not isinstance(self.max_logprobs, int) or self.max_logprobs < 0:
+            raise ValueError(f"max_logprobs={self.max_logprobs!r}: expected an integer >= 0")
         if self.enable_return_routed_experts and self.kv_transfer_config is not None:
             raise ValueError("enable_return_routed_experts with kv_transfer_config: a decode engine resumes prompts "
                              "another engine computed, whose routed experts are not transferred")

@@ -130,6 +130,8 @@ def _k3_with(mutate):
     (_k3_with(lambda d, tc: tc["quantization_config"]["config_groups"]["group_0"]["weights"].update(num_bits=8)),
      "num_bits"),
     ([], "JSON object"),
+    (_kl(first_k_dense_replace=-1), "first_k_dense_replace"),  # made layer 0 an MoE layer
+    (_kl(eos_token_id="5"), "eos_token_id"),  # was dropped: the model never stopped on it
 ])
 def test_bad_config_values_are_named(d, match):
     with pytest.raises(ConfigError, match=match):

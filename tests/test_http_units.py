@@ -487,7 +487,7 @@ def test_profiler_routes_record_a_trace(tmp_path):
 def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
     """--page-size 0 was a ZeroDivisionError; --max-num-seqs 0 or -4 silently became 1; a missing or unreadable
     --model failed only after the server listened."""
-    from serve.cli import check_model, engine_config
+    from serve.cli import check_model, check_server_flags, engine_config
 
     for flag in ("--page-size", "--max-num-seqs", "--cache-mb"):
         with pytest.raises(ValueError, match=flag):
@@ -500,3 +500,9 @@ def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
     with pytest.raises(ValueError, match="--model .*num_hidden_layers"):
         check_model(str(tmp_path))
     check_model("k3-small")
+    for flag, value in (("--port", "70000"), ("--max-waiting", "-1"), ("--rpm", "0"), ("--tpm", "-5")):
+        with pytest.raises(ValueError, match=flag):
+            check_server_flags(_serve_options(flag, value))
+    check_server_flags(_serve_options("--port", "0"))
+    with pytest.raises(ValueError, match="max_logprobs"):
+        engine_config(_serve_options("--max-logprobs", "-1")).validate()
