@@ -2484,15 +2484,25 @@ class Engine:
         the same capture that none of them can use. The first (running, or earliest waiting) one
         computes and registers the checkpoint; the others wait until it exists, then resume from
         it. A capture that is dropped (preemption, no free slot) disappears from the pending set,
-        so nobody waits on it for more than the step that would have produced it."""
+        so nobody waits on it for more than the step that would have produced it.
+
+        A request waits only for a row the scheduler serves no later than itself (by priority, running
+        before waiting, then arrival): a canonical row it waits for moves up to its place (queued behind
+        every real request, it would starve the waiting one for as long as real requests keep coming), and
+        a real request of a later place is not waited for."""
         if self.prefix_cache is None:
             return set()
         a, pending, out = self.align, {}, set()
         for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.order)):
             if s.slot is None and s.hit is not None:
                 n = len(s.all_ids) - 1
-                if any(pending.get(s.hasher.key(b"K", p), s.rid) != s.rid
-                       for p in range(n // a * a, s.computed + a - 1, -a)):
+                owners = {pending.get(s.hasher.key(b"K", p), s.rid) for p in range(n // a * a, s.computed + a - 1, -a)}
+                ahead = [o for o in map(self.seqs.get, owners - {s.rid})
+                         if o.internal or (o.priority, o.slot is None, o.order) <= (s.priority, True, s.order)]
+                if ahead:
+                    for o in ahead:
+                        if o.internal:
+                            o.priority, o.order = min((o.priority, o.order), (s.priority, s.order))
                     out.add(s.rid)
                     continue
             for p in s.captures:
@@ -2520,8 +2530,9 @@ class Engine:
 
     def _admit(self, seq: Sequence, restore: list) -> int:
         """Give an admitted request its slot and what its hit shares -> MLA units it got beyond that
-        (pages restored from the host tier, which come out of the units the plan grows it by). Host
-        parts to write before the step are appended to `restore` as (units, host entry)."""
+        (pages restored from the host tier and the copy-on-write page, which come out of the units the
+        plan grows it by). Host parts to write before the step are appended to `restore` as (units, host
+        entry)."""
         seq.slot = self.allocator.alloc_slot()
         hit, pc = seq.hit, self.prefix_cache
         if seq.cached_tokens is None:  # a preempted sequence's recompute does not change what it reports
@@ -2535,7 +2546,7 @@ class Engine:
             return 0
         seq.reused = True
         lm = self.cfg.num_mla_layers  # the hit was pinned (acquired) by _allocate
-        pages, entries, restored, first = [], [], 0, len(restore)
+        pages, entries, given, first = [], [], 0, len(restore)
         for e in hit.pages:
             if isinstance(e, HostEntry):
                 units = self.allocator.alloc_pages(lm)
@@ -2544,7 +2555,7 @@ class Engine:
                 # shared again, unless the device tier has that page by now (then this copy stays private)
                 entries.append(pc.adopt_page(e, units) or e)
                 pages.append(units)
-                restored += lm
+                given += lm
             else:
                 entries.append(e)
                 pages.append(e.units)
@@ -2553,6 +2564,7 @@ class Engine:
         if hit.partial is not None:
             fresh = self.allocator.alloc_pages(lm)
             pc.ref(fresh)
+            given += lm
             if isinstance(hit.partial, HostEntry):
                 restore.append((fresh, hit.partial))  # straight into the private copy
             else:
@@ -2568,7 +2580,7 @@ class Engine:
             pc.unpin_host(hit)
             seq.hit = Hit(hit.pos, None if isinstance(hit.ckpt, HostEntry) else hit.ckpt, entries,
                           None if isinstance(hit.partial, HostEntry) else hit.partial, hit.mla_tokens, hit.device_pos)
-        return restored
+        return given
 
     def _read_units(self, units: list[int], segments: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
         """Host copies of arena units and their token rows (the host tier's spill; `segments`: the entries'
@@ -2694,7 +2706,7 @@ class Engine:
         or state a request is about to read. Pinning may leave eviction short of what the scheduler
         counted on; an admission that then does not fit is dropped from this step (the request stays
         waiting), never half-done."""
-        pc, lm = self.prefix_cache, self.cfg.num_mla_layers
+        pc = self.prefix_cache
         running = [r for r in plan.grow if r not in plan.admit]
         if pc is not None and pc.host is not None:  # host entries to restore stay in the store meanwhile
             for rid in plan.admit:
@@ -2725,20 +2737,19 @@ class Engine:
                     self._defer_admission(plan, rid)
                 elif hit is not None and hit.pos:
                     pc.acquire(hit)
-            units = sum(plan.grow.get(r, 0) for r in plan.admit) + lm * len(plan.admit)
+            units = sum(plan.grow.get(r, 0) for r in plan.admit)  # (copy-on-write and restored pages included)
             pc.evict_for(units + len(plan.admit) * self.layout.slot_units, len(plan.admit), keep=self._wanted())
         restore: list[tuple[list[int], HostEntry]] = []
         for rid in list(plan.admit):
             seq = self.seqs[rid]
-            partial = lm if seq.hit is not None and seq.hit.pos and seq.hit.partial is not None else 0
-            if not self.allocator.can_fit(partial + plan.grow.get(rid, 0), 1):
+            if not self.allocator.can_fit(plan.grow.get(rid, 0), 1):
                 if pc is not None and seq.hit is not None and seq.hit.pos:
                     pc.release_hit(seq.hit)
                 self._defer_admission(plan, rid)
                 continue
-            restored = self._admit(seq, restore)
-            if plan.grow.get(rid, 0) > restored:
-                self._grow(seq, plan.grow[rid] - restored)
+            given = self._admit(seq, restore)
+            if plan.grow.get(rid, 0) > given:
+                self._grow(seq, plan.grow[rid] - given)
         if restore:
             self._write_units(restore)
 

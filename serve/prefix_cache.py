@@ -311,7 +311,9 @@ class PrefixCache(UnitRefs):
         m["mla_tokens_reused"] += hit.pos
         if hit.ckpt is not None:
             m["kda_hits"] += 1
-            m[f"kda_hits_{hit.ckpt.kind}"] = m.get(f"kda_hits_{hit.ckpt.kind}", 0) + 1
+            # (a host entry's `kind` is what it holds, page or ckpt; its checkpoint kind is `ckpt_kind`)
+            kind = hit.ckpt.ckpt_kind if isinstance(hit.ckpt, HostEntry) else hit.ckpt.kind
+            m[f"kda_hits_{kind}"] = m.get(f"kda_hits_{kind}", 0) + 1
         else:
             m["kda_misses"] += 1
         m["recomputed_no_checkpoint"] += max(0, min(hit.mla_tokens, n_tokens - 1) - hit.pos)

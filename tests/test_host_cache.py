@@ -94,11 +94,15 @@ def test_conversation_evicted_from_the_arena_resumes_from_host_memory(engines):
     assert after["host_checkpoints_stored"] > before["host_checkpoints_stored"]
     assert after["host_pages_stored"] > before["host_pages_stored"]
     turn = base + first.outputs[0].token_ids + toks(2, 30)
+    prompt_end = on.stats()["prefix_cache"].get("kda_hits_prompt_end", 0)
     warm, cold = run(on, turn), run(off, turn)
     got = host(on)
     assert got["host_hits"] == after["host_hits"] + 1 and got["host_hit_tokens"] - after["host_hit_tokens"] == 192
     assert got["host_checkpoints_restored"] == after["host_checkpoints_restored"] + 1
     assert warm.num_cached_tokens == 192
+    # counted by the kind of checkpoint it resumed from, as a device hit is
+    assert (on.stats()["prefix_cache"].get("kda_hits_prompt_end", 0) == prompt_end + 1
+            and "kda_hits_ckpt" not in on.stats()["prefix_cache"])
     assert warm.token_ids == cold.token_ids
     assert logprobs(warm) == logprobs(cold)  # bit-identical: the restored bytes are the arena's
     assert on.stats()["compiles_after_warmup"] == 0
