@@ -2484,25 +2484,15 @@ class Engine:
         the same capture that none of them can use. The first (running, or earliest waiting) one
         computes and registers the checkpoint; the others wait until it exists, then resume from
         it. A capture that is dropped (preemption, no free slot) disappears from the pending set,
-        so nobody waits on it for more than the step that would have produced it.
-
-        A request waits only for a row the scheduler serves no later than itself (by priority, running
-        before waiting, then arrival): a canonical row it waits for moves up to its place (queued behind
-        every real request, it would starve the waiting one for as long as real requests keep coming), and
-        a real request of a later place is not waited for."""
+        so nobody waits on it for more than the step that would have produced it."""
         if self.prefix_cache is None:
             return set()
         a, pending, out = self.align, {}, set()
         for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.order)):
             if s.slot is None and s.hit is not None:
                 n = len(s.all_ids) - 1
-                owners = {pending.get(s.hasher.key(b"K", p), s.rid) for p in range(n // a * a, s.computed + a - 1, -a)}
-                ahead = [o for o in map(self.seqs.get, owners - {s.rid})
-                         if o.internal or (o.priority, o.slot is None, o.order) <= (s.priority, True, s.order)]
-                if ahead:
-                    for o in ahead:
-                        if o.internal:
-                            o.priority, o.order = min((o.priority, o.order), (s.priority, s.order))
+                if any(pending.get(s.hasher.key(b"K", p), s.rid) != s.rid
+                       for p in range(n // a * a, s.computed + a - 1, -a)):
                     out.add(s.rid)
                     continue
             for p in s.captures:
