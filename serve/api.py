@@ -462,6 +462,7 @@ class ServerState:
         self.max_model_len = eng.config.max_model_len
         self.max_logprobs = eng.config.max_logprobs
         self.routed_experts = bool(getattr(eng.config, "enable_return_routed_experts", False))
+        self.hidden_states = bool(getattr(eng.config, "enable_return_hidden_states", False))
         # rows that run at once (summed over data-parallel replicas)
         self.capacity = int(getattr(async_engine, "capacity", None) or eng.decode_buckets[-1])
         self.vocab_size = int(self.cfg.vocab_size)
@@ -811,6 +812,8 @@ class _Run:
             c.cumulative_logprob = o.cumulative_logprob
             if o.routed_experts is not None:  # (the finishing delta's: the whole sequence's)
                 c.routed_experts = o.routed_experts
+            if o.hidden_states is not None:  # (likewise)
+                c.hidden_states = o.hidden_states
 
     def output(self, i: int) -> RequestOutput:
         """Prompt i's whole answer so far (every delta merged)."""

@@ -39,7 +39,7 @@ DEFAULTS = dict(
     eplb_num_redundant_experts=0,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
     schedule_conservativeness=1.0, prefill_first=False, enable_deterministic_inference=False, compile_threads=None, scan_layers=False, log_level="info",
-    enable_return_routed_experts=False,
+    enable_return_routed_experts=False, enable_return_hidden_states=False,
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
     enable_weights_cpu_backup=False,
@@ -160,6 +160,9 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--enable-return-routed-experts", action="store_true", default=d["enable_return_routed_experts"],
                    help="vLLM's / SGLang's: record the experts every token was routed to (rollout routing replay); "
                         "/generate, /v1/completions and /v1/chat/completions return them with return_routed_experts")
+    e.add_argument("--enable-return-hidden-states", action="store_true", default=d["enable_return_hidden_states"],
+                   help="SGLang's: the step programs also return every position's final hidden states; /generate "
+                        "returns a request's with return_hidden_states")
     e.add_argument("--scan-layers", action="store_true", default=d["scan_layers"],
                    help="run the model's repeating group of layers as one scan in every step program: start-up "
                         "compile time stops growing with depth (K3: 21 of 93 layers compiled per program), each step "
@@ -340,6 +343,7 @@ def engine_config(o: dict):
         compile_threads=o.get("compile_threads"),
         scan_layers=bool(o.get("scan_layers")),
         enable_return_routed_experts=bool(o.get("enable_return_routed_experts")),
+        enable_return_hidden_states=bool(o.get("enable_return_hidden_states")),
         long_prefill_chunk=o.get("long_prefill_chunk"),
         max_loras=o.get("max_loras", 1) if o.get("enable_lora") else 0, max_lora_rank=o.get("max_lora_rank", 16),
         lora_target_modules=tuple(o["lora_target_modules"]) if o.get("lora_target_modules") else None,

@@ -64,6 +64,7 @@ from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
                                 PrefixHasher)
+from serve.position_rows import PositionRows
 from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, check_logprobs_mode
@@ -203,6 +204,13 @@ class EngineConfig:
     # every token the arena and the host tier can hold); a hit whose ids it lost is not taken.
     enable_return_routed_experts: bool = False
     routed_experts_cache_bytes: Optional[int] = None
+    # Hidden states (SGLang's --enable-return-hidden-states): the step programs also return every position's
+    # final hidden states after the final norm (what the LM head reads), and a request with
+    # SamplingParams.return_hidden_states gets them in CompletionOutput.hidden_states once finished: float32
+    # [len(prompt) + len(output) - 1, hidden_size]. Such a request computes its whole prompt (no prefix-cache
+    # reuse until every position it needs is in, as with prompt_logprobs). Off by default: the programs then
+    # read back no hidden states.
+    enable_return_hidden_states: bool = False
     measure_moe_time: bool = True  # time the MoE blocks per step shape at warm-up (serve/moe_timing.py)
     # Start-up: the bucket programs are compiled ahead of time in this many threads (XLA compiles outside
     # the GIL; each program's first run then finds it compiled), 1: one after another at their first run.
@@ -562,6 +570,7 @@ class Sequence:
     # enable_return_routed_experts: its routed ids by position, and those its planned prefix-cache hit skips
     routes: Optional[SequenceRoutes] = None
     hit_routes: Optional[list] = None
+    hidden: Optional[PositionRows] = None  # params.return_hidden_states: its final hidden states by position
     finished: bool = False
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | str] = None
@@ -787,6 +796,7 @@ class Engine:
                               self.spec.verify_tokens if self.spec else 0,
                               KDA_CHUNK if self.layout.state_dtype == "float32" else min(config.prefill_chunk, KDA_CHUNK),
                               self.logits_processors, config.logprobs_mode, config.enable_return_routed_experts,
+                              return_hidden=config.enable_return_hidden_states,
                               carry_offset=self.decode_buckets[-1] if self._carry_size else 0,
                               sample_apart=config.async_scheduling, row_tile=self.row_tile)
         # async scheduling: decode programs leave sampling to this one, launched once the step before is read
@@ -1329,6 +1339,9 @@ class Engine:
                 raise RequestError("cache_salt: must be a non-empty string of at most 256 characters")
             text, ids, embeds = self._prompt(prompt)
             params.validate(self.cfg.vocab_size, self.config.max_logprobs)
+            if params.return_hidden_states and not self.config.enable_return_hidden_states:
+                raise RequestError("return_hidden_states: this engine was started without "
+                                   "enable_return_hidden_states (--enable-return-hidden-states)")
             logits_processors.check_request(self.logits_processors, params.extra_args)
             if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
                 text, ids = None, ids[-params.truncate_prompt_tokens:]
@@ -1389,6 +1402,8 @@ class Engine:
             if self.config.enable_return_routed_experts and group is None:  # (beam hypotheses carry none)
                 seq.routes = SequenceRoutes(self.expert_counts.shape[0], self.cfg.num_experts_per_token,
                                             ids_dtype(self.cfg.num_experts), len(ids) + 16)
+            if params.return_hidden_states:
+                seq.hidden = PositionRows((self.cfg.hidden_size,), np.float32, np.nan, len(ids) + 16)
             if adapter is not None:
                 adapter.requests.add(seq.rid)
             seqs.append(seq)
@@ -2163,7 +2178,7 @@ class Engine:
             seq = self.seqs[rid]
             seq.metrics.first_scheduled_time = seq.metrics.first_scheduled_time or now
             if seq.hit_routes is not None:  # it resumes from a cached prefix: that prefix's routed ids
-                seq.routes.fill(seq.hit_routes)
+                seq.routes.fill_from(seq.hit_routes)
                 seq.hit_routes = None
         chain = self.config.async_scheduling
         launched, running = [], list(plan.decode)
@@ -2428,8 +2443,10 @@ class Engine:
         if self.prefix_cache is None:
             return
         seq.hasher.extend(ids)
-        # prompt logprobs need every prompt position computed: no reuse until they are all in
-        scored = seq.prompt_lps is not None and any(x is None for x in seq.prompt_lps[1:])
+        # prompt logprobs (hidden states) need every prompt position (every position) computed: no reuse until
+        # they are all in
+        scored = ((seq.prompt_lps is not None and any(x is None for x in seq.prompt_lps[1:]))
+                  or (seq.hidden is not None and seq.hidden.end < len(ids) - 1))
         hit = Hit(0, None, [], None, 0) if scored else self.prefix_cache.match(seq.hasher, len(ids))
         seq.hit_routes = None
         if hit.pos and seq.routes is not None and self.routes_store is not None:  # the skipped positions' ids
@@ -2833,10 +2850,11 @@ class Engine:
         for ck in f.pins:  # the step has read them (device order: anything launched later runs after it)
             ck.pins -= 1
         (res, prompt, accepted), counts = f.out
-        routes = None
-        if self.config.enable_return_routed_experts:
-            counts, routes = counts
-            routes = np.asarray(routes)  # [B, T, L_moe, k]
+        routes = hidden = None
+        if self.config.enable_return_routed_experts or self.config.enable_return_hidden_states:
+            counts, routes, hidden = counts  # [B, T, L_moe, k] and [B, T, H] (each None unless enabled)
+            routes = None if routes is None else np.asarray(routes)
+            hidden = np.asarray(hidden) if any(s.hidden is not None for s in f.seqs) else None
         seqs, rows, t, rows_bucket = f.seqs, f.rows, f.t, f.rows_bucket
         tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
         if (f.targets >= 0).any():
@@ -2858,7 +2876,7 @@ class Engine:
                 if seq.epoch != f.epochs[i]:
                     if f.samples[i] and not (seq.finished or seq.internal or seq.beam is not None or verify):
                         touched.add(seq.rid)
-                        self._record_routes(seq, start, routes, i, n)  # (it may finish on this token)
+                        self._record_positions(seq, start, routes, hidden, i, n)  # (it may finish on this token)
                         self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
                     continue
                 if verify:  # (never chained) the drafts rejected were launched but are not computed
@@ -2876,7 +2894,7 @@ class Engine:
                         self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
                     seq.guess = None
                     seq.computed = start + 1 + a
-                    self._record_routes(seq, start, routes, i, 1 + a, ahead=seq.draft[:a])
+                    self._record_positions(seq, start, routes, hidden, i, 1 + a, ahead=seq.draft[:a])
                     if seq.slot is not None:
                         self._after_row(seq, decoded=True, prev=start, ahead=seq.draft[:a])
                     for j in range(a + 1):
@@ -2887,7 +2905,7 @@ class Engine:
                     seq.draft = []
                     continue
                 seq.computed = start + n
-                self._record_routes(seq, start, routes, i, n)
+                self._record_positions(seq, start, routes, hidden, i, n)
                 if seq.internal:
                     self._after_row(seq, decoded=False)
                     if seq.computed == len(seq.all_ids):
@@ -2905,11 +2923,14 @@ class Engine:
             except Exception as e:  # this request's bookkeeping only: it ends, the others go on
                 self._host_failed(seq.request_id, e)
 
-    def _record_routes(self, seq: Sequence, start: int, routes: Optional[np.ndarray], row: int, n: int,
-                       ahead: list[int] = ()) -> None:
-        """Keep the routed ids of the n positions from `start` that row `row` of a read-back step computed for
-        `seq` (enable_return_routed_experts), and give the routes store the granules they complete. `ahead`: a
-        verify row's accepted drafts, computed but not appended to the sequence yet."""
+    def _record_positions(self, seq: Sequence, start: int, routes: Optional[np.ndarray],
+                          hidden: Optional[np.ndarray], row: int, n: int, ahead: list[int] = ()) -> None:
+        """Keep the hidden states and routed ids of the n positions from `start` that row `row` of a read-back
+        step computed for `seq` (if it asked: return_hidden_states, enable_return_routed_experts), and give the
+        routes store the granules they complete. `ahead`: a verify row's accepted drafts, computed but not
+        appended to the sequence yet."""
+        if seq.hidden is not None and hidden is not None:
+            seq.hidden.write(start, hidden[row, :n])
         if routes is None or seq.routes is None:
             return
         seq.routes.write(start, routes[row, :n])
@@ -3119,6 +3140,8 @@ class Engine:
             if o is not None and s.routes is not None and s.finish_reason in ("stop", "length"):
                 o.routed_experts = s.routes.first(len(s.prompt_ids) + len(s.output_ids) - 1)
                 self.counters["routed_experts_incomplete"] += bool((o.routed_experts < 0).any())
+            if o is not None and s.hidden is not None and s.finish_reason in ("stop", "length"):
+                o.hidden_states = s.hidden.first(len(s.prompt_ids) + len(s.output_ids) - 1)
         outs = [o for o in outs if o is not None]
         first = min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None)
         req.metrics.first_token_time = first

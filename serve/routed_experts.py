@@ -23,6 +23,7 @@ from typing import Optional
 
 import numpy as np
 
+from serve.position_rows import PositionRows
 from serve.prefix_cache import PrefixHasher
 
 KEY = b"R"  # the store's kind of prefix key
@@ -90,30 +91,17 @@ class RoutesStore:
         self.bytes = 0
 
 
-class SequenceRoutes:
-    """One sequence's routed ids by position, grown as it computes: [capacity, L_moe, k], -1 where not
+class SequenceRoutes(PositionRows):
+    """One sequence's routed ids by position, grown as it computes: `ids` [capacity, L_moe, k], -1 where not
     (yet) recorded."""
 
     def __init__(self, layers: int, k: int, dtype, capacity: int = 64):
-        self.ids = np.full((capacity, layers, k), -1, dtype)
+        super().__init__((layers, k), dtype, -1, capacity)
 
-    def write(self, start: int, ids: np.ndarray) -> None:
-        """Positions [start, start + len(ids)) computed with these ids [n, L_moe, k]."""
-        end = start + len(ids)
-        if end > len(self.ids):
-            grown = np.full((max(end, 2 * len(self.ids)), *self.ids.shape[1:]), -1, self.ids.dtype)
-            grown[:len(self.ids)] = self.ids
-            self.ids = grown
-        self.ids[start:end] = ids
+    @property
+    def ids(self) -> np.ndarray:
+        return self.values
 
-    def fill(self, blocks: list[np.ndarray]) -> None:
-        """Positions from the start, granule by granule (a prefix-cache hit's)."""
-        if blocks:
-            self.write(0, np.concatenate(blocks))
-
-    def first(self, n: int) -> np.ndarray:
+    def first(self, n: int, dtype=np.int32) -> np.ndarray:
         """Positions [0, n) as int32 [n, L_moe, k] (a copy)."""
-        out = np.full((n, *self.ids.shape[1:]), -1, np.int32)
-        m = min(n, len(self.ids))
-        out[:m] = self.ids[:m]
-        return out
+        return super().first(n, dtype)

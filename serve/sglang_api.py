@@ -11,11 +11,13 @@ Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vector
 `sampling_seed`, `logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
 prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
 loaded adapter's name), `priority`, `return_routed_experts` (with `--enable-return-routed-experts`; from
-`routed_experts_start_len`).
+`routed_experts_start_len`), `return_hidden_states` (with `--enable-return-hidden-states`).
 
 Response: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency", "weight_version", logprobs, "routed_experts" (once finished: base64 of the
-int32 ids [positions, MoE layers, experts per token])}}` -- a list of them (prompt-major, then the
+int32 ids [positions, MoE layers, experts per token]), "hidden_states" (once finished: SGLang's list, the prompt
+positions' final hidden states [prompt_tokens, hidden_size] first, then one [hidden_size] per generated token
+but the last)}}` -- a list of them (prompt-major, then the
 `n` samples) for a batch or n > 1. `finish_reason` is null while running, else `{"type": "length",
 "length": N}`, `{"type": "stop", "matched": <token id or string>}` or `{"type": "abort", "message"}`.
 Logprob entries are `[logprob, token_id, text or null]`. Streams send the whole object so far (cumulative
@@ -89,6 +91,8 @@ class GenerateRequest(BaseModel):
     return_routed_experts: bool = Field(False, description="the experts every position was routed to (needs "
                                                            "--enable-return-routed-experts)")
     routed_experts_start_len: int = Field(0, ge=0, description="routed experts from this position on")
+    return_hidden_states: bool = Field(False, description="every position's final hidden states (needs "
+                                                          "--enable-return-hidden-states)")
 
     @property
     def model(self) -> Optional[str]:  # what the shared path reads to pick a LoRA adapter
@@ -152,12 +156,22 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest) -> SamplingParams:
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=unset(sp.repetition_penalty, "repetition_penalty", 1.0), logit_bias=bias,
         prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else None,
-        structured_outputs=StructuredOutputsParams(**dict(constraints)) if constraints else None)
+        structured_outputs=StructuredOutputsParams(**dict(constraints)) if constraints else None,
+        return_hidden_states=body.return_hidden_states)
+    if body.return_hidden_states and not getattr(st, "hidden_states", False):
+        raise api.APIError(400, "return_hidden_states: this server was started without --enable-return-hidden-states",
+                           param="return_hidden_states")
     try:
         params.validate(st.vocab_size, st.max_logprobs)
     except RequestError as e:
         raise _error(e) from None
     return params
+
+
+def hidden_lists(hidden, prompt_len: int) -> list:
+    """SGLang's wire form of a sequence's hidden states [positions, H]: the prompt positions' rows as one
+    [prompt_len, H] list, then each later position's row [H] on its own (one per decode step)."""
+    return [hidden[:prompt_len].tolist()] + [row.tolist() for row in hidden[prompt_len:]]
 
 
 def _error(e: RequestError) -> "api.APIError":
@@ -216,6 +230,8 @@ class GenerateFormat(api._Format):
                     meta["input_top_logprobs"] = [t if k else None for k, (_, t) in zip(range(start, prompt_len), rows)]
         if self.routes_from is not None and o.routed_experts is not None:  # asked (see api._serve), once finished
             meta["routed_experts"] = to_base64(o.routed_experts, self.routes_from)
+        if o.hidden_states is not None:  # asked (return_hidden_states), once finished
+            meta["hidden_states"] = hidden_lists(o.hidden_states, prompt_len)
         return {"text": o.text, "output_ids": list(o.token_ids), "meta_info": meta}
 
     def _token(self, tid: int) -> Optional[str]:

@@ -85,6 +85,9 @@ class StepOptions:
     logprobs_mode: str = "raw_logprobs"  # what the logprobs hold (vLLM's; serve/sampling.LOGPROBS_MODES)
     # the step also returns each position's routed expert ids [B, T, L_moe, k] (serve/routed_experts.py)
     return_routes: bool = False
+    # the step also returns each position's final hidden states [B, T, H] after the final norm (what the LM head
+    # reads; SGLang's return_hidden_states), in the model's dtype
+    return_hidden: bool = False
     scan: LayerScan | None = None  # the run of layers scanned over (k3jax/layer_scan.py); params = (state, stacked)
     carry_offset: int = 0  # where prefill programs put their samples in the carry (decode programs: at 0)
     # decode programs return their next-token logits [B, V] unsampled, and `bind_sample`'s program samples
@@ -665,8 +668,8 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         return arena, logits, routed, hidden, view
 
     if tiled:
-        arena, logits, routed = _row_tiles(run_rows, arena, batch, options.row_tile)
-        hidden, view = [], None
+        arena, logits, routed, hidden = _row_tiles(run_rows, arena, batch, options.row_tile, options.return_hidden)
+        view = None
     else:
         arena, logits, routed, hidden, view = run_rows(arena, batch)
     history = lambda: token_history(token_pages, batch.page_table)
@@ -701,8 +704,11 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
         carry = carry_samples(batch.carry, res.tokens if res.tokens.ndim == 1 else res.tokens[:, 0],
                               0 if decode or verify else options.carry_offset)
     counts = expert_counts(routed, batch, model.cfg.num_experts)
-    if options.return_routes:  # (counts, the logical expert ids each position's router chose in each MoE layer)
-        counts = (counts, routed_ids(routed, b, t, model.cfg.num_experts))
+    if options.return_routes or options.return_hidden:
+        # (counts, the logical expert ids each position's router chose in each MoE layer, the positions' normed
+        # final hidden states): each None unless asked for
+        counts = (counts, routed_ids(routed, b, t, model.cfg.num_experts) if options.return_routes else None,
+                  model.norm(hidden[0]) if options.return_hidden else None)
     return arena, token_pages, (res, prompt, accepted, carry), counts
 
 
@@ -711,12 +717,13 @@ _ROW_FIELDS = ("tokens", "valid", "lengths", "read_base", "write_base", "table_r
                "embeds", "embed_mask", "page_table")
 
 
-def _row_tiles(run_rows, arena: jax.Array, batch: StepBatch, tile: int):
+def _row_tiles(run_rows, arena: jax.Array, batch: StepBatch, tile: int, keep_hidden: bool = False):
     """A decode step's model pass as a loop over tiles of `tile` rows (`StepOptions.row_tile`):
     `run_rows(arena, rows)` runs on each tile in turn, the arena carried from tile to tile (rows touch
     disjoint slots and pages, so the order is immaterial). Every program of any row count then computes a
     row with the same `tile`-row operations, so its bits do not depend on the batch it is in (deterministic
-    inference). -> (arena, logits [B, V], routed ids per MoE layer [B, k])."""
+    inference). -> (arena, logits [B, V], routed ids per MoE layer [B, k], [the final hidden states [B, 1, H]] if
+    `keep_hidden` else [])."""
     b = batch.tokens.shape[0]
     if b % tile or b < 2 * tile:
         # one tile would be the whole batch: XLA drops slices of whole arrays, and that program rounds otherwise
@@ -727,21 +734,25 @@ def _row_tiles(run_rows, arena: jax.Array, batch: StepBatch, tile: int):
                 for f in _ROW_FIELDS if getattr(batch, f) is not None}
         return dataclasses.replace(batch, **rows)
 
+    def outputs(arena, rows):  # (arena, logits, routed ids, kept hidden states) of `rows`
+        arena, out, ids, hidden, _ = run_rows(arena, rows)
+        return arena, out, ids, hidden[:1] if keep_hidden else []
+
     def body(i, carry):
-        arena, logits, routed = carry
-        arena, out, ids, _, _ = run_rows(arena, tile_of(i))
+        arena, *whole = carry
+        arena, *part = outputs(arena, tile_of(i))
 
         def put(whole, part):  # tile i's rows into the step's [B, ...]
             return jax.lax.dynamic_update_slice_in_dim(whole, part.astype(whole.dtype), i * tile, 0)
 
-        return arena, put(logits, out), [put(r, x) for r, x in zip(routed, ids)]
+        return arena, *jax.tree.map(put, whole, part)
 
-    _, out, ids = jax.eval_shape(lambda ar: run_rows(ar, tile_of(0))[:3], arena)
+    _, *shapes = jax.eval_shape(lambda ar: outputs(ar, tile_of(0)), arena)
     zeros = lambda x: jnp.zeros((b, *x.shape[1:]), x.dtype)  # noqa: E731
     # tiles up to the last with a real row (tiles of padding rows are skipped: their logits stay 0 and they
     # write nothing); the count comes from the batch, so the loop is the same loop in every program
     last = jnp.max(jnp.where(batch.valid > 0, jnp.arange(b), -1))
-    return jax.lax.fori_loop(0, (last + tile) // tile, body, (arena, zeros(out), [zeros(x) for x in ids]))
+    return tuple(jax.lax.fori_loop(0, (last + tile) // tile, body, (arena, *jax.tree.map(zeros, shapes))))
 
 
 def _scatter_view_states(arena: jax.Array, layout: ArenaLayout, split, write_base: jax.Array, view) -> jax.Array:

@@ -103,7 +103,9 @@ class SamplingParams:
     is processed by it. `detokenize=False` (vLLM's) skips the text: outputs carry token ids only (and logprobs
     with empty `decoded`), which saves the host's detokenization for callers that work on ids (RL loops);
     stop strings need the text, so they are refused then. `output_kind` (vLLM's `RequestOutputKind`): whether the
-    request's outputs are cumulative (default), deltas, or only the final one.
+    request's outputs are cumulative (default), deltas, or only the final one. `return_hidden_states`
+    (SGLang's): the finished output carries every position's final hidden states (engine option
+    enable_return_hidden_states; the whole prompt is computed, as with prompt_logprobs).
     """
 
     n: int = 1
@@ -132,6 +134,7 @@ class SamplingParams:
     bad_words: Optional[list[str]] = None
     extra_args: Optional[dict] = None
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    return_hidden_states: bool = False
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -167,6 +170,8 @@ class SamplingParams:
             bad("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         if not isinstance(self.detokenize, bool):
             bad("detokenize", f"must be true or false, got {self.detokenize!r}")
+        if not isinstance(self.return_hidden_states, bool):
+            bad("return_hidden_states", f"must be true or false, got {self.return_hidden_states!r}")
         if not isinstance(self.output_kind, RequestOutputKind):
             try:
                 self.output_kind = RequestOutputKind(self.output_kind)
@@ -266,6 +271,10 @@ class CompletionOutput:
     # enable_return_routed_experts, once finished: the logical expert ids each position fed through the model was
     # routed to, int32 [len(prompt) + len(output) - 1, MoE layers, experts per token] (serve/routed_experts.py)
     routed_experts: Optional["np.ndarray"] = None
+    # SamplingParams.return_hidden_states, once finished: each position's final hidden states after the final norm
+    # (the LM head's input), float32 [len(prompt) + len(output) - 1, hidden_size]: row p is the model's state
+    # having read tokens 0..p, from which it sampled token p + 1
+    hidden_states: Optional["np.ndarray"] = None
 
 
 @dataclass

@@ -121,7 +121,7 @@ def cache_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def server(cache_dir, tmp_path_factory):
     s = Server(["--shutdown-timeout", "30", "--log-stats-interval", "1", "--enable-prompt-embeds",
-                "--enable-return-routed-experts",
+                "--enable-return-routed-experts", "--enable-return-hidden-states",
                 "--max-body-bytes", str(1 << 20)], cache_dir,  # the limit without embeddings (413 test)
                str(tmp_path_factory.mktemp("logs") / "server.log"))
     yield s
@@ -317,6 +317,40 @@ def test_completion_prompt_embeds(client, http, limited):
     got = _post(limited, "k-open", {"model": MODEL, "messages": [{"role": "user", "content": parts}]},
                 "/v1/chat/completions")
     assert got.status_code == 400 and "--enable-prompt-embeds" in got.json()["error"]["message"]
+
+
+def test_hidden_states_over_generate(http):
+    """`return_hidden_states` (the server started with --enable-return-hidden-states): SGLang's list in
+    `meta_info.hidden_states` once finished -- the prompt positions' rows as one [P, H] list, then one [H] row per
+    generated token but the last -- equal to a full forward's final hidden states after the norm; streamed, in
+    the finishing object only; absent unless asked."""
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from k3jax.cache import FreshView
+    from k3jax.runtime import load_model
+
+    model = load_model(MODEL)
+    m = nnx.merge(model.graphdef, model.params)
+    prompt = [72, 105, 33, 7, 90]
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    r = http.post("/generate", json={"input_ids": prompt, "sampling_params": sp, "return_hidden_states": True})
+    assert r.status_code == 200, r.text
+    g = r.json()
+    hs = g["meta_info"]["hidden_states"]
+    assert len(hs) == 1 + len(g["output_ids"]) - 1 and np.shape(hs[0]) == (len(prompt), model.cfg.hidden_size)
+    got = np.concatenate([np.asarray(hs[0]), np.asarray(hs[1:]).reshape(-1, model.cfg.hidden_size)])
+    seq = prompt + g["output_ids"]
+    hidden, ids = [], jnp.asarray([seq[:-1]], jnp.int32)
+    m.run(ids, FreshView(model.cfg, ids.shape[1]), jnp.asarray([ids.shape[1]]), False, hidden=hidden)
+    np.testing.assert_allclose(got, np.asarray(m.norm(hidden[0])[0]), atol=1e-4)
+    assert "hidden_states" not in http.post("/generate", json={"input_ids": prompt, "sampling_params": sp}
+                                            ).json()["meta_info"]
+    body = {"input_ids": prompt, "stream": True, "sampling_params": sp, "return_hidden_states": True}
+    with http.stream("POST", "/generate", json=body) as s:
+        chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+    assert [("hidden_states" in c["meta_info"]) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    np.testing.assert_allclose(chunks[-1]["meta_info"]["hidden_states"][0], hs[0], atol=1e-5)
 
 
 def test_routed_experts_over_generate_completions_and_chat(http, limited):

@@ -506,3 +506,20 @@ def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
     check_server_flags(_serve_options("--port", "0"))
     with pytest.raises(ValueError, match="max_logprobs"):
         engine_config(_serve_options("--max-logprobs", "-1")).validate()
+
+
+def test_generate_refuses_hidden_states_unless_the_server_returns_them():
+    """/generate's `return_hidden_states` on a server started without --enable-return-hidden-states: 400 naming
+    the field (the engine would refuse it too, naming the engine option)."""
+    from types import SimpleNamespace
+
+    from serve.api import APIError
+    from serve.sglang_api import GenerateRequest, sampling_of
+
+    body = GenerateRequest(input_ids=[1, 2, 3], return_hidden_states=True)
+    st = SimpleNamespace(vocab_size=512, max_logprobs=5, hidden_states=False)
+    with pytest.raises(APIError) as e:
+        sampling_of(st, body)
+    assert e.value.status == 400 and e.value.param == "return_hidden_states"
+    st.hidden_states = True
+    assert sampling_of(st, body).return_hidden_states

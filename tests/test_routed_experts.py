@@ -47,7 +47,7 @@ def test_routes_store_keeps_whole_granules_by_prefix_and_evicts_the_oldest():
     fresh.put(h, bad, 0, 40)
     assert len(fresh.blocks) == 4 and fresh.take(h, 40) is None
     seq = SequenceRoutes(3, 2, np.int16, capacity=4)
-    seq.fill(store.take(h, 8))
+    seq.fill_from(store.take(h, 8))
     seq.write(8, routes[8:30])  # grows
     np.testing.assert_array_equal(seq.first(30), routes[:30])
     assert seq.first(32)[30:].min() == -1 and seq.first(32).dtype == np.int32
