@@ -9,13 +9,14 @@ Semantics (vLLM's):
 * ``temperature < GREEDY_EPS`` (0 in practice) is greedy: the token is the argmax (first maximum) of the
   raw logits, bit for bit (of the biased / penalised ones when the row has a bias or penalty, see below);
   the row's top-k/top-p/min-p are ignored.
-* Otherwise the logits are divided by the temperature and filtered, in this order:
-  top-k (``top_k <= 0`` or ``>= V`` is off), top-p (the nucleus of the top-k-restricted
-  distribution: the smallest run of most-likely tokens whose mass reaches ``top_p``, never fewer
-  than one; ``top_p >= 1`` is off), and min-p (drop tokens with ``p < min_p * p_max``; ``0`` is
-  off). Top-k and top-p are applied as value thresholds, so tokens tied with the last kept one are
-  kept too. Min-p compares ratios to the most likely token, which the other two filters always
-  keep, so its place in the order does not matter.
+* Otherwise the logits are divided by the temperature and filtered, in vLLM (v1)'s order:
+  min-p (drop tokens with ``p < min_p * p_max``; ``0`` is off), top-k (``top_k <= 0`` or ``>= V``
+  is off), then top-p (the nucleus of the distribution the two before leave, renormalised: the
+  smallest run of most-likely tokens whose mass reaches ``top_p``, never fewer than one;
+  ``top_p >= 1`` is off). Top-k and top-p are applied as value thresholds, so tokens tied with the
+  last kept one are kept too. Min-p and top-k both keep a run of most-likely tokens, so their
+  relative order does not matter; top-p's nucleus is taken after min-p (vLLM's v0 applied min-p
+  last, which keeps more tokens when both are set).
 * The token is then drawn with the Gumbel-max trick using the row's own key,
   ``fold_in(key(seed), step)`` (threefry2x32, whatever the global default PRNG is), where
   ``step`` is the index of the token within its request. A request's samples therefore depend only
@@ -25,7 +26,7 @@ Semantics (vLLM's):
   (vLLM's default "raw logprobs"). vLLM's other ``logprobs_mode``s (static, one per engine) return
   instead the raw logits (``raw_logits``), or the values the token was drawn from
   (``processed_logits``: after the mask, bias, penalties and processors, then, for a sampled row,
-  temperature, top-k, top-p and min-p, a filtered token at -inf) or their ``log_softmax``
+  temperature, min-p, top-k and top-p, a filtered token at -inf) or their ``log_softmax``
   (``processed_logprobs``: the log of the exact distribution sampled; a greedy row's is that of
   its processed logits, whose argmax it took). The top-n are the n largest of the same values.
 
@@ -328,6 +329,14 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
     temperature = jnp.where(is_greedy, 1.0, batch.temperature.astype(jnp.float32))
     x = logits / temperature[:, None]
 
+    min_p = batch.min_p.astype(jnp.float32)
+    use_min_p = ~is_greedy & (min_p > 0)
+    # min-p first, as vLLM: p >= min_p * p_max  <=>  x - x_max >= log(min_p); top-p's nucleus is then taken
+    # over the survivors, renormalised
+    log_min_p = jnp.log(jnp.where(use_min_p, min_p, 1.0))
+    x_max = jnp.max(x, axis=-1, keepdims=True)
+    x = jnp.where(use_min_p[:, None] & (x - x_max < log_min_p[:, None]), -jnp.inf, x)
+
     top_k = batch.top_k.astype(jnp.int32)
     top_p = batch.top_p.astype(jnp.float32)
     use_k = ~is_greedy & (top_k > 0) & (top_k < v)
@@ -338,13 +347,7 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
         lambda x: jnp.full((b,), -jnp.inf, jnp.float32),
         x,
     )
-    min_p = batch.min_p.astype(jnp.float32)
-    use_min_p = ~is_greedy & (min_p > 0)
-    # p >= min_p * p_max  <=>  x - x_max >= log(min_p)   (the max survives top-k/top-p)
-    log_min_p = jnp.where(use_min_p, jnp.log(jnp.where(use_min_p, min_p, 1.0)), -jnp.inf)
-    x_max = jnp.max(x, axis=-1, keepdims=True)
-    keep = (x >= thr[:, None]) & (x - x_max >= log_min_p[:, None])
-    masked = jnp.where(keep, x, -jnp.inf)
+    masked = jnp.where(x >= thr[:, None], x, -jnp.inf)
 
     gumbel = jax.vmap(lambda k: jax.random.gumbel(k, (v,), jnp.float32))(_row_keys(batch))
     sampled = first_argmax(masked + gumbel)

@@ -123,9 +123,10 @@ class StopChecker:
             raise RuntimeError("append() after the sequence finished")
         tid = int(token_id)
         self.token_ids.append(tid)
-        # before `min_tokens` are out no stop applies (the sampler bans the stop tokens meanwhile)
-        early = len(self.token_ids) < self.params.min_tokens
-        stop_token = tid in self._stop_ids and not early
+        # vLLM's rules: no stop string may end in the text of the first `min_tokens` tokens, and a stop token
+        # counts from the `min_tokens`-th on (the sampler bans the stop tokens until `min_tokens` are out)
+        early = len(self.token_ids) <= self.params.min_tokens
+        stop_token = tid in self._stop_ids and len(self.token_ids) >= self.params.min_tokens
         at_length = self.max_tokens is not None and len(self.token_ids) >= self.max_tokens
         ends = at_length or last
         end_reason = "stop" if last else "length"

@@ -227,6 +227,18 @@ def test_min_p_restricts(sample_fn):
     assert support == {1}
 
 
+def test_min_p_applies_before_the_top_p_nucleus(sample_fn):
+    """vLLM's order: temperature, min-p, then top-k / top-p over what min-p leaves, renormalised."""
+    logits_row = _logits_from_probs([0.4, 0.3, 0.2, 0.1, 1e-9, 1e-9, 1e-9, 1e-9])[0]
+    # min_p 0.6 keeps p >= 0.24: {0, 1}, renormalised 4/7, 3/7; top_p 0.5 then keeps only token 0 (over the
+    # unfiltered distribution the nucleus would be {0, 1}, which min-p keeps whole)
+    support, _ = _support(sample_fn, logits_row, SamplingParams(temperature=1.0, top_p=0.5, min_p=0.6), draws=500)
+    assert support == {0}
+    # top_p 0.6 reaches past 4/7: {0, 1}
+    support, _ = _support(sample_fn, logits_row, SamplingParams(temperature=1.0, top_p=0.6, min_p=0.6), draws=500)
+    assert support == {0, 1}
+
+
 def test_filters_are_per_row(sample_fn):
     probs = [0.05, 0.4, 0.02, 0.3, 0.03, 0.15, 0.01, 0.04]
     logits_row = _logits_from_probs(probs)[0]
@@ -273,8 +285,8 @@ def test_logprobs_are_raw_log_softmax(sample_fn):
 
 def _processed_reference(logits, params):
     """The values each row samples from, by the definition (numpy, a sort for top-k / top-p): a greedy row's
-    logits plus its bias; a sampled row's biased logits / temperature with tokens outside top-k, the top-p
-    nucleus or min-p at -inf."""
+    logits plus its bias; a sampled row's biased logits / temperature with tokens below min-p, then outside
+    top-k or the top-p nucleus of what is left, at -inf (vLLM's order)."""
     out = []
     for row, p in zip(logits, params):
         x = row.astype(np.float32).copy()
@@ -284,14 +296,13 @@ def _processed_reference(logits, params):
             out.append(x)
             continue
         x = x / np.float32(p.temperature)
+        if p.min_p > 0:
+            x = np.where(x - x.max() >= np.log(p.min_p), x, -np.inf).astype(np.float32)
         v = len(x)
         use_k, use_p = 0 < p.top_k < v, p.top_p < 1.0
         thr, edge = _sorted_thresholds(x[None], [p.top_k], [p.top_p], [use_k], [use_p])
         assert edge[0] > 1e-5  # not on a rounding knife edge
-        keep = x >= thr[0]
-        if p.min_p > 0:
-            keep &= x - x.max() >= np.log(p.min_p)
-        out.append(np.where(keep, x, -np.inf).astype(np.float32))
+        out.append(np.where(x >= thr[0], x, -np.inf).astype(np.float32))
     return np.stack(out)
 
 

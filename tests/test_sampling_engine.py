@@ -507,11 +507,14 @@ def test_detokenize_false_gives_the_same_ids_without_text(llm):
 
 def _sampled_from(x, p: SP):
     """float64 values a row of (biased, penalised) logits `x` is sampled from, by the definition (a sort):
-    greedy rows as they are; sampled rows over the temperature with top-k, the top-p nucleus and min-p at -inf."""
+    greedy rows as they are; sampled rows over the temperature with min-p, then top-k and the top-p nucleus of
+    what is left, at -inf (vLLM's order)."""
     if p.temperature < 1e-5:
         return x
     x = x / p.temperature
     keep = np.ones(x.shape, bool)
+    if p.min_p > 0:
+        keep &= x - x.max() >= np.log(p.min_p)
     if 0 < p.top_k < len(x):
         keep &= x >= np.sort(x)[::-1][p.top_k - 1]
     if p.top_p < 1:
@@ -520,8 +523,6 @@ def _sampled_from(x, p: SP):
         before = np.cumsum(probs) - probs
         assert np.min(np.abs(before - p.top_p)) > 2e-5  # not on a rounding knife edge
         keep &= x >= s[max(int(np.sum(before < p.top_p)), 1) - 1]
-    if p.min_p > 0:
-        keep &= x - x.max() >= np.log(p.min_p)
     return np.where(keep, x, -np.inf)
 
 

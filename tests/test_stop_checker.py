@@ -242,6 +242,24 @@ def test_several_stop_strings_first_to_complete_wins():
     assert chk.stop_reason == "bc" and chk.text == "xa"
 
 
+def test_min_tokens_ignores_stop_strings_ending_in_the_first_tokens():
+    # vLLM's rule: a stop string counts only when it ends in the text of a token after the first min_tokens
+    chk = checker(stop=["a"], min_tokens=1)
+    res = feed(chk, ids_of("aba"))
+    assert res[0] == StepResult("a", False)  # the first token is "a": no stop (nor an empty output)
+    assert chk.stop_reason == "a" and chk.text == "ab" and len(chk.token_ids) == 3
+    chk = checker(stop=["ab"], min_tokens=2)  # may start in them: "ab" ends in the third token
+    feed(chk, ids_of("xab"))
+    assert chk.stop_reason == "ab" and chk.text == "x"
+    chk = checker(stop=["ab"], min_tokens=3)
+    res = feed(chk, ids_of("xabc"))
+    assert not chk.finished and deltas(res) == "xabc"
+    # a stop token counts from the min_tokens-th token on (the sampler bans it before)
+    chk = checker(min_tokens=2)
+    feed(chk, ids_of("x") + [EOS[0]])
+    assert chk.finish_reason == "stop" and chk.stop_reason == EOS[0] and chk.text == "x"
+
+
 def test_stop_at_the_very_start():
     chk = checker(stop=["ab"])
     res = feed(chk, ids_of("abc"))
