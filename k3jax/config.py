@@ -193,42 +193,33 @@ _NON_NEGATIVE = ("num_attention_heads", "qk_rope_head_dim", "kda_num_heads", "nu
 _MISSING = object()
 
 
-def _get(d: Mapping[str, Any], key: str, where: str, default: Any):
+def _typed(d: Mapping[str, Any], key: str, where: str, default: Any, ok, what: str, cast):
+    """`cast(d[key])` (`default` when absent or null; required without one): a ConfigError naming the key for a
+    value that is not `what` (`ok(value)` false: a string, a list, 2.5 for an integer, "false" for a bool)."""
     v = d.get(key)
     if v is None:
         if default is _MISSING:
             raise ConfigError(f"{where}: required key {key!r} is missing")
         return default
-    return v
+    if not ok(v):
+        raise ConfigError(f"{where}: {key} must be {what}, got {v!r}")
+    return cast(v)
+
+
+def _finite(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _int(d: Mapping[str, Any], key: str, where: str, default: Any = _MISSING):
-    """`d[key]` as an int (`default` when absent or null; required without one): a ConfigError naming the key
-    for a value of another type (a string, a list, 2.5, true)."""
-    v = _get(d, key, where, default)
-    if v is default:
-        return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v != int(v):
-        raise ConfigError(f"{where}: {key} must be an integer, got {v!r}")
-    return int(v)
+    return _typed(d, key, where, default, lambda v: _finite(v) and v == int(v), "an integer", int)
 
 
 def _float(d: Mapping[str, Any], key: str, where: str, default: Any = _MISSING):
-    v = _get(d, key, where, default)
-    if v is default:
-        return v
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-        raise ConfigError(f"{where}: {key} must be a finite number, got {v!r}")
-    return float(v)
+    return _typed(d, key, where, default, _finite, "a finite number", float)
 
 
 def _bool(d: Mapping[str, Any], key: str, where: str, default: Any = _MISSING):
-    v = _get(d, key, where, default)
-    if v is default:
-        return v
-    if not isinstance(v, bool):
-        raise ConfigError(f"{where}: {key} must be true or false, got {v!r}")
-    return v
+    return _typed(d, key, where, default, lambda v: isinstance(v, bool), "true or false", bool)
 
 
 _K3_REQUIRED_TEXT_KEYS = (
