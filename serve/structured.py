@@ -293,12 +293,20 @@ class Guide:
 
     def fill_drafts(self, drafts: list[int], rows: np.ndarray) -> None:
         """Speculative decoding: write into rows[j] the mask that follows drafts[:j + 1] (rows [d, W]),
-        then return the matcher to where it was. The drafts must be valid (`validate_tokens`)."""
+        then return the matcher to where it was. The drafts must be valid (`validate_tokens`).
+
+        Drafts after the one that completes the grammar (nothing may follow: the request stops there) are
+        not consumed and their rows are left as they are: a stopped matcher takes a stop token without
+        recording it, so rolling it back too would undo a token before the drafts."""
+        consumed = 0
         for j, tok in enumerate(drafts):
+            if self.matcher.is_stopped():
+                break
             if not self.matcher.consume_token(int(tok)):
                 raise ValueError(f"draft token {tok} breaks the constraint: {self.matcher.get_error()}")
+            consumed += 1
             self.fill(rows[j])
-        self.matcher.rollback(len(drafts))
+        self.matcher.rollback(consumed)
 
     def advance(self, token: int) -> bool:
         """Account for a sampled token; False when it broke the constraint (never, with the mask)."""

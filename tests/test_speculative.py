@@ -347,7 +347,8 @@ def test_accelerator_decode_forms_on_kimi_linear(monkeypatch):
 
 def test_structured_outputs_draft_within_their_grammar(engine, monkeypatch):
     """Constrained requests draft too: drafts the grammar rejects are cut off before the step, and each
-    verify position gets the mask that follows the drafts before it."""
+    verify position gets the mask that follows the drafts before it; drafts running past the grammar's end (a stop
+    token after the token that completes it) leave the constraint where it was."""
     import re
 
     from serve.types import StructuredOutputsParams as SO
@@ -365,17 +366,24 @@ def test_structured_outputs_draft_within_their_grammar(engine, monkeypatch):
     assert re.fullmatch(regex, plain[0].text) and re.fullmatch(regex, plain[1].text)
     want = {tuple(p): o.token_ids for p, o in zip(prompts, plain)}
     bang = engine.tokenizer.encode("!")[0]  # never allowed by either grammar
-    for mode in ("oracle", "invalid"):
+    eos = engine.stop_ids[0]  # after the token that completes a grammar: taken, not recorded, by its matcher
+
+    def propose(s, k, mode):
+        if mode == "invalid":
+            return [bang] * k
+        rest = list(want[tuple(s.prompt_ids)][len(s.output_ids):])
+        return (rest + [eos] * k)[:k] if mode == "past the end" else rest[:k]
+
+    for mode in ("oracle", "invalid", "past the end"):
         before = dict(engine.counters)
-        monkeypatch.setattr(engine, "_propose", lambda s, k, m=mode: (
-            list(want[tuple(s.prompt_ids)][len(s.output_ids):][:k]) if m == "oracle" else [bang] * k))
+        monkeypatch.setattr(engine, "_propose", lambda s, k, m=mode: propose(s, k, m))
         outs = _run(engine, prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], mode
         d = {k: engine.counters[k] - before[k] for k in before}
         assert d["structured_output_errors"] == 0
         if mode == "oracle":
             assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 40
-        else:  # only the unconstrained request drafts its invalid tokens
+        elif mode == "invalid":  # only the unconstrained request drafts its invalid tokens
             assert d["spec_decode_num_accepted_tokens"] == 0 < d["spec_decode_num_draft_tokens"] <= K * 30
 
 

@@ -275,3 +275,30 @@ def test_fill_masks_in_parallel_equals_one_by_one(compiler):
         g.fill(one)
         np.testing.assert_array_equal(batch[i + 1], one)
     assert (batch[0] == 0).all() and (batch[7] == 0).all() and (batch[8] == -1).all()
+
+
+@pytest.mark.parametrize("params, prefix, drafts", [
+    (SO(regex="ab"), "a", "b"),  # "b" completes the grammar: nothing may follow
+    (SO(choice=["alpha", "beta"]), "be", "ta"),
+    (SO(json={"type": "object"}, disable_any_whitespace=True), "{", "}"),
+])
+def test_drafts_past_the_end_of_the_grammar_leave_the_guide_where_it_was(compiler, params, prefix, drafts):
+    """Speculative decoding drafts what followed earlier (an n-gram of the prompt, a finished response): the drafts
+    that complete the grammar may be followed by a stop token, which the matcher accepts without recording. The
+    masks must leave the guide where it was, or the tokens landing next break the constraint."""
+    g = compiler.guide(params)
+    for tok in TOK.encode(prefix):
+        assert g.advance(tok)
+    before = np.zeros(mask_words(V), np.int32)
+    g.fill(before)
+    draft = TOK.encode(drafts) + [STOPS[0]]
+    n = g.matcher.validate_tokens(draft)
+    assert n >= len(draft) - 1
+    rows = np.zeros((len(draft), mask_words(V)), np.int32)
+    g.fill_drafts(draft[:n], rows[:n])
+    after = np.zeros(mask_words(V), np.int32)
+    g.fill(after)
+    np.testing.assert_array_equal(after, before)
+    for tok in TOK.encode(drafts):
+        assert g.advance(tok), g.error
+    assert g.done
