@@ -1548,7 +1548,12 @@ class Engine:
         self._leader_only("remove_lora")
         self._drain()
         adapter = self.loras.get(name)
-        for s in [s for s in self.seqs.values() if s.internal and s.lora is adapter and not s.finished]:
+        canonical = [s for s in self.seqs.values() if s.internal and s.lora is adapter and not s.finished]
+        in_use = adapter.requests - {s.rid for s in canonical}
+        if in_use:  # refused before its canonical rows' work is thrown away
+            raise LoRAError(f"lora_name {name!r}: {len(in_use)} requests in flight use it; finish or abort them "
+                            f"first")
+        for s in canonical:
             self._finish(s, "abort")  # canonical rows of its prefixes
         self.loras.remove(name)
         for rid in [r for r, (_, a) in self._tails.items() if a is adapter]:

@@ -290,6 +290,31 @@ def test_bad_adapters_and_registry_errors(ab, engine, ref, tmp_path):
     assert engine.list_loras() == ["a", "b"]
 
 
+def test_a_refused_unload_keeps_the_adapters_canonical_rows(ab, engine):
+    """remove_lora of an adapter a request still uses is refused before the adapter's canonical re-prefill rows
+    (a conversation's tail queued for the prefix cache) are aborted: their work is kept, and the continuation
+    resumes from it once they ran."""
+    rng = np.random.default_rng(5)
+    sp = SamplingParams(temperature=0.0, max_tokens=150, ignore_eos=True)
+    prompt = rng.integers(3, 200, 60).tolist()  # a tail of ~200 tokens: its canonical row takes a few steps
+    rid, first = engine.add_request(prompt, sp, lora_request="a"), None
+    while engine.has_unfinished():
+        first = next((o for o in engine.step() if o.request_id == rid and o.finished), first)
+    before = engine.counters["canonical_rows"]
+    engine.add_request(prompt + first.outputs[0].token_ids + rng.integers(3, 200, 9).tolist(),
+                       SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True), lora_request="a")
+    engine.step()  # the continuation reuses the conversation: its tail is queued as a canonical row
+    adapter = engine.loras.get("a")
+    canonical = [s for s in engine.seqs.values() if s.internal and s.lora is adapter and not s.finished]
+    assert engine.counters["canonical_rows"] > before and canonical
+    with pytest.raises(LoRAError, match="1 requests in flight"):
+        engine.remove_lora("a")
+    assert not any(s.finished for s in canonical)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.list_loras() == ["a", "b"]
+
+
 def test_target_modules(ref):
     """`lora_target_modules` gives slots to the named projections only: an unknown name is refused at
     start-up, and an adapter touching a projection without slots is refused naming the tensor."""
