@@ -311,6 +311,10 @@ class DataParallelEngine:
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.replicas)
 
+    def _reap(self) -> None:
+        """Forget the requests that ended (`LLM.generate` withdraws its requests after a failed step)."""
+        self._all(lambda e: e._reap())
+
     def step(self) -> list[RequestOutput]:
         """One step of every replica with work. A replica's `StepFailed` does not lose the others' outputs:
         they travel in the re-raised `StepFailed` (with every failed replica's ended requests)."""
@@ -346,11 +350,18 @@ class DataParallelEngine:
     def list_loras(self) -> list[str]:
         return self.replicas[0].list_loras()
 
+    def _check_idle(self, what: str) -> None:
+        """Sleep and weight updates change every replica or none: each must be idle before the first changes
+        (else a busy replica would leave the others asleep, or serving other weights than it)."""
+        self._all(lambda e: e._check_idle(what))
+
     def update_weights(self, model) -> None:
+        self._check_idle("update_weights")
         self._all(lambda e: e.update_weights(model))
         self.router.forget()
 
     def update_weights_from_disk(self, path: str) -> None:
+        self._check_idle("update_weights_from_disk")
         self._all(lambda e: e.update_weights_from_disk(path))  # each replica reads into its own devices
         self.router.forget()
 
@@ -359,11 +370,13 @@ class DataParallelEngine:
 
     def update_weights_from_tensor(self, named_tensors, flush_cache: bool = True) -> None:
         named_tensors = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
+        self._check_idle("update_weights_from_tensor")
         self._all(lambda e: e.update_weights_from_tensor(named_tensors, flush_cache))
         if flush_cache:
             self.router.forget()
 
     def sleep(self, level: int = 1, tags=None) -> None:
+        self._check_idle("sleep")
         self._all(lambda e: e.sleep(level, tags))
         self.router.forget()
 

@@ -1938,6 +1938,7 @@ class Engine:
         self._leader_only("rebalance_experts")
         if self.eplb is None:
             raise RuntimeError("rebalance_experts: the engine was built without enable_eplb")
+        self._weights_present("rebalance_experts", stale_ok=True)  # (placeholders move like weights)
         moves, summary = self.eplb.plan()
         t0 = time.perf_counter()
         if moves and self.channel is not None and self.warmed_up:  # every process moves the same experts now
@@ -1966,14 +1967,19 @@ class Engine:
                 leaves[leaf] = (eplb.take_experts(x, index[None]) if None in index
                                 else eplb.take_stacked_experts(x, index))
         self.eplb.applied(moves, summary)
-        for layer in moves:
-            for i, table in zip(self._eplb_leaves[layer][:2], self.eplb.tables(layer)):
-                leaf, group = at[i]
-                leaves[leaf] = table if group is None else jnp.asarray(leaves[leaf]).at[group].set(table)
+        self._write_placement_tables(leaves, moves)
         if moves:
             self._set_leaves(leaves)
             jax.block_until_ready(self._leaves)
         self.counters["eplb_rebalances"] += 1
+
+    def _write_placement_tables(self, leaves: list, layers) -> None:
+        """Write the EPLB placement tables (`ExpertPlacement`, `ExpertCopies`) of these MoE layers' current
+        placement into `leaves`."""
+        for layer in layers:
+            for i, table in zip(self._eplb_leaves[layer][:2], self.eplb.tables(layer)):
+                leaf, group = self._leaf_at[i]
+                leaves[leaf] = table if group is None else jnp.asarray(leaves[leaf]).at[group].set(table)
 
     def _set_leaves(self, leaves: list) -> None:
         """Place `leaves` where the step programs expect the weights: on a mesh, each with its sharding; on
@@ -2062,7 +2068,14 @@ class Engine:
             if self._host_leaves is not None:
                 self._set_leaves(self._host_leaves)
             else:
-                self._set_leaves([np.zeros(shape, dtype) for shape, dtype, _ in self._leaf_specs])
+                # placeholders for the checkpoint tensors (update_weights_from_tensor writes them); what no
+                # checkpoint tensor holds comes back now: the experts' placement tables, the loaded adapters
+                leaves = [np.zeros(shape, dtype) for shape, dtype, _ in self._leaf_specs]
+                if self.eplb is not None:
+                    self._write_placement_tables(leaves, range(len(self.eplb.placement)))
+                self._set_leaves(leaves)
+                for slot, adapter in self.loras.in_slot.items():
+                    self._write_lora(slot, adapter)
                 self._weights_stale, self._stale_written = True, set()
             self._host_leaves = None
         if "kv_cache" in tags and self.arena is None:

@@ -217,3 +217,74 @@ def test_pause_aborts_on_every_replica_and_both_phases():
     pd.prefill, pd.decode = Stub(1), Stub(4)
     assert asyncio.run(dp.abort_all()) == 3 and [r.calls for r in dp.replicas] == [1, 1, 1]
     assert asyncio.run(pd.abort_all()) == 5 and pd.prefill.calls == pd.decode.calls == 1
+
+
+def test_sleep_and_weight_updates_change_every_replica_or_none():
+    """A replica with requests in flight refuses sleep and weight updates before any replica changes: none is
+    left asleep, or serving other weights than the others."""
+    from serve.data_parallel import DataParallelEngine
+
+    class Replica(_Replica):
+        def __init__(self, busy):
+            super().__init__([])
+            self.busy, self.changed = busy, []
+
+        def _check_idle(self, what):
+            if self.busy:
+                raise RuntimeError(f"{what}: 1 requests in flight (e.g. 'x'); finish or abort them first")
+
+        def _change(self, what):
+            self._check_idle(what)
+            self.changed.append(what)
+
+        def sleep(self, level, tags):
+            self._change("sleep")
+
+        def update_weights(self, model):
+            self._change("update_weights")
+
+        def update_weights_from_disk(self, path):
+            self._change("update_weights_from_disk")
+
+        def update_weights_from_tensor(self, named_tensors, flush_cache):
+            self._change("update_weights_from_tensor")
+
+    idle, busy = Replica(False), Replica(True)
+    dp = DataParallelEngine([idle, busy], [(0,), (1,)])
+    for what, call in (("sleep", lambda: dp.sleep(1)), ("update_weights", lambda: dp.update_weights(None)),
+                       ("update_weights_from_disk", lambda: dp.update_weights_from_disk("/ckpt")),
+                       ("update_weights_from_tensor", lambda: dp.update_weights_from_tensor([("w", None)]))):
+        with pytest.raises(RuntimeError, match=f"{what}: 1 requests in flight"):
+            call()
+    assert idle.changed == [] == busy.changed
+    busy.busy = False
+    dp.sleep(1)
+    assert idle.changed == ["sleep"] == busy.changed
+
+
+def test_a_failed_step_under_llm_raises_its_own_error_with_replicas():
+    """`LLM.generate` over data-parallel replicas: a failed step withdraws the other requests and raises the
+    step's StepFailed (not an error of the clean-up), and every replica forgets the withdrawn requests."""
+    from serve.data_parallel import DataParallelEngine
+    from serve.engine import StepFailed
+    from serve.llm import LLM
+    from serve.types import SamplingParams
+
+    class Replica(_Replica):
+        def __init__(self, script):
+            super().__init__(script)
+            self.aborted, self.reaped = [], 0
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+            return True
+
+        def _reap(self):
+            self.reaped += 1
+
+    r0, r1 = Replica([[]]), Replica([StepFailed(["b"], RuntimeError("device lost"), [])])
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.progress = DataParallelEngine([r0, r1], [(0,), (1,)], routing="load"), False
+    with pytest.raises(StepFailed, match="device lost"):
+        llm.generate([[1] * 9, [2] * 9], SamplingParams(max_tokens=1))
+    assert r0.aborted == r0.added and r0.reaped == r1.reaped == 1 and llm.engine.router.load == [0, 0]

@@ -102,7 +102,7 @@ def test_expert_balanced_placement_reads_and_writes_every_copy():
     code = """
 import numpy as np, k3jax
 from k3jax.checkpoint import hf_tensors
-from serve.engine import Engine, EngineConfig
+from serve.engine import Engine, EngineConfig, EngineSleeping
 old, new = k3jax.load_model("tiny-k3", seed=0), k3jax.load_model("tiny-k3", seed=1)
 cfg = EngineConfig(max_model_len=128, page_size=16, cache_bytes=64 * 16 * 2560, max_num_seqs=4, decode_buckets=(4,),
                    prefill_buckets=(1,), context_buckets=(8,), measure_moe_time=False, sharding="ep",
@@ -120,6 +120,20 @@ for name, want in hf_tensors(new.cfg, new.params):
 leaf = engine._leaves[engine._leaf_at[engine._eplb_leaves[0][2][0]][0]]  # layer 0's first expert weight [P, ...]
 for p, e in enumerate(placement):  # every physical copy holds its expert's new weights
     np.testing.assert_array_equal(np.asarray(leaf[p]), np.asarray(leaf[int(np.flatnonzero(placement == e)[0])]))
+# weights discarded by sleep(level=2) and written back by name: the placement tables (no checkpoint tensor) come
+# back with the moved placement, not as placeholders
+held = [np.asarray(x) for x in engine._leaves]
+engine.sleep(level=2)
+try:  # nothing to move while the weights are released
+    engine.rebalance_experts()
+    raise AssertionError("rebalance_experts ran on released weights")
+except EngineSleeping as e:
+    assert "rebalance_experts" in str(e), e
+engine.wake_up()
+engine.update_weights_from_tensor(list(hf_tensors(new.cfg, new.params)))
+assert not engine.is_sleeping
+for a, b in zip(held, engine._leaves):
+    np.testing.assert_array_equal(a, np.asarray(b))
 print("ok")
 """
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
@@ -218,6 +232,30 @@ def test_weights_discarded_by_sleep_come_back_tensor_by_tensor(k3):
     engine.update_weights_from_tensor(tensors[-5:])
     assert not engine.is_sleeping
     assert_holds(engine, model)
+
+
+def test_weights_discarded_by_sleep_come_back_with_the_loaded_adapters():
+    """sleep(level=2), wake_up, every checkpoint tensor written by name: a loaded LoRA adapter's slot (no checkpoint
+    tensor holds it) is written again, so the adapter serves as before instead of the base model."""
+    model = k3jax.load_model("tiny-k3", seed=0)
+    engine = make_engine(model, max_loras=1, max_lora_rank=4)
+    rng = np.random.default_rng(0)
+    tensors = {}
+    for t in engine._lora_leaves:
+        for m in t.modules:
+            if m.endswith(("q_proj", "o_proj")):
+                out, inn = engine._leaves[t.b].shape[-1], engine._leaves[t.a].shape[-2 if t.experts else -3]
+                tensors[f"base_model.model.language_model.{m}.lora_A.weight"] = rng.normal(size=(4, inn)).astype(np.float32)
+                tensors[f"base_model.model.language_model.{m}.lora_B.weight"] = rng.normal(size=(out, 4)).astype(np.float32)
+    engine.load_lora_adapter_from_tensors("a", tensors, {"r": 4, "lora_alpha": 8})
+    held = [np.asarray(x) for x in engine._leaves]
+    assert any(np.asarray(engine._leaves[t.b]).any() for t in engine._lora_leaves)  # the adapter is in its slot
+    engine.sleep(level=2)
+    engine.wake_up()
+    engine.update_weights_from_tensor(list(hf_tensors(model.cfg, model.params)))
+    assert not engine.is_sleeping and engine.list_loras() == ["a"]
+    for a, b in zip(held, engine._leaves):
+        np.testing.assert_array_equal(a, np.asarray(b))
 
 
 def test_tensors_cross_to_other_processes_bit_exactly():
