@@ -83,7 +83,7 @@ log = logging.getLogger(__name__)
 MIN_TOKENS_STOP_IDS = 32  # stop tokens a min_tokens request may ban (room in the bias rows)
 BIAS_WIDTH = MAX_LOGIT_BIAS + MIN_TOKENS_STOP_IDS  # logit-bias entries per batch row
 KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chunk_kda default)
-CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request
+CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request (until one waits: _deferred)
 INTERNAL_PRIORITY = 1 << 30  # ... whatever its priority
 MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
 
@@ -2516,18 +2516,29 @@ class Engine:
 
         Requests that share a prefix beyond the deepest checkpoint (a branch point) and arrive
         together would otherwise all recompute from the same shallower checkpoint, each planning
-        the same capture that none of them can use. The first (running, or earliest waiting) one
-        computes and registers the checkpoint; the others wait until it exists, then resume from
-        it. A capture that is dropped (preemption, no free slot) disappears from the pending set,
-        so nobody waits on it for more than the step that would have produced it."""
+        the same capture that none of them can use. The first (running, or first waiting in the
+        scheduler's order: priority, then arrival) one computes and registers the checkpoint; the
+        others wait until it exists, then resume from it. A capture that is dropped (preemption, no
+        free slot) disappears from the pending set, so nobody waits on it for more than the step
+        that would have produced it.
+
+        Nobody waits for a request the scheduler serves after it: a running one of a lower
+        priority (a stream of requests between the two would hold it back) is not waited for, and
+        a canonical re-prefill row (`_spawn_canonical_ids`; those come first) takes the place in
+        the queue (priority, arrival) of the first request that waits for it, so requests that
+        arrive later hold neither back."""
         if self.prefix_cache is None:
             return set()
         a, pending, out = self.align, {}, set()
-        for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.order)):
+        for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.priority, s.order)):
             if s.slot is None and s.hit is not None:
                 n = len(s.all_ids) - 1
-                if any(pending.get(s.hasher.key(b"K", p), s.rid) != s.rid
-                       for p in range(n // a * a, s.computed + a - 1, -a)):
+                owners = {pending.get(s.hasher.key(b"K", p), s.rid) for p in range(n // a * a, s.computed + a - 1, -a)}
+                ahead = [o for o in map(self.seqs.get, owners - {s.rid}) if o.internal or o.priority <= s.priority]
+                for o in ahead:
+                    if o.internal:
+                        o.priority, o.order = min((o.priority, o.order), (s.priority, s.order))
+                if ahead:
                     out.add(s.rid)
                     continue
             for p in s.captures:
@@ -2693,8 +2704,9 @@ class Engine:
                              adapter: Optional[Adapter] = None, embeds: Optional[np.ndarray] = None) -> None:
         """Queue an internal prefill-only row set over the first `pos` of `all_ids` that registers the
         canonical (chunked-prefill) pages and KDA state at `pos`. It queues behind every real
-        request (and is preempted first), never produces output, and is dropped with its memory
-        when it finishes."""
+        request (and is preempted first) until a request waits for it, which it then stands in
+        for (see `_deferred`); it never produces output, and is dropped with its memory when it
+        finishes."""
         if pos < self.align:
             return
         key = hasher.key(b"K", pos)
