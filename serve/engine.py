@@ -2886,7 +2886,7 @@ class Engine:
             routes = None if routes is None else np.asarray(routes)
             hidden = np.asarray(hidden) if any(s.hidden is not None for s in f.seqs) else None
         seqs, rows, t, rows_bucket = f.seqs, f.rows, f.t, f.rows_bucket
-        tokens, lps = np.asarray(res.tokens), np.asarray(res.logprob)
+        tokens, lps, ranks = np.asarray(res.tokens), np.asarray(res.logprob), np.asarray(res.rank)
         if (f.targets >= 0).any():
             self._record_prompt_logprobs(seqs, rows, f.targets, prompt)
         counts = np.asarray(counts)
@@ -2907,7 +2907,7 @@ class Engine:
                     if f.samples[i] and not (seq.finished or seq.internal or seq.beam is not None or verify):
                         touched.add(seq.rid)
                         self._record_positions(seq, start, routes, hidden, i, n)  # (it may finish on this token)
-                        self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+                        self._append(seq, int(tokens[i]), float(lps[i]), int(ranks[i]), top_ids[i], top_lps[i], now)
                     continue
                 if verify:  # (never chained) the drafts rejected were launched but are not computed
                     seq.flight_end = start + 1 + (0 if seq.beam is not None else int(accepted[i]))
@@ -2931,7 +2931,8 @@ class Engine:
                         if seq.finished:
                             break
                         touched.add(seq.rid)
-                        self._append(seq, int(tokens[i, j]), float(lps[i, j]), top_ids[i, j], top_lps[i, j], now)
+                        self._append(seq, int(tokens[i, j]), float(lps[i, j]), int(ranks[i, j]), top_ids[i, j],
+                                     top_lps[i, j], now)
                     seq.draft = []
                     continue
                 seq.computed = start + n
@@ -2949,7 +2950,7 @@ class Engine:
                     self._park(seq, top_ids[i], top_lps[i])
                 elif not seq.finished and seq.computed == len(seq.all_ids):
                     touched.add(seq.rid)
-                    self._append(seq, int(tokens[i]), float(lps[i]), top_ids[i], top_lps[i], now)
+                    self._append(seq, int(tokens[i]), float(lps[i]), int(ranks[i]), top_ids[i], top_lps[i], now)
             except Exception as e:  # this request's bookkeeping only: it ends, the others go on
                 self._host_failed(seq.request_id, e)
 
@@ -2982,7 +2983,8 @@ class Engine:
                 tok = int(targets[i, k])
                 seq.prompt_lps[start + k + 1] = (
                     Logprob(tok, float(lp[i, k]), dec(tok), int(rank[i, k])),
-                    [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[i, k, :n], top_lps[i, k, :n])])
+                    [Logprob(int(a), float(b), dec(int(a)), j + 1)
+                     for j, (a, b) in enumerate(zip(top_ids[i, k, :n], top_lps[i, k, :n]))])
 
     def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]],
                    masks: bool = True) -> StepBatch:
@@ -3074,7 +3076,7 @@ class Engine:
             return lambda i: ""
         return lambda i: self.tokenizer.decode([i], skip_special=False)
 
-    def _append(self, seq: Sequence, tok: int, lp: float, top_ids, top_lps, now: float) -> None:
+    def _append(self, seq: Sequence, tok: int, lp: float, rank: int, top_ids, top_lps, now: float) -> None:
         m = seq.metrics
         if m.first_token_time is None:
             m.first_token_time = now
@@ -3086,8 +3088,9 @@ class Engine:
         if seq.params.logprobs is not None:
             n = seq.params.logprobs
             dec = self._token_text(seq.params)
-            seq.logprobs.append((Logprob(tok, lp, dec(tok)),
-                                 [Logprob(int(a), float(b), dec(int(a))) for a, b in zip(top_ids[:n], top_lps[:n])]))
+            seq.logprobs.append((Logprob(tok, lp, dec(tok), rank),
+                                 [Logprob(int(a), float(b), dec(int(a)), j + 1)
+                                  for j, (a, b) in enumerate(zip(top_ids[:n], top_lps[:n]))]))
         last = False
         if seq.guide is not None:
             if not seq.guide.advance(tok):  # cannot happen with the mask applied; never silently continue

@@ -206,6 +206,7 @@ class SampleResult(NamedTuple):
     logprob: jax.Array  # [B] f32 log_softmax(raw logits)[token] (or another `logprobs_mode`'s value)
     top_ids: jax.Array  # [B, n] i32
     top_logprobs: jax.Array  # [B, n] f32
+    rank: jax.Array  # [B] i32 1 + tokens whose value (the `logprobs_mode`'s) beats the sampled token's (vLLM's rank)
 
 
 class PromptLogprobs(NamedTuple):
@@ -427,7 +428,9 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
     # log_softmax(x)[t] = x[t] - logsumexp(x): no [B, V] log-softmax is written (the top-n are the top-n logits)
     lse = (jax.nn.logsumexp(values, axis=-1) if logprobs_mode.endswith("_logprobs")
            else jnp.zeros((b,), jnp.float32))  # [B]
-    logprob = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0] - lse
+    chosen = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]  # [B]
+    logprob = chosen - lse
+    rank = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)
     if n > 0:
         top_values, top_ids = lax.top_k(values, n)
         top_logprobs = top_values - lse[:, None]
@@ -435,4 +438,4 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
     else:
         top_logprobs = jnp.zeros((b, 0), jnp.float32)
         top_ids = jnp.zeros((b, 0), jnp.int32)
-    return SampleResult(tokens, logprob, top_ids, top_logprobs)
+    return SampleResult(tokens, logprob, top_ids, top_logprobs, rank)

@@ -281,6 +281,10 @@ def test_logprobs_are_raw_log_softmax(sample_fn):
     np.testing.assert_allclose(out.top_logprobs[:5], np.asarray(ref_lp)[:5], rtol=1e-6, atol=1e-6)
     assert out.top_ids.shape == (5, 4) and out.top_ids.dtype == np.int32
     assert out.top_logprobs.dtype == np.float32 and out.logprob.dtype == np.float32
+    # vLLM's rank of the sampled token: 1 + the tokens more likely than it (1 for a greedy row)
+    want = 1 + (ref[:5] > ref[np.arange(5), out.tokens[:5]][:, None]).sum(-1)
+    np.testing.assert_array_equal(out.rank[:5], want)
+    assert out.rank[0] == 1 and out.rank.dtype == np.int32 and want.max() > 1
 
 
 def _processed_reference(logits, params):

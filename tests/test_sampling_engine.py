@@ -560,6 +560,9 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
             assert chosen.token_id == out[i] and chosen.logprob == pytest.approx(want[out[i]], rel=1e-4, abs=1e-4)
             order = np.argsort(-want, kind="stable")[:3]
             np.testing.assert_allclose([t.logprob for t in top], want[order], rtol=1e-4, atol=1e-4)
+            # vLLM's ranks: the sampled token's 1 + the tokens above it (within rounding), the top-n's their place
+            above = lambda eps: 1 + int(np.sum(want > want[out[i]] + eps))  # noqa: E731
+            assert above(1e-4) <= chosen.rank <= above(-1e-4) and [t.rank for t in top] == [1, 2, 3]
         sampled = p.temperature > 0
         differs = [a.logprob != pytest.approx(b.logprob, abs=1e-3) for (a, _), (b, _) in
                    zip(o.outputs[0].logprobs, r.outputs[0].logprobs)]
