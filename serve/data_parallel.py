@@ -37,7 +37,7 @@ import jax
 from serve.async_engine import AsyncEngine
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig, StepFailed
-from serve.types import RequestOutput, SamplingParams
+from serve.types import RequestError, RequestOutput, SamplingParams
 
 
 def replica_devices(size: int, config: EngineConfig) -> list[tuple[int, ...]]:
@@ -431,6 +431,8 @@ class DataParallelAsyncEngine:
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._where:  # (on another replica its stream would run beside the first, whose abort
+            raise RequestError(f"request_id: {request_id!r} is already in use")  # would then miss it)
         seqs = _num_seqs(params or SamplingParams())
         r = self.router.route(_prompt_ids(self.engine, prompt), _salt(cache_salt, lora_request), seqs)
         self._where[request_id] = r

@@ -288,3 +288,40 @@ def test_a_failed_step_under_llm_raises_its_own_error_with_replicas():
     with pytest.raises(StepFailed, match="device lost"):
         llm.generate([[1] * 9, [2] * 9], SamplingParams(max_tokens=1))
     assert r0.aborted == r0.added and r0.reaped == r1.reaped == 1 and llm.engine.router.load == [0, 0]
+
+
+def test_a_request_id_streaming_on_any_replica_is_refused():
+    """DataParallelAsyncEngine.generate with a request_id already streaming (on whichever replica): refused before
+    it is routed, so it neither runs beside the first on another replica nor takes the first's place in the map
+    its abort goes by."""
+    import asyncio
+
+    from serve.data_parallel import DataParallelAsyncEngine, router_for
+    from serve.types import RequestError, SamplingParams
+
+    class Replica:  # an AsyncEngine whose streams run until cancelled
+        def __init__(self):
+            self.aborted = []
+
+        async def generate(self, prompt, params, request_id, *args, on_accept=None):
+            await asyncio.sleep(3600)
+            yield request_id
+
+        def abort(self, request_id):
+            self.aborted.append(request_id)
+
+    async def main():
+        dp = DataParallelAsyncEngine.__new__(DataParallelAsyncEngine)
+        dp.replicas, dp.engine, dp._where = [Replica(), Replica()], object(), {}
+        dp.router = router_for([_Replica([]), _Replica([])], "load")
+        first = asyncio.ensure_future(dp.generate([1, 2, 3], SamplingParams(), "x").__anext__())
+        await asyncio.sleep(0.01)
+        assert dp.router.load == [1, 0] and dp._where == {"x": 0}
+        with pytest.raises(RequestError, match="request_id: 'x' is already in use"):
+            await asyncio.wait_for(dp.generate([4, 5], SamplingParams(), "x").__anext__(), 5)
+        assert dp.router.load == [1, 0] and dp._where == {"x": 0}
+        dp.abort("x")
+        assert dp.replicas[0].aborted == ["x"] and dp.replicas[1].aborted == []
+        first.cancel()
+
+    asyncio.run(main())
