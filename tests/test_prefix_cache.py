@@ -241,6 +241,27 @@ def test_shared_conversation_tail_is_canonicalised_on_reuse(engines):
     assert logprobs(outs[ids[1]]) == logprobs(run(off, cont))
 
 
+_SHORT = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+
+
+def _among_arrivals(engine, prompt, others: list, seed: int, priority: int = 0):
+    """Run `prompt` (greedy, 4 tokens, logprobs) while two 200-token requests of `priority` arrive every step,
+    for up to 40 steps -> its finished output (None if it never finished); then abort `others` and the arrivals
+    and drain the engine."""
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=4)
+    rid, out = engine.add_request(prompt, sp), None
+    for i in range(40):
+        others += [engine.add_request(toks(seed + 2 * i + j, 200), _SHORT, priority=priority) for j in range(2)]
+        out = next((o for o in engine.step() if o.request_id == rid and o.finished), out)
+        if out is not None:
+            break
+    for r in others:
+        engine.abort(r)
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
 def test_a_continuation_waiting_for_its_canonical_tail_is_not_starved_by_later_requests(engines):
     """The canonical row of a shared tail queues behind every real request, and the continuation waits for it:
     the row moves up to the continuation's place, so requests arriving after it all the time (a prefill row
@@ -249,18 +270,8 @@ def test_a_continuation_waiting_for_its_canonical_tail_is_not_starved_by_later_r
     system = toks(34, 100)
     first = run(on, system + toks(35, 20), n=30)  # (no reuse: its tail is canonicalised when reused)
     cont = system + toks(35, 20) + first.token_ids + toks(36, 9)
-    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    others = [on.add_request(toks(900 + i, 200), sp) for i in range(4)]
-    rid, out = on.add_request(cont, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=4)), None
-    for i in range(40):
-        others += [on.add_request(toks(1000 + 2 * i + j, 200), sp) for j in range(2)]
-        out = next((o for o in on.step() if o.request_id == rid and o.finished), out)
-        if out is not None:
-            break
-    for r in others:
-        on.abort(r)
-    while on.has_unfinished():
-        on.step()
+    others = [on.add_request(toks(900 + i, 200), _SHORT) for i in range(4)]
+    out = _among_arrivals(on, cont, others, 1000)
     assert out is not None, "the continuation never ran"
     assert out.num_cached_tokens == 149 // on.align * on.align  # resumed from the canonical tail
     assert logprobs(out) == logprobs(run(off, cont, n=4))
@@ -273,20 +284,10 @@ def test_a_request_does_not_wait_for_a_lower_priority_one_to_checkpoint_their_br
     on, off = emptied(engines)
     z = toks(37, 200)
     run(on, z)  # pages to 192, no checkpoint below 150
-    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    others = [on.add_request(toks(910 + i, 200), sp, priority=1) for i in range(4)]
-    others.append(on.add_request(z[:150] + toks(38, 5), sp, priority=5))
+    others = [on.add_request(toks(910 + i, 200), _SHORT, priority=1) for i in range(4)]
+    others.append(on.add_request(z[:150] + toks(38, 5), _SHORT, priority=5))
     high = z[:150] + toks(39, 5)
-    rid, out = on.add_request(high, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, logprobs=4)), None
-    for i in range(40):
-        others += [on.add_request(toks(1100 + 2 * i + j, 200), sp, priority=1) for j in range(2)]
-        out = next((o for o in on.step() if o.request_id == rid and o.finished), out)
-        if out is not None:
-            break
-    for r in others:
-        on.abort(r)
-    while on.has_unfinished():
-        on.step()
+    out = _among_arrivals(on, high, others, 1100, priority=1)
     assert out is not None, "the higher-priority request never ran"
     assert logprobs(out) == logprobs(run(off, high, n=4))
 
