@@ -206,14 +206,14 @@ class SampleResult(NamedTuple):
     logprob: jax.Array  # [B] f32 log_softmax(raw logits)[token] (or another `logprobs_mode`'s value)
     top_ids: jax.Array  # [B, n] i32
     top_logprobs: jax.Array  # [B, n] f32
-    rank: jax.Array  # [B] i32 1 + tokens whose value (the `logprobs_mode`'s) beats the sampled token's (vLLM's rank)
+    rank: jax.Array  # [B] i32 tokens whose value (the `logprobs_mode`'s) is at least the sampled token's (vLLM v1's rank)
 
 
 class PromptLogprobs(NamedTuple):
     """Logprobs of given next tokens at every position of a chunk (zeros where not asked)."""
 
     logprob: jax.Array  # [B, T] f32 log_softmax(logits at t)[targets[t]]
-    rank: jax.Array  # [B, T] i32 1 + tokens more likely than the target
+    rank: jax.Array  # [B, T] i32 tokens at least as likely as the target (itself included: 1 = the most likely)
     top_ids: jax.Array  # [B, T, n] i32
     top_logprobs: jax.Array  # [B, T, n] f32
 
@@ -239,7 +239,7 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
         if logprobs_mode.endswith("_logprobs"):
             lp = jax.nn.log_softmax(lp, axis=-1)
         chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], axis=-1)  # [B, T, 1]
-        rank = 1 + jnp.sum(lp > chosen, axis=-1, dtype=jnp.int32)
+        rank = jnp.sum(lp >= chosen, axis=-1, dtype=jnp.int32)  # (vLLM v1's: ties count against the target)
         if n:
             top_lps, top_ids = lax.top_k(lp, n)
         else:
@@ -430,7 +430,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
            else jnp.zeros((b,), jnp.float32))  # [B]
     chosen = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]  # [B]
     logprob = chosen - lse
-    rank = 1 + jnp.sum(values > chosen[:, None], axis=-1, dtype=jnp.int32)
+    rank = jnp.sum(values >= chosen[:, None], axis=-1, dtype=jnp.int32)
     if n > 0:
         top_values, top_ids = lax.top_k(values, n)
         top_logprobs = top_values - lse[:, None]

@@ -255,7 +255,7 @@ class Logprob:
     token_id: int
     logprob: float
     decoded: str = ""
-    rank: Optional[int] = None  # 1 = the most likely token (vLLM's: 1 + tokens with a higher value; top-n: their place)
+    rank: Optional[int] = None  # 1 = the most likely (vLLM v1's: the tokens with a value >= its; top-n: their place)
 
 
 @dataclass

@@ -99,6 +99,8 @@ def test_greedy_is_argmax(sample_fn):
     np.testing.assert_array_equal(out.tokens, np.asarray(jnp.argmax(jnp.asarray(logits), axis=-1)))
     assert out.tokens[3] == 10
     assert out.tokens.dtype == np.int32
+    # vLLM v1's rank counts the tie against the token: 2 for the tied argmax, 1 for the other rows
+    assert out.rank[3] == 2 and (np.delete(out.rank, 3) == 1).all()
 
 
 def test_greedy_rows_mixed_with_sampled_rows(sample_fn):
@@ -281,8 +283,8 @@ def test_logprobs_are_raw_log_softmax(sample_fn):
     np.testing.assert_allclose(out.top_logprobs[:5], np.asarray(ref_lp)[:5], rtol=1e-6, atol=1e-6)
     assert out.top_ids.shape == (5, 4) and out.top_ids.dtype == np.int32
     assert out.top_logprobs.dtype == np.float32 and out.logprob.dtype == np.float32
-    # vLLM's rank of the sampled token: 1 + the tokens more likely than it (1 for a greedy row)
-    want = 1 + (ref[:5] > ref[np.arange(5), out.tokens[:5]][:, None]).sum(-1)
+    # vLLM v1's rank of the sampled token: the tokens at least as likely as it (1 for a greedy row without ties)
+    want = (ref[:5] >= ref[np.arange(5), out.tokens[:5]][:, None]).sum(-1)
     np.testing.assert_array_equal(out.rank[:5], want)
     assert out.rank[0] == 1 and out.rank.dtype == np.int32 and want.max() > 1
 
@@ -398,7 +400,7 @@ def test_prompt_positions_are_scored_raw_in_every_mode(mode):
         want = want - np.log(np.sum(np.exp(want), axis=-1, keepdims=True))
     safe = np.maximum(targets, 0)
     np.testing.assert_allclose(got.logprob, np.take_along_axis(want, safe[..., None], -1)[..., 0], rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(got.rank, 1 + np.sum(x > np.take_along_axis(x, safe[..., None], -1), -1))
+    np.testing.assert_array_equal(got.rank, np.sum(x >= np.take_along_axis(x, safe[..., None], -1), -1))
     np.testing.assert_array_equal(got.top_ids, np.argsort(-x, -1, kind="stable")[..., :3])
     np.testing.assert_allclose(got.top_logprobs, -np.sort(-want, -1)[..., :3], rtol=1e-5, atol=1e-5)
 

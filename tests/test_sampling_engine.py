@@ -295,7 +295,7 @@ def test_prompt_logprobs_match_the_full_forward_and_bypass_the_prefix_cache(llm,
         chosen, alts = got[k]
         assert chosen.token_id == prompt[k]
         assert chosen.logprob == pytest.approx(float(lp[prompt[k]]), rel=1e-5, abs=2e-5)  # fp32: 2.1e-5 seen
-        assert chosen.rank == 1 + int(np.sum(lp > lp[prompt[k]]))
+        assert chosen.rank == int(np.sum(lp >= lp[prompt[k]]))
         assert [a.token_id for a in alts] == list(np.argsort(-lp, kind="stable")[:3])
     again = llm.generate([prompt], SP(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     assert again.num_cached_tokens == 0  # the prompt is cached now, but scored anew
@@ -560,7 +560,7 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
             assert chosen.token_id == out[i] and chosen.logprob == pytest.approx(want[out[i]], rel=1e-4, abs=1e-4)
             order = np.argsort(-want, kind="stable")[:3]
             np.testing.assert_allclose([t.logprob for t in top], want[order], rtol=1e-4, atol=1e-4)
-            # vLLM's ranks: the sampled token's 1 + the tokens above it (within rounding), the top-n's their place
+            # vLLM's ranks: the sampled token's the tokens at or above it (within rounding), the top-n's their place
             above = lambda eps: 1 + int(np.sum(want > want[out[i]] + eps))  # noqa: E731
             assert above(1e-4) <= chosen.rank <= above(-1e-4) and [t.rank for t in top] == [1, 2, 3]
         sampled = p.temperature > 0
