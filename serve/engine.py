@@ -521,6 +521,11 @@ def _compiler_options_known(options: tuple) -> bool:
         return False
 
 
+def _alternatives(top_ids: np.ndarray, top_lps: np.ndarray, n: int, dec) -> list[Logprob]:
+    """The first `n` top-n alternatives [n'] as Logprobs, each ranked by its place (vLLM's)."""
+    return [Logprob(int(a), float(b), dec(int(a)), j + 1) for j, (a, b) in enumerate(zip(top_ids[:n], top_lps[:n]))]
+
+
 @dataclass
 class Sequence:
     rid: str  # engine-internal id (request id + sample index)
@@ -1549,10 +1554,7 @@ class Engine:
         self._drain()
         adapter = self.loras.get(name)
         canonical = [s for s in self.seqs.values() if s.internal and s.lora is adapter and not s.finished]
-        in_use = adapter.requests - {s.rid for s in canonical}
-        if in_use:  # refused before its canonical rows' work is thrown away
-            raise LoRAError(f"lora_name {name!r}: {len(in_use)} requests in flight use it; finish or abort them "
-                            f"first")
+        self.loras.check_unused(name, besides={s.rid for s in canonical})  # before their work is thrown away
         for s in canonical:
             self._finish(s, "abort")  # canonical rows of its prefixes
         self.loras.remove(name)
@@ -2983,8 +2985,7 @@ class Engine:
                 tok = int(targets[i, k])
                 seq.prompt_lps[start + k + 1] = (
                     Logprob(tok, float(lp[i, k]), dec(tok), int(rank[i, k])),
-                    [Logprob(int(a), float(b), dec(int(a)), j + 1)
-                     for j, (a, b) in enumerate(zip(top_ids[i, k, :n], top_lps[i, k, :n]))])
+                    _alternatives(top_ids[i, k], top_lps[i, k], n, dec))
 
     def _pad_batch(self, rows: int, t: int, pages: int, items: list[tuple[Sequence, int, int]],
                    masks: bool = True) -> StepBatch:
@@ -3088,9 +3089,7 @@ class Engine:
         if seq.params.logprobs is not None:
             n = seq.params.logprobs
             dec = self._token_text(seq.params)
-            seq.logprobs.append((Logprob(tok, lp, dec(tok), rank),
-                                 [Logprob(int(a), float(b), dec(int(a)), j + 1)
-                                  for j, (a, b) in enumerate(zip(top_ids[:n], top_lps[:n]))]))
+            seq.logprobs.append((Logprob(tok, lp, dec(tok), rank), _alternatives(top_ids, top_lps, n, dec)))
         last = False
         if seq.guide is not None:
             if not seq.guide.advance(tok):  # cannot happen with the mask applied; never silently continue

@@ -408,11 +408,16 @@ class Registry:
         self.in_slot[slot] = adapter
         return slot
 
-    def remove(self, name: str) -> Adapter:
+    def check_unused(self, name: str, besides=frozenset()) -> Adapter:
+        """The adapter `name`, unless requests other than `besides` (request ids) use it: a LoRAError then."""
         adapter = self.get(name)
-        if adapter.requests:
-            raise LoRAError(f"lora_name {name!r}: {len(adapter.requests)} requests in flight use it; finish or "
-                            f"abort them first")
+        used = adapter.requests - set(besides)
+        if used:
+            raise LoRAError(f"lora_name {name!r}: {len(used)} requests in flight use it; finish or abort them first")
+        return adapter
+
+    def remove(self, name: str) -> Adapter:
+        adapter = self.check_unused(name)
         if adapter.slot is not None:
             del self.in_slot[adapter.slot]
         return self.by_name.pop(name)

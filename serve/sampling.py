@@ -209,6 +209,12 @@ class SampleResult(NamedTuple):
     rank: jax.Array  # [B] i32 tokens whose value (the `logprobs_mode`'s) is at least the sampled token's (vLLM v1's rank)
 
 
+def _rank(values: jax.Array, chosen: jax.Array) -> jax.Array:
+    """vLLM v1's rank of a token: the entries of `values` [..., V] at least its value `chosen` [..., 1] (ties count
+    against it; 1 = the most likely) -> int32 [...]."""
+    return jnp.sum(values >= chosen, axis=-1, dtype=jnp.int32)
+
+
 class PromptLogprobs(NamedTuple):
     """Logprobs of given next tokens at every position of a chunk (zeros where not asked)."""
 
@@ -239,7 +245,7 @@ def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Arr
         if logprobs_mode.endswith("_logprobs"):
             lp = jax.nn.log_softmax(lp, axis=-1)
         chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], axis=-1)  # [B, T, 1]
-        rank = jnp.sum(lp >= chosen, axis=-1, dtype=jnp.int32)  # (vLLM v1's: ties count against the target)
+        rank = _rank(lp, chosen)
         if n:
             top_lps, top_ids = lax.top_k(lp, n)
         else:
@@ -430,7 +436,7 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
            else jnp.zeros((b,), jnp.float32))  # [B]
     chosen = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]  # [B]
     logprob = chosen - lse
-    rank = jnp.sum(values >= chosen[:, None], axis=-1, dtype=jnp.int32)
+    rank = _rank(values, chosen[:, None])
     if n > 0:
         top_values, top_ids = lax.top_k(values, n)
         top_logprobs = top_values - lse[:, None]
