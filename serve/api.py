@@ -1019,8 +1019,11 @@ class _CompletionFormat(_Format):
         for chosen, alts in entries:
             tokens.append(self.token_text(chosen))
             lps.append(None if chosen.logprob is None else _finite_lp(chosen.logprob))
-            top: Optional[dict[str, float]] = None if alts is None else {}
-            for a in alts or ():
+            # OpenAI's legacy shape (vLLM's too): the chosen token, then the `logprobs` most likely (up to
+            # logprobs + 1 entries; the prompt's alternatives may be more, for prompt_logprobs)
+            top: Optional[dict[str, float]] = None if alts is None else {
+                self.token_text(chosen): _finite_lp(chosen.logprob)}
+            for a in (alts or ())[:self.logprobs]:
                 top.setdefault(self.token_text(a), _finite_lp(a.logprob))
             tops.append(top)
             offs.append(offset)

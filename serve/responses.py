@@ -269,7 +269,7 @@ class ResponseEvents:
         self.open = item
         i = len(self.items) - 1
         ev.append(self._event("response.output_item.added", output_index=i,
-                              item={**item, "content": list(item["content"])}))
+                              item={**item, "content": [dict(p) for p in item["content"]]}))  # (as it is now)
         if kind == "message":
             part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
             item["content"].append(part)

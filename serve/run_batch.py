@@ -106,7 +106,8 @@ async def run_requests(app, requests: list[BatchRequest], write: Callable[[dict]
         rid = body.get("id") if isinstance(body, dict) else None
         write(output_line(req, r.status_code, body, rid or f"req_{uuid.uuid4().hex}"))
 
-    transport = httpx.ASGITransport(app=app)
+    # an app error is answered (500, OpenAI's body) and written as that request's line, not raised into the batch
+    transport = httpx.ASGITransport(app=app, raise_app_exceptions=False)
     async with httpx.AsyncClient(transport=transport, base_url="http://k3jax", timeout=None) as client:
         await asyncio.gather(*(one(client, r) for r in requests))
     return counts

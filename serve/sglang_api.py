@@ -5,9 +5,9 @@ serves, scripts written against SGLang. (`/flush_cache`, `/abort_request`, `/hea
 `/update_weights_from_disk` live with their vLLM twins in serve/api.py.)
 
 Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vectors [L, H], with
-`--enable-prompt-embeds`), a `sampling_params` object (SGLang's names: `max_new_tokens` (default 128),
-`min_new_tokens`, `stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties,
-`n`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `json_schema` / `regex` / `ebnf`,
+`--enable-prompt-embeds`), a `sampling_params` object (SGLang's names: `max_new_tokens` (default 128, or what
+the context leaves when less), `min_new_tokens`, `stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`,
+`min_p`, the penalties, `n`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `json_schema` / `regex` / `ebnf`,
 `sampling_seed`, `logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
 prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
 loaded adapter's name), `priority`, `return_routed_experts` (with `--enable-return-routed-experts`; from
@@ -45,11 +45,15 @@ _NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed"
           "structured_outputs.grammar": "sampling_params.ebnf"}
 
 
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's
+
+
 class GenerateSamplingParams(BaseModel):
     """SGLang's `sampling_params` (the fields this server serves; any other is refused, named)."""
 
     model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-    max_new_tokens: Optional[int] = Field(128, ge=1)
+    max_new_tokens: Optional[int] = Field(DEFAULT_MAX_NEW_TOKENS, ge=1,
+                                          description="default: 128, or what the context leaves when less")
     min_new_tokens: int = Field(0, ge=0)
     stop: Optional[Union[str, list[str]]] = None
     stop_token_ids: Optional[list[int]] = None
@@ -132,7 +136,16 @@ def prompts_of(st: "api.ServerState", body: GenerateRequest) -> tuple[list, bool
     return prompts, batch, given[0]
 
 
-def sampling_of(st: "api.ServerState", body: GenerateRequest) -> SamplingParams:
+def max_new_tokens_of(st: "api.ServerState", sp: GenerateSamplingParams, prompts: list) -> Optional[int]:
+    """`max_new_tokens` as given, else SGLang's default 128 cut to what the context leaves after the longest
+    prompt (SGLang refuses only a given value that does not fit)."""
+    if "max_new_tokens" in sp.model_fields_set:
+        return sp.max_new_tokens
+    room = (st.max_model_len or 0) - max((api._prompt_len(p) for p in prompts), default=0)
+    return min(DEFAULT_MAX_NEW_TOKENS, room) if room >= 1 else DEFAULT_MAX_NEW_TOKENS
+
+
+def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list) -> SamplingParams:
     sp = body.sampling_params or GenerateSamplingParams()
     constraints = [(k, v) for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("grammar", sp.ebnf))
                    if v is not None]
@@ -150,7 +163,7 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest) -> SamplingParams:
     params = SamplingParams(
         n=sp.n, temperature=unset(sp.temperature, "temperature", 1.0), top_p=unset(sp.top_p, "top_p", 1.0),
         top_k=unset(sp.top_k, "top_k", -1), min_p=unset(sp.min_p, "min_p", 0.0), seed=sp.sampling_seed,
-        max_tokens=sp.max_new_tokens, min_tokens=sp.min_new_tokens, stop=sp.stop or [],
+        max_tokens=max_new_tokens_of(st, sp, prompts), min_tokens=sp.min_new_tokens, stop=sp.stop or [],
         stop_token_ids=sp.stop_token_ids or [], ignore_eos=sp.ignore_eos, logprobs=logprobs,
         include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
@@ -270,7 +283,7 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     """The route's work: the shared admission, engine run and streaming path with SGLang's shapes."""
     arrival = time.monotonic()
     prompts, batch, field = prompts_of(st, body)
-    params = sampling_of(st, body)
+    params = sampling_of(st, body, prompts)
     if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
         raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",
                            param="logprob_start_len")

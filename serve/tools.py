@@ -141,6 +141,8 @@ def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
         calls = value if ok else None
     if calls is None:
         return None
+    if not plan.parallel:  # (vLLM's: the first call only; `auto` answers are not constrained to one)
+        calls = calls[:1]
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
             for c in calls]

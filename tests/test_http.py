@@ -229,7 +229,9 @@ def test_completion_echo_logprobs_score_the_prompt(http):
     assert c["text"].startswith(prompt) and len(lp["tokens"]) == len(prompt) + 1
     assert "".join(lp["tokens"][:len(prompt)]) == prompt
     assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
-    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(1 <= len(t) <= 2 for t in lp["top_logprobs"][1:])
+    assert all(x <= 0 for x in lp["token_logprobs"][1:]) and all(1 <= len(t) <= 3 for t in lp["top_logprobs"][1:])
+    # OpenAI's legacy shape: each token's top_logprobs hold it (then the 2 most likely)
+    assert all(t[tok] == x for tok, x, t in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:]))
     assert lp["text_offset"][:3] == [0, 1, 2]
     v = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, max_tokens=1, temperature=0,
                                                prompt_logprobs=1, ignore_eos=True)).json()["choices"][0]

@@ -156,6 +156,26 @@ def test_return_tokens_as_token_ids_server_default_and_request_override():
     assert app.state.k3.return_tokens_as_token_ids is True
 
 
+def test_completion_top_logprobs_hold_the_chosen_token_and_the_top_n():
+    """Completions' legacy logprobs (OpenAI's, vLLM's): each top_logprobs has the chosen token, then the
+    `logprobs` most likely ones (up to logprobs + 1 entries; an echoed prompt's alternatives are cut to
+    `logprobs` though prompt_logprobs asked for more); the first prompt token's is null."""
+    from types import SimpleNamespace
+
+    from serve.api import _CompletionFormat
+    from serve.types import Logprob
+
+    st = SimpleNamespace(model_name="m", tokenizer=None, return_tokens_as_token_ids=False)
+    a, b, c = Logprob(97, -2.0, "a"), Logprob(98, -0.5, "b"), Logprob(99, -1.0, "c")
+    entries = [(Logprob(120, None, "x"), None), (a, [b, c]), (b, [b, c])]
+    for n, want in ((1, [None, {"a": -2.0, "b": -0.5}, {"b": -0.5}]),
+                    (0, [None, {"a": -2.0}, {"b": -0.5}]),
+                    (2, [None, {"a": -2.0, "b": -0.5, "c": -1.0}, {"b": -0.5, "c": -1.0}])):
+        got = _CompletionFormat(st, "id", 1, n, 0, echo_texts=[""])._logprobs(entries, 0)
+        assert got["top_logprobs"] == want and list(got["top_logprobs"][1])[0] == "a"  # the chosen token first
+        assert got["tokens"] == ["x", "a", "b"] and got["token_logprobs"] == [None, -2.0, -0.5]
+
+
 def test_every_serve_option_reaches_the_server():
     """`k3jax serve` reads its options through `DEFAULTS` (serve_main), so a flag without an entry there would
     be parsed and then silently dropped (as --return-tokens-as-token-ids was)."""
@@ -517,9 +537,52 @@ def test_generate_refuses_hidden_states_unless_the_server_returns_them():
     from serve.sglang_api import GenerateRequest, sampling_of
 
     body = GenerateRequest(input_ids=[1, 2, 3], return_hidden_states=True)
-    st = SimpleNamespace(vocab_size=512, max_logprobs=5, hidden_states=False)
+    st = SimpleNamespace(vocab_size=512, max_logprobs=5, hidden_states=False, max_model_len=64)
     with pytest.raises(APIError) as e:
-        sampling_of(st, body)
+        sampling_of(st, body, [[1, 2, 3]])
     assert e.value.status == 400 and e.value.param == "return_hidden_states"
     st.hidden_states = True
-    assert sampling_of(st, body).return_hidden_states
+    assert sampling_of(st, body, [[1, 2, 3]]).return_hidden_states
+
+
+class _Recorder:
+    """A stand-in AsyncEngine that answers every request with one token, recording its params."""
+
+    def __init__(self, max_model_len: int):
+        from types import SimpleNamespace as NS
+
+        self.engine = NS(tokenizer=None, cfg=NS(vocab_size=512, family="byte", hidden_size=4), decode_buckets=[4],
+                         config=NS(max_model_len=max_model_len, max_logprobs=5), generation_defaults={})
+        self.capacity, self.alive, self.params = 4, True, []
+
+    def stats(self) -> dict:
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestOutput
+
+        self.params.append(params)
+        on_accept()
+        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(j, "", [7], "length")
+                                                              for j in range(params.n)], finished=True)
+
+
+def test_generate_default_max_new_tokens_shrinks_to_the_context():
+    """/generate (SGLang's): an unset max_new_tokens is 128, or what the context leaves after the (longest)
+    prompt if less; a given one that does not fit is refused."""
+    eng = _Recorder(max_model_len=160)
+    app = create_app(eng, "m")
+
+    async def go(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/generate", json=body)
+
+    for body, want in (({"input_ids": [1] * 10}, 128), ({"input_ids": [1] * 100}, 60),
+                       ({"input_ids": [[1] * 4, [1] * 150], "sampling_params": {"temperature": 0}}, 10),
+                       ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 60}}, 60),
+                       ({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": None}}, None)):
+        r = asyncio.run(go(body))
+        assert r.status_code == 200, r.text
+        assert eng.params[-1].max_tokens == want, (body, want)
+    r = asyncio.run(go({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 61}}))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"

@@ -78,3 +78,48 @@ def test_failures_keep_the_api_error_or_name_the_line(batch_run):
     assert bad["status_code"] == 400 and bad["body"]["error"]["param"] == "max_tokens"
     assert by_id["bad-url"]["response"] is None
     assert "url must be one of" in by_id["bad-url"]["error"]["message"]
+
+
+class _FailingEngine:
+    """A stand-in AsyncEngine: answers "ok", except that a prompt "bad" fails as a failed engine step does."""
+
+    def __init__(self):
+        from types import SimpleNamespace as NS
+
+        from k3jax.tokenizer import ByteTokenizer
+
+        self.engine = NS(tokenizer=ByteTokenizer(320), cfg=NS(vocab_size=320, family="byte", hidden_size=4),
+                         decode_buckets=[4], config=NS(max_model_len=64, max_logprobs=5), generation_defaults={})
+        self.capacity, self.alive = 4, True
+
+    def stats(self) -> dict:
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestOutput
+
+        on_accept()
+        if bytes(prompt) == b"bad":
+            raise RuntimeError("device lost")
+        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "ok", [111, 107], "stop")],
+                            finished=True)
+
+
+def test_a_request_the_server_fails_is_a_500_line_and_the_batch_goes_on():
+    """An engine failure is a 500 answer for that line (the server's body); the other lines still run."""
+    import io
+
+    from serve.api import create_app
+    from serve.run_batch import run_batch
+
+    app = create_app(_FailingEngine(), "m", max_waiting=None)
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions", "body": {"prompt": p}})
+             for c, p in (("a", "good"), ("b", "bad"), ("c", "ok"))]
+    out = io.StringIO()
+    counts = run_batch(app, lines, out, 1)
+    assert (counts["succeeded"], counts["failed"], counts["invalid"]) == (2, 1, 0)
+    by_id = {r["custom_id"]: r for r in map(json.loads, out.getvalue().splitlines())}
+    assert set(by_id) == {"a", "b", "c"}
+    failed = by_id["b"]["response"]
+    assert failed["status_code"] == 500 and failed["body"]["error"]["type"] == "internal_error"
+    assert by_id["c"]["response"]["body"]["choices"][0]["text"] == "ok"

@@ -206,6 +206,21 @@ def test_auto_returns_calls_or_text_and_streams_text_at_once():
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
 
 
+def test_auto_calls_without_parallel_tool_calls_keep_the_first():
+    """parallel_tool_calls false (vLLM's): an unconstrained `auto` answer with several calls returns the first
+    only, whole and streamed."""
+    answer = '[{"name": "add", "parameters": {"a": 1, "b": 2}}, {"name": "get_weather", "parameters": {"city": "x"}}]'
+    status, r = _chat(ScriptedEngine(), [answer], parallel_tool_calls=False)
+    calls = r["choices"][0]["message"]["tool_calls"]
+    assert status == 200 and [c["function"]["name"] for c in calls] == ["add"]
+    assert r["choices"][0]["finish_reason"] == "tool_calls"
+    status, chunks = _chat(ScriptedEngine(), [answer], stream=True, parallel_tool_calls=False)
+    deltas = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert _calls_from(deltas) == [("add", '{"a": 1, "b": 2}')]
+    status, r = _chat(ScriptedEngine(), [answer])  # (parallel calls by default)
+    assert len(r["choices"][0]["message"]["tool_calls"]) == 2
+
+
 def test_tool_history_and_none():
     eng = ScriptedEngine()
     msgs = [{"role": "user", "content": "add 1 and 2"},
@@ -427,6 +442,22 @@ def test_stored_responses_continue_conversations_per_key():
                 await a.responses.create(model="m", input="again", previous_response_id=r1.id)
     asyncio.run(go())
     assert len(app.state.k3.responses) == 3
+
+
+def test_responses_stream_adds_reasoning_items_empty():
+    """`response.output_item.added` shows the item as it is then: the reasoning text arrives in the deltas only
+    (a client that starts from the added item and appends the deltas gets it once)."""
+    from serve.responses import ResponseEvents
+
+    ev = ResponseEvents("r", 0, SimpleNamespace(), "m", channels=True)
+    events = [e for d in ({"reasoning_content": "Let me "}, {"reasoning_content": "think"}, {"content": "Yes"})
+              for e in ev.chunk({"choices": [{"delta": d, "logprobs": None, "finish_reason": None}]})]
+    added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
+    assert [a["type"] for a in added] == ["reasoning", "message"]
+    assert added[0]["content"] == [{"type": "reasoning_text", "text": ""}] and added[1]["content"] == []
+    deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
+    assert added[0]["content"][0]["text"] + deltas == "Let me think"
+    assert ev.items[0]["content"][0]["text"] == "Let me think"
 
 
 def test_responses_logprobs_keep_only_the_answer_channels_tokens():
