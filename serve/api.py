@@ -737,7 +737,10 @@ class _Run:
         self.unfinished = set(range(len(prompts)))
         self.closed = False
         self._last = [[None] * params.n for _ in prompts]
-        self._ttft_done = [False] * len(prompts)
+        # per prompt, the samples whose first token / finish the request histograms have seen: vLLM observes each
+        # of a request's n samples as a request of its own (as `vllm:request_success` counts them)
+        self._started: list[set[int]] = [set() for _ in prompts]
+        self._ended: list[set[int]] = [set() for _ in prompts]
 
     def start(self) -> None:
         self.st.track(self)
@@ -829,14 +832,16 @@ class _Run:
         m, now = self.st.metrics, time.monotonic()
         self.st.last_output = now
         self._merge(i, out)
+        # the engine's first token time is the prompt's first sample's: later samples' first tokens are timed here
+        ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
+        ft = ft if not self._started[i] else None
+        qs = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
         for o in out.outputs:
             j, k = o.index, len(o.token_ids)
             if k > 0:
-                if not self._ttft_done[i]:
-                    self._ttft_done[i] = True
-                    ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
+                if j not in self._started[i]:
+                    self._started[i].add(j)
                     m.ttft.observe(max(0.0, (ft or now) - self.arrival))
-                    qs = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
                     if qs is not None:
                         m.queue.observe(max(0.0, qs - self.arrival))
                 if self._last[i][j] is not None:
@@ -844,13 +849,14 @@ class _Run:
                     for _ in range(k):
                         m.itl.observe(dt)
                 self._last[i][j] = now
-        if out.finished and i in self.unfinished:
-            self.unfinished.discard(i)
-            m.e2e.observe(now - self.arrival)
-            m.req_prompt.observe(_prompt_len(self.prompts[i]))
-            m.req_gen.observe(sum(len(o.token_ids) for o in self._whole[i].outputs))
-            for o in self._whole[i].outputs:
+            if o.finish_reason is not None and j not in self._ended[i]:
+                self._ended[i].add(j)
+                m.e2e.observe(now - self.arrival)
+                m.req_prompt.observe(_prompt_len(self.prompts[i]))
+                m.req_gen.observe(len(next(c for c in self._whole[i].outputs if c.index == j).token_ids))
                 m.finished(o.finish_reason)
+        if out.finished:
+            self.unfinished.discard(i)
 
     def usage(self) -> dict:
         p = sum(map(_prompt_len, self.prompts))
@@ -868,7 +874,7 @@ class _Run:
             if not t.done():
                 t.cancel()
         if self.tasks:
-            for _ in range(len(self.unfinished) * self.params.n):
+            for _ in range(sum(self.params.n - len(self._ended[i]) for i in self.unfinished)):
                 self.st.metrics.finished("abort")
         self.ticket.settle(self.usage()["total_tokens"])
         self.st.release(self.nseqs)

@@ -36,7 +36,7 @@ import jax
 
 from serve.async_engine import AsyncEngine
 from serve.beam_search import BeamSearchParams
-from serve.engine import Engine, EngineConfig, StepFailed
+from serve.engine import Engine, EngineConfig, StepFailed, kv_cache_usage
 from serve.types import RequestError, RequestOutput, SamplingParams
 
 
@@ -209,7 +209,8 @@ def merge_stats(stats: list[dict], devices: list[tuple[int, ...]], router: Prefi
     """One engine's `stats()` shape over all replicas: counters and memory summed, configuration once,
     usage ratios recomputed from the sums; plus `data_parallel_size` and each replica's own gauges."""
     out = _merge("", stats)
-    out["kv_cache_usage"] = 1.0 - out["arena_free_units"] / out["arena_baseline_free_units"]
+    out["kv_cache_usage"] = kv_cache_usage(out["arena_free_units"], out.get("arena_cached_units", 0),
+                                           out["arena_baseline_free_units"])
     pc = out.get("prefix_cache") or {}
     if "hit_rate" in pc:
         pc["hit_rate"] = pc["hit_tokens"] / pc["query_tokens"] if pc["query_tokens"] else 0.0

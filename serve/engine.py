@@ -3177,6 +3177,8 @@ class Engine:
         outs = [o for o in outs if o is not None]
         first = min((s.metrics.first_token_time for s in req.seqs if s.metrics.first_token_time), default=None)
         req.metrics.first_token_time = first
+        req.metrics.last_token_time = max((s.metrics.last_token_time for s in req.seqs if s.metrics.last_token_time),
+                                          default=None)
         req.metrics.first_scheduled_time = min((s.metrics.first_scheduled_time for s in req.seqs
                                                 if s.metrics.first_scheduled_time), default=None)
         if req.finished:
@@ -3393,6 +3395,7 @@ class Engine:
     def stats(self) -> dict:
         live = [s for s in self.seqs.values() if not s.finished and not s.internal]
         by_kind = self.allocator.bytes_by_kind()
+        cached = self._cached_units()
         return {
             **self.counters,
             "compiles_after_warmup": self.compiles_after_warmup,
@@ -3402,8 +3405,8 @@ class Engine:
             "memory_plan": self.memory_plan.as_dict() if self.memory_plan is not None else None,
             "arena_free_units": self.allocator.free_units,
             "arena_baseline_free_units": self.allocator.baseline_free_units,
-            "kv_cache_usage": 1.0 - self.allocator.free_units / self.allocator.baseline_free_units,
-            "arena_cached_units": self._cached_units(),
+            "kv_cache_usage": kv_cache_usage(self.allocator.free_units, cached, self.allocator.baseline_free_units),
+            "arena_cached_units": cached,
             **self.page_tables.counters, "page_tables_bytes": self.page_tables.nbytes,
             "expert_counts": self.expert_counts.tolist(),
             "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
@@ -3466,6 +3469,12 @@ class Engine:
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
+
+
+def kv_cache_usage(free: int, cached: int, baseline: int) -> float:
+    """vLLM's kv_cache_usage_perc: the share of the arena requests hold; units only the prefix cache holds are
+    free (evicted on demand), as vLLM counts its cached blocks with no request on them."""
+    return 1.0 - (free + cached) / baseline if baseline else 0.0
 
 
 def _zeros(shape, dtype, sharding=None) -> jax.Array:

@@ -117,7 +117,8 @@ class EngineCollector:
                     s.get("num_requests_running", 0))
         yield gauge("vllm:num_requests_waiting", "Sequences waiting for a state slot.",
                     s.get("num_requests_waiting", 0))
-        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the cache arena in use (MLA pages + KDA slots), 0-1.",
+        yield gauge("vllm:kv_cache_usage_perc", "Fraction of the cache arena requests hold (MLA pages + KDA slots; "
+                    "units only the prefix cache holds count as free, as vLLM's), 0-1.",
                     s.get("kv_cache_usage", 0.0))
         yield counter("vllm:prompt_tokens", "Prompt tokens admitted (per sequence).", s.get("prompt_tokens", 0))
         yield counter("vllm:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))

@@ -62,6 +62,9 @@ def test_merged_stats_sum_counters_and_recompute_ratios():
     assert m["expert_counts"] == [[2, 4], [6, 8]] and m["arena_bytes"] == {"mla": 10, "kda": 14}
     assert m["data_parallel_size"] == 2 and [x["devices"] for x in m["replicas"]] == [[0, 1], [2, 3]]
     assert m["replicas"][0]["kv_cache_usage"] == 0.5
+    # units only the prefix cache holds are free to vLLM's usage (evicted on demand)
+    cached = merge_stats([{**one(50, 10, 20, 2), "arena_cached_units": 25}, one(100, 0, 60, 0)], [(0,), (1,)], router)
+    assert cached["kv_cache_usage"] == pytest.approx(0.125)
 
 
 def test_bad_data_parallel_and_device_options_name_the_option():

@@ -363,6 +363,17 @@ def test_seeded_sampling_is_reproducible(engine, prompts):
     assert a == b
 
 
+def test_request_metrics_time_every_stage(engine, prompts):
+    """RequestOutput.metrics (vLLM's RequestMetrics): arrival <= first scheduled <= first token <= last token <=
+    finished, for one sample and for n > 1 (the request's first and last tokens over its samples)."""
+    params = [GREEDY, SamplingParams(temperature=1.0, n=2, max_tokens=5, ignore_eos=True, seed=1)]
+    for out in run_all(engine, prompts[:2], params[0]) + [run_all(engine, prompts[2:3], params[1])[0]]:
+        m = out.metrics
+        assert (m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
+                <= m.finished_time), m
+        assert m.queue_time <= m.ttft <= m.e2e
+
+
 def test_logprobs_are_returned(engine, prompts):
     out = run_all(engine, [prompts[1]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, ignore_eos=True))[0]
     lps = out.outputs[0].logprobs

@@ -586,3 +586,46 @@ def test_generate_default_max_new_tokens_shrinks_to_the_context():
         assert eng.params[-1].max_tokens == want, (body, want)
     r = asyncio.run(go({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 61}}))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+
+
+class _TwoSamples(_OneToken):
+    """A stand-in AsyncEngine streaming deltas of an n = 2 request: both samples' first tokens, then sample 0
+    ends at its length, then sample 1 at a stop."""
+
+    def stats(self):
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, RequestMetrics, RequestOutput
+
+        on_accept()
+        m = RequestMetrics(arrival_time=0.0)
+        steps = [[(0, [1], None), (1, [2], None)], [(0, [3], "length")], [(1, [4], "stop")]]
+        for k, step in enumerate(steps):
+            outs = [CompletionOutput(j, "", ids, reason) for j, ids, reason in step]
+            yield RequestOutput(request_id, None, list(prompt), outs, finished=k == len(steps) - 1, metrics=m)
+
+
+def test_request_histograms_observe_each_of_n_samples():
+    """vLLM observes each of a request's n samples as a request (its output processor's child requests): with
+    n = 2, two first tokens, two end-to-end latencies, two prompt-token and generation-token observations of
+    each sample's own tokens, as `vllm:request_success` counts two."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = create_app(_TwoSamples(), "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "n": 2, "max_tokens": 2})
+            return r, (await c.get("/metrics")).text
+
+    r, text = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    samples = {(s.name, s.labels.get("finished_reason")): s.value
+               for f in text_string_to_metric_families(text) for s in f.samples}
+    for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
+              "request_generation_tokens"):
+        assert samples[(f"vllm:{h}_count", None)] == 2, h
+    assert samples[("vllm:request_prompt_tokens_sum", None)] == 6
+    assert samples[("vllm:request_generation_tokens_sum", None)] == 4
+    assert samples[("vllm:request_success_total", "length")] == samples[("vllm:request_success_total", "stop")] == 1

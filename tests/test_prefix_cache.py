@@ -350,6 +350,16 @@ def test_metrics_and_clear(engines):
     assert on.stats()["prefix_cache"]["pages"] == on.stats()["prefix_cache"]["checkpoints"] == 0
 
 
+def test_kv_cache_usage_counts_units_only_the_cache_holds_as_free(engines):
+    """vLLM's kv_cache_usage_perc: cached blocks no request holds are free (evicted on demand), so an idle
+    engine reports 0 whatever its prefix cache keeps."""
+    on, _ = engines
+    run(on, toks(70, 100))
+    s = on.stats()
+    assert s["num_requests_running"] == s["num_requests_waiting"] == 0
+    assert s["arena_cached_units"] > 0 and s["kv_cache_usage"] == 0.0
+
+
 def test_beam_search_forks_with_and_without_the_cache(engines):
     """Beam searches fork KDA state slots and share MLA pages: without the prefix cache (pages shared by
     reference counts alone), cold with it, and warm (the prompt resumed from the cache) they find the
