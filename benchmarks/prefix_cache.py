@@ -219,7 +219,7 @@ def main(argv=None):
 
     if args.variant_only:
         if not args.alignment_variant:
-            ap.error("--variant-only needs --alignment-variant")
+            raise SystemExit("--variant-only needs --alignment-variant")
         result = json.loads(out_path.read_text())
         model = k3jax.load_model(name, dtype="float32", seed=args.seed)
         ecfg["cache_bytes"] = result["engine_config"]["cache_bytes"]

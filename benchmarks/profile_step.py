@@ -172,7 +172,7 @@ def exclusive_times(trace_dir: str) -> tuple[dict[str, float], dict[str, int], f
 # ------------------------------------------------------------------ driving the engine
 
 
-def build(model_name: str, c: int, seed: int, prefill_rows: int = 4, chunk: int = 64):
+def build(model_name: str, c: int, seed: int, prefill_rows: int = 4, chunk: int = 64, bucket: int | None = None):
     import serving as sv
 
     if model_name == "kimi-linear":
@@ -181,11 +181,12 @@ def build(model_name: str, c: int, seed: int, prefill_rows: int = 4, chunk: int 
         model, mml, plen = k3jax.load_model(path), 192, 128
     else:
         model, mml, plen = k3jax.load_model(model_name, seed=seed), 256, 128
-    ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=c, prefill_chunk=chunk, max_prefill_seqs=prefill_rows,
-                max_num_batched_tokens=max(512, prefill_rows * chunk), decode_buckets=(c,),
+    rows = bucket or c  # the one decode program's rows: more than c pads every decode step
+    ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=rows, prefill_chunk=chunk, max_prefill_seqs=prefill_rows,
+                max_num_batched_tokens=max(512, prefill_rows * chunk), decode_buckets=(rows,),
                 prefill_buckets=(prefill_rows,),
                 context_buckets=(mml // 16,), enable_prefix_caching=False, seed=seed)
-    ecfg["cache_bytes"] = sv.arena_budget(model, 16, mml, c)
+    ecfg["cache_bytes"] = sv.arena_budget(model, 16, mml, rows)
     return model, Engine(model, EngineConfig(**ecfg), warmup=True, progress=False), plen
 
 
@@ -226,6 +227,8 @@ def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="kimi-linear", help="'kimi-linear' (HF-written ckpt, as serving.py) or a preset")
     ap.add_argument("--concurrency", "-c", type=int, default=32)
+    ap.add_argument("--bucket", type=int, default=None,
+                    help="rows of the decode program (default c; larger: what padding rows cost)")
     ap.add_argument("--phase", choices=["decode", "prefill"], default="decode")
     ap.add_argument("--prefill-rows", type=int, default=4, help="rows of the prefill bucket (serving.py: 4)")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk, tokens per row (serving.py: 64)")
@@ -238,7 +241,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", action="store_true", help="keep the trace (Perfetto / TensorBoard) and the HLO dump")
     args = ap.parse_args(argv)
     c = args.concurrency
-    model, engine, plen = build(args.model, c, args.seed, args.prefill_rows, args.chunk)
+    model, engine, plen = build(args.model, c, args.seed, args.prefill_rows, args.chunk, args.bucket)
     rng = np.random.default_rng(args.seed)
     vocab_hi = model.cfg.vocab_size - 3
     gen = 1 if args.phase == "prefill" else args.gen
@@ -249,7 +252,7 @@ def main(argv=None) -> dict:
     walls = run(engine, prompts(), sp, args.phase, c, args.steps, trace_dir)
     if not walls:
         raise SystemExit(f"no {args.phase}-only step was seen at c = {c}")
-    rows, t = (c, 1) if args.phase == "decode" else (args.prefill_rows, args.chunk)
+    rows, t = (args.bucket or c, 1) if args.phase == "decode" else (args.prefill_rows, args.chunk)
     frames, what = parse_hlo(step_module(rows, t))
     excl, count, busy, threads = exclusive_times(trace_dir)
     n = len(walls)
@@ -261,7 +264,7 @@ def main(argv=None) -> dict:
         n_ops[fr] += count[op] / n
     total = sum(by_part.values())
     wall_ms = float(np.median(walls)) * 1e3
-    print(f"\n{args.model}, c = {c}, {args.phase}: {n} steps traced, median wall {wall_ms:.2f} ms, op time "
+    print(f"\n{args.model}, c = {c} ({rows} rows), {args.phase}: {n} steps traced, median wall {wall_ms:.2f} ms, op time "
           f"{total / 1e3:.2f} ms per step (busy over {threads} XLA thread(s): {busy / n / 1e3:.2f} ms), "
           f"{sum(count.values()) / n:.0f} ops per step")
     print(f"\n{'part':34s} {'ms/step':>8s} {'share':>6s}")
@@ -275,7 +278,7 @@ def main(argv=None) -> dict:
         for op, us in sorted(excl.items(), key=lambda kv: -kv[1])[:args.ops]:
             print(f"{op[:28]:28s} {what.get(op, '?')[:48]:48s} {us / n:8.1f} {count[op] / n:5.0f}  "
                   f"{frames.get(op, '?')}")
-    result = dict(model=args.model, concurrency=c, phase=args.phase, steps_traced=n, step_wall_ms=wall_ms,
+    result = dict(model=args.model, concurrency=c, rows=rows, phase=args.phase, steps_traced=n, step_wall_ms=wall_ms,
                   op_ms_per_step=total / 1e3, busy_ms_per_step=busy / n / 1e3, xla_threads=threads,
                   ops_per_step=sum(count.values()) / n,
                   parts_ms={k: v / 1e3 for k, v in sorted(by_part.items(), key=lambda kv: -kv[1])},

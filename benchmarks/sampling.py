@@ -34,7 +34,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from jax import lax  # noqa: E402
 
 import serve.sampling as sampling  # noqa: E402
 from serving import _loadavg, machine_info, measure_bandwidth, med  # noqa: E402

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import math
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping
 
 FAMILIES = ("kimi_k3", "kimi_linear")

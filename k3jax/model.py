@@ -43,9 +43,9 @@ class DecoderLayer(nnx.Module):
             self.self_attention_res = AttnResMixer(cfg.hidden_size, dtype=dtype, rngs=rngs)
             self.mlp_res = AttnResMixer(cfg.hidden_size, dtype=dtype, rngs=rngs)
 
-    def ffn(self, h: jax.Array, trace: list | None = None) -> jax.Array:
+    def ffn(self, h: jax.Array, trace: list | None = None, valid: jax.Array | None = None) -> jax.Array:
         x = self.post_attention_layernorm(h)
-        return self.block_sparse_moe(x, trace) if self.is_moe else self.mlp(x)
+        return self.block_sparse_moe(x, trace, valid) if self.is_moe else self.mlp(x)
 
 
 class KimiModel(nnx.Module):
@@ -85,7 +85,7 @@ class KimiModel(nnx.Module):
     # ---- the residual stream ------------------------------------------------------------------
     def _classic_layer(self, l, layer, j, x, view, valid, trace):
         x = x + self._attention(layer, j, layer.input_layernorm(x), view, valid)
-        return x + layer.ffn(x, trace)
+        return x + layer.ffn(x, trace, valid)
 
     def _attn_res_layer(self, l, layer, j, carry, view, valid, trace):
         """Block AttnRes (spec §2.2): `bank` holds closed block sums (bank[0] = embedding), `p` the open
@@ -99,7 +99,7 @@ class KimiModel(nnx.Module):
         a = self._attention(layer, j, layer.input_layernorm(h), view, valid)
         p = a if p is None else p + a
         h = layer.mlp_res.mix(bank, p, eps)
-        return bank, p + layer.ffn(h, trace)
+        return bank, p + layer.ffn(h, trace, valid)
 
     def _layers(self, layer_fn, carry, view, valid, trace, scan):
         """Run every layer over `carry` (unrolled, and the scanned run as one `lax.scan` when given)."""

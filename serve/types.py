@@ -6,7 +6,10 @@ import enum
 import json as _json
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import TYPE_CHECKING, Optional, Union
+
+if TYPE_CHECKING:
+    import numpy as np
 
 #: vLLM's `logprobs_mode`s, what an engine's logprobs hold (serve/sampling.py says what each means).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")

@@ -1,6 +1,5 @@
 """Layer-level goldens from the spec formulas (float64 NumPy written from spec §2), and equivalences."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -98,3 +97,22 @@ def test_mla_absorbed_equals_expanded(preset):
     a, b = mla.expanded(x, lat, mask), mla.absorbed(x, lat, mask)
     assert float(jnp.linalg.norm(a - b) / jnp.linalg.norm(a)) < 1e-5
     assert lat.shape[-1] == cfg.kv_lora_rank + cfg.qk_rope_head_dim
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_moe_padding_goes_to_no_expert(preset):
+    """Padding tokens (past a row's `valid`) are routed to no expert: their routed part is exactly 0 (only
+    the shared experts remain), so a padded step's grouped matmuls hold only its real rows; real tokens
+    get the bits they get with nothing masked."""
+    from k3jax.layers.moe import MoE
+
+    cfg = get_preset(preset)
+    moe = MoE(cfg, dtype=jnp.float32, rngs=nnx.Rngs(3))
+    x = jnp.asarray(np.random.default_rng(5).normal(size=(3, 8, cfg.hidden_size)), jnp.float32)  # [B, T, H]
+    valid = jnp.asarray([8, 5, 0], jnp.int32)
+    masked, whole = np.asarray(moe(x, valid=valid)), np.asarray(moe(x))
+    real = np.arange(8)[None, :] < np.asarray(valid)[:, None]  # [B, T]
+    np.testing.assert_array_equal(masked[real], whole[real])
+    shared = np.asarray(moe.shared_experts(x.reshape(-1, cfg.hidden_size))).reshape(masked.shape)
+    np.testing.assert_array_equal(masked[~real], shared[~real])
+    assert not np.array_equal(whole[~real], shared[~real])  # unmasked, the experts add to the padding

@@ -7,7 +7,7 @@ import pytest
 from pallas_kernels.moe import (MXFP4Weight, gmm, gmm_blocked, gmm_cpu, gmm_looped, gmm_reference, quantize_mxfp4,
                                 route_and_sort)
 
-from pallas_kernels.moe.blocked import block_rows_for, num_blocks, rounds_for
+from pallas_kernels.moe.blocked import _rounds_held, block_rows_for, num_blocks, rounds_for
 from pallas_kernels.moe.kernel import gmm_pallas, make_group_metadata, make_tile_group_ranges
 
 from numeric_checks import assert_close
@@ -191,19 +191,24 @@ def test_all_expert_rounds_give_the_loops_bits(layout):
         x = rng.standard_normal((m, k)).astype(np.float32)
         x[m - 3:] = np.nan
         x, gs = jnp.asarray(x), jnp.asarray(sizes, jnp.int32)
-        tm = block_rows_for(m, g)
         for w in weights:
-            want = np.asarray(gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout))
+            want = np.asarray(gmm_looped(x, w, gs, block_rows=block_rows_for(m, g), rhs_layout=layout))
             assert np.all(np.isfinite(want)) and np.all(want[m - 3:] == 0)
-            for rounds in (1, 3, 7):
-                got = gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout, rounds=rounds)
-                np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} rounds={rounds}")
+            # 2-row blocks: the held rows call for every round compiled (`_rounds_held`), up to 7
+            for tm in (block_rows_for(m, g), 2):
+                for rounds in (1, 3, 7):
+                    got = gmm_looped(x, w, gs, block_rows=tm, rhs_layout=layout, rounds=rounds)
+                    np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"m={m} tm={tm} rounds={rounds}")
             np.testing.assert_array_equal(np.asarray(gmm_cpu(x, w, gs, rhs_layout=layout)), want)
     xb, wb = x.astype(jnp.bfloat16), weights[0].astype(jnp.bfloat16)  # bf16 rows: the loop alone
     np.testing.assert_array_equal(np.asarray(gmm_cpu(xb, wb, gs, rhs_layout=layout), np.float32),
                                   np.asarray(gmm_looped(xb, wb, gs, rhs_layout=layout), np.float32))
     assert rounds_for(15, 8, 2) == 0 and rounds_for(16, 8, 2) == 1  # from two rows per expert
     assert rounds_for(1024, 16, 32) == 2 and rounds_for(130, 8, 32) == 1
+    # at run time the rule sees the rows the groups hold (a padded batch's padding is in none), capped
+    # at the rounds compiled: no all-expert round for a step that is mostly padding
+    held = lambda rows, rounds: int(_rounds_held(jnp.int32(rows), 16, 32, rounds))  # noqa: E731
+    assert [held(r, 2) for r in (0, 31, 32, 511, 512, 1024, 4096)] == [0, 0, 1, 1, 1, 2, 2]
 
 
 @pytest.mark.parametrize("layout", ["out_in", "in_out"])

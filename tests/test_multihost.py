@@ -521,7 +521,6 @@ def test_channel_sends_prompt_embeddings_only_when_a_row_has_them():
     in steps where some row holds prompt vectors; the follower rebuilds the batch exactly either way."""
     import jax
 
-    from serve import multihost
     from serve.sampling import SamplingBatch
     from serve.step import StepBatch
 
@@ -601,7 +600,6 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them():
     exactly, with the bitmask / bias leaves in the message only when some row is not padding."""
     import jax
 
-    from serve import multihost
     from serve.sampling import SamplingBatch
     from serve.types import SamplingParams
 

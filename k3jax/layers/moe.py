@@ -126,13 +126,17 @@ class MoE(nnx.Module):
         slots = lora.token_slots(n) if held is not None else None
         return None if slots is None else (slots, held.factors())
 
-    def experts(self, z: jax.Array, ids: jax.Array, weights: jax.Array) -> jax.Array:
-        """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din]."""
+    def experts(self, z: jax.Array, ids: jax.Array, weights: jax.Array, real: jax.Array | None = None) -> jax.Array:
+        """Sorted grouped matmul. z [N, Din]; ids, weights [N, k] -> sum_k w * E_k(z) in fp32 [N, Din].
+        `real` [N] bool: tokens that are padding (False) go to no expert and get exactly 0, so a padded
+        batch's grouped matmuls hold only its real rows."""
         ws = tuple(self._expert_weight(w) for w in (self.w1, self.w3, self.w2))
         adapters = self._adapters(z.shape[0])
         slots = getattr(self, "expert_slots", None)
         if slots is not None:  # logical ids -> positions of the (moved, copied) weights
             ids = self._physical(ids, slots[...], self.expert_copies[...])
+        if real is not None:  # -1: no rank's expert (`_slots` sorts such slots last, uncounted)
+            ids = jnp.where(real[:, None], ids, -1)
         window = _WINDOW.get()
         if window is not None and self.expert_parallel is not None:  # (the scan slices these itself)
             ws, window = tuple(expert_window(w, *window) for w in ws), None
@@ -207,23 +211,26 @@ class MoE(nnx.Module):
         return jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), spec_w, spec_a), out_specs=P(),
                              check_vma=False)(z, ids, ws, adapters)
 
-    def __call__(self, x: jax.Array, trace: list | None = None) -> jax.Array:
-        """x [B, T, H] normed -> [B, T, H]. `trace`, when given, collects the routed expert ids [N, k]."""
+    def __call__(self, x: jax.Array, trace: list | None = None, valid: jax.Array | None = None) -> jax.Array:
+        """x [B, T, H] normed -> [B, T, H]. `trace`, when given, collects the routed expert ids [N, k].
+        `valid` [B]: real tokens per row; the routed experts skip the padding after them (their rows of
+        the routed part are 0; a padding token's output is never read)."""
         cfg = self.cfg
         b, t, h = x.shape
         xf = x.reshape(b * t, h)
+        real = None if valid is None else (jnp.arange(t)[None, :] < valid[:, None]).reshape(-1)  # [B*T]
         ids, w = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...],
                        cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
         if trace is not None:
             trace.append(ids)
         if cfg.routed_expert_hidden_size:
             z = self.routed_expert_down_proj(xf)
-            y = self.experts(z, ids, w).astype(x.dtype)
+            y = self.experts(z, ids, w, real).astype(x.dtype)
             if cfg.latent_moe_use_norm:
                 y = rms_norm(y, self.routed_expert_norm[...], cfg.rms_norm_eps)
             y = self.routed_expert_up_proj(y)
         else:
-            y = self.experts(xf, ids, w).astype(x.dtype)
+            y = self.experts(xf, ids, w, real).astype(x.dtype)
         if cfg.num_shared_experts:
             y = y + self.shared_experts(xf)
         return y.reshape(b, t, h)

@@ -112,12 +112,14 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
     out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
     if rounds:
         window = w_all if group_offset is None else expert_window(w_all, group_offset, g)
-        out = _all_groups_rounds(lhs, window, starts, group_sizes, rounds, tm, rhs_layout, precision,
+        # `rounds` is for M rows; the groups may hold fewer (a padded batch's padding is in no group)
+        ran = _rounds_held(jnp.sum(group_sizes), g, tm, rounds)
+        out = _all_groups_rounds(lhs, window, starts, group_sizes, rounds, ran, tm, rhs_layout, precision,
                                  preferred_element_type)
     else:
-        out = jnp.zeros((m, n), out_dtype)
+        ran, out = 0, jnp.zeros((m, n), out_dtype)
     out = jnp.concatenate([out.astype(out_dtype), jnp.zeros((tm, n), out_dtype)])  # [M + tm, N]: room for a last block
-    skip = rounds * tm  # rows of each group already done
+    skip = ran * tm  # rows of each group already done
     left = jnp.maximum(group_sizes - skip, 0)  # [G]
     order = jnp.argsort(left == 0, stable=True)  # groups with rows left first, in group order
     x = jnp.concatenate([lhs, jnp.zeros((tm, k), lhs.dtype)])  # [M + tm, K]: a last block never reads past the end
@@ -142,27 +144,38 @@ def gmm_looped(lhs: jax.Array, rhs: RhsLike, group_sizes: jax.Array, *, preferre
     return out[:m]
 
 
-def _all_groups_rounds(lhs, w_all, starts, group_sizes, rounds: int, tm: int, rhs_layout: str, precision,
-                       preferred_element_type) -> jax.Array:
-    """The first ``rounds * tm`` rows of every group -> ``[M, N]`` (other rows 0). Round ``r`` multiplies
-    rows ``[r * tm, (r + 1) * tm)`` of every group (zeros past a group's end) by its expert in one
-    batched product over the stacked weights ``w_all [G, ...]``, read in place; each round is its own
-    dot of ``tm`` rows per group, like a loop block. Rows are moved by gathers (XLA:CPU runs a
-    scatter row by row)."""
+def _rounds_held(rows: jax.Array, g: int, tm: int, rounds: int) -> jax.Array:
+    """``rounds_for`` on the rows the groups hold (traced), capped at the ``rounds`` compiled."""
+    return jnp.where(rows < 2 * g, 0, jnp.clip(rows // (g * tm), 1, rounds)).astype(jnp.int32)
+
+
+def _all_groups_rounds(lhs, w_all, starts, group_sizes, rounds: int, ran: jax.Array, tm: int, rhs_layout: str,
+                       precision, preferred_element_type) -> jax.Array:
+    """The first ``ran * tm`` rows of every group -> ``[M, N]`` (other rows 0); of the ``rounds`` compiled,
+    only the first ``ran`` (traced) run. Round ``r`` multiplies rows ``[r * tm, (r + 1) * tm)`` of every
+    group (zeros past a group's end) by its expert in one batched product over the stacked weights
+    ``w_all [G, ...]``, read in place; each round is its own dot of ``tm`` rows per group, like a loop
+    block. Rows are moved by gathers (XLA:CPU runs a scatter row by row)."""
     m, g = lhs.shape[0], group_sizes.shape[0]
     p = jnp.arange(rounds * tm, dtype=jnp.int32)  # [R * tm] positions within a group
     real = p[None, :] < group_sizes[:, None]  # [G, R * tm]
     rows = jnp.minimum(starts[:, None] + p[None, :], m - 1)
     x = jnp.where(real[..., None], lhs[rows], jnp.zeros((), lhs.dtype))  # [G, R * tm, K]
     spec = "gmk,gkn->gmn" if rhs_layout == "in_out" else "gmk,gnk->gmn"
-    y = jnp.concatenate([jnp.einsum(spec, x[:, r * tm:(r + 1) * tm], w_all, precision=precision,
-                                    preferred_element_type=preferred_element_type)
-                         for r in range(rounds)], axis=1)  # [G, R * tm, N]
+    n = w_all.shape[2] if rhs_layout == "in_out" else w_all.shape[1]
+    out_dtype = jnp.dtype(preferred_element_type or lhs.dtype)
+
+    def one(r):  # round r's [G, tm, N], or zeros when it does not run (no weight is read)
+        return jax.lax.cond(r < ran, lambda: jnp.einsum(spec, x[:, r * tm:(r + 1) * tm], w_all, precision=precision,
+                                                        preferred_element_type=preferred_element_type),
+                            lambda: jnp.zeros((g, tm, n), out_dtype))
+
+    y = jnp.concatenate([one(r) for r in range(rounds)], axis=1)  # [G, R * tm, N]
     row = jnp.arange(m, dtype=jnp.int32)
     ends = starts + group_sizes
     grp = jnp.minimum(jnp.searchsorted(ends, row, side="right"), g - 1).astype(jnp.int32)  # [M] each row's group
     pos = row - starts[grp]  # [M] its position in the group
-    mine = (row < ends[-1]) & (pos < rounds * tm)
+    mine = (row < ends[-1]) & (pos < ran * tm)
     return jnp.where(mine[:, None], y[grp, jnp.minimum(pos, rounds * tm - 1)], jnp.zeros((), y.dtype))
 
 
