@@ -54,8 +54,8 @@ def run_agent_trace(engine: Engine, system: list[int], users: list[list[list[int
     turn = {s: 0 for s in range(sessions)}
     live = {}  # request id -> session
     records = []
-    latency = getattr(engine, "latency", {"itl": []})  # a DataParallelEngine keeps none of its own
-    itl0 = len(latency["itl"])
+    itl = getattr(engine, "latency", {}).get("itl")  # a DataParallelEngine keeps none of its own
+    itl0 = itl.total if itl is not None else 0
     t0 = time.perf_counter()
 
     order = {}
@@ -91,7 +91,7 @@ def run_agent_trace(engine: Engine, system: list[int], users: list[list[list[int
     gtok = sum(len(r["tokens"]) for r in records)
     return dict(wall_s=wall, steps=steps, requests=len(records), prompt_tokens=ptok, gen_tokens=gtok,
                 gen_tok_s=gtok / wall, total_tok_s=(ptok + gtok) / wall, records=records,
-                itl=list(latency["itl"][itl0:]))
+                itl=itl.since(itl0) if itl is not None else [])
 
 
 def reusable_fraction(records: list[dict]) -> dict:

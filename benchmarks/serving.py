@@ -15,7 +15,7 @@ What is measured
   `compiles_after_warmup` is recorded (must stay 0).
 * Throughput: generated tokens / wall s and (prompt + generated) tokens / wall s, wall from the first
   `add_request` to the last finished output. Latency: TTFT from `RequestOutput.metrics`, inter-token
-  latency from `engine.latency["itl"]` (the entries this wave added).
+  latency from `engine.latency["itl"]` (the entries this wave added: `.since(total before it)`).
 * HF peer (Kimi-Linear only): `model.generate` (torch CPU, float32, eager attention / eager experts,
   greedy, EOS off, KV + recurrent cache) on the same prompts, batch = c. The Kimi-Linear prompts all have
   the same length so the HF batch needs no padding and both sides see exactly the same tokens; the
@@ -224,7 +224,7 @@ def track_peak_running(engine: Engine) -> dict:
 def run_wave(engine: Engine, prompts: list[list[int]], sp: SamplingParams, loras: list | None = None) -> dict:
     """Submit all prompts at once (each with its LoRA adapter, when `loras` names them), step to completion;
     per-step times classified by kind."""
-    itl0 = len(engine.latency["itl"])
+    itl0 = engine.latency["itl"].total
     steps = []
     t0 = time.perf_counter()
     ids = [engine.add_request(p, sp, lora_request=lr) for p, lr in zip(prompts, loras or [None] * len(prompts))]
@@ -248,7 +248,7 @@ def run_wave(engine: Engine, prompts: list[list[int]], sp: SamplingParams, loras
     return dict(
         wall_s=wall, requests=len(prompts), prompt_tokens=prompt_tokens, gen_tokens=gen_tokens,
         gen_tok_s=gen_tokens / wall, total_tok_s=(gen_tokens + prompt_tokens) / wall,
-        ttft=[o.metrics.ttft for o in outs], itl=list(engine.latency["itl"][itl0:]),
+        ttft=[o.metrics.ttft for o in outs], itl=engine.latency["itl"].since(itl0),
         decode_only_steps=[(dt, g) for dt, d, p, g in steps if d and not p],
         prefill_only_steps=[dt for dt, d, p, g in steps if p and not d],
         mixed_steps=[dt for dt, d, p, g in steps if p and d],

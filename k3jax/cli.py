@@ -37,9 +37,11 @@ def _cmd_info(args) -> int:
     from k3jax.config import PRESETS, load_hf_config
     from k3jax.runtime import abstract_model, param_counts, parse_dtype
 
+    if args.page_size is None:
+        args.page_size = _engine_page_size()
     for flag in ("devices", "page_size", "max_num_seqs", "max_model_len", "max_prefill_seqs", "prefill_chunk",
                  "max_lora_rank"):
-        if getattr(args, flag) < 1:
+        if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     if args.max_loras < 0:
         raise ValueError(f"--max-loras: expected an integer >= 0, got {args.max_loras}")
@@ -106,6 +108,16 @@ def _cmd_info(args) -> int:
                                     info.get("sharding", {}).get("mla_context_ranks", 1))
     print(json.dumps(info, indent=1))
     return 0
+
+
+def _engine_page_size() -> int | None:
+    """The serving engine's default page size (EngineConfig's), which info plans with unless told (None without
+    the serving stack: nothing is planned in pages then)."""
+    try:
+        from serve.engine import EngineConfig
+    except ImportError:
+        return None
+    return EngineConfig.__dataclass_fields__["page_size"].default
 
 
 def _step_programs(args, cfg) -> dict | None:
@@ -200,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "fp8_e4m3", "fp8_ds_mla"])
     i.add_argument("--kda-state-dtype", default="float32", choices=["auto", "float32", "bfloat16"],
                    help="KDA recurrent state storage for the arena plan")
-    i.add_argument("--page-size", type=int, default=64)
+    i.add_argument("--page-size", type=int, default=None,
+                   help="MLA page size in tokens (default: the engine's, EngineConfig.page_size)")
     i.add_argument("--decode-context-parallel-size", "-dcp", type=int, default=1,
                    help="MLA pages split by position over the ranks that split the KDA heads (needs --sharding)")
     i.add_argument("--max-num-seqs", type=int, default=64, help="for the count of step programs compiled at start-up")

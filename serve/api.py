@@ -741,6 +741,7 @@ class _Run:
         # of a request's n samples as a request of its own (as `vllm:request_success` counts them)
         self._started: list[set[int]] = [set() for _ in prompts]
         self._ended: list[set[int]] = [set() for _ in prompts]
+        self._token_times: dict[tuple[int, int], list[float]] = {}  # (prompt, sample) -> [first, last] token time
 
     def start(self) -> None:
         self.st.track(self)
@@ -836,6 +837,8 @@ class _Run:
         ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
         ft = ft if not self._started[i] else None
         qs = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
+        # when the engine made this output's newest tokens (its step's time.monotonic(), the clock used here)
+        lt = (getattr(out.metrics, "last_token_time", None) if out.metrics else None) or now
         for o in out.outputs:
             j, k = o.index, len(o.token_ids)
             if k > 0:
@@ -844,6 +847,8 @@ class _Run:
                     m.ttft.observe(max(0.0, (ft or now) - self.arrival))
                     if qs is not None:
                         m.queue.observe(max(0.0, qs - self.arrival))
+                    self._token_times[i, j] = [ft or lt, lt]
+                self._token_times[i, j][1] = lt
                 if self._last[i][j] is not None:
                     dt = (now - self._last[i][j]) / k
                     for _ in range(k):
@@ -852,6 +857,12 @@ class _Run:
             if o.finish_reason is not None and j not in self._ended[i]:
                 self._ended[i].add(j)
                 m.e2e.observe(now - self.arrival)
+                times = self._token_times.get((i, j))
+                if times is not None and qs is not None:  # vLLM's phases: scheduled -> first token -> last
+                    first, last = times
+                    m.prefill.observe(max(0.0, first - qs))
+                    m.decode.observe(max(0.0, last - first))
+                    m.inference.observe(max(0.0, last - qs))
                 m.req_prompt.observe(_prompt_len(self.prompts[i]))
                 m.req_gen.observe(len(next(c for c in self._whole[i].outputs if c.index == j).token_ids))
                 m.finished(o.finish_reason)

@@ -69,6 +69,7 @@ from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, SuffixIndex, SuffixProposer
+from serve.series import ITERATION_TOKEN_BUCKETS, BucketCounts, Recent
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
 from serve import eplb
 from serve.state_split import StateSplit
@@ -86,6 +87,7 @@ KDA_CHUNK = 64  # chunk size of the chunked KDA prefill (pallas_kernels.kda.chun
 CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real request (until one waits: _deferred)
 INTERNAL_PRIORITY = 1 << 30  # ... whatever its priority
 MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
+LATENCY_SAMPLES = 1 << 16  # latencies `Engine.latency` keeps of each kind (the latest)
 
 
 class EngineSleeping(RuntimeError):
@@ -915,7 +917,10 @@ class Engine:
         self.new_token_ratio = min(0.7 * config.schedule_conservativeness, 1.0)  # admission look-ahead
         self.gate: Optional[DraftGate] = None  # set at warm-up when spec.adaptive (serve/speculative.py)
         self.mask_seconds = 0.0  # host time computing structured-output masks (serve/structured.py)
-        self.latency = dict(ttft=[], itl=[], e2e=[], queue=[])
+        # the latest latencies (seconds; `Recent`: bounded, `total` counts every one): ttft / e2e / queue per
+        # finished request, itl per step a sequence got tokens in; and the tokens each step ran (prompt and decode)
+        self.latency = {k: Recent(LATENCY_SAMPLES) for k in ("ttft", "itl", "e2e", "queue")}
+        self.iteration_tokens = BucketCounts(ITERATION_TOKEN_BUCKETS)
         n_moe = sum(1 for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l))
         self.expert_counts = np.zeros((n_moe, self.cfg.num_experts), np.int64)  # [MoE layer, expert]
         self.routes_store: Optional[RoutesStore] = None  # routed ids of cached prefixes (serve/routed_experts.py)
@@ -1618,6 +1623,12 @@ class Engine:
         return (a if a.shape[0] == 1 else a[at]), b[at]
 
     def abort(self, request_id: str) -> bool:
+        """End a request (finish_reason "abort", its memory freed) -> whether it was unfinished."""
+        return self._abort(request_id, count=True)
+
+    def _abort(self, request_id: str, count: bool) -> bool:
+        """`abort`, counted in `requests_aborted` if `count` (never taken back: a scrape from another thread
+        must never see that counter go down)."""
         req = self.requests.get(request_id)
         if req is None or req.finished:
             return False
@@ -1627,12 +1638,11 @@ class Engine:
             req.seqs, req.beam.final = [], []  # done, with no hypotheses
             self._beams.pop(request_id, None)
             self._sweep_frozen()
-            self.counters["requests_aborted"] += 1
-            return True
-        for s in req.seqs:
-            if not s.finished:
-                self._finish(s, "abort")
-        self.counters["requests_aborted"] += 1
+        else:
+            for s in req.seqs:
+                if not s.finished:
+                    self._finish(s, "abort")
+        self.counters["requests_aborted"] += count
         return True
 
     def load_options(self) -> dict:
@@ -2169,8 +2179,7 @@ class Engine:
     def _end_failed(self, request_ids: list[str]) -> None:
         """End requests a failure took with it: aborted (their memory freed), counted as failed, not aborted."""
         for request_id in request_ids:
-            if self.abort(request_id):
-                self.counters["requests_aborted"] -= 1
+            if self._abort(request_id, count=False):
                 self.counters["requests_failed"] += 1
 
     def _host_failed(self, request_id: str, err: Exception) -> None:
@@ -2229,6 +2238,9 @@ class Engine:
             self._land_flight(touched)
         ended |= self._select_beams() if self._beams else set()
         self.counters["steps"] += 1
+        # tokens the step ran (vLLM's iteration tokens: its prompt tokens and its decode rows', drafts included)
+        self.iteration_tokens.observe(sum(n for _, _, n in plan.prefill)
+                                      + sum(1 + plan.draft.get(r, 0) for r in plan.decode))
         return self._step_outputs(touched, ended)
 
     def _complete_flight(self, touched: set[str]) -> None:
@@ -3412,6 +3424,7 @@ class Engine:
             "moe_layers": [l for l in range(self.cfg.num_hidden_layers) if self.cfg.is_moe(l)],
             "moe_dispatch_seconds": self.moe_dispatch_seconds,
             "structured_output_mask_seconds": self.mask_seconds,
+            "iteration_tokens": self.iteration_tokens.as_dict(),  # tokens per step, by bucket (vLLM's histogram)
             "moe_step_seconds": dict(self.moe_step_seconds),
             "inter_rank_bytes": self.inter_rank_bytes,  # expert-parallel MoE traffic; 0 on one device
             # expert-parallel load balancing (serve/eplb.py): placements planned, layers moved, the last plan

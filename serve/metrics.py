@@ -4,7 +4,8 @@ Two sources, one registry per app (so several apps can live in one process, e.g.
 
 * frontend measurements, taken in the event loop as outputs reach the API (vLLM's design: request
   timing is bookkept off the engine's hot loop): time to first token, inter-token latency, end-to-end
-  latency, queue time, per-request token counts, finished requests by reason, HTTP rejections;
+  latency, queue time, prefill / decode / inference time, per-request token counts, finished requests by
+  reason, HTTP rejections;
 * an `EngineCollector` that reads `engine.stats()` at scrape time: running/waiting requests, token
   counters, prefix cache, arena usage split into KDA state slots and MLA pages, per-expert token
   counts, MoE dispatch time, inter-rank bytes, compiles after warm-up.
@@ -24,7 +25,7 @@ Engine statistics read (all optional; absent means 0 / no samples):
   expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}) with
   moe_layers (the model layer index of each row; the row ordinal is used without it),
   moe_dispatch_seconds, inter_rank_bytes, structured_output_requests, structured_output_errors,
-  structured_output_mask_seconds.
+  structured_output_mask_seconds, iteration_tokens{counts{le: steps in that bucket alone, not cumulative}, sum}.
 """
 
 from __future__ import annotations
@@ -33,8 +34,10 @@ import time
 from typing import Any, Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from serve.series import ITERATION_TOKEN_BUCKETS, BucketCounts
 
 __all__ = ["ServerMetrics", "EngineCollector", "CONTENT_TYPE_LATEST", "NAMES"]
 
@@ -51,7 +54,9 @@ _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 2
 NAMES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
-    "vllm:request_queue_time_seconds", "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
+    "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total",
+    "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
     "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
     "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
@@ -86,6 +91,21 @@ def _first(d: Mapping, *keys, default=0.0):
         if k in d and d[k] is not None:
             return d[k]
     return default
+
+
+def _iteration_tokens(it, model: str) -> HistogramMetricFamily:
+    """vLLM's `vllm:iteration_tokens_total` (a histogram, whatever its name) from the engine's per-bucket counts
+    (zeros in vLLM's buckets when the engine reports none)."""
+    h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt and decode rows').",
+                              labels=["model_name"])
+    if not (isinstance(it, Mapping) and isinstance(it.get("counts"), Mapping) and it["counts"]):
+        it = BucketCounts(ITERATION_TOKEN_BUCKETS).as_dict()
+    buckets, total = [], 0.0
+    for le, n in sorted(it["counts"].items(), key=lambda kv: float(kv[0])):  # cumulative, as Prometheus's
+        total += _num(n)
+        buckets.append((le, total))
+    h.add_metric([model], buckets, _num(it.get("sum")))
+    return h
 
 
 class EngineCollector:
@@ -218,6 +238,7 @@ class EngineCollector:
                       "something is wrong: the mask forbids them).", s.get("structured_output_errors", 0))
         yield counter("k3jax:structured_output_mask_seconds", "Host time computing the allowed-token masks of "
                       "constrained rows before their steps.", s.get("structured_output_mask_seconds", 0.0))
+        yield _iteration_tokens(s.get("iteration_tokens"), m)
 
         # MoE.
         ex = CounterMetricFamily("k3jax:expert_tokens", "Tokens routed to each expert, per MoE layer.",
@@ -295,6 +316,12 @@ class ServerMetrics:
                              L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
                                L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Time from first scheduling to the first token.",
+                                 L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "Time from the first token to the last.",
+                                L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+        self.inference = Histogram("vllm:request_inference_time_seconds", "Time from first scheduling to the last "
+                                   "token.", L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
                                     L, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
         self.req_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",

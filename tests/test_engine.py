@@ -66,10 +66,24 @@ def test_alone_matches_model_generate_greedy(model, engine, alone, prompts):
         assert out == model.generate_greedy(np.array([p]), 12)[0].tolist()
 
 
+class _NeverDown(dict):
+    """Engine counters that note every key set lower than it was."""
+
+    def __init__(self, *a):
+        super().__init__(*a)
+        self.decreased = []
+
+    def __setitem__(self, key, value):
+        if value < self.get(key, value):
+            self.decreased.append(key)
+        super().__setitem__(key, value)
+
+
 def test_a_request_whose_bookkeeping_raises_ends_alone(engine, prompts, alone, monkeypatch):
     """A request whose host-side bookkeeping raises (here: appending its third token) ends alone -- StepFailed
     names it and carries the step's other outputs -- and its memory is freed; the request beside it finishes
-    with the tokens it has alone, and the engine goes on."""
+    with the tokens it has alone, and the engine goes on. It counts as failed, not aborted, and no counter ever
+    goes down meanwhile (a /metrics scrape from another thread would read a drop as a counter reset)."""
     from step_failures import drain_through_failures
 
     bad = engine.add_request(prompts[1], GREEDY)
@@ -82,15 +96,42 @@ def test_a_request_whose_bookkeeping_raises_ends_alone(engine, prompts, alone, m
         return real(seq, *args)
 
     monkeypatch.setattr(engine, "_append", append)
-    failed_before = engine.stats()["requests_failed"]
-    failures, done = drain_through_failures(engine)
+    failed_before, aborted_before = engine.stats()["requests_failed"], engine.stats()["requests_aborted"]
+    counters = engine.counters = _NeverDown(engine.counters)
+    try:
+        failures, done = drain_through_failures(engine)
+    finally:
+        engine.counters = dict(counters)
     assert [f.request_ids for f in failures] == [[bad]] and "boom" in str(failures[0])
     assert bad not in done and done[good].token_ids == alone[2]
     s = engine.stats()
-    assert s["requests_failed"] == failed_before + 1
+    assert s["requests_failed"] == failed_before + 1 and s["requests_aborted"] == aborted_before
+    assert counters.decreased == []
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
     monkeypatch.undo()
     assert run_all(engine, [prompts[1]])[0].token_ids == alone[1]
+
+
+def test_latencies_are_bounded_and_each_step_counts_its_tokens(engine, prompts):
+    """`engine.latency` keeps the latest `LATENCY_SAMPLES` of each kind (a long-running server's memory stays
+    bounded; `total` counts every one and `since(total)` gives those after it, as the benchmarks read them);
+    `iteration_tokens` (vLLM's tokens per step) adds a prompt alone's tokens, then one per decode step."""
+    from serve.engine import LATENCY_SAMPLES
+    from serve.series import Recent
+
+    ring = Recent(3)
+    for v in range(5):
+        ring.append(v)
+    assert (ring.total, list(ring), ring.since(0), ring.since(3), ring.since(5)) == (5, [2, 3, 4], [2, 3, 4], [3, 4], [])
+    lat = engine.latency
+    assert all(isinstance(v, Recent) and v._values.maxlen == LATENCY_SAMPLES for v in lat.values())
+    totals, it, steps = {k: v.total for k, v in lat.items()}, engine.stats()["iteration_tokens"], engine.counters["steps"]
+    run_all(engine, [prompts[1]])
+    assert len(lat["itl"].since(totals["itl"])) == 11  # 12 tokens: the first from the prefill step
+    assert all(lat[k].total == totals[k] + 1 for k in ("ttft", "e2e", "queue"))
+    now = engine.stats()["iteration_tokens"]
+    assert sum(now["counts"].values()) - sum(it["counts"].values()) == engine.counters["steps"] - steps
+    assert now["sum"] - it["sum"] == len(prompts[1]) + 11
 
 
 def test_batch_of_32_mixed_lengths_is_token_identical(engine, prompts, alone):

@@ -629,3 +629,63 @@ def test_request_histograms_observe_each_of_n_samples():
     assert samples[("vllm:request_prompt_tokens_sum", None)] == 6
     assert samples[("vllm:request_generation_tokens_sum", None)] == 4
     assert samples[("vllm:request_success_total", "length")] == samples[("vllm:request_success_total", "stop")] == 1
+
+
+class _TimedSamples(_OneToken):
+    """A stand-in AsyncEngine streaming deltas of an n = 2 request with the engine's timings: scheduled at 1 s,
+    both samples' first tokens from the step at 2 s, sample 0's last at 3 s (it ends), sample 1's at 5 s."""
+
+    def stats(self):
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, RequestMetrics, RequestOutput
+
+        on_accept()
+        steps = [(2.0, [(0, [1], None), (1, [2], None)]), (3.0, [(0, [3], "length"), (1, [4], None)]),
+                 (5.0, [(1, [5], "stop")])]
+        for k, (t, step) in enumerate(steps):
+            m = RequestMetrics(arrival_time=0.0, first_scheduled_time=1.0, first_token_time=2.0, last_token_time=t)
+            outs = [CompletionOutput(j, "", ids, reason) for j, ids, reason in step]
+            yield RequestOutput(request_id, None, list(prompt), outs, finished=k == len(steps) - 1, metrics=m)
+
+
+def test_request_phase_histograms_observe_each_sample():
+    """vLLM's request_prefill_time (first scheduled -> first token), request_decode_time (first -> last token)
+    and request_inference_time (first scheduled -> last token), one observation per sample from the engine's
+    times: sample 0 1 + 1 + 2 s, sample 1 1 + 3 + 4 s."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    app = create_app(_TimedSamples(), "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "n": 2, "max_tokens": 3})
+            return r, (await c.get("/metrics")).text
+
+    r, text = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if not s.labels.get("le")}
+    for h, total in (("prefill", 2.0), ("decode", 4.0), ("inference", 6.0)):
+        assert samples[f"vllm:request_{h}_time_seconds_count"] == 2, h
+        assert samples[f"vllm:request_{h}_time_seconds_sum"] == pytest.approx(total), h
+
+
+def test_iteration_tokens_histogram_from_the_engine_counts():
+    """vLLM's `vllm:iteration_tokens_total` (tokens per engine step), from the per-bucket counts the engine keeps
+    (`serve/series.py: BucketCounts`; cumulative buckets built at scrape time; counts of data-parallel replicas
+    add key by key)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from serve.series import ITERATION_TOKEN_BUCKETS, BucketCounts
+
+    counts = BucketCounts(ITERATION_TOKEN_BUCKETS)
+    for n in (1, 5, 8, 9, 64, 20000):
+        counts.observe(n)
+    text = ServerMetrics("m", lambda: {"iteration_tokens": counts.as_dict()}, dict).exposition().decode()
+    fam = next(f for f in text_string_to_metric_families(text) if f.name == "vllm:iteration_tokens_total")
+    assert fam.type == "histogram"
+    got = {s.labels.get("le") or s.name: s.value for s in fam.samples}
+    assert (got["1.0"], got["8.0"], got["16.0"], got["64.0"], got["16384.0"], got["+Inf"]) == (1, 3, 4, 5, 5, 6)
+    assert got["vllm:iteration_tokens_total_count"] == 6 and got["vllm:iteration_tokens_total_sum"] == 20087

@@ -748,3 +748,20 @@ def test_info_counts_the_step_programs_compiled_at_start_up(capsys):
     got = json.loads(capsys.readouterr().out)["step_programs"]
     assert (got["decode_rows"], got["prefill_rows"], got["context_pages"]) == ([1, 4, 8], [1], [1, 4, 16])
     assert (got["programs"], got["programs_with_gpu_paged_decode"]) == (12, 6)
+
+
+def test_info_plans_with_the_engines_page_size_by_default(capsys):
+    """`k3jax info` without --page-size plans the pages `k3jax serve` and `EngineConfig` use (it said 64 while
+    they use 16, so it counted other programs than serve compiles)."""
+    import dataclasses
+
+    from k3jax.cli import build_parser, main
+    from serve.engine import EngineConfig
+
+    page = {f.name: f.default for f in dataclasses.fields(EngineConfig)}["page_size"]
+    assert build_parser().parse_args(["serve"]).page_size == page
+    assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--cache-gib", "0.01"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["step_programs"]["page_size"] == info["arena"]["page_size"] == page
+    assert main(["info", "--model", "tiny-k3", "--dtype", "float32", "--page-size", str(page)]) == 0
+    assert json.loads(capsys.readouterr().out)["step_programs"] == info["step_programs"]
