@@ -178,16 +178,16 @@ def build(model_name: str, c: int, seed: int, prefill_rows: int = 4, chunk: int 
     if model_name == "kimi-linear":
         tmp = tempfile.mkdtemp(prefix="k3jax_prof_kl_")
         path, _, _ = sv.build_kimi_linear(tmp, quick=False)
-        model, mml, plen = k3jax.load_model(path), 192, 128
+        model, mml = k3jax.load_model(path), 192
     else:
-        model, mml, plen = k3jax.load_model(model_name, seed=seed), 256, 128
+        model, mml = k3jax.load_model(model_name, seed=seed), 256
     rows = bucket or c  # the one decode program's rows: more than c pads every decode step
     ecfg = dict(max_model_len=mml, page_size=16, max_num_seqs=rows, prefill_chunk=chunk, max_prefill_seqs=prefill_rows,
                 max_num_batched_tokens=max(512, prefill_rows * chunk), decode_buckets=(rows,),
                 prefill_buckets=(prefill_rows,),
                 context_buckets=(mml // 16,), enable_prefix_caching=False, seed=seed)
     ecfg["cache_bytes"] = sv.arena_budget(model, 16, mml, rows)
-    return model, Engine(model, EngineConfig(**ecfg), warmup=True, progress=False), plen
+    return model, Engine(model, EngineConfig(**ecfg), warmup=True, progress=False)
 
 
 def run(engine: Engine, prompts, sp, phase: str, c: int, steps: int, trace_dir: str | None) -> list[float]:
@@ -233,6 +233,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--prefill-rows", type=int, default=4, help="rows of the prefill bucket (serving.py: 4)")
     ap.add_argument("--chunk", type=int, default=64, help="prefill chunk, tokens per row (serving.py: 64)")
     ap.add_argument("--steps", type=int, default=8, help="steps to trace")
+    ap.add_argument("--prompt-len", type=int, default=128, help="prompt tokens (not a multiple of --chunk: padded chunks)")
     ap.add_argument("--gen", type=int, default=32, help="max_tokens of the decode waves")
     ap.add_argument("--top", type=int, default=25, help="source lines to list")
     ap.add_argument("--ops", type=int, default=0, help="also list the N costliest ops with their HLO shapes")
@@ -241,7 +242,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--keep", action="store_true", help="keep the trace (Perfetto / TensorBoard) and the HLO dump")
     args = ap.parse_args(argv)
     c = args.concurrency
-    model, engine, plen = build(args.model, c, args.seed, args.prefill_rows, args.chunk, args.bucket)
+    model, engine = build(args.model, c, args.seed, args.prefill_rows, args.chunk, args.bucket)
+    plen = args.prompt_len
     rng = np.random.default_rng(args.seed)
     vocab_hi = model.cfg.vocab_size - 3
     gen = 1 if args.phase == "prefill" else args.gen
