@@ -657,7 +657,7 @@ class PrefixCache(UnitRefs):
             if d in self.pages:
                 self.pages[d].dependents.discard(c.key)
         self.alloc.free_slot(c.slot)
-        self.metrics["checkpoints_evicted"] += 1
+        self.metrics["checkpoints_evicted"] += not self._clearing  # (a reset drops, it does not evict)
 
     @contextlib.contextmanager
     def _releasing_at_once(self):
@@ -695,7 +695,7 @@ class PrefixCache(UnitRefs):
             self._let_go(e.units)
         else:
             self._released.extend(e.units)
-        self.metrics["pages_evicted"] += 1
+        self.metrics["pages_evicted"] += not self._clearing
 
     def clear(self) -> bool:
         """Drop every entry of both tiers that no request holds (nothing is copied to host memory)
