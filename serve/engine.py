@@ -3383,8 +3383,12 @@ class Engine:
             lambda ids, skip=True: "")
         for i, h in enumerate(g.final or ()):
             lps = [(Logprob(t, lp, dec([t], False)), []) for t, lp in zip(h.tokens, h.logprobs)]
-            outs.append(CompletionOutput(i, dec(list(h.tokens), skip), list(h.tokens), "stop" if h.eos else "length",
-                                         logprobs=lps, cumulative_logprob=h.cum_logprob))
+            # vLLM's: the EOS that ended a hypothesis stays in its token ids but never in its text, and is its
+            # stop_reason
+            shown = list(h.tokens[:-1] if h.eos else h.tokens)
+            outs.append(CompletionOutput(i, dec(shown, skip), list(h.tokens), "stop" if h.eos else "length",
+                                         h.tokens[-1] if h.eos else None, logprobs=lps,
+                                         cumulative_logprob=h.cum_logprob))
         return RequestOutput(req.request_id, req.prompt, [] if req.embeds else req.prompt_ids, outs, req.finished,
                              req.metrics, g.cached_tokens, None)
 

@@ -576,3 +576,27 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
                     warmup=False, progress=False)  # (refused before anything compiles)
     with pytest.raises(RequestError, match="logprobs_mode"):
         logits.add_request(PROMPT[:10], BeamSearchParams(beam_width=1, max_tokens=2))
+
+
+def test_beam_search_text_leaves_out_the_eos_that_ended_a_hypothesis(llm):
+    """vLLM's beam search: a hypothesis that ended with EOS keeps the id in its token ids, its text leaves it out
+    (with include_stop_str_in_output too) and its stop_reason is that id. The end token here is the first token
+    the model proposes, a plain byte: a search of width 1 completes on it at once."""
+    from serve.beam_search import BeamSearchParams
+
+    e = llm.engine
+    prompt = PROMPT[:12]
+    (probe,) = _run_requests(e, [(prompt, SP(temperature=0, max_tokens=1, ignore_eos=True))])
+    eos = probe[-1].outputs[0].token_ids[0]
+    assert eos < 256  # a byte: rendered unless left out
+    saved = e.stop_ids
+    e.stop_ids = (eos,)
+    try:
+        for include in (False, True):
+            seqs = llm.beam_search([prompt], BeamSearchParams(1, 3, length_penalty=0.0,
+                                                             include_stop_str_in_output=include))[0].sequences
+            (s,) = seqs
+            assert s.finish_reason == "stop" and s.tokens == prompt + [eos]
+            assert s.text == "" and s.stop_reason == eos
+    finally:
+        e.stop_ids = saved
