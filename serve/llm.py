@@ -140,19 +140,20 @@ class LLM:
     def chat(self, messages: Union[list[dict], list[list[dict]]],
              sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None,
-             continue_final_message: bool = False, use_tqdm: Union[bool, Callable, None] = None) -> list[RequestOutput]:
+             continue_final_message: bool = False, use_tqdm: Union[bool, Callable, None] = None,
+             lora_request=None) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of OpenAI-style messages) or of
         several; the model family's chat format renders them (serve/chat.py). Texts are raw (K3's
         think / response channels included; `serve.reasoning.split_reasoning` splits them). With
         `continue_final_message` (and `add_generation_prompt=False`) a final assistant message is
-        continued instead (a prefilled answer start)."""
+        continued instead (a prefilled answer start). `lora_request`: as `generate`'s."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         family = getattr(tok, "chat_family", None) or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(
             self.engine.cfg.family, "byte")
         prompts = [chat_ids(tok, family, conv, add_generation_prompt, chat_template_kwargs,
                             continue_final_message=continue_final_message) for conv in convs]
-        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+        return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 
     def stats(self) -> dict:
         return self.engine.stats()

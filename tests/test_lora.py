@@ -408,3 +408,18 @@ def test_cli_lora_modules():
         lora_modules({"enable_lora": True, "lora_modules": ["x"]})
     with pytest.raises(ValueError, match="room for 1"):
         lora_modules({"enable_lora": True, "max_loras": 1, "lora_modules": ["x=/y", "z=/w"]})
+
+
+def test_llm_chat_takes_a_lora_request(ab, engine):
+    """`LLM.chat(..., lora_request=)` (vLLM's): the conversation runs with the adapter, as the same rendered
+    prompt does through the engine."""
+    from serve.llm import LLM
+
+    llm = LLM.__new__(LLM)  # an LLM over this module's engine
+    llm.engine, llm.model, llm.progress = engine, engine.model, False
+    conv = [{"role": "user", "content": "Add two and three."}]
+    sp = SamplingParams(temperature=0.0, max_tokens=GEN, ignore_eos=True)
+    outs = {lora: llm.chat(conv, sp, lora_request=lora)[0] for lora in ("a", None)}
+    for lora, out in outs.items():  # (the prompt as rendered)
+        assert out.outputs[0].token_ids == _run(engine, [(out.prompt_token_ids, lora)], params=sp)[0].outputs[0].token_ids
+    assert outs["a"].outputs[0].token_ids != outs[None].outputs[0].token_ids
