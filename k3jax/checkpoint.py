@@ -427,7 +427,14 @@ def read_config(path: str) -> ModelConfig:
         return read_orbax_config(path)[0]
     if not os.path.exists(os.path.join(path, "config.json")):
         raise CheckpointError(f"{path}: no config.json (HF) and no {K3JAX_CONFIG} (Orbax)")
-    return load_hf_config(path)
+    cfg = load_hf_config(path)
+    head = ("language_model." if cfg.family == "kimi_k3" else "") + "lm_head.weight"
+    weights = any(f.endswith((".safetensors", ".safetensors.index.json")) for f in os.listdir(path))  # (config only: none)
+    if cfg.tie_word_embeddings and weights and head in SafetensorsDir(path):
+        # HF's and vLLM's KimiLinearForCausalLM keep their own lm_head whatever tie_word_embeddings says: a
+        # checkpoint that ships one is served with it
+        cfg = cfg.replace(tie_word_embeddings=False)
+    return cfg
 
 
 def load_checkpoint(path: str, dtype, progress: bool = True, place: Callable | None = None):

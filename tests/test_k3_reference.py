@@ -206,6 +206,25 @@ def test_eps_stress_checkpoint_matches_reference(k3, tmp_path):
     assert err <= TOL, "eps of q_a/kv_a_layernorm (1e-6), KDA L2-norm (1e-6 inside) or o_norm differs"
 
 
+def test_mxfp4_group_size_16_matches_reference(k3, tmp_path):
+    """quantization_config's group_size 16 (two E8M0 scales per expert row here): the packed experts ran with
+    the default group of 32, a shape error in the grouped matmul and in the engine's expansion to dense."""
+    import dataclasses
+
+    from k3jax.dequantize import dequantize_experts
+    from k3jax.runtime import init_model
+
+    cfg = dataclasses.replace(k3.m.cfg, mxfp4_group_size=16)
+    path = str(tmp_path / "g16")
+    checkpoint.save_hf_checkpoint(path, cfg, init_model(cfg, np.float32, 0)[1])
+    m = k3jax.load_model(path)
+    assert m.cfg.mxfp4_group_size == 16
+    ids = k3.ids[:, :16]
+    want = ref.reference_logits(path, ids)
+    assert rel_err(m.forward(ids), want) <= TOL
+    assert rel_err(dequantize_experts(m).forward(ids), want) <= TOL
+
+
 # ---- Kimi-Linear (classic residual, softplus gate, low-rank output gate, SiLU) -----------------
 
 @pytest.mark.slow  # ~4 s, nearly all k3jax JIT; Kimi-Linear is also covered by test_parity_hf.py

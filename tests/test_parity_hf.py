@@ -247,3 +247,24 @@ def test_prompt_embeds_parity_with_hf_inputs_embeds(ref):
     outs = llm.generate([{"prompt_embeds": v} for v in vecs],
                         k3jax.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     assert [o.token_ids for o in outs] == hf_tokens
+
+
+def test_tie_word_embeddings_with_an_lm_head_in_the_checkpoint(tmp_path):
+    """config.json says tie_word_embeddings=true beside an `lm_head.weight` (what HF writes for it): HF's
+    KimiLinearForCausalLM (and vLLM's) keep their own head whatever the flag says; k3jax tied the head to
+    the embedding and ignored the tensor (rel err ~5 on the logits)."""
+    import copy
+
+    import k3jax
+
+    hfx.VARIANTS["a4_tied"] = dict(copy.deepcopy(hfx.VARIANTS["a4"]), sharded=False)
+    hfx.VARIANTS["a4_tied"]["config"]["tie_word_embeddings"] = True
+    try:
+        path, hf = hfx.make_hf_kimi_linear(tmp_path / "tied", "a4_tied", hfx.DEFAULT_SEEDS["a4"])
+        ids = hfx.make_prompt("a4_tied", 1, batch=1, length=12)
+    finally:
+        del hfx.VARIANTS["a4_tied"]
+    assert hf.config.tie_word_embeddings and "lm_head.weight" in hfx.saved_tensor_names(path)
+    model = k3jax.load_model(path, dtype="float32")
+    err = _rel_err(model.forward(ids), hfx.hf_logits(hf, ids))
+    assert err <= REL_TOL, f"rel err {err:.3e}"

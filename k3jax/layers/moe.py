@@ -81,7 +81,9 @@ class MXFP4Params(nnx.Module):
         self.weight_scale = nnx.Param(scale, axes=("experts", "expert_mlp", None))
 
     def value(self) -> MXFP4Weight:
-        return MXFP4Weight(self.weight_packed[...], self.weight_scale[...])
+        """The packed weight, its group size read off the shapes (the checkpoint's, not always 32)."""
+        packed, scale = self.weight_packed[...], self.weight_scale[...]
+        return MXFP4Weight(packed, scale, 2 * packed.shape[-1] // scale.shape[-1])
 
 
 class MoE(nnx.Module):
