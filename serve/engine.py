@@ -62,8 +62,8 @@ from serve.multihost import (ADAPTER, ADAPTER_CHUNK, EPLB, FORGET, LORA, LORA_DR
                              mesh_processes, payload_bytes, payload_text, text_payload)
 from serve.page_tables import PageTables
 from serve.profiler import step_annotation
-from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, Hit, PrefixCache, PrefixCacheConfig,
-                                PrefixHasher)
+from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, CkptEntry, Hit, PageEntry, PrefixCache,
+                                PrefixCacheConfig, PrefixHasher)
 from serve.position_rows import PositionRows
 from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
@@ -2195,12 +2195,19 @@ class Engine:
             self._land_flight(touched)  # a row whose next step needs the host to see its results first
             ended = self._select_beams() if self._beams else set()
         plan = self._plan()
+        if not plan.empty:
+            self._allocate(plan)
+            if plan.empty and self.sched_cfg.prefill_first:
+                # every admission of a prompts-only step waits (its hit pins memory the scheduler counted as
+                # evictable): the running requests decode instead, or nothing would free that memory
+                plan = self._plan(mixed=True)
+                if not plan.empty:
+                    self._allocate(plan)
         if plan.empty:
             if self._flight:
                 self._land_flight(touched)
                 ended |= self._select_beams() if self._beams else set()
             return self._step_outputs(touched, ended)  # aborted requests leave even when nothing runs
-        self._allocate(plan)
         self._place_adapters(plan.admit)
         now = time.monotonic()
         for rid in plan.admit:
@@ -2260,9 +2267,10 @@ class Engine:
         self._reap()
         return outs
 
-    def _plan(self) -> StepPlan:
+    def _plan(self, mixed: bool = False) -> StepPlan:
         """The scheduler's plan for the next step. Sequences in a step still in flight count with what it adds:
-        its positions computed and the token it samples (their next row takes that token on the device)."""
+        its positions computed and the token it samples (their next row takes that token on the device).
+        `mixed`: plan the decodes even with `prefill_first`."""
         self._unpark_for_laggards()
         live = [s for s in self.seqs.values() if not s.finished and s.proposals is None]
         for s in live:
@@ -2300,7 +2308,8 @@ class Engine:
         if self.prefix_cache:
             eu, es = self.prefix_cache.evictable()
             free_units, free_slots = free_units + eu, free_slots + es
-        plan = schedule(views, Memory(free_units, free_slots), self.sched_cfg, self.new_token_ratio)
+        cfg = dataclasses.replace(self.sched_cfg, prefill_first=False) if mixed else self.sched_cfg
+        plan = schedule(views, Memory(free_units, free_slots), cfg, self.new_token_ratio)
         self._adapt_new_token_ratio(plan)
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
@@ -2480,6 +2489,8 @@ class Engine:
         scored = ((seq.prompt_lps is not None and any(x is None for x in seq.prompt_lps[1:]))
                   or (seq.hidden is not None and seq.hidden.end < len(ids) - 1))
         hit = Hit(0, None, [], None, 0) if scored else self.prefix_cache.match(seq.hasher, len(ids))
+        if hit.pos and not self._hit_fits(seq, hit):  # (a request near the arena's size) it starts cold instead
+            hit = Hit(0, None, [], None, 0)
         seq.hit_routes = None
         if hit.pos and seq.routes is not None and self.routes_store is not None:  # the skipped positions' ids
             seq.hit_routes = self.routes_store.take(seq.hasher, hit.pos)
@@ -2700,7 +2711,7 @@ class Engine:
             return
         seq.registered_pages = pc.register_pages(seq.hasher, seq.pages, seq.computed, seq.registered_pages)
         kind = seq.captures.pop(seq.computed, None)
-        if kind is None:
+        if kind is None or not self._room_to_capture(seq):
             return
         pc.evict_for(0, 1, keep=self._wanted())
         try:
@@ -2713,6 +2724,30 @@ class Engine:
             seq.read_slot, seq.read_pin, seq.slot = seq.slot, ck, new_slot
         else:
             self.allocator.free_slot(new_slot)
+
+    def _room_to_capture(self, seq: Sequence) -> bool:
+        """Whether `seq` can still run its next row after a capture: the checkpoint keeps its slot, pinned until
+        that row has read it, and `seq` takes a new one. A request that nearly fills the arena would otherwise
+        wait forever for memory only its own next step frees."""
+        n = len(seq.all_ids)
+        if seq.computed < n:  # a prompt chunk next
+            end = min(n, (seq.computed // self.config.prefill_chunk + 1) * self.config.prefill_chunk)
+        else:  # a decode next, unless the token sampled now is its last
+            last = seq.checker.max_tokens is not None and len(seq.output_ids) + 1 >= seq.checker.max_tokens
+            end = n if seq.internal or last else n + 1
+        return self._fits_beside(end, self.layout.slot_units)
+
+    def _hit_fits(self, seq: Sequence, hit: Hit) -> bool:
+        """Whether `seq` can ever be admitted resuming from `hit`: the hit's checkpoint slot and partial page on
+        the device stay pinned until its first row has read them."""
+        end = min(len(seq.all_ids), (hit.pos // self.config.prefill_chunk + 1) * self.config.prefill_chunk)
+        return self._fits_beside(end, (self.layout.slot_units if isinstance(hit.ckpt, CkptEntry) else 0)
+                                 + (self.cfg.num_mla_layers if isinstance(hit.partial, PageEntry) else 0))
+
+    def _fits_beside(self, end: int, pinned: int) -> bool:
+        """Whether a request's slot and its pages up to position `end` fit in the arena beside `pinned` units
+        (everything else could be evicted, preempted or finished by then)."""
+        return self.layout.slot_units + units_for(end, self.sched_cfg) + pinned <= self.allocator.baseline_free_units
 
     def _spawn_canonical_ids(self, all_ids: list[int], hasher: PrefixHasher, pos: int, kind: str, base: str,
                              adapter: Optional[Adapter] = None, embeds: Optional[np.ndarray] = None) -> None:
@@ -3170,8 +3205,10 @@ class Engine:
         self.counters["preemptions"] += 1
 
     def _reap(self) -> None:
-        """Forget requests whose outputs were delivered."""
-        for rid in [r for r, q in self.requests.items() if q.finished]:
+        """Forget requests whose outputs were delivered (not those a step read back outside `step()` finished:
+        the next `step()` returns their outputs)."""
+        owed = {self.seqs[r].request_id for r in self._landed if r in self.seqs}
+        for rid in [r for r, q in self.requests.items() if q.finished and r not in owed]:
             for s in self.requests.pop(rid).seqs:
                 self.seqs.pop(s.rid, None)
 

@@ -148,6 +148,26 @@ def test_outputs_lag_one_step_and_the_last_step_is_read_back(engines):
     at_baseline(asyn)
 
 
+def test_a_request_a_call_between_steps_finishes_keeps_its_output(engines):
+    """`AsyncEngine` runs calls (`reset_prefix_cache`, ...) and aborts between steps. A call that reads back the
+    step in flight can finish a request there; an abort of another request (which reaps finished ones) must not
+    forget it before the next `step()` returns its last output (its stream would wait forever)."""
+    _, asyn = engines
+    sp = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
+    rid, other = asyn.add_request([5, 6, 7], sp(3)), asyn.add_request([8, 9], sp(30))
+    seq = asyn.seqs[f"{rid}#0"]
+    while not (seq.pending and len(seq.output_ids) + seq.pending == 3):  # its last token in flight
+        asyn.step()
+    asyn.reset_prefix_cache()  # (AsyncEngine's "call"): reads the step back, the request finishes there
+    asyn.abort(other)
+    asyn._reap()  # (AsyncEngine's "abort")
+    outs = {o.request_id: o for o in asyn.step()}
+    assert outs[rid].finished and len(outs[rid].outputs[0].token_ids) == 3
+    while asyn.has_unfinished():
+        asyn.step()
+    at_baseline(asyn)
+
+
 def test_prefix_cache_resumes_match(cached_engines):
     """Shared prefixes: KDA checkpoints captured at row ends (those rows are read back before the next step is
     planned) and pages registered while the next step is in flight; the second wave resumes from them."""

@@ -139,6 +139,89 @@ def test_an_admission_whose_hit_the_running_requests_evicted_waits(engines, monk
     assert on.allocator.free_units + on._cached_units() == on.allocator.baseline_free_units
 
 
+def test_prefill_first_decodes_while_an_admission_waits_for_a_slot(engines, monkeypatch):
+    """`prefill_first` with the arena's last state slot the checkpoint a waiting request resumes from: the
+    scheduler counts that (evictable) slot, the admission pins it and finds no slot, and waits. The running
+    requests must decode meanwhile (a step of prompt chunks only would run nothing, forever), and everyone
+    ends with the cold tokens. (Found by a randomized cross-feature run: the engine stepped without end.)"""
+    import dataclasses
+
+    on, off = emptied(engines)
+    monkeypatch.setattr(on, "sched_cfg", dataclasses.replace(on.sched_cfg, prefill_first=True))
+    base = toks(31, 70)
+    run(on, base)  # cached: pages and a prompt-end checkpoint
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    decoders = [on.add_request(toks(32 + i, 10), sp) for i in range(2)]
+    for _ in range(3):
+        on.step()
+    held = []  # every free slot run taken: the checkpoint is the only slot eviction could give
+    try:
+        while on.allocator._free_slot_bases(1):
+            held.append(on.allocator.alloc_slot())
+        waiting = on.add_request(base + toks(34, 5), sp)
+        outs = {}
+        for _ in range(60):
+            outs.update({o.request_id: o for o in on.step() if o.finished})
+            if len(outs) == 2:
+                break
+        assert set(outs) == set(decoders), "the running requests stopped decoding"
+    finally:
+        for b in held:
+            on.allocator.free_slot(b)
+    while on.has_unfinished():
+        outs.update({o.request_id: o for o in on.step() if o.finished})
+    for rid, p in zip(decoders + [waiting], [toks(32, 10), toks(33, 10), base + toks(34, 5)]):
+        assert outs[rid].outputs[0].token_ids == run(off, p, params=sp).token_ids
+    assert on.allocator.free_units + on._cached_units() == on.allocator.baseline_free_units
+
+
+@pytest.fixture(scope="module")
+def small():
+    """tiny-k3 with an arena of 56 units: a state slot is 13 of them, a 160-token context 30."""
+    page, chunk = LAYOUTS["page_aligned"]
+    return Engine(k3jax.load_model("tiny-k3", seed=2), config(page, chunk, 70), progress=False)
+
+
+def bounded(engine, prompt, n, steps=60):
+    """`run` that gives up after `steps` steps (aborting the request) -> the output, or None."""
+    rid = engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True))
+    for _ in range(steps):
+        done = [o for o in engine.step() if o.request_id == rid and o.finished]
+        if done:
+            return done[0]
+    engine.abort(rid)
+    engine.step()
+    return None
+
+
+def test_a_request_that_nearly_fills_the_arena_skips_a_capture_it_has_no_room_for(small):
+    """A capture keeps the request's state slot as the checkpoint, pinned until its next row has read it, and
+    gives the request a new slot. A 162-token prompt holds 43 of the 56 units when its prompt-end state (160) is
+    captured: with the new slot nothing is left for its next row's pages, and that row alone would unpin the
+    checkpoint, so it waited forever. It goes on without the capture."""
+    assert small.reset_prefix_cache()
+    out = bounded(small, toks(50, 162), 2)
+    assert out is not None and len(out.outputs[0].token_ids) == 2
+    s = small.stats()
+    assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
+
+
+def test_a_hit_that_can_never_be_admitted_is_not_taken(small):
+    """A request resumes from a checkpoint by reading it into its own slot: both slots and its pages up to its
+    first row's end must fit at once. A 170-token prompt whose cached prefix ends at 160 needs 59 of the 56
+    units that way (46 from scratch): it was matched to that hit step after step and never admitted."""
+    assert small.reset_prefix_cache()
+    base, tail = toks(60, 160), toks(61, 10)
+    bounded(small, base, 1)
+    assert [c.pos for c in small.prefix_cache.ckpts.values()] == [160]
+    warm = bounded(small, base + tail, 1)
+    assert warm is not None and warm.num_cached_tokens == 0
+    assert small.reset_prefix_cache()
+    assert warm.outputs[0].token_ids == bounded(small, base + tail, 1).outputs[0].token_ids
+    s = small.stats()
+    assert s["arena_free_units"] + s["arena_cached_units"] == s["arena_baseline_free_units"]
+
+
 def test_prompt_end_checkpoint(engines):
     emptied(engines)
     base = toks(3, 100)  # prompt end 100 -> aligned checkpoint at 96
