@@ -48,8 +48,8 @@ import math
 import os
 import time
 import uuid
-from collections import deque
-from typing import Any, Callable, Literal, Optional, Union
+from collections import Counter, deque
+from typing import Any, Callable, Literal, Mapping, Optional, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -875,6 +875,16 @@ class _Run:
         cached = sum(out.num_cached_tokens for out in self._whole.values())
         return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c,
                 "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def choice_usage(self, chunk: dict, sent: Mapping) -> dict:
+        """vLLM's continuous usage stats: the chunk's choice's prompt tokens and the tokens streamed for it so far
+        (`sent`, by (prompt, sample)); the whole run's for a chunk without one choice."""
+        choices = chunk.get("choices") or ()
+        if len(choices) != 1:
+            return self.usage()
+        i, j = divmod(choices[0]["index"], self.params.n)
+        p, c = _prompt_len(self.prompts[i]), sent[i, j]
+        return {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}
 
     def close(self) -> None:
         if self.closed:
@@ -2450,10 +2460,13 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         try:
             for chunk in fmt.start(len(prompts), include_usage):
                 yield fmt.sse(chunk)
+            sent: Counter = Counter()  # (prompt, sample) -> its tokens streamed
             async for i, out in run.items():
+                for o in out.outputs:
+                    sent[i, o.index] += len(o.token_ids)
                 for chunk in fmt.deltas(i, out, include_usage):
                     if continuous:
-                        chunk["usage"] = run.usage()
+                        chunk["usage"] = run.choice_usage(chunk, sent)
                     yield fmt.sse(chunk)
             for chunk in fmt.end(run, include_usage):
                 yield fmt.sse(chunk)

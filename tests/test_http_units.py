@@ -1,6 +1,7 @@
 """HTTP pieces that need no engine: rate limiter, key file, metrics export, the app before warm-up."""
 
 import asyncio
+import json
 
 import httpx
 import pytest
@@ -689,3 +690,21 @@ def test_iteration_tokens_histogram_from_the_engine_counts():
     got = {s.labels.get("le") or s.name: s.value for s in fam.samples}
     assert (got["1.0"], got["8.0"], got["16.0"], got["64.0"], got["16384.0"], got["+Inf"]) == (1, 3, 4, 5, 5, 6)
     assert got["vllm:iteration_tokens_total_count"] == 6 and got["vllm:iteration_tokens_total_sum"] == 20087
+
+
+def test_continuous_usage_is_each_choices_own():
+    """vLLM's continuous_usage_stats: a streamed chunk's usage is its choice's prompt tokens and the tokens streamed
+    for that choice so far, not the whole request's."""
+    app = create_app(_TwoSamples(), "m")
+
+    async def go():
+        body = {"prompt": [5, 6, 7], "n": 2, "max_tokens": 2, "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.post("/v1/completions", json=body)).text
+
+    events = [json.loads(line[6:]) for line in asyncio.run(go()).splitlines() if line.startswith("data: {")]
+    per_choice = [(e["choices"][0]["index"], e["usage"]["prompt_tokens"], e["usage"]["completion_tokens"])
+                  for e in events if len(e["choices"]) == 1]
+    assert per_choice == [(0, 3, 1), (1, 3, 1), (0, 3, 2), (1, 3, 2)], per_choice
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
