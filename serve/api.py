@@ -213,7 +213,9 @@ class CompletionRequest(_GenerationFields):
         None, description="vLLM's (--enable-prompt-embeds): prompts as vectors [length, hidden_size], each one "
                           "base64 string of a torch.save'd tensor, a NumPy .npy or a one-tensor safetensors file; "
                           "their choices come before those of `prompt`")
-    max_tokens: Optional[int] = Field(16, ge=1)
+    max_tokens: Optional[int] = Field(16, ge=0, description="0 only with echo: the prompt alone is answered, scored "
+                                                            "with logprobs (OpenAI's and vLLM's; how evaluation "
+                                                            "harnesses ask for log-likelihoods)")
     logprobs: Optional[int] = Field(None, ge=0, le=20, description="with echo: also the prompt tokens' logprobs")
     echo: bool = False
     suffix: Optional[str] = Field(None, description="not supported (must be empty)")
@@ -1035,9 +1037,23 @@ class _CompletionFormat(_Format):
 
     chunk_object = "text_completion"
 
-    def __init__(self, *a, echo_texts: list[str], **kw):
+    def __init__(self, *a, echo_texts: list[str], echo_only: bool = False, **kw):
         super().__init__(*a, **kw)
         self.echo_texts = echo_texts
+        self.echo_only = echo_only  # max_tokens 0 with echo: each choice shows the prompt alone
+
+    def _shown(self, out: RequestOutput) -> RequestOutput:
+        """`out` as the choices show it: with `echo_only`, no generated token (the one the engine sampled is
+        hidden; the choice ends at its length, 0)."""
+        if not self.echo_only:
+            return out
+        hide = lambda o: dataclasses.replace(  # noqa: E731
+            o, text="", token_ids=[], logprobs=None if o.logprobs is None else [],
+            finish_reason=None if o.finish_reason is None else "length", stop_reason=None)
+        return dataclasses.replace(out, outputs=[hide(o) for o in out.outputs])
+
+    def deltas(self, i: int, out: RequestOutput, usage_field: bool) -> list[dict]:
+        return super().deltas(i, self._shown(out), usage_field)
 
     def _logprobs(self, entries, offset: int) -> Optional[dict]:
         if self.logprobs is None or entries is None:
@@ -1072,7 +1088,7 @@ class _CompletionFormat(_Format):
     def full(self, run: _Run) -> dict:
         choices = []
         for i in range(len(run.prompts)):
-            out = run.output(i)
+            out = self._shown(run.output(i))
             for o in out.outputs:
                 j, echo = o.index, self.echo_texts[i]
                 entries = self._echoed(i, out, o.logprobs)
@@ -1621,8 +1637,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
             raise APIError(400, "best_of other than n is not supported", param="best_of")
+        echo_only = body.max_tokens == 0  # OpenAI's echo without generation: the engine samples one, not shown
+        if echo_only and not body.echo:
+            raise APIError(400, "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
         texts, prompts = await _completion_inputs(st, body)
-        params = _sampling(st, body, body.max_tokens, body.logprobs)
+        params = _sampling(st, body, 1 if echo_only else body.max_tokens, body.logprobs)
         k = params.truncate_prompt_tokens
         if k is not None:  # the echo shows what the model saw
             texts = [t if _prompt_len(p) <= k or isinstance(p, dict) else
@@ -1642,7 +1661,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         fmt = _CompletionFormat(st, rid, params.n, params.logprobs, int(time.time()),
                                 echo_texts=echo, prompt_field=body.prompt_logprobs is not None,
                                 token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids,
-                                run_id=run_id)
+                                run_id=run_id, echo_only=echo_only)
         return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
 
     @app.post("/v1/chat/completions", responses=_ERRORS)

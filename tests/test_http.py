@@ -240,6 +240,18 @@ def test_completion_echo_logprobs_score_the_prompt(http):
     for k in range(1, len(prompt)):
         entry = pl[k][str(ord(prompt[k]))]  # byte tokenizer: id = byte
         assert entry["logprob"] == pytest.approx(lp["token_logprobs"][k], abs=1e-5) and entry["rank"] >= 1
+    # max_tokens 0 with echo (OpenAI's; lm-evaluation-harness's log-likelihood request): the prompt alone, scored
+    body = dict(model=MODEL, prompt=prompt, max_tokens=0, temperature=0, echo=True, logprobs=2)
+    z = http.post("/v1/completions", json=body).json()["choices"][0]
+    assert z["text"] == prompt and z["finish_reason"] == "length"
+    assert z["logprobs"]["tokens"] == lp["tokens"][:len(prompt)]
+    assert z["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(prompt)]
+    streamed = [json.loads(line[6:]) for line in http.post("/v1/completions", json={**body, "stream": True}).text
+                .splitlines() if line.startswith("data: {")]
+    assert "".join(e["choices"][0]["text"] for e in streamed) == prompt
+    assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in streamed) == len(prompt)
+    r = http.post("/v1/completions", json={**body, "echo": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
     err = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, prompt_logprobs=9)).json()["error"]
     assert err["param"] == "prompt_logprobs"
     chat = http.post("/v1/chat/completions", json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
