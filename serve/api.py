@@ -2220,8 +2220,12 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
 
 def _thinks(st: ServerState, body) -> bool:
     """The K3 generation prompt opens the think channel (the answer comes after the reasoning)."""
-    return (st.chat_family == "k3" and body.add_generation_prompt
-            and (body.chat_template_kwargs or {}).get("thinking", True))
+    return st.chat_family == "k3" and body.add_generation_prompt and _thinking(body)
+
+
+def _thinking(body) -> bool:
+    """K3's `chat_template_kwargs.thinking`; unset or null is the renderer's default, on."""
+    return (body.chat_template_kwargs or {}).get("thinking") is not False
 
 
 _SO_KEYS = ("json", "regex", "choice", "grammar", "json_object", "disable_any_whitespace",
@@ -2285,7 +2289,7 @@ def _reasoning_start(st: ServerState, body) -> Optional[str]:
         return "response"
     if not body.add_generation_prompt:
         return None
-    return "think" if (body.chat_template_kwargs or {}).get("thinking", True) else "response"
+    return "think" if _thinking(body) else "response"
 
 
 def _embedded_parts(st: ServerState, messages: list[ChatMessage]) -> tuple[list[dict], dict[str, "np.ndarray"]]:

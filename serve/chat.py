@@ -11,15 +11,18 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from k3jax.chat_template import encode_chat
+from k3jax.chat_template import KIMI_DEFAULT_SYSTEM_PROMPT, encode_chat
 from serve.tools import ToolPlan, history_message, tools_system_message
 from serve.types import RequestError
 
 __all__ = ["prepare_messages", "chat_ids"]
 
 
-def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan] = None) -> list[dict]:
-    """Normalised copies of `messages` (RequestError naming `messages` when a tool call is malformed)."""
+def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan] = None,
+                     default_system: Any = None) -> list[dict]:
+    """Normalised copies of `messages` (RequestError naming `messages` when a tool call is malformed).
+    `default_system`: the family's default system prompt, which the tools' system message must not
+    displace (the renderer only adds it to a conversation that does not start with a system message)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
@@ -33,6 +36,9 @@ def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan
         out.append(d)
     if tools is not None:  # after the leading system messages (a K2-style default system still comes first)
         at = next((i for i, m in enumerate(out) if m.get("role") != "system"), len(out))
+        if at == 0 and isinstance(default_system, str):
+            out.insert(0, {"role": "system", "content": default_system})
+            at = 1
         out.insert(at, {"role": "system", "content": tools_system_message(tools)})
     return out
 
@@ -55,7 +61,8 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
     if unknown:
         raise RequestError(f"chat_template_kwargs: unknown keys {unknown} (known: thinking, thinking_effort, "
                            f"default_system)")
-    msgs = prepare_messages(messages, family, tools)
+    default_system = kwargs.get("default_system", KIMI_DEFAULT_SYSTEM_PROMPT if family == "kimi_linear" else None)
+    msgs = prepare_messages(messages, family, tools, default_system)
     try:
         ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt,
                           continue_final_message=continue_final_message, holes=holes, **kwargs)

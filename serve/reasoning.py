@@ -29,6 +29,9 @@ THINK_START = f"{OPEN}think{SEP}"
 _TRANSITIONS = {
     "think": {THINK_END: "between"},
     "between": {RESPONSE_START: "response", THINK_START: "think", MESSAGE_END: "done"},
+    # text after the reasoning without the response opener: the answer (an opener or closer that
+    # still comes is dropped, so the split does not depend on where the deltas were cut)
+    "answer": {RESPONSE_START: "response", THINK_START: "think", RESPONSE_END: "after", MESSAGE_END: "done"},
     "response": {RESPONSE_END: "after", MESSAGE_END: "done"},
     "after": {MESSAGE_END: "done", RESPONSE_START: "response"},
     "done": {},
@@ -51,6 +54,11 @@ class ChannelSplitter:
         buf, self._held = self._held + text, ""
         reasoning, content = [], []
         while buf:
+            if self.state == "between":
+                rest = buf.lstrip()  # (layout between channels is dropped)
+                if rest and not any(rest.startswith(m) or m.startswith(rest) for m in _TRANSITIONS["between"]):
+                    self.state, buf = "answer", rest  # the model skipped the response opener
+                    continue
             markers = _TRANSITIONS[self.state]
             hits = [(buf.find(m), m) for m in markers if m in buf]
             if hits:
@@ -68,6 +76,8 @@ class ChannelSplitter:
     def finish(self) -> tuple[str, str]:
         """Flush text held as a possible marker start (the stream ended)."""
         reasoning, content = [], []
+        if self.state == "between" and self._held.strip():  # an unfinished marker is text: the answer
+            self.state, self._held = "answer", self._held.lstrip()
         self._emit(self._held, reasoning, content)
         self._held = ""
         return "".join(reasoning), "".join(content)
@@ -77,12 +87,8 @@ class ChannelSplitter:
             return
         if self.state == "think":
             reasoning.append(text)
-        elif self.state == "response":
+        elif self.state in ("response", "answer"):
             content.append(text)
-        elif self.state == "between" and text.strip():
-            # the model skipped the response opener: what follows the reasoning is the answer
-            self.state = "response"
-            content.append(text.lstrip())
 
 
 def _partial_suffix(buf: str, markers) -> int:

@@ -24,6 +24,10 @@ FULL = f"{THINK}<|close|>think<|sep|><|open|>response<|sep|>{ANSWER}<|close|>res
     (f"{THINK}<|close|>think<|sep|><|open|>response<|sep|>{ANSWER}", "think", (THINK, ANSWER)),  # cut off
     (f"{THINK}<|close|", "think", (THINK + "<|close|", "")),  # an unfinished marker at the end is text
     ("", "think", ("", "")),
+    # answer text before a late response opener (or a closer without opener): the markers are dropped
+    (f"{THINK}<|close|>think<|sep|> So <|open|>response<|sep|>{ANSWER}", "think", (THINK, "So " + ANSWER)),
+    (f"{THINK}<|close|>think<|sep|>{ANSWER}<|close|>response<|sep|>x", "think", (THINK, ANSWER)),
+    (f"{THINK}<|close|>think<|sep|> <|open|>resp", "think", (THINK, "<|open|>resp")),
 ])
 def test_split_whole_messages(text, start, want):
     assert split_reasoning(text, start) == want
@@ -32,7 +36,10 @@ def test_split_whole_messages(text, start, want):
 def test_every_streaming_split_gives_the_same_parts():
     rng = random.Random(0)
     for text, start in ((FULL, "think"), (f"{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>", "response"),
-                        (f"{THINK}<|close|>think<|sep|>x{ANSWER}", "think")):
+                        (f"{THINK}<|close|>think<|sep|>x{ANSWER}", "think"),
+                        (f"{THINK}<|close|>think<|sep|> So {ANSWER}<|open|>response<|sep|>{ANSWER}", "think"),
+                        (f"{THINK}<|close|>think<|sep|>So{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>",
+                         "think")):
         want = split_reasoning(text, start)
         for _ in range(300):
             cuts = sorted(rng.sample(range(1, len(text)), rng.randint(1, 25)))
@@ -84,6 +91,7 @@ def test_reasoning_start_follows_family_thinking_and_the_server_flag():
     body = lambda **kw: SimpleNamespace(**{"add_generation_prompt": True, "chat_template_kwargs": None, **kw})
     assert _reasoning_start(st, body()) == "think"
     assert _reasoning_start(st, body(chat_template_kwargs={"thinking": False})) == "response"
+    assert _reasoning_start(st, body(chat_template_kwargs={"thinking": None})) == "think"  # the renderer's default
     assert _reasoning_start(st, body(add_generation_prompt=False)) is None
     assert _reasoning_start(SimpleNamespace(chat_family="kimi_linear", reasoning_parser=True), body()) is None
     assert _reasoning_start(SimpleNamespace(chat_family="k3", reasoning_parser=False), body()) is None

@@ -304,6 +304,26 @@ def test_k3_tool_results_render_as_system_messages_with_the_k2_header():
     assert prepare_messages(msgs[2:3], "kimi_linear")[0]["role"] == "tool"  # that format has its own
 
 
+
+def test_tools_keep_the_kimi_default_system_prompt(monkeypatch):
+    """The tools' system message must not stand in for the K2-style default system prompt."""
+    import serve.chat as chat
+    from k3jax.chat_template import KIMI_DEFAULT_SYSTEM_PROMPT
+
+    seen = []
+    monkeypatch.setattr(chat, "encode_chat", lambda tok, msgs, **kw: seen.append(msgs) or [1])
+    plan = plan_tools(TOOLS, "auto", None)
+    chat.chat_ids(object(), "kimi_linear", [{"role": "user", "content": "hi"}], tools=plan)
+    assert [m["content"][:7] for m in seen[-1]] == [KIMI_DEFAULT_SYSTEM_PROMPT[:7], "# Tools", "hi"]
+    chat.chat_ids(object(), "kimi_linear", [{"role": "user", "content": "hi"}], tools=plan,
+                  template_kwargs={"default_system": None})
+    assert [m["role"] for m in seen[-1]] == ["system", "user"]
+    chat.chat_ids(object(), "kimi_linear", [{"role": "system", "content": "S"}, {"role": "user", "content": "hi"}],
+                  tools=plan)
+    assert [m["content"][:7] for m in seen[-1]] == ["S", "# Tools", "hi"]
+    chat.chat_ids(object(), "k3", [{"role": "user", "content": "hi"}], tools=plan)  # K3: no default
+    assert [m["role"] for m in seen[-1]] == ["system", "user"]
+
 # ---- the Responses API (serve/responses.py), parsed by the OpenAI SDK ----------------------------------
 
 def _sdk(engine, fn):
