@@ -35,6 +35,10 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """vLLM's `speculative_config` for its model-free methods (its field names): `ngram` (prompt lookup) and
@@ -65,6 +69,10 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}; expected "
                              f"{sorted(cls.__dataclass_fields__)}")
+        d = dict(d)
+        lo = d.get("prompt_lookup_min")
+        if "prompt_lookup_max" not in d and _is_int(lo):  # a lone min (vLLM's form) is never above the max
+            d["prompt_lookup_max"] = max(lo, cls.prompt_lookup_max)
         return cls(**d)
 
     def validate(self, prefill_chunk: int) -> None:
@@ -81,15 +89,17 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.{key}={x!r}: out of range (depth >= 2, cached requests >= 0, "
                                      f"spec factor > 0, min token prob in [0, 1])")
         k = self.num_speculative_tokens
-        if not isinstance(k, int) or not 1 <= k <= 16:
+        if not _is_int(k) or not 1 <= k <= 16:
             raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: expected an integer in [1, 16]")
-        if not (isinstance(self.prompt_lookup_min, int) and isinstance(self.prompt_lookup_max, int)
+        if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             raise ValueError(f"speculative_config.prompt_lookup_min / prompt_lookup_max: expected integers with "
                              f"1 <= min <= max, got {self.prompt_lookup_min!r}, {self.prompt_lookup_max!r}")
         d = self.disable_by_batch_size
-        if d is not None and (not isinstance(d, int) or d < 1):
+        if d is not None and (not _is_int(d) or d < 1):
             raise ValueError(f"speculative_config.disable_by_batch_size={d!r}: expected a positive integer or None")
+        if not isinstance(self.adaptive, bool):  # (a string "false" would be truthy: drafts gated after all)
+            raise ValueError(f"speculative_config.adaptive={self.adaptive!r}: expected true or false")
         if k + 1 == prefill_chunk:
             raise ValueError(f"speculative_config.num_speculative_tokens={k}: verify rows of {k + 1} tokens would "
                              f"share the prefill programs' shape (prefill_chunk={prefill_chunk}); pick another")

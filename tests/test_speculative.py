@@ -161,6 +161,14 @@ def test_config_errors_name_the_field():
                      ("suffix_decoding_max_tree_depth", True)):
         with pytest.raises(ValueError, match=f"speculative_config.{key}={bad!r}"):
             EngineConfig(speculative_config={"method": "suffix", key: bad}).validate()
+    for key, bad in (("num_speculative_tokens", True), ("disable_by_batch_size", True), ("adaptive", "false"),
+                     ("prompt_lookup_min", True)):  # (booleans are not counts; a string is not a switch)
+        with pytest.raises(ValueError, match=f"speculative_config.{key}"):
+            EngineConfig(speculative_config={key: bad}).validate()
+    # vLLM's form: a lone prompt_lookup_min is valid (the max follows it up)
+    cfg = EngineConfig(speculative_config={"prompt_lookup_min": 5})
+    cfg.validate()
+    assert (cfg.speculative_config.prompt_lookup_min, cfg.speculative_config.prompt_lookup_max) == (5, 5)
     EngineConfig(speculative_config={"method": "suffix", "num_speculative_tokens": 8}).validate()
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config == SpeculativeConfig(
         num_speculative_tokens=2)
@@ -191,6 +199,9 @@ SAMPLING = {
                                        logprobs=2),
     "penalised": lambda i: SamplingParams(temperature=0.7, min_p=0.05, seed=i, presence_penalty=0.5,
                                           repetition_penalty=1.3, max_tokens=24, ignore_eos=True),
+    "restricted": lambda i: SamplingParams(temperature=0.8, top_k=20, seed=i, frequency_penalty=0.6,
+                                           logit_bias={5: 3.0}, allowed_token_ids=list(range(3, 60)), max_tokens=24,
+                                           ignore_eos=True, logprobs=2),
 }
 
 
@@ -409,7 +420,7 @@ def test_async_scheduling_drafts_on_a_guess_of_the_token_in_flight(engine, async
     rng = np.random.default_rng(17)
     prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 50)))] for _ in range(8)]
     prompts = [p + p[:10] for p in prompts]  # something for the real n-gram to find
-    params = [SAMPLING[kind](i) for i, kind in enumerate(list(SAMPLING) * 2)]
+    params = [SAMPLING[kind](i) for i, kind in enumerate(["greedy", "seeded", "penalised"] * 2)]
     masked = [SamplingParams(temperature=0.0, max_tokens=24, structured_outputs=SO(regex=r"([a-f]{2}-){2,6}[0-9]{2}")),
                SamplingParams(temperature=0.8, seed=5, max_tokens=24, ignore_eos=True, bad_words=["a", "zz"])]
     monkeypatch.setattr(engine, "_propose", lambda s, k: [])
