@@ -2061,7 +2061,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 
 def _lora_param(message: str) -> str:
     """The field a `LoRAError` is about: the name (in use, not loaded, no free slot) or else the path."""
-    return "lora_name" if message.startswith(("lora_name", "max_loras")) else "lora_path"
+    return "lora_name" if message.startswith(("lora_name", "max_loras", "max_cpu_loras")) else "lora_path"
 
 
 # a Responses request's fields under the names of the chat request it becomes (serve/responses.py), for errors

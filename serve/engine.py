@@ -3154,7 +3154,7 @@ class Engine:
         seq.metrics.finished_time = time.monotonic()
         self._release(seq)
         if seq.lora is not None:
-            seq.lora.requests.discard(seq.rid)
+            self.loras.release(seq.lora, seq.rid)
         if self.kv_role in ("kv_producer", "kv_both") and reason != "abort" and not seq.internal:
             # disaggregated prefill: what a consumer engine needs to resume this prompt, into the shared store
             self.counters["kv_transfer_published"] += self.prefix_cache.publish(seq.hasher, len(seq.prompt_ids)) > 0
@@ -3398,7 +3398,7 @@ class Engine:
         self._release(seq)
         seq.finished, seq.finish_reason, seq.proposals = True, "beam", None
         if seq.lora is not None:
-            seq.lora.requests.discard(seq.rid)
+            self.loras.release(seq.lora, seq.rid)
         self.seqs.pop(seq.rid, None)
 
     def _sweep_frozen(self) -> None:

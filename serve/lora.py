@@ -149,15 +149,20 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
         raise LoRAError(f"{cfg_where}: peft_type {conf.get('peft_type')!r}; only LORA adapters are served")
     for key, ok, why in (("use_dora", lambda v: not v, "DoRA adapters are not supported"),
                          ("bias", lambda v: v in (None, "none"), "adapters with trained biases are not supported"),
+                         ("lora_bias", lambda v: not v, "adapters with trained biases are not supported"),
+                         ("init_lora_weights", lambda v: not _moves_base(v), "its factors were trained against base "
+                          "weights that PEFT's init changed (the served checkpoint's minus the initial factors); "
+                          "save it converted to a plain LoRA adapter "
+                          "(save_pretrained(path_initial_model_for_weight_conversion=...))"),
                          ("modules_to_save", lambda v: not v, "adapters that replace whole modules are not supported"),
                          ("fan_in_fan_out", lambda v: not v, "fan_in_fan_out factors are not supported")):
         if key in conf and not ok(conf[key]):
             raise LoRAError(f"{cfg_where}: {key}={conf[key]!r}: {why}")
     try:
-        alpha = float(conf.get("lora_alpha", conf.get("r", 8)))
+        alpha = float(conf.get("lora_alpha", 8))  # PEFT's default (LoraConfig), whatever r is
     except (TypeError, ValueError):
         raise LoRAError(f"{cfg_where}: lora_alpha={conf.get('lora_alpha')!r} is not a number") from None
-    alpha_pattern = dict(conf.get("alpha_pattern") or {})
+    alpha_pattern = _alpha_pattern(conf.get("alpha_pattern") or {}, cfg_where)
     rslora = bool(conf.get("use_rslora", False))
     tensors: dict[str, dict[str, np.ndarray]] = {}
     by_expert: dict[str, dict[str, dict]] = {}  # expert matrix -> A / B -> expert (None: all) -> (name, array)
@@ -195,7 +200,7 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
         r = a.shape[1]
         if r > max_rank:
             raise LoRAError(f"{weights}: tensor {na}: rank {r} exceeds max_lora_rank={max_rank}")
-        scaling = _pattern(alpha_pattern, module, alpha) / (math.sqrt(r) if rslora else r)
+        scaling = _pattern(alpha_pattern, _peft_module(na), alpha) / (math.sqrt(r) if rslora else r)
         n_exp, shared = experts[module]
         if shared and a.shape[0] > 1:
             if not all(np.array_equal(a[0], a[e]) for e in range(1, a.shape[0])):
@@ -220,11 +225,32 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
             raise LoRAError(f"{weights}: tensor {nb}: shape {list(b.shape)}, expected [{o}, {r}] (out, r)")
         if r > max_rank:
             raise LoRAError(f"{weights}: tensor {na}: rank {r} exceeds max_lora_rank={max_rank}")
-        a_mod = _pattern(alpha_pattern, module, alpha)
-        scaling = a_mod / (math.sqrt(r) if rslora else r)
+        scaling = _pattern(alpha_pattern, _peft_module(na), alpha) / (math.sqrt(r) if rslora else r)
         out[module] = model_lora.slot_arrays(a.astype(np.float32), b.astype(np.float32), max_rank, scaling)
         top = max(top, r)
     return top, out
+
+
+def _alpha_pattern(patterns, cfg_where: str) -> dict[str, float]:
+    """The config's `alpha_pattern` checked: {module regex: number}, else a LoRAError naming it."""
+    if not isinstance(patterns, dict):
+        raise LoRAError(f"{cfg_where}: alpha_pattern: expected an object of module name -> alpha, got "
+                        f"{type(patterns).__name__}")
+    out = {}
+    for key, value in patterns.items():
+        try:
+            re.compile(key)
+            out[key] = float(value)
+        except (TypeError, ValueError, re.error):
+            raise LoRAError(f"{cfg_where}: alpha_pattern[{key!r}]={value!r}: expected a module name (regex) and "
+                            f"a number") from None
+    return out
+
+
+def _moves_base(init) -> bool:
+    """A PEFT `init_lora_weights` that subtracts the initial factors from the base weights (PiSSA, OLoRA,
+    CorDA): the adapter alone is only right on that changed base, which PEFT rebuilds when it loads one."""
+    return isinstance(init, str) and init.lower().startswith(("pissa", "olora", "corda"))
 
 
 def _strip(name: str, prefix: str) -> str:
@@ -354,8 +380,19 @@ def _module_path(name: str, prefix: str, shapes: dict) -> Optional[str]:
     return next((n for n in names if n in shapes), None)
 
 
+def _peft_module(tensor: str) -> str:
+    """A factor's tensor name -> the module name PEFT matched `alpha_pattern` against when it built the
+    adapter (`model.layers.1.self_attn.forget_gate.f_a_proj`, under `base_model.model.`): as the trained
+    model nested it, which the model's own paths (`_module_path`) need not be."""
+    name = _FACTOR.match(tensor).group("module")
+    while name.endswith(".base_layer"):
+        name = name[:-len(".base_layer")]
+    return name
+
+
 def _pattern(patterns: dict, module: str, default: float) -> float:
-    """PEFT's per-module override: a key matches a module name ending in it (as a regex)."""
+    """PEFT's per-module override: a key matches a module name ending in it (as a regex), so a full
+    path (`model.layers.0.self_attn.q_proj`) or a short name (`q_proj`) against `_peft_module`'s name."""
     for key, value in patterns.items():
         if re.match(rf"(.*\.)?({key})$", module):
             return float(value)
@@ -407,6 +444,12 @@ class Registry:
         adapter.slot = slot
         self.in_slot[slot] = adapter
         return slot
+
+    def release(self, adapter: Adapter, rid) -> None:
+        """Request `rid` is done with `adapter`: it was in use until now (LRU counts the last use, not the
+        last admission)."""
+        adapter.requests.discard(rid)
+        adapter.used = next(self._clock)
 
     def check_unused(self, name: str, besides=frozenset()) -> Adapter:
         """The adapter `name`, unless requests other than `besides` (request ids) use it: a LoRAError then."""

@@ -236,6 +236,25 @@ def test_more_adapters_than_slots(ab, engine, ref):
     engine.remove_lora("c")
 
 
+def test_swap_evicts_the_least_recently_used_adapter(ab, engine, ref):
+    """The adapter swapped out is the one whose requests ended longest ago, not the one admitted first: "a"'s
+    request outlives "b"'s (both admitted in one step), so "c" takes "b"'s slot (it used to take "a"'s)."""
+    engine.add_lora(LoRARequest("c", 3, ref[2]["second"]))
+    prompts = hfx.make_prompt(VARIANT, 9, batch=2, length=20)
+    ids = [engine.add_request(list(map(int, prompts[0])), SamplingParams(max_tokens=8, ignore_eos=True),
+                              lora_request="a"),
+           engine.add_request(list(map(int, prompts[1])), SamplingParams(max_tokens=1, ignore_eos=True),
+                              lora_request="b")]
+    while engine.has_unfinished():
+        engine.step()
+    assert all(engine.seqs.get(i) is None or engine.seqs[i].finished for i in ids)
+    _run(engine, [(prompts[1], "c")], max_tokens=1)
+    assert engine.stats()["lora_adapters_in_slots"] == ["a", "c"]
+    engine.remove_lora("c")
+    engine.remove_lora("b")  # back to the `ab` state: "b" in a slot again
+    engine.add_lora(LoRARequest("b", 2, ref[2]["second"]))
+
+
 def _write_adapter(d, tensors: dict, **conf):
     from safetensors.numpy import save_file
 
@@ -387,6 +406,7 @@ def test_http_models_requests_and_runtime_loading(ab, engine, ref):
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["kimi", "a", "c", "d"]
             r = await c.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": dirs["second"]})
             assert r.status_code == 400 and "max_cpu_loras=3" in r.json()["error"]["message"]
+            assert r.json()["error"]["param"] == "lora_name"  # the registry is full, not the path wrong
             metrics = (await c.get("/metrics")).text
             assert 'max_lora="2"' in metrics and "k3jax:lora_requests_running" in metrics
 
@@ -423,3 +443,84 @@ def test_llm_chat_takes_a_lora_request(ab, engine):
     for lora, out in outs.items():  # (the prompt as rendered)
         assert out.outputs[0].token_ids == _run(engine, [(out.prompt_token_ids, lora)], params=sp)[0].outputs[0].token_ids
     assert outs["a"].outputs[0].token_ids != outs[None].outputs[0].token_ids
+
+
+def test_alpha_pattern_keys_match_peft_module_names():
+    """`alpha_pattern` keys are matched as PEFT matched them, against the trained model's module names: a full
+    path (`model.layers.1.self_attn.q_proj`) or a name under transformers' nesting (`forget_gate.f_a_proj`,
+    `mlp.shared_experts.up_proj`) scales those modules, as `PeftModel` does (they used to get `lora_alpha`)."""
+    from torch import nn
+
+    from serve.lora import parse_peft
+
+    def layer(*names):
+        return nn.ModuleDict({n: nn.Linear(8, 8, bias=False) for n in names})
+
+    attn = nn.ModuleDict({"q_proj": nn.Linear(8, 8, bias=False), "forget_gate": layer("f_a_proj")})
+    net = nn.ModuleDict({"model": nn.ModuleDict({"layers": nn.ModuleList([nn.ModuleDict({
+        "self_attn": attn, "mlp": nn.ModuleDict({"shared_experts": layer("up_proj")})})])})})
+    torch.manual_seed(0)
+    conf = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "f_a_proj", "up_proj"], init_lora_weights=False,
+                           alpha_pattern={"model.layers.0.self_attn.q_proj": 2, "forget_gate.f_a_proj": 3,
+                                          "mlp.shared_experts.up_proj": 5})
+    pm = peft.get_peft_model(net, conf)
+    tensors = {k: v.detach().numpy() for k, v in peft.get_peft_model_state_dict(pm).items()}
+    modules = {"q_proj": "layers.0.self_attn.q_proj", "f_a_proj": "layers.0.self_attn.f_a_proj",
+               "up_proj": "layers.0.block_sparse_moe.shared_experts.up_proj"}
+    _, factors = parse_peft(json.loads(json.dumps(conf.to_dict(), default=list)), tensors,
+                            {m: (8, 8) for m in modules.values()}, 4)
+    for name, mod in pm.named_modules():
+        if name.rsplit(".", 1)[-1] in modules and hasattr(mod, "lora_A"):
+            want = (mod.lora_B["default"].weight @ mod.lora_A["default"].weight).detach().numpy()
+            want = want * mod.scaling["default"]
+            a, b = factors[modules[name.rsplit(".", 1)[-1]]]
+            np.testing.assert_allclose((a @ b).T, want, rtol=1e-5, atol=1e-6, err_msg=name)
+
+
+@pytest.mark.parametrize("conf, match", [
+    (dict(init_lora_weights="pissa"), "init_lora_weights='pissa': .*path_initial_model_for_weight_conversion"),
+    (dict(init_lora_weights="olora"), "init_lora_weights='olora'"),
+    (dict(init_lora_weights=False, lora_bias=True), "lora_bias=True: adapters with trained biases"),
+])
+def test_adapters_for_another_base_or_with_biases_are_refused(conf, match):
+    """PiSSA / OLoRA adapters as PEFT saves them unconverted are right only on the base PEFT's init changed
+    (they used to load and add to the unchanged one: wrong outputs), and `lora_bias` trains a bias: both are
+    refused naming the config field; PiSSA converted on save is a plain adapter, and loads."""
+    from torch import nn
+
+    from serve.lora import parse_peft
+
+    torch.manual_seed(0)
+    net = nn.ModuleDict({"model": nn.ModuleDict({"q_proj": nn.Linear(16, 16, bias=False)})})
+    pm = peft.get_peft_model(net, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], **conf))
+    tensors = {k: v.detach().numpy() for k, v in peft.get_peft_model_state_dict(pm).items()}
+    saved = json.loads(json.dumps(pm.peft_config["default"].to_dict(), default=list))
+    with pytest.raises(LoRAError, match=match):
+        parse_peft(saved, tensors, {"q_proj": (16, 16)}, 8)
+    if conf.get("init_lora_weights") == "pissa":
+        parse_peft({**saved, "init_lora_weights": True}, tensors, {"q_proj": (16, 16)}, 8)  # as converted
+
+
+def test_a_config_without_lora_alpha_scales_as_peft(tmp_path):
+    """A config without `lora_alpha` takes PEFT's default (8), as `PeftModel.from_pretrained` reads it, not `r`
+    (which scaled by 1 instead of 8 / r)."""
+    from torch import nn
+
+    from serve.lora import read_peft
+
+    torch.manual_seed(0)
+    net = lambda: nn.ModuleDict({"model": nn.ModuleDict({"q_proj": nn.Linear(16, 16, bias=False)})})  # noqa: E731
+    pm = peft.get_peft_model(net(), peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"],
+                                                    init_lora_weights=False))
+    pm.save_pretrained(str(tmp_path))
+    cfg_file = tmp_path / "adapter_config.json"
+    conf = json.loads(cfg_file.read_text())
+    del conf["lora_alpha"]
+    conf["r"] = 4
+    cfg_file.write_text(json.dumps(conf))
+    loaded = peft.PeftModel.from_pretrained(net(), str(tmp_path)).base_model.model["model"]["q_proj"]
+    want = (loaded.lora_B["default"].weight @ loaded.lora_A["default"].weight).detach().numpy()
+    want = want * loaded.scaling["default"]
+    _, factors = read_peft(str(tmp_path), {"q_proj": (16, 16)}, 4)
+    a, b = factors["q_proj"]
+    np.testing.assert_allclose((a @ b).T, want, rtol=1e-5, atol=1e-6)

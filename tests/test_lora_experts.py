@@ -288,6 +288,10 @@ def test_adapter_from_tensors_python_and_http(engine, ref):
             r = await c.post("/load_lora_adapter_from_tensors", json={**body, "load_format": "safetensors",
                                                                       "serialized_tensors": ["eA=="]})
             assert r.status_code == 400 and "serialized_tensors[0]: not a safetensors file" in r.json()["error_message"]
+            # a bad alpha_pattern: a 400 verdict naming it (was a 500)
+            r = await c.post("/load_lora_adapter_from_tensors", json={
+                **body, "load_format": "safetensors", "config_dict": {**conf, "alpha_pattern": {"o_proj": "x"}}})
+            assert r.status_code == 400 and "alpha_pattern['o_proj']='x'" in r.json()["error_message"], r.text
             r = await c.post("/load_lora_adapter_from_tensors", json={**body, "load_format": "safetensors"})
             assert r.status_code == 200 and r.json()["success"] and "web" in r.json()["loaded_adapters"], r.text
             r = await c.post("/v1/completions", json={"model": "web", "prompt": prompt, "max_tokens": len(want),
