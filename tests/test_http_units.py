@@ -607,21 +607,27 @@ class _TwoSamples(_OneToken):
             yield RequestOutput(request_id, None, list(prompt), outs, finished=k == len(steps) - 1, metrics=m)
 
 
+def _complete_then_scrape(engine, body: dict) -> tuple:
+    """POST `body` to /v1/completions of an app over `engine`, then GET /metrics -> (response, metrics text)."""
+    app = create_app(engine, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=body)
+            return r, (await c.get("/metrics")).text
+
+    r, text = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    return r, text
+
+
 def test_request_histograms_observe_each_of_n_samples():
     """vLLM observes each of a request's n samples as a request (its output processor's child requests): with
     n = 2, two first tokens, two end-to-end latencies, two prompt-token and generation-token observations of
     each sample's own tokens, as `vllm:request_success` counts two."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    app = create_app(_TwoSamples(), "m")
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "n": 2, "max_tokens": 2})
-            return r, (await c.get("/metrics")).text
-
-    r, text = asyncio.run(go())
-    assert r.status_code == 200, r.text
+    _, text = _complete_then_scrape(_TwoSamples(), {"prompt": [5, 6, 7], "n": 2, "max_tokens": 2})
     samples = {(s.name, s.labels.get("finished_reason")): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
     for h in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "request_prompt_tokens",
@@ -657,15 +663,7 @@ def test_request_phase_histograms_observe_each_sample():
     times: sample 0 1 + 1 + 2 s, sample 1 1 + 3 + 4 s."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    app = create_app(_TimedSamples(), "m")
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/completions", json={"prompt": [5, 6, 7], "n": 2, "max_tokens": 3})
-            return r, (await c.get("/metrics")).text
-
-    r, text = asyncio.run(go())
-    assert r.status_code == 200, r.text
+    _, text = _complete_then_scrape(_TimedSamples(), {"prompt": [5, 6, 7], "n": 2, "max_tokens": 3})
     samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples
                if not s.labels.get("le")}
     for h, total in (("prefill", 2.0), ("decode", 4.0), ("inference", 6.0)):
