@@ -400,6 +400,11 @@ def lora_modules(o: dict) -> list:
             name, _, path = item.partition("=")
         if not name or not path:
             raise ValueError(f"--lora-modules {item!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
+        if name == (o.get("served_model_name") or o.get("model")):  # (the API's routes refuse it too)
+            raise ValueError(f"--lora-modules {item!r}: {name!r} is the served model's id: requests naming it "
+                             f"would be served by the base model")
+        if name in {r.lora_name for r in out}:
+            raise ValueError(f"--lora-modules {item!r}: a second adapter named {name!r}")
         out.append(LoRARequest(name, i + 1, path))
     room = o.get("max_cpu_loras") or o.get("max_loras", 1)
     if len(out) > room:

@@ -428,6 +428,10 @@ def test_cli_lora_modules():
         lora_modules({"enable_lora": True, "lora_modules": ["x"]})
     with pytest.raises(ValueError, match="room for 1"):
         lora_modules({"enable_lora": True, "max_loras": 1, "lora_modules": ["x=/y", "z=/w"]})
+    with pytest.raises(ValueError, match="served model's id"):  # it would never be reached
+        lora_modules({"enable_lora": True, "model": "k3-small", "lora_modules": ["k3-small=/y"]})
+    with pytest.raises(ValueError, match="second adapter named 'x'"):
+        lora_modules({"enable_lora": True, "max_loras": 2, "lora_modules": ["x=/y", "x=/w"]})
 
 
 def test_llm_chat_takes_a_lora_request(ab, engine):
