@@ -412,6 +412,8 @@ class TokenizeRequest(_Strict):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = Field(None, description="vLLM's: the functions rendered as a chat "
+                                                                   "request with tool_choice auto renders them")
 
 
 class DetokenizeRequest(_Strict):
@@ -2029,7 +2031,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if body.add_special_tokens and bos is not None:
                 ids = [bos] + ids
         else:
-            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+            try:
+                plan = plan_tools(body.tools, None, None)
+            except RequestError as e:
+                raise APIError(400, str(e), param=_param_of(str(e))) from None
+            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan,
                             continue_final_message=body.continue_final_message)
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
 

@@ -166,6 +166,12 @@ def test_tokenize_detokenize_roundtrip(http):
     assert http.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "Hello, K3"}
     chat = http.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}]}).json()
     assert chat["count"] > 2 and 259 in chat["tokens"]  # <|im_user|> of the byte presets' template
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    msgs = [{"role": "user", "content": "hi"}]
+    with_tools = http.post("/tokenize", json={"messages": msgs, "tools": tools}).json()["count"]
+    asked = http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "tools": tools, "max_tokens": 1})
+    # as a chat request renders them (on this 128-token server, too long: its 400 counts the prompt)
+    assert with_tools > chat["count"] and f"({with_tools} in the messages" in asked.json()["error"]["message"]
     assert http.post("/detokenize", json={"tokens": [1, 99999]}).status_code == 400
     assert http.post("/tokenize", json={"prompt": "a", "messages": []}).status_code == 400
     # what remote-tokenizer clients (lm-evaluation-harness) send and read
