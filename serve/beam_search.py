@@ -73,15 +73,20 @@ class BeamSearchParams:
 
 @dataclass(frozen=True)
 class Hypothesis:
-    """A beam's generated tokens, their logprobs and their sum; `eos`: it ended with an EOS token."""
+    """A beam's generated tokens, their logprobs and their sum; `eos`: it ended with an EOS token;
+    `proposals`: per token, what its beam proposed at that step, (token id, logprob) best first (the
+    token's logprob alternatives, as vLLM's beam search returns them)."""
 
     tokens: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     cum_logprob: float = 0.0
     eos: bool = False
+    proposals: tuple[tuple[tuple[int, float], ...], ...] = ()
 
-    def extend(self, token: int, logprob: float, eos: bool) -> "Hypothesis":
-        return Hypothesis(self.tokens + (token,), self.logprobs + (logprob,), self.cum_logprob + logprob, eos)
+    def extend(self, token: int, logprob: float, eos: bool,
+               proposals: tuple[tuple[int, float], ...] = ()) -> "Hypothesis":
+        return Hypothesis(self.tokens + (token,), self.logprobs + (logprob,), self.cum_logprob + logprob, eos,
+                          self.proposals + (proposals,))
 
 
 def score(h: Hypothesis, prompt_len: int, length_penalty: float) -> float:
@@ -103,8 +108,9 @@ def expand(beams: list[tuple[Hypothesis, list[int], list[float]]], width: int, e
     ended in EOS (completed). Ties keep the order of the beams and of each beam's proposals."""
     live, done = [], []
     for i, (h, ids, lps) in enumerate(beams):
-        for tok, lp in zip(ids, lps):
-            child = h.extend(int(tok), float(lp), int(tok) in eos_ids)
+        proposed = tuple((int(t), float(x)) for t, x in zip(ids, lps))
+        for tok, lp in proposed:
+            child = h.extend(tok, lp, tok in eos_ids, proposed)
             (done.append(child) if child.eos else live.append((i, child)))
     live.sort(key=lambda c: -score(c[1], prompt_len, length_penalty))
     return live[:width], done

@@ -3419,7 +3419,7 @@ class Engine:
         dec = (lambda ids, skip=True: self.tokenizer.decode(ids, skip_special=skip)) if self.tokenizer else (
             lambda ids, skip=True: "")
         for i, h in enumerate(g.final or ()):
-            lps = [(Logprob(t, lp, dec([t], False)), []) for t, lp in zip(h.tokens, h.logprobs)]
+            lps = [_beam_logprobs(t, lp, alts, dec) for t, lp, alts in zip(h.tokens, h.logprobs, h.proposals)]
             # vLLM's: the EOS that ended a hypothesis stays in its token ids but never in its text, and is its
             # stop_reason
             shown = list(h.tokens[:-1] if h.eos else h.tokens)
@@ -3523,6 +3523,13 @@ class Engine:
     def _cached_units(self) -> int:
         """Units held only by the prefix cache (reclaimable by eviction)."""
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
+
+
+def _beam_logprobs(token: int, logprob: float, proposals, dec) -> tuple:
+    """A hypothesis token's (Logprob, alternatives): what its beam proposed at that step, ranked by place."""
+    alts = [Logprob(a, x, dec([a], False), k + 1) for k, (a, x) in enumerate(proposals)]
+    rank = next((a.rank for a in alts if a.token_id == token), None)
+    return Logprob(token, logprob, dec([token], False), rank), alts
 
 
 def kv_cache_usage(free: int, cached: int, baseline: int) -> float:

@@ -230,6 +230,12 @@ def test_llm_and_http(engine, prompts):
     assert [s.tokens for s in got] == [prompts[0] + c.token_ids for c in want]
     assert [s.cum_logprob for s in got] == pytest.approx([c.cumulative_logprob for c in want])
     assert got[0].cum_logprob == pytest.approx(sum(got[0].logprobs))
+    for c in want:  # each token's alternatives: what its beam proposed (2 x width, best first), the token among them
+        for chosen, alts in c.logprobs:
+            assert len(alts) == 4 and [a.rank for a in alts] == [1, 2, 3, 4]
+            assert [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
+            assert {a.token_id: a.logprob for a in alts}[chosen.token_id] == chosen.logprob
+            assert alts[chosen.rank - 1].token_id == chosen.token_id
 
     aeng = AsyncEngine(engine)
     app = create_app(aeng, "kimi")
@@ -241,6 +247,9 @@ def test_llm_and_http(engine, prompts):
             r = await c.post("/v1/completions", json=body)
             assert r.status_code == 200, r.text
             assert [ch["token_ids"] for ch in r.json()["choices"]] == [c.token_ids for c in want]
+            lp = (await c.post("/v1/completions", json=body | {"logprobs": 2})).json()["choices"][0]["logprobs"]
+            assert all(len(t) >= 2 and t[tok] == x for tok, x, t in  # the chosen token, then the 2 best proposed
+                       zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]))
             r = await c.post("/v1/completions", json=body | {"stop": ["x"]})
             assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
             r = await c.post("/v1/completions", json=body | {"n": 5})
