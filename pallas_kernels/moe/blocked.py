@@ -23,7 +23,9 @@ When the rows outnumber the experts (prefill, large decode batches) most experts
 ``[r * tm, (r + 1) * tm)`` of every group (zeros where a group is shorter) into one batched matmul
 ``[G, tm, K] x [G, K, N]`` that reads the stacked weights in place -- no per-expert weight copies, and
 one large call instead of a block per expert. Only the rows past ``rounds * tm`` of a group go
-through the loop. With ``tm <= 32`` a batched row gets the same bits as in a loop block (XLA:CPU
+through the loop. ``rounds`` is chosen from the static row count; at run time only as many run as the
+rows the groups hold call for (``_rounds_held``: a padded batch's padding is in no group, and a step
+that is mostly padding reads only its touched experts in the loop). With ``tm <= 32`` a batched row gets the same bits as in a loop block (XLA:CPU
 runs both as the same small-matrix product), so the choice of ``rounds`` never changes a result.
 Measured on the 2-core Xeon host (interleaved A/B in one process): the Kimi-Linear benchmark
 checkpoint's three MoE blocks (16 x [512, 256] fp32 experts, top-4) at 32 tokens 15.7-19.0 ->
