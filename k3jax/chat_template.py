@@ -117,6 +117,11 @@ class _FamilyDefault:
 _FAMILY_DEFAULT: Any = _FamilyDefault()
 
 
+def family_default_system(family: str) -> str | None:
+    """The system prompt a family's format adds to a conversation that starts without one (K2 style's)."""
+    return KIMI_DEFAULT_SYSTEM_PROMPT if family == "kimi_linear" else None
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     """A validated message: ``content`` is already flattened to one string."""
@@ -321,7 +326,7 @@ def render_chat_segments(
     if thinking is not None and not isinstance(thinking, bool):
         raise ValueError(f"thinking: expected a bool or None, got {thinking!r}")
     if default_system is _FAMILY_DEFAULT:
-        default_system = KIMI_DEFAULT_SYSTEM_PROMPT if family == "kimi_linear" else None
+        default_system = family_default_system(family)
     elif default_system is not None and not isinstance(default_system, str):
         raise ValueError(f"default_system: expected a string or None, got {_type_name(default_system)}")
     if family == "k3":

@@ -2031,11 +2031,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if body.add_special_tokens and bos is not None:
                 ids = [bos] + ids
         else:
-            try:
-                plan = plan_tools(body.tools, None, None)
-            except RequestError as e:
-                raise APIError(400, str(e), param=_param_of(str(e))) from None
-            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs, plan,
+            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
+                            _tool_plan(body.tools),
                             continue_final_message=body.continue_final_message)
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
 
@@ -2194,12 +2191,17 @@ def _template_kwargs(st: ServerState, body) -> Optional[dict]:
     return {**(kwargs or {}), "thinking_effort": effort}
 
 
-def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_id: Optional[str] = None):
-    """A chat request's prompt ids, sampling parameters and response format."""
+def _tool_plan(tools, tool_choice=None, parallel_tool_calls=None) -> Optional[ToolPlan]:
+    """`plan_tools`, a bad field a 400 naming it."""
     try:
-        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls)
+        return plan_tools(tools, tool_choice, parallel_tool_calls)
     except RequestError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
+
+
+def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_id: Optional[str] = None):
+    """A chat request's prompt ids, sampling parameters and response format."""
+    plan = _tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages, vectors = _embedded_parts(st, body.messages)
     ids = _chat_ids(st, messages, body.add_generation_prompt, _template_kwargs(st, body), plan,
                     body.continue_final_message, holes=tuple(vectors))

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from k3jax.chat_template import KIMI_DEFAULT_SYSTEM_PROMPT, encode_chat
+from k3jax.chat_template import encode_chat, family_default_system
 from serve.tools import ToolPlan, history_message, tools_system_message
 from serve.types import RequestError
 
@@ -61,7 +61,7 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
     if unknown:
         raise RequestError(f"chat_template_kwargs: unknown keys {unknown} (known: thinking, thinking_effort, "
                            f"default_system)")
-    default_system = kwargs.get("default_system", KIMI_DEFAULT_SYSTEM_PROMPT if family == "kimi_linear" else None)
+    default_system = kwargs.get("default_system", family_default_system(family))
     msgs = prepare_messages(messages, family, tools, default_system)
     try:
         ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt,

@@ -70,7 +70,7 @@ from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, SuffixIndex, SuffixProposer
 from serve.series import ITERATION_TOKEN_BUCKETS, BucketCounts, Recent
-from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, schedule, units_for
+from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, chunk_end, schedule, units_for
 from serve import eplb
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_sample, bind_step
@@ -2731,7 +2731,7 @@ class Engine:
         wait forever for memory only its own next step frees."""
         n = len(seq.all_ids)
         if seq.computed < n:  # a prompt chunk next
-            end = min(n, (seq.computed // self.config.prefill_chunk + 1) * self.config.prefill_chunk)
+            end = chunk_end(seq.computed, n, self.sched_cfg)
         else:  # a decode next, unless the token sampled now is its last
             last = seq.checker.max_tokens is not None and len(seq.output_ids) + 1 >= seq.checker.max_tokens
             end = n if seq.internal or last else n + 1
@@ -2740,7 +2740,7 @@ class Engine:
     def _hit_fits(self, seq: Sequence, hit: Hit) -> bool:
         """Whether `seq` can ever be admitted resuming from `hit`: the hit's checkpoint slot and partial page on
         the device stay pinned until its first row has read them."""
-        end = min(len(seq.all_ids), (hit.pos // self.config.prefill_chunk + 1) * self.config.prefill_chunk)
+        end = chunk_end(hit.pos, len(seq.all_ids), self.sched_cfg)
         return self._fits_beside(end, (self.layout.slot_units if isinstance(hit.ckpt, CkptEntry) else 0)
                                  + (self.cfg.num_mla_layers if isinstance(hit.partial, PageEntry) else 0))
 
@@ -3527,7 +3527,8 @@ class Engine:
 
 def _beam_logprobs(token: int, logprob: float, proposals, dec) -> tuple:
     """A hypothesis token's (Logprob, alternatives): what its beam proposed at that step, ranked by place."""
-    alts = [Logprob(a, x, dec([a], False), k + 1) for k, (a, x) in enumerate(proposals)]
+    alts = _alternatives([a for a, _ in proposals], [x for _, x in proposals], len(proposals),
+                         lambda a: dec([a], False))
     rank = next((a.rank for a in alts if a.token_id == token), None)
     return Logprob(token, logprob, dec([token], False), rank), alts
 

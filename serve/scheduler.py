@@ -111,10 +111,14 @@ def units_for(tokens: int, cfg: SchedulerConfig) -> int:
     return -(-tokens // cfg.page_size) * cfg.num_mla_layers
 
 
+def chunk_end(computed: int, total: int, cfg: SchedulerConfig) -> int:
+    """Where the prefill row starting at `computed` ends (chunk-aligned, at most `total`)."""
+    return min(total, (computed // cfg.prefill_chunk + 1) * cfg.prefill_chunk)
+
+
 def _first_chunk(s: SeqView, cfg: SchedulerConfig) -> int:
     """Units a waiting request needs for its slot and first prefill row."""
-    end = min(s.total, (s.computed // cfg.prefill_chunk + 1) * cfg.prefill_chunk)
-    return cfg.slot_units + max(0, units_for(end, cfg) - s.pages)
+    return cfg.slot_units + max(0, units_for(chunk_end(s.computed, s.total, cfg), cfg) - s.pages)
 
 
 def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -> int:
