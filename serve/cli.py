@@ -187,7 +187,8 @@ def add_serve_arguments(s) -> None:
     lo.add_argument("--max-loras", type=int, default=d["max_loras"], help="adapters loaded at once (slots)")
     lo.add_argument("--max-lora-rank", type=int, default=d["max_lora_rank"], help="largest adapter rank")
     lo.add_argument("--max-cpu-loras", type=int, default=None,
-                    help="adapters registered at once (default --max-loras); the others wait in host memory")
+                    help="adapters held in host memory (default --max-loras), those beyond the slots waiting there; "
+                         "loading one more drops the least recently used idle one (read again when used)")
     lo.add_argument("--lora-target-modules", nargs="+", default=None, metavar="NAME",
                     help="projections that take adapters (e.g. q_proj k_proj v_proj o_proj; default: all dense "
                          "projections); fewer cost less per step. 'all-linear' names every dense projection, "
@@ -406,10 +407,7 @@ def lora_modules(o: dict) -> list:
         if name in {r.lora_name for r in out}:
             raise ValueError(f"--lora-modules {item!r}: a second adapter named {name!r}")
         out.append(LoRARequest(name, i + 1, path))
-    room = o.get("max_cpu_loras") or o.get("max_loras", 1)
-    if len(out) > room:
-        raise ValueError(f"--lora-modules: {len(out)} adapters but room for {room} (--max-loras / --max-cpu-loras)")
-    return out
+    return out  # more than --max-cpu-loras: the first ones wait on disk, read when a request needs them
 
 
 def compile_cache_path(path: Optional[str], env=os.environ) -> str:

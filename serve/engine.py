@@ -302,8 +302,9 @@ class EngineConfig:
     # max_lora_rank on every dense projection. 0: off (the model has no adapter factors at all).
     max_loras: int = 0
     max_lora_rank: int = 16
-    # Adapters registered at once (vLLM's --max-cpu-loras; None: max_loras): those beyond the device slots
-    # wait in host memory and take a slot when a request needs them (the least recently used idle one).
+    # Adapters held in host memory (vLLM's --max-cpu-loras; None: max_loras): those beyond the device slots
+    # wait there and take a slot when a request needs them (the least recently used idle one); loading one
+    # more drops the least recently used idle adapter read from a directory, which is read again when used.
     max_cpu_loras: Optional[int] = None
     # Projections that get adapter slots, by name (e.g. ("q_proj", "k_proj", "v_proj", "o_proj")); None: every
     # dense projection. Each projection with slots adds its adapters' term to every step, and an adapter
@@ -907,7 +908,7 @@ class Engine:
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
                              spec_decode_num_accepted_tokens=0, weight_updates=0, sleeps=0, retractions=0,
-                             lora_swaps=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
+                             lora_swaps=0, lora_evictions=0, beam_search_requests=0, beam_forks=0, beam_fork_recomputes=0,
                              kv_transfer_published=0, failed_steps=0, requests_failed=0, cache_resets=0,
                              programs_compiled_ahead=0, steps_launched_ahead=0,
                              spec_decode_num_guessed_drafts=0, spec_decode_num_guesses_right=0,
@@ -1496,7 +1497,8 @@ class Engine:
         if not self.config.max_loras:
             raise RequestError("lora_request: this engine serves no LoRA adapters (start it with max_loras >= 1)")
         if isinstance(lora_request, LoRARequest):
-            if lora_request.lora_name not in self.loras.by_name and lora_request.lora_path:
+            known = self.loras.by_name.get(lora_request.lora_name)
+            if lora_request.lora_path and (known is None or known.factors is None):
                 try:
                     return self.add_lora(lora_request)
                 except LoRAError as e:
@@ -1505,7 +1507,14 @@ class Engine:
         if not isinstance(lora_request, str) or lora_request not in self.loras.by_name:
             loaded = ", ".join(sorted(self.loras.by_name)) or "none"
             raise RequestError(f"lora_request: no LoRA adapter {lora_request!r} is loaded (loaded: {loaded})")
-        return self.loras.by_name[lora_request]
+        adapter = self.loras.by_name[lora_request]
+        if adapter.factors is None:  # dropped from host memory to make room for another: read it again
+            try:
+                return self.add_lora(LoRARequest(adapter.name, adapter.int_id, adapter.path))
+            except LoRAError as e:
+                raise RequestError(f"lora_request: adapter {adapter.name!r} was dropped from host memory "
+                                   f"(max_cpu_loras) and could not be read again: {e}") from None
+        return adapter
 
     def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Load a PEFT adapter directory into a free slot (vLLM's `add_lora`): its factors are checked
@@ -1536,15 +1545,21 @@ class Engine:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
-        if name in self.loras.by_name:
+        known = self.loras.by_name.get(name)
+        if known is not None and known.factors is not None:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        self.loras.check_room()  # raises when full, before reading anything
+        victim = self.loras.victim(self._canonical_rids())  # raises when none can go, before reading anything
         shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
                   for t in self._lora_leaves for m in t.modules}  # (out, in)
         experts = {m: (self.cfg.num_experts, self.config.lora_experts_shared_a)
                    for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read(shapes, self.config.max_lora_rank, prefix, self.config.lora_target_modules, experts)
+        if victim is not None:
+            self._unload_adapter(victim)
+            self.counters["lora_evictions"] += 1
+        if known is not None:  # a dropped registration of this name: this load takes its place
+            del self.loras.by_name[name]
         adapter = self.loras.add(name, path, rank, factors, int_id)
         if self.channel is not None:
             self._send_adapter(adapter)
@@ -1558,15 +1573,28 @@ class Engine:
         self._leader_only("remove_lora")
         self._drain()
         adapter = self.loras.get(name)
-        canonical = [s for s in self.seqs.values() if s.internal and s.lora is adapter and not s.finished]
-        self.loras.check_unused(name, besides={s.rid for s in canonical})  # before their work is thrown away
-        for s in canonical:
-            self._finish(s, "abort")  # canonical rows of its prefixes
+        self.loras.check_unused(name, besides=self._canonical_rids(adapter))  # before their work is thrown away
+        if adapter.factors is not None:
+            self._unload_adapter(adapter)
         self.loras.remove(name)
+
+    def _canonical_rids(self, adapter: Optional[Adapter] = None) -> set:
+        """The prefix cache's own rows in flight (of `adapter`, or of any): unloading their adapter ends them."""
+        return {s.rid for s in self.seqs.values()
+                if s.internal and not s.finished and s.lora is not None and (adapter is None or s.lora is adapter)}
+
+    def _unload_adapter(self, adapter: Adapter) -> None:
+        """`adapter` leaves its slot (zeroed) and host memory: the prefix cache's rows with it end, its cached
+        prefixes can never be hit again (their hashes name this load of it), followers forget its factors."""
+        self._drain()
+        for rid in self._canonical_rids(adapter):
+            self._finish(self.seqs[rid], "abort")
+        slot = adapter.slot
+        self.loras.drop(adapter)
         for rid in [r for r, (_, a) in self._tails.items() if a is adapter]:
             del self._tails[rid]
-        if self._leaves is not None and adapter.slot is not None:
-            self._write_lora(adapter.slot, None)
+        if self._leaves is not None and slot is not None:
+            self._write_lora(slot, None)
         if self.channel is not None:
             self.channel.command(LORA_DROP, np.asarray([adapter.uid], np.int32))
 

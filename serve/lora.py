@@ -25,7 +25,9 @@ of rank `max_lora_rank` on every projection), allocated at start-up beside the w
 than slots may be registered (`max_cpu_loras`, vLLM's): their factors wait in host memory and are
 written into a slot when a request that uses them is admitted, replacing the least recently used
 adapter that no running request uses (the scheduler keeps the running requests' adapters within the
-slots).
+slots). Loading one more than `max_cpu_loras` drops the least recently used idle adapter read from a
+directory out of host memory, as vLLM's LRU adapter cache does: it stays registered under its name and
+is read from its directory again when a request next uses it.
 """
 
 from __future__ import annotations
@@ -73,7 +75,8 @@ class Adapter:
     path: str
     uid: int  # unique per load: seeds the prefix-cache hashes of its requests (and names it to the scheduler)
     rank: int
-    factors: dict[str, tuple[np.ndarray, np.ndarray]]  # module -> one slot's (lora_a, lora_b) contents, host
+    factors: Optional[dict[str, tuple[np.ndarray, np.ndarray]]]  # module -> one slot's (lora_a, lora_b)
+    # contents, host; None: dropped from host memory (LRU, `Registry.victim`), read from `path` when next used
     int_id: int = 0
     slot: Optional[int] = None  # its device slot 1..max_loras (0 is the base model); None: host only
     used: int = 0  # when a request last needed it in its slot (LRU)
@@ -411,17 +414,38 @@ class Registry:
         self._uids = itertools.count(1)
         self._clock = itertools.count(1)
 
-    def check_room(self) -> None:
-        if len(self.by_name) >= self.capacity:
+    def held(self) -> list[Adapter]:
+        """The registered adapters whose factors are in host memory (at most `capacity`)."""
+        return [a for a in self.by_name.values() if a.factors is not None]
+
+    def victim(self, serving=frozenset()) -> Optional[Adapter]:
+        """Before a load: None while fewer than `capacity` adapters are held, else the one to drop from host
+        memory: the least recently used that was read from a directory (so it can be read again) and that
+        no request uses besides `serving` (request ids the caller may end). LoRAError when none can go."""
+        held = self.held()
+        if len(held) < self.capacity:
+            return None
+        idle = [a for a in held if a.path and not a.requests - set(serving)]
+        if not idle:
             key = "max_cpu_loras" if self.capacity > self.slots else "max_loras"
-            raise LoRAError(f"{key}={self.capacity} adapters are loaded ({', '.join(sorted(self.by_name))}); "
+            raise LoRAError(f"{key}={self.capacity} adapters are loaded ({', '.join(sorted(a.name for a in held))}) "
+                            f"and none can be dropped (each serves requests or was loaded from tensors); "
                             f"unload one first")
+        return min(idle, key=lambda a: a.used)
+
+    def drop(self, adapter: Adapter) -> None:
+        """`adapter` gives up its slot and host memory; it stays registered (by name and directory)."""
+        if adapter.slot is not None:
+            del self.in_slot[adapter.slot]
+            adapter.slot = None
+        adapter.factors = None
 
     def add(self, name: str, path: str, rank: int, factors: dict, int_id: int = 0) -> Adapter:
         if name in self.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        self.check_room()
-        adapter = Adapter(name, path, next(self._uids), rank, factors, int_id)
+        if len(self.held()) >= self.capacity:  # the engine makes room first (`victim`)
+            raise RuntimeError(f"no host memory for adapter {name!r}: {self.capacity} adapters are held")
+        adapter = Adapter(name, path, next(self._uids), rank, factors, int_id, used=next(self._clock))
         self.by_name[name] = adapter
         return adapter
 
@@ -460,9 +484,7 @@ class Registry:
         return adapter
 
     def remove(self, name: str) -> Adapter:
-        adapter = self.check_unused(name)
-        if adapter.slot is not None:
-            del self.in_slot[adapter.slot]
+        self.drop(self.check_unused(name))
         return self.by_name.pop(name)
 
     def get(self, name: str) -> Adapter:

@@ -255,6 +255,31 @@ def test_swap_evicts_the_least_recently_used_adapter(ab, engine, ref):
     engine.add_lora(LoRARequest("b", 2, ref[2]["second"]))
 
 
+def test_loading_past_max_cpu_loras_drops_the_least_recently_used(ab, engine, ref):
+    """vLLM's LRU adapter cache: a load past `max_cpu_loras` drops the least recently used idle adapter from
+    slots and host memory; it stays registered and a request naming it reads it again, with the tokens it
+    gave before. A refused read leaves the registry as it was."""
+    _, _, dirs = ref
+    prompt = list(map(int, hfx.make_prompt(VARIANT, 10, batch=1, length=24)[0]))
+    engine.add_lora(LoRARequest("c", 3, dirs["second"]))
+    want = {n: _run(engine, [(prompt, n)], max_tokens=4)[0].outputs[0].token_ids for n in "bca"}  # "b" LRU now
+    evictions = engine.counters["lora_evictions"]
+    engine.add_lora(LoRARequest("d", 4, dirs["default"]))
+    assert engine.counters["lora_evictions"] == evictions + 1
+    assert engine.list_loras() == ["a", "b", "c", "d"] and engine.loras.get("b").factors is None
+    assert sorted(a.name for a in engine.loras.held()) == ["a", "c", "d"]
+    assert "b" not in engine.stats()["lora_adapters_in_slots"]
+    assert _run(engine, [(prompt, "b")], max_tokens=4)[0].outputs[0].token_ids == want["b"]  # read again:
+    assert engine.loras.get("c").factors is None  # ... in place of "c", the least recently used then
+    assert _run(engine, [(prompt, "c")], max_tokens=4)[0].outputs[0].token_ids == want["c"]
+    assert engine.loras.get("a").factors is None  # ... in place of "a"
+    engine.remove_lora("a")  # a dropped adapter unloads like any other
+    assert engine.list_loras() == ["b", "c", "d"]
+    for name in "cd":
+        engine.remove_lora(name)
+    engine.add_lora(LoRARequest("a", 1, dirs["default"]))  # back to the `ab` state
+
+
 def _write_adapter(d, tensors: dict, **conf):
     from safetensors.numpy import save_file
 
@@ -272,8 +297,11 @@ def test_bad_adapters_and_registry_errors(ab, engine, ref, tmp_path):
     ok = {f"{q}.lora_A.weight": np.ones((2, 96), np.float32), f"{q}.lora_B.weight": np.ones((96, 2), np.float32)}
     assert engine.list_loras() == ["a", "b"]
     engine.add_lora(LoRARequest("c", 3, dirs["default"]))  # registered in host memory: both slots are taken
-    with pytest.raises(LoRAError, match="max_cpu_loras=3"):
-        engine.add_lora(LoRARequest("d", 4, dirs["default"]))
+    busy = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request=n) for n in "abc"]
+    with pytest.raises(LoRAError, match=r"max_cpu_loras=3 adapters are loaded \(a, b, c\) and none can be dropped"):
+        engine.add_lora(LoRARequest("d", 4, dirs["default"]))  # each serves a request: none can leave
+    for rid in busy:
+        engine.abort(rid)
     engine.remove_lora("c")
     engine.remove_lora("b")
     cases = [
@@ -404,9 +432,13 @@ def test_http_models_requests_and_runtime_loading(ab, engine, ref):
             r = await c.post("/v1/load_lora_adapter", json={"lora_name": "d", "lora_path": dirs["second"]})
             assert r.status_code == 200, r.text
             assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["kimi", "a", "c", "d"]
+            # one more than max_cpu_loras: the least recently used ("a") leaves host memory, still served
             r = await c.post("/v1/load_lora_adapter", json={"lora_name": "e", "lora_path": dirs["second"]})
-            assert r.status_code == 400 and "max_cpu_loras=3" in r.json()["error"]["message"]
-            assert r.json()["error"]["param"] == "lora_name"  # the registry is full, not the path wrong
+            assert r.status_code == 200, r.text
+            assert [m["id"] for m in (await c.get("/v1/models")).json()["data"]] == ["kimi", "a", "c", "d", "e"]
+            r = await c.post("/v1/completions", json={"model": "a", "prompt": prompt, "max_tokens": 6,
+                                                      "temperature": 0, "return_token_ids": True})
+            assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want  # read again
             metrics = (await c.get("/metrics")).text
             assert 'max_lora="2"' in metrics and "k3jax:lora_requests_running" in metrics
 
@@ -426,8 +458,8 @@ def test_cli_lora_modules():
         lora_modules({"lora_modules": ["x=/y"]})
     with pytest.raises(ValueError, match="expected name=path"):
         lora_modules({"enable_lora": True, "lora_modules": ["x"]})
-    with pytest.raises(ValueError, match="room for 1"):
-        lora_modules({"enable_lora": True, "max_loras": 1, "lora_modules": ["x=/y", "z=/w"]})
+    more = lora_modules({"enable_lora": True, "max_loras": 1, "lora_modules": ["x=/y", "z=/w"]})
+    assert [r.lora_name for r in more] == ["x", "z"]  # past max_cpu_loras: the first leaves host memory (LRU)
     with pytest.raises(ValueError, match="served model's id"):  # it would never be reached
         lora_modules({"enable_lora": True, "model": "k3-small", "lora_modules": ["k3-small=/y"]})
     with pytest.raises(ValueError, match="second adapter named 'x'"):
