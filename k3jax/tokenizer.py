@@ -605,8 +605,13 @@ class KimiTokenizer(Tokenizer):
         path: str | os.PathLike,
         family: KimiFamily = "k3",
         num_reserved_special_tokens: int = KIMI_NUM_RESERVED_SPECIAL_TOKENS,
+        vocab_size: int | None = None,
     ) -> "KimiTokenizer":
         """Load ``tiktoken.model`` + ``tokenizer_config.json`` from a local directory.
+
+        ``vocab_size``: the model's, when its embedding has more rows than the tokenizer has ids
+        (padded for sharding): the extra ids become reserved specials too (no text; dropped by
+        ``skip_special``), so every id the model can emit decodes.
 
         Stop ids are the union of: the family's stop markers (K3: ``[EOS]``,
         ``<|end_of_msg|>``; Kimi-Linear: ``[EOS]``, ``<|im_end|>``), the config's
@@ -681,6 +686,8 @@ class KimiTokenizer(Tokenizer):
         pad = lookup("pad_token", cfg.get("pad_token"))
         if pad is None:
             pad = tmp_name_to_id.get("[PAD]", len(ranks) + num_reserved_special_tokens - 1)
+        if vocab_size is not None:
+            num_reserved_special_tokens = max(num_reserved_special_tokens, vocab_size - len(ranks))
 
         return cls(
             ranks,
@@ -792,7 +799,8 @@ def load_tokenizer(
 
     * ``path`` is a directory containing ``tiktoken.model`` and ``family`` is
       ``"k3"`` or ``"kimi_linear"`` -> :meth:`KimiTokenizer.from_dir`; its vocab
-      must fit in the model's ``vocab_size`` (when given).
+      must fit in the model's ``vocab_size`` (when given), and is extended to it with
+      reserved specials when smaller (ids the model can emit without a text).
     * otherwise (no path, a directory without ``tiktoken.model``, or
       ``family="byte"``) -> ``ByteTokenizer(vocab_size)``.
 
@@ -805,7 +813,7 @@ def load_tokenizer(
         if not os.path.isdir(path):
             raise FileNotFoundError(f"tokenizer directory {path!r} does not exist")
         if family != "byte" and os.path.isfile(os.path.join(path, "tiktoken.model")):
-            tok = KimiTokenizer.from_dir(path, family=family)  # type: ignore[arg-type]
+            tok = KimiTokenizer.from_dir(path, family=family, vocab_size=vocab_size)  # type: ignore[arg-type]
             if vocab_size is not None and tok.vocab_size > vocab_size:
                 raise ValueError(
                     f"tokenizer at {path!r} has {tok.vocab_size} ids but the model vocab_size is {vocab_size}"

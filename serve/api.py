@@ -64,7 +64,7 @@ from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
 from serve.beam_search import BeamSearchParams
-from serve.chat import chat_ids
+from serve.chat import chat_ids, content_text
 from serve import prompt_embeds
 from serve.engine import EngineSleeping
 from serve.named_weights import WeightNameError
@@ -266,6 +266,10 @@ class ChatCompletionRequest(_GenerationFields):
                                                               "chat_template_kwargs.thinking_effort)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="thinking (K3), thinking_effort (K3), default_system")
+    include_reasoning: bool = Field(True, description="vLLM's: false leaves K3's reasoning (the think channel) out "
+                                                      "of the answer")
+    echo: bool = Field(False, description="vLLM's: each answer starts with the last message's content when that "
+                                          "message is the assistant's (with continue_final_message: the whole turn)")
 
 
 class ResponsesRequest(_Strict):
@@ -1133,19 +1137,28 @@ class _CompletionFormat(_Format):
         return choice
 
 
+def _reasoning_fields(reasoning: Optional[str]) -> dict:
+    """A chat message's (or delta's) reasoning under both names clients read: `reasoning` (vLLM's since it
+    dropped the other) and `reasoning_content` (SGLang's, DeepSeek's, older vLLM's)."""
+    return {"reasoning": reasoning, "reasoning_content": reasoning}
+
+
 class _ChatFormat(_Format):
-    """With `reasoning` (the channel a K3 prompt opened), text is split into `reasoning_content` and
-    `content` (serve/reasoning.py). With `tools`, an answer that is a call becomes `tool_calls`
-    (serve/tools.py); streamed, named and `required` calls stream as they are written, and a possible
-    `auto` call is held back and sent whole when the choice finishes."""
+    """With `reasoning` (the channel a K3 prompt opened), text is split into `reasoning` and `content`
+    (serve/reasoning.py); `include_reasoning` false drops the reasoning. With `tools`, an answer that is
+    a call becomes `tool_calls` (serve/tools.py); streamed, named and `required` calls stream as they are
+    written, and a possible `auto` call is held back and sent whole when the choice finishes. `echo`
+    (vLLM's chat `echo`) starts every answer's content."""
 
     chunk_object = "chat.completion.chunk"
 
     def __init__(self, *a, reasoning: Optional[str] = None, tools: Optional[ToolPlan] = None,
-                 prompt_ids: Optional[list[int]] = None, **kw):
+                 prompt_ids: Optional[list[int]] = None, include_reasoning: bool = True, echo: str = "", **kw):
         super().__init__(*a, **kw)
         self.prompt_ids = prompt_ids
         self.reasoning = reasoning
+        self.include_reasoning = include_reasoning
+        self.echo = echo
         self.tools = tools
         self.splitters: dict[int, ChannelSplitter] = {}
         self.held: dict[int, str] = {}  # streamed content held back as a possible tool call
@@ -1211,10 +1224,13 @@ class _ChatFormat(_Format):
                 message = {"role": "assistant", "content": o.text, "tool_calls": []}
                 if self.reasoning:
                     reasoning, message["content"] = split_reasoning(o.text, self.reasoning)
-                    message["reasoning_content"] = reasoning or None
+                    if self.include_reasoning:
+                        message.update(_reasoning_fields(reasoning or None))
                 calls, finish = self._calls(message["content"], o.finish_reason)
                 if calls:
                     message["content"], message["tool_calls"] = None, calls
+                if self.echo:
+                    message["content"] = self.echo + (message["content"] or "")
                 choices.append({"index": self.index(i, j), "message": message,
                                 "logprobs": self._logprobs(o.logprobs),
                                 "finish_reason": finish, "stop_reason": o.stop_reason})
@@ -1240,6 +1256,9 @@ class _ChatFormat(_Format):
                 if self.token_ids and not chunks:
                     chunk["prompt_token_ids"] = list(self.prompt_ids or [])
                 chunks.append(chunk)
+        if self.echo:  # then the echoed text, a chunk per choice (vLLM's)
+            chunks += [{**c, "choices": [{**c["choices"][0], "delta": {"content": self.echo}}]} for c in
+                       [{k: v for k, v in c.items() if k != "prompt_token_ids"} for c in chunks]]
         return chunks
 
     def _delta_choice(self, i: int, out: RequestOutput, o: CompletionOutput, idx: int, new_lps,
@@ -1256,7 +1275,9 @@ class _ChatFormat(_Format):
             if o.finish_reason is not None:
                 r2, c2 = split.finish()
                 reasoning, content = reasoning + r2, content + c2
-            delta = {k: v for k, v in (("reasoning_content", reasoning), ("content", content)) if v}
+            delta = {"content": content} if content else {}
+            if reasoning and self.include_reasoning:
+                delta.update(_reasoning_fields(reasoning))
         content, calls, finish = self._hold(idx, delta.pop("content", ""), o.finish_reason)
         if content:
             delta["content"] = content
@@ -2222,8 +2243,15 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
     fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),
                       prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
                       tools=plan, token_ids=body.return_token_ids, prompt_ids=[] if vectors else ids,
-                      tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id)
+                      tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id,
+                      include_reasoning=body.include_reasoning, echo=_echo(body.messages) if body.echo else "")
     return ids, params, fmt
+
+
+def _echo(messages: list[ChatMessage]) -> str:
+    """vLLM's chat `echo`: the last message's text when it is the assistant's (the answer's role), else ""."""
+    last = messages[-1]
+    return content_text(last.model_dump()["content"]) if last.role == "assistant" else ""
 
 
 def _thinks(st: ServerState, body) -> bool:

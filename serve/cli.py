@@ -241,7 +241,7 @@ def add_serve_arguments(s) -> None:
                         "return_tokens_as_token_ids overrides it)")
     a.add_argument("--no-reasoning-parser", action="store_true",
                    help="K3 chat: return the raw XTML text as content instead of splitting it into "
-                        "reasoning_content and content")
+                        "reasoning and content")
     h = s.add_argument_group("HTTPS, proxies and browsers")
     h.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM) ...")
     h.add_argument("--ssl-certfile", default=None, help="... and this certificate chain (PEM)")

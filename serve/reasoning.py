@@ -7,7 +7,7 @@ in `<|open|>think<|sep|>` and the model writes
 
 before its stop token `<|end_of_msg|>`; with thinking off the prompt opens the response channel and
 the text starts at ANSWER. The markers are `special: false` tokens, so they arrive as text. The chat
-endpoint returns REASONING as `reasoning_content` and ANSWER as `content` (vLLM's fields), never the
+endpoint returns REASONING as `reasoning` and `reasoning_content` and ANSWER as `content` (vLLM's and SGLang's fields), never the
 markers. Text outside any channel (after the message closes, or before a channel opens) is dropped,
 except that text in an unopened response position counts as content, so a model that skips
 `<|open|>response<|sep|>` after thinking loses nothing.

@@ -100,3 +100,16 @@ def test_k3_continue_final_message_continues_the_response_channel(app):
                                             "return_token_ids": True, **cont}).json()
     m = r["choices"][0]["message"]
     assert r["prompt_token_ids"] == tok and not m.get("reasoning_content") and m["content"] is not None
+    echoed = _post(app, "/v1/chat/completions", {"messages": msgs, "max_tokens": 6, "temperature": 0,
+                                                 "ignore_eos": True, "echo": True, **cont}).json()
+    assert echoed["choices"][0]["message"]["content"] == "Well," + m["content"]  # vLLM's chat echo
+
+
+def test_k3_reasoning_under_both_names_or_left_out(app):
+    """The think channel comes back as `reasoning` (vLLM's name) and `reasoning_content` (SGLang's); vLLM's
+    `include_reasoning: false` leaves it out, the answer unchanged."""
+    body = {"messages": [{"role": "user", "content": "Why?"}], "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    m = _post(app, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert m["reasoning"] == m["reasoning_content"] and "reasoning" in m
+    hidden = _post(app, "/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]["message"]
+    assert "reasoning" not in hidden and "reasoning_content" not in hidden and hidden["content"] == m["content"]

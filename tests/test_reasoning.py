@@ -65,23 +65,48 @@ def test_chat_format_splits_full_and_streamed_messages():
     st = SimpleNamespace(model_name="k3", tokenizer=None)
     run = SimpleNamespace(prompts=[[1]], output=lambda i: _outputs(FULL, "stop"), usage=lambda: {})
     msg = _ChatFormat(st, "id", 1, None, 0, reasoning="think").full(run)["choices"][0]["message"]
-    assert msg["reasoning_content"] == THINK and msg["content"] == ANSWER
+    assert msg["reasoning"] == msg["reasoning_content"] == THINK and msg["content"] == ANSWER  # vLLM's, SGLang's
     raw = _ChatFormat(st, "id", 1, None, 0).full(run)["choices"][0]["message"]
-    assert raw["content"] == FULL and "reasoning_content" not in raw
+    assert raw["content"] == FULL and "reasoning_content" not in raw and "reasoning" not in raw
+    hidden = _ChatFormat(st, "id", 1, None, 0, reasoning="think", include_reasoning=False).full(run)
+    assert "reasoning" not in hidden["choices"][0]["message"] and hidden["choices"][0]["message"]["content"] == ANSWER
 
-    fmt = _ChatFormat(st, "id", 1, None, 0, reasoning="think")
-    got = {"reasoning_content": "", "content": ""}
-    sent = 0
-    for end in range(5, len(FULL) + 1, 11):  # the engine's deltas as tokens arrive
-        for chunk in fmt.deltas(0, _outputs(FULL[sent:end]), False):
+    def streamed(fmt):
+        got = {}
+        sent = 0
+        for end in range(5, len(FULL) + 1, 11):  # the engine's deltas as tokens arrive
+            for chunk in fmt.deltas(0, _outputs(FULL[sent:end]), False):
+                for k, v in chunk["choices"][0]["delta"].items():
+                    got[k] = got.get(k, "") + v
+            sent = end
+        for chunk in fmt.deltas(0, _outputs(FULL[sent:], "stop"), False):
+            assert chunk["choices"][0]["finish_reason"] == "stop"
             for k, v in chunk["choices"][0]["delta"].items():
-                got[k] += v
-        sent = end
-    for chunk in fmt.deltas(0, _outputs(FULL[sent:], "stop"), False):
-        assert chunk["choices"][0]["finish_reason"] == "stop"
-        for k, v in chunk["choices"][0]["delta"].items():
-            got[k] += v
-    assert got == {"reasoning_content": THINK, "content": ANSWER}
+                got[k] = got.get(k, "") + v
+        return got
+
+    assert streamed(_ChatFormat(st, "id", 1, None, 0, reasoning="think")) == {
+        "reasoning": THINK, "reasoning_content": THINK, "content": ANSWER}
+    assert streamed(_ChatFormat(st, "id", 1, None, 0, reasoning="think", include_reasoning=False)) == {
+        "content": ANSWER}
+
+
+def test_chat_echo_starts_each_answer_with_the_assistants_last_message():
+    """vLLM's chat `echo`: the content of a final assistant message (a continued turn) starts every choice's
+    content, whole and streamed (a chunk per choice after the role chunks); other last roles echo nothing."""
+    from serve.api import ChatCompletionRequest, _ChatFormat, _echo
+
+    st = SimpleNamespace(model_name="k3", tokenizer=None)
+    run = SimpleNamespace(prompts=[[1]], output=lambda i: _outputs(ANSWER, "stop"), usage=lambda: {})
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"},
+                                           {"role": "assistant", "content": [{"type": "text", "text": "Sure: "}]}])
+    assert _echo(body.messages) == "Sure: " and _echo(body.messages[:1]) == ""
+    assert _ChatFormat(st, "id", 1, None, 0, echo="Sure: ").full(run)["choices"][0]["message"]["content"] == \
+        "Sure: " + ANSWER
+    start = _ChatFormat(st, "id", 2, None, 0, echo="Sure: ").start(1, False)
+    assert [(c["choices"][0]["index"], c["choices"][0]["delta"]) for c in start] == [
+        (0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""}),
+        (0, {"content": "Sure: "}), (1, {"content": "Sure: "})]
 
 
 def test_reasoning_start_follows_family_thinking_and_the_server_flag():

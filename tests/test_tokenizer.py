@@ -392,6 +392,15 @@ def test_loader_errors(tmp_path, k3_dir, kl_dir):
 
 def test_load_tokenizer_dispatch(tmp_path, k3_dir):
     assert isinstance(load_tokenizer(k3_dir, "k3", 100_000), KimiTokenizer)
+    # a model vocabulary padded past the tokenizer's ids: the extra ids decode (reserved, no text), the
+    # named ids and stop ids stay put (a random model's sampled id 630 of 640 failed its request)
+    small = KimiTokenizer.from_dir(k3_dir, "k3")
+    padded = load_tokenizer(k3_dir, "k3", small.vocab_size + 60)
+    assert padded.vocab_size == small.vocab_size + 60 and padded.eos_token_ids == small.eos_token_ids
+    assert padded.pad_token_id == small.pad_token_id and padded.token_to_id("<|open|>") == small.token_to_id("<|open|>")
+    far = small.vocab_size + 50
+    assert padded.decode([far]) == "" and padded.decode([far], skip_special=False) == f"<|reserved_token_{far}|>"
+    assert IncrementalDetokenizer(padded).add(far) == ""
     empty = tmp_path / "empty"
     empty.mkdir()
     t = load_tokenizer(empty, "k3", 512)
