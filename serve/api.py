@@ -72,7 +72,7 @@ from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.routed_experts import to_base64
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
-from serve.tools import CallStream, ToolPlan, parse_calls, plan_tools
+from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, plan_tools
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
                          StructuredOutputsParams)
 
@@ -1166,12 +1166,19 @@ class _ChatFormat(_Format):
         self.call_streams: dict[int, CallStream] = {}  # `required` calls read as they stream
 
     def _calls(self, content: str, finish_reason: Optional[str]) -> tuple[Optional[list], Optional[str]]:
-        """(tool_calls, finish_reason) when the answer is a call, else (None, finish_reason)."""
-        if self.tools is None or finish_reason not in ("stop", None):
+        """(tool_calls, finish_reason) when the answer is a call, else (None, finish_reason). A forced call
+        (named, `required`) cut short gives the calls as streamed so far (`cut_calls`), its finish_reason kept
+        ("length"; a stop string's "stop" reads as the stream's)."""
+        if self.tools is None:
             return None, finish_reason
-        calls = parse_calls(self.tools, content.strip())
+        forced = self.tools.mode != "auto"
+        calls = parse_calls(self.tools, content.strip()) if finish_reason in ("stop", None) else None
+        if calls is None and forced:
+            calls = cut_calls(self.tools, content)
         if calls is None:
             return None, finish_reason
+        if finish_reason not in ("stop", None):
+            return calls, finish_reason
         return calls, ("stop" if self.tools.mode == "named" else "tool_calls")
 
     def _hold(self, idx: int, content: str, finish_reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
@@ -1227,7 +1234,7 @@ class _ChatFormat(_Format):
                     if self.include_reasoning:
                         message.update(_reasoning_fields(reasoning or None))
                 calls, finish = self._calls(message["content"], o.finish_reason)
-                if calls:
+                if calls is not None:
                     message["content"], message["tool_calls"] = None, calls
                 if self.echo:
                     message["content"] = self.echo + (message["content"] or "")

@@ -32,7 +32,8 @@ from typing import Any, Optional
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "history_message", "CallStream"]
+__all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "cut_calls", "history_message",
+           "CallStream"]
 
 _NAMED, _REQUIRED, _AUTO = "named", "required", "auto"
 CALL_WHITESPACE = r"[ ]?"  # between two JSON tokens of a forced call
@@ -126,11 +127,25 @@ def tools_system_message(plan: ToolPlan) -> str:
     return f"# Tools\nYou can call these functions (JSON, one per line):\n{listing}\n\n{how}"
 
 
+def _not_json(token: str):
+    raise ValueError(f"{token} is not JSON")
+
+
+def _finite(token: str) -> float:
+    """A JSON number as a float; ValueError when it overflows (1e999 would re-serialise as `Infinity`)."""
+    x = float(token)
+    if x in (float("inf"), float("-inf")):
+        raise ValueError(f"{token} overflows a float")
+    return x
+
+
 def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
-    """The answer as OpenAI `tool_calls`, or None when it is not a call (auto) or is cut short."""
+    """The answer as OpenAI `tool_calls`, or None when it is not a call (auto) or is cut short. Strict JSON:
+    NaN / Infinity are not, and a number too large for a float is not taken (the arguments are
+    re-serialised, which would write it as `Infinity`; a forced call then keeps its text, `cut_calls`)."""
     try:
-        value = json.loads(text)
-    except (json.JSONDecodeError, TypeError):
+        value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
+    except (ValueError, TypeError):
         return None
     if plan.mode == _NAMED:
         calls = [{"name": plan.name, "parameters": value}] if isinstance(value, dict) else None
@@ -146,6 +161,22 @@ def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
     return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
              "function": {"name": c["name"], "arguments": json.dumps(c["parameters"], ensure_ascii=False)}}
             for c in calls]
+
+
+def cut_calls(plan: ToolPlan, text: str) -> list[dict]:
+    """A forced answer cut short (max_tokens, a stop string) as OpenAI `tool_calls`: what streaming sent of it
+    (a named call's arguments as written; `required` calls as far as `CallStream` read them), so the whole
+    response says what the stream did."""
+    if plan.mode == _NAMED:
+        return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                 "function": {"name": plan.name, "arguments": text}}] if text else []
+    calls: dict[int, dict] = {}
+    for d in CallStream().feed(text):
+        if "id" in d:
+            calls[d["index"]] = {"id": d["id"], "type": "function", "function": dict(d["function"])}
+        else:
+            calls[d["index"]]["function"]["arguments"] += d["function"]["arguments"]
+    return [calls[i] for i in sorted(calls)]
 
 
 def history_message(message: dict) -> dict:

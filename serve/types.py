@@ -75,11 +75,12 @@ class StructuredOutputsParams:
         return set_[0]
 
     def key(self) -> str:
-        """A canonical text of the constraint (the compiler's cache key)."""
+        """A canonical text of the constraint (the compiler's cache key). Key order is kept: a schema's
+        properties are generated in the order it lists them, so two orders are two grammars."""
         kind = self.kind()
         value = getattr(self, kind)
         return _json.dumps([kind, value, self.disable_any_whitespace, self.disable_additional_properties,
-                            self.whitespace_pattern, self.answer_prefix], sort_keys=True, default=str)
+                            self.whitespace_pattern, self.answer_prefix], default=str)
 
 
 @dataclass

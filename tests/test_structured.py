@@ -165,6 +165,17 @@ def test_grammars_are_cached(compiler):
     assert compiler.compile(SO(json={"type": "integer"}, disable_any_whitespace=True)) is not a
 
 
+def test_cached_grammars_keep_each_schemas_property_order(compiler):
+    """Properties are generated in the schema's order (what a chain-of-thought field first relies on): a
+    schema listing the same properties in another order must not reuse the first one's cached grammar."""
+    props = {"why": {"const": "w"}, "answer": {"const": "a"}}
+    for order in (["why", "answer"], ["answer", "why"]):
+        schema = {"type": "object", "properties": {k: props[k] for k in order}, "required": ["why", "answer"]}
+        out = TOK.decode([t for t in _walk(compiler, SO(json=schema, disable_any_whitespace=True),
+                                           np.random.default_rng(0)) if t not in STOPS])
+        assert list(json.loads(out)) == order, out
+
+
 def test_stop_checker_last_flushes_held_text():
     chk = StopChecker(SamplingParams(stop=["ab"]), TOK, STOPS, 100)
     assert chk.append(TOK.encode("x")[0]).text_delta == "x"

@@ -173,6 +173,40 @@ def test_required_calls_stream_as_they_are_written():
             for c in whole["choices"][0]["message"]["tool_calls"]] == [(n, json.loads(a)) for n, a in got]
 
 
+@pytest.mark.parametrize("choice, answer, max_tokens, want", [
+    ({"type": "function", "function": {"name": "add"}}, '{"a":5,"b":-2}', 6, [("add", '{"a":5')]),
+    ("required", '[{"name":"add","parameters":{"a":1,"b":2}},{"name":"get_weather","parameters":{}}]', 66,
+     [("add", '{"a":1,"b":2}'), ("get_weather", "")]),
+    ("required", '[{"name":"add","parameters":{"a":1,"b":2}}]', 5, [])])
+def test_forced_calls_cut_by_max_tokens_read_the_same_whole_and_streamed(choice, answer, max_tokens, want):
+    """A forced call cut short streams as tool_calls (it cannot take them back): the whole response gives the
+    same calls, not the JSON fragment as content; finish_reason "length" both ways."""
+    status, chunks = _chat(ScriptedEngine(), [answer], stream=True, tool_choice=choice, max_tokens=max_tokens)
+    deltas = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert status == 200 and _calls_from(deltas) == want
+    assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1] == "length"
+    status, r = _chat(ScriptedEngine(), [answer], tool_choice=choice, max_tokens=max_tokens)
+    m = r["choices"][0]["message"]
+    assert status == 200 and r["choices"][0]["finish_reason"] == "length" and m["content"] is None, r
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in m["tool_calls"]] == want
+
+
+def test_call_arguments_stay_strict_json_with_huge_numbers_and_nan():
+    """A number past a float's range is valid JSON and the constraint allows it: the arguments must not come
+    back re-serialised as `Infinity`; an unconstrained `auto` answer with NaN is not JSON, so not a call."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"x": {"type": "number"}}, "required": ["x"]}}}]
+    strict = lambda s: json.loads(s, parse_constant=lambda c: pytest.fail(f"{c} in {s}"))
+    for choice, answer in (("required", '[{"name":"f","parameters":{"x":1e999}}]'),
+                           ({"type": "function", "function": {"name": "f"}}, '{"x":-1E400}')):
+        status, r = _chat(ScriptedEngine(), [answer], tools=tools, tool_choice=choice)
+        (call,) = r["choices"][0]["message"]["tool_calls"]
+        assert status == 200 and call["function"]["name"] == "f" and strict(call["function"]["arguments"])
+    status, r = _chat(ScriptedEngine(), ['[{"name": "f", "parameters": {"x": NaN}}]'], tools=tools)
+    assert r["choices"][0]["message"]["tool_calls"] == [] and r["choices"][0]["finish_reason"] == "stop"
+
+
 @pytest.mark.parametrize("text", [
     '[{"name":"get_weather","parameters":{"city":"paris","days":3}},{"name":"add","parameters":{"a":1,"b":2}}]',
     '[ { "name" : "a\\"b" , "parameters" : { "x" : "}{,\\"]" , "y" : [1, {"z": "]"}] } } ]',
