@@ -2313,6 +2313,9 @@ def _structured(body: _GenerationFields, thinks: bool,
         return None
     name, so = given[0]
     if body.guided_whitespace_pattern is not None:
+        if so.regex is not None or so.choice is not None or so.grammar is not None:
+            raise APIError(400, f"guided_whitespace_pattern: applies to a JSON constraint, not to {name}",
+                           param="guided_whitespace_pattern")
         so.whitespace_pattern = body.guided_whitespace_pattern
     try:
         so.kind()

@@ -92,6 +92,13 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
 
     kind = params.kind()
     field_ = f"structured_outputs.{kind}"
+    for flag in ("json_object", "disable_any_whitespace", "disable_additional_properties"):
+        if not isinstance(getattr(params, flag), bool):
+            raise RequestError(f"structured_outputs.{flag}: expected true or false, got {getattr(params, flag)!r}")
+    json_only = [f for f in ("disable_any_whitespace", "disable_additional_properties") if getattr(params, f)]
+    json_only += ["whitespace_pattern"] if params.whitespace_pattern is not None else []
+    if kind not in ("json", "json_object") and json_only:  # (vLLM ignores them there)
+        raise RequestError(f"structured_outputs.{json_only[0]}: applies to a JSON constraint, not to {kind}")
     if kind in ("json", "json_object"):
         schema = {"type": "object"} if kind == "json_object" else params.json
         if isinstance(schema, str):

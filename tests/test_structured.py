@@ -143,6 +143,12 @@ def test_a_token_outside_the_mask_breaks_the_guide(compiler):
     (SO(json=[1, 2]), r"structured_outputs\.json: a JSON schema must be an object"),
     (SO(choice=[]), r"structured_outputs\.choice"),
     (SO(grammar="start: undefined_rule"), r"structured_outputs\.grammar"),
+    # JSON-only options on other kinds, and flags that are not booleans (vLLM ignores / coerces them)
+    (SO(regex="a+", whitespace_pattern=" "), r"structured_outputs\.whitespace_pattern: applies to a JSON"),
+    (SO(choice=["a"], disable_any_whitespace=True), r"disable_any_whitespace: applies to a JSON constraint, not to"),
+    (SO(grammar="start: \"a\"", disable_additional_properties=True), r"disable_additional_properties: applies"),
+    (SO(json_object="yes"), r"structured_outputs\.json_object: expected true or false"),
+    (SO(json={"type": "object"}, disable_any_whitespace=1), r"disable_any_whitespace: expected true or false"),
 ])
 def test_bad_constraints_name_the_field(compiler, params, field):
     with pytest.raises(RequestError, match=field):
@@ -235,7 +241,7 @@ def test_k3_thinking_answer_is_constrained_after_the_markers(tmp_path):
 def test_api_constraint_sources():
     from types import SimpleNamespace
 
-    from serve.api import _structured
+    from serve.api import APIError, _structured
     from serve.reasoning import RESPONSE_START, THINK_END
 
     def body(**kw):
@@ -250,6 +256,10 @@ def test_api_constraint_sources():
     so = _structured(body(guided_regex="a+"), thinks=False)
     assert so.regex == "a+" and so.reasoning_end is None
     assert _structured(body(response_format={"type": "text"}), thinks=False) is None
+    assert _structured(body(guided_json={"type": "object"}, guided_whitespace_pattern=" "),
+                       thinks=False).whitespace_pattern == " "
+    with pytest.raises(APIError, match="guided_whitespace_pattern: applies to a JSON constraint, not to guided_regex"):
+        _structured(body(guided_regex="a+", guided_whitespace_pattern=" "), thinks=False)
 
 
 def test_closing_objects_walks_schemas_not_data():
