@@ -7,6 +7,7 @@ Endpoints
   GET, DELETE /v1/responses/{id}   a stored response (kept in memory for previous_response_id)
   GET  /v1/models, /v1/models/{id}
   GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died)
+  POST /invocations, GET /load   SageMaker's route (a chat or a completion body), vLLM's server load
   GET  /metrics               Prometheus text (serve/metrics.py)
   POST /tokenize, /detokenize (vLLM's shapes)
   POST /reset_prefix_cache    forget every cached prefix (vLLM's)
@@ -1702,6 +1703,30 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         rid, run_id = _response_id(request, body, "chatcmpl-")
         ids, params, fmt = _chat_request(st, body, rid, run_id)
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
+
+    @app.post("/invocations", responses=_ERRORS)
+    async def invocations(request: Request, key: str = Depends(authenticate), _r: None = Depends(ready)):
+        """SageMaker's inference route (vLLM serves it): a body with `messages` is a chat completion, one with
+        `prompt` (or `prompt_embeds`) a completion; answered (and streamed) as those routes answer."""
+        try:
+            raw = json.loads(await request.body())
+        except ValueError as e:
+            raise APIError(400, f"malformed JSON body: {e}") from None
+        if not isinstance(raw, dict) or not ({"messages", "prompt", "prompt_embeds"} & set(raw)):
+            raise APIError(400, "invocations: expected a chat completion (with messages) or a completion (with "
+                                "prompt) request body", param="messages")
+        kind = ChatCompletionRequest if "messages" in raw else CompletionRequest
+        try:
+            body = kind.model_validate(raw)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        handler = chat_completions if kind is ChatCompletionRequest else completions
+        return await handler(body, request, key, None)
+
+    @app.get("/load")
+    async def server_load(key: str = Depends(authenticate)):
+        """vLLM's server load (a load balancer's signal): the HTTP requests in flight."""
+        return {"server_load": st.requests_in_flight}
 
     @app.post("/v1/responses", responses=_ERRORS)
     async def responses(body: ResponsesRequest, request: Request, key: str = Depends(authenticate),

@@ -627,6 +627,25 @@ def test_chat_non_stream_and_stream(client, http):
     assert chunks[-1].usage.prompt_tokens == want_prompt and chunks[-1].usage.total_tokens == want_prompt + 6
 
 
+def test_sagemaker_invocations_route_by_body_and_server_load(http):
+    """SageMaker's /invocations (vLLM serves it): a chat body answers as /v1/chat/completions, a prompt body as
+    /v1/completions (streamed too); anything else is a 400. vLLM's GET /load: HTTP requests in flight."""
+    chat = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = http.post("/v1/chat/completions", json=chat).json()["choices"][0]["message"]["content"]
+    got = http.post("/invocations", json=chat).json()
+    assert got["object"] == "chat.completion" and got["choices"][0]["message"]["content"] == want
+    comp = {"prompt": "Hello", "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+    want = http.post("/v1/completions", json=comp).json()["choices"][0]["text"]
+    assert http.post("/invocations", json=comp).json()["choices"][0]["text"] == want
+    streamed = http.post("/invocations", json={**comp, "stream": True}).text
+    assert streamed.rstrip().endswith("data: [DONE]") and '"text_completion"' in streamed
+    assert _err(http.post("/invocations", json={"input": "Hi"}), 400)["param"] == "messages"
+    assert _err(http.post("/invocations", json={**chat, "max_tokens": 0}), 400)["param"] == "max_tokens"
+    assert _err(http.post("/invocations", content=b"{oops", headers={"content-type": "application/json"}),
+                400)["message"].startswith("malformed JSON body")
+    assert http.get("/load").json() == {"server_load": 0}
+
+
 def test_responses_logprobs_whole_and_streamed(http):
     """include=["message.output_text.logprobs"] with top_logprobs: the answer's tokens, as chat gives them for the
     same conversation; streamed, the deltas carry them and the final objects repeat them."""
