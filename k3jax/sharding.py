@@ -92,7 +92,7 @@ def parse_sharding_config(data: Any, name: str = "<dict>") -> ShardingConfig:
             raise ValueError(f"sharding config {name!r}: rules.{logical}: a list of mesh axes must be non-empty "
                              f"and without repeats, got {axis!r}")
         for a in axes:
-            if a not in mesh:
+            if not isinstance(a, str) or a not in mesh:  # (a mapping or nested list: not an axis name)
                 raise ValueError(f"sharding config {name!r}: rules.{logical}: {a!r} is not a mesh axis "
                                  f"({', '.join(mesh)})")
         parsed[logical] = tuple(axes) if isinstance(axis, list) else axis

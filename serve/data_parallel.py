@@ -178,7 +178,8 @@ _SAME = frozenset({"arena_state_ranks", "kv_bytes_per_token_per_layer", "kda_slo
                    "moe_step_seconds", "spec_decode_cost_ratio", "sharding", "kv_cache_dtype", "kda_state_dtype",
                    "expert_format", "dense_weight_layout", "arena_context_ranks",
                    "ranks", "window_size", "step_interval", "num_redundant_experts",
-                   "physical_experts"})  # the last five: `eplb`'s configuration
+                   "physical_experts",  # these five: `eplb`'s configuration
+                   "utilization"})  # `memory_plan`'s gpu_memory_utilization
 _MEAN = frozenset({"new_token_ratio", "imbalance_before", "imbalance_after"})
 
 

@@ -65,6 +65,12 @@ def test_merged_stats_sum_counters_and_recompute_ratios():
     # units only the prefix cache holds are free to vLLM's usage (evicted on demand)
     cached = merge_stats([{**one(50, 10, 20, 2), "arena_cached_units": 25}, one(100, 0, 60, 0)], [(0,), (1,)], router)
     assert cached["kv_cache_usage"] == pytest.approx(0.125)
+    # each replica's arena planned from gpu_memory_utilization: the fraction once, the bytes summed
+    plan = dict(utilization=0.9, bytes_limit=80, bytes_in_use=10, step_temp_bytes=1, cache_bytes=50)
+    planned = merge_stats([{**one(50, 10, 20, 2), "memory_plan": plan}, {**one(100, 0, 60, 0), "memory_plan": plan}],
+                          [(0,), (1,)], router)
+    assert planned["memory_plan"] == dict(utilization=0.9, bytes_limit=160, bytes_in_use=20, step_temp_bytes=2,
+                                          cache_bytes=100)
 
 
 def test_bad_data_parallel_and_device_options_name_the_option():

@@ -41,6 +41,9 @@ def test_shipped_configs_load():
     ({"mesh": {"tensor": -1}, "rules": {"heads": "model"}}, "rules.heads: 'model' is not a mesh axis"),
     ({"mesh": {"tensor": -1}, "rules": {"experts": ["tensor", "expert"]}}, "rules.experts: 'expert' is not a mesh"),
     ({"mesh": {"tensor": -1}, "rules": {"experts": []}}, "rules.experts: a list of mesh axes must be non-empty"),
+    ({"mesh": {"tensor": -1}, "rules": {"heads": {"tensor": 2}}}, r"rules.heads: \{'tensor': 2\} is not a mesh axis"),
+    ({"mesh": {"expert": 2, "tensor": -1}, "rules": {"experts": [["expert", "tensor"]]}},
+     r"rules.experts: \['expert', 'tensor'\] is not a mesh axis"),
 ])
 def test_bad_configs_name_the_key(data, match):
     with pytest.raises(ValueError, match=match):
