@@ -94,6 +94,7 @@ class PrefixRouter:
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
         self.load = [0] * replicas  # sequences in flight per replica
         self._sent: list[collections.OrderedDict[bytes, None]] = [collections.OrderedDict() for _ in range(replicas)]
+        self._epochs: list = [None] * replicas  # each replica's cache epoch when `_sent` was last valid
         self.counters = {"routed_by_prefix": 0, "routed_by_load": 0, "routed_blocks_matched": 0}
 
     def hashes(self, ids: Sequence[int], salt: bytes = b"") -> list[bytes]:
@@ -138,12 +139,26 @@ class PrefixRouter:
         for sent in self._sent:
             sent.clear()
 
+    def sync(self, epochs: Sequence) -> None:
+        """Forget what was sent to each replica whose cache epoch (`cache_epoch`) moved since the last call: its
+        prefix cache was cleared by whatever path (a weight update over HTTP, an arena reset after a failure)."""
+        for r, epoch in enumerate(epochs):
+            if epoch != self._epochs[r]:
+                self._sent[r].clear()
+                self._epochs[r] = epoch
+
 
 def router_for(engines: list[Engine], routing: str) -> PrefixRouter:
     """The router over these replicas: blocks of the KDA checkpoint alignment (a shorter match resumes
     nothing), a replica too busy once it runs a quarter of its rows more than the least loaded one."""
     rows = engines[0].sched_cfg.max_num_seqs
     return PrefixRouter(len(engines), engines[0].align, balance_abs=max(2, rows // 4), policy=routing)
+
+
+def cache_epoch(engine: Engine) -> int:
+    """How many times the engine's prefix cache was cleared (0 without one)."""
+    cache = getattr(engine, "prefix_cache", None)
+    return cache.clears if cache is not None else 0
 
 
 def _salt(cache_salt: Optional[str], lora_request) -> bytes:
@@ -293,6 +308,7 @@ class DataParallelEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params or SamplingParams()
         seqs = _num_seqs(params)
+        self.router.sync([cache_epoch(e) for e in self.replicas])
         r = self.router.route(_prompt_ids(self.replicas[0], prompt), _salt(cache_salt, lora_request), seqs)
         try:
             self.replicas[r].add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
@@ -436,6 +452,7 @@ class DataParallelAsyncEngine:
         if request_id in self._where:  # (on another replica its stream would run beside the first, whose abort
             raise RequestError(f"request_id: {request_id!r} is already in use")  # would then miss it)
         seqs = _num_seqs(params or SamplingParams())
+        self.router.sync([cache_epoch(a.engine) for a in self.replicas])
         r = self.router.route(_prompt_ids(self.engine, prompt), _salt(cache_salt, lora_request), seqs)
         self._where[request_id] = r
         stream = self.replicas[r].generate(prompt, params, request_id, priority, cache_salt, lora_request,

@@ -244,6 +244,7 @@ class PrefixCache(UnitRefs):
         self.host, self.read_units = host, read_units
         self._spill: list = []  # (entry, units) evicted this round, copied to host by `_flush_spill`
         self._clearing = False
+        self.clears = 0  # times `clear` ran (a data-parallel router forgets what it sent a replica since)
         self._released: Optional[list] = None  # while not None, evicted pages' units are collected here
         self.ps = layout.page_size
         self.interval = max(align, cfg.checkpoint_interval // align * align)
@@ -702,6 +703,7 @@ class PrefixCache(UnitRefs):
         -> whether the cache is empty now. Checkpoints a request is about to read and pages running
         requests share stay until they are released."""
         self._clearing = True
+        self.clears += 1
         try:
             with self._releasing_at_once():
                 for c in [c for c in self.ckpts.values() if c.pins == 0]:

@@ -36,6 +36,30 @@ def test_load_policy_ignores_prefixes():
         PrefixRouter(2, 2, policy="random")
 
 
+def test_router_forgets_a_replica_whose_cache_was_cleared():
+    """A replica's prefix cache cleared by any path (its cache epoch moved: an HTTP weight update, an arena
+    reset) no longer draws the prefixes sent to it; the other replicas' stay."""
+    from types import SimpleNamespace
+
+    from serve.data_parallel import DataParallelEngine
+    from serve.types import SamplingParams
+
+    r0, r1 = _Replica([]), _Replica([])
+    for r in (r0, r1):
+        r.prefix_cache, r._prompt = SimpleNamespace(clears=0), lambda p: (None, list(p))
+    dp = DataParallelEngine([r0, r1], [(0,), (1,)])
+    a, b = [1] * 12, [2] * 12
+    for p in (a, b, a, b):
+        dp.add_request(p, SamplingParams(max_tokens=1))
+    by_prefix = dp.router.counters["routed_by_prefix"]
+    assert by_prefix == 2  # the repeats went where their prefixes were sent
+    r1.prefix_cache.clears += 1  # replica 1's cache was cleared behind the router's back
+    dp.router.load = [0, 0]
+    dp.add_request(b, SamplingParams(max_tokens=1))
+    dp.add_request(a, SamplingParams(max_tokens=1))
+    assert dp.router.counters["routed_by_prefix"] == by_prefix + 1  # only a's (replica 0) still counts
+
+
 def test_router_forgets_the_least_recently_sent_blocks():
     r = PrefixRouter(2, block=2, max_blocks=3)
     matched = lambda ids: (r.route(ids), r.counters["routed_blocks_matched"])[1]
@@ -309,6 +333,8 @@ def test_a_request_id_streaming_on_any_replica_is_refused():
     from serve.types import RequestError, SamplingParams
 
     class Replica:  # an AsyncEngine whose streams run until cancelled
+        engine = None  # (no prefix cache)
+
         def __init__(self):
             self.aborted = []
 
