@@ -436,6 +436,11 @@ class EngineConfig:
             raise ValueError(f"compile_threads={self.compile_threads!r}: expected a positive integer or None (automatic)")
         if self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        align = min(self.prefill_chunk, KDA_CHUNK)  # prefill rows are cut to multiples of it (serve/scheduler.py)
+        if self.max_num_batched_tokens < align:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: a step's prompt rows are cut to "
+                             f"multiples of min(prefill_chunk, {KDA_CHUNK}) = {align} tokens, so a prompt longer than "
+                             f"the budget could never run; expected at least {align}")
         if self.sharding is not None:
             if not isinstance(self.sharding, str) or not self.sharding:
                 raise ValueError(f"sharding={self.sharding!r}: expected a config name in sharding_configs/ or a YAML path")
@@ -1373,8 +1378,10 @@ class Engine:
                 raise RequestError(
                     f"prompt: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context window of "
                     f"{self.config.max_model_len} tokens")
-            need = self.layout.slot_units + units_for(len(ids) + max_tokens, self.sched_cfg)
-            width = beam.beam_width if beam is not None else params.n
+            # the cache holds every position but the last token's (sampled, never fed back); the n samples of a
+            # request are scheduled apart (one may wait for another), a beam search's beams run together
+            need = self.layout.slot_units + units_for(len(ids) + max_tokens - 1, self.sched_cfg)
+            width = beam.beam_width if beam is not None else 1
             if need * width > self.allocator.baseline_free_units:
                 raise RequestError(f"request needs {need * width} cache units but the arena has "
                                    f"{self.allocator.baseline_free_units}; it can never fit")

@@ -188,18 +188,19 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
             break
         if not fits_adapter(w):
             continue  # preempting would not give it an adapter slot
-        need = _first_chunk(w, cfg)
-        while (need > free_units or free_slots < 1 or rows < w.rows) and lower:
+        need, taken = _first_chunk(w, cfg), []
+        units, slots, free_rows = free_units, free_slots, rows
+        while (need > units or slots < 1 or free_rows < w.rows) and lower:
             v = lower.pop(0)
+            taken.append(v)
+            units, slots, free_rows = units + v.pages + cfg.slot_units, slots + 1, free_rows + v.rows
+        if need > units or slots < 1 or free_rows < w.rows:
+            break  # it cannot fit even so: it waits (and blocks those behind it), preempting nobody
+        for v in taken:
             victims.remove(v)
             plan.preempt.append(v.rid)
-            free_units += v.pages + cfg.slot_units
-            free_slots += 1
-            rows += v.rows
-        if need > free_units or free_slots < 1 or rows < w.rows:
-            break  # it cannot fit even so: it waits (and blocks those behind it)
         reserved[w.rid] = need
-        free_units, free_slots, rows = free_units - need, free_slots - 1, rows - w.rows
+        free_units, free_slots, rows = units - need, slots - 1, free_rows - w.rows
     running = [s for s in running if s.rid not in set(plan.preempt)]
 
     # 1. decodes, in order; when memory is short, release reservations (lowest priority first), then
@@ -221,7 +222,7 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
     while sum(need.values()) > free_units and victims:
         v = victims.pop(0)
         plan.preempt.append(v.rid)
-        free_units += v.pages
+        free_units += v.pages + cfg.slot_units  # (pages may take any free unit, its slot's too)
         free_slots += 1  # its slot run comes back (approximation: slots are slot-aligned)
         rows += v.rows
         need.pop(v.rid, None)

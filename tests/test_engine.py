@@ -454,6 +454,32 @@ def test_request_that_never_fits_is_rejected(model):
         eng.add_request([1] * 400, SamplingParams(max_tokens=100))
 
 
+def test_request_that_just_fits_is_accepted_and_runs(model):
+    """The cache never holds the last token's position (it is sampled, not fed back), and a request's n samples are
+    scheduled apart: a request whose prompt + max_tokens - 1 tokens fill the arena exactly, and one whose samples
+    fit one at a time, run to the end (they were refused as never fitting)."""
+    from serve.scheduler import units_for
+
+    probe = make_engine(model, units=30, warmup=False)
+    lay, lm = probe.layout, probe.sched_cfg.num_mla_layers
+    units = 1 + 2 * lay.slot_units + 2 * lm  # one slot + 2 pages per MLA layer beside the scratch page and slot
+    eng = make_engine(model, warmup=False, cache_bytes=units * lay.unit_bytes, max_model_len=64, decode_buckets=(1,), prefill_buckets=(1,),
+                      context_buckets=(4,), max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=64)
+    k = 2  # pages per MLA layer: 16 * k positions
+    assert eng.allocator.baseline_free_units == lay.slot_units + units_for(16 * k, eng.sched_cfg)
+    with pytest.raises(RequestError, match="never fit"):
+        eng.add_request([1] * 10, SamplingParams(max_tokens=16 * k - 8))  # one token too many
+    exact = eng.add_request([1] * 10, SamplingParams(temperature=0.0, max_tokens=16 * k - 9, ignore_eos=True))
+    twice = eng.add_request([2] * 10, SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=16 * k - 9,
+                                                     ignore_eos=True))
+    done = {}
+    while eng.has_unfinished():
+        done.update((o.request_id, o) for o in eng.step() if o.finished)
+    assert [len(o.token_ids) for o in done[exact].outputs + done[twice].outputs] == [16 * k - 9] * 3
+    assert {o.finish_reason for o in done[exact].outputs + done[twice].outputs} == {"length"}
+    assert eng.allocator.free_units == eng.allocator.baseline_free_units
+
+
 class _FailingStep:
     """Stands in for an engine's compiled step: the first prefill call made in the same engine step as a
     decode call (so the failure comes after part of the step ran) raises, or call number `at` does;

@@ -48,6 +48,15 @@ def test_bad_fraction_is_named(bad):
         serve.engine.EngineConfig(gpu_memory_utilization=bad).validate()
 
 
+@pytest.mark.parametrize("chunk,budget", [(64, 32), (16, 8), (128, 48)])
+def test_a_token_budget_under_one_aligned_row_is_refused(chunk, budget):
+    """Prompt rows are cut to multiples of min(prefill_chunk, 64): a smaller max_num_batched_tokens left every prompt
+    longer than it waiting forever (the engine stepped without running anything)."""
+    with pytest.raises(ValueError, match=f"max_num_batched_tokens={budget}: .* expected at least {min(chunk, 64)}"):
+        serve.engine.EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, prefill_chunk=chunk).validate()
+    serve.engine.EngineConfig(max_num_seqs=4, max_num_batched_tokens=min(chunk, 64), prefill_chunk=chunk).validate()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_the_arena_fills_the_device(monkeypatch, async_scheduling):
     """The arena takes what is left of half the device after the weights and the measured step temporaries:

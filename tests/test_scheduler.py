@@ -68,6 +68,15 @@ def test_no_overtaking_and_newest_preempted_when_decodes_run_short():
     assert plan.preempt == ["c"] and plan.decode == ["a", "b"] and plan.grow == {"a": 2, "b": 2}
 
 
+def test_a_decode_victim_frees_its_slot_units_too():
+    """Pages may take any free unit: a victim preempted for the decodes gives back its state slot's units as well as
+    its pages, so one victim whose pages and slot cover the need is enough (a second was preempted for nothing)."""
+    seqs = [run("a", 1, 33, 4), run("b", 2, 33, 4), run("c", 3, 17, 2)]  # each needs a page per layer (2 units)
+    plan = schedule(seqs, Memory(0, 0), CFG)  # c frees 2 pages + 3 slot units >= the 4 that a and b need
+    assert plan.preempt == ["c"] and plan.decode == ["a", "b"] and plan.grow == {"a": 2, "b": 2}
+    assert plan.retracted == 1
+
+
 def test_priority_orders_decodes_prefills_and_victims():
     seqs = [run(f"r{i}", i, priority=p) for i, p in enumerate([2, 0, 1, 0, 3])]
     plan = schedule(seqs, Memory(100, 4), CFG)
@@ -91,6 +100,18 @@ def test_a_higher_priority_request_preempts_lower_ones_to_start():
     for p in (3, 5):
         plan = schedule(full + [wait("w", 9, 30, priority=p)], Memory(0, 0), CFG)
         assert plan.preempt == [] and plan.prefill == []
+
+
+def test_a_request_that_cannot_start_even_so_preempts_nobody():
+    """A higher-priority waiting request preempts lower ones only when that lets it start: when even all of them
+    would not make room (a higher-priority running request holds the rest), the lower one keeps decoding instead of
+    being preempted for nothing (and recomputed later)."""
+    cfg = replace(CFG, prefill_chunk=64, align=64, token_budget=128)
+    seqs = [run("high", 1, 200, 26), run("low", 2, 10, 2, priority=5), wait("w", 3, 100, priority=1)]
+    plan = schedule(seqs, Memory(0, 0), cfg)  # w needs 3 slot units + 8 page units; low frees 5
+    assert plan.preempt == [] and plan.decode == ["high", "low"] and plan.prefill == []
+    plan = schedule(seqs, Memory(6, 1), cfg)  # with 6 free, low's 5 make room: it goes, w starts
+    assert plan.preempt == ["low"] and plan.admit == ["w"] and plan.decode == ["high"]
 
 
 def test_at_most_max_num_seqs_requests_run():
