@@ -2230,18 +2230,22 @@ class Engine:
             self._land_flight(touched)  # a row whose next step needs the host to see its results first
             ended = self._select_beams() if self._beams else set()
         plan = self._plan()
-        if not plan.empty:
-            self._allocate(plan)
-            if plan.empty and self.sched_cfg.prefill_first:
-                # every admission of a prompts-only step waits (its hit pins memory the scheduler counted as
-                # evictable): the running requests decode instead, or nothing would free that memory
-                plan = self._plan(mixed=True)
-                if not plan.empty:
-                    self._allocate(plan)
+        try:
+            if not plan.empty:
+                self._allocate(plan)
+                if plan.empty and self.sched_cfg.prefill_first:
+                    # every admission of a prompts-only step waits (its hit pins memory the scheduler counted
+                    # as evictable): the running requests decode instead, or nothing would free that memory
+                    plan = self._plan(mixed=True)
+                    if not plan.empty:
+                        self._allocate(plan)
+        except BaseException as e:  # a host-tier copy failed (a restore may have consumed the arena): as a failed
+            self._land_flight(touched, failed=(list(plan.admit), e))  # step, of the requests it admitted
         if plan.empty:
             if self._flight:
                 self._land_flight(touched)
-                ended |= self._select_beams() if self._beams else set()
+            # (also beams parked by a step that failed after reading them back: nothing else selects them)
+            ended |= self._select_beams() if self._beams else set()
             return self._step_outputs(touched, ended)  # aborted requests leave even when nothing runs
         self._place_adapters(plan.admit)
         now = time.monotonic()

@@ -152,7 +152,7 @@ def check_request(processors: Sequence[LogitsProcessor], extra_args: Optional[di
         for a in proc.arg_names:
             if a in extra_args:
                 v = extra_args[a]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
                     raise RequestError(f"extra_args[{a!r}]: logits processor {proc.name!r} takes a finite "
                                        f"number, got {v!r}")
         if proc.validate is not None and proc.is_on(extra_args):
@@ -160,6 +160,14 @@ def check_request(processors: Sequence[LogitsProcessor], extra_args: Optional[di
                 proc.validate(extra_args)
             except ValueError as e:
                 raise RequestError(f"extra_args: logits processor {proc.name!r}: {e}") from None
+
+
+def _finite(v) -> bool:
+    """`math.isfinite`, False for an int beyond float's range (on which it raises OverflowError)."""
+    try:
+        return math.isfinite(v)
+    except OverflowError:
+        return False
 
 
 def batch_columns(processors: Sequence[LogitsProcessor], extra_args: Sequence[Optional[dict]],

@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 import numpy as np
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from k3jax import lora as model_lora
 
@@ -120,18 +120,21 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
     cfg_file = os.path.join(path, CONFIG)
     if not os.path.exists(cfg_file):
         raise LoRAError(f"lora_path {path!r}: no {CONFIG} (expected a PEFT adapter directory)")
-    with open(cfg_file) as f:
-        try:
+    try:
+        with open(cfg_file, encoding="utf-8") as f:
             conf = json.load(f)
-        except json.JSONDecodeError as e:
-            raise LoRAError(f"{cfg_file}: not JSON ({e})") from None
+    except (OSError, ValueError) as e:  # (not UTF-8 text, not JSON, unreadable)
+        raise LoRAError(f"{cfg_file}: not JSON ({e})") from None
     weights = os.path.join(path, WEIGHTS)
     if not os.path.exists(weights):
         other = [f for f in os.listdir(path) if f.startswith("adapter_model")]
         raise LoRAError(f"lora_path {path!r}: no {WEIGHTS}" + (f" (found {other}: save it with safetensors)"
                                                                    if other else ""))
-    with safe_open(weights, framework="numpy") as f:
-        named = {name: f.get_tensor(name) for name in f.keys()}
+    try:
+        with safe_open(weights, framework="numpy") as f:
+            named = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, TypeError, ValueError, SafetensorError) as e:  # a damaged or cut-off file: the adapter's fault
+        raise LoRAError(f"{weights}: not a readable safetensors file ({e})") from None
     return parse_peft(conf, named, shapes, max_rank, prefix, targets, experts, cfg_file, weights)
 
 

@@ -5,15 +5,36 @@ from __future__ import annotations
 from serve.engine import StepFailed
 
 
-def drain_through_failures(engine) -> tuple[list[StepFailed], dict]:
+class FailingPrefill:
+    """An engine's compiled step that raises once, at the first prefill launched in a step that decoded first
+    (`engine._step = FailingPrefill(engine)`; put `.real` back after)."""
+
+    def __init__(self, engine):
+        self.engine, self.real, self.decoded_in, self.failed = engine, engine._step, None, False
+        self._cache_size = self.real._cache_size
+
+    def __call__(self, leaves, arena, token_pages, tables, batch):
+        step, prefill = self.engine.counters["steps"], batch.tokens.shape[1] > 1
+        if not self.failed and prefill and self.decoded_in == step:
+            self.failed = True
+            raise RuntimeError("injected device failure")
+        if not prefill:
+            self.decoded_in = step
+        return self.real(leaves, arena, token_pages, tables, batch)
+
+
+def drain_through_failures(engine, max_steps: int = 100_000) -> tuple[list[StepFailed], dict]:
     """Step until nothing is unfinished -> (every StepFailed raised, finished outputs by request id, those a
-    StepFailed carried included)."""
+    StepFailed carried included). More than `max_steps` steps: an AssertionError (a request that never ends)."""
     failures, done = [], {}
-    while engine.has_unfinished():
+    for _ in range(max_steps):
+        if not engine.has_unfinished():
+            break
         try:
             outs = engine.step()
         except StepFailed as e:
             failures.append(e)
             outs = e.outputs
         done.update({o.request_id: o for o in outs if o.finished})
+    assert not engine.has_unfinished(), f"still unfinished after {max_steps} steps"
     return failures, done

@@ -205,6 +205,29 @@ def test_a_search_whose_selection_raises_ends_alone(engine, prompts, monkeypatch
     assert_idle(engine)
 
 
+def test_a_prompt_failing_beside_a_search_leaves_it_running(engine, prompts):
+    """A prompt whose prefill fails in a step that first decoded a beam search's beams (read back, their
+    proposals kept for the selection) ends alone; the search still selects and finishes with the hypotheses it
+    has alone (it hung: nothing else ran, and no step selected the beams the failed step had read back)."""
+    from step_failures import FailingPrefill, drain_through_failures
+
+    params = BeamSearchParams(WIDTH, GEN, ignore_eos=True)
+    alone = run_beams(engine, prompts[:1], params)[0]
+    search = engine.add_request(prompts[0], params)
+    while not engine.requests[search].beam.rounds:  # its beams decode
+        engine.step()
+    engine._step = failing = FailingPrefill(engine)
+    try:
+        bad = engine.add_request(prompts[1], SamplingParams(max_tokens=2))
+        failures, done = drain_through_failures(engine, max_steps=50)
+    finally:
+        engine._step = failing.real
+    assert [f.request_ids for f in failures] == [[bad]]
+    assert [c.token_ids for c in done[search].outputs] == [c.token_ids for c in alone.outputs]
+    engine._reap()
+    assert_idle(engine)
+
+
 def test_rejections(engine, prompts):
     with pytest.raises(RequestError, match="max_logprobs"):
         engine.add_request(prompts[0], BeamSearchParams(WIDTH + 1, 4))

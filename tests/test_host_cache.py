@@ -127,6 +127,45 @@ def test_mid_page_checkpoint_and_partial_page_come_back_from_host(engines):
     settled(on)
 
 
+def test_a_failed_restore_ends_its_request_alone_and_the_engine_serves_on(engines):
+    """The device copy that restores a host hit fails after taking the donated arena (a device error): as a failed
+    step, the request it admitted ends (StepFailed naming it), a fresh arena takes the old one's place and the
+    request running beside it finishes with its cold tokens; the engine then serves the same hit again (the failure
+    escaped `step()` unnamed, the arena stayed deleted and through AsyncEngine every later request failed)."""
+    from step_failures import drain_through_failures
+
+    on, off = engines
+    base = toks(5, 200)
+    run(on, base)
+    flood(on, 300)
+    turn, other = base + toks(6, 20), toks(7, 40)
+    params = SamplingParams(max_tokens=8, **PARAMS)
+    real, resets = on.host_transfers.write, on.counters["cache_resets"]
+
+    def write(arena, *args):
+        arena.delete()
+        raise RuntimeError("injected restore failure")
+
+    on.host_transfers.write = write
+    try:
+        good = on.add_request(other, params)
+        on.step()  # running (its state lost with the arena: recomputed)
+        bad = on.add_request(turn, params)
+        failures, done = drain_through_failures(on, max_steps=200)
+    finally:
+        on.host_transfers.write = real
+    assert [f.request_ids for f in failures] == [[bad]] and "injected restore failure" in str(failures[0])
+    assert on.counters["cache_resets"] == resets + 1 and not on.arena.is_deleted()
+    assert done[good].outputs[0].token_ids == run(off, other).outputs[0].token_ids
+    on.step()
+    settled(on)
+    run(on, base)
+    flood(on, 400)
+    warm, cold = run(on, turn), run(off, turn)
+    assert warm.num_cached_tokens > 0 and warm.token_ids == cold.token_ids
+    settled(on)
+
+
 def test_restored_pages_are_shared_again_and_a_small_host_budget_degrades_to_recompute(engines):
     on, off = engines
     pc = on.prefix_cache

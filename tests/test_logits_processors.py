@@ -130,6 +130,7 @@ def test_requests_with_bad_arguments_are_refused_naming_them():
     lp.check_request(procs, {"min_id": 3, "unrelated": "text"})  # other keys pass through
     for xa, match in (({"min_id": "3"}, r"extra_args\['min_id'\].*finite number"),
                       ({"min_id": True}, r"extra_args\['min_id'\]"), ({"min_id": float("nan")}, r"extra_args\['min_id'\]"),
+                      ({"min_id": 10 ** 400}, r"extra_args\['min_id'\].*finite number"),  # (JSON's big ints)
                       ({"no_repeat_ngram_size": 2.5}, "no_repeat_ngram.*integer"),
                       ({"no_repeat_ngram_size": 17}, "no_repeat_ngram_size must be")):
         with pytest.raises(RequestError, match=match):

@@ -560,3 +560,23 @@ def test_a_config_without_lora_alpha_scales_as_peft(tmp_path):
     _, factors = read_peft(str(tmp_path), {"q_proj": (16, 16)}, 4)
     a, b = factors["q_proj"]
     np.testing.assert_allclose((a @ b).T, want, rtol=1e-5, atol=1e-6)
+
+
+def test_a_damaged_adapter_directory_is_a_lora_error(tmp_path):
+    """An adapter file cut off mid-copy, or a config that is not UTF-8 text, is the adapter's fault: a LoRAError
+    naming the file (the HTTP routes answer 400 with it), not safetensors' or the codec's own exception (a 500)."""
+    from serve.lora import read_peft
+
+    q = "base_model.model.model.q_proj"
+    d = _write_adapter(str(tmp_path / "cut"), {f"{q}.lora_A.weight": np.ones((2, 16), np.float32),
+                                               f"{q}.lora_B.weight": np.ones((16, 2), np.float32)})
+    weights = tmp_path / "cut" / "adapter_model.safetensors"
+    raw = weights.read_bytes()
+    assert read_peft(d, {"q_proj": (16, 16)}, 4)[0] == 2
+    weights.write_bytes(raw[:len(raw) // 2])
+    with pytest.raises(LoRAError, match="adapter_model.safetensors: not a readable safetensors file"):
+        read_peft(d, {"q_proj": (16, 16)}, 4)
+    weights.write_bytes(raw)
+    (tmp_path / "cut" / "adapter_config.json").write_bytes(b'{"r": "\xff"}')
+    with pytest.raises(LoRAError, match="adapter_config.json: not JSON"):
+        read_peft(d, {"q_proj": (16, 16)}, 4)
