@@ -155,14 +155,20 @@ class AsyncEngine:
     # ---- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop:
-            self._drain_commands()
-            if not self.engine.has_unfinished() or getattr(self.engine, "held", False):
-                self.engine.idle()
-                self._wake.wait(timeout=0.05)
-                self._wake.clear()
-                if not self.engine.has_unfinished():
-                    continue
-                # held (`retract`): a step that runs nothing but hands out what aborts finished
+            try:
+                self._drain_commands()
+                if not self.engine.has_unfinished() or getattr(self.engine, "held", False):
+                    self.engine.idle()
+                    self._wake.wait(timeout=0.05)
+                    self._wake.clear()
+                    if not self.engine.has_unfinished():
+                        continue
+                    # held (`retract`): a step that runs nothing but hands out what aborts finished
+            except Exception as e:  # an abort or an idle task failed: as a failed step's bookkeeping, never
+                log.exception("engine bookkeeping failed")  # the thread's end (every stream would hang)
+                self.errors += 1
+                self._fail_all(e)
+                continue
             try:
                 outs = self.engine.step()
             except StepFailed as e:  # never take the engine down: the step's requests end with the error

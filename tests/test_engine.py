@@ -692,6 +692,48 @@ def test_async_engine_survives_a_failed_step(model, engine):
     assert aeng.errors == 1 and not engine.requests
 
 
+def test_async_engine_survives_a_failed_abort(model, engine):
+    """An abort that fails in the engine thread (bookkeeping between steps) fails the requests in flight, as a
+    step's bookkeeping failure does, and the thread serves on: it used to end, hanging every stream."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    real = engine.abort
+    calls = []
+
+    def failing_abort(rid):
+        calls.append(rid)
+        if len(calls) == 1:
+            raise RuntimeError("injected abort failure")
+        return real(rid)
+
+    engine.abort = failing_abort
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        stream = aeng.generate([5, 6, 7, 8], sp, "x")
+        await stream.__anext__()
+        aeng.abort("x")
+        with pytest.raises(RuntimeError, match="injected abort failure"):
+            async for _ in stream:
+                pass
+        short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        return [o async for o in aeng.generate([5, 6, 7, 8], short, "y")][-1]
+
+    try:
+        last = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        aeng.shutdown()
+        engine.abort = real
+    assert last.finished and len(last.token_ids) == 3 and aeng.errors == 1 and not engine.requests
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
+
+
 def test_shared_step_cache_is_bounded(model):
     """Engines over the same model and layout share a bound step, but the process-wide table is
     an LRU: a process that builds engine after engine does not keep every old one's compiled
