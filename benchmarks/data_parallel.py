@@ -25,17 +25,17 @@ choice costs in recomputation, not what a second accelerator adds.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import simulated_devices  # noqa: E402
+
+simulated_devices.use(2)  # before JAX starts (also when XLA_FLAGS already holds other flags)
 
 import numpy as np  # noqa: E402
 

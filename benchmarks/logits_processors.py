@@ -11,8 +11,8 @@ repeat and the ban changes most rows' argmax):
 * `off`: with `no_repeat_ngram` compiled in, no row using it (the `lax.cond` skips it);
 * `on`: every row with `no_repeat_ngram_size` = 3;
 * peer: HF's processor on the same [B, S] ids and [B, V] scores (its Python loop over n-grams), then argmax.
-Roofline of `on`: the logits read and written once plus the history read 16 times (the static n-gram loop):
-bytes / the bandwidth measured in the same process. Tokens of `on` must equal the peer's.
+Roofline of `on`: the logits read and written once plus the history read 17 times (MAX_NGRAM + 1, the static
+n-gram loop): bytes / the bandwidth measured in the same process. Tokens of `on` must equal the peer's.
 """
 
 from __future__ import annotations

@@ -5,13 +5,13 @@
 
 KDA's recurrence keeps one request's prompt chunks in one row, one after another, so with prefill
 programs of rows x `prefill_chunk` tokens a prompt with no other prompt beside it advances one chunk
-per step, however wide the programs are. `EngineConfig.long_prefill_chunk` (default: max_prefill_seqs x
+per step, however wide the programs are. `EngineConfig.long_prefill_chunk` (off by default; `None`: max_prefill_seqs x
 prefill_chunk) adds a one-row program of that many tokens, which the scheduler takes when it computes
 more prompt tokens than the rows of `prefill_chunk` (serve/scheduler.py).
 
 k3-small on CPU, two engines in one process with the same buckets (decode rows 1 / 4, prefill rows 1 / 4
 of 64 tokens, one context bucket): "off" (`long_prefill_chunk=0`, the engine before this option, the peer)
-and "on" (the default, a 1 x 256 program). Measured, alternating the engines, medians of the repetitions:
+and "on" (`long_prefill_chunk=None`, a 1 x 256 program). Measured, alternating the engines, medians of the repetitions:
 - TTFT of one prompt alone (512 and 2048 tokens; `max_tokens=1`) and its floor: the prompt's weight
   FLOPs at the fp32 matmul rate measured in this run (attention and the recurrence left out);
 - a wave of 16 prompts of 40 tokens and a wave of 4 prompts of 1024 tokens (all to their first token):

@@ -47,7 +47,7 @@ def engine_with(rows: int, length: int, logprobs, model) -> tuple[Engine, set[st
                                                        temperature=0))
         seq = e.requests[rid].seqs[0]
         for tok in rng.integers(32, 127, length):  # printable bytes: text grows with every token
-            e._append(seq, int(tok), -0.5, np.array([int(tok), 40]), np.array([-0.5, -1.5]), time.monotonic())
+            e._append(seq, int(tok), -0.5, 1, np.array([int(tok), 40]), np.array([-0.5, -1.5]), time.monotonic())
         rids.add(rid)
     return e, rids
 

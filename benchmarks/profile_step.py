@@ -103,10 +103,13 @@ def parse_hlo(text: str) -> tuple[dict[str, str], dict[str, str]]:
         return "(no repository frame)"
 
     out, what = {}, {}
-    for name, shape, op, fid in re.findall(
-            r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) ([\w\-]+)\(.*?stack_frame_id=(\d+)", text, re.M):
-        out[name] = repo_frame(fid)
-        what[name] = op + " -> " + re.sub(r"\{[^}]*\}", "", shape)  # layouts dropped
+    # a result shape is one token or a tuple "(s32[], f32[2,4]{1,0}, ...)" (while, sort, TopK, multi-output
+    # fusions); an op with no stack frame (a copy XLA added) is in the dump all the same
+    for name, shape, op, rest in re.findall(
+            r"^\s*(?:ROOT )?%([\w.\-]+) = (\(.*?\)|\S+) ([\w\-]+)\((.*)$", text, re.M):
+        fid = re.search(r"stack_frame_id=(\d+)", rest)
+        out[name] = repo_frame(fid.group(1)) if fid else "(no repository frame)"
+        what[name] = op + " -> " + re.sub(r"\{[^}]*\}|/\*[^*]*\*/", "", shape)  # layouts, index comments dropped
     return out, what
 
 

@@ -8,7 +8,7 @@ What is measured, per concurrency c (8 and 32 greedy requests of 96-160 random t
 caching on; rounds alternate the engines so both see the same load; medians):
 * wave time and generated tokens/s of each engine, and their ratio;
 * the decode step (`engine.step()` wall time over decode-only steps with all c rows), and the host time
-  spent keeping the ids (`Engine._record_routes`: the copy into each sequence and the store's granules) per step;
+  spent keeping the ids (`Engine._record_positions`: the copy into each sequence and the store's granules) per step;
 * a resumed wave: the same prompts again, so each request's prompt comes from the prefix cache and its ids from
   the store (`RoutesStore.take`, filled at admission);
 * bytes the ids add to a decode step's read-back (c x MoE layers x k x 2) against the bandwidth measured here.
@@ -39,13 +39,13 @@ from serving import _loadavg, arena_budget, machine_info, measure_bandwidth, med
 def run_wave(eng: Engine, prompts: list, sp: SamplingParams, c: int) -> dict:
     """Submit the wave, step it to the end -> wall time, decode-step times with all c rows, outputs."""
     record = [0.0]
-    real = eng._record_routes
+    real = eng._record_positions
 
     def timed(*a, **kw):
         t0 = time.perf_counter()
         real(*a, **kw)
         record[0] += time.perf_counter() - t0
-    eng._record_routes = timed
+    eng._record_positions = timed
     try:
         t0 = time.perf_counter()
         for p in prompts:
@@ -62,7 +62,7 @@ def run_wave(eng: Engine, prompts: list, sp: SamplingParams, c: int) -> dict:
             steps += 1
         wall = time.perf_counter() - t0
     finally:
-        del eng._record_routes
+        del eng._record_positions
     return dict(wall=wall, decode=decode, steps=steps, record=record[0], outs=outs)
 
 

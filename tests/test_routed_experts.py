@@ -134,6 +134,22 @@ def test_routed_experts_are_the_full_forwards_whatever_computed_them(llm, refere
     assert eng.allocator.free_units + eng._cached_units() == eng.allocator.baseline_free_units
 
 
+def test_benchmark_wave_times_the_engines_own_recording(llm):
+    """benchmarks/routed_experts.py wraps the engine's recording of the ids (its host time per step)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import routed_experts as bench
+
+    eng, rng = llm.engine, np.random.default_rng(1)
+    prompts = [rng.integers(3, 300, 20).tolist() for _ in range(2)]
+    w = bench.run_wave(eng, prompts, SP(temperature=0, max_tokens=6, ignore_eos=True), 2)
+    assert w["record"] > 0 and len(w["outs"]) == 2 and "_record_positions" not in vars(eng)
+    for o in w["outs"].values():
+        assert o.outputs[0].routed_experts.shape[0] == len(o.prompt_token_ids) + 5
+
+
 def test_routed_experts_config_is_checked():
     from serve.engine import EngineConfig
     from serve.host_cache import HostCache
