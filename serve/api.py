@@ -14,7 +14,7 @@ Endpoints
   POST /abort_request         {"rid"} or {"abort_all": true}: end requests in flight (SGLang's)
   with --enable-sleep-mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping
                               (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's),
-                              POST /pause?mode=abort|wait[&clear_cache=true], POST /resume, GET /is_paused (vLLM's),
+                              POST /pause?mode=abort|wait|keep[&clear_cache=false], POST /resume, GET /is_paused (vLLM's),
                               SGLang's memory, pause and weight-version routes, GET|POST /get_weights_by_name,
                               POST /update_weights_from_tensor (serve/named_weights.py)
   GET  /openapi.json          the schema (FastAPI)

@@ -175,7 +175,8 @@ def add_serve_arguments(s) -> None:
                         "generation_config.json (K3: temperature 1.0, top_p 0.95), 'vllm' ignores it, a directory "
                         "reads that one's (vLLM's)")
     e.add_argument("--logits-processors", nargs="+", default=None, metavar="PATH",
-                   help="custom logits processors by import path ('package.module:attribute', a "
+                   help="custom logits processors by built-in name (no_repeat_ngram) or import path "
+                        "('package.module:attribute', a "
                         "serve.logits_processors.LogitsProcessor or a factory of one), compiled into the step "
                         "programs; a request turns one on with its argument names in `vllm_xargs`")
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache (default "
@@ -199,7 +200,9 @@ def add_serve_arguments(s) -> None:
     lo.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
                     help='adapters to load at start-up: name=path or JSON {"name": ..., "path": ...}')
     lo.add_argument("--allow-runtime-lora-updating", action="store_true",
-                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (paths on this machine)")
+                    help="serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's; paths on this "
+                         "machine) and SGLang's /load_lora_adapter, /load_lora_adapter_from_tensors, "
+                         "/unload_lora_adapter")
     m = s.add_argument_group("multi-host (one mesh over several processes; run the same command on each)")
     m.add_argument("--coordinator-address", default=None,
                    help="host:port of process 0's coordinator (jax.distributed); needs --sharding")
