@@ -2122,7 +2122,8 @@ def _lora_param(message: str) -> str:
 
 # a Responses request's fields under the names of the chat request it becomes (serve/responses.py), for errors
 _RESPONSES_NAMES = {"reasoning_effort": "reasoning.effort", "response_format": "text.format",
-                    "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input"}
+                    "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
+                    "logprobs": "top_logprobs"}
 
 
 def _constraint_param(body, param: Optional[str]) -> Optional[str]:

@@ -205,7 +205,7 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, count_
     for c in m.get("tool_calls") or []:
         output.append({"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
                        "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
-    if m.get("content") is not None and not m.get("tool_calls"):
+    if m.get("content") and not m.get("tool_calls"):  # no empty message (vLLM's; the stream opens none)
         lps = (ch.get("logprobs") or {}).get("content") or []
         if "reasoning_content" in m:  # K3's channels were split: the answer channel's tokens only
             lps = text_logprobs(lps, m["content"])
@@ -306,7 +306,7 @@ class ResponseEvents:
     def _call(self, c: dict) -> list[dict]:
         """A tool-call delta: a new call opens a function_call item; later deltas extend its arguments."""
         if "id" in c:
-            ev = self._close()
+            ev = self._close() + self._done_calls()  # the previous call is whole: each item ends before the next
             item = {"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
                     "name": c["function"]["name"], "arguments": "", "status": "in_progress"}
             self.items.append(item)
@@ -321,14 +321,19 @@ class ResponseEvents:
                                   output_index=self.items.index(item), delta=args))
         return ev
 
-    def end(self, chat_usage: dict, count_tokens) -> list[dict]:
-        ev = self._close()
+    def _done_calls(self) -> list[dict]:
+        """`.function_call_arguments.done` and `.output_item.done` of the function calls not yet ended."""
+        ev = []
         for i, item in enumerate(self.items):
             if item["type"] == "function_call" and item["status"] != "completed":
                 item["status"] = "completed"
                 ev.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                       arguments=item["arguments"]))
                 ev.append(self._event("response.output_item.done", output_index=i, item=item))
+        return ev
+
+    def end(self, chat_usage: dict, count_tokens) -> list[dict]:
+        ev = self._close() + self._done_calls()
         reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
         status, reason = _status(self.finish)
         r = _envelope(self.rid, self.created, self.body, self.model, status, self.items,

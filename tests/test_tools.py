@@ -435,6 +435,7 @@ def test_responses_function_calls_history_and_formats():
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"text": {"format": {"type": "yaml"}}}, "text"),
     ({"truncation": "auto"}, "truncation"),
+    ({"top_logprobs": 10}, "top_logprobs"),  # over the server's max_logprobs (the chat request's `logprobs`)
 ])
 def test_responses_bad_requests_name_the_field(extra, field):
     eng = ScriptedEngine()
@@ -444,6 +445,44 @@ def test_responses_bad_requests_name_the_field(extra, field):
             return await c.post("/v1/responses", json={"input": "x", **extra})
     r = asyncio.run(go())
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_responses_parallel_calls_stream_each_item_whole_before_the_next():
+    """Streamed parallel calls: each function_call item's arguments .done and output_item.done come before the
+    next item's output_item.added (OpenAI's item order)."""
+    eng = ScriptedEngine()
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+
+    async def stream(c):
+        return [e async for e in await c.responses.create(model="m", input="x", tools=flat, stream=True)]
+    eng.script = ['[{"name":"add","parameters":{"a":2,"b":3}},{"name":"add","parameters":{"a":1,"b":1}}]']
+    events = [(e.type, getattr(e, "output_index", None)) for e in _sdk(eng, stream)]
+    items = [(t, i) for t, i in events if t.startswith("response.output_item") or t.endswith("arguments.done")]
+    assert items == [("response.output_item.added", 0), ("response.function_call_arguments.done", 0),
+                     ("response.output_item.done", 0), ("response.output_item.added", 1),
+                     ("response.function_call_arguments.done", 1), ("response.output_item.done", 1)]
+
+
+class _EmptyAnswer(ScriptedEngine):
+    """Ends every request with the end-of-sequence token at once: an empty answer."""
+
+    async def generate(self, prompt, params, request_id=None, priority=0, on_accept=None):
+        self.seen.append((list(prompt), params))
+        out = CompletionOutput(0, "", [TOK.eos_token_ids[0]], "stop")
+        yield RequestOutput(request_id, None, list(prompt), [out], finished=True)
+
+
+def test_responses_empty_answer_has_no_message_whole_or_streamed():
+    """An empty answer has no message item (vLLM's), whole as streamed: the response.completed object and the
+    whole response list the same items."""
+    eng = _EmptyAnswer()
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="x"))
+
+    async def stream(c):
+        return [e async for e in await c.responses.create(model="m", input="x", stream=True)]
+    events = _sdk(eng, stream)
+    assert r.status == "completed" and r.output == [] and r.output_text == ""
+    assert events[-1].type == "response.completed" and events[-1].response.output == []
 
 
 def test_stored_responses_continue_conversations_per_key():
