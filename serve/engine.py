@@ -1548,14 +1548,8 @@ class Engine:
     def _load_adapter(self, what: str, name, int_id: int, path: str, read) -> Adapter:
         self._leader_only(what)
         self._check_awake(what)
-        if not self.config.max_loras:
-            raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
-        if not isinstance(name, str) or not name or len(name) > 256:
-            raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
+        victim = self._lora_room(name)  # raises when none can go, before reading anything
         known = self.loras.by_name.get(name)
-        if known is not None and known.factors is not None:
-            raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        victim = self.loras.victim(self._canonical_rids())  # raises when none can go, before reading anything
         shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
                   for t in self._lora_leaves for m in t.modules}  # (out, in)
         experts = {m: (self.cfg.num_experts, self.config.lora_experts_shared_a)
@@ -1573,6 +1567,18 @@ class Engine:
         if len(self.loras.in_slot) < self.loras.slots:  # a free slot: take it now (else when first needed)
             self._write_lora(self.loras.place(adapter, set()), adapter)
         return adapter
+
+    def _lora_room(self, name) -> Optional[Adapter]:
+        """Whether adapter `name` can be loaded now -> the held adapter its load drops (None: there is room);
+        LoRAError when the name is bad or held already, or no held adapter can be dropped."""
+        if not self.config.max_loras:
+            raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
+        if not isinstance(name, str) or not name or len(name) > 256:
+            raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
+        known = self.loras.by_name.get(name)
+        if known is not None and known.factors is not None:
+            raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
+        return self.loras.victim(self._canonical_rids())
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (vLLM's `remove_lora`); refused while requests use it. Its slot is zeroed

@@ -360,3 +360,41 @@ def test_a_request_id_streaming_on_any_replica_is_refused():
         first.cancel()
 
     asyncio.run(main())
+
+
+def test_an_adapter_is_loaded_on_every_replica_or_none():
+    """Past max_cpu_loras each replica drops its own least recently used idle adapter: when one replica has none
+    idle (its requests use every held adapter) the load is refused before any replica loads it. It used to load
+    on the others first, which then served it alone and refused it again as "loaded already"."""
+    from types import SimpleNamespace
+
+    from serve.data_parallel import DataParallelEngine
+    from serve.engine import Engine
+    from serve.lora import LoRAError, LoRARequest, Registry
+
+    class Replica(_Replica):
+        _lora_room, _canonical_rids, list_loras = Engine._lora_room, Engine._canonical_rids, Engine.list_loras
+
+        def __init__(self):
+            super().__init__([])
+            self.config, self.seqs, self.loras = SimpleNamespace(max_loras=1), {}, Registry(1, 4, 2)
+            for name in "ab":
+                self.loras.add(name, f"/adapters/{name}", 4, {})
+
+        def add_lora(self, req):  # Engine._load_adapter's bookkeeping, no factors
+            victim = self._lora_room(req.lora_name)
+            if victim is not None:
+                self.loras.drop(victim)
+            return self.loras.add(req.lora_name, req.lora_path, 4, {})
+
+    idle, busy = Replica(), Replica()
+    for name in "ab":
+        busy.loras.get(name).requests.add(f"r-{name}")  # a request in flight on each of its adapters
+    dp = DataParallelEngine([idle, busy], [(0,), (1,)])
+    with pytest.raises(LoRAError, match="none can be dropped"):
+        dp.add_lora(LoRARequest("c", 3, "/adapters/c"))
+    assert idle.list_loras() == ["a", "b"] == busy.list_loras()
+    for name in "ab":
+        busy.loras.release(busy.loras.get(name), f"r-{name}")
+    dp.add_lora(LoRARequest("c", 3, "/adapters/c"))  # now each drops one
+    assert idle.list_loras() == ["a", "b", "c"] == busy.list_loras()
