@@ -65,7 +65,7 @@ from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
 from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
 from serve.beam_search import BeamSearchParams
-from serve.chat import chat_ids, content_text
+from serve.chat import chat_ids
 from serve import prompt_embeds
 from serve.engine import EngineSleeping
 from serve.named_weights import WeightNameError
@@ -270,7 +270,8 @@ class ChatCompletionRequest(_GenerationFields):
     include_reasoning: bool = Field(True, description="vLLM's: false leaves K3's reasoning (the think channel) out "
                                                       "of the answer")
     echo: bool = Field(False, description="vLLM's: each answer starts with the last message's content when that "
-                                          "message is the assistant's (with continue_final_message: the whole turn)")
+                                          "message has the answer's role (the assistant's; any with "
+                                          "add_generation_prompt false)")
 
 
 class ResponsesRequest(_Strict):
@@ -1588,7 +1589,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             """Load a PEFT adapter directory into a free slot; it is then served as model `lora_name`."""
             if body.lora_name == st.model_name:
                 raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
-            try:
+            try:  # (room on every data-parallel replica first: each drops its own least recently used adapter)
+                await st.engine.call(lambda e: e._lora_room(body.lora_name))
                 await st.engine.call(lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path)))
             except LoRAError as e:
                 raise APIError(400, str(e), param=_lora_param(str(e))) from None
@@ -1618,6 +1620,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if body.lora_name == st.model_name:
                 return lora_verdict(f"lora_name {body.lora_name!r} is the base model's name")
             try:
+                await st.engine.call(lambda e: e._lora_room(body.lora_name))
                 await st.engine.call(fn)
             except LoRAError as e:
                 return lora_verdict(str(e))
@@ -2277,14 +2280,19 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                       prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
                       tools=plan, token_ids=body.return_token_ids, prompt_ids=[] if vectors else ids,
                       tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id,
-                      include_reasoning=body.include_reasoning, echo=_echo(body.messages) if body.echo else "")
+                      include_reasoning=body.include_reasoning, echo=_echo(body) if body.echo else "")
     return ids, params, fmt
 
 
-def _echo(messages: list[ChatMessage]) -> str:
-    """vLLM's chat `echo`: the last message's text when it is the assistant's (the answer's role), else ""."""
-    last = messages[-1]
-    return content_text(last.model_dump()["content"]) if last.role == "assistant" else ""
+def _echo(body: "ChatCompletionRequest") -> str:
+    """vLLM's chat `echo`: the last message's text when its role is the answer's (the assistant's, or with
+    add_generation_prompt false the last message's own), text parts joined by newlines; else ""."""
+    last = body.messages[-1]
+    if body.add_generation_prompt and last.role != "assistant":
+        return ""
+    if isinstance(last.content, list):
+        return "\n".join(p.text for p in last.content if isinstance(p, TextContentPart))
+    return last.content or ""
 
 
 def _thinks(st: ServerState, body) -> bool:

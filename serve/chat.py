@@ -32,7 +32,7 @@ def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan
             d["role"] = "system"
         if family == "k3" and d.get("role") == "tool":
             header = f"## Return of {d['tool_call_id']}\n" if d.get("tool_call_id") else ""
-            d = {"role": "system", "content": header + content_text(d.get("content"))}
+            d = {"role": "system", "content": header + _text(d.get("content"))}
         out.append(d)
     if tools is not None:  # after the leading system messages (a K2-style default system still comes first)
         at = next((i for i, m in enumerate(out) if m.get("role") != "system"), len(out))
@@ -43,8 +43,7 @@ def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan
     return out
 
 
-def content_text(content: Any) -> str:
-    """A message's text: its string, or its text parts joined."""
+def _text(content: Any) -> str:
     if isinstance(content, list):
         return "".join(p.get("text", "") for p in content if isinstance(p, dict))
     return content if isinstance(content, str) else ""

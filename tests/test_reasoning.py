@@ -98,9 +98,12 @@ def test_chat_echo_starts_each_answer_with_the_assistants_last_message():
 
     st = SimpleNamespace(model_name="k3", tokenizer=None)
     run = SimpleNamespace(prompts=[[1]], output=lambda i: _outputs(ANSWER, "stop"), usage=lambda: {})
-    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"},
-                                           {"role": "assistant", "content": [{"type": "text", "text": "Sure: "}]}])
-    assert _echo(body.messages) == "Sure: " and _echo(body.messages[:1]) == ""
+    parts = [{"type": "text", "text": "Sure"}, {"type": "text", "text": "then: "}]
+    body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}])
+    assert _echo(body) == "Sure\nthen: "  # vLLM joins text parts with newlines
+    user_last = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}])
+    assert _echo(user_last) == ""  # the answer's role is the assistant's
+    assert _echo(user_last.model_copy(update={"add_generation_prompt": False})) == "Hi"  # ... else the last one's
     assert _ChatFormat(st, "id", 1, None, 0, echo="Sure: ").full(run)["choices"][0]["message"]["content"] == \
         "Sure: " + ANSWER
     start = _ChatFormat(st, "id", 2, None, 0, echo="Sure: ").start(1, False)
