@@ -166,7 +166,8 @@ class _GenerationFields(_Strict):
                                                                       "higher values)")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="only requests with the same salt share cached prefixes (vLLM's)")
-    truncate_prompt_tokens: Optional[int] = Field(None, ge=1, description="keep the prompt's last N tokens")
+    truncate_prompt_tokens: Optional[int] = Field(None, ge=-1, description="keep the prompt's last N tokens (-1: "
+                                                                       "the context window's worth, vLLM's)")
     prompt_logprobs: Optional[int] = Field(None, ge=0, le=20, description="logprobs of the prompt tokens "
                                                                           "(choices[].prompt_logprobs; chat: top level)")
     stop_token_ids: Optional[list[int]] = None
@@ -2264,9 +2265,9 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                     body.continue_final_message, holes=tuple(vectors))
     if vectors:  # the template's tokens as their embeddings, the parts' vectors in their places
         ids = {"prompt_embeds": prompt_embeds.splice(ids, list(vectors.values()), st.token_embeddings)}
-    if body.truncate_prompt_tokens is not None:
-        ids = ({"prompt_embeds": ids["prompt_embeds"][-body.truncate_prompt_tokens:]} if vectors
-               else ids[-body.truncate_prompt_tokens:])
+    keep = _truncation(st, body.truncate_prompt_tokens)
+    if keep is not None:
+        ids = {"prompt_embeds": ids["prompt_embeds"][-keep:]} if vectors else ids[-keep:]
     max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
@@ -2282,6 +2283,19 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                       tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id,
                       include_reasoning=body.include_reasoning, echo=_echo(body) if body.echo else "")
     return ids, params, fmt
+
+
+def _truncation(st: ServerState, keep: Optional[int]) -> Optional[int]:
+    """`truncate_prompt_tokens` as a count of tokens kept: -1 is the context window (vLLM's); 0 or more than the
+    context window is a 400 naming it."""
+    if keep is None:
+        return None
+    window = st.max_model_len
+    keep = window if keep == -1 and window else keep
+    if keep == 0 or keep == -1 or (window and keep > window):
+        raise APIError(400, f"truncate_prompt_tokens: expected 1 to the context window of {window} tokens, or -1 "
+                            f"for all of it; got {keep}", param="truncate_prompt_tokens")
+    return keep
 
 
 def _echo(body: "ChatCompletionRequest") -> str:
@@ -2443,7 +2457,7 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=unset(body.repetition_penalty, "repetition_penalty", 1.0),
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,
-        truncate_prompt_tokens=body.truncate_prompt_tokens, prompt_logprobs=body.prompt_logprobs,
+        truncate_prompt_tokens=_truncation(st, body.truncate_prompt_tokens), prompt_logprobs=body.prompt_logprobs,
         structured_outputs=_structured(body, thinks, constraint), bad_words=body.bad_words,
         extra_args=body.vllm_xargs)
     try:

@@ -1359,9 +1359,14 @@ class Engine:
                 raise RequestError("return_hidden_states: this engine was started without "
                                    "enable_return_hidden_states (--enable-return-hidden-states)")
             logits_processors.check_request(self.logits_processors, params.extra_args)
-            if params.truncate_prompt_tokens is not None and len(ids) > params.truncate_prompt_tokens:
-                text, ids = None, ids[-params.truncate_prompt_tokens:]
-                embeds = embeds[-params.truncate_prompt_tokens:] if embeds is not None else None
+            keep = params.truncate_prompt_tokens
+            keep = self.config.max_model_len if keep == -1 else keep  # (vLLM's -1: the context window)
+            if keep is not None and keep > self.config.max_model_len:
+                raise RequestError(f"truncate_prompt_tokens: {keep} exceeds the context window of "
+                                   f"{self.config.max_model_len} tokens")
+            if keep is not None and len(ids) > keep:
+                text, ids = None, ids[-keep:]
+                embeds = embeds[-keep:] if embeds is not None else None
             if embeds is not None:
                 self._check_embeds_params(params)
             if params.penalized and not self.cfg.num_mla_layers:

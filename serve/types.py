@@ -93,7 +93,7 @@ class SamplingParams:
     `prompt_logprobs=N` returns, for every prompt token after the first, its logprob given the tokens
     before it and the top-N alternatives (the whole prompt is computed: no prefix-cache reuse).
     `allowed_token_ids` restricts sampling (greedy too) to those tokens; `truncate_prompt_tokens=K`
-    keeps only the prompt's last K tokens. `structured_outputs` constrains the output to a JSON
+    keeps only the prompt's last K tokens (-1: the context window's worth, vLLM's). `structured_outputs` constrains the output to a JSON
     schema, regex, choice or grammar (`StructuredOutputsParams`; serve/structured.py). `bad_words`
     (vLLM's) are never generated: a word's last token is banned whenever the output ends with the rest
     of it (each word as written and with a leading space).
@@ -209,9 +209,9 @@ class SamplingParams:
             for t in self.allowed_token_ids:
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                     bad("allowed_token_ids", f"{t!r} is not a token id in [0, {vocab_size})")
-        if self.truncate_prompt_tokens is not None and (not isinstance(self.truncate_prompt_tokens, int)
-                                                        or self.truncate_prompt_tokens < 1):
-            bad("truncate_prompt_tokens", f"must be an integer >= 1, got {self.truncate_prompt_tokens!r}")
+        k = self.truncate_prompt_tokens
+        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or not (k >= 1 or k == -1)):
+            bad("truncate_prompt_tokens", f"must be an integer >= 1 or -1 (the context window), got {k!r}")
         if self.structured_outputs is not None:
             if not isinstance(self.structured_outputs, StructuredOutputsParams):
                 bad("structured_outputs", f"expected StructuredOutputsParams, got "

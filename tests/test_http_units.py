@@ -706,3 +706,18 @@ def test_continuous_usage_is_each_choices_own():
                   for e in events if len(e["choices"]) == 1]
     assert per_choice == [(0, 3, 1), (1, 3, 1), (0, 3, 2), (1, 3, 2)], per_choice
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
+
+
+def test_truncate_prompt_tokens_minus_one_is_the_context_window():
+    """vLLM's `truncate_prompt_tokens: -1` keeps the context window's worth; 0 or more than the window is a 400
+    naming the field (it was refused / accepted unbounded)."""
+    from types import SimpleNamespace
+
+    from serve.api import APIError, _truncation
+
+    st = SimpleNamespace(max_model_len=128)
+    assert _truncation(st, None) is None and _truncation(st, -1) == 128 and _truncation(st, 5) == 5
+    for bad in (0, 129, 10 ** 400):
+        with pytest.raises(APIError) as e:
+            _truncation(st, bad)
+        assert e.value.param == "truncate_prompt_tokens"

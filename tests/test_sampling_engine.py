@@ -320,6 +320,12 @@ def test_allowed_token_ids_and_prompt_truncation(llm, forward_logits):
     cut = llm.generate([PROMPT], SP(temperature=0, max_tokens=4, ignore_eos=True, truncate_prompt_tokens=10))[0]
     assert cut.prompt_token_ids == PROMPT[-10:]
     assert cut.token_ids == llm.generate([PROMPT[-10:]], SP(temperature=0, max_tokens=4, ignore_eos=True))[0].token_ids
+    whole = llm.generate([PROMPT], SP(temperature=0, max_tokens=2, ignore_eos=True, truncate_prompt_tokens=-1))[0]
+    assert whole.prompt_token_ids == PROMPT  # vLLM's -1: the context window's worth (all of a short prompt)
+    with pytest.raises(RequestError, match="truncate_prompt_tokens: 129 exceeds the context window of 128"):
+        llm.generate([PROMPT], SP(max_tokens=2, truncate_prompt_tokens=129))
+    with pytest.raises(RequestError, match="truncate_prompt_tokens: must be an integer >= 1 or -1"):
+        llm.generate([PROMPT], SP(max_tokens=2, truncate_prompt_tokens=0))
     with pytest.raises(RequestError, match="allowed_token_ids"):
         llm.generate([PROMPT], SP(allowed_token_ids=[]))
 
