@@ -30,7 +30,6 @@ a model with MLA layers (their first layer's pages hold it, as for the penalties
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence, Union
 
@@ -39,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from serve.types import RequestError
+from serve.types import RequestError, finite_number
 
 
 class ProcessorContext(NamedTuple):
@@ -152,7 +151,7 @@ def check_request(processors: Sequence[LogitsProcessor], extra_args: Optional[di
         for a in proc.arg_names:
             if a in extra_args:
                 v = extra_args[a]
-                if isinstance(v, bool) or not isinstance(v, (int, float)) or not _finite(v):
+                if not finite_number(v):
                     raise RequestError(f"extra_args[{a!r}]: logits processor {proc.name!r} takes a finite "
                                        f"number, got {v!r}")
         if proc.validate is not None and proc.is_on(extra_args):
@@ -160,14 +159,6 @@ def check_request(processors: Sequence[LogitsProcessor], extra_args: Optional[di
                 proc.validate(extra_args)
             except ValueError as e:
                 raise RequestError(f"extra_args: logits processor {proc.name!r}: {e}") from None
-
-
-def _finite(v) -> bool:
-    """`math.isfinite`, False for an int beyond float's range (on which it raises OverflowError)."""
-    try:
-        return math.isfinite(v)
-    except OverflowError:
-        return False
 
 
 def batch_columns(processors: Sequence[LogitsProcessor], extra_args: Sequence[Optional[dict]],

@@ -156,13 +156,13 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             bad("n", f"must be an integer >= 1, got {self.n!r}")
-        if not _finite(self.temperature) or self.temperature < 0:
+        if not finite_number(self.temperature) or self.temperature < 0:
             bad("temperature", f"must be a finite number >= 0, got {self.temperature!r}")
-        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not finite_number(self.top_p) or not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p!r}")
         if not isinstance(self.top_k, int) or self.top_k < -1:
             bad("top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
-        if not _finite(self.min_p) or not 0 <= self.min_p <= 1:
+        if not finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
         if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
             bad("seed", f"must be a non-negative integer, got {self.seed!r}")
@@ -194,9 +194,9 @@ class SamplingParams:
             bad("prompt_logprobs", f"must be an integer in [0, {max_logprobs}], got {self.prompt_logprobs!r}")
         for name in ("presence_penalty", "frequency_penalty"):
             v = getattr(self, name)
-            if not _finite(v) or not -2 <= v <= 2:
+            if not finite_number(v) or not -2 <= v <= 2:
                 bad(name, f"must be in [-2, 2], got {v!r}")
-        if not _finite(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
+        if not finite_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
             bad("repetition_penalty", f"must be in (0, 10] (1 is off), got {self.repetition_penalty!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
@@ -233,7 +233,7 @@ class SamplingParams:
             for t, b in self.logit_bias.items():
                 if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size:
                     bad("logit_bias", f"{t!r} is not a token id in [0, {vocab_size})")
-                if not _finite(b) or not -100 <= b <= 100:
+                if not finite_number(b) or not -100 <= b <= 100:
                     bad("logit_bias", f"bias of token {t} must be in [-100, 100], got {b!r}")
 
     @property
@@ -250,8 +250,15 @@ MAX_LOGIT_BIAS = 300  # tokens per request (OpenAI's limit)
 MAX_BAD_WORDS = 1000
 
 
-def _finite(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+def finite_number(x) -> bool:
+    """A real number (not a bool) that is finite; False for an int beyond float's range (on which
+    `math.isfinite` raises OverflowError)."""
+    if not isinstance(x, (int, float)) or isinstance(x, bool):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:
+        return False
 
 
 @dataclass

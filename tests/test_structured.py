@@ -156,6 +156,8 @@ def test_bad_constraints_name_the_field(compiler, params, field):
 
 
 def test_sampling_params_validation():
+    with pytest.raises(RequestError, match="temperature"):  # an int past float's range: an error naming it, not
+        SamplingParams(temperature=10 ** 400).validate(V)  # math.isfinite's OverflowError
     with pytest.raises(RequestError, match="allowed_token_ids"):
         SamplingParams(structured_outputs=SO(regex="a"), allowed_token_ids=[1]).validate(V)
     with pytest.raises(RequestError, match="structured_outputs"):
