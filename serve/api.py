@@ -1591,7 +1591,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if body.lora_name == st.model_name:
                 raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
             try:  # (room on every data-parallel replica first: each drops its own least recently used adapter)
-                await st.engine.call(lambda e: e._lora_room(body.lora_name))
+                await st.engine.call(lambda e: e._lora_room(body.lora_name, body.lora_path))
                 await st.engine.call(lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path)))
             except LoRAError as e:
                 raise APIError(400, str(e), param=_lora_param(str(e))) from None
@@ -1621,7 +1621,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
             if body.lora_name == st.model_name:
                 return lora_verdict(f"lora_name {body.lora_name!r} is the base model's name")
             try:
-                await st.engine.call(lambda e: e._lora_room(body.lora_name))
+                await st.engine.call(lambda e: e._lora_room(body.lora_name, getattr(body, "lora_path", "")))
                 await st.engine.call(fn)
             except LoRAError as e:
                 return lora_verdict(str(e))

@@ -64,7 +64,9 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--seed", type=int, default=d["seed"], help="weight seed for presets")
     s.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
     e = s.add_argument_group("engine")
-    e.add_argument("--max-model-len", type=int, default=d["max_model_len"], help="context window (tokens)")
+    e.add_argument("--max-model-len", type=_model_len, default=d["max_model_len"],
+                   help="context window (tokens); 'auto' or -1: the longest request the cache holds, at most the "
+                        "model's max_position_embeddings (its context buckets then default to powers of 4 of pages)")
     e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="concurrent decodes")
     e.add_argument("--page-size", type=int, default=d["page_size"])
     e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
@@ -287,16 +289,27 @@ def _ints(text: Optional[str], name: str) -> Optional[tuple[int, ...]]:
     return vals
 
 
+def _model_len(text: str):
+    """--max-model-len: a token count, or 'auto' (-1)."""
+    return "auto" if text in ("auto", "-1") else int(text)
+
+
+def _shown_len(cfg) -> Optional[int]:
+    """The context window an app shows before its engine is attached (None: 'auto', known once it is)."""
+    return None if cfg.max_model_len == "auto" else cfg.max_model_len
+
+
 def engine_config(o: dict):
     import dataclasses
 
     from serve.engine import EngineConfig
 
-    for key in ("max_model_len", "page_size", "max_num_seqs", "prefill_chunk", "cache_mb"):
+    auto = o["max_model_len"] in ("auto", -1) and not isinstance(o["max_model_len"], bool)
+    for key in ("page_size", "max_num_seqs", "prefill_chunk", "cache_mb") + (() if auto else ("max_model_len",)):
         v = o[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{key.replace('_', '-')}: expected an integer >= 1, got {v!r}")
-    pages = -(-o["max_model_len"] // o["page_size"])
+    pages = None if auto else -(-o["max_model_len"] // o["page_size"])
     dp = o.get("data_parallel_size", 1)
     if not isinstance(dp, int) or dp < 1:
         raise ValueError(f"--data-parallel-size: expected an integer >= 1, got {dp!r}")
@@ -306,7 +319,7 @@ def engine_config(o: dict):
     # for less (8 context pages instead of 32: 10-15 % of a decode step).
     decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({o["max_num_seqs"], 1}))
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
-    context = _ints(o["context_buckets"], "context-buckets") or (pages,)
+    context = _ints(o["context_buckets"], "context-buckets") or ((pages,) if pages else None)
     extra = {}
     spec = o.get("speculative_config")
     if spec:
@@ -328,7 +341,7 @@ def engine_config(o: dict):
     if mb or gib:
         extra["host_cache_bytes"] = int(mb) << 20 if mb else int(gib * (1 << 30))
     return EngineConfig(
-        **extra, max_model_len=o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
+        **extra, max_model_len="auto" if auto else o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=max(512, decode[-1] * (1 + drafts) + prefill[-1] * o["prefill_chunk"]),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
@@ -667,7 +680,7 @@ def serve_main(args) -> int:
     keys = load_api_keys(o["api_key_file"], given=o.get("api_key") or ())
     name = o["served_model_name"] or o["model"]
     app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
-                     max_body_bytes=body_limit(o), max_model_len=cfg.max_model_len,
+                     max_body_bytes=body_limit(o), max_model_len=_shown_len(cfg),
                      reasoning_parser=not o["no_reasoning_parser"],
                      return_tokens_as_token_ids=bool(o.get("return_tokens_as_token_ids")),
                      enable_request_id_headers=bool(o.get("enable_request_id_headers")),

@@ -357,11 +357,11 @@ class DataParallelEngine:
         return [fn(e) for e in self.replicas]
 
     def add_lora(self, lora_request):
-        self._all(lambda e: e._lora_room(lora_request.lora_name))
+        self._all(lambda e: e._lora_room(lora_request.lora_name, lora_request.lora_path))
         return self._all(lambda e: e.add_lora(lora_request))[0]
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict):
-        self._all(lambda e: e._lora_room(lora_name))
+        self._all(lambda e: e._lora_room(lora_name, ""))
         return self._all(lambda e: e.load_lora_adapter_from_tensors(lora_name, tensors, config_dict))[0]
 
     def remove_lora(self, name: str) -> None:

@@ -51,7 +51,7 @@ from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, parse_peft, read_peft
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
 from serve.buckets import default_buckets, program_shapes
-from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, min_units, state_dtype_name
+from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, longest_request, min_units, state_dtype_name
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
@@ -124,7 +124,11 @@ def _memory_tags(what: str, tags: Optional[list[str]]) -> frozenset:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    max_model_len: int = 1024
+    # the context window (prompt + completion tokens); at most the model's max_position_embeddings (vLLM's check;
+    # K3JAX_ALLOW_LONG_MAX_MODEL_LEN=1, or vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN, lifts it). "auto" (or vLLM's -1):
+    # the longest request the arena holds, capped there (needs `cache_bytes`: under `gpu_memory_utilization` the
+    # arena is sized from step programs whose widths follow max_model_len)
+    max_model_len: Union[int, str] = 1024
     page_size: int = 16
     cache_bytes: int = 256 << 20  # the one budget for MLA pages and KDA state slots
     # vLLM's gpu_memory_utilization: the fraction of each device's memory (its allocator's limit) the engine
@@ -341,6 +345,8 @@ class EngineConfig:
     async_scheduling: bool = False
 
     def __post_init__(self):
+        if self.max_model_len == -1 and not isinstance(self.max_model_len, bool):  # vLLM's spelling of "auto"
+            object.__setattr__(self, "max_model_len", "auto")
         if isinstance(self.speculative_config, dict):  # vLLM's form
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         tp = self.tensor_parallel_size
@@ -405,8 +411,16 @@ class EngineConfig:
             raise ValueError(f"expert_weights={self.expert_weights!r}: expected 'auto', 'packed' or 'dequantized'")
         if self.dense_weights not in ("auto", "out_in", "in_out"):
             raise ValueError(f"dense_weights={self.dense_weights!r}: expected 'auto', 'out_in' or 'in_out'")
-        if self.prefill_chunk < 1 or self.page_size < 1 or self.max_model_len < 2:
-            raise ValueError("prefill_chunk, page_size >= 1 and max_model_len >= 2 are required")
+        if self.max_model_len == "auto":
+            if self.gpu_memory_utilization is not None:
+                raise ValueError("max_model_len='auto': the longest request the arena holds needs the arena's size "
+                                 "first; under gpu_memory_utilization that size follows the step programs, whose "
+                                 "widths follow max_model_len: give max_model_len, or cache_bytes in place of "
+                                 "gpu_memory_utilization")
+        elif isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2:
+            raise ValueError(f"max_model_len={self.max_model_len!r}: expected an integer >= 2, 'auto' or -1")
+        if self.prefill_chunk < 1 or self.page_size < 1:
+            raise ValueError("prefill_chunk, page_size >= 1 are required")
         if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
             raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r}: expected an integer >= 0")
         if self.host_cache_bytes and not self.enable_prefix_caching:
@@ -766,6 +780,7 @@ class Engine:
         else:  # the smallest arena for now; _size_arena_from_memory replaces it
             unsized = layout_for(1 << 60)  # (a layout is arithmetic: nothing is allocated)
             self.layout = layout_for(min_units(unsized.slot_units) * unsized.unit_bytes)
+        self.config = config = self._resolve_max_model_len(config)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
         # fp8 latents: the paged kernel reads the words and dequantises in the tile; the gathered form after the gather
         # the Pallas kernels read a page (a rank's share of one, with context parallelism) as one tile:
@@ -874,6 +889,7 @@ class Engine:
         self.memory_plan: Optional[MemoryPlan] = None
         if config.gpu_memory_utilization is not None:
             self._size_arena_from_memory(layout_for, bind)
+        self._check_holds_one_request()
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
         self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
         host = None
@@ -983,6 +999,41 @@ class Engine:
         self._carry = (_zeros((self._carry_size,), np.int32, replicated(self.mesh) if self.mesh is not None else None)
                        if self._carry_size else None)  # placed as the token pages are (one program signature)
         self.page_tables.reset()  # the pages they named are gone: every sequence writes its table again
+
+    def _resolve_max_model_len(self, config: EngineConfig) -> EngineConfig:
+        """`config` with max_model_len "auto" resolved (the longest request the arena holds, at most the model's
+        max_position_embeddings); a max_model_len past max_position_embeddings refused as vLLM does."""
+        limit = self.cfg.max_position_embeddings
+        if config.max_model_len == "auto":
+            n = min(limit, longest_request(self.layout, Arena(self.layout).baseline_free_units, self.cfg.num_mla_layers))
+            if n < 2:
+                raise ValueError(f"max_model_len='auto': the arena of cache_bytes={config.cache_bytes} holds no "
+                                 f"request (its longest is {n} tokens): give the cache more memory")
+            log.info("max_model_len='auto': %d tokens (%s)", n, "the model's max_position_embeddings" if n == limit
+                     else f"the longest request the arena of cache_bytes={config.cache_bytes} holds")
+            return dataclasses.replace(config, max_model_len=n)
+        allow = {os.environ.get(k, "") for k in ("K3JAX_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")}
+        if config.max_model_len > limit and not allow & {"1", "true", "True"}:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
+                             f"({limit}), the longest context it was made for; set K3JAX_ALLOW_LONG_MAX_MODEL_LEN=1 "
+                             f"to serve longer contexts anyway")
+        return config
+
+    def _check_holds_one_request(self) -> None:
+        """vLLM's start-up check: the arena must hold one request of `max_model_len` tokens (its state slot and
+        the pages of every position but the last), else a long prompt the context window allows could never run."""
+        cfg, lay = self.config, self.layout
+        need = lay.slot_units + units_for(cfg.max_model_len - 1, self.sched_cfg)
+        have = self.allocator.baseline_free_units
+        if need <= have:
+            return
+        longest = longest_request(lay, have, self.cfg.num_mla_layers)
+        budget = (f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization is not None
+                  else f"cache_bytes={cfg.cache_bytes}")
+        raise ValueError(f"max_model_len={cfg.max_model_len}: one request that long needs {need} cache units "
+                         f"({need * lay.unit_bytes} bytes: its KDA state slot and MLA pages) but the arena of {budget} "
+                         f"holds {have}; the longest request it holds is {longest} tokens: lower max_model_len or "
+                         f"give the cache more memory")
 
     def _size_arena_from_memory(self, layout_for, bind) -> None:
         """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device
@@ -1553,7 +1604,7 @@ class Engine:
     def _load_adapter(self, what: str, name, int_id: int, path: str, read) -> Adapter:
         self._leader_only(what)
         self._check_awake(what)
-        victim = self._lora_room(name)  # raises when none can go, before reading anything
+        victim = self._lora_room(name, path)  # raises when none can go, before reading anything
         known = self.loras.by_name.get(name)
         shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
                   for t in self._lora_leaves for m in t.modules}  # (out, in)
@@ -1573,16 +1624,19 @@ class Engine:
             self._write_lora(self.loras.place(adapter, set()), adapter)
         return adapter
 
-    def _lora_room(self, name) -> Optional[Adapter]:
-        """Whether adapter `name` can be loaded now -> the held adapter its load drops (None: there is room);
-        LoRAError when the name is bad or held already, or no held adapter can be dropped."""
+    def _lora_room(self, name, path: Optional[str] = None) -> Optional[Adapter]:
+        """Whether adapter `name` (from `path`) can be loaded now -> the held adapter its load drops (None: there
+        is room); LoRAError when the name is bad or loaded already, or no held adapter can be dropped. A name
+        dropped from host memory (max_cpu_loras) is still registered: only its own directory reads it again."""
         if not self.config.max_loras:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
         known = self.loras.by_name.get(name)
-        if known is not None and known.factors is not None:
-            raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
+        if known is not None and (known.factors is not None or path != known.path):
+            raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already"
+                            + ("" if known.factors is not None else f" (from {known.path!r}, dropped from host "
+                               "memory and read again on use): unload it first"))
         return self.loras.victim(self._canonical_rids())
 
     def remove_lora(self, name: str) -> None:

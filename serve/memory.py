@@ -39,6 +39,7 @@ Interleaving by token, not by block, keeps every rank's share of a sequence equa
 from __future__ import annotations
 
 import math
+import sys
 from dataclasses import dataclass
 
 import jax
@@ -194,6 +195,16 @@ class ArenaLayout:
         """A zeroed arena; with a sharding, made in place on the devices (no host copy of the whole)."""
         zeros = lambda: jnp.zeros(self.shape, jnp.float32)
         return zeros() if sharding is None else jax.jit(zeros, out_shardings=sharding)()
+
+
+def longest_request(layout: ArenaLayout, free_units: int, num_mla_layers: int) -> int:
+    """Tokens of the longest request `free_units` of `layout` hold: its state slot and one page per MLA layer for
+    each `page_size` positions but the last (sampled, never cached). Without MLA layers: any length."""
+    if free_units < layout.slot_units:
+        return 0
+    if not num_mla_layers:
+        return sys.maxsize
+    return (free_units - layout.slot_units) // num_mla_layers * layout.page_size + 1
 
 
 def min_units(slot_units: int) -> int:

@@ -8,6 +8,7 @@ from hypothesis import strategies as st
 
 import k3jax
 from serve.engine import Engine, EngineConfig
+from serve.beam_search import BeamSearchParams
 from serve.types import RequestError, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
@@ -448,10 +449,34 @@ def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, matc
     assert engine.allocator.free_units == free and not engine.has_unfinished()
 
 
-def test_request_that_never_fits_is_rejected(model):
-    eng = make_engine(model, units=30, warmup=False)  # rejected before any step: nothing to compile
-    with pytest.raises(RequestError, match="never fit"):
-        eng.add_request([1] * 400, SamplingParams(max_tokens=100))
+def test_arena_that_cannot_hold_one_max_model_len_request_is_refused_at_start(model):
+    """vLLM's start-up check: an arena too small for one request of max_model_len tokens is a configuration error
+    naming max_model_len and the longest request it holds (every long prompt would otherwise be refused later)."""
+    with pytest.raises(ValueError, match=r"max_model_len=512: .* the longest request it holds is \d+ tokens"):
+        make_engine(model, units=30, warmup=False)
+
+
+def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
+    """vLLM's `max_model_len="auto"` (or -1): the longest request the arena holds, at most the model's
+    max_position_embeddings; an explicit value past max_position_embeddings is refused unless allowed."""
+    small = make_engine(model, units=30, warmup=False, max_model_len="auto", context_buckets=None)
+    longest = small.config.max_model_len
+    assert small.context_buckets[-1] * 16 >= longest  # buckets follow the resolved length
+    make_engine(model, units=30, warmup=False, max_model_len=longest, context_buckets=None)  # it holds that much
+    with pytest.raises(ValueError, match=f"longest request it holds is {longest} tokens"):
+        make_engine(model, units=30, warmup=False, max_model_len=longest + 16, context_buckets=None)
+    big = make_engine(model, units=4000, warmup=False, max_model_len=-1, context_buckets=None)
+    assert big.config.max_model_len == model.cfg.max_position_embeddings == 4096
+    with pytest.raises(RequestError, match="context window of 4096"):
+        big.add_request([1] * 4000, SamplingParams(max_tokens=97))
+    with pytest.raises(ValueError, match="max_model_len=8192 exceeds the model's max_position_embeddings"):
+        make_engine(model, units=4000, warmup=False, max_model_len=8192, context_buckets=None)
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")
+    assert make_engine(model, units=4000, warmup=False, max_model_len=4200, context_buckets=None).config.max_model_len == 4200
+    with pytest.raises(ValueError, match="max_model_len='auto'.*gpu_memory_utilization"):
+        EngineConfig(max_model_len="auto", gpu_memory_utilization=0.9).validate()
+    with pytest.raises(ValueError, match="max_model_len='big': expected an integer >= 2"):
+        EngineConfig(max_model_len="big").validate()
 
 
 def test_request_that_just_fits_is_accepted_and_runs(model):
@@ -460,15 +485,20 @@ def test_request_that_just_fits_is_accepted_and_runs(model):
     fit one at a time, run to the end (they were refused as never fitting)."""
     from serve.scheduler import units_for
 
-    probe = make_engine(model, units=30, warmup=False)
+    probe = make_engine(model, units=30, warmup=False, max_model_len=16)
     lay, lm = probe.layout, probe.sched_cfg.num_mla_layers
     units = 1 + 2 * lay.slot_units + 2 * lm  # one slot + 2 pages per MLA layer beside the scratch page and slot
-    eng = make_engine(model, warmup=False, cache_bytes=units * lay.unit_bytes, max_model_len=64, decode_buckets=(1,), prefill_buckets=(1,),
-                      context_buckets=(4,), max_num_seqs=1, max_prefill_seqs=1, max_num_batched_tokens=64)
+    eng = make_engine(model, warmup=False, cache_bytes=units * lay.unit_bytes, max_model_len=33, decode_buckets=(2,), prefill_buckets=(1,),
+                      context_buckets=(4,), max_num_seqs=2, max_prefill_seqs=1, max_num_batched_tokens=64,
+                      max_logprobs=4)
     k = 2  # pages per MLA layer: 16 * k positions
     assert eng.allocator.baseline_free_units == lay.slot_units + units_for(16 * k, eng.sched_cfg)
-    with pytest.raises(RequestError, match="never fit"):
-        eng.add_request([1] * 10, SamplingParams(max_tokens=16 * k - 8))  # one token too many
+    with pytest.raises(RequestError, match="never fit"):  # a beam search's beams must fit together
+        eng.add_request([1] * 10, BeamSearchParams(beam_width=2, max_tokens=16 * k - 9))
+    with pytest.raises(ValueError, match="longest request it holds is 33 tokens"):  # 16 * k positions + the last
+        make_engine(model, warmup=False, cache_bytes=units * lay.unit_bytes, max_model_len=16 * k + 2,
+                    decode_buckets=(1,), prefill_buckets=(1,), context_buckets=(4,), max_num_seqs=1,
+                    max_prefill_seqs=1, max_num_batched_tokens=64)
     exact = eng.add_request([1] * 10, SamplingParams(temperature=0.0, max_tokens=16 * k - 9, ignore_eos=True))
     twice = eng.add_request([2] * 10, SamplingParams(temperature=1.0, n=2, seed=3, max_tokens=16 * k - 9,
                                                      ignore_eos=True))

@@ -721,3 +721,18 @@ def test_truncate_prompt_tokens_minus_one_is_the_context_window():
         with pytest.raises(APIError) as e:
             _truncation(st, bad)
         assert e.value.param == "truncate_prompt_tokens"
+
+
+def test_max_model_len_auto_from_the_command_line():
+    """`--max-model-len auto` (or vLLM's -1) reaches the engine as "auto", with the engine's context buckets
+    (the command line's one bucket of max_model_len / page_size pages needs the length); 0 stays refused."""
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, engine_config
+
+    for text in ("auto", "-1"):
+        args = build_parser().parse_args(["serve", "--max-model-len", text])
+        cfg = engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+        assert cfg.max_model_len == "auto" and cfg.context_buckets is None
+    args = build_parser().parse_args(["serve", "--max-model-len", "0"])
+    with pytest.raises(ValueError, match="--max-model-len: expected an integer >= 1"):
+        engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})

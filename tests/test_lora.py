@@ -269,6 +269,9 @@ def test_loading_past_max_cpu_loras_drops_the_least_recently_used(ab, engine, re
     assert engine.list_loras() == ["a", "b", "c", "d"] and engine.loras.get("b").factors is None
     assert sorted(a.name for a in engine.loras.held()) == ["a", "c", "d"]
     assert "b" not in engine.stats()["lora_adapters_in_slots"]
+    with pytest.raises(LoRAError, match=r"'b': an adapter of that name is loaded already \(from .*unload it first"):
+        engine.add_lora(LoRARequest("b", 2, dirs["default"]))  # a dropped name is still registered (vLLM's refusal)
+    assert engine.loras.get("b").path == dirs["second"] and engine.loras.get("b").factors is None
     assert _run(engine, [(prompt, "b")], max_tokens=4)[0].outputs[0].token_ids == want["b"]  # read again:
     assert engine.loras.get("c").factors is None  # ... in place of "c", the least recently used then
     assert _run(engine, [(prompt, "c")], max_tokens=4)[0].outputs[0].token_ids == want["c"]
