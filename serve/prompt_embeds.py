@@ -19,22 +19,26 @@ import binascii
 import hashlib
 import io
 import struct
+import threading
 
+import ml_dtypes
 import numpy as np
 
 from serve.types import RequestError
 
+_SPARSE_CHECK = threading.Lock()  # torch's sparse-invariants switch is global; payloads decode on worker threads
 MAX_B64_CHARS = 256 << 20  # one prompt's base64 text (a 128k x 1k fp16 prompt is 0.35 GB of it)
+# safetensors dtype names -> numpy (the little-endian kinds `as_prompt_embeds` takes)
+SAFETENSORS_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": ml_dtypes.bfloat16, "I64": "<i8",
+                      "I32": "<i4", "I16": "<i2", "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1"}
 
 
 def as_prompt_embeds(x, hidden_size: int, dtype, field: str = "prompt_embeds") -> np.ndarray:
     """A tensor-like [L, H] (or [1, L, H]) -> a C-contiguous numpy array [L, H] of `dtype`; RequestError
     naming `field` when it is not finite vectors of the model's width. Takes numpy, JAX and torch
-    tensors (torch via `.float()`: bf16 has no numpy dtype)."""
-    if hasattr(x, "detach") and hasattr(x, "float"):  # a torch tensor
-        x = x.detach().float().cpu().numpy()
+    tensors (torch's floating dtypes via `.float()`: bf16 has no numpy dtype; sparse ones made dense)."""
     try:
-        a = np.asarray(x)
+        a = _torch_numpy(x) if hasattr(x, "detach") and hasattr(x, "float") else np.asarray(x)
     except Exception as e:
         raise RequestError(f"{field}: expected an array [length, {hidden_size}], got {type(x).__name__} ({e})")
     if a.ndim == 3 and a.shape[0] == 1:
@@ -51,6 +55,13 @@ def as_prompt_embeds(x, hidden_size: int, dtype, field: str = "prompt_embeds") -
     if not np.isfinite(a.astype(np.float32)).all():
         raise RequestError(f"{field}: holds NaN or infinite values (in the model dtype {np.dtype(dtype).name})")
     return a
+
+
+def _torch_numpy(t) -> np.ndarray:
+    """A torch tensor -> numpy: dense (vLLM's clients may send a sparse one), floating dtypes as float32,
+    the others as they are, so the dtype check refuses complex and bool tensors as it does numpy's."""
+    t = t.detach().cpu().to_dense()
+    return (t.float() if t.is_floating_point() else t).numpy()
 
 
 def splice(ids: list[int], parts: list[np.ndarray], token_rows) -> np.ndarray:
@@ -96,8 +107,9 @@ def _load(raw: bytes, field: str):
         except ImportError:
             raise RequestError(f"{field}: a torch.save payload needs torch on the server; send the tensor as a "
                                f"NumPy .npy or safetensors file instead") from None
-        try:
-            t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
+        try:  # a sparse tensor's indices are checked as it loads (else densifying it could write out of bounds);
+            with _SPARSE_CHECK, torch.sparse.check_sparse_tensor_invariants():  # (a process-wide flag: one at a time)
+                t = torch.load(io.BytesIO(raw), map_location="cpu", weights_only=True)
         except Exception as e:
             raise RequestError(f"{field}: a torch.save payload that torch cannot load safely ({e})") from None
         if not isinstance(t, torch.Tensor):
@@ -111,15 +123,19 @@ def _load(raw: bytes, field: str):
 
 
 def _safetensors(raw: bytes, field: str):
-    from safetensors.numpy import load
+    """(Read by hand: `safetensors.numpy` has no bfloat16, the usual dtype of a torch model's embeddings.)"""
+    from safetensors import deserialize
 
     try:
-        tensors = load(raw)
+        tensors = deserialize(raw)
     except Exception as e:
         raise RequestError(f"{field}: a safetensors payload that cannot be read ({e})") from None
     if len(tensors) != 1:
         raise RequestError(f"{field}: a safetensors payload must hold exactly one tensor, got {len(tensors)}")
-    return next(iter(tensors.values()))
+    t = tensors[0][1]
+    if t["dtype"] not in SAFETENSORS_DTYPES:
+        raise RequestError(f"{field}: expected floating-point values, got safetensors dtype {t['dtype']}")
+    return np.frombuffer(t["data"], SAFETENSORS_DTYPES[t["dtype"]]).reshape(t["shape"])
 
 
 def encode_b64(a: np.ndarray) -> str:

@@ -181,6 +181,54 @@ def test_payload_formats_decode_to_the_same_vectors():
         pe.decode_b64(base64.b64encode(buf.getvalue()).decode(), 64, np.float32)
 
 
+def _torch_b64(t) -> str:
+    buf = io.BytesIO()
+    pytest.importorskip("torch").save(t, buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_sparse_torch_tensors_are_made_dense_and_checked():
+    """vLLM densifies a sparse `prompt_embeds` tensor (it was a TypeError, a 500 over HTTP); its indices are
+    checked as it loads, so one pointing outside its shape is a 400, not a write out of bounds."""
+    torch = pytest.importorskip("torch")
+    a = RNG.standard_normal((4, 64)).astype(np.float32)
+    a[1] = 0
+    for t in (torch.from_numpy(a).to_sparse(), torch.from_numpy(a).to_sparse_csr()):
+        np.testing.assert_array_equal(pe.decode_b64(_torch_b64(t), 64, np.float32), a)
+        np.testing.assert_array_equal(pe.as_prompt_embeds(t, 64, np.float32), a)
+    bad = torch.sparse_coo_tensor(torch.tensor([[0], [1000]]), torch.tensor([1.0]), (3, 64), check_invariants=False)
+    with pytest.raises(RequestError, match="prompt_embeds: a torch.save payload that torch cannot load safely"):
+        pe.decode_b64(_torch_b64(bad), 64, np.float32)
+
+
+def test_complex_and_bool_torch_tensors_are_refused_as_numpys_are():
+    """torch's complex values lost their imaginary part and bools became 0 / 1 silently (`.float()`),
+    where the same numpy arrays are refused."""
+    torch = pytest.importorskip("torch")
+    for dtype in (torch.complex64, torch.bool):
+        t = torch.ones(3, 64, dtype=dtype)
+        with pytest.raises(RequestError, match=f"prompt_embeds: expected floating-point values, got dtype "
+                                               f"{str(dtype).split('.')[1]}"):
+            pe.decode_b64(_torch_b64(t), 64, np.float32)
+        with pytest.raises(RequestError, match="expected floating-point values"):
+            pe.as_prompt_embeds(t, 64, np.float32)
+
+
+def test_a_bf16_safetensors_payload_is_read():
+    """A one-tensor safetensors file in bfloat16 (a torch model's embeddings as saved) was refused: numpy's
+    safetensors reader has no bfloat16. A dtype that is no number (fp8 here) is refused naming it."""
+    torch = pytest.importorskip("torch")
+    from safetensors.torch import save
+
+    t = torch.from_numpy(RNG.standard_normal((5, 64)).astype(np.float32)).to(torch.bfloat16)
+    for x in (t, t[None]):
+        got = pe.decode_b64(base64.b64encode(save({"embeds": x})).decode(), 64, np.float32)
+        np.testing.assert_array_equal(got, t.float().numpy())
+    fp8 = base64.b64encode(save({"embeds": t.to(torch.float8_e4m3fn)})).decode()
+    with pytest.raises(RequestError, match="prompt_embeds: expected floating-point values, got safetensors dtype F8_E4M3"):
+        pe.decode_b64(fp8, 64, np.float32)
+
+
 @pytest.mark.parametrize("text, match", [
     ("", "expected a non-empty base64 string"),
     ("not base64!", "not valid base64"),
