@@ -1170,14 +1170,15 @@ class _ChatFormat(_Format):
 
     def _calls(self, content: str, finish_reason: Optional[str]) -> tuple[Optional[list], Optional[str]]:
         """(tool_calls, finish_reason) when the answer is a call, else (None, finish_reason). A forced call
-        (named, `required`) cut short gives the calls as streamed so far (`cut_calls`), its finish_reason kept
-        ("length"; a stop string's "stop" reads as the stream's)."""
+        (named, `required`) gives its arguments as written, what streaming sent (`cut_calls`; vLLM's named call
+        too), not re-serialised; cut short, its finish_reason is kept ("length"; a stop string's "stop" reads
+        as the stream's)."""
         if self.tools is None:
             return None, finish_reason
-        forced = self.tools.mode != "auto"
-        calls = parse_calls(self.tools, content.strip()) if finish_reason in ("stop", None) else None
-        if calls is None and forced:
+        if self.tools.mode != "auto":
             calls = cut_calls(self.tools, content)
+        else:
+            calls = parse_calls(self.tools, content.strip()) if finish_reason in ("stop", None) else None
         if calls is None:
             return None, finish_reason
         if finish_reason not in ("stop", None):
@@ -2575,9 +2576,11 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
 
     async def events():
         try:
-            for chunk in fmt.start(len(prompts), include_usage):
-                yield fmt.sse(chunk)
             sent: Counter = Counter()  # (prompt, sample) -> its tokens streamed
+            for chunk in fmt.start(len(prompts), include_usage):  # (chat's role and echo chunks: 0 tokens yet)
+                if continuous:
+                    chunk["usage"] = run.choice_usage(chunk, sent)
+                yield fmt.sse(chunk)
             async for i, out in run.items():
                 for o in out.outputs:
                     sent[i, o.index] += len(o.token_ids)

@@ -142,10 +142,13 @@ def _envelope(rid: str, created: int, body, model: str, status: str, output: lis
 
 
 def _usage(chat: dict, reasoning_tokens: int) -> dict:
+    """Responses usage; `reasoning_tokens` (the reasoning text re-encoded) is at most the output tokens (a cut
+    character or a byte-fallback token re-encodes to more tokens than were generated)."""
     u = chat["usage"]
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
-            "output_tokens": u["completion_tokens"], "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+            "output_tokens": u["completion_tokens"],
+            "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u["completion_tokens"])},
             "total_tokens": u["total_tokens"]}
 
 

@@ -142,7 +142,7 @@ def _finite(token: str) -> float:
 def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
     """The answer as OpenAI `tool_calls`, or None when it is not a call (auto) or is cut short. Strict JSON:
     NaN / Infinity are not, and a number too large for a float is not taken (the arguments are
-    re-serialised, which would write it as `Infinity`; a forced call then keeps its text, `cut_calls`)."""
+    re-serialised, which would write it as `Infinity`; a forced call keeps its text as written, `cut_calls`)."""
     try:
         value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
     except (ValueError, TypeError):
@@ -164,9 +164,9 @@ def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
 
 
 def cut_calls(plan: ToolPlan, text: str) -> list[dict]:
-    """A forced answer cut short (max_tokens, a stop string) as OpenAI `tool_calls`: what streaming sent of it
-    (a named call's arguments as written; `required` calls as far as `CallStream` read them), so the whole
-    response says what the stream did."""
+    """A forced answer, whole or cut short (max_tokens, a stop string), as OpenAI `tool_calls`: what streaming
+    sent of it (a named call's arguments as written; `required` calls as far as `CallStream` read them), so the
+    whole response says what the stream did."""
     if plan.mode == _NAMED:
         return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                  "function": {"name": plan.name, "arguments": text}}] if text else []

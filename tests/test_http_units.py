@@ -708,6 +708,33 @@ def test_continuous_usage_is_each_choices_own():
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
 
 
+
+def test_continuous_usage_on_chat_role_and_echo_chunks():
+    """vLLM's continuous_usage_stats in chat: the role chunk and the echo chunk of each choice carry usage too (the
+    prompt's tokens, 0 completion tokens); they carried `usage: null`."""
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _TwoSamples()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "So"}]
+
+    async def go():
+        body = {"messages": messages, "add_generation_prompt": False, "echo": True, "n": 2, "max_tokens": 2,
+                "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            tokens = (await c.post("/tokenize", json={"messages": messages, "add_generation_prompt": False})).json()
+            return tokens["count"], (await c.post("/v1/chat/completions", json=body)).text
+
+    count, text = asyncio.run(go())
+    events = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+    assert all(e["usage"] is not None for e in events), events
+    opening = [(e["choices"][0]["index"], e["choices"][0]["delta"], e["usage"]["completion_tokens"])
+               for e in events[:4]]
+    assert opening == [(0, {"role": "assistant", "content": ""}, 0), (1, {"role": "assistant", "content": ""}, 0),
+                       (0, {"content": "So"}, 0), (1, {"content": "So"}, 0)], opening
+    assert {e["usage"]["prompt_tokens"] for e in events} == {count}
+
 def test_truncate_prompt_tokens_minus_one_is_the_context_window():
     """vLLM's `truncate_prompt_tokens: -1` keeps the context window's worth; 0 or more than the window is a 400
     naming the field (it was refused / accepted unbounded)."""

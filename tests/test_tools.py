@@ -173,6 +173,22 @@ def test_required_calls_stream_as_they_are_written():
             for c in whole["choices"][0]["message"]["tool_calls"]] == [(n, json.loads(a)) for n, a in got]
 
 
+
+@pytest.mark.parametrize("choice, answer, want", [
+    ({"type": "function", "function": {"name": "add"}}, '{"a":5,"b":-2}', [("add", '{"a":5,"b":-2}')]),
+    ("required", '[{"name":"add","parameters":{"a":1, "b":2}},{"name":"get_weather","parameters":{"city":"paris"}}]',
+     [("add", '{"a":1, "b":2}'), ("get_weather", '{"city":"paris"}')])])
+def test_forced_calls_read_the_same_whole_and_streamed(choice, answer, want):
+    """A forced call's arguments are the text the model wrote, whole as streamed (vLLM's named call: the content as
+    is); the whole response re-serialised them (`{"a": 5, "b": -2}`), unlike what the stream had sent."""
+    status, chunks = _chat(ScriptedEngine(), [answer], stream=True, tool_choice=choice)
+    deltas = [tc for c in chunks if c["choices"] for tc in c["choices"][0]["delta"].get("tool_calls", [])]
+    assert status == 200 and _calls_from(deltas) == want
+    status, r = _chat(ScriptedEngine(), [answer], tool_choice=choice)
+    assert status == 200, r
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in r["choices"][0]["message"]["tool_calls"]] \
+        == want
+
 @pytest.mark.parametrize("choice, answer, max_tokens, want", [
     ({"type": "function", "function": {"name": "add"}}, '{"a":5,"b":-2}', 6, [("add", '{"a":5')]),
     ("required", '[{"name":"add","parameters":{"a":1,"b":2}},{"name":"get_weather","parameters":{}}]', 66,
@@ -552,6 +568,28 @@ def test_responses_stream_adds_reasoning_items_empty():
     assert added[0]["content"][0]["text"] + deltas == "Let me think"
     assert ev.items[0]["content"][0]["text"] == "Let me think"
 
+
+
+def test_responses_reasoning_tokens_never_exceed_the_output_tokens():
+    """reasoning_tokens counts the reasoning text re-encoded: a think channel cut by max_output_tokens in the middle
+    of a character (U+FFFD, 3 bytes) re-encodes to more tokens than were generated; it was reported as more
+    reasoning tokens than output tokens, whole and streamed."""
+    from serve.responses import ResponseEvents, response_object
+
+    body = SimpleNamespace(instructions=None, max_output_tokens=2, parallel_tool_calls=None, temperature=None,
+                           top_p=None, tool_choice=None, tools=None, text=None, reasoning=None,
+                           previous_response_id=None, metadata=None)
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    count = lambda text: len(TOK.encode(text))  # noqa: E731
+    chat = {"choices": [{"message": {"content": "", "reasoning_content": "a\ufffd"}, "finish_reason": "length"}],
+            "usage": usage}
+    whole = response_object(chat, "r", 0, body, "m", count)
+    ev = ResponseEvents("r", 0, body, "m", channels=True)
+    ev.chunk({"choices": [{"delta": {"reasoning_content": "a\ufffd"}, "logprobs": None, "finish_reason": "length"}]})
+    streamed = ev.end(usage, count)[-1]["response"]
+    assert count("a\ufffd") > 2
+    assert whole["usage"]["output_tokens_details"] == streamed["usage"]["output_tokens_details"] == {
+        "reasoning_tokens": 2}
 
 def test_responses_logprobs_keep_only_the_answer_channels_tokens():
     """K3: the think channel and the markup before the answer are left out of output_text's logprobs,
