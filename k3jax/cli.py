@@ -242,8 +242,8 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("run-batch", help="offline batch in OpenAI's Batch file format (JSONL in, JSONL out)")
     b.add_argument("-i", "--input-file", required=True,
                    help="JSONL of {custom_id, method, url, body} (url: /v1/chat/completions, /v1/completions, "
-                        "/v1/responses); '-' reads stdin")
-    b.add_argument("-o", "--output-file", required=True, help="JSONL results, one per request; '-' writes stdout")
+                        "/v1/responses); a local file, '-' reads stdin (URLs are refused: no network)")
+    b.add_argument("-o", "--output-file", required=True, help="JSONL results, one per request (a local file); '-' writes stdout")
     b.add_argument("--max-concurrency", type=int, default=None,
                    help="requests in flight at once (default: 4 x --max-num-seqs)")
     try:

@@ -250,7 +250,7 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_GenerationFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=1, description="default: the rest of the context window")
+    max_tokens: Optional[int] = Field(None, ge=1, description="default: the generation config's max_new_tokens (cut to the context left), else the rest of the context window")
     max_completion_tokens: Optional[int] = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
@@ -1677,7 +1677,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         if echo_only and not body.echo:
             raise APIError(400, "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
         texts, prompts = await _completion_inputs(st, body)
-        params = _sampling(st, body, 1 if echo_only else body.max_tokens, body.logprobs)
+        max_tokens = _default_max_tokens(st, prompts, body.max_tokens, _truncation(st, body.truncate_prompt_tokens))
+        params = _sampling(st, body, 1 if echo_only else max_tokens, body.logprobs)
         k = params.truncate_prompt_tokens
         if k is not None:  # the echo shows what the model saw
             texts = [t if _prompt_len(p) <= k or isinstance(p, dict) else
@@ -2269,7 +2270,8 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
     keep = _truncation(st, body.truncate_prompt_tokens)
     if keep is not None:
         ids = {"prompt_embeds": ids["prompt_embeds"][-keep:]} if vectors else ids[-keep:]
-    max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+    max_tokens = _default_max_tokens(st, [ids], body.max_completion_tokens if body.max_completion_tokens is not None
+                                     else body.max_tokens)
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -2284,6 +2286,18 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                       tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id,
                       include_reasoning=body.include_reasoning, echo=_echo(body) if body.echo else "")
     return ids, params, fmt
+
+
+def _default_max_tokens(st: ServerState, prompts: list, max_tokens: Optional[int],
+                        keep: Optional[int] = None) -> Optional[int]:
+    """`max_tokens` as given; unset, the generation config's max_new_tokens (vLLM's) cut to what the context leaves
+    after the longest prompt (its last `keep` tokens when truncated); else None (the rest of the context)."""
+    default = getattr(st, "generation_defaults", {}).get("max_tokens")
+    if max_tokens is not None or default is None or not st.max_model_len:
+        return max_tokens if max_tokens is not None else default
+    longest = max((min(_prompt_len(p), keep or _prompt_len(p)) for p in prompts), default=0)
+    room = st.max_model_len - longest
+    return min(default, room) if room >= 1 else None  # no room: the context error names the prompt
 
 
 def _truncation(st: ServerState, keep: Optional[int]) -> Optional[int]:

@@ -501,7 +501,7 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
             eng.add_lora(lr)
         _say(f"LoRA adapter {lr.lora_name!r} loaded from {lr.lora_path}")
     eng = engines[0]
-    served = {k: v for k, v in eng.generation_defaults.items() if k != "max_tokens"}  # what the server applies
+    served = dict(eng.generation_defaults)  # what the server applies (max_tokens: cut to the context left)
     if served:
         _say(f"requests that leave them unset sample with the model's generation config: {served} "
              f"(--generation-config vllm ignores it)")

@@ -564,6 +564,7 @@ class Sequence:
     slot: Optional[int] = None
     pages: list[list[int]] = field(default_factory=list)  # per MLA layer: units in position order
     logprobs: list = field(default_factory=list)
+    cum_logprob: float = 0.0  # with params.logprobs: the sum of its sampled tokens' logprobs (vLLM's)
     hasher: Optional[PrefixHasher] = None
     hit: Optional[Hit] = None  # prefix-cache hit planned for admission / pinned until the first step
     read_slot: Optional[int] = None  # slot to read the state from in the next step (a checkpoint)
@@ -1467,7 +1468,7 @@ class Engine:
                            priority=priority, guide=guides[i], bad_words=bad_words,
                            prompt_ids=list(ids), params=params, seed=base_seed + i,
                            checker=StopChecker(params, self.tokenizer if params.detokenize else None,
-                                               () if params.ignore_eos else self.stop_ids, max_tokens),
+                                               self.stop_ids, max_tokens),
                            metrics=metrics if group is not None else RequestMetrics(arrival_time=now),
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
@@ -1520,7 +1521,10 @@ class Engine:
                 embeds = prompt_embeds.as_prompt_embeds(prompt["prompt_embeds"], self.cfg.hidden_size,
                                                         self.model.dtype)
                 return None, [0] * len(embeds), embeds
-            prompt = next(iter(prompt.values()))
+            (key, prompt), = prompt.items()
+            if (key == "prompt") != isinstance(prompt, str):  # text under 'prompt', ids under 'prompt_token_ids'
+                raise RequestError(f"{key}: expected {'a string' if key == 'prompt' else 'a list of token ids'}, "
+                                   f"got {type(prompt).__name__}")
         return (*self._prompt_ids(prompt), None)
 
     def _check_embeds_params(self, params) -> None:
@@ -3241,6 +3245,7 @@ class Engine:
             n = seq.params.logprobs
             dec = self._token_text(seq.params)
             seq.logprobs.append((Logprob(tok, lp, dec(tok), rank), _alternatives(top_ids, top_lps, n, dec)))
+            seq.cum_logprob += lp
         last = False
         if seq.guide is not None:
             if not seq.guide.advance(tok):  # cannot happen with the mask applied; never silently continue
@@ -3351,14 +3356,14 @@ class Engine:
         lps = s.params.logprobs is not None
         if not delta:
             return CompletionOutput(s.index, s.checker.text, list(s.output_ids), s.finish_reason, s.stop_reason,
-                                    list(s.logprobs) if lps else None)
+                                    list(s.logprobs) if lps else None, s.cum_logprob if lps else None)
         if s.sent is None:  # its finish went out
             return None
         (k, c), chunks = s.sent, s.checker.chunks
         if len(s.output_ids) == k and chunks == c and s.finish_reason is None:
             return None
         out = CompletionOutput(s.index, s.checker.text_from(c), s.output_ids[k:], s.finish_reason, s.stop_reason,
-                               s.logprobs[k:] if lps else None)
+                               s.logprobs[k:] if lps else None, s.cum_logprob if lps else None)
         s.sent = None if s.finish_reason is not None else (len(s.output_ids), chunks)
         return out
 

@@ -176,17 +176,18 @@ class LLM:
     def list_loras(self) -> list[str]:
         return self.engine.list_loras()
 
-    def update_weights(self, model: Union[Model, str], *, dtype: str = "float32", seed: int = 0) -> None:
-        """Swap in new weights of the same model (a `Model`, a checkpoint directory or a preset): the
-        compiled programs are reused, the prefix cache is cleared (see `Engine.update_weights`). A directory
-        goes to `Engine.update_weights_from_disk` (on a multi-process mesh every process loads it)."""
+    def update_weights(self, model: Union[Model, str], *, dtype: Optional[str] = None, seed: int = 0) -> None:
+        """Swap in new weights of the same model (a `Model`, a checkpoint directory or a preset, loaded in
+        `dtype`, default the engine's): the compiled programs are reused, the prefix cache is cleared (see
+        `Engine.update_weights`). A directory goes to `Engine.update_weights_from_disk` (on a multi-process
+        mesh every process loads it)."""
         if isinstance(model, str) and os.path.isdir(model) and hasattr(self.engine, "update_weights_from_disk"):
             self.engine.update_weights_from_disk(model)
             self.model = self.engine.model
             return
         if not isinstance(model, Model):
             where = self.engine.load_options() if hasattr(self.engine, "load_options") else {}
-            model = load_model(model, dtype=dtype, seed=seed, **where)
+            model = load_model(model, dtype=dtype or self.engine.model.dtype, seed=seed, **where)
         self.engine.update_weights(model)
         self.model = model
 

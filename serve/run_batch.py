@@ -1,11 +1,12 @@
 """Offline batches in OpenAI's Batch file format (vLLM's `run-batch`): `k3jax run-batch -i IN -o OUT`.
 
-Each input line is one request: `{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions",
-"body": {...}}` (also `/v1/completions` and `/v1/responses`). Every request goes through the same
-FastAPI app the server runs, in process (no socket), so validation, chat templates, tools, structured
-outputs and error bodies are exactly the server's. Requests run concurrently, so the engine batches
-them like any other traffic; each answer is written as soon as it finishes (and flushed), so a batch
-that stops half-way keeps what it computed.
+The input and output are local files (or `-`: stdin / stdout); vLLM's http(s) URLs are refused, as there is no
+network. Each input line (lines end at newlines only; a leading byte-order mark is skipped) is one request:
+`{"custom_id": ..., "method": "POST", "url": "/v1/chat/completions", "body": {...}}` (also `/v1/completions` and
+`/v1/responses`). Every request goes through the same FastAPI app the server runs, in process (no socket), so
+validation, chat templates, tools, structured outputs and error bodies are exactly the server's. Requests run
+concurrently, so the engine batches them like any other traffic; each answer is written as soon as it finishes
+(and flushed), so a batch that stops half-way keeps what it computed.
 
 Each output line: `{"id": "batch_req_...", "custom_id": ..., "response": {"status_code", "request_id",
 "body"}, "error": null}`. A request the API rejects keeps its status code and OpenAI error body in
@@ -35,6 +36,12 @@ class BatchRequest:
     url: Optional[str] = None
     body: Optional[dict] = None
     error: Optional[str] = None
+
+
+def split_lines(text: str) -> list[str]:
+    """A JSONL file's lines: split at newlines only (str.splitlines also splits at U+2028, U+0085, ..., which
+    JSON strings may hold unescaped), without a leading UTF-8 byte-order mark."""
+    return text.removeprefix("\ufeff").split("\n")
 
 
 def parse_lines(lines) -> list[BatchRequest]:
@@ -127,6 +134,33 @@ def run_batch(app, lines, out: IO[str], concurrency: int, api_key: Optional[str]
     return counts
 
 
+def _local(path: str, flag: str) -> str:
+    if path.startswith(("http://", "https://")):
+        raise ValueError(f"{flag} {path}: URLs are not supported (no network); give a local file or '-'")
+    return path
+
+
+def read_input(path: str) -> str:
+    """`--input-file`'s text ('-': stdin); ValueError naming the flag for a URL or an unreadable file."""
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(_local(path, "--input-file"), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--input-file {path}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
+
+
+def open_output(path: str) -> IO[str]:
+    """`--output-file` opened for writing ('-': stdout); ValueError naming the flag for a URL or an unwritable path."""
+    if path == "-":
+        return sys.stdout
+    try:
+        return open(_local(path, "--output-file"), "w", encoding="utf-8")
+    except OSError as e:
+        raise ValueError(f"--output-file {path}: cannot write it ({e.strerror or e})") from None
+
+
 def run_batch_main(args) -> int:
     """`k3jax run-batch`: build and warm the engine with the serve options, then run the input file."""
     from serve.api import create_app
@@ -136,25 +170,23 @@ def run_batch_main(args) -> int:
     cfg = engine_config(o)
     cfg.validate()
     adapters = lora_modules(o)
-    src = sys.stdin if args.input_file == "-" else open(args.input_file, encoding="utf-8")
-    with src:
-        lines = src.read().splitlines()
-    if not o["no_compile_cache"]:
-        enable_compile_cache(o["compile_cache_dir"])
-    _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
-    aeng = start_engine(load_served_model(o, cfg), cfg, o, adapters)
+    lines = split_lines(read_input(args.input_file))
+    dst = open_output(args.output_file)  # before the engine loads: a bad path fails at once
     try:
-        app = create_app(aeng, o["served_model_name"] or o["model"], max_waiting=None,
-                         max_model_len=cfg.max_model_len, reasoning_parser=not o["no_reasoning_parser"],
-                         max_stored_responses=0)
-        dst = sys.stdout if args.output_file == "-" else open(args.output_file, "w", encoding="utf-8")
+        if not o["no_compile_cache"]:
+            enable_compile_cache(o["compile_cache_dir"])
+        _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
+        aeng = start_engine(load_served_model(o, cfg), cfg, o, adapters)
         try:
+            app = create_app(aeng, o["served_model_name"] or o["model"], max_waiting=None,
+                             max_model_len=cfg.max_model_len, reasoning_parser=not o["no_reasoning_parser"],
+                             max_stored_responses=0)
             counts = run_batch(app, lines, dst, args.max_concurrency or 4 * cfg.max_num_seqs)
         finally:
-            if dst is not sys.stdout:
-                dst.close()
+            aeng.shutdown()
     finally:
-        aeng.shutdown()
+        if dst is not sys.stdout:
+            dst.close()
     generated = aeng.stats()["generation_tokens"]
     _say(f"run-batch: {counts['succeeded']} succeeded, {counts['failed']} failed, {counts['invalid']} invalid "
          f"of {counts['total']} in {counts['wall_s']:.1f} s; {generated} tokens generated")

@@ -6,9 +6,10 @@
 
 Semantics (vLLM's):
 
-* ``temperature < GREEDY_EPS`` (0 in practice) is greedy: the token is the argmax (first maximum) of the
+* ``temperature`` 0 is greedy: the token is the argmax (first maximum) of the
   raw logits, bit for bit (of the biased / penalised ones when the row has a bias or penalty, see below);
-  the row's top-k/top-p/min-p are ignored.
+  the row's top-k/top-p/min-p are ignored. A temperature in (0, ``MIN_TEMPERATURE``) samples at
+  ``MIN_TEMPERATURE`` (vLLM raises it so, against NaN / inf: 1e-6 is not greedy there).
 * Otherwise the logits are divided by the temperature and filtered, in vLLM (v1)'s order:
   min-p (drop tokens with ``p < min_p * p_max``; ``0`` is off), top-k (``top_k <= 0`` or ``>= V``
   is off), then top-p (the nucleus of the distribution the two before leave, renormalised: the
@@ -69,6 +70,8 @@ __all__ = [
 
 #: Temperatures below this are greedy (vLLM's _SAMPLING_EPS).
 GREEDY_EPS = 1e-5
+#: A request's temperature in (0, this) samples at this one (vLLM's _MAX_TEMP clamp), so only 0 is greedy.
+MIN_TEMPERATURE = 1e-2
 INT32_MAX = 2 ** 31 - 1
 # temperatures are capped here (any higher one samples as uniformly; beyond float32's range one became inf)
 MAX_TEMPERATURE = 1e30
@@ -189,9 +192,9 @@ class SamplingBatch:
                 bias_values[i, :len(bias)] = list(bias.values())
             if p is not None:
                 presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
-            if p is None or p.temperature < GREEDY_EPS:
+            if p is None or p.temperature == 0:
                 continue  # greedy: the defaults above
-            temperature[i] = min(p.temperature, MAX_TEMPERATURE)
+            temperature[i] = min(max(p.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
             top_k[i] = min(p.top_k, INT32_MAX) if p.top_k > 0 else 0  # >= the vocabulary is off anyway
             top_p[i] = p.top_p
             min_p[i] = p.min_p

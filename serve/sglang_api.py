@@ -145,6 +145,10 @@ def max_new_tokens_of(st: "api.ServerState", sp: GenerateSamplingParams, prompts
     return min(DEFAULT_MAX_NEW_TOKENS, room) if room >= 1 else DEFAULT_MAX_NEW_TOKENS
 
 
+#: SGLang's greedy threshold: a temperature below it is greedy there (the engine, as vLLM, samples it at 0.01).
+SAMPLING_EPS = 1e-6
+
+
 def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list) -> SamplingParams:
     sp = body.sampling_params or GenerateSamplingParams()
     constraints = [(k, v) for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("grammar", sp.ebnf))
@@ -160,8 +164,10 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list) -> 
     def unset(value, name: str, fallback):
         return defaults.get(name, fallback) if value is None else value
     logprobs = body.top_logprobs_num if body.return_logprob else None
+    temperature = unset(sp.temperature, "temperature", 1.0)
+    temperature = 0.0 if temperature < SAMPLING_EPS else temperature  # (the engine raises (0, 0.01) to 0.01)
     params = SamplingParams(
-        n=sp.n, temperature=unset(sp.temperature, "temperature", 1.0), top_p=unset(sp.top_p, "top_p", 1.0),
+        n=sp.n, temperature=temperature, top_p=unset(sp.top_p, "top_p", 1.0),
         top_k=unset(sp.top_k, "top_k", -1), min_p=unset(sp.min_p, "min_p", 0.0), seed=sp.sampling_seed,
         max_tokens=max_new_tokens_of(st, sp, prompts), min_tokens=sp.min_new_tokens, stop=sp.stop or [],
         stop_token_ids=sp.stop_token_ids or [], ignore_eos=sp.ignore_eos, logprobs=logprobs,

@@ -70,6 +70,8 @@ class StopChecker:
         self.max_tokens = max_tokens
         self.include_stop = bool(params.include_stop_str_in_output)
         stop_ids = set(int(t) for t in params.stop_token_ids)
+        # vLLM's `all_stop_token_ids`: min_tokens bans EOS too, even with ignore_eos
+        self._ban_ids = frozenset(stop_ids | set(int(t) for t in eos_token_ids))
         if not params.ignore_eos:
             stop_ids.update(int(t) for t in eos_token_ids)
         self._stop_ids = frozenset(stop_ids)
@@ -163,8 +165,9 @@ class StopChecker:
         return StepResult(delta, False)
 
     def min_tokens_ban(self) -> dict[int, float]:
-        """Logit bias that keeps the stop tokens out while fewer than `min_tokens` are out."""
-        return {t: float("-inf") for t in self._stop_ids}
+        """Logit bias that keeps the stop tokens and EOS (with ignore_eos too, as vLLM) out while fewer than
+        `min_tokens` are out."""
+        return {t: float("-inf") for t in self._ban_ids}
 
     # -- internals -------------------------------------------------------------------------
     def _emit(self, delta: str) -> None:

@@ -87,7 +87,8 @@ class StructuredOutputsParams:
 class SamplingParams:
     """How to sample one request. Field names and defaults follow vLLM.
 
-    temperature 0 means greedy. top_k <= 0 (or -1) disables top-k; top_p 1 and min_p 0 disable theirs.
+    temperature 0 means greedy (one in (0, 0.01) samples at 0.01, vLLM's clamp). top_k <= 0 (or -1)
+    disables top-k; top_p 1 and min_p 0 disable theirs.
     `seed` makes a request's samples reproducible regardless of batch composition.
     `logprobs=N` returns the sampled token's logprob and the top-N alternatives per step.
     `prompt_logprobs=N` returns, for every prompt token after the first, its logprob given the tokens
@@ -278,7 +279,8 @@ class CompletionOutput:
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
     # per generated token: (sampled token's Logprob, top-N alternatives)
     logprobs: Optional[list[tuple[Logprob, list[Logprob]]]] = None
-    cumulative_logprob: Optional[float] = None  # a beam search's hypotheses: the sum of their token logprobs
+    # with SamplingParams.logprobs (vLLM's) and a beam search's hypotheses: the sum of the generated tokens' logprobs
+    cumulative_logprob: Optional[float] = None
     # enable_return_routed_experts, once finished: the logical expert ids each position fed through the model was
     # routed to, int32 [len(prompt) + len(output) - 1, MoE layers, experts per token] (serve/routed_experts.py)
     routed_experts: Optional["np.ndarray"] = None

@@ -149,3 +149,17 @@ def test_bf16_dense_experts_are_widened_on_cpu():
     assert all(w.dtype == jnp.bfloat16 for w in experts(model))  # the loaded model is left as it was
     dense = [x for x in jax.tree.leaves(eng.model.params) if x.ndim == 2 and x.size >= 1024]
     assert dense and all(x.dtype == jnp.bfloat16 for x in dense)
+
+
+def test_llm_update_weights_loads_a_preset_in_the_engines_dtype(engine):
+    """`LLM.update_weights(preset)` loads the preset in the engine's dtype (it loaded float32 whatever the
+    engine's, which a bf16 engine refused: "... is float32[...], the engine's bfloat16[...]")."""
+    from serve.llm import LLM
+
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.model = engine, engine.model
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate(PROMPTS[:1], sp, use_tqdm=False)]
+    llm.update_weights("tiny-k3", seed=3)  # the engine's own weights again
+    assert [o.token_ids for o in llm.generate(PROMPTS[:1], sp, use_tqdm=False)] == want
+    assert engine.counters["weight_updates"] == 1 and engine.stats()["compiles_after_warmup"] == 0

@@ -435,6 +435,8 @@ def test_logprobs_are_returned(engine, prompts):
     ([], GREEDY, "empty prompt"),
     ([10 ** 6], GREEDY, "outside"),
     ({"prompt_token_ids": [1, 2], "multi_modal_data": {}}, GREEDY, "prompt dict"),
+    ({"prompt_token_ids": "hi"}, GREEDY, "prompt_token_ids: expected a list of token ids, got str"),  # not text
+    ({"prompt": [1, 2]}, GREEDY, "prompt: expected a string, got list"),  # not token ids
     ([1.5, 2], GREEDY, "token ids must be integers"),  # not truncated to 1
     (["a", 2], GREEDY, "token ids must be integers"),
     ([[1, 2]], GREEDY, "token ids must be integers"),

@@ -544,6 +544,10 @@ def test_generate_refuses_hidden_states_unless_the_server_returns_them():
     assert e.value.status == 400 and e.value.param == "return_hidden_states"
     st.hidden_states = True
     assert sampling_of(st, body, [[1, 2, 3]]).return_hidden_states
+    # SGLang's greedy threshold: below 1e-6 is greedy (the engine would sample a tiny temperature at 0.01)
+    for t, want in ((1e-7, 0.0), (1e-6, 1e-6), (0.5, 0.5)):
+        body = GenerateRequest(input_ids=[1, 2, 3], sampling_params={"temperature": t})
+        assert sampling_of(st, body, [[1, 2, 3]]).temperature == want
 
 
 class _Recorder:

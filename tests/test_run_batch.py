@@ -7,7 +7,7 @@ import json
 import pytest
 
 from k3jax.cli import main
-from serve.run_batch import parse_lines
+from serve.run_batch import parse_lines, split_lines
 
 
 def test_lines_that_cannot_be_sent_name_what_is_wrong():
@@ -27,6 +27,35 @@ def test_lines_that_cannot_be_sent_name_what_is_wrong():
     assert errors[0].startswith("line 3:")
 
 
+def test_lines_split_at_newlines_only():
+    """JSON strings may hold U+2028, U+2029 or U+0085 unescaped: they do not end a line (str.splitlines cut
+    such a line in pieces); a leading byte-order mark and CRLF endings are read as well."""
+    ok = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": {"prompt": "x\u2028y\x85z\u2029"}}
+    text = "\ufeff" + json.dumps(ok, ensure_ascii=False) + "\r\n\r\n" + json.dumps({**ok, "custom_id": "b"}) + "\r\n"
+    reqs = parse_lines(split_lines(text))
+    assert [(r.line, r.custom_id, r.error) for r in reqs] == [(1, "a", None), (3, "b", None)]
+    assert reqs[0].body == ok["body"]
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["-i", "https://example.com/in.jsonl", "-o", "OUT"], "--input-file https://example.com/in.jsonl: URLs are not"),
+    (["-i", "IN", "-o", "http://example.com/out.jsonl"], "--output-file http://example.com/out.jsonl: URLs are not"),
+    (["-i", "DIR", "-o", "OUT"], "--input-file DIR: cannot read it"),
+    (["-i", "IN", "-o", "DIR"], "--output-file DIR: cannot write it"),
+    (["-i", "IN", "-o", "DIR/missing/out.jsonl"], "--output-file DIR/missing/out.jsonl: cannot write it"),
+])
+def test_paths_that_cannot_be_used_are_refused_before_the_engine_loads(tmp_path, capsys, flags, want):
+    """vLLM fetches and uploads http(s) URLs; without a network they are refused, naming the flag, as are
+    unreadable inputs and unwritable outputs: at once, not after the model has loaded (and without a traceback)."""
+    (tmp_path / "in.jsonl").write_text(json.dumps({"custom_id": "a", "method": "POST", "url": "/v1/completions",
+                                                   "body": {"prompt": "x"}}) + "\n")
+    names = {"IN": str(tmp_path / "in.jsonl"), "OUT": str(tmp_path / "out.jsonl"), "DIR": str(tmp_path)}
+    flags = [names.get(f, f.replace("DIR", str(tmp_path))) for f in flags]
+    want = want.replace("DIR", str(tmp_path))
+    assert main(["run-batch", *flags, "--model", "no-such-model", "--no-compile-cache"]) == 2
+    assert want in capsys.readouterr().err
+
+
 @pytest.fixture(scope="module")
 def batch_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("batch")
@@ -43,9 +72,13 @@ def batch_run(tmp_path_factory):
         {"custom_id": "bad-param", "method": "POST", "url": "/v1/completions",
          "body": {"prompt": "x", "max_tokens": -1}},
         {"custom_id": "bad-url", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}},
+        {"custom_id": "cmpl-sep", "method": "POST", "url": "/v1/completions",  # a line separator inside a string
+         "body": {"prompt": "a\u2028b", **greedy}},
     ]
     src, dst = d / "in.jsonl", d / "out.jsonl"
-    src.write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    # as an editor may save it: a byte-order mark, CRLF endings, non-ASCII text unescaped
+    src.write_text("\ufeff" + "\r\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\r\n",
+                   encoding="utf-8", newline="")
     rc = main(["run-batch", "-i", str(src), "-o", str(dst), "--model", "tiny-k3", "--max-model-len", "128",
                "--max-num-seqs", "4", "--cache-mb", "16", "--page-size", "16", "--prefill-chunk", "32",
                "--no-compile-cache", "--max-concurrency", "3"])
@@ -56,8 +89,9 @@ def batch_run(tmp_path_factory):
 def test_every_line_answered_once_in_the_servers_shapes(batch_run):
     rc, by_id, out = batch_run
     assert rc == 1  # not every request succeeded
-    assert len(out) == 6 and set(by_id) == {"chat-1", "chat-2", "cmpl-1", "resp-1", "bad-param", "bad-url"}
-    assert len({o["id"] for o in out}) == 6 and all(o["id"].startswith("batch_req_") for o in out)
+    assert len(out) == 7 and set(by_id) == {"chat-1", "chat-2", "cmpl-1", "resp-1", "bad-param", "bad-url",
+                                            "cmpl-sep"}
+    assert len({o["id"] for o in out}) == 7 and all(o["id"].startswith("batch_req_") for o in out)
     chat = by_id["chat-1"]["response"]
     assert chat["status_code"] == 200 and by_id["chat-1"]["error"] is None
     assert chat["body"]["object"] == "chat.completion" and chat["request_id"] == chat["body"]["id"]
@@ -65,6 +99,7 @@ def test_every_line_answered_once_in_the_servers_shapes(batch_run):
     # the same greedy request gives the same answer, whatever it was batched with
     assert (by_id["chat-2"]["response"]["body"]["choices"][0]["message"]
             == chat["body"]["choices"][0]["message"])
+    assert by_id["cmpl-sep"]["response"]["body"]["usage"]["completion_tokens"] == 6
     cmpl = by_id["cmpl-1"]["response"]["body"]
     assert cmpl["object"] == "text_completion" and len(cmpl["choices"][0]["logprobs"]["tokens"]) == 6
     resp = by_id["resp-1"]["response"]["body"]

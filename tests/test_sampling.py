@@ -360,6 +360,21 @@ def test_logprobs_modes_return_what_vllm_names(sample_mode_fn):
     np.testing.assert_allclose(runs["processed_logprobs"].logprob[0], runs["raw_logprobs"].logprob[0], rtol=1e-6)
 
 
+def test_tiny_temperatures_sample_at_vllms_floor(sample_mode_fn):
+    """vLLM raises a temperature in (0, 0.01) to 0.01: such rows sample (not greedy) from logits / 0.01, finite."""
+    from functools import partial
+
+    logits = np.tile(_random_logits(1, vocab=VB, seed=23, scale=0.02), (3, 1))  # flat: 0.01 still spreads
+    params = [SamplingParams(temperature=t) for t in (1e-6, 0.005, 0.01)]
+    out = _run(partial(sample_mode_fn, logprobs_mode="processed_logprobs"), logits, params, seeds=[4, 4, 4], n=6)
+    x = logits[0].astype(np.float64) / 0.01
+    want = x - x.max() - np.log(np.sum(np.exp(x - x.max())))
+    assert len(set(out.tokens.tolist())) == 1 and np.isfinite(out.logprob).all()
+    np.testing.assert_allclose(out.logprob, want[out.tokens], rtol=1e-4, atol=1e-4)
+    picks = _run(sample_mode_fn, np.tile(logits[:1], (64, 1)), [params[0]] * 64, seeds=list(range(64)), n=6).tokens
+    assert len(set(picks.tolist())) > 1  # sampled, not the argmax
+
+
 def test_processed_logprobs_are_the_sampling_distribution(sample_mode_fn):
     """exp(processed logprob) of a token = how often it is drawn (4000 seeds, within 4.5 sigma)."""
     from functools import partial

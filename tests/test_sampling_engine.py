@@ -168,6 +168,13 @@ def test_engine_min_tokens_bans_stops_until_reached(llm, forward_logits):
     assert len(r.token_ids) >= 3 and first not in r.token_ids[:3]
     # without min_tokens the same request stops at once
     assert llm.generate([PROMPT], SP(temperature=0, max_tokens=8, stop_token_ids=[first]))[0].token_ids == [first]
+    # with ignore_eos too, EOS stays banned until min_tokens are out (vLLM's all_stop_token_ids), then is sampled
+    eos = min(llm.engine.stop_ids)
+    p = SP(temperature=0, max_tokens=5, ignore_eos=True, min_tokens=3, logit_bias={eos: 100.0})
+    r = llm.generate([PROMPT], p)[0]
+    assert r.token_ids[:3] == _reference_tokens(forward_logits, PROMPT, dataclasses.replace(p, max_tokens=3),
+                                                   set(llm.engine.stop_ids))
+    assert r.token_ids[3:] == [eos, eos]
     e = llm.engine
     assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
@@ -186,7 +193,8 @@ def _run_requests(e, requests):
 def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
     """vLLM's RequestOutputKind: DELTA outputs concatenate to the CUMULATIVE request's last output (text,
     ids, logprobs; with n = 2 sampled and a stop string that holds text back), each one new, the finish
-    once at the end and prompt logprobs only in the first; FINAL_ONLY gives one output, the same."""
+    once at the end and prompt logprobs only in the first; FINAL_ONLY gives one output, the same. Every
+    kind carries the cumulative logprob so far (vLLM's: with logprobs, the sampled tokens' sum)."""
     from serve.types import RequestOutputKind as K
 
     e = llm.engine
@@ -211,6 +219,11 @@ def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
         assert [t for c in parts for t in c.token_ids] == w.token_ids
         assert [lp for c in parts for lp in c.logprobs] == w.logprobs
         assert [c.finish_reason for c in parts if c.finish_reason] == [w.finish_reason]
+        # vLLM's cumulative_logprob (with logprobs): the sum of the sampled tokens' logprobs so far, in every kind
+        assert w.cumulative_logprob == pytest.approx(sum(lp.logprob for lp, _ in w.logprobs))
+        (f,) = [c for c in final[0].outputs if c.index == w.index]
+        assert f.cumulative_logprob == parts[-1].cumulative_logprob == w.cumulative_logprob
+    assert all(c.cumulative_logprob is None for c in llm.generate([PROMPT[:5]], SP(max_tokens=2))[0].outputs)
     with pytest.raises(RequestError, match="output_kind: must be a RequestOutputKind"):
         e.add_request(PROMPT[:5], SP(output_kind=7))
 

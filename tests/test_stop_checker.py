@@ -258,6 +258,12 @@ def test_min_tokens_ignores_stop_strings_ending_in_the_first_tokens():
     chk = checker(min_tokens=2)
     feed(chk, ids_of("x") + [EOS[0]])
     assert chk.finish_reason == "stop" and chk.stop_reason == EOS[0] and chk.text == "x"
+    # the ban holds the stop ids and EOS, with ignore_eos too (vLLM's all_stop_token_ids), though EOS then never stops
+    assert set(checker(min_tokens=2, stop_token_ids=[7]).min_tokens_ban()) == {7, *EOS}
+    chk = checker(min_tokens=2, stop_token_ids=[7], ignore_eos=True)
+    assert set(chk.min_tokens_ban()) == {7, *EOS}
+    feed(chk, [EOS[0]] * 3)
+    assert not chk.finished
 
 
 def test_stop_at_the_very_start():
