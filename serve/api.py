@@ -149,7 +149,7 @@ class _GenerationFields(_Strict):
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disable top-k")
     min_p: Optional[float] = Field(None, ge=0, le=1)
     n: int = Field(1, ge=1, le=MAX_N)
-    seed: Optional[int] = Field(None, ge=0, lt=2 ** 63)
+    seed: Optional[int] = Field(None, ge=-2 ** 63, lt=2 ** 63, description="-1: none (vLLM's)")
     stop: Optional[Union[str, list[str]]] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None

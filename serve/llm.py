@@ -16,6 +16,7 @@ from serve.data_parallel import DataParallelEngine, load_options
 from serve.engine import Engine, EngineConfig
 from serve.lora import LoRARequest
 from serve.profiler import Profiler, ProfilerError
+from serve.tools import plan_tools
 from serve.types import RequestOutput, RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str} or {"prompt_token_ids": [...]}
@@ -141,17 +142,20 @@ class LLM:
              sampling_params: Union[SamplingParams, list[SamplingParams], None] = None, *,
              add_generation_prompt: bool = True, chat_template_kwargs: Optional[dict] = None,
              continue_final_message: bool = False, use_tqdm: Union[bool, Callable, None] = None,
-             lora_request=None) -> list[RequestOutput]:
+             lora_request=None, tools: Optional[list[dict]] = None) -> list[RequestOutput]:
         """Generate the assistant's turn of one conversation (a list of OpenAI-style messages) or of
         several; the model family's chat format renders them (serve/chat.py). Texts are raw (K3's
         think / response channels included; `serve.reasoning.split_reasoning` splits them). With
         `continue_final_message` (and `add_generation_prompt=False`) a final assistant message is
-        continued instead (a prefilled answer start). `lora_request`: as `generate`'s."""
+        continued instead (a prefilled answer start). `lora_request`: as `generate`'s. `tools` (vLLM's):
+        OpenAI function tools rendered into the prompt as the HTTP API renders them with tool_choice
+        "auto"; the answer stays raw text (calls unparsed, nothing forced)."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
         tok = self.engine.tokenizer
         family = getattr(tok, "chat_family", None) or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(
             self.engine.cfg.family, "byte")
-        prompts = [chat_ids(tok, family, conv, add_generation_prompt, chat_template_kwargs,
+        plan = plan_tools(tools, None, None)
+        prompts = [chat_ids(tok, family, conv, add_generation_prompt, chat_template_kwargs, tools=plan,
                             continue_final_message=continue_final_message) for conv in convs]
         return self.generate(prompts, sampling_params, lora_request=lora_request, use_tqdm=use_tqdm)
 

@@ -142,6 +142,8 @@ class SamplingParams:
     return_hidden_states: bool = False
 
     def __post_init__(self):
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM's: -1 is no seed
+            self.seed = None
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if self.stop is None or isinstance(self.stop, (list, tuple)):  # (anything else: validate names it)
@@ -165,8 +167,9 @@ class SamplingParams:
             bad("top_k", f"must be -1 (off), 0 (off) or a positive integer, got {self.top_k!r}")
         if not finite_number(self.min_p) or not 0 <= self.min_p <= 1:
             bad("min_p", f"must be in [0, 1], got {self.min_p!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2 ** 63):
-            bad("seed", f"must be a non-negative integer, got {self.seed!r}")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not -2 ** 63 <= self.seed < 2 ** 63):
+            bad("seed", f"must be a 64-bit integer (-1: none), got {self.seed!r}")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
@@ -268,6 +271,11 @@ class Logprob:
     logprob: float
     decoded: str = ""
     rank: Optional[int] = None  # 1 = the most likely (vLLM v1's: the tokens with a value >= its; top-n: their place)
+
+    @property
+    def decoded_token(self) -> str:
+        """vLLM's name for `decoded`."""
+        return self.decoded
 
 
 @dataclass

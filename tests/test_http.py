@@ -729,7 +729,7 @@ def _err(r, status):
     ({"prompt": "x", "min_p": 2}, "min_p"),
     ({"prompt": "x", "n": 0}, "n"),
     ({"prompt": "x", "logprobs": 19}, "logprobs"),  # engine allows up to 5
-    ({"prompt": "x", "seed": -1}, "seed"),
+    ({"prompt": "x", "seed": 2 ** 63}, "seed"),  # (-1 is no seed, as vLLM; any 64-bit integer is one)
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
     ({"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from serve.sampling import SamplingBatch, SampleResult, max_logprobs, sample, seed_key_data
-from serve.types import SamplingParams
+from serve.types import RequestError, SamplingParams
 
 V = 8
 VB = 1000  # the 'big' vocabulary of the tests that want many plausible tokens
@@ -84,6 +84,16 @@ def test_seed_key_data_matches_jax():
         np.testing.assert_array_equal(
             seed_key_data(s), jax.random.key_data(jax.random.key(s, impl="threefry2x32"))
         )
+
+
+def test_seeds_as_vllm_takes_them():
+    """vLLM's seeds: -1 is no seed; any other 64-bit integer is one (a negative one keys as its two's complement)."""
+    assert SamplingParams(seed=-1).seed is None and SamplingParams(seed=-5).seed == -5
+    SamplingParams(seed=-2 ** 63).validate(VB)
+    np.testing.assert_array_equal(seed_key_data(-5), seed_key_data(2 ** 64 - 5))
+    for bad in (2 ** 63, True, 1.5):
+        with pytest.raises(RequestError, match="seed: must be a 64-bit integer"):
+            SamplingParams(seed=bad).validate(VB)
 
 
 # ------------------------------------------------------------------------------------------

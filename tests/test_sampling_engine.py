@@ -221,6 +221,7 @@ def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
         assert [c.finish_reason for c in parts if c.finish_reason] == [w.finish_reason]
         # vLLM's cumulative_logprob (with logprobs): the sum of the sampled tokens' logprobs so far, in every kind
         assert w.cumulative_logprob == pytest.approx(sum(lp.logprob for lp, _ in w.logprobs))
+        assert all(lp.decoded_token == lp.decoded for lp, _ in w.logprobs)  # vLLM's name too
         (f,) = [c for c in final[0].outputs if c.index == w.index]
         assert f.cumulative_logprob == parts[-1].cumulative_logprob == w.cumulative_logprob
     assert all(c.cumulative_logprob is None for c in llm.generate([PROMPT[:5]], SP(max_tokens=2))[0].outputs)
@@ -283,6 +284,8 @@ def test_custom_logits_processors_match_a_reference_loop_beside_plain_rows(llm, 
     two = llm.generate([PROMPT, PROMPT], [sampled, SP(temperature=1.0, seed=4, max_tokens=20, ignore_eos=True,
                                                       extra_args={"min_id": 250, "no_repeat_ngram_size": 1})])
     assert two[0].token_ids == llm.generate([PROMPT], sampled)[0].token_ids  # off: unchanged by its neighbour
+    negative = SP(temperature=1.0, seed=-9, max_tokens=6, ignore_eos=True)  # vLLM takes any 64-bit seed
+    assert llm.generate([PROMPT], negative)[0].token_ids == llm.generate([PROMPT], negative)[0].token_ids
     assert min(two[1].token_ids) >= 250 and len(set(two[1].token_ids)) == 20
     for xa, match in (({"min_id": "ten"}, r"extra_args\['min_id'\]"), ({"no_repeat_ngram_size": 99}, "no_repeat_ngram")):
         with pytest.raises(RequestError, match=match):
@@ -397,7 +400,7 @@ def test_structured_outputs_greedy_match_a_masked_reference_and_sampled_rows_sta
         llm.generate([PROMPT], SP(structured_outputs=SO(regex="(")))
 
 
-def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_batch(llm):
+def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_batch(llm, monkeypatch):
     from k3jax.chat_template import encode_chat
 
     conv = [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]
@@ -407,6 +410,19 @@ def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_
     assert got[0].prompt_token_ids == want_ids
     assert got[0].token_ids == llm.generate([want_ids], p)[0].token_ids
     assert got[1].prompt_token_ids == encode_chat(llm.engine.tokenizer, conv[1:])
+    # vLLM's `tools`: rendered as the HTTP API renders them (tool_choice auto), the answer left raw
+    from serve.chat import chat_ids
+    from serve.tools import plan_tools
+
+    tools = [{"type": "function", "function": {"name": "light", "parameters": {"type": "object"}}}]
+    seen = []  # (the tools' system message is longer than this engine's context: the prompts as generate gets them)
+    monkeypatch.setattr(llm, "generate", lambda prompts, *a, **k: seen.extend(prompts) or [])
+    llm.chat(conv, tools=tools)
+    assert seen == [chat_ids(llm.engine.tokenizer, "byte", conv, tools=plan_tools(tools, None, None))]
+    assert len(seen[0]) > len(want_ids) and llm.engine.tokenizer.decode(seen[0]).count("light") == 1
+    with pytest.raises(RequestError, match=r"tools: tools\[0\]"):
+        llm.chat(conv, tools=[{"type": "retrieval"}])
+    monkeypatch.undo()
     with pytest.raises(RequestError, match=r"messages\[0\]\.role"):
         llm.chat([{"role": "wizard", "content": "x"}])
     with pytest.raises(RequestError, match="prompt"):
