@@ -115,7 +115,11 @@ def load_sharding_config(name_or_path: str) -> ShardingConfig:
         known = sorted(f[:-5] for f in os.listdir(CONFIG_DIR) if f.endswith(".yaml")) if os.path.isdir(CONFIG_DIR) else []
         raise ValueError(f"sharding: no config {name_or_path!r} (looked for {path}; known: {', '.join(known)})")
     with open(path) as f:
-        return parse_sharding_config(yaml.safe_load(f), os.path.basename(path)[:-5] if path.endswith(".yaml") else path)
+        try:
+            raw = yaml.safe_load(f)
+        except yaml.YAMLError as e:  # (not a ValueError: `k3jax serve` printed a traceback)
+            raise ValueError(f"sharding: {path} is not valid YAML ({e})") from None
+    return parse_sharding_config(raw, os.path.basename(path)[:-5] if path.endswith(".yaml") else path)
 
 
 def make_mesh(config: ShardingConfig, devices=None) -> Mesh:

@@ -18,6 +18,7 @@ build the same engine and replay process 0's steps (`serve/multihost.py`) until 
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import threading
@@ -336,7 +337,7 @@ def engine_config(o: dict):
     mb, gib = o.get("host_cache_mb"), o.get("kv_offloading_size")
     if mb is not None and gib is not None:
         raise ValueError("--host-cache-mb and --kv-offloading-size set the same budget: give one")
-    if (mb or 0) < 0 or (gib or 0) < 0:
+    if (mb or 0) < 0 or not 0 <= (gib or 0) < math.inf:
         raise ValueError("--host-cache-mb / --kv-offloading-size: expected a size >= 0")
     if mb or gib:
         extra["host_cache_bytes"] = int(mb) << 20 if mb else int(gib * (1 << 30))
@@ -376,6 +377,11 @@ def check_server_flags(o: dict) -> None:
     """The HTTP server's own flags, checked before the model loads: an error naming the flag."""
     if not 0 <= o["port"] <= 65535:
         raise ValueError(f"--port {o['port']}: expected a TCP port in 0..65535")
+    n, pid = o.get("num_processes", 1), o.get("process_id", 0)
+    if n < 1:
+        raise ValueError(f"--num-processes {n}: expected an integer >= 1")
+    if not 0 <= pid < n:  # (a follower without a mesh to follow compiled everything, then raised)
+        raise ValueError(f"--process-id {pid}: expected 0..{n - 1} (--num-processes {n})")
     for key in ("max_waiting", "rpm", "tpm"):
         v, least = o.get(key), 0 if key == "max_waiting" else 1
         if v is not None and v < least:

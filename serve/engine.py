@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import collections.abc
 import dataclasses
 import hashlib
 import io
@@ -22,6 +23,7 @@ import itertools
 import json
 import logging
 import math
+import numbers
 import operator
 import os
 import time
@@ -107,6 +109,23 @@ class StepFailed(RuntimeError):
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer_config["kv_role"]
+# EngineConfig's on / off options (a truthy string or list would pass for True, or fail far from the option)
+BOOL_OPTIONS = ("prefill_first", "enable_deterministic_inference", "enable_prefix_caching", "enable_return_routed_experts",
+                "enable_return_hidden_states", "measure_moe_time", "scan_layers", "enable_eplb", "enable_prompt_embeds",
+                "async_scheduling")
+
+
+def _check_int(key: str, v, low: int, high: Optional[int] = None) -> None:
+    """A ValueError naming `key` unless `v` is an integer (not a bool) in [low, high]."""
+    if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low or (high is not None and v > high):
+        raise ValueError(f"{key}={v!r}: expected an integer " + (f">= {low}" if high is None else f"in [{low}, {high}]"))
+
+
+def _check_buckets(key: str, v) -> None:
+    """A ValueError naming `key` unless `v` is None or a non-empty sequence of integers >= 1."""
+    if v is not None and (isinstance(v, (str, bytes)) or not isinstance(v, collections.abc.Sequence) or not v or not all(
+            isinstance(b, numbers.Integral) and not isinstance(b, bool) and b >= 1 for b in v)):
+        raise ValueError(f"{key}={v!r}: expected None or a non-empty sequence of integers >= 1")
 
 
 MEMORY_TAGS = ("weights", "kv_cache")  # what sleep releases and wake_up takes back (vLLM's / SGLang's tags)
@@ -378,7 +397,8 @@ class EngineConfig:
             raise ValueError(f"routed_experts_cache_bytes={rb!r}: expected an integer >= 0 (or None)")
         canonical_kv_cache_dtype(self.kv_cache_dtype)  # raises, naming kv_cache_dtype
         state_dtype_name(self.kda_state_dtype)  # raises, naming kda_state_dtype
-        if isinstance(self.logits_processors, (str, logits_processors.LogitsProcessor)):
+        if isinstance(self.logits_processors, (str, logits_processors.LogitsProcessor)) or not isinstance(
+                self.logits_processors, (collections.abc.Iterable, type(None))):
             raise ValueError("logits_processors: expected a sequence of processors or import paths")
         logits_processors.resolve(self.logits_processors)  # raises, naming logits_processors
         dcp = self.decode_context_parallel_size
@@ -419,10 +439,25 @@ class EngineConfig:
                                  "gpu_memory_utilization")
         elif isinstance(self.max_model_len, bool) or not isinstance(self.max_model_len, int) or self.max_model_len < 2:
             raise ValueError(f"max_model_len={self.max_model_len!r}: expected an integer >= 2, 'auto' or -1")
-        if self.prefill_chunk < 1 or self.page_size < 1:
-            raise ValueError("prefill_chunk, page_size >= 1 are required")
-        if not isinstance(self.host_cache_bytes, int) or self.host_cache_bytes < 0:
-            raise ValueError(f"host_cache_bytes={self.host_cache_bytes!r}: expected an integer >= 0")
+        for key in ("page_size", "prefill_chunk", "max_num_seqs", "max_prefill_seqs", "max_num_batched_tokens",
+                    "checkpoint_interval", "decode_checkpoint_interval") + (
+                        ("cache_bytes",) if self.gpu_memory_utilization is None else ()):
+            _check_int(key, getattr(self, key), 1)
+        _check_int("prefix_hash_unit", self.prefix_hash_unit, 1, 128)
+        if self.seed is not None:
+            _check_int("seed", self.seed, 0)
+        for key in BOOL_OPTIONS:
+            if not isinstance(getattr(self, key), bool):
+                raise ValueError(f"{key}={getattr(self, key)!r}: expected True or False")
+        for key in ("decode_buckets", "prefill_buckets", "context_buckets"):
+            _check_buckets(key, getattr(self, key))
+        if self.decode_buckets is not None and max(self.decode_buckets) > self.max_num_seqs:
+            raise ValueError(f"decode_buckets={self.decode_buckets!r}: the largest is the requests running at once, "
+                             f"at most max_num_seqs={self.max_num_seqs}")
+        g = self.generation_config  # (an int was taken for a file descriptor: os.path.isdir(0) reads stdin's)
+        if g is not None and (not isinstance(g, str) or g not in ("auto", "vllm") and not os.path.isdir(g)):
+            raise ValueError(f"generation_config={g!r}: expected 'auto', 'vllm' or a directory")
+        _check_int("host_cache_bytes", self.host_cache_bytes, 0)
         if self.host_cache_bytes and not self.enable_prefix_caching:
             raise ValueError("host_cache_bytes: the host tier holds what the prefix cache evicts; it needs "
                              "enable_prefix_caching")
@@ -441,10 +476,6 @@ class EngineConfig:
         if not isinstance(self.schedule_conservativeness, (int, float)) or not 0 <= self.schedule_conservativeness <= 10:
             raise ValueError(f"schedule_conservativeness={self.schedule_conservativeness!r}: expected a number in "
                              f"[0, 10] (0: no admission look-ahead)")
-        if not isinstance(self.prefill_first, bool):
-            raise ValueError(f"prefill_first={self.prefill_first!r}: expected True or False")
-        if not isinstance(self.enable_prompt_embeds, bool):
-            raise ValueError(f"enable_prompt_embeds={self.enable_prompt_embeds!r}: expected True or False")
         if self.compile_threads is not None and (isinstance(self.compile_threads, bool)
                                                  or not isinstance(self.compile_threads, int) or self.compile_threads < 1):
             raise ValueError(f"compile_threads={self.compile_threads!r}: expected a positive integer or None (automatic)")
@@ -488,7 +519,9 @@ class EngineConfig:
                 raise ValueError(f"speculative_config={self.speculative_config!r}: expected a dict or SpeculativeConfig")
             self.speculative_config.validate(self.prefill_chunk)
         if self.lora_target_modules is not None and (
-                isinstance(self.lora_target_modules, str) or not self.lora_target_modules
+                isinstance(self.lora_target_modules, str) or not isinstance(self.lora_target_modules,
+                                                                            collections.abc.Iterable)
+                or not self.lora_target_modules
                 or not all(isinstance(t, str) and t for t in self.lora_target_modules)):
             raise ValueError(f"lora_target_modules={self.lora_target_modules!r}: expected None or a non-empty "
                              f"tuple of projection names")

@@ -481,6 +481,31 @@ def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
         EngineConfig(max_model_len="big").validate()
 
 
+@pytest.mark.parametrize("key,bad", [
+    ("max_num_seqs", 0), ("max_num_seqs", None), ("page_size", 1.5), ("page_size", "16"), ("prefill_chunk", None),
+    ("max_prefill_seqs", None), ("max_prefill_seqs", 1.5), ("max_num_batched_tokens", "512"), ("cache_bytes", None),
+    ("cache_bytes", 0), ("checkpoint_interval", None), ("decode_checkpoint_interval", "x"), ("prefix_hash_unit", "x"),
+    ("prefix_hash_unit", 0), ("seed", 1.5), ("seed", -1), ("host_cache_bytes", True),
+    ("decode_buckets", (0,)), ("decode_buckets", (-1, 4)), ("decode_buckets", 4), ("decode_buckets", ()),
+    ("decode_buckets", (1, 64)), ("prefill_buckets", (0,)), ("prefill_buckets", "1"), ("context_buckets", 8),
+    ("context_buckets", (2.5,)), ("scan_layers", "false"), ("enable_prefix_caching", None), ("async_scheduling", []),
+    ("enable_return_hidden_states", {}), ("measure_moe_time", 1), ("enable_deterministic_inference", "yes"),
+    ("generation_config", 1.5), ("generation_config", 10 ** 30), ("generation_config", 0), ("generation_config", "/nowhere"),
+    ("lora_target_modules", 5), ("logits_processors", 5)])
+def test_sizes_buckets_and_switches_are_checked_naming_the_option(key, bad):
+    """Each was a TypeError / OverflowError at construction, or was accepted: max_num_seqs=0 or a 0-row decode or
+    prefill bucket left every request waiting forever, decode buckets past max_num_seqs ran more requests at once
+    than it allows, generation_config=0 read stdin's file descriptor as a directory, scan_layers="false" scanned."""
+    with pytest.raises(ValueError, match=key):
+        EngineConfig(**{key: bad}).validate()
+
+
+def test_valid_sizes_and_buckets_still_construct():
+    EngineConfig(seed=None, generation_config=None, decode_buckets=[1, 4], prefill_buckets=(4, 1),
+                 max_num_seqs=np.int64(4), page_size=np.int32(16), context_buckets=(64,)).validate()
+    EngineConfig(gpu_memory_utilization=0.5, cache_bytes=None).validate()  # the budget comes from the fraction
+
+
 def test_request_that_just_fits_is_accepted_and_runs(model):
     """The cache never holds the last token's position (it is sampled, not fed back), and a request's n samples are
     scheduled apart: a request whose prompt + max_tokens - 1 tokens fill the arena exactly, and one whose samples

@@ -529,6 +529,23 @@ def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
         engine_config(_serve_options("--max-logprobs", "-1")).validate()
 
 
+def test_serve_rejects_bad_process_ids_and_offloading_sizes_before_listening():
+    """--process-id 1 without a multi-host mesh loaded the model, compiled every program, then raised a
+    RuntimeError out of `follow()` (a traceback); --kv-offloading-size nan / inf raised "cannot convert float NaN
+    to integer" / an OverflowError naming no flag."""
+    from serve.cli import check_server_flags, engine_config
+
+    for argv, flag in ((("--process-id", "1"), "--process-id"), (("--process-id", "-1"), "--process-id"),
+                       (("--num-processes", "2", "--process-id", "2"), "--process-id"),
+                       (("--num-processes", "0"), "--num-processes")):
+        with pytest.raises(ValueError, match=flag):
+            check_server_flags(_serve_options(*argv))
+    check_server_flags(_serve_options("--num-processes", "2", "--process-id", "1"))
+    for value in ("nan", "inf", "-1"):
+        with pytest.raises(ValueError, match="--kv-offloading-size"):
+            engine_config(_serve_options("--kv-offloading-size", value))
+
+
 def test_generate_refuses_hidden_states_unless_the_server_returns_them():
     """/generate's `return_hidden_states` on a server started without --enable-return-hidden-states: 400 naming
     the field (the engine would refuse it too, naming the engine option)."""

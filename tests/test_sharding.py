@@ -64,6 +64,14 @@ def test_mesh_sizes_must_fit_the_devices():
         EngineConfig(sharding="nope").validate()
 
 
+def test_a_config_file_that_is_not_yaml_is_refused_naming_it(tmp_path):
+    """A YAML syntax error was yaml's ParserError (not a ValueError: `k3jax serve --sharding` printed a traceback)."""
+    path = tmp_path / "mine.yaml"
+    path.write_text("mesh: {tensor: -1\n")
+    with pytest.raises(ValueError, match="sharding: .*mine.yaml is not valid YAML"):
+        EngineConfig(sharding=str(path)).validate()
+
+
 def test_spec_for_rules_divisibility_and_one_dim_per_axis():
     cfg = parse_sharding_config(TP)
     assert spec_for(("heads", "embed"), (96, 64), cfg, {"tensor": 4}) == (P("tensor"), [])
