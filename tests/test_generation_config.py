@@ -79,31 +79,6 @@ def test_server_fills_only_the_fields_a_request_leaves_unset():
     assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (1.0, 1.0, -1, 1.0)  # OpenAI's defaults
 
 
-class _Recorder:
-    """A stand-in AsyncEngine with a model generation config: answers one token, recording each request's params."""
-
-    def __init__(self, defaults: dict, max_model_len: int = 64):
-        from k3jax.tokenizer import ByteTokenizer
-
-        self.engine = SimpleNamespace(tokenizer=ByteTokenizer(320), cfg=SimpleNamespace(vocab_size=320, family="byte",
-                                                                                        hidden_size=4),
-                                      decode_buckets=[4], config=SimpleNamespace(max_model_len=max_model_len,
-                                                                                 max_logprobs=5),
-                                      generation_defaults=defaults)
-        self.capacity, self.alive, self.params = 4, True, []
-
-    def stats(self) -> dict:
-        return {}
-
-    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
-        from serve.types import CompletionOutput, RequestOutput
-
-        self.params.append(params)
-        on_accept()
-        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(j, "a", [97], "length")
-                                                              for j in range(params.n)], finished=True)
-
-
 def test_server_takes_max_new_tokens_for_an_unset_max_tokens_cut_to_the_context():
     """vLLM's get_max_tokens: a request without max_tokens generates the generation config's max_new_tokens (as
     `LLM.generate` without sampling parameters does), or what the context leaves if less; a given one wins."""
@@ -111,9 +86,11 @@ def test_server_takes_max_new_tokens_for_an_unset_max_tokens_cut_to_the_context(
 
     import httpx
 
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
     from serve.api import create_app
 
-    eng = _Recorder({"max_tokens": 5, "temperature": 0.0})
+    eng = Recorder(64, ByteTokenizer(320), {"max_tokens": 5, "temperature": 0.0}, vocab_size=320, token=97, text="a")
     app = create_app(eng, "m", max_waiting=None)
 
     def post(url, body):

@@ -567,32 +567,12 @@ def test_generate_refuses_hidden_states_unless_the_server_returns_them():
         assert sampling_of(st, body, [[1, 2, 3]]).temperature == want
 
 
-class _Recorder:
-    """A stand-in AsyncEngine that answers every request with one token, recording its params."""
-
-    def __init__(self, max_model_len: int):
-        from types import SimpleNamespace as NS
-
-        self.engine = NS(tokenizer=None, cfg=NS(vocab_size=512, family="byte", hidden_size=4), decode_buckets=[4],
-                         config=NS(max_model_len=max_model_len, max_logprobs=5), generation_defaults={})
-        self.capacity, self.alive, self.params = 4, True, []
-
-    def stats(self) -> dict:
-        return {}
-
-    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
-        from serve.types import CompletionOutput, RequestOutput
-
-        self.params.append(params)
-        on_accept()
-        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(j, "", [7], "length")
-                                                              for j in range(params.n)], finished=True)
-
-
 def test_generate_default_max_new_tokens_shrinks_to_the_context():
     """/generate (SGLang's): an unset max_new_tokens is 128, or what the context leaves after the (longest)
     prompt if less; a given one that does not fit is refused."""
-    eng = _Recorder(max_model_len=160)
+    from recording_engine import Recorder
+
+    eng = Recorder(max_model_len=160)
     app = create_app(eng, "m")
 
     async def go(body):

@@ -1,0 +1,29 @@
+"""A stand-in AsyncEngine for HTTP tests of what the server asks the engine for (no model, no compile)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace as NS
+
+
+class Recorder:
+    """Answers every request with one token (`token`, decoded as `text`), recording each request's params;
+    `tokenizer` None: token-id prompts only; `defaults`: the model's generation config."""
+
+    def __init__(self, max_model_len: int, tokenizer=None, defaults: dict | None = None, vocab_size: int = 512,
+                 token: int = 7, text: str = ""):
+        self.engine = NS(tokenizer=tokenizer, cfg=NS(vocab_size=vocab_size, family="byte", hidden_size=4),
+                         decode_buckets=[4], config=NS(max_model_len=max_model_len, max_logprobs=5),
+                         generation_defaults=defaults or {})
+        self.capacity, self.alive, self.params = 4, True, []
+        self.token, self.text = token, text
+
+    def stats(self) -> dict:
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestOutput
+
+        self.params.append(params)
+        on_accept()
+        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(j, self.text, [self.token], "length")
+                                                              for j in range(params.n)], finished=True)
