@@ -9,7 +9,8 @@ All engine mutations happen on the engine thread; the event loop only enqueues c
 outputs. A request that fails validation raises `RequestError` from `generate` before taking memory;
 an unexpected error inside a step fails the requests that step ran (`StepFailed`; the others keep their
 place and run next, recomputed if the failure consumed the cache) and the engine keeps serving; an error in
-the engine's own bookkeeping, outside the compiled call, fails every request in flight.
+the engine's own bookkeeping, outside the compiled call, fails every request in flight. `shutdown()` ends the
+requests in flight (their streams raise `EngineDead`, their cache is freed); later requests raise it at once.
 """
 
 from __future__ import annotations
@@ -25,6 +26,24 @@ from serve.engine import Engine, StepFailed
 from serve.types import RequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger(__name__)
+
+
+class EngineDead(RuntimeError):
+    """The async engine was shut down (vLLM's `EngineDeadError`): nothing steps its requests any more."""
+
+
+def _settle(fut: asyncio.Future, result=None, err: Optional[BaseException] = None) -> None:
+    if not fut.done():
+        fut.set_exception(err) if err is not None else fut.set_result(result)
+
+
+def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """`fn(*args)` on a consumer's event loop -> False when that loop is closed (its consumer is gone)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+        return True
+    except RuntimeError:  # "Event loop is closed": never the engine thread's end
+        return False
 
 
 class AsyncEngine:
@@ -63,11 +82,13 @@ class AsyncEngine:
         q: asyncio.Queue = asyncio.Queue()
         done = loop.create_future()
         entry = (loop, q)
-        with self._lock:
+        with self._lock:  # (with `shutdown`'s flag: a request is refused, or its command is seen)
+            if self._stop:
+                raise EngineDead("the engine is shut down")
             if request_id in self._streams:  # (replacing its entry would end another stream: refused here)
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             self._streams[request_id] = entry
-        self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt, lora_request))
+            self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt, lora_request))
         self._wake.set()
         finished = False
         try:
@@ -111,7 +132,10 @@ class AsyncEngine:
         """Run `fn(engine)` on the engine thread, between steps -> its result (or its exception)."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
-        self._commands.put(("call", fn, loop, done))
+        with self._lock:
+            if self._stop:
+                raise EngineDead("the engine is shut down")
+            self._commands.put(("call", fn, loop, done))
         self._wake.set()
         return await done
 
@@ -143,14 +167,35 @@ class AsyncEngine:
         return await self.call(lambda engine: engine.is_sleeping)
 
     def shutdown(self) -> None:
-        """Stop the engine thread; then release a multi-process engine's followers."""
-        self._stop = True
+        """Stop the engine thread; then release a multi-process engine's followers. The requests in flight end
+        (their streams and the calls waiting raise `EngineDead`; their cache is freed)."""
+        with self._lock:
+            self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
         if self._thread.is_alive():  # a step still running: the channel is that thread's (closed at exit)
             log.warning("engine thread still in a step after 10 s; followers are released at exit")
-        else:
+        else:  # the engine is this thread's now
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+            self.engine._reap()
             self.engine.close()
+        self._end_waiting("the engine was shut down")
+
+    def _end_waiting(self, why: str) -> None:
+        """(shutdown) Fail what waits on the engine thread: requests and calls still queued, every open stream."""
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            fut = cmd[4] if cmd[0] == "add" else cmd[3] if cmd[0] == "call" else None
+            if fut is not None:
+                _post(fut.get_loop(), _settle, fut, None, EngineDead(why))
+        with self._lock:
+            entries = list(self._streams.values())
+        for loop, q in entries:
+            _post(loop, q.put_nowait, EngineDead(why))
 
     # ---- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
@@ -215,11 +260,7 @@ class AsyncEngine:
                     result, err = fn(self.engine), None
                 except Exception as e:
                     result, err = None, e
-
-                def settle(result=result, err=err, done=done):
-                    if not done.done():
-                        done.set_exception(err) if err is not None else done.set_result(result)
-                loop.call_soon_threadsafe(settle)
+                _post(loop, _settle, done, result, err)
 
     def _resolve(self, rid: str, fut: asyncio.Future, err: Optional[Exception]) -> None:
         with self._lock:
@@ -229,19 +270,22 @@ class AsyncEngine:
                 self.engine.abort(rid)
                 self.engine._reap()
             return
-        loop, _ = entry
-
-        def set_result():
-            if not fut.done():
-                fut.set_exception(err) if err else fut.set_result(None)
-        loop.call_soon_threadsafe(set_result)
+        if not _post(entry[0], _settle, fut, None, err) and err is None:
+            self._forget(rid, entry)
 
     def _deliver(self, rid: str, item) -> None:
         with self._lock:
             entry = self._streams.get(rid)
-        if entry is not None:
-            loop, q = entry
-            loop.call_soon_threadsafe(q.put_nowait, item)
+        if entry is not None and not _post(entry[0], entry[1].put_nowait, item):
+            self._forget(rid, entry)
+
+    def _forget(self, rid: str, entry: tuple) -> None:
+        """A stream whose event loop closed unread (nobody can read or close it): abort its request, free its cache."""
+        with self._lock:
+            if self._streams.get(rid) is entry:
+                del self._streams[rid]
+        self.engine.abort(rid)
+        self.engine._reap()
 
     def _abort_all_now(self) -> int:
         aborted = 0

@@ -31,7 +31,7 @@ from serve.async_engine import AsyncEngine
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig
 from serve.host_cache import HostCache
-from serve.types import RequestOutput, RequestOutputKind, SamplingParams
+from serve.types import RequestError, RequestOutput, RequestOutputKind, SamplingParams
 
 
 def build_pair(model, config: EngineConfig, prefill_devices: tuple[int, ...], decode_devices: tuple[int, ...],
@@ -90,6 +90,8 @@ class DisaggregatedAsyncEngine:
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
+        if request_id in self._phase:  # (its phase entry is the first request's: abort goes by it)
+            raise RequestError(f"request_id: {request_id!r} is already in use")
         # an adapter's prefixes are hashed with its load on one engine, so the other could not find them
         pre = _prefill_params(params) if lora_request is None else None
         try:

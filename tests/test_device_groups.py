@@ -252,6 +252,64 @@ def test_pause_aborts_on_every_replica_and_both_phases():
     assert asyncio.run(pd.abort_all()) == 5 and pd.prefill.calls == pd.decode.calls == 1
 
 
+def test_disaggregated_pair_refuses_a_request_id_in_flight():
+    """A second request under an id in flight on a disaggregated pair is refused before it runs anything, as
+    `AsyncEngine` and the replicas refuse it; it used to run a prefill, then fail and take the first request's
+    phase with it, so `abort(id)` no longer reached the first request (it ran on to its end)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve.disaggregated import DisaggregatedAsyncEngine
+    from serve.types import RequestError, SamplingParams
+
+    def out(reason):
+        return SimpleNamespace(finished=reason is not None,
+                               outputs=[SimpleNamespace(finish_reason=reason, token_ids=[1], text="a")])
+
+    class Phase:
+        """An `AsyncEngine` stand-in: refuses ids in flight; prefill ends at once, decode runs until aborted."""
+
+        def __init__(self, prefill):
+            self.prefill, self.live, self.runs = prefill, {}, 0
+
+        async def generate(self, prompt, params, rid, *args, on_accept=None):
+            if rid in self.live:
+                raise RequestError(f"request_id: {rid!r} is already in use")
+            self.runs += 1
+            stop = self.live[rid] = asyncio.Event()
+            try:
+                if self.prefill:
+                    yield out("length")
+                    return
+                yield out(None)
+                await stop.wait()
+                yield out("abort")
+            finally:
+                del self.live[rid]
+
+        def abort(self, rid):
+            if rid in self.live:
+                self.live[rid].set()
+
+    pd = DisaggregatedAsyncEngine.__new__(DisaggregatedAsyncEngine)
+    pd.prefill, pd.decode, pd._phase, pd._aborted = Phase(True), Phase(False), {}, set()
+
+    async def main():
+        first = pd.generate([1, 2, 3], SamplingParams(max_tokens=50), "x")
+        await first.__anext__()  # decoding
+        with pytest.raises(RequestError, match="already in use"):
+            async for _ in pd.generate([1, 2, 3], SamplingParams(max_tokens=50), "x"):
+                pass
+        assert pd.prefill.runs == 1  # the refused request prefilled nothing
+        pd.abort("x")
+        last = await asyncio.wait_for(first.__anext__(), 5)
+        assert last.outputs[0].finish_reason == "abort"
+        await first.aclose()
+        assert not pd._phase
+
+    asyncio.run(main())
+
+
 def test_sleep_and_weight_updates_change_every_replica_or_none():
     """A replica with requests in flight refuses sleep and weight updates before any replica changes: none is
     left asleep, or serving other weights than the others."""

@@ -791,6 +791,66 @@ def test_async_engine_survives_a_failed_abort(model, engine):
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+def test_async_engine_shutdown_ends_the_requests_in_flight(model, engine):
+    """`shutdown()` with a request in flight: its stream raises `EngineDead` (it used to wait forever), as do a
+    call waiting and later requests (they used to hang); the thread joins and the cache is free."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+    import time
+
+    from serve.async_engine import AsyncEngine, EngineDead
+
+    aeng = AsyncEngine(engine)
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    async def main():
+        stream = asyncio.ensure_future(_collect(aeng.generate([5, 6, 7, 8], long, "x")))
+        while "x" not in engine.requests:
+            await asyncio.sleep(0.01)
+        slow = asyncio.ensure_future(aeng.call(lambda e: time.sleep(0.3)))
+        await asyncio.sleep(0.05)
+        await asyncio.to_thread(aeng.shutdown)
+        assert not aeng.alive
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(stream, 10)
+        ended = (await asyncio.wait_for(asyncio.gather(slow, return_exceptions=True), 10))[0]
+        assert ended is None or isinstance(ended, EngineDead)  # ran before the thread stopped, or refused
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(_collect(aeng.generate([1, 2], GREEDY, "y")), 10)
+        with pytest.raises(EngineDead):
+            await asyncio.wait_for(aeng.abort_all(), 10)
+
+    asyncio.run(main())
+    s = engine.stats()
+    assert not engine.requests and s["arena_free_units"] == s["arena_baseline_free_units"]
+
+
+def test_async_engine_survives_a_closed_consumer_loop(model, engine):
+    """A stream left unread when its event loop closed (a consumer gone without closing it): delivering to it
+    raised in the engine thread, which ended and every other stream hung; now its request is aborted, its
+    cache freed, and the engine serves on."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+
+    aeng = AsyncEngine(engine)
+    try:
+        loop = asyncio.new_event_loop()
+        orphan = aeng.generate([5, 6, 7, 8], SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True), "x")
+        loop.run_until_complete(orphan.__anext__())
+        loop.close()
+        outs = asyncio.run(asyncio.wait_for(_collect(aeng.generate([5, 6, 7, 8], GREEDY, "y")), 60))
+        assert aeng.alive and outs[-1].finished and len(outs[-1].token_ids) == GREEDY.max_tokens
+    finally:
+        aeng.shutdown()
+    assert not engine.requests and engine.counters["requests_aborted"] >= 1
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
+
+
 def test_shared_step_cache_is_bounded(model):
     """Engines over the same model and layout share a bound step, but the process-wide table is
     an LRU: a process that builds engine after engine does not keep every old one's compiled
