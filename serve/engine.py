@@ -2343,6 +2343,7 @@ class Engine:
                         self._allocate(plan)
         except BaseException as e:  # a host-tier copy failed (a restore may have consumed the arena): as a failed
             self._land_flight(touched, failed=(list(plan.admit), e))  # step, of the requests it admitted
+        self._decode_last_tokens(plan)
         if plan.empty:
             if self._flight:
                 self._land_flight(touched)
@@ -2979,6 +2980,16 @@ class Engine:
                 self._grow(seq, plan.grow[rid] - given)
         if restore:
             self._write_units(restore)
+
+    def _decode_last_tokens(self, plan: StepPlan) -> None:
+        """Admissions whose row computes only their last token, past position 0 (a prefix-cache hit one token
+        short of the end), decode it: a cold prefill whose rows end there decodes it too (a running request with
+        one token left decodes), and a one-token prefill row rounds differently from a decode row."""
+        last = [r for r in plan.prefill if r[0] in plan.admit and r[1] > 0 and r[2] == 1
+                and r[1] + 1 == len(self.seqs[r[0]].all_ids) and not self.seqs[r[0]].internal]
+        if last:
+            plan.prefill = [r for r in plan.prefill if r not in last]
+            plan.decode += [rid for rid, _, _ in last]
 
     def _wanted(self) -> set[bytes]:
         """Checkpoints that waiting requests plan to resume from (evicted last)."""

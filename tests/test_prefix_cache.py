@@ -229,6 +229,17 @@ def test_prompt_end_checkpoint(engines):
     warm_vs_cold(engines, base + toks(4, 7), "prompt_end")
 
 
+def test_a_hit_one_token_short_of_the_end_decodes_that_token_as_a_cold_prefill_does(engines):
+    """A prompt one token past an aligned position (resent: its prompt-end checkpoint sits at len - 1) resumes
+    there; its last token is computed in a decode row, as a cold prefill whose rows end there computes it (a
+    one-token prefill row rounds differently): bit-identical to caching off."""
+    emptied(engines)
+    prompt = toks(90, 97)
+    run(engines[0], prompt)
+    warm_vs_cold(engines, prompt, "prompt_end")
+    assert run(engines[0], prompt, n=1).num_cached_tokens == 96
+
+
 def test_outputs_report_the_prompt_tokens_taken_from_the_cache(engines):
     """`RequestOutput.num_cached_tokens` (and so the HTTP usage's cached_tokens) is the position the
     request resumed from: the aligned checkpoint, not the longer run of matching pages."""
