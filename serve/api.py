@@ -313,6 +313,9 @@ class UpdateWeightsRequest(_Strict):
     weight_version: Optional[str] = Field(None, min_length=1, max_length=256,
                                           description="SGLang's: the served weights' version from now on "
                                                       "(/get_model_info, /generate's meta_info)")
+    abort_all_requests: bool = Field(False, description="SGLang's: abort the requests in flight first")
+    flush_cache: bool = Field(True, description="SGLang's; the prefix cache is cleared whatever it says (its "
+                                                "states came from the old weights)")
 
 
 class UpdateWeightVersionRequest(_Strict):
@@ -375,9 +378,9 @@ def _memory_tags(body: Optional[MemoryOccupationRequest]) -> Optional[list[str]]
 
 class AbortRequestBody(_Strict):
     """SGLang's /abort_request body."""
-    rid: Optional[str] = Field(None, min_length=1, description="the request's id: its response id (cmpl-..., "
-                                                               "chatcmpl-..., resp_...) or the X-Request-Id / "
-                                                               "request_id the client gave")
+    rid: Optional[str] = Field(None, description="the request's id: its response id (cmpl-..., chatcmpl-..., "
+                                                 "resp_...) or the X-Request-Id / request_id the client gave; \"\" "
+                                                 "(SGLang's default, sent with abort_all) is none")
     abort_all: bool = Field(False, description="every request in flight of this API key")
 
 
@@ -1596,6 +1599,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 await st.engine.call(lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path)))
             except LoRAError as e:
                 raise APIError(400, str(e), param=_lora_param(str(e))) from None
+            except EngineSleeping as e:  # (its memory released: /wake_up first)
+                raise APIError(503, str(e), "server_unavailable", code="engine_sleeping") from None
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
         @app.post("/v1/unload_lora_adapter", responses=_ERRORS)
@@ -1613,10 +1618,10 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 
         # SGLang's routes for the same (RL trainers on SGLang call these): JSON verdicts
         # {"success", "error_message", "loaded_adapters"}, 400 on failure
-        def lora_verdict(error: Optional[str] = None):
+        def lora_verdict(error: Optional[str] = None, status: int = 400):
             loaded = {n: a.path for n, a in st.lora_adapters().items()}
             return JSONResponse({"success": error is None, "error_message": error or "", "loaded_adapters": loaded},
-                                status_code=200 if error is None else 400)
+                                status_code=200 if error is None else status)
 
         async def load(body, fn):
             if body.lora_name == st.model_name:
@@ -1626,6 +1631,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                 await st.engine.call(fn)
             except LoRAError as e:
                 return lora_verdict(str(e))
+            except EngineSleeping as e:  # (its memory released: /resume_memory_occupation first)
+                return lora_verdict(str(e), 503)
             return lora_verdict()
 
         @app.post("/load_lora_adapter", responses=_ERRORS)
@@ -1824,7 +1831,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         request_id the client gave) or all of them (`abort_all`); only the caller's own (its API key's). They
         finish with finish_reason "abort" (a stream gets its last chunks) and free their cache at once.
         `aborted`: how many requests had work left (0 for an unknown or finished id)."""
-        if body.rid is None and not body.abort_all:
+        if not body.rid and not body.abort_all:
             raise APIError(400, "give rid, or abort_all: true", param="rid")
         return {"aborted": st.abort_runs(key, None if body.abort_all else body.rid)}
 
@@ -1910,7 +1917,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                                            _r: None = Depends(ready)):
             """SGLang's endpoint: load new weights of the served model from a local checkpoint directory
             (`model_path`) and swap them in (Engine.update_weights: same config and shapes, no compile, prefix
-            cache cleared). Also how weights come back after /sleep?level=2. 400 while requests are in flight."""
+            cache cleared). Also how weights come back after /sleep?level=2. 400 while requests are in flight
+            (unless retracted or `abort_all_requests`)."""
+            if body.abort_all_requests:
+                await st.engine.abort_all()
+                await st.drained()
             if st.requests_in_flight and not st.retracted:
                 raise APIError(400, f"{st.requests_in_flight} requests in flight; update when idle (or retract them: "
                                     f"/pause_generation with mode retract)", param="model_path")

@@ -64,8 +64,8 @@ class AsyncEngine:
 
     @property
     def capacity(self) -> int:
-        """Sequences that run at once (the largest decode bucket)."""
-        return int(self.engine.decode_buckets[-1])
+        """Sequences that run at once (max_num_seqs: the largest decode bucket, or fewer rows of it)."""
+        return int(self.engine.sched_cfg.max_num_seqs)
 
     @property
     def alive(self) -> bool:

@@ -441,8 +441,8 @@ class DataParallelAsyncEngine:
 
     @property
     def capacity(self) -> int:
-        """Sequences that run at once: every replica's largest decode bucket."""
-        return sum(int(a.engine.decode_buckets[-1]) for a in self.replicas)
+        """Sequences that run at once: every replica's max_num_seqs."""
+        return sum(int(a.engine.sched_cfg.max_num_seqs) for a in self.replicas)
 
     @property
     def alive(self) -> bool:

@@ -364,8 +364,9 @@ class EngineConfig:
     async_scheduling: bool = False
 
     def __post_init__(self):
-        if self.max_model_len == -1 and not isinstance(self.max_model_len, bool):  # vLLM's spelling of "auto"
-            object.__setattr__(self, "max_model_len", "auto")
+        m = self.max_model_len
+        if isinstance(m, numbers.Integral) and not isinstance(m, bool):  # (a NumPy integer as the other sizes)
+            object.__setattr__(self, "max_model_len", "auto" if m == -1 else int(m))  # -1: vLLM's spelling of "auto"
         if isinstance(self.speculative_config, dict):  # vLLM's form
             object.__setattr__(self, "speculative_config", SpeculativeConfig.from_dict(self.speculative_config))
         tp = self.tensor_parallel_size
@@ -912,8 +913,8 @@ class Engine:
         # gathered form, the reference, TPU's grid over every entry) the width is work and each bucket counts.
         self.decode_context_buckets = (self.context_buckets[-1:] if self.mla_paged and decode_work_follows_length()
                                        else self.context_buckets)
-        self.sched_cfg = SchedulerConfig(
-            max_num_seqs=self.decode_buckets[-1], max_prefill_seqs=self.prefill_buckets[-1],
+        self.sched_cfg = SchedulerConfig(  # (deterministic row tiles may round the decode buckets past max_num_seqs)
+            max_num_seqs=min(config.max_num_seqs, self.decode_buckets[-1]), max_prefill_seqs=self.prefill_buckets[-1],
             prefill_chunk=config.prefill_chunk, align=min(config.prefill_chunk, KDA_CHUNK),
             token_budget=config.max_num_batched_tokens,
             page_size=config.page_size, num_mla_layers=self.cfg.num_mla_layers, slot_units=self.layout.slot_units,
@@ -1046,8 +1047,9 @@ class Engine:
             log.info("max_model_len='auto': %d tokens (%s)", n, "the model's max_position_embeddings" if n == limit
                      else f"the longest request the arena of cache_bytes={config.cache_bytes} holds")
             return dataclasses.replace(config, max_model_len=n)
-        allow = {os.environ.get(k, "") for k in ("K3JAX_ALLOW_LONG_MAX_MODEL_LEN", "VLLM_ALLOW_LONG_MAX_MODEL_LEN")}
-        if config.max_model_len > limit and not allow & {"1", "true", "True"}:
+        allow = {os.environ.get(k, "").strip().lower() for k in ("K3JAX_ALLOW_LONG_MAX_MODEL_LEN",
+                                                                 "VLLM_ALLOW_LONG_MAX_MODEL_LEN")}
+        if config.max_model_len > limit and not allow & {"1", "true"}:  # (vLLM's reading of its variable)
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's max_position_embeddings "
                              f"({limit}), the longest context it was made for; set K3JAX_ALLOW_LONG_MAX_MODEL_LEN=1 "
                              f"to serve longer contexts anyway")

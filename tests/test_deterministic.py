@@ -79,6 +79,19 @@ def test_programs_and_what_the_mode_refuses():
             Engine(model, EngineConfig(**KW, enable_deterministic_inference=True, **extra), warmup=False)
 
 
+def test_rows_rounded_to_whole_tiles_still_run_at_most_max_num_seqs_requests():
+    """max_num_seqs=4: the decode program has 16 rows (two tiles), but at most 4 requests run at once (README:
+    "At most max_num_seqs requests run at once"); 16 ran, and the server admitted 16 as running."""
+    from types import SimpleNamespace
+
+    from serve.async_engine import AsyncEngine
+
+    eng = Engine(k3jax.load_model("tiny-k3"), EngineConfig(**{**KW, "max_num_seqs": 4},
+                                                           enable_deterministic_inference=True), warmup=False)
+    assert eng.decode_buckets[-1] == 16 and eng.sched_cfg.max_num_seqs == 4
+    assert AsyncEngine.capacity.fget(SimpleNamespace(engine=eng)) == 4
+
+
 def test_an_xla_without_the_compiler_option_runs_one_program_per_kind(monkeypatch, caplog):
     """Where XLA refuses the option (an experimental flag another jaxlib may rename), the engine says so and runs
     one program per kind, the largest, instead of programs that would round a row differently."""

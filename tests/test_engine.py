@@ -500,6 +500,29 @@ def test_sizes_buckets_and_switches_are_checked_naming_the_option(key, bad):
         EngineConfig(**{key: bad}).validate()
 
 
+def test_max_model_len_takes_a_numpy_integer_as_the_other_sizes():
+    """A NumPy integer (what arithmetic on NumPy lengths gives) was refused as "expected an integer" since 'auto'
+    came in, while max_num_seqs / page_size of the same kind are taken; it is held as a Python int (JSON-safe)."""
+    cfg = EngineConfig(max_model_len=np.int64(512))
+    cfg.validate()
+    assert cfg.max_model_len == 512 and type(cfg.max_model_len) is int
+    assert EngineConfig(max_model_len=np.int32(-1)).max_model_len == "auto"
+
+
+def test_long_max_model_len_switch_is_read_as_vllm_reads_it(monkeypatch):
+    """VLLM_ALLOW_LONG_MAX_MODEL_LEN is on for '1' / 'true' in any case, around spaces too (vLLM's envs.py)."""
+    from types import SimpleNamespace
+
+    fake = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=4096))
+    long = EngineConfig(max_model_len=8192)
+    for value in ("TRUE", " 1 ", "True\n"):
+        monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", value)
+        assert Engine._resolve_max_model_len(fake, long).max_model_len == 8192
+    monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "0")
+    with pytest.raises(ValueError, match="exceeds the model's max_position_embeddings"):
+        Engine._resolve_max_model_len(fake, long)
+
+
 def test_valid_sizes_and_buckets_still_construct():
     EngineConfig(seed=None, generation_config=None, decode_buckets=[1, 4], prefill_buckets=(4, 1),
                  max_num_seqs=np.int64(4), page_size=np.int32(16), context_buckets=(64,)).validate()

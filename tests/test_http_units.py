@@ -397,6 +397,24 @@ def test_health_generate_runs_one_token_unless_output_is_recent(monkeypatch, eng
     assert asyncio.run(go()).status_code == 503
 
 
+def test_abort_request_takes_sglangs_empty_rid_with_abort_all():
+    """SGLang's clients send /abort_request {"rid": "", "abort_all": true} (AbortReq's default rid): every request
+    of the caller is aborted (was a 400 on the empty rid); an empty rid alone names nothing (400 naming rid)."""
+    app = create_app(_OneToken(), "m")
+    calls = []
+    app.state.k3.abort_runs = lambda key, rid: calls.append(rid) or 2
+
+    async def go(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/abort_request", json=body)
+
+    r = asyncio.run(go({"rid": "", "abort_all": True}))
+    assert r.status_code == 200 and r.json() == {"aborted": 2} and calls == [None], r.text
+    r = asyncio.run(go({"rid": ""}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "rid" and calls == [None], r.text
+    assert asyncio.run(go({"rid": "x"})).json() == {"aborted": 2} and calls == [None, "x"]
+
+
 class _Streams:
     """A stand-in for the API's ServerState: requests that stream a tick every 20 ms until done or aborted."""
 

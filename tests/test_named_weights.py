@@ -272,3 +272,83 @@ def test_tensors_cross_to_other_processes_bit_exactly():
     assert [n for n, _ in back] == [n for n, _ in items]
     for (_, a), (_, b) in zip(items, back):
         assert a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
+
+
+def test_adapter_loads_over_http_while_asleep_answer_503():
+    """An adapter load while the engine's memory is released (SGLang's /load_lora_adapter_from_tensors and
+    /load_lora_adapter, vLLM's /v1/load_lora_adapter) is refused with a 503, not a 500 (the engine's
+    EngineSleeping went unhandled), and loads once the memory is back."""
+    import asyncio
+    import base64
+
+    import httpx
+    from safetensors.numpy import save
+
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    model = k3jax.load_model("tiny-k3", seed=0)
+    engine = make_engine(model, max_loras=1, max_lora_rank=4)
+    t = next(t for t in engine._lora_leaves if not t.experts and t.modules[0].endswith("q_proj"))
+    m = t.modules[0]
+    out, inn = engine._leaves[t.b].shape[-1], engine._leaves[t.a].shape[-3]
+    rng = np.random.default_rng(0)
+    payload = base64.b64encode(save({f"base_model.model.language_model.{m}.lora_A.weight":
+                                     rng.normal(size=(4, inn)).astype(np.float32),
+                                     f"base_model.model.language_model.{m}.lora_B.weight":
+                                     rng.normal(size=(out, 4)).astype(np.float32)})).decode()
+    body = {"lora_name": "a", "config_dict": {"r": 4, "lora_alpha": 8}, "serialized_tensors": payload,
+            "load_format": "safetensors"}
+    aeng = AsyncEngine(engine)
+    app = create_app(aeng, "tiny-k3", enable_sleep_mode=True, allow_runtime_lora_updating=True)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                     base_url="http://t") as c:
+            assert (await c.post("/release_memory_occupation", json={"tags": ["kv_cache"]})).json()["is_sleeping"]
+            r = await c.post("/load_lora_adapter_from_tensors", json=body)
+            assert r.status_code == 503 and not r.json()["success"] and "sleeping" in r.json()["error_message"], r.text
+            r = await c.post("/load_lora_adapter", json={"lora_name": "b", "lora_path": "/no/such/dir"})
+            assert r.status_code == 503 and r.json()["loaded_adapters"] == {}, r.text
+            r = await c.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": "/no/such/dir"})
+            assert r.status_code == 503 and r.json()["error"]["code"] == "engine_sleeping", r.text
+            assert not (await c.post("/resume_memory_occupation", json={})).json()["is_sleeping"]
+            r = await c.post("/load_lora_adapter_from_tensors", json=body)
+            assert r.status_code == 200 and r.json()["loaded_adapters"] == {"a": ""}, r.text
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert engine.list_loras() == ["a"]
+
+
+def test_update_weights_from_disk_takes_sglangs_fields(tmp_path):
+    """/update_weights_from_disk takes SGLang's `abort_all_requests` and `flush_cache` beside `model_path` (RL
+    clients send them; they were refused as unknown fields); the weights load, the prefix cache is cleared."""
+    import asyncio
+
+    import httpx
+
+    from k3jax.checkpoint import save_hf_checkpoint
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    model = k3jax.load_model("tiny-k3", seed=0)
+    save_hf_checkpoint(str(tmp_path), model.cfg, model.params)
+    engine = make_engine(model)
+    aeng = AsyncEngine(engine)
+    app = create_app(aeng, "tiny-k3", enable_sleep_mode=True)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t", timeout=120) as c:
+            for extra in ({"abort_all_requests": True, "flush_cache": True}, {"flush_cache": False}):
+                r = await c.post("/update_weights_from_disk", json={"model_path": str(tmp_path), **extra})
+                assert r.status_code == 200 and r.json()["success"], r.text
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    assert engine.stats()["weight_updates"] == 2
+    assert_holds(engine, model)
