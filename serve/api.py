@@ -2594,6 +2594,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         msg = str(e)
         if msg.startswith("extra_args"):  # the engine's name of the request's vllm_xargs
             raise APIError(400, "vllm_xargs" + msg[len("extra_args"):], param="vllm_xargs") from None
+        if beam is not None and msg.startswith("beam_width"):  # the engine's name of use_beam_search's n
+            raise APIError(400, "n" + msg[len("beam_width"):], param="n") from None
         raise APIError(400, msg, param=_param_of(msg)) from None
     finally:
         if not handed_off:

@@ -149,9 +149,19 @@ class BeamGroup:
     eos_ids: frozenset[int]
     completed: list[Hypothesis]
     rounds: int = 0  # selections made (= tokens in every live beam)
-    final: Optional[list[Hypothesis]] = None  # set when the search ends (empty when aborted)
+    final: Optional[list[Hypothesis]] = None  # set when the search ends
     cached_tokens: int = 0  # prompt tokens its first admission took from the prefix cache
+    aborted: bool = False  # it was aborted: `final` holds the hypotheses it had (finish_reason "abort")
 
     @property
     def done(self) -> bool:
         return self.final is not None
+
+
+def aborted_hypotheses(g: BeamGroup, live: list[Hypothesis]) -> list[Hypothesis]:
+    """What an aborted search reports: its best hypotheses so far (completed and live, ranked as at the
+    end), padded with empty ones to `beam_width`, so each of its outputs ends (finish_reason "abort") as
+    an aborted request's `n` samples do."""
+    p = g.params
+    hyps = best(g.completed + live, p.beam_width, g.prompt_len, p.length_penalty)
+    return hyps + [Hypothesis()] * (p.beam_width - len(hyps))

@@ -51,7 +51,7 @@ from pallas_kernels.mla import decode_work_follows_length
 from serve.host_cache import HostCache, HostEntry, Transfers
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, parse_peft, read_peft
-from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, best, expand
+from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, aborted_hypotheses, best, expand
 from serve.buckets import default_buckets, program_shapes
 from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, longest_request, min_units, state_dtype_name
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
@@ -1772,9 +1772,11 @@ class Engine:
         if req is None or req.finished:
             return False
         if req.beam is not None:
+            g = req.beam  # (a failed search, count False, reports nothing: its hypotheses may be what failed)
+            g.final, g.aborted = aborted_hypotheses(g, [s.hyp for s in req.seqs]) if count else [], True
             for s in req.seqs:
                 self._drop_beam(s)
-            req.seqs, req.beam.final = [], []  # done, with no hypotheses
+            req.seqs = []
             self._beams.pop(request_id, None)
             self._sweep_frozen()
         else:
@@ -3578,8 +3580,9 @@ class Engine:
             # vLLM's: the EOS that ended a hypothesis stays in its token ids but never in its text, and is its
             # stop_reason
             shown = list(h.tokens[:-1] if h.eos else h.tokens)
-            outs.append(CompletionOutput(i, dec(shown, skip), list(h.tokens), "stop" if h.eos else "length",
-                                         h.tokens[-1] if h.eos else None, logprobs=lps,
+            reason = "abort" if g.aborted else "stop" if h.eos else "length"
+            outs.append(CompletionOutput(i, dec(shown, skip), list(h.tokens), reason,
+                                         h.tokens[-1] if h.eos and not g.aborted else None, logprobs=lps,
                                          cumulative_logprob=h.cum_logprob))
         return RequestOutput(req.request_id, req.prompt, [] if req.embeds else req.prompt_ids, outs, req.finished,
                              req.metrics, g.cached_tokens, None)

@@ -6,6 +6,7 @@ rules driven by HF's own logprobs; forks under memory pressure, abort, HTTP and 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import numpy as np
 import pytest
@@ -176,6 +177,18 @@ def test_forks_under_memory_pressure_and_abort(engine, prompts):
         engine.step()
     assert engine._frozen or len(engine.requests[rid].seqs) == WIDTH
     assert engine.abort(rid)
+    # as an aborted request's samples (README: its last output's finish_reason is "abort"; it had no outputs): the
+    # hypotheses so far, ranked as a search of 3 tokens ends with them
+    aborted = engine._output(engine.requests[rid]).outputs
+    engine._reap()
+    assert_idle(engine)
+    three = run_beams(engine, prompts[1:2], BeamSearchParams(WIDTH, 3, ignore_eos=True))[0].outputs
+    assert [c.token_ids for c in aborted] == [c.token_ids for c in three]
+    np.testing.assert_allclose([c.cumulative_logprob for c in aborted], [c.cumulative_logprob for c in three])
+    assert [c.finish_reason for c in aborted] == ["abort"] * WIDTH
+    rid = engine.add_request(prompts[1], params)  # aborted before its first selection: WIDTH empty outputs
+    assert engine.abort(rid)
+    assert [(c.token_ids, c.finish_reason) for c in engine._output(engine.requests[rid]).outputs] == [([], "abort")] * WIDTH
     engine._reap()
     assert_idle(engine)
 
@@ -236,7 +249,7 @@ def test_rejections(engine, prompts):
     assert_idle(engine)
 
 
-def test_llm_and_http(engine, prompts):
+def test_llm_and_http(engine, prompts, monkeypatch):
     """`LLM.beam_search` and `use_beam_search` over HTTP give the engine's hypotheses; fields a beam
     search cannot honour are refused with 400 naming them."""
     import httpx
@@ -277,6 +290,13 @@ def test_llm_and_http(engine, prompts):
             assert r.status_code == 400 and r.json()["error"]["param"] == "stop"
             r = await c.post("/v1/completions", json=body | {"n": 5})
             assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+            # the engine's refusal of a width past max_num_seqs names the request's field (it named beam_width)
+            monkeypatch.setattr(engine, "sched_cfg", dataclasses.replace(engine.sched_cfg, max_num_seqs=1))
+            for stream in (False, True):
+                r = await c.post("/v1/completions", json=body | {"stream": stream})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "n", r.text
+                assert r.json()["error"]["message"].startswith("n: 2 beams exceed max_num_seqs=1"), r.text
+            monkeypatch.undo()
 
     try:
         asyncio.run(go())
