@@ -1642,7 +1642,9 @@ class Engine:
 
     def _load_adapter(self, what: str, name, int_id: int, path: str, read) -> Adapter:
         self._leader_only(what)
-        self._check_awake(what)
+        # the weights' adapter slots must be there; the KV cache need not be (an RL loop resumes the weights,
+        # syncs its adapter, then resumes the cache); base weights still to be loaded after sleep(2) are fine
+        self._weights_present(what, stale_ok=True)
         victim = self._lora_room(name, path)  # raises when none can go, before reading anything
         known = self.loras.by_name.get(name)
         shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
