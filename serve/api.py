@@ -439,6 +439,8 @@ class ServerState:
     def __init__(self, model_name: str, api_keys=None, limits: Optional[Limits] = None,
                  max_waiting: Optional[int] = 256, max_model_len: Optional[int] = None):
         self.model_name = model_name
+        if isinstance(api_keys, str):  # one key (vLLM's `api_key`), not its characters
+            api_keys = [api_keys]
         keys = dict(api_keys) if isinstance(api_keys, dict) else {k: Limits() for k in (api_keys or [])}
         self.keys = KeyStore(keys)
         self.limiter = RateLimiter(limits or Limits(), keys)
@@ -1434,7 +1436,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
       `app.state.k3.attach(async_engine)` (until then /health and the API answer 503).
-    api_keys: None (open server), an iterable of keys, or {key: Limits} (per-key limits).
+    api_keys: None (open server), a key, an iterable of keys, or {key: Limits} (per-key limits).
     limits: default per-key `Limits(rpm, tpm)` (None: unlimited).
     max_waiting: sequences allowed to wait beyond the engine's decode capacity; more get 503.
     max_model_len: the context window shown before the engine is attached.
@@ -2570,10 +2572,12 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
             await _unless_disconnected(request, st.unpaused())
         except _ClientGone:
             return Response(status_code=499)
-    ticket = st.admit(key, len(prompts) * params.n, reserve)
+    # checked again after the waits above (an adapter may have been unloaded meanwhile), before admission: a 404
+    # raised after it would never release the request's admission
     lora = st.check_model(getattr(body, "model", None))
     if lora is not None:
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
+    ticket = st.admit(key, len(prompts) * params.n, reserve)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
                beam, response_id=fmt.id, key=key)
     fmt.run = run  # formats that stream whole objects read the merged answer

@@ -5,7 +5,8 @@ Keys are bearer tokens (`Authorization: Bearer KEY`). They come from
 * the environment variable `K3JAX_API_KEYS` (comma-separated keys),
 * `--api-key KEY` on the command line (vLLM's flag; repeat it for more keys), and/or
 * a key file (`--api-key-file`): one key per line, optionally followed by per-key limits,
-  `KEY [rpm=N] [tpm=N]`; blank lines and `#` comments are ignored.
+  `KEY [rpm=N] [tpm=N]`; blank lines and `#` comments (from a `#` at a line's start or after whitespace) are
+  ignored.
 
 With no keys configured the server is open (no 401s). Limits are a sliding 60-second window per key
 (the anonymous caller when no keys are configured): `rpm` requests and `tpm` tokens per minute. A
@@ -19,6 +20,7 @@ from __future__ import annotations
 import hmac
 import math
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -28,6 +30,7 @@ from typing import Iterable, Optional
 ENV_KEYS = "K3JAX_API_KEYS"
 WINDOW_S = 60.0
 ANONYMOUS = ""
+_COMMENT = re.compile(r"(?:^|\s)#")
 
 
 @dataclass(frozen=True)
@@ -49,11 +52,13 @@ class RateLimited(Exception):
 
 
 def parse_key_file(path: str) -> dict[str, Limits]:
-    """`KEY [rpm=N] [tpm=N]` per line -> {key: Limits} (limits None where not given)."""
+    """`KEY [rpm=N] [tpm=N]` per line -> {key: Limits} (limits None where not given). A comment starts with a `#`
+    that begins the line or follows whitespace (a `#` inside a key is the key's); a UTF-8 byte-order mark is
+    skipped."""
     keys: dict[str, Limits] = {}
-    with open(path, encoding="utf-8") as f:
+    with open(path, encoding="utf-8-sig") as f:
         for lineno, raw in enumerate(f, 1):
-            line = raw.split("#", 1)[0].strip()
+            line = _COMMENT.split(raw, 1)[0].strip()
             if not line:
                 continue
             key, *opts = line.split()

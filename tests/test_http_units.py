@@ -71,6 +71,28 @@ def test_keystore():
     assert KeyStore(None).check(None) == ""  # open server
 
 
+def test_key_file_hash_inside_a_key_is_the_keys(tmp_path):
+    """A `#` starts a comment only at a line's start or after whitespace: `sk-a#b rpm=3` was read as the key
+    `sk-a` without its limit (a shorter key let in, unlimited; the real key refused)."""
+    f = tmp_path / "keys"
+    f.write_text("sk-a#b rpm=3  # team a\n")
+    assert parse_key_file(str(f)) == {"sk-a#b": Limits(rpm=3)}
+
+
+def test_key_file_skips_a_utf8_byte_order_mark(tmp_path):
+    """A key file saved with a BOM (Windows editors, CRLF lines): its first key works (it was `\\ufeffalpha`)."""
+    f = tmp_path / "keys"
+    f.write_bytes(b"\xef\xbb\xbfalpha\r\nbeta tpm=5\r\n")
+    assert parse_key_file(str(f)) == {"alpha": Limits(), "beta": Limits(tpm=5)}
+
+
+def test_api_keys_given_as_one_string_is_one_key():
+    """`create_app(api_keys="secret")` requires that key (each of its characters was a key: `Bearer s` got in)."""
+    app = create_app(None, "m", api_keys="secret")
+    assert app.state.k3.keys.check("Bearer secret") == "secret"
+    assert app.state.k3.keys.check("Bearer s") is None
+
+
 def test_metrics_export_expert_counts_and_arena_split():
     stats = {"expert_counts": [[3, 0, 5], [1, 1, 1]], "arena_bytes": {"total": 1000, "kda_slots": 250, "mla_pages": 100},
              "prefix_cache": {"query_tokens": 40, "hit_tokens": 16, "kda_hits": 2, "kda_misses": 3},
@@ -782,3 +804,36 @@ def test_max_model_len_auto_from_the_command_line():
     args = build_parser().parse_args(["serve", "--max-model-len", "0"])
     with pytest.raises(ValueError, match="--max-model-len: expected an integer >= 1"):
         engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+
+
+class _Adapters(_TwoSamples):
+    """`_TwoSamples` serving a LoRA adapter named `ad`."""
+
+    def __init__(self):
+        from types import SimpleNamespace as NS
+
+        super().__init__()
+        self.engine.loras = NS(by_name={"ad": NS(name="ad", path="/ad")})
+
+
+def test_adapter_unloaded_while_a_request_waits_releases_its_admission():
+    """A request for an adapter held by /pause, the adapter unloaded meanwhile: 404 after /resume, and nothing stays
+    admitted (it stayed in flight for ever: /load 1, shutdown drains and /sleep waited on it)."""
+    eng = _Adapters()
+    app = create_app(eng, "m")
+    st = app.state.k3
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            st.pause()
+            held = asyncio.ensure_future(c.post("/v1/completions", json={"prompt": [1], "max_tokens": 2,
+                                                                         "model": "ad"}))
+            while not st.requests_held:
+                await asyncio.sleep(0.01)
+            eng.engine.loras.by_name = {}
+            st.resume()
+            return await held, (await c.get("/load")).json()
+
+    r, load = asyncio.run(go())
+    assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
+    assert load == {"server_load": 0} and st.seqs_in_flight == 0
