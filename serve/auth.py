@@ -93,7 +93,10 @@ def load_api_keys(key_file: Optional[str] = None, env: Optional[dict] = None,
         if k.strip():
             keys[k.strip()] = Limits()
     if key_file:
-        keys.update(parse_key_file(key_file))
+        try:
+            keys.update(parse_key_file(key_file))
+        except (OSError, UnicodeDecodeError) as e:  # a directory, no permission, not text
+            raise ValueError(f"--api-key-file {key_file}: cannot read it ({getattr(e, 'strerror', None) or e})") from None
     return keys or None
 
 

@@ -84,6 +84,12 @@ def test_key_file_skips_a_utf8_byte_order_mark(tmp_path):
     f = tmp_path / "keys"
     f.write_bytes(b"\xef\xbb\xbfalpha\r\nbeta tpm=5\r\n")
     assert parse_key_file(str(f)) == {"alpha": Limits(), "beta": Limits(tpm=5)}
+    from serve.auth import load_api_keys
+
+    (tmp_path / "bin").write_bytes(b"\xff\xfe\x00")
+    for bad in (tmp_path, tmp_path / "bin"):  # a directory, not text: named (was a traceback)
+        with pytest.raises(ValueError, match=f"--api-key-file {bad}: cannot read it"):
+            load_api_keys(str(bad), env={})
 
 
 def test_api_keys_given_as_one_string_is_one_key():
