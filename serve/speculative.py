@@ -69,10 +69,14 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}; expected "
                              f"{sorted(cls.__dataclass_fields__)}")
-        d = dict(d)
-        lo = d.get("prompt_lookup_min")
-        if "prompt_lookup_max" not in d and _is_int(lo):  # a lone min (vLLM's form) is never above the max
-            d["prompt_lookup_max"] = max(lo, cls.prompt_lookup_max)
+        # vLLM's reading: a bound given as null is not given; a lone bound is both (no default above a lone min,
+        # none below a lone max)
+        d = {k: v for k, v in d.items() if v is not None or k not in ("prompt_lookup_min", "prompt_lookup_max")}
+        lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
+        if hi is None and lo is not None:
+            d["prompt_lookup_max"] = lo
+        elif lo is None and hi is not None:
+            d["prompt_lookup_min"] = hi
         return cls(**d)
 
     def validate(self, prefill_chunk: int) -> None:

@@ -165,10 +165,13 @@ def test_config_errors_name_the_field():
                      ("prompt_lookup_min", True)):  # (booleans are not counts; a string is not a switch)
         with pytest.raises(ValueError, match=f"speculative_config.{key}"):
             EngineConfig(speculative_config={key: bad}).validate()
-    # vLLM's form: a lone prompt_lookup_min is valid (the max follows it up)
-    cfg = EngineConfig(speculative_config={"prompt_lookup_min": 5})
-    cfg.validate()
-    assert (cfg.speculative_config.prompt_lookup_min, cfg.speculative_config.prompt_lookup_max) == (5, 5)
+    # vLLM's reading: a lone bound is both bounds; null is not given
+    for given, want in (({"prompt_lookup_min": 5}, (5, 5)), ({"prompt_lookup_min": 2}, (2, 2)),
+                        ({"prompt_lookup_max": 3}, (3, 3)), ({"prompt_lookup_max": None, "prompt_lookup_min": 2}, (2, 2)),
+                        ({"prompt_lookup_min": None}, (1, 4))):
+        cfg = EngineConfig(speculative_config=given)
+        cfg.validate()
+        assert (cfg.speculative_config.prompt_lookup_min, cfg.speculative_config.prompt_lookup_max) == want, given
     EngineConfig(speculative_config={"method": "suffix", "num_speculative_tokens": 8}).validate()
     assert EngineConfig(speculative_config={"num_speculative_tokens": 2}).speculative_config == SpeculativeConfig(
         num_speculative_tokens=2)
