@@ -15,8 +15,8 @@ from serve.types import SamplingParams
 LAYOUTS = {"mid_page": (64, 16), "page_aligned": (16, 32)}
 
 
-def config(page, chunk, units, **kw):
-    return EngineConfig(max_model_len=384, page_size=page, cache_bytes=units * page * 40 * 4, max_num_seqs=8,
+def config(page, chunk, units, max_model_len=384, **kw):
+    return EngineConfig(max_model_len=max_model_len, page_size=page, cache_bytes=units * page * 40 * 4, max_num_seqs=8,
                         prefill_chunk=chunk, max_prefill_seqs=2, max_num_batched_tokens=256, decode_buckets=(8,),
                         prefill_buckets=(2,), context_buckets=(384 // page,), max_logprobs=4,
                         checkpoint_interval=256, decode_checkpoint_interval=32, **kw)
@@ -177,9 +177,10 @@ def test_prefill_first_decodes_while_an_admission_waits_for_a_slot(engines, monk
 
 @pytest.fixture(scope="module")
 def small():
-    """tiny-k3 with an arena of 56 units: a state slot is 13 of them, a 160-token context 30."""
+    """tiny-k3 with an arena of 56 units: a state slot is 13 of them, a 160-token context 30 (the longest request
+    it holds is 225 tokens: max_model_len 192)."""
     page, chunk = LAYOUTS["page_aligned"]
-    return Engine(k3jax.load_model("tiny-k3", seed=2), config(page, chunk, 70), progress=False)
+    return Engine(k3jax.load_model("tiny-k3", seed=2), config(page, chunk, 70, max_model_len=192), progress=False)
 
 
 def bounded(engine, prompt, n, steps=60):
