@@ -79,7 +79,7 @@ def resubmitted_beams(eng: Engine, prompts, width: int, gen: int) -> tuple[float
         for rid, (i, j) in rids.items():
             o = outs[rid]
             computed += len(o.prompt_token_ids) - o.num_cached_tokens
-            _, top = o.outputs[0].logprobs[0]
+            top = o.outputs[0].logprobs[0].top
             rows[i].append((j, (beams[i][j], [t.token_id for t in top], [t.logprob for t in top])))
         for i, p in enumerate(prompts):
             live, _ = expand([r for _, r in sorted(rows[i], key=lambda x: x[0])], width, frozenset(), len(p), 1.0)

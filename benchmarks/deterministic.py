@@ -43,7 +43,7 @@ def probe(engine: Engine, target: list[int], others: list[list[int]], gen: int) 
         while engine.has_unfinished():
             done.update({o.request_id: o for o in engine.step() if o.finished})
         c = done[ids[at]].outputs[0]
-        return c.token_ids, np.asarray([lp.logprob for lp, _ in c.logprobs])
+        return c.token_ids, np.asarray([lp.chosen.logprob for lp in c.logprobs])
 
     alone = run([target], 0)
     out = {}

@@ -87,8 +87,8 @@ def main(argv=None):
                              spill_s=store.metrics["host_spill_seconds"] - spill,
                              restore_s=store.metrics["host_restore_seconds"] - restore,
                              identical=warm.token_ids == cold.token_ids and
-                             [lp.logprob for lp, _ in warm.outputs[0].logprobs] ==
-                             [lp.logprob for lp, _ in cold.outputs[0].logprobs]))
+                             [lp.chosen.logprob for lp in warm.outputs[0].logprobs] ==
+                             [lp.chosen.logprob for lp in cold.outputs[0].logprobs]))
             consumer.reset_prefix_cache()
             producer.reset_prefix_cache()
         case = dict(prompt_len=n, reps=rows, cold_ttft_s=med([r["cold_ttft_s"] for r in rows]),

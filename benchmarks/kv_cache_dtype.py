@@ -93,7 +93,7 @@ def teacher_forced(engine: Engine, seqs: list[list[int]]) -> list[list[tuple[flo
     done = {}
     while engine.has_unfinished():
         done.update({o.request_id: o for o in engine.step() if o.finished})
-    return [[(lp.logprob, lp.rank) for lp, _ in done[i].prompt_logprobs[1:]] for i in ids]
+    return [[(lp.chosen.logprob, lp.chosen.rank) for lp in done[i].prompt_logprobs[1:]] for i in ids]
 
 
 def against_hf(engine: Engine, prompts: list[list[int]], hf_out: list[list[int]]) -> dict:

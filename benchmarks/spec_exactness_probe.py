@@ -66,8 +66,8 @@ def main(argv=None) -> None:
         eng._propose = propose
         outs = wave()
         differ = [i for i, (o, p) in enumerate(zip(outs, plain)) if o.token_ids != p.token_ids]
-        lp = max(abs(a[0].logprob - b[0].logprob) for o, p in zip(outs, plain) for a, b in zip(o.logprobs, p.logprobs)
-                 if a[0].token_id == b[0].token_id)
+        lp = max(abs(a.chosen.logprob - b.chosen.logprob) for o, p in zip(outs, plain)
+                 for a, b in zip(o.logprobs, p.logprobs) if a.chosen.token_id == b.chosen.token_id)
         print(f"{args.model} c={c} {mode:12s} requests differing {differ}  max |logprob diff| {lp:.2e}", flush=True)
 
 

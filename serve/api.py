@@ -75,7 +75,7 @@ from serve.routed_experts import to_base64
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
 from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, plan_tools
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
-                         StructuredOutputsParams)
+                         StructuredOutputsParams, TokenLogprobs)
 
 log = logging.getLogger(__name__)
 
@@ -1012,12 +1012,13 @@ class _Format:
         if out.prompt_logprobs is None:
             return None
         rows = [None]
-        for chosen, alts in out.prompt_logprobs[1:]:
+        for pos in out.prompt_logprobs[1:]:
+            chosen = pos.chosen
             row = {str(chosen.token_id): {"logprob": _finite_lp(chosen.logprob), "rank": chosen.rank,
-                                          "decoded_token": chosen.decoded}}
-            for r, a in enumerate(alts, 1):
+                                          "decoded_token": chosen.decoded_token}}
+            for r, a in enumerate(pos.top, 1):
                 row.setdefault(str(a.token_id), {"logprob": _finite_lp(a.logprob), "rank": r,
-                                                 "decoded_token": a.decoded})
+                                                 "decoded_token": a.decoded_token})
             rows.append(row)
         return rows
 
@@ -1030,7 +1031,7 @@ class _Format:
 
     def token_text(self, lp: Logprob) -> str:
         """A logprob entry's `token`: its text, or vLLM's 'token_id:{id}' under return_tokens_as_token_ids."""
-        return f"token_id:{lp.token_id}" if self.tokens_as_ids else lp.decoded
+        return f"token_id:{lp.token_id}" if self.tokens_as_ids else lp.decoded_token
 
     def logprob_bytes(self, lp: Logprob) -> list[int]:
         """`bytes` of a chat logprob entry: the token's bytes, or those of its 'token_id:{id}' name (vLLM's)."""
@@ -1073,7 +1074,8 @@ class _CompletionFormat(_Format):
         if self.logprobs is None or entries is None:
             return None
         tokens, lps, tops, offs = [], [], [], []
-        for chosen, alts in entries:
+        for e in entries:  # TokenLogprobs, or the echoed prompt's first token: (its Logprob, None)
+            chosen, alts = (e.chosen, e.top) if isinstance(e, TokenLogprobs) else e
             tokens.append(self.token_text(chosen))
             lps.append(None if chosen.logprob is None else _finite_lp(chosen.logprob))
             # OpenAI's legacy shape (vLLM's too): the chosen token, then the `logprobs` most likely (up to
@@ -1084,7 +1086,7 @@ class _CompletionFormat(_Format):
                 top.setdefault(self.token_text(a), _finite_lp(a.logprob))
             tops.append(top)
             offs.append(offset)
-            offset += len(chosen.decoded)
+            offset += len(chosen.decoded_token)
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def _echoed(self, i: int, out: RequestOutput, entries):
@@ -1225,7 +1227,8 @@ class _ChatFormat(_Format):
         if self.logprobs is None or entries is None:
             return None
         content = []
-        for chosen, alts in entries:
+        for e in entries:
+            chosen, alts = e.chosen, e.top
             content.append({"token": self.token_text(chosen), "logprob": _finite_lp(chosen.logprob),
                             "bytes": self.logprob_bytes(chosen),
                             "top_logprobs": [{"token": self.token_text(a), "logprob": _finite_lp(a.logprob),

@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass
 from typing import Optional
 
-from serve.types import RequestError, SamplingParams
+from serve.types import RequestError, SamplingParams, TokenLogprobs
 
 
 @dataclass
@@ -123,10 +123,12 @@ def best(hyps: list[Hypothesis], width: int, prompt_len: int, length_penalty: fl
 
 @dataclass
 class BeamSearchSequence:
-    """One returned hypothesis (vLLM's): `tokens` include the prompt; `logprobs` are the generated tokens'."""
+    """One returned hypothesis (vLLM's): `tokens` include the prompt; `logprobs` are the generated tokens', as
+    vLLM's: per token a dict token id -> Logprob, the token's own first, then what its beam proposed at that step
+    by rank (TokenLogprobs: `.chosen.logprob` is the token's logprob; they sum to `cum_logprob`)."""
 
     tokens: list[int]
-    logprobs: list[float]
+    logprobs: list[TokenLogprobs]
     cum_logprob: float
     text: str
     finish_reason: str  # "stop": it ended with EOS; "length": max_tokens

@@ -79,7 +79,7 @@ from serve.step import StepBatch, StepOptions, bind_sample, bind_step
 from serve.stop_checker import StopChecker
 from serve.structured import GrammarCompiler, Guide, ban_words, fill_masks, mask_words
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
-                         RequestOutputKind, SamplingParams)
+                         RequestOutputKind, SamplingParams, TokenLogprobs)
 
 log = logging.getLogger(__name__)
 
@@ -597,7 +597,7 @@ class Sequence:
     computed: int = 0
     slot: Optional[int] = None
     pages: list[list[int]] = field(default_factory=list)  # per MLA layer: units in position order
-    logprobs: list = field(default_factory=list)
+    logprobs: list = field(default_factory=list)  # with params.logprobs: a TokenLogprobs per generated token
     cum_logprob: float = 0.0  # with params.logprobs: the sum of its sampled tokens' logprobs (vLLM's)
     hasher: Optional[PrefixHasher] = None
     hit: Optional[Hit] = None  # prefix-cache hit planned for admission / pinned until the first step
@@ -3188,7 +3188,7 @@ class Engine:
             n = seq.params.prompt_logprobs
             for k in np.flatnonzero(targets[i] >= 0):
                 tok = int(targets[i, k])
-                seq.prompt_lps[start + k + 1] = (
+                seq.prompt_lps[start + k + 1] = TokenLogprobs(
                     Logprob(tok, float(lp[i, k]), dec(tok), int(rank[i, k])),
                     _alternatives(top_ids[i, k], top_lps[i, k], n, dec))
 
@@ -3294,7 +3294,8 @@ class Engine:
         if seq.params.logprobs is not None:
             n = seq.params.logprobs
             dec = self._token_text(seq.params)
-            seq.logprobs.append((Logprob(tok, lp, dec(tok), rank), _alternatives(top_ids, top_lps, n, dec)))
+            seq.logprobs.append(TokenLogprobs(Logprob(tok, lp, dec(tok), rank),
+                                              _alternatives(top_ids, top_lps, n, dec)))
             seq.cum_logprob += lp
         last = False
         if seq.guide is not None:
@@ -3685,12 +3686,13 @@ class Engine:
         return self.prefix_cache.evictable()[0] if self.prefix_cache else 0
 
 
-def _beam_logprobs(token: int, logprob: float, proposals, dec) -> tuple:
-    """A hypothesis token's (Logprob, alternatives): what its beam proposed at that step, ranked by place."""
+def _beam_logprobs(token: int, logprob: float, proposals, dec) -> TokenLogprobs:
+    """A hypothesis token's logprobs (its Logprob first, then the alternatives its beam proposed at that step,
+    ranked by place)."""
     alts = _alternatives([a for a, _ in proposals], [x for _, x in proposals], len(proposals),
                          lambda a: dec([a], False))
     rank = next((a.rank for a in alts if a.token_id == token), None)
-    return Logprob(token, logprob, dec([token], False), rank), alts
+    return TokenLogprobs(Logprob(token, logprob, dec([token], False), rank), alts)
 
 
 def kv_cache_usage(free: int, cached: int, baseline: int) -> float:

@@ -134,7 +134,7 @@ class LLM:
         if not isinstance(params, BeamSearchParams):
             raise TypeError(f"params: expected BeamSearchParams, got {type(params).__name__}")
         outs = self.generate(prompts, params, lora_request=lora_request, use_tqdm=use_tqdm)
-        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, [lp.logprob for lp, _ in c.logprobs],
+        return [BeamSearchOutput([BeamSearchSequence(o.prompt_token_ids + c.token_ids, list(c.logprobs),
                                                      c.cumulative_logprob, c.text, c.finish_reason, c.stop_reason)
                                   for c in o.outputs]) for o in outs]
 

@@ -213,7 +213,7 @@ class GenerateFormat(api._Format):
 
     def _entry(self, lp) -> list:
         return [api._finite_lp(lp.logprob) if lp.logprob is not None else None, lp.token_id,
-                lp.decoded if self.with_text else None]
+                lp.decoded_token if self.with_text else None]
 
     def _finish(self, o) -> Optional[dict]:
         if o.finish_reason is None:
@@ -235,14 +235,15 @@ class GenerateFormat(api._Format):
                                 "weight_version": self.st.weight_version}
         if self.body.return_logprob:
             entries = o.logprobs or []
-            meta["output_token_logprobs"] = [self._entry(c) for c, _ in entries]
+            meta["output_token_logprobs"] = [self._entry(e.chosen) for e in entries]
             if self.body.top_logprobs_num:
-                meta["output_top_logprobs"] = [[self._entry(a) for a in alts] for _, alts in entries]
+                meta["output_top_logprobs"] = [[self._entry(a) for a in e.top] for e in entries]
             if self.body.logprob_start_len >= 0 and out.prompt_logprobs is not None:
                 start = min(self.body.logprob_start_len, prompt_len)
                 ids = out.prompt_token_ids
                 rows = [([None, ids[0], self._token(ids[0])], []) if k == 0 else
-                        (self._entry(out.prompt_logprobs[k][0]), [self._entry(a) for a in out.prompt_logprobs[k][1]])
+                        (self._entry(out.prompt_logprobs[k].chosen),
+                         [self._entry(a) for a in out.prompt_logprobs[k].top])
                         for k in range(start, prompt_len)]
                 meta["input_token_logprobs"] = [r for r, _ in rows]
                 if self.body.top_logprobs_num:

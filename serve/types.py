@@ -90,7 +90,8 @@ class SamplingParams:
     temperature 0 means greedy (one in (0, 0.01) samples at 0.01, vLLM's clamp). top_k <= 0 (or -1)
     disables top-k; top_p 1 and min_p 0 disable theirs.
     `seed` makes a request's samples reproducible regardless of batch composition.
-    `logprobs=N` returns the sampled token's logprob and the top-N alternatives per step.
+    `logprobs=N` returns the sampled token's logprob and the top-N alternatives per step (vLLM's shape: a dict
+    token id -> Logprob per step, the sampled token first; see TokenLogprobs).
     `prompt_logprobs=N` returns, for every prompt token after the first, its logprob given the tokens
     before it and the top-N alternatives (the whole prompt is computed: no prefix-cache reuse).
     `allowed_token_ids` restricts sampling (greedy too) to those tokens; `truncate_prompt_tokens=K`
@@ -269,13 +270,44 @@ def finite_number(x) -> bool:
 class Logprob:
     token_id: int
     logprob: float
-    decoded: str = ""
+    decoded_token: str = ""  # the token's text (vLLM's name; "" without a tokenizer or with detokenize=False)
     rank: Optional[int] = None  # 1 = the most likely (vLLM v1's: the tokens with a value >= its; top-n: their place)
 
     @property
-    def decoded_token(self) -> str:
-        """vLLM's name for `decoded`."""
-        return self.decoded
+    def decoded(self) -> str:
+        """The former name of `decoded_token` (read-only)."""
+        return self.decoded_token
+
+
+class TokenLogprobs(dict):
+    """One position's logprobs, as vLLM's: a dict token id -> Logprob, the sampled (or prompt) token's entry
+    first, then the top-N alternatives in rank order; a token that is both appears once, as the chosen one
+    (so there are N or N + 1 entries). `chosen` is the sampled / prompt token's Logprob and `top` the
+    alternatives in rank order (as vLLM's top-N, it may hold the chosen token too)."""
+
+    __slots__ = ("chosen", "top")
+
+    def __init__(self, chosen: Logprob, top=()):
+        super().__init__()
+        self.chosen = chosen
+        self.top = list(top)
+        self[chosen.token_id] = chosen
+        for a in self.top:
+            self.setdefault(a.token_id, a)
+
+    def __reduce__(self):  # pickle / copy: rebuilt from (chosen, top), then any entry added since
+        return (type(self), (self.chosen, self.top), None, None, iter(self.items()))
+
+    def __eq__(self, other):
+        if isinstance(other, TokenLogprobs):
+            return self.chosen == other.chosen and self.top == other.top and dict.__eq__(self, other)
+        return dict.__eq__(self, other)
+
+    def __ne__(self, other):
+        eq = self.__eq__(other)
+        return eq if eq is NotImplemented else not eq
+
+    __hash__ = None  # (a dict's)
 
 
 @dataclass
@@ -285,8 +317,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
     stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
-    # per generated token: (sampled token's Logprob, top-N alternatives)
-    logprobs: Optional[list[tuple[Logprob, list[Logprob]]]] = None
+    # per generated token (vLLM's shape): token id -> Logprob, the sampled token first, then the top-N
+    # alternatives by rank (TokenLogprobs; `.chosen` / `.top` for convenience)
+    logprobs: Optional[list[TokenLogprobs]] = None
     # with SamplingParams.logprobs (vLLM's) and a beam search's hypotheses: the sum of the generated tokens' logprobs
     cumulative_logprob: Optional[float] = None
     # enable_return_routed_experts, once finished: the logical expert ids each position fed through the model was
@@ -328,9 +361,10 @@ class RequestOutput:
     finished: bool = False
     metrics: Optional[RequestMetrics] = None
     num_cached_tokens: int = 0
-    # with SamplingParams.prompt_logprobs: per prompt token, None for the first, else
-    # (its Logprob, top-N alternatives); Logprob.rank is the token's rank (1 = most likely)
-    prompt_logprobs: Optional[list] = None
+    # with SamplingParams.prompt_logprobs (vLLM's shape): per prompt token, None for the first, else a
+    # TokenLogprobs (token id -> Logprob: the prompt token first, then its top-N alternatives by rank);
+    # Logprob.rank is the token's rank (1 = most likely)
+    prompt_logprobs: Optional[list[Optional[TokenLogprobs]]] = None
 
     # convenience accessors for the common n == 1 case
     @property

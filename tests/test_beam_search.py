@@ -265,9 +265,12 @@ def test_llm_and_http(engine, prompts, monkeypatch):
     got = llm.beam_search({"prompt_token_ids": prompts[0]}, params)[0].sequences  # vLLM's TokensPrompt form
     assert [s.tokens for s in got] == [prompts[0] + c.token_ids for c in want]
     assert [s.cum_logprob for s in got] == pytest.approx([c.cumulative_logprob for c in want])
-    assert got[0].cum_logprob == pytest.approx(sum(got[0].logprobs))
+    assert got[0].cum_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(got[0].logprobs, want[0].token_ids)))
+    assert [s.logprobs for s in got] == [c.logprobs for c in want]  # vLLM's: a dict token id -> Logprob per token
     for c in want:  # each token's alternatives: what its beam proposed (2 x width, best first), the token among them
-        for chosen, alts in c.logprobs:
+        for pos, tok in zip(c.logprobs, c.token_ids):
+            chosen, alts = pos.chosen, pos.top
+            assert next(iter(pos)) == tok and pos[tok] is chosen and len(pos) == 4
             assert len(alts) == 4 and [a.rank for a in alts] == [1, 2, 3, 4]
             assert [a.logprob for a in alts] == sorted((a.logprob for a in alts), reverse=True)
             assert {a.token_id: a.logprob for a in alts}[chosen.token_id] == chosen.logprob

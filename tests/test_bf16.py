@@ -96,7 +96,7 @@ def test_bf16_engine_is_within_bf16_rounding_of_fp32(engine, models):
                 done[o.request_id] = o
     errs = {"engine": [], "forward": [], "engine_vs_forward": []}
     for rid, prompt in zip(ids, PROMPTS):
-        got = np.array([lp.logprob for lp, _ in done[rid].prompt_logprobs[1:]])  # (Logprob, top-N) per token
+        got = np.array([lp.chosen.logprob for lp in done[rid].prompt_logprobs[1:]])  # the prompt token's, per position
         want = {dt: _prompt_logprobs(models[dt], prompt) for dt in models}
         errs["engine"] += list(np.abs(got - want["float32"]))
         errs["forward"] += list(np.abs(want["bfloat16"] - want["float32"]))

@@ -40,7 +40,7 @@ def _run(engine, prompts, sp, at: int, stagger: bool = False):
     out = done[ids[at]]
     c = out.outputs[0]
     _run.cached = out.num_cached_tokens
-    return c.token_ids, [lp.logprob for lp, _ in c.logprobs]
+    return c.token_ids, [lp.chosen.logprob for lp in c.logprobs]
 
 
 @pytest.mark.parametrize("kind", ["greedy", "seeded"])

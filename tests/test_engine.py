@@ -419,8 +419,10 @@ def test_request_metrics_time_every_stage(engine, prompts):
 def test_logprobs_are_returned(engine, prompts):
     out = run_all(engine, [prompts[1]], SamplingParams(temperature=0.0, max_tokens=3, logprobs=3, ignore_eos=True))[0]
     lps = out.outputs[0].logprobs
-    assert len(lps) == 3 and all(len(top) == 3 for _, top in lps)
-    for (chosen, top), tok in zip(lps, out.token_ids):
+    assert len(lps) == 3 and all(len(pos.top) == 3 for pos in lps)
+    for pos, tok in zip(lps, out.token_ids):
+        chosen, top = pos[tok], pos.top  # vLLM's: token id -> Logprob, the sampled token first
+        assert list(pos) == [t.token_id for t in top]  # (greedy: it is the top-1, once)
         assert chosen.token_id == tok and top[0].token_id == tok  # greedy picks the top-1
         assert chosen.logprob <= 0
 

@@ -192,11 +192,11 @@ def test_completion_top_logprobs_hold_the_chosen_token_and_the_top_n():
     from types import SimpleNamespace
 
     from serve.api import _CompletionFormat
-    from serve.types import Logprob
+    from serve.types import Logprob, TokenLogprobs
 
     st = SimpleNamespace(model_name="m", tokenizer=None, return_tokens_as_token_ids=False)
     a, b, c = Logprob(97, -2.0, "a"), Logprob(98, -0.5, "b"), Logprob(99, -1.0, "c")
-    entries = [(Logprob(120, None, "x"), None), (a, [b, c]), (b, [b, c])]
+    entries = [(Logprob(120, None, "x"), None), TokenLogprobs(a, [b, c]), TokenLogprobs(b, [b, c])]
     for n, want in ((1, [None, {"a": -2.0, "b": -0.5}, {"b": -0.5}]),
                     (0, [None, {"a": -2.0}, {"b": -0.5}]),
                     (2, [None, {"a": -2.0, "b": -0.5, "c": -1.0}, {"b": -0.5, "c": -1.0}])):

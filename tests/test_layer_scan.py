@@ -169,7 +169,7 @@ def _check(outs, prompts, reference, params=None):
         tokens, lps = reference(p, GREEDY.max_tokens, params)
         c = o.outputs[0]
         assert c.token_ids == tokens
-        _close([lp[0].logprob for lp in c.logprobs], lps, 1e-4)
+        _close([lp.chosen.logprob for lp in c.logprobs], lps, 1e-4)
 
 
 def test_scanning_engine_matches_the_unrolled_forward(engine, reference, unrolled):
@@ -222,7 +222,7 @@ def test_scan_with_the_arena_codecs_matches_the_unrolled_engine(options):
         first = llm.generate(PROMPTS, GREEDY)
         again = llm.generate(PROMPTS[::-1], GREEDY)
         runs[scan] = ([o.token_ids for o in first], [o.token_ids for o in again], [o.num_cached_tokens for o in again],
-                      [[lp[0].logprob for lp in o.outputs[0].logprobs] for o in first])
+                      [[lp.chosen.logprob for lp in o.outputs[0].logprobs] for o in first])
         assert llm.stats()["compiles_after_warmup"] == 0 and _arena_back(llm.engine)
     assert runs[True][:3] == runs[False][:3] and sum(runs[True][2]) > 0
     _close(runs[True][3], runs[False][3], 1e-4)
@@ -302,7 +302,7 @@ def test_scanned_engine_serves_adapters_and_drafts(unrolled, reference, tmp_path
     for rid, (tokens, lps) in want.items():
         c = done[rid].outputs[0]
         assert c.token_ids == tokens, rid
-        _close([lp[0].logprob for lp in c.logprobs], lps, 1e-3)
+        _close([lp.chosen.logprob for lp in c.logprobs], lps, 1e-3)
     assert len({tuple(t) for t, _ in want.values()}) == len(want)  # each adapter changes every prompt's tokens
     assert 0 < e.counters["spec_decode_num_accepted_tokens"] < e.counters["spec_decode_num_draft_tokens"]
     assert e.counters["lora_swaps"] >= 2 and e.compiles_after_warmup == 0 and _arena_back(e)
@@ -377,6 +377,6 @@ def test_scanned_engine_serves_expert_adapters(unrolled, tmp_path, shared):
         tokens, lps = reference(p, merged if lr else dense.params)
         c = done[f"r{i}"].outputs[0]
         assert c.token_ids == tokens, (i, lr)
-        _close([lp[0].logprob for lp in c.logprobs], lps, 1e-3)
+        _close([lp.chosen.logprob for lp in c.logprobs], lps, 1e-3)
     assert done["r0"].outputs[0].token_ids != done["r1"].outputs[0].token_ids
     assert e.compiles_after_warmup == 0 and _arena_back(e)

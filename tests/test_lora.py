@@ -139,7 +139,7 @@ def check_against_peft(pm, reqs, outs, names: dict) -> None:
         adapter = names[lr]
         toks = np.asarray(out.outputs[0].token_ids)
         want, gap, argmax = _peft_logprobs(pm, adapter, prompt, toks)
-        got = np.asarray([lp.logprob for lp, _ in out.outputs[0].logprobs])
+        got = np.asarray([lp.chosen.logprob for lp in out.outputs[0].logprobs])
         np.testing.assert_allclose(got, want, atol=2e-4, err_msg=f"adapter {adapter}")
         clear = gap > 1e-3  # greedy may part from PEFT's only at near-ties
         assert (toks[clear] == argmax[clear]).all(), (adapter, toks, argmax)
@@ -169,8 +169,8 @@ def test_rows_alone_equal_the_mixed_batch(ab, engine, ref):
     for req, m in zip(reqs, mixed):
         alone = _run(engine, [req])[0]
         assert alone.outputs[0].token_ids == m.outputs[0].token_ids
-        np.testing.assert_allclose([lp.logprob for lp, _ in alone.outputs[0].logprobs],
-                                   [lp.logprob for lp, _ in m.outputs[0].logprobs], atol=1e-5)
+        np.testing.assert_allclose([lp.chosen.logprob for lp in alone.outputs[0].logprobs],
+                                   [lp.chosen.logprob for lp in m.outputs[0].logprobs], atol=1e-5)
 
 
 def test_beam_search_with_an_adapter_matches_peft(engine, ref):

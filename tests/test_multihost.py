@@ -128,7 +128,7 @@ def test_two_processes_share_the_prefix_cache_host_tier(cluster, reference):
     for g, w in zip(got, want):
         c = g["choices"][0]
         assert c["text"] == w.outputs[0].text
-        np.testing.assert_allclose(c["logprobs"]["token_logprobs"], [lp.logprob for lp, _ in w.outputs[0].logprobs],
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"], [lp.chosen.logprob for lp in w.outputs[0].logprobs],
                                    atol=2e-4)
     hits = float(metrics.split("vllm:external_prefix_cache_hits_total{")[1].split("}")[1].split()[0])
     assert hits >= 64 and got[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64, \
@@ -152,7 +152,7 @@ def test_two_processes_serve_like_one_device(cluster, reference):
     for g, w in zip(got, want):
         c = g["choices"][0]
         assert c["text"] == w.outputs[0].text
-        np.testing.assert_allclose(c["logprobs"]["token_logprobs"], [lp.logprob for lp, _ in w.outputs[0].logprobs],
+        np.testing.assert_allclose(c["logprobs"]["token_logprobs"], [lp.chosen.logprob for lp in w.outputs[0].logprobs],
                                    atol=2e-4)
     assert [g["usage"]["prompt_tokens_details"]["cached_tokens"] for g in got][-2:] == [0, 32]
 
@@ -220,7 +220,7 @@ _ASYNC = textwrap.dedent("""
         done = {}
         while eng.has_unfinished():
             done.update({o.request_id: o for o in eng.step() if o.finished})
-        return [done[i].outputs[0].text for i in ids], [[lp.logprob for lp, _ in done[i].outputs[0].logprobs]
+        return [done[i].outputs[0].text for i in ids], [[lp.chosen.logprob for lp in done[i].outputs[0].logprobs]
                                                         for i in ids]
     texts, logprobs = run()
     st = eng.stats()
@@ -311,7 +311,7 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     want = _reference_outputs(reference, PROMPTS)
     assert got["texts"] == [w.outputs[0].text for w in want]
     for g, w in zip(got["logprobs"], want):
-        np.testing.assert_allclose(g, [lp.logprob for lp, _ in w.outputs[0].logprobs], atol=2e-4)
+        np.testing.assert_allclose(g, [lp.chosen.logprob for lp in w.outputs[0].logprobs], atol=2e-4)
     assert got["ahead"] > got["steps"] // 2 and got["compiles"] == 0 and got["free"] == got["baseline"]
     assert int(out1.split("FOLLOWED")[1].split()[0]) >= max(kw["max_tokens"] for _, kw in PROMPTS)
     import re

@@ -48,7 +48,8 @@ def run(engine, prompt, n=8, params=None, **extra):
 
 
 def logprobs(out):
-    return [(c.token_id, c.logprob, [(t.token_id, t.logprob) for t in top]) for c, top in out.outputs[0].logprobs]
+    return [(p.chosen.token_id, p.chosen.logprob, [(t.token_id, t.logprob) for t in p.top])
+            for p in out.outputs[0].logprobs]
 
 
 def hits(engine, kind):

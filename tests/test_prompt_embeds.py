@@ -79,7 +79,7 @@ def test_the_tables_rows_give_the_token_prompts_output_and_logprobs(llm, table):
     """Embeddings looked up from the model's own table are the token prompt, bit for bit."""
     a, b = llm.generate([IDS, {"prompt_embeds": table[IDS]}], GREEDY)
     assert a.token_ids == b.token_ids
-    assert [lp.logprob for lp, _ in a.outputs[0].logprobs] == [lp.logprob for lp, _ in b.outputs[0].logprobs]
+    assert [lp.chosen.logprob for lp in a.outputs[0].logprobs] == [lp.chosen.logprob for lp in b.outputs[0].logprobs]
     # a torch tensor, a [1, L, H] batch of one, and a JAX array are taken as well
     torch = pytest.importorskip("torch")
     for x in (torch.from_numpy(table[IDS]), table[IDS][None], jnp.asarray(table[IDS])):

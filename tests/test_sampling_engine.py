@@ -220,8 +220,8 @@ def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
         assert [lp for c in parts for lp in c.logprobs] == w.logprobs
         assert [c.finish_reason for c in parts if c.finish_reason] == [w.finish_reason]
         # vLLM's cumulative_logprob (with logprobs): the sum of the sampled tokens' logprobs so far, in every kind
-        assert w.cumulative_logprob == pytest.approx(sum(lp.logprob for lp, _ in w.logprobs))
-        assert all(lp.decoded_token == lp.decoded for lp, _ in w.logprobs)  # vLLM's name too
+        assert w.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(w.logprobs, w.token_ids)))
+        assert all(lp.decoded == lp.decoded_token for pos in w.logprobs for lp in pos.values())  # the former name
         (f,) = [c for c in final[0].outputs if c.index == w.index]
         assert f.cumulative_logprob == parts[-1].cumulative_logprob == w.cumulative_logprob
     assert all(c.cumulative_logprob is None for c in llm.generate([PROMPT[:5]], SP(max_tokens=2))[0].outputs)
@@ -308,18 +308,62 @@ def test_prompt_logprobs_match_the_full_forward_and_bypass_the_prefix_cache(llm,
     every = np.asarray(jax.nn.log_softmax(jnp.asarray(forward_logits(prompt)), axis=-1))
     for k in range(1, len(prompt)):
         lp = every[k - 1]
-        chosen, alts = got[k]
-        assert chosen.token_id == prompt[k]
+        chosen, alts = got[k][prompt[k]], got[k].top  # vLLM's dict: the prompt token's entry first
+        assert chosen is got[k].chosen and next(iter(got[k])) == prompt[k] and chosen.token_id == prompt[k]
         assert chosen.logprob == pytest.approx(float(lp[prompt[k]]), rel=1e-5, abs=2e-5)  # fp32: 2.1e-5 seen
         assert chosen.rank == int(np.sum(lp >= lp[prompt[k]]))
         assert [a.token_id for a in alts] == list(np.argsort(-lp, kind="stable")[:3])
     again = llm.generate([prompt], SP(temperature=0, max_tokens=1, prompt_logprobs=1))[0]
     assert again.num_cached_tokens == 0  # the prompt is cached now, but scored anew
-    assert [c.logprob for c, _ in again.prompt_logprobs[1:]] == [c.logprob for c, _ in got[1:]]
+    assert [c.chosen.logprob for c in again.prompt_logprobs[1:]] == [c.chosen.logprob for c in got[1:]]
     two = llm.generate([prompt], SP(temperature=0, max_tokens=1, n=2, prompt_logprobs=1))[0]
-    assert [c.logprob for c, _ in two.prompt_logprobs[1:]] == [c.logprob for c, _ in got[1:]]
+    assert [c.chosen.logprob for c in two.prompt_logprobs[1:]] == [c.chosen.logprob for c in got[1:]]
     with pytest.raises(RequestError, match="prompt_logprobs"):
         llm.generate([prompt], SP(prompt_logprobs=4))
+
+
+def test_logprobs_have_vllms_shape(llm):
+    """vLLM's shape, as code written for vLLM reads it: per generated token a dict token id -> Logprob(logprob,
+    rank, decoded_token), the sampled token's entry first, then the top-N by rank (N entries when the sampled
+    token is among them, else N + 1; logprobs=0: the sampled token alone); prompt_logprobs likewise per prompt
+    token, None for the first. `.chosen` / `.top` hold the same entries; outputs pickle and copy."""
+    import copy
+    import pickle
+
+    from serve.types import TokenLogprobs
+
+    prompt, tok = PROMPT[:16], llm.engine.tokenizer
+    dec = lambda t: tok.decode([t], skip_special=False)  # noqa: E731
+    g = dict(temperature=0, max_tokens=6, ignore_eos=True)
+    outs = llm.generate([prompt] * 3, [SP(**g, logprobs=2, prompt_logprobs=2),
+                                       SP(**g, logprobs=2, logit_bias={9: 100.0}),  # sampled; raw logprobs rank it low
+                                       SP(**g, logprobs=0)])
+    sizes = []
+    for o in outs[:2]:
+        c = o.outputs[0]
+        assert len(c.logprobs) == len(c.token_ids) == 6
+        for i, lp in enumerate(c.logprobs):
+            t = c.token_ids[i]
+            assert isinstance(lp, dict) and next(iter(lp)) == t and lp[t] is lp.chosen
+            assert lp[t].logprob <= 0 and lp[t].decoded_token == dec(t) and lp[t].decoded == lp[t].decoded_token
+            top = lp.top
+            assert [a.rank for a in top] == [1, 2] and all(lp[a.token_id] is a for a in top if a.token_id != t)
+            assert len(lp) == (2 if t in [a.token_id for a in top] else 3)
+            assert [k for k, _ in lp.items()] == list(dict.fromkeys([t] + [a.token_id for a in top]))
+            assert lp[t].rank == 1 if t == top[0].token_id else lp[t].rank > 1
+            sizes.append(len(lp))
+        assert c.cumulative_logprob == pytest.approx(sum(lp[t].logprob for lp, t in zip(c.logprobs, c.token_ids)))
+    assert set(sizes) == {2, 3}  # the greedy row's token is its top-1; the biased row's mostly not in the top 2
+    assert all(len(lp) == 1 and list(lp) == [t] for lp, t in zip(outs[2].outputs[0].logprobs, outs[2].token_ids))
+    pl = outs[0].prompt_logprobs
+    assert len(pl) == len(prompt) and pl[0] is None and outs[1].prompt_logprobs is None
+    for j in range(1, len(prompt)):
+        assert isinstance(pl[j], TokenLogprobs) and next(iter(pl[j])) == prompt[j]
+        assert pl[j][prompt[j]].token_id == prompt[j] and pl[j][prompt[j]].rank >= 1 and len(pl[j]) in (2, 3)
+    for o in outs:
+        for again in (pickle.loads(pickle.dumps(o)), copy.deepcopy(o)):
+            assert again == o and list(again.outputs[0].logprobs[0]) == list(o.outputs[0].logprobs[0])
+            assert again.outputs[0].logprobs[0].chosen == o.outputs[0].logprobs[0].chosen
 
 
 def test_allowed_token_ids_and_prompt_truncation(llm, forward_logits):
@@ -527,10 +571,10 @@ def test_detokenize_false_gives_the_same_ids_without_text(llm):
     assert [o.token_ids for o in ids_only] == [o.token_ids for o in with_text]
     assert all(o.outputs[0].text == "" for o in ids_only) and all(o.outputs[0].text for o in with_text)
     for a, b in zip(ids_only, with_text):
-        assert [(x.token_id, x.logprob) for x, _ in a.outputs[0].logprobs] == [
-            (x.token_id, x.logprob) for x, _ in b.outputs[0].logprobs]
-        assert all(x.decoded == "" and all(t.decoded == "" for t in top) for x, top in a.outputs[0].logprobs)
-    assert any(x.decoded for x, _ in with_text[0].outputs[0].logprobs)
+        assert [[(x.token_id, x.logprob) for x in pos.values()] for pos in a.outputs[0].logprobs] == [
+            [(x.token_id, x.logprob) for x in pos.values()] for pos in b.outputs[0].logprobs]
+        assert all(x.decoded_token == "" for pos in a.outputs[0].logprobs for x in pos.values())
+    assert any(pos.chosen.decoded_token for pos in with_text[0].outputs[0].logprobs)
     first = with_text[0].token_ids[2]
     stopped = llm.generate([PROMPT[:20]], SP(temperature=0, max_tokens=6, detokenize=False, stop_token_ids=[first]))
     assert stopped[0].token_ids == with_text[0].token_ids[:with_text[0].token_ids.index(first) + 1]
@@ -588,7 +632,8 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
     assert e.stats()["compiles_after_warmup"] == 0
     for prompt, p, o, r in zip(prompts, cases, got, raw):
         out = o.token_ids
-        for i, (chosen, top) in enumerate(o.outputs[0].logprobs):
+        for i, pos in enumerate(o.outputs[0].logprobs):
+            chosen, top = pos.chosen, pos.top
             x = _ref(forward_logits(prompt + out[:i])[-1], prompt, out[:i], repetition=p.repetition_penalty,
                      bias=p.logit_bias)
             want = log_softmax(_sampled_from(x, p))
@@ -599,11 +644,11 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
             above = lambda eps: 1 + int(np.sum(want > want[out[i]] + eps))  # noqa: E731
             assert above(1e-4) <= chosen.rank <= above(-1e-4) and [t.rank for t in top] == [1, 2, 3]
         sampled = p.temperature > 0
-        differs = [a.logprob != pytest.approx(b.logprob, abs=1e-3) for (a, _), (b, _) in
+        differs = [a.chosen.logprob != pytest.approx(b.chosen.logprob, abs=1e-3) for a, b in
                    zip(o.outputs[0].logprobs, r.outputs[0].logprobs)]
         assert all(differs) if sampled or p.repetition_penalty != 1 else not any(differs)
-    np.testing.assert_allclose([c.logprob for c, _ in got[3].prompt_logprobs[1:]],
-                               [c.logprob for c, _ in raw[3].prompt_logprobs[1:]], rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose([c.chosen.logprob for c in got[3].prompt_logprobs[1:]],
+                               [c.chosen.logprob for c in raw[3].prompt_logprobs[1:]], rtol=1e-5, atol=1e-5)
     from serve.beam_search import BeamSearchParams
     from serve.engine import Engine
 

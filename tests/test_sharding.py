@@ -225,9 +225,9 @@ _MULTI = textwrap.dedent("""
                 eplb=dict(st["eplb"], summary=eplb_summary, placement=eng.eplb.placement.tolist(),
                           ahead=eng.counters["steps_launched_ahead"],
                           tokens_after=[r.token_ids for r in res_after],
-                          logprobs_after=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res_after])
+                          logprobs_after=[[lp.chosen.logprob for lp in r.outputs[0].logprobs] for r in res_after])
                 if eplb else None,
-                logprobs=[[lp.logprob for lp, _ in r.outputs[0].logprobs] for r in res],
+                logprobs=[[lp.chosen.logprob for lp in r.outputs[0].logprobs] for r in res],
                 mesh=st["mesh"], compiles=st["compiles_after_warmup"], split=len(split), leaves=len(leaves),
                 weights_mismatched=weights_mismatched,
                 devices=sorted(d.id for d in eng.arena.sharding.device_set),

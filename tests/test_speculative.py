@@ -235,9 +235,9 @@ def test_outputs_equal_plain_decoding(engine, monkeypatch, kind):
         for o, p in zip(outs, plain):
             assert o.token_ids == p.token_ids, (kind, mode)
             if p.logprobs is not None:
-                np.testing.assert_allclose([lp[0].logprob for lp in o.logprobs], [lp[0].logprob for lp in p.logprobs],
-                                           rtol=1e-4, atol=1e-4)
-                assert [[t.token_id for t in lp[1]] for lp in o.logprobs] == [[t.token_id for t in lp[1]]
+                np.testing.assert_allclose([lp.chosen.logprob for lp in o.logprobs],
+                                           [lp.chosen.logprob for lp in p.logprobs], rtol=1e-4, atol=1e-4)
+                assert [[t.token_id for t in lp.top] for lp in o.logprobs] == [[t.token_id for t in lp.top]
                                                                                for lp in p.logprobs]
         if mode == "oracle":  # every draft accepted: about 1 + K tokens per step
             assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 0
@@ -448,8 +448,8 @@ def test_async_scheduling_drafts_on_a_guess_of_the_token_in_flight(engine, async
         for o, p in zip(outs, plain):
             assert o.token_ids == p.token_ids, mode
             if p.logprobs is not None:
-                np.testing.assert_allclose([lp[0].logprob for lp in o.logprobs], [lp[0].logprob for lp in p.logprobs],
-                                           rtol=1e-4, atol=1e-4)
+                np.testing.assert_allclose([lp.chosen.logprob for lp in o.logprobs],
+                                           [lp.chosen.logprob for lp in p.logprobs], rtol=1e-4, atol=1e-4)
         assert d["steps_launched_ahead"] > 0, (mode, d)
         if mode in ("right", "every third"):  # drafts after a right guess are the plain continuation: all accepted
             assert d["spec_decode_num_accepted_tokens"] == d["spec_decode_num_draft_tokens"] > 20, d
