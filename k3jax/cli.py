@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -34,7 +35,8 @@ def _cmd_info(args) -> int:
     import jax
 
     from k3jax.cache import cache_bytes
-    from k3jax.config import PRESETS, load_hf_config
+    from k3jax.checkpoint import read_config
+    from k3jax.config import PRESETS
     from k3jax.runtime import abstract_model, param_counts, parse_dtype
 
     if args.page_size is None:
@@ -53,7 +55,10 @@ def _cmd_info(args) -> int:
         contexts = []
     if not contexts or min(contexts) < 1:
         raise ValueError(f"--context: expected comma-separated positive token counts, got {args.context!r}")
-    cfg = PRESETS[args.model] if args.model in PRESETS else load_hf_config(args.model)
+    # a checkpoint directory as `load_model` reads it: HF (config.json) or Orbax (`k3jax convert`'s output)
+    if args.model not in PRESETS and not os.path.isdir(args.model):
+        raise FileNotFoundError(f"{args.model!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
+    cfg = PRESETS[args.model] if args.model in PRESETS else read_config(args.model)
     dtype = parse_dtype(args.dtype)
     _, abstract = abstract_model(cfg, dtype)
     leaves = jax.tree.leaves(abstract)

@@ -146,6 +146,22 @@ def test_unreadable_config_json_names_the_file(tmp_path):
         load_hf_config(str(tmp_path))
 
 
+def test_info_reads_a_converted_checkpoint(tmp_path, capsys):
+    """`k3jax info --model DIR` plans an Orbax directory written by `k3jax convert`, as `load_model` and the
+    other commands read it (it looked for an HF config.json: "No such file or directory")."""
+    from k3jax.cli import main
+
+    dst = str(tmp_path / "orbax")
+    assert main(["convert", "tiny-k3", dst]) == 0
+    capsys.readouterr()
+    assert main(["info", "--model", dst]) == 0
+    from_dir = json.loads(capsys.readouterr().out)
+    assert main(["info", "--model", "tiny-k3"]) == 0
+    assert from_dir["params"] == json.loads(capsys.readouterr().out)["params"]
+    assert main(["info", "--model", str(tmp_path / "nope")]) == 2
+    assert "neither a preset" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("flags,match", [
     (["--page-size", "0"], "--page-size"), (["--sharding", "tp", "--devices", "0"], "--devices"),
     (["--cache-gib", "1", "--context", "abc"], "--context"), (["--max-loras", "-2"], "--max-loras"),
