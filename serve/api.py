@@ -1742,8 +1742,9 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         return await handler(body, request, key, None)
 
     @app.get("/load")
-    async def server_load(key: str = Depends(authenticate)):
-        """vLLM's server load (a load balancer's signal): the HTTP requests in flight."""
+    async def server_load():
+        """vLLM's server load (a load balancer's signal): the HTTP requests in flight. Open, as vLLM's (its keys
+        guard /v1/* only) and as /health: a balancer polls it without a key."""
         return {"server_load": st.requests_in_flight}
 
     @app.post("/v1/responses", responses=_ERRORS)

@@ -97,6 +97,11 @@ def test_api_keys_given_as_one_string_is_one_key():
     app = create_app(None, "m", api_keys="secret")
     assert app.state.k3.keys.check("Bearer secret") == "secret"
     assert app.state.k3.keys.check("Bearer s") is None
+    from fastapi.testclient import TestClient
+
+    with TestClient(app) as c:  # vLLM's /load is open (its keys guard /v1/*): a load balancer polls it keyless
+        assert c.get("/load").json() == {"server_load": 0}
+        assert c.get("/v1/models").status_code == 401
 
 
 def test_metrics_export_expert_counts_and_arena_split():
