@@ -2524,22 +2524,26 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
     return beam
 
 
-def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str) -> int:
-    """Raise 400 naming both numbers when a prompt does not fit; return the tokens to reserve."""
+def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str,
+                   budget: str = "max_tokens") -> int:
+    """Raise 400 naming both numbers when a prompt does not fit (vLLM's messages, which clients parse to lower
+    their max_tokens); return the tokens to reserve. `budget`: the request's name for max_tokens."""
     L, reserve = st.max_model_len, 0
     for ids in map(_prompt_len, prompts):
         if params.max_tokens is None:
             if ids >= L:
-                raise APIError(400, f"This model's maximum context length is {L} tokens, but the {param} has "
-                                    f"{ids} tokens (at least one token must be left for the completion).",
+                raise APIError(400, f"This model's maximum context length is {L} tokens. However, your request has "
+                                    f"{ids} input tokens. Please reduce the length of the {param} (at least one "
+                                    f"token must be left for the completion).",
                                param=param, code="context_length_exceeded")
             gen = L - ids
         else:
             if ids + params.max_tokens > L:
-                raise APIError(400, f"This model's maximum context length is {L} tokens. However, you requested "
-                                    f"{ids + params.max_tokens} tokens ({ids} in the {param}, "
-                                    f"{params.max_tokens} for the completion). Please reduce the length of the "
-                                    f"{param} or max_tokens.", param=param, code="context_length_exceeded")
+                asked = params.max_tokens
+                names = "'max_tokens' or 'max_completion_tokens'" if budget == "max_tokens" else f"'{budget}'"
+                raise APIError(400, f"{names} is too large: {asked}. This model's maximum context length is {L} "
+                                    f"tokens and your request has {ids} input tokens ({asked} > {L} - {ids}).",
+                               param=budget if ids < L else param, code="context_length_exceeded")
             gen = params.max_tokens
         reserve += ids + gen * params.n
     return reserve
@@ -2560,7 +2564,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
                            param="return_routed_experts")
         fmt.routes_from = body.routed_experts_start_len
     continuous = include_usage and stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
-    reserve = _check_context(st, prompts, params, param)
+    reserve = _check_context(st, prompts, params, param, getattr(fmt, "budget_field", "max_tokens"))
     beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:

@@ -1462,14 +1462,18 @@ class Engine:
             if params.min_tokens and len(set(params.stop_token_ids) | set(self.stop_ids)) > MIN_TOKENS_STOP_IDS:
                 raise RequestError(f"stop_token_ids: at most {MIN_TOKENS_STOP_IDS} stop tokens (with EOS) when "
                                    f"min_tokens is set")
-            max_tokens = params.max_tokens if params.max_tokens is not None else self.config.max_model_len - len(ids)
-            if max_tokens < 1:  # max_tokens None: the prompt leaves no room for a completion
+            window = self.config.max_model_len
+            if len(ids) > window:
+                raise RequestError(f"prompt: {len(ids)} prompt tokens exceed the context window of {window} tokens")
+            if beam is not None and len(ids) + params.max_tokens > window:
+                raise RequestError(f"prompt: {len(ids)} prompt tokens + max_tokens {params.max_tokens} exceed the "
+                                   f"context window of {window} tokens")
+            # vLLM's: generation ends ("length") where the window does, whatever max_tokens asks (the HTTP server
+            # refuses such a request itself, with OpenAI's error, as vLLM's does)
+            max_tokens = min(params.max_tokens or window, window - len(ids))
+            if max_tokens < 1:
                 raise RequestError(f"prompt: {len(ids)} prompt tokens leave no room for a completion in the context "
-                                   f"window of {self.config.max_model_len} tokens")
-            if len(ids) + max_tokens > self.config.max_model_len:
-                raise RequestError(
-                    f"prompt: {len(ids)} prompt tokens + max_tokens {max_tokens} exceed the context window of "
-                    f"{self.config.max_model_len} tokens")
+                                   f"window of {window} tokens")
             # the cache holds every position but the last token's (sampled, never fed back); the n samples of a
             # request are scheduled apart (one may wait for another), a beam search's beams run together
             need = self.layout.slot_units + units_for(len(ids) + max_tokens - 1, self.sched_cfg)

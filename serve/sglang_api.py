@@ -203,6 +203,8 @@ def _error(e: RequestError) -> "api.APIError":
 class GenerateFormat(api._Format):
     """SGLang's objects, whole and streamed (see the module docstring)."""
 
+    budget_field = "max_new_tokens"  # (what a context error names)
+
     def __init__(self, st, rid: str, run_id: str, params: SamplingParams, body: GenerateRequest, prompts: list,
                  batch: bool, arrival: float):
         super().__init__(st, rid, params.n, params.logprobs, int(time.time()), run_id=run_id)

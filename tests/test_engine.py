@@ -430,7 +430,7 @@ def test_logprobs_are_returned(engine, prompts):
 @pytest.mark.parametrize("prompt,params,match", [
     ([1] * 600, GREEDY, "context window of 512"),
     ([1] * 512, SamplingParams(max_tokens=None), "no room for a completion"),  # None: what the window leaves
-    ([1] * 600, SamplingParams(max_tokens=None), "no room for a completion"),
+    ([1] * 600, SamplingParams(max_tokens=None), "600 prompt tokens exceed the context window"),
     ([1, 2], SamplingParams(max_tokens=0), "max_tokens"),
     ([1, 2], SamplingParams(temperature=-1), "temperature"),
     ([1, 2], SamplingParams(top_p=0), "top_p"),
@@ -453,6 +453,17 @@ def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, matc
     assert engine.allocator.free_units == free and not engine.has_unfinished()
 
 
+def test_generation_ends_at_the_context_window(engine):
+    """vLLM's engine (offline `LLM.generate`, `Engine.add_request`): max_tokens past the window is no error, the
+    completion ends ("length") where the window does; only the HTTP server refuses it (OpenAI's 400)."""
+    free = engine.allocator.free_units
+    out = run_all(engine, [[3] * 505], SamplingParams(temperature=0.0, max_tokens=50, ignore_eos=True))[0]
+    assert len(out.token_ids) == 512 - 505 and out.outputs[0].finish_reason == "length"
+    with pytest.raises(RequestError, match="prompt: 513 prompt tokens exceed the context window of 512 tokens"):
+        engine.add_request([3] * 513, SamplingParams(max_tokens=1))
+    assert engine.allocator.free_units == free and not engine.has_unfinished()
+
+
 def test_arena_that_cannot_hold_one_max_model_len_request_is_refused_at_start(model):
     """vLLM's start-up check: an arena too small for one request of max_model_len tokens is a configuration error
     naming max_model_len and the longest request it holds (every long prompt would otherwise be refused later)."""
@@ -472,7 +483,7 @@ def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
     big = make_engine(model, units=4000, warmup=False, max_model_len=-1, context_buckets=None)
     assert big.config.max_model_len == model.cfg.max_position_embeddings == 4096
     with pytest.raises(RequestError, match="context window of 4096"):
-        big.add_request([1] * 4000, SamplingParams(max_tokens=97))
+        big.add_request([1] * 4097, SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="max_model_len=8192 exceeds the model's max_position_embeddings"):
         make_engine(model, units=4000, warmup=False, max_model_len=8192, context_buckets=None)
     monkeypatch.setenv("VLLM_ALLOW_LONG_MAX_MODEL_LEN", "1")

@@ -639,6 +639,7 @@ def test_generate_default_max_new_tokens_shrinks_to_the_context():
         assert eng.params[-1].max_tokens == want, (body, want)
     r = asyncio.run(go({"input_ids": [1] * 100, "sampling_params": {"max_new_tokens": 61}}))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert r.json()["error"]["message"].startswith("'max_new_tokens' is too large: 61.")
 
 
 class _TwoSamples(_OneToken):
