@@ -174,6 +174,9 @@ class _GenerationFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = Field(True, description="vLLM's; accepted, changes nothing: the text is the "
+                                                                  "tokenizer's own decode (no space added around "
+                                                                  "special or added tokens)")
     # structured outputs (serve/structured.py): at most one of these
     response_format: Optional[dict[str, Any]] = Field(
         None, description="{'type': 'text' | 'json_object' | 'json_schema', 'json_schema': {'name', 'schema'}}")
@@ -2485,7 +2488,8 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         min_p=unset(body.min_p, "min_p", 0.0), seed=body.seed, max_tokens=max_tokens,
         stop=body.stop or [], stop_token_ids=body.stop_token_ids or [], ignore_eos=body.ignore_eos,
         logprobs=logprobs, include_stop_str_in_output=body.include_stop_str_in_output,
-        skip_special_tokens=body.skip_special_tokens, presence_penalty=body.presence_penalty or 0.0,
+        skip_special_tokens=body.skip_special_tokens, spaces_between_special_tokens=body.spaces_between_special_tokens,
+        presence_penalty=body.presence_penalty or 0.0,
         frequency_penalty=body.frequency_penalty or 0.0,
         repetition_penalty=unset(body.repetition_penalty, "repetition_penalty", 1.0),
         min_tokens=body.min_tokens, logit_bias=bias, allowed_token_ids=body.allowed_token_ids,

@@ -1788,6 +1788,8 @@ class Engine:
         else:
             for s in req.seqs:
                 if not s.finished:
+                    if count:  # text held back as a possible stop string comes out (a failed request's is not read)
+                        s.checker.abort()
                     self._finish(s, "abort")
         self.counters["requests_aborted"] += count
         return True

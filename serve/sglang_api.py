@@ -7,8 +7,9 @@ serves, scripts written against SGLang. (`/flush_cache`, `/abort_request`, `/hea
 Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vectors [L, H], with
 `--enable-prompt-embeds`), a `sampling_params` object (SGLang's names: `max_new_tokens` (default 128, or what
 the context leaves when less), `min_new_tokens`, `stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`,
-`min_p`, the penalties, `n`, `ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `json_schema` / `regex` / `ebnf`,
-`sampling_seed`, `logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
+`min_p`, the penalties, `n`, `ignore_eos`, `skip_special_tokens`, `spaces_between_special_tokens` (accepted; the
+text is the tokenizer's own decode either way), `no_stop_trim`, `json_schema` / `regex` / `ebnf`, `sampling_seed`,
+`logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
 prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
 loaded adapter's name), `priority`, `return_routed_experts` (with `--enable-return-routed-experts`; from
 `routed_experts_start_len`), `return_hidden_states` (with `--enable-return-hidden-states`).
@@ -67,6 +68,7 @@ class GenerateSamplingParams(BaseModel):
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # (accepted; the text is the tokenizer's own decode either way)
     no_stop_trim: bool = False
     json_schema: Optional[str] = None
     regex: Optional[str] = None
@@ -172,6 +174,7 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list) -> 
         max_tokens=max_new_tokens_of(st, sp, prompts), min_tokens=sp.min_new_tokens, stop=sp.stop or [],
         stop_token_ids=sp.stop_token_ids or [], ignore_eos=sp.ignore_eos, logprobs=logprobs,
         include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
+        spaces_between_special_tokens=sp.spaces_between_special_tokens,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=unset(sp.repetition_penalty, "repetition_penalty", 1.0), logit_bias=bias,
         prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else None,

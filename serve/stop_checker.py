@@ -24,7 +24,8 @@ Rules (vLLM's, with the differences noted):
 * Reaching ``max_tokens`` generated tokens finishes with ``"length"`` (``stop_reason=None``),
   unless that last token also ended it by a stop token or a stop string.
 * A finish flushes the detokenizer: a dangling partial UTF-8 character becomes U+FFFD, exactly as
-  ``Tokenizer.decode`` renders it.
+  ``Tokenizer.decode`` renders it. An abort (:meth:`StopChecker.abort`) flushes the same way, held-back
+  text included (vLLM's final abort output carries all the text decoded so far).
 
 With ``tokenizer=None`` no text is produced (``text`` stays ``""``, stop strings are ignored) and
 only the token-id rules and ``max_tokens`` apply.
@@ -163,6 +164,14 @@ class StopChecker:
         self._pending = self._pending[cut:]
         self._emit(delta)
         return StepResult(delta, False)
+
+    def abort(self) -> StepResult:
+        """The sequence ends from outside (an abort): the text held back, and a dangling partial character, are
+        flushed as at any other finish (vLLM's final abort output carries the whole text decoded so far)."""
+        if self.finished:
+            return StepResult("", True, self.finish_reason, self.stop_reason)
+        tail = self._detok.flush() if self._detok is not None else ""
+        return self._finish(self._pending + tail, "abort", None)
 
     def min_tokens_ban(self) -> dict[int, float]:
         """Logit bias that keeps the stop tokens and EOS (with ignore_eos too, as vLLM) out while fewer than

@@ -108,8 +108,11 @@ class SamplingParams:
     logits processors (serve/logits_processors.py): a request setting one of a processor's argument names
     is processed by it. `detokenize=False` (vLLM's) skips the text: outputs carry token ids only (and logprobs
     with empty `decoded`), which saves the host's detokenization for callers that work on ids (RL loops);
-    stop strings need the text, so they are refused then. `output_kind` (vLLM's `RequestOutputKind`): whether the
-    request's outputs are cumulative (default), deltas, or only the final one. `return_hidden_states`
+    stop strings need the text, so they are refused then. `spaces_between_special_tokens` (vLLM's) is accepted
+    and changes nothing: the text is the tokenizer's own decode, which puts no space around special or added
+    tokens (as HF's Kimi tokenizer decodes, and vLLM's fast-tokenizer path either way). `output_kind` (vLLM's
+    `RequestOutputKind`): whether the request's outputs are cumulative (default), deltas, or only the final one.
+    `return_hidden_states`
     (SGLang's): the finished output carries every position's final hidden states (engine option
     enable_return_hidden_states; the whole prompt is computed, as with prompt_logprobs).
     """
@@ -127,6 +130,7 @@ class SamplingParams:
     logprobs: Optional[int] = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     detokenize: bool = True
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -177,6 +181,8 @@ class SamplingParams:
             bad("stop", "must be a non-empty string or a list of them")
         if not isinstance(self.stop_token_ids, list):
             bad("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
+        if not isinstance(self.spaces_between_special_tokens, bool):
+            bad("spaces_between_special_tokens", f"must be true or false, got {self.spaces_between_special_tokens!r}")
         if not isinstance(self.detokenize, bool):
             bad("detokenize", f"must be true or false, got {self.detokenize!r}")
         if not isinstance(self.return_hidden_states, bool):

@@ -1,6 +1,8 @@
 """Serving engine: batch/chunk/preemption invariance of greedy outputs, arena accounting, no compiles
 after warm-up, request validation."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -692,6 +694,25 @@ def test_async_engine_streams_and_aborts(model):
     assert tokens == want
     s = eng.stats()
     assert s["requests_aborted"] == 2 and s["arena_free_units"] == s["arena_baseline_free_units"]
+
+
+def test_an_abort_hands_out_the_text_held_back_for_a_stop_string(model, engine):
+    """An aborted request's last output carries all the text its tokens decode to, the text held back as the
+    possible start of a stop string included (vLLM's final abort output, what a partial rollout keeps): it was
+    dropped, the text "" beside the tokens."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    full = run_all(engine, [[5, 6, 7, 8]], sp)[0].text
+    rid = engine.add_request([5, 6, 7, 8], dataclasses.replace(sp, stop=[full + "\uffff"]))  # all of it is held
+    req = engine.requests[rid]
+    while len(req.seqs[0].output_ids) < 3:
+        engine.step()
+    assert req.seqs[0].checker.text == "" and engine.abort(rid)
+    out = engine._output(req).outputs[0]  # (what AsyncEngine streams last)
+    engine._reap()
+    assert out.finish_reason == "abort" and out.text and out.text == engine.tokenizer.decode(out.token_ids)
+    assert not engine.has_unfinished()
 
 
 @pytest.mark.parametrize("consume", [False, True], ids=["cache-kept", "cache-consumed"])

@@ -788,6 +788,46 @@ def test_continuous_usage_on_chat_role_and_echo_chunks():
                        (0, {"content": "So"}, 0), (1, {"content": "So"}, 0)], opening
     assert {e["usage"]["prompt_tokens"] for e in events} == {count}
 
+class _KeepsParams(_TwoSamples):
+    """`_TwoSamples` that keeps each request's sampling parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.params = []
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        self.params.append(params)
+        async for out in super().generate(prompt, params, request_id, priority, on_accept, **extra):
+            yield out
+
+
+def test_spaces_between_special_tokens_is_taken_on_every_route():
+    """vLLM's and SGLang's `spaces_between_special_tokens` is a request field (a sampling parameter): it was a 400
+    naming it as unknown (and a TypeError in `SamplingParams`). It changes nothing here: the text is the tokenizer's
+    own decode, no space added around special or added tokens."""
+    from k3jax.tokenizer import ByteTokenizer
+    from serve.types import RequestError, SamplingParams
+
+    eng = _KeepsParams()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    off = {"spaces_between_special_tokens": False}  # (the stand-in streams two samples)
+    bodies = [("/v1/completions", {"prompt": [5, 6], "max_tokens": 2, "n": 2, **off}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2, **off}),
+              ("/generate", {"input_ids": [5, 6], "sampling_params": {"max_new_tokens": 2, "n": 2, **off}})]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.post(path, json=body) for path, body in bodies]
+
+    for r in asyncio.run(go()):
+        assert r.status_code == 200, r.text
+    assert [p.spaces_between_special_tokens for p in eng.params] == [False] * 3
+    assert SamplingParams().spaces_between_special_tokens is True
+    with pytest.raises(RequestError, match="spaces_between_special_tokens"):
+        SamplingParams(spaces_between_special_tokens="no").validate(512)
+
+
 def test_truncate_prompt_tokens_minus_one_is_the_context_window():
     """vLLM's `truncate_prompt_tokens: -1` keeps the context window's worth; 0 or more than the window is a 400
     naming the field (it was refused / accepted unbounded)."""

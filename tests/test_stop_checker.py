@@ -266,6 +266,21 @@ def test_min_tokens_ignores_stop_strings_ending_in_the_first_tokens():
     assert not chk.finished
 
 
+def test_abort_flushes_the_held_back_text_and_a_partial_character():
+    """An abort hands out what was held back as a possible stop string (and a dangling partial character, as any
+    finish renders it): vLLM's final abort output carries all the text decoded so far; it was dropped."""
+    chk = checker(stop=["STOP"])
+    res = feed(chk, ids_of("xST") + [0xE4])  # "ST" held back, then the first byte of a 3-byte character
+    assert chk.text == "x" and chk.held_text == "ST"
+    r = chk.abort()
+    assert r == StepResult("ST\ufffd", True, "abort", None)
+    assert deltas(res) + r.text_delta == chk.text == TOK.decode(ids_of("xST") + [0xE4])
+    assert chk.abort() == StepResult("", True, "abort", None)  # (once)
+    chk = checker(tokenizer=None, stop_token_ids=[7])
+    feed(chk, [1, 2])
+    assert chk.abort() == StepResult("", True, "abort", None) and chk.text == ""
+
+
 def test_stop_at_the_very_start():
     chk = checker(stop=["ab"])
     res = feed(chk, ids_of("abc"))
