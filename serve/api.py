@@ -2134,7 +2134,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         _check_ids(st, body.tokens, "tokens")
         if st.tokenizer is None:
             raise APIError(400, "this model has no tokenizer", param="tokens")
-        return {"prompt": st.tokenizer.decode(body.tokens)}
+        # special tokens kept (vLLM's: HF's decode default), so /tokenize -> /detokenize gives a chat prompt back whole
+        return {"prompt": st.tokenizer.decode(body.tokens, skip_special=False)}
 
     return app
 
@@ -2534,22 +2535,17 @@ def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingPa
     their max_tokens); return the tokens to reserve. `budget`: the request's name for max_tokens."""
     L, reserve = st.max_model_len, 0
     for ids in map(_prompt_len, prompts):
-        if params.max_tokens is None:
-            if ids >= L:
-                raise APIError(400, f"This model's maximum context length is {L} tokens. However, your request has "
-                                    f"{ids} input tokens. Please reduce the length of the {param} (at least one "
-                                    f"token must be left for the completion).",
-                               param=param, code="context_length_exceeded")
-            gen = L - ids
-        else:
-            if ids + params.max_tokens > L:
-                asked = params.max_tokens
-                names = "'max_tokens' or 'max_completion_tokens'" if budget == "max_tokens" else f"'{budget}'"
-                raise APIError(400, f"{names} is too large: {asked}. This model's maximum context length is {L} "
-                                    f"tokens and your request has {ids} input tokens ({asked} > {L} - {ids}).",
-                               param=budget if ids < L else param, code="context_length_exceeded")
-            gen = params.max_tokens
-        reserve += ids + gen * params.n
+        if ids >= L:
+            raise APIError(400, f"This model's maximum context length is {L} tokens. However, your request has "
+                                f"{ids} input tokens. Please reduce the length of the {param} (at least one token "
+                                f"must be left for the completion).", param=param, code="context_length_exceeded")
+        asked = params.max_tokens
+        if asked is not None and ids + asked > L:
+            names = "'max_tokens' or 'max_completion_tokens'" if budget == "max_tokens" else f"'{budget}'"
+            raise APIError(400, f"{names} is too large: {asked}. This model's maximum context length is {L} tokens "
+                                f"and your request has {ids} input tokens ({asked} > {L} - {ids}).",
+                           param=budget, code="context_length_exceeded")
+        reserve += ids + (L - ids if asked is None else asked) * params.n
     return reserve
 
 
