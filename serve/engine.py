@@ -48,7 +48,7 @@ from k3jax.checkpoint import read_config
 from k3jax.runtime import Model
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
-from serve.host_cache import HostCache, HostEntry, Transfers
+from serve.host_cache import HostCache, HostEntry, Transfers, own_rows
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
 from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, parse_peft, read_peft
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, aborted_hypotheses, best, expand
@@ -1338,7 +1338,7 @@ class Engine:
             rows, toks = self.host_transfers.read(self.arena, self.token_pages, units)
             at = 0
             for uid, k in segments:
-                self._host_pieces[uid] = (rows[at:at + k], toks[at:at + k])
+                self._host_pieces[uid] = (own_rows(rows, at, k), own_rows(toks, at, k))
                 at += k
         else:
             pieces = [self._host_pieces[uid] for uid, _ in segments]

@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import functools
 import itertools
+import numbers
 import threading
 from dataclasses import dataclass
 from typing import Optional
@@ -60,6 +61,12 @@ class HostEntry:
         return self.rows.nbytes + (self.tokens.nbytes if self.tokens is not None else 0)
 
 
+def own_rows(a: np.ndarray, start: int, n: int) -> np.ndarray:
+    """Rows `start:start + n` of a batch copied to host (`Transfers.read`) as an entry's own array: a view would
+    keep the whole batch in host memory as long as the entry lives, beyond the bytes the budget counts."""
+    return a if start == 0 and n == len(a) else a[start:start + n].copy()
+
+
 def _locked(method):
     """Run a `HostCache` method under the store's lock: engines stepping on different threads (a
     disaggregated prefill / decode pair behind the HTTP server) share one store."""
@@ -76,8 +83,9 @@ class HostCache:
     def __init__(self, budget_bytes: int, track_forgotten: bool = False):
         """`track_forgotten`: list the uids of entries that leave the store in `forgotten` (a multi-process
         engine's followers drop their pieces of them)."""
-        if budget_bytes < 0:
-            raise ValueError(f"host_cache_bytes must be >= 0, got {budget_bytes}")
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, numbers.Integral) or budget_bytes < 0:
+            raise ValueError(f"HostCache budget_bytes={budget_bytes!r}: expected an integer >= 0 (the host tier's "
+                             f"size, host_cache_bytes, or a kv_transfer_config store's)")
         self.budget = budget_bytes
         self.entries: collections.OrderedDict[bytes, HostEntry] = collections.OrderedDict()  # LRU first
         self.used = 0
@@ -165,7 +173,9 @@ class HostCache:
             self._remove(e)
 
     def _make_room(self, nbytes: int) -> bool:
-        if nbytes > self.budget:
+        """Evict unpinned entries, least recently used first, until `nbytes` more fit -> whether they do (when
+        they cannot fit beside the pinned entries, nothing is evicted for them)."""
+        if sum(e.nbytes for e in self.entries.values() if e.pins) + nbytes > self.budget:
             return False
         for e in [e for e in self.entries.values() if not e.pins]:  # least recently used first
             if self.used + nbytes <= self.budget:

@@ -52,6 +52,10 @@ WEIGHTS = "adapter_model.safetensors"
 # `mlp.`; and checkpoints name the dense layer-0 MLP either way.
 _ALIASES = ((".forget_gate.", "."), (".mlp.shared_experts.", ".block_sparse_moe.shared_experts."),
             (".block_sparse_moe.", ".mlp."))
+# adapter loads of this process, numbered across every engine's registry: engines sharing a host store
+# (kv_transfer_config) salt their requests' prefix hashes with it, so one engine's adapter never resumes
+# from another engine's adapter that got the same number from its own registry
+_LOADS = itertools.count(1)
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.default)?\.weight$")
 
 
@@ -73,7 +77,8 @@ class LoRARequest:
 class Adapter:
     name: str
     path: str
-    uid: int  # unique per load: seeds the prefix-cache hashes of its requests (and names it to the scheduler)
+    uid: int  # unique per load in the process (`_LOADS`): seeds its requests' prefix-cache hashes (and names it
+    # to the scheduler)
     rank: int
     factors: Optional[dict[str, tuple[np.ndarray, np.ndarray]]]  # module -> one slot's (lora_a, lora_b)
     # contents, host; None: dropped from host memory (LRU, `Registry.victim`), read from `path` when next used
@@ -414,7 +419,6 @@ class Registry:
         self.capacity = capacity if capacity is not None else slots
         self.by_name: dict[str, Adapter] = {}
         self.in_slot: dict[int, Adapter] = {}
-        self._uids = itertools.count(1)
         self._clock = itertools.count(1)
 
     def held(self) -> list[Adapter]:
@@ -448,7 +452,7 @@ class Registry:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
         if len(self.held()) >= self.capacity:  # the engine makes room first (`victim`)
             raise RuntimeError(f"no host memory for adapter {name!r}: {self.capacity} adapters are held")
-        adapter = Adapter(name, path, next(self._uids), rank, factors, int_id, used=next(self._clock))
+        adapter = Adapter(name, path, next(_LOADS), rank, factors, int_id, used=next(self._clock))
         self.by_name[name] = adapter
         return adapter
 

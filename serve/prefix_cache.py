@@ -54,7 +54,7 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from serve.host_cache import CKPT, PAGE, HostCache, HostEntry
+from serve.host_cache import CKPT, PAGE, HostCache, HostEntry, own_rows
 from serve.memory import Arena, ArenaLayout, UnitRefs
 
 FULL, PARTIAL, KDA = b"M", b"P", b"K"  # kind tags of the keys
@@ -625,12 +625,12 @@ class PrefixCache(UnitRefs):
         i = 0
         for uid, (e, us) in zip(uids, spill):
             n = len(us)
+            r, t = own_rows(rows, i, n), own_rows(tokens, i, n)
             if isinstance(e, CkptEntry):
                 # (the token rows of slot units mean nothing; kept so every process writes the same back)
-                h = HostEntry(e.key, CKPT, rows[i:i + n], tokens[i:i + n], pos=e.pos, ckpt_kind=e.kind, uid=uid)
+                h = HostEntry(e.key, CKPT, r, t, pos=e.pos, ckpt_kind=e.kind, uid=uid)
             else:
-                h = HostEntry(e.key, PAGE, rows[i:i + n], tokens[i:i + n], index=e.index, valid=e.valid,
-                              parent=e.parent, uid=uid)
+                h = HostEntry(e.key, PAGE, r, t, index=e.index, valid=e.valid, parent=e.parent, uid=uid)
             self.host.put(h)
             i += n
 

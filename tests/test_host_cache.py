@@ -80,8 +80,17 @@ def test_host_store_is_lru_by_bytes_and_keeps_pinned_entries():
     assert (s["host_pages"], s["host_bytes"], s["host_entries_evicted"], s["host_entries_rejected"]) == (2, 48, 1, 2)
     h.put(HostEntry(b"k", CKPT, np.zeros((2, 4), np.float32), None, pos=16))
     assert h.stats()["host_checkpoints"] == 1 and h.get(b"k").nbytes == 32
-    with pytest.raises(ValueError, match="host_cache_bytes"):
-        HostCache(-1)
+    # an entry that cannot fit beside the pinned ones evicts nothing for it (the LRU entry was dropped for nothing)
+    h = HostCache(4 * 24)
+    for k in (b"a", b"b", b"c"):
+        assert h.put(entry(k, 1))
+    h.get(b"b").pins = h.get(b"c").pins = 1  # a restore is about to read them
+    assert not h.put(entry(b"big", 3))
+    assert set(h.entries) == {b"a", b"b", b"c"} and h.stats()["host_entries_evicted"] == 0
+    assert h.put(entry(b"d", 2)) and set(h.entries) == {b"b", b"c", b"d"}
+    for bad in (-1, float("nan"), 1.5, "64MB", None, True):  # (nan made a store that silently refused everything)
+        with pytest.raises(ValueError, match="budget_bytes.*host_cache_bytes"):
+            HostCache(bad)
 
 
 def test_conversation_evicted_from_the_arena_resumes_from_host_memory(engines):
@@ -262,6 +271,40 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
         config(kv_transfer_config=kv, host_cache_bytes=1 << 20).validate()
     with pytest.raises(ValueError, match="kv_role"):
         config(kv_transfer_config={"kv_role": "prefill", "store": store}).validate()
+
+
+def test_a_host_entry_holds_only_its_own_bytes():
+    """An eviction round copies every entry it drops to host memory in one read. The entries were views of that
+    one copy, so an entry left in the store (the rest evicted by the host tier or restored) kept the whole round's
+    bytes alive: host memory beyond what the budget counts (20 % over in a probe of interleaved conversations)."""
+    from serve.memory import Arena, ArenaLayout
+    from serve.prefix_cache import PrefixCache, PrefixCacheConfig
+    from test_prefix_cache import cache_prompt
+
+    layout = ArenaLayout.plan(k3jax.get_preset("tiny-k3"), 900 * 16 * 40 * 4, 16, np.float32)
+    alloc = Arena(layout)
+    read = lambda units, segments: (np.zeros((len(units), layout.unit_elems), np.float32),
+                                    np.zeros((len(units), 16), np.int32))
+    pc = PrefixCache(alloc, layout, 16, PrefixCacheConfig(hash_unit=8), HostCache(1 << 30), read)
+    for seed in (1, 2):
+        cache_prompt(alloc, pc, toks(seed, 64), ckpt_at=48)
+    pc.evict_for(alloc.baseline_free_units, 0)  # one round: both prompts' pages and checkpoints
+    store = pc.host
+    assert not pc.pages and len(store.entries) > 2
+    for key in list(store.entries)[:-1]:
+        store.discard(key)
+    arrays = [a if a.base is None else a.base for e in store.entries.values() for a in (e.rows, e.tokens)]
+    assert sum({id(a): a.nbytes for a in arrays}.values()) == store.used
+
+
+def test_adapters_of_engines_sharing_a_store_are_salted_apart():
+    """An adapter's requests salt their prefix hashes with its load's uid. Each engine's registry numbered its
+    loads from 1, so a consumer engine's first adapter resumed from a prefix a producer's first adapter (another
+    adapter) had put into their shared store: other states, wrong tokens. Loads are numbered per process now."""
+    from serve.lora import Registry
+
+    producer, consumer = Registry(1, 4).add("a", "/a", 4, {}), Registry(1, 4).add("b", "/b", 4, {})
+    assert producer.uid != consumer.uid
 
 
 def test_config_and_cli():
