@@ -946,6 +946,8 @@ class Engine:
         self.prefix_cache = (PrefixCache(self.allocator, self.layout, self.align, PrefixCacheConfig(
             True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval),
             host, self._read_units) if config.enable_prefix_caching else None)
+        if host is not None and not multi:  # (a store may be shared: see HostEntry.origin)
+            self.prefix_cache.origin = self._store_fingerprint()["weights (sampled)"]
         # holders of MLA units: prefix-cache entries and requests, or (without a cache) requests and forked beams
         self.refs = self.prefix_cache if self.prefix_cache is not None else UnitRefs(self.allocator)
         self._frozen: list[_FrozenSlot] = []  # forked beams' parents, until their children have read them
@@ -2079,6 +2081,10 @@ class Engine:
             raise RuntimeError(f"{what}: the prefix cache could not be cleared")  # nothing holds it
         if self.routes_store is not None:
             self.routes_store.clear()  # (computed with the old weights)
+        if self.prefix_cache is not None and self.prefix_cache.origin and what.startswith("update_weights"):
+            # a store shared with engines still on the old weights, which may publish into it: this engine now
+            # serves only entries of its new weights
+            self.prefix_cache.origin = self._store_fingerprint()["weights (sampled)"]
         if self.channel is not None:
             self._send_forgotten()
 

@@ -55,6 +55,8 @@ class HostEntry:
     ckpt_kind: str = ""  # checkpoints: prompt_end / chunk_end / decode_interval / branch_point
     pins: int = 0
     uid: int = 0  # names the entry's bytes on every process of a multi-process engine
+    origin: str = ""  # the weights it was computed with (`PrefixCache.origin`): engines sharing a store serve
+    # only entries of their own weights (one of them may have updated its weights since they bound the store)
 
     @property
     def nbytes(self) -> int:

@@ -242,6 +242,7 @@ class PrefixCache(UnitRefs):
         UnitRefs.__init__(self, allocator)
         self.layout, self.cfg, self.align = layout, cfg, align
         self.host, self.read_units = host, read_units
+        self.origin = ""  # the weights the entries are computed with (a shared store's engines set it; see HostEntry)
         self._spill: list = []  # (entry, units) evicted this round, copied to host by `_flush_spill`
         self._clearing = False
         self.clears = 0  # times `clear` ran (a data-parallel router forgets what it sent a replica since)
@@ -277,7 +278,10 @@ class PrefixCache(UnitRefs):
     def _match(self, h: PrefixHasher, n_tokens: int, host: Optional[HostCache]) -> Hit:
         def get(table, key):
             e = table.get(key)
-            return host.get(key) if e is None and host is not None else e
+            if e is None and host is not None:
+                e = host.get(key)
+                return e if e is not None and e.origin == self.origin else None
+            return e
 
         cap = n_tokens - 1
         full = []
@@ -628,9 +632,10 @@ class PrefixCache(UnitRefs):
             r, t = own_rows(rows, i, n), own_rows(tokens, i, n)
             if isinstance(e, CkptEntry):
                 # (the token rows of slot units mean nothing; kept so every process writes the same back)
-                h = HostEntry(e.key, CKPT, r, t, pos=e.pos, ckpt_kind=e.kind, uid=uid)
+                h = HostEntry(e.key, CKPT, r, t, pos=e.pos, ckpt_kind=e.kind, uid=uid, origin=self.origin)
             else:
-                h = HostEntry(e.key, PAGE, r, t, index=e.index, valid=e.valid, parent=e.parent, uid=uid)
+                h = HostEntry(e.key, PAGE, r, t, index=e.index, valid=e.valid, parent=e.parent, uid=uid,
+                              origin=self.origin)
             self.host.put(h)
             i += n
 
@@ -643,7 +648,7 @@ class PrefixCache(UnitRefs):
             return 0
         pairs = [(e, list(e.units)) for e in hit.pages + ([hit.partial] if hit.partial is not None else [])]
         pairs.append((hit.ckpt, list(range(hit.ckpt.slot, hit.ckpt.slot + self.layout.slot_units))))
-        pairs = [(e, us) for e, us in pairs if self.host.get(e.key) is None]
+        pairs = [(e, us) for e, us in pairs if getattr(self.host.get(e.key), "origin", None) != self.origin]
         self._to_host(pairs)
         self.metrics["published_entries"] = self.metrics.get("published_entries", 0) + len(pairs)
         return len(pairs)

@@ -262,6 +262,18 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
     assert producer.stats()["arena_free_units"] + producer.stats()["arena_cached_units"] == \
         producer.stats()["arena_baseline_free_units"]
     settled(on)
+    # `on` updates its weights; the producer, still on the old ones, publishes into the store they share: `on`
+    # must not resume from those entries (they came from other weights), and serves again once its weights match
+    old = on.model
+    on.update_weights(k3jax.load_model("tiny-k3", seed=5))
+    prompt = toks(31, 150)
+    run(producer, prompt, n=1)
+    hits = host(on)["host_hits"]
+    assert run(on, prompt).num_cached_tokens == 0 and host(on)["host_hits"] == hits
+    on.update_weights(old)
+    run(producer, prompt, n=1)
+    assert run(on, prompt).num_cached_tokens == 144
+    settled(on)
     kv = {"kv_role": "kv_consumer", "store": store}
     with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(sampled\)"):
         Engine(k3jax.load_model("tiny-k3", seed=3), config(kv_transfer_config=kv), warmup=False)
