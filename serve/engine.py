@@ -1438,8 +1438,10 @@ class Engine:
                 beam, params = params, params.step_params()
             if request_id in self.requests:
                 raise RequestError(f"request_id: {request_id!r} is already in use")
-            if not isinstance(priority, int) or isinstance(priority, bool) or abs(priority) >= INTERNAL_PRIORITY:
+            if (not isinstance(priority, numbers.Integral) or isinstance(priority, bool)
+                    or abs(priority) >= INTERNAL_PRIORITY):
                 raise RequestError(f"priority: must be an integer of magnitude < {INTERNAL_PRIORITY}, got {priority!r}")
+            priority = int(priority)  # (a NumPy integer: LLM.generate(priority=np.array(...)))
             if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 256):
                 raise RequestError("cache_salt: must be a non-empty string of at most 256 characters")
             text, ids, embeds = self._prompt(prompt)

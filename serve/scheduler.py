@@ -17,7 +17,8 @@ are first come, first served):
   the same priority;
   a waiting request that does not fit blocks the ones behind it (no overtaking);
 - a waiting request that does not fit may preempt running requests of a strictly lower priority
-  (the lowest first, newest first among equals) until its first chunk fits;
+  (the lowest first, newest first among equals) until its first chunk fits, only when it then starts
+  in this step (not held back by the look-ahead below, a prefill row and the token budget left for it);
 - chunk ends sit on multiples of `prefill_chunk` in absolute positions, which is where the prefix
   cache keeps KDA checkpoints; a prefill row also stops at `align_stop` points (prompt ends);
 - a long prompt alone: KDA's recurrence keeps a request's chunks in one row, one after another, so a
@@ -159,13 +160,14 @@ def _plan_rows(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token
 
 
 def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float, decode: bool,
-          row_tokens: int = 0, past_held: bool = False) -> StepPlan:
+          row_tokens: int = 0, past_held: bool = False, no_preempt: frozenset = frozenset()) -> StepPlan:
     """One step plan; `decode=False` leaves the decodes out (nobody is preempted to make room for them).
     `row_tokens`: one prefill row of up to that many tokens (the long program) instead of `max_prefill_seqs`
     rows of up to `prefill_chunk`. `past_held`: a waiting request held back (not fitting, or the admission
     look-ahead) stops the admissions after it but not the running prompts of lower priority behind it
     (canonical re-prefill rows, low-priority requests): the plan when the first one would run nothing, since
-    such rows hold memory that only their progress (or a preemption) gives back."""
+    such rows hold memory that only their progress (or a preemption) gives back. `no_preempt`: waiting requests
+    that preempt nobody (step 0 preempted for them, yet they would not start: see the end)."""
     plan = StepPlan(row_tokens=row_tokens)
     max_rows = 1 if row_tokens else cfg.max_prefill_seqs
     free_units, free_slots = mem.free_units, mem.free_slots
@@ -180,11 +182,13 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
     rows = cfg.max_num_seqs - sum(s.rows for s in running)  # decode rows free for admissions
 
     # 0. a waiting request that does not fit (memory or a decode row) preempts running ones of a strictly
-    #    lower priority; what it needs is held for it until step 2 (released first if decodes run short)
+    #    lower priority; what it needs is held for it until step 2 (released first if decodes, or prompts
+    #    under way served before it, run short)
     reserved: dict[str, int] = {}  # rid -> units held (and one slot and its row each)
+    starters = set()  # those that preempted someone
     for w in waiting:
         lower = [v for v in victims if v.priority > w.priority]
-        if not lower:
+        if not lower or w.rid in no_preempt:
             break
         if not fits_adapter(w):
             continue  # preempting would not give it an adapter slot
@@ -199,6 +203,8 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
         for v in taken:
             victims.remove(v)
             plan.preempt.append(v.rid)
+        if taken:
+            starters.add(w.rid)
         reserved[w.rid] = need
         free_units, free_slots, rows = units - need, slots - 1, free_rows - w.rows
     running = [s for s in running if s.rid not in set(plan.preempt)]
@@ -277,6 +283,12 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
             continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         if s.rid in reserved:  # step 0 held its memory and row
             free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + s.rows
+        # a prompt under way goes before the waiting requests behind it: it takes their reservations first
+        while s.running and units > free_units and reserved:
+            rid = next(reversed(reserved))
+            free_units += reserved.pop(rid)
+            free_slots += 1
+            rows += next(w.rows for w in waiting if w.rid == rid)
         if s.running and units > free_units:  # a prompt under way: newer running requests idle this step yield
             planned = set(plan.decode) | {r for r, _, _ in plan.prefill}
             spare = [v for v in victims if key(v) > key(s) and v.rid not in planned]
@@ -316,4 +328,7 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
         free_slots -= slots
         rows -= slots * s.rows
         budget -= length
+    unstarted = starters - set(plan.admit)
+    if unstarted:  # preempted for, but not starting this step (look-ahead, rows, token budget): nobody is
+        return _plan(seqs, mem, cfg, new_token_ratio, decode, row_tokens, past_held, no_preempt | unstarted)
     return plan

@@ -227,6 +227,10 @@ def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
     with pytest.raises(RequestError, match="priority"):
         engine.add_request([1, 2], params, priority=1 << 40)
+    rid = engine.add_request([1, 2], params, priority=np.array([3, -2])[1])  # a NumPy integer is an integer
+    assert type(engine.seqs[f"{rid}#0"].priority) is int and engine.seqs[f"{rid}#0"].priority == -2
+    assert engine.abort(rid)
+    engine.step()
 
 
 def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone, monkeypatch):

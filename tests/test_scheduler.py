@@ -114,6 +114,34 @@ def test_a_request_that_cannot_start_even_so_preempts_nobody():
     assert plan.preempt == ["low"] and plan.admit == ["w"] and plan.decode == ["high"]
 
 
+def test_a_request_that_would_not_start_this_step_preempts_nobody():
+    """Step 0's preemptions for a higher-priority waiting request stand only when it starts in that step: held
+    back by the admission look-ahead (the running high-priority request's expected growth), or finding no
+    prefill row (a higher-priority prompt under way takes the only one), it preempts nobody; the low-priority
+    request decodes on. Before, it was preempted (recomputed later) while the arena stayed idle."""
+    high = SeqView("h", 1, 40, 39, True, 6, limit=440)  # 400 more tokens expected to come
+    low = run("l", 2, priority=5)
+    w = SeqView("w", 3, 30, 0, False, 0, priority=1, limit=230)
+    plan = schedule([high, low, w], Memory(0, 0), CFG, new_token_ratio=0.7)
+    assert plan.preempt == [] and plan.admit == [] and plan.decode == ["h", "l"]
+    plan = schedule([high, low, w], Memory(0, 0), CFG)  # no look-ahead: it preempts and starts, as before
+    assert plan.preempt == ["l"] and plan.admit == ["w"]
+    prompt = SeqView("p", 1, 100, 16, True, 2)
+    plan = schedule([prompt, low, wait("w", 3, 30, priority=1)], Memory(2, 0), replace(CFG, max_prefill_seqs=1))
+    assert plan.preempt == [] and plan.prefill == [("p", 16, 16)] and plan.decode == ["l"]
+
+
+def test_a_waiting_requests_reservation_never_stalls_a_higher_priority_prompt_under_way():
+    """Step 0 holds memory for a waiting request while a lower-priority one runs; a running prompt of a higher
+    priority, served before it, takes that memory back for its next chunk (as decodes do). Before, neither ran:
+    the prompt stalled for as long as the low-priority request decoded (a priority inversion)."""
+    p = SeqView("p", 1, 100, 32, True, 4)  # its next chunk: 2 units
+    seqs = [p, run("l", 2, priority=5), wait("w", 3, 16, priority=1)]  # w: 3 slot units + 2
+    plan = schedule(seqs, Memory(6, 2), CFG)
+    assert plan.prefill == [("p", 32, 16)] and plan.decode == ["l"] and plan.admit == [] and plan.preempt == []
+    assert schedule(seqs, Memory(7, 2), CFG).admit == ["w"]  # room for both: both run
+
+
 def test_at_most_max_num_seqs_requests_run():
     """vLLM's max_num_seqs: with 3 of 4 decode rows taken, one waiting request is admitted and the next waits
     in the queue (holding nothing) although memory is plentiful; a partially prefilled running request
