@@ -192,7 +192,7 @@ def validate_messages(messages: Any) -> list[ChatMessage]:
 
     Accepted: ``role`` in system/user/assistant/tool; ``content`` a string or a list
     of ``{"type": "text", "text": str}`` parts (``None``/absent only for assistant);
-    optional string ``name`` and ``tool_call_id``. A non-empty ``tool_calls`` is
+    optional string ``name`` (``""``: none) and ``tool_call_id``. A non-empty ``tool_calls`` is
     rejected (not supported). Other keys are ignored.
     """
     if isinstance(messages, (str, bytes, Mapping)) or not isinstance(messages, Sequence):
@@ -211,8 +211,9 @@ def validate_messages(messages: Any) -> list[ChatMessage]:
             raise ValueError(f"{where}.role: expected one of {', '.join(map(repr, ROLES))}, got {role!r}")
         content = _flatten_content(msg.get("content"), f"{where}.content", role)
         name = msg.get("name")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"{where}.name: expected a non-empty string, got {name!r}")
+        if name is not None and not isinstance(name, str):
+            raise ValueError(f"{where}.name: expected a string, got {name!r}")
+        name = name or None  # "" names no one: the role stands, as the K2 templates' `name or role`
         tool_call_id = msg.get("tool_call_id")
         if tool_call_id is not None and not isinstance(tool_call_id, str):
             raise ValueError(f"{where}.tool_call_id: expected a string, got {_type_name(tool_call_id)}")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from k3jax.chat_template import encode_chat, family_default_system
+from k3jax.chat_template import encode_chat, family_default_system, validate_messages
 from serve.tools import ToolPlan, history_message, tools_system_message
 from serve.types import RequestError
 
@@ -20,7 +20,8 @@ __all__ = ["prepare_messages", "chat_ids"]
 
 def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan] = None,
                      default_system: Any = None) -> list[dict]:
-    """Normalised copies of `messages` (RequestError naming `messages` when a tool call is malformed).
+    """Normalised copies of `messages`; RequestError naming `messages` when a tool call is malformed, or the
+    bad field of a message by its index in `messages` (checked before anything is converted or inserted).
     `default_system`: the family's default system prompt, which the tools' system message must not
     displace (the renderer only adds it to a conversation that does not start with a system message)."""
     out = []
@@ -30,10 +31,10 @@ def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan
         d = history_message(dict(m))
         if d.get("role") == "developer":
             d["role"] = "system"
-        if family == "k3" and d.get("role") == "tool":
-            header = f"## Return of {d['tool_call_id']}\n" if d.get("tool_call_id") else ""
-            d = {"role": "system", "content": header + _text(d.get("content"))}
         out.append(d)
+    _validate(out)  # before any message is converted or inserted: errors name the caller's indices
+    if family == "k3":
+        out = [_k3_tool_result(d) if d["role"] == "tool" else d for d in out]
     if tools is not None:  # after the leading system messages (a K2-style default system still comes first)
         at = next((i for i, m in enumerate(out) if m.get("role") != "system"), len(out))
         if at == 0 and isinstance(default_system, str):
@@ -41,6 +42,19 @@ def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan
             at = 1
         out.insert(at, {"role": "system", "content": tools_system_message(tools)})
     return out
+
+
+def _validate(messages: list[dict]) -> None:
+    try:
+        validate_messages(messages)
+    except ValueError as e:
+        raise RequestError(str(e)) from None
+
+
+def _k3_tool_result(d: dict) -> dict:
+    """A tool result as K3 sees it: a system message with Kimi-K2's `## Return of {id}` header."""
+    header = f"## Return of {d['tool_call_id']}\n" if d.get("tool_call_id") else ""
+    return {"role": "system", "content": header + _text(d.get("content"))}
 
 
 def _text(content: Any) -> str:

@@ -676,3 +676,31 @@ def test_render_option_errors():
     # assistant with no content is fine; segments expose control/plain split
     segs = render_chat_segments(user + [{"role": "assistant", "content": None}], "byte", add_generation_prompt=False)
     assert [s.text for s in segs if not s.control] == ["user", "hi", "assistant", ""]
+
+
+@pytest.mark.parametrize("family", ["k3", "kimi_linear"])
+def test_chat_ids_errors_name_the_callers_message(family, k3_tok, kl_tok):
+    """A bad message is named by its index in the request: the tools' and the default system messages, added in
+    front, shifted it (`messages[3]` for the second message), and K3 turned a bad tool result into a system
+    message without a word."""
+    from serve.chat import chat_ids
+    from serve.tools import plan_tools
+    from serve.types import RequestError
+
+    tok = k3_tok if family == "k3" else kl_tok
+    tools = plan_tools([{"type": "function", "function": {"name": "f"}}], None, None)
+    for plan in (None, tools):
+        with pytest.raises(RequestError, match=r"^messages\[1\]\.tool_call_id: expected a string"):
+            chat_ids(tok, family, [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": 7,
+                                                                      "content": "r"}], tools=plan)
+        with pytest.raises(RequestError, match=r"^messages\[0\]\.content: missing"):
+            chat_ids(tok, family, [{"role": "user"}], tools=plan)
+
+
+def test_empty_name_renders_the_role_as_the_k2_template_does():
+    """`name: ""` is no name (the K2 / Kimi-Linear templates write `name or role`); it was a 400."""
+    msgs = [{"role": "user", "content": "hi", "name": ""}, {"role": "assistant", "content": "yo", "name": ""}]
+    assert render_chat(msgs, "kimi_linear", default_system=None) == (
+        "<|im_user|>user<|im_middle|>hi<|im_end|><|im_assistant|>assistant<|im_middle|>yo<|im_end|>"
+        "<|im_assistant|>assistant<|im_middle|>")
+    assert validate_messages(msgs)[0].name is None
