@@ -2184,7 +2184,7 @@ def _encode(st: ServerState, text: str, param: str) -> list[int]:
     if st.tokenizer is None:
         raise APIError(400, f"{param}: this model has no tokenizer; pass token ids", param=param)
     try:
-        return list(st.tokenizer.encode(text))
+        return list(st.tokenizer.encode(text, allow_special=True))  # (see Engine._prompt_ids)
     except UnicodeEncodeError as e:  # a lone surrogate ("\\ud800" in the JSON): not encodable text
         raise APIError(400, f"{param}: not valid Unicode text ({e.reason} at position {e.start})",
                        param=param) from None

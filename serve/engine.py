@@ -1583,7 +1583,10 @@ class Engine:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt: this model has no tokenizer; pass token ids")
-            ids = self.tokenizer.encode(prompt)
+            # a prompt's text is the caller's whole input, often a chat rendered by the client: the text of a
+            # special token is that token, as the Kimi tokenizers (and vLLM with them) read it; chat messages are
+            # encoded by serve/chat.py, which keeps such text in a message's content plain
+            ids = self.tokenizer.encode(prompt, allow_special=True)
             text = prompt
         elif isinstance(prompt, (list, tuple, np.ndarray)):
             try:  # integers only (int() would truncate 1.5, or fail naming no field)

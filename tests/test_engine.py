@@ -470,6 +470,13 @@ def test_generation_ends_at_the_context_window(engine):
     assert engine.allocator.free_units == free and not engine.has_unfinished()
 
 
+def test_prompt_text_of_a_special_token_is_that_token(engine):
+    """A prompt string is the caller's whole input (often a chat it rendered itself): the text of a special token
+    is that token, as the Kimi tokenizers encode it (and vLLM with them)."""
+    out = run_all(engine, ["<|im_user|>hi"], SamplingParams(temperature=0.0, max_tokens=1))[0]
+    assert out.prompt_token_ids == [engine.tokenizer.encode("<|im_user|>", allow_special=True)[0], 104, 105]
+
+
 def test_arena_that_cannot_hold_one_max_model_len_request_is_refused_at_start(model):
     """vLLM's start-up check: an arena too small for one request of max_model_len tokens is a configuration error
     naming max_model_len and the longest request it holds (every long prompt would otherwise be refused later)."""
