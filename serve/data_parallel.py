@@ -250,10 +250,16 @@ def build_replicas(model, config: EngineConfig, size: int, progress: bool = True
     groups = replica_devices(size, config)
     for g in groups:  # each replica's devices exist
         dataclasses.replace(config, devices=g).validate()
-    # built side by side: XLA compiles each replica's programs (its own devices) with the GIL released
+    # built side by side: XLA compiles each replica's programs (its own devices) with the GIL released. Each
+    # replica draws its unseeded requests' seeds from a stream of its own (config.seed + its index): with one
+    # seed, the k-th unseeded request of every replica sampled the same tokens (duplicated rollouts)
+    def build(k: int) -> Engine:
+        seed = None if config.seed is None else config.seed + k
+        return Engine(model, dataclasses.replace(config, devices=groups[k], seed=seed), warmup=warmup,
+                      progress=progress and k == 0)
+
     with ThreadPoolExecutor(size, thread_name_prefix="k3jax-dp-build") as pool:
-        engines = list(pool.map(lambda g: Engine(model, dataclasses.replace(config, devices=g), warmup=warmup,
-                                                 progress=progress and g is groups[0]), groups))
+        engines = list(pool.map(build, range(size)))
     return engines, groups
 
 

@@ -310,6 +310,22 @@ def test_disaggregated_pair_refuses_a_request_id_in_flight():
     asyncio.run(main())
 
 
+def test_replicas_draw_unseeded_requests_seeds_from_streams_of_their_own(monkeypatch):
+    """Each replica's unseeded requests take their seeds from its own stream (config.seed + its index): with one
+    seed everywhere the k-th unseeded request of every replica sampled the same tokens (an RL group's rollouts
+    of one prompt, spread over the replicas, came back in identical pairs)."""
+    import jax
+
+    import serve.data_parallel as dp
+
+    dev = jax.devices()[0]
+    monkeypatch.setattr(jax, "devices", lambda *a: [dev] * 3)  # a 3-device host, as far as the config can tell
+    monkeypatch.setattr(dp, "Engine", lambda model, config, **kw: config)  # what each replica is built with
+    configs, groups = dp.build_replicas(None, EngineConfig(seed=7), 3, progress=False, warmup=False)
+    assert [c.seed for c in configs] == [7, 8, 9] and [c.devices for c in configs] == groups == [(0,), (1,), (2,)]
+    assert dp.build_replicas(None, EngineConfig(seed=None), 2, warmup=False)[0][1].seed is None  # (random anyway)
+
+
 def test_sleep_and_weight_updates_change_every_replica_or_none():
     """A replica with requests in flight refuses sleep and weight updates before any replica changes: none is
     left asleep, or serving other weights than the others."""
