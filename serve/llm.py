@@ -23,8 +23,9 @@ Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str}
 
 
 class LLM:
-    """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields plus `dtype`/`seed`
-    when a path or preset is given, and `data_parallel_size`: that many replicas of the engine, each on
+    """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields (`seed`, as vLLM's, seeds the
+    sampling of requests without a seed of their own, and a preset's random weights) plus `dtype` when a path or
+    preset is given, and `data_parallel_size`: that many replicas of the engine, each on
     its own devices (`len(jax.devices()) / N` of them under a `sharding` config, one without), with
     prompts routed by cached prefix and load (`data_parallel_routing="cache_aware"`) or by load alone
     (`"load"`; serve/data_parallel.py).
@@ -38,9 +39,11 @@ class LLM:
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  **engine_options):
-        config = EngineConfig(**engine_options)
+        # vLLM's `seed` seeds sampling (unseeded requests' seeds are drawn from it); a preset's weights too
+        config = EngineConfig(seed=seed, **engine_options)
         if not isinstance(model, Model):  # straight into the (first) engine's shards
-            model = load_model(model, dtype=dtype, seed=seed, **load_options(config, data_parallel_size))
+            model = load_model(model, dtype=dtype, seed=0 if seed is None else seed,
+                               **load_options(config, data_parallel_size))
         self.model = model
         self.progress = progress
         # vLLM's data_parallel_size: that many engine replicas on disjoint device groups (serve/data_parallel.py)

@@ -680,3 +680,19 @@ def test_beam_search_text_leaves_out_the_eos_that_ended_a_hypothesis(llm):
             assert s.text == "" and s.stop_reason == eos
     finally:
         e.stop_ids = saved
+
+
+def test_llm_seed_seeds_the_engines_sampling(monkeypatch):
+    """vLLM's `LLM(seed=...)` seeds the sampling of requests without a seed of their own (it was taken for the
+    preset's weights only, and the engine's `seed` option could not be given at all)."""
+    import types
+
+    import k3jax
+    import serve.llm
+
+    built = []
+    monkeypatch.setattr(serve.llm, "Engine", lambda model, config, progress: built.append(config) or
+                        types.SimpleNamespace(layer_scan=None))
+    for seed, want in ((5, 5), (None, None)):
+        k3jax.LLM("tiny-k3", seed=seed, **KW)
+        assert built[-1].seed == want
