@@ -1420,7 +1420,8 @@ class Engine:
         not learn from each other's cache hits use different salts). `lora_request`: the adapter to run
         with, by name or as a `LoRARequest` (loaded from its path on first use); None: the base model.
         `params` may be a `BeamSearchParams` (serve/beam_search.py): the request then runs a beam search
-        and finishes with its `beam_width` best hypotheses, best first."""
+        and finishes with its `beam_width` best hypotheses, best first. `arrival_time` (vLLM's): when the request
+        arrived, as `time.time()` (default: now), for its queue time, TTFT and latency metrics."""
         self._leader_only("add_request")
         self._check_awake("add_request")
         params = params or SamplingParams()
@@ -1493,7 +1494,9 @@ class Engine:
             self.counters["requests_rejected"] += 1
             raise
         self.counters["structured_output_requests"] += params.structured_outputs is not None
-        now = arrival_time or time.monotonic()
+        now = time.monotonic()  # (the metrics' clock)
+        if arrival_time is not None:  # vLLM's: a wall-clock time.time() of when the request arrived
+            now -= max(0.0, time.time() - arrival_time)
         metrics = RequestMetrics(arrival_time=now)
         base_seed = params.seed if params.seed is not None else int(self._seed_rng.integers(0, 2 ** 62))
         config_unit = self.config.prefix_hash_unit

@@ -420,6 +420,15 @@ def test_request_metrics_time_every_stage(engine, prompts):
         assert (m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time
                 <= m.finished_time), m
         assert m.queue_time <= m.ttft <= m.e2e
+    # vLLM's arrival_time is a wall-clock time.time(): a request that arrived 5 s ago has waited that long
+    import time
+
+    rid = engine.add_request(prompts[0], GREEDY, arrival_time=time.time() - 5.0)
+    done = []
+    while engine.has_unfinished():
+        done += [o for o in engine.step() if o.finished and o.request_id == rid]
+    out = done[0]
+    assert 5.0 <= out.metrics.queue_time <= out.metrics.ttft < 60
 
 
 def test_logprobs_are_returned(engine, prompts):
