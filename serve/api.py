@@ -488,6 +488,11 @@ class ServerState:
         # prompts given as vectors are decoded into this dtype (None: the engine does not take them)
         self.embeds_dtype = eng.model.dtype if getattr(eng.config, "enable_prompt_embeds", False) else None
         self.generation_defaults = dict(getattr(eng, "generation_defaults", None) or {})
+        # vLLM's override_max_tokens: a generation config given as a directory (not the model's own, "auto") caps
+        # every request's max_tokens at its max_new_tokens, a given one too
+        setting = getattr(eng.config, "generation_config", None)
+        self.max_tokens_cap = (self.generation_defaults.get("max_tokens")
+                               if isinstance(setting, str) and setting not in ("auto", "vllm") else None)
         fam = getattr(self.tokenizer, "chat_family", None)
         self.chat_family = fam or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(self.cfg.family, "byte")
         self.ready = True
@@ -2564,7 +2569,11 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
                            param="return_routed_experts")
         fmt.routes_from = body.routed_experts_start_len
     continuous = include_usage and stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
-    reserve = _check_context(st, prompts, params, param, getattr(fmt, "budget_field", "max_tokens"))
+    budget = getattr(fmt, "budget_field", "max_tokens")
+    reserve = _check_context(st, prompts, params, param, budget)
+    cap = getattr(st, "max_tokens_cap", None) if budget == "max_tokens" else None  # (vLLM's; not SGLang's route)
+    if cap is not None and params.max_tokens is not None and params.max_tokens > cap:  # (after vLLM's check)
+        params.max_tokens = cap
     beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:

@@ -7,12 +7,14 @@ from types import SimpleNamespace as NS
 
 class Recorder:
     """Answers every request with one token (`token`, decoded as `text`), recording each request's params;
-    `tokenizer` None: token-id prompts only; `defaults`: the model's generation config."""
+    `tokenizer` None: token-id prompts only; `defaults`: the model's generation config, read as `setting` says
+    (`--generation-config`: "auto", "vllm" or a directory)."""
 
     def __init__(self, max_model_len: int, tokenizer=None, defaults: dict | None = None, vocab_size: int = 512,
-                 token: int = 7, text: str = ""):
+                 token: int = 7, text: str = "", setting: str = "auto"):
         self.engine = NS(tokenizer=tokenizer, cfg=NS(vocab_size=vocab_size, family="byte", hidden_size=4),
-                         decode_buckets=[4], config=NS(max_model_len=max_model_len, max_logprobs=5),
+                         decode_buckets=[4],
+                         config=NS(max_model_len=max_model_len, max_logprobs=5, generation_config=setting),
                          generation_defaults=defaults or {})
         self.capacity, self.alive, self.params = 4, True, []
         self.token, self.text = token, text

@@ -112,3 +112,9 @@ def test_server_takes_max_new_tokens_for_an_unset_max_tokens_cut_to_the_context(
     long = {"messages": [{"role": "user", "content": "x" * 200}], "truncate_prompt_tokens": 60}
     assert post("/v1/chat/completions", long) == 4
     assert eng.params[-1].temperature == 0.0
+    # vLLM's override_max_tokens: a generation config given as a directory caps a given max_tokens as well
+    eng = Recorder(64, ByteTokenizer(320), {"max_tokens": 5}, vocab_size=320, token=97, text="a", setting="/gc")
+    app = create_app(eng, "m", max_waiting=None)
+    assert post("/v1/chat/completions", {**chat, "max_tokens": 9}) == 5
+    assert post("/v1/completions", {"prompt": "hi", "max_tokens": 3}) == 3
+    assert post("/v1/chat/completions", chat) == 5
