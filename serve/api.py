@@ -2574,6 +2574,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     cap = getattr(st, "max_tokens_cap", None) if budget == "max_tokens" else None  # (vLLM's; not SGLang's route)
     if cap is not None and params.max_tokens is not None and params.max_tokens > cap:  # (after vLLM's check)
         params.max_tokens = cap
+        reserve = _check_context(st, prompts, params, param, budget)
     beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:
