@@ -145,7 +145,9 @@ class Model:
 
     @property
     def num_params(self) -> int:
-        return sum(int(np.prod(x.shape)) for x in jax.tree.leaves(self.params))
+        """Parameters in the model card's convention, as `k3jax info` counts them (`param_counts`): an MXFP4
+        byte packs two, its E8M0 scales are none."""
+        return param_counts(self.cfg, self.params)["total"]
 
 
 def _next_pow2(n: int) -> int:

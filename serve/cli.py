@@ -68,7 +68,8 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--max-model-len", type=_model_len, default=d["max_model_len"],
                    help="context window (tokens); 'auto' or -1: the longest request the cache holds, at most the "
                         "model's max_position_embeddings (its context buckets then default to powers of 4 of pages)")
-    e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"], help="concurrent decodes")
+    e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
+                   help="requests running at once (vLLM's; the rows of the largest decode bucket)")
     e.add_argument("--page-size", type=int, default=d["page_size"])
     e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
     e.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"],
@@ -319,6 +320,9 @@ def engine_config(o: dict):
     # benchmarks/online_serving.py); each further bucket costs a compile at start-up (~12 s for k3-small)
     # for less (8 context pages instead of 32: 10-15 % of a decode step).
     decode = _ints(o["decode_buckets"], "decode-buckets") or tuple(sorted({o["max_num_seqs"], 1}))
+    if decode[-1] > o["max_num_seqs"]:  # (EngineConfig's check: the engine below gets max_num_seqs=decode[-1])
+        raise ValueError(f"--decode-buckets {o['decode_buckets']}: the largest is the requests running at once, at "
+                         f"most --max-num-seqs {o['max_num_seqs']}")
     prefill = _ints(o["prefill_buckets"], "prefill-buckets") or (1,)
     context = _ints(o["context_buckets"], "context-buckets") or ((pages,) if pages else None)
     extra = {}

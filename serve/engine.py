@@ -792,6 +792,14 @@ class Engine:
                     f"{model.cfg.kda_num_heads} KDA heads not divisible by {heads}="
                     f"{axes_size(heads, dict(self.mesh.shape))}: state slots replicated on every device"]
             arena_sharding = self.state_split.sharding() if self.state_split else replicated(self.mesh)
+        # one device: the weights, arena, token pages and carry committed to it from the start, whatever the
+        # weights' origin (a preset's are uncommitted, an Orbax restore's committed), so every call of a program
+        # sees one signature (an uncommitted arena after committed weights' first step compiled it again)
+        self._one_device = None if self.mesh is not None else jax.sharding.SingleDeviceSharding(
+            next(iter(jax.tree.leaves(model.params)[0].devices())))
+        if self._one_device is not None:
+            model = dataclasses.replace(model, params=jax.tree.map(
+                lambda x: jax.device_put(x, self._one_device), model.params))
         # ranks that share the routed experts (1: no expert parallelism), for the traffic estimate
         physical = model.cfg.num_experts + config.eplb_num_redundant_experts
         self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, physical),
@@ -879,6 +887,8 @@ class Engine:
                          else layer_scan.leaf_map(model.params, self.layer_scan))
         if self.layer_scan is not None:  # the scanned layers' weights stacked; the engine keeps no per-layer copy
             step_params = split_params(model.params, self.layer_scan)
+            if self._one_device is not None:  # (its placeholders are new arrays: committed as the weights are)
+                step_params = jax.device_put(step_params, self._one_device)
             self.model = model = dataclasses.replace(model, params=step_params[0])
             options = dataclasses.replace(options, scan=self.layer_scan)
         self._step_treedef = jax.tree.structure(step_params)
@@ -1030,10 +1040,10 @@ class Engine:
     def _zeroed_arena(self) -> None:
         """A zeroed arena of the engine's layout and zeroed token-id pages (token ids at each page position of
         the first MLA layer's units: the penalties' history, serve/step.py), made on their devices."""
-        self.arena = self.layout.empty(self._arena_sharding)
-        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32,
-                                  replicated(self.mesh) if self.mesh is not None else None)
-        self._carry = (_zeros((self._carry_size,), np.int32, replicated(self.mesh) if self.mesh is not None else None)
+        whole = replicated(self.mesh) if self.mesh is not None else self._one_device
+        self.arena = self.layout.empty(self._arena_sharding or self._one_device)
+        self.token_pages = _zeros((self.layout.num_units, self.layout.page_size), np.int32, whole)
+        self._carry = (_zeros((self._carry_size,), np.int32, whole)
                        if self._carry_size else None)  # placed as the token pages are (one program signature)
         self.page_tables.reset()  # the pages they named are gone: every sequence writes its table again
 
@@ -2158,11 +2168,11 @@ class Engine:
 
     def _set_leaves(self, leaves: list) -> None:
         """Place `leaves` where the step programs expect the weights: on a mesh, each with its sharding; on
-        one device as plain (uncommitted) arrays like the originals, so the programs see the same signature."""
+        one device committed to it like the originals, so the programs see the same signature."""
         def place(a, sh):
             if isinstance(a, HostCopy):
-                return a.restore(sh)
-            return jax.device_put(a, sh) if sh is not None else jnp.asarray(a)
+                a = a.restore(sh)
+            return jax.device_put(a, sh if sh is not None else self._one_device)
         self._leaves = [place(a, sh) for a, (_, _, sh) in zip(leaves, self._leaf_specs)]
         params = self._step_params()
         self.model = dataclasses.replace(self.model, params=params if self.layer_scan is None else params[0])

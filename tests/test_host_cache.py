@@ -428,6 +428,32 @@ def test_update_weights_swaps_in_place_and_forgets_both_tiers(engines):
     settled(on)
 
 
+def test_committed_weights_compile_nothing_after_warm_up(engines, tmp_path):
+    """An Orbax checkpoint (`k3jax convert`'s) restores committed arrays where a preset's are not: an engine
+    built on one, back from sleep, or given one by `update_weights` runs the programs its warm-up compiled (an
+    uncommitted arena compiled the first bucket again once a step with committed weights had committed it)."""
+    import jax
+
+    from k3jax.checkpoint import save_orbax
+
+    on, _ = engines
+    base = k3jax.load_model("tiny-k3", seed=2)  # the fixture's weights
+    save_orbax(str(tmp_path), base.cfg, base.params, base.dtype)
+    restored = k3jax.load_model(str(tmp_path))
+    assert all(x.committed for x in jax.tree.leaves(restored.params))
+    eng = Engine(restored, config(host_cache_bytes=32 << 20), progress=False)
+    want = [logprobs(o) for o in generate_all(on, PROMPTS)]
+    assert [logprobs(o) for o in generate_all(eng, PROMPTS)] == want
+    eng.sleep(1)
+    eng.wake_up()
+    assert [logprobs(o) for o in generate_all(eng, PROMPTS)] == want
+    assert eng.stats()["compiles_after_warmup"] == 0
+    on.update_weights(restored)
+    assert [logprobs(o) for o in generate_all(on, PROMPTS)] == want
+    assert on.stats()["compiles_after_warmup"] == 0
+    settled(on)
+
+
 def test_update_weights_from_tensor_answers_as_update_weights(engines):
     """SGLang's update_weights_from_tensor: the checkpoint tensors of other weights, pushed in two buckets by
     name (MXFP4 pairs split between them), answer exactly as `update_weights` with the whole model; no

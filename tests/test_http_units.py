@@ -566,6 +566,10 @@ def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
             engine_config(_serve_options(flag, "0"))
     with pytest.raises(ValueError, match="--max-num-seqs"):
         engine_config(_serve_options("--max-num-seqs", "-4"))
+    # a decode bucket past --max-num-seqs ran that many requests at once (LLM(...) refuses it too)
+    with pytest.raises(ValueError, match="--decode-buckets 1,16: .* at most --max-num-seqs 8"):
+        engine_config(_serve_options("--max-num-seqs", "8", "--decode-buckets", "1,16"))
+    assert engine_config(_serve_options("--max-num-seqs", "8", "--decode-buckets", "1,4")).decode_buckets == (1, 4)
     with pytest.raises(ValueError, match="--model .*neither a preset"):
         check_model(str(tmp_path / "missing"))
     (tmp_path / "config.json").write_text('{"model_type": "kimi_linear"}')

@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,6 +144,17 @@ def test_bad_inputs_are_clear(model):
         k3jax.load_model("/nonexistent/dir")
     with pytest.raises(ValueError, match="dtype"):
         k3jax.load_model("tiny-k3", dtype="float16")
+
+
+def test_num_params_counts_as_info_does(model):
+    """`Model.num_params` (the notebook's and `k3jax convert`'s count) is `k3jax info`'s total: an MXFP4 byte
+    holds two parameters, its scales none (it counted array elements: tiny-k3 464,748 against 545,388)."""
+    from k3jax.runtime import abstract_model, param_counts
+
+    assert model.num_params == param_counts(model.cfg, abstract_model(model.cfg, model.dtype)[1])["total"]
+    packed = [x for p, x in jax.tree_util.tree_flatten_with_path(model.params)[0] if "weight_packed" in str(p)]
+    assert bool(packed) == (model.cfg.family == "kimi_k3")
+    assert model.num_params == (545_388 if model.cfg.family == "kimi_k3" else 315_252)
 
 
 def test_real_shapes_are_abstract_only():
