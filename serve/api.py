@@ -1789,6 +1789,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
         rid = f"resp_{uuid.uuid4().hex}"
         try:
             ids, params, chat_fmt = _chat_request(st, chat, rid)
+            body = body.model_copy(update={"temperature": params.temperature, "top_p": params.top_p})  # as sampled
             count = (lambda text: len(st.tokenizer.encode(text))) if st.tokenizer is not None else (lambda text: 0)
             keep = None
             if body.store is not False and st.responses.max_entries:

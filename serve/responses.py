@@ -37,17 +37,18 @@ from serve.types import RequestError
 __all__ = ["to_chat", "response_object", "ResponseEvents", "ResponseStore", "input_items"]
 
 
-def _text(content: Any, where: str) -> str:
+def _text(content: Any, where: str, field: str = "content") -> str:
+    """A string, or a list of text parts joined; `where.field` names it in errors."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
         parts = []
         for k, p in enumerate(content):
             if not isinstance(p, dict) or p.get("type") not in ("input_text", "output_text", "text"):
-                raise RequestError(f"input: {where}.content[{k}] must be a text part (input_text / output_text)")
+                raise RequestError(f"input: {where}.{field}[{k}] must be a text part (input_text / output_text)")
             parts.append(str(p.get("text", "")))
         return "".join(parts)
-    raise RequestError(f"input: {where}.content must be a string or a list of text parts")
+    raise RequestError(f"input: {where}.{field} must be a string or a list of text parts")
 
 
 def input_items(body) -> list[dict]:
@@ -85,9 +86,9 @@ def to_chat(body, previous: Optional[list[dict]] = None) -> dict:
         elif kind == "function_call_output":
             if not isinstance(it.get("call_id"), str):
                 raise RequestError(f"input: {where} needs call_id")
-            out = it.get("output")
+            out = it.get("output")  # a string or a list of parts (OpenAI's): the parts' text, not their JSON
             msgs.append({"role": "tool", "tool_call_id": it["call_id"],
-                         "content": out if isinstance(out, str) else json.dumps(out)})
+                         "content": _text(out, where, "output") if isinstance(out, (str, list)) else json.dumps(out)})
         elif kind == "reasoning":
             continue
         else:
@@ -129,6 +130,7 @@ def _ids() -> str:
 
 def _envelope(rid: str, created: int, body, model: str, status: str, output: list, usage: Optional[dict] = None,
                incomplete: Optional[str] = None, stored: bool = False) -> dict:
+    """The response object: every field of OpenAI's that the request sets, echoed (defaults filled in)."""
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
             "output": output, "error": None,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
@@ -136,9 +138,10 @@ def _envelope(rid: str, created: int, body, model: str, status: str, output: lis
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "temperature": body.temperature, "top_p": body.top_p,
             "tool_choice": body.tool_choice if body.tool_choice is not None else "auto",
-            "tools": body.tools or [], "text": body.text or {"format": {"type": "text"}},
+            "tools": body.tools or [], "text": {"format": {"type": "text"}, **(body.text or {})},
             "reasoning": body.reasoning, "store": stored, "previous_response_id": body.previous_response_id,
-            "metadata": body.metadata or {}, "usage": usage}
+            "truncation": body.truncation or "disabled", "user": body.user, "top_logprobs": body.top_logprobs or 0,
+            "background": False, "metadata": body.metadata or {}, "usage": usage}
 
 
 def _usage(chat: dict, reasoning_tokens: int) -> dict:

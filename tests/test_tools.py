@@ -444,6 +444,50 @@ def test_responses_function_calls_history_and_formats():
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
 
 
+def test_responses_echo_the_requests_fields_as_openai_does():
+    """The response object (whole, and every lifecycle event's) carries OpenAI's fields for what the request set:
+    `truncation`, `user`, `top_logprobs` and `background` were missing, `temperature` / `top_p` were null when the
+    request left them to the defaults (OpenAI's and vLLM's objects give the values sampled with), and a `text`
+    without a format lost the default one."""
+    eng = ScriptedEngine()
+    eng.script = ["Hi.", "Hi."]
+
+    async def go(body):
+        async with _client(eng) as c:
+            whole = (await c.post("/v1/responses", json=body)).json()
+            async with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            return whole, events
+    whole, events = asyncio.run(go({"input": "x", "user": "u1", "top_p": 0.5, "text": {"verbosity": "low"}}))
+    for r in [whole] + [e["response"] for e in events if "response" in e]:
+        assert {k: r[k] for k in ("truncation", "user", "top_logprobs", "background", "temperature", "top_p")} == {
+            "truncation": "disabled", "user": "u1", "top_logprobs": 0, "background": False, "temperature": 1.0,
+            "top_p": 0.5}, r
+        assert r["text"] == {"format": {"type": "text"}, "verbosity": "low"}  # the format's default filled in
+
+
+def test_responses_function_call_output_as_a_list_of_parts():
+    """A function_call_output's `output` may be a list of input_text parts (OpenAI's): the model reads their text
+    (it read the parts' JSON); a part that is not text is a 400 naming it."""
+    eng = ScriptedEngine()
+    eng.script = ["5."]
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a":2,"b":3}'}
+    parts = [{"type": "input_text", "text": "5"}, {"type": "input_text", "text": " (exact)"}]
+
+    async def go(output):
+        async with _client(eng) as c:
+            return await c.post("/v1/responses", json={"input": [
+                {"role": "user", "content": "add 2 and 3"}, call,
+                {"type": "function_call_output", "call_id": "c1", "output": output}]})
+    r = asyncio.run(go(parts))
+    assert r.status_code == 200, r.text
+    prompt = TOK.decode(eng.seen[-1][0])
+    assert "## Return of c1\n5 (exact)" in prompt and "input_text" not in prompt
+    r = asyncio.run(go([{"type": "input_image", "image_url": "http://x"}]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "input"
+    assert "input[2].output[0] must be a text part" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize("extra, field", [
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"type": "web_search_call"}]}, "input"),
@@ -578,7 +622,7 @@ def test_responses_reasoning_tokens_never_exceed_the_output_tokens():
 
     body = SimpleNamespace(instructions=None, max_output_tokens=2, parallel_tool_calls=None, temperature=None,
                            top_p=None, tool_choice=None, tools=None, text=None, reasoning=None,
-                           previous_response_id=None, metadata=None)
+                           previous_response_id=None, metadata=None, truncation=None, user=None, top_logprobs=None)
     usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
     count = lambda text: len(TOK.encode(text))  # noqa: E731
     chat = {"choices": [{"message": {"content": "", "reasoning_content": "a\ufffd"}, "finish_reason": "length"}],
