@@ -232,7 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     i.add_argument("--lora-experts-shared-a", action="store_true", help="as for serve: one A for all experts")
     i.set_defaults(fn=_cmd_info)
 
-    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)")
+    # no abbreviated options: a vLLM / SGLang flag we lack must not land on one of ours (SGLang's `--tp 8` was our
+    # `--tpm 8`, a limit of 8 tokens a minute that refused every request)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (default: k3-small, no download)",
+                       allow_abbrev=False)
     try:
         from serve.cli import add_serve_arguments
     except ImportError:  # serving stack not installed: the basic options only
@@ -242,9 +245,12 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     else:
         add_serve_arguments(s)
+        s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                       help="vLLM's `serve MODEL`: the same as --model")
     s.set_defaults(fn=_cmd_serve)
 
-    b = sub.add_parser("run-batch", help="offline batch in OpenAI's Batch file format (JSONL in, JSONL out)")
+    b = sub.add_parser("run-batch", help="offline batch in OpenAI's Batch file format (JSONL in, JSONL out)",
+                       allow_abbrev=False)
     b.add_argument("-i", "--input-file", required=True,
                    help="JSONL of {custom_id, method, url, body} (url: /v1/chat/completions, /v1/completions, "
                         "/v1/responses); a local file, '-' reads stdin (URLs are refused: no network)")
@@ -262,7 +268,21 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    if argv[:1] in (["serve"], ["run-batch"]):  # vLLM's --config FILE.yaml and --flag_name spellings
+        try:
+            from serve.cli import vllm_argv
+        except ImportError:
+            pass
+        else:
+            sub = parser._subparsers._group_actions[0].choices[argv[0]]
+            try:
+                argv = argv[:1] + vllm_argv(argv[1:], sub._option_string_actions)
+            except ValueError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+    args = parser.parse_args(argv)
     if getattr(args, "max_tokens", 1) < 1:
         print("error: --max-tokens must be >= 1", file=sys.stderr)
         return 2

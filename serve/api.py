@@ -50,7 +50,7 @@ import os
 import time
 import uuid
 from collections import Counter, deque
-from typing import Any, Callable, Literal, Mapping, Optional, Union
+from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
 import numpy as np
@@ -439,9 +439,11 @@ class DetokenizeRequest(_Strict):
 class ServerState:
     """What the routes share: the engine (attached once warm), admission counters, limits, metrics."""
 
-    def __init__(self, model_name: str, api_keys=None, limits: Optional[Limits] = None,
+    def __init__(self, model_name, api_keys=None, limits: Optional[Limits] = None,
                  max_waiting: Optional[int] = 256, max_model_len: Optional[int] = None):
-        self.model_name = model_name
+        # vLLM's --served-model-name takes several names: requests may name any, responses carry the first
+        self.model_names = (model_name,) if isinstance(model_name, str) else tuple(model_name)
+        self.model_name = self.model_names[0]
         if isinstance(api_keys, str):  # one key (vLLM's `api_key`), not its characters
             api_keys = [api_keys]
         keys = dict(api_keys) if isinstance(api_keys, dict) else {k: Limits() for k in (api_keys or [])}
@@ -469,7 +471,7 @@ class ServerState:
         self.last_output = -math.inf  # monotonic time of the latest engine output a request received
         self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
         self.request_log: Optional[Callable[[str], None]] = None  # vLLM's --enable-log-requests: says a line
-        self.metrics = ServerMetrics(model_name, self.engine_stats, self._frontend)
+        self.metrics = ServerMetrics(self.model_name, self.engine_stats, self._frontend)
 
     # ---- engine ----
     def attach(self, async_engine) -> None:
@@ -552,7 +554,7 @@ class ServerState:
 
     def check_model(self, model: Optional[str]) -> Optional[str]:
         """-> the LoRA adapter that `model` names, or None for the base model (or no `model`); 404 else."""
-        if model is None or model == self.model_name:
+        if model is None or model in self.model_names:
             return None
         adapters = self.lora_adapters()
         if model in adapters:
@@ -1433,10 +1435,10 @@ class _BodyLimit:
         return await self.app(scope, replay, send)
 
 
-def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, limits: Optional[Limits] = None,
-               max_waiting: Optional[int] = 256, max_body_bytes: int = DEFAULT_MAX_BODY,
-               max_model_len: Optional[int] = None, reasoning_parser: bool = True,
-               max_stored_responses: int = 1024, enable_sleep_mode: bool = False,
+def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax", *, api_keys=None,
+               limits: Optional[Limits] = None, max_waiting: Optional[int] = 256,
+               max_body_bytes: int = DEFAULT_MAX_BODY, max_model_len: Optional[int] = None,
+               reasoning_parser: bool = True, max_stored_responses: int = 1024, enable_sleep_mode: bool = False,
                allow_runtime_lora_updating: bool = False, return_tokens_as_token_ids: bool = False,
                enable_request_id_headers: bool = False, allowed_origins: Optional[list[str]] = None,
                allowed_methods: tuple[str, ...] = ("*",), allowed_headers: tuple[str, ...] = ("*",),
@@ -1447,6 +1449,8 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
 
     async_engine: a warmed-up `AsyncEngine`, or None to attach one later with
       `app.state.k3.attach(async_engine)` (until then /health and the API answer 503).
+    model_name: the model's id in the API, or several (vLLM's --served-model-name: requests may name any,
+      responses carry the first).
     api_keys: None (open server), a key, an iterable of keys, or {key: Limits} (per-key limits).
     limits: default per-key `Limits(rpm, tpm)` (None: unlimited).
     max_waiting: sequences allowed to wait beyond the engine's decode capacity; more get 503.
@@ -1478,7 +1482,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     st = ServerState(model_name, api_keys, limits, max_waiting, max_model_len)
     st.reasoning_parser = reasoning_parser
     st.request_log = request_log
-    st.model_path = model_path or model_name
+    st.model_path = model_path or st.model_name
     st.return_tokens_as_token_ids = return_tokens_as_token_ids
     st.responses = ResponseStore(max_stored_responses)
     if async_engine is not None:
@@ -1582,10 +1586,11 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     async def metrics():
         return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
-    def _model_card(adapter=None) -> dict:
-        """The base model's card, or a LoRA adapter's (vLLM's: `root` its path, `parent` the base model)."""
+    def _model_card(adapter=None, name: Optional[str] = None) -> dict:
+        """The base model's card (under one of its names), or a LoRA adapter's (vLLM's: `root` its path,
+        `parent` the base model)."""
         if adapter is None:
-            return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "k3jax",
+            return {"id": name or st.model_name, "object": "model", "created": st.created, "owned_by": "k3jax",
                     "root": st.model_name, "parent": None, "max_model_len": st.max_model_len}
         return {"id": adapter.name, "object": "model", "created": st.created, "owned_by": "k3jax",
                 "root": adapter.path, "parent": st.model_name, "max_model_len": st.max_model_len}
@@ -1593,19 +1598,20 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
     @app.get("/v1/models", responses=_ERRORS)
     async def models(key: str = Depends(authenticate)):
         adapters = st.lora_adapters()
-        return {"object": "list", "data": [_model_card()] + [_model_card(adapters[n]) for n in sorted(adapters)]}
+        return {"object": "list", "data": [_model_card(name=n) for n in st.model_names]
+                + [_model_card(adapters[n]) for n in sorted(adapters)]}
 
     @app.get("/v1/models/{model_id:path}", responses=_ERRORS)
     async def model(model_id: str, key: str = Depends(authenticate)):
         lora = st.check_model(model_id)
-        return _model_card(st.lora_adapters().get(lora) if lora else None)
+        return _model_card(st.lora_adapters().get(lora) if lora else None, model_id)
 
     if allow_runtime_lora_updating:  # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: loads adapters from server paths
         @app.post("/v1/load_lora_adapter", responses=_ERRORS)
         async def load_lora_adapter(body: LoadLoRARequest, key: str = Depends(authenticate),
                                     _r: None = Depends(ready)):
             """Load a PEFT adapter directory into a free slot; it is then served as model `lora_name`."""
-            if body.lora_name == st.model_name:
+            if body.lora_name in st.model_names:
                 raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
             try:  # (room on every data-parallel replica first: each drops its own least recently used adapter)
                 await st.engine.call(lambda e: e._lora_room(body.lora_name, body.lora_path))
@@ -1637,7 +1643,7 @@ def create_app(async_engine=None, model_name: str = "k3jax", *, api_keys=None, l
                                 status_code=200 if error is None else status)
 
         async def load(body, fn):
-            if body.lora_name == st.model_name:
+            if body.lora_name in st.model_names:
                 return lora_verdict(f"lora_name {body.lora_name!r} is the base model's name")
             try:
                 await st.engine.call(lambda e: e._lora_room(body.lora_name, getattr(body, "lora_path", "")))

@@ -3,7 +3,8 @@
 Keys are bearer tokens (`Authorization: Bearer KEY`). They come from
 
 * the environment variable `K3JAX_API_KEYS` (comma-separated keys),
-* `--api-key KEY` on the command line (vLLM's flag; repeat it for more keys), and/or
+* `--api-key KEY` on the command line (vLLM's flag; repeat it for more keys), else vLLM's environment variable
+  `VLLM_API_KEY` (one key), and/or
 * a key file (`--api-key-file`): one key per line, optionally followed by per-key limits,
   `KEY [rpm=N] [tpm=N]`; blank lines and `#` comments (from a `#` at a line's start or after whitespace) are
   ignored.
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from typing import Iterable, Optional
 
 ENV_KEYS = "K3JAX_API_KEYS"
+VLLM_ENV_KEY = "VLLM_API_KEY"  # vLLM's: one key, taken when no --api-key is given
 WINDOW_S = 60.0
 ANONYMOUS = ""
 _COMMENT = re.compile(r"(?:^|\s)#")
@@ -82,14 +84,14 @@ def parse_key_file(path: str) -> dict[str, Limits]:
 
 def load_api_keys(key_file: Optional[str] = None, env: Optional[dict] = None,
                   given: Iterable[str] = ()) -> Optional[dict[str, Limits]]:
-    """Keys from `K3JAX_API_KEYS`, `given` (`--api-key`) and the key file (whose per-key limits win); None
-    when none names any (open server)."""
+    """Keys from `K3JAX_API_KEYS`, `given` (`--api-key`; without it vLLM's `VLLM_API_KEY`, as vLLM takes it) and
+    the key file (whose per-key limits win); None when none names any (open server)."""
     env = os.environ if env is None else env
     keys: dict[str, Limits] = {}
     given = tuple(given)
     if any(not k.strip() for k in given):
         raise ValueError("--api-key: an empty key")
-    for k in [*(env.get(ENV_KEYS) or "").split(","), *given]:
+    for k in [*(env.get(ENV_KEYS) or "").split(","), *(given or [env.get(VLLM_ENV_KEY) or ""])]:
         if k.strip():
             keys[k.strip()] = Limits()
     if key_file:

@@ -17,9 +17,11 @@ build the same engine and replay process 0's steps (`serve/multihost.py`) until 
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -51,7 +53,7 @@ DEFAULTS = dict(
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
     log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
-    async_scheduling=False,
+    async_scheduling=False, enable_chunked_prefill=True, trust_remote_code=False, config=None,
 )
 
 
@@ -63,11 +65,17 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--port", type=int, default=d["port"])
     s.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
     s.add_argument("--seed", type=int, default=d["seed"], help="weight seed for presets")
-    s.add_argument("--served-model-name", default=None, help="model id in the API (default: --model)")
+    s.add_argument("--config", default=None, metavar="FILE.yaml",
+                   help="vLLM's: options from a YAML file ('max-model-len: 32k', 'enable-lora: true', lists, JSON "
+                        "objects as mappings); the command line's own win")
+    s.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                   help="model id in the API (default: --model); vLLM's several names: requests may name any, "
+                        "responses carry the first")
     e = s.add_argument_group("engine")
     e.add_argument("--max-model-len", type=_model_len, default=d["max_model_len"],
-                   help="context window (tokens); 'auto' or -1: the longest request the cache holds, at most the "
-                        "model's max_position_embeddings (its context buckets then default to powers of 4 of pages)")
+                   help="context window (tokens; vLLM's 32k = 32000, 32K = 32768); 'auto' or -1: the longest request "
+                        "the cache holds, at most the model's max_position_embeddings (its context buckets then "
+                        "default to powers of 4 of pages)")
     e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                    help="requests running at once (vLLM's; the rows of the largest decode bucket)")
     e.add_argument("--page-size", type=int, default=d["page_size"])
@@ -87,7 +95,14 @@ def add_serve_arguments(s) -> None:
     e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d["logprobs_mode"],
                    help="vLLM's: what logprobs hold: the model's log-softmax or logits (raw_*), or those the token was "
                         "drawn from after bias, penalties, temperature, top-k/top-p/min-p (processed_*)")
-    e.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    e.add_argument("--no-prefix-caching", "--no-enable-prefix-caching", action="store_true",
+                   help="disable the prefix cache (--no-enable-prefix-caching: vLLM's name)")
+    e.add_argument("--enable-prefix-caching", dest="no_prefix_caching", action="store_false",
+                   help="vLLM's: the prefix cache on (the default)")
+    e.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                   default=d["enable_chunked_prefill"],
+                   help="vLLM's: prompts are always prefilled in chunks of --prefill-chunk tokens here (the default); "
+                        "--no-enable-chunked-prefill is refused")
     e.add_argument("--host-cache-mb", type=int, default=None,
                    help="host-memory tier of the prefix cache (MiB): evicted pages and KDA checkpoints are "
                         "kept in RAM and restored on a hit (default 0: off)")
@@ -216,7 +231,7 @@ def add_serve_arguments(s) -> None:
     a = s.add_argument_group("access")
     a.add_argument("--api-key", action="append", default=None, metavar="KEY",
                    help="a bearer key the API requires (vLLM's; repeat for more; beside --api-key-file and "
-                        "K3JAX_API_KEYS)")
+                        "K3JAX_API_KEYS; without it vLLM's VLLM_API_KEY is one)")
     a.add_argument("--api-key-file", default=None,
                    help="bearer keys, one per line 'KEY [rpm=N] [tpm=N]' (also: K3JAX_API_KEYS=k1,k2)")
     a.add_argument("--rpm", type=int, default=None, help="default requests per minute per key")
@@ -273,10 +288,79 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--enable-log-requests", action="store_true",
                    help="a line when each generation request starts and ends (ids, token counts, sampling, finish "
                         "reasons, time; never the prompt or answer text)")
+    s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
+                   help="vLLM's older flag: no request lines (the default)")
     s.add_argument("--profiler-dir", default=d["profiler_dir"], metavar="DIR",
                    help="serve POST /start_profile and /stop_profile (vLLM's): a jax.profiler trace of the engine "
                         "between the two, written under DIR (TensorBoard / XProf, and a Perfetto trace)")
-    s.add_argument("--log-level", default=d["log_level"], choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--log-level", "--uvicorn-log-level", default=d["log_level"],
+                   choices=["critical", "error", "warning", "info", "debug", "trace"],
+                   help="uvicorn's log level (--uvicorn-log-level: vLLM's name)")
+    s.add_argument("--trust-remote-code", action="store_true",
+                   help="vLLM's: accepted; no checkpoint code is ever run (K3 and Kimi-Linear are built in)")
+
+
+def vllm_argv(argv: list[str], options: dict) -> list[str]:
+    """A `serve` / `run-batch` command line (after the subcommand) read as vLLM's parser reads it: flag names with
+    underscores (`--max_model_len`) and `--config FILE.yaml`, whose options go first so the command line's win.
+    `options`: the subcommand's option strings -> actions."""
+    argv = [_dashes(a) for a in argv]
+    at = [i for i, a in enumerate(argv) if a == "--config" or a.startswith("--config=")]
+    if not at:
+        return argv
+    if len(at) > 1:
+        raise ValueError("--config: give one file")
+    i = at[0]
+    if argv[i] == "--config":
+        if i + 1 >= len(argv):
+            raise ValueError("--config: expected a YAML file")
+        path, rest = argv[i + 1], argv[:i] + argv[i + 2:]
+    else:
+        path, rest = argv[i].partition("=")[2], argv[:i] + argv[i + 1:]
+    model = rest[:1] if rest and not rest[0].startswith("-") else []  # `serve MODEL`: a list option cannot take it
+    return model + config_flags(path, options) + rest[len(model):]
+
+
+def _dashes(arg: str) -> str:
+    if not arg.startswith("--"):
+        return arg
+    key, eq, value = arg.partition("=")
+    return key.replace("_", "-") + eq + value
+
+
+def config_flags(path: str, options: dict) -> list[str]:
+    """vLLM's `--config` file as flags: `key: value` -> `--key value`; true -> `--key`, false -> `--no-key` where
+    there is one (else nothing: the default); a list -> its items (the flag repeated for `--api-key`); a mapping ->
+    its JSON (`--speculative-config`)."""
+    import yaml
+
+    if not path.endswith((".yaml", ".yml")):
+        raise ValueError(f"--config {path!r}: expected a YAML file (.yaml or .yml)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as e:
+        raise ValueError(f"--config {path}: {getattr(e, 'strerror', None) or e}") from None
+    if cfg is None:
+        return []
+    if not isinstance(cfg, dict):
+        raise ValueError(f"--config {path}: expected a mapping of option names to values")
+    out: list[str] = []
+    for key, value in cfg.items():
+        flag = "--" + str(key).replace("_", "-")
+        if isinstance(value, bool):
+            out += [flag] if value else [f"--no-{flag[2:]}"] if f"--no-{flag[2:]}" in options else []
+        elif isinstance(value, list):
+            items = [json.dumps(v) if isinstance(v, (dict, list)) else str(v) for v in value]
+            if isinstance(options.get(flag), argparse._AppendAction):
+                out += [x for v in items for x in (flag, v)]
+            else:
+                out += [flag, *items]
+        elif isinstance(value, dict):
+            out += [flag, json.dumps(value)]
+        elif value is not None:
+            out += [flag, str(value)]
+    return out
 
 
 def _ints(text: Optional[str], name: str) -> Optional[tuple[int, ...]]:
@@ -291,14 +375,54 @@ def _ints(text: Optional[str], name: str) -> Optional[tuple[int, ...]]:
     return vals
 
 
+_SIZES = dict(k=10 ** 3, m=10 ** 6, g=10 ** 9, t=10 ** 12, K=1 << 10, M=1 << 20, G=1 << 30, T=1 << 40)
+
+
+def _human_int(text: str) -> int:
+    """vLLM's human-readable integers: 32k = 32,000, 32K = 32,768, 25.6k = 25,600 (no decimals with K/M/G/T)."""
+    m = re.fullmatch(r"(\d+(?:\.\d+)?)([kmgtKMGT])", text.strip())
+    if m is None:
+        return int(text)
+    num, suffix = m.groups()
+    if suffix.isupper() and "." in num:
+        raise argparse.ArgumentTypeError(f"{text!r}: no decimals with {suffix} (binary); {num}{suffix.lower()}?")
+    return int(float(num) * _SIZES[suffix]) if suffix.islower() else int(num) * _SIZES[suffix]
+
+
 def _model_len(text: str):
-    """--max-model-len: a token count, or 'auto' (-1)."""
-    return "auto" if text in ("auto", "-1") else int(text)
+    """--max-model-len: a token count (vLLM's 32k / 32K forms too), or 'auto' (-1)."""
+    return "auto" if text.strip().lower() in ("auto", "-1") else _human_int(text)
 
 
 def _shown_len(cfg) -> Optional[int]:
     """The context window an app shows before its engine is attached (None: 'auto', known once it is)."""
     return None if cfg.max_model_len == "auto" else cfg.max_model_len
+
+
+def served_names(o: dict) -> list[str]:
+    """The model's ids in the API: `--served-model-name`'s (vLLM's: one or several), else `--model`."""
+    names = o.get("served_model_name") or [o.get("model") or DEFAULTS["model"]]
+    names = [names] if isinstance(names, str) else list(names)
+    if not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"--served-model-name: expected non-empty names, got {names!r}")
+    return names
+
+
+def served_model_path(args) -> str:
+    """`k3jax serve MODEL` (vLLM's positional form) or `--model MODEL`; both given must agree."""
+    from k3jax.config import PRESETS
+
+    tag, flag = getattr(args, "model_tag", None), getattr(args, "model", DEFAULTS["model"])
+    names = getattr(args, "served_model_name", None) or []
+    if tag is None and flag == DEFAULTS["model"] and len(names) > 1 and (names[-1] in PRESETS or
+                                                                         os.path.isdir(names[-1])):
+        raise ValueError(f"--served-model-name took the model {names[-1]!r} as a name: name the model first "
+                         f"(k3jax serve {names[-1]} --served-model-name ...)")
+    if tag is None:
+        return flag
+    if flag not in (tag, DEFAULTS["model"]):
+        raise ValueError(f"serve {tag!r} and --model {flag!r}: name the model once")
+    return tag
 
 
 def engine_config(o: dict):
@@ -307,6 +431,9 @@ def engine_config(o: dict):
     from serve.engine import EngineConfig
 
     auto = o["max_model_len"] in ("auto", -1) and not isinstance(o["max_model_len"], bool)
+    if o.get("enable_chunked_prefill") is False:
+        raise ValueError("--no-enable-chunked-prefill: prompts are always prefilled in chunks of --prefill-chunk "
+                         "tokens here (a longer chunk: --long-prefill-chunk)")
     for key in ("page_size", "max_num_seqs", "prefill_chunk", "cache_mb") + (() if auto else ("max_model_len",)):
         v = o[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -427,7 +554,7 @@ def lora_modules(o: dict) -> list:
             name, _, path = item.partition("=")
         if not name or not path:
             raise ValueError(f"--lora-modules {item!r}: expected name=path or {{\"name\": ..., \"path\": ...}}")
-        if name == (o.get("served_model_name") or o.get("model")):  # (the API's routes refuse it too)
+        if name in served_names(o):  # (the API's routes refuse it too)
             raise ValueError(f"--lora-modules {item!r}: {name!r} is the served model's id: requests naming it "
                              f"would be served by the base model")
         if name in {r.lora_name for r in out}:
@@ -659,6 +786,7 @@ def serve_main(args) -> int:
     from serve.stats_logger import StatsLogger
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    o["model"] = served_model_path(args)
     t0 = time.monotonic()
     cfg = engine_config(o)
     cfg.validate()
@@ -688,8 +816,9 @@ def serve_main(args) -> int:
     if o["process_id"] > 0:
         return _follow(o, cfg)
     keys = load_api_keys(o["api_key_file"], given=o.get("api_key") or ())
-    name = o["served_model_name"] or o["model"]
-    app = create_app(None, name, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
+    names = served_names(o)
+    name = names[0]
+    app = create_app(None, names, api_keys=keys, limits=Limits(o["rpm"], o["tpm"]), max_waiting=o["max_waiting"],
                      max_body_bytes=body_limit(o), max_model_len=_shown_len(cfg),
                      reasoning_parser=not o["no_reasoning_parser"],
                      return_tokens_as_token_ids=bool(o.get("return_tokens_as_token_ids")),

@@ -164,7 +164,8 @@ def open_output(path: str) -> IO[str]:
 def run_batch_main(args) -> int:
     """`k3jax run-batch`: build and warm the engine with the serve options, then run the input file."""
     from serve.api import create_app
-    from serve.cli import DEFAULTS, _say, enable_compile_cache, engine_config, load_served_model, lora_modules, start_engine
+    from serve.cli import (DEFAULTS, _say, enable_compile_cache, engine_config, load_served_model, lora_modules,
+                           served_names, start_engine)
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     cfg = engine_config(o)
@@ -178,7 +179,7 @@ def run_batch_main(args) -> int:
         _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
         aeng = start_engine(load_served_model(o, cfg), cfg, o, adapters)
         try:
-            app = create_app(aeng, o["served_model_name"] or o["model"], max_waiting=None,
+            app = create_app(aeng, served_names(o), max_waiting=None,
                              max_model_len=cfg.max_model_len, reasoning_parser=not o["no_reasoning_parser"],
                              max_stored_responses=0)
             counts = run_batch(app, lines, dst, args.max_concurrency or 4 * cfg.max_num_seqs)

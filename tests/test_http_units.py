@@ -893,3 +893,106 @@ def test_adapter_unloaded_while_a_request_waits_releases_its_admission():
     r, load = asyncio.run(go())
     assert r.status_code == 404 and r.json()["error"]["param"] == "model", r.text
     assert load == {"server_load": 0} and st.seqs_in_flight == 0
+
+
+def test_serve_options_are_never_abbreviated():
+    """A vLLM / SGLang flag we lack is refused, never taken as an abbreviation of one of ours: SGLang's `--tp 8`
+    was `--tpm 8` (8 tokens a minute: every request answered 429)."""
+    from k3jax.cli import build_parser
+
+    for argv in (["serve", "--tp", "2"], ["serve", "--max-model", "100"], ["run-batch", "-i", "x", "-o", "y", "--tp",
+                                                                          "2"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(argv)
+    assert build_parser().parse_args(["serve", "-tp", "2"]).tensor_parallel_size == 2
+
+
+def test_vllm_api_key_environment_variable():
+    """vLLM's VLLM_API_KEY guards the server when no --api-key is given (it was ignored: the server ran open)."""
+    assert set(load_api_keys(None, env={"VLLM_API_KEY": "v"})) == {"v"}
+    assert set(load_api_keys(None, env={"VLLM_API_KEY": "v"}, given=["cli"])) == {"cli"}  # --api-key wins
+    assert set(load_api_keys(None, env={"VLLM_API_KEY": "v", "K3JAX_API_KEYS": "a,b"})) == {"a", "b", "v"}
+    assert load_api_keys(None, env={"VLLM_API_KEY": ""}) is None
+
+
+def test_max_model_len_takes_vllms_human_readable_sizes():
+    """vLLM's --max-model-len 32k (32,000), 32K (32,768), 25.6k; decimals with a binary suffix are refused."""
+    from k3jax.cli import build_parser
+
+    for text, want in (("32k", 32000), ("32K", 32768), ("25.6k", 25600), ("1m", 10 ** 6), ("1M", 1 << 20),
+                       ("4096", 4096), ("AUTO", "auto")):
+        assert build_parser().parse_args(["serve", "--max-model-len", text]).max_model_len == want, text
+    for bad in ("1.5K", "32q", "k"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--max-model-len", bad])
+
+
+def test_serve_takes_the_model_as_vllms_positional():
+    """`k3jax serve MODEL` (vLLM's form) is `--model MODEL`, before or after the options; two different models,
+    or a model swallowed by --served-model-name's list, are refused naming them."""
+    from k3jax.cli import build_parser
+    from serve.cli import served_model_path
+
+    for argv in (["serve", "tiny-k3"], ["serve", "--port", "9", "tiny-k3", "--seed", "1"],
+                 ["serve", "--model", "tiny-k3"], ["serve", "tiny-k3", "--model", "tiny-k3"]):
+        assert served_model_path(build_parser().parse_args(argv)) == "tiny-k3", argv
+    assert served_model_path(build_parser().parse_args(["serve"])) == "k3-small"
+    with pytest.raises(ValueError, match="name the model once"):
+        served_model_path(build_parser().parse_args(["serve", "tiny-k3", "--model", "tiny-kimi-linear"]))
+    with pytest.raises(ValueError, match="name the model first"):
+        served_model_path(build_parser().parse_args(["serve", "--served-model-name", "kimi", "tiny-k3"]))
+
+
+def test_served_model_name_takes_several_names():
+    """vLLM's --served-model-name A B: requests may name either, responses carry the first, /v1/models lists
+    both; a LoRA adapter may not take either name."""
+    from k3jax.cli import build_parser
+    from recording_engine import Recorder
+    from serve.cli import DEFAULTS, lora_modules, served_names
+
+    args = build_parser().parse_args(["serve", "tiny-k3", "--served-model-name", "kimi", "moonshot/kimi"])
+    o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    assert served_names(o) == ["kimi", "moonshot/kimi"] and served_names(dict(DEFAULTS)) == ["k3-small"]
+    with pytest.raises(ValueError, match="served model's id"):
+        lora_modules(dict(o, enable_lora=True, lora_modules=["moonshot/kimi=/x"]))
+    app = create_app(Recorder(max_model_len=64), served_names(o))
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return ([await c.post("/v1/completions", json={"model": m, "prompt": [1, 2], "max_tokens": 1})
+                     for m in ("moonshot/kimi", "kimi", "other")], (await c.get("/v1/models")).json())
+
+    (alias, first, other), models = asyncio.run(go())
+    assert alias.status_code == first.status_code == 200 and alias.json()["model"] == "kimi"
+    assert other.status_code == 404
+    assert [m["id"] for m in models["data"]] == ["kimi", "moonshot/kimi"]
+
+
+def test_vllm_config_file_and_underscored_flags(tmp_path):
+    """vLLM's `--config FILE.yaml` (its keys as flags; true / false / lists / mappings; the command line's own
+    options win) and `--flag_name` spellings; vLLM's flag names for ours (--no-enable-prefix-caching,
+    --uvicorn-log-level, --disable-log-requests); --no-enable-chunked-prefill refused naming it."""
+    from k3jax.cli import build_parser, main
+    from serve.cli import DEFAULTS, engine_config, served_model_path, vllm_argv
+
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("port: 9001\nmax_model_len: 32k\nenable-prefix-caching: false\nserved-model-name: [a, b]\n"
+                   "api-key: [k1, k2]\nspeculative-config: {method: ngram, num_speculative_tokens: 2}\n"
+                   "trust-remote-code: true\n")
+    parser = build_parser()
+    options = parser._subparsers._group_actions[0].choices["serve"]._option_string_actions
+    argv = vllm_argv(["tiny-k3", "--config", str(cfg), "--port", "9002", "--max_num_seqs=4"], options)
+    args = parser.parse_args(["serve", *argv])
+    assert (args.port, args.max_model_len, args.no_prefix_caching, args.served_model_name, args.api_key,
+            args.max_num_seqs) == (9002, 32000, True, ["a", "b"], ["k1", "k2"], 4)
+    assert json.loads(args.speculative_config) == {"method": "ngram", "num_speculative_tokens": 2}
+    assert served_model_path(args) == "tiny-k3"
+    args = parser.parse_args(["serve", "--uvicorn-log-level", "trace", "--enable-log-requests",
+                              "--disable-log-requests", "--no-enable-prefix-caching", "--enable-prefix-caching"])
+    assert (args.log_level, args.enable_log_requests, args.no_prefix_caching) == ("trace", False, False)
+    o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    with pytest.raises(ValueError, match="--no-enable-chunked-prefill"):
+        engine_config(dict(o, enable_chunked_prefill=False))
+    cfg.write_text("- not a mapping\n")
+    assert main(["serve", "--config", str(cfg)]) == 2
+    assert main(["serve", "--config", str(tmp_path / "c.json")]) == 2
