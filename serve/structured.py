@@ -108,7 +108,7 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
                 raise RequestError(f"{field_}: not valid JSON: {e}") from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
-        if params.disable_additional_properties:
+        if params.disable_additional_properties and kind == "json":  # json_object stays any object (vLLM's)
             schema = _close_objects(schema)
         if params.whitespace_pattern is not None and not isinstance(params.whitespace_pattern, str):
             raise RequestError("structured_outputs.whitespace_pattern: must be a regular expression string")
