@@ -91,7 +91,7 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
         name = f.get("name")
         if not isinstance(name, str) or not name or len(name) > 64:
             raise RequestError(f"tools: {where}.function.name must be a non-empty string of at most 64 characters")
-        if "parameters" in f and not isinstance(f["parameters"], dict):
+        if f.get("parameters") is not None and not isinstance(f["parameters"], dict):  # (null: none, as vLLM's)
             raise RequestError(f"tools: {where}.function.parameters must be a JSON schema object")
         if any(g["name"] == name for g in functions):
             raise RequestError(f"tools: function name {name!r} is given twice")
@@ -103,7 +103,8 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
     if tool_choice == _REQUIRED:
         return ToolPlan(_REQUIRED, tuple(functions), parallel=parallel)
     if isinstance(tool_choice, dict):
-        name = (tool_choice.get("function") or {}).get("name") if tool_choice.get("type") == "function" else None
+        function = tool_choice.get("function") if tool_choice.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str):
             raise RequestError("tool_choice: expected {'type': 'function', 'function': {'name': ...}}")
         if name not in {f["name"] for f in functions}:
@@ -200,7 +201,10 @@ def history_message(message: dict) -> dict:
         out.append({"name": f["name"], "parameters": args})
     text = json.dumps(out, ensure_ascii=False)
     content = message.get("content")
-    body = f"{content}\n{text}" if isinstance(content, str) and content else text
+    if isinstance(content, list) and content:  # text parts (kept as parts: the renderer checks and joins them)
+        body: Any = [*content, {"type": "text", "text": f"\n{text}"}]
+    else:
+        body = f"{content}\n{text}" if isinstance(content, str) and content else text
     return {**{k: v for k, v in message.items() if k != "tool_calls"}, "content": body}
 
 

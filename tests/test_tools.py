@@ -291,6 +291,7 @@ def test_tool_history_and_none():
     (TOOLS + TOOLS[:1], None, "tools"),
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
     (TOOLS, "sometimes", "tool_choice"),
+    (TOOLS, {"type": "function", "function": "add"}, "tool_choice"),  # (a 500: str has no .get)
     (None, "required", "tool_choice"),
 ])
 def test_bad_tools_are_400_naming_the_field(tools, choice, field):
@@ -307,6 +308,25 @@ def test_bad_tools_are_400_naming_the_field(tools, choice, field):
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
     with pytest.raises(RequestError, match=field):
         plan_tools(tools, choice, None)
+
+
+def test_tools_with_parameters_missing_empty_or_null():
+    """A function's `parameters` may be left out, `{}` or null (vLLM's FunctionDefinition; the Responses API's
+    FunctionTool sends null): each takes any object; null was a 400."""
+    tools = [{"type": "function", "function": {"name": "a"}},
+             {"type": "function", "function": {"name": "b", "parameters": {}}},
+             {"type": "function", "function": {"name": "c", "parameters": None, "description": None}}]
+    for name in "abc":
+        eng = ScriptedEngine()
+        status, r = _chat(eng, ['{"x":1}'], tools=tools, tool_choice={"type": "function", "function": {"name": name}})
+        assert status == 200, r
+        assert r["choices"][0]["message"]["tool_calls"][0]["function"] == {"name": name, "arguments": '{"x":1}'}
+    assert TOK.decode(eng.seen[0][0]).count('"parameters": {"type": "object"}') == 3
+    eng = ScriptedEngine()
+    eng.script = ['[{"name":"c","parameters":{}}]']
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="x", tool_choice="required", tools=[
+        {"type": "function", "name": "c", "parameters": None, "strict": None}]))
+    assert r.output[0].type == "function_call" and r.output[0].name == "c"
 
 
 def test_required_constraint_random_walks_parse_as_valid_calls():
@@ -331,6 +351,19 @@ def test_required_constraint_random_walks_parse_as_valid_calls():
                 assert args["city"] in ("paris", "rome") and set(args) <= {"city", "days"}
             else:
                 assert set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
+
+
+def test_history_keeps_assistant_text_parts_beside_calls():
+    """An assistant message whose content is a list of text parts keeps that text beside its calls, as a string
+    content does (the parts were dropped: the model saw only the calls)."""
+    eng = ScriptedEngine()
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    for content in ("Let me add.", [{"type": "text", "text": "Let me "}, {"type": "text", "text": "add."}]):
+        msgs = [{"role": "user", "content": "add 1 and 2"}, {"role": "assistant", "content": content,
+                                                            "tool_calls": [call]}]
+        status, r = _chat(eng, ["ok"], messages=msgs)
+        assert status == 200, r
+        assert 'Let me add.\n[{"name": "add", "parameters": {"a": 1, "b": 2}}]' in TOK.decode(eng.seen[-1][0])
 
 
 def test_history_message_rejects_bad_calls():
