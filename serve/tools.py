@@ -93,6 +93,8 @@ def plan_tools(tools: Optional[list], tool_choice: Any, parallel_tool_calls: Opt
             raise RequestError(f"tools: {where}.function.name must be a non-empty string of at most 64 characters")
         if f.get("parameters") is not None and not isinstance(f["parameters"], dict):  # (null: none, as vLLM's)
             raise RequestError(f"tools: {where}.function.parameters must be a JSON schema object")
+        if f.get("description") is not None and not isinstance(f["description"], str):
+            raise RequestError(f"tools: {where}.function.description must be a string")
         if any(g["name"] == name for g in functions):
             raise RequestError(f"tools: function name {name!r} is given twice")
         functions.append({"name": name, "description": f.get("description") or "",

@@ -292,6 +292,7 @@ def test_tool_history_and_none():
     (TOOLS, {"type": "function", "function": {"name": "nope"}}, "tool_choice"),
     (TOOLS, "sometimes", "tool_choice"),
     (TOOLS, {"type": "function", "function": "add"}, "tool_choice"),  # (a 500: str has no .get)
+    ([{"type": "function", "function": {"name": "a", "description": 5}}], None, "tools"),  # (vLLM's: a string)
     (None, "required", "tool_choice"),
 ])
 def test_bad_tools_are_400_naming_the_field(tools, choice, field):
