@@ -215,8 +215,8 @@ def _check_unused(st: SafetensorsDir, used: set[str], prefix: str, num_layers: i
     head = prefix + "model.layers."
     unused, beyond = [], []
     for k in st.where:
-        if k in used or not k.startswith(head):
-            continue
+        if k in used or not k.startswith(head) or 0 in st.shape(k):
+            continue  # an empty tensor holds no weights (HF writes num_shared_experts=0's as [0, H])
         layer = k[len(head):].split(".", 1)[0]
         (beyond if layer.isdigit() and int(layer) >= num_layers else unused).append(k)
     if unused:

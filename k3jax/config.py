@@ -259,6 +259,23 @@ def _eos_ids(*vals) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_hf_layer_plans(tc: Mapping[str, Any], where: str, mla: tuple[int, ...], first_dense: int, freq: int,
+                          experts: int) -> None:
+    """HF transformers builds its layers from `layer_types` / `mlp_layer_types` when config.json has them (it
+    writes both), not from linear_attn_config / first_k_dense_replace / moe_layer_freq (which it ignores):
+    lists that disagree with what k3jax builds describe another model, an error naming both keys."""
+    n = tc["num_hidden_layers"]
+    plans = {"layer_types": (["full_attention" if l in mla else "linear_attention" for l in range(n)],
+                             "linear_attn_config.full_attn_layers")}
+    if experts and freq > 0:  # (moe_layer_freq=0 is refused by ModelConfig, naming it)
+        plans["mlp_layer_types"] = (["sparse" if l >= first_dense and l % freq == 0 else "dense" for l in range(n)],
+                                    f"first_k_dense_replace={first_dense} / moe_layer_freq={freq}")
+    for key, (ours, source) in plans.items():
+        if tc.get(key) is not None and tc[key] != ours:
+            raise ConfigError(f"{where}: {key} {tc[key]!r} (what HF transformers builds) disagrees with {source} "
+                              f"({ours!r})")
+
+
 def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json` (K3 with `text_config`, or flat Kimi-Linear)."""
     if not isinstance(cfg, Mapping):
@@ -320,10 +337,14 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         max_position_embeddings=_int(tc, "max_position_embeddings", where,
                                      _int(tc, "model_max_length", where, 1 << 20)),
     )
+    _check_hf_layer_plans(tc, where, mla, common["first_k_dense_replace"], common["moe_layer_freq"],
+                          common["num_experts"])
     if tc.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"{where}: moe_router_activation_func must be 'sigmoid'")
-    if tc.get("use_grouped_topk") and _int(tc, "num_expert_group", where, 1) != 1:
-        raise ConfigError(f"{where}: grouped top-k with num_expert_group > 1 is not supported")
+    groups = _int(tc, "num_expert_group", where, 1)
+    if groups > 1 and _int(tc, "topk_group", where, 1) < groups:
+        # HF transformers routes group-limited whatever use_grouped_topk says (vLLM unless it is false)
+        raise ConfigError(f"{where}: group-limited routing (num_expert_group={groups} > topk_group) is not supported")
 
     if family == "kimi_k3":
         for k in _K3_REQUIRED_TEXT_KEYS:

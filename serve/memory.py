@@ -323,6 +323,8 @@ class Arena:
             self._low = min(self._low, int(units[0]))
 
     def free_slot(self, base: int) -> None:
+        if not self.layout.slot_units:  # no KDA layers: every slot is the empty scratch one (`alloc_slot`)
+            return
         s = slice(base, base + self.layout.slot_units)
         assert base != self.layout.scratch_slot and np.all(self.owner[s] == self.SLOT), "bad slot free"
         self.owner[s] = self.FREE

@@ -189,8 +189,8 @@ def _reinit_(model: KimiLinearForCausalLM, seed: int) -> None:
             v = normal(shape, 1.0 / math.sqrt(shape[-1]))
         elif name.endswith("lm_head.weight"):
             v = normal(shape, 1.5 / math.sqrt(shape[-1]))
-        elif p.dim() == 2:  # every other nn.Linear ([out, in])
-            v = normal(shape, 1.0 / math.sqrt(shape[-1]))
+        elif p.dim() == 2:  # every other nn.Linear ([out, in]; num_shared_experts=0's are empty)
+            v = normal(shape, 1.0 / math.sqrt(max(shape[-1], 1)))
         else:
             raise AssertionError(f"unhandled tensor {name} {shape}")
         p.copy_(v.to(p.dtype))

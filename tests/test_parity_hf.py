@@ -268,3 +268,103 @@ def test_tie_word_embeddings_with_an_lm_head_in_the_checkpoint(tmp_path):
     model = k3jax.load_model(path, dtype="float32")
     err = _rel_err(model.forward(ids), hfx.hf_logits(hf, ids))
     assert err <= REL_TOL, f"rel err {err:.3e}"
+
+
+def _variant(tmp_path, name: str, seed: int = 26, lac: dict | None = None, **config):
+    """A one-off variant of a4 (single file) with `config` / `linear_attn_config` changes -> (path, hf model)."""
+    import copy
+
+    hfx.VARIANTS[name] = spec = dict(copy.deepcopy(hfx.VARIANTS["a4"]), sharded=False)
+    spec["config"].update(config)
+    spec["config"]["linear_attn_config"].update(lac or {})
+    try:
+        return hfx.make_hf_kimi_linear(tmp_path / name, name, seed)
+    finally:
+        del hfx.VARIANTS[name]
+
+
+@pytest.mark.parametrize("name, config", [
+    # top-1 routing with moe_renormalize: HF (and vLLM) divide the one weight by itself (1.0); k3jax kept the raw
+    # sigmoid score (rel err ~0.3)
+    ("top1", dict(num_experts_per_token=1)),
+    # no shared experts: HF writes them as empty [0, H] / [H, 0] tensors, which k3jax refused as tensors with
+    # "no place in the model"
+    ("no_shared", dict(num_shared_experts=0)),
+])
+def test_moe_config_variants_match_hf(tmp_path, name, config):
+    import k3jax
+
+    path, hf = _variant(tmp_path, name, **config)
+    ids = hfx.make_prompt("a4", 3, batch=1, length=70)
+    err = _rel_err(k3jax.load_model(path, dtype="float32").forward(ids), hfx.hf_logits(hf, ids))
+    assert err <= REL_TOL, f"[{name}] rel err {err:.3e}"
+
+
+@pytest.mark.parametrize("grouped", [True, None, False])
+def test_group_limited_routing_is_refused_whatever_use_grouped_topk_says(tmp_path, grouped):
+    """HF's router keeps only the `topk_group` best of `num_expert_group` expert groups whatever
+    `use_grouped_topk` says (vLLM's unless it is false), and HF writes null for it when not given: k3jax
+    refused group-limited routing only with use_grouped_topk true and silently routed over every expert
+    otherwise (rel err ~0.4). It is refused naming the key; groups that keep every expert route as before."""
+    from k3jax.config import ConfigError, load_hf_config
+
+    def config(**kw):
+        cfg = hfx.make_config("a4")
+        for k, v in dict(use_grouped_topk=grouped, **kw).items():
+            setattr(cfg, k, v)
+        cfg.save_pretrained(str(tmp_path))
+        return load_hf_config(str(tmp_path))
+
+    with pytest.raises(ConfigError, match="num_expert_group"):
+        config(num_expert_group=2, topk_group=1)
+    assert config(num_expert_group=2, topk_group=2).num_experts == 8
+
+
+@pytest.mark.slow
+def test_all_mla_layers_serve_like_hf(tmp_path):
+    """linear_attn_config with no KDA layer (every layer MLA): the engine's state slots are empty, and the
+    first request to finish failed freeing its slot ('bad slot free'). Greedy tokens through the engine
+    (prefix caching on, a prompt sharing an odd-length prefix with the one before) equal HF's, and every
+    unit comes back once the prefix cache is reset."""
+    from serve.engine import Engine, EngineConfig
+    from serve.types import SamplingParams
+
+    path, hf = _variant(tmp_path, "all_mla", lac=dict(kda_layers=[], full_attn_layers=[1, 2, 3, 4]))
+    import k3jax
+
+    base = hfx.make_prompt("a4", 3, batch=1, length=80)[0].tolist()
+    prompts = [base, base[:67] + base[:9]]
+    want = [hfx.hf_greedy(hf, np.array([p]), 8)[0].tolist() for p in prompts]
+    eng = Engine(k3jax.load_model(path, dtype="float32"),
+                 EngineConfig(max_model_len=128, page_size=16, cache_bytes=4 << 20, max_num_seqs=2, prefill_chunk=32,
+                              max_prefill_seqs=1, decode_buckets=(2,), prefill_buckets=(1,), context_buckets=(8,),
+                              measure_moe_time=False), progress=False)
+    got = []
+    for p in prompts:
+        eng.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        while eng.has_unfinished():
+            got += [list(o.outputs[0].token_ids) for o in eng.step() if o.finished]
+    assert got == want
+    assert eng.stats()["prefix_cache"]["hit_tokens"] > 0
+    assert eng.reset_prefix_cache() and eng.allocator.free_units == eng.allocator.baseline_free_units
+
+
+def test_hf_layer_plans_that_disagree_are_refused(tmp_path):
+    """HF builds its layers from the `mlp_layer_types` / `layer_types` it writes to config.json and ignores
+    `moe_layer_freq`: with moe_layer_freq=2 its checkpoint has routed experts in every layer past the first,
+    which k3jax read as dense layers and refused as '58 checkpoint tensors have no place' (naming tensors, not
+    the key). A plan that disagrees is refused naming the keys; the ones HF writes for the fixtures load."""
+    from k3jax.config import ConfigError, load_hf_config
+
+    def config(**kw):
+        cfg = hfx.make_config("a4")
+        for k, v in kw.items():
+            setattr(cfg, k, v)
+        cfg.save_pretrained(str(tmp_path))
+        return load_hf_config(str(tmp_path))
+
+    assert config().mla_layers == (3,)
+    with pytest.raises(ConfigError, match="mlp_layer_types .* moe_layer_freq=2"):
+        config(moe_layer_freq=2)
+    with pytest.raises(ConfigError, match="layer_types .*full_attn_layers"):
+        config(layer_types=["full_attention"] + ["linear_attention"] * 3)

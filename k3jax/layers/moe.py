@@ -46,13 +46,13 @@ def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, top_k: int, renorm
     """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32).
 
     Scores are fp32 sigmoids; the correction bias only picks the experts; the weights are the raw
-    scores of the chosen experts, renormalised, times the scaling factor.
+    scores of the chosen experts, renormalised (top-1 too, to 1.0: HF's and vLLM's), times the scaling factor.
     """
     logits = jnp.einsum("nh,eh->ne", x.astype(jnp.float32), router_w.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
     _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
     w = jnp.take_along_axis(scores, ids, axis=-1)
-    if renormalize and top_k > 1:
+    if renormalize:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
     return ids.astype(jnp.int32), w * scaling
 
