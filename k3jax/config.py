@@ -337,8 +337,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         max_position_embeddings=_int(tc, "max_position_embeddings", where,
                                      _int(tc, "model_max_length", where, 1 << 20)),
     )
-    _check_hf_layer_plans(tc, where, mla, common["first_k_dense_replace"], common["moe_layer_freq"],
-                          common["num_experts"])
+    if family != "kimi_k3":  # (HF transformers' KimiLinear writes and reads these lists; K3 names none)
+        _check_hf_layer_plans(tc, where, mla, common["first_k_dense_replace"], common["moe_layer_freq"],
+                              common["num_experts"])
     if tc.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"{where}: moe_router_activation_func must be 'sigmoid'")
     groups = _int(tc, "num_expert_group", where, 1)
