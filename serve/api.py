@@ -471,7 +471,7 @@ class ServerState:
         self.last_output = -math.inf  # monotonic time of the latest engine output a request received
         self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
         self.request_log: Optional[Callable[[str], None]] = None  # vLLM's --enable-log-requests: says a line
-        self.metrics = ServerMetrics(self.model_name, self.engine_stats, self._frontend)
+        self.metrics = ServerMetrics(self.model_name, self.engine_stats, self._frontend, max_model_len)
 
     # ---- engine ----
     def attach(self, async_engine) -> None:
@@ -481,6 +481,7 @@ class ServerState:
         self.tokenizer = getattr(eng, "tokenizer", None)
         self.cfg = eng.cfg
         self.max_model_len = eng.config.max_model_len
+        self.metrics.size_token_buckets(self.max_model_len)
         self.max_logprobs = eng.config.max_logprobs
         self.routed_experts = bool(getattr(eng.config, "enable_return_routed_experts", False))
         self.hidden_states = bool(getattr(eng.config, "enable_return_hidden_states", False))
@@ -761,6 +762,7 @@ class _Run:
         self._whole: dict[int, RequestOutput] = {}  # prompt -> its deltas merged (text as pieces until asked)
         self._pieces: dict[tuple[int, int], list[str]] = {}  # (prompt, sample) -> text deltas not yet joined
         self.unfinished = set(range(len(prompts)))
+        self.accepted: set[int] = set()  # prompts the engine queued (passed its validation)
         self.closed = False
         self._last = [[None] * params.n for _ in prompts]
         # per prompt, the samples whose first token / finish the request histograms have seen: vLLM observes each
@@ -785,7 +787,7 @@ class _Run:
         return bool(left)
 
     async def _pump(self, i: int, ids: list[int]) -> None:
-        accept = lambda: self.q.put_nowait((i, _ACCEPTED))  # noqa: E731
+        accept = lambda: (self.accepted.add(i), self.q.put_nowait((i, _ACCEPTED)))  # noqa: E731
         gen = self.st.engine.generate(ids, self.engine_params, f"{self.base_id}-{i}", priority=self.priority,
                                       on_accept=accept, **self.extra)
         try:
@@ -858,6 +860,7 @@ class _Run:
     def _observe(self, i: int, out: RequestOutput) -> None:
         m, now = self.st.metrics, time.monotonic()
         self.st.last_output = now
+        self.accepted.add(i)
         self._merge(i, out)
         # the engine's first token time is the prompt's first sample's: later samples' first tokens are timed here
         ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
@@ -891,7 +894,12 @@ class _Run:
                     m.inference.observe(max(0.0, last - qs))
                 m.req_prompt.observe(_prompt_len(self.prompts[i]))
                 m.req_gen.observe(len(next(c for c in self._whole[i].outputs if c.index == j).token_ids))
+                if self.params.max_tokens:
+                    m.req_max_tokens.observe(self.params.max_tokens)
                 m.finished(o.finish_reason)
+                if len(self._ended[i]) == self.params.n:  # the prompt's last sample: its n, its longest sample
+                    m.req_n.observe(self.params.n)
+                    m.req_max_gen.observe(max(len(c.token_ids) for c in self._whole[i].outputs))
         if out.finished:
             self.unfinished.discard(i)
 
@@ -920,9 +928,10 @@ class _Run:
         for t in self.tasks:
             if not t.done():
                 t.cancel()
-        if self.tasks:
-            for _ in range(sum(self.params.n - len(self._ended[i]) for i in self.unfinished)):
-                self.st.metrics.finished("abort")
+        # the samples the engine ran and did not finish were aborted (a prompt it refused never ran: as vLLM,
+        # it is no finished request)
+        for _ in range(sum(self.params.n - len(self._ended[i]) for i in self.unfinished & self.accepted)):
+            self.st.metrics.finished("abort")
         self.ticket.settle(self.usage()["total_tokens"])
         self.st.release(self.nseqs)
         if self.st.request_log is not None:

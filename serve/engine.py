@@ -609,6 +609,7 @@ class Sequence:
     internal: Optional[str] = None  # set on canonical re-prefill rows: the checkpoint kind they produce
     reused: bool = False  # its prompt resumed from the prefix cache (part of a reuse chain)
     cached_tokens: Optional[int] = None  # prompt tokens its first admission took from the prefix cache
+    preempted: bool = False  # preempted at least once (its readmissions' lookups are not vLLM's prefix queries)
     prompt_lps: Optional[list] = None  # with params.prompt_logprobs: per prompt position (see RequestOutput)
     priority: int = 0  # lower is scheduled first (serve/scheduler.py)
     guide: Optional[Guide] = None  # structured outputs: the constraint's matcher (serve/structured.py)
@@ -2779,7 +2780,7 @@ class Engine:
         if pc is None or hit is None:
             return 0
         if not seq.internal:
-            pc.record_query(len(seq.all_ids), hit)
+            pc.record_query(len(seq.all_ids), hit, preempted=seq.preempted)
         if hit.pos == 0:
             seq.hit = None
             return 0
@@ -3392,6 +3393,7 @@ class Engine:
         self._release(seq)
         seq.computed = 0
         seq.captures, seq.draft = {}, []
+        seq.preempted = True
         self.counters["preemptions"] += 1
 
     def _reap(self) -> None:

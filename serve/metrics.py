@@ -20,8 +20,8 @@ Engine statistics read (all optional; absent means 0 / no samples):
   arena_bytes{kda_slots, mla_pages, free, total}, arena_free_units, arena_baseline_free_units,
   arena_cached_units (held only by the prefix cache, reclaimable),
   prefix_cache{query_tokens, hit_tokens, kda_hits, kda_misses, kda_checkpoint_bytes, host_query_tokens,
-  host_hit_tokens, host_bytes, host_bytes_restored} (token counts for queries/hits, like vLLM;
-  `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
+  host_hit_tokens, host_bytes, host_bytes_restored} (token counts for queries/hits, like vLLM: those of new
+  requests, not of preempted ones readmitted; `queries`/`hits` and `kda_checkpoint_hits/misses` are read as fallbacks),
   expert_counts (one sequence of per-expert token counts per MoE layer, or {layer: counts}) with
   moe_layers (the model layer index of each row; the row ordinal is used without it),
   moe_dispatch_seconds, inter_rank_bytes, structured_output_requests, structured_output_errors,
@@ -30,8 +30,9 @@ Engine statistics read (all optional; absent means 0 / no samples):
 
 from __future__ import annotations
 
+import operator
 import time
-from typing import Any, Callable, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
@@ -50,13 +51,28 @@ _E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 
                 480.0, 960.0, 1920.0, 7680.0)
 _TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 
+
+def token_buckets(max_model_len) -> tuple:
+    """vLLM's bucket edges for per-request token counts (`build_1_2_5_buckets(max_model_len)`): 1, 2, 5, 10, 20,
+    ... up to the context window; `_TOKEN_BUCKETS` while the window is not known."""
+    try:
+        max_model_len = operator.index(max_model_len)
+    except TypeError:
+        return _TOKEN_BUCKETS
+    if max_model_len < 1:
+        return _TOKEN_BUCKETS
+    return tuple(m * 10 ** e for e in range(len(str(max_model_len))) for m in (1, 2, 5) if m * 10 ** e <= max_model_len)
+
+_N_BUCKETS = (1, 2, 5, 10, 20)
+
 # Every metric family name as it appears in the exposition (counters with their `_total` suffix).
 NAMES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
     "vllm:time_to_first_token_seconds", "vllm:inter_token_latency_seconds", "vllm:e2e_request_latency_seconds",
     "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
     "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total",
-    "vllm:request_prompt_tokens", "vllm:request_generation_tokens",
+    "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
+    "vllm:request_params_n", "vllm:request_params_max_tokens",
     "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
     "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
@@ -303,7 +319,8 @@ class EngineCollector:
 class ServerMetrics:
     """The app's registry: frontend histograms/counters plus the engine collector."""
 
-    def __init__(self, model_name: str, stats: Callable[[], dict], frontend: Callable[[], dict]):
+    def __init__(self, model_name: str, stats: Callable[[], dict], frontend: Callable[[], dict],
+                 max_model_len: Optional[int] = None):
         disable_created_metrics()  # no `*_created` series (as vLLM)
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
@@ -322,10 +339,10 @@ class ServerMetrics:
                                 L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
         self.inference = Histogram("vllm:request_inference_time_seconds", "Time from first scheduling to the last "
                                    "token.", L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
-        self.req_prompt = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request.",
-                                    L, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
-        self.req_gen = Histogram("vllm:request_generation_tokens", "Generated tokens per request.",
-                                 L, buckets=_TOKEN_BUCKETS, registry=r).labels(model_name)
+        self.req_n = Histogram("vllm:request_params_n", "The n request parameter.", L, buckets=_N_BUCKETS,
+                               registry=r).labels(model_name)
+        self._token_histograms, self.max_model_len = [], None
+        self.size_token_buckets(max_model_len)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 L + ["finished_reason"], registry=r)
         self._rejected = Counter("k3jax:http_requests_rejected", "HTTP requests refused, by reason.",
@@ -335,6 +352,25 @@ class ServerMetrics:
         for reason in ("auth", "rate_limit", "queue_full", "invalid"):
             self._rejected.labels(model_name, reason)
         r.register(EngineCollector(stats, model_name, frontend))
+
+    def size_token_buckets(self, max_model_len: Optional[int]) -> None:
+        """(Re)build the per-request token histograms with vLLM's bucket edges for this context window (the
+        engine's, once attached; nothing was observed before)."""
+        if max_model_len == self.max_model_len and self._token_histograms:
+            return
+        for h in self._token_histograms:
+            self.registry.unregister(h)
+        edges, L, m = token_buckets(max_model_len), ["model_name"], self.model_name
+        self._token_histograms = [Histogram(name, doc, L, buckets=edges, registry=self.registry) for name, doc in (
+            ("vllm:request_prompt_tokens", "Prompt tokens per request."),
+            ("vllm:request_generation_tokens", "Generated tokens per request."),
+            # vLLM's request parameters: max_tokens per sample; the most tokens a sample generated, per prompt
+            # once its samples all ended (as vllm:request_params_n)
+            ("vllm:request_max_num_generation_tokens", "Most tokens a sample of the request generated."),
+            ("vllm:request_params_max_tokens", "The max_tokens request parameter."))]
+        self.req_prompt, self.req_gen, self.req_max_gen, self.req_max_tokens = (
+            h.labels(m) for h in self._token_histograms)
+        self.max_model_len = max_model_len
 
     def finished(self, reason: str | None) -> None:
         self._success.labels(self.model_name, reason or "unknown").inc()

@@ -308,11 +308,14 @@ class PrefixCache(UnitRefs):
             pos -= self.align
         return Hit(0, None, [], None, mla)
 
-    def record_query(self, n_tokens: int, hit: Hit) -> None:
+    def record_query(self, n_tokens: int, hit: Hit, preempted: bool = False) -> None:
+        """Count a lookup of `n_tokens` tokens. A preempted sequence's readmission counts its query / hit tokens
+        (device and host tier) as `preempted_*`, apart: vLLM's prefix cache queries and hits are new requests'."""
         m = self.metrics
+        pre = "preempted_" if preempted else ""
         m["queries"] += 1
-        m["query_tokens"] += n_tokens
-        m["hit_tokens"] += hit.pos
+        m[pre + "query_tokens"] = m.get(pre + "query_tokens", 0) + n_tokens
+        m[pre + "hit_tokens"] = m.get(pre + "hit_tokens", 0) + hit.pos
         m["mla_tokens_reused"] += hit.pos
         if hit.ckpt is not None:
             m["kda_hits"] += 1
@@ -323,10 +326,10 @@ class PrefixCache(UnitRefs):
             m["kda_misses"] += 1
         m["recomputed_no_checkpoint"] += max(0, min(hit.mla_tokens, n_tokens - 1) - hit.pos)
         if self.host is not None:
-            m["host_query_tokens"] = m.get("host_query_tokens", 0) + max(0, n_tokens - 1 - hit.device_pos)
+            m[pre + "host_query_tokens"] = m.get(pre + "host_query_tokens", 0) + max(0, n_tokens - 1 - hit.device_pos)
         if hit.pos > hit.device_pos:
             m["host_hits"] += 1
-            m["host_hit_tokens"] += hit.pos - hit.device_pos
+            m[pre + "host_hit_tokens"] = m.get(pre + "host_hit_tokens", 0) + hit.pos - hit.device_pos
 
     def pin_host(self, hit: Hit) -> None:
         """Keep the hit's host entries in the store until admission has restored them (`unpin_host`)."""

@@ -458,6 +458,24 @@ def test_kv_cache_usage_counts_units_only_the_cache_holds_as_free(engines):
     assert s["arena_cached_units"] > 0 and s["kv_cache_usage"] == 0.0
 
 
+def test_prefix_cache_queries_are_new_requests_not_readmissions(engines):
+    """vLLM's vllm:prefix_cache_queries / _hits count the tokens new requests look up; a preempted request's
+    readmission is counted apart (`preempted_*`). Each readmission added its prompt and tokens so far again."""
+    on, _ = engines
+    before = dict(on.stats()["prefix_cache"])
+    p = toks(4242, 50)
+    on.add_request(p, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    while not any(o.outputs and o.outputs[0].token_ids for o in on.step()):
+        pass
+    assert on.retract() == 1  # (a preemption)
+    on.continue_generation()
+    while on.has_unfinished():
+        on.step()
+    after = on.stats()["prefix_cache"]
+    assert after["query_tokens"] - before["query_tokens"] == len(p)
+    assert after["preempted_query_tokens"] - before.get("preempted_query_tokens", 0) > len(p)
+
+
 def test_beam_search_forks_with_and_without_the_cache(engines):
     """Beam searches fork KDA state slots and share MLA pages: without the prefix cache (pages shared by
     reference counts alone), cold with it, and warm (the prompt resumed from the cache) they find the
