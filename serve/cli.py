@@ -54,6 +54,7 @@ DEFAULTS = dict(
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
     log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
     async_scheduling=False, enable_chunked_prefill=True, trust_remote_code=False, config=None,
+    enable_auto_tool_choice=False, tool_call_parser=None, reasoning_parser=None,
 )
 
 
@@ -298,6 +299,16 @@ def add_serve_arguments(s) -> None:
                    help="uvicorn's log level (--uvicorn-log-level: vLLM's name)")
     s.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM's: accepted; no checkpoint code is ever run (K3 and Kimi-Linear are built in)")
+    # vLLM's Kimi launch lines (`--enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2`):
+    # tools and the reasoning split are always served here, in the model family's own formats
+    s.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help="vLLM's: accepted; tool_choice 'auto' is always served (serve/tools.py)")
+    s.add_argument("--tool-call-parser", default=None, metavar="NAME",
+                   help="vLLM's: a Kimi parser name (kimi_k2, ...) is accepted, the model family's tool-call format "
+                        "is always read; another name is refused")
+    s.add_argument("--reasoning-parser", default=None, metavar="NAME",
+                   help="vLLM's: a Kimi parser name (kimi_k2, ...) is accepted, K3's think channel is always split "
+                        "out (--no-reasoning-parser: not); another name is refused")
 
 
 def vllm_argv(argv: list[str], options: dict) -> list[str]:
@@ -431,6 +442,13 @@ def engine_config(o: dict):
     from serve.engine import EngineConfig
 
     auto = o["max_model_len"] in ("auto", -1) and not isinstance(o["max_model_len"], bool)
+    for flag in ("tool_call_parser", "reasoning_parser"):
+        name = o.get(flag)
+        if name is not None and not name.lower().startswith("kimi"):
+            raise ValueError(f"--{flag.replace('_', '-')} {name}: this server reads the Kimi model families' own "
+                             f"formats only (a Kimi parser name such as kimi_k2 is accepted)")
+    if o.get("reasoning_parser") is not None and o.get("no_reasoning_parser"):
+        raise ValueError("--reasoning-parser and --no-reasoning-parser: give one")
     if o.get("enable_chunked_prefill") is False:
         raise ValueError("--no-enable-chunked-prefill: prompts are always prefilled in chunks of --prefill-chunk "
                          "tokens here (a longer chunk: --long-prefill-chunk)")

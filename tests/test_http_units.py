@@ -993,6 +993,15 @@ def test_vllm_config_file_and_underscored_flags(tmp_path):
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
     with pytest.raises(ValueError, match="--no-enable-chunked-prefill"):
         engine_config(dict(o, enable_chunked_prefill=False))
+    # vLLM's Kimi launch line: the tool / reasoning parser flags are accepted for Kimi names, others refused
+    args = parser.parse_args(["serve", "--enable-auto-tool-choice", "--tool-call-parser", "kimi_k2",
+                              "--reasoning-parser", "kimi_k2"])
+    o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    assert o["enable_auto_tool_choice"] and engine_config(o) is not None
+    with pytest.raises(ValueError, match="--tool-call-parser hermes: "):
+        engine_config(dict(o, tool_call_parser="hermes"))
+    with pytest.raises(ValueError, match="--reasoning-parser and --no-reasoning-parser"):
+        engine_config(dict(o, no_reasoning_parser=True))
     cfg.write_text("- not a mapping\n")
     assert main(["serve", "--config", str(cfg)]) == 2
     assert main(["serve", "--config", str(tmp_path / "c.json")]) == 2
