@@ -70,11 +70,9 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
     stand for content given as vectors, each becoming the id -1 - k (k3jax.chat_template.encode_chat)."""
     if tokenizer is None:
         raise RequestError("messages: this model has no tokenizer; use token ids")
-    kwargs = dict(template_kwargs or {})
-    unknown = sorted(set(kwargs) - {"thinking", "thinking_effort", "default_system"})
-    if unknown:
-        raise RequestError(f"chat_template_kwargs: unknown keys {unknown} (known: thinking, thinking_effort, "
-                           f"default_system)")
+    # vLLM's: keys the template does not take are left out (clients send other models' switches, such as Qwen's
+    # enable_thinking, to every server)
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k in ("thinking", "thinking_effort", "default_system")}
     default_system = kwargs.get("default_system", family_default_system(family))
     msgs = prepare_messages(messages, family, tools, default_system)
     try:

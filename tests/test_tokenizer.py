@@ -697,6 +697,17 @@ def test_chat_ids_errors_name_the_callers_message(family, k3_tok, kl_tok):
             chat_ids(tok, family, [{"role": "user"}], tools=plan)
 
 
+@pytest.mark.parametrize("family", ["k3", "kimi_linear"])
+def test_chat_template_kwargs_the_template_does_not_take_are_left_out(family, k3_tok, kl_tok):
+    """vLLM's: keys the chat template does not take are dropped (clients send other models' switches such as
+    Qwen's enable_thinking to every server); they were a 400."""
+    from serve.chat import chat_ids
+
+    tok = k3_tok if family == "k3" else kl_tok
+    msgs = [{"role": "user", "content": "hi"}]
+    assert chat_ids(tok, family, msgs, template_kwargs={"enable_thinking": False, "x": 1}) == chat_ids(tok, family, msgs)
+
+
 def test_empty_name_renders_the_role_as_the_k2_template_does():
     """`name: ""` is no name (the K2 / Kimi-Linear templates write `name or role`); it was a 400."""
     msgs = [{"role": "user", "content": "hi", "name": ""}, {"role": "assistant", "content": "yo", "name": ""}]
