@@ -2296,13 +2296,16 @@ class Engine:
         tokens so far under the weights then served and goes on generating. -> the requests retracted."""
         self._leader_only("retract")
         self._drain()
-        self.held = True
+        was_held, self.held = self.held, True
         retracted = set()
         for s in self.seqs.values():
             if not s.finished and not s.internal:
                 if s.slot is not None or any(s.pages):
                     self._preempt(s)
-                retracted.add(s.request_id)
+                    retracted.add(s.request_id)
+                elif not was_held:  # (waiting; one a retract before this one holds is not counted again)
+                    retracted.add(s.request_id)
+        self._sweep_frozen()  # forked beams' parents: their children gave them up
         self.counters["requests_retracted"] += len(retracted)
         return len(retracted)
 

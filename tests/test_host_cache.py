@@ -562,6 +562,39 @@ def test_sleep_releases_device_memory_and_wake_up_answers_the_same(engines):
     settled(on)
 
 
+def test_retract_frees_a_forked_beam_search_and_counts_each_request_once(engines):
+    """Engine.retract (SGLang's retract pause) with a beam search in flight whose beams just forked: the parent's
+    frozen state slot and pages are freed with the rest (they pinned prefix-cache pages: sleep and weight updates
+    raised "the prefix cache could not be cleared"), so the engine sleeps meanwhile and the requests then end as
+    uninterrupted ones; a second retract counts none again."""
+    from serve.beam_search import BeamSearchParams
+
+    on, _ = engines
+    reqs = [(PROMPTS[0], BeamSearchParams(beam_width=2, max_tokens=8, ignore_eos=True)),
+            (PROMPTS[1], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))]
+
+    def run(pause=False):
+        ids = [on.add_request(p, sp) for p, sp in reqs]
+        done = {}
+        while on.has_unfinished():
+            if pause and on._frozen:
+                pause = False
+                retracted = on.stats()["requests_retracted"]
+                assert on.retract() == 2 and on.retract() == 0
+                assert on.stats()["requests_retracted"] == retracted + 2 and not on._frozen
+                st = on.stats()
+                assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+                on.sleep(1)
+                on.wake_up()
+                on.continue_generation()
+            done.update({o.request_id: o for o in on.step() if o.finished})
+        assert not pause  # (the beams forked)
+        return [[c.token_ids for c in done[i].outputs] for i in ids]
+
+    assert run(pause=True) == run()
+    settled(on)
+
+
 def _weight_sync_app(engines, tmp_path):
     """The prefix-caching engine behind an app with the weight-sync routes, and its weights saved as a
     checkpoint in `tmp_path` (what /update_weights_from_disk loads) -> (engine, async engine, app)."""
