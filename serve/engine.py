@@ -3543,6 +3543,8 @@ class Engine:
         lm, ps = self.cfg.num_mla_layers, self.config.page_size
         src, full, part = parent.pages, parent.computed // ps, parent.computed % ps
         frozen = None
+        # a KDA checkpoint just taken at the parent's row end holds its state (its own slot is still unwritten)
+        read = (parent.read_slot, parent.read_pin) if parent.read_pin is not None else None
         if parent.slot is not None:
             frozen = _FrozenSlot(parent.slot, [u for p in src for u in p])
             parent.slot, parent.pages = None, [[] for _ in range(lm)]  # their holds move to `frozen`
@@ -3554,7 +3556,7 @@ class Engine:
                          pages=[[] for _ in range(lm)], priority=parent.priority, lora=parent.lora, beam=parent.beam,
                          hyp=h, hasher=parent.hasher.copy() if parent.hasher is not None else None,
                          reused=parent.reused, cached_tokens=parent.cached_tokens, embeds=parent.embeds)
-            if frozen is not None and self._share_beam(c, frozen, src, full, part):
+            if frozen is not None and self._share_beam(c, frozen, src, full, part, read):
                 c.computed, c.registered_pages = parent.computed, min(parent.registered_pages, full)
                 self.counters["beam_forks"] += 1
             else:
@@ -3568,8 +3570,10 @@ class Engine:
         self._drop_beam(parent)
         return kids
 
-    def _share_beam(self, child: Sequence, frozen: "_FrozenSlot", src: list[list[int]], full: int, part: int) -> bool:
-        """Give a forked beam its slot (reading `frozen`), the shared pages and its partial-page copy."""
+    def _share_beam(self, child: Sequence, frozen: "_FrozenSlot", src: list[list[int]], full: int, part: int,
+                    read: Optional[tuple] = None) -> bool:
+        """Give a forked beam its slot (reading `frozen`, or the parent's pending `read`: (slot, pinned checkpoint)),
+        the shared pages and its partial-page copy."""
         lm = self.cfg.num_mla_layers
         fresh = lm if part else 0
         if self.prefix_cache is not None:
@@ -3584,8 +3588,8 @@ class Engine:
             self.refs.ref(shared)
             child.pages[l] = shared + new[l:l + 1]
         child.copies = [(src[l][full], new[l]) for l in range(len(new))]
-        child.read_slot, child.read_pin = frozen.slot, frozen
-        frozen.pins += 1
+        child.read_slot, child.read_pin = read if read is not None else (frozen.slot, frozen)
+        child.read_pin.pins += 1
         return True
 
     def _drop_beam(self, seq: Sequence) -> None:

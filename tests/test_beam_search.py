@@ -153,6 +153,21 @@ def test_eos_rules_against_hf_logprobs(engine, ref, prompts):
     assert_idle(engine)
 
 
+def test_forks_right_after_a_prompt_end_checkpoint(engine, ref):
+    """A prompt of a whole KDA checkpoint interval (64 tokens) ends with a checkpoint that takes the parent's state
+    slot (its own new slot is written by its next row): its first fork's beams read that checkpoint. They read the
+    unwritten new slot (every hypothesis past the first token was wrong, cumulative logprobs ~16 off)."""
+    _, hf = ref
+    prompt = [int(x) for x in hfx.make_prompt(VARIANT, 5, batch=1, length=64)[0]]
+    registered = engine.prefix_cache.metrics["checkpoints_registered"]
+    out = run_beams(engine, [prompt], BeamSearchParams(WIDTH, GEN, ignore_eos=True))[0].outputs
+    assert engine.prefix_cache.metrics["checkpoints_registered"] > registered  # (the capture at the prompt's end)
+    want = reference_beam_search(hf, prompt, WIDTH, GEN, frozenset(), 1.0)
+    assert [tuple(c.token_ids) for c in out] == [h.tokens for h in want]
+    np.testing.assert_allclose([c.cumulative_logprob for c in out], [h.cum_logprob for h in want], atol=2e-4)
+    assert_idle(engine)
+
+
 def test_forks_under_memory_pressure_and_abort(engine, prompts):
     """Room for about two beams: forks that find no memory wait and recompute their tokens (their
     selected siblings give their memory back meanwhile), and the results still equal the unconstrained
