@@ -224,7 +224,8 @@ class LLM:
 
     @property
     def is_sleeping(self) -> bool:
-        return self.engine.sleep_level > 0
+        """As the engine says (a level-2 sleep stays asleep after `wake_up` until new weights are loaded)."""
+        return any(e.is_sleeping for e in getattr(self.engine, "replicas", [self.engine]))
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached prefix (both tiers) -> True when the cache is empty (see Engine)."""

@@ -696,3 +696,19 @@ def test_llm_seed_seeds_the_engines_sampling(monkeypatch):
     for seed, want in ((5, 5), (None, None)):
         k3jax.LLM("tiny-k3", seed=seed, **KW)
         assert built[-1].seed == want
+
+
+def test_llm_is_sleeping_as_its_engine_says(monkeypatch):
+    """After a level-2 sleep and wake_up the engine stays asleep until new weights are loaded (its sleep level is
+    back to 0): `LLM.is_sleeping` read the level and said False while generate was refused."""
+    import types
+
+    import k3jax
+    import serve.llm
+
+    engine = types.SimpleNamespace(layer_scan=None, sleep_level=0, is_sleeping=True)
+    monkeypatch.setattr(serve.llm, "Engine", lambda model, config, progress: engine)
+    llm = k3jax.LLM("tiny-k3", **KW)
+    assert llm.is_sleeping
+    engine.is_sleeping = False
+    assert not llm.is_sleeping
