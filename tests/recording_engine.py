@@ -29,3 +29,21 @@ class Recorder:
         on_accept()
         yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(j, self.text, [self.token], "length")
                                                               for j in range(params.n)], finished=True)
+
+
+def post_then_scrape(engine, body: dict) -> tuple:
+    """POST `body` to /v1/completions of an app over `engine`, then GET /metrics -> (response, metrics text)."""
+    import asyncio
+
+    import httpx
+
+    from serve.api import create_app
+
+    app = create_app(engine, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=body)
+            return r, (await c.get("/metrics")).text
+
+    return asyncio.run(go())

@@ -666,14 +666,9 @@ class _TwoSamples(_OneToken):
 
 def _complete_then_scrape(engine, body: dict) -> tuple:
     """POST `body` to /v1/completions of an app over `engine`, then GET /metrics -> (response, metrics text)."""
-    app = create_app(engine, "m")
+    from recording_engine import post_then_scrape
 
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/completions", json=body)
-            return r, (await c.get("/metrics")).text
-
-    r, text = asyncio.run(go())
+    r, text = post_then_scrape(engine, body)
     assert r.status_code == 200, r.text
     return r, text
 

@@ -1,26 +1,15 @@
 """/metrics against vLLM v1's `vllm:*` semantics, with stand-in engines (no model, no compile)."""
 
-import asyncio
-
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from recording_engine import Recorder
-from serve.api import create_app
+from recording_engine import Recorder, post_then_scrape
 from serve.types import RequestError
 
 
 def _post_then_scrape(engine, body: dict) -> tuple:
     """POST `body` to /v1/completions of an app over `engine`, then GET /metrics -> (response, {(sample name,
     labels without model_name): value})."""
-    app = create_app(engine, "m")
-
-    async def go():
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/completions", json=body)
-            return r, (await c.get("/metrics")).text
-
-    r, text = asyncio.run(go())
+    r, text = post_then_scrape(engine, body)
     samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
                for f in text_string_to_metric_families(text) for s in f.samples}
     return r, samples
