@@ -63,6 +63,7 @@ def token_buckets(max_model_len) -> tuple:
         return _TOKEN_BUCKETS
     return tuple(m * 10 ** e for e in range(len(str(max_model_len))) for m in (1, 2, 5) if m * 10 ** e <= max_model_len)
 
+
 _N_BUCKETS = (1, 2, 5, 10, 20)
 
 # Every metric family name as it appears in the exposition (counters with their `_total` suffix).
