@@ -138,7 +138,7 @@ def test_beam_search_over_vectors_equals_it_over_tokens(llm, table):
     (np.array([["a"] * 64]), GREEDY, "prompt_embeds: expected floating-point values"),
     (np.ones((3, 64), np.float32), SP(prompt_logprobs=1), "prompt_logprobs: a prompt given as embeddings"),
     (np.ones((3, 64), np.float32), SP(repetition_penalty=1.2), "repetition_penalty: it counts the prompt"),
-    (np.ones((120, 64), np.float32), SP(max_tokens=16), "prompt: 120 prompt tokens"),
+    (np.ones((129, 64), np.float32), SP(max_tokens=16), "prompt: 129 prompt tokens exceed the context window"),
 ])
 def test_bad_embeddings_are_refused_naming_the_field(llm, prompt, params, match):
     with pytest.raises(RequestError, match=match):
