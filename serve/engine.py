@@ -948,8 +948,9 @@ class Engine:
             host = kv["store"]
         elif config.host_cache_bytes and config.enable_prefix_caching:
             host = HostCache(config.host_cache_bytes, track_forgotten=multi)
+        fingerprint = self._store_fingerprint() if host is not None and not multi else None
         if kv is not None:
-            host.bind(self._store_fingerprint())
+            host.bind(fingerprint)
         if host is not None:
             self.host_transfers = Transfers(max(self.layout.slot_units, 4 * max(1, self.cfg.num_mla_layers)),
                                             self.layout.scratch_page,
@@ -957,8 +958,8 @@ class Engine:
         self.prefix_cache = (PrefixCache(self.allocator, self.layout, self.align, PrefixCacheConfig(
             True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval),
             host, self._read_units) if config.enable_prefix_caching else None)
-        if host is not None and not multi:  # (a store may be shared: see HostEntry.origin)
-            self.prefix_cache.origin = self._store_fingerprint()["weights (sampled)"]
+        if fingerprint is not None:  # (a store may be shared: see HostEntry.origin)
+            self.prefix_cache.origin = fingerprint["weights (sampled)"]
         # holders of MLA units: prefix-cache entries and requests, or (without a cache) requests and forked beams
         self.refs = self.prefix_cache if self.prefix_cache is not None else UnitRefs(self.allocator)
         self._frozen: list[_FrozenSlot] = []  # forked beams' parents, until their children have read them
