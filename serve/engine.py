@@ -1433,7 +1433,8 @@ class Engine:
         with, by name or as a `LoRARequest` (loaded from its path on first use); None: the base model.
         `params` may be a `BeamSearchParams` (serve/beam_search.py): the request then runs a beam search
         and finishes with its `beam_width` best hypotheses, best first. `arrival_time` (vLLM's): when the request
-        arrived, as `time.time()` (default: now), for its queue time, TTFT and latency metrics."""
+        arrived, as `time.time()` (default: now), for its queue time, TTFT and latency metrics; the queue's
+        order among equal priorities stays the order of `add_request` calls (vLLM's default FCFS queue)."""
         self._leader_only("add_request")
         self._check_awake("add_request")
         params = params or SamplingParams()
@@ -2302,7 +2303,7 @@ class Engine:
         for s in self.seqs.values():
             if not s.finished and not s.internal:
                 if s.slot is not None or any(s.pages):
-                    self._preempt(s)
+                    self._preempt(s, counted=False)
                     retracted.add(s.request_id)
                 elif not was_held:  # (waiting; one a retract before this one holds is not counted again)
                     retracted.add(s.request_id)
@@ -3392,13 +3393,16 @@ class Engine:
             p.clear()
         seq.pages_changed()
 
-    def _preempt(self, seq: Sequence) -> None:
-        """Free everything; the request is recomputed (prompt + outputs so far) when readmitted."""
+    def _preempt(self, seq: Sequence, counted: bool = True) -> None:
+        """Free everything; the request is recomputed (prompt + outputs so far) when readmitted. `counted`:
+        a preemption (vLLM's `num_preemptions`: for memory, or a failed step's lost cache); a `retract` frees
+        the cache the same way but is counted apart (`requests_retracted`), so a dashboard alerting on
+        preemptions (memory pressure) does not fire on every RL weight sync."""
         self._release(seq)
         seq.computed = 0
         seq.captures, seq.draft = {}, []
         seq.preempted = True
-        self.counters["preemptions"] += 1
+        self.counters["preemptions"] += counted
 
     def _reap(self) -> None:
         """Forget requests whose outputs were delivered (not those a step read back outside `step()` finished:

@@ -566,7 +566,7 @@ def test_retract_frees_a_forked_beam_search_and_counts_each_request_once(engines
     """Engine.retract (SGLang's retract pause) with a beam search in flight whose beams just forked: the parent's
     frozen state slot and pages are freed with the rest (they pinned prefix-cache pages: sleep and weight updates
     raised "the prefix cache could not be cleared"), so the engine sleeps meanwhile and the requests then end as
-    uninterrupted ones; a second retract counts none again."""
+    uninterrupted ones; a second retract counts none again, and none counts as a preemption."""
     from serve.beam_search import BeamSearchParams
 
     on, _ = engines
@@ -579,9 +579,10 @@ def test_retract_frees_a_forked_beam_search_and_counts_each_request_once(engines
         while on.has_unfinished():
             if pause and on._frozen:
                 pause = False
-                retracted = on.stats()["requests_retracted"]
+                retracted, preempted = on.stats()["requests_retracted"], on.stats()["preemptions"]
                 assert on.retract() == 2 and on.retract() == 0
                 assert on.stats()["requests_retracted"] == retracted + 2 and not on._frozen
+                assert on.stats()["preemptions"] == preempted  # a retract is not a preemption for memory
                 st = on.stats()
                 assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
                 on.sleep(1)
