@@ -302,6 +302,8 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         kda = _one_based_to_zero(lac["kda_layers"], "kda_layers", n)
         if set(kda) & set(mla) or len(kda) + len(mla) != n:
             raise ConfigError(f"{lwhere}: kda_layers and full_attn_layers must partition 1..{n}")
+    if tc.get("attention_bias"):  # HF's KimiLinear then adds biases to q_a/kv_a/o_proj; K3 and Kimi-Linear have none
+        raise ConfigError(f"{where}: attention_bias=true (biases on the MLA projections) is not supported")
     if tc.get("mla_use_nope") is False:
         raise ConfigError(f"{where}: mla_use_nope=false (rotary MLA) is not supported; K3/Kimi-Linear are NoPE")
 

@@ -318,6 +318,9 @@ def test_group_limited_routing_is_refused_whatever_use_grouped_topk_says(tmp_pat
     with pytest.raises(ConfigError, match="num_expert_group"):
         config(num_expert_group=2, topk_group=1)
     assert config(num_expert_group=2, topk_group=2).num_experts == 8
+    with pytest.raises(ConfigError, match="attention_bias"):  # HF would add q_a / kv_a / o_proj biases
+        config(attention_bias=True)
+    assert config(attention_bias=False).num_experts == 8
 
 
 @pytest.mark.slow
