@@ -63,7 +63,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
 from serve.metrics import CONTENT_TYPE_LATEST, ServerMetrics
-from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, split_reasoning
+from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, reasoning_token_count, split_reasoning
 from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
@@ -988,6 +988,11 @@ class _Format:
         return [self.usage_chunk(run)] if include_usage else []
 
     @staticmethod
+    def failure(message: str, status: int) -> list[dict]:
+        """The stream's last chunk when the engine failed mid-stream: an error object with its HTTP status."""
+        return [_error_body(message, _STATUS_TYPES.get(status, "internal_error")) | {"status": status}]
+
+    @staticmethod
     def sse(obj) -> str:
         return _sse(obj)
 
@@ -1335,16 +1340,23 @@ class _ResponsesFormat:
 
     done_marker = False  # Responses streams end with response.completed, no [DONE]
 
-    def __init__(self, chat: _ChatFormat, body, model: str, count_tokens, keep=None):
+    def __init__(self, chat: _ChatFormat, body, model: str, keep=None):
         """`keep(response)`: stores the finished response (None: not stored)."""
-        self.chat, self.body, self.model, self.count, self.keep = chat, body, model, count_tokens, keep
+        self.chat, self.body, self.model, self.keep = chat, body, model, keep
         self.id, self.run_id = chat.id, chat.run_id
         self.events = ResponseEvents(chat.id, chat.created, body, model, stored=keep is not None,
                                      channels=chat.reasoning is not None)
 
+    def reasoning_tokens(self, run: _Run) -> int:
+        """The generated tokens of K3's think channel (0 without one)."""
+        tok = self.chat.st.tokenizer
+        if self.chat.reasoning is None or tok is None:
+            return 0
+        return sum(reasoning_token_count(tok, o.token_ids, self.chat.reasoning) for o in run.output(0).outputs)
+
     def full(self, run: _Run) -> dict:
-        r = response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model, self.count,
-                            stored=self.keep is not None)
+        r = response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model,
+                            self.reasoning_tokens(run), stored=self.keep is not None)
         if self.keep is not None:
             self.keep(r)
         return r
@@ -1356,10 +1368,14 @@ class _ResponsesFormat:
         return [e for chunk in self.chat.deltas(i, out, False) for e in self.events.chunk(chunk)]
 
     def end(self, run: _Run, include_usage: bool) -> list[dict]:
-        events = self.events.end(run.usage(), self.count)
+        events = self.events.end(run.usage(), self.reasoning_tokens(run))
         if self.keep is not None:
             self.keep(events[-1]["response"])  # response.completed / .incomplete
         return events
+
+    def failure(self, message: str, status: int) -> list[dict]:
+        """OpenAI's `error` and `response.failed` events (typed, numbered in the stream's sequence)."""
+        return self.events.fail(message, "invalid_prompt" if status == 400 else "server_error")
 
     @staticmethod
     def sse(obj) -> str:
@@ -1805,12 +1821,11 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         try:
             ids, params, chat_fmt = _chat_request(st, chat, rid)
             body = body.model_copy(update={"temperature": params.temperature, "top_p": params.top_p})  # as sampled
-            count = (lambda text: len(st.tokenizer.encode(text))) if st.tokenizer is not None else (lambda text: 0)
             keep = None
             if body.store is not False and st.responses.max_entries:
                 conversation = previous + input_items(body)
                 keep = lambda r: st.responses.put(key, r, conversation + r["output"])  # noqa: E731
-            fmt = _ResponsesFormat(chat_fmt, body, st.check_model(body.model) or st.model_name, count, keep)
+            fmt = _ResponsesFormat(chat_fmt, body, st.check_model(body.model) or st.model_name, keep)
             return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
         except APIError as e:  # the chat request's field names -> the Responses request's
             name = _RESPONSES_NAMES.get((e.param or "").split(".")[0])
@@ -2658,8 +2673,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         except Exception as e:  # an engine failure mid-stream: report it in the stream
             log.warning("stream %s failed: %s", fmt.id, e)
             status = 400 if isinstance(e, RequestError) else 503 if isinstance(e, EngineSleeping) else 500
-            yield _sse(_error_body(str(e), _STATUS_TYPES.get(status, "internal_error"), None, None)
-                       | {"status": status})
+            for chunk in fmt.failure(str(e), status):
+                yield fmt.sse(chunk)
         if fmt.done_marker:
             yield "data: [DONE]\n\n"
 

@@ -108,3 +108,18 @@ def split_reasoning(text: str, start: str = "think") -> tuple[str, str]:
     r1, c1 = s.feed(text)
     r2, c2 = s.finish()
     return r1 + r2, c1 + c2
+
+
+def reasoning_token_count(tokenizer, token_ids, start: str = "think") -> int:
+    """How many of the generated `token_ids` the think channel took: those decoded while it was open (its end
+    marker's tokens included), as `ChannelSplitter` splits their text; 0 when the prompt opened the response.
+    Only a token ending a marker (each ends in '>') opens or closes the channel, so the text is fed in runs
+    that end at such tokens (any split gives the same channels; one feed per token is slow for long answers)."""
+    split, detok, n, run = ChannelSplitter(start), tokenizer.incremental_detokenizer(), 0, []
+    for t in token_ids:
+        n += split.state == "think"
+        run.append(detok.add(t))
+        if ">" in run[-1]:
+            split.feed("".join(run))
+            run = []
+    return n

@@ -7,9 +7,12 @@ the chat formats drop past reasoning) become messages, flat function tools becom
 (`response_object`): reasoning (K3's think channel) becomes a `reasoning` item, the answer a `message`
 item with one `output_text` part, calls `function_call` items. Streamed, the chat deltas become
 Responses events (`ResponseEvents`): `response.created`, `response.in_progress`, per item
-`response.output_item.added` / `.done`, `response.reasoning_text.delta`, `response.content_part.added`,
-`response.output_text.delta` / `.done`, `response.function_call_arguments.delta` / `.done`, and finally
-`response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer).
+`response.output_item.added` / `.done`, its part's `response.content_part.added` / `.done` (a reasoning item's
+`reasoning_text` part too), `response.reasoning_text.delta` / `.done`, `response.output_text.delta` / `.done`,
+`response.function_call_arguments.delta` / `.done`, and finally
+`response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer, status `incomplete`, or
+the request was aborted, status `cancelled`); an engine failure mid-stream ends it with `error` and
+`response.failed`. `usage.output_tokens_details.reasoning_tokens` counts the generated tokens of the think channel.
 With `include: ["message.output_text.logprobs"]` (or `top_logprobs`), the chat request asks for logprobs
 and the `output_text` part carries the answer's tokens (chat's entries: token, logprob, bytes,
 top_logprobs); for K3 the think channel and the markup before the answer are left out
@@ -129,10 +132,10 @@ def _ids() -> str:
 
 
 def _envelope(rid: str, created: int, body, model: str, status: str, output: list, usage: Optional[dict] = None,
-               incomplete: Optional[str] = None, stored: bool = False) -> dict:
+               incomplete: Optional[str] = None, stored: bool = False, error: Optional[dict] = None) -> dict:
     """The response object: every field of OpenAI's that the request sets, echoed (defaults filled in)."""
     return {"id": rid, "object": "response", "created_at": created, "status": status, "model": model,
-            "output": output, "error": None,
+            "output": output, "error": error,
             "incomplete_details": {"reason": incomplete} if incomplete else None,
             "instructions": body.instructions, "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -145,8 +148,8 @@ def _envelope(rid: str, created: int, body, model: str, status: str, output: lis
 
 
 def _usage(chat: dict, reasoning_tokens: int) -> dict:
-    """Responses usage; `reasoning_tokens` (the reasoning text re-encoded) is at most the output tokens (a cut
-    character or a byte-fallback token re-encodes to more tokens than were generated)."""
+    """Responses usage; `reasoning_tokens`: the generated tokens the think channel took (its end marker's
+    included; `serve.reasoning.reasoning_token_count`), never more than the output tokens."""
     u = chat["usage"]
     return {"input_tokens": u["prompt_tokens"],
             "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
@@ -156,9 +159,20 @@ def _usage(chat: dict, reasoning_tokens: int) -> dict:
 
 
 def _status(finish_reason: Optional[str]) -> tuple[str, Optional[str]]:
+    """-> (status, incomplete_details.reason): cut by max_output_tokens ("length") is OpenAI's `incomplete`; an
+    aborted request ("abort": /abort_request, /pause, shutdown) is `cancelled` (vLLM's, OpenAI's status of a
+    cancelled response), with no incomplete_details."""
     if finish_reason == "length":
         return "incomplete", "max_output_tokens"
+    if finish_reason == "abort":
+        return "cancelled", None
     return "completed", None
+
+
+# a stream's last event per status: OpenAI's stream events have no `response.cancelled`; a cancelled response
+# ends like one cut short (its status says which)
+_TERMINAL = {"completed": "response.completed", "incomplete": "response.incomplete",
+             "cancelled": "response.incomplete", "failed": "response.failed"}
 
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
@@ -199,8 +213,9 @@ def trailing_logprobs(entries: list, text: str) -> list:
     return entries[k:]
 
 
-def response_object(chat: dict, rid: str, created: int, body, model: str, count_tokens, stored: bool = False) -> dict:
-    """A chat completion (one choice) -> the Responses object; `count_tokens(text)` sizes the reasoning."""
+def response_object(chat: dict, rid: str, created: int, body, model: str, reasoning_tokens: int = 0,
+                    stored: bool = False) -> dict:
+    """A chat completion (one choice) -> the Responses object; `reasoning_tokens`: the think channel's tokens."""
     ch = chat["choices"][0]
     m = ch["message"]
     output = []
@@ -219,7 +234,7 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, count_
                        "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": lps}]})
     status, reason = _status(ch["finish_reason"])
     return _envelope(rid, created, body, model, status, output,
-                     _usage(chat, count_tokens(reasoning) if reasoning else 0), reason, stored)
+                     _usage(chat, reasoning_tokens), reason, stored)
 
 
 class ResponseEvents:
@@ -248,16 +263,15 @@ class ResponseEvents:
         if item is None:
             return []
         i = self.items.index(item)
+        part = item["content"][0]
         if item["type"] == "reasoning":
-            text = item["content"][0]["text"]
             ev = [self._event("response.reasoning_text.done", item_id=item["id"], output_index=i, content_index=0,
-                              text=text)]
+                              text=part["text"])]
         else:
-            part = item["content"][0]
             ev = [self._event("response.output_text.done", item_id=item["id"], output_index=i, content_index=0,
-                              text=part["text"], logprobs=part["logprobs"]),
-                  self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
-                              part=part)]
+                              text=part["text"], logprobs=part["logprobs"])]
+        ev.append(self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
+                              part=part))
         item["status"] = "completed"
         return ev + [self._event("response.output_item.done", output_index=i, item=item)]
 
@@ -266,21 +280,20 @@ class ResponseEvents:
             return []
         ev = self._close()
         if kind == "reasoning":
-            item = {"type": "reasoning", "id": f"rs_{_ids()}", "summary": [],
-                    "content": [{"type": "reasoning_text", "text": ""}], "status": "in_progress"}
+            item = {"type": "reasoning", "id": f"rs_{_ids()}", "summary": [], "content": [], "status": "in_progress"}
+            part = {"type": "reasoning_text", "text": ""}
         else:
             item = {"type": "message", "id": f"msg_{_ids()}", "role": "assistant", "status": "in_progress",
                     "content": []}
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
         self.items.append(item)
         self.open = item
         i = len(self.items) - 1
-        ev.append(self._event("response.output_item.added", output_index=i,
-                              item={**item, "content": [dict(p) for p in item["content"]]}))  # (as it is now)
-        if kind == "message":
-            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-            item["content"].append(part)
-            ev.append(self._event("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
-                                  part=dict(part)))
+        # the item as it is now (no part yet), then its one part (OpenAI's order, reasoning_text parts as output_text)
+        ev.append(self._event("response.output_item.added", output_index=i, item={**item, "content": []}))
+        item["content"].append(part)
+        ev.append(self._event("response.content_part.added", item_id=item["id"], output_index=i, content_index=0,
+                              part=dict(part)))
         return ev
 
     def chunk(self, chunk: dict) -> list[dict]:
@@ -338,14 +351,22 @@ class ResponseEvents:
                 ev.append(self._event("response.output_item.done", output_index=i, item=item))
         return ev
 
-    def end(self, chat_usage: dict, count_tokens) -> list[dict]:
+    def end(self, chat_usage: dict, reasoning_tokens: int = 0) -> list[dict]:
+        """The items' done events, then the last event (`response.completed`, or `response.incomplete` for a response
+        cut short or cancelled) with the whole response."""
         ev = self._close() + self._done_calls()
-        reasoning = "".join(it["content"][0]["text"] for it in self.items if it["type"] == "reasoning")
         status, reason = _status(self.finish)
         r = _envelope(self.rid, self.created, self.body, self.model, status, self.items,
-                      _usage({"usage": chat_usage}, count_tokens(reasoning) if reasoning else 0), reason, self.stored)
-        return ev + [self._event("response.completed" if status == "completed" else "response.incomplete",
-                                 response=r)]
+                      _usage({"usage": chat_usage}, reasoning_tokens), reason, self.stored)
+        return ev + [self._event(_TERMINAL[status], response=r)]
+
+    def fail(self, message: str, code: str = "server_error") -> list[dict]:
+        """The engine failed mid-stream: OpenAI's `error` event, then `response.failed` with the items so far (each
+        event typed and numbered in the stream's sequence)."""
+        r = _envelope(self.rid, self.created, self.body, self.model, "failed", self.items, stored=False,
+                      error={"code": code, "message": message})
+        return [self._event("error", code=code, message=message, param=None),
+                self._event(_TERMINAL["failed"], response=r)]
 
 
 class ResponseStore:

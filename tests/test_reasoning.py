@@ -123,3 +123,16 @@ def test_reasoning_start_follows_family_thinking_and_the_server_flag():
     assert _reasoning_start(st, body(add_generation_prompt=False)) is None
     assert _reasoning_start(SimpleNamespace(chat_family="kimi_linear", reasoning_parser=True), body()) is None
     assert _reasoning_start(SimpleNamespace(chat_family="k3", reasoning_parser=False), body()) is None
+
+
+def test_reasoning_token_count_follows_the_channels():
+    """The think channel's generated tokens: its end marker's included, none after it (the answer, the markup),
+    all of a think channel cut short, none when the prompt opened the response channel."""
+    from k3jax.tokenizer import ByteTokenizer
+    from serve.reasoning import THINK_END, reasoning_token_count
+
+    tok = ByteTokenizer(320)  # a byte per token
+    assert reasoning_token_count(tok, tok.encode(FULL)) == len((THINK + THINK_END).encode())
+    assert reasoning_token_count(tok, tok.encode(THINK)) == len(THINK.encode())
+    assert reasoning_token_count(tok, tok.encode(ANSWER), "response") == 0
+    assert reasoning_token_count(tok, []) == 0

@@ -633,7 +633,9 @@ def test_stored_responses_continue_conversations_per_key():
 
 def test_responses_stream_adds_reasoning_items_empty():
     """`response.output_item.added` shows the item as it is then: the reasoning text arrives in the deltas only
-    (a client that starts from the added item and appends the deltas gets it once)."""
+    (a client that starts from the added item and appends the deltas gets it once). Its reasoning_text part is
+    announced and ended with `response.content_part.added` / `.done`, as a message's output_text part (OpenAI's
+    order; the reasoning item had none)."""
     from serve.responses import ResponseEvents
 
     ev = ResponseEvents("r", 0, SimpleNamespace(), "m", channels=True)
@@ -641,33 +643,114 @@ def test_responses_stream_adds_reasoning_items_empty():
               for e in ev.chunk({"choices": [{"delta": d, "logprobs": None, "finish_reason": None}]})]
     added = [e["item"] for e in events if e["type"] == "response.output_item.added"]
     assert [a["type"] for a in added] == ["reasoning", "message"]
-    assert added[0]["content"] == [{"type": "reasoning_text", "text": ""}] and added[1]["content"] == []
+    assert added[0]["content"] == [] and added[1]["content"] == []
+    parts = [(e["output_index"], e["part"]) for e in events if e["type"] == "response.content_part.added"]
+    assert [(i, p["type"], p["text"]) for i, p in parts] == [(0, "reasoning_text", ""), (1, "output_text", "")]
     deltas = "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta")
-    assert added[0]["content"][0]["text"] + deltas == "Let me think"
+    assert parts[0][1]["text"] + deltas == "Let me think"
     assert ev.items[0]["content"][0]["text"] == "Let me think"
+    kinds = [e["type"] for e in events]
+    assert kinds[kinds.index("response.reasoning_text.done"):kinds.index("response.output_item.added", 1)] == [
+        "response.reasoning_text.done", "response.content_part.done", "response.output_item.done"]
 
 
 
-def test_responses_reasoning_tokens_never_exceed_the_output_tokens():
-    """reasoning_tokens counts the reasoning text re-encoded: a think channel cut by max_output_tokens in the middle
-    of a character (U+FFFD, 3 bytes) re-encodes to more tokens than were generated; it was reported as more
-    reasoning tokens than output tokens, whole and streamed."""
-    from serve.responses import ResponseEvents, response_object
+class _CutShort(ScriptedEngine):
+    """Writes the scripted answer, then after `at` tokens ends it: finish_reason "abort" (the engine's for an aborted
+    request: /abort_request, /pause, shutdown) or, with `fail`, an engine failure mid-stream."""
 
-    body = SimpleNamespace(instructions=None, max_output_tokens=2, parallel_tool_calls=None, temperature=None,
-                           top_p=None, tool_choice=None, tools=None, text=None, reasoning=None,
-                           previous_response_id=None, metadata=None, truncation=None, user=None, top_logprobs=None)
-    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
-    count = lambda text: len(TOK.encode(text))  # noqa: E731
-    chat = {"choices": [{"message": {"content": "", "reasoning_content": "a\ufffd"}, "finish_reason": "length"}],
-            "usage": usage}
-    whole = response_object(chat, "r", 0, body, "m", count)
-    ev = ResponseEvents("r", 0, body, "m", channels=True)
-    ev.chunk({"choices": [{"delta": {"reasoning_content": "a\ufffd"}, "logprobs": None, "finish_reason": "length"}]})
-    streamed = ev.end(usage, count)[-1]["response"]
-    assert count("a\ufffd") > 2
-    assert whole["usage"]["output_tokens_details"] == streamed["usage"]["output_tokens_details"] == {
-        "reasoning_tokens": 2}
+    def __init__(self, at: int, fail: bool = False):
+        super().__init__()
+        self.at, self.fail = at, fail
+
+    async def generate(self, prompt, params, request_id=None, priority=0, on_accept=None):
+        self.seen.append((list(prompt), params))
+        ids = TOK.encode(self.script.pop(0))[:self.at]
+        for k, tok in enumerate(ids):
+            if self.fail and k == len(ids) - 1:
+                raise RuntimeError("injected device failure")
+            done = k == len(ids) - 1
+            yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, TOK.decode([tok]), [tok],
+                                                                                  "abort" if done else None)], done)
+            await asyncio.sleep(0)
+
+
+def test_responses_aborted_are_cancelled_whole_streamed_and_stored():
+    """A request aborted mid-answer (finish_reason "abort") is status `cancelled` with no incomplete_details (vLLM's,
+    OpenAI's), not `completed`: whole, stored, and streamed (its last event `response.incomplete`: OpenAI's stream has
+    no cancelled event), the stream's events numbered in order."""
+    eng = _CutShort(at=4)
+    eng.script = ["Sunny, 21C.", "Sunny, 21C."]
+
+    async def go():
+        async with _client(eng) as c:
+            whole = (await c.post("/v1/responses", json={"input": "x"})).json()
+            stored = (await c.get(f"/v1/responses/{whole['id']}")).json()
+            async with c.stream("POST", "/v1/responses", json={"input": "x", "stream": True}) as r:
+                events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            return whole, stored, events
+    whole, stored, events = asyncio.run(go())
+    assert whole["status"] == stored["status"] == "cancelled" and whole["incomplete_details"] is None
+    assert whole["output"][0]["content"][0]["text"] == "Sunn"
+    assert events[-1]["type"] == "response.incomplete" and events[-1]["response"]["status"] == "cancelled"
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+
+def test_responses_stream_failure_ends_with_typed_numbered_events():
+    """An engine failure mid-stream ends a Responses stream with OpenAI's `error` and `response.failed` events, typed
+    and numbered after the others (it was a chat-style error object: no `type`, no `sequence_number`, which the SDK
+    cannot read as a Responses event); nothing is stored."""
+    eng = _CutShort(at=4, fail=True)
+    eng.script = ["Sunny, 21C."]
+
+    async def stream(c):
+        return [e async for e in await c.responses.create(model="m", input="x", stream=True)]
+    events = _sdk(eng, stream)
+    assert [e.type for e in events[-2:]] == ["error", "response.failed"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[-2].message == "injected device failure" and events[-2].code == "server_error"
+    failed = events[-1].response
+    assert failed.status == "failed" and failed.error.code == "server_error" and failed.store is False
+    assert failed.output[0].content[0].text == "Sun"
+
+
+def test_responses_reasoning_tokens_count_the_think_channels_tokens(tmp_path):
+    """K3: usage.output_tokens_details.reasoning_tokens counts the tokens generated in the think channel (its end
+    marker's included), whole and streamed; it was the reasoning text re-encoded, which a model's own tokenisation
+    (here: a byte per token) does not match."""
+    from test_tokenizer import K3_SPECIALS, synthetic_ranks, write_tokenizer_dir
+
+    from k3jax.tokenizer import KimiTokenizer
+    from serve.reasoning import THINK_END
+
+    k3 = KimiTokenizer.from_dir(write_tokenizer_dir(tmp_path, synthetic_ranks(), K3_SPECIALS), family="k3")
+    think, answer = "hello hello world", "<|open|>response<|sep|>hello.<|close|>response<|sep|>"
+    marker = k3.encode(THINK_END, allow_special=True)
+    ids = [k3.encode(ch)[0] for ch in think] + marker + k3.encode(answer, allow_special=True)
+    assert len(k3.encode(think + THINK_END, allow_special=True)) < len(think) + len(marker)  # re-encoding merges
+
+    class Writer(ScriptedEngine):
+        async def generate(self, prompt, params, request_id=None, priority=0, on_accept=None):
+            for k, tok in enumerate(ids):
+                done = k == len(ids) - 1
+                yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(
+                    0, k3.decode(ids[:k + 1])[len(k3.decode(ids[:k])):], [tok], "stop" if done else None)], done)
+
+    eng = Writer()
+    eng.engine.tokenizer = k3
+
+    async def go():
+        async with _client(eng) as c:
+            whole = (await c.post("/v1/responses", json={"input": "x"})).json()
+            async with c.stream("POST", "/v1/responses", json={"input": "x", "stream": True}) as r:
+                events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            return whole, events[-1]["response"]
+    whole, streamed = asyncio.run(go())
+    assert whole["output"][0]["content"][0]["text"] == think and whole["output"][1]["content"][0]["text"] == "hello."
+    for r in (whole, streamed):
+        assert r["usage"]["output_tokens"] == len(ids)
+        assert r["usage"]["output_tokens_details"] == {"reasoning_tokens": len(think) + len(marker)}
+
 
 def test_responses_logprobs_keep_only_the_answer_channels_tokens():
     """K3: the think channel and the markup before the answer are left out of output_text's logprobs,
