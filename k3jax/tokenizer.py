@@ -74,6 +74,23 @@ AllowSpecial = bool | Set[str]
 KimiFamily = Literal["k3", "kimi_linear"]
 
 
+def _byte_level_alphabet() -> tuple[str, ...]:
+    """GPT-2's bytes -> printable characters (``transformers.convert_slow_tokenizer.bytes_to_unicode``): the
+    printable Latin-1 bytes stand for themselves, the others for U+0100 onwards in byte order."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    out, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            out[b] = chr(b)
+        else:
+            out[b] = chr(256 + extra)
+            extra += 1
+    return tuple(out[b] for b in range(256))
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
 # --------------------------------------------------------------------------------------
 # Base class and incremental detokenization
 # --------------------------------------------------------------------------------------
@@ -155,6 +172,15 @@ class Tokenizer(abc.ABC):
 
     def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
         return self.decode_bytes(ids, skip_special=skip_special).decode("utf-8", errors="replace")
+
+    def token_str(self, token_id: int) -> str:
+        """One id as HF's ``convert_ids_to_tokens`` writes it (vLLM's /tokenize ``token_strs``): a special or
+        added token's string form, else its bytes in the GPT-2 byte-level alphabet (the HF Kimi tokenizer's
+        vocabulary strings: ``" world"`` is ``"Ġworld"``), which shows a token's part of a character too."""
+        name = self.id_to_token(token_id)
+        if name is not None:
+            return name
+        return "".join(_BYTE_LEVEL[b] for b in self.token_bytes(token_id))
 
     def incremental_detokenizer(self, skip_special: bool = True) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self, skip_special=skip_special)

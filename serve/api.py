@@ -73,7 +73,7 @@ from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.routed_experts import to_base64
 from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
-from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, plan_tools
+from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, parse_k2_calls, plan_tools, split_k2_section
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
                          StructuredOutputsParams, TokenLogprobs)
 
@@ -420,7 +420,11 @@ class UnloadLoRARequest(_Strict):
 class TokenizeRequest(_Strict):
     model: Optional[str] = None
     prompt: Optional[str] = None
-    add_special_tokens: bool = Field(False, description="prepend the BOS id (prompt only; Kimi formats never do)")
+    add_special_tokens: bool = Field(True, description="vLLM's; adds nothing: the Kimi tokenizers' encode adds no "
+                                                       "special token ([BOS] is never prepended), as prompts are "
+                                                       "encoded for generation")
+    return_token_strs: bool = Field(False, description="vLLM's: `token_strs`, each id as HF's convert_ids_to_tokens "
+                                                       "writes it")
     messages: Optional[list[ChatMessage]] = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
@@ -1199,29 +1203,37 @@ class _ChatFormat(_Format):
         self.streaming: set[int] = set()  # choices whose content turned out not to be a call
         self.call_streams: dict[int, CallStream] = {}  # `required` calls read as they stream
 
-    def _calls(self, content: str, finish_reason: Optional[str]) -> tuple[Optional[list], Optional[str]]:
-        """(tool_calls, finish_reason) when the answer is a call, else (None, finish_reason). A forced call
-        (named, `required`) gives its arguments as written, what streaming sent (`cut_calls`; vLLM's named call
-        too), not re-serialised; cut short, its finish_reason is kept ("length"; a stop string's "stop" reads
-        as the stream's)."""
+    def _calls(self, content: str, finish_reason: Optional[str]) -> tuple[Optional[str], Optional[list], Optional[str]]:
+        """(content, tool_calls, finish_reason): when the answer is a call, the text beside it (None unless an
+        `auto` answer wrote text before a call in Kimi-K2's own format) and the calls, else (content, None,
+        finish_reason). A forced call (named, `required`) gives its arguments as written, what streaming sent
+        (`cut_calls`; vLLM's named call too), not re-serialised; cut short, its finish_reason is kept ("length";
+        a stop string's "stop" reads as the stream's)."""
         if self.tools is None:
-            return None, finish_reason
+            return content, None, finish_reason
+        text = None
         if self.tools.mode != "auto":
             calls = cut_calls(self.tools, content)
-        else:
-            calls = parse_calls(self.tools, content.strip()) if finish_reason in ("stop", None) else None
+        elif finish_reason not in ("stop", None):
+            calls = None
+        else:  # this server's JSON calls, or the K2 format a Kimi-Linear model writes (vLLM's kimi_k2 parser)
+            calls = parse_calls(self.tools, content.strip())
+            k2 = parse_k2_calls(self.tools, content) if calls is None else None
+            if k2 is not None:
+                text, calls = k2[0] or None, k2[1]
         if calls is None:
-            return None, finish_reason
+            return content, None, finish_reason
         if finish_reason not in ("stop", None):
-            return calls, finish_reason
-        return calls, ("stop" if self.tools.mode == "named" else "tool_calls")
+            return text, calls, finish_reason
+        return text, calls, ("stop" if self.tools.mode == "named" else "tool_calls")
 
     def _hold(self, idx: int, content: str, finish_reason: Optional[str]) -> tuple[str, Optional[list], Optional[str]]:
         """Streaming: -> (content to send now, tool_call deltas to send now, finish_reason). A named
         call streams its arguments as they come (the answer is the arguments), `required` calls stream
         as they are written (each call's name once complete, then its arguments; `CallStream`); a
-        possible `auto` call is held back and sent whole when the choice finishes."""
-        if self.tools is None or idx in self.streaming:
+        possible `auto` call is held back and sent whole when the choice finishes (text streams as it comes, up
+        to a Kimi-K2-format call section, held from its marker on)."""
+        if self.tools is None:
             return content, None, finish_reason
         if self.tools.mode == "named":
             finish = "stop" if finish_reason == "stop" else finish_reason
@@ -1235,17 +1247,24 @@ class _ChatFormat(_Format):
         if self.tools.mode == "required":  # constrained to calls: stream them as they are written
             calls = self.call_streams.setdefault(idx, CallStream()).feed(content)
             return "", calls or None, ("tool_calls" if finish_reason == "stop" else finish_reason)
-        held = self.held.get(idx, "") + content
-        if self.tools.mode == "auto" and held.strip() and not held.lstrip().startswith("["):
+        held = self.held.pop(idx, "") + content
+        if held.strip() and not held.lstrip().startswith("["):
             self.streaming.add(idx)  # plain text: send what was held and stream the rest
-            self.held.pop(idx, None)
-            return held, None, finish_reason
-        self.held[idx] = held
+        if idx in self.streaming:  # ... up to a K2-format call section (Kimi-Linear's), held from its marker on
+            text, held = split_k2_section(held)
+            if finish_reason is None:
+                if held:
+                    self.held[idx] = held
+                return text, None, None
+        else:
+            text = ""
         if finish_reason is None:
+            self.held[idx] = held
             return "", None, None
-        calls, finish_reason = self._calls(self.held.pop(idx), finish_reason)
-        return ("" if calls else held), ([{"index": k, **c} for k, c in enumerate(calls)] if calls else None), \
-            finish_reason
+        before, calls, finish_reason = self._calls(held, finish_reason)
+        if not calls:
+            return text + held, None, finish_reason
+        return text + (before or ""), [{"index": k, **c} for k, c in enumerate(calls)], finish_reason
 
     def _logprobs(self, entries) -> Optional[dict]:
         if self.logprobs is None or entries is None:
@@ -1269,9 +1288,9 @@ class _ChatFormat(_Format):
                     reasoning, message["content"] = split_reasoning(o.text, self.reasoning)
                     if self.include_reasoning:
                         message.update(_reasoning_fields(reasoning or None))
-                calls, finish = self._calls(message["content"], o.finish_reason)
+                text, calls, finish = self._calls(message["content"], o.finish_reason)
                 if calls is not None:
-                    message["content"], message["tool_calls"] = None, calls
+                    message["content"], message["tool_calls"] = text, calls
                 if self.echo:
                     message["content"] = self.echo + (message["content"] or "")
                 choices.append({"index": self.index(i, j), "message": message,
@@ -2140,16 +2159,14 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         st.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
-        if body.prompt is not None:
+        if body.prompt is not None:  # (`add_special_tokens` adds nothing: no Kimi tokenizer prepends [BOS])
             ids = _encode(st, body.prompt, "prompt")
-            bos = st.tokenizer.bos_token_id
-            if body.add_special_tokens and bos is not None:
-                ids = [bos] + ids
         else:
             ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
                             _tool_plan(body.tools),
                             continue_final_message=body.continue_final_message)
-        return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids}
+        strs = [st.tokenizer.token_str(t) for t in ids] if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "token_strs": strs}
 
     @app.get("/tokenizer_info", responses=_ERRORS)
     async def tokenizer_info(key: str = Depends(authenticate), _r: None = Depends(ready)):

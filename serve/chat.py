@@ -20,15 +20,15 @@ __all__ = ["prepare_messages", "chat_ids"]
 
 def prepare_messages(messages: list[dict], family: str, tools: Optional[ToolPlan] = None,
                      default_system: Any = None) -> list[dict]:
-    """Normalised copies of `messages`; RequestError naming `messages` when a tool call is malformed, or the
-    bad field of a message by its index in `messages` (checked before anything is converted or inserted).
+    """Normalised copies of `messages`; RequestError naming the bad field of a message (a malformed tool call
+    too) by its index in `messages` (checked before anything is converted or inserted).
     `default_system`: the family's default system prompt, which the tools' system message must not
     displace (the renderer only adds it to a conversation that does not start with a system message)."""
     out = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict):
             raise RequestError(f"messages: [{i}] must be a message object")
-        d = history_message(dict(m))
+        d = history_message(dict(m), f"messages[{i}]")
         if d.get("role") == "developer":
             d["role"] = "system"
         out.append(d)

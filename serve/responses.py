@@ -223,15 +223,15 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, reason
     if reasoning:
         output.append({"type": "reasoning", "id": f"rs_{_ids()}", "summary": [],
                        "content": [{"type": "reasoning_text", "text": reasoning}], "status": "completed"})
-    for c in m.get("tool_calls") or []:
-        output.append({"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
-                       "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
-    if m.get("content") and not m.get("tool_calls"):  # no empty message (vLLM's; the stream opens none)
+    if m.get("content"):  # no empty message (vLLM's; the stream opens none); text beside calls came before them
         lps = (ch.get("logprobs") or {}).get("content") or []
         if "reasoning_content" in m:  # K3's channels were split: the answer channel's tokens only
             lps = text_logprobs(lps, m["content"])
         output.append({"type": "message", "id": f"msg_{_ids()}", "role": "assistant", "status": "completed",
                        "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": lps}]})
+    for c in m.get("tool_calls") or []:
+        output.append({"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
+                       "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
     status, reason = _status(ch["finish_reason"])
     return _envelope(rid, created, body, model, status, output,
                      _usage(chat, reasoning_tokens), reason, stored)

@@ -11,13 +11,15 @@ parameters) and asks for calls as a JSON array `[{"name": ..., "parameters": {..
   parameters object, returned as one call of N; `finish_reason` "stop" (as OpenAI does for a forced
   function).
 * `tool_choice="auto"` (the default with tools): the answer is not constrained; when it is exactly a
-  JSON array of calls of listed functions it is returned as `tool_calls`, otherwise as `content`.
+  JSON array of calls of listed functions it is returned as `tool_calls`, otherwise as `content`. An answer
+  in Kimi-K2's own tool-call format (what Kimi-Linear is trained to write whatever the prompt says) is read
+  too, as vLLM's kimi_k2 parser reads it (`parse_k2_calls`): the text before its section is the content.
 * `tool_choice="none"`: tools are neither shown nor called.
 
 Streamed, a named call's arguments and `required` calls go out as they are generated (`CallStream`
 reads the constrained array incrementally: each call's id and name once its name is complete, then its
 arguments text piece by piece); a possible `auto` call is held back and sent whole at the end, since
-unconstrained text may turn out not to be a call.
+unconstrained text may turn out not to be a call (text streams up to a K2 section's marker, `split_k2_section`).
 
 Assistant messages in the history that carry `tool_calls` are rendered in the same JSON form, so the
 model sees its earlier calls as it wrote them; `tool` messages follow the family's chat format.
@@ -26,14 +28,15 @@ model sees its earlier calls as it wrote them; `tool` messages follow the family
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "cut_calls", "history_message",
-           "CallStream"]
+__all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "parse_k2_calls", "split_k2_section",
+           "cut_calls", "history_message", "CallStream"]
 
 _NAMED, _REQUIRED, _AUTO = "named", "required", "auto"
 CALL_WHITESPACE = r"[ ]?"  # between two JSON tokens of a forced call
@@ -166,6 +169,46 @@ def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
             for c in calls]
 
 
+# Kimi-K2's own tool-call format, which Kimi-Linear (K2's chat format) is trained to write:
+#   <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{...}<|tool_call_end|>
+#   ...<|tool_calls_section_end|>
+K2_SECTION_BEGINS = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")  # (vLLM reads both spellings)
+_K2_CALL = re.compile(r"<\|tool_call_begin\|>\s*(?P<id>[^<]+:\d+)\s*<\|tool_call_argument_begin\|>\s*"
+                      r"(?P<arguments>(?:(?!<\|tool_call_begin\|>).)*?)\s*<\|tool_call_end\|>", re.DOTALL)
+
+
+def k2_section_start(text: str) -> Optional[int]:
+    """Where a K2 tool-call section opens in `text`, or None."""
+    found = [i for i in (text.find(m) for m in K2_SECTION_BEGINS) if i >= 0]
+    return min(found) if found else None
+
+
+def split_k2_section(text: str) -> tuple[str, str]:
+    """Streamed text -> (what can be sent as content now, what to hold): the hold starts at a K2 tool-call section's
+    marker, or at a tail that may be the start of one (the marker can arrive split across deltas)."""
+    at = k2_section_start(text)
+    if at is None:
+        at = next((i for i in range(max(0, len(text) - len(K2_SECTION_BEGINS[0])), len(text))
+                   if any(m.startswith(text[i:]) for m in K2_SECTION_BEGINS)), len(text))
+    return text[:at], text[at:]
+
+
+def parse_k2_calls(plan: ToolPlan, text: str) -> Optional[tuple[str, list[dict]]]:
+    """An answer in Kimi-K2's own tool-call format -> (the text before the calls, OpenAI `tool_calls`), as vLLM's
+    kimi_k2 parser reads it: each call's id is its `functions.NAME:IDX` as written (the K2 format's own id, which
+    its tool results name), its name the part after the last dot, its arguments as written. None when there is
+    no section with a whole call (then the answer is text)."""
+    at = k2_section_start(text)
+    if at is None:
+        return None
+    calls = [{"id": m["id"].strip(), "type": "function",
+              "function": {"name": m["id"].split(":")[0].split(".")[-1].strip(), "arguments": m["arguments"]}}
+             for m in _K2_CALL.finditer(text, at)]
+    if not calls:
+        return None
+    return text[:at], calls if plan.parallel else calls[:1]
+
+
 def cut_calls(plan: ToolPlan, text: str) -> list[dict]:
     """A forced answer, whole or cut short (max_tokens, a stop string), as OpenAI `tool_calls`: what streaming
     sent of it (a named call's arguments as written; `required` calls as far as `CallStream` read them), so the
@@ -182,24 +225,25 @@ def cut_calls(plan: ToolPlan, text: str) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
-def history_message(message: dict) -> dict:
-    """An assistant message with `tool_calls` -> the same message with the calls as its JSON text."""
+def history_message(message: dict, where: str = "messages") -> dict:
+    """An assistant message with `tool_calls` -> the same message with the calls as its JSON text. `where`: the
+    message's place in the request (`messages[2]`), which a malformed call's RequestError names."""
     calls = message.get("tool_calls")
     if not calls:
         return {k: v for k, v in message.items() if k != "tool_calls"}
     out = []
     for i, c in enumerate(calls):
+        at = f"{where}.tool_calls[{i}]"
         f = c.get("function") if isinstance(c, dict) else None
         if not isinstance(f, dict) or not isinstance(f.get("name"), str):
-            raise RequestError(f"messages: tool_calls[{i}] must be {{'type': 'function', 'function': {{'name', "
-                               f"'arguments'}}}}")
+            raise RequestError(f"{at}: must be {{'type': 'function', 'function': {{'name', 'arguments'}}}}")
         raw = f.get("arguments")
         if raw is not None and not isinstance(raw, str):
-            raise RequestError(f"messages: tool_calls[{i}].function.arguments must be a JSON string")
+            raise RequestError(f"{at}: function.arguments must be a JSON string")
         try:
             args = json.loads(raw or "{}")
         except json.JSONDecodeError:
-            raise RequestError(f"messages: tool_calls[{i}].function.arguments is not JSON") from None
+            raise RequestError(f"{at}: function.arguments is not JSON") from None
         out.append({"name": f["name"], "parameters": args})
     text = json.dumps(out, ensure_ascii=False)
     content = message.get("content")

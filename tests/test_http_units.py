@@ -787,6 +787,34 @@ def test_continuous_usage_on_chat_role_and_echo_chunks():
                        (0, {"content": "So"}, 0), (1, {"content": "So"}, 0)], opening
     assert {e["usage"]["prompt_tokens"] for e in events} == {count}
 
+def test_tokenize_adds_no_bos_and_returns_token_strs():
+    """vLLM's /tokenize: `add_special_tokens` (default true for a prompt) adds what the tokenizer's encode adds, which
+    for the Kimi tokenizers is nothing (their HF encode prepends no [BOS]; the engine never does either), so the ids
+    are the prompt generation sees (it prepended the BOS id); `return_token_strs` gives each id as HF's
+    convert_ids_to_tokens writes it (it was a 400)."""
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _TwoSamples()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    prompt = "a é<|im_end|>"
+    msgs = [{"role": "user", "content": "hi"}]
+
+    async def go(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.post("/tokenize", json=body)).json()
+
+    want = ByteTokenizer().encode(prompt, allow_special=True)  # what a completion's prompt becomes
+    for extra in ({}, {"add_special_tokens": True}, {"add_special_tokens": False}):
+        r = asyncio.run(go({"prompt": prompt, **extra}))
+        assert r["tokens"] == want and r["count"] == len(want) and r["token_strs"] is None, (extra, r)
+    r = asyncio.run(go({"prompt": prompt, "return_token_strs": True}))
+    assert r["token_strs"] == ["a", "Ġ", "Ã", "©", "<|im_end|>"], r  # (HF's byte-level alphabet: " " is "Ġ")
+    chat = asyncio.run(go({"messages": msgs, "add_special_tokens": True, "return_token_strs": True}))
+    assert chat["tokens"] == asyncio.run(go({"messages": msgs}))["tokens"]
+    assert chat["token_strs"][:2] == ["<|im_user|>", "u"] and len(chat["token_strs"]) == chat["count"]
+
+
 class _KeepsParams(_TwoSamples):
     """`_TwoSamples` that keeps each request's sampling parameters."""
 

@@ -330,6 +330,19 @@ def test_decode_skip_special(k3_tok):
         k3_tok.decode([-1])
 
 
+def test_token_str_is_hfs_convert_ids_to_tokens(k3_tok):
+    """`token_str` (vLLM's /tokenize `token_strs`): HF's convert_ids_to_tokens for the Kimi tokenizer, the added
+    token's name or the id's bytes in GPT-2's byte-level alphabet (a piece of a character included)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    alphabet = bytes_to_unicode()
+    base = k3_tok.num_base_tokens
+    assert [k3_tok.token_str(t) for t in k3_tok.encode("hello world")] == ["hello", "Ġworld"]
+    assert k3_tok.token_str(tid(k3_tok, b"a\xe4")) == "a" + alphabet[0xE4]
+    assert [k3_tok.token_str(base + k) for k in (0, 3, 100)] == ["[BOS]", "<|open|>", f"<|reserved_token_{base + 100}|>"]
+    assert "".join(alphabet[b] for b in range(256)) == "".join(ByteTokenizer().token_str(b) for b in range(256))
+
+
 def test_invalid_utf8_is_replaced(k3_tok):
     assert k3_tok.decode([0xFF, 65]) == "\ufffdA"
     assert k3_tok.decode([tid(k3_tok, b"a\xe4")]) == "a\ufffd"

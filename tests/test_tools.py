@@ -256,6 +256,51 @@ def test_auto_returns_calls_or_text_and_streams_text_at_once():
     assert not any(c["choices"][0]["delta"].get("content") for c in chunks if c["choices"])
 
 
+K2_CALLS = ('<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+            '{"city": "paris"}<|tool_call_end|><|tool_call_begin|> functions.add:1 <|tool_call_argument_begin|>'
+            '{"a": 1, "b": 2}<|tool_call_end|><|tool_calls_section_end|>')
+
+
+def _k2_calls(calls):
+    return [(c["id"], c["type"], c["function"]["name"], c["function"]["arguments"]) for c in calls]
+
+
+@pytest.mark.parametrize("before", ["", "Let me look it up."])
+def test_auto_reads_kimi_k2_format_calls_whole_and_streamed(before):
+    """Kimi-Linear is trained to call tools in Kimi-K2's own format (section and call markers, `functions.NAME:IDX`
+    ids); with tool_choice auto such an answer is read as vLLM's kimi_k2 parser reads it: the calls (their K2 ids,
+    the name after the dot, the arguments as written), the text before the section as content, whole and streamed
+    (the markers never reach the content, even split across deltas). It came back as text, markers and all."""
+    want = [("functions.get_weather:0", "function", "get_weather", '{"city": "paris"}'),
+            ("functions.add:1", "function", "add", '{"a": 1, "b": 2}')]
+    status, r = _chat(ScriptedEngine(), [before + K2_CALLS])
+    ch = r["choices"][0]
+    assert status == 200 and ch["finish_reason"] == "tool_calls", r
+    assert ch["message"]["content"] == (before or None) and _k2_calls(ch["message"]["tool_calls"]) == want
+    status, chunks = _chat(ScriptedEngine(), [before + K2_CALLS], stream=True)
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == before
+    if before:
+        assert sum(1 for c in choices if c["delta"].get("content")) > 3  # the text streamed as it came
+    deltas = [tc for c in choices for tc in c["delta"].get("tool_calls", [])]
+    assert [d["index"] for d in deltas] == [0, 1] and _k2_calls(deltas) == want
+    assert choices[-1]["finish_reason"] == "tool_calls"
+    status, r = _chat(ScriptedEngine(), [before + K2_CALLS], parallel_tool_calls=False)
+    assert _k2_calls(r["choices"][0]["message"]["tool_calls"]) == want[:1]
+
+
+def test_auto_k2_section_without_a_whole_call_stays_text():
+    """A K2 section marker with no complete call after it (cut short, or text that merely names the marker) is no
+    call: the whole answer is content, streamed too (a held tail that turns out not to be a marker is sent)."""
+    for answer in ("See <|tool_calls_section_begin|><|tool_call_begin|>functions.add:0", "a <|tool_ typo"):
+        status, r = _chat(ScriptedEngine(), [answer])
+        assert r["choices"][0]["message"] == {"role": "assistant", "content": answer, "tool_calls": []}, r
+        status, chunks = _chat(ScriptedEngine(), [answer], stream=True)
+        choices = [c["choices"][0] for c in chunks if c["choices"]]
+        assert "".join(c["delta"].get("content") or "" for c in choices) == answer
+        assert choices[-1]["finish_reason"] == "stop" and not any("tool_calls" in c["delta"] for c in choices)
+
+
 def test_auto_calls_without_parallel_tool_calls_keep_the_first():
     """parallel_tool_calls false (vLLM's): an unconstrained `auto` answer with several calls returns the first
     only, whole and streamed."""
@@ -368,9 +413,25 @@ def test_history_keeps_assistant_text_parts_beside_calls():
 
 
 def test_history_message_rejects_bad_calls():
-    with pytest.raises(RequestError, match="arguments is not JSON"):
+    with pytest.raises(RequestError, match=r"^messages\.tool_calls\[0\]: function\.arguments is not JSON"):
         history_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]})
     assert history_message({"role": "user", "content": "x"}) == {"role": "user", "content": "x"}
+
+
+@pytest.mark.parametrize("call, field", [
+    ({"function": {"name": "add", "arguments": "{"}}, "messages[2].tool_calls[1]: function.arguments is not JSON"),
+    ({"function": {"name": "add", "arguments": {"a": 1}}}, "messages[2].tool_calls[1]: function.arguments must be"),
+    ({"function": {"arguments": "{}"}}, "messages[2].tool_calls[1]: must be"),
+])
+def test_bad_history_tool_calls_are_400_naming_the_message(call, field):
+    """A malformed tool call in the history names its message and call by index, as every other message field's
+    error does (it said `messages: tool_calls[1]...`, leaving the client to guess which message)."""
+    good = {"id": "c0", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    msgs = [{"role": "user", "content": "add"}, {"role": "user", "content": "twice"},
+            {"role": "assistant", "content": None, "tool_calls": [good, call]}, {"role": "tool", "content": "3"}]
+    status, r = _chat(ScriptedEngine(), ["ok"], messages=msgs)
+    assert status == 400 and r["error"]["message"].startswith(field), r
+    assert r["error"]["param"] == "messages"
 
 
 def test_k3_tool_results_render_as_system_messages_with_the_k2_header():
@@ -476,6 +537,24 @@ def test_responses_function_calls_history_and_formats():
     assert json.loads(r.output_text) == {"x": 12} and eng.seen[-1][1].structured_outputs.json == schema
     r = _sdk(eng, lambda c: c.responses.create(model="m", input="j", max_output_tokens=4))
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+
+
+def test_responses_k2_calls_keep_the_text_before_them_whole_and_streamed():
+    """A Kimi-K2-format answer's text before its calls is a message item ahead of the function_call items, in the
+    whole response as in the stream (the whole one dropped a message beside calls)."""
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    eng = ScriptedEngine()
+    eng.script = ["Adding." + K2_CALLS]
+    r = _sdk(eng, lambda c: c.responses.create(model="m", input="add", tools=flat))
+    assert [it.type for it in r.output] == ["message", "function_call", "function_call"]
+    assert r.output_text == "Adding." and r.output[2].call_id == "functions.add:1"
+
+    async def stream(c):
+        return [e async for e in await c.responses.create(model="m", input="add", tools=flat, stream=True)]
+    eng.script = ["Adding." + K2_CALLS]
+    final = _sdk(eng, stream)[-1].response
+    assert [it.type for it in final.output] == [it.type for it in r.output] and final.output_text == "Adding."
+    assert [(it.name, it.arguments) for it in final.output[1:]] == [(it.name, it.arguments) for it in r.output[1:]]
 
 
 def test_responses_echo_the_requests_fields_as_openai_does():
