@@ -270,7 +270,8 @@ class ChatCompletionRequest(_GenerationFields):
     reasoning_effort: Optional[str] = Field(None, description="K3: low | high | max (the thinking effort; "
                                                               "chat_template_kwargs.thinking_effort)")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
-        None, description="thinking (K3), thinking_effort (K3), default_system; other keys are left out (vLLM's)")
+        None, description="thinking (K3), thinking_effort (K3), default_system; other keys (and K3's for other "
+                          "families) are left out (vLLM's)")
     include_reasoning: bool = Field(True, description="vLLM's: false leaves K3's reasoning (the think channel) out "
                                                       "of the answer")
     echo: bool = Field(False, description="vLLM's: each answer starts with the last message's content when that "

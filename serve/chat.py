@@ -71,8 +71,9 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
     if tokenizer is None:
         raise RequestError("messages: this model has no tokenizer; use token ids")
     # vLLM's: keys the template does not take are left out (clients send other models' switches, such as Qwen's
-    # enable_thinking, to every server)
-    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k in ("thinking", "thinking_effort", "default_system")}
+    # enable_thinking or DeepSeek's / K3's thinking, to every server); only K3's template has a thinking mode
+    takes = ("thinking", "thinking_effort", "default_system") if family == "k3" else ("default_system",)
+    kwargs = {k: v for k, v in (template_kwargs or {}).items() if k in takes}
     default_system = kwargs.get("default_system", family_default_system(family))
     msgs = prepare_messages(messages, family, tools, default_system)
     try:

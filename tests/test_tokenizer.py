@@ -713,12 +713,15 @@ def test_chat_ids_errors_name_the_callers_message(family, k3_tok, kl_tok):
 @pytest.mark.parametrize("family", ["k3", "kimi_linear"])
 def test_chat_template_kwargs_the_template_does_not_take_are_left_out(family, k3_tok, kl_tok):
     """vLLM's: keys the chat template does not take are dropped (clients send other models' switches such as
-    Qwen's enable_thinking to every server); they were a 400."""
+    Qwen's enable_thinking, or K3's thinking, to every server); they were a 400."""
     from serve.chat import chat_ids
 
     tok = k3_tok if family == "k3" else kl_tok
     msgs = [{"role": "user", "content": "hi"}]
     assert chat_ids(tok, family, msgs, template_kwargs={"enable_thinking": False, "x": 1}) == chat_ids(tok, family, msgs)
+    if family == "kimi_linear":  # K3's switches: Kimi-Linear's template has no thinking mode (a 400 before)
+        assert chat_ids(tok, family, msgs, template_kwargs={"thinking": True, "thinking_effort": "max"}) == \
+            chat_ids(tok, family, msgs)
 
 
 def test_empty_name_renders_the_role_as_the_k2_template_does():
