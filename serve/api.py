@@ -750,11 +750,14 @@ class _Run:
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
                  lora: Optional[str] = None, engine_params: Optional[BeamSearchParams] = None,
-                 response_id: Optional[str] = None, key: Optional[str] = None):
+                 response_id: Optional[str] = None, key: Optional[str] = None,
+                 max_tokens: Optional[list[Optional[int]]] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
         self.response_id, self.key = response_id or base_id, key  # for /abort_request
-        # what the engine runs: a beam search (one output, at its end), or `params` sending deltas
+        # what the engine runs: a beam search (one output, at its end), or `params` sending deltas, each prompt with
+        # its own max_tokens when given (an unset one's default, cut to what that prompt's context leaves)
         self.engine_params = engine_params or dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
+        self.max_tokens = [params.max_tokens] * len(prompts) if max_tokens is None or engine_params else max_tokens
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
         if lora is not None:
@@ -793,7 +796,10 @@ class _Run:
 
     async def _pump(self, i: int, ids: list[int]) -> None:
         accept = lambda: (self.accepted.add(i), self.q.put_nowait((i, _ACCEPTED)))  # noqa: E731
-        gen = self.st.engine.generate(ids, self.engine_params, f"{self.base_id}-{i}", priority=self.priority,
+        params = self.engine_params
+        if self.max_tokens[i] != self.params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=self.max_tokens[i])
+        gen = self.st.engine.generate(ids, params, f"{self.base_id}-{i}", priority=self.priority,
                                       on_accept=accept, **self.extra)
         try:
             async for out in gen:
@@ -899,8 +905,8 @@ class _Run:
                     m.inference.observe(max(0.0, last - qs))
                 m.req_prompt.observe(_prompt_len(self.prompts[i]))
                 m.req_gen.observe(len(next(c for c in self._whole[i].outputs if c.index == j).token_ids))
-                if self.params.max_tokens:
-                    m.req_max_tokens.observe(self.params.max_tokens)
+                if self.max_tokens[i]:
+                    m.req_max_tokens.observe(self.max_tokens[i])
                 m.finished(o.finish_reason)
                 if len(self._ended[i]) == self.params.n:  # the prompt's last sample: its n, its longest sample
                     m.req_n.observe(self.params.n)
@@ -1748,12 +1754,13 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         if echo_only and not body.echo:
             raise APIError(400, "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
         texts, prompts = await _completion_inputs(st, body)
-        max_tokens = _default_max_tokens(st, prompts, body.max_tokens, _truncation(st, body.truncate_prompt_tokens))
-        params = _sampling(st, body, 1 if echo_only else max_tokens, body.logprobs)
+        each = [1] * len(prompts) if echo_only else _default_max_tokens(
+            st, prompts, body.max_tokens, _truncation(st, body.truncate_prompt_tokens))
+        params = _sampling(st, body, _run_max_tokens(each), body.logprobs)
         k = params.truncate_prompt_tokens
         if k is not None:  # the echo shows what the model saw
-            texts = [t if _prompt_len(p) <= k or isinstance(p, dict) else
-                     (st.tokenizer.decode(p[-k:]) if st.tokenizer else "") for t, p in zip(texts, prompts)]
+            texts = [t if _prompt_len(p) <= k or isinstance(p, dict) else _prompt_text(st, p[-k:])
+                     for t, p in zip(texts, prompts)]
             prompts = [{"prompt_embeds": p["prompt_embeds"][-k:]} if isinstance(p, dict) else p[-k:] for p in prompts]
         if body.prompt_embeds is not None and (body.echo or body.prompt_logprobs is not None):
             name = "echo" if body.echo else "prompt_logprobs"
@@ -1770,7 +1777,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
                                 echo_texts=echo, prompt_field=body.prompt_logprobs is not None,
                                 token_ids=body.return_token_ids, tokens_as_ids=body.return_tokens_as_token_ids,
                                 run_id=run_id, echo_only=echo_only)
-        return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt")
+        return await _serve(st, request, key, prompts, params, body, fmt, arrival, "prompt", max_tokens=each)
 
     @app.post("/v1/chat/completions", responses=_ERRORS)
     async def chat_completions(body: ChatCompletionRequest, request: Request, key: str = Depends(authenticate),
@@ -2279,6 +2286,12 @@ def _prompt_len(prompt) -> int:
     return len(prompt["prompt_embeds"]) if isinstance(prompt, dict) else len(prompt)
 
 
+def _prompt_text(st: ServerState, ids: list[int]) -> str:
+    """The text `echo` shows for a prompt of token ids: special tokens as their text, as vLLM decodes a token
+    prompt and as the same prompt sent as a string echoes ("" without a tokenizer)."""
+    return st.tokenizer.decode(ids, skip_special=False) if st.tokenizer is not None else ""
+
+
 def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[int]]]:
     if isinstance(prompt, str):
         items = [prompt]
@@ -2297,7 +2310,7 @@ def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[i
         else:
             _check_ids(st, p, "prompt")
             x = list(p)
-            t = st.tokenizer.decode(x) if st.tokenizer is not None else ""
+            t = _prompt_text(st, x)
         if not x:
             raise APIError(400, "prompt: must not be empty", param="prompt")
         texts.append(t)
@@ -2346,7 +2359,7 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
     if keep is not None:
         ids = {"prompt_embeds": ids["prompt_embeds"][-keep:]} if vectors else ids[-keep:]
     max_tokens = _default_max_tokens(st, [ids], body.max_completion_tokens if body.max_completion_tokens is not None
-                                     else body.max_tokens)
+                                     else body.max_tokens)[0]
     n_lp = (body.top_logprobs or 0) if body.logprobs else None
     if body.top_logprobs is not None and not body.logprobs:
         raise APIError(400, "top_logprobs requires logprobs: true", param="top_logprobs")
@@ -2364,15 +2377,22 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
 
 
 def _default_max_tokens(st: ServerState, prompts: list, max_tokens: Optional[int],
-                        keep: Optional[int] = None) -> Optional[int]:
-    """`max_tokens` as given; unset, the generation config's max_new_tokens (vLLM's) cut to what the context leaves
-    after the longest prompt (its last `keep` tokens when truncated); else None (the rest of the context)."""
+                        keep: Optional[int] = None) -> list[Optional[int]]:
+    """Each prompt's `max_tokens`: as given; unset, the generation config's max_new_tokens (vLLM's) cut to what the
+    context leaves after that prompt (its last `keep` tokens when truncated), so a long prompt of a batch does not
+    shorten the others' (vLLM's get_max_tokens, per prompt); else None (the rest of the context)."""
     default = getattr(st, "generation_defaults", {}).get("max_tokens")
     if max_tokens is not None or default is None or not st.max_model_len:
-        return max_tokens if max_tokens is not None else default
-    longest = max((min(_prompt_len(p), keep or _prompt_len(p)) for p in prompts), default=0)
-    room = st.max_model_len - longest
-    return min(default, room) if room >= 1 else None  # no room: the context error names the prompt
+        return [max_tokens if max_tokens is not None else default] * len(prompts)
+    rooms = (st.max_model_len - min(_prompt_len(p), keep or _prompt_len(p)) for p in prompts)
+    return [min(default, room) if room >= 1 else None for room in rooms]  # no room: the context error names it
+
+
+def _run_max_tokens(each: list[Optional[int]]) -> Optional[int]:
+    """The request's one max_tokens of per-prompt ones (`_default_max_tokens`): the least, which fits every prompt
+    (what a beam search, the request log and the checks that take one value use)."""
+    given = [m for m in each if m is not None]
+    return min(given) if given else None
 
 
 def _truncation(st: ServerState, keep: Optional[int]) -> Optional[int]:
@@ -2569,6 +2589,9 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
                    ("frequency_penalty", params.frequency_penalty),
                    ("repetition_penalty", body.repetition_penalty not in (None, 1.0)),  # not the model's default
                    ("prompt_logprobs", params.prompt_logprobs is not None), ("vllm_xargs", params.extra_args)]
+    if params.prompt_logprobs is not None and body.prompt_logprobs is None:  # (asked by completions' echo)
+        raise APIError(400, "echo: with logprobs (the prompt's scores) not supported with use_beam_search",
+                       param="echo")
     for name, value in unsupported:
         if value:
             raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
@@ -2584,16 +2607,17 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
 
 
 def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingParams, param: str,
-                   budget: str = "max_tokens") -> int:
+                   budget: str = "max_tokens", each: Optional[list[Optional[int]]] = None) -> int:
     """Raise 400 naming both numbers when a prompt does not fit (vLLM's messages, which clients parse to lower
-    their max_tokens); return the tokens to reserve. `budget`: the request's name for max_tokens."""
+    their max_tokens); return the tokens to reserve. `budget`: the request's name for max_tokens; `each`: the
+    prompts' own max_tokens (else params.max_tokens for all)."""
     L, reserve = st.max_model_len, 0
-    for ids in map(_prompt_len, prompts):
+    for k, ids in enumerate(map(_prompt_len, prompts)):
         if ids >= L:
             raise APIError(400, f"This model's maximum context length is {L} tokens. However, your request has "
                                 f"{ids} input tokens. Please reduce the length of the {param} (at least one token "
                                 f"must be left for the completion).", param=param, code="context_length_exceeded")
-        asked = params.max_tokens
+        asked = params.max_tokens if each is None else each[k]
         if asked is not None and ids + asked > L:
             names = "'max_tokens' or 'max_completion_tokens'" if budget == "max_tokens" else f"'{budget}'"
             raise APIError(400, f"{names} is too large: {asked}. This model's maximum context length is {L} tokens "
@@ -2604,7 +2628,10 @@ def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingPa
 
 
 async def _serve(st: ServerState, request: Request, key: str, prompts: list[list[int]], params: SamplingParams,
-                 body: _GenerationFields, fmt, arrival: float, param: str):
+                 body: _GenerationFields, fmt, arrival: float, param: str,
+                 max_tokens: Optional[list[Optional[int]]] = None):
+    """Run `prompts` and answer in `fmt`; `max_tokens`: each prompt's own (completions' unset max_tokens, cut to what
+    each prompt's context leaves), else params.max_tokens for all."""
     stream_options = getattr(body, "stream_options", None)
     if stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -2619,11 +2646,12 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         fmt.routes_from = body.routed_experts_start_len
     continuous = include_usage and stream_options.continuous_usage_stats  # usage on every chunk (vLLM)
     budget = getattr(fmt, "budget_field", "max_tokens")
-    reserve = _check_context(st, prompts, params, param, budget)
+    reserve = _check_context(st, prompts, params, param, budget, max_tokens)
     cap = getattr(st, "max_tokens_cap", None) if budget == "max_tokens" else None  # (vLLM's; not SGLang's route)
-    if cap is not None and params.max_tokens is not None and params.max_tokens > cap:  # (after vLLM's check)
-        params.max_tokens = cap
-        reserve = _check_context(st, prompts, params, param, budget)
+    if cap is not None and any(m is not None and m > cap for m in (max_tokens or [params.max_tokens])):
+        params.max_tokens = min(params.max_tokens, cap)  # (after vLLM's check; the least of `max_tokens`, if given)
+        max_tokens = None if max_tokens is None else [None if m is None else min(m, cap) for m in max_tokens]
+        reserve = _check_context(st, prompts, params, param, budget, max_tokens)
     beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
     if params.structured_outputs is not None and grammars is not None:
@@ -2646,7 +2674,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
     ticket = st.admit(key, len(prompts) * params.n, reserve)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
-               beam, response_id=fmt.id, key=key)
+               beam, response_id=fmt.id, key=key, max_tokens=max_tokens)
     fmt.run = run  # formats that stream whole objects read the merged answer
     handed_off = False
     try:

@@ -138,13 +138,14 @@ def prompts_of(st: "api.ServerState", body: GenerateRequest) -> tuple[list, bool
     return prompts, batch, given[0]
 
 
-def max_new_tokens_of(st: "api.ServerState", sp: GenerateSamplingParams, prompts: list) -> Optional[int]:
-    """`max_new_tokens` as given, else SGLang's default 128 cut to what the context leaves after the longest
-    prompt (SGLang refuses only a given value that does not fit)."""
+def max_new_tokens_of(st: "api.ServerState", sp: GenerateSamplingParams, prompts: list) -> list[Optional[int]]:
+    """Each prompt's `max_new_tokens`: as given, else SGLang's default 128 cut to what the context leaves after that
+    prompt, so a long prompt of a batch does not shorten the others' (SGLang refuses only a given value that does
+    not fit)."""
     if "max_new_tokens" in sp.model_fields_set:
-        return sp.max_new_tokens
-    room = (st.max_model_len or 0) - max((api._prompt_len(p) for p in prompts), default=0)
-    return min(DEFAULT_MAX_NEW_TOKENS, room) if room >= 1 else DEFAULT_MAX_NEW_TOKENS
+        return [sp.max_new_tokens] * len(prompts)
+    rooms = ((st.max_model_len or 0) - api._prompt_len(p) for p in prompts)
+    return [min(DEFAULT_MAX_NEW_TOKENS, room) if room >= 1 else DEFAULT_MAX_NEW_TOKENS for room in rooms]
 
 
 #: SGLang's greedy threshold: a temperature below it is greedy there (the engine, as vLLM, samples it at 0.01).
@@ -171,7 +172,7 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list) -> 
     params = SamplingParams(
         n=sp.n, temperature=temperature, top_p=unset(sp.top_p, "top_p", 1.0),
         top_k=unset(sp.top_k, "top_k", -1), min_p=unset(sp.min_p, "min_p", 0.0), seed=sp.sampling_seed,
-        max_tokens=max_new_tokens_of(st, sp, prompts), min_tokens=sp.min_new_tokens, stop=sp.stop or [],
+        max_tokens=api._run_max_tokens(max_new_tokens_of(st, sp, prompts)), min_tokens=sp.min_new_tokens, stop=sp.stop or [],
         stop_token_ids=sp.stop_token_ids or [], ignore_eos=sp.ignore_eos, logprobs=logprobs,
         include_stop_str_in_output=sp.no_stop_trim, skip_special_tokens=sp.skip_special_tokens,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
@@ -303,7 +304,9 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     run_id = rid if body.rid is None else f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's rid may repeat
     fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival)
     try:
-        return await api._serve(st, request, key, prompts, params, body, fmt, arrival, field)
+        return await api._serve(st, request, key, prompts, params, body, fmt, arrival, field,
+                                max_tokens=max_new_tokens_of(st, body.sampling_params or GenerateSamplingParams(),
+                                                             prompts))
     except api.APIError as e:  # the engine's refusals name its fields: say SGLang's
         if e.status == 400 and e.param in _NAMES:
             raise _error(RequestError(e.message)) from None

@@ -118,3 +118,35 @@ def test_server_takes_max_new_tokens_for_an_unset_max_tokens_cut_to_the_context(
     assert post("/v1/chat/completions", {**chat, "max_tokens": 9}) == 5
     assert post("/v1/completions", {"prompt": "hi", "max_tokens": 3}) == 3
     assert post("/v1/chat/completions", chat) == 5
+
+
+def test_server_cuts_an_unset_max_tokens_per_prompt_of_a_batch():
+    """vLLM's get_max_tokens runs per prompt: in a completions batch without max_tokens, each prompt generates the
+    generation config's max_new_tokens or what its own context leaves; the longest prompt's room cut them all."""
+    import asyncio
+
+    import httpx
+
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+    from serve.api import create_app
+
+    eng = Recorder(64, ByteTokenizer(320), {"max_tokens": 5}, vocab_size=320, token=97, text="a")
+    app = create_app(eng, "m", max_waiting=None)
+
+    def asked(body, route="/v1/completions"):
+        async def go():
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+                return await c.post(route, json=body)
+        eng.params.clear()
+        r = asyncio.run(go())
+        assert r.status_code == 200, r.text
+        return sorted(p.max_tokens for p in eng.params)
+
+    for stream in (False, True):
+        assert asked({"prompt": ["x" * 62, "hi"], "max_tokens": None, "stream": stream}) == [2, 5]
+    assert asked({"prompt": ["x" * 200, "hi"], "max_tokens": None, "truncate_prompt_tokens": 60}) == [4, 5]
+    assert asked({"prompt": ["x" * 62, "hi"], "max_tokens": 2}) == [2, 2]  # a given one is every prompt's
+    # SGLang's /generate: its default 128, cut per prompt likewise
+    assert asked({"text": ["x" * 62, "hi"]}, "/generate") == [2, 62]
+    assert asked({"text": ["x" * 62, "hi"], "sampling_params": {"max_new_tokens": 2}}, "/generate") == [2, 2]

@@ -210,6 +210,48 @@ def test_completion_top_logprobs_hold_the_chosen_token_and_the_top_n():
         assert got["tokens"] == ["x", "a", "b"] and got["token_logprobs"] == [None, -2.0, -0.5]
 
 
+def test_completion_echo_of_token_ids_shows_their_special_tokens():
+    """`echo` of a prompt given as token ids shows its special tokens' text, as vLLM decodes a token prompt and as
+    the same prompt sent as a string echoes (truncated too); the echo dropped them ("a<|eos|>b" echoed "ab")."""
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+
+    tok = ByteTokenizer(320)
+    text = "a" + tok.decode([257], skip_special=False) + "b"
+    ids = tok.encode(text, allow_special=True)
+    assert len(ids) == 3 and tok.is_special(ids[1])
+    app = create_app(Recorder(64, tok, vocab_size=320, token=97, text="z"), "m")
+
+    async def echoed(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"max_tokens": 1, "echo": True, **body})
+        assert r.status_code == 200, r.text
+        return [c["text"] for c in r.json()["choices"]]
+
+    for prompt in (text, ids, [ids, ids[1:]]):
+        assert asyncio.run(echoed({"prompt": prompt}))[0] == text + "z", prompt
+        assert asyncio.run(echoed({"prompt": prompt, "truncate_prompt_tokens": 2}))[0] == text[1:] + "z", prompt
+
+
+def test_beam_search_refusing_echo_logprobs_names_echo():
+    """`use_beam_search` scores no prompt: completions' echo with logprobs is refused naming `echo` (the 400 named
+    `prompt_logprobs`, a field the request did not send); echo alone and vLLM's prompt_logprobs as before."""
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(64), "m")
+
+    async def refusal(extra):
+        body = {"prompt": [5, 6], "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]["param"]
+
+    assert asyncio.run(refusal({"echo": True, "logprobs": 1})) == "echo"
+    assert asyncio.run(refusal({"echo": True, "logprobs": 1, "prompt_logprobs": 1})) == "prompt_logprobs"
+    assert asyncio.run(refusal({"prompt_logprobs": 1})) == "prompt_logprobs"
+
+
 def test_every_serve_option_reaches_the_server():
     """`k3jax serve` reads its options through `DEFAULTS` (serve_main), so a flag without an entry there would
     be parsed and then silently dropped (as --return-tokens-as-token-ids was)."""
