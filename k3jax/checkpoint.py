@@ -437,6 +437,24 @@ def read_config(path: str) -> ModelConfig:
     return cfg
 
 
+def stored_dtype(path: str) -> str | None:
+    """The dtype a checkpoint directory says its weights are in: an Orbax directory's recorded one, else
+    config.json's `torch_dtype` (newer transformers: `dtype`; a multimodal K3 config's `text_config` too);
+    None when it names none or cannot be read (loading it then says why)."""
+    try:
+        if is_orbax_dir(path):
+            return read_orbax_config(path)[1]
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for d in (raw, raw.get("text_config")) if isinstance(raw, dict) else ():
+        for key in ("torch_dtype", "dtype"):
+            if isinstance(d, dict) and isinstance(d.get(key), str):
+                return d[key].removeprefix("torch.")
+    return None
+
+
 def load_checkpoint(path: str, dtype, progress: bool = True, place: Callable | None = None):
     """-> (cfg, graphdef, params) for an HF safetensors or Orbax directory; `place(var) -> Sharding` puts
     each parameter straight into its shards (see `load_hf_params`)."""

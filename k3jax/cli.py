@@ -37,7 +37,7 @@ def _cmd_info(args) -> int:
     from k3jax.cache import cache_bytes
     from k3jax.checkpoint import read_config
     from k3jax.config import PRESETS
-    from k3jax.runtime import abstract_model, param_counts, parse_dtype
+    from k3jax.runtime import abstract_model, param_counts, parse_dtype, resolve_dtype
 
     if args.page_size is None:
         args.page_size = _engine_page_size()
@@ -59,7 +59,7 @@ def _cmd_info(args) -> int:
     if args.model not in PRESETS and not os.path.isdir(args.model):
         raise FileNotFoundError(f"{args.model!r} is neither a preset ({sorted(PRESETS)}) nor a directory")
     cfg = PRESETS[args.model] if args.model in PRESETS else read_config(args.model)
-    dtype = parse_dtype(args.dtype)
+    dtype = parse_dtype(resolve_dtype(args.dtype, args.model))
     _, abstract = abstract_model(cfg, dtype)
     leaves = jax.tree.leaves(abstract)
     info = {
@@ -187,6 +187,20 @@ def _cmd_run_batch(args) -> int:
     return run_batch_main(args)
 
 
+DTYPE_NAMES = ("auto", "bfloat16", "float32", "float", "half", "float16")  # vLLM's --dtype choices
+
+
+def dtype_arg(text: str) -> str:
+    """`--dtype` as vLLM names it -> "auto" (the checkpoint's: `k3jax.runtime.resolve_dtype`), "bfloat16" or
+    "float32" ("float"); float16 ("half") is refused, saying so: the model runs in bfloat16 or float32 only."""
+    if text in ("half", "float16"):
+        raise argparse.ArgumentTypeError(f"{text!r}: float16 is not supported; use bfloat16 (or auto: the "
+                                         f"checkpoint's dtype)")
+    if text not in DTYPE_NAMES:
+        raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {', '.join(DTYPE_NAMES)})")
+    return "float32" if text == "float" else text
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="k3jax", description="Kimi K3 / Kimi-Linear in JAX")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -195,19 +209,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny-k3", help="preset name or checkpoint directory")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    g.add_argument("--dtype", default="float32", type=dtype_arg, help="float32, bfloat16 or auto (the checkpoint's)")
     g.add_argument("--seed", type=int, default=0, help="weight seed for presets")
     g.set_defaults(fn=_cmd_generate)
 
     c = sub.add_parser("convert", help="write an Orbax checkpoint of a loaded model")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    c.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="bfloat16, float32 or auto (the source's)")
     c.set_defaults(fn=_cmd_convert)
 
     i = sub.add_parser("info", help="parameter and cache sizes (abstract; works for the full K3)")
     i.add_argument("--model", default="k3")
-    i.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    i.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="bfloat16, float32 or auto (the checkpoint's)")
     i.add_argument("--sharding", default=None, help="also the bytes per device under this sharding config")
     i.add_argument("--devices", type=int, default=8, help="devices for --sharding (default 8)")
     i.add_argument("--cache-gib", type=float, default=None,
@@ -242,7 +256,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--model", default="k3-small")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=8000)
-        s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+        s.add_argument("--dtype", default="float32", type=dtype_arg)
     else:
         add_serve_arguments(s)
         s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
@@ -262,7 +276,7 @@ def build_parser() -> argparse.ArgumentParser:
     except ImportError:
         pass
     else:
-        add_serve_arguments(b)
+        add_serve_arguments(b, server=False)  # as vLLM's run-batch: the engine's options, none of the server's
     b.set_defaults(fn=_cmd_run_batch)
     return p
 

@@ -20,10 +20,23 @@ from k3jax.model import KimiModel
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def resolve_dtype(dtype, path_or_preset: str):
+    """`dtype="auto"` (vLLM's) -> the checkpoint's own: bfloat16 for a bfloat16 checkpoint, else float32 (a
+    float16 one too: exact; float32 also for presets' seeded weights and checkpoints that name no dtype).
+    Any other dtype is returned as given."""
+    if not (isinstance(dtype, str) and dtype == "auto"):
+        return dtype
+    if path_or_preset in PRESETS or not os.path.isdir(path_or_preset):
+        return "float32"
+    from k3jax.checkpoint import stored_dtype
+
+    return "bfloat16" if stored_dtype(path_or_preset) == "bfloat16" else "float32"
+
+
 def parse_dtype(dtype) -> jnp.dtype:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {dtype!r}")
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto' (the checkpoint's), got {dtype!r}")
         return jnp.dtype(DTYPES[dtype])
     return jnp.dtype(dtype)
 
@@ -157,7 +170,8 @@ def _next_pow2(n: int) -> int:
 def load_model(path_or_preset: str, dtype="float32", seed: int = 0, *, sharding: str | None = None,
                devices=None) -> Model:
     """Load a preset name (seeded random weights), an HF safetensors directory (`kimi_linear` or
-    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything.
+    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything. `dtype`: float32,
+    bfloat16 or "auto" (vLLM's: the checkpoint's, `resolve_dtype`).
 
     `sharding` (a config name or YAML path, as the engine's) and `devices` (indices into `jax.devices()`)
     load the weights straight into the placement an engine with the same two options gives them: each
@@ -166,7 +180,7 @@ def load_model(path_or_preset: str, dtype="float32", seed: int = 0, *, sharding:
     from k3jax import checkpoint
     from k3jax.tokenizer import load_tokenizer
 
-    dt = parse_dtype(dtype)
+    dt = parse_dtype(resolve_dtype(dtype, path_or_preset))
     place = None
     if sharding is not None or devices is not None:
         from k3jax.sharding import load_sharding_config, placement

@@ -35,7 +35,7 @@ EMBEDS_BODY_BYTES = 512 << 20  # ... when prompts may be vectors (base64 tensors
 DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
-    long_prefill_chunk=0,
+    long_prefill_chunk=0, max_num_batched_tokens=None,
     context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=5, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=None, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
@@ -54,18 +54,49 @@ DEFAULTS = dict(
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
     log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
     async_scheduling=False, enable_chunked_prefill=True, trust_remote_code=False, config=None,
-    enable_auto_tool_choice=False, tool_call_parser=None, reasoning_parser=None,
+    enable_auto_tool_choice=False, tool_call_parser=None, reasoning_parser=None, chat_template=None,
 )
+# options of the HTTP server alone: `k3jax run-batch` (vLLM's too) has none of them (its parser refuses them)
+SERVER_ONLY = ("host", "port", "api_key", "api_key_file", "rpm", "tpm", "max_waiting", "max_body_bytes",
+               "max_stored_responses", "enable_sleep_mode", "enable_weights_cpu_backup", "enable_request_id_headers",
+               "allow_runtime_lora_updating", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs",
+               "root_path", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
+               "shutdown_timeout", "log_stats_interval", "profiler_dir", "log_level", "coordinator_address",
+               "num_processes", "process_id")
 
 
-def add_serve_arguments(s) -> None:
-    """The `serve` subcommand's options (used by k3jax/cli.py)."""
+class _Without:
+    """A parser (or argument group) that leaves out the options whose dest is in `dests`."""
+
+    def __init__(self, parser, dests):
+        self.parser, self.dests = parser, dests
+
+    def add_argument(self, *names, **kwargs):
+        long = next((n for n in names if n.startswith("--")), names[0])
+        if kwargs.get("dest", long.lstrip("-").replace("-", "_")) in self.dests:
+            return None
+        return self.parser.add_argument(*names, **kwargs)
+
+    def add_argument_group(self, *args, **kwargs) -> "_Without":
+        return _Without(self.parser.add_argument_group(*args, **kwargs), self.dests)
+
+
+def add_serve_arguments(s, server: bool = True) -> None:
+    """The `serve` subcommand's options (used by k3jax/cli.py); `server` False: the engine's and the answers'
+    alone (`run-batch`: no SERVER_ONLY options)."""
+    from k3jax.cli import dtype_arg
+
     d = DEFAULTS
+    s = s if server else _Without(s, SERVER_ONLY)
     s.add_argument("--model", default=d["model"], help="preset name or checkpoint directory (default k3-small)")
     s.add_argument("--host", default=d["host"])
     s.add_argument("--port", type=int, default=d["port"])
-    s.add_argument("--dtype", default=d["dtype"], choices=["float32", "bfloat16"])
-    s.add_argument("--seed", type=int, default=d["seed"], help="weight seed for presets")
+    s.add_argument("--dtype", default=d["dtype"], type=dtype_arg,
+                   help="model weights and arithmetic: float32 (default), bfloat16, or vLLM's auto (the checkpoint's "
+                        "torch_dtype: bfloat16 for a bfloat16 checkpoint, else float32; presets: float32); float is "
+                        "float32; float16 / half is refused")
+    s.add_argument("--seed", type=int, default=d["seed"],
+                   help="seeds the sampling of requests that give no seed (vLLM's) and presets' weights")
     s.add_argument("--config", default=None, metavar="FILE.yaml",
                    help="vLLM's: options from a YAML file ('max-model-len: 32k', 'enable-lora: true', lists, JSON "
                         "objects as mappings); the command line's own win")
@@ -79,7 +110,12 @@ def add_serve_arguments(s) -> None:
                         "default to powers of 4 of pages)")
     e.add_argument("--max-num-seqs", type=int, default=d["max_num_seqs"],
                    help="requests running at once (vLLM's; the rows of the largest decode bucket)")
-    e.add_argument("--page-size", type=int, default=d["page_size"])
+    e.add_argument("--max-num-batched-tokens", type=_human_int, default=d["max_num_batched_tokens"],
+                   help="vLLM's: tokens computed per step, decode and prompt tokens together (the scheduler's budget; "
+                        "default: max(512, what the largest decode and prefill programs, or the long prefill "
+                        "program, hold))")
+    e.add_argument("--page-size", "--block-size", type=int, default=d["page_size"],
+                   help="tokens per MLA cache page (--block-size: vLLM's name)")
     e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
     e.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"],
                    help="tokens of the one-row prefill program, which gives a long prompt alone that many tokens "
@@ -309,6 +345,9 @@ def add_serve_arguments(s) -> None:
     s.add_argument("--reasoning-parser", default=None, metavar="NAME",
                    help="vLLM's: a Kimi parser name (kimi_k2, ...) is accepted, K3's think channel is always split "
                         "out (--no-reasoning-parser: not); another name is refused")
+    s.add_argument("--chat-template", default=None, metavar="FILE_OR_STRING",
+                   help="vLLM's: refused; chat is rendered by the model family's built-in format (K3's XTML, "
+                        "Kimi-Linear's; k3jax/chat_template.py), there is no Jinja renderer")
 
 
 def vllm_argv(argv: list[str], options: dict) -> list[str]:
@@ -449,10 +488,15 @@ def engine_config(o: dict):
                              f"formats only (a Kimi parser name such as kimi_k2 is accepted)")
     if o.get("reasoning_parser") is not None and o.get("no_reasoning_parser"):
         raise ValueError("--reasoning-parser and --no-reasoning-parser: give one")
+    if o.get("chat_template") is not None:
+        raise ValueError("--chat-template: chat is rendered by the model family's built-in format (K3's XTML, "
+                         "Kimi-Linear's; k3jax/chat_template.py), there is no Jinja renderer to take a template")
     if o.get("enable_chunked_prefill") is False:
         raise ValueError("--no-enable-chunked-prefill: prompts are always prefilled in chunks of --prefill-chunk "
                          "tokens here (a longer chunk: --long-prefill-chunk)")
-    for key in ("page_size", "max_num_seqs", "prefill_chunk", "cache_mb") + (() if auto else ("max_model_len",)):
+    budget = o.get("max_num_batched_tokens")
+    for key in ("page_size", "max_num_seqs", "prefill_chunk", "cache_mb") + (() if auto else ("max_model_len",)) + (
+            () if budget is None else ("max_num_batched_tokens",)):
         v = o[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{key.replace('_', '-')}: expected an integer >= 1, got {v!r}")
@@ -493,7 +537,8 @@ def engine_config(o: dict):
     return EngineConfig(
         **extra, max_model_len="auto" if auto else o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
-        max_num_batched_tokens=max(512, decode[-1] * (1 + drafts) + prefill[-1] * o["prefill_chunk"]),
+        max_num_batched_tokens=budget or max(512, decode[-1] * (1 + drafts) + max(
+            prefill[-1] * o["prefill_chunk"], o.get("long_prefill_chunk") or 0)),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
         logprobs_mode=o.get("logprobs_mode", "raw_logprobs"),
         gpu_memory_utilization=o.get("gpu_memory_utilization"),
@@ -798,6 +843,7 @@ def uvicorn_config(app, o: dict):
 
 
 def serve_main(args) -> int:
+    from k3jax.runtime import resolve_dtype
     from serve.api import create_app
     from serve.auth import Limits, load_api_keys
     from serve.shutdown import DrainingServer, Terminated, sigterm_unwinds
@@ -810,6 +856,7 @@ def serve_main(args) -> int:
     cfg.validate()
     check_server_flags(o)
     check_model(o["model"])
+    o["dtype"] = resolve_dtype(o["dtype"], o["model"])  # vLLM's auto: the checkpoint's (said as it loads)
     adapters = lora_modules(o)
     if o["num_processes"] > 1 or o["coordinator_address"]:
         if o["data_parallel_size"] > 1:

@@ -481,7 +481,8 @@ class EngineConfig:
                                                  or not isinstance(self.compile_threads, int) or self.compile_threads < 1):
             raise ValueError(f"compile_threads={self.compile_threads!r}: expected a positive integer or None (automatic)")
         if self.max_num_batched_tokens < self.max_num_seqs:
-            raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: expected at least max_num_seqs "
+                             f"({self.max_num_seqs}), a token for each running request's decode")
         align = min(self.prefill_chunk, KDA_CHUNK)  # prefill rows are cut to multiples of it (serve/scheduler.py)
         if self.max_num_batched_tokens < align:
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens}: a step's prompt rows are cut to "

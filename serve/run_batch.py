@@ -161,13 +161,30 @@ def open_output(path: str) -> IO[str]:
         raise ValueError(f"--output-file {path}: cannot write it ({e.strerror or e})") from None
 
 
-def run_batch_main(args) -> int:
-    """`k3jax run-batch`: build and warm the engine with the serve options, then run the input file."""
+def batch_app(aeng, o: dict):
+    """The server's app over `aeng` for a batch, with the run-batch options `o` that shape answers and logs
+    (--served-model-name, --no-reasoning-parser, --return-tokens-as-token-ids, --enable-log-requests); no queue
+    or body limit (the lines are the caller's own file: a long `prompt_embeds` line is no 413) and no stored
+    responses."""
     from serve.api import create_app
-    from serve.cli import (DEFAULTS, _say, enable_compile_cache, engine_config, load_served_model, lora_modules,
-                           served_names, start_engine)
+    from serve.cli import _say, served_names
 
+    return create_app(aeng, served_names(o), max_waiting=None, max_body_bytes=sys.maxsize,
+                      reasoning_parser=not o.get("no_reasoning_parser"), max_stored_responses=0,
+                      return_tokens_as_token_ids=bool(o.get("return_tokens_as_token_ids")),
+                      request_log=_say if o.get("enable_log_requests") else None)
+
+
+def run_batch_main(args) -> int:
+    """`k3jax run-batch`: build and warm the engine with the engine options, then run the input file."""
+    from k3jax.runtime import resolve_dtype
+    from serve.cli import (DEFAULTS, _say, enable_compile_cache, engine_config, load_served_model, lora_modules,
+                           start_engine)
+
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError(f"--max-concurrency {args.max_concurrency}: expected an integer >= 1")
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
+    o["dtype"] = resolve_dtype(o["dtype"], o["model"])
     cfg = engine_config(o)
     cfg.validate()
     adapters = lora_modules(o)
@@ -179,9 +196,7 @@ def run_batch_main(args) -> int:
         _say(f"run-batch: {sum(1 for x in lines if x.strip())} requests; loading {o['model']} ({o['dtype']}) ...")
         aeng = start_engine(load_served_model(o, cfg), cfg, o, adapters)
         try:
-            app = create_app(aeng, served_names(o), max_waiting=None,
-                             max_model_len=cfg.max_model_len, reasoning_parser=not o["no_reasoning_parser"],
-                             max_stored_responses=0)
+            app = batch_app(aeng, o)
             counts = run_batch(app, lines, dst, args.max_concurrency or 4 * cfg.max_num_seqs)
         finally:
             aeng.shutdown()

@@ -1070,3 +1070,51 @@ def test_vllm_config_file_and_underscored_flags(tmp_path):
     cfg.write_text("- not a mapping\n")
     assert main(["serve", "--config", str(cfg)]) == 2
     assert main(["serve", "--config", str(tmp_path / "c.json")]) == 2
+
+
+def test_dtype_takes_vllms_names_and_auto_is_the_checkpoints(tmp_path, capsys):
+    """vLLM's --dtype auto (the checkpoint's), float (float32), half / float16 (refused, saying so): all were
+    "invalid choice" (a launch line's `--dtype auto` did not start)."""
+    from k3jax.cli import build_parser, main
+    from k3jax.runtime import load_model, resolve_dtype
+
+    for text, want in (("auto", "auto"), ("float", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16")):
+        for sub in (["serve"], ["run-batch", "-i", "x", "-o", "y"], ["generate", "--prompt", "x"]):
+            assert build_parser().parse_args([*sub, "--dtype", text]).dtype == want, (sub, text)
+    for text in ("half", "float16"):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["serve", "--dtype", text])
+        assert "float16 is not supported; use bfloat16" in capsys.readouterr().err
+    # auto: config.json's torch_dtype (or dtype; a multimodal config's text_config), an Orbax directory's
+    for name, config, want in (("bf16", {"torch_dtype": "bfloat16"}, "bfloat16"), ("new", {"dtype": "bfloat16"},
+                               "bfloat16"), ("vl", {"text_config": {"torch_dtype": "bfloat16"}}, "bfloat16"),
+                               ("fp16", {"torch_dtype": "float16"}, "float32"), ("none", {}, "float32")):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+        assert resolve_dtype("auto", str(tmp_path / name)) == want, name
+        assert resolve_dtype("float32", str(tmp_path / name)) == "float32"
+    assert resolve_dtype("auto", "tiny-k3") == "float32" and load_model("tiny-k3", dtype="auto").dtype == "float32"
+    assert main(["convert", "tiny-k3", str(tmp_path / "orbax"), "--dtype", "bfloat16"]) == 0
+    assert load_model(str(tmp_path / "orbax"), dtype="auto").dtype == "bfloat16"
+
+
+def test_max_num_batched_tokens_block_size_and_chat_template():
+    """vLLM's --max-num-batched-tokens is the scheduler's token budget per step and --block-size the page size
+    (both were "unrecognized arguments"); --chat-template is refused saying why (chat is rendered by the model
+    family's built-in format, no Jinja); the default budget covers --long-prefill-chunk."""
+    from serve.cli import engine_config
+
+    assert engine_config(_serve_options()).max_num_batched_tokens == 512
+    cfg = engine_config(_serve_options("--max-num-batched-tokens", "2k", "--block-size", "32"))
+    assert (cfg.max_num_batched_tokens, cfg.page_size) == (2000, 32)
+    with pytest.raises(ValueError, match="--max-num-batched-tokens: expected an integer >= 1"):
+        engine_config(_serve_options("--max-num-batched-tokens", "0"))
+    with pytest.raises(ValueError, match=r"max_num_batched_tokens=4: expected at least max_num_seqs \(8\)"):
+        engine_config(_serve_options("--max-num-batched-tokens", "4")).validate()
+    with pytest.raises(ValueError, match="--chat-template: chat is rendered by the model family's built-in format"):
+        engine_config(_serve_options("--chat-template", "template.jinja"))
+    # the default budget holds the long prefill row beside the decodes (--long-prefill-chunk 1024 was refused:
+    # "to max_num_batched_tokens (512)", which no option could raise)
+    cfg = engine_config(_serve_options("--long-prefill-chunk", "1024"))
+    cfg.validate()
+    assert cfg.max_num_batched_tokens == 8 + 1024

@@ -158,3 +158,38 @@ def test_a_request_the_server_fails_is_a_500_line_and_the_batch_goes_on():
     failed = by_id["b"]["response"]
     assert failed["status_code"] == 500 and failed["body"]["error"]["type"] == "internal_error"
     assert by_id["c"]["response"]["body"]["choices"][0]["text"] == "ok"
+
+
+def test_run_batch_takes_the_engine_options_and_none_of_the_servers(capsys):
+    """As vLLM's run-batch: the server's own options (--host, --api-key, TLS, CORS, ...) are refused, where they were
+    taken and ignored; the options that shape answers and logs are honoured; --max-concurrency 0 (the default
+    taken) or -1 (one at a time) is refused."""
+    import io
+
+    from k3jax.cli import build_parser
+    from recording_engine import Recorder
+    from serve.cli import SERVER_ONLY
+    from serve.run_batch import batch_app, run_batch
+
+    parser = build_parser()
+    subs = parser._subparsers._group_actions[0].choices
+    assert set(SERVER_ONLY) <= {a.dest for a in subs["serve"]._actions}
+    assert not set(SERVER_ONLY) & {a.dest for a in subs["run-batch"]._actions}
+    for argv in (["--host", "0.0.0.0"], ["--port", "9"], ["--api-key", "k"], ["--ssl-keyfile", "k.pem"],
+                 ["--root-path", "/k3"], ["--process-id", "1"], ["--enable-sleep-mode"]):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["run-batch", "-i", "x", "-o", "y", *argv])
+    args = parser.parse_args(["run-batch", "-i", "x", "-o", "y", "--return-tokens-as-token-ids", "--disable-log-stats",
+                              "--max-num-batched-tokens", "1024", "--served-model-name", "kimi"])
+    assert args.return_tokens_as_token_ids and args.max_num_batched_tokens == 1024
+    # --return-tokens-as-token-ids was dropped; a line over the server's 1 MiB body limit was a 413
+    app = batch_app(Recorder(max_model_len=64), vars(args))
+    assert app.state.k3.return_tokens_as_token_ids
+    big = {"custom_id": "a", "method": "POST", "url": "/v1/completions",
+           "body": {"model": "kimi", "prompt": [1, 2], "max_tokens": 1, "user": "u" * (2 << 20)}}
+    out = io.StringIO()
+    assert run_batch(app, [json.dumps(big)], out, 1)["succeeded"] == 1
+    assert json.loads(out.getvalue())["response"]["status_code"] == 200
+    for n in ("0", "-1"):
+        assert main(["run-batch", "-i", "x", "-o", "y", "--max-concurrency", n]) == 2
+        assert f"--max-concurrency {n}: expected an integer >= 1" in capsys.readouterr().err
