@@ -771,6 +771,7 @@ class _Run:
         self._pieces: dict[tuple[int, int], list[str]] = {}  # (prompt, sample) -> text deltas not yet joined
         self.unfinished = set(range(len(prompts)))
         self.accepted: set[int] = set()  # prompts the engine queued (passed its validation)
+        self.failed: set[int] = set()  # accepted prompts the engine ended with an error (a failed step)
         self.closed = False
         self._last = [[None] * params.n for _ in prompts]
         # per prompt, the samples whose first token / finish the request histograms have seen: vLLM observes each
@@ -816,7 +817,7 @@ class _Run:
         while item is _ACCEPTED:
             i, item = self.pending.popleft() if self.pending else await self.q.get()
         if isinstance(item, BaseException):
-            raise item
+            raise self._failed(i, item)
         self._observe(i, item)
         return i, item
 
@@ -826,10 +827,17 @@ class _Run:
         while len(seen) < len(self.prompts):
             i, item = await self.q.get()
             if isinstance(item, BaseException):
-                raise item
+                raise self._failed(i, item)
             seen.add(i)
             if item is not _ACCEPTED:
                 self.pending.append((i, item))
+
+    def _failed(self, i: int, err: BaseException) -> BaseException:
+        """Note that prompt i ended with `err` -> err. An error after the engine accepted the prompt (a failed step)
+        ends its unfinished samples with vLLM's finish reason "error", not "abort"."""
+        if i in self.accepted and not isinstance(err, RequestError):
+            self.failed.add(i)
+        return err
 
     async def items(self):
         while self.unfinished:
@@ -903,10 +911,16 @@ class _Run:
                     m.prefill.observe(max(0.0, first - qs))
                     m.decode.observe(max(0.0, last - first))
                     m.inference.observe(max(0.0, last - qs))
-                m.req_prompt.observe(_prompt_len(self.prompts[i]))
-                m.req_gen.observe(len(next(c for c in self._whole[i].outputs if c.index == j).token_ids))
-                if self.max_tokens[i]:
-                    m.req_max_tokens.observe(self.max_tokens[i])
+                generated = len(next(c for c in self._whole[i].outputs if c.index == j).token_ids)
+                if times is not None:
+                    m.tpot.observe(max(0.0, times[1] - times[0]) / (generated - 1) if generated > 1 else 0.0)
+                prompt_len = _prompt_len(self.prompts[i])
+                m.req_prompt.observe(prompt_len)
+                m.req_prefill_computed.observe(max(0, prompt_len - (self._whole[i].num_cached_tokens or 0)))
+                m.req_gen.observe(generated)
+                max_tokens = _max_tokens_param(self.max_tokens[i], self.st.max_model_len, prompt_len)
+                if max_tokens:
+                    m.req_max_tokens.observe(max_tokens)
                 m.finished(o.finish_reason)
                 if len(self._ended[i]) == self.params.n:  # the prompt's last sample: its n, its longest sample
                     m.req_n.observe(self.params.n)
@@ -939,14 +953,23 @@ class _Run:
         for t in self.tasks:
             if not t.done():
                 t.cancel()
-        # the samples the engine ran and did not finish were aborted (a prompt it refused never ran: as vLLM,
-        # it is no finished request)
-        for _ in range(sum(self.params.n - len(self._ended[i]) for i in self.unfinished & self.accepted)):
-            self.st.metrics.finished("abort")
+        # the samples the engine ran and did not finish were aborted, or failed with the step running them (a prompt
+        # it refused never ran: as vLLM, it is no finished request)
+        for i in self.unfinished & self.accepted:
+            for _ in range(self.params.n - len(self._ended[i])):
+                self.st.metrics.finished("error" if i in self.failed else "abort")
         self.ticket.settle(self.usage()["total_tokens"])
         self.st.release(self.nseqs)
         if self.st.request_log is not None:
             self.st.request_log(_finished_line(self))
+
+
+def _max_tokens_param(max_tokens: Optional[int], max_model_len: Optional[int], prompt_len: int) -> Optional[int]:
+    """A request's max_tokens as vLLM's `vllm:request_params_max_tokens` observes it: unset, the rest of the context
+    window (what vLLM's server resolves it to and what the engine allows)."""
+    if max_tokens is not None or not max_model_len:
+        return max_tokens
+    return max(0, max_model_len - prompt_len)
 
 
 def _request_line(run: _Run) -> str:
@@ -962,8 +985,10 @@ def _request_line(run: _Run) -> str:
 
 def _finished_line(run: _Run) -> str:
     u = run.usage()
-    reasons = sorted({o.finish_reason or "abort" for out in run._whole.values() for o in out.outputs}
-                     | ({"abort"} if run.unfinished and run.tasks else set()))
+    reasons = sorted({o.finish_reason or ("error" if i in run.failed else "abort")
+                      for i, out in run._whole.items() for o in out.outputs}
+                     | ({"error"} if run.failed else set())
+                     | ({"abort"} if run.unfinished - run.failed and run.tasks else set()))
     return (f"request {run.response_id} finished ({', '.join(reasons) or 'rejected'}): "
             f"{u['completion_tokens']} tokens, {u['prompt_tokens_details']['cached_tokens']} prompt tokens cached, "
             f"{time.monotonic() - run.arrival:.2f}s")

@@ -974,7 +974,7 @@ class Engine:
         self.stop_ids = tuple(self.cfg.eos_token_ids) + tuple(getattr(self.tokenizer, "eos_token_ids", ()) or ())
         self.grammars = GrammarCompiler(self.tokenizer, self.cfg.vocab_size, self.stop_ids)
         self.counters = dict(steps=0, decode_steps=0, prefill_steps=0, long_prefill_steps=0, preemptions=0, requests_retracted=0, eplb_rebalances=0,
-                             prompt_tokens=0,
+                             prompt_tokens=0, prompt_tokens_cached=0,
                              generation_tokens=0, requests_finished=0, requests_aborted=0, requests_rejected=0, canonical_rows=0,
                              structured_output_errors=0, structured_output_requests=0,
                              spec_decode_num_drafts=0, spec_decode_num_draft_tokens=0,
@@ -1547,7 +1547,6 @@ class Engine:
                                             embeds is not None)
         if group is not None:
             self._beams[request_id] = self.requests[request_id]
-        self.counters["prompt_tokens"] += len(ids) * len(seqs)
         return request_id
 
     def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
@@ -3321,8 +3320,10 @@ class Engine:
 
     def _append(self, seq: Sequence, tok: int, lp: float, rank: int, top_ids, top_lps, now: float) -> None:
         m = seq.metrics
-        if m.first_token_time is None:
+        if m.first_token_time is None:  # its prefill ended: vLLM counts the prompt's tokens now, once
             m.first_token_time = now
+            self.counters["prompt_tokens"] += len(seq.prompt_ids)
+            self.counters["prompt_tokens_cached"] += seq.cached_tokens or 0
         elif m.last_token_time is not None and now > m.last_token_time:  # once per step (several with drafts)
             self.latency["itl"].append(now - m.last_token_time)
         m.last_token_time = now
@@ -3505,8 +3506,10 @@ class Engine:
         if g.rounds == 1:
             g.cached_tokens = beams[0].cached_tokens or 0
         m = beams[0].metrics  # shared by the request's beams
-        if m.first_token_time is None:
+        if m.first_token_time is None:  # (the prompt's tokens, once for the search, as `_append` counts them)
             m.first_token_time = now
+            self.counters["prompt_tokens"] += g.prompt_len
+            self.counters["prompt_tokens_cached"] += g.cached_tokens
         elif m.last_token_time is not None:
             self.latency["itl"].append(now - m.last_token_time)
         m.last_token_time = now

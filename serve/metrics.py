@@ -15,7 +15,7 @@ vLLM's names are used where vLLM has the metric (so existing dashboards work); K
 scrape before warm-up or on an engine that does not report some statistic still lists the family.
 
 Engine statistics read (all optional; absent means 0 / no samples):
-  num_requests_running, num_requests_waiting, kv_cache_usage, prompt_tokens, generation_tokens,
+  num_requests_running, num_requests_waiting, kv_cache_usage, prompt_tokens, prompt_tokens_cached, generation_tokens,
   preemptions, requests_retracted, requests_aborted, failed_steps, requests_failed, cache_resets, compiles_after_warmup,
   arena_bytes{kda_slots, mla_pages, free, total}, arena_free_units, arena_baseline_free_units,
   arena_cached_units (held only by the prefix cache, reclaimable),
@@ -66,6 +66,15 @@ def token_buckets(max_model_len) -> tuple:
 
 _N_BUCKETS = (1, 2, 5, 10, 20)
 
+# vLLM's labels on every series: the served model's name and the engine ("0": one engine serves, data-parallel
+# replicas included, whose totals these are; `k3jax:replica_*` has each replica's gauges)
+LABELS = ["model_name", "engine"]
+ENGINE = "0"
+
+# vLLM's finish reasons (`FINISH_REASON_STRINGS`), each a `vllm:request_success` series from the start: "error" is a
+# request a failed step ended; "repetition" (vLLM's hallucination guard) stays 0 here
+FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
+
 # Every metric family name as it appears in the exposition (counters with their `_total` suffix).
 NAMES = (
     "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
@@ -73,8 +82,10 @@ NAMES = (
     "vllm:request_queue_time_seconds", "vllm:request_prefill_time_seconds", "vllm:request_decode_time_seconds",
     "vllm:request_inference_time_seconds", "vllm:iteration_tokens_total",
     "vllm:request_prompt_tokens", "vllm:request_generation_tokens", "vllm:request_max_num_generation_tokens",
-    "vllm:request_params_n", "vllm:request_params_max_tokens",
-    "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_params_n", "vllm:request_params_max_tokens", "vllm:request_time_per_output_token_seconds",
+    "vllm:request_prefill_kv_computed_tokens", "vllm:engine_sleep_state",
+    "vllm:request_success_total", "vllm:prompt_tokens_total", "vllm:prompt_tokens_cached_total",
+    "vllm:generation_tokens_total",
     "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total", "vllm:num_preemptions_total",
     "vllm:external_prefix_cache_queries_total", "vllm:external_prefix_cache_hits_total",
     "vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
@@ -114,15 +125,26 @@ def _iteration_tokens(it, model: str) -> HistogramMetricFamily:
     """vLLM's `vllm:iteration_tokens_total` (a histogram, whatever its name) from the engine's per-bucket counts
     (zeros in vLLM's buckets when the engine reports none)."""
     h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt and decode rows').",
-                              labels=["model_name"])
+                              labels=LABELS)
     if not (isinstance(it, Mapping) and isinstance(it.get("counts"), Mapping) and it["counts"]):
         it = BucketCounts(ITERATION_TOKEN_BUCKETS).as_dict()
     buckets, total = [], 0.0
     for le, n in sorted(it["counts"].items(), key=lambda kv: float(kv[0])):  # cumulative, as Prometheus's
         total += _num(n)
         buckets.append((le, total))
-    h.add_metric([model], buckets, _num(it.get("sum")))
+    h.add_metric([model, ENGINE], buckets, _num(it.get("sum")))
     return h
+
+
+def _sleep_state(level, model: str) -> GaugeMetricFamily:
+    """vLLM's `vllm:engine_sleep_state`: 1 on the state the engine is in (awake, weights_offloaded: sleep level 1,
+    discard_all: level 2), 0 on the others."""
+    level = int(_num(level))
+    g = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: awake, weights_offloaded (sleep level 1) "
+                          "or discard_all (level 2) is 1.", labels=LABELS + ["sleep_state"])
+    for state, at in (("awake", 0), ("weights_offloaded", 1), ("discard_all", 2)):
+        g.add_metric([model, ENGINE, state], float(level == at))
+    return g
 
 
 class EngineCollector:
@@ -137,17 +159,17 @@ class EngineCollector:
     def collect(self) -> Iterable:
         s = self._stats() or {}
         fe = self._frontend() or {}
-        m = self._model
-        L = ["model_name"]
+        m, L = self._model, LABELS
+        mv = [m, ENGINE]  # the values of L
 
         def gauge(name, doc, value, labels=None, label_values=None):
             g = GaugeMetricFamily(name, doc, labels=L + (labels or []))
-            g.add_metric([m] + (label_values or []), _num(value))
+            g.add_metric(mv + (label_values or []), _num(value))
             return g
 
         def counter(name, doc, value):
             c = CounterMetricFamily(name, doc, labels=L)
-            c.add_metric([m], _num(value))
+            c.add_metric(mv, _num(value))
             return c
 
         yield gauge("vllm:num_requests_running", "Sequences holding a state slot (prefilling or decoding).",
@@ -157,7 +179,10 @@ class EngineCollector:
         yield gauge("vllm:kv_cache_usage_perc", "Fraction of the cache arena requests hold (MLA pages + KDA slots; "
                     "units only the prefix cache holds count as free, as vLLM's), 0-1.",
                     s.get("kv_cache_usage", 0.0))
-        yield counter("vllm:prompt_tokens", "Prompt tokens admitted (per sequence).", s.get("prompt_tokens", 0))
+        yield counter("vllm:prompt_tokens", "Prompt tokens prefilled (per sequence, counted when its prefill ends, "
+                      "cached ones included, as vLLM's).", s.get("prompt_tokens", 0))
+        yield counter("vllm:prompt_tokens_cached", "Of those, tokens taken from the prefix cache (device and host "
+                      "tiers) when the sequence was first admitted.", s.get("prompt_tokens_cached", 0))
         yield counter("vllm:generation_tokens", "Generated tokens.", s.get("generation_tokens", 0))
         yield counter("vllm:num_preemptions", "Sequences preempted (recomputed later).", s.get("preemptions", 0))
         yield counter("k3jax:retractions", "Preemptions because decodes ran out of pages (the admission "
@@ -175,6 +200,7 @@ class EngineCollector:
                         1.0, keys, ["" if cc[k] is None else str(cc[k]) for k in keys])
         yield gauge("k3jax:engine_sleep_level", "0 awake; 1 or 2 while the engine's device memory is released "
                     "(sleep mode).", s.get("sleep_level", 0))
+        yield _sleep_state(s.get("sleep_level", 0), m)
         # LoRA (vLLM's lora_requests_info: the adapters with running / waiting requests, as labels)
         lr = s.get("lora_requests") or {}
         if isinstance(lr, Mapping) and s.get("max_loras"):
@@ -186,7 +212,7 @@ class EngineCollector:
             per = GaugeMetricFamily("k3jax:lora_requests_running", "Sequences running with each loaded LoRA "
                                     "adapter.", labels=L + ["lora_name"])
             for n, c in sorted(lr.items()):
-                per.add_metric([m, n], _num(c.get("running", 0)))
+                per.add_metric(mv + [n], _num(c.get("running", 0)))
             yield per
         # speculative decoding (serve/speculative.py): vLLM's names
         yield counter("vllm:spec_decode_num_drafts", "Decode rows that carried drafts.", s.get("spec_decode_num_drafts", 0))
@@ -197,7 +223,7 @@ class EngineCollector:
         per_pos = CounterMetricFamily("vllm:spec_decode_num_accepted_tokens_per_pos",
                                       "Draft tokens accepted, by position in the draft.", labels=L + ["position"])
         for i, n in enumerate(s.get("spec_decode_accepted_per_pos") or []):
-            per_pos.add_metric([m, str(i)], _num(n))
+            per_pos.add_metric(mv + [str(i)], _num(n))
         yield per_pos
 
         pc = s.get("prefix_cache") or {}
@@ -274,7 +300,7 @@ class EngineCollector:
                 except TypeError:
                     continue
                 for e, c in enumerate(values):
-                    ex.add_metric([m, str(layer), str(e)], _num(c))
+                    ex.add_metric(mv + [str(layer), str(e)], _num(c))
         yield ex
         yield counter("k3jax:moe_dispatch_seconds", "Time in the MoE blocks (routing, dispatch, expert GEMMs, combine): "
                       "per step, the time measured at warm-up for the step's shape.",
@@ -296,13 +322,13 @@ class EngineCollector:
                                ("k3jax:replica_kv_cache_usage_perc", "kv_cache_usage", "Arena usage per replica (0-1).")):
             g = GaugeMetricFamily(name, doc, labels=L + ["replica"])
             for i, r in enumerate(reps):
-                g.add_metric([m, str(i)], _num(r.get(key)))
+                g.add_metric(mv + [str(i)], _num(r.get(key)))
             yield g
         routed = CounterMetricFamily("k3jax:data_parallel_routed", "Requests the data-parallel router sent by cached "
                                      "prefix or by load (the least loaded replica).", labels=L + ["by"])
         for by in ("prefix", "load"):
             if f"routed_by_{by}" in (s.get("data_parallel_router") or {}):
-                routed.add_metric([m, by], _num(s["data_parallel_router"][f"routed_by_{by}"]))
+                routed.add_metric(mv + [by], _num(s["data_parallel_router"][f"routed_by_{by}"]))
         yield routed
 
         # Frontend state.
@@ -325,33 +351,36 @@ class ServerMetrics:
         disable_created_metrics()  # no `*_created` series (as vLLM)
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        r, L = self.registry, ["model_name"]
+        r, L, lv = self.registry, LABELS, (model_name, ENGINE)
         self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              L, buckets=_TTFT_BUCKETS, registry=r).labels(model_name)
+                              L, buckets=_TTFT_BUCKETS, registry=r).labels(*lv)
         self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
-                             L, buckets=_ITL_BUCKETS, registry=r).labels(model_name)
+                             L, buckets=_ITL_BUCKETS, registry=r).labels(*lv)
+        # vLLM's per-request TPOT: a sample's decode time over its tokens after the first (0 with one token)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token of each "
+                              "request (after its first).", L, buckets=_ITL_BUCKETS, registry=r).labels(*lv)
         self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+                             L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
         self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
-                               L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+                               L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
         self.prefill = Histogram("vllm:request_prefill_time_seconds", "Time from first scheduling to the first token.",
-                                 L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+                                 L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
         self.decode = Histogram("vllm:request_decode_time_seconds", "Time from the first token to the last.",
-                                L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+                                L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
         self.inference = Histogram("vllm:request_inference_time_seconds", "Time from first scheduling to the last "
-                                   "token.", L, buckets=_E2E_BUCKETS, registry=r).labels(model_name)
+                                   "token.", L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
         self.req_n = Histogram("vllm:request_params_n", "The n request parameter.", L, buckets=_N_BUCKETS,
-                               registry=r).labels(model_name)
+                               registry=r).labels(*lv)
         self._token_histograms, self.max_model_len = [], None
         self.size_token_buckets(max_model_len)
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 L + ["finished_reason"], registry=r)
         self._rejected = Counter("k3jax:http_requests_rejected", "HTTP requests refused, by reason.",
                                  L + ["reason"], registry=r)
-        for reason in ("stop", "length", "abort"):
-            self._success.labels(model_name, reason)
+        for reason in FINISH_REASONS:
+            self._success.labels(*lv, reason)
         for reason in ("auth", "rate_limit", "queue_full", "invalid"):
-            self._rejected.labels(model_name, reason)
+            self._rejected.labels(*lv, reason)
         r.register(EngineCollector(stats, model_name, frontend))
 
     def size_token_buckets(self, max_model_len: Optional[int]) -> None:
@@ -361,23 +390,25 @@ class ServerMetrics:
             return
         for h in self._token_histograms:
             self.registry.unregister(h)
-        edges, L, m = token_buckets(max_model_len), ["model_name"], self.model_name
+        edges, L = token_buckets(max_model_len), LABELS
         self._token_histograms = [Histogram(name, doc, L, buckets=edges, registry=self.registry) for name, doc in (
             ("vllm:request_prompt_tokens", "Prompt tokens per request."),
             ("vllm:request_generation_tokens", "Generated tokens per request."),
             # vLLM's request parameters: max_tokens per sample; the most tokens a sample generated, per prompt
             # once its samples all ended (as vllm:request_params_n)
             ("vllm:request_max_num_generation_tokens", "Most tokens a sample of the request generated."),
-            ("vllm:request_params_max_tokens", "The max_tokens request parameter."))]
-        self.req_prompt, self.req_gen, self.req_max_gen, self.req_max_tokens = (
-            h.labels(m) for h in self._token_histograms)
+            ("vllm:request_params_max_tokens", "The max_tokens request parameter."),
+            ("vllm:request_prefill_kv_computed_tokens", "Prompt tokens a request computed (not taken from the "
+             "prefix cache)."))]
+        self.req_prompt, self.req_gen, self.req_max_gen, self.req_max_tokens, self.req_prefill_computed = (
+            h.labels(self.model_name, ENGINE) for h in self._token_histograms)
         self.max_model_len = max_model_len
 
     def finished(self, reason: str | None) -> None:
-        self._success.labels(self.model_name, reason or "unknown").inc()
+        self._success.labels(self.model_name, ENGINE, reason or "unknown").inc()
 
     def rejected(self, reason: str) -> None:
-        self._rejected.labels(self.model_name, reason).inc()
+        self._rejected.labels(self.model_name, ENGINE, reason).inc()
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

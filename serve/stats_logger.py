@@ -60,8 +60,9 @@ class StatsLogger:
 
     def __init__(self, stats: Callable[[], Mapping], say: Callable[[str], None], interval_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
-        if not interval_s > 0:
-            raise ValueError(f"--log-stats-interval: expected seconds > 0, got {interval_s}")
+        if not 0 < interval_s <= threading.TIMEOUT_MAX:  # (a longer wait raises OverflowError in the thread)
+            raise ValueError(f"--log-stats-interval: expected seconds > 0 and at most {threading.TIMEOUT_MAX:g}, "
+                             f"got {interval_s}")
         self.stats, self.say, self.interval_s, self.clock = stats, say, float(interval_s), clock
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None

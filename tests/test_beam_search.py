@@ -184,6 +184,8 @@ def test_forks_under_memory_pressure_and_abort(engine, prompts):
     finally:
         engine.allocator.free_pages(hog)
     assert engine.counters["beam_fork_recomputes"] > before["beam_fork_recomputes"]
+    # vLLM's prompt_tokens: the search's prompt once, when its prefill ends (not per beam, fork or recompute)
+    assert engine.counters["prompt_tokens"] - before["prompt_tokens"] == len(prompts[0])
     assert [c.token_ids for c in tight.outputs] == [c.token_ids for c in roomy.outputs]
     np.testing.assert_allclose([c.cumulative_logprob for c in tight.outputs],
                                [c.cumulative_logprob for c in roomy.outputs], atol=1e-4)

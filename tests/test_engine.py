@@ -137,6 +137,22 @@ def test_latencies_are_bounded_and_each_step_counts_its_tokens(engine, prompts):
     assert now["sum"] - it["sum"] == len(prompts[1]) + 11
 
 
+def test_prompt_tokens_count_once_prefilled(engine, prompts):
+    """vLLM's `vllm:prompt_tokens_total` counts a sequence's prompt when its prefill ends (its first token), once
+    (not again when a preempted sequence is recomputed). It was counted when the request was queued: a request
+    aborted while waiting counted prompt tokens never processed, and a burst of queued requests showed as
+    prompt throughput before any of it ran."""
+    before = engine.stats()["prompt_tokens"]
+    rid = engine.add_request(prompts[0], GREEDY)
+    assert engine.stats()["prompt_tokens"] == before  # queued, not prefilled
+    engine.abort(rid)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.stats()["prompt_tokens"] == before
+    run_all(engine, [prompts[1]], SamplingParams(temperature=1.0, n=2, max_tokens=3, ignore_eos=True, seed=1))
+    assert engine.stats()["prompt_tokens"] == before + 2 * len(prompts[1])  # each sample's prefill
+
+
 def test_batch_of_32_mixed_lengths_is_token_identical(engine, prompts, alone):
     outs = run_all(engine, prompts)
     assert [o.token_ids for o in outs] == alone

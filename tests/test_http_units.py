@@ -109,23 +109,23 @@ def test_metrics_export_expert_counts_and_arena_split():
              "prefix_cache": {"query_tokens": 40, "hit_tokens": 16, "kda_hits": 2, "kda_misses": 3},
              "inter_rank_bytes": 0, "moe_dispatch_seconds": 0.5}
     text = ServerMetrics("m", lambda: stats, lambda: {"ready": 1}).exposition().decode()
-    assert 'k3jax:expert_tokens_total{expert="2",layer="0",model_name="m"} 5.0' in text
+    assert 'k3jax:expert_tokens_total{engine="0",expert="2",layer="0",model_name="m"} 5.0' in text
     named = ServerMetrics("m", lambda: {**stats, "moe_layers": [1, 3]}, dict).exposition().decode()
-    assert 'k3jax:expert_tokens_total{expert="2",layer="1",model_name="m"} 5.0' in named
+    assert 'k3jax:expert_tokens_total{engine="0",expert="2",layer="1",model_name="m"} 5.0' in named
     assert 'layer="3"' in named and 'layer="0"' not in named
-    assert 'k3jax:kda_slot_usage_perc{model_name="m"} 0.25' in text
-    assert 'k3jax:mla_page_usage_perc{model_name="m"} 0.1' in text
-    assert 'vllm:prefix_cache_hits_total{model_name="m"} 16.0' in text
-    assert 'k3jax:kda_checkpoint_misses_total{model_name="m"} 3.0' in text
-    assert 'k3jax:moe_dispatch_seconds_total{model_name="m"} 0.5' in text
+    assert 'k3jax:kda_slot_usage_perc{engine="0",model_name="m"} 0.25' in text
+    assert 'k3jax:mla_page_usage_perc{engine="0",model_name="m"} 0.1' in text
+    assert 'vllm:prefix_cache_hits_total{engine="0",model_name="m"} 16.0' in text
+    assert 'k3jax:kda_checkpoint_misses_total{engine="0",model_name="m"} 3.0' in text
+    assert 'k3jax:moe_dispatch_seconds_total{engine="0",model_name="m"} 0.5' in text
     spec = ServerMetrics("m", lambda: {**stats, "spec_decode_num_draft_tokens": 9, "spec_decode_num_accepted_tokens": 5,
                                        "spec_decode_accepted_per_pos": [3, 2, 0]}, dict).exposition().decode()
-    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 5.0' in spec
-    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 2.0' in spec
+    assert 'vllm:spec_decode_num_accepted_tokens_total{engine="0",model_name="m"} 5.0' in spec
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{engine="0",model_name="m",position="1"} 2.0' in spec
     balanced = ServerMetrics("m", lambda: {**stats, "eplb_rebalances": 4, "eplb": {"last": {"imbalance_after": 1.25}}},
                              dict).exposition().decode()
-    assert 'k3jax:eplb_rebalances_total{model_name="m"} 4.0' in balanced
-    assert 'k3jax:expert_load_imbalance{model_name="m"} 1.25' in balanced
+    assert 'k3jax:eplb_rebalances_total{engine="0",model_name="m"} 4.0' in balanced
+    assert 'k3jax:expert_load_imbalance{engine="0",model_name="m"} 1.25' in balanced
     empty = ServerMetrics("m", lambda: {}, lambda: {}).exposition().decode()
     assert all(n in empty for n in NAMES)  # every family is listed even with no engine statistics
 
@@ -147,7 +147,7 @@ def test_app_before_warmup_answers_503_everywhere_but_metrics():
     assert h.status_code == 503 and [p.status_code for p in pings] == [503, 503]
     assert v.status_code == 200 and v.json() == {"version": __import__("k3jax").__version__}
     assert r.status_code == 503 and r.json()["error"]["code"] == "not_ready" and "Retry-After" in r.headers
-    assert m.status_code == 200 and 'k3jax:engine_ready{model_name="m"} 0.0' in m.text
+    assert m.status_code == 200 and 'k3jax:engine_ready{engine="0",model_name="m"} 0.0' in m.text
     assert s.status_code == 200 and "/v1/chat/completions" in s.json()["paths"]
 
 

@@ -8,10 +8,10 @@ from serve.types import RequestError
 
 def _post_then_scrape(engine, body: dict) -> tuple:
     """POST `body` to /v1/completions of an app over `engine`, then GET /metrics -> (response, {(sample name,
-    labels without model_name): value})."""
+    labels without model_name and engine): value})."""
     r, text = post_then_scrape(engine, body)
-    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))): s.value
-               for f in text_string_to_metric_families(text) for s in f.samples}
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "engine")))):
+               s.value for f in text_string_to_metric_families(text) for s in f.samples}
     return r, samples
 
 
@@ -71,4 +71,87 @@ def test_token_histogram_buckets_follow_the_context_window():
         assert edges == ["1.0", "2.0", "5.0", "10.0", "20.0", "50.0", "+Inf"], (h, edges)
     assert token_buckets(262144)[-3:] == (50000, 100000, 200000) and token_buckets(100)[-1] == 100
     m = ServerMetrics("m", dict, dict, max_model_len=1000)
-    assert "vllm:request_prompt_tokens_bucket{le=\"1000.0\"" in m.exposition().decode()
+    assert "vllm:request_prompt_tokens_bucket{engine=\"0\",le=\"1000.0\"" in m.exposition().decode()
+
+
+class _StepFails(Recorder):
+    """Accepts the request, streams each sample's first token, then fails as a raising engine step does."""
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestOutput
+
+        on_accept()
+        yield RequestOutput(request_id, None, list(prompt),
+                            [CompletionOutput(j, "", [1], None) for j in range(params.n)])
+        raise RuntimeError("step failed")
+
+
+def test_samples_a_failed_step_ended_finish_with_error():
+    """vLLM's finish reasons are stop, length, abort, error and repetition, each a `vllm:request_success` series;
+    a request an engine failure ended is an "error". Its samples were counted as "abort" and the "error" and
+    "repetition" series were missing."""
+    r, samples = _post_then_scrape(_StepFails(max_model_len=64), {"prompt": [1, 2], "n": 2, "max_tokens": 4,
+                                                                  "stream": True})
+    assert r.status_code == 200 and '"internal_error"' in r.text
+    success = {dict(labels)["finished_reason"]: v for (name, labels), v in samples.items()
+               if name == "vllm:request_success_total"}
+    assert success == {"stop": 0, "length": 0, "abort": 0, "error": 2, "repetition": 0}
+
+
+class _Timed(Recorder):
+    """An n = 2 request whose steps the engine timed at 10.0, 10.5 and 11.5 s: sample 0 ends at its second token,
+    sample 1 at its third; 1 of the prompt's tokens came from the prefix cache."""
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestMetrics, RequestOutput
+
+        on_accept()
+        steps = [(10.0, [(0, [1], None), (1, [2], None)]), (10.5, [(0, [3], "length"), (1, [4], None)]),
+                 (11.5, [(1, [5], "stop")])]
+        for k, (t, step) in enumerate(steps):
+            metrics = RequestMetrics(arrival_time=9.0, first_scheduled_time=9.5, first_token_time=10.0,
+                                     last_token_time=t)
+            outs = [CompletionOutput(j, "", ids, reason) for j, ids, reason in step]
+            yield RequestOutput(request_id, None, list(prompt), outs, finished=k == len(steps) - 1, metrics=metrics,
+                                num_cached_tokens=1)
+
+
+def test_request_tpot_prefill_computed_tokens_and_sleep_state():
+    """vLLM v1's `vllm:request_time_per_output_token_seconds` (each finished sample's decode time over its tokens
+    after the first), `vllm:request_prefill_kv_computed_tokens` (prompt tokens not taken from the prefix cache) and
+    `vllm:engine_sleep_state` (1 on awake / weights_offloaded / discard_all): they were missing."""
+    from serve.metrics import ServerMetrics
+
+    r, samples = _post_then_scrape(_Timed(max_model_len=64), {"prompt": [5, 6, 7], "n": 2, "max_tokens": 3})
+    assert r.status_code == 200, r.text
+    tpot = "vllm:request_time_per_output_token_seconds"
+    assert (samples[(f"{tpot}_count", ())], samples[(f"{tpot}_sum", ())]) == (2, 0.5 / 1 + 1.5 / 2)
+    kv = "vllm:request_prefill_kv_computed_tokens"
+    assert (samples[(f"{kv}_count", ())], samples[(f"{kv}_sum", ())]) == (2, 2 * (3 - 1))
+    assert samples[("vllm:engine_sleep_state", (("sleep_state", "awake"),))] == 1
+    asleep = ServerMetrics("m", lambda: {"sleep_level": 2}, dict).exposition().decode()
+    assert 'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="discard_all"} 1.0' in asleep
+    assert 'vllm:engine_sleep_state{engine="0",model_name="m",sleep_state="awake"} 0.0' in asleep
+
+
+def test_every_series_has_vllms_model_name_and_engine_labels():
+    """vLLM v1 labels its series `model_name` and `engine` (the engine's index, "0" for one engine): queries and
+    dashboards written for vLLM select or group by both. Ours had no `engine` label."""
+    from serve.metrics import ServerMetrics
+
+    stats = {"expert_counts": [[1, 2]], "cache_config": {"block_size": 16}, "max_loras": 1, "lora_requests": {},
+             "replicas": [{"num_requests_running": 1}], "spec_decode_accepted_per_pos": [1]}
+    text = ServerMetrics("m", lambda: stats, dict, max_model_len=64).exposition().decode()
+    samples = [s for f in text_string_to_metric_families(text) for s in f.samples]
+    assert len(samples) > 300
+    assert all(s.labels.get("model_name") == "m" and s.labels.get("engine") == "0" for s in samples), [
+        s for s in samples if s.labels.get("engine") != "0"][:3]
+
+
+def test_unset_max_tokens_is_observed_as_the_rest_of_the_context():
+    """A request without max_tokens may generate up to the context window's end: vLLM's server resolves it to that
+    (max_model_len - prompt tokens) and `vllm:request_params_max_tokens` observes it. It was not observed at all."""
+    r, samples = _post_then_scrape(Recorder(max_model_len=64), {"prompt": [1, 2, 3], "max_tokens": None})
+    assert r.status_code == 200, r.text
+    h = "vllm:request_params_max_tokens"
+    assert (samples[(f"{h}_count", ())], samples[(f"{h}_sum", ())]) == (1, 64 - 3)

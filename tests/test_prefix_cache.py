@@ -248,8 +248,11 @@ def test_outputs_report_the_prompt_tokens_taken_from_the_cache(engines):
     on, off = engines
     base = toks(5, 100)
     assert run(on, base, n=1).num_cached_tokens == 0  # nothing cached yet
+    before = {k: on.stats()[k] for k in ("prompt_tokens", "prompt_tokens_cached")}
     assert run(on, base + toks(6, 5), n=1).num_cached_tokens == 96  # prompt-end checkpoint at 96
     assert run(off, base + toks(6, 5), n=1).num_cached_tokens == 0
+    # vLLM's vllm:prompt_tokens_total / vllm:prompt_tokens_cached_total: the prompt's tokens, those of them cached
+    assert {k: on.stats()[k] - v for k, v in before.items()} == {"prompt_tokens": 105, "prompt_tokens_cached": 96}
 
 
 def test_a_hit_inside_a_page_takes_the_pages_of_a_cold_start(engines):

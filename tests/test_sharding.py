@@ -642,10 +642,10 @@ def test_http_server_over_data_parallel_replicas(multi_device):
     assert h["ended"] == "abort"  # an explicit abort ends the stream its reader still reads
     assert h["running"] == h["waiting"] == 0 and h["free"] == h["baseline"] and h["aborted"] == 2
     metric = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in h["metric"]}
-    assert metric['vllm:generation_tokens_total{model_name="m"}'] > 0
-    assert metric['k3jax:replica_requests_running{model_name="m",replica="1"}'] == 0
-    assert metric['k3jax:data_parallel_routed_total{by="prefix",model_name="m"}'] >= 1
-    assert metric['k3jax:data_parallel_routed_total{by="load",model_name="m"}'] >= 3
+    assert metric['vllm:generation_tokens_total{engine="0",model_name="m"}'] > 0
+    assert metric['k3jax:replica_requests_running{engine="0",model_name="m",replica="1"}'] == 0
+    assert metric['k3jax:data_parallel_routed_total{by="prefix",engine="0",model_name="m"}'] >= 1
+    assert metric['k3jax:data_parallel_routed_total{by="load",engine="0",model_name="m"}'] >= 3
 
 
 def test_disaggregated_prefill_over_http(multi_device):

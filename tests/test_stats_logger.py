@@ -44,3 +44,11 @@ def test_no_engine_yet_and_bad_interval():
     assert log.tick() is None and log.tick() is None  # {}: no engine attached yet
     with pytest.raises(ValueError, match="--log-stats-interval"):
         StatsLogger(dict, print, interval_s=0)
+
+
+@pytest.mark.parametrize("interval", [float("inf"), 1e300, float("nan")])
+def test_an_interval_no_thread_can_wait_is_refused(interval):
+    """`--log-stats-interval inf` (or any wait past threading.TIMEOUT_MAX) was accepted, then the stats thread died
+    at its first wait with an OverflowError traceback and the server logged no statistics."""
+    with pytest.raises(ValueError, match="--log-stats-interval: expected seconds > 0"):
+        StatsLogger(dict, print, interval_s=interval)
