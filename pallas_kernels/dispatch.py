@@ -2,7 +2,8 @@
 
 ``backend`` values accepted by the public ops:
 
-* ``"auto"``      -- Pallas on GPU/TPU, the plain-jnp reference elsewhere (CPU).
+* ``"auto"``      -- Pallas on GPU/TPU, the plain-jnp reference elsewhere (CPU; an op with a faster
+  jnp form for CPU runs that instead: ``moe.blocked.gmm_cpu``, ``kda.pool_cpu``).
 * ``"reference"`` -- the plain-jnp reference implementation (runs anywhere).
 * ``"pallas"``    -- the Pallas kernel (compiled; needs a GPU/TPU unless interpret).
 * ``"interpret"`` -- the Pallas kernel in HLO interpret mode (runs on CPU; slow).

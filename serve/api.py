@@ -6,18 +6,24 @@ Endpoints
   POST /v1/responses          OpenAI's Responses API, translated to and from chat (serve/responses.py)
   GET, DELETE /v1/responses/{id}   a stored response (kept in memory for previous_response_id)
   GET  /v1/models, /v1/models/{id}
-  GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died)
+  GET  /health                503 until the engine is warmed up, 200 after (503 again if the engine died);
+                              GET|POST /ping the same (SageMaker's); GET /health_generate also generates (SGLang's)
+  GET  /version               {"version"} (vLLM's)
   POST /invocations, GET /load   SageMaker's route (a chat or a completion body), vLLM's server load
   GET  /metrics               Prometheus text (serve/metrics.py)
-  POST /tokenize, /detokenize (vLLM's shapes)
-  POST /reset_prefix_cache    forget every cached prefix (vLLM's)
+  POST /tokenize, /detokenize, GET /tokenizer_info (vLLM's shapes)
+  POST /reset_prefix_cache    forget every cached prefix (vLLM's; GET|POST /flush_cache: SGLang's name)
+  POST /generate, GET /get_model_info, GET /get_server_info (/server_info)   SGLang's (serve/sglang_api.py)
   POST /abort_request         {"rid"} or {"abort_all": true}: end requests in flight (SGLang's)
   with --enable-sleep-mode: POST /sleep?level=1|2, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping
                               (vLLM's), POST /update_weights_from_disk {"model_path"} (SGLang's),
                               POST /pause?mode=abort|wait|keep[&clear_cache=false], POST /resume, GET /is_paused (vLLM's),
                               SGLang's memory, pause and weight-version routes, GET|POST /get_weights_by_name,
                               POST /update_weights_from_tensor (serve/named_weights.py)
-  GET  /openapi.json          the schema (FastAPI)
+  with --allow-runtime-lora-updating: POST /v1/load_lora_adapter, /v1/unload_lora_adapter (vLLM's),
+                              POST /load_lora_adapter, /load_lora_adapter_from_tensors, /unload_lora_adapter (SGLang's)
+  with --profiler-dir: POST /start_profile, /stop_profile (vLLM's; serve/profiler.py)
+  GET  /openapi.json          the schema (FastAPI; GET /docs, /redoc: its pages)
 
 Both generation endpoints stream with SSE (`stream: true`): `data: {json}` events ending with
 `data: [DONE]`, plus a final usage chunk with `stream_options.include_usage`. A client that disconnects
@@ -1542,7 +1548,8 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
     weights_cpu_backup: /release_memory_occupation keeps the weights in host memory (SGLang's
       --enable-weights-cpu-backup; without it they are discarded: load new ones before generating again).
     allow_runtime_lora_updating: serve POST /v1/load_lora_adapter and /v1/unload_lora_adapter (vLLM's;
-      they read adapter directories from the server's disk, so they are off by default).
+      they read adapter directories from the server's disk, so they are off by default), and SGLang's
+      /load_lora_adapter, /load_lora_adapter_from_tensors and /unload_lora_adapter.
     return_tokens_as_token_ids: logprobs name tokens 'token_id:{id}' unless a request says otherwise (vLLM's).
     enable_request_id_headers: every response carries an `X-Request-Id` header (vLLM's): the request's, else a
       fresh one. Completions and chat ids always follow a request's X-Request-Id (or `request_id` field).

@@ -116,7 +116,8 @@ def add_serve_arguments(s, server: bool = True) -> None:
                         "program, hold))")
     e.add_argument("--page-size", "--block-size", type=int, default=d["page_size"],
                    help="tokens per MLA cache page (--block-size: vLLM's name)")
-    e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"])
+    e.add_argument("--prefill-chunk", type=int, default=d["prefill_chunk"],
+                   help="tokens per prefill row (a prompt's chunk a step; default 64)")
     e.add_argument("--long-prefill-chunk", type=int, default=d["long_prefill_chunk"],
                    help="tokens of the one-row prefill program, which gives a long prompt alone that many tokens "
                         "a step (a multiple of --prefill-chunk, e.g. 256; default 0: off)")
@@ -128,7 +129,8 @@ def add_serve_arguments(s, server: bool = True) -> None:
     e.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
                    help="vLLM's: the fraction of each device's memory for weights, step temporaries and cache; the "
                         "arena gets what the weights and the largest steps leave, in place of --cache-mb (GPU, TPU)")
-    e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"])
+    e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"],
+                   help="most top logprobs a request may ask for (vLLM's; default 5; beam search needs 2 x its width)")
     e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d["logprobs_mode"],
                    help="vLLM's: what logprobs hold: the model's log-softmax or logits (raw_*), or those the token was "
                         "drawn from after bias, penalties, temperature, top-k/top-p/min-p (processed_*)")
@@ -278,8 +280,9 @@ def add_serve_arguments(s, server: bool = True) -> None:
     a.add_argument("--max-body-bytes", type=int, default=d["max_body_bytes"],
                    help=f"largest request body (413 beyond it); default {BODY_BYTES >> 20} MiB, "
                         f"{EMBEDS_BODY_BYTES >> 20} MiB with --enable-prompt-embeds (a K3 prompt vector is 14 KiB in "
-                        f"bf16, 19 KiB as base64) or --enable-sleep-mode (weights pushed by "
-                        f"/update_weights_from_tensor)")
+                        f"bf16, 19 KiB as base64), --enable-sleep-mode (weights pushed by "
+                        f"/update_weights_from_tensor) or --allow-runtime-lora-updating (adapters pushed by "
+                        f"/load_lora_adapter_from_tensors)")
     a.add_argument("--max-stored-responses", type=int, default=d["max_stored_responses"],
                    help="Responses API objects kept in memory for previous_response_id (0: none)")
     a.add_argument("--enable-sleep-mode", "--enable-memory-saver", action="store_true",
@@ -774,12 +777,14 @@ def _names(text, name: str) -> Optional[list[str]]:
 
 
 def body_limit(o: dict) -> int:
-    """`--max-body-bytes`, else its default: larger when prompts may come as base64 vectors."""
+    """`--max-body-bytes`, else its default: larger when a route takes base64 tensors (prompt vectors, weights
+    pushed by name, LoRA adapters pushed as tensors)."""
     if o.get("max_body_bytes") is not None:
         if o["max_body_bytes"] < 1:
             raise ValueError(f"--max-body-bytes {o['max_body_bytes']}: expected a positive number of bytes")
         return o["max_body_bytes"]
-    return EMBEDS_BODY_BYTES if o.get("enable_prompt_embeds") or o.get("enable_sleep_mode") else BODY_BYTES
+    tensors = ("enable_prompt_embeds", "enable_sleep_mode", "allow_runtime_lora_updating")
+    return EMBEDS_BODY_BYTES if any(o.get(flag) for flag in tensors) else BODY_BYTES
 
 
 def cors_options(o: dict) -> dict:

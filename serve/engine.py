@@ -346,7 +346,7 @@ class EngineConfig:
     # The model's default sampling (vLLM's --generation-config; serve/generation_config.py): "auto" reads the
     # checkpoint directory's generation_config.json (K3: temperature 1.0, top_p 0.95), "vllm" ignores it, a
     # directory reads that one's. It fills what a request leaves unset (LLM.generate without sampling
-    # parameters; the server's missing temperature / top_p / top_k / min_p / repetition_penalty).
+    # parameters; the server's missing temperature / top_p / top_k / min_p / repetition_penalty / max_tokens).
     generation_config: str = "auto"
     # Prompts given as vectors (vLLM's --enable-prompt-embeds; serve/prompt_embeds.py): every step program takes
     # a [rows, tokens, hidden] input beside the token ids, and `add_request` accepts {"prompt_embeds": [L, H]}.

@@ -3,9 +3,10 @@
 Checkpoints ship the sampling their authors recommend (K3: temperature 1.0, top_p 0.95). vLLM reads it by
 default (`auto`) and applies it where a request leaves a field unset: `LLM.generate` without sampling
 parameters uses `LLM.get_default_sampling_params()`, and the OpenAI server fills a request's missing
-temperature / top_p / top_k / min_p / repetition_penalty from it (an explicit value, even the OpenAI
-default, always wins). `vllm` ignores the file (the API's own defaults); a directory reads that
-directory's file instead of the model's.
+temperature / top_p / top_k / min_p / repetition_penalty from it, and max_tokens from its max_new_tokens
+(cut to what the context leaves after the prompt); an explicit value, even the OpenAI default, always
+wins. `vllm` ignores the file (the API's own defaults); a directory reads that directory's file instead
+of the model's.
 """
 
 from __future__ import annotations

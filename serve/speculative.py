@@ -1,9 +1,12 @@
-"""Speculative decoding with n-gram (prompt lookup) drafts, verified in one step over the arena.
+"""Speculative decoding with model-free drafts (n-gram prompt lookup, suffix decoding), verified in one step
+over the arena.
 
 K3 ships no draft weights (spec: no MTP / EAGLE layers in the open release), so drafts come from the
 sequence itself, as vLLM's `ngram` method does: the longest suffix of the sequence (between
 `prompt_lookup_max` and `prompt_lookup_min` tokens) that occurred earlier proposes the tokens that
-followed that earlier occurrence. Copying, quoting, code edits and looping outputs accept many.
+followed that earlier occurrence. Copying, quoting, code edits and looping outputs accept many. vLLM's
+`suffix` method (`SuffixProposer`) also matches against the responses of finished requests, so a request
+on a prompt answered before drafts that answer.
 
 Verification (serve/step.py) runs a decode row as `1 + d` tokens (the last sampled token, then its
 d drafts) and samples a token at every position exactly as plain decoding would sample it there:

@@ -423,6 +423,9 @@ def test_body_limit_default_grows_with_prompt_embeddings():
     assert body_limit({}) == BODY_BYTES == 1 << 20
     assert body_limit({"enable_prompt_embeds": True}) == EMBEDS_BODY_BYTES
     assert body_limit({"enable_prompt_embeds": True, "max_body_bytes": 4096}) == 4096  # given: it wins
+    # routes that take base64 tensors: weights by name (sleep mode) and LoRA adapters pushed as tensors
+    assert body_limit({"enable_sleep_mode": True}) == EMBEDS_BODY_BYTES
+    assert body_limit({"allow_runtime_lora_updating": True}) == EMBEDS_BODY_BYTES
     with pytest.raises(ValueError, match="--max-body-bytes 0"):
         body_limit({"max_body_bytes": 0})
 
