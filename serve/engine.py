@@ -3088,9 +3088,10 @@ class Engine:
         sampling = f.deferred
         live = [(i, seq, start, n) for i, (seq, (_, start, n)) in enumerate(zip(f.seqs, f.rows)) if not seq.finished]
         allowed = np.full((f.rows_bucket, self.mask_words), -1, np.int32)
-        self._fill_allowed(allowed, live, 1)
+        constrained = self._fill_allowed(allowed, live, 1)
         ((logits, table), prompt, accepted), counts = f.out
-        res = self._sample_fn(logits, table, dataclasses.replace(sampling, allowed=allowed), f.channel_step)
+        res = self._sample_fn(logits, table, dataclasses.replace(sampling, allowed=allowed, constrained=constrained),
+                              f.channel_step)
         f.out, f.deferred = ((res, prompt, accepted), counts), None
 
     def _sample_fn(self, logits, table, sampling, channel_step: int = 0):
@@ -3278,10 +3279,12 @@ class Engine:
             plens.append(len(seq.prompt_ids))
             bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) + seq.pending < seq.params.min_tokens
                         else None)
+        constrained = None
         if masks:
-            self._fill_allowed(allowed, [(i, seq, start, n) for i, (seq, start, n) in enumerate(items)], pos)
+            constrained = self._fill_allowed(allowed, [(i, seq, start, n) for i, (seq, start, n) in enumerate(items)],
+                                             pos)
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed,
-                                       processors=self.logits_processors)
+                                       processors=self.logits_processors, constrained=constrained)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)
         dst = np.full(ncopy, lay.scratch_page, np.int32)
@@ -3292,12 +3295,16 @@ class Engine:
         return StepBatch(tokens, valid, lengths, read, write, table_rows, src, dst, sb, targets, lora_slots, embeds,
                          embed_mask, self._carry, splice if self._carry is not None else None, pages)
 
-    def _fill_allowed(self, allowed: np.ndarray, rows: list[tuple[int, Sequence, int, int]], pos: int) -> None:
+    def _fill_allowed(self, allowed: np.ndarray, rows: list[tuple[int, Sequence, int, int]], pos: int) -> np.ndarray:
         """Write the next-token masks of `rows` ((batch row, sequence, start, tokens)) into `allowed`
         [B * pos, W] (`pos` masks a row: a verify batch's positions): the structured-output constraint of each
-        row that samples its sequence's next token (and, for verify rows, after each draft), then bad words."""
+        row that samples its sequence's next token (and, for verify rows, after each draft), then bad words.
+        -> [B] bool: the rows masked by an active constraint (their raw logprobs are taken after the mask)."""
         guided = [(seq.guide, i * pos) for i, seq, start, n in rows
                   if seq.guide is not None and start + n >= len(seq.all_ids)]  # this row samples the next token
+        constrained = np.zeros(allowed.shape[0] // pos, bool)
+        for g, i in guided:
+            constrained[i // pos] = g.active
         if guided:
             t0 = time.perf_counter()
             fill_masks(guided, allowed)
@@ -3311,6 +3318,7 @@ class Engine:
                 ban_words(row, seq.bad_words, seq.output_ids)
                 if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
                     allowed[i * pos] = row
+        return constrained
 
     def _token_text(self, params: SamplingParams):
         """token id -> its text for logprobs ("" without a tokenizer or with detokenize=False)."""

@@ -90,7 +90,8 @@ NAMED_WRITE, NAMED_READ = 15, 16
 _PAYLOADS = (SPILL, RESTORE, FORGET, TABLES, EPLB, SLEEP, WAKE, UPDATE, ADAPTER, LORA,
              LORA_DROP, NAMED_WRITE, NAMED_READ)  # commands that carry an int32 payload
 #: step-batch fields sent only when some row differs from padding (the header says): sampling extras, prompt embeddings
-OPTIONAL_FIELDS = ("allowed", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds", "embed_mask")
+OPTIONAL_FIELDS = ("allowed", "constrained", "bias_ids", "bias_values", "restrict", "proc_args", "proc_on", "embeds",
+                   "embed_mask")
 #: step-batch fields never sent: the async carry, a device array every process updates itself (same programs)
 LOCAL_FIELDS = ("carry",)
 # an idle leader pings the followers this often (a follower's log shows the leader alive while idle)

@@ -22,14 +22,17 @@ Semantics (vLLM's):
   ``fold_in(key(seed), step)`` (threefry2x32, whatever the global default PRNG is), where
   ``step`` is the index of the token within its request. A request's samples therefore depend only
   on its seed, its step and its logits: not on its batch row, the batch size or the padding.
-* ``logprob`` is ``log_softmax`` of the RAW logits (before temperature and filtering) at the
-  chosen token, and ``top_ids``/``top_logprobs`` are ``lax.top_k`` of that same ``log_softmax``
-  (vLLM's default "raw logprobs"). vLLM's other ``logprobs_mode``s (static, one per engine) return
-  instead the raw logits (``raw_logits``), or the values the token was drawn from
+* ``logprob`` is ``log_softmax`` of the RAW logits (before temperature and filtering) at the chosen
+  token, and ``top_ids``/``top_logprobs`` are ``lax.top_k`` of that same ``log_softmax`` (vLLM's default
+  "raw logprobs"). A row under an active structured-output constraint (``SamplingBatch.constrained``)
+  takes them after its bitmask: vLLM applies the grammar bitmask to the logits before its sampler, so a
+  constrained row's logprobs are the model's renormalised over the tokens the grammar allows (the others
+  -inf); bias, penalties, bad words and processors stay out. vLLM's other ``logprobs_mode``s (static,
+  one per engine) return instead the raw logits (``raw_logits``), or the values the token was drawn from
   (``processed_logits``: after the mask, bias, penalties and processors, then, for a sampled row,
   temperature, min-p, top-k and top-p, a filtered token at -inf) or their ``log_softmax``
-  (``processed_logprobs``: the log of the exact distribution sampled; a greedy row's is that of
-  its processed logits, whose argmax it took). The top-n are the n largest of the same values.
+  (``processed_logprobs``: the log of the exact distribution sampled; a greedy row's is that of its
+  processed logits, whose argmax it took). The top-n are the n largest of the same values.
 
 Before any of that, ``serve/penalties.py`` masks a structured-output row's disallowed tokens (its
 bitmask, ``serve/structured.py``), adds the row's logit bias (``logit_bias`` and the engine's
@@ -117,6 +120,7 @@ class SamplingBatch:
     bias_values: jax.Array  # [B, N] f32
     restrict: jax.Array  # [B] bool only the row's bias_ids may be sampled (allowed_token_ids)
     allowed: jax.Array  # [B, W] i32 bitmask of the tokens a structured-output row may take (-1: all)
+    constrained: jax.Array  # [B] bool the row's mask is an active constraint's: its raw logprobs see it
     proc_args: jax.Array  # [B, A] f32 the custom logits processors' arguments (serve/logits_processors.py)
     proc_on: jax.Array  # [B, P] bool which processors process the row
 
@@ -137,6 +141,7 @@ class SamplingBatch:
         allowed: Optional[np.ndarray] = None,
         mask_words: int = 0,
         processors: Sequence[LogitsProcessor] = (),
+        constrained: Optional[np.ndarray] = None,
     ) -> "SamplingBatch":
         """Host-side (numpy) builder: row ``i`` samples with ``params[i]``, ``seeds[i]`` and
         ``steps[i]``; rows ``len(params)..bucket-1`` and ``None`` params are greedy padding.
@@ -149,7 +154,8 @@ class SamplingBatch:
         unconstrained rows) is the structured-output bitmask; without it every row allows all. A
         speculative verify batch gives one mask per row and position ([bucket * T, mask_words]).
         ``processors`` are the engine's custom logits processors: each row's ``extra_args`` fill their
-        argument columns and on/off flags.
+        argument columns and on/off flags. ``constrained`` ([bucket] bool) marks the rows whose mask is a
+        structured-output constraint's (not bad words alone): their raw logprobs are taken after it.
         """
         n = len(params)
         if n > bucket:
@@ -169,6 +175,9 @@ class SamplingBatch:
         bias_ids = np.full((bucket, bias_width), -1, np.int32)
         bias_values = np.zeros((bucket, bias_width), np.float32)
         restrict = np.zeros(bucket, bool)
+        constrained = np.zeros(bucket, bool) if constrained is None else np.asarray(constrained, bool)
+        if constrained.shape != (bucket,):
+            raise ValueError(f"constrained must be bool [{bucket}], got shape {constrained.shape}")
         if allowed is None:
             allowed = np.full((bucket, mask_words), -1, np.int32)
         elif allowed.shape[0] % bucket or allowed.dtype != np.int32:
@@ -201,12 +210,12 @@ class SamplingBatch:
         proc_args, proc_on = logits_processors.batch_columns(
             processors, [p.extra_args if p is not None else None for p in params], bucket)
         return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,
-                   bias_ids, bias_values, restrict, allowed, proc_args, proc_on)
+                   bias_ids, bias_values, restrict, allowed, constrained, proc_args, proc_on)
 
 
 class SampleResult(NamedTuple):
     tokens: jax.Array  # [B] i32
-    logprob: jax.Array  # [B] f32 log_softmax(raw logits)[token] (or another `logprobs_mode`'s value)
+    logprob: jax.Array  # [B] f32 log_softmax(raw logits, a constrained row's masked)[token] (or another mode's value)
     top_ids: jax.Array  # [B, n] i32
     top_logprobs: jax.Array  # [B, n] f32
     rank: jax.Array  # [B] i32 tokens whose value (the `logprobs_mode`'s) is at least the sampled token's (vLLM v1's rank)
@@ -373,7 +382,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
     The batch's logit bias applies first, then, when any row has a penalty, the penalties over the
     rows' tokens: ``history()`` -> (ids [B, S], positions [B, S]) (``serve/penalties.py``; only traced
     inside that branch), then the custom logits processors on their rows. Greedy rows take the argmax
-    of the processed logits; logprobs are those of the raw logits unless `logprobs_mode` says otherwise."""
+    of the processed logits; logprobs are those of the raw logits (a constrained row's after its mask)
+    unless `logprobs_mode` says otherwise."""
     check_logprobs_mode(logprobs_mode)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -397,9 +407,11 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
     context = ProcessorContext(batch.steps, batch.prompt_lens, history if history is not None else no_history)
     uses_proc = jnp.any(batch.proc_on) if processors else jnp.bool_(False)
 
-    def process(x):  # only traced into the branch taken when some row has a mask, a bias, a penalty or a processor
-        if batch.allowed.shape[1]:
-            x = lax.cond(guided, apply_bitmask, lambda x, m: x, x, batch.allowed)
+    masked = logits
+    if batch.allowed.shape[1]:  # first: a constrained row's raw logprobs are taken after its mask (vLLM's)
+        masked = lax.cond(guided, apply_bitmask, lambda x, m: x, logits, batch.allowed)
+
+    def process(x):  # only traced into the branch taken when some row has a bias, a penalty or a processor
         if batch.bias_ids.shape[1]:
             x = apply_bias(x, batch.bias_ids, batch.bias_values, batch.restrict)
         if history is not None:
@@ -413,8 +425,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
             x = logits_processors.apply(processors, x, batch.proc_args, batch.proc_on, context)
         return x
 
-    x = lax.cond(guided | jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict) | uses_proc,
-                 process, lambda x: x, logits)
+    x = lax.cond(jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict) | uses_proc,
+                 process, lambda x: x, masked)
     greedy_tokens = first_argmax(x)
     is_greedy = batch.temperature < GREEDY_EPS
     processed = logprobs_mode.startswith("processed")
@@ -432,7 +444,8 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
             lambda: greedy_tokens,
             lambda: _sample_random(x, batch, is_greedy, greedy_tokens)[0],
         )
-        values = logits
+        values = lax.cond(guided & jnp.any(batch.constrained),
+                          lambda: jnp.where(batch.constrained[:, None], masked, logits), lambda: logits)
 
     # log_softmax(x)[t] = x[t] - logsumexp(x): no [B, V] log-softmax is written (the top-n are the top-n logits)
     lse = (jax.nn.logsumexp(values, axis=-1) if logprobs_mode.endswith("_logprobs")

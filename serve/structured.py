@@ -6,10 +6,12 @@ well-kept Rust library: lazy lexer + Earley parser over the token trie, tens of 
 and, before each step that samples a token for the request, writes the set of tokens that keep the
 output a prefix of the language into a bitmask row (`int32[ceil(V / 32)]`, bit `t % 32` of word
 `t // 32` set when token `t` is allowed). The device sets the other logits to -inf
-(`serve/penalties.apply_bitmask`) before greedy or random sampling; logprobs stay those of the raw
-logits. After the step the sampled token advances the request's matcher; when the grammar cannot
-continue (complete and nothing may follow), the request finishes with `finish_reason="stop"`. While
-the grammar is complete but could continue (a number, `[0-9]+`), the stop tokens are allowed too.
+(`serve/penalties.apply_bitmask`) before greedy or random sampling, and before the logprobs too: as in
+vLLM, which masks the logits before its sampler, a constrained request's (raw) logprobs are the model's
+renormalised over the tokens the grammar allows. After the step the sampled token advances the request's
+matcher; when the grammar cannot continue (complete and nothing may follow), the request finishes with
+`finish_reason="stop"`. While the grammar is complete but could continue (a number, `[0-9]+`), the stop
+tokens are allowed too.
 
 `reasoning_end` delays the constraint until the output contains that text's tokens, so a thinking
 model reasons freely and the constraint applies to its answer; `answer_prefix` lets the answer start
@@ -43,6 +45,35 @@ _CACHE_SIZE = 256  # compiled grammars kept per engine (repeated schemas skip va
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 
 
+#: Levels of nested objects and arrays a JSON schema may have: llguidance parses the grammar that holds it with
+#: serde_json's limit of 128 levels, 3 of them its own (deeper, it answered "recursion limit exceeded at line 1
+#: column N"; a Python dict nested past the interpreter's recursion limit raised RecursionError before that).
+MAX_SCHEMA_DEPTH = 124
+
+
+def schema_depth(value: Any, limit: int = MAX_SCHEMA_DEPTH) -> int:
+    """Levels of nested dicts and lists in `value` (0 for a scalar), counted without recursion and at most
+    `limit + 1` (so a schema that contains itself ends too)."""
+    depth, stack = 0, [(value, 1)]
+    while stack:
+        x, d = stack.pop()
+        if isinstance(x, (dict, list, tuple)) and depth <= limit:
+            depth = max(depth, d)
+            stack.extend((y, d + 1) for y in (x.values() if isinstance(x, dict) else x))
+    return min(depth, limit + 1)
+
+
+def check_schema_depth(schema: Any, field_: str = "structured_outputs.json") -> None:
+    """RequestError naming `field_` when `schema` nests deeper than `MAX_SCHEMA_DEPTH`."""
+    if schema_depth(schema) > MAX_SCHEMA_DEPTH:
+        raise _too_deep(field_)
+
+
+def _too_deep(field_: str) -> RequestError:
+    return RequestError(f"{field_}: the schema nests objects and arrays more than {MAX_SCHEMA_DEPTH} levels deep "
+                        f"(or contains itself); flatten it or use $defs and $ref for recursive structures")
+
+
 def mask_words(vocab_size: int) -> int:
     """int32 words in one row of the allowed-token bitmask."""
     return (int(vocab_size) + 31) // 32
@@ -53,8 +84,10 @@ _DATA = ("const", "enum", "default", "examples")
 
 
 def _close_objects(schema: Any) -> Any:
-    """`additionalProperties: false` on every object schema that does not set it (recursively; the maps
-    of named sub-schemas are walked, literal data is left alone)."""
+    """`additionalProperties: false` on every schema that declares `properties` or `patternProperties` and
+    does not set it (recursively: nested objects, array items, $defs; the maps of named sub-schemas are
+    walked, literal data is left alone). vLLM's rule: a schema that declares no properties, such as a
+    free-form `{"type": "object"}` field, stays any object (closing it would admit only `{}`)."""
     if isinstance(schema, list):
         return [_close_objects(s) for s in schema]
     if not isinstance(schema, dict):
@@ -65,7 +98,8 @@ def _close_objects(schema: Any) -> Any:
             out[k] = {name: _close_objects(sub) for name, sub in v.items()}
         else:
             out[k] = v if k in _DATA else _close_objects(v)
-    if (out.get("type") == "object" or "properties" in out) and "additionalProperties" not in out:
+    declares = isinstance(out.get("properties"), dict) or isinstance(out.get("patternProperties"), dict)
+    if declares and "additionalProperties" not in out:
         out["additionalProperties"] = False
     return out
 
@@ -106,8 +140,11 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise RequestError(f"{field_}: not valid JSON: {e}") from None
+            except RecursionError:  # nested past the interpreter's recursion limit
+                raise _too_deep(field_) from None
         if not isinstance(schema, (dict, bool)):
             raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
+        check_schema_depth(schema, field_)
         if params.disable_additional_properties and kind == "json":  # json_object stays any object (vLLM's)
             schema = _close_objects(schema)
         if params.whitespace_pattern is not None and not isinstance(params.whitespace_pattern, str):
@@ -203,6 +240,8 @@ class GrammarCompiler:
             import llguidance  # noqa: F401
         except ImportError:
             raise RequestError("structured_outputs: unavailable on this server (pip install llguidance)") from None
+        if params.kind() == "json" and not isinstance(params.json, str):  # before anything recurses through it
+            check_schema_depth(params.json)
         key = params.key()
         with self._lock:
             hit = self._cache.get(key)

@@ -45,8 +45,9 @@ class StructuredOutputsParams:
     `disable_any_whitespace` forbids whitespace between JSON tokens (compact JSON; default: up to 20
     whitespace characters between two JSON tokens); `whitespace_pattern` (a regex) sets what may stand
     between two JSON tokens instead. `disable_additional_properties` adds
-    `"additionalProperties": false` to every object schema of `json` that does not say otherwise
-    (`json_object` stays any object, as vLLM's).
+    `"additionalProperties": false` to every schema of `json`, nested ones included, that declares
+    `properties` or `patternProperties` and does not say otherwise; one that declares none (a free-form
+    `{"type": "object"}`) and `json_object` stay any object, as vLLM's.
 
     For thinking models (k3jax's addition; vLLM ties this to its reasoning parser): `reasoning_end`
     delays the constraint until the output contains that text (the end of the reasoning block, as the

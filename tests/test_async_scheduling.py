@@ -113,7 +113,7 @@ def test_structured_outputs_and_bad_words_stay_in_flight(engines):
     sync, asyn = engines
     rng = np.random.default_rng(7)
     regex = r"(ab|cd)[0-9]{2,5}-x+"
-    kinds = [dict(structured_outputs=SO(regex=regex)),
+    kinds = [dict(structured_outputs=SO(regex=regex), logprobs=3),  # (logprobs after the mask: `_complete` marks it)
              dict(structured_outputs=SO(choice=["alpha", "beta", "gamma delta"])),
              dict(structured_outputs=SO(json={"type": "object", "properties": {"n": {"type": "integer"}},
                                               "required": ["n"]}, disable_any_whitespace=True)),

@@ -582,7 +582,7 @@ def test_channel_names_deferred_samples_and_never_sends_the_carry():
     want = jax.tree.leaves(dataclasses.replace(batch, carry=None))
     assert len(want) == len(jax.tree.leaves(got)) == len(jax.tree.leaves(batch)) - 1
     assert all(np.array_equal(a, b) for a, b in zip(want, jax.tree.leaves(got)))
-    assert sent == sum(a.nbytes for a in want) - rows * (1 * 4 + 5 * 8 + 1)  # the extras are padding: not sent
+    assert sent == sum(a.nbytes for a in want) - rows * (1 * 4 + 5 * 8 + 1 + 1)  # the extras are padding: not sent
 
     allowed = np.full((rows, 1), -1, np.int32)
     allowed[1] = [6]
@@ -613,7 +613,7 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them():
     plain = SamplingBatch.from_params([SamplingParams(temperature=0.5, seed=1)], [1], [2], rows, None, None, 5,
                                       None, words)
     extras = SamplingBatch.from_params([SamplingParams(logit_bias={3: 2.0})], [0], [0], rows, None, None, 5,
-                                       allowed, words)
+                                       allowed, words, constrained=np.arange(rows) == 1)
     sizes = []
     for batch in (plain, extras, plain):
         sizes.append(run(leader, batch))
@@ -621,7 +621,7 @@ def test_channel_sends_the_sampling_extras_only_when_a_row_uses_them():
         for a, b in zip(jax.tree.leaves(batch), jax.tree.leaves(got)):
             assert np.array_equal(np.asarray(a), np.asarray(b))
     assert sizes[0] == sizes[2] < sizes[1]
-    assert sizes[1] - sizes[0] == rows * (words * 4 + 5 * 8 + 1)  # mask + bias ids/values + restrict
+    assert sizes[1] - sizes[0] == rows * (words * 4 + 5 * 8 + 1 + 1)  # mask + bias ids/values + restrict + constrained
 
 
 class _FakeStore:

@@ -299,6 +299,39 @@ def test_logprobs_are_raw_log_softmax(sample_fn):
     assert out.rank[0] == 1 and out.rank.dtype == np.int32 and want.max() > 1
 
 
+def test_a_constrained_rows_raw_logprobs_are_taken_after_its_mask(sample_fn):
+    """vLLM applies the grammar bitmask to the logits before its sampler: a row under a structured-output
+    constraint (`constrained`) gets log_softmax of its masked logits (the disallowed tokens -inf, never in
+    its top-n before the allowed ones); a row masked by bad words alone keeps the raw ones; tokens unchanged."""
+    from serve.penalties import apply_bitmask
+    from serve.structured import mask_words
+
+    logits = _random_logits(3, vocab=VB, seed=9)
+    w = mask_words(VB)
+    allowed = np.full((64, w), -1, np.int32)
+    rng = np.random.default_rng(3)
+    for r in (0, 1, 2):
+        allowed[r] = rng.integers(-2 ** 31, 2 ** 31, w, dtype=np.int64).astype(np.int32)  # about half allowed
+    params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0), SamplingParams(temperature=0.0)]
+    constrained = np.zeros(64, bool)
+    constrained[:2] = True  # row 2: a bad-words mask (vLLM bans bad words after its raw logprobs)
+    pad = np.concatenate([logits, np.zeros((61, VB), np.float32)])
+    batch = SamplingBatch.from_params(params, [0, 1, 2], [0, 0, 0], 64, allowed=allowed, constrained=constrained)
+    out = SampleResult(*(a[:3] for a in jax.device_get(sample_fn(jnp.asarray(pad), batch, num_top_logprobs=4))))
+    masked = np.asarray(apply_bitmask(jnp.asarray(logits), jnp.asarray(allowed[:3])))
+    bits = np.isfinite(masked)
+    assert bits[np.arange(3), out.tokens].all()  # the sampled tokens satisfy the mask
+    for r, ref_x in ((0, masked[0]), (1, masked[1]), (2, logits[2])):
+        ref = np.asarray(jax.nn.log_softmax(jnp.asarray(ref_x)))
+        assert out.logprob[r] == pytest.approx(ref[out.tokens[r]], abs=1e-5)
+        np.testing.assert_allclose(out.top_logprobs[r], np.sort(ref)[::-1][:4], rtol=1e-5, atol=1e-5)
+        assert out.rank[r] == (ref >= ref[out.tokens[r]]).sum()
+    assert bits[0, out.top_ids[0]].all() and bits[1, out.top_ids[1]].all() and not bits[2, out.top_ids[2]].all()
+    plain = SamplingBatch.from_params(params, [0, 1, 2], [0, 0, 0], 64, allowed=allowed)
+    again = jax.device_get(sample_fn(jnp.asarray(pad), plain, num_top_logprobs=4))
+    np.testing.assert_array_equal(again.tokens[:3], out.tokens)
+
+
 def _processed_reference(logits, params):
     """The values each row samples from, by the definition (numpy, a sort for top-k / top-p): a greedy row's
     logits plus its bias; a sampled row's biased logits / temperature with tokens below min-p, then outside

@@ -442,6 +442,42 @@ def test_structured_outputs_greedy_match_a_masked_reference_and_sampled_rows_sta
     assert e.stats()["compiles_after_warmup"] == 0 and e.counters["structured_output_errors"] == 0
     with pytest.raises(RequestError, match=r"structured_outputs\.regex"):
         llm.generate([PROMPT], SP(structured_outputs=SO(regex="(")))
+    deep = {"type": "integer"}
+    for _ in range(3000):  # past Python's recursion limit: a clear error, not a RecursionError
+        deep = {"type": "array", "items": deep}
+    with pytest.raises(RequestError, match=r"structured_outputs\.json: the schema nests"):
+        llm.generate([PROMPT], SP(structured_outputs=SO(json=deep)))
+
+
+def test_a_constrained_requests_logprobs_are_the_models_renormalised_over_what_the_grammar_allows(
+        llm, forward_logits):
+    """vLLM applies the grammar bitmask to the logits before its sampler, so its (default, raw) logprobs of a
+    structured-output request are the model's log-softmax over the allowed tokens: each sampled token's and
+    its alternatives', all allowed by the grammar at that point; the tokens are the masked reference's."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from serve.structured import mask_words
+    from serve.types import StructuredOutputsParams as SO
+
+    so = SO(regex=r"[a-f]{2}-[0-9]{2}")
+    got = llm.generate([PROMPT], SP(temperature=0, max_tokens=12, logprobs=3, structured_outputs=so))[0]
+    assert got.token_ids == _guided_reference(llm, forward_logits, PROMPT, so, 12) and got.finish_reason == "stop"
+    guide = llm.engine.grammars.guide(so)
+    row = np.zeros((1, mask_words(llm.engine.cfg.vocab_size)), np.int32)
+    cum = 0.0
+    for i, pos in enumerate(got.outputs[0].logprobs):
+        guide.fill(row[0])
+        x = forward_logits(PROMPT + got.token_ids[:i])[-1:].astype(np.float64).copy()
+        apply_token_bitmask_inplace(x, row)
+        want = x[0] - x[0].max() - np.log(np.sum(np.exp(x[0] - x[0].max())))
+        tok = got.token_ids[i]
+        assert pos.chosen.logprob == pytest.approx(want[tok], abs=1e-4) and pos.chosen.rank == 1
+        finite = [t for t in pos.top if np.isfinite(t.logprob)]
+        assert all(np.isfinite(want[t.token_id]) for t in finite) and finite[0].token_id == tok
+        np.testing.assert_allclose([t.logprob for t in finite], np.sort(want)[::-1][:len(finite)], atol=1e-4)
+        cum += want[tok]
+        assert guide.advance(tok)
+    assert got.outputs[0].cumulative_logprob == pytest.approx(cum, abs=1e-3)
 
 
 def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_batch(llm, monkeypatch):

@@ -370,8 +370,8 @@ def test_structured_outputs_draft_within_their_grammar(engine, monkeypatch):
     regex = r"([a-f]{2}-){2,6}[0-9]{2}"
     schema = {"type": "object", "properties": {"id": {"type": "integer"}, "tag": {"enum": ["ab", "cd", "ef"]}},
               "required": ["id", "tag"]}
-    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex=regex)),
-              SamplingParams(temperature=0.9, seed=3, max_tokens=30, structured_outputs=SO(regex=regex)),
+    params = [SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(regex=regex), logprobs=3),
+              SamplingParams(temperature=0.9, seed=3, max_tokens=30, structured_outputs=SO(regex=regex), logprobs=3),
               SamplingParams(temperature=0.0, max_tokens=30, structured_outputs=SO(json=schema, disable_any_whitespace=True)),
               SamplingParams(temperature=0.0, max_tokens=30)]
     prompts = [[int(x) for x in np.random.default_rng(i).integers(3, 200, size=20)] for i in range(4)]
@@ -393,6 +393,10 @@ def test_structured_outputs_draft_within_their_grammar(engine, monkeypatch):
         monkeypatch.setattr(engine, "_propose", lambda s, k, m=mode: propose(s, k, m))
         outs = _run(engine, prompts, params)
         assert [o.token_ids for o in outs] == [o.token_ids for o in plain], mode
+        for o, q in zip(outs[:2], plain[:2]):  # a verify position's logprobs are taken after its own mask too
+            for x, y in zip(o.logprobs, q.logprobs):
+                assert [t.token_id for t in x.top] == [t.token_id for t in y.top], mode
+                np.testing.assert_allclose([t.logprob for t in x.top], [t.logprob for t in y.top], atol=1e-4)
         d = {k: engine.counters[k] - before[k] for k in before}
         assert d["structured_output_errors"] == 0
         if mode == "oracle":

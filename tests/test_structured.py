@@ -267,18 +267,71 @@ def test_api_constraint_sources():
         _structured(body(guided_regex="a+", guided_whitespace_pattern=" "), thinks=False)
 
 
+def test_schemas_nested_too_deep_are_refused_naming_the_field(compiler):
+    """A schema nested past llguidance's parser (124 levels; its message named a line and column) or past
+    Python's recursion limit (a dict built by the Python API; it raised RecursionError from the cache key) or
+    containing itself: a RequestError naming structured_outputs.json. 124 levels, objects or arrays, compile."""
+    from serve.structured import MAX_SCHEMA_DEPTH, schema_depth
+
+    def nested(levels):
+        s = {"type": "integer"}
+        for _ in range(levels - 1):
+            s = {"type": "array", "items": s}
+        return s
+    assert schema_depth(nested(MAX_SCHEMA_DEPTH)) == MAX_SCHEMA_DEPTH and schema_depth(3) == 0
+    compiler.compile(SO(json=nested(MAX_SCHEMA_DEPTH)))
+    obj = {"type": "integer"}
+    for _ in range((MAX_SCHEMA_DEPTH - 1) // 2):  # two levels each: the schema and its properties map
+        obj = {"type": "object", "properties": {"a": obj}, "required": ["a"]}
+    compiler.compile(SO(json=obj, answer_prefix="x"))
+    looped = {"type": "object", "properties": {}}
+    looped["properties"]["self"] = looped
+    for schema in (nested(MAX_SCHEMA_DEPTH + 1), nested(5000), json.dumps(nested(MAX_SCHEMA_DEPTH + 1)),
+                   "[" * 100000 + "]" * 100000, looped):
+        for flag in (False, True):
+            with pytest.raises(RequestError, match=r"structured_outputs\.json: the schema nests .* more than 124"):
+                compiler.guide(SO(json=schema, disable_additional_properties=flag))
+
+
 def test_closing_objects_walks_schemas_not_data():
     from serve.structured import _close_objects
 
     schema = {"type": "object", "properties": {"properties": {"type": "object", "properties": {"x": {}}},
-                                               "cfg": {"const": {"properties": 1}}},
-              "$defs": {"node": {"type": "object"}}, "additionalProperties": True}
+                                               "cfg": {"const": {"properties": 1}},
+                                               "rows": {"type": "array", "items": {"properties": {"y": {}}}}},
+              "$defs": {"node": {"type": "object", "properties": {"k": {}}}, "free": {"type": "object"},
+                        "keyed": {"patternProperties": {"^a": {}}}},
+              "additionalProperties": True}
     out = _close_objects(schema)
     assert out["additionalProperties"] is True  # kept as given
     assert out["properties"]["properties"]["additionalProperties"] is False
     assert "additionalProperties" not in out["properties"]  # a map of names, not a schema
     assert out["properties"]["cfg"]["const"] == {"properties": 1}  # data
+    assert out["properties"]["rows"]["items"]["additionalProperties"] is False
     assert out["$defs"]["node"]["additionalProperties"] is False
+    assert out["$defs"]["keyed"]["additionalProperties"] is False
+    # vLLM's rule: a schema that declares no properties stays any object (closed, it admitted {} alone)
+    assert "additionalProperties" not in out["$defs"]["free"]
+
+
+def test_closed_objects_keep_free_form_object_fields_open(compiler):
+    """disable_additional_properties (vLLM's): declared objects, nested ones included, take no other key; a
+    free-form `{"type": "object"}` field takes any object, as without the flag."""
+    schema = {"type": "object", "properties": {"meta": {"type": "object"},
+                                               "pos": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+              "required": ["meta", "pos"]}
+    row = np.zeros(mask_words(V), np.int32)
+
+    def accepts(text):
+        g = compiler.guide(SO(json=schema, disable_any_whitespace=True, disable_additional_properties=True))
+        for tok in TOK.encode(text):
+            g.fill(row)
+            if tok not in _allowed(row) or not g.advance(tok):
+                return False
+        return g.done or (g.fill(row), STOPS[0] in _allowed(row))[1]
+    assert accepts('{"meta":{"k":[1,2],"z":null},"pos":{"x":3}}')
+    assert not accepts('{"meta":{},"pos":{"x":3,"y":4}}')
+    assert not accepts('{"meta":{},"pos":{"x":3},"extra":1}')
 
 
 def test_fill_masks_in_parallel_equals_one_by_one(compiler):
