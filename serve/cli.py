@@ -36,7 +36,7 @@ DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     long_prefill_chunk=0, max_num_batched_tokens=None,
-    context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=5, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
+    context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=20, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=None, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
@@ -130,7 +130,7 @@ def add_serve_arguments(s, server: bool = True) -> None:
                    help="vLLM's: the fraction of each device's memory for weights, step temporaries and cache; the "
                         "arena gets what the weights and the largest steps leave, in place of --cache-mb (GPU, TPU)")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"],
-                   help="most top logprobs a request may ask for (vLLM's; default 5; beam search needs 2 x its width)")
+                   help="most top logprobs a request may ask for (vLLM's; default 20; beam search needs 2 x its width)")
     e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d["logprobs_mode"],
                    help="vLLM's: what logprobs hold: the model's log-softmax or logits (raw_*), or those the token was "
                         "drawn from after bias, penalties, temperature, top-k/top-p/min-p (processed_*)")

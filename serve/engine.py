@@ -202,7 +202,7 @@ class EngineConfig:
     decode_buckets: Optional[tuple[int, ...]] = None  # default: powers of 4 up to max_num_seqs
     prefill_buckets: Optional[tuple[int, ...]] = None  # default: (1, max_prefill_seqs)
     context_buckets: Optional[tuple[int, ...]] = None  # MLA pages per layer; default: powers of 4
-    max_logprobs: int = 5
+    max_logprobs: int = 20  # vLLM's default (top-n computed only in steps where some row asks)
     # What logprobs (sampled, top-n and prompt) hold (vLLM's --logprobs-mode; serve/sampling.py): "raw_logprobs"
     # (log_softmax of the model's logits), "raw_logits", "processed_logprobs" (log of the distribution the token
     # was drawn from: after bias, penalties, processors, temperature, top-k/top-p/min-p; what RL importance ratios

@@ -32,7 +32,9 @@ Semantics (vLLM's):
   (``processed_logits``: after the mask, bias, penalties and processors, then, for a sampled row,
   temperature, min-p, top-k and top-p, a filtered token at -inf) or their ``log_softmax``
   (``processed_logprobs``: the log of the exact distribution sampled; a greedy row's is that of its
-  processed logits, whose argmax it took). The top-n are the n largest of the same values.
+  processed logits, whose argmax it took). The top-n are the n largest of the same values, computed only
+  when some row of the batch asks for them (``SamplingBatch.num_top``; zeros otherwise): a top-n over a
+  163,840-token vocabulary costs as much as the rest of sampling, and most requests ask for none.
 
 Before any of that, ``serve/penalties.py`` masks a structured-output row's disallowed tokens (its
 bitmask, ``serve/structured.py``), adds the row's logit bias (``logit_bias`` and the engine's
@@ -121,6 +123,7 @@ class SamplingBatch:
     restrict: jax.Array  # [B] bool only the row's bias_ids may be sampled (allowed_token_ids)
     allowed: jax.Array  # [B, W] i32 bitmask of the tokens a structured-output row may take (-1: all)
     constrained: jax.Array  # [B] bool the row's mask is an active constraint's: its raw logprobs see it
+    num_top: jax.Array  # [B] i32 top logprobs the row returns (0: none; the top-n is skipped when no row asks)
     proc_args: jax.Array  # [B, A] f32 the custom logits processors' arguments (serve/logits_processors.py)
     proc_on: jax.Array  # [B, P] bool which processors process the row
 
@@ -175,6 +178,7 @@ class SamplingBatch:
         bias_ids = np.full((bucket, bias_width), -1, np.int32)
         bias_values = np.zeros((bucket, bias_width), np.float32)
         restrict = np.zeros(bucket, bool)
+        num_top = np.zeros(bucket, np.int32)
         constrained = np.zeros(bucket, bool) if constrained is None else np.asarray(constrained, bool)
         if constrained.shape != (bucket,):
             raise ValueError(f"constrained must be bool [{bucket}], got shape {constrained.shape}")
@@ -201,6 +205,7 @@ class SamplingBatch:
                 bias_values[i, :len(bias)] = list(bias.values())
             if p is not None:
                 presence[i], frequency[i], repetition[i] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+                num_top[i] = p.logprobs or 0
             if p is None or p.temperature == 0:
                 continue  # greedy: the defaults above
             temperature[i] = min(max(p.temperature, MIN_TEMPERATURE), MAX_TEMPERATURE)
@@ -210,7 +215,7 @@ class SamplingBatch:
         proc_args, proc_on = logits_processors.batch_columns(
             processors, [p.extra_args if p is not None else None for p in params], bucket)
         return cls(temperature, top_k, top_p, min_p, seed_data, step, presence, frequency, repetition, plen,
-                   bias_ids, bias_values, restrict, allowed, constrained, proc_args, proc_on)
+                   bias_ids, bias_values, restrict, allowed, constrained, num_top, proc_args, proc_on)
 
 
 class SampleResult(NamedTuple):
@@ -453,10 +458,13 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
     chosen = jnp.take_along_axis(values, tokens[:, None], axis=-1)[:, 0]  # [B]
     logprob = chosen - lse
     rank = _rank(values, chosen[:, None])
-    if n > 0:
-        top_values, top_ids = lax.top_k(values, n)
-        top_logprobs = top_values - lse[:, None]
-        top_ids = top_ids.astype(jnp.int32)
+    if n > 0:  # (a top-n over the vocabulary costs as much as the rest of sampling: only when some row asks)
+        def top(values):
+            top_values, top_ids = lax.top_k(values, n)
+            return top_values - lse[:, None], top_ids.astype(jnp.int32)
+        top_logprobs, top_ids = lax.cond(jnp.any(batch.num_top > 0), top,
+                                         lambda v: (jnp.zeros((b, n), jnp.float32), jnp.zeros((b, n), jnp.int32)),
+                                         values)
     else:
         top_logprobs = jnp.zeros((b, 0), jnp.float32)
         top_ids = jnp.zeros((b, 0), jnp.int32)

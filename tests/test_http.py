@@ -265,7 +265,7 @@ def test_completion_echo_logprobs_score_the_prompt(http):
     assert sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in streamed) == len(prompt)
     r = http.post("/v1/completions", json={**body, "echo": False})
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens"
-    err = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, prompt_logprobs=9)).json()["error"]
+    err = http.post("/v1/completions", json=dict(model=MODEL, prompt=prompt, prompt_logprobs=21)).json()["error"]
     assert err["param"] == "prompt_logprobs"
     chat = http.post("/v1/chat/completions", json=dict(model=MODEL, messages=[{"role": "user", "content": "hi"}],
                                                        max_tokens=3, prompt_logprobs=0, allowed_token_ids=[65, 66],
