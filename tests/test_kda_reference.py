@@ -173,6 +173,19 @@ def test_fused_recurrent_matches(varlen_case, naive_jit):
     assert rel_err(o, c["o"]) <= TOL and rel_err(s, c["final"]) <= TOL
 
 
+@pytest.mark.parametrize("op", ["chunk", "recurrent"])
+def test_varlen_tokens_past_the_last_sequence_are_padding(varlen_case, op):
+    """A packed batch padded past cu_seqlens[-1] (a static token bucket): the padding gives zero output and
+    touches no state, in both forms (the recurrent reference had run it on from the last sequence's state)."""
+    c = varlen_case
+    pad = 7
+    x = [jnp.concatenate([a, a[:, :pad]], axis=1) for a in c["inputs"]]
+    fn = chunk_kda if op == "chunk" else fused_recurrent_kda
+    o, s = fn(*x, initial_state=c["init"], output_final_state=True, cu_seqlens=c["cu"], backend=REF)
+    assert rel_err(o[:, :-pad], c["o"]) <= TOL and rel_err(s, c["final"]) <= TOL
+    assert float(jnp.abs(o[:, -pad:]).max()) == 0.0
+
+
 def test_pool_decode_matches_and_leaves_other_slots():
     Bd, S = 4, 7
     pool = make_state(71, S, H, K, V)
@@ -213,6 +226,59 @@ def test_pool_decode_cpu_row_loop_matches_the_reference(t):
     hlo = f.lower(q, k, v, g, beta, pool, slot_ids).compile().as_text()
     pool_shape = f"f32[{S},{H},{K},{V}]"
     assert not [l for l in hlo.splitlines() if " copy(" in l and l.split("=", 1)[1].strip().startswith(pool_shape)]
+
+
+@pytest.mark.parametrize("backend", [REF, "auto"])
+def test_pool_decode_ids_outside_the_pool_are_padding(backend):
+    """A slot id past the pool, or a very negative one, is a padding row like -1: output zero, no slot
+    written (an id >= S had been clamped onto the last slot, overwriting another sequence's state), and
+    the rows after it still run (an id below -2**30 had shortened the CPU row loop, dropping the last row)."""
+    Bd, S = 5, 9
+    pool = make_state(75, S, H, K, V)
+    slot_ids = jnp.asarray([-2 ** 31, 4, S, S + 3, 1], jnp.int32)
+    q, k, v, g, beta = make_inputs(76, Bd, 2, H, K, V, gate="k3")
+    o, p = fused_recurrent_kda_pool(q, k, v, g, beta, pool, slot_ids, backend=backend)
+    for b, sid in ((1, 4), (4, 1)):
+        o_ref, s_ref = naive_recurrent_kda(*(x[b:b + 1] for x in (q, k, v, g, beta)),
+                                           initial_state=pool[sid:sid + 1])
+        assert rel_err(o[b:b + 1], o_ref) <= TOL and rel_err(p[sid], s_ref[0]) <= TOL
+    for b in (0, 2, 3):
+        assert float(jnp.abs(o[b]).max()) == 0.0
+    for sid in (0, 2, 3, 5, 6, 7, 8):
+        np.testing.assert_array_equal(np.asarray(p[sid]), np.asarray(pool[sid]))
+
+
+def _bad_kda_call(case):
+    """(op, args, kwargs, the argument the error must name) of a malformed call."""
+    x = q, k, v, g, beta = make_inputs(77, B, 5, H, K, V)
+    pool, s0 = make_state(78, 3, H, K, V), make_state(79, B, H, K, V)
+    one, cu = tuple(a[:1] for a in x), jnp.asarray([0, 1, 2, 5], jnp.int32)  # 3 sequences, B = 2 states
+    return {
+        "g without K": (chunk_kda, (q, k, v, g[..., 0], beta), {}, "g"),
+        "k of another K": (chunk_kda, (q, k[..., :8], v, g, beta), {}, "k"),
+        "v of another T": (chunk_kda, (q, k, v[:, :3], g, beta), {}, "v"),
+        "beta [B,T,H,1]": (fused_recurrent_kda, (q, k, v, g, beta[..., None]), {}, "beta"),
+        "state of another N": (chunk_kda, x, dict(initial_state=s0[:1]), "initial_state"),
+        "state [N,H,V,K]": (fused_recurrent_kda, x, dict(initial_state=jnp.swapaxes(s0, -1, -2)), "initial_state"),
+        "state vs cu_seqlens": (chunk_kda, one, dict(initial_state=s0, cu_seqlens=cu), "initial_state"),
+        "float cu_seqlens": (chunk_kda, one, dict(cu_seqlens=cu.astype(jnp.float32)), "cu_seqlens"),
+        "chunk_size 0": (chunk_kda, x, dict(chunk_size=0), "chunk_size"),
+        "slot_ids too short": (fused_recurrent_kda_pool, x + (pool, jnp.asarray([0], jnp.int32)), {}, "slot_ids"),
+        "pool [H,K,V]": (fused_recurrent_kda_pool, x + (pool[0], jnp.asarray([0, 1], jnp.int32)), {}, "state_pool"),
+    }[case]
+
+
+@pytest.mark.parametrize("backend", [REF, "interpret", "auto"])
+@pytest.mark.parametrize("case", ["g without K", "k of another K", "v of another T", "beta [B,T,H,1]",
+                                  "state of another N", "state [N,H,V,K]", "state vs cu_seqlens",
+                                  "float cu_seqlens", "chunk_size 0", "slot_ids too short", "pool [H,K,V]"])
+def test_malformed_arguments_raise_naming_the_argument(case, backend):
+    """Wrong shapes / dtypes raise a ValueError or TypeError naming the argument before anything is
+    traced; several (a state of the wrong N or transposed, v shorter than q, a short slot_ids) had run
+    and returned garbage silently, the others failed deep inside XLA or Pallas."""
+    op, args, kw, arg = _bad_kda_call(case)
+    with pytest.raises((ValueError, TypeError), match=rf"^{arg}\b"):
+        op(*args, backend=backend, **kw)
 
 
 @pytest.mark.parametrize("gate", ["k3", "kimi"])

@@ -120,6 +120,17 @@ def test_stale_entries_do_not_matter(data):
     np.testing.assert_array_equal(np.asarray(paged_mla_decode_reference(**a, scale=SCALE)), data["ref"])
 
 
+@pytest.mark.parametrize("backend", ["reference", "interpret"])
+@pytest.mark.parametrize("name", ["page_table", "seq_lens"])
+def test_index_arguments_must_be_integers(data, backend, name):
+    """A float page table or length vector raises naming it (both forms had truncated it to ints silently:
+    page 1.7 read as page 1)."""
+    a = dict(data["args"])
+    a[name] = a[name].astype(jnp.float32) + 0.7
+    with pytest.raises(TypeError, match=f"^{name} must be an integer array"):
+        paged_mla_decode(**a, scale=SCALE, backend=backend)
+
+
 def test_ops_dispatch_and_bf16(data, monkeypatch):
     monkeypatch.delenv("K3JAX_KERNELS", raising=False)
     out = paged_mla_decode(**data["args"], scale=SCALE, backend="reference")

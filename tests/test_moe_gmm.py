@@ -110,6 +110,10 @@ def test_bf16_and_default_tiling():
     assert_close(out, ref, rtol=1e-2)
     out16 = gmm_pallas(x, w, gs, interpret=True, preferred_element_type=jnp.bfloat16)
     assert out16.dtype == jnp.bfloat16
+    for backend in ("auto", "reference", "interpret"):  # None: lhs's dtype on every path (the kernel had raised)
+        outn = gmm(x, w, gs, backend=backend, preferred_element_type=None)
+        assert outn.dtype == jnp.bfloat16
+        assert_close(outn.astype(jnp.float32), out16.astype(jnp.float32), rtol=1e-2)
 
 
 def test_ops_dispatch(data, monkeypatch):

@@ -8,10 +8,12 @@ env switch is honoured per call; every other non-array argument is static under 
 ``backend``, ``interpret``).
 
 Shapes: ``q, k [B,T,H,K]``, ``v [B,T,H,V]``, ``g [B,T,H,K]`` (fp32 log-decay <= 0),
-``beta [B,T,H]``, states ``[N,H,K,V]`` fp32. ``q``/``k`` must be L2-normalised by the
-caller; ``scale`` (default ``K**-0.5``) multiplies ``q`` inside the op. ``state_dtype`` (None:
-fp32 carried exactly) rounds the state to the dtype a cache stores it in, after every chunk of
-the chunked op and every token of the recurrent one (see :mod:`pallas_kernels.kda.reference`).
+``beta [B,T,H]``, states ``[N,H,K,V]`` fp32; checked up front (``reference.check_kda_args``:
+an error naming the argument, not an XLA or Pallas shape error). ``q``/``k`` must be
+L2-normalised by the caller; ``scale`` (default ``K**-0.5``) multiplies ``q`` inside the op.
+``state_dtype`` (None: fp32 carried exactly) rounds the state to the dtype a cache stores it in,
+after every chunk of the chunked op and every token of the recurrent one (see
+:mod:`pallas_kernels.kda.reference`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ def chunk_kda(q, k, v, g, beta, scale=None, initial_state=None, output_final_sta
     chunks aligned to each sequence's own start (see
     :func:`pallas_kernels.kda.reference.varlen_chunk_offsets`).
     """
+    cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    ref.check_kda_args(q, k, v, g, beta, initial_state, cu_seqlens, chunk_size=chunk_size)
     b, interp = _resolve(backend, interpret)
     return _chunk_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
                       output_final_state=bool(output_final_state),
@@ -112,6 +116,8 @@ def fused_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None,
                         interpret=False, state_dtype=None):
     """Recurrent KDA (decode / short T). Returns ``(o, final_state | None)``; the state is rounded
     to ``state_dtype`` after every token."""
+    cu_seqlens = None if cu_seqlens is None else jnp.asarray(cu_seqlens)
+    ref.check_kda_args(q, k, v, g, beta, initial_state, cu_seqlens)
     b, interp = _resolve(backend, interpret)
     return _fused_recurrent_kda(q, k, v, g, beta, initial_state, cu_seqlens, scale=scale,
                                 output_final_state=bool(output_final_state),
@@ -138,12 +144,14 @@ def fused_recurrent_kda_pool(q, k, v, g, beta, state_pool, slot_ids, scale=None,
 
     ``q,k,g [B,T,H,K]`` (T is usually 1), ``v [B,T,H,V]``, ``beta [B,T,H]``. Returns
     ``(o [B,T,H,V], new_pool)``. Row ``b`` reads and writes ``state_pool[slot_ids[b]]``;
-    rows with ``slot_ids[b] < 0`` are padding (skipped: nothing written, output zero); slots
-    not named are untouched. Duplicate non-negative ids in one call are undefined. To update
-    the pool in place, donate it in the enclosing jit (the Pallas kernel aliases it to its
-    output via ``input_output_aliases``; on CPU ``"auto"`` runs the row loop of
-    :mod:`pallas_kernels.kda.pool_cpu`, which updates the donated pool in place).
+    rows with ``slot_ids[b]`` outside ``[0, S)`` (``-1`` by convention) are padding (skipped:
+    nothing written, output zero); slots not named are untouched. Duplicate valid ids in one
+    call are undefined. To update the pool in place, donate it in the enclosing jit (the Pallas
+    kernel aliases it to its output via ``input_output_aliases``; on CPU ``"auto"`` runs the row
+    loop of :mod:`pallas_kernels.kda.pool_cpu`, which updates the donated pool in place).
     """
+    slot_ids = jnp.asarray(slot_ids)
+    ref.check_kda_args(q, k, v, g, beta, state_pool=state_pool, slot_ids=slot_ids)
     b, interp = _resolve(backend, interpret)
     if b == "reference" and backend == "auto" and not os.environ.get(ENV_VAR, "").strip():
         b = "cpu"  # auto on CPU: the in-place row loop (pool_cpu.py), same results as the reference

@@ -1067,16 +1067,16 @@ def fused_recurrent_kda_pool_pallas(q, k, v, g, beta, state_pool, slot_ids, scal
                                     interpret=False, block_t=8, block_v=None, variant=None,
                                     num_warps=None):
     """Pallas pooled decode. ``state_pool`` [S,H,K,V] fp32 is aliased to the new pool
-    (donate it in the enclosing jit for a true in-place update). Rows with ``slot_ids < 0``
-    are skipped (nothing written, output zero). ``block_v`` / ``num_warps`` (GPU variant): the
-    state tile [K, block_v] each program carries and the warps it is spread over."""
+    (donate it in the enclosing jit for a true in-place update). Rows whose ``slot_ids`` fall
+    outside ``[0, S)`` are skipped (nothing written, output zero). ``block_v`` / ``num_warps`` (GPU
+    variant): the state tile [K, block_v] each program carries and the warps it is spread over."""
     B, T, H, K = q.shape
     scale = float(K) ** -0.5 if scale is None else scale
     C = fit_block_t(block_t, T, variant)
     tm = _token_major(variant, "fused")
     xs, rows, NCb = _prep_dense(q, k, v, g, beta, scale, C, tm)
     slot_ids = slot_ids.astype(jnp.int32)
-    valid = slot_ids >= 0
+    valid = ref.pool_rows(slot_ids, state_pool.shape[0])
     rows = (rows[0], rows[1], jnp.where(valid, slot_ids, 0), valid.astype(jnp.int32))
     res = _scan("recurrent", *xs, state_pool.astype(_F32), rows, C=C, block_v=block_v,
                 chunk_states=False, interpret=interpret, variant=variant, num_warps=num_warps,

@@ -6,7 +6,7 @@ tens of rows (measured 8 % of the memory roofline at B >= 32 on the 2-core host)
 the rows reads one state, runs its tokens, and writes it back with a dynamic-update-slice, which
 XLA performs in place on the loop-carried pool (donate it in the enclosing jit), so each state
 crosses memory once each way while it sits in cache. Each row's arithmetic is the same whatever
-the batch; padding rows (slot < 0) write their own state back unchanged.
+the batch; padding rows (slot outside ``[0, S)``) write the clamped slot they read back unchanged.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.reference import kda_token_step
+from pallas_kernels.kda.reference import kda_token_step, pool_rows
 
 __all__ = ["fused_recurrent_kda_pool_cpu"]
 
@@ -28,6 +28,7 @@ def fused_recurrent_kda_pool_cpu(q, k, v, g, beta, state_pool, slot_ids, scale=N
     def row(i, carry):
         pool, out = carry
         sid = slot_ids[i]
+        real = pool_rows(sid, s_pool)
         slot = jnp.clip(sid, 0, s_pool - 1)
         s0 = jax.lax.dynamic_index_in_dim(pool, slot, keepdims=False)  # [H, K, V]
         xs = [jax.lax.dynamic_index_in_dim(x, i, keepdims=False) for x in (q, k, v, g, beta)]  # [T, H, .]
@@ -37,13 +38,14 @@ def fused_recurrent_kda_pool_cpu(q, k, v, g, beta, state_pool, slot_ids, scale=N
             return s, o
 
         s1, o = jax.lax.scan(token, s0.astype(jnp.float32), xs)  # o [T, H, V]
-        s1 = jnp.where(sid >= 0, s1.astype(pool.dtype), s0)
+        s1 = jnp.where(real, s1.astype(pool.dtype), s0)
         pool = jax.lax.dynamic_update_index_in_dim(pool, s1, slot, 0)
-        o = jnp.where(sid >= 0, o, 0.0).astype(v.dtype)
+        o = jnp.where(real, o, 0.0).astype(v.dtype)
         return pool, jax.lax.dynamic_update_index_in_dim(out, o, i, 0)
 
     out = jnp.zeros((b, t, q.shape[2], v.shape[-1]), v.dtype)
-    # A trip count XLA cannot fold: a constant 1 would inline the body and lose the in-place update.
-    n = b - jnp.sum(slot_ids < -(1 << 30), dtype=jnp.int32)
+    # A trip count XLA cannot fold (a constant 1 would inline the body and lose the in-place update)
+    # that is still b whatever the ids: every row runs, padding ones included.
+    n = jnp.maximum(b - jnp.sum(slot_ids < -(1 << 30), dtype=jnp.int32), b)
     pool, out = jax.lax.fori_loop(0, n, row, (state_pool, out))
     return out, pool

@@ -90,6 +90,54 @@ def _as_f32(*xs):
     return tuple(x.astype(jnp.float32) for x in xs)
 
 
+def _shape_error(name, want, x):
+    return ValueError(f"{name} must be {want}, got shape {tuple(x.shape)}")
+
+
+def check_kda_args(q, k, v, g, beta, initial_state=None, cu_seqlens=None, state_pool=None,
+                   slot_ids=None, chunk_size=None):
+    """Static shape / dtype checks shared by the public KDA ops, naming the argument at fault.
+
+    Without them a mismatch fails deep inside (an XLA broadcast or a Pallas block-shape error) or,
+    for some (a state pool or ``initial_state`` of the wrong length, ``v`` shorter than ``q``),
+    silently returns garbage. ``initial_state`` is ``[N, H, K, V]`` with N = B, or the number of
+    ``cu_seqlens`` sequences; ``state_pool`` is ``[S, H, K, V]`` with ``slot_ids [B]`` integer."""
+    if q.ndim != 4:
+        raise _shape_error("q", "[B, T, H, K]", q)
+    B, T, H, K = q.shape
+    for name, x in (("k", k), ("g", g)):
+        if tuple(x.shape) != (B, T, H, K):
+            raise _shape_error(name, f"[B, T, H, K] = {[B, T, H, K]} like q", x)
+    if v.ndim != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise _shape_error("v", f"[B, T, H, V] with [B, T, H] = {[B, T, H]} like q", v)
+    if tuple(beta.shape) != (B, T, H):
+        raise _shape_error("beta", f"[B, T, H] = {[B, T, H]}", beta)
+    for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise TypeError(f"{name} must be a float array, got {x.dtype}")
+    V = v.shape[3]
+    N = B
+    if cu_seqlens is not None:
+        if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+            raise _shape_error("cu_seqlens", "[N + 1] with N >= 1 sequences", cu_seqlens)
+        if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+            raise TypeError(f"cu_seqlens must be an integer array, got {cu_seqlens.dtype}")
+        if B != 1:
+            raise ValueError(f"cu_seqlens requires B == 1 (packed sequences), got q of shape {tuple(q.shape)}")
+        N = cu_seqlens.shape[0] - 1
+    if initial_state is not None and tuple(initial_state.shape) != (N, H, K, V):
+        raise _shape_error("initial_state", f"[N, H, K, V] = {[N, H, K, V]}", initial_state)
+    if state_pool is not None:
+        if state_pool.ndim != 4 or tuple(state_pool.shape[1:]) != (H, K, V):
+            raise _shape_error("state_pool", f"[S, H, K, V] with [H, K, V] = {[H, K, V]}", state_pool)
+        if tuple(slot_ids.shape) != (B,):
+            raise _shape_error("slot_ids", f"[B] = [{B}]", slot_ids)
+        if not jnp.issubdtype(slot_ids.dtype, jnp.integer):
+            raise TypeError(f"slot_ids must be an integer array, got {slot_ids.dtype}")
+    if chunk_size is not None and (int(chunk_size) != chunk_size or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r} must be an integer >= 1")
+
+
 def naive_recurrent_kda(q, k, v, g, beta, scale=None, initial_state=None, state_dtype=None):
     """Token-by-token ``lax.scan`` KDA. Returns ``(o [B,T,H,V], final_state [B,H,K,V])``; the state
     is rounded to ``state_dtype`` after every token."""
@@ -123,7 +171,8 @@ def _seq_ids(cu_seqlens, T):
 def fused_recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
                                   output_final_state=False, cu_seqlens=None, state_dtype=None):
     """Recurrent KDA (token scan), with optional ``cu_seqlens`` packing (B must be 1); the state is
-    rounded to ``state_dtype`` after every token.
+    rounded to ``state_dtype`` after every token. Tokens past ``cu_seqlens[-1]`` are padding: zero
+    output, no state touched (as in the chunked form and the kernels).
 
     Returns ``(o, final_state)``; ``final_state`` is ``None`` unless ``output_final_state``.
     """
@@ -160,6 +209,7 @@ def fused_recurrent_kda_reference(q, k, v, g, beta, scale=None, initial_state=No
     S0 = jnp.zeros((H, K, V), jnp.float32)
     (_, finals), o = lax.scan(step, (S0, init),
                               (qf, kf, vf, gf, bf, is_first, is_last, safe_seq))
+    o = jnp.where((seq < N)[:, None, None], o, 0.0)   # tokens past cu_seqlens[-1]: padding, zeros
     o = o[None].astype(v.dtype)
     return o, (finals if output_final_state else None)
 
@@ -501,20 +551,27 @@ def chunk_kda_reference(q, k, v, g, beta, scale=None, initial_state=None,
 # ----------------------------------------------------------------------------------------
 # pooled decode
 # ----------------------------------------------------------------------------------------
+def pool_rows(slot_ids, num_slots):
+    """``[B]`` bool: the rows of a pooled decode that name a slot of the pool (``0 <= id < S``); the
+    others are padding. An id past the pool is padding too, not a clamp onto the last slot (that
+    would overwrite another sequence's state, or on a GPU write past the pool)."""
+    return (slot_ids >= 0) & (slot_ids < num_slots)
+
+
 def fused_recurrent_kda_pool_reference(q, k, v, g, beta, state_pool, slot_ids, scale=None):
     """Decode ``T`` (usually 1) tokens for each of ``B`` sequences whose state is
     ``state_pool[slot_ids[b]]``. Returns ``(o [B,T,H,V], new_pool)``.
 
-    Rows with ``slot_ids[b] < 0`` are padding: they read nothing, write nothing, and their
-    output is zero. Slots not named in ``slot_ids`` are untouched. Duplicate non-negative slot
-    ids in one call are undefined behaviour.
+    Rows whose ``slot_ids[b]`` is outside ``[0, S)`` (``-1``: the usual padding id) are padding:
+    they read nothing, write nothing, and their output is zero. Slots not named in ``slot_ids``
+    are untouched. Duplicate valid slot ids in one call are undefined behaviour.
     """
     S_pool = state_pool.shape[0]
     slot_ids = slot_ids.astype(jnp.int32)
-    valid = slot_ids >= 0
+    valid = pool_rows(slot_ids, S_pool)
     S0 = jnp.take(state_pool, jnp.clip(slot_ids, 0, S_pool - 1), axis=0).astype(jnp.float32)
     o, S1 = naive_recurrent_kda(q, k, v, g, beta, scale, S0)
     o = jnp.where(valid[:, None, None, None], o, jnp.zeros_like(o))
-    idx = jnp.where(valid, slot_ids, S_pool)   # out of range -> dropped
+    idx = jnp.where(valid, slot_ids, S_pool)   # padding -> dropped
     new_pool = state_pool.at[idx].set(S1.astype(state_pool.dtype), mode="drop")
     return o, new_pool

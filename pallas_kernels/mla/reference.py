@@ -28,6 +28,9 @@ def check_paged_mla_args(q_latent, q_rope, kv_pages, page_table, seq_lens, kv_fo
         raise ValueError(f"page_table must be [{b}, max_pages], got {page_table.shape}")
     if seq_lens.shape != (b,):
         raise ValueError(f"seq_lens must be [{b}], got {seq_lens.shape}")
+    for name, x in (("page_table", page_table), ("seq_lens", seq_lens)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):  # a float table would be truncated to pages silently
+            raise TypeError(f"{name} must be an integer array, got {x.dtype}")
     return b, h, l, r, num_pages, page_size, page_table.shape[1]
 
 

@@ -446,6 +446,7 @@ def gmm_pallas(
         rhs_args = (w,)
     precision = lax.Precision.HIGHEST if dtype == jnp.float32 else lax.Precision.DEFAULT
     impl = _gmm_triton if variant == "triton" else _gmm_mosaic
+    out_dtype = dtype if preferred_element_type is None else preferred_element_type  # None: lhs's, as ragged_dot
     out = impl(x, rhs_args, group_sizes, quant=quant, group_size=gs, tm=tm, tk=tk, tn=tn,
-               out_dtype=preferred_element_type, precision=precision, interpret=interpret)
+               out_dtype=out_dtype, precision=precision, interpret=interpret)
     return out[:m, :n]
