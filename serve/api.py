@@ -1074,11 +1074,15 @@ class _Format:
         return {**self.head(self.chunk_object), "choices": [], "usage": run.usage()}
 
     def _prompt_field(self, out: RequestOutput) -> Optional[list]:
-        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: logprob, rank, text}."""
+        """vLLM's `prompt_logprobs`: per prompt token None (the first, and any a request aborted mid-prefill never
+        scored) or {token id: logprob, rank, text}."""
         if out.prompt_logprobs is None:
             return None
         rows = [None]
         for pos in out.prompt_logprobs[1:]:
+            if pos is None:
+                rows.append(None)
+                continue
             chosen = pos.chosen
             row = {str(chosen.token_id): {"logprob": _finite_lp(chosen.logprob), "rank": chosen.rank,
                                           "decoded_token": chosen.decoded_token}}
@@ -1156,12 +1160,13 @@ class _CompletionFormat(_Format):
         return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offs}
 
     def _echoed(self, i: int, out: RequestOutput, entries):
-        """The generated entries, preceded by the prompt's when echoing with logprobs."""
+        """The generated entries, preceded by the prompt's when echoing with logprobs (a prompt token without
+        a logprob, the first or one a request aborted mid-prefill never scored: its token, logprob null)."""
         out = self._with_prompt(i, out)
         if not self.echo_texts[i] or out.prompt_logprobs is None or entries is None:
             return entries
-        first = Logprob(out.prompt_token_ids[0], None, self._decode(out.prompt_token_ids[0]))
-        return [(first, None)] + list(out.prompt_logprobs[1:]) + list(entries)
+        return [e if e is not None else (Logprob(t, None, self._decode(t)), None)
+                for t, e in zip(out.prompt_token_ids, out.prompt_logprobs)] + list(entries)
 
     def _decode(self, tid: int) -> str:
         tok = self.st.tokenizer

@@ -51,6 +51,9 @@ class AsyncEngine:
         self.engine = engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        # (engine thread) request id -> the stream its engine request answers: a consumer that left and one reusing
+        # its id (a retry) both map the id in `_streams`, only the second's request may reach the second's stream
+        self._owners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
@@ -88,7 +91,7 @@ class AsyncEngine:
             if request_id in self._streams:  # (replacing its entry would end another stream: refused here)
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             self._streams[request_id] = entry
-            self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt, lora_request))
+            self._commands.put(("add", request_id, prompt, params, done, priority, cache_salt, lora_request, entry))
         self._wake.set()
         finished = False
         try:
@@ -180,6 +183,7 @@ class AsyncEngine:
                 self.engine.abort(rid)
             self.engine._reap()
             self.engine.close()
+            self._owners.clear()
         self._end_waiting("the engine was shut down")
 
     def _end_waiting(self, why: str) -> None:
@@ -239,15 +243,16 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if cmd[0] == "add":
-                _, rid, prompt, params, done, priority, salt, lora = cmd
+                _, rid, prompt, params, done, priority, salt, lora, entry = cmd
                 try:
                     self.engine.add_request(prompt, params, rid, priority=priority, cache_salt=salt, lora_request=lora)
                     err = None
+                    self._owners[rid] = entry
                 except RequestError as e:
                     err = e
                 except Exception as e:  # unexpected validation failure: still the client's request only
                     err = RequestError(str(e))
-                self._resolve(rid, done, err)
+                self._resolve(rid, done, err, entry)
             elif cmd[0] == "abort":
                 req = self.engine.requests.get(cmd[1])
                 if self.engine.abort(cmd[1]) and req is not None:
@@ -262,11 +267,12 @@ class AsyncEngine:
                     result, err = None, e
                 _post(loop, _settle, done, result, err)
 
-    def _resolve(self, rid: str, fut: asyncio.Future, err: Optional[Exception]) -> None:
+    def _resolve(self, rid: str, fut: asyncio.Future, err: Optional[Exception], entry: tuple) -> None:
         with self._lock:
-            entry = self._streams.get(rid)
-        if entry is None:
+            live = self._streams.get(rid) is entry
+        if not live:  # its consumer left before the engine queued it (the id may be another stream's by now)
             if err is None:
+                self._owners.pop(rid, None)
                 self.engine.abort(rid)
                 self.engine._reap()
             return
@@ -274,9 +280,16 @@ class AsyncEngine:
             self._forget(rid, entry)
 
     def _deliver(self, rid: str, item) -> None:
+        """`item` to the stream that request `rid` answers, while its consumer reads (never to a stream reusing
+        the id of a request whose consumer left: a retry under the same id got that request's outputs)."""
+        entry = self._owners.get(rid)
+        if entry is None:
+            return
+        if isinstance(item, BaseException) or item.finished:
+            del self._owners[rid]  # the request's last item
         with self._lock:
-            entry = self._streams.get(rid)
-        if entry is not None and not _post(entry[0], entry[1].put_nowait, item):
+            live = self._streams.get(rid) is entry
+        if live and not _post(entry[0], entry[1].put_nowait, item):
             self._forget(rid, entry)
 
     def _forget(self, rid: str, entry: tuple) -> None:
@@ -284,6 +297,8 @@ class AsyncEngine:
         with self._lock:
             if self._streams.get(rid) is entry:
                 del self._streams[rid]
+        if self._owners.get(rid) is entry:
+            del self._owners[rid]
         self.engine.abort(rid)
         self.engine._reap()
 

@@ -247,13 +247,14 @@ class GenerateFormat(api._Format):
             if self.body.logprob_start_len >= 0 and out.prompt_logprobs is not None:
                 start = min(self.body.logprob_start_len, prompt_len)
                 ids = out.prompt_token_ids
-                rows = [([None, ids[0], self._token(ids[0])], []) if k == 0 else
-                        (self._entry(out.prompt_logprobs[k].chosen),
-                         [self._entry(a) for a in out.prompt_logprobs[k].top])
-                        for k in range(start, prompt_len)]
-                meta["input_token_logprobs"] = [r for r, _ in rows]
+                # (no logprob: the first token, and any a request aborted mid-prefill never scored)
+                scored = [out.prompt_logprobs[k] for k in range(start, prompt_len)]
+                meta["input_token_logprobs"] = [self._entry(e.chosen) if e is not None else
+                                                [None, ids[k], self._token(ids[k])]
+                                                for k, e in zip(range(start, prompt_len), scored)]
                 if self.body.top_logprobs_num:
-                    meta["input_top_logprobs"] = [t if k else None for k, (_, t) in zip(range(start, prompt_len), rows)]
+                    meta["input_top_logprobs"] = [[self._entry(a) for a in e.top] if e is not None else None
+                                                  for e in scored]
         if self.routes_from is not None and o.routed_experts is not None:  # asked (see api._serve), once finished
             meta["routed_experts"] = to_base64(o.routed_experts, self.routes_from)
         if o.hidden_states is not None:  # asked (return_hidden_states), once finished

@@ -842,6 +842,41 @@ def test_async_engine_survives_a_failed_step(model, engine):
     assert aeng.errors == 1 and not engine.requests
 
 
+def test_async_engine_a_retry_under_the_id_of_a_left_request_gets_its_own_outputs(model, engine):
+    """A consumer that leaves (cancelled: a client's time-out) and a retry under the same request id: the retry's
+    stream carries its own request's outputs only (it got the first one's abort output, ended at once, and its
+    own request ran on unread), and nothing stays mapped once both ended."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+    import time
+
+    from serve.async_engine import AsyncEngine
+
+    sp = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    want = run_all(engine, [[6] * 30], sp)[0].token_ids
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        busy = asyncio.ensure_future(aeng.call(lambda e: time.sleep(0.5)))  # what follows queues behind it
+        await asyncio.sleep(0.05)
+        first = asyncio.ensure_future(_collect(aeng.generate([5] * 30, sp, "retried")))
+        await asyncio.sleep(0.05)
+        first.cancel()  # its add is still queued: then its abort, then the retry's add
+        await asyncio.sleep(0.05)
+        outs = await asyncio.wait_for(_collect(aeng.generate([6] * 30, sp, "retried")), 60)
+        await busy
+        return outs
+
+    try:
+        outs = asyncio.run(main())
+    finally:
+        aeng.shutdown()
+    assert all(o.prompt_token_ids == [6] * 30 for o in outs)
+    assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "length" and outs[-1].token_ids == want
+    assert not aeng._owners and not aeng._streams and not engine.requests
+
+
 def test_async_engine_survives_a_failed_abort(model, engine):
     """An abort that fails in the engine thread (bookkeeping between steps) fails the requests in flight, as a
     step's bookkeeping failure does, and the thread serves on: it used to end, hanging every stream."""

@@ -709,6 +709,62 @@ class _TwoSamples(_OneToken):
             yield RequestOutput(request_id, None, list(prompt), outs, finished=k == len(steps) - 1, metrics=m)
 
 
+class _AbortedMidPrefill(_OneToken):
+    """A stand-in AsyncEngine whose request is aborted mid-prefill: its one output ends ("abort", no token) with
+    prompt logprobs for the positions computed so far only (the rest None, as the engine hands them out)."""
+
+    def stats(self):
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+
+        on_accept()
+        scored = TokenLogprobs(Logprob(prompt[1], -0.5, "i", 2), [Logprob(1, -0.25, "", 1)])
+        lps = [None, scored] + [None] * (len(prompt) - 2)
+        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [], "abort", logprobs=[])],
+                            finished=True, prompt_logprobs=lps)
+
+
+def test_prompt_logprobs_of_a_request_aborted_mid_prefill():
+    """A request with prompt logprobs aborted before its prefill scored the whole prompt (/abort_request, a pause)
+    is answered, its unscored positions null (it was a 500: their None entries were read as logprobs), in
+    prompt_logprobs, echo's logprobs (streamed too) and /generate's input_token_logprobs."""
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _AbortedMidPrefill()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    prompt = [104, 105, 33, 63]  # "hi!?"
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            a = await c.post("/v1/completions", json={"prompt": prompt, "prompt_logprobs": 1})
+            b = await c.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1})
+            s = await c.post("/v1/completions", json={"prompt": prompt, "echo": True, "logprobs": 1, "stream": True})
+            g = await c.post("/generate", json={"input_ids": prompt, "return_logprob": True, "logprob_start_len": 0,
+                                                "top_logprobs_num": 1})
+            return a, b, s, g
+
+    a, b, s, g = asyncio.run(go())
+    assert a.status_code == 200, a.text
+    choice = a.json()["choices"][0]
+    assert choice["finish_reason"] == "abort"
+    assert choice["prompt_logprobs"] == [None, {"105": {"logprob": -0.5, "rank": 2, "decoded_token": "i"},
+                                                "1": {"logprob": -0.25, "rank": 1, "decoded_token": ""}}, None, None]
+    assert b.status_code == 200, b.text
+    echoed = b.json()["choices"][0]
+    assert echoed["text"] == "hi!?" and echoed["logprobs"]["tokens"] == ["h", "i", "!", "?"]
+    assert echoed["logprobs"]["token_logprobs"] == [None, -0.5, None, None]
+    chunk = json.loads(s.text.split("\n\n")[0][len("data: "):])
+    assert chunk["choices"][0]["logprobs"]["token_logprobs"] == [None, -0.5, None, None], s.text
+    assert g.status_code == 200, g.text
+    meta = g.json()["meta_info"]
+    assert [e[0] for e in meta["input_token_logprobs"]] == [None, -0.5, None, None]
+    assert meta["input_top_logprobs"] == [None, [[-0.25, 1, None]], None, None]
+    assert [e[1] for e in meta["input_token_logprobs"]] == prompt
+
+
 def _complete_then_scrape(engine, body: dict) -> tuple:
     """POST `body` to /v1/completions of an app over `engine`, then GET /metrics -> (response, metrics text)."""
     from recording_engine import post_then_scrape
