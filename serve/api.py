@@ -398,6 +398,7 @@ class LoadLoRARequest(_Strict):
     """vLLM's /v1/load_lora_adapter body."""
     lora_name: str = Field(min_length=1, max_length=256)
     lora_path: str = Field(min_length=1)
+    load_inplace: bool = Field(False, description="replace the adapter loaded under lora_name (vLLM's)")
 
 
 class SGLangLoadLoRARequest(_Strict):
@@ -755,7 +756,7 @@ class _Run:
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
-                 lora: Optional[str] = None, engine_params: Optional[BeamSearchParams] = None,
+                 lora: Union[None, str, list[Optional[str]]] = None, engine_params: Optional[BeamSearchParams] = None,
                  response_id: Optional[str] = None, key: Optional[str] = None,
                  max_tokens: Optional[list[Optional[int]]] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
@@ -766,8 +767,8 @@ class _Run:
         self.max_tokens = [params.max_tokens] * len(prompts) if max_tokens is None or engine_params else max_tokens
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
-        if lora is not None:
-            self.extra["lora_request"] = lora
+        # each prompt's LoRA adapter (None: the base model): one for all, or SGLang's per-prompt `lora_path` list
+        self.loras = list(lora) if isinstance(lora, list) else [lora] * len(prompts)
         self.ticket, self.arrival = ticket, arrival
         self.nseqs = len(prompts) * params.n
         self.q: asyncio.Queue = asyncio.Queue()
@@ -806,8 +807,9 @@ class _Run:
         params = self.engine_params
         if self.max_tokens[i] != self.params.max_tokens:
             params = dataclasses.replace(params, max_tokens=self.max_tokens[i])
+        extra = self.extra if self.loras[i] is None else {**self.extra, "lora_request": self.loras[i]}
         gen = self.st.engine.generate(ids, params, f"{self.base_id}-{i}", priority=self.priority,
-                                      on_accept=accept, **self.extra)
+                                      on_accept=accept, **extra)
         try:
             async for out in gen:
                 self.q.put_nowait((i, out))
@@ -984,7 +986,7 @@ def _request_line(run: _Run) -> str:
     sampling = (f"n={p.n} max_tokens={p.max_tokens} temperature={p.temperature:g} top_p={p.top_p:g} top_k={p.top_k}"
                 + (f" seed={p.seed}" if p.seed is not None else "")
                 + (" structured" if p.structured_outputs is not None else "")
-                + (f" lora={run.extra['lora_request']}" if "lora_request" in run.extra else ""))
+                + (f" lora={','.join(sorted(set(run.loras) - {None}))}" if any(run.loras) else ""))
     tokens = sum(map(_prompt_len, run.prompts))
     return f"request {run.response_id}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
 
@@ -1702,10 +1704,12 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
             if body.lora_name in st.model_names:
                 raise APIError(400, f"lora_name {body.lora_name!r} is the base model's name", param="lora_name")
             try:  # (room on every data-parallel replica first: each drops its own least recently used adapter)
-                await st.engine.call(lambda e: e._lora_room(body.lora_name, body.lora_path))
-                await st.engine.call(lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path)))
+                await st.engine.call(lambda e: e._lora_room(body.lora_name, body.lora_path, replace=body.load_inplace))
+                await st.engine.call(lambda e: e.add_lora(LoRARequest(body.lora_name, 0, body.lora_path,
+                                                                      load_inplace=body.load_inplace)))
             except LoRAError as e:
-                raise APIError(400, str(e), param=_lora_param(str(e))) from None
+                hint = " (load_inplace: true replaces it)" if "loaded already" in str(e) else ""
+                raise APIError(400, str(e) + hint, param=_lora_param(str(e))) from None
             except EngineSleeping as e:  # (its memory released: /wake_up first)
                 raise APIError(503, str(e), "server_unavailable", code="engine_sleeping") from None
             return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
@@ -2706,8 +2710,9 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
             return Response(status_code=499)
     # checked again after the waits above (an adapter may have been unloaded meanwhile), before admission: a 404
     # raised after it would never release the request's admission
-    lora = st.check_model(getattr(body, "model", None))
-    if lora is not None:
+    each = getattr(body, "model_of_each", None)  # (SGLang's per-prompt `lora_path` list)
+    lora = [st.check_model(m) for m in each] if each is not None else st.check_model(getattr(body, "model", None))
+    if isinstance(lora, str):
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
     ticket = st.admit(key, len(prompts) * params.n, reserve)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,

@@ -363,7 +363,8 @@ class DataParallelEngine:
         return [fn(e) for e in self.replicas]
 
     def add_lora(self, lora_request):
-        self._all(lambda e: e._lora_room(lora_request.lora_name, lora_request.lora_path))
+        self._all(lambda e: e._lora_room(lora_request.lora_name, lora_request.lora_path,
+                                         replace=getattr(lora_request, "load_inplace", False)))
         return self._all(lambda e: e.add_lora(lora_request))[0]
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict):

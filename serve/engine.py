@@ -1629,7 +1629,7 @@ class Engine:
             known = self.loras.by_name.get(lora_request.lora_name)
             if lora_request.lora_path and (known is None or known.factors is None):
                 try:
-                    return self.add_lora(lora_request)
+                    return self._read_for_request(lora_request)
                 except LoRAError as e:
                     raise RequestError(f"lora_request: {e}") from None
             lora_request = lora_request.lora_name
@@ -1639,7 +1639,7 @@ class Engine:
         adapter = self.loras.by_name[lora_request]
         if adapter.factors is None:  # dropped from host memory to make room for another: read it again
             try:
-                return self.add_lora(LoRARequest(adapter.name, adapter.int_id, adapter.path))
+                return self._read_for_request(LoRARequest(adapter.name, adapter.int_id, adapter.path))
             except LoRAError as e:
                 raise RequestError(f"lora_request: adapter {adapter.name!r} was dropped from host memory "
                                    f"(max_cpu_loras) and could not be read again: {e}") from None
@@ -1649,7 +1649,15 @@ class Engine:
         """Load a PEFT adapter directory into a free slot (vLLM's `add_lora`): its factors are checked
         against the model's projections before anything is written; no compile. Raises `LoRAError`."""
         return self._load_adapter("add_lora", lora_request.lora_name, lora_request.lora_int_id, lora_request.lora_path,
-                                  lambda *a: read_peft(lora_request.lora_path, *a))
+                                  lambda *a: read_peft(lora_request.lora_path, *a),
+                                  replace=getattr(lora_request, "load_inplace", False))
+
+    def _read_for_request(self, lora_request: LoRARequest) -> Adapter:
+        """`add_lora` for a request naming the adapter: never refused for room (vLLM queues such a request), so
+        when every held adapter serves requests it is held beyond max_cpu_loras, until later loads find them
+        idle and drop them."""
+        return self._load_adapter("lora_request", lora_request.lora_name, lora_request.lora_int_id,
+                                  lora_request.lora_path, lambda *a: read_peft(lora_request.lora_path, *a), spill=True)
 
     def load_lora_adapter_from_tensors(self, lora_name: str, tensors, config_dict: dict,
                                        lora_int_id: int = 0) -> Adapter:
@@ -1667,12 +1675,16 @@ class Engine:
         return self._load_adapter("load_lora_adapter_from_tensors", lora_name, lora_int_id, "",
                                   lambda *a: parse_peft(config_dict, named, *a, cfg_where="config_dict"))
 
-    def _load_adapter(self, what: str, name, int_id: int, path: str, read) -> Adapter:
+    def _load_adapter(self, what: str, name, int_id: int, path: str, read, spill: bool = False,
+                      replace: bool = False) -> Adapter:
+        """`spill`: a request needs the adapter (`_read_for_request`): held beyond max_cpu_loras when none can go.
+        `replace` (vLLM's load_inplace): the adapter loaded under `name` goes once the new one has been read."""
         self._leader_only(what)
         # the weights' adapter slots must be there; the KV cache need not be (an RL loop resumes the weights,
         # syncs its adapter, then resumes the cache); base weights still to be loaded after sleep(2) are fine
         self._weights_present(what, stale_ok=True)
-        victim = self._lora_room(name, path)  # raises when none can go, before reading anything
+        # raises when none can go (unless spill), or the name is in use, before reading anything
+        victim = self._lora_room(name, path, spill, replace)
         known = self.loras.by_name.get(name)
         shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
                   for t in self._lora_leaves for m in t.modules}  # (out, in)
@@ -1680,32 +1692,42 @@ class Engine:
                    for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
         prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
         rank, factors = read(shapes, self.config.max_lora_rank, prefix, self.config.lora_target_modules, experts)
-        if victim is not None:
+        if replace and known is not None:  # read: the old load goes (its cached prefixes with it: a new uid)
+            self.remove_lora(name)
+            known, victim = None, self.loras.victim(self._canonical_rids(), spill=True)
+        while victim is not None:  # (more than one after a spill: back within max_cpu_loras as far as requests allow)
             self._unload_adapter(victim)
             self.counters["lora_evictions"] += 1
+            victim = self.loras.victim(self._canonical_rids(), spill=True)
         if known is not None:  # a dropped registration of this name: this load takes its place
             del self.loras.by_name[name]
-        adapter = self.loras.add(name, path, rank, factors, int_id)
+        adapter = self.loras.add(name, path, rank, factors, int_id, spill=True)
         if self.channel is not None:
             self._send_adapter(adapter)
         if len(self.loras.in_slot) < self.loras.slots:  # a free slot: take it now (else when first needed)
             self._write_lora(self.loras.place(adapter, set()), adapter)
         return adapter
 
-    def _lora_room(self, name, path: Optional[str] = None) -> Optional[Adapter]:
+    def _lora_room(self, name, path: Optional[str] = None, spill: bool = False,
+                   replace: bool = False) -> Optional[Adapter]:
         """Whether adapter `name` (from `path`) can be loaded now -> the held adapter its load drops (None: there
-        is room); LoRAError when the name is bad or loaded already, or no held adapter can be dropped. A name
-        dropped from host memory (max_cpu_loras) is still registered: only its own directory reads it again."""
+        is room, or with `spill` none can go, or it replaces the adapter of its name); LoRAError when the name is
+        bad or loaded already (unless `replace`: while requests use it), or (unless `spill`) no held adapter can
+        be dropped. A name dropped from host memory (max_cpu_loras) is still registered: only its own directory
+        reads it again."""
         if not self.config.max_loras:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
         known = self.loras.by_name.get(name)
+        if known is not None and replace:  # (its victims are found once it is unloaded)
+            self.loras.check_unused(name, besides=self._canonical_rids(known))
+            return None
         if known is not None and (known.factors is not None or path != known.path):
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already"
                             + ("" if known.factors is not None else f" (from {known.path!r}, dropped from host "
                                "memory and read again on use): unload it first"))
-        return self.loras.victim(self._canonical_rids())
+        return self.loras.victim(self._canonical_rids(), spill)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (vLLM's `remove_lora`); refused while requests use it. Its slot is zeroed

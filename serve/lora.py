@@ -27,7 +27,8 @@ written into a slot when a request that uses them is admitted, replacing the lea
 adapter that no running request uses (the scheduler keeps the running requests' adapters within the
 slots). Loading one more than `max_cpu_loras` drops the least recently used idle adapter read from a
 directory out of host memory, as vLLM's LRU adapter cache does: it stays registered under its name and
-is read from its directory again when a request next uses it.
+is read from its directory again when a request next uses it (beyond `max_cpu_loras` when every held adapter
+serves requests, rather than refusing the request; later loads drop the idle ones back).
 """
 
 from __future__ import annotations
@@ -67,10 +68,12 @@ class LoRAError(ValueError):
 @dataclass(frozen=True)
 class LoRARequest:
     """vLLM's `LoRARequest`: which adapter a request uses. An adapter not loaded yet is loaded from
-    `lora_path` on first use (and stays loaded)."""
+    `lora_path` on first use (and stays loaded). `load_inplace` (vLLM's, for `add_lora`): replace the adapter
+    loaded under this name, once the new directory has been read (refused while requests use the old one)."""
     lora_name: str
     lora_int_id: int = 0
     lora_path: str = ""
+    load_inplace: bool = False
 
 
 @dataclass(eq=False)
@@ -173,6 +176,8 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
         alpha = float(conf.get("lora_alpha", 8))  # PEFT's default (LoraConfig), whatever r is
     except (TypeError, ValueError):
         raise LoRAError(f"{cfg_where}: lora_alpha={conf.get('lora_alpha')!r} is not a number") from None
+    if not math.isfinite(alpha):
+        raise LoRAError(f"{cfg_where}: lora_alpha={conf.get('lora_alpha')!r} is not a finite number")
     alpha_pattern = _alpha_pattern(conf.get("alpha_pattern") or {}, cfg_where)
     rslora = bool(conf.get("use_rslora", False))
     tensors: dict[str, dict[str, np.ndarray]] = {}
@@ -185,6 +190,8 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
         value = np.asarray(value)
         if value.dtype.kind not in "fV" and value.dtype.name != "bfloat16":
             raise LoRAError(f"{weights}: tensor {name}: dtype {value.dtype}, expected floating point")
+        if not np.isfinite(value).all():  # (a decode step multiplies every slot's factors: it would reach all rows)
+            raise LoRAError(f"{weights}: tensor {name}: holds NaN or infinite values")
         hit = _expert_module(m.group("module"), prefix)
         if hit is not None and any(e.startswith(hit[0]) for e in experts):
             module, expert = hit
@@ -209,8 +216,7 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
     per_expert.update(_per_expert(weights, by_expert, shapes, experts))
     for module, (na, a, b) in sorted(per_expert.items()):
         r = a.shape[1]
-        if r > max_rank:
-            raise LoRAError(f"{weights}: tensor {na}: rank {r} exceeds max_lora_rank={max_rank}")
+        _check_rank(weights, na, r, max_rank)
         scaling = _pattern(alpha_pattern, _peft_module(na), alpha) / (math.sqrt(r) if rslora else r)
         n_exp, shared = experts[module]
         if shared and a.shape[0] > 1:
@@ -234,12 +240,19 @@ def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_
             raise LoRAError(f"{weights}: tensor {na}: shape {list(a.shape)}, the projection takes [r, {i}]")
         if b.ndim != 2 or b.shape != (o, r):
             raise LoRAError(f"{weights}: tensor {nb}: shape {list(b.shape)}, expected [{o}, {r}] (out, r)")
-        if r > max_rank:
-            raise LoRAError(f"{weights}: tensor {na}: rank {r} exceeds max_lora_rank={max_rank}")
+        _check_rank(weights, na, r, max_rank)
         scaling = _pattern(alpha_pattern, _peft_module(na), alpha) / (math.sqrt(r) if rslora else r)
         out[module] = model_lora.slot_arrays(a.astype(np.float32), b.astype(np.float32), max_rank, scaling)
         top = max(top, r)
     return top, out
+
+
+def _check_rank(weights: str, name: str, r: int, max_rank: int) -> None:
+    """A factor pair's rank `r` (of tensor `name`) fits the slots: 1..max_rank (0 would divide its scaling by 0)."""
+    if r < 1:
+        raise LoRAError(f"{weights}: tensor {name}: rank 0 (an empty factor); expected 1..max_lora_rank={max_rank}")
+    if r > max_rank:
+        raise LoRAError(f"{weights}: tensor {name}: rank {r} exceeds max_lora_rank={max_rank}")
 
 
 def _alpha_pattern(patterns, cfg_where: str) -> dict[str, float]:
@@ -253,8 +266,10 @@ def _alpha_pattern(patterns, cfg_where: str) -> dict[str, float]:
             re.compile(key)
             out[key] = float(value)
         except (TypeError, ValueError, re.error):
+            out[key] = math.nan
+        if not math.isfinite(out[key]):
             raise LoRAError(f"{cfg_where}: alpha_pattern[{key!r}]={value!r}: expected a module name (regex) and "
-                            f"a number") from None
+                            f"a finite number")
     return out
 
 
@@ -422,17 +437,21 @@ class Registry:
         self._clock = itertools.count(1)
 
     def held(self) -> list[Adapter]:
-        """The registered adapters whose factors are in host memory (at most `capacity`)."""
+        """The registered adapters whose factors are in host memory (at most `capacity`, unless requests needed
+        more at once: `victim`'s spill)."""
         return [a for a in self.by_name.values() if a.factors is not None]
 
-    def victim(self, serving=frozenset()) -> Optional[Adapter]:
+    def victim(self, serving=frozenset(), spill: bool = False) -> Optional[Adapter]:
         """Before a load: None while fewer than `capacity` adapters are held, else the one to drop from host
         memory: the least recently used that was read from a directory (so it can be read again) and that
-        no request uses besides `serving` (request ids the caller may end). LoRAError when none can go."""
+        no request uses besides `serving` (request ids the caller may end). When none can go: None with `spill`
+        (a request needs the adapter: it is held beyond `capacity`), else a LoRAError."""
         held = self.held()
         if len(held) < self.capacity:
             return None
         idle = [a for a in held if a.path and not a.requests - set(serving)]
+        if not idle and spill:
+            return None
         if not idle:
             key = "max_cpu_loras" if self.capacity > self.slots else "max_loras"
             raise LoRAError(f"{key}={self.capacity} adapters are loaded ({', '.join(sorted(a.name for a in held))}) "
@@ -447,10 +466,11 @@ class Registry:
             adapter.slot = None
         adapter.factors = None
 
-    def add(self, name: str, path: str, rank: int, factors: dict, int_id: int = 0) -> Adapter:
+    def add(self, name: str, path: str, rank: int, factors: dict, int_id: int = 0, spill: bool = False) -> Adapter:
+        """Register an adapter held in host memory; `spill`: beyond `capacity` if need be (`victim`'s)."""
         if name in self.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        if len(self.held()) >= self.capacity:  # the engine makes room first (`victim`)
+        if len(self.held()) >= self.capacity and not spill:  # the engine makes room first (`victim`)
             raise RuntimeError(f"no host memory for adapter {name!r}: {self.capacity} adapters are held")
         adapter = Adapter(name, path, next(_LOADS), rank, factors, int_id, used=next(self._clock))
         self.by_name[name] = adapter

@@ -11,8 +11,9 @@ the context leaves when less), `min_new_tokens`, `stop`, `stop_token_ids`, `temp
 text is the tokenizer's own decode either way), `no_stop_trim`, `json_schema` / `regex` / `ebnf`, `sampling_seed`,
 `logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
 prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
-loaded adapter's name), `priority`, `return_routed_experts` (with `--enable-return-routed-experts`; from
-`routed_experts_start_len`), `return_hidden_states` (with `--enable-return-hidden-states`).
+loaded adapter's name, or a batch's list of one per prompt, null for the base model), `priority`,
+`return_routed_experts` (with `--enable-return-routed-experts`; from `routed_experts_start_len`),
+`return_hidden_states` (with `--enable-return-hidden-states`).
 
 Response: `{"text", "output_ids", "meta_info": {"id", "finish_reason", "prompt_tokens",
 "completion_tokens", "cached_tokens", "e2e_latency", "weight_version", logprobs, "routed_experts" (once finished: base64 of the
@@ -92,7 +93,8 @@ class GenerateRequest(BaseModel):
     top_logprobs_num: int = Field(0, ge=0, le=20)
     return_text_in_logprobs: bool = False
     stream: bool = False
-    lora_path: Optional[str] = Field(None, description="a loaded LoRA adapter's name")
+    lora_path: Optional[Union[str, list[Optional[str]]]] = Field(
+        None, description="a loaded LoRA adapter's name, or a batch's list of one per prompt (null: the base model)")
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30)
     return_routed_experts: bool = Field(False, description="the experts every position was routed to (needs "
                                                            "--enable-return-routed-experts)")
@@ -102,7 +104,13 @@ class GenerateRequest(BaseModel):
 
     @property
     def model(self) -> Optional[str]:  # what the shared path reads to pick a LoRA adapter
-        return self.lora_path
+        return self.lora_path if isinstance(self.lora_path, str) else None
+
+    @property
+    def model_of_each(self) -> Optional[list[Optional[str]]]:
+        """SGLang's per-prompt `lora_path` list (its length checked by `generate`), which the shared path reads
+        before `model`; None when one name (or none) serves every prompt."""
+        return self.lora_path if isinstance(self.lora_path, list) else None
 
 
 def prompts_of(st: "api.ServerState", body: GenerateRequest) -> tuple[list, bool, str]:
@@ -297,6 +305,10 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     """The route's work: the shared admission, engine run and streaming path with SGLang's shapes."""
     arrival = time.monotonic()
     prompts, batch, field = prompts_of(st, body)
+    if body.model_of_each is not None and len(body.model_of_each) != len(prompts):
+        raise api.APIError(400, f"lora_path: a list of {len(body.model_of_each)} adapters for {len(prompts)} "
+                                f"prompts; give one per prompt (null: the base model), or one name for all",
+                           param="lora_path")
     params = sampling_of(st, body, prompts)
     if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
         raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",

@@ -1019,6 +1019,38 @@ def test_adapter_unloaded_while_a_request_waits_releases_its_admission():
     assert load == {"server_load": 0} and st.seqs_in_flight == 0
 
 
+def test_generate_takes_sglangs_per_prompt_lora_path_list():
+    """SGLang's /generate batch names one adapter per prompt (`"lora_path": ["ad", null]`, null: the base model), as
+    SGLang's LoRA docs do; it was a 400 ("lora_path: Input should be a valid string"). A list of another length is
+    a 400 naming lora_path; one name still serves every prompt."""
+    class Recording(_Adapters):
+        async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+            self.calls.append((prompt[0], extra.get("lora_request")))
+            async for out in super().generate(prompt, params, request_id, priority, on_accept, **extra):
+                yield out
+
+    eng = Recording()
+    app = create_app(eng, "m")
+    sp = {"max_new_tokens": 2, "n": 2}
+
+    async def go(lora_path, prompts=((1,), (2,), (3,))):
+        eng.calls.clear()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/generate", json={"input_ids": [list(p) for p in prompts], "sampling_params": sp,
+                                                "lora_path": lora_path})
+        return r, sorted(eng.calls)
+
+    r, calls = asyncio.run(go(["ad", None, "ad"]))
+    assert r.status_code == 200 and len(r.json()) == 6, r.text
+    assert calls == [(1, "ad"), (2, None), (3, "ad")]
+    r, calls = asyncio.run(go("ad"))
+    assert r.status_code == 200 and calls == [(1, "ad"), (2, "ad"), (3, "ad")]
+    r, calls = asyncio.run(go(["ad", None]))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path" and not calls
+    r, calls = asyncio.run(go(["ad", "zz", None]))
+    assert r.status_code == 404 and "`zz` does not exist" in r.json()["error"]["message"] and not calls
+
+
 def test_serve_options_are_never_abbreviated():
     """A vLLM / SGLang flag we lack is refused, never taken as an abbreviation of one of ours: SGLang's `--tp 8`
     was `--tpm 8` (8 tokens a minute: every request answered 429)."""

@@ -283,6 +283,25 @@ def test_loading_past_max_cpu_loras_drops_the_least_recently_used(ab, engine, re
     engine.add_lora(LoRARequest("a", 1, dirs["default"]))  # back to the `ab` state
 
 
+def test_a_request_for_a_dropped_adapter_waits_when_every_held_one_is_busy(ab, engine, ref):
+    """A request naming an adapter dropped from host memory, while every held adapter serves requests, is served
+    (as vLLM queues it), not refused: the adapter is read again beyond max_cpu_loras, and the next load drops
+    the idle ones back to it. It was a RequestError ("... none can be dropped"): with the default max_cpu_loras
+    (= max_loras), any second adapter's request arriving while the first one's ran was a 400."""
+    _, _, dirs = ref
+    prompt = list(map(int, hfx.make_prompt(VARIANT, 11, batch=1, length=24)[0]))
+    engine.add_lora(LoRARequest("c", 3, dirs["second"]))
+    engine.add_lora(LoRARequest("d", 4, dirs["default"]))  # past max_cpu_loras=3: one of a, b, c is dropped
+    want = {n: _run(engine, [(prompt, n)], max_tokens=4)[0].outputs[0].token_ids for n in "abcd"}
+    dropped = next(n for n in "abcd" if engine.loras.get(n).factors is None)
+    busy = [n for n in "abcd" if n != dropped]
+    outs = _run(engine, [(prompt, n) for n in busy + [dropped]], max_tokens=4)
+    assert {n: o.outputs[0].token_ids for n, o in zip(busy + [dropped], outs)} == want
+    assert len(engine.loras.held()) == 4  # one beyond max_cpu_loras=3 ...
+    engine.add_lora(LoRARequest("e", 5, dirs["default"]))
+    assert len(engine.loras.held()) == 3 and engine.list_loras() == ["a", "b", "c", "d", "e"]  # ... until a load
+
+
 def _write_adapter(d, tensors: dict, **conf):
     from safetensors.numpy import save_file
 
@@ -451,6 +470,48 @@ def test_http_models_requests_and_runtime_loading(ab, engine, ref):
         aeng.shutdown()
 
 
+def test_load_inplace_replaces_an_adapter_over_http(ab, engine, ref):
+    """vLLM's `load_inplace` on /v1/load_lora_adapter (an RL loop's in-place reload; its clients send the field,
+    false too, which was a 400 "extra fields not permitted"): the adapter of that name is replaced by the new
+    directory's, which serves the next request, never the old load's cached prefixes; a new directory that
+    cannot be read leaves the old adapter serving; without it a loaded name is refused, saying how to replace."""
+    import httpx
+
+    from serve.api import create_app
+    from serve.async_engine import AsyncEngine
+
+    _, _, dirs = ref
+    prompt = [int(t) for t in hfx.make_prompt(VARIANT, 12, batch=1, length=40)[0]]
+    want = {n: _run(engine, [(prompt, n)], max_tokens=5)[0].outputs[0].token_ids for n in "ab"}
+    aeng = AsyncEngine(engine)
+    app = create_app(aeng, "kimi", allow_runtime_lora_updating=True)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            async def tokens():
+                r = await c.post("/v1/completions", json={"model": "a", "prompt": prompt, "max_tokens": 5,
+                                                          "temperature": 0, "return_token_ids": True})
+                assert r.status_code == 200, r.text
+                return r.json()["choices"][0]["token_ids"], r.json()["usage"]
+
+            load = lambda **kw: c.post("/v1/load_lora_adapter", json={"lora_name": "a", **kw})  # noqa: E731
+            r = await load(lora_path=dirs["second"], load_inplace=False)
+            assert r.status_code == 400 and "loaded already (load_inplace: true" in r.json()["error"]["message"]
+            r = await load(lora_path="/no/such/dir", load_inplace=True)
+            assert r.status_code == 400 and r.json()["error"]["param"] == "lora_path"
+            assert (await tokens())[0] == want["a"]  # the old one still serves (and cached the prompt)
+            r = await load(lora_path=dirs["second"], load_inplace=True)
+            assert r.status_code == 200, r.text
+            toks, usage = await tokens()
+            assert toks == want["b"] and not (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+            assert engine.loras.get("a").path == dirs["second"] and engine.list_loras() == ["a", "b"]
+
+    try:
+        asyncio.run(go())
+    finally:
+        aeng.shutdown()
+
+
 def test_cli_lora_modules():
     from serve.cli import lora_modules
 
@@ -583,3 +644,30 @@ def test_a_damaged_adapter_directory_is_a_lora_error(tmp_path):
     (tmp_path / "cut" / "adapter_config.json").write_bytes(b'{"r": "\xff"}')
     with pytest.raises(LoRAError, match="adapter_config.json: not JSON"):
         read_peft(d, {"q_proj": (16, 16)}, 4)
+
+
+@pytest.mark.parametrize("bad, conf, match", [
+    ("nan", {}, r"q_proj\.lora_B\.weight: holds NaN or infinite values"),
+    ("inf", {}, r"q_proj\.lora_A\.weight: holds NaN or infinite values"),
+    (None, {"lora_alpha": float("inf")}, "lora_alpha=inf is not a finite number"),
+    (None, {"alpha_pattern": {"q_proj": float("nan")}}, r"alpha_pattern\['q_proj'\]=nan: .*a finite number"),
+    ("rank0", {}, r"q_proj\.lora_A\.weight: rank 0"),
+])
+def test_adapters_with_non_finite_or_empty_factors_are_refused(bad, conf, match):
+    """A decode step multiplies every slot's factors under a per-row 0 / 1 mask, so a NaN or infinity in one
+    loaded adapter (a diverged RL step's push) made every row of the batch NaN, the base model's and the other
+    adapters' too: such factors (and a non-finite lora_alpha) are refused naming the tensor or key. A rank-0
+    pair divided its scaling by 0 (a ZeroDivisionError, an HTTP 500): refused the same way."""
+    from serve.lora import parse_peft
+
+    q = "base_model.model.model.q_proj"
+    a, b = np.full((2, 16), 0.1, np.float32), np.full((16, 2), 0.1, np.float32)
+    if bad == "nan":
+        b[3, 1] = np.nan
+    elif bad == "inf":
+        a[0, 5] = -np.inf
+    elif bad == "rank0":
+        a, b = a[:0], b[:, :0]
+    tensors = {f"{q}.lora_A.weight": a, f"{q}.lora_B.weight": b}
+    with pytest.raises(LoRAError, match=match):
+        parse_peft({"r": 2, "lora_alpha": 4, **conf}, tensors, {"q_proj": (16, 16)}, 4)
