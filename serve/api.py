@@ -465,6 +465,8 @@ class ServerState:
         self.max_model_len = max_model_len
         self.engine = None
         self.embeds_dtype = None  # set by `attach` when the engine takes prompt embeddings
+        # set by `attach` for a mesh over several processes, whose embedding table no process holds whole
+        self.multi_process = False
         self.ready = False
         self.sleeping = False  # POST /sleep released the engine's device memory; /wake_up takes it back
         # POST /pause: new generation requests wait (not admitted, so not in flight) until POST /resume
@@ -502,6 +504,7 @@ class ServerState:
         self.vocab_size = int(self.cfg.vocab_size)
         # prompts given as vectors are decoded into this dtype (None: the engine does not take them)
         self.embeds_dtype = eng.model.dtype if getattr(eng.config, "enable_prompt_embeds", False) else None
+        self.multi_process = getattr(eng, "channel", None) is not None
         self.generation_defaults = dict(getattr(eng, "generation_defaults", None) or {})
         # vLLM's override_max_tokens: a generation config given as a directory (not the model's own, "auto") caps
         # every request's max_tokens at its max_new_tokens, a given one too
@@ -2547,6 +2550,11 @@ def _embedded_parts(st: ServerState, messages: list[ChatMessage]) -> tuple[list[
             if st.embeds_dtype is None:
                 raise APIError(400, "messages: prompt_embeds content parts need a server started with "
                                     "--enable-prompt-embeds", param="messages")
+            if st.multi_process:  # (process 0 alone reading the split table runs a program the others never join)
+                raise APIError(400, "messages: prompt_embeds content parts are not served on a multi-process mesh: "
+                                    "the template's tokens would take rows of an embedding table split over the "
+                                    "processes; send the whole prompt as vectors (/v1/completions prompt_embeds)",
+                               param="messages")
             parts = []
             for p in m.content:
                 if isinstance(p, EmbedsContentPart):

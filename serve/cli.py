@@ -866,6 +866,9 @@ def serve_main(args) -> int:
     if o["num_processes"] > 1 or o["coordinator_address"]:
         if o["data_parallel_size"] > 1:
             raise ValueError("--data-parallel-size: replicas live in one process; a multi-host mesh runs one engine")
+        if o.get("prefill_devices") is not None or o.get("decode_devices") is not None:
+            raise ValueError("--prefill-devices / --decode-devices: the two engines live in one process (they hand "
+                             "prompts over through its host store); a multi-host mesh runs one engine")
         if not o["coordinator_address"] or cfg.sharding is None:
             raise ValueError("multi-host serving needs --coordinator-address HOST:PORT, --num-processes, "
                              "--process-id and a --sharding whose mesh spans every process's devices")

@@ -1215,25 +1215,30 @@ class Engine:
 
     def _step_fn(self, batch: StepBatch):
         """Run the compiled step on the engine's cache (updated) -> ((sampled tokens, prompt logprobs, drafts
-        accepted), expert counts); a call that grows the jit cache after warm-up counts as a compile."""
+        accepted), expert counts); a call that grows the jit cache after warm-up counts as a compile.
+
+        The leader of a multi-process engine sends the step (and the page-table entries it writes first) once
+        its own launch returned (launches are asynchronous): a launch that raises on the leader alone (device
+        memory, an interrupt) is never sent, so no follower runs a program whose collectives wait for it."""
         leader = self.channel is not None and self.channel.leader and self.warmed_up
         quads = self.page_tables.pending_quads()  # the page-table entries the batch's rows lack
+        before = self._step._cache_size()
         try:
+            if quads is not None:
+                self._count_compiles(self.page_tables.apply(quads) > 0, "page-table update")
+            if self._carry is not None:
+                batch.carry = self._carry  # the latest samples (the batch may have been built before the last step)
+            self.arena, self.token_pages, (res, prompt, accepted, carry), counts = self._step(
+                self._leaves, self.arena, self.token_pages, self.page_tables.array, batch)
             if leader:
                 self._send_forgotten()
                 if quads is not None:
                     self.channel.command(TABLES, quads.reshape(-1))
                 self.channel.send(batch, batch.tokens.shape + (batch.pages,))
-            if quads is not None:
-                self._count_compiles(self.page_tables.apply(quads) > 0, "page-table update")
         except BaseException:
-            self.page_tables.reset()  # those entries may be missing anywhere: every sequence writes its table again
+            if leader:  # entries written here may be missing on the followers: every sequence writes its table again
+                self.page_tables.reset()
             raise
-        before = self._step._cache_size()
-        if self._carry is not None:
-            batch.carry = self._carry  # the latest samples (the batch may have been built before the last step)
-        self.arena, self.token_pages, (res, prompt, accepted, carry), counts = self._step(
-            self._leaves, self.arena, self.token_pages, self.page_tables.array, batch)
         if carry is not None:  # (a decode program sampling apart returns none: its sample program will)
             self._carry = carry
         self._count_compiles(self._step._cache_size() > before, f"step shape {batch.tokens.shape}")
@@ -1419,9 +1424,14 @@ class Engine:
             self.channel.keepalive()
 
     def _leader_only(self, what: str) -> None:
+        """Refuse what only an open leader may do: a follower, or a leader whose `close()` released the followers
+        (a step launched then would wait for them forever: the leader launches before it sends)."""
         if self.is_follower:
             raise RuntimeError(f"{what}: process {self.channel.process} follows process 0's steps "
                                f"(call follow()); requests go to process 0")
+        if self.channel is not None and self.channel.closed:
+            raise RuntimeError(f"{what}: this multi-process engine was closed (close() released its follower "
+                               f"processes); build a new one")
 
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
@@ -3119,12 +3129,13 @@ class Engine:
     def _sample_fn(self, logits, table, sampling, channel_step: int = 0):
         """Run the sample program on a decode program's logits and its rows' first-layer page tables (its
         outputs; the carry updated) -> its SampleResult; a call that grows the jit cache after warm-up counts
-        as a compile. The leader of a multi-process engine first sends `sampling` to the followers, naming the
-        step by its channel number (`channel_step`): each runs the same program on the logits it kept."""
-        if self.channel is not None and self.channel.leader and self.warmed_up:
-            self.channel.sample(channel_step, sampling)
+        as a compile. The leader of a multi-process engine then sends `sampling` to the followers (once its own
+        launch returned, as `_step_fn`), naming the step by its channel number (`channel_step`): each runs the
+        same program on the logits it kept."""
         before = self._sample._cache_size()
         res, self._carry = self._sample(self.token_pages, logits, sampling, table, self._carry)
+        if self.channel is not None and self.channel.leader and self.warmed_up:
+            self.channel.sample(channel_step, sampling)
         self._count_compiles(self._sample._cache_size() > before, f"sample shape {tuple(logits.shape)}")
         return res
 

@@ -3,9 +3,11 @@
 JAX runs multi-host programs multi-controller: every process must launch the same compiled programs,
 in the same order, on the same global shapes. The engine keeps that contract with a leader and
 followers. Process 0 (the leader) owns everything on the host side: requests, the scheduler, the
-arena's bookkeeping, the prefix cache, sampling parameters, outputs. Before each step program it
-sends the step's batch (the padded numpy arrays: tokens, page-table rows, slot bases, copy lists,
-sampling rows) over the `StepChannel`; every other process (a follower) sits in `Engine.follow()`,
+arena's bookkeeping, the prefix cache, sampling parameters, outputs. Once its own launch of each step
+program returned (launches are asynchronous; one that raises on the leader alone is never sent, so no
+follower runs a program whose collectives wait for the leader) it sends the step's batch (the padded
+numpy arrays: tokens, page-table rows, slot bases, copy lists, sampling rows) over the `StepChannel`;
+every other process (a follower) sits in `Engine.follow()`,
 receives the batch and runs the same step program on its own devices. The followers keep no request
 state: everything a step does to the cache is named by its batch, so replaying the batches replays
 the cache. Outputs (sampled tokens, logprobs, expert counts) come back replicated, so the leader

@@ -8,6 +8,7 @@ releases the follower."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import signal
 import subprocess
@@ -58,7 +59,7 @@ def cluster(tmp_path_factory):
     # a 1 MiB arena (so a dozen requests evict earlier prefixes) with an 8 MiB host tier behind it
     small = [x if prev != "--cache-mb" else "1" for prev, x in zip([None] + SMALL[:-1], SMALL)]
     base = [sys.executable, "-m", "k3jax.cli", "serve", *small, "--host-cache-mb", "8", "--sharding", "tp",
-            "--no-compile-cache",
+            "--no-compile-cache", "--enable-prompt-embeds",
             "--coordinator-address", f"127.0.0.1:{coord}", "--num-processes", "2"]
     procs, paths = [], []
     for pid in (1, 0):
@@ -134,6 +135,29 @@ def test_two_processes_share_the_prefix_cache_host_tier(cluster, reference):
     assert hits >= 64 and got[-1]["usage"]["prompt_tokens_details"]["cached_tokens"] >= 64, \
         [line for line in metrics.splitlines() if "host" in line or "external" in line]
     assert "failed on process" not in open(cluster["follower_log"]).read()
+
+
+def test_two_processes_take_prompt_vectors_and_refuse_them_in_chat(cluster):
+    """Prompt vectors (`prompt_embeds`) travel with the step batch: rows of the embedding table answer as their
+    tokens do. A chat's `prompt_embeds` content parts would need the template tokens' rows of a table split
+    over the processes, which process 0 alone cannot read (its program would wait for the others): a 400
+    naming the field, and the server serves on."""
+    from k3jax.runtime import load_model
+    from serve.prompt_embeds import encode_b64
+
+    table = np.asarray(load_model("tiny-k3").params["embed_tokens"][...])  # the servers' weights (same seed)
+    ids = [72, 105, 33, 44, 90, 101, 7]
+    kw = dict(model="tiny-k3", max_tokens=5, temperature=0, ignore_eos=True)
+    with httpx.Client(base_url=cluster["url"], timeout=120) as http:
+        want = http.post("/v1/completions", json=dict(prompt=ids, **kw)).json()["choices"][0]["text"]
+        r = http.post("/v1/completions", json=dict(prompt="", prompt_embeds=encode_b64(table[ids]), **kw))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+        parts = [{"type": "text", "text": "Say: "}, {"type": "prompt_embeds", "data": encode_b64(table[ids])}]
+        r = http.post("/v1/chat/completions", json=dict(messages=[{"role": "user", "content": parts}], **kw))
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
+        assert "multi-process" in r.json()["error"]["message"]
+        r = http.post("/v1/completions", json=dict(prompt=ids, **kw))
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
 
 
 def test_two_processes_serve_like_one_device(cluster, reference):
@@ -392,6 +416,64 @@ def test_processes_that_build_different_engines_are_told_before_compiling():
         assert "process(es) [1] built a different engine than process 0" in out
 
 
+# A step whose launch raises on process 0 alone (an injected device failure; in life device memory, an
+# interrupt): process 0 sends a step only once its own launch returned, so process 1 never runs a program whose
+# collectives would wait for process 0 (both hung, before). The failed prefill's request ends; the others answer as
+# before, and so does everything after. Once closed, process 0 refuses requests up front.
+_LEADER_FAILS = textwrap.dedent("""
+    import json, sys
+    sys.path.insert(0, "tests")
+    import k3jax
+    from serve.types import SamplingParams
+    from step_failures import FailingPrefill, drain_through_failures
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    llm = k3jax.LLM("tiny-k3", sharding="tp", max_model_len=64, cache_bytes=8 << 20, max_num_seqs=4,
+                    prefill_chunk=16, max_prefill_seqs=1, decode_buckets=(4,), prefill_buckets=(1,),
+                    context_buckets=(4,), async_scheduling=True, measure_moe_time=False, progress=False)
+    if pid:
+        print("FOLLOWED", llm.follow(), flush=True)
+        sys.exit(0)
+    eng = llm.engine
+    def run(prompts):
+        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts]
+        failures, done = drain_through_failures(eng)
+        return [done[i].outputs[0].text if i in done else None for i in ids], [f.request_ids for f in failures]
+    prompts = ["The quick brown fox", "jumps over", "the lazy dog"]
+    want, _ = run(prompts)
+    eng._step = FailingPrefill(eng)
+    got, failed = run(prompts)
+    eng._step = eng._step.real
+    again, _ = run(prompts)
+    llm.close()
+    try:  # the followers are gone: refused up front (a step launched now would wait for them forever)
+        closed = eng.add_request("after close", SamplingParams(max_tokens=2))
+    except RuntimeError as e:
+        closed = str(e)
+    print("RESULT" + json.dumps(dict(want=want, got=got, failed=failed, again=again, closed=closed)), flush=True)
+""")
+
+
+def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _LEADER_FAILS, str(pid), str(port)], cwd=ROOT, env=ENV,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
+    try:
+        out0, out1 = (p.communicate(timeout=300)[0] for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, (out0[-3000:], out1[-3000:])
+    got = json.loads(out0.split("RESULT")[1])
+    assert [len(ids) for ids in got["failed"]] == [1] and got["got"].count(None) == 1, got  # the failed prefill's
+    assert [t for t in got["got"] if t is not None] == [t for t, g in zip(got["want"], got["got"]) if g is not None]
+    assert got["again"] == got["want"], got
+    assert "was closed" in got["closed"], got["closed"]
+    assert "failed on process" not in out1  # process 1 never ran the step process 0 could not launch
+
+
 # gpu_memory_utilization on two processes whose (simulated) devices differ in size: each plans from its own,
 # both must build the same (smallest) arena or the engine check before compiling refuses them. The step
 # temporaries are a given 1 MiB here (their measurement compiles; tests/test_memory_budget.py measures them).
@@ -429,11 +511,18 @@ def test_processes_size_one_arena_from_their_device_memory():
 
 
 def test_serve_multihost_options_are_checked():
-    """Multi-host flags without a mesh (or a coordinator) fail at once, saying what is missing."""
+    """Multi-host flags without a mesh (or a coordinator), or with disaggregated prefill, fail at once, saying
+    what is missing or in the way."""
     out = subprocess.run([sys.executable, "-m", "k3jax.cli", "serve", "--num-processes", "2"], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "--coordinator-address" in out.stderr and "--sharding" in out.stderr
+    # disaggregated prefill's two engines live in one process: refused before joining the cluster (process 1 would
+    # build the one engine over every process's devices and wait for process 0 forever)
+    out = subprocess.run([sys.executable, "-m", "k3jax.cli", "serve", "--num-processes", "2", "--sharding", "tp",
+                          "--coordinator-address", f"127.0.0.1:{_free_port()}", "--prefill-devices", "0",
+                          "--decode-devices", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and "--prefill-devices" in out.stderr and "multi-host" in out.stderr, out.stderr
 
 
 def test_step_batch_packing_roundtrip():
