@@ -1236,8 +1236,8 @@ class Engine:
                     self.channel.command(TABLES, quads.reshape(-1))
                 self.channel.send(batch, batch.tokens.shape + (batch.pages,))
         except BaseException:
-            if leader:  # entries written here may be missing on the followers: every sequence writes its table again
-                self.page_tables.reset()
+            if leader or quads is not None:  # entries may be missing (here or on the followers): every sequence
+                self.page_tables.reset()    # writes its table again
             raise
         if carry is not None:  # (a decode program sampling apart returns none: its sample program will)
             self._carry = carry
