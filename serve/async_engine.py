@@ -10,20 +10,23 @@ outputs. A request that fails validation raises `RequestError` from `generate` b
 an unexpected error inside a step fails the requests that step ran (`StepFailed`; the others keep their
 place and run next, recomputed if the failure consumed the cache) and the engine keeps serving; an error in
 the engine's own bookkeeping, outside the compiled call, fails every request in flight. `shutdown()` ends the
-requests in flight (their streams raise `EngineDead`, their cache is freed); later requests raise it at once.
+requests in flight (their streams raise `EngineDead`, their cache is freed); later requests raise it at once, as
+they do if the engine thread ever dies (`errored`, `dead_error`, `check_health()`: vLLM's `AsyncLLM` names).
+Outputs a consumer has not read yet coalesce (`_Stream`), as vLLM's do.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
 import uuid
-from typing import AsyncIterator, Optional
+from typing import AsyncIterator, Iterable, Optional, Union
 
 from serve.engine import Engine, StepFailed
-from serve.types import RequestError, RequestOutput, SamplingParams
+from serve.types import RequestError, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,23 @@ def _settle(fut: asyncio.Future, result=None, err: Optional[BaseException] = Non
         fut.set_exception(err) if err is not None else fut.set_result(result)
 
 
+def request_ids(request_id: Union[str, Iterable[str]]) -> list[str]:
+    """`abort`'s argument, one request id or an iterable of them (vLLM's) -> the ids. An id that cannot be one
+    (unhashable) is refused here, in the caller: in the engine thread it would fail every request in flight."""
+    if isinstance(request_id, (str, bytes)):
+        return [request_id]
+    try:
+        ids = list(request_id)
+    except TypeError:  # one id of another type (what `generate` was given)
+        ids = [request_id]
+    for rid in ids:
+        try:
+            hash(rid)
+        except TypeError:
+            raise TypeError(f"request_id: expected a request id or an iterable of them, got {request_id!r}") from None
+    return ids
+
+
 def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     """`fn(*args)` on a consumer's event loop -> False when that loop is closed (its consumer is gone)."""
     try:
@@ -46,17 +66,85 @@ def _post(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
         return False
 
 
+def merge_delta(whole: RequestOutput, new: RequestOutput, text: dict[int, list[str]]) -> None:
+    """Fold the delta `new` into the unread delta `whole`, in place (the stream owns both, fresh from the
+    engine): tokens and logprobs extended, text pieces gathered in `text` (completion index -> pieces, joined
+    when read), finish, metrics and the finishing delta's arrays the newer's; a completion first seen in `new`
+    is added in index order."""
+    whole.finished, whole.metrics, whole.num_cached_tokens = new.finished, new.metrics, new.num_cached_tokens
+    if whole.prompt_logprobs is None:
+        whole.prompt_logprobs = new.prompt_logprobs
+    for o in new.outputs:
+        c = next((c for c in whole.outputs if c.index == o.index), None)
+        if c is None:
+            whole.outputs.append(o)
+            whole.outputs.sort(key=lambda c: c.index)
+            continue
+        c.token_ids.extend(o.token_ids)
+        if o.logprobs is not None:
+            c.logprobs = c.logprobs if c.logprobs is not None else []
+            c.logprobs.extend(o.logprobs)
+        text.setdefault(o.index, []).append(o.text)
+        c.finish_reason, c.stop_reason, c.cumulative_logprob = o.finish_reason, o.stop_reason, o.cumulative_logprob
+        if o.routed_experts is not None:
+            c.routed_experts = o.routed_experts
+        if o.hidden_states is not None:
+            c.hidden_states = o.hidden_states
+
+
+class _Stream:
+    """A request's outputs not yet read, on its consumer's event loop (vLLM's `RequestOutputCollector`).
+    Unread outputs coalesce -- a newer cumulative output replaces the older one, deltas merge into one -- so a
+    consumer slower than the engine reads fewer, larger outputs and the backlog stays one output (beside an
+    error), never one per step (cumulative ones held every step's whole text: quadratic memory)."""
+
+    def __init__(self, delta: bool):
+        self.delta = delta
+        self.items: collections.deque = collections.deque()
+        self.text: dict[int, list[str]] = {}  # text merged into the last item, not joined yet
+        self.ready = asyncio.Event()
+
+    def put(self, item) -> None:
+        last = self.items[-1] if self.items else None
+        if isinstance(item, RequestOutput) and isinstance(last, RequestOutput) and not last.finished:
+            if self.delta:
+                merge_delta(last, item, self.text)
+            else:
+                self.items[-1] = item
+        else:
+            self._join()
+            self.items.append(item)
+        self.ready.set()
+
+    async def get(self):
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        if len(self.items) == 1:
+            self._join()
+        return self.items.popleft()
+
+    def _join(self) -> None:
+        """The text pieces merged into the last item, joined into its completions' text."""
+        if self.text:
+            for c in self.items[-1].outputs:
+                if c.index in self.text:
+                    c.text += "".join(self.text[c.index])
+            self.text = {}
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         # (engine thread) request id -> the stream its engine request answers: a consumer that left and one reusing
         # its id (a retry) both map the id in `_streams`, only the second's request may reach the second's stream
-        self._owners: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._owners: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = False
+        self._dead: Optional[str] = None  # why requests are refused (shut down, or the thread died)
         self.errors = 0
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
@@ -75,6 +163,30 @@ class AsyncEngine:
         """The engine thread runs (a step that raised fails its requests; the thread goes on)."""
         return self._thread.is_alive()
 
+    # vLLM's `AsyncLLM` names
+    @property
+    def is_running(self) -> bool:
+        """The engine serves requests: not shut down, and its thread did not die."""
+        return not self._stop and self._thread.is_alive()
+
+    @property
+    def errored(self) -> bool:
+        """Requests fail with `dead_error` (shut down, or the engine thread died)."""
+        return not self.is_running
+
+    @property
+    def dead_error(self) -> EngineDead:
+        """The error requests fail with once the engine stopped serving."""
+        return EngineDead(self._dead or "the engine is not running")
+
+    async def check_health(self) -> None:
+        """Raises `dead_error` unless the engine serves requests."""
+        if self.errored:
+            raise self.dead_error
+
+    async def get_tokenizer(self):
+        return self.engine.tokenizer
+
     # ---- public API (event-loop side) -------------------------------------------------------
     async def generate(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                        priority: int = 0, cache_salt: Optional[str] = None,
@@ -82,12 +194,12 @@ class AsyncEngine:
         """`on_accept()`: called once the engine has queued the request (it passed validation)."""
         request_id = request_id or f"req-{uuid.uuid4().hex}"
         loop = asyncio.get_running_loop()
-        q: asyncio.Queue = asyncio.Queue()
+        q = _Stream(getattr(params, "output_kind", None) == RequestOutputKind.DELTA)
         done = loop.create_future()
         entry = (loop, q)
         with self._lock:  # (with `shutdown`'s flag: a request is refused, or its command is seen)
             if self._stop:
-                raise EngineDead("the engine is shut down")
+                raise self.dead_error
             if request_id in self._streams:  # (replacing its entry would end another stream: refused here)
                 raise RequestError(f"request_id: {request_id!r} is already in use")
             self._streams[request_id] = entry
@@ -119,8 +231,11 @@ class AsyncEngine:
             if not finished:  # consumer went away early (client disconnect): free its cache now
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: Union[str, Iterable[str]]) -> None:
+        """End the request(s) (one id or several, as vLLM's): their cache is freed at once, a stream still read
+        ends with a last output (finish_reason "abort"); ids not in flight are ignored."""
+        for rid in request_ids(request_id):
+            self._commands.put(("abort", rid))
         self._wake.set()
 
     async def abort_all(self) -> int:
@@ -137,7 +252,7 @@ class AsyncEngine:
         done = loop.create_future()
         with self._lock:
             if self._stop:
-                raise EngineDead("the engine is shut down")
+                raise self.dead_error
             self._commands.put(("call", fn, loop, done))
         self._wake.set()
         return await done
@@ -174,6 +289,7 @@ class AsyncEngine:
         (their streams and the calls waiting raise `EngineDead`; their cache is freed)."""
         with self._lock:
             self._stop = True
+            self._dead = self._dead or "the engine is shut down"
         self._wake.set()
         self._thread.join(timeout=10)
         if self._thread.is_alive():  # a step still running: the channel is that thread's (closed at exit)
@@ -199,10 +315,20 @@ class AsyncEngine:
         with self._lock:
             entries = list(self._streams.values())
         for loop, q in entries:
-            _post(loop, q.put_nowait, EngineDead(why))
+            _post(loop, q.put, EngineDead(why))
 
     # ---- engine thread ------------------------------------------------------------------------
     def _loop(self) -> None:
+        try:
+            self._serve()
+        except BaseException as e:  # (an error while handling an error): nothing steps the requests any more --
+            log.exception("engine thread died")  # end them and refuse new ones (EngineDead), never a hang
+            with self._lock:
+                self._stop = True
+                self._dead = self._dead or f"the engine thread died: {type(e).__name__}: {e}"
+            self._end_waiting(self._dead)
+
+    def _serve(self) -> None:
         while not self._stop:
             try:
                 self._drain_commands()
@@ -263,7 +389,7 @@ class AsyncEngine:
                 _, fn, loop, done = cmd
                 try:
                     result, err = fn(self.engine), None
-                except Exception as e:
+                except BaseException as e:  # (SystemExit too: the caller's error, never the thread's end)
                     result, err = None, e
                 _post(loop, _settle, done, result, err)
 
@@ -289,7 +415,7 @@ class AsyncEngine:
             del self._owners[rid]  # the request's last item
         with self._lock:
             live = self._streams.get(rid) is entry
-        if live and not _post(entry[0], entry[1].put_nowait, item):
+        if live and not _post(entry[0], entry[1].put, item):
             self._forget(rid, entry)
 
     def _forget(self, rid: str, entry: tuple) -> None:

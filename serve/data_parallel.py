@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 
 import jax
 
-from serve.async_engine import AsyncEngine
+from serve.async_engine import AsyncEngine, request_ids
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig, StepFailed, kv_cache_usage
 from serve.types import RequestError, RequestOutput, SamplingParams
@@ -474,10 +474,12 @@ class DataParallelAsyncEngine:
             self._where.pop(request_id, None)
             self.router.done(r, seqs)
 
-    def abort(self, request_id: str) -> None:
-        r = self._where.get(request_id)
-        if r is not None:
-            self.replicas[r].abort(request_id)
+    def abort(self, request_id) -> None:
+        """`AsyncEngine.abort` (one id or several), each on the replica running it."""
+        for rid in request_ids(request_id):
+            r = self._where.get(rid)
+            if r is not None:
+                self.replicas[r].abort(rid)
 
     def stats(self) -> dict:
         return merge_stats([a.engine.stats() for a in self.replicas], self.devices, self.router)

@@ -27,7 +27,7 @@ import dataclasses
 import uuid
 from typing import AsyncIterator, Optional
 
-from serve.async_engine import AsyncEngine
+from serve.async_engine import AsyncEngine, request_ids
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig
 from serve.host_cache import HostCache
@@ -124,11 +124,13 @@ class DisaggregatedAsyncEngine:
             self._phase.pop(request_id, None)
             self._aborted.discard(request_id)
 
-    def abort(self, request_id: str) -> None:
-        engine = self._phase.get(request_id)
-        if engine is not None:
-            self._aborted.add(request_id)  # also stops a request between its two phases
-            engine.abort(request_id)
+    def abort(self, request_id) -> None:
+        """`AsyncEngine.abort` (one id or several), each in the phase running it."""
+        for rid in request_ids(request_id):
+            engine = self._phase.get(rid)
+            if engine is not None:
+                self._aborted.add(rid)  # also stops a request between its two phases
+                engine.abort(rid)
 
     def stats(self) -> dict:
         """The decode engine's statistics (the requests' outputs), with the prefill engine's beside them."""

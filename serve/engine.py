@@ -1452,6 +1452,9 @@ class Engine:
         request_id = request_id or f"req-{next(self._ids)}"
         beam = None
         try:
+            if not isinstance(params, (SamplingParams, BeamSearchParams)):  # (a dict, another library's params)
+                raise RequestError(f"sampling_params: expected serve.types.SamplingParams (or BeamSearchParams), "
+                                   f"got {type(params).__module__}.{type(params).__name__}")
             if isinstance(params, BeamSearchParams):
                 params.validate(self.config.max_logprobs)
                 if self.config.logprobs_mode.endswith("_logits"):

@@ -476,6 +476,7 @@ def test_logprobs_are_returned(engine, prompts):
     ([1, 2], SamplingParams(allowed_token_ids=5), "allowed_token_ids"),
     ([1, 2], SamplingParams(stop=5), "stop"),
     ([1, 2], SamplingParams(stop_token_ids=5), "stop_token_ids"),
+    ([1, 2], {"max_tokens": 5}, "sampling_params: expected serve.types.SamplingParams .* got builtins.dict"),
 ])
 def test_bad_requests_rejected_before_taking_memory(engine, prompt, params, match):
     free = engine.allocator.free_units
@@ -688,7 +689,8 @@ def test_async_engine_streams_and_aborts(model):
 
     async def main():
         chunks = [o async for o in aeng.generate([5, 6, 7, 8], sp, "a")]
-        assert [len(c.token_ids) for c in chunks] == list(range(1, 11)) and chunks[-1].finished
+        lens = [len(c.token_ids) for c in chunks]  # one output per token unless the reader fell behind (coalesced)
+        assert lens == sorted(set(lens)) and lens[-1] == 10 and chunks[-1].finished
         got = 0
         async for _ in aeng.generate([9] * 50, SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True), "b"):
             got += 1
@@ -995,3 +997,154 @@ def test_shared_step_cache_is_bounded(model):
         assert len(step_mod._BOUND) <= step_mod._BOUND_MAX
     fresh, _ = step_mod.bind_step(model.graphdef, lay, model.params, 0)
     assert fresh is not first  # evicted, rebound
+
+
+def test_async_engine_aborts_a_list_of_ids(model, engine):
+    """`abort` takes one request id or several (vLLM's `abort(request_id: str | Iterable[str])`): the listed
+    requests end with finish_reason "abort", the others go on. A list used to reach the engine thread, whose
+    lookup raised there and failed every request in flight."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+
+    long = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        streams = {rid: aeng.generate([5, 6, 7, 8], long, rid) for rid in ("a", "b", "c")}
+        for s in streams.values():  # each one running
+            await s.__anext__()
+        aeng.abort(["a", "b", "unknown"])
+        aeng.abort(iter(()))
+        return {rid: [o async for o in s][-1] for rid, s in streams.items()}
+
+    try:
+        last = asyncio.run(asyncio.wait_for(main(), 120))
+        with pytest.raises(TypeError, match="request_id"):  # refused in the caller, not in the engine thread
+            aeng.abort([["a"]])
+    finally:
+        aeng.shutdown()
+    assert [last[r].outputs[0].finish_reason for r in "abc"] == ["abort", "abort", "length"]
+    assert len(last["c"].outputs[0].token_ids) == 60 and aeng.errors == 0 and not engine.requests
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
+
+
+@pytest.mark.parametrize("kind", ["cumulative", "delta"])
+def test_async_engine_coalesces_what_a_slow_consumer_has_not_read(model, engine, kind):
+    """A consumer slower than the engine finds one output waiting, not one per step (vLLM's
+    `RequestOutputCollector`): the newest cumulative output, or the deltas merged -- tokens, text, logprobs and
+    each sample's finish, prompt logprobs once. Every step's output used to queue up (cumulative ones each held
+    the whole answer so far: memory quadratic in its length)."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+    from serve.types import RequestOutputKind
+
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2, prompt_logprobs=1, n=2)
+    want = run_all(engine, [[5, 6, 7, 8]], sp)[0]
+    sp = dataclasses.replace(sp, output_kind=RequestOutputKind[kind.upper()])
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        stream = aeng.generate([5, 6, 7, 8], sp, "slow")
+        outs = [await stream.__anext__()]
+        while "slow" in engine.requests:  # the engine runs it to its end, unread
+            await asyncio.sleep(0.01)
+        await aeng.call(lambda engine: None)  # (posted after the request's last output: that one has arrived)
+        return outs + [o async for o in stream]
+
+    try:
+        outs = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        aeng.shutdown()
+    assert len(outs) == 2 and outs[-1].finished and not engine.requests
+    if kind == "delta":  # the deltas joined
+        assert outs[0].prompt_logprobs is not None and outs[1].prompt_logprobs is None
+        parts = [[c for o in outs for c in o.outputs if c.index == i] for i in range(2)]
+        got = [dataclasses.replace(cs[-1], token_ids=sum((c.token_ids for c in cs), []),
+                                   text="".join(c.text for c in cs), logprobs=sum((c.logprobs for c in cs), []))
+               for cs in parts]
+    else:
+        got = outs[1].outputs
+    assert outs[1].prompt_logprobs == want.prompt_logprobs or kind == "delta"
+    for c, w in zip(got, want.outputs, strict=True):
+        assert (c.index, c.token_ids, c.text, c.finish_reason) == (w.index, w.token_ids, w.text, "length")
+        assert [list(d.items()) for d in c.logprobs] == [list(d.items()) for d in w.logprobs]
+
+
+def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):
+    """A `call` whose function raises a BaseException (SystemExit) raises it to its caller; the engine thread
+    serves on. It used to end the thread: the call and every later request hung."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+
+    def leave(engine):
+        raise SystemExit("leaving")
+
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        with pytest.raises(SystemExit, match="leaving"):
+            await aeng.call(leave)
+        assert aeng.is_running and not aeng.errored and await aeng.get_tokenizer() is engine.tokenizer
+        await aeng.check_health()
+        sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+        return [o async for o in aeng.generate([5, 6, 7, 8], sp, "after")][-1]
+
+    try:
+        last = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        aeng.shutdown()
+    assert last.finished and len(last.token_ids) == 3 and not engine.requests
+
+
+def test_async_engine_thread_that_dies_ends_its_streams(model, engine):
+    """If the engine thread ends anyway (here: an abort failing again while a failed abort is handled), the
+    streams in flight raise `EngineDead` naming the error and later requests raise it at once, as vLLM's
+    `EngineDeadError`; they used to wait forever."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine, EngineDead
+
+    sp = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    real = engine.abort
+
+    def failing_abort(rid):
+        raise RuntimeError("injected abort failure")
+
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        stream = aeng.generate([5, 6, 7, 8], sp, "x")
+        await stream.__anext__()
+        engine.abort = failing_abort
+        aeng.abort("x")
+        with pytest.raises(EngineDead, match="engine thread died: RuntimeError: injected abort failure"):
+            async for _ in stream:
+                pass
+        with pytest.raises(EngineDead):
+            await aeng.reset_prefix_cache()
+        with pytest.raises(EngineDead, match="engine thread died"):
+            await _collect(aeng.generate([1], sp, "y"))
+        with pytest.raises(EngineDead, match="engine thread died"):
+            await aeng.check_health()
+        assert aeng.errored and not aeng.is_running
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        engine.abort = real
+        aeng.shutdown()
+    assert not aeng.alive and not engine.requests
+    s = engine.stats()
+    assert s["arena_free_units"] == s["arena_baseline_free_units"]
