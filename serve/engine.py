@@ -1608,7 +1608,11 @@ class Engine:
                                "embeddings has none (presence and frequency penalties count generated tokens)")
 
     def _prompt_ids(self, prompt) -> tuple[Optional[str], list[int]]:
-        """A string or token ids."""
+        """A string or token ids (a list, or a 1-D NumPy, JAX or torch array)."""
+        if not isinstance(prompt, (str, list, tuple)) and hasattr(prompt, "__array__"):
+            prompt = np.asarray(prompt)
+            if prompt.ndim != 1:
+                raise RequestError(f"prompt: token ids must be a 1-D array, got shape {prompt.shape}")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise RequestError("prompt: this model has no tokenizer; pass token ids")

@@ -20,6 +20,37 @@ from serve.tools import plan_tools
 from serve.types import RequestOutput, RequestOutputKind, SamplingParams
 
 Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str} or {"prompt_token_ids": [...]}
+# (each with an optional "cache_salt")
+
+
+def prompt_cache_salt(prompt, cache_salt: Optional[str]) -> tuple:
+    """vLLM's prompt dicts may carry their own `cache_salt` (`{"prompt": ..., "cache_salt": "a"}`, the only
+    way vLLM's `LLM.generate` salts a prompt) -> (the prompt without it, the salt it runs with: its own, else
+    `generate`'s `cache_salt`)."""
+    if not isinstance(prompt, dict) or "cache_salt" not in prompt:
+        return prompt, cache_salt
+    salt = prompt["cache_salt"]
+    if cache_salt is not None and salt != cache_salt:
+        raise ValueError(f"cache_salt: the prompt dict's {salt!r} differs from generate's cache_salt={cache_salt!r}")
+    return {k: v for k, v in prompt.items() if k != "cache_salt"}, salt
+
+
+def params_per_prompt(sampling_params, count: int, defaults: Callable[[], SamplingParams]) -> list:
+    """`generate`'s `sampling_params` (one for every prompt, or a list with one per prompt; None, or a None
+    in the list: the model's defaults) -> one per prompt; what is neither raises naming the entry."""
+    if sampling_params is None or isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
+        sampling_params = [sampling_params] * count
+    elif not isinstance(sampling_params, (list, tuple)):
+        raise TypeError(f"sampling_params: expected SamplingParams, BeamSearchParams or a list of them, got "
+                        f"{type(sampling_params).__name__}")
+    if len(sampling_params) != count:
+        raise ValueError(f"got {len(sampling_params)} sampling_params for {count} prompts")
+    for i, sp in enumerate(sampling_params):
+        if sp is not None and not isinstance(sp, (SamplingParams, BeamSearchParams)):
+            raise TypeError(f"sampling_params[{i}]: expected SamplingParams or BeamSearchParams, got "
+                            f"{type(sp).__name__}")
+    default = defaults() if any(sp is None for sp in sampling_params) else None
+    return [default if sp is None else sp for sp in sampling_params]
 
 
 class LLM:
@@ -69,19 +100,20 @@ class LLM:
                  priority: Optional[list[int]] = None, cache_salt: Optional[str] = None,
                  lora_request=None, *, use_tqdm: Union[bool, Callable, None] = None) -> list[RequestOutput]:
         """Run the prompts to completion; `priority` (one per prompt, lower first) orders the queue;
-        `cache_salt`: only requests with the same salt share cached prefixes; `lora_request`: a LoRA
+        `cache_salt`: only requests with the same salt share cached prefixes (a prompt dict's own
+        `"cache_salt"`, vLLM's, for that prompt); `lora_request`: a LoRA
         adapter (a loaded adapter's name or a `LoRARequest`, loaded on first use) for every prompt, or
-        a list with one per prompt (None: the base model). Without `sampling_params`, the model's
-        defaults (`get_default_sampling_params`). `use_tqdm` (vLLM's): a progress bar over finished
+        a list with one per prompt (None: the base model). Without `sampling_params` (or for a None in
+        its list), the model's defaults (`get_default_sampling_params`). Token ids may come as arrays
+        (NumPy, JAX, torch: `[L]` one prompt, `[B, L]` a batch). `use_tqdm` (vLLM's): a progress bar over finished
         prompts (True, or a tqdm-like factory; default: the `progress` the LLM was built with)."""
+        if not isinstance(prompts, (str, dict, list, tuple)) and hasattr(prompts, "__array__"):
+            prompts = np.asarray(prompts)  # (a JAX or torch array of ids)
         if isinstance(prompts, np.ndarray):  # one prompt's ids ([L]) or a batch of them ([B, L])
             prompts = [prompts] if prompts.ndim == 1 else list(prompts)
         if isinstance(prompts, (str, dict)) or (len(prompts) and isinstance(prompts[0], (int, np.integer))):
             prompts = [prompts]
-        if sampling_params is None or isinstance(sampling_params, (SamplingParams, BeamSearchParams)):
-            sampling_params = [sampling_params or self.get_default_sampling_params()] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling_params for {len(prompts)} prompts")
+        sampling_params = params_per_prompt(sampling_params, len(prompts), self.get_default_sampling_params)
         priority = priority if priority is not None else [0] * len(prompts)
         if len(priority) != len(prompts):
             raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
@@ -95,17 +127,20 @@ class LLM:
         ids: list[str] = []
         try:
             for p, sp, pr, lr in zip(prompts, sampling_params, priority, loras):
-                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=cache_salt, lora_request=lr))
-        except Exception:  # a rejected prompt: the ones already queued are withdrawn, nothing runs
+                p, salt = prompt_cache_salt(p, cache_salt)
+                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=salt, lora_request=lr))
+        except BaseException:  # a rejected prompt or Ctrl-C: the ones already queued are withdrawn, nothing runs
             for rid in ids:
                 self.engine.abort(rid)
+            self.engine._reap()
             raise
         done: dict[str, RequestOutput] = {}
+        mine = set(ids)  # (the engine may hold requests added outside this call: their outputs are not ours)
         bar = self._progress_bar(use_tqdm, len(ids))
         try:
             while len(done) < len(ids):
                 for out in self.engine.step():
-                    if out.finished:
+                    if out.finished and out.request_id in mine:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)

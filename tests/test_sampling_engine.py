@@ -513,6 +513,67 @@ def test_llm_chat_renders_like_the_template_and_a_rejected_prompt_withdraws_the_
     assert not e.requests and e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
 
+def test_llm_generate_owns_its_batch_through_ctrl_c_foreign_requests_and_salted_prompt_dicts(llm, monkeypatch):
+    """`LLM.generate`: Ctrl-C while the batch is being queued withdrew nothing (only an Exception did), so the
+    queued prompts kept their memory and ran on in later calls; requests queued outside the call finishing first
+    counted as its own and it ended early with a KeyError; vLLM's prompt dicts with a `cache_salt` were refused."""
+    e = llm.engine
+    p = SP(temperature=0, max_tokens=6, ignore_eos=True)
+    added, add = [], e.add_request
+    monkeypatch.setattr(e, "add_request", lambda *a, **k: (len(added) == 2 and _raise(KeyboardInterrupt()))
+                        or added.append(add(*a, **k)) or added[-1])
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate([PROMPT, PROMPT[:30], PROMPT[:20]], p)
+    monkeypatch.undo()
+    assert len(added) == 2 and not e.requests and not e.has_unfinished()
+    assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+    # requests of someone else's that finish first are not this call's
+    others = [e.add_request(PROMPT[:12], SP(temperature=0, max_tokens=1, ignore_eos=True)) for _ in range(2)]
+    outs = llm.generate([PROMPT[:30], PROMPT[:20]], p)
+    assert [o.prompt_token_ids for o in outs] == [PROMPT[:30], PROMPT[:20]] and not set(others) & {
+        o.request_id for o in outs} and all(len(o.token_ids) == 6 for o in outs)
+    # vLLM's per-prompt salt: prompts share cached prefixes only under the same salt
+    llm.reset_prefix_cache()
+    salted = [{"prompt_token_ids": PROMPT, "cache_salt": "a"}, {"prompt": "a salted text prompt, " * 2, "cache_salt": "a"}]
+    first = llm.generate(salted, p)
+    again = llm.generate(salted + [{"prompt_token_ids": PROMPT, "cache_salt": "b"}, PROMPT], p)
+    assert [o.num_cached_tokens > 0 for o in again] == [True, True, False, False]
+    assert [o.token_ids for o in again[:2]] == [o.token_ids for o in first] and again[1].prompt == salted[1]["prompt"]
+    assert llm.generate(salted[0], p, cache_salt="a")[0].num_cached_tokens > 0
+    with pytest.raises(ValueError, match="cache_salt"):
+        llm.generate([PROMPT, salted[0]], p, cache_salt="b")
+    assert not e.has_unfinished()
+
+
+def _raise(exc):
+    raise exc
+
+
+def test_llm_generate_reads_array_prompts_and_checks_each_sampling_params(llm):
+    """Token ids as JAX arrays (as NumPy ones: `[L]` one prompt, `[B, L]` a batch, or in a list) were refused as
+    "got ArrayImpl"; a None in the sampling_params list ran with SamplingParams() instead of the model's defaults,
+    and an entry of the wrong type failed deep in the engine (AttributeError) instead of naming itself."""
+    e = llm.engine
+    p = SP(temperature=0, max_tokens=3, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([PROMPT[:10], PROMPT[10:20]], p)]
+    batch = jnp.asarray([PROMPT[:10], PROMPT[10:20]], jnp.int32)
+    for prompts in (batch, list(batch), batch[0]):
+        outs = llm.generate(prompts, p)
+        assert [o.token_ids for o in outs] == want[:len(outs)] and outs[0].prompt_token_ids == PROMPT[:10]
+    saved = e.generation_defaults
+    try:
+        e.generation_defaults = {"temperature": 0.0, "max_tokens": 2}  # as read from a generation_config.json
+        outs = llm.generate([PROMPT[:10], PROMPT[10:20]], [None, p])
+    finally:
+        e.generation_defaults = saved
+    assert [o.token_ids for o in outs] == [want[0][:2], want[1]]
+    with pytest.raises(TypeError, match=r"sampling_params\[1\]: expected SamplingParams"):
+        llm.generate([PROMPT, PROMPT], [p, {"temperature": 0}])
+    with pytest.raises(TypeError, match="sampling_params: expected"):
+        llm.generate([PROMPT], {"temperature": 0})
+    assert not e.requests and not e.has_unfinished()
+
+
 def test_structured_rows_survive_preemption(llm, forward_logits):
     """A constrained request preempted mid-answer is recomputed (prompt + outputs so far) and goes on
     under the same matcher: the same tokens as without the preemption."""
