@@ -133,6 +133,34 @@ class _Stream:
             self.text = {}
 
 
+class EngineGroupStatus:
+    """vLLM's `AsyncLLM` status names for an engine made of several `AsyncEngine`s (data-parallel replicas, a
+    disaggregated prefill / decode pair): it serves while every part does. `parts`: those AsyncEngines."""
+
+    parts: tuple
+
+    @property
+    def is_running(self) -> bool:
+        return all(a.is_running for a in self.parts)
+
+    @property
+    def errored(self) -> bool:
+        return not self.is_running
+
+    @property
+    def dead_error(self) -> EngineDead:
+        """The first stopped part's error (requests on it fail with it)."""
+        return next((a.dead_error for a in self.parts if a.errored), EngineDead("the engine is not running"))
+
+    async def check_health(self) -> None:
+        """Raises `dead_error` unless every part serves requests."""
+        if self.errored:
+            raise self.dead_error
+
+    async def get_tokenizer(self):
+        return self.parts[0].engine.tokenizer
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         self.engine = engine

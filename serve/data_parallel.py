@@ -34,7 +34,7 @@ from typing import AsyncIterator, Callable, Optional, Sequence
 
 import jax
 
-from serve.async_engine import AsyncEngine, request_ids
+from serve.async_engine import AsyncEngine, EngineGroupStatus, request_ids
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig, StepFailed, kv_cache_usage
 from serve.types import RequestError, RequestOutput, SamplingParams
@@ -428,7 +428,7 @@ class DataParallelEngine:
 
 # ---- online: the HTTP server ---------------------------------------------------------------------
 
-class DataParallelAsyncEngine:
+class DataParallelAsyncEngine(EngineGroupStatus):
     """One `AsyncEngine` (and engine thread) per replica behind the router, with `AsyncEngine`'s API, so the
     HTTP server (serve/api.py) serves it as one engine. `call(fn)` runs `fn` on every replica (adapters,
     weights), returning the first replica's result."""
@@ -454,6 +454,10 @@ class DataParallelAsyncEngine:
     @property
     def alive(self) -> bool:
         return all(a.alive for a in self.replicas)
+
+    @property
+    def parts(self) -> tuple:
+        return tuple(self.replicas)
 
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:

@@ -27,7 +27,7 @@ import dataclasses
 import uuid
 from typing import AsyncIterator, Optional
 
-from serve.async_engine import AsyncEngine, request_ids
+from serve.async_engine import AsyncEngine, EngineGroupStatus, request_ids
 from serve.beam_search import BeamSearchParams
 from serve.engine import Engine, EngineConfig
 from serve.host_cache import HostCache
@@ -65,7 +65,7 @@ def _prefill_params(params) -> Optional[SamplingParams]:
                           output_kind=RequestOutputKind.FINAL_ONLY)  # only its end is read
 
 
-class DisaggregatedAsyncEngine:
+class DisaggregatedAsyncEngine(EngineGroupStatus):
     """`AsyncEngine`'s API over a prefill engine and a decode engine, each stepped by its own thread, so
     the HTTP server (serve/api.py) serves the pair as one engine."""
 
@@ -86,6 +86,10 @@ class DisaggregatedAsyncEngine:
     @property
     def alive(self) -> bool:
         return self.prefill.alive and self.decode.alive
+
+    @property
+    def parts(self) -> tuple:
+        return self.prefill, self.decode
 
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:

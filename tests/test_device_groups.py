@@ -252,6 +252,37 @@ def test_pause_aborts_on_every_replica_and_both_phases():
     assert asyncio.run(pd.abort_all()) == 5 and pd.prefill.calls == pd.decode.calls == 1
 
 
+def test_replicas_and_pairs_answer_vllms_status_names():
+    """vLLM's `AsyncLLM` status names (`is_running`, `errored`, `dead_error`, `check_health`, `get_tokenizer`) on
+    data-parallel replicas and a disaggregated pair, as on one AsyncEngine: they serve while every part does, and
+    a stopped part's error is theirs (the wrappers had only `alive`)."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve.async_engine import EngineDead
+    from serve.data_parallel import DataParallelAsyncEngine
+    from serve.disaggregated import DisaggregatedAsyncEngine
+
+    def part(dead=None):
+        return SimpleNamespace(is_running=dead is None, errored=dead is not None,
+                               dead_error=EngineDead(dead or "the engine is not running"),
+                               engine=SimpleNamespace(tokenizer="tok"))
+
+    dp = DataParallelAsyncEngine.__new__(DataParallelAsyncEngine)
+    pd = DisaggregatedAsyncEngine.__new__(DisaggregatedAsyncEngine)
+    dp.replicas = [part(), part()]
+    pd.prefill, pd.decode = part(), part()
+    for eng in (dp, pd):
+        assert eng.is_running and not eng.errored and asyncio.run(eng.get_tokenizer()) == "tok"
+        asyncio.run(eng.check_health())
+    dp.replicas[1] = part("the engine thread died: boom")
+    pd.decode = part("the engine is shut down")
+    for eng, why in ((dp, "thread died: boom"), (pd, "shut down")):
+        assert not eng.is_running and eng.errored and why in str(eng.dead_error)
+        with pytest.raises(EngineDead, match=why):
+            asyncio.run(eng.check_health())
+
+
 def test_disaggregated_pair_refuses_a_request_id_in_flight():
     """A second request under an id in flight on a disaggregated pair is refused before it runs anything, as
     `AsyncEngine` and the replicas refuse it; it used to run a prefill, then fail and take the first request's
