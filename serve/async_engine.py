@@ -25,7 +25,7 @@ import threading
 import uuid
 from typing import AsyncIterator, Iterable, Optional, Union
 
-from serve.engine import Engine, StepFailed
+from serve.engine import Engine, EngineSleeping, StepFailed
 from serve.types import RequestError, RequestOutput, RequestOutputKind, SamplingParams
 
 log = logging.getLogger(__name__)
@@ -402,7 +402,7 @@ class AsyncEngine:
                     self.engine.add_request(prompt, params, rid, priority=priority, cache_salt=salt, lora_request=lora)
                     err = None
                     self._owners[rid] = entry
-                except RequestError as e:
+                except (RequestError, EngineSleeping) as e:  # (asleep: the caller's to retry after wake_up)
                     err = e
                 except Exception as e:  # unexpected validation failure: still the client's request only
                     err = RequestError(str(e))

@@ -1077,6 +1077,49 @@ def test_async_engine_coalesces_what_a_slow_consumer_has_not_read(model, engine,
         assert [list(d.items()) for d in c.logprobs] == [list(d.items()) for d in w.logprobs]
 
 
+def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
+    """A request reaching an engine asleep (sleep mode) raises the engine's `EngineSleeping` through the async
+    engine, as through `Engine.add_request` (it came back as a RequestError, a client's bad request)."""
+    import asyncio
+
+    from serve.async_engine import AsyncEngine
+    from serve.engine import EngineSleeping
+    from serve.types import SamplingParams
+
+    class Asleep:  # the engine loop's surface: nothing in flight, every request refused as asleep
+        held, tokenizer, requests = False, None, {}
+
+        def has_unfinished(self):
+            return False
+
+        def idle(self):
+            pass
+
+        def add_request(self, *args, **kwargs):
+            raise EngineSleeping("add_request: the engine is asleep (weights and kv_cache released): wake_up first")
+
+        def abort(self, rid):
+            return False
+
+        def _reap(self):
+            pass
+
+        def close(self):
+            pass
+
+    aeng = AsyncEngine(Asleep())
+
+    async def main():
+        with pytest.raises(EngineSleeping, match="asleep"):
+            async for _ in aeng.generate([1, 2], SamplingParams(max_tokens=2), "z"):
+                pass
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        aeng.shutdown()
+
+
 def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):
     """A `call` whose function raises a BaseException (SystemExit) raises it to its caller; the engine thread
     serves on. It used to end the thread: the call and every later request hung."""
