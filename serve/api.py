@@ -283,6 +283,17 @@ class ChatCompletionRequest(_GenerationFields):
     echo: bool = Field(False, description="vLLM's: each answer starts with the last message's content when that "
                                           "message has the answer's role (the assistant's; any with "
                                           "add_generation_prompt false)")
+    # OpenAI's fields with nothing to change here: accepted and ignored (as vLLM ignores them), not refused as unknown
+    store: Optional[bool] = Field(None, description="OpenAI's; accepted, nothing is stored (no chat completion "
+                                                    "retrieval here)")
+    metadata: Optional[dict[str, str]] = Field(None, description="OpenAI's tags of a stored completion; accepted, "
+                                                                 "ignored")
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = Field(
+        None, description="OpenAI's; accepted, every request is served alike")
+    prediction: Optional[dict[str, Any]] = Field(None, description="OpenAI's predicted output (a latency hint: the "
+                                                                   "answer is the same); accepted, ignored")
+    modalities: Optional[list[str]] = Field(None, description="OpenAI's; only [\"text\"]: audio output is refused")
+    audio: Optional[dict[str, Any]] = Field(None, description="OpenAI's audio output: refused (text only)")
 
 
 class ResponsesRequest(_Strict):
@@ -2393,6 +2404,7 @@ def _tool_plan(tools, tool_choice=None, parallel_tool_calls=None) -> Optional[To
 
 def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_id: Optional[str] = None):
     """A chat request's prompt ids, sampling parameters and response format."""
+    _text_only(body)
     plan = _tool_plan(body.tools, body.tool_choice, body.parallel_tool_calls)
     messages, vectors = _embedded_parts(st, body.messages)
     ids = _chat_ids(st, messages, body.add_generation_prompt, _template_kwargs(st, body), plan,
@@ -2418,6 +2430,16 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                       tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id,
                       include_reasoning=body.include_reasoning, echo=_echo(body) if body.echo else "")
     return ids, params, fmt
+
+
+def _text_only(body: "ChatCompletionRequest") -> None:
+    """OpenAI's audio output (`audio`, `modalities` naming "audio"): a 400 naming the field, since this model writes
+    text only (rather than an answer without the audio asked for)."""
+    if body.modalities is not None and set(body.modalities) != {"text"}:
+        raise APIError(400, f"modalities: only [\"text\"] is served (this model writes text), got "
+                            f"{json.dumps(body.modalities)}", param="modalities")
+    if body.audio is not None:
+        raise APIError(400, "audio: audio output is not served (this model writes text)", param="audio")
 
 
 def _default_max_tokens(st: ServerState, prompts: list, max_tokens: Optional[int],

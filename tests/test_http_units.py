@@ -956,6 +956,36 @@ def test_spaces_between_special_tokens_is_taken_on_every_route():
         SamplingParams(spaces_between_special_tokens="no").validate(512)
 
 
+def test_chat_takes_openais_store_metadata_service_tier_prediction_and_refuses_audio():
+    """OpenAI SDK fields of a chat request that change nothing here (`store`, `metadata`, `service_tier`,
+    `prediction`, `modalities: ["text"]`) are accepted, as vLLM ignores them: they were 400s calling them unknown
+    ("not part of this API"). Audio output (`audio`, `modalities` with "audio") is a 400 naming the field."""
+    from openai.types.chat import ChatCompletion
+
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _KeepsParams()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    base = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 2}
+    ignored = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "modalities": ["text"],
+               "prediction": {"type": "content", "content": "hello"}}
+    refused = [("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
+               ("modalities", {"modalities": ["text", "audio"]})]
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            ok = await c.post("/v1/chat/completions", json={**base, **ignored})
+            return ok, [await c.post("/v1/chat/completions", json={**base, **extra}) for _, extra in refused]
+
+    ok, bad = asyncio.run(go())
+    assert ok.status_code == 200, ok.text
+    assert len(ChatCompletion.model_validate(ok.json()).choices) == 2
+    for (field, _), r in zip(refused, bad):
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+        assert "unknown field" not in r.json()["error"]["message"]
+
+
 def test_truncate_prompt_tokens_minus_one_is_the_context_window():
     """vLLM's `truncate_prompt_tokens: -1` keeps the context window's worth; 0 or more than the window is a 400
     naming the field (it was refused / accepted unbounded)."""
