@@ -778,7 +778,7 @@ class _Run:
         # what the engine runs: a beam search (one output, at its end), or `params` sending deltas, each prompt with
         # its own max_tokens when given (an unset one's default, cut to what that prompt's context leaves)
         self.engine_params = engine_params or dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
-        self.max_tokens = [params.max_tokens] * len(prompts) if max_tokens is None or engine_params else max_tokens
+        self.max_tokens = [params.max_tokens] * len(prompts) if max_tokens is None else max_tokens
         self.priority = priority
         self.extra = {"cache_salt": cache_salt} if cache_salt is not None else {}
         # each prompt's LoRA adapter (None: the base model): one for all, or SGLang's per-prompt `lora_path` list
@@ -819,8 +819,9 @@ class _Run:
     async def _pump(self, i: int, ids: list[int]) -> None:
         accept = lambda: (self.accepted.add(i), self.q.put_nowait((i, _ACCEPTED)))  # noqa: E731
         params = self.engine_params
-        if self.max_tokens[i] != self.params.max_tokens:
-            params = dataclasses.replace(params, max_tokens=self.max_tokens[i])
+        want = _prompt_max_tokens(params, self.max_tokens[i], self.st.max_model_len, _prompt_len(ids))
+        if want != params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=want)
         extra = self.extra if self.loras[i] is None else {**self.extra, "lora_request": self.loras[i]}
         gen = self.st.engine.generate(ids, params, f"{self.base_id}-{i}", priority=self.priority,
                                       on_accept=accept, **extra)
@@ -984,6 +985,16 @@ class _Run:
         self.st.release(self.nseqs)
         if self.st.request_log is not None:
             self.st.request_log(_finished_line(self))
+
+
+def _prompt_max_tokens(params, max_tokens: Optional[int], max_model_len: Optional[int],
+                       prompt_len: int) -> Optional[int]:
+    """What one prompt of a run generates at most: its own `max_tokens`; unset, for a beam search (whose
+    `max_tokens` must be a number) the rest of that prompt's context, as vLLM's beam search sets it per prompt
+    (not the run's one value, the least: it cut every prompt's beams to the longest prompt's room)."""
+    if max_tokens is None and isinstance(params, BeamSearchParams) and max_model_len:
+        return max(1, max_model_len - prompt_len)
+    return max_tokens
 
 
 def _max_tokens_param(max_tokens: Optional[int], max_model_len: Optional[int], prompt_len: int) -> Optional[int]:
@@ -2456,7 +2467,7 @@ def _default_max_tokens(st: ServerState, prompts: list, max_tokens: Optional[int
 
 def _run_max_tokens(each: list[Optional[int]]) -> Optional[int]:
     """The request's one max_tokens of per-prompt ones (`_default_max_tokens`): the least, which fits every prompt
-    (what a beam search, the request log and the checks that take one value use)."""
+    (what the request log and the checks that take one value use; each prompt runs with its own)."""
     given = [m for m in each if m is not None]
     return min(given) if given else None
 

@@ -27,8 +27,9 @@ class Recorder:
 
         self.params.append(params)
         on_accept()
+        n = params.beam_width if hasattr(params, "beam_width") else params.n  # (a beam search: its hypotheses)
         yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(j, self.text, [self.token], "length")
-                                                              for j in range(params.n)], finished=True)
+                                                              for j in range(n)], finished=True)
 
 
 def post_then_scrape(engine, body: dict) -> tuple:

@@ -150,3 +150,10 @@ def test_server_cuts_an_unset_max_tokens_per_prompt_of_a_batch():
     # SGLang's /generate: its default 128, cut per prompt likewise
     assert asked({"text": ["x" * 62, "hi"]}, "/generate") == [2, 62]
     assert asked({"text": ["x" * 62, "hi"], "sampling_params": {"max_new_tokens": 2}}, "/generate") == [2, 2]
+    # a beam search too (vLLM's sets each prompt's beams' max_tokens): it ran every prompt with the least
+    beam = {"prompt": ["x" * 62, "hi"], "use_beam_search": True, "n": 2}
+    assert asked({**beam, "max_tokens": None}) == [2, 5]
+    assert asked({**beam, "max_tokens": 2}) == [2, 2]
+    eng.engine.generation_defaults = {}
+    app = create_app(eng, "m", max_waiting=None)  # (no max_new_tokens: the rest of each prompt's context)
+    assert asked({**beam, "max_tokens": None}) == [2, 62]
