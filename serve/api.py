@@ -675,6 +675,11 @@ def _finite_lp(x: float) -> float:
     return x if math.isfinite(x) and x > LOGPROB_FLOOR else LOGPROB_FLOOR
 
 
+# OpenAI's deprecated chat fields, refused with what replaces them (clients written for the old API send them)
+_DEPRECATED = {"functions": "OpenAI's deprecated field; give the functions as `tools`",
+               "function_call": "OpenAI's deprecated field; use `tool_choice`"}
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     errs = exc.errors()
     if not errs:
@@ -689,7 +694,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]
     param = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
     if e.get("type") == "extra_forbidden":
-        msg = "unknown field (not part of this API)"
+        msg = _DEPRECATED.get(param, "unknown field (not part of this API)")
     more = f" (and {len(errs) - 1} more errors)" if len(errs) > 1 else ""
     return (f"{param}: {msg}" if param else msg) + more, param
 

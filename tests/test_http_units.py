@@ -959,7 +959,8 @@ def test_spaces_between_special_tokens_is_taken_on_every_route():
 def test_chat_takes_openais_store_metadata_service_tier_prediction_and_refuses_audio():
     """OpenAI SDK fields of a chat request that change nothing here (`store`, `metadata`, `service_tier`,
     `prediction`, `modalities: ["text"]`) are accepted, as vLLM ignores them: they were 400s calling them unknown
-    ("not part of this API"). Audio output (`audio`, `modalities` with "audio") is a 400 naming the field."""
+    ("not part of this API"). Audio output (`audio`, `modalities` with "audio") is a 400 naming the field, and
+    OpenAI's deprecated `functions` / `function_call` say what replaces them."""
     from openai.types.chat import ChatCompletion
 
     from k3jax.tokenizer import ByteTokenizer
@@ -971,7 +972,10 @@ def test_chat_takes_openais_store_metadata_service_tier_prediction_and_refuses_a
     ignored = {"store": False, "metadata": {"team": "a"}, "service_tier": "auto", "modalities": ["text"],
                "prediction": {"type": "content", "content": "hello"}}
     refused = [("audio", {"audio": {"voice": "alloy", "format": "wav"}}),
-               ("modalities", {"modalities": ["text", "audio"]})]
+               ("modalities", {"modalities": ["text", "audio"]}),
+               # OpenAI's deprecated function fields: refused saying what replaces them
+               ("functions", {"functions": [{"name": "f", "parameters": {}}]}),
+               ("function_call", {"function_call": "auto"})]
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
