@@ -777,8 +777,9 @@ class _Run:
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
                  lora: Union[None, str, list[Optional[str]]] = None, engine_params: Optional[BeamSearchParams] = None,
                  response_id: Optional[str] = None, key: Optional[str] = None,
-                 max_tokens: Optional[list[Optional[int]]] = None):
+                 max_tokens: Optional[list[Optional[int]]] = None, params_each: Optional[list[SamplingParams]] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
+        self.params_each = params_each  # each prompt's own sampling (SGLang's per-prompt list), else `params`
         self.response_id, self.key = response_id or base_id, key  # for /abort_request
         # what the engine runs: a beam search (one output, at its end), or `params` sending deltas, each prompt with
         # its own max_tokens when given (an unset one's default, cut to what that prompt's context leaves)
@@ -824,6 +825,9 @@ class _Run:
     async def _pump(self, i: int, ids: list[int]) -> None:
         accept = lambda: (self.accepted.add(i), self.q.put_nowait((i, _ACCEPTED)))  # noqa: E731
         params = self.engine_params
+        if self.params_each is not None:  # (SGLang's per-prompt sampling_params)
+            params = dataclasses.replace(self.params_each[i], output_kind=RequestOutputKind.DELTA,
+                                         max_tokens=self.max_tokens[i])
         want = _prompt_max_tokens(params, self.max_tokens[i], self.st.max_model_len, _prompt_len(ids))
         if want != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=want)
@@ -2716,9 +2720,10 @@ def _check_context(st: ServerState, prompts: list[list[int]], params: SamplingPa
 
 async def _serve(st: ServerState, request: Request, key: str, prompts: list[list[int]], params: SamplingParams,
                  body: _GenerationFields, fmt, arrival: float, param: str,
-                 max_tokens: Optional[list[Optional[int]]] = None):
+                 max_tokens: Optional[list[Optional[int]]] = None, params_each: Optional[list[SamplingParams]] = None):
     """Run `prompts` and answer in `fmt`; `max_tokens`: each prompt's own (completions' unset max_tokens, cut to what
-    each prompt's context leaves), else params.max_tokens for all."""
+    each prompt's context leaves), else params.max_tokens for all; `params_each`: each prompt's own sampling (SGLang's
+    per-prompt `sampling_params` list, with `max_tokens` given and one `n`), else `params` for all."""
     stream_options = getattr(body, "stream_options", None)
     if stream_options is not None and not body.stream:
         raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
@@ -2741,9 +2746,11 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         reserve = _check_context(st, prompts, params, param, budget, max_tokens)
     beam = _beam_params(st, body, params, prompts) if getattr(body, "use_beam_search", False) else None
     grammars = getattr(getattr(st.engine, "engine", None), "grammars", None)
-    if params.structured_outputs is not None and grammars is not None:
-        try:  # compile here, off the engine thread; the engine finds it cached
-            await asyncio.to_thread(grammars.compile, params.structured_outputs)
+    for constraint in (p.structured_outputs for p in params_each or [params]):
+        if constraint is None or grammars is None:
+            continue
+        try:  # compile here, off the engine thread; the engine finds it cached (a repeat too)
+            await asyncio.to_thread(grammars.compile, constraint)
         except RequestError as e:
             field = _param_of(str(e))
             name = _constraint_param(body, field)
@@ -2762,7 +2769,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
     ticket = st.admit(key, len(prompts) * params.n, reserve)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
-               beam, response_id=fmt.id, key=key, max_tokens=max_tokens)
+               beam, response_id=fmt.id, key=key, max_tokens=max_tokens, params_each=params_each)
     fmt.run = run  # formats that stream whole objects read the merged answer
     handed_off = False
     try:

@@ -1,17 +1,19 @@
-"""SGLang's native API: `POST /generate`, `GET /get_model_info`, `GET /get_server_info` (and its newer name
-`/server_info`) -- what SGLang's own clients speak: RL rollout workers that send token ids and read back
-`output_ids` with their logprobs, `sglang.bench_serving --backend sglang`, routers that ask a worker what it
-serves, scripts written against SGLang. (`/flush_cache`, `/abort_request`, `/health_generate` and
-`/update_weights_from_disk` live with their vLLM twins in serve/api.py.)
+"""SGLang's native API: `POST /generate`, `GET /get_model_info` (and its newer name `/model_info`),
+`GET /get_weight_version`, `GET /get_server_info` (and its newer name `/server_info`) -- what SGLang's own
+clients speak: RL rollout workers that send token ids and read back `output_ids` with their logprobs,
+`sglang.bench_serving --backend sglang`, routers that ask a worker what it serves, scripts written against SGLang.
+(`/flush_cache`, `/abort_request`, `/health_generate` and `/update_weights_from_disk` live with their vLLM twins
+in serve/api.py.)
 
 Request: `text` or `input_ids` (one prompt or a batch) or `input_embeds` (vectors [L, H], with
-`--enable-prompt-embeds`), a `sampling_params` object (SGLang's names: `max_new_tokens` (default 128, or what
-the context leaves when less), `min_new_tokens`, `stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`,
-`min_p`, the penalties, `n`, `ignore_eos`, `skip_special_tokens`, `spaces_between_special_tokens` (accepted; the
-text is the tokenizer's own decode either way), `no_stop_trim`, `json_schema` / `regex` / `ebnf`, `sampling_seed`,
-`logit_bias`), `return_logprob` with `top_logprobs_num`, `logprob_start_len` (>= 0: the
-prompt's logprobs from that position) and `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a
-loaded adapter's name, or a batch's list of one per prompt, null for the base model), `priority`,
+`--enable-prompt-embeds`), a `sampling_params` object, or for a batch a list of one per prompt (one `n` for
+all) (SGLang's names: `max_new_tokens` (default 128, or what the context leaves when less), `min_new_tokens`,
+`stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `n`, `ignore_eos`,
+`skip_special_tokens`, `spaces_between_special_tokens` (accepted; the text is the tokenizer's own decode either way),
+`no_stop_trim`, `json_schema` / `regex` / `ebnf`, `sampling_seed`, `logit_bias`), `return_logprob` with
+`top_logprobs_num`, `logprob_start_len` (>= 0: the prompt's logprobs from that position) and
+`return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a loaded adapter's name, or a batch's list of one per
+prompt, null for the base model), `priority`,
 `return_routed_experts` (with `--enable-return-routed-experts`; from `routed_experts_start_len`),
 `return_hidden_states` (with `--enable-return-hidden-states`).
 
@@ -28,12 +30,13 @@ Logprob entries are `[logprob, token_id, text or null]`. Streams send the whole 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, Optional, Union
 
 from fastapi import Depends, FastAPI, Request
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from serve import api, prompt_embeds
 from serve.routed_experts import to_base64
@@ -78,6 +81,9 @@ class GenerateSamplingParams(BaseModel):
     logit_bias: Optional[dict[str, float]] = None
 
 
+_EACH = TypeAdapter(list[GenerateSamplingParams])
+
+
 class GenerateRequest(BaseModel):
     """SGLang's `GenerateReqInput` (the fields this server serves)."""
 
@@ -86,7 +92,8 @@ class GenerateRequest(BaseModel):
     input_ids: Optional[Union[list[int], list[list[int]]]] = None
     input_embeds: Optional[Union[list[list[float]], list[list[list[float]]]]] = Field(
         None, description="prompt vectors [L, H] (or a batch of them); needs --enable-prompt-embeds")
-    sampling_params: Optional[GenerateSamplingParams] = None
+    sampling_params: Optional[Union[GenerateSamplingParams, list[GenerateSamplingParams]]] = Field(
+        None, description="one object for every prompt, or a batch's list of one per prompt (one n for all)")
     rid: Optional[str] = None
     return_logprob: bool = False
     logprob_start_len: int = Field(-1, ge=-1, description="-1: output logprobs only; N: the prompt's from N")
@@ -101,6 +108,14 @@ class GenerateRequest(BaseModel):
     routed_experts_start_len: int = Field(0, ge=0, description="routed experts from this position on")
     return_hidden_states: bool = Field(False, description="every position's final hidden states (needs "
                                                           "--enable-return-hidden-states)")
+
+    @field_validator("sampling_params", mode="wrap")
+    @classmethod
+    def _one_or_each(cls, value, handler):
+        """One object or a list of them, an error located in what was given (not reported for both readings)."""
+        if value is None:
+            return None
+        return _EACH.validate_python(value) if isinstance(value, list) else GenerateSamplingParams.model_validate(value)
 
     @property
     def model(self) -> Optional[str]:  # what the shared path reads to pick a LoRA adapter
@@ -160,8 +175,24 @@ def max_new_tokens_of(st: "api.ServerState", sp: GenerateSamplingParams, prompts
 SAMPLING_EPS = 1e-6
 
 
-def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list) -> SamplingParams:
-    sp = body.sampling_params or GenerateSamplingParams()
+def sampling_params_of(body: GenerateRequest, prompts: list) -> list[GenerateSamplingParams]:
+    """Each prompt's `sampling_params`: one object (or none: the defaults) for all, or SGLang's list of one per
+    prompt, which must agree on `n` (SGLang's rule: a batch's samples are indexed prompt-major)."""
+    sp = body.sampling_params
+    if not isinstance(sp, list):
+        return [sp or GenerateSamplingParams()] * len(prompts)
+    if len(sp) != len(prompts):
+        raise api.APIError(400, f"sampling_params: a list of {len(sp)} for {len(prompts)} prompts; give one per "
+                                f"prompt, or one object for all", param="sampling_params")
+    if len({s.n for s in sp}) > 1:
+        raise api.APIError(400, "sampling_params: every prompt's n must be the same", param="sampling_params.n")
+    return sp
+
+
+def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list,
+                sp: Optional[GenerateSamplingParams] = None) -> SamplingParams:
+    """The engine's params of `prompts` under `sp` (default: the request's one `sampling_params` object)."""
+    sp = sp or body.sampling_params or GenerateSamplingParams()
     constraints = [(k, v) for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("grammar", sp.ebnf))
                    if v is not None]
     if len(constraints) > 1:
@@ -309,7 +340,14 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
         raise api.APIError(400, f"lora_path: a list of {len(body.model_of_each)} adapters for {len(prompts)} "
                                 f"prompts; give one per prompt (null: the base model), or one name for all",
                            param="lora_path")
-    params = sampling_of(st, body, prompts)
+    each = sampling_params_of(body, prompts)
+    max_tokens = [m for sp, p in zip(each, prompts) for m in max_new_tokens_of(st, sp, [p])]
+    params_each = None
+    if isinstance(body.sampling_params, list):  # SGLang's per-prompt list: each prompt its own params
+        params_each = [sampling_of(st, body, [p], sp) for sp, p in zip(each, prompts)]
+        params = dataclasses.replace(params_each[0], max_tokens=api._run_max_tokens(max_tokens))
+    else:
+        params = sampling_of(st, body, prompts)
     if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
         raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",
                            param="logprob_start_len")
@@ -318,8 +356,7 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival)
     try:
         return await api._serve(st, request, key, prompts, params, body, fmt, arrival, field,
-                                max_tokens=max_new_tokens_of(st, body.sampling_params or GenerateSamplingParams(),
-                                                             prompts))
+                                max_tokens=max_tokens, params_each=params_each)
     except api.APIError as e:  # the engine's refusals name its fields: say SGLang's
         if e.status == 400 and e.param in _NAMES:
             raise _error(RequestError(e.message)) from None
@@ -358,9 +395,16 @@ def register(app: FastAPI, st: "api.ServerState", authenticate, ready, responses
     """Add SGLang's routes to the app: generation behind its key check and readiness, the info routes behind
     readiness."""
 
-    @app.get("/get_model_info", responses=responses)
     async def get_model_info(_r: None = Depends(ready)):
         return model_info(st)
+
+    for path in ("/get_model_info", "/model_info"):  # (newer SGLang's name; slime reads it first)
+        app.add_api_route(path, get_model_info, methods=["GET"], responses=responses, operation_id=path.strip("/"))
+
+    @app.get("/get_weight_version", responses=responses)
+    async def get_weight_version():
+        """SGLang's: the weights' version now (RL loops check a weight sync with it)."""
+        return {"weight_version": st.weight_version}
 
     async def get_server_info(_r: None = Depends(ready)):
         return server_info(st)

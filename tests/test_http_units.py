@@ -691,6 +691,51 @@ def test_generate_default_max_new_tokens_shrinks_to_the_context():
     assert r.json()["error"]["message"].startswith("'max_new_tokens' is too large: 61.")
 
 
+def test_generate_takes_sglangs_per_prompt_sampling_params_list():
+    """SGLang's /generate batch may give one `sampling_params` object per prompt (a list, one `n` for all): each
+    prompt runs under its own (it was a 400); a list of the wrong length, differing `n`s, or a bad entry are 400s
+    naming it; one object still serves every prompt, its errors named as before."""
+    from recording_engine import Recorder
+
+    eng = Recorder(max_model_len=160)
+    app = create_app(eng, "m")
+
+    async def go(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/generate", json=body)
+
+    each = [{"max_new_tokens": 2, "sampling_seed": 5, "n": 2}, {"temperature": 0, "stop": ["x"], "n": 2}]
+    r = asyncio.run(go({"input_ids": [[1, 2], [3] * 100], "sampling_params": each}))
+    assert r.status_code == 200, r.text
+    assert len(r.json()) == 4 and [o["meta_info"]["prompt_tokens"] for o in r.json()] == [2, 2, 100, 100]
+    got = [(p.max_tokens, p.seed, p.temperature, p.stop, p.n) for p in eng.params[-2:]]
+    assert got == [(2, 5, 1.0, [], 2), (60, None, 0.0, ["x"], 2)]  # (the second's default cut to its context)
+    for sp, param in (([{}], "sampling_params"), ([{"n": 2}, {}], "sampling_params.n"),
+                      ([{}, {"temperature": -1}], "sampling_params.1.temperature"),
+                      ([{}, {"max_new_tokens": 100}], "max_new_tokens"),
+                      ({"temperature": -1}, "sampling_params.temperature"), (3, "sampling_params")):
+        r = asyncio.run(go({"input_ids": [[1, 2], [3] * 100], "sampling_params": sp}))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (sp, r.text)
+    r = asyncio.run(go({"input_ids": [[1, 2], [3]], "sampling_params": {"max_new_tokens": 3}}))
+    assert r.status_code == 200 and [p.max_tokens for p in eng.params[-2:]] == [3, 3]
+
+
+def test_sglang_weight_version_and_model_info_routes():
+    """SGLang's GET /get_weight_version ({"weight_version"}) and /get_model_info's newer name /model_info (slime reads
+    the version from one or the other; both were 404s)."""
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(max_model_len=64), "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.get(p) for p in ("/get_weight_version", "/model_info", "/get_model_info")]
+
+    version, info, old = asyncio.run(go())
+    assert version.status_code == 200 and version.json() == {"weight_version": "default"}
+    assert info.status_code == 200 and info.json() == old.json() and info.json()["weight_version"] == "default"
+
+
 class _TwoSamples(_OneToken):
     """A stand-in AsyncEngine streaming deltas of an n = 2 request: both samples' first tokens, then sample 0
     ends at its length, then sample 1 at a stop."""
