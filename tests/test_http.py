@@ -735,7 +735,7 @@ def _err(r, status):
     ({"prompt": "x", "top_k": -7}, "top_k"),
     ({"prompt": "x", "min_p": 2}, "min_p"),
     ({"prompt": "x", "n": 0}, "n"),
-    ({"prompt": "x", "logprobs": 19}, "logprobs"),  # engine allows up to 5
+    ({"prompt": "x", "logprobs": 21}, "logprobs"),  # engine allows up to max_logprobs (20)
     ({"prompt": "x", "seed": 2 ** 63}, "seed"),  # (-1 is no seed, as vLLM; any 64-bit integer is one)
     ({"prompt": "x", "stop": [""]}, "stop"),
     ({"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
