@@ -209,7 +209,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--model", default="tiny-k3", help="preset name or checkpoint directory")
     g.add_argument("--prompt", required=True)
     g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--dtype", default="float32", type=dtype_arg, help="float32, bfloat16 or auto (the checkpoint's)")
+    g.add_argument("--dtype", default="auto", type=dtype_arg,
+                   help="auto (the default: the checkpoint's; presets float32), float32 or bfloat16")
     g.add_argument("--seed", type=int, default=0, help="weight seed for presets")
     g.set_defaults(fn=_cmd_generate)
 
@@ -256,7 +257,7 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--model", default="k3-small")
         s.add_argument("--host", default="127.0.0.1")
         s.add_argument("--port", type=int, default=8000)
-        s.add_argument("--dtype", default="float32", type=dtype_arg)
+        s.add_argument("--dtype", default="auto", type=dtype_arg)
     else:
         add_serve_arguments(s)
         s.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",

@@ -167,11 +167,11 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def load_model(path_or_preset: str, dtype="float32", seed: int = 0, *, sharding: str | None = None,
+def load_model(path_or_preset: str, dtype="auto", seed: int = 0, *, sharding: str | None = None,
                devices=None) -> Model:
     """Load a preset name (seeded random weights), an HF safetensors directory (`kimi_linear` or
-    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything. `dtype`: float32,
-    bfloat16 or "auto" (vLLM's: the checkpoint's, `resolve_dtype`).
+    `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything. `dtype`: "auto"
+    (the default, vLLM's: the checkpoint's, `resolve_dtype`; presets float32), float32 or bfloat16.
 
     `sharding` (a config name or YAML path, as the engine's) and `devices` (indices into `jax.devices()`)
     load the weights straight into the placement an engine with the same two options gives them: each

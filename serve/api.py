@@ -496,7 +496,8 @@ class ServerState:
         self.last_output = -math.inf  # monotonic time of the latest engine output a request received
         self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
         self.request_log: Optional[Callable[[str], None]] = None  # vLLM's --enable-log-requests: says a line
-        self.metrics = ServerMetrics(self.model_name, self.engine_stats, self._frontend, max_model_len)
+        self.metrics = ServerMetrics(self.model_name, self.engine_stats, self._frontend, max_model_len,
+                                     each=self.replica_stats)
 
     # ---- engine ----
     def attach(self, async_engine) -> None:
@@ -507,6 +508,8 @@ class ServerState:
         self.cfg = eng.cfg
         self.max_model_len = eng.config.max_model_len
         self.metrics.size_token_buckets(self.max_model_len)
+        for i in range(getattr(async_engine, "data_parallel_size", 1)):
+            self.metrics.engine(i)  # every data-parallel replica's request series, from the start (vLLM's)
         self.max_logprobs = eng.config.max_logprobs
         self.routed_experts = bool(getattr(eng.config, "enable_return_routed_experts", False))
         self.hidden_states = bool(getattr(eng.config, "enable_return_hidden_states", False))
@@ -543,17 +546,13 @@ class ServerState:
 
     def engine_stats(self) -> dict:
         eng = self.engine
-        if eng is None:
-            return {}
-        for _ in range(5):  # the engine thread may mutate its dicts while we read them
-            try:
-                return dict(eng.stats())
-            except (RuntimeError, ValueError, KeyError):
-                continue
-            except Exception:  # never break a scrape
-                log.exception("engine.stats() failed")
-                return {}
-        return {}
+        return {} if eng is None else _read_stats(lambda: dict(eng.stats()), {})
+
+    def replica_stats(self) -> list:
+        """Each data-parallel replica's own statistics (its /metrics series carry its index as `engine`); []
+        for one engine."""
+        each = getattr(self.engine, "replica_stats", None)
+        return [] if each is None else _read_stats(lambda: [dict(s) for s in each()], [])
 
     def _frontend(self) -> dict:
         return {"ready": 1 if self.healthy else 0, "requests_in_flight": self.requests_in_flight,
@@ -806,6 +805,7 @@ class _Run:
         self._started: list[set[int]] = [set() for _ in prompts]
         self._ended: list[set[int]] = [set() for _ in prompts]
         self._token_times: dict[tuple[int, int], list[float]] = {}  # (prompt, sample) -> [first, last] token time
+        self.engines = [0] * len(prompts)  # the engine (data-parallel replica) each prompt runs on: its metrics' label
 
     def start(self) -> None:
         self.st.track(self)
@@ -823,7 +823,13 @@ class _Run:
         return bool(left)
 
     async def _pump(self, i: int, ids: list[int]) -> None:
-        accept = lambda: (self.accepted.add(i), self.q.put_nowait((i, _ACCEPTED)))  # noqa: E731
+        rid = f"{self.base_id}-{i}"
+
+        def accept() -> None:
+            self.engines[i] = _engine_index(self.st.engine, rid)
+            self.accepted.add(i)
+            self.q.put_nowait((i, _ACCEPTED))
+
         params = self.engine_params
         if self.params_each is not None:  # (SGLang's per-prompt sampling_params)
             params = dataclasses.replace(self.params_each[i], output_kind=RequestOutputKind.DELTA,
@@ -832,7 +838,7 @@ class _Run:
         if want != params.max_tokens:
             params = dataclasses.replace(params, max_tokens=want)
         extra = self.extra if self.loras[i] is None else {**self.extra, "lora_request": self.loras[i]}
-        gen = self.st.engine.generate(ids, params, f"{self.base_id}-{i}", priority=self.priority,
+        gen = self.st.engine.generate(ids, params, rid, priority=self.priority,
                                       on_accept=accept, **extra)
         try:
             async for out in gen:
@@ -909,7 +915,7 @@ class _Run:
         return whole
 
     def _observe(self, i: int, out: RequestOutput) -> None:
-        m, now = self.st.metrics, time.monotonic()
+        m, now = self.st.metrics.engine(self.engines[i]), time.monotonic()
         self.st.last_output = now
         self.accepted.add(i)
         self._merge(i, out)
@@ -929,10 +935,8 @@ class _Run:
                         m.queue.observe(max(0.0, qs - self.arrival))
                     self._token_times[i, j] = [ft or lt, lt]
                 self._token_times[i, j][1] = lt
-                if self._last[i][j] is not None:
-                    dt = (now - self._last[i][j]) / k
-                    for _ in range(k):
-                        m.itl.observe(dt)
+                if self._last[i][j] is not None:  # once per output, as vLLM's: a step's k tokens (drafts
+                    m.itl.observe(now - self._last[i][j])  # accepted) are one gap, not k gaps of 1/k of it
                 self._last[i][j] = now
             if o.finish_reason is not None and j not in self._ended[i]:
                 self._ended[i].add(j)
@@ -953,7 +957,7 @@ class _Run:
                 max_tokens = _max_tokens_param(self.max_tokens[i], self.st.max_model_len, prompt_len)
                 if max_tokens:
                     m.req_max_tokens.observe(max_tokens)
-                m.finished(o.finish_reason)
+                self.st.metrics.finished(o.finish_reason, self.engines[i])
                 if len(self._ended[i]) == self.params.n:  # the prompt's last sample: its n, its longest sample
                     m.req_n.observe(self.params.n)
                     m.req_max_gen.observe(max(len(c.token_ids) for c in self._whole[i].outputs))
@@ -989,11 +993,17 @@ class _Run:
         # it refused never ran: as vLLM, it is no finished request)
         for i in self.unfinished & self.accepted:
             for _ in range(self.params.n - len(self._ended[i])):
-                self.st.metrics.finished("error" if i in self.failed else "abort")
+                self.st.metrics.finished("error" if i in self.failed else "abort", self.engines[i])
         self.ticket.settle(self.usage()["total_tokens"])
         self.st.release(self.nseqs)
         if self.st.request_log is not None:
             self.st.request_log(_finished_line(self))
+
+
+def _engine_index(engine, request_id: str) -> int:
+    """Which data-parallel replica runs the request (`DataParallelAsyncEngine.engine_index`); 0 for one engine."""
+    index = getattr(engine, "engine_index", None)
+    return 0 if index is None else index(request_id)
 
 
 def _prompt_max_tokens(params, max_tokens: Optional[int], max_model_len: Optional[int],
@@ -1023,6 +1033,20 @@ def _request_line(run: _Run) -> str:
                 + (f" lora={','.join(sorted(set(run.loras) - {None}))}" if any(run.loras) else ""))
     tokens = sum(map(_prompt_len, run.prompts))
     return f"request {run.response_id}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
+
+
+def _read_stats(read: Callable, default):
+    """`read()`, retried while the engine thread mutates the dicts it reads; `default` if it keeps failing or
+    raises otherwise (never break a scrape)."""
+    for _ in range(5):
+        try:
+            return read()
+        except (RuntimeError, ValueError, KeyError):
+            continue
+        except Exception:
+            log.exception("engine.stats() failed")
+            return default
+    return default
 
 
 def _finished_line(run: _Run) -> str:

@@ -33,7 +33,7 @@ BODY_BYTES = 1 << 20  # the request body limit's default
 EMBEDS_BODY_BYTES = 512 << 20  # ... when prompts may be vectors (base64 tensors)
 
 DEFAULTS = dict(
-    model="k3-small", host="127.0.0.1", port=8000, dtype="float32", seed=0, served_model_name=None,
+    model="k3-small", host="127.0.0.1", port=8000, dtype="auto", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     long_prefill_chunk=0, max_num_batched_tokens=None,
     context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=20, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
@@ -55,6 +55,7 @@ DEFAULTS = dict(
     log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
     async_scheduling=False, enable_chunked_prefill=True, trust_remote_code=False, config=None,
     enable_auto_tool_choice=False, tool_call_parser=None, reasoning_parser=None, chat_template=None,
+    enforce_eager=False, swap_space=None,
 )
 # options of the HTTP server alone: `k3jax run-batch` (vLLM's too) has none of them (its parser refuses them)
 SERVER_ONLY = ("host", "port", "api_key", "api_key_file", "rpm", "tpm", "max_waiting", "max_body_bytes",
@@ -92,9 +93,9 @@ def add_serve_arguments(s, server: bool = True) -> None:
     s.add_argument("--host", default=d["host"])
     s.add_argument("--port", type=int, default=d["port"])
     s.add_argument("--dtype", default=d["dtype"], type=dtype_arg,
-                   help="model weights and arithmetic: float32 (default), bfloat16, or vLLM's auto (the checkpoint's "
-                        "torch_dtype: bfloat16 for a bfloat16 checkpoint, else float32; presets: float32); float is "
-                        "float32; float16 / half is refused")
+                   help="model weights and arithmetic: vLLM's auto (the default: the checkpoint's torch_dtype, "
+                        "bfloat16 for a bfloat16 checkpoint, else float32; presets: float32), bfloat16 or float32; "
+                        "float is float32; float16 / half is refused")
     s.add_argument("--seed", type=int, default=d["seed"],
                    help="seeds the sampling of requests that give no seed (vLLM's) and presets' weights")
     s.add_argument("--config", default=None, metavar="FILE.yaml",
@@ -237,6 +238,13 @@ def add_serve_arguments(s, server: bool = True) -> None:
                         "('package.module:attribute', a "
                         "serve.logits_processors.LogitsProcessor or a factory of one), compiled into the step "
                         "programs; a request turns one on with its argument names in `vllm_xargs`")
+    e.add_argument("--enforce-eager", action=argparse.BooleanOptionalAction, default=d["enforce_eager"],
+                   help="vLLM's: accepted, changes nothing: every step program is compiled by XLA before serving (no "
+                        "eager mode, no CUDA graphs to skip); fewer programs start faster (--decode-buckets, "
+                        "--context-buckets)")
+    e.add_argument("--swap-space", type=float, default=d["swap_space"], metavar="GiB",
+                   help="vLLM's: accepted, changes nothing: preempted requests are recomputed (as in vLLM V1, which "
+                        "ignores it too); host memory for cached pages: --kv-offloading-size / --host-cache-mb")
     e.add_argument("--compile-cache-dir", default=None, help="persistent JAX compilation cache (default "
                                                              "$JAX_COMPILATION_CACHE_DIR, else ~/.cache/k3jax/jax)")
     e.add_argument("--no-compile-cache", action="store_true",
@@ -497,6 +505,9 @@ def engine_config(o: dict):
     if o.get("enable_chunked_prefill") is False:
         raise ValueError("--no-enable-chunked-prefill: prompts are always prefilled in chunks of --prefill-chunk "
                          "tokens here (a longer chunk: --long-prefill-chunk)")
+    swap = o.get("swap_space")
+    if swap is not None and not 0 <= swap < math.inf:
+        raise ValueError(f"--swap-space: expected GiB >= 0, got {swap!r}")
     budget = o.get("max_num_batched_tokens")
     for key in ("page_size", "max_num_seqs", "prefill_chunk", "cache_mb") + (() if auto else ("max_model_len",)) + (
             () if budget is None else ("max_num_batched_tokens",)):
@@ -568,6 +579,20 @@ def engine_config(o: dict):
         generation_config=o.get("generation_config") or "auto",
         enable_prompt_embeds=bool(o.get("enable_prompt_embeds")),
         async_scheduling=bool(o.get("async_scheduling")))
+
+
+def vllm_notes(o: dict) -> list[str]:
+    """What the vLLM options accepted for a launch line's sake but meaning nothing here were given for: a line
+    each, said at start-up (so no one tunes them expecting an effect)."""
+    notes = []
+    if o.get("enforce_eager"):
+        notes.append("--enforce-eager: accepted, changes nothing: every step program is compiled by XLA before "
+                     "serving (no eager mode, no CUDA graphs); fewer buckets start faster")
+    if o.get("swap_space") is not None:
+        notes.append(f"--swap-space {o['swap_space']:g}: accepted, changes nothing: preempted requests are "
+                     f"recomputed (as in vLLM V1); host memory for cached pages is --kv-offloading-size GiB "
+                     f"(--host-cache-mb)")
+    return notes
 
 
 def check_server_flags(o: dict) -> None:
@@ -863,6 +888,8 @@ def serve_main(args) -> int:
     check_model(o["model"])
     o["dtype"] = resolve_dtype(o["dtype"], o["model"])  # vLLM's auto: the checkpoint's (said as it loads)
     adapters = lora_modules(o)
+    for note in vllm_notes(o):
+        _say(note)
     if o["num_processes"] > 1 or o["coordinator_address"]:
         if o["data_parallel_size"] > 1:
             raise ValueError("--data-parallel-size: replicas live in one process; a multi-host mesh runs one engine")

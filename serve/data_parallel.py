@@ -459,6 +459,14 @@ class DataParallelAsyncEngine(EngineGroupStatus):
     def parts(self) -> tuple:
         return tuple(self.replicas)
 
+    @property
+    def data_parallel_size(self) -> int:
+        return len(self.replicas)
+
+    def engine_index(self, request_id: str) -> int:
+        """The replica running the request (vLLM's `engine` label of its metrics); 0 once it ended."""
+        return self._where.get(request_id, 0)
+
     async def generate(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
                        cache_salt: Optional[str] = None, lora_request=None, on_accept=None) -> AsyncIterator[RequestOutput]:
         request_id = request_id or f"req-{uuid.uuid4().hex}"
@@ -487,6 +495,10 @@ class DataParallelAsyncEngine(EngineGroupStatus):
 
     def stats(self) -> dict:
         return merge_stats([a.engine.stats() for a in self.replicas], self.devices, self.router)
+
+    def replica_stats(self) -> list[dict]:
+        """Each replica's own `stats()` (the /metrics series of engine "0", "1", ..., as vLLM labels DP ranks)."""
+        return [a.engine.stats() for a in self.replicas]
 
     async def call(self, fn):
         return (await self.call_each(fn))[0]

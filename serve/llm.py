@@ -56,8 +56,9 @@ def params_per_prompt(sampling_params, count: int, defaults: Callable[[], Sampli
 class LLM:
     """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields (`seed`, as vLLM's, seeds the
     sampling of requests without a seed of their own, and a preset's random weights) plus `dtype` when a path or
-    preset is given, and `data_parallel_size`: that many replicas of the engine, each on
-    its own devices (`len(jax.devices()) / N` of them under a `sharding` config, one without), with
+    preset is given (vLLM's default "auto": the checkpoint's `torch_dtype`; float32 for presets), and
+    `data_parallel_size`: that many replicas of the engine, each on its own devices (`len(jax.devices()) / N` of
+    them under a `sharding` config, one without), with
     prompts routed by cached prefix and load (`data_parallel_routing="cache_aware"`) or by load alone
     (`"load"`; serve/data_parallel.py).
 
@@ -67,7 +68,7 @@ class LLM:
 
     progress: bool = True  # progress bars (warm-up, and `use_tqdm`'s default)
 
-    def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "float32", seed: int = 0,
+    def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "auto", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  **engine_options):
         # vLLM's `seed` seeds sampling (unseeded requests' seeds are drawn from it); a preset's weights too

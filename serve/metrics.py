@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import operator
 import time
+from types import SimpleNamespace
 from typing import Any, Callable, Iterable, Mapping, Optional
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics, generate_latest
@@ -66,8 +67,9 @@ def token_buckets(max_model_len) -> tuple:
 
 _N_BUCKETS = (1, 2, 5, 10, 20)
 
-# vLLM's labels on every series: the served model's name and the engine ("0": one engine serves, data-parallel
-# replicas included, whose totals these are; `k3jax:replica_*` has each replica's gauges)
+# vLLM's labels on every series: the served model's name and the engine ("0" for one engine; data-parallel replicas
+# are engines "0", "1", ... as vLLM's DP ranks: each replica's engine statistics and the requests it served; the
+# router's and the HTTP front end's series are engine "0")
 LABELS = ["model_name", "engine"]
 ENGINE = "0"
 
@@ -121,7 +123,7 @@ def _first(d: Mapping, *keys, default=0.0):
     return default
 
 
-def _iteration_tokens(it, model: str) -> HistogramMetricFamily:
+def _iteration_tokens(it, model: str, engine: str = ENGINE) -> HistogramMetricFamily:
     """vLLM's `vllm:iteration_tokens_total` (a histogram, whatever its name) from the engine's per-bucket counts
     (zeros in vLLM's buckets when the engine reports none)."""
     h = HistogramMetricFamily("vllm:iteration_tokens_total", "Tokens per engine step (prompt and decode rows').",
@@ -132,35 +134,49 @@ def _iteration_tokens(it, model: str) -> HistogramMetricFamily:
     for le, n in sorted(it["counts"].items(), key=lambda kv: float(kv[0])):  # cumulative, as Prometheus's
         total += _num(n)
         buckets.append((le, total))
-    h.add_metric([model, ENGINE], buckets, _num(it.get("sum")))
+    h.add_metric([model, engine], buckets, _num(it.get("sum")))
     return h
 
 
-def _sleep_state(level, model: str) -> GaugeMetricFamily:
+def _sleep_state(level, model: str, engine: str = ENGINE) -> GaugeMetricFamily:
     """vLLM's `vllm:engine_sleep_state`: 1 on the state the engine is in (awake, weights_offloaded: sleep level 1,
     discard_all: level 2), 0 on the others."""
     level = int(_num(level))
     g = GaugeMetricFamily("vllm:engine_sleep_state", "Engine sleep state: awake, weights_offloaded (sleep level 1) "
                           "or discard_all (level 2) is 1.", labels=LABELS + ["sleep_state"])
     for state, at in (("awake", 0), ("weights_offloaded", 1), ("discard_all", 2)):
-        g.add_metric([model, ENGINE, state], float(level == at))
+        g.add_metric([model, engine, state], float(level == at))
     return g
 
 
 class EngineCollector:
-    """Reads the engine's statistics at scrape time (a custom prometheus collector)."""
+    """Reads the engine's statistics at scrape time (a custom prometheus collector). `each`: each data-parallel
+    replica's own statistics (their series then carry engine "0", "1", ...; [] or None: one engine)."""
 
-    def __init__(self, stats: Callable[[], dict], model_name: str, frontend: Callable[[], dict]):
-        self._stats, self._model, self._frontend = stats, model_name, frontend
+    def __init__(self, stats: Callable[[], dict], model_name: str, frontend: Callable[[], dict],
+                 each: Optional[Callable[[], list]] = None):
+        self._stats, self._model, self._frontend, self._each = stats, model_name, frontend, each
 
     def describe(self):  # no describe-time scrape (stats may not exist yet)
         return []
 
     def collect(self) -> Iterable:
         s = self._stats() or {}
-        fe = self._frontend() or {}
+        each = (self._each() if self._each is not None else None) or [s]
+        families: dict[str, Any] = {}  # one family per name, its samples every engine's
+        for i, es in enumerate(each):
+            for fam in self._engine_families(es or {}, str(i)):
+                if fam.name in families:
+                    families[fam.name].samples.extend(fam.samples)
+                else:
+                    families[fam.name] = fam
+        yield from families.values()
+        yield from self._group_families(s, self._frontend() or {})
+
+    def _engine_families(self, s: Mapping, engine: str) -> Iterable:
+        """The series of one engine's statistics, labelled with its index."""
         m, L = self._model, LABELS
-        mv = [m, ENGINE]  # the values of L
+        mv = [m, engine]  # the values of L
 
         def gauge(name, doc, value, labels=None, label_values=None):
             g = GaugeMetricFamily(name, doc, labels=L + (labels or []))
@@ -200,7 +216,7 @@ class EngineCollector:
                         1.0, keys, ["" if cc[k] is None else str(cc[k]) for k in keys])
         yield gauge("k3jax:engine_sleep_level", "0 awake; 1 or 2 while the engine's device memory is released "
                     "(sleep mode).", s.get("sleep_level", 0))
-        yield _sleep_state(s.get("sleep_level", 0), m)
+        yield _sleep_state(s.get("sleep_level", 0), m, engine)
         # LoRA (vLLM's lora_requests_info: the adapters with running / waiting requests, as labels)
         lr = s.get("lora_requests") or {}
         if isinstance(lr, Mapping) and s.get("max_loras"):
@@ -281,7 +297,7 @@ class EngineCollector:
                       "something is wrong: the mask forbids them).", s.get("structured_output_errors", 0))
         yield counter("k3jax:structured_output_mask_seconds", "Host time computing the allowed-token masks of "
                       "constrained rows before their steps.", s.get("structured_output_mask_seconds", 0.0))
-        yield _iteration_tokens(s.get("iteration_tokens"), m)
+        yield _iteration_tokens(s.get("iteration_tokens"), m, engine)
 
         # MoE.
         ex = CounterMetricFamily("k3jax:expert_tokens", "Tokens routed to each expert, per MoE layer.",
@@ -315,6 +331,16 @@ class EngineCollector:
                     "averaged over the MoE layers, under the placement the last plan left (1: balanced; 1 without "
                     "enable_eplb or before its first plan).", _num((balance.get("last") or {}).get("imbalance_after"), 1.0))
 
+    def _group_families(self, s: Mapping, fe: Mapping) -> Iterable:
+        """The router's and the HTTP front end's series (engine "0"): `s` is the merged statistics."""
+        m, L = self._model, LABELS
+        mv = [m, ENGINE]
+
+        def gauge(name, doc, value):
+            g = GaugeMetricFamily(name, doc, labels=L)
+            g.add_metric(mv, _num(value))
+            return g
+
         # Data-parallel replicas (serve/data_parallel.py): each replica's gauges, and how the router chose.
         reps = s.get("replicas") or []
         for name, key, doc in (("k3jax:replica_requests_running", "num_requests_running", "Running sequences per replica."),
@@ -343,69 +369,89 @@ class EngineCollector:
                     fe.get("requests_held", 0))
 
 
+_REQUEST_HISTOGRAMS = (  # ServerMetrics.engine()'s attribute, name, help, bucket edges
+    ("ttft", "vllm:time_to_first_token_seconds", "Time from arrival to the first token.", _TTFT_BUCKETS),
+    ("itl", "vllm:inter_token_latency_seconds", "Time between a sample's successive outputs (a step's tokens, "
+     "accepted drafts included, are one gap, as vLLM's).", _ITL_BUCKETS),
+    # vLLM's per-request TPOT: a sample's decode time over its tokens after the first (0 with one token)
+    ("tpot", "vllm:request_time_per_output_token_seconds", "Mean time per output token of each request (after its "
+     "first).", _ITL_BUCKETS),
+    ("e2e", "vllm:e2e_request_latency_seconds", "Time from arrival to the last token.", _E2E_BUCKETS),
+    ("queue", "vllm:request_queue_time_seconds", "Time from arrival to first scheduling.", _E2E_BUCKETS),
+    ("prefill", "vllm:request_prefill_time_seconds", "Time from first scheduling to the first token.", _E2E_BUCKETS),
+    ("decode", "vllm:request_decode_time_seconds", "Time from the first token to the last.", _E2E_BUCKETS),
+    ("inference", "vllm:request_inference_time_seconds", "Time from first scheduling to the last token.",
+     _E2E_BUCKETS),
+    ("req_n", "vllm:request_params_n", "The n request parameter.", _N_BUCKETS),
+)
+_TOKEN_HISTOGRAMS = (  # ... with token_buckets(max_model_len)
+    ("req_prompt", "vllm:request_prompt_tokens", "Prompt tokens per request."),
+    ("req_gen", "vllm:request_generation_tokens", "Generated tokens per request."),
+    # vLLM's request parameters: max_tokens per sample; the most tokens a sample generated, per prompt once its
+    # samples all ended (as vllm:request_params_n)
+    ("req_max_gen", "vllm:request_max_num_generation_tokens", "Most tokens a sample of the request generated."),
+    ("req_max_tokens", "vllm:request_params_max_tokens", "The max_tokens request parameter."),
+    ("req_prefill_computed", "vllm:request_prefill_kv_computed_tokens", "Prompt tokens a request computed (not "
+     "taken from the prefix cache)."),
+)
+
+
 class ServerMetrics:
-    """The app's registry: frontend histograms/counters plus the engine collector."""
+    """The app's registry: frontend histograms/counters plus the engine collector. The request histograms of the
+    engine that served a request: `engine(index)` (a data-parallel replica's index, vLLM's `engine` label);
+    `each`: each replica's own engine statistics (see EngineCollector)."""
 
     def __init__(self, model_name: str, stats: Callable[[], dict], frontend: Callable[[], dict],
-                 max_model_len: Optional[int] = None):
+                 max_model_len: Optional[int] = None, each: Optional[Callable[[], list]] = None):
         disable_created_metrics()  # no `*_created` series (as vLLM)
         self.model_name = model_name
         self.registry = CollectorRegistry(auto_describe=False)
-        r, L, lv = self.registry, LABELS, (model_name, ENGINE)
-        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Time from arrival to the first token.",
-                              L, buckets=_TTFT_BUCKETS, registry=r).labels(*lv)
-        self.itl = Histogram("vllm:inter_token_latency_seconds", "Time between successive output tokens.",
-                             L, buckets=_ITL_BUCKETS, registry=r).labels(*lv)
-        # vLLM's per-request TPOT: a sample's decode time over its tokens after the first (0 with one token)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds", "Mean time per output token of each "
-                              "request (after its first).", L, buckets=_ITL_BUCKETS, registry=r).labels(*lv)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Time from arrival to the last token.",
-                             L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
-        self.queue = Histogram("vllm:request_queue_time_seconds", "Time from arrival to first scheduling.",
-                               L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
-        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Time from first scheduling to the first token.",
-                                 L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
-        self.decode = Histogram("vllm:request_decode_time_seconds", "Time from the first token to the last.",
-                                L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
-        self.inference = Histogram("vllm:request_inference_time_seconds", "Time from first scheduling to the last "
-                                   "token.", L, buckets=_E2E_BUCKETS, registry=r).labels(*lv)
-        self.req_n = Histogram("vllm:request_params_n", "The n request parameter.", L, buckets=_N_BUCKETS,
-                               registry=r).labels(*lv)
-        self._token_histograms, self.max_model_len = [], None
-        self.size_token_buckets(max_model_len)
+        r, L = self.registry, LABELS
+        self._histograms = {attr: Histogram(name, doc, L, buckets=edges, registry=r)
+                            for attr, name, doc, edges in _REQUEST_HISTOGRAMS}
+        self._engines: dict[str, SimpleNamespace] = {}  # engine label -> its histograms' children
+        self._token_histograms: dict = {}
+        self.max_model_len = None
         self._success = Counter("vllm:request_success", "Finished requests by finish reason.",
                                 L + ["finished_reason"], registry=r)
         self._rejected = Counter("k3jax:http_requests_rejected", "HTTP requests refused, by reason.",
                                  L + ["reason"], registry=r)
-        for reason in FINISH_REASONS:
-            self._success.labels(*lv, reason)
+        self.size_token_buckets(max_model_len)
+        self.engine(0)
         for reason in ("auth", "rate_limit", "queue_full", "invalid"):
-            self._rejected.labels(*lv, reason)
-        r.register(EngineCollector(stats, model_name, frontend))
+            self._rejected.labels(model_name, ENGINE, reason)
+        r.register(EngineCollector(stats, model_name, frontend, each))
+
+    def engine(self, index=0) -> SimpleNamespace:
+        """Engine `index`'s request histograms (ttft, itl, ... as `_REQUEST_HISTOGRAMS` / `_TOKEN_HISTOGRAMS` name
+        them); its finish-reason series exist from the first call (zeros, as vLLM's)."""
+        key = str(index)
+        hs = self._engines.get(key)
+        if hs is None:
+            hs = self._engines[key] = SimpleNamespace(**{
+                attr: h.labels(self.model_name, key)
+                for attr, h in (*self._histograms.items(), *self._token_histograms.items())})
+            for reason in FINISH_REASONS:
+                self._success.labels(self.model_name, key, reason)
+        return hs
 
     def size_token_buckets(self, max_model_len: Optional[int]) -> None:
         """(Re)build the per-request token histograms with vLLM's bucket edges for this context window (the
         engine's, once attached; nothing was observed before)."""
         if max_model_len == self.max_model_len and self._token_histograms:
             return
-        for h in self._token_histograms:
+        for h in self._token_histograms.values():
             self.registry.unregister(h)
-        edges, L = token_buckets(max_model_len), LABELS
-        self._token_histograms = [Histogram(name, doc, L, buckets=edges, registry=self.registry) for name, doc in (
-            ("vllm:request_prompt_tokens", "Prompt tokens per request."),
-            ("vllm:request_generation_tokens", "Generated tokens per request."),
-            # vLLM's request parameters: max_tokens per sample; the most tokens a sample generated, per prompt
-            # once its samples all ended (as vllm:request_params_n)
-            ("vllm:request_max_num_generation_tokens", "Most tokens a sample of the request generated."),
-            ("vllm:request_params_max_tokens", "The max_tokens request parameter."),
-            ("vllm:request_prefill_kv_computed_tokens", "Prompt tokens a request computed (not taken from the "
-             "prefix cache)."))]
-        self.req_prompt, self.req_gen, self.req_max_gen, self.req_max_tokens, self.req_prefill_computed = (
-            h.labels(self.model_name, ENGINE) for h in self._token_histograms)
+        edges = token_buckets(max_model_len)
+        self._token_histograms = {attr: Histogram(name, doc, LABELS, buckets=edges, registry=self.registry)
+                                  for attr, name, doc in _TOKEN_HISTOGRAMS}
+        known, self._engines = list(self._engines), {}
+        for key in known:
+            self.engine(key)
         self.max_model_len = max_model_len
 
-    def finished(self, reason: str | None) -> None:
-        self._success.labels(self.model_name, ENGINE, reason or "unknown").inc()
+    def finished(self, reason: str | None, engine=0) -> None:
+        self._success.labels(self.model_name, str(engine), reason or "unknown").inc()
 
     def rejected(self, reason: str) -> None:
         self._rejected.labels(self.model_name, ENGINE, reason).inc()

@@ -179,7 +179,7 @@ def run_batch_main(args) -> int:
     """`k3jax run-batch`: build and warm the engine with the engine options, then run the input file."""
     from k3jax.runtime import resolve_dtype
     from serve.cli import (DEFAULTS, _say, enable_compile_cache, engine_config, load_served_model, lora_modules,
-                           start_engine)
+                           start_engine, vllm_notes)
 
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError(f"--max-concurrency {args.max_concurrency}: expected an integer >= 1")
@@ -188,6 +188,8 @@ def run_batch_main(args) -> int:
     cfg = engine_config(o)
     cfg.validate()
     adapters = lora_modules(o)
+    for note in vllm_notes(o):
+        _say(note)
     lines = split_lines(read_input(args.input_file))
     dst = open_output(args.output_file)  # before the engine loads: a bad path fails at once
     try:

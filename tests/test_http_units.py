@@ -1268,6 +1268,48 @@ def test_dtype_takes_vllms_names_and_auto_is_the_checkpoints(tmp_path, capsys):
     assert load_model(str(tmp_path / "orbax"), dtype="auto").dtype == "bfloat16"
 
 
+def test_dtype_defaults_to_vllms_auto():
+    """vLLM's --dtype (and LLM's dtype) default is auto, the checkpoint's torch_dtype: ours was float32 for serve,
+    run-batch, generate, LLM and load_model, so a released bf16 Kimi checkpoint loaded at twice its size. Presets
+    still load in float32."""
+    import inspect
+
+    from k3jax.cli import build_parser
+    from k3jax.runtime import load_model
+    from serve.cli import DEFAULTS
+    from serve.llm import LLM
+
+    for sub in (["serve"], ["run-batch", "-i", "x", "-o", "y"], ["generate", "--prompt", "x"]):
+        assert build_parser().parse_args(sub).dtype == "auto", sub
+    assert DEFAULTS["dtype"] == "auto"
+    for fn in (LLM, load_model):
+        assert inspect.signature(fn).parameters["dtype"].default == "auto", fn
+    assert load_model("tiny-k3").dtype == "float32"
+
+
+def test_enforce_eager_and_swap_space_are_accepted_and_noted(tmp_path):
+    """vLLM launch lines carry --enforce-eager and --swap-space N by habit (vLLM V1 ignores --swap-space too): both
+    were "unrecognized arguments" and the server did not start. Accepted (a --config file's keys too), changing
+    nothing, each said at start-up; a negative swap space is refused naming the flag."""
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, engine_config, vllm_argv, vllm_notes
+
+    o = _serve_options("--enforce-eager", "--swap-space", "4")
+    assert engine_config(o) == engine_config(_serve_options())
+    assert [n.split(":")[0] for n in vllm_notes(o)] == ["--enforce-eager", "--swap-space 4"]
+    assert vllm_notes(_serve_options("--no-enforce-eager")) == [] == vllm_notes(dict(DEFAULTS))
+    with pytest.raises(ValueError, match="--swap-space: expected GiB >= 0"):
+        engine_config(_serve_options("--swap-space", "-1"))
+    args = build_parser().parse_args(["run-batch", "-i", "x", "-o", "y", "--enforce-eager", "--swap-space", "0"])
+    assert (args.enforce_eager, args.swap_space) == (True, 0.0)
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("enforce-eager: true\nswap_space: 16\n")
+    parser = build_parser()
+    options = parser._subparsers._group_actions[0].choices["serve"]._option_string_actions
+    args = parser.parse_args(["serve", *vllm_argv(["--config", str(cfg)], options)])
+    assert (args.enforce_eager, args.swap_space) == (True, 16.0)
+
+
 def test_max_num_batched_tokens_block_size_and_chat_template():
     """vLLM's --max-num-batched-tokens is the scheduler's token budget per step and --block-size the page size
     (both were "unrecognized arguments"); --chat-template is refused saying why (chat is rendered by the model

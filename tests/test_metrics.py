@@ -155,3 +155,66 @@ def test_unset_max_tokens_is_observed_as_the_rest_of_the_context():
     assert r.status_code == 200, r.text
     h = "vllm:request_params_max_tokens"
     assert (samples[(f"{h}_count", ())], samples[(f"{h}_sum", ())]) == (1, 64 - 3)
+
+
+class _Speculative(Recorder):
+    """Streams a sample as speculative decoding steps it: its first token, then 3 tokens (2 drafts accepted), then
+    2 (1 accepted, and the end)."""
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestOutput
+
+        on_accept()
+        steps = [([1], None), ([2, 3, 4], None), ([5, 6], "length")]
+        for k, (ids, reason) in enumerate(steps):
+            yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", ids, reason)],
+                                finished=k == len(steps) - 1)
+
+
+def test_inter_token_latency_is_observed_once_per_step_output():
+    """vLLM observes `vllm:inter_token_latency_seconds` once per engine output of a sample (the gap since its last
+    one), however many tokens a speculative step accepted. Ours split each gap into one sample per token (5 samples
+    of a fraction of the gap here, not 2), so accepted drafts showed as latency that no client waited for."""
+    r, samples = _post_then_scrape(_Speculative(max_model_len=64), {"prompt": [1, 2], "max_tokens": 6,
+                                                                    "stream": True})
+    assert r.status_code == 200, r.text
+    assert samples[("vllm:inter_token_latency_seconds_count", ())] == 2
+    assert samples[("vllm:request_generation_tokens_sum", ())] == 6
+
+
+class _TwoReplicas(Recorder):
+    """Two data-parallel replicas as the server sees them (`DataParallelAsyncEngine`'s names): a request's prompt k
+    runs on replica k % 2, and each replica reports its own statistics beside the merged ones."""
+
+    data_parallel_size = 2
+
+    def engine_index(self, request_id: str) -> int:
+        return int(request_id.rsplit("-", 1)[1]) % 2
+
+    def replica_stats(self) -> list:
+        return [{"num_requests_running": 1, "generation_tokens": 3}, {"num_requests_running": 2, "generation_tokens": 5}]
+
+    def stats(self) -> dict:
+        return {"num_requests_running": 3, "generation_tokens": 8, "replicas": [{"num_requests_running": 1},
+                                                                                {"num_requests_running": 2}]}
+
+
+def test_data_parallel_replicas_are_vllms_engines():
+    """vLLM labels each data-parallel engine's series with its index (engine="0", engine="1"): its scheduler gauges
+    and token counters, and the request histograms and finish reasons of the requests it served. Ours put every
+    replica's totals and every request under engine="0", so a dashboard grouped by engine saw one engine."""
+    r, text = post_then_scrape(_TwoReplicas(max_model_len=64), {"prompt": [[1, 2], [3], [4]], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    families = list(text_string_to_metric_families(text))
+    assert len({f.name for f in families}) == len(families)  # one family per name, every engine's samples in it
+    got = {(s.name, s.labels["engine"], s.labels.get("finished_reason", s.labels.get("replica"))): s.value
+           for f in families for s in f.samples}
+    for engine, running, generated, served in (("0", 1, 3, 2), ("1", 2, 5, 1)):
+        assert got["vllm:num_requests_running", engine, None] == running
+        assert got["vllm:generation_tokens_total", engine, None] == generated
+        assert got["vllm:time_to_first_token_seconds_count", engine, None] == served
+        assert got["vllm:request_success_total", engine, "length"] == served
+        assert got["vllm:request_success_total", engine, "abort"] == 0
+    # the router's and the front end's series stay engine "0"
+    assert got["k3jax:replica_requests_running", "0", "1"] == 2 and got["k3jax:engine_ready", "0", None] == 1
+    assert not any(e == "1" for name, e, _ in got if name.startswith("k3jax:replica_"))

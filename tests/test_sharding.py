@@ -330,7 +330,7 @@ _GROUPS = textwrap.dedent("""
                           cached=st["arena_cached_units"], aborted=st["requests_aborted"],
                           metric=[l for l in metrics.splitlines() if l.startswith((
                               "vllm:generation_tokens_total", "k3jax:replica_requests_running",
-                              "k3jax:data_parallel_routed_total"))])
+                              "k3jax:data_parallel_routed_total", "vllm:time_to_first_token_seconds_count"))])
     aeng.shutdown()
 
     # disaggregated prefill: a prefill engine on device 0 hands prompts to a decode engine on device 1 (programs
@@ -633,7 +633,8 @@ def test_data_parallel_replicas_generate_what_one_engine_does(multi_device):
 def test_http_server_over_data_parallel_replicas(multi_device):
     """The API app serves the replicas as one engine: the same tokens, a follow-up prompt hitting its
     prefix, both replicas' rows as capacity, an abandoned request's cache returned, summed and per-replica
-    metrics, the prefix cache reset on both."""
+    metrics (each replica's engine series under its index, vLLM's `engine` label), the prefix cache reset on
+    both."""
     h, one = multi_device["dp_http"], multi_device["tiny-k3/None"]
     assert h["health"] == 200 and h["capacity"] == 8
     assert h["tokens"] == [one["tokens"][i] for i in (0, 1, 3)] + [one["again"][0]]
@@ -642,7 +643,8 @@ def test_http_server_over_data_parallel_replicas(multi_device):
     assert h["ended"] == "abort"  # an explicit abort ends the stream its reader still reads
     assert h["running"] == h["waiting"] == 0 and h["free"] == h["baseline"] and h["aborted"] == 2
     metric = {l.rsplit(" ", 1)[0]: float(l.rsplit(" ", 1)[1]) for l in h["metric"]}
-    assert metric['vllm:generation_tokens_total{engine="0",model_name="m"}'] > 0
+    assert all(metric[f'vllm:generation_tokens_total{{engine="{e}",model_name="m"}}'] > 0 for e in "01")
+    assert sum(metric[f'vllm:time_to_first_token_seconds_count{{engine="{e}",model_name="m"}}'] for e in "01") == 4
     assert metric['k3jax:replica_requests_running{engine="0",model_name="m",replica="1"}'] == 0
     assert metric['k3jax:data_parallel_routed_total{by="prefix",engine="0",model_name="m"}'] >= 1
     assert metric['k3jax:data_parallel_routed_total{by="load",engine="0",model_name="m"}'] >= 3
