@@ -143,6 +143,15 @@ class _Strict(BaseModel):
 class StreamOptions(_Strict):
     include_usage: bool = False
     continuous_usage_stats: bool = False
+    include_obfuscation: bool = Field(True, description="OpenAI's; accepted: the chunks carry no `obfuscation` "
+                                                        "padding either way")
+
+
+class ResponsesStreamOptions(_Strict):
+    """OpenAI's Responses `stream_options`."""
+
+    include_obfuscation: bool = Field(True, description="accepted: the events carry no `obfuscation` padding either "
+                                                        "way")
 
 
 class _GenerationFields(_Strict):
@@ -306,6 +315,7 @@ class ResponsesRequest(_Strict):
     temperature: Optional[float] = Field(None, ge=0)
     top_p: Optional[float] = Field(None, gt=0, le=1)
     stream: bool = False
+    stream_options: Optional[ResponsesStreamOptions] = Field(None, description="only with stream: true")
     tools: Optional[list[dict[str, Any]]] = Field(None, description="function tools (flat: type, name, parameters)")
     tool_choice: Optional[Union[str, dict[str, Any]]] = None
     parallel_tool_calls: Optional[bool] = None
@@ -650,21 +660,24 @@ class ServerState:
         self.requests_in_flight -= 1
 
     def track(self, run: "_Run") -> None:
-        self.runs.setdefault(run.response_id, []).append(run)
+        for rid in run.ids():
+            self.runs.setdefault(rid, []).append(run)
 
     def untrack(self, run: "_Run") -> None:
-        held = self.runs.get(run.response_id, [])
-        if run in held:
-            held.remove(run)
-        if not held:
-            self.runs.pop(run.response_id, None)
+        for rid in run.ids():
+            held = self.runs.get(rid, [])
+            if run in held:
+                held.remove(run)
+            if not held:
+                self.runs.pop(rid, None)
 
     def abort_runs(self, key: Optional[str], rid: Optional[str]) -> int:
         """End the requests in flight of API key `key` (None: whoever sent them) whose response id is `rid` (or
-        `cmpl-` / `chatcmpl-` + `rid`: the id the client gave), or all of them when `rid` is None -> how many
-        had work left."""
+        `cmpl-` / `chatcmpl-` + `rid`: the id the client gave; or one prompt's id of SGLang's per-prompt `rid`
+        list: that prompt only), or all of them when `rid` is None -> how many had work left."""
         ids = list(self.runs) if rid is None else [rid, f"cmpl-{rid}", f"chatcmpl-{rid}"]
-        return sum(run.abort() for i in ids for run in list(self.runs.get(i, ())) if key is None or run.key == key)
+        runs = {id(run): run for i in ids for run in self.runs.get(i, ()) if key is None or run.key == key}
+        return sum(run.abort(rid) for run in runs.values())
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -776,10 +789,12 @@ class _Run:
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
                  lora: Union[None, str, list[Optional[str]]] = None, engine_params: Optional[BeamSearchParams] = None,
                  response_id: Optional[str] = None, key: Optional[str] = None,
-                 max_tokens: Optional[list[Optional[int]]] = None, params_each: Optional[list[SamplingParams]] = None):
+                 max_tokens: Optional[list[Optional[int]]] = None, params_each: Optional[list[SamplingParams]] = None,
+                 prompt_ids: Optional[list[str]] = None):
         self.st, self.prompts, self.params, self.base_id = st, prompts, params, base_id
         self.params_each = params_each  # each prompt's own sampling (SGLang's per-prompt list), else `params`
         self.response_id, self.key = response_id or base_id, key  # for /abort_request
+        self.prompt_ids = prompt_ids  # each prompt's own id (SGLang's per-prompt `rid` list), also for /abort_request
         # what the engine runs: a beam search (one output, at its end), or `params` sending deltas, each prompt with
         # its own max_tokens when given (an unset one's default, cut to what that prompt's context leaves)
         self.engine_params = engine_params or dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
@@ -814,10 +829,16 @@ class _Run:
         for i, ids in enumerate(self.prompts):
             self.tasks.append(asyncio.ensure_future(self._pump(i, ids)))
 
-    def abort(self) -> bool:
+    def ids(self) -> set[str]:
+        """The ids /abort_request finds it by: its response id, and each prompt's own id when it has them."""
+        return {self.response_id, *(self.prompt_ids or ())}
+
+    def abort(self, rid: Optional[str] = None) -> bool:
         """End the unfinished engine requests (finish_reason "abort"; their last outputs reach the client as
-        usual) -> whether there were any."""
+        usual), only the prompt's when `rid` is one prompt's own id -> whether there were any."""
         left = sorted(self.unfinished)
+        if rid is not None and rid != self.response_id and rid in (self.prompt_ids or ()):
+            left = [i for i in left if self.prompt_ids[i] == rid]
         for i in left:
             self.st.engine.abort(f"{self.base_id}-{i}")
         return bool(left)
@@ -1918,6 +1939,8 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         """OpenAI's Responses API over the chat machinery (serve/responses.py)."""
         arrival = time.monotonic()
         st.check_model(body.model)
+        if body.stream_options is not None and not body.stream:
+            raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         previous: list[dict] = []
         if body.previous_response_id is not None:
             got = st.responses.get(key, body.previous_response_id)
@@ -1999,7 +2022,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
     @app.post("/abort_request", responses=_ERRORS)
     async def abort_request(body: AbortRequestBody, key: str = Depends(authenticate), _r: None = Depends(ready)):
         """SGLang's endpoint: end requests in flight, by id (`rid`: a response id, or the X-Request-Id /
-        request_id the client gave) or all of them (`abort_all`); only the caller's own (its API key's). They
+        request_id / rid the client gave; one of a /generate batch's per-prompt rids: that prompt) or all of them (`abort_all`); only the caller's own (its API key's). They
         finish with finish_reason "abort" (a stream gets its last chunks) and free their cache at once.
         `aborted`: how many requests had work left (0 for an unknown or finished id)."""
         if not body.rid and not body.abort_all:
@@ -2793,7 +2816,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         fmt.model = lora  # responses name the adapter that answered (vLLM's)
     ticket = st.admit(key, len(prompts) * params.n, reserve)
     run = _Run(st, prompts, params, fmt.run_id, ticket, arrival, body.priority, getattr(body, "cache_salt", None), lora,
-               beam, response_id=fmt.id, key=key, max_tokens=max_tokens, params_each=params_each)
+               beam, response_id=fmt.id, key=key, max_tokens=max_tokens, params_each=params_each,
+               prompt_ids=getattr(fmt, "rids", None))
     fmt.run = run  # formats that stream whole objects read the merged answer
     handed_off = False
     try:

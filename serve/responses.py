@@ -11,8 +11,9 @@ Responses events (`ResponseEvents`): `response.created`, `response.in_progress`,
 `reasoning_text` part too), `response.reasoning_text.delta` / `.done`, `response.output_text.delta` / `.done`,
 `response.function_call_arguments.delta` / `.done`, and finally
 `response.completed` (or `response.incomplete` when `max_output_tokens` cut the answer, status `incomplete`, or
-the request was aborted, status `cancelled`); an engine failure mid-stream ends it with `error` and
-`response.failed`. `usage.output_tokens_details.reasoning_tokens` counts the generated tokens of the think channel.
+the request was aborted, status `cancelled`; either way the item being written then is `incomplete`); an engine
+failure mid-stream ends it with `error` and `response.failed`. `usage.output_tokens_details.reasoning_tokens`
+counts the generated tokens of the think channel.
 With `include: ["message.output_text.logprobs"]` (or `top_logprobs`), the chat request asks for logprobs
 and the `output_text` part carries the answer's tokens (chat's entries: token, logprob, bytes,
 top_logprobs); for K3 the think channel and the markup before the answer are left out
@@ -233,6 +234,8 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, reason
         output.append({"type": "function_call", "id": f"fc_{_ids()}", "call_id": c["id"],
                        "name": c["function"]["name"], "arguments": c["function"]["arguments"], "status": "completed"})
     status, reason = _status(ch["finish_reason"])
+    if status != "completed" and output:  # the item being written when the answer was cut (OpenAI's)
+        output[-1]["status"] = "incomplete"
     return _envelope(rid, created, body, model, status, output,
                      _usage(chat, reasoning_tokens), reason, stored)
 
@@ -249,6 +252,7 @@ class ResponseEvents:
         self.finish: Optional[str] = None
         self.pending: list = []  # logprob entries of tokens not yet shown as text (held, or channel markup)
         self.split = channels  # answer deltas take only the tokens that wrote them
+        self.cut: Optional[dict] = None  # the item being written when the answer was cut short (status incomplete)
 
     def _event(self, kind: str, **fields) -> dict:
         self.seq += 1
@@ -272,8 +276,11 @@ class ResponseEvents:
                               text=part["text"], logprobs=part["logprobs"])]
         ev.append(self._event("response.content_part.done", item_id=item["id"], output_index=i, content_index=0,
                               part=part))
-        item["status"] = "completed"
+        item["status"] = self._done_status(item)
         return ev + [self._event("response.output_item.done", output_index=i, item=item)]
+
+    def _done_status(self, item: dict) -> str:
+        return "incomplete" if item is self.cut else "completed"
 
     def _open(self, kind: str) -> list[dict]:
         if self.open is not None and self.open["type"] == kind:
@@ -344,8 +351,8 @@ class ResponseEvents:
         """`.function_call_arguments.done` and `.output_item.done` of the function calls not yet ended."""
         ev = []
         for i, item in enumerate(self.items):
-            if item["type"] == "function_call" and item["status"] != "completed":
-                item["status"] = "completed"
+            if item["type"] == "function_call" and item["status"] == "in_progress":
+                item["status"] = self._done_status(item)
                 ev.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=i,
                                       arguments=item["arguments"]))
                 ev.append(self._event("response.output_item.done", output_index=i, item=item))
@@ -353,9 +360,11 @@ class ResponseEvents:
 
     def end(self, chat_usage: dict, reasoning_tokens: int = 0) -> list[dict]:
         """The items' done events, then the last event (`response.completed`, or `response.incomplete` for a response
-        cut short or cancelled) with the whole response."""
-        ev = self._close() + self._done_calls()
+        cut short or cancelled: its last item `incomplete`) with the whole response."""
         status, reason = _status(self.finish)
+        if status != "completed" and self.items:
+            self.cut = self.items[-1]
+        ev = self._close() + self._done_calls()
         r = _envelope(self.rid, self.created, self.body, self.model, status, self.items,
                       _usage({"usage": chat_usage}, reasoning_tokens), reason, self.stored)
         return ev + [self._event(_TERMINAL[status], response=r)]

@@ -11,9 +11,11 @@ all) (SGLang's names: `max_new_tokens` (default 128, or what the context leaves 
 `stop`, `stop_token_ids`, `temperature`, `top_p`, `top_k`, `min_p`, the penalties, `n`, `ignore_eos`,
 `skip_special_tokens`, `spaces_between_special_tokens` (accepted; the text is the tokenizer's own decode either way),
 `no_stop_trim`, `json_schema` / `regex` / `ebnf`, `sampling_seed`, `logit_bias`), `return_logprob` with
-`top_logprobs_num`, `logprob_start_len` (>= 0: the prompt's logprobs from that position) and
+`top_logprobs_num`, `logprob_start_len` (>= 0: the prompt's logprobs from that position, at most its length) and
 `return_text_in_logprobs`, `stream`, `rid`, `lora_path` (a loaded adapter's name, or a batch's list of one per
-prompt, null for the base model), `priority`,
+prompt, null for the base model), `priority`; `rid`, `return_logprob`, `logprob_start_len` and `top_logprobs_num`
+may be a batch's lists of one per prompt too (SGLang's `GenerateReqInput`: a listed rid is that prompt's id,
+`/abort_request` ends that prompt's request alone),
 `return_routed_experts` (with `--enable-return-routed-experts`; from `routed_experts_start_len`),
 `return_hidden_states` (with `--enable-return-hidden-states`).
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, Optional, Union
+from typing import Annotated, Any, NamedTuple, Optional, Union
 
 from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
@@ -83,6 +85,22 @@ class GenerateSamplingParams(BaseModel):
 
 _EACH = TypeAdapter(list[GenerateSamplingParams])
 
+StartLen = Annotated[int, Field(ge=-1)]
+TopNum = Annotated[int, Field(ge=0, le=20)]
+# SGLang's fields that take one value for every prompt or a batch's list of one per prompt: (one, list) readings
+_PER_PROMPT = {"rid": (TypeAdapter(str), TypeAdapter(list[str])),
+               "return_logprob": (TypeAdapter(bool), TypeAdapter(list[bool])),
+               "logprob_start_len": (TypeAdapter(StartLen), TypeAdapter(list[StartLen])),
+               "top_logprobs_num": (TypeAdapter(TopNum), TypeAdapter(list[TopNum]))}
+
+
+class LogprobAsk(NamedTuple):
+    """One prompt's logprob settings (SGLang's `return_logprob`, `logprob_start_len`, `top_logprobs_num`)."""
+
+    want: bool = False
+    start: int = -1
+    top: int = 0
+
 
 class GenerateRequest(BaseModel):
     """SGLang's `GenerateReqInput` (the fields this server serves)."""
@@ -94,10 +112,12 @@ class GenerateRequest(BaseModel):
         None, description="prompt vectors [L, H] (or a batch of them); needs --enable-prompt-embeds")
     sampling_params: Optional[Union[GenerateSamplingParams, list[GenerateSamplingParams]]] = Field(
         None, description="one object for every prompt, or a batch's list of one per prompt (one n for all)")
-    rid: Optional[str] = None
-    return_logprob: bool = False
-    logprob_start_len: int = Field(-1, ge=-1, description="-1: output logprobs only; N: the prompt's from N")
-    top_logprobs_num: int = Field(0, ge=0, le=20)
+    rid: Optional[Union[str, list[str]]] = Field(None, description="the request's id, or a batch's list of one "
+                                                                   "per prompt")
+    return_logprob: Union[bool, list[bool]] = Field(False, description="or a batch's list of one per prompt")
+    logprob_start_len: Union[StartLen, list[StartLen]] = Field(
+        -1, description="-1: output logprobs only; N: the prompt's from N (or a batch's list of one per prompt)")
+    top_logprobs_num: Union[TopNum, list[TopNum]] = Field(0, description="or a batch's list of one per prompt")
     return_text_in_logprobs: bool = False
     stream: bool = False
     lora_path: Optional[Union[str, list[Optional[str]]]] = Field(
@@ -116,6 +136,15 @@ class GenerateRequest(BaseModel):
         if value is None:
             return None
         return _EACH.validate_python(value) if isinstance(value, list) else GenerateSamplingParams.model_validate(value)
+
+    @field_validator("rid", "return_logprob", "logprob_start_len", "top_logprobs_num", mode="wrap")
+    @classmethod
+    def _one_or_list(cls, value, handler, info):
+        """One value for every prompt or a list of one per prompt, an error located in what was given."""
+        if value is None:
+            return handler(value)
+        one, each = _PER_PROMPT[info.field_name]
+        return each.validate_python(value) if isinstance(value, list) else one.validate_python(value)
 
     @property
     def model(self) -> Optional[str]:  # what the shared path reads to pick a LoRA adapter
@@ -189,10 +218,47 @@ def sampling_params_of(body: GenerateRequest, prompts: list) -> list[GenerateSam
     return sp
 
 
+def each_of(body: GenerateRequest, name: str, nprompts: int) -> list:
+    """Field `name`'s value per prompt: one value for all, or SGLang's list of one per prompt (its length checked)."""
+    value = getattr(body, name)
+    if not isinstance(value, list):
+        return [value] * nprompts
+    if len(value) != nprompts:
+        raise api.APIError(400, f"{name}: a list of {len(value)} for {nprompts} prompts; give one per prompt, or one "
+                                f"value for all", param=name)
+    return value
+
+
+def logprob_asks(body: GenerateRequest, prompts: list) -> list[LogprobAsk]:
+    """Each prompt's logprob settings. A `logprob_start_len` past its prompt's end is a 400 (SGLang aborts such a
+    request, "higher than the number of input tokens"; here it was cut silently to the prompt's end)."""
+    asks = [LogprobAsk(*x) for x in zip(*(each_of(body, k, len(prompts))
+                                          for k in ("return_logprob", "logprob_start_len", "top_logprobs_num")))]
+    for k, (ask, p) in enumerate(zip(asks, prompts)):
+        length = api._prompt_len(p)
+        if ask.want and ask.start > length:
+            where = f"logprob_start_len[{k}]" if isinstance(body.logprob_start_len, list) else "logprob_start_len"
+            raise api.APIError(400, f"{where}: {ask.start} is past the end of the prompt ({length} tokens); give at "
+                                    f"most {length}", param="logprob_start_len")
+    return asks
+
+
+def rids_of(body: GenerateRequest, nprompts: int) -> Optional[list[str]]:
+    """SGLang's per-prompt `rid` list (one id per prompt, none repeated), else None."""
+    if not isinstance(body.rid, list):
+        return None
+    rids = each_of(body, "rid", nprompts)
+    if len(set(rids)) != len(rids):
+        raise api.APIError(400, "rid: the list repeats an id; give each prompt its own", param="rid")
+    return rids
+
+
 def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list,
-                sp: Optional[GenerateSamplingParams] = None) -> SamplingParams:
-    """The engine's params of `prompts` under `sp` (default: the request's one `sampling_params` object)."""
+                sp: Optional[GenerateSamplingParams] = None, ask: Optional[LogprobAsk] = None) -> SamplingParams:
+    """The engine's params of `prompts` under `sp` (default: the request's one `sampling_params` object) and `ask`
+    (default: the request's logprob settings, one for all)."""
     sp = sp or body.sampling_params or GenerateSamplingParams()
+    ask = ask or logprob_asks(body, prompts)[0]
     constraints = [(k, v) for k, v in (("json", sp.json_schema), ("regex", sp.regex), ("grammar", sp.ebnf))
                    if v is not None]
     if len(constraints) > 1:
@@ -205,7 +271,7 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list,
 
     def unset(value, name: str, fallback):
         return defaults.get(name, fallback) if value is None else value
-    logprobs = body.top_logprobs_num if body.return_logprob else None
+    logprobs = ask.top if ask.want else None
     temperature = unset(sp.temperature, "temperature", 1.0)
     temperature = 0.0 if temperature < SAMPLING_EPS else temperature  # (the engine raises (0, 0.01) to 0.01)
     params = SamplingParams(
@@ -217,7 +283,7 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list,
         spaces_between_special_tokens=sp.spaces_between_special_tokens,
         presence_penalty=sp.presence_penalty, frequency_penalty=sp.frequency_penalty,
         repetition_penalty=unset(sp.repetition_penalty, "repetition_penalty", 1.0), logit_bias=bias,
-        prompt_logprobs=body.top_logprobs_num if body.return_logprob and body.logprob_start_len >= 0 else None,
+        prompt_logprobs=ask.top if ask.want and ask.start >= 0 else None,
         structured_outputs=StructuredOutputsParams(**dict(constraints)) if constraints else None,
         return_hidden_states=body.return_hidden_states)
     if body.return_hidden_states and not getattr(st, "hidden_states", False):
@@ -249,9 +315,10 @@ class GenerateFormat(api._Format):
     budget_field = "max_new_tokens"  # (what a context error names)
 
     def __init__(self, st, rid: str, run_id: str, params: SamplingParams, body: GenerateRequest, prompts: list,
-                 batch: bool, arrival: float):
+                 batch: bool, arrival: float, asks: list[LogprobAsk], rids: Optional[list[str]] = None):
+        """`asks`: each prompt's logprob settings; `rids`: SGLang's per-prompt ids (None: `rid` and its suffixes)."""
         super().__init__(st, rid, params.n, params.logprobs, int(time.time()), run_id=run_id)
-        self.body, self.batch, self.arrival = body, batch, arrival
+        self.body, self.batch, self.arrival, self.asks, self.rids = body, batch, arrival, asks, rids
         self.prompt_lens = [api._prompt_len(p) for p in prompts]
         self.with_text = body.return_text_in_logprobs
         self.sent_at: dict[int, int] = {}  # stream: output tokens already sent per index (nothing new: no chunk)
@@ -271,27 +338,30 @@ class GenerateFormat(api._Format):
 
     def item(self, i: int, out: RequestOutput, o) -> dict:
         """One (prompt, sample)'s object as it stands."""
-        prompt_len = self.prompt_lens[i]
-        one = not self.batch and self.n == 1
-        meta: dict[str, Any] = {"id": self.id if one else f"{self.id}_{self.index(i, o.index)}",
+        prompt_len, ask = self.prompt_lens[i], self.asks[i]
+        if self.rids is not None:
+            rid = self.rids[i] if self.n == 1 else f"{self.rids[i]}_{o.index}"
+        else:
+            rid = self.id if not self.batch and self.n == 1 else f"{self.id}_{self.index(i, o.index)}"
+        meta: dict[str, Any] = {"id": rid,
                                 "finish_reason": self._finish(o), "prompt_tokens": prompt_len,
                                 "completion_tokens": len(o.token_ids), "cached_tokens": out.num_cached_tokens,
                                 "e2e_latency": round(time.monotonic() - self.arrival, 6),
                                 "weight_version": self.st.weight_version}
-        if self.body.return_logprob:
+        if ask.want:
             entries = o.logprobs or []
             meta["output_token_logprobs"] = [self._entry(e.chosen) for e in entries]
-            if self.body.top_logprobs_num:
+            if ask.top:
                 meta["output_top_logprobs"] = [[self._entry(a) for a in e.top] for e in entries]
-            if self.body.logprob_start_len >= 0 and out.prompt_logprobs is not None:
-                start = min(self.body.logprob_start_len, prompt_len)
+            if ask.start >= 0 and out.prompt_logprobs is not None:
+                start = min(ask.start, prompt_len)
                 ids = out.prompt_token_ids
                 # (no logprob: the first token, and any a request aborted mid-prefill never scored)
                 scored = [out.prompt_logprobs[k] for k in range(start, prompt_len)]
                 meta["input_token_logprobs"] = [self._entry(e.chosen) if e is not None else
                                                 [None, ids[k], self._token(ids[k])]
                                                 for k, e in zip(range(start, prompt_len), scored)]
-                if self.body.top_logprobs_num:
+                if ask.top:
                     meta["input_top_logprobs"] = [[self._entry(a) for a in e.top] if e is not None else None
                                                   for e in scored]
         if self.routes_from is not None and o.routed_experts is not None:  # asked (see api._serve), once finished
@@ -340,20 +410,23 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
         raise api.APIError(400, f"lora_path: a list of {len(body.model_of_each)} adapters for {len(prompts)} "
                                 f"prompts; give one per prompt (null: the base model), or one name for all",
                            param="lora_path")
+    rids = rids_of(body, len(prompts))
+    asks = logprob_asks(body, prompts)
     each = sampling_params_of(body, prompts)
     max_tokens = [m for sp, p in zip(each, prompts) for m in max_new_tokens_of(st, sp, [p])]
     params_each = None
-    if isinstance(body.sampling_params, list):  # SGLang's per-prompt list: each prompt its own params
-        params_each = [sampling_of(st, body, [p], sp) for sp, p in zip(each, prompts)]
+    if isinstance(body.sampling_params, list) or len(set(asks)) > 1:  # SGLang's per-prompt lists: each its own
+        params_each = [sampling_of(st, body, [p], sp, ask) for sp, p, ask in zip(each, prompts, asks)]
         params = dataclasses.replace(params_each[0], max_tokens=api._run_max_tokens(max_tokens))
     else:
-        params = sampling_of(st, body, prompts)
-    if params.prompt_logprobs is not None and any(isinstance(p, dict) for p in prompts):
+        params = sampling_of(st, body, prompts, ask=asks[0])
+    if any(ask.want and ask.start >= 0 and isinstance(p, dict) for ask, p in zip(asks, prompts)):
         raise api.APIError(400, "logprob_start_len: a prompt given as embeddings has no tokens to score",
                            param="logprob_start_len")
-    rid = body.rid or f"gen-{uuid.uuid4().hex}"
-    run_id = rid if body.rid is None else f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's rid may repeat
-    fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival)
+    given = body.rid if isinstance(body.rid, str) else None
+    rid = given or f"gen-{uuid.uuid4().hex}"
+    run_id = rid if given is None else f"{rid}-{uuid.uuid4().hex[:8]}"  # a client's rid may repeat
+    fmt = GenerateFormat(st, rid, run_id, params, body, prompts, batch, arrival, asks, rids)
     try:
         return await api._serve(st, request, key, prompts, params, body, fmt, arrival, field,
                                 max_tokens=max_tokens, params_each=params_each)

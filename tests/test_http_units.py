@@ -720,6 +720,122 @@ def test_generate_takes_sglangs_per_prompt_sampling_params_list():
     assert r.status_code == 200 and [p.max_tokens for p in eng.params[-2:]] == [3, 3]
 
 
+class _Scored(_OneToken):
+    """A stand-in AsyncEngine answering one token (7) with the logprobs its params ask for: the output token's
+    (its top `logprobs` alternatives) and every prompt position's but the first (with `prompt_logprobs`)."""
+
+    def stats(self):
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, Logprob, RequestOutput, TokenLogprobs
+
+        on_accept()
+        self.calls.append((list(prompt), params))
+
+        def scored(tid, k):
+            return TokenLogprobs(Logprob(tid, -1.0, "", 1), [Logprob(1, -0.5, "", 1)] * k)
+        lps = None if params.logprobs is None else [scored(7, params.logprobs)]
+        prompt_lps = None if params.prompt_logprobs is None else [None] + [scored(t, params.prompt_logprobs)
+                                                                           for t in prompt[1:]]
+        outs = [CompletionOutput(j, "", [7], "length", logprobs=lps) for j in range(params.n)]
+        yield RequestOutput(request_id, None, list(prompt), outs, finished=True, prompt_logprobs=prompt_lps)
+
+
+def test_generate_takes_sglangs_per_prompt_rid_and_logprob_lists():
+    """SGLang's /generate batch may give `rid`, `return_logprob`, `logprob_start_len` and `top_logprobs_num` as lists
+    of one per prompt (GenerateReqInput's normalisation); each was a 400 ("Input should be a valid string"). Each
+    prompt gets its own id and the logprobs it asked for; a list of another length, a repeated rid, or a bad entry
+    are 400s naming it. A logprob_start_len past its prompt's end is a 400 (SGLang refuses it; it was cut to the
+    prompt's end, answering no prompt logprobs)."""
+    eng = _Scored()
+    app = create_app(eng, "m")
+
+    async def go(body):
+        eng.calls.clear()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/generate", json={"input_ids": [[1, 2, 3], [4, 5]], **body})
+
+    r = asyncio.run(go({"rid": ["a", "b"], "return_logprob": [True, False], "logprob_start_len": [1, 0],
+                        "top_logprobs_num": [2, 3]}))
+    assert r.status_code == 200, r.text
+    a, b = [o["meta_info"] for o in r.json()]
+    assert a["id"] == "a" and b["id"] == "b"
+    assert a["output_token_logprobs"] == [[-1.0, 7, None]] and len(a["output_top_logprobs"][0]) == 2
+    assert [e[1] for e in a["input_token_logprobs"]] == [2, 3] and len(a["input_top_logprobs"]) == 2
+    assert not any(k.endswith("logprobs") for k in b)
+    asked = {p[0]: (params.logprobs, params.prompt_logprobs) for p, params in eng.calls}
+    assert asked == {1: (2, 2), 4: (None, None)}
+    r = asyncio.run(go({"rid": ["a", "b"], "return_logprob": True, "logprob_start_len": [-1, 2],
+                        "top_logprobs_num": [0, 1], "sampling_params": {"n": 2}}))
+    assert r.status_code == 200, r.text
+    metas = [o["meta_info"] for o in r.json()]
+    assert [m["id"] for m in metas] == ["a_0", "a_1", "b_0", "b_1"]
+    assert ["input_token_logprobs" in m for m in metas] == [False, False, True, True]
+    assert ["output_top_logprobs" in m for m in metas] == [False, False, True, True]
+    for body, param in (({"rid": ["a"]}, "rid"), ({"rid": ["a", "a"]}, "rid"),
+                        ({"return_logprob": [True, True, False]}, "return_logprob"),
+                        ({"return_logprob": True, "logprob_start_len": [0, -2]}, "logprob_start_len.1"),
+                        ({"return_logprob": True, "top_logprobs_num": [1, 21]}, "top_logprobs_num.1"),
+                        ({"return_logprob": True, "logprob_start_len": [0, 3]}, "logprob_start_len"),
+                        ({"return_logprob": True, "logprob_start_len": 4}, "logprob_start_len")):
+        r = asyncio.run(go(body))
+        assert r.status_code == 400 and r.json()["error"]["param"] == param and not eng.calls, (body, r.text)
+    r = asyncio.run(go({"return_logprob": True, "logprob_start_len": 2}))  # the shorter prompt's end: none of it
+    assert r.status_code == 200 and r.json()[1]["meta_info"]["input_token_logprobs"] == [], r.text
+
+
+class _UntilAborted(_OneToken):
+    """A stand-in AsyncEngine: each request streams token 7 every 10 ms until aborted (finish_reason "abort")."""
+
+    def __init__(self):
+        super().__init__()
+        self.capacity, self.aborted, self.started = 8, [], []
+
+    def stats(self):
+        return {}
+
+    def abort(self, request_id):
+        self.aborted.append(request_id)
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, RequestOutput
+
+        on_accept()
+        self.started.append(request_id)
+        while request_id not in self.aborted:
+            yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [7], None)], finished=False)
+            await asyncio.sleep(0.01)
+        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [], "abort")], finished=True)
+
+
+def test_abort_request_by_one_of_a_batchs_per_prompt_rids():
+    """/abort_request with one id of SGLang's per-prompt `rid` list ends that prompt's request only (SGLang's
+    requests are one per rid); the batch's other prompts run on until aborted by their own ids."""
+    eng = _UntilAborted()
+    app = create_app(eng, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            run = asyncio.ensure_future(c.post("/generate", json={"input_ids": [[1], [2], [3]],
+                                                                  "rid": ["p", "q", "r"]}))
+            while len(eng.started) < 3 and not run.done():
+                await asyncio.sleep(0.01)
+            assert not run.done(), (await run).text
+            one = (await c.post("/abort_request", json={"rid": "q"})).json()
+            await asyncio.sleep(0.05)
+            assert not run.done()
+            rest = [(await c.post("/abort_request", json={"rid": rid})).json() for rid in ("p", "r")]
+            return one, rest, await run
+
+    one, rest, r = asyncio.run(go())
+    assert one == {"aborted": 1} and rest == [{"aborted": 1}, {"aborted": 1}]
+    assert [rid.rsplit("-", 1)[1] for rid in eng.aborted] == ["1", "0", "2"]
+    assert r.status_code == 200 and [o["meta_info"]["id"] for o in r.json()] == ["p", "q", "r"]
+    assert {o["meta_info"]["finish_reason"]["type"] for o in r.json()} == {"abort"}
+    assert not app.state.k3.runs  # untracked under every id
+
+
 def test_sglang_weight_version_and_model_info_routes():
     """SGLang's GET /get_weight_version ({"weight_version"}) and /get_model_info's newer name /model_info (slime reads
     the version from one or the other; both were 404s)."""

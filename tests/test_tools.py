@@ -775,6 +775,65 @@ def test_responses_aborted_are_cancelled_whole_streamed_and_stored():
     assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
 
+def test_responses_cut_short_mark_their_last_item_incomplete():
+    """A response cut by max_output_tokens (or aborted) marks the item being written `incomplete` (OpenAI's item
+    status; it said `completed`), whole, stored and streamed (its `output_item.done` and the last event's response);
+    the items before it and those of a whole answer stay `completed`."""
+    flat = [{"type": "function", **t["function"]} for t in TOOLS]
+    eng = ScriptedEngine()
+    calls = '[{"name":"add","parameters":{"a":2,"b":3}},{"name":"add","parameters":{"a":1,"b":1}}]'
+    eng.script = ["a long answer", "a long answer", calls, calls, "Hi.", "Hi."]
+
+    async def go(body):
+        async with _client(eng) as c:
+            whole = (await c.post("/v1/responses", json=body)).json()
+            stored = (await c.get(f"/v1/responses/{whole['id']}")).json()
+            async with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            done = [e["item"]["status"] for e in events if e["type"] == "response.output_item.done"]
+            return whole, stored, done, events[-1]["response"]
+
+    def statuses(r):
+        return [(it["type"], it["status"]) for it in r["output"]]
+    whole, stored, done, last = asyncio.run(go({"input": "x", "max_output_tokens": 4}))
+    assert whole["status"] == "incomplete" and statuses(whole) == statuses(stored) == [("message", "incomplete")]
+    assert done == ["incomplete"] and statuses(last) == [("message", "incomplete")]
+    whole, _, done, last = asyncio.run(go({"input": "x", "tools": flat, "tool_choice": "required",
+                                           "max_output_tokens": len(calls) - 8}))  # in the second call's arguments
+    want = [("function_call", "completed"), ("function_call", "incomplete")]
+    assert whole["status"] == "incomplete" and statuses(whole) == statuses(last) == want
+    assert done == ["completed", "incomplete"]
+    whole, _, done, last = asyncio.run(go({"input": "x"}))
+    assert statuses(whole) == statuses(last) == [("message", "completed")] and done == ["completed"]
+    eng = _CutShort(at=4)
+    eng.script = ["Sunny, 21C.", "Sunny, 21C."]
+    whole, _, done, last = asyncio.run(go({"input": "x"}))
+    assert whole["status"] == last["status"] == "cancelled" and statuses(whole) == [("message", "incomplete")]
+    assert done == ["incomplete"]
+
+
+def test_responses_take_openais_stream_options():
+    """OpenAI's Responses `stream_options: {"include_obfuscation": false}` (the SDK's way to drop the padding field)
+    is accepted with stream: true (it was a 400, unknown field), as is chat's; without stream it is a 400 naming it,
+    as chat's."""
+    eng = ScriptedEngine()
+    eng.script = ["Hi.", "Hi."]
+
+    async def go(path, body):
+        async with _client(eng) as c:
+            return await c.post(path, json=body)
+    opts = {"include_obfuscation": False}
+    r = asyncio.run(go("/v1/responses", {"input": "x", "stream": True, "stream_options": opts}))
+    assert r.status_code == 200 and "response.completed" in r.text, r.text
+    r = asyncio.run(go("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "stream": True,
+                                                "stream_options": {**opts, "include_usage": True}}))
+    assert r.status_code == 200 and '"usage": {"prompt_tokens"' in r.text, r.text
+    r = asyncio.run(go("/v1/responses", {"input": "x", "stream_options": opts}))
+    assert r.status_code == 400 and r.json()["error"]["param"] == "stream_options", r.text
+    r = asyncio.run(go("/v1/responses", {"input": "x", "stream": True, "stream_options": {"include_usage": True}}))
+    assert r.status_code == 400 and "stream_options" in r.json()["error"]["param"], r.text
+
+
 def test_responses_stream_failure_ends_with_typed_numbered_events():
     """An engine failure mid-stream ends a Responses stream with OpenAI's `error` and `response.failed` events, typed
     and numbered after the others (it was a chat-style error object: no `type`, no `sequence_number`, which the SDK
