@@ -73,6 +73,7 @@ from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, reasonin
 from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
+from serve.async_engine import merge_delta
 from serve.engine import EngineSleeping
 from serve.named_weights import WeightNameError
 from serve.profiler import Profiler, ProfilerError
@@ -775,6 +776,57 @@ def _sse(obj) -> str:
 _ACCEPTED = object()  # a _Run queue item: the engine queued that prompt's request
 
 
+class _Unread:
+    """A `_Run`'s (prompt index, item) pairs its consumer has not read yet, in order. A prompt's unread outputs
+    coalesce into one (deltas merged by `merge_delta`, a newer cumulative output replacing the older), as the
+    engine's own streams do (vLLM's `RequestOutputCollector`): the run's pumps read the engine at once, so a client
+    slower than the engine (a slow reader, a stalled socket) otherwise left one output per step queued, unbounded."""
+
+    def __init__(self, delta: bool):
+        self.delta = delta
+        self.items: deque = deque()  # [prompt index, item] cells
+        self.open: dict[int, tuple[list, dict]] = {}  # prompt -> (its unread output's cell, its text pieces)
+        self.ready = asyncio.Event()
+
+    def put_nowait(self, pair: tuple) -> None:
+        i, item = pair
+        held = self.open.get(i)
+        if held is not None and isinstance(item, RequestOutput):
+            if self.delta:
+                merge_delta(held[0][1], item, held[1])
+            else:
+                held[0][1] = item
+        else:
+            cell = [i, item]
+            self.items.append(cell)
+            if isinstance(item, RequestOutput):
+                held = self.open[i] = (cell, {})
+        if held is not None and held[0][1].finished:  # (a prompt's last output: nothing merges into it)
+            self.open.pop(i, None)
+            self._join(held)
+        self.ready.set()
+
+    async def get(self) -> tuple:
+        while not self.items:
+            self.ready.clear()
+            await self.ready.wait()
+        cell = self.items.popleft()
+        held = self.open.get(cell[0])
+        if held is not None and held[0] is cell:
+            del self.open[cell[0]]
+            self._join(held)
+        return cell[0], cell[1]
+
+    @staticmethod
+    def _join(held: tuple) -> None:
+        """The text pieces merged into an output, joined into its completions' text."""
+        (_, out), text = held
+        for c in out.outputs:
+            if c.index in text:
+                c.text += "".join(text[c.index])
+        text.clear()
+
+
 class _Run:
     """The engine requests of one API request (one per prompt), merged into one stream of
     (prompt index, RequestOutput); `close()` cancels them (aborting unfinished ones) and releases the
@@ -783,7 +835,7 @@ class _Run:
     The engine sends deltas (`RequestOutputKind.DELTA`: each output holds only the new tokens, text and
     logprobs, a completion only when it has some), so a step's host work does not grow with the length of
     what was generated; the stream formats forward them, and `output(i)` merges them into the whole answer
-    (text joined once, when asked)."""
+    (text joined once, when asked). Outputs the consumer has not read yet coalesce (`_Unread`)."""
 
     def __init__(self, st: ServerState, prompts: list[list[int]], params: SamplingParams, base_id: str,
                  ticket, arrival: float, priority: int = 0, cache_salt: Optional[str] = None,
@@ -805,7 +857,7 @@ class _Run:
         self.loras = list(lora) if isinstance(lora, list) else [lora] * len(prompts)
         self.ticket, self.arrival = ticket, arrival
         self.nseqs = len(prompts) * params.n
-        self.q: asyncio.Queue = asyncio.Queue()
+        self.q = _Unread(getattr(self.engine_params, "output_kind", None) == RequestOutputKind.DELTA)
         self.pending: deque = deque()
         self.tasks: list[asyncio.Task] = []
         self._whole: dict[int, RequestOutput] = {}  # prompt -> its deltas merged (text as pieces until asked)
@@ -821,6 +873,7 @@ class _Run:
         self._ended: list[set[int]] = [set() for _ in prompts]
         self._token_times: dict[tuple[int, int], list[float]] = {}  # (prompt, sample) -> [first, last] token time
         self.engines = [0] * len(prompts)  # the engine (data-parallel replica) each prompt runs on: its metrics' label
+        self._timed: set[int] = set()  # prompts with a sample in `_token_times`
 
     def start(self) -> None:
         self.st.track(self)
@@ -863,6 +916,7 @@ class _Run:
                                       on_accept=accept, **extra)
         try:
             async for out in gen:
+                self._stamp(i, out)
                 self.q.put_nowait((i, out))
         except asyncio.CancelledError:
             raise
@@ -935,27 +989,34 @@ class _Run:
                 pieces.clear()
         return whole
 
+    def _stamp(self, i: int, out: RequestOutput) -> None:
+        """Note each sample's first and last token times as prompt i's outputs arrive, before unread ones coalesce
+        (`_Unread`: the newest's times would stand for every token merged into it)."""
+        now = time.monotonic()
+        # the engine's first token time is the prompt's first sample's: later samples' first tokens are timed here
+        ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
+        ft = ft if i not in self._timed else None
+        # when the engine made this output's newest tokens (its step's time.monotonic(), the clock used here)
+        lt = (getattr(out.metrics, "last_token_time", None) if out.metrics else None) or now
+        for o in out.outputs:
+            if o.token_ids:
+                self._token_times.setdefault((i, o.index), [ft or lt, lt])[1] = lt
+                self._timed.add(i)
+
     def _observe(self, i: int, out: RequestOutput) -> None:
         m, now = self.st.metrics.engine(self.engines[i]), time.monotonic()
         self.st.last_output = now
         self.accepted.add(i)
         self._merge(i, out)
-        # the engine's first token time is the prompt's first sample's: later samples' first tokens are timed here
-        ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
-        ft = ft if not self._started[i] else None
         qs = getattr(out.metrics, "first_scheduled_time", None) if out.metrics else None
-        # when the engine made this output's newest tokens (its step's time.monotonic(), the clock used here)
-        lt = (getattr(out.metrics, "last_token_time", None) if out.metrics else None) or now
         for o in out.outputs:
             j, k = o.index, len(o.token_ids)
             if k > 0:
                 if j not in self._started[i]:
                     self._started[i].add(j)
-                    m.ttft.observe(max(0.0, (ft or now) - self.arrival))
+                    m.ttft.observe(max(0.0, self._token_times[i, j][0] - self.arrival))
                     if qs is not None:
                         m.queue.observe(max(0.0, qs - self.arrival))
-                    self._token_times[i, j] = [ft or lt, lt]
-                self._token_times[i, j][1] = lt
                 if self._last[i][j] is not None:  # once per output, as vLLM's: a step's k tokens (drafts
                     m.itl.observe(now - self._last[i][j])  # accepted) are one gap, not k gaps of 1/k of it
                 self._last[i][j] = now

@@ -309,7 +309,8 @@ class ResponseEvents:
             d = ch.get("delta", {})
             self.pending += (ch.get("logprobs") or {}).get("content") or []
             if d.get("reasoning_content"):
-                self.pending = []  # think-channel tokens (a chunk carries one channel in practice)
+                if not d.get("content"):  # think-channel tokens; a chunk that crosses into the answer (several
+                    self.pending = []  # tokens: drafts, a slow client's merged deltas) keeps the answer's, trailing
                 ev += self._open("reasoning")
                 self.open["content"][0]["text"] += d["reasoning_content"]
                 ev.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],

@@ -852,9 +852,17 @@ def test_sglang_weight_version_and_model_info_routes():
     assert info.status_code == 200 and info.json() == old.json() and info.json()["weight_version"] == "default"
 
 
+def _unread(state) -> bool:
+    """Whether a request of the server `state` holds outputs its client has not read yet."""
+    return any(run.q.items for runs in state.runs.values() for run in runs)
+
+
 class _TwoSamples(_OneToken):
     """A stand-in AsyncEngine streaming deltas of an n = 2 request: both samples' first tokens, then sample 0
-    ends at its length, then sample 1 at a stop."""
+    ends at its length, then sample 1 at a stop; with `server` (the app's state) set, each step waits until the
+    client read the one before."""
+
+    server = None
 
     def stats(self):
         return {}
@@ -866,6 +874,8 @@ class _TwoSamples(_OneToken):
         m = RequestMetrics(arrival_time=0.0)
         steps = [[(0, [1], None), (1, [2], None)], [(0, [3], "length")], [(1, [4], "stop")]]
         for k, step in enumerate(steps):
+            while k and self.server is not None and _unread(self.server):
+                await asyncio.sleep(0.001)  # a step apart, once the client read the last (unread outputs coalesce)
             outs = [CompletionOutput(j, "", ids, reason) for j, ids, reason in step]
             yield RequestOutput(request_id, None, list(prompt), outs, finished=k == len(steps) - 1, metrics=m)
 
@@ -1007,7 +1017,9 @@ def test_iteration_tokens_histogram_from_the_engine_counts():
 def test_continuous_usage_is_each_choices_own():
     """vLLM's continuous_usage_stats: a streamed chunk's usage is its choice's prompt tokens and the tokens streamed
     for that choice so far, not the whole request's."""
-    app = create_app(_TwoSamples(), "m")
+    eng = _TwoSamples()
+    app = create_app(eng, "m")
+    eng.server = app.state.k3
 
     async def go():
         body = {"prompt": [5, 6, 7], "n": 2, "max_tokens": 2, "stream": True,
@@ -1021,6 +1033,49 @@ def test_continuous_usage_is_each_choices_own():
     assert per_choice == [(0, 3, 1), (1, 3, 1), (0, 3, 2), (1, 3, 2)], per_choice
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 4
 
+
+
+class _Burst(_TwoSamples):
+    """A stand-in AsyncEngine far faster than its client: `steps` one-token deltas of both of an n = 2 request's
+    samples ("a" and "b"), none awaited."""
+
+    steps = 500
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, RequestOutput
+
+        on_accept()
+        for k in range(self.steps):
+            end = "length" if k == self.steps - 1 else None
+            outs = [CompletionOutput(0, "a", [97], end), CompletionOutput(1, "b", [98], end)]
+            yield RequestOutput(request_id, None, list(prompt), outs, finished=end is not None)
+
+
+def test_stream_outputs_a_slow_client_has_not_read_coalesce():
+    """Outputs a streaming client has not read yet merge into one per prompt (vLLM's RequestOutputCollector), so a
+    client slower than the engine gets fewer, larger chunks, every token in them: the server queued one output per
+    step for it (500 steps, 1000 chunks), a backlog without bound."""
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _Burst()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    eng.engine.config.max_model_len = 1024
+    app = create_app(eng, "m")
+
+    async def go():
+        body = {"prompt": [5, 6, 7], "n": 2, "max_tokens": 500, "stream": True,
+                "stream_options": {"include_usage": True}}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    chunks = [e["choices"][0] for e in events if e["choices"]]
+    assert len(chunks) <= 4, len(chunks)
+    assert {i: "".join(c["text"] for c in chunks if c["index"] == i) for i in (0, 1)} == {0: "a" * 500, 1: "b" * 500}
+    assert [c["finish_reason"] for c in chunks if c["finish_reason"]] == ["length", "length"]
+    assert events[-1]["usage"]["completion_tokens"] == 1000
 
 
 def test_continuous_usage_on_chat_role_and_echo_chunks():

@@ -912,3 +912,13 @@ def test_responses_logprobs_keep_only_the_answer_channels_tokens():
                 deltas.append([x["token"] for x in e["logprobs"]])
     assert deltas == [["Yes"], [",", " ok"]]
     assert [x["token"] for x in ev.items[-1]["content"][0]["logprobs"]] == ["Yes", ",", " ok"]
+    # one chunk crossing from the think channel into the answer (several tokens: drafts, a slow client's merged
+    # deltas): its answer tokens' logprobs stay (they were dropped with the think channel's)
+    ev = ResponseEvents("r", 0, SimpleNamespace(), "m", channels=True)
+    chunks = [({"reasoning_content": "I think"}, toks[0:1]),
+              ({"reasoning_content": " so", "content": "Yes"}, toks[1:5]), ({"content": ", ok"}, toks[5:7])]
+    deltas = [[x["token"] for x in e["logprobs"]] for d, lps in chunks
+              for e in ev.chunk({"choices": [{"delta": d, "logprobs": {"content": lps}, "finish_reason": None}]})
+              if e["type"] == "response.output_text.delta"]
+    assert deltas == [["Yes"], [",", " ok"]]
+    assert [x["token"] for x in ev.items[-1]["content"][0]["logprobs"]] == ["Yes", ",", " ok"]
