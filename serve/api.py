@@ -64,7 +64,7 @@ from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter
@@ -79,7 +79,8 @@ from serve.named_weights import WeightNameError
 from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.routed_experts import to_base64
-from serve.responses import LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, input_items, response_object, to_chat
+from serve.responses import (LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, flat_tool, input_items,
+                             response_object, to_chat)
 from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, parse_k2_calls, plan_tools, split_k2_section
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
                          StructuredOutputsParams, TokenLogprobs)
@@ -331,6 +332,22 @@ class ResponsesRequest(_Strict):
                                                                          "longer than the context is a 400")
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
+    # OpenAI's fields with nothing to change here: accepted and echoed (as vLLM's), or refused naming why
+    background: Optional[bool] = Field(None, description="only false: a response is served within its request "
+                                                         "(no background runs to poll)")
+    service_tier: Optional[Literal["auto", "default", "flex", "scale", "priority"]] = Field(
+        None, description="accepted, echoed: every request is served alike")
+    prompt_cache_key: Optional[str] = Field(None, description="accepted, echoed: the prefix cache is shared by "
+                                                              "every request with the same cache_salt anyway "
+                                                              "(vLLM ignores it too)")
+    prompt_cache_retention: Optional[str] = Field(None, description="only 'in_memory' (cached prefixes live in "
+                                                                    "device / host memory, evicted as needed)")
+    safety_identifier: Optional[str] = Field(None, description="accepted, echoed (as `user`)")
+    max_tool_calls: Optional[int] = Field(None, ge=1, description="accepted, echoed: it caps built-in tool calls, "
+                                                                  "and there are none here (vLLM's)")
+    prompt: Optional[dict[str, Any]] = Field(None, description="refused: no stored prompt templates (vLLM's)")
+    conversation: Optional[Union[str, dict[str, Any]]] = Field(None, description="refused: no Conversations API "
+                                                                                 "(use previous_response_id)")
     priority: int = Field(0, gt=-(1 << 30), lt=1 << 30, description="lower is scheduled first (vLLM's)")
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=256,
                                       description="only requests with the same salt share cached prefixes (vLLM's)")
@@ -338,6 +355,27 @@ class ResponsesRequest(_Strict):
                                                            "logprobs in its output_text part (and streamed deltas)")
     top_logprobs: Optional[int] = Field(None, ge=0, le=20, description="alternatives per token with the logprobs "
                                                                        "(implies them)")
+    # vLLM's ResponsesRequest extensions: sampling fields, as the chat request's
+    top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disable top-k")
+    seed: Optional[int] = Field(None, ge=-2 ** 63, lt=2 ** 63)
+    stop: Optional[Union[str, list[str]]] = None
+    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+    @field_validator("tools", mode="before")
+    @classmethod
+    def _flat_tools(cls, tools):
+        """Chat-style function tools taken as the flat ones (vLLM's); echoed flat (OpenAI's shape)."""
+        return [flat_tool(t) for t in tools] if isinstance(tools, list) else tools
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _flat_choice(cls, choice):
+        """A chat-style named choice (`{"type": "function", "function": {"name"}}`) taken as the flat one."""
+        return flat_tool(choice)
 
 
 class UpdateWeightsRequest(_Strict):
@@ -2022,7 +2060,8 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
                 parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
                 reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority,
                 cache_salt=body.cache_salt, logprobs=logprobs, model=body.model,
-                top_logprobs=(body.top_logprobs or 0) if logprobs else None)
+                top_logprobs=(body.top_logprobs or 0) if logprobs else None,
+                **body.model_dump(include=set(_RESPONSES_SAMPLING)))
         except RequestError as e:
             raise APIError(400, str(e), param=_param_of(str(e))) from None
         except ValidationError as e:
@@ -2392,6 +2431,9 @@ def _lora_param(message: str) -> str:
 
 
 # a Responses request's fields under the names of the chat request it becomes (serve/responses.py), for errors
+# vLLM's sampling fields of a Responses request, passed to its chat request as they are
+_RESPONSES_SAMPLING = ("top_k", "seed", "stop", "repetition_penalty", "logit_bias", "ignore_eos", "skip_special_tokens",
+                       "include_stop_str_in_output")
 _RESPONSES_NAMES = {"reasoning_effort": "reasoning.effort", "response_format": "text.format",
                     "max_tokens": "max_output_tokens", "messages": "input", "prompt": "input",
                     "logprobs": "top_logprobs"}

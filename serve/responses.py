@@ -38,7 +38,7 @@ from typing import Any, Optional
 
 from serve.types import RequestError
 
-__all__ = ["to_chat", "response_object", "ResponseEvents", "ResponseStore", "input_items"]
+__all__ = ["to_chat", "response_object", "ResponseEvents", "ResponseStore", "input_items", "flat_tool"]
 
 
 def _text(content: Any, where: str, field: str = "content") -> str:
@@ -55,15 +55,49 @@ def _text(content: Any, where: str, field: str = "content") -> str:
     raise RequestError(f"input: {where}.{field} must be a string or a list of text parts")
 
 
+def flat_tool(tool: Any) -> Any:
+    """A chat-style function tool (`{"type": "function", "function": {"name", ...}}`) -> the Responses API's flat
+    one (`{"type": "function", "name", ...}`), as vLLM normalizes it; anything else unchanged."""
+    if isinstance(tool, dict) and tool.get("type") == "function" and isinstance(tool.get("function"), dict) \
+            and "name" not in tool:
+        return {"type": "function", **tool["function"]}
+    return tool
+
+
 def input_items(body) -> list[dict]:
     """The request's `input` as a list of items (a string is one user message)."""
     return [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) \
         else list(body.input)
 
 
+_ENUMS = (("text", "verbosity", ("low", "medium", "high")), ("reasoning", "summary", ("auto", "concise", "detailed")))
+
+
+def check_fields(body) -> None:
+    """OpenAI's request fields this server cannot serve, refused naming the field and why (rather than ignored:
+    the client would wait on a background run, or miss its prompt template or conversation), and the echoed
+    enums checked (the response object must parse)."""
+    if body.background:
+        raise RequestError("background: background responses are not supported (each response is served within "
+                           "its request; give background: false or leave it out)")
+    if body.prompt is not None:
+        raise RequestError("prompt: stored prompt templates are not supported (give `instructions` and `input`)")
+    if body.conversation is not None:
+        raise RequestError("conversation: there is no Conversations API here (continue a conversation with "
+                           "`previous_response_id`)")
+    if body.prompt_cache_retention not in (None, "in_memory"):
+        raise RequestError(f"prompt_cache_retention: only 'in_memory' (cached prefixes stay in device / host "
+                           f"memory while room allows), got {body.prompt_cache_retention!r}")
+    for field, key, allowed in _ENUMS:
+        got = (getattr(body, field) or {}).get(key)
+        if got is not None and got not in allowed:
+            raise RequestError(f"{field}.{key}: expected one of {', '.join(allowed)}, got {got!r}")
+
+
 def to_chat(body, previous: Optional[list[dict]] = None) -> dict:
     """-> {"messages", "tools", "tool_choice", "response_format", "reasoning_effort"} of the chat request;
     `previous`: the conversation of the response named by `previous_response_id` (its items come first)."""
+    check_fields(body)
     msgs: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if not input_items(body):
         raise RequestError("input: must not be empty")
@@ -145,15 +179,21 @@ def _envelope(rid: str, created: int, body, model: str, status: str, output: lis
             "tools": body.tools or [], "text": {"format": {"type": "text"}, **(body.text or {})},
             "reasoning": body.reasoning, "store": stored, "previous_response_id": body.previous_response_id,
             "truncation": body.truncation or "disabled", "user": body.user, "top_logprobs": body.top_logprobs or 0,
-            "background": False, "metadata": body.metadata or {}, "usage": usage}
+            "background": False, "metadata": body.metadata or {}, "service_tier": body.service_tier or "auto",
+            "safety_identifier": body.safety_identifier, "prompt_cache_key": body.prompt_cache_key,
+            "prompt_cache_retention": body.prompt_cache_retention, "max_tool_calls": body.max_tool_calls,
+            "usage": usage}
 
 
 def _usage(chat: dict, reasoning_tokens: int) -> dict:
     """Responses usage; `reasoning_tokens`: the generated tokens the think channel took (its end marker's
-    included; `serve.reasoning.reasoning_token_count`), never more than the output tokens."""
+    included; `serve.reasoning.reasoning_token_count`), never more than the output tokens. `cache_write_tokens`
+    (OpenAI's, required by its SDK's type) is 0: no write is billed here (the prefix cache fills as a side
+    effect of serving)."""
     u = chat["usage"]
     return {"input_tokens": u["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "input_tokens_details": {"cached_tokens": u.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                                     "cache_write_tokens": 0},
             "output_tokens": u["completion_tokens"],
             "output_tokens_details": {"reasoning_tokens": min(reasoning_tokens, u["completion_tokens"])},
             "total_tokens": u["total_tokens"]}

@@ -579,6 +579,55 @@ def test_responses_echo_the_requests_fields_as_openai_does():
         assert r["text"] == {"format": {"type": "text"}, "verbosity": "low"}  # the format's default filled in
 
 
+def test_responses_take_openais_and_vllms_request_fields():
+    """OpenAI's request fields with nothing to change here (`background: false`, `service_tier`, `prompt_cache_key`,
+    `safety_identifier`, `max_tool_calls`, `prompt_cache_retention: in_memory`, `text.verbosity`) are accepted and
+    echoed, and vLLM's sampling fields (`top_k`, `seed`, `stop`, ...) reach the sampler: they were refused as
+    unknown. Every response object, whole and in the stream's lifecycle events, parses as the SDK's `Response`
+    (its usage needs `input_tokens_details.cache_write_tokens`)."""
+    from openai.types.responses import Response
+    eng = ScriptedEngine()
+    eng.script = ["Hi.", "Hi."]
+    openai_fields = {"background": False, "service_tier": "flex", "prompt_cache_key": "k1", "safety_identifier": "s1",
+                     "max_tool_calls": 2, "prompt_cache_retention": "in_memory", "text": {"verbosity": "low"}}
+    vllm_fields = {"top_k": 5, "seed": 7, "stop": ["zz"], "repetition_penalty": 1.1, "logit_bias": {"65": 2.0},
+                   "ignore_eos": True, "include_stop_str_in_output": True}
+
+    async def go(body):
+        async with _client(eng) as c:
+            whole = await c.post("/v1/responses", json=body)
+            async with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            return whole, events
+    whole, events = asyncio.run(go({"input": "x", **openai_fields, **vllm_fields}))
+    assert whole.status_code == 200, whole.text
+    for r in [whole.json()] + [e["response"] for e in events if "response" in e]:
+        got = Response.model_validate(r)
+        assert {k: getattr(got, k) for k in openai_fields if k != "text"} == {
+            k: v for k, v in openai_fields.items() if k != "text"} and got.text.verbosity == "low"
+    for _, params in eng.seen:
+        assert (params.top_k, params.seed, params.stop, params.repetition_penalty, params.logit_bias) == (
+            5, 7, ["zz"], 1.1, {65: 2.0}) and params.ignore_eos and params.include_stop_str_in_output
+
+
+def test_responses_take_chat_style_tools_and_echo_them_flat():
+    """Chat-style function tools and named tool_choice (`{"type": "function", "function": {...}}`) work as the flat
+    ones (vLLM normalizes them; they were a 400), and the response echoes them flat, as the SDK's types parse."""
+    from openai.types.responses import Response
+    eng = ScriptedEngine()
+    eng.script = ['{"a":1,"b":1}']
+
+    async def go():
+        async with _client(eng) as c:
+            return await c.post("/v1/responses", json={"input": "add", "tools": TOOLS, "tool_choice": {
+                "type": "function", "function": {"name": "add"}}})
+    r = asyncio.run(go())
+    assert r.status_code == 200, r.text
+    got = Response.model_validate(r.json())
+    assert [t.name for t in got.tools] == ["get_weather", "add"] and got.tool_choice.name == "add"
+    assert got.output[0].name == "add" and json.loads(got.output[0].arguments) == {"a": 1, "b": 1}
+
+
 def test_responses_function_call_output_as_a_list_of_parts():
     """A function_call_output's `output` may be a list of input_text parts (OpenAI's): the model reads their text
     (it read the parts' JSON); a part that is not text is a 400 naming it."""
@@ -609,6 +658,12 @@ def test_responses_function_call_output_as_a_list_of_parts():
     ({"text": {"format": {"type": "yaml"}}}, "text"),
     ({"truncation": "auto"}, "truncation"),
     ({"top_logprobs": 10}, "top_logprobs"),  # over the server's max_logprobs (the chat request's `logprobs`)
+    ({"background": True}, "background"),  # OpenAI's fields that cannot be served: refused, saying why
+    ({"prompt": {"id": "pmpt_1"}}, "prompt"),
+    ({"conversation": "conv_1"}, "conversation"),
+    ({"prompt_cache_retention": "24h"}, "prompt_cache_retention"),
+    ({"text": {"verbosity": "terse"}}, "text.verbosity"),  # echoed: must be one of OpenAI's
+    ({"logit_bias": {"999999": 1}}, "logit_bias"),  # vLLM's sampling fields: the chat request's checks
 ])
 def test_responses_bad_requests_name_the_field(extra, field):
     eng = ScriptedEngine()
