@@ -904,7 +904,6 @@ class _Run:
         self.accepted: set[int] = set()  # prompts the engine queued (passed its validation)
         self.failed: set[int] = set()  # accepted prompts the engine ended with an error (a failed step)
         self.closed = False
-        self._last = [[None] * params.n for _ in prompts]
         # per prompt, the samples whose first token / finish the request histograms have seen: vLLM observes each
         # of a request's n samples as a request of its own (as `vllm:request_success` counts them)
         self._started: list[set[int]] = [set() for _ in prompts]
@@ -1028,8 +1027,10 @@ class _Run:
         return whole
 
     def _stamp(self, i: int, out: RequestOutput) -> None:
-        """Note each sample's first and last token times as prompt i's outputs arrive, before unread ones coalesce
-        (`_Unread`: the newest's times would stand for every token merged into it)."""
+        """Note each sample's first and last token times as prompt i's outputs arrive, and observe the gap since the
+        sample's last output (vLLM's inter-token latency: once per output, a step's tokens, drafts accepted, being
+        one gap), before unread ones coalesce (`_Unread`: the newest's times would stand for every token merged
+        into it, and a slow client's merged outputs would hide their gaps)."""
         now = time.monotonic()
         # the engine's first token time is the prompt's first sample's: later samples' first tokens are timed here
         ft = getattr(out.metrics, "first_token_time", None) if out.metrics else None
@@ -1038,7 +1039,12 @@ class _Run:
         lt = (getattr(out.metrics, "last_token_time", None) if out.metrics else None) or now
         for o in out.outputs:
             if o.token_ids:
-                self._token_times.setdefault((i, o.index), [ft or lt, lt])[1] = lt
+                times = self._token_times.get((i, o.index))
+                if times is None:
+                    self._token_times[i, o.index] = [ft or lt, lt]
+                else:
+                    self.st.metrics.engine(self.engines[i]).itl.observe(max(0.0, lt - times[1]))
+                    times[1] = lt
                 self._timed.add(i)
 
     def _observe(self, i: int, out: RequestOutput) -> None:
@@ -1055,9 +1061,6 @@ class _Run:
                     m.ttft.observe(max(0.0, self._token_times[i, j][0] - self.arrival))
                     if qs is not None:
                         m.queue.observe(max(0.0, qs - self.arrival))
-                if self._last[i][j] is not None:  # once per output, as vLLM's: a step's k tokens (drafts
-                    m.itl.observe(now - self._last[i][j])  # accepted) are one gap, not k gaps of 1/k of it
-                self._last[i][j] = now
             if o.finish_reason is not None and j not in self._ended[i]:
                 self._ended[i].add(j)
                 m.e2e.observe(now - self.arrival)

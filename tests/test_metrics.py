@@ -218,3 +218,29 @@ def test_data_parallel_replicas_are_vllms_engines():
     # the router's and the front end's series stay engine "0"
     assert got["k3jax:replica_requests_running", "0", "1"] == 2 and got["k3jax:engine_ready", "0", None] == 1
     assert not any(e == "1" for name, e, _ in got if name.startswith("k3jax:replica_"))
+
+
+class _Burst(Recorder):
+    """Streams 20 one-token outputs of a sample without awaiting: far faster than the server reads them, so they
+    coalesce unread (`serve.api._Unread`)."""
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+        from serve.types import CompletionOutput, RequestOutput
+
+        on_accept()
+        for k in range(20):
+            end = "length" if k == 19 else None
+            yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [1], end)],
+                                finished=end is not None)
+
+
+def test_inter_token_latency_counts_every_output_a_slow_reader_merged():
+    """The engine's outputs a reader has not taken yet coalesce, but vLLM's inter-token latency is the engine's: one
+    observation per output as it arrives (19 gaps of 20 outputs here), whatever the client's speed. It was observed
+    as the server read the merged output: none here (one output read), a stalled client's dashboard showed no ITL."""
+    for stream in (True, False):
+        r, samples = _post_then_scrape(_Burst(max_model_len=64), {"prompt": [1, 2], "max_tokens": 20,
+                                                                  "stream": stream})
+        assert r.status_code == 200, r.text
+        assert samples[("vllm:inter_token_latency_seconds_count", ())] == 19, stream
+        assert samples[("vllm:request_generation_tokens_sum", ())] == 20
