@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hashlib
 import json
 import logging
 import math
@@ -508,6 +509,20 @@ class DetokenizeRequest(_Strict):
 
 # ---- server state -------------------------------------------------------------------------------
 
+def system_fingerprint(eng) -> str:
+    """The `system_fingerprint` of completions and chat completions: vLLM's (its default `--fingerprint-mode full`,
+    `vllm-<version>-<hash8>`), `k3jax-<version>-<hash8>`, hash8 the start of a SHA-256 of the served model's
+    configuration, its dtype and the engine's plain-valued settings (KV-cache dtype, logprobs mode, ...): what
+    OpenAI's field is for, telling a client when the backend that answers changed."""
+    from k3jax import __version__
+
+    plain = (str, int, float, bool, type(None))  # (not callables: their repr changes from run to run)
+    factors = {"model": vars(eng.cfg), "dtype": str(getattr(getattr(eng, "model", None), "dtype", None)),
+               "engine": {k: v for k, v in vars(eng.config).items() if isinstance(v, plain)}}
+    digest = hashlib.sha256(json.dumps(factors, sort_keys=True, default=str).encode()).hexdigest()
+    return f"k3jax-{__version__}-{digest[:8]}"
+
+
 class ServerState:
     """What the routes share: the engine (attached once warm), admission counters, limits, metrics."""
 
@@ -538,6 +553,7 @@ class ServerState:
         self._resumed = asyncio.Event()
         self._resumed.set()
         self.error: Optional[str] = None
+        self.system_fingerprint: Optional[str] = None  # set by `attach` (see system_fingerprint)
         self.created = int(time.time())
         self.requests_in_flight = 0
         self.seqs_in_flight = 0
@@ -574,6 +590,7 @@ class ServerState:
         setting = getattr(eng.config, "generation_config", None)
         self.max_tokens_cap = (self.generation_defaults.get("max_tokens")
                                if isinstance(setting, str) and setting not in ("auto", "vllm") else None)
+        self.system_fingerprint = system_fingerprint(eng)
         fam = getattr(self.tokenizer, "chat_family", None)
         self.chat_family = fam or {"kimi_k3": "k3", "kimi_linear": "kimi_linear"}.get(self.cfg.family, "byte")
         self.ready = True
@@ -1245,6 +1262,8 @@ class _Format:
             chunk = {**self.head(self.chunk_object), "choices": [choice]}
             if usage_field:
                 chunk["usage"] = None
+            elif o.finish_reason is not None:  # vLLM's: on the final chunks (the usage chunk when there is one)
+                chunk["system_fingerprint"] = self.st.system_fingerprint
             chunks.append(chunk)
         return chunks
 
@@ -1254,7 +1273,8 @@ class _Format:
             choice["sgl_ext"] = {"routed_experts": to_base64(o.routed_experts, self.routes_from)}
 
     def usage_chunk(self, run: _Run) -> dict:
-        return {**self.head(self.chunk_object), "choices": [], "usage": run.usage()}
+        return {**self.head(self.chunk_object), "choices": [], "system_fingerprint": self.st.system_fingerprint,
+                "usage": run.usage()}
 
     def _prompt_field(self, out: RequestOutput) -> Optional[list]:
         """vLLM's `prompt_logprobs`: per prompt token None (the first, and any a request aborted mid-prefill never
@@ -1371,7 +1391,8 @@ class _CompletionFormat(_Format):
                     choice["prompt_token_ids"], choice["token_ids"] = list(out.prompt_token_ids), list(o.token_ids)
                 self._add_ext(choice, o)
                 choices.append(choice)
-        return {**self.head("text_completion"), "choices": choices, "usage": run.usage()}
+        return {**self.head("text_completion"), "choices": choices, "system_fingerprint": self.st.system_fingerprint,
+                "usage": run.usage()}
 
     def start(self, nprompts: int, usage_field: bool) -> list[dict]:
         return []
@@ -1525,7 +1546,8 @@ class _ChatFormat(_Format):
                 if self.token_ids:
                     choices[-1]["token_ids"] = list(o.token_ids)
                 self._add_ext(choices[-1], o)
-        out = {**self.head("chat.completion"), "choices": choices, "usage": run.usage()}
+        out = {**self.head("chat.completion"), "choices": choices, "system_fingerprint": self.st.system_fingerprint,
+               "usage": run.usage()}
         if self.token_ids:
             out["prompt_token_ids"] = list(self.prompt_ids or [])
         if self.prompt_field:

@@ -69,7 +69,7 @@ from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, CkptEntry
 from serve.position_rows import PositionRows
 from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
-from serve.sampling import SamplingBatch, check_logprobs_mode
+from serve.sampling import SamplingBatch, ban_in_bias, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, SuffixIndex, SuffixProposer
 from serve.series import ITERATION_TOKEN_BUCKETS, BucketCounts, Recent
 from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, chunk_end, schedule, units_for
@@ -77,7 +77,8 @@ from serve import eplb
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_sample, bind_step
 from serve.stop_checker import StopChecker
-from serve.structured import GrammarCompiler, Guide, ban_words, fill_masks, mask_words
+from serve.structured import (GrammarCompiler, Guide, allowed_tokens, banned_tokens, clear_bits, count_allowed,
+                              fill_masks, mask_words)
 from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
                          RequestOutputKind, SamplingParams, TokenLogprobs)
 
@@ -3127,10 +3128,12 @@ class Engine:
         sampling = f.deferred
         live = [(i, seq, start, n) for i, (seq, (_, start, n)) in enumerate(zip(f.seqs, f.rows)) if not seq.finished]
         allowed = np.full((f.rows_bucket, self.mask_words), -1, np.int32)
-        constrained = self._fill_allowed(allowed, live, 1)
+        bias_ids, bias_values = np.array(sampling.bias_ids), np.array(sampling.bias_values)
+        constrained = self._fill_allowed(allowed, bias_ids, bias_values, live, 1)
         ((logits, table), prompt, accepted), counts = f.out
-        res = self._sample_fn(logits, table, dataclasses.replace(sampling, allowed=allowed, constrained=constrained),
-                              f.channel_step)
+        sampling = dataclasses.replace(sampling, allowed=allowed, constrained=constrained, bias_ids=bias_ids,
+                                       bias_values=bias_values)
+        res = self._sample_fn(logits, table, sampling, f.channel_step)
         f.out, f.deferred = ((res, prompt, accepted), counts), None
 
     def _sample_fn(self, logits, table, sampling, channel_step: int = 0):
@@ -3319,12 +3322,12 @@ class Engine:
             plens.append(len(seq.prompt_ids))
             bans.append(seq.checker.min_tokens_ban() if len(seq.output_ids) + seq.pending < seq.params.min_tokens
                         else None)
-        constrained = None
-        if masks:
-            constrained = self._fill_allowed(allowed, [(i, seq, start, n) for i, (seq, start, n) in enumerate(items)],
-                                             pos)
         sb = SamplingBatch.from_params(params, seeds, steps, rows, plens, bans, BIAS_WIDTH, allowed,
-                                       processors=self.logits_processors, constrained=constrained)
+                                       processors=self.logits_processors)
+        if masks:
+            constrained = self._fill_allowed(allowed, sb.bias_ids, sb.bias_values,
+                                             [(i, seq, start, n) for i, (seq, start, n) in enumerate(items)], pos)
+            sb = dataclasses.replace(sb, constrained=constrained)
         ncopy = rows * lm
         src = np.full(ncopy, lay.scratch_page, np.int32)
         dst = np.full(ncopy, lay.scratch_page, np.int32)
@@ -3335,11 +3338,18 @@ class Engine:
         return StepBatch(tokens, valid, lengths, read, write, table_rows, src, dst, sb, targets, lora_slots, embeds,
                          embed_mask, self._carry, splice if self._carry is not None else None, pages)
 
-    def _fill_allowed(self, allowed: np.ndarray, rows: list[tuple[int, Sequence, int, int]], pos: int) -> np.ndarray:
+    def _fill_allowed(self, allowed: np.ndarray, bias_ids: np.ndarray, bias_values: np.ndarray,
+                      rows: list[tuple[int, Sequence, int, int]], pos: int) -> np.ndarray:
         """Write the next-token masks of `rows` ((batch row, sequence, start, tokens)) into `allowed`
         [B * pos, W] (`pos` masks a row: a verify batch's positions): the structured-output constraint of each
         row that samples its sequence's next token (and, for verify rows, after each draft), then bad words.
-        -> [B] bool: the rows masked by an active constraint (their raw logprobs are taken after the mask)."""
+        -> [B] bool: the rows masked by an active constraint (their raw logprobs are taken after the mask).
+
+        Bad words go where raw logprobs do not see them (vLLM bans them in its sampler, after its logprobs):
+        an unconstrained row's into its mask (its logprobs are the raw logits'), a constrained row's into its
+        logit bias (`bias_ids` / `bias_values` [B, N], in place; a mask would change its logprobs), the few
+        that find no room there into the mask. A constraint whose every continuation is banned keeps them (the
+        output stays valid: the constraint wins over the bans, as `sample` makes it win over min_tokens')."""
         guided = [(seq.guide, i * pos) for i, seq, start, n in rows
                   if seq.guide is not None and start + n >= len(seq.all_ids)]  # this row samples the next token
         constrained = np.zeros(allowed.shape[0] // pos, bool)
@@ -3354,10 +3364,13 @@ class Engine:
             self.mask_seconds += time.perf_counter() - t0
         for i, seq, start, n in rows:
             if seq.bad_words and start + n == len(seq.prompt_ids) + len(seq.output_ids):  # never drafts
-                row = allowed[i * pos].copy()
-                ban_words(row, seq.bad_words, seq.output_ids)
-                if row.any():  # a constraint whose only continuations are banned keeps them (valid output first)
-                    allowed[i * pos] = row
+                row = allowed[i * pos]
+                banned = allowed_tokens(row, banned_tokens(seq.bad_words, seq.output_ids))
+                if not banned or len(banned) >= count_allowed(row):  # nothing to ban, or nothing would be left
+                    continue
+                if constrained[i]:
+                    banned = ban_in_bias(bias_ids[i], bias_values[i], banned)
+                clear_bits(row, banned)
         return constrained
 
     def _token_text(self, params: SamplingParams):

@@ -67,6 +67,7 @@ __all__ = [
     "KEY_IMPL",
     "SamplingBatch",
     "SampleResult",
+    "ban_in_bias",
     "sample",
     "seed_key_data",
     "max_logprobs",
@@ -101,6 +102,25 @@ def max_logprobs(params: Sequence[Optional[SamplingParams]]) -> int:
     """The largest ``logprobs`` requested by any row (0 when none asks): the least
     ``num_top_logprobs`` that serves them all (the caller may round it up to a bucket)."""
     return max((p.logprobs or 0 for p in params if p is not None), default=0)
+
+
+def ban_in_bias(ids: np.ndarray, values: np.ndarray, tokens: Sequence[int]) -> list[int]:
+    """Ban `tokens` through one row of a batch's logit bias (`SamplingBatch.bias_ids` / `bias_values` [N], in
+    place; -1 an unused entry): a listed token's value becomes -inf, the others take unused entries -> those
+    left out (no room). `sample` adds the bias after a constrained row's raw logprobs are taken, so they do not
+    see these bans (vLLM bans bad words in its sampler, after its raw logprobs)."""
+    free = list(np.flatnonzero(ids < 0))
+    left = []
+    for t in tokens:
+        listed = ids == t
+        if listed.any():
+            values[listed] = -np.inf
+        elif free:
+            k = free.pop(0)
+            ids[k], values[k] = t, -np.inf
+        else:
+            left.append(t)
+    return left
 
 
 @jax.tree_util.register_dataclass
@@ -378,6 +398,19 @@ def _sample_random(logits, batch: SamplingBatch, is_greedy, greedy_tokens):
     return jnp.where(is_greedy, greedy_tokens, sampled), masked  # [B], [B, V] (-inf: filtered)
 
 
+def _unbanned(logits: jax.Array, masked: jax.Array, batch: SamplingBatch) -> jax.Array:
+    """[B, V]: what a row whose processed logits ban every token samples from instead: its constraint (a
+    constrained row's masked logits, an other's raw ones) with its finite bias and `allowed_token_ids`, without
+    the bans that emptied it (bad words, min_tokens' stop-token ban, -inf biases) or the processors. What may
+    come (the constraint, the allowed list) wins over what may not: never the garbage token 0 of an all -inf
+    row. vLLM lets a grammar's stop tokens through min_tokens' ban this way (its terminal-grammar fix)."""
+    x = jnp.where(batch.constrained[:, None], masked, logits)
+    if batch.bias_ids.shape[1]:
+        values = jnp.where(batch.bias_values == -jnp.inf, 0.0, batch.bias_values)
+        x = apply_bias(x, batch.bias_ids, values, batch.restrict)
+    return x
+
+
 def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
            history: Optional[Callable[[], tuple[jax.Array, jax.Array]]] = None,
            processors: Sequence[LogitsProcessor] = (), logprobs_mode: str = "raw_logprobs") -> SampleResult:
@@ -386,9 +419,10 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
 
     The batch's logit bias applies first, then, when any row has a penalty, the penalties over the
     rows' tokens: ``history()`` -> (ids [B, S], positions [B, S]) (``serve/penalties.py``; only traced
-    inside that branch), then the custom logits processors on their rows. Greedy rows take the argmax
-    of the processed logits; logprobs are those of the raw logits (a constrained row's after its mask)
-    unless `logprobs_mode` says otherwise."""
+    inside that branch), then the custom logits processors on their rows. A row they leave without a token
+    (all -inf) samples from `_unbanned`'s logits instead. Greedy rows take the argmax of the processed logits;
+    logprobs are those of the raw logits (a constrained row's after its mask) unless `logprobs_mode` says
+    otherwise."""
     check_logprobs_mode(logprobs_mode)
     if logits.ndim != 2:
         raise ValueError(f"logits must be [B, V], got shape {logits.shape}")
@@ -432,6 +466,18 @@ def sample(logits: jax.Array, batch: SamplingBatch, num_top_logprobs: int = 0,
 
     x = lax.cond(jnp.any(penalized) | jnp.any(batch.bias_ids >= 0) | jnp.any(batch.restrict) | uses_proc,
                  process, lambda x: x, masked)
+    # a row can only be left without a token by a mask, a -inf bias, allowed_token_ids or a processor: only
+    # then look for one (a pass over [B, V]), which samples from `_unbanned` instead of the garbage token 0
+    can_empty = batch.restrict | jnp.any(batch.bias_values == -jnp.inf, axis=-1)
+    if batch.allowed.shape[1]:
+        can_empty |= jnp.any(batch.allowed != -1, axis=-1)
+    if processors:
+        can_empty |= jnp.any(batch.proc_on, axis=-1)
+
+    def rescue(x):
+        empty = jnp.max(x, axis=-1) == -jnp.inf  # [B] every token -inf
+        return jnp.where(empty[:, None], _unbanned(logits, masked, batch), x)
+    x = lax.cond(jnp.any(can_empty), rescue, lambda x: x, x)
     greedy_tokens = first_argmax(x)
     is_greedy = batch.temperature < GREEDY_EPS
     processed = logprobs_mode.startswith("processed")

@@ -33,8 +33,8 @@ import numpy as np
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "ban_words", "fill_masks", "mask_words",
-           "ALLOW_ALL"]
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "ban_words", "banned_tokens", "fill_masks",
+           "mask_words", "ALLOW_ALL"]
 
 #: A bitmask word with every token allowed.
 ALLOW_ALL = -1
@@ -281,14 +281,37 @@ class GrammarCompiler:
         return Guide(matcher, tuple(int(t) for t in after))
 
 
-def ban_words(row: np.ndarray, words: Sequence[tuple[int, ...]], output: Sequence[int]) -> None:
-    """Clear in a bitmask row (int32 [W]) the last token of every word whose other tokens end the output
-    (a one-token word always): `bad_words`, vLLM's rule, over the generated tokens."""
-    bits = row.view(np.uint32)
+def banned_tokens(words: Sequence[tuple[int, ...]], output: Sequence[int]) -> list[int]:
+    """The last token of every word whose other tokens end the output (a one-token word always): what
+    `bad_words` bans next, vLLM's rule, over the generated tokens (each token once, in the words' order)."""
+    out = {}
     for w in words:
         if len(w) == 1 or (len(output) >= len(w) - 1 and tuple(output[len(output) - len(w) + 1:]) == w[:-1]):
-            t = w[-1]
-            bits[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+            out[w[-1]] = None
+    return list(out)
+
+
+def ban_words(row: np.ndarray, words: Sequence[tuple[int, ...]], output: Sequence[int]) -> None:
+    """Clear in a bitmask row (int32 [W]) the tokens `banned_tokens` names (`bad_words`)."""
+    clear_bits(row, banned_tokens(words, output))
+
+
+def clear_bits(row: np.ndarray, tokens: Sequence[int]) -> None:
+    """Clear the bits of `tokens` in a bitmask row (int32 [W], bit t % 32 of word t // 32 is token t)."""
+    bits = row.view(np.uint32)
+    for t in tokens:
+        bits[t >> 5] &= np.uint32(~(1 << (t & 31)) & 0xFFFFFFFF)
+
+
+def allowed_tokens(row: np.ndarray, tokens: Sequence[int]) -> list[int]:
+    """Those of `tokens` whose bit is set in a bitmask row (int32 [W])."""
+    bits = row.view(np.uint32)
+    return [t for t in tokens if t >> 5 < bits.size and (int(bits[t >> 5]) >> (t & 31)) & 1]
+
+
+def count_allowed(row: np.ndarray) -> int:
+    """How many tokens a bitmask row (int32 [W]) allows."""
+    return int(np.unpackbits(row.view(np.uint8)).sum())
 
 
 _executor = None

@@ -117,8 +117,10 @@ def test_structured_outputs_and_bad_words_stay_in_flight(engines):
              dict(structured_outputs=SO(choice=["alpha", "beta", "gamma delta"])),
              dict(structured_outputs=SO(json={"type": "object", "properties": {"n": {"type": "integer"}},
                                               "required": ["n"]}, disable_any_whitespace=True)),
-             dict(bad_words=["a", "bc", "zz"]), dict()]
-    prompts = [rng.integers(0, 256, int(k)).tolist() for k in rng.integers(1, 120, 10)]
+             dict(bad_words=["a", "bc", "zz"]), dict(),
+             # a constrained row's bad words go into its bias, built before the deferred sample: `_complete` adds them
+             dict(structured_outputs=SO(regex=regex), bad_words=["5", "9"], logprobs=3)]
+    prompts = [rng.integers(0, 256, int(k)).tolist() for k in rng.integers(1, 120, 12)]
     params = [SamplingParams(temperature=1.0, seed=i, max_tokens=int(rng.integers(4, 20)), **kinds[i % len(kinds)])
               for i in range(len(prompts))]
     before = dict(asyn.counters)
@@ -129,7 +131,7 @@ def test_structured_outputs_and_bad_words_stay_in_flight(engines):
         if p.structured_outputs is not None and p.structured_outputs.regex and o.outputs[0].finish_reason == "stop":
             assert re.fullmatch(regex, text), text
         if p.bad_words:
-            assert not any(w in text for w in ("bc", "zz")) and "a" not in text, text
+            assert not any(w in text for w in p.bad_words), text
     c = asyn.counters
     assert c["steps_launched_ahead"] - before["steps_launched_ahead"] > 0.5 * (c["steps"] - before["steps"])
     assert asyn.compiles_after_warmup == 0

@@ -1501,3 +1501,38 @@ def test_max_num_batched_tokens_block_size_and_chat_template():
     cfg = engine_config(_serve_options("--long-prefill-chunk", "1024"))
     cfg.validate()
     assert cfg.max_num_batched_tokens == 8 + 1024
+
+
+def test_completions_and_chat_carry_vllms_system_fingerprint():
+    """OpenAI's `system_fingerprint` (vLLM's default: `vllm-<version>-<hash8>` of its configuration) was missing
+    from every completion and chat completion: it is `k3jax-<version>-<hash8>`, the same on every response of a
+    server, in a whole response and, streamed, on the final chunks only (a choice's finishing chunk, or the usage
+    chunk when `stream_options.include_usage` asks for one)."""
+    import re
+
+    from k3jax import __version__
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(max_model_len=64, tokenizer=ByteTokenizer(320)), "m")
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    comp = {"prompt": [1, 2], "max_tokens": 1}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            whole = [(await c.post(path, json=body)).json() for path, body in
+                     (("/v1/completions", comp), ("/v1/chat/completions", chat))]
+            streams = [(await c.post(path, json={**body, "stream": True, **extra})).text
+                       for path, body in (("/v1/completions", comp), ("/v1/chat/completions", chat))
+                       for extra in ({}, {"stream_options": {"include_usage": True}})]
+            return whole, streams
+
+    whole, streams = asyncio.run(go())
+    fp = whole[0]["system_fingerprint"]
+    assert re.fullmatch(rf"k3jax-{re.escape(__version__)}-[0-9a-f]{{8}}", fp) and whole[1]["system_fingerprint"] == fp
+    for k, text in enumerate(streams):
+        chunks = [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
+        final = [c for c in chunks if c.get("usage")] if k % 2 else [
+            c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
+        assert len(final) == 1 and final[0]["system_fingerprint"] == fp, text
+        assert all("system_fingerprint" not in c for c in chunks if c is not final[0]), text

@@ -358,6 +358,39 @@ def test_a_constrained_rows_raw_logprobs_are_taken_after_its_mask(sample_fn):
     np.testing.assert_array_equal(again.tokens[:3], out.tokens)
 
 
+
+def test_a_row_whose_every_token_is_banned_samples_what_it_allows_not_token_0(sample_fn):
+    """A row whose allowed tokens are all banned (allowed_token_ids or a constraint's continuations all under a
+    -inf bias: bad words, min_tokens' stop-token ban) was all -inf, and its argmax the garbage token 0: it samples
+    from what it allows without those bans (greedy: the best of them); a -inf bias on some tokens still bans
+    them, and bans through the bias stay out of a constrained row's raw logprobs (vLLM bans bad words after)."""
+    from serve.sampling import ban_in_bias
+    from serve.structured import mask_words
+
+    logits = _random_logits(4, vocab=VB, seed=5)
+    logits[:, 0] = 9.0  # token 0 is the best of every row: never sampled below, so a garbage 0 shows
+    w = mask_words(VB)
+    allowed = np.full((64, w), -1, np.int32)
+    allowed[1] = allowed[3] = 0
+    allowed[1, 0] = allowed[3, 0] = (1 << 6) | (1 << 9)  # constrained rows: tokens 6 and 9 only
+    constrained = np.zeros(64, bool)
+    constrained[[1, 3]] = True
+    params = [SamplingParams(temperature=0.0, allowed_token_ids=[3, 5]), SamplingParams(temperature=0.0, logprobs=2),
+              SamplingParams(temperature=1.0, allowed_token_ids=[3, 5]), SamplingParams(temperature=0.0, logprobs=2)]
+    bans = [{3: -np.inf, 5: -np.inf}, {6: -np.inf, 9: -np.inf}, {3: -np.inf, 5: -np.inf}, None]
+    batch = SamplingBatch.from_params(params, [0, 1, 2, 3], [0, 0, 0, 0], 64, extra_bias=bans, bias_width=4,
+                                      allowed=allowed, constrained=constrained)
+    assert ban_in_bias(batch.bias_ids[3], batch.bias_values[3], [9, 2, 7, 11, 13]) == [13]  # 4 entries: one left
+    pad = np.concatenate([logits, np.zeros((60, VB), np.float32)])
+    out = SampleResult(*(a[:4] for a in jax.device_get(sample_fn(jnp.asarray(pad), batch, num_top_logprobs=2))))
+    assert out.tokens[0] == (3 if logits[0, 3] > logits[0, 5] else 5)
+    assert out.tokens[1] == (6 if logits[1, 6] > logits[1, 9] else 9)
+    assert out.tokens[2] in (3, 5)
+    assert out.tokens[3] == 6  # 9 banned through the bias, 6 the only token left
+    ref = np.asarray(jax.nn.log_softmax(jnp.asarray(logits[3, [6, 9]])))  # the grammar's two, the ban unseen
+    assert out.logprob[3] == pytest.approx(ref[0], abs=1e-5)
+    np.testing.assert_array_equal(np.sort(out.top_ids[3]), [6, 9])
+
 def _processed_reference(logits, params):
     """The values each row samples from, by the definition (numpy, a sort for top-k / top-p): a greedy row's
     logits plus its bias; a sampled row's biased logits / temperature with tokens below min-p, then outside

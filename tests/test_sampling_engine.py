@@ -629,6 +629,51 @@ def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logit
     assert r.text == "ab" and llm.engine.counters["structured_output_errors"] == 0
 
 
+
+def test_bad_words_stay_out_of_a_constrained_requests_logprobs_and_all_banned_rows_sample_what_they_allow(
+        llm, forward_logits):
+    """vLLM takes its raw logprobs after the grammar's bitmask but before bad words: a constrained request's
+    logprobs are the model's renormalised over what the grammar allows, banned tokens included (the ban was
+    written into the grammar's mask, so bad words changed them), while its tokens obey both. A request whose
+    allowed tokens are all banned (allowed_token_ids all bad words, or all stop tokens under min_tokens)
+    sampled the garbage token 0 of an all -inf row: it samples what it allows (the ban gives way)."""
+    from llguidance.numpy import apply_token_bitmask_inplace
+
+    from serve.structured import mask_words
+    from serve.types import StructuredOutputsParams as SO
+
+    tok = llm.engine.tokenizer
+    so = SO(regex=r"[a-f]{2}-[0-9]{2}")
+    banned = [tok.encode(w)[0] for w in ("d", "b")]
+    got = llm.generate([PROMPT], SP(temperature=0, max_tokens=12, logprobs=3, structured_outputs=so,
+                                    bad_words=["d", "b"]))[0]
+    guide = llm.engine.grammars.guide(so)
+    row = np.zeros((1, mask_words(llm.engine.cfg.vocab_size)), np.int32)
+    out, seen = [], set()
+    for pos in got.outputs[0].logprobs:
+        guide.fill(row[0])
+        x = forward_logits(PROMPT + out)[-1:].astype(np.float64).copy()
+        apply_token_bitmask_inplace(x, row)
+        want = x[0] - x[0].max() - np.log(np.sum(np.exp(x[0] - x[0].max())))  # the grammar's alone
+        y = x[0].copy()
+        y[banned] = -np.inf
+        out.append(int(np.argmax(y)))
+        assert got.token_ids[len(out) - 1] == out[-1]
+        assert pos.chosen.logprob == pytest.approx(want[out[-1]], abs=1e-4)
+        finite = [t for t in pos.top if np.isfinite(t.logprob)]
+        np.testing.assert_allclose([t.logprob for t in finite], np.sort(want)[::-1][:len(finite)], atol=1e-4)
+        seen |= {t.token_id for t in finite}
+        assert guide.advance(out[-1])
+    assert not set(banned) & set(got.token_ids) and set(banned) & seen and got.finish_reason == "stop"
+    a, eos = tok.encode("a")[0], llm.engine.stop_ids[0]
+    for t in (0.0, 1.0):
+        r = llm.generate([PROMPT], SP(temperature=t, seed=3, max_tokens=3, allowed_token_ids=[a], bad_words=["a"]))[0]
+        assert r.token_ids == [a] * 3
+    r = llm.generate([PROMPT], SP(temperature=0, max_tokens=6, min_tokens=3, allowed_token_ids=[eos]))[0]
+    assert r.token_ids == [eos] * 3 and r.finish_reason == "stop"
+    e = llm.engine
+    assert e.counters["structured_output_errors"] == 0 and e.stats()["compiles_after_warmup"] == 0
+
 def test_llm_uses_the_models_default_sampling_and_reports_progress(llm, forward_logits):
     """vLLM's `LLM` conveniences: `generate` without sampling parameters samples with the model's generation
     config (`get_default_sampling_params`), `use_tqdm` takes a tqdm-like factory, `get_tokenizer`."""
