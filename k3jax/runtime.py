@@ -118,11 +118,12 @@ class Model:
         return logits, cache
 
     def generate_greedy(self, token_ids, max_new_tokens: int) -> np.ndarray:
-        """Greedy continuation: chunked prefill, then recurrent decode through the explicit cache."""
+        """Greedy continuation: chunked prefill, then recurrent decode through the explicit cache (its length
+        rounded up to a multiple of 256, so that prompts of nearby lengths share the compiled programs)."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self._ids(token_ids)
-        logits, cache = self.prefill(ids, ids.shape[1] + max_new_tokens)
+        logits, cache = self.prefill(ids, -(-(ids.shape[1] + max_new_tokens) // 256) * 256)
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         out = [tok]
         for _ in range(max_new_tokens - 1):

@@ -197,6 +197,19 @@ def test_two_processes_serve_like_one_device(cluster, reference):
 # parallel, then sleep mode, weight updates from disk and a LoRA adapter loaded at runtime, which every process
 # applies to its own devices; or expert parallel with load balancing (every 3 steps, 4 redundant experts: the
 # leader's EPLB command makes every process move the same experts).
+# The engine options of the async scheduling runs below (`async_config(form)`, pasted into their scripts): the
+# failing-step run takes tp's too, so that its programs come from the run's compilation cache (CI time).
+_ASYNC_CONFIG = textwrap.dedent("""
+    def async_config(form):
+        import dataclasses
+        from serve.cli import DEFAULTS, engine_config
+        eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
+        lora = dict(enable_lora=True, max_loras=1, max_lora_rank=4)
+        o = dict(DEFAULTS, max_model_len=128, max_num_seqs=8, decode_buckets="8", prefill_buckets="1",
+                 context_buckets="8", prefill_chunk=32, cache_mb=32, sharding=form, async_scheduling=True,
+                 **(eplb if form == "ep" else lora))
+        return dataclasses.replace(engine_config(o), measure_moe_time=False)
+""")
 _ASYNC = textwrap.dedent("""
     import dataclasses, json, sys
     import numpy as np
@@ -210,12 +223,7 @@ _ASYNC = textwrap.dedent("""
     pid, port = int(sys.argv[1]), sys.argv[2]
     k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
     form, checkpoint, adapter, merged = sys.argv[4:8]
-    eplb = dict(enable_eplb=True, eplb_window_size=6, eplb_step_interval=3, eplb_num_redundant_experts=4)
-    lora = dict(enable_lora=True, max_loras=1, max_lora_rank=4)
-    o = dict(DEFAULTS, max_model_len=128, max_num_seqs=8, decode_buckets="8", prefill_buckets="1",
-             context_buckets="8", prefill_chunk=32, cache_mb=32, sharding=form, async_scheduling=True,
-             **(eplb if form == "ep" else lora))
-    cfg = dataclasses.replace(engine_config(o), measure_moe_time=False)
+    cfg = async_config(form)
     eng = Engine(load_model("tiny-k3", sharding=form), cfg, progress=False)
     if eng.is_follower:
         import k3jax.checkpoint as ck
@@ -324,7 +332,7 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     os.symlink(tmp_path / "ckpt", tmp_path / "ckpt-corrupt")  # ... nor all of this one's tensors
     _lora_and_merged(model, tmp_path / "adapter", tmp_path / "merged")
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC, str(pid), str(port), json.dumps(PROMPTS), form,
+    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC_CONFIG + _ASYNC, str(pid), str(port), json.dumps(PROMPTS), form,
                                *(str(tmp_path / d) for d in ("ckpt", "adapter", "merged"))],
                               cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for pid in (0, 1)]
@@ -424,17 +432,16 @@ _LEADER_FAILS = textwrap.dedent("""
     import json, sys
     sys.path.insert(0, "tests")
     import k3jax
+    from k3jax.runtime import load_model
+    from serve.engine import Engine
     from serve.types import SamplingParams
     from step_failures import FailingPrefill, drain_through_failures
     pid, port = int(sys.argv[1]), sys.argv[2]
     k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-    llm = k3jax.LLM("tiny-k3", sharding="tp", max_model_len=64, cache_bytes=8 << 20, max_num_seqs=4,
-                    prefill_chunk=16, max_prefill_seqs=1, decode_buckets=(4,), prefill_buckets=(1,),
-                    context_buckets=(4,), async_scheduling=True, measure_moe_time=False, progress=False)
+    eng = Engine(load_model("tiny-k3", sharding="tp"), async_config("tp"), progress=False)  # (cached programs)
     if pid:
-        print("FOLLOWED", llm.follow(), flush=True)
+        print("FOLLOWED", eng.follow(), flush=True)
         sys.exit(0)
-    eng = llm.engine
     def run(prompts):
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts]
         failures, done = drain_through_failures(eng)
@@ -445,7 +452,7 @@ _LEADER_FAILS = textwrap.dedent("""
     got, failed = run(prompts)
     eng._step = eng._step.real
     again, _ = run(prompts)
-    llm.close()
+    eng.close()
     try:  # the followers are gone: refused up front (a step launched now would wait for them forever)
         closed = eng.add_request("after close", SamplingParams(max_tokens=2))
     except RuntimeError as e:
@@ -456,7 +463,7 @@ _LEADER_FAILS = textwrap.dedent("""
 
 def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _LEADER_FAILS, str(pid), str(port)], cwd=ROOT, env=ENV,
+    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC_CONFIG + _LEADER_FAILS, str(pid), str(port)], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
     try:
         out0, out1 = (p.communicate(timeout=300)[0] for p in procs)
