@@ -3,7 +3,7 @@
 HF tensors are memory-mapped and streamed one parameter at a time into the abstract model's
 layout: per-expert tensors are stacked into `[E, out, in]`, MXFP4 experts stay packed (uint8),
 `A_log` is flattened and its zero padding dropped. A missing or mis-shaped tensor is an error that
-names the tensor and both shapes.
+names the tensor and both shapes; so is one whose cast to the model's dtype would change its values.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ ORBAX_PARAMS = "params"
 _NO_WEIGHT_SUFFIX = {"A_log", "dt_bias", "e_score_correction_bias"}
 _ATTN_RES = {"self_attention_res", "mlp_res", "output_attn_res"}
 _EXPERT_MATS = {"w1", "w2", "w3"}
+
+
+# safetensors dtypes its NumPy reader can return (BF16 via ml_dtypes, which JAX registers); not F8_* / F4
+_NUMPY_DTYPES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16", "F32", "F64"}
 
 
 class CheckpointError(ValueError):
@@ -63,7 +67,11 @@ class SafetensorsDir:
                 raise CheckpointError(f"{path}: no *.safetensors files and no model.safetensors.index.json")
             self.where = {}
             for fn in files:
-                self.where.update({k: fn for k in self._open_file(fn).keys()})
+                for k in self._open_file(fn).keys():
+                    if k in self.where:  # which copy wins would be the file names' order: ambiguous
+                        raise CheckpointError(f"{path}: tensor {k} is in both {self.where[k]} and {fn} (and no "
+                                              f"model.safetensors.index.json says which to read)")
+                    self.where[k] = fn
         self._open: dict[str, Any] = {}
         self.bytes_read = 0  # tensor bytes copied out of the files so far
 
@@ -75,6 +83,10 @@ class SafetensorsDir:
 
     def get(self, name: str, index: tuple = ()) -> np.ndarray:
         """Tensor `name`, or only its slice `index` (a tuple of slices; read from the memory map alone)."""
+        dtype = self._slice(name).get_dtype()
+        if dtype not in _NUMPY_DTYPES:  # (safetensors' NumPy reader fails on them with an AttributeError)
+            raise CheckpointError(f"tensor {name} in {self.where[name]}: dtype {dtype} cannot be read (floats: "
+                                  f"F16/BF16/F32/F64; MXFP4 blocks and E8M0 scales: U8 bytes)")
         try:
             arr = self._slice(name)[index] if index else self._file(name).get_tensor(name)
         except SafetensorError as e:
@@ -126,16 +138,34 @@ def _aliases(name: str) -> list[str]:
     return [name]
 
 
-def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], fix: Callable | None = None,
+def _cast(name: str, arr: np.ndarray, want) -> np.ndarray:
+    """`arr` as dtype `want`, by a cast that keeps the values: floats of any width into a float weight, bytes
+    (uint8, or int8 bit for bit) into the packed MXFP4 ones. Integers or bools into a float weight, floats or
+    wider integers into MXFP4 bytes (a cast would truncate or wrap them) mean the tensor is not what the model
+    reads: an error naming it."""
+    got = arr.dtype
+    if jnp.issubdtype(want, jnp.integer):
+        if not jnp.issubdtype(got, jnp.integer) or np.dtype(got).itemsize != 1:
+            raise CheckpointError(f"tensor {name}: {got} data where the model expects packed {want} (MXFP4 bytes)")
+    elif got == np.uint8:
+        raise CheckpointError(f"tensor {name}: packed uint8 data where the model expects {want}; "
+                              f"check text_config.quantization_config")
+    elif not jnp.issubdtype(got, jnp.floating):
+        kind = "integer" if jnp.issubdtype(got, jnp.integer) else "non-float"
+        raise CheckpointError(f"tensor {name}: {kind} data ({got}) where the model expects {want}")
+    return arr.astype(want) if got != want else arr
+
+
+def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], dtype, fix: Callable | None = None,
           index: tuple = ()) -> np.ndarray:
-    """Tensor `name` (or an alias) checked against the model's shape `want`; only its slice `index` when
-    given (a `fix`ed tensor is read whole, then sliced: the fix changes its shape)."""
+    """Tensor `name` (or an alias) checked against the model's shape `want` and cast to its `dtype` (`_cast`);
+    only its slice `index` when given (a `fix`ed tensor is read whole, then sliced: the fix changes its shape)."""
     for cand in _aliases(name):
         if cand in st:
             got = st.shape(cand)
             if fix is None and got != want:
                 raise CheckpointError(f"tensor {cand}: checkpoint shape {got} does not match the model's {want}")
-            arr = st.get(cand, index if fix is None else ())
+            arr = _cast(cand, st.get(cand, index if fix is None else ()), dtype)
             if fix is not None:
                 try:
                     arr = fix(arr)
@@ -148,16 +178,16 @@ def _read(st: SafetensorsDir, name: str, want: tuple[int, ...], fix: Callable | 
     raise CheckpointError(f"tensor {name} is missing from the checkpoint (expected shape {want})")
 
 
-def _read_param(st: SafetensorsDir, name: str, shape: tuple[int, ...], fix: Callable | None,
+def _read_param(st: SafetensorsDir, name: str, shape: tuple[int, ...], dtype, fix: Callable | None,
                 index: tuple = ()) -> np.ndarray:
     """One parameter (or its slice `index`) as the model holds it; per-expert tensors (`{e}` in `name`)
     are stacked `[E, ...]`, reading only the experts (and the part of each) the slice covers."""
     if "{e}" not in name:
-        return _read(st, name, shape, fix, index)
+        return _read(st, name, shape, dtype, fix, index)
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     experts = range(*index[0].indices(shape[0]))
     rest = index[1:] if any(i != slice(None) for i in index[1:]) else ()
-    return np.stack([_read(st, name.format(e=e), shape[1:], None, rest) for e in experts])
+    return np.stack([_read(st, name.format(e=e), shape[1:], dtype, None, rest) for e in experts])
 
 
 def _fix_a_log(n: int):
@@ -165,7 +195,10 @@ def _fix_a_log(n: int):
         flat = a.reshape(-1)
         if flat.size < n:
             raise CheckpointError(f"A_log has {flat.size} entries for {n} heads")
-        return flat[:n]  # K3 stores F32[128] with only the first num_heads live
+        if np.any(flat[n:]):  # live values past num_heads: the weights are another model's than config.json's
+            raise CheckpointError(f"A_log has {flat.size} entries for {n} heads, and those past {n} are not zero "
+                                  f"padding")
+        return flat[:n]  # K3 stores F32[128] with only the first num_heads live (the rest zero)
     return fix
 
 
@@ -194,13 +227,7 @@ def load_hf_params(path: str, cfg: ModelConfig, abstract: nnx.State, dtype, prog
         fix = _fix_a_log(shape[0]) if key[-1] == "A_log" else None
 
         def read(index: tuple = (), name=name, shape=shape, fix=fix, target=target) -> np.ndarray:
-            arr = _read_param(st, name, shape, fix, index)
-            if arr.dtype == np.uint8 and target != jnp.uint8:
-                raise CheckpointError(f"tensor {name}: packed uint8 data where the model expects {target}; "
-                                      f"check text_config.quantization_config")
-            if np.issubdtype(arr.dtype, np.integer) and not jnp.issubdtype(target, jnp.integer):
-                raise CheckpointError(f"tensor {name}: integer data ({arr.dtype}) where the model expects {target}")
-            return arr.astype(target) if arr.dtype != target else arr
+            return _read_param(st, name, shape, target, fix, index)
 
         sharding = place(var) if place is not None else None
         values[key] = jnp.asarray(read()) if sharding is None else _placed(shape, sharding, read)
@@ -320,12 +347,14 @@ def hf_tensors(cfg: ModelConfig, params: nnx.State, a_log_pad: int = 0) -> Itera
 def save_hf_checkpoint(path: str, cfg: ModelConfig, params: nnx.State, *, max_shard_bytes: int | None = None,
                        a_log_pad: int = 0) -> None:
     """Write `config.json` + safetensors in the released HF layout (sharded with an index when
-    `max_shard_bytes` is set). Used to make test checkpoints and to export converted weights."""
+    `max_shard_bytes` is set). Used to make test checkpoints and to export converted weights. config.json's
+    `torch_dtype` is the weights' own, as HF writes it (`dtype="auto"` loads them in it; without it: float32)."""
     from safetensors.numpy import save_file
 
     os.makedirs(path, exist_ok=True)
+    config = {**hf_config_dict(cfg), "torch_dtype": jnp.dtype(params["embed_tokens"][...].dtype).name}
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(hf_config_dict(cfg), f, indent=1)
+        json.dump(config, f, indent=1)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
     for name, arr in hf_tensors(cfg, params, a_log_pad):
@@ -392,6 +421,8 @@ def _check_orbax_shapes(path: str, stored, target) -> None:
                 for kp, v in jax.tree_util.tree_flatten_with_path(tree)[0]}
 
     have, want = flat(stored), flat(target)
+    if not have:  # (Orbax logs a warning and answers no metadata: every parameter read as missing)
+        raise CheckpointError(f"{os.path.join(path, ORBAX_PARAMS)}: no readable Orbax checkpoint (empty or damaged)")
     where = f"{path}: the Orbax params do not match {K3JAX_CONFIG}"
     missing = sorted(set(want) - set(have))
     if missing:
@@ -426,6 +457,9 @@ def read_config(path: str) -> ModelConfig:
     if is_orbax_dir(path):
         return read_orbax_config(path)[0]
     if not os.path.exists(os.path.join(path, "config.json")):
+        if os.path.exists(os.path.join(path, K3JAX_CONFIG)):
+            raise CheckpointError(f"{path}: {K3JAX_CONFIG} without its {ORBAX_PARAMS}/ directory (an incomplete "
+                                  f"Orbax checkpoint)")
         raise CheckpointError(f"{path}: no config.json (HF) and no {K3JAX_CONFIG} (Orbax)")
     cfg = load_hf_config(path)
     head = ("language_model." if cfg.family == "kimi_k3" else "") + "lm_head.weight"
@@ -460,6 +494,7 @@ def load_checkpoint(path: str, dtype, progress: bool = True, place: Callable | N
     each parameter straight into its shards (see `load_hf_params`)."""
     from k3jax.runtime import abstract_model
 
+    path = os.fspath(path)
     cfg = read_config(path)
     graphdef, abstract = abstract_model(cfg, dtype)
     if is_orbax_dir(path):

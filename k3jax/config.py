@@ -91,6 +91,13 @@ class ModelConfig:
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
                 raise ConfigError(f"{name} must be None or a positive integer, got {v!r}")
+        for name in ("bos_token_id", "pad_token_id"):  # (a list here failed the first step: the config is hashed)
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int)):
+                raise ConfigError(f"{name} must be None or an integer token id, got {v!r}")
+        eos = self.eos_token_ids
+        if not isinstance(eos, tuple) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in eos):
+            raise ConfigError(f"eos_token_ids must be a tuple of token ids (integers >= 0), got {eos!r}")
         if self.mla_layers and self.num_attention_heads < 1:
             raise ConfigError(f"num_attention_heads must be >= 1 with MLA layers, got {self.num_attention_heads}")
         if len(self.mla_layers) < self.num_hidden_layers and self.kda_num_heads < 1:
@@ -183,7 +190,7 @@ class ModelConfig:
 
 _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kv_lora_rank",
              "qk_nope_head_dim", "v_head_dim", "kda_head_dim", "short_conv_kernel_size", "moe_layer_freq",
-             "mxfp4_group_size")
+             "mxfp4_group_size", "max_position_embeddings")
 _NON_NEGATIVE = ("num_attention_heads", "qk_rope_head_dim", "kda_num_heads", "num_experts", "num_experts_per_token",
                  "moe_intermediate_size", "num_shared_experts", "first_k_dense_replace")
 
@@ -334,8 +341,8 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         moe_renormalize=_bool(tc, "moe_renormalize", where, True),
         first_k_dense_replace=_int(tc, "first_k_dense_replace", where, 1),
         moe_layer_freq=_int(tc, "moe_layer_freq", where, 1),
-        bos_token_id=cfg.get("bos_token_id", tc.get("bos_token_id")),
-        pad_token_id=cfg.get("pad_token_id", tc.get("pad_token_id")),
+        bos_token_id=_int(cfg, "bos_token_id", "config.json", _int(tc, "bos_token_id", where, None)),
+        pad_token_id=_int(cfg, "pad_token_id", "config.json", _int(tc, "pad_token_id", where, None)),
         max_position_embeddings=_int(tc, "max_position_embeddings", where,
                                      _int(tc, "model_max_length", where, 1 << 20)),
     )

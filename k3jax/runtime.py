@@ -34,11 +34,15 @@ def resolve_dtype(dtype, path_or_preset: str):
 
 
 def parse_dtype(dtype) -> jnp.dtype:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto' (the checkpoint's), got {dtype!r}")
-        return jnp.dtype(DTYPES[dtype])
-    return jnp.dtype(dtype)
+    """A name in DTYPES, or the same dtype as an object (`jnp.bfloat16`, an engine's `model.dtype`). Other dtypes
+    are refused as objects too, as their names are (`jnp.float16` built a float16 model, `np.int32` one of zeros)."""
+    try:
+        name = dtype if isinstance(dtype, str) else jnp.dtype(dtype).name
+    except (TypeError, ValueError):
+        name = None
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)} or 'auto' (the checkpoint's), got {dtype!r}")
+    return jnp.dtype(DTYPES[name])
 
 
 def abstract_model(cfg: ModelConfig, dtype) -> tuple[nnx.GraphDef, nnx.State]:
@@ -168,7 +172,7 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def load_model(path_or_preset: str, dtype="auto", seed: int = 0, *, sharding: str | None = None,
+def load_model(path_or_preset: str | os.PathLike, dtype="auto", seed: int = 0, *, sharding: str | None = None,
                devices=None) -> Model:
     """Load a preset name (seeded random weights), an HF safetensors directory (`kimi_linear` or
     `kimi_k3`), or an Orbax directory written by `k3jax convert`. Never downloads anything. `dtype`: "auto"
@@ -181,6 +185,7 @@ def load_model(path_or_preset: str, dtype="auto", seed: int = 0, *, sharding: st
     from k3jax import checkpoint
     from k3jax.tokenizer import load_tokenizer
 
+    path_or_preset = os.fspath(path_or_preset)  # a pathlib.Path too, as HF's from_pretrained takes one
     dt = parse_dtype(resolve_dtype(dtype, path_or_preset))
     place = None
     if sharding is not None or devices is not None:

@@ -7,7 +7,7 @@ import pytest
 
 from k3jax.cache import cache_bytes
 from k3jax.checkpoint import hf_config_dict
-from k3jax.config import PRESETS, ConfigError, from_hf_config, get_preset
+from k3jax.config import PRESETS, ConfigError, ModelConfig, from_hf_config, get_preset
 
 
 def test_k3_schedule_matches_spec():
@@ -132,10 +132,27 @@ def _k3_with(mutate):
     ([], "JSON object"),
     (_kl(first_k_dense_replace=-1), "first_k_dense_replace"),  # made layer 0 an MoE layer
     (_kl(eos_token_id="5"), "eos_token_id"),  # was dropped: the model never stopped on it
+    # were kept as given: a list failed the first step (the config is hashed: "Non-hashable static arguments")
+    (_kl(pad_token_id=[1]), "config.json: pad_token_id must be an integer"),
+    (_kl(bos_token_id="<s>"), "config.json: bos_token_id must be an integer"),
+    (_k3_with(lambda d, tc: tc.update(pad_token_id=[1])), "text_config: pad_token_id must be an integer"),
+    # an engine with max_model_len "auto" then said its cache held no request ("give the cache more memory")
+    (_kl(max_position_embeddings=0), "max_position_embeddings must be a positive integer"),
 ])
 def test_bad_config_values_are_named(d, match):
     with pytest.raises(ConfigError, match=match):
         from_hf_config(d)
+
+
+@pytest.mark.parametrize("key,value", [("pad_token_id", [3]), ("bos_token_id", "x"), ("eos_token_ids", ["a"]),
+                                       ("eos_token_ids", None)])
+def test_bad_token_ids_in_a_k3jax_config_are_named(key, value):
+    """An Orbax directory's k3jax_config.json: a list pad_token_id failed the first step, a string eos id never
+    stopped anything."""
+    d = get_preset("tiny-kimi-linear").to_dict()
+    d[key] = value
+    with pytest.raises(ConfigError, match=key):
+        ModelConfig.from_dict(d)
 
 
 def test_unreadable_config_json_names_the_file(tmp_path):

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,10 @@ def test_bad_inputs_are_clear(model):
         k3jax.load_model("/nonexistent/dir")
     with pytest.raises(ValueError, match="dtype"):
         k3jax.load_model("tiny-k3", dtype="float16")
+    for dtype in (jnp.float16, np.int32):  # as objects they were taken: a float16 model, an int32 one (all zeros)
+        with pytest.raises(ValueError, match="dtype must be one of"):
+            k3jax.load_model("tiny-k3", dtype=dtype)
+    assert k3jax.load_model("tiny-k3", dtype=jnp.bfloat16).dtype == jnp.bfloat16
 
 
 def test_num_params_counts_as_info_does(model):
@@ -200,6 +205,125 @@ def test_integer_tensor_for_a_float_weight_is_refused(model, tmp_path):
     name = f"{prefix}model.norm.weight"
     path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, np.ones(model.cfg.hidden_size, np.int32)))
     with pytest.raises(CheckpointError, match=rf"{name.replace('.', '.')}: integer data"):
+        k3jax.load_model(path)
+
+
+def test_bools_for_a_float_weight_are_refused(model, tmp_path):
+    """bool data (not an integer to NumPy) passed the integer check and was cast to 0.0 / 1.0."""
+    prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
+    name = f"{prefix}model.norm.weight"
+    path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, np.ones(model.cfg.hidden_size, bool)))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: non-float data \(bool\)"):
+        k3jax.load_model(path)
+
+
+EXPERT = "language_model.model.layers.1.block_sparse_moe.experts.3.w1."
+
+
+@pytest.mark.parametrize("what,dtype", [("weight_packed", np.float32), ("weight_scale", np.uint16)])
+def test_mxfp4_bytes_of_another_dtype_are_refused(model, tmp_path, what, dtype):
+    """Float or wider-integer MXFP4 blocks / scales were cast to uint8 silently (2.7 -> 2, 300 -> 44): a wrong
+    model with no error."""
+    if model.cfg.expert_format != "mxfp4":
+        pytest.skip("no MXFP4 experts")
+    name = EXPERT + what
+    path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, t[name].astype(dtype)))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: {np.dtype(dtype)} data where the model expects "
+                                              rf"packed uint8"):
+        k3jax.load_model(path)
+
+
+def test_mxfp4_bytes_as_int8_load_bit_for_bit(model, ids, full_logits, tmp_path):
+    if model.cfg.expert_format != "mxfp4":
+        pytest.skip("no MXFP4 experts")
+    name = EXPERT + "weight_packed"
+    path = _broken_checkpoint(model, tmp_path, lambda t: t.__setitem__(name, t[name].view(np.int8)))
+    np.testing.assert_array_equal(k3jax.load_model(path).forward(ids), full_logits)
+
+
+def _set_stored_dtype(file, name, dtype):
+    """Rewrite the safetensors header's dtype of tensor `name` (same bytes: e.g. U8 -> F8_E8M0)."""
+    data = open(file, "rb").read()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8:8 + n])
+    header[name]["dtype"] = dtype
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    open(file, "wb").write(len(raw).to_bytes(8, "little") + raw + data[8 + n:])
+
+
+def test_a_dtype_numpy_cannot_read_is_named(model, tmp_path):
+    """An MXFP4 scale stored as F8_E8M0 (torch.float8_e8m0fnu) failed deep in safetensors' NumPy reader with
+    "module 'numpy' has no attribute 'float8_e8m0fnu'"."""
+    if model.cfg.expert_format != "mxfp4":
+        pytest.skip("no MXFP4 experts")
+    path = _broken_checkpoint(model, tmp_path, lambda t: None)
+    name = EXPERT + "weight_scale"
+    _set_stored_dtype(os.path.join(path, "model.safetensors"), name, "F8_E8M0")
+    for where in PLACED:
+        with pytest.raises(CheckpointError, match=rf"{re.escape(name)} in model\.safetensors: dtype F8_E8M0 cannot be "
+                                                  rf"read"):
+            k3jax.load_model(path, **where)
+
+
+def test_a_tensor_in_two_files_without_an_index_is_refused(model, tmp_path):
+    """With no index, every *.safetensors file was read and the last file (by name) silently won a tensor that
+    two files hold (HF reads model.safetensors alone): another model than either file's."""
+    from safetensors.numpy import save_file
+
+    prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
+    name = f"{prefix}model.norm.weight"
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(path, model.cfg, model.params)
+    save_file({name: np.zeros(model.cfg.hidden_size, np.float32)}, os.path.join(path, "zz-extra.safetensors"))
+    with pytest.raises(CheckpointError, match=rf"tensor {re.escape(name)} is in both model\.safetensors and "
+                                              rf"zz-extra\.safetensors"):
+        k3jax.load_model(path)
+
+
+def test_a_log_past_num_heads_must_be_zero_padding(model, tmp_path):
+    """K3 pads A_log with zeros past num_heads; live values there (the weights of a model with more heads than
+    config.json says) were dropped silently."""
+    prefix = "language_model." if model.cfg.family == "kimi_k3" else ""
+    name = f"{prefix}model.layers.0.self_attn.A_log"
+    pad = lambda t, v: t.__setitem__(name, np.concatenate([t[name].reshape(-1), np.full(4, v, np.float32)]))
+    path = _broken_checkpoint(model, tmp_path, lambda t: pad(t, 0.5))
+    with pytest.raises(CheckpointError, match=rf"{re.escape(name)}: A_log has {model.cfg.kda_num_heads + 4} entries "
+                                              rf"for {model.cfg.kda_num_heads} heads, and those past"):
+        k3jax.load_model(path)
+    path = _broken_checkpoint(model, tmp_path, lambda t: pad(t, 0.0))
+    assert k3jax.load_model(path).cfg == model.cfg
+
+
+def test_load_model_takes_a_pathlib_path(model, tmp_path):
+    """`load_model(pathlib.Path(dir))` (HF's from_pretrained takes one) failed with an AttributeError (rstrip)."""
+    save_hf_checkpoint(str(tmp_path / "ckpt"), model.cfg, model.params)
+    m2 = k3jax.load_model(tmp_path / "ckpt")
+    assert m2.cfg == model.cfg and m2.source == str(tmp_path / "ckpt")
+    embed = lambda m: np.asarray(m.params["embed_tokens"][...])
+    np.testing.assert_array_equal(embed(m2), embed(model))
+
+
+def test_an_exported_checkpoint_names_its_dtype(tmp_path):
+    """save_hf_checkpoint wrote no torch_dtype: a bfloat16 export came back in float32 under dtype="auto"."""
+    m = k3jax.load_model("tiny-kimi-linear", dtype="bfloat16")
+    save_hf_checkpoint(str(tmp_path / "ckpt"), m.cfg, m.params)
+    assert k3jax.load_model(str(tmp_path / "ckpt"), dtype="auto").dtype == jnp.bfloat16
+
+
+def test_incomplete_orbax_dir_is_named(model, tmp_path):
+    """An Orbax directory without its params/ said it had no k3jax_config.json; an empty or damaged params/ said
+    every parameter was missing."""
+    import shutil
+
+    path = str(tmp_path / "orbax")
+    save_orbax(path, model.cfg, model.params, model.dtype)
+    params = os.path.join(path, "params")
+    shutil.rmtree(params)
+    with pytest.raises(CheckpointError, match=r"k3jax_config\.json without its params/ directory"):
+        k3jax.load_model(path)
+    os.makedirs(params)
+    with pytest.raises(CheckpointError, match=r"params: no readable Orbax checkpoint \(empty or damaged\)"):
         k3jax.load_model(path)
 
 
