@@ -928,6 +928,7 @@ class _Run:
         self._token_times: dict[tuple[int, int], list[float]] = {}  # (prompt, sample) -> [first, last] token time
         self.engines = [0] * len(prompts)  # the engine (data-parallel replica) each prompt runs on: its metrics' label
         self._timed: set[int] = set()  # prompts with a sample in `_token_times`
+        self._finished_at: dict[tuple[int, int], float] = {}  # (prompt, sample) -> when its finishing output arrived
 
     def start(self) -> None:
         self.st.track(self)
@@ -1055,6 +1056,8 @@ class _Run:
         # when the engine made this output's newest tokens (its step's time.monotonic(), the clock used here)
         lt = (getattr(out.metrics, "last_token_time", None) if out.metrics else None) or now
         for o in out.outputs:
+            if o.finish_reason is not None:  # vLLM's end-to-end latency ends when the engine's last output arrives
+                self._finished_at.setdefault((i, o.index), now)  # (not when a slow client reads it)
             if o.token_ids:
                 times = self._token_times.get((i, o.index))
                 if times is None:
@@ -1080,7 +1083,7 @@ class _Run:
                         m.queue.observe(max(0.0, qs - self.arrival))
             if o.finish_reason is not None and j not in self._ended[i]:
                 self._ended[i].add(j)
-                m.e2e.observe(now - self.arrival)
+                m.e2e.observe(self._finished_at.get((i, j), now) - self.arrival)
                 times = self._token_times.get((i, j))
                 if times is not None and qs is not None:  # vLLM's phases: scheduled -> first token -> last
                     first, last = times

@@ -244,3 +244,29 @@ def test_inter_token_latency_counts_every_output_a_slow_reader_merged():
         assert r.status_code == 200, r.text
         assert samples[("vllm:inter_token_latency_seconds_count", ())] == 19, stream
         assert samples[("vllm:request_generation_tokens_sum", ())] == 20
+
+
+def test_end_to_end_latency_ends_when_the_last_output_arrives_not_when_it_is_read(monkeypatch):
+    """vLLM's `e2e_request_latency` is the engine's: arrival to the finishing output. It was taken when the server
+    read that output, so a client that reads late (here: 5 s pass on the server's clock between the outputs' arrival
+    and the reading of them) showed its own slowness as the request's latency."""
+    import time as real_time
+    import types
+
+    import serve.api
+
+    late = {"offset": 0.0}
+    clock = types.SimpleNamespace(**{k: getattr(real_time, k) for k in ("time", "perf_counter", "sleep")},
+                                  monotonic=lambda: real_time.monotonic() + late["offset"])
+    monkeypatch.setattr(serve.api, "time", clock)
+    observe = serve.api._Run._observe
+
+    def read_late(self, i, out):
+        late["offset"] = 5.0  # every output has arrived (the burst yields without awaiting): the reader is late
+        return observe(self, i, out)
+
+    monkeypatch.setattr(serve.api._Run, "_observe", read_late)
+    r, samples = _post_then_scrape(_Burst(max_model_len=64), {"prompt": [1, 2], "max_tokens": 20})
+    assert r.status_code == 200, r.text
+    assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 1
+    assert samples[("vllm:e2e_request_latency_seconds_sum", ())] < 5.0
