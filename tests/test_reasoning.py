@@ -62,7 +62,7 @@ def _outputs(text, finish=None):
 def test_chat_format_splits_full_and_streamed_messages():
     from serve.api import _ChatFormat
 
-    st = SimpleNamespace(model_name="k3", tokenizer=None)
+    st = SimpleNamespace(model_name="k3", tokenizer=None, system_fingerprint=None)
     run = SimpleNamespace(prompts=[[1]], output=lambda i: _outputs(FULL, "stop"), usage=lambda: {})
     msg = _ChatFormat(st, "id", 1, None, 0, reasoning="think").full(run)["choices"][0]["message"]
     assert msg["reasoning"] == msg["reasoning_content"] == THINK and msg["content"] == ANSWER  # vLLM's, SGLang's
@@ -96,7 +96,7 @@ def test_chat_echo_starts_each_answer_with_the_assistants_last_message():
     content, whole and streamed (a chunk per choice after the role chunks); other last roles echo nothing."""
     from serve.api import ChatCompletionRequest, _ChatFormat, _echo
 
-    st = SimpleNamespace(model_name="k3", tokenizer=None)
+    st = SimpleNamespace(model_name="k3", tokenizer=None, system_fingerprint=None)
     run = SimpleNamespace(prompts=[[1]], output=lambda i: _outputs(ANSWER, "stop"), usage=lambda: {})
     parts = [{"type": "text", "text": "Sure"}, {"type": "text", "text": "then: "}]
     body = ChatCompletionRequest(messages=[{"role": "user", "content": "Hi"}, {"role": "assistant", "content": parts}])
