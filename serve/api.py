@@ -928,6 +928,7 @@ class _Run:
         self._token_times: dict[tuple[int, int], list[float]] = {}  # (prompt, sample) -> [first, last] token time
         self.engines = [0] * len(prompts)  # the engine (data-parallel replica) each prompt runs on: its metrics' label
         self._timed: set[int] = set()  # prompts with a sample in `_token_times`
+        self._aborted: set[int] = set()  # prompts `abort` was asked to end
         self._finished_at: dict[tuple[int, int], float] = {}  # (prompt, sample) -> when its finishing output arrived
 
     def start(self) -> None:
@@ -947,6 +948,7 @@ class _Run:
         left = sorted(self.unfinished)
         if rid is not None and rid != self.response_id and rid in (self.prompt_ids or ()):
             left = [i for i in left if self.prompt_ids[i] == rid]
+        self._aborted.update(left)  # (one the engine has not queued yet is aborted again once it has: `_pump`)
         for i in left:
             self.st.engine.abort(f"{self.base_id}-{i}")
         return bool(left)
@@ -958,6 +960,8 @@ class _Run:
             self.engines[i] = _engine_index(self.st.engine, rid)
             self.accepted.add(i)
             self.q.put_nowait((i, _ACCEPTED))
+            if i in self._aborted:  # aborted before the engine had it (the engine ignores ids not in flight): now
+                self.st.engine.abort(rid)
 
         params = self.engine_params
         if self.params_each is not None:  # (SGLang's per-prompt sampling_params)

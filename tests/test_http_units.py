@@ -836,6 +836,51 @@ def test_abort_request_by_one_of_a_batchs_per_prompt_rids():
     assert not app.state.k3.runs  # untracked under every id
 
 
+class _LateAdd(_UntilAborted):
+    """As `_UntilAborted`, but a request reaches the engine only once `gate` opens, and an abort of an id the engine
+    does not hold yet is ignored (AsyncEngine's rule: ids not in flight)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate, self.called = asyncio.Event(), []
+
+    def abort(self, request_id):
+        if request_id in self.started:
+            self.aborted.append(request_id)
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, RequestOutput
+
+        self.called.append(request_id)
+        await self.gate.wait()
+        self.started.append(request_id)  # queued: then the caller hears of it (as AsyncEngine's on_accept)
+        on_accept()
+        while request_id not in self.aborted:
+            yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [7], None)], finished=False)
+            await asyncio.sleep(0.01)
+        yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(0, "", [], "abort")], finished=True)
+
+
+def test_an_abort_that_comes_before_the_engine_holds_the_request_still_ends_it():
+    """/abort_request for a request the engine has not queued yet (its add still on the way) was lost: the engine
+    ignores ids not in flight, and the request then ran to its end. The run aborts it again once the engine has it."""
+    eng = _LateAdd()
+    app = create_app(eng, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            run = asyncio.ensure_future(c.post("/generate", json={"input_ids": [1, 2], "rid": "p"}))
+            while not eng.called:
+                await asyncio.sleep(0.01)
+            aborted = (await c.post("/abort_request", json={"rid": "p"})).json()
+            eng.gate.set()
+            return aborted, await asyncio.wait_for(run, 5)
+
+    aborted, r = asyncio.run(go())
+    assert aborted == {"aborted": 1} and len(eng.aborted) == 1
+    assert r.status_code == 200 and r.json()["meta_info"]["finish_reason"]["type"] == "abort"
+
+
 def test_sglang_weight_version_and_model_info_routes():
     """SGLang's GET /get_weight_version ({"weight_version"}) and /get_model_info's newer name /model_info (slime reads
     the version from one or the other; both were 404s)."""
