@@ -207,12 +207,7 @@ SAMPLING_EPS = 1e-6
 def sampling_params_of(body: GenerateRequest, prompts: list) -> list[GenerateSamplingParams]:
     """Each prompt's `sampling_params`: one object (or none: the defaults) for all, or SGLang's list of one per
     prompt, which must agree on `n` (SGLang's rule: a batch's samples are indexed prompt-major)."""
-    sp = body.sampling_params
-    if not isinstance(sp, list):
-        return [sp or GenerateSamplingParams()] * len(prompts)
-    if len(sp) != len(prompts):
-        raise api.APIError(400, f"sampling_params: a list of {len(sp)} for {len(prompts)} prompts; give one per "
-                                f"prompt, or one object for all", param="sampling_params")
+    sp = [s or GenerateSamplingParams() for s in each_of(body, "sampling_params", len(prompts))]
     if len({s.n for s in sp}) > 1:
         raise api.APIError(400, "sampling_params: every prompt's n must be the same", param="sampling_params.n")
     return sp

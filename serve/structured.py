@@ -33,7 +33,7 @@ import numpy as np
 
 from serve.types import RequestError, StructuredOutputsParams
 
-__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "ban_words", "banned_tokens", "fill_masks",
+__all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "banned_tokens", "clear_bits", "fill_masks",
            "mask_words", "ALLOW_ALL"]
 
 #: A bitmask word with every token allowed.
@@ -289,11 +289,6 @@ def banned_tokens(words: Sequence[tuple[int, ...]], output: Sequence[int]) -> li
         if len(w) == 1 or (len(output) >= len(w) - 1 and tuple(output[len(output) - len(w) + 1:]) == w[:-1]):
             out[w[-1]] = None
     return list(out)
-
-
-def ban_words(row: np.ndarray, words: Sequence[tuple[int, ...]], output: Sequence[int]) -> None:
-    """Clear in a bitmask row (int32 [W]) the tokens `banned_tokens` names (`bad_words`)."""
-    clear_bits(row, banned_tokens(words, output))
 
 
 def clear_bits(row: np.ndarray, tokens: Sequence[int]) -> None:

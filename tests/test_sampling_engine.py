@@ -599,7 +599,7 @@ def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logit
     """Greedy with bad words equals the full forward's argmax with vLLM's ban applied on the host: a
     one-token word never appears; a two-token word's last token is banned right after its first. A bias
     towards 'q' and 'z' makes both bite."""
-    from serve.structured import ban_words
+    from serve.structured import banned_tokens, clear_bits
 
     tok = llm.engine.tokenizer
     q, z = tok.encode("q")[0], tok.encode("z")[0]
@@ -609,7 +609,7 @@ def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logit
     out = []
     for _ in range(10):
         x = _ref(forward_logits(PROMPT + out)[-1], [], [], bias=bias)
-        for w in ids:  # the rule, written out independently of ban_words
+        for w in ids:  # the rule, written out independently of banned_tokens
             if len(w) == 1 or (len(out) >= len(w) - 1 and tuple(out[len(out) - len(w) + 1:]) == w[:-1]):
                 x[w[-1]] = -np.inf
         out.append(int(np.argmax(x)))
@@ -618,7 +618,7 @@ def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logit
     assert got == out
     assert q not in got and z in got and all(a != z or b != z for a, b in zip(got, got[1:]))
     row = np.full(2, -1, np.int32)
-    ban_words(row, [(33,), (1, 40)], [5, 1])
+    clear_bits(row, banned_tokens([(33,), (1, 40)], [5, 1]))
     assert row.view(np.uint32)[1] == 0xFFFFFFFF & ~(1 << 1) & ~(1 << 8)
     with pytest.raises(RequestError, match="bad_words"):
         llm.generate([PROMPT], SP(bad_words=["  "]))
