@@ -81,7 +81,7 @@ from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
 from serve.routed_experts import to_base64
 from serve.responses import (LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, flat_tool, input_items,
-                             response_object, to_chat)
+                             response_object, to_chat, turn_starts)
 from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, parse_k2_calls, plan_tools, split_k2_section
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
                          StructuredOutputsParams, TokenLogprobs)
@@ -329,8 +329,9 @@ class ResponsesRequest(_Strict):
                                                                    "(its instructions are not carried over)")
     store: Optional[bool] = Field(None, description="default true: keep the response in server memory (per API key, "
                                                     "LRU) for previous_response_id and GET /v1/responses/{id}")
-    truncation: Optional[Literal["disabled"]] = Field(None, description="'disabled' (the default): a conversation "
-                                                                         "longer than the context is a 400")
+    truncation: Optional[Literal["disabled", "auto"]] = Field(
+        None, description="'disabled' (the default): a conversation longer than the context is a 400; 'auto': its "
+                          "first turns are dropped until it fits (with max_output_tokens when given)")
     metadata: Optional[dict[str, str]] = None
     user: Optional[str] = None
     # OpenAI's fields with nothing to change here: accepted and echoed (as vLLM's), or refused naming why
@@ -2084,23 +2085,32 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
             raise APIError(400, f"include: {unknown[0]!r} is not supported (supported: {LOGPROBS_INCLUDE!r})",
                            param="include")
         logprobs = LOGPROBS_INCLUDE in (body.include or []) or body.top_logprobs is not None
-        try:
-            spec = to_chat(body, previous)
-            chat = ChatCompletionRequest(
-                messages=spec["messages"], max_tokens=body.max_output_tokens, temperature=body.temperature,
-                top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
-                parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
-                reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority,
-                cache_salt=body.cache_salt, logprobs=logprobs, model=body.model,
-                top_logprobs=(body.top_logprobs or 0) if logprobs else None,
-                **body.model_dump(include=set(_RESPONSES_SAMPLING)))
-        except RequestError as e:
-            raise APIError(400, str(e), param=_param_of(str(e))) from None
-        except ValidationError as e:
-            raise APIError(400, f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
+
+        def chat_of(skip: int) -> ChatCompletionRequest:
+            """The chat request of the conversation without its first `skip` items."""
+            try:
+                spec = to_chat(body, previous, skip)
+                return ChatCompletionRequest(
+                    messages=spec["messages"], max_tokens=body.max_output_tokens, temperature=body.temperature,
+                    top_p=body.top_p, tools=spec["tools"], tool_choice=spec["tool_choice"],
+                    parallel_tool_calls=body.parallel_tool_calls, response_format=spec["response_format"],
+                    reasoning_effort=spec["reasoning_effort"], stream=body.stream, priority=body.priority,
+                    cache_salt=body.cache_salt, logprobs=logprobs, model=body.model,
+                    top_logprobs=(body.top_logprobs or 0) if logprobs else None,
+                    **body.model_dump(include=set(_RESPONSES_SAMPLING)))
+            except RequestError as e:
+                raise APIError(400, str(e), param=_param_of(str(e))) from None
+            except ValidationError as e:
+                raise APIError(400, f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
+
+        chat = chat_of(0)
         rid = f"resp_{uuid.uuid4().hex}"
         try:
             ids, params, chat_fmt = _chat_request(st, chat, rid)
+            if body.truncation == "auto" and not _fits(st, ids, body.max_output_tokens):
+                chat, (ids, params, chat_fmt) = _drop_turns(
+                    st, turn_starts(body, previous), chat_of, lambda c: _chat_request(st, c, rid),
+                    body.max_output_tokens)
             body = body.model_copy(update={"temperature": params.temperature, "top_p": params.top_p})  # as sampled
             keep = None
             if body.store is not False and st.responses.max_entries:
@@ -2632,6 +2642,32 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                       tokens_as_ids=body.return_tokens_as_token_ids, run_id=run_id,
                       include_reasoning=body.include_reasoning, echo=_echo(body) if body.echo else "")
     return ids, params, fmt
+
+
+def _fits(st: ServerState, ids, max_tokens: Optional[int]) -> bool:
+    """Whether a prompt leaves a token (`max_tokens` when given) of the context window for the answer."""
+    n = _prompt_len(ids)
+    return n < st.max_model_len and (max_tokens is None or n + max_tokens <= st.max_model_len)
+
+
+def _drop_turns(st: ServerState, cuts: list[int], chat_of, request_of, max_tokens: Optional[int]):
+    """Responses' `truncation: "auto"`: the chat request (and its `request_of` result) of the conversation without
+    the fewest first turns that makes it fit (`cuts`: `turn_starts`; fewer items never make a longer prompt, so a
+    bisection); when even the last turn alone does not fit, that one, which the context check then refuses."""
+    lo, hi = 1, len(cuts) - 1  # cuts[0] (nothing dropped) did not fit
+    best = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        chat = chat_of(cuts[mid])
+        got = request_of(chat)
+        if _fits(st, got[0], max_tokens):
+            best, hi = (chat, got), mid - 1
+        else:
+            lo = mid + 1
+    if best is None:
+        chat = chat_of(cuts[-1])
+        best = (chat, request_of(chat))
+    return best
 
 
 def _text_only(body: "ChatCompletionRequest") -> None:

@@ -94,15 +94,27 @@ def check_fields(body) -> None:
             raise RequestError(f"{field}.{key}: expected one of {', '.join(allowed)}, got {got!r}")
 
 
-def to_chat(body, previous: Optional[list[dict]] = None) -> dict:
+def turn_starts(body, previous: Optional[list[dict]] = None) -> list[int]:
+    """Where the conversation (`previous` items, then `input`) may be cut for `truncation: "auto"`: 0 and each
+    later user message, so what is dropped is whole turns from the beginning (OpenAI's rule), never a function
+    call without its output or an output without its call."""
+    items = list(previous or []) + input_items(body)
+    return [0] + [i for i, it in enumerate(items) if i and isinstance(it, dict)
+                  and it.get("type", "message") == "message" and it.get("role") == "user"]
+
+
+def to_chat(body, previous: Optional[list[dict]] = None, skip: int = 0) -> dict:
     """-> {"messages", "tools", "tool_choice", "response_format", "reasoning_effort"} of the chat request;
-    `previous`: the conversation of the response named by `previous_response_id` (its items come first)."""
+    `previous`: the conversation of the response named by `previous_response_id` (its items come first);
+    `skip`: how many of the conversation's first items to leave out (a `turn_starts` index)."""
     check_fields(body)
     msgs: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if not input_items(body):
         raise RequestError("input: must not be empty")
     items = list(previous or []) + input_items(body)
     for i, it in enumerate(items):
+        if i < skip:
+            continue
         where = f"input[{i}]"
         if not isinstance(it, dict):
             raise RequestError(f"input: {where} must be an object")

@@ -656,7 +656,7 @@ def test_responses_function_call_output_as_a_list_of_parts():
     ({"input": []}, "input"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"text": {"format": {"type": "yaml"}}}, "text"),
-    ({"truncation": "auto"}, "truncation"),
+    ({"truncation": "middle"}, "truncation"),
     ({"top_logprobs": 10}, "top_logprobs"),  # over the server's max_logprobs (the chat request's `logprobs`)
     ({"background": True}, "background"),  # OpenAI's fields that cannot be served: refused, saying why
     ({"prompt": {"id": "pmpt_1"}}, "prompt"),
@@ -673,6 +673,39 @@ def test_responses_bad_requests_name_the_field(extra, field):
             return await c.post("/v1/responses", json={"input": "x", **extra})
     r = asyncio.run(go())
     assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def test_responses_truncation_auto_drops_the_first_turns_until_the_conversation_fits():
+    """OpenAI's `truncation: "auto"`: a conversation longer than the context loses whole turns from its beginning
+    (never a call without its output) until the prompt leaves max_output_tokens; "disabled" stays a 400, and a
+    last turn too long by itself is still refused."""
+    eng = ScriptedEngine()
+    eng.engine.config.max_model_len = 700
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'}
+    turns = [{"role": "user", "content": "first " + "a" * 200}, {"role": "assistant", "content": "b" * 150},
+             {"role": "user", "content": "second " + "c" * 200}, call,
+             {"type": "function_call_output", "call_id": "c1", "output": "5"},
+             {"role": "user", "content": "third " + "d" * 150}]
+
+    async def go(**extra):
+        async with _client(eng) as c:
+            return await c.post("/v1/responses", json={"input": turns, "instructions": "be brief", **extra})
+    r = asyncio.run(go(max_output_tokens=50))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    eng.script = ["ok"]
+    r = asyncio.run(go(max_output_tokens=50, truncation="auto"))
+    assert r.status_code == 200 and r.json()["truncation"] == "auto", r.text
+    prompt = TOK.decode(eng.seen[-1][0])
+    assert len(eng.seen[-1][0]) + 50 <= 700
+    assert "be brief" in prompt and "first" not in prompt and "b" * 150 not in prompt
+    assert "second" in prompt and "Return of c1" in prompt and "third" in prompt  # the latest turns, whole
+    eng.script = ["ok"]
+    r = asyncio.run(go(max_output_tokens=300, truncation="auto"))  # room for 300: only the last turn fits
+    assert r.status_code == 200, r.text
+    prompt = TOK.decode(eng.seen[-1][0])
+    assert "second" not in prompt and "c1" not in prompt and "third" in prompt
+    r = asyncio.run(go(max_output_tokens=600, truncation="auto"))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
 
 
 def test_responses_parallel_calls_stream_each_item_whole_before_the_next():
