@@ -329,6 +329,9 @@ class ResponsesRequest(_Strict):
                                                                    "(its instructions are not carried over)")
     store: Optional[bool] = Field(None, description="default true: keep the response in server memory (per API key, "
                                                     "LRU) for previous_response_id and GET /v1/responses/{id}")
+    request_id: Optional[str] = Field(None, min_length=1, max_length=256,
+                                      description="vLLM's: the response's id, as given (default resp_<random>); "
+                                                  "a repeated id replaces the stored response of that id")
     truncation: Optional[Literal["disabled", "auto"]] = Field(
         None, description="'disabled' (the default): a conversation longer than the context is a 400; 'auto': its "
                           "first turns are dropped until it fits (with max_output_tokens when given)")
@@ -2104,12 +2107,13 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
                 raise APIError(400, f"input: {e.errors()[0].get('msg', 'invalid')}", param="input") from None
 
         chat = chat_of(0)
-        rid = f"resp_{uuid.uuid4().hex}"
+        rid = body.request_id or f"resp_{uuid.uuid4().hex}"
+        run_id = f"{rid}-{uuid.uuid4().hex[:8]}" if body.request_id else rid  # (a client's id may repeat)
         try:
-            ids, params, chat_fmt = _chat_request(st, chat, rid)
+            ids, params, chat_fmt = _chat_request(st, chat, rid, run_id)
             if body.truncation == "auto" and not _fits(st, ids, body.max_output_tokens):
                 chat, (ids, params, chat_fmt) = _drop_turns(
-                    st, turn_starts(body, previous), chat_of, lambda c: _chat_request(st, c, rid),
+                    st, turn_starts(body, previous), chat_of, lambda c: _chat_request(st, c, rid, run_id),
                     body.max_output_tokens)
             body = body.model_copy(update={"temperature": params.temperature, "top_p": params.top_p})  # as sampled
             keep = None

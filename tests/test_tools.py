@@ -746,6 +746,33 @@ def test_responses_empty_answer_has_no_message_whole_or_streamed():
     assert events[-1].type == "response.completed" and events[-1].response.output == []
 
 
+def test_responses_take_vllms_request_id_as_the_response_id():
+    """vLLM's `request_id` is the response's id (stored and continued under it); the engine request gets a suffix
+    of its own, since a client's id may repeat."""
+    eng = ScriptedEngine()
+    engine_ids = []
+    generate = eng.generate
+
+    def recording(prompt, params, request_id=None, **kw):
+        engine_ids.append(request_id)
+        return generate(prompt, params, request_id, **kw)
+    eng.generate = recording
+    eng.script = ["one", "two"]
+
+    async def go():
+        async with _client(eng) as c:
+            r1 = await c.post("/v1/responses", json={"input": "hi", "request_id": "resp_mine"})
+            r2 = await c.post("/v1/responses", json={"input": "again", "previous_response_id": "resp_mine"})
+            bad = await c.post("/v1/responses", json={"input": "x", "request_id": ""})
+            return r1, r2, bad
+    r1, r2, bad = asyncio.run(go())
+    assert r1.status_code == 200 and r1.json()["id"] == "resp_mine", r1.text
+    assert r2.status_code == 200 and r2.json()["previous_response_id"] == "resp_mine", r2.text
+    assert "hi" in TOK.decode(eng.seen[-1][0]) and "one" in TOK.decode(eng.seen[-1][0])
+    assert engine_ids[0].startswith("resp_mine-") and engine_ids[0] != "resp_mine"
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "request_id", bad.text
+
+
 def test_stored_responses_continue_conversations_per_key():
     """previous_response_id continues a stored conversation (not its instructions); streamed responses are
     stored too; store=false, delete, another key and the store's bound all leave nothing to continue."""
