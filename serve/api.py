@@ -1623,7 +1623,7 @@ class _ResponsesFormat:
         self.chat, self.body, self.model, self.keep = chat, body, model, keep
         self.id, self.run_id = chat.id, chat.run_id
         self.events = ResponseEvents(chat.id, chat.created, body, model, stored=keep is not None,
-                                     channels=chat.reasoning is not None)
+                                     channels=chat.reasoning is not None, start=chat.reasoning)
 
     def reasoning_tokens(self, run: _Run) -> int:
         """The generated tokens of K3's think channel (0 without one)."""
@@ -1634,7 +1634,7 @@ class _ResponsesFormat:
 
     def full(self, run: _Run) -> dict:
         r = response_object(self.chat.full(run), self.id, self.chat.created, self.body, self.model,
-                            self.reasoning_tokens(run), stored=self.keep is not None)
+                            self.reasoning_tokens(run), stored=self.keep is not None, start=self.chat.reasoning)
         if self.keep is not None:
             self.keep(r)
         return r

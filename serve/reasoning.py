@@ -48,6 +48,8 @@ class ChannelSplitter:
             raise ValueError(f"start: expected 'think' or 'response', got {start!r}")
         self.state = start
         self._held = ""
+        self._pos = 0  # offset in the fed text of the first character not yet split (the held text's)
+        self.spans: list[tuple[int, int]] = []  # where the content came from: [begin, end) offsets in the fed text
 
     def feed(self, text: str) -> tuple[str, str]:
         """-> (reasoning delta, content delta) for this text delta."""
@@ -57,6 +59,7 @@ class ChannelSplitter:
             if self.state == "between":
                 rest = buf.lstrip()  # (layout between channels is dropped)
                 if rest and not any(rest.startswith(m) or m.startswith(rest) for m in _TRANSITIONS["between"]):
+                    self._pos += len(buf) - len(rest)
                     self.state, buf = "answer", rest  # the model skipped the response opener
                     continue
             markers = _TRANSITIONS[self.state]
@@ -64,6 +67,7 @@ class ChannelSplitter:
             if hits:
                 at, marker = min(hits)
                 self._emit(buf[:at], reasoning, content)
+                self._pos += len(marker)
                 self.state = markers[marker]
                 buf = buf[at + len(marker):]
                 continue
@@ -77,18 +81,25 @@ class ChannelSplitter:
         """Flush text held as a possible marker start (the stream ended)."""
         reasoning, content = [], []
         if self.state == "between" and self._held.strip():  # an unfinished marker is text: the answer
+            self._pos += len(self._held) - len(self._held.lstrip())
             self.state, self._held = "answer", self._held.lstrip()
         self._emit(self._held, reasoning, content)
         self._held = ""
         return "".join(reasoning), "".join(content)
 
     def _emit(self, text: str, reasoning: list, content: list) -> None:
+        """`text`, the next of the fed text from `_pos` on, goes to the current channel (or is dropped)."""
         if not text:
             return
         if self.state == "think":
             reasoning.append(text)
         elif self.state in ("response", "answer"):
             content.append(text)
+            if self.spans and self.spans[-1][1] == self._pos:  # (one span for a run of content)
+                self.spans[-1] = (self.spans[-1][0], self._pos + len(text))
+            else:
+                self.spans.append((self._pos, self._pos + len(text)))
+        self._pos += len(text)
 
 
 def _partial_suffix(buf: str, markers) -> int:
@@ -100,6 +111,15 @@ def _partial_suffix(buf: str, markers) -> int:
                 best = n
                 break
     return best
+
+
+def content_spans(text: str, start: str = "think") -> list[tuple[int, int]]:
+    """Where `split_reasoning`'s content lies in `text`: its [begin, end) offsets, in order (the answer channel
+    without the markup around it, which may contain the same text: `<|close|>response` holds "on")."""
+    s = ChannelSplitter(start)
+    s.feed(text)
+    s.finish()
+    return s.spans
 
 
 def split_reasoning(text: str, start: str = "think") -> tuple[str, str]:

@@ -16,8 +16,8 @@ failure mid-stream ends it with `error` and `response.failed`. `usage.output_tok
 counts the generated tokens of the think channel.
 With `include: ["message.output_text.logprobs"]` (or `top_logprobs`), the chat request asks for logprobs
 and the `output_text` part carries the answer's tokens (chat's entries: token, logprob, bytes,
-top_logprobs); for K3 the think channel and the markup before the answer are left out
-(`text_logprobs`), and each streamed `output_text.delta` carries the tokens that wrote it.
+top_logprobs); for K3 the think channel and the markup around the answer are left out
+(`text_logprobs`, `AnswerTokens`), and each streamed `output_text.delta` carries the tokens that wrote it.
 
 Stored responses (`ResponseStore`): unless a request says `store: false`, its response object and the
 conversation it ends (the previous response's conversation, this request's input items, its output
@@ -31,11 +31,13 @@ input's tokens.
 
 from __future__ import annotations
 
+import codecs
 import collections
 import json
 import uuid
 from typing import Any, Optional
 
+from serve.reasoning import ChannelSplitter
 from serve.types import RequestError
 
 __all__ = ["to_chat", "response_object", "ResponseEvents", "ResponseStore", "input_items", "flat_tool"]
@@ -235,12 +237,20 @@ def _nbytes(entry: dict) -> int:
     return len(entry.get("bytes") or [])
 
 
-def text_logprobs(entries: Optional[list], text: str) -> list:
-    """K3's answers: the chat logprob entries of the tokens that wrote `text`, the answer channel (the
-    last occurrence of it in what was generated: the think channel and the markup before the answer are
-    left out). Located by bytes, else by the tokens' decoded strings; [] when neither holds it."""
+def text_logprobs(entries: Optional[list], text: str, start: Optional[str] = None) -> list:
+    """K3's answers: the chat logprob entries of the tokens that wrote `text`, the answer channel. With `start`
+    (the channel the prompt opened) the entries' text is split into channels as the chat splits it
+    (`AnswerTokens`), so the markup on either side is left out even where it holds the same text (an answer "on":
+    `<|close|>response`); else, or when that split does not give `text`, the last occurrence of `text` in what was
+    generated, located by bytes, else by the tokens' decoded strings; [] when neither holds it."""
     if not entries or not text:
         return []
+    if start is not None:
+        answer = AnswerTokens(start)
+        answer.add(entries, final=True)
+        found = answer.take(text)
+        if found is not None:
+            return found
     for pieces, target in (([bytes(e.get("bytes") or []) for e in entries], text.encode()),
                            ([e["token"] for e in entries], text)):
         start = pieces[0][:0].join(pieces).rfind(target)
@@ -256,6 +266,62 @@ def text_logprobs(entries: Optional[list], text: str) -> list:
     return []
 
 
+class AnswerTokens:
+    """Which logprob entries wrote a K3 answer's text: their bytes are split into channels as the chat splits its
+    text (`ChannelSplitter`), and the answer's characters, in the order the chat shows them, name their tokens; so
+    markup beside the answer in the same delta (several tokens a step: drafts, a slow client's merged deltas) or
+    holding the same text is left out. `take` gives None once the entries' answer is not the text shown (a special
+    token's name the chat skipped, `token_id:N` names): the caller falls back to locating the text."""
+
+    def __init__(self, start: str):
+        self.split = ChannelSplitter(start)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.fed = 0  # characters fed to the splitter
+        self.queue: list[tuple[dict, int, int]] = []  # (entry, [begin, end) of its text) not given out yet
+        self.answer = ""  # the answer's text as the entries write it
+        self.shown = 0  # of which the caller took this many characters
+        self.span, self.before = 0, 0  # the splitter's content span holding the next of them; the characters before it
+        self.broken = False
+
+    def add(self, entries: list, final: bool = False) -> None:
+        """The next entries; `final`: the last ones (text held as a possible marker is the answer's)."""
+        for e in entries:
+            piece = self.decoder.decode(bytes(e.get("bytes") or []))
+            partial = bool(self.decoder.getstate()[0])  # (a token holding part of a character writes that character)
+            self.queue.append((e, self.fed, self.fed + len(piece) + partial))
+            self.fed += len(piece)
+            self.answer += self.split.feed(piece)[1]
+        if final:
+            self.answer += self.split.finish()[1]
+        elif self.split.state == "think" and len(self.answer) == self.shown:
+            self.queue = []  # (nothing fed so far can still be answer text: a long think channel is not kept)
+
+    def take(self, text: str) -> Optional[list]:
+        """The entries that wrote the next `text` of the answer (None: the entries' answer is not that text)."""
+        if self.broken or self.answer[self.shown:self.shown + len(text)] != text:
+            self.broken = True
+            return None
+        segments, left, skip, spans = [], len(text), self.shown - self.before, self.split.spans
+        for k in range(self.span, len(spans)):  # the answer's characters -> offsets in the entries' text
+            begin, end = spans[k]
+            if skip >= end - begin:
+                skip -= end - begin
+                if k < len(spans) - 1:  # (the last span may still grow)
+                    self.span, self.before = k + 1, self.before + end - begin
+                continue
+            segments.append((begin + skip, min(end, begin + skip + left)))
+            left -= segments[-1][1] - segments[-1][0]
+            skip = 0
+            if not left:
+                break
+        self.shown += len(text)
+        last = segments[-1][1] if segments else 0
+        out = [e for e, lo, hi in self.queue if any(lo < b and hi > a for a, b in segments)]
+        given = {id(e) for e in out}
+        self.queue = [q for q in self.queue if id(q[0]) not in given and q[2] > last]
+        return out
+
+
 def trailing_logprobs(entries: list, text: str) -> list:
     """Streaming K3 answers: of the entries generated since the last text delta, the trailing ones whose
     bytes make up the delta `text` (channel markup before it is left out)."""
@@ -267,8 +333,9 @@ def trailing_logprobs(entries: list, text: str) -> list:
 
 
 def response_object(chat: dict, rid: str, created: int, body, model: str, reasoning_tokens: int = 0,
-                    stored: bool = False) -> dict:
-    """A chat completion (one choice) -> the Responses object; `reasoning_tokens`: the think channel's tokens."""
+                    stored: bool = False, start: Optional[str] = None) -> dict:
+    """A chat completion (one choice) -> the Responses object; `reasoning_tokens`: the think channel's tokens;
+    `start`: the K3 channel the prompt opened (the answer's logprobs are its tokens, `text_logprobs`)."""
     ch = chat["choices"][0]
     m = ch["message"]
     output = []
@@ -279,7 +346,7 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, reason
     if m.get("content"):  # no empty message (vLLM's; the stream opens none); text beside calls came before them
         lps = (ch.get("logprobs") or {}).get("content") or []
         if "reasoning_content" in m:  # K3's channels were split: the answer channel's tokens only
-            lps = text_logprobs(lps, m["content"])
+            lps = text_logprobs(lps, m["content"], start)
         output.append({"type": "message", "id": f"msg_{_ids()}", "role": "assistant", "status": "completed",
                        "content": [{"type": "output_text", "text": m["content"], "annotations": [], "logprobs": lps}]})
     for c in m.get("tool_calls") or []:
@@ -295,8 +362,10 @@ def response_object(chat: dict, rid: str, created: int, body, model: str, reason
 class ResponseEvents:
     """Chat completion chunks (one choice) -> Responses streaming events."""
 
-    def __init__(self, rid: str, created: int, body, model: str, stored: bool = False, channels: bool = False):
-        """`channels`: K3's think / answer channels are split (the answer's logprobs exclude the markup)."""
+    def __init__(self, rid: str, created: int, body, model: str, stored: bool = False, channels: bool = False,
+                 start: Optional[str] = None):
+        """`channels`: K3's think / answer channels are split (the answer's logprobs exclude the markup); `start`:
+        the channel the prompt opened, which lets the answer's tokens be told from the markup (`AnswerTokens`)."""
         self.rid, self.created, self.body, self.model, self.stored = rid, created, body, model, stored
         self.seq = 0
         self.items: list[dict] = []  # output items, in order
@@ -304,6 +373,7 @@ class ResponseEvents:
         self.finish: Optional[str] = None
         self.pending: list = []  # logprob entries of tokens not yet shown as text (held, or channel markup)
         self.split = channels  # answer deltas take only the tokens that wrote them
+        self.answer = AnswerTokens(start) if channels and start is not None else None
         self.cut: Optional[dict] = None  # the item being written when the answer was cut short (status incomplete)
 
     def _event(self, kind: str, **fields) -> dict:
@@ -359,7 +429,10 @@ class ResponseEvents:
         ev = []
         for ch in chunk.get("choices", []):
             d = ch.get("delta", {})
-            self.pending += (ch.get("logprobs") or {}).get("content") or []
+            new = (ch.get("logprobs") or {}).get("content") or []
+            self.pending += new
+            if self.answer is not None:
+                self.answer.add(new, final=ch.get("finish_reason") is not None)
             if d.get("reasoning_content"):
                 if not d.get("content"):  # think-channel tokens; a chunk that crosses into the answer (several
                     self.pending = []  # tokens: drafts, a slow client's merged deltas) keeps the answer's, trailing
@@ -369,7 +442,7 @@ class ResponseEvents:
                                       output_index=len(self.items) - 1, content_index=0, delta=d["reasoning_content"]))
             if d.get("content"):
                 ev += self._open("message")
-                lps = trailing_logprobs(self.pending, d["content"]) if self.split else self.pending
+                lps = self._answer_logprobs(d["content"])
                 self.pending = []
                 self.open["content"][0]["text"] += d["content"]
                 self.open["content"][0]["logprobs"] += lps
@@ -381,6 +454,13 @@ class ResponseEvents:
             if ch.get("finish_reason") is not None:
                 self.finish = ch["finish_reason"]
         return ev
+
+    def _answer_logprobs(self, text: str) -> list:
+        """The logprob entries of the tokens that wrote the answer delta `text`."""
+        if not self.split:
+            return self.pending
+        found = self.answer.take(text) if self.answer is not None else None
+        return found if found is not None else trailing_logprobs(self.pending, text)
 
     def _call(self, c: dict) -> list[dict]:
         """A tool-call delta: a new call opens a function_call item; later deltas extend its arguments."""

@@ -33,6 +33,19 @@ def test_split_whole_messages(text, start, want):
     assert split_reasoning(text, start) == want
 
 
+def test_content_spans_locate_the_content_not_the_markup():
+    """`content_spans`: where the content lies in the text (the answer "on" is not the `on` of `response`)."""
+    from serve.reasoning import content_spans
+
+    text = "so on<|close|>think<|sep|> <|open|>response<|sep|>on<|close|>response<|sep|><|close|>message<|sep|>"
+    at = text.index("<|sep|>on") + len("<|sep|>")
+    assert content_spans(text) == [(at, at + 2)]
+    for text, start, want in [(FULL, "think", ANSWER), (f"{THINK}<|close|>think<|sep|>\n  {ANSWER}", "think", ANSWER),
+                              (f"{THINK}<|close|>think<|sep|> So <|open|>response<|sep|>{ANSWER}", "think",
+                               "So " + ANSWER), (f"{THINK}<|close|>think<|sep|> <|open|>resp", "think", "<|open|>resp")]:
+        assert "".join(text[a:b] for a, b in content_spans(text, start)) == want
+
+
 def test_every_streaming_split_gives_the_same_parts():
     rng = random.Random(0)
     for text, start in ((FULL, "think"), (f"{ANSWER}<|close|>response<|sep|><|close|>message<|sep|>", "response"),

@@ -1037,3 +1037,51 @@ def test_responses_logprobs_keep_only_the_answer_channels_tokens():
               if e["type"] == "response.output_text.delta"]
     assert deltas == [["Yes"], [",", " ok"]]
     assert [x["token"] for x in ev.items[-1]["content"][0]["logprobs"]] == ["Yes", ",", " ok"]
+
+
+def test_responses_logprobs_are_the_answers_tokens_not_markup_with_the_same_text(tmp_path):
+    """K3: an answer whose text the channel markup around it also holds ("on": `<|close|>response`) gets its own
+    tokens' logprobs, whole and streamed with the answer and its closing markup in one step (drafts, a slow
+    client's merged deltas). The last occurrence of the text was taken whole (the markup's `response` token),
+    and the streamed delta got the trailing markup's tokens or none."""
+    from test_tokenizer import K3_SPECIALS, synthetic_ranks, write_tokenizer_dir
+
+    from k3jax.tokenizer import KimiTokenizer
+    from serve.reasoning import RESPONSE_START, THINK_END
+    from serve.types import Logprob, TokenLogprobs
+
+    k3 = KimiTokenizer.from_dir(write_tokenizer_dir(tmp_path, synthetic_ranks(), K3_SPECIALS), family="k3")
+    ids = k3.encode("and so on") + k3.encode(THINK_END + RESPONSE_START, allow_special=True)
+    first = len(ids)
+    ids += k3.encode("on")
+    answer = list(range(first, len(ids)))
+    ids += k3.encode("<|close|>response<|sep|><|close|>message<|sep|>", allow_special=True)
+    steps = [(0, first), (first, len(ids))]  # the answer and its closing markup in one step
+
+    class Writer(ScriptedEngine):
+        async def generate(self, prompt, params, request_id=None, priority=0, on_accept=None):
+            for a, b in steps:
+                lps = [TokenLogprobs(Logprob(t, -k / 100, k3.decode([t], skip_special=False)))
+                       for k, t in enumerate(ids[a:b], a)]
+                yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(
+                    0, k3.decode(ids[:b])[len(k3.decode(ids[:a])):], ids[a:b], "stop" if b == len(ids) else None,
+                    logprobs=lps)], b == len(ids))
+
+    eng = Writer()
+    eng.engine.tokenizer = k3
+    body = {"input": "x", "include": ["message.output_text.logprobs"]}
+
+    async def go():
+        async with _client(eng) as c:
+            whole = (await c.post("/v1/responses", json=body)).json()
+            async with c.stream("POST", "/v1/responses", json={**body, "stream": True}) as r:
+                events = [json.loads(line[6:]) async for line in r.aiter_lines() if line.startswith("data: ")]
+            return whole, events
+    whole, events = asyncio.run(go())
+    want = [-k / 100 for k in answer]
+    assert whole["output"][1]["content"][0]["text"] == "on"
+    assert [e["logprob"] for e in whole["output"][1]["content"][0]["logprobs"]] == want
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert "".join(e["delta"] for e in deltas) == "on"
+    assert [x["logprob"] for e in deltas for x in e["logprobs"]] == want
+    assert [x["logprob"] for x in events[-1]["response"]["output"][1]["content"][0]["logprobs"]] == want
