@@ -621,6 +621,7 @@ class Sequence:
     guess: Optional[int] = None
     ngrams: Optional[Union[NgramIndex, SuffixIndex]] = None  # where its n-grams / patterns occurred (drafts' source)
     spec_p: Optional[list[float]] = None  # its own draft acceptance estimates by position (DraftGate)
+    tenant: bytes = b""  # its cache_salt and LoRA adapter: what it may share (suffix decoding's cached responses)
     lora: Optional[Adapter] = None  # the LoRA adapter it runs with (None: the base model)
     embeds: Optional[np.ndarray] = None  # prompt embeddings [L, H]: the inputs of positions < L (prompt_ids: zeros)
     beam: Optional[BeamGroup] = None  # set on the beams of a beam-search request (serve/beam_search.py)
@@ -1531,6 +1532,7 @@ class Engine:
         # an adapter changes every cached page and state: its requests share prefixes only among
         # themselves, and only with this load of it (the uid), never with the base model's
         salt = (cache_salt or "").encode() + (b"\0lora:%d" % adapter.uid if adapter is not None else b"")
+        tenant = salt  # (suffix decoding drafts only from responses of the same salt and adapter)
         if embeds is not None:  # placeholder ids: the vectors themselves decide what may be shared
             salt += b"\0embeds:" + prompt_embeds.digest(embeds)
         group = (BeamGroup(beam, len(ids), frozenset() if beam.ignore_eos else frozenset(self.stop_ids), [])
@@ -1547,7 +1549,7 @@ class Engine:
                            prompt_lps=[None] * len(ids) if params.prompt_logprobs is not None and i == 0 else None,
                            pages=[[] for _ in range(self.cfg.num_mla_layers)],
                            hasher=PrefixHasher(config_unit, salt) if self.prefix_cache else None, lora=adapter,
-                           embeds=embeds, beam=group)
+                           embeds=embeds, beam=group, tenant=tenant)
             if self.config.enable_return_routed_experts and group is None:  # (beam hypotheses carry none)
                 seq.routes = SequenceRoutes(self.expert_counts.shape[0], self.cfg.num_experts_per_token,
                                             ids_dtype(self.cfg.num_experts), len(ids) + 16)
@@ -2691,7 +2693,7 @@ class Engine:
         if self.spec.method == "suffix":
             if seq.ngrams is None:
                 seq.ngrams = SuffixIndex()
-            return self.suffix.propose(seq.ngrams, seq.all_ids, k)
+            return self.suffix.propose(seq.ngrams, seq.all_ids, k, seq.tenant)
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
         return seq.ngrams.propose(seq.all_ids, k)
@@ -3429,7 +3431,7 @@ class Engine:
             while len(self._tails) > MAX_TAILS:
                 self._tails.popitem(last=False)
         if self.suffix is not None and reason != "abort" and seq.beam is None and seq.embeds is None:
-            self.suffix.add_response(seq.prompt_ids, seq.output_ids)  # suffix decoding drafts from it later
+            self.suffix.add_response(seq.prompt_ids, seq.output_ids, seq.tenant)  # drafted from later
         req = self.requests[seq.request_id]
         if req.finished and reason != "abort":
             self.counters["requests_finished"] += 1

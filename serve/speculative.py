@@ -29,6 +29,7 @@ append-only: the rejected positions' latents sit past the sequence length and ar
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass
 
 from typing import Optional
@@ -244,6 +245,32 @@ def continue_matches(tokens: list[int], where: list[int], k: int, min_prob: floa
     return out
 
 
+class ResponseCorpus:
+    """The cached responses of one tenant (each after its prompt's tail, ended by a separator), oldest first, in one
+    `SuffixIndex`. Evicted responses' tokens stay until as many are dead as live, then the index is rebuilt without
+    them (matches skip them meanwhile), so memory stays within twice the live tokens."""
+
+    def __init__(self):
+        self.index = SuffixIndex()
+        self.starts: list[int] = []  # where each cached response starts in the index's tokens, oldest first
+
+    def add(self, tokens: list[int]) -> None:
+        self.starts.append(len(self.index.tokens))
+        self.index.extend(list(tokens) + [-1])
+
+    def evict_oldest(self) -> None:
+        self.starts.pop(0)
+        live = self.starts[0] if self.starts else len(self.index.tokens)
+        if live >= len(self.index.tokens) - live:  # as many dead tokens as live ones: rebuild without them
+            keep = self.index.tokens[live:]
+            self.index = SuffixIndex()
+            self.index.extend(keep)
+            self.starts = [s - live for s in self.starts]
+
+    def match(self, ctx: list[int], depth: int) -> tuple[int, list[int]]:
+        return self.index.match(ctx, depth, self.starts[0] if self.starts else len(self.index.tokens))
+
+
 class SuffixProposer:
     """vLLM's `suffix` speculation (Suffix Decoding, arXiv 2411.04975), model-free: drafts continue the longest
     suffix of a request's tokens that occurred before, in its own prompt and output or in the responses of the last
@@ -252,45 +279,48 @@ class SuffixProposer:
     self-consistency). The longer match wins; among a match's occurrences the draft follows the majority
     continuation; its length adapts: at most `max_spec_factor` x the match length, and only while the estimated
     acceptance probability stays >= `min_token_prob`. Exactness is the verify step's (serve/step.py): drafts only
-    change how many tokens a step emits."""
+    change how many tokens a step emits.
+
+    Responses are kept per `tenant` (the engine passes the request's cache_salt and LoRA adapter, the prefix
+    cache's partition) and drafted only for requests of the same tenant: how many tokens a step emits (streamed
+    chunk sizes, latency) would otherwise tell one tenant what another's responses continued with. The capacity
+    is engine-wide: the oldest response, whatever its tenant, is evicted first."""
 
     def __init__(self, cfg: SpeculativeConfig):
         self.depth, self.capacity = cfg.suffix_decoding_max_tree_depth, cfg.suffix_decoding_max_cached_requests
         self.factor, self.min_prob = cfg.suffix_decoding_max_spec_factor, cfg.suffix_decoding_min_token_prob
-        self.corpus = SuffixIndex()
-        self.starts: list[int] = []  # where each cached response (with its prompt tail) starts in the corpus, oldest first
+        self.corpora: dict[bytes, ResponseCorpus] = {}  # tenant -> its cached responses
+        self.order: deque[bytes] = deque()  # the tenant of each cached response, oldest first
 
-    def propose(self, own: SuffixIndex, ids: list[int], k: int) -> list[int]:
-        """Up to k drafts for a request whose tokens so far are `ids` (`own` indexes them, kept by the caller)."""
+    def propose(self, own: SuffixIndex, ids: list[int], k: int, tenant: bytes = b"") -> list[int]:
+        """Up to k drafts for a request of `tenant` whose tokens so far are `ids` (`own` indexes them, kept by the
+        caller)."""
         if k <= 0:
             return []
         own.extend(ids[len(own.tokens):])
         ctx = ids[-self.depth:]
         n_own, at_own = own.match(ctx, self.depth)
-        live = self.starts[0] if self.starts else len(self.corpus.tokens)
-        n_glob, at_glob = self.corpus.match(ctx, self.depth, live) if self.capacity else (0, [])
+        corpus = self.corpora.get(tenant)
+        n_glob, at_glob = corpus.match(ctx, self.depth) if corpus is not None else (0, [])
         if max(n_own, n_glob) < SuffixIndex.KEY:
             return []
         if n_own >= n_glob:
             n, tokens, where, mine = n_own, own.tokens, at_own, True
         else:
-            n, tokens, where, mine = n_glob, self.corpus.tokens, at_glob, False
+            n, tokens, where, mine = n_glob, corpus.index.tokens, at_glob, False
         return continue_matches(tokens, where, min(k, max(1, int(self.factor * n))), self.min_prob, own=mine)
 
-    def add_response(self, prompt: list[int], output: list[int]) -> None:
-        """Keep a finished request's response (after the tail of its prompt) to draft from."""
+    def add_response(self, prompt: list[int], output: list[int], tenant: bytes = b"") -> None:
+        """Keep a finished request's response (after the tail of its prompt) for `tenant`'s requests to draft from."""
         if not self.capacity or not output:
             return
-        self.starts.append(len(self.corpus.tokens))
-        self.corpus.extend(list(prompt[-self.depth:]) + list(output) + [-1])
-        if len(self.starts) > self.capacity:
-            self.starts.pop(0)  # (its tokens stay until the next compaction; matches skip them)
-        live = self.starts[0]
-        if live >= len(self.corpus.tokens) - live:  # as many dead tokens as live ones: rebuild without them
-            keep = self.corpus.tokens[live:]
-            self.corpus = SuffixIndex()
-            self.corpus.extend(keep)
-            self.starts = [s - live for s in self.starts]
+        self.corpora.setdefault(tenant, ResponseCorpus()).add(list(prompt[-self.depth:]) + list(output))
+        self.order.append(tenant)
+        if len(self.order) > self.capacity:
+            old = self.order.popleft()
+            self.corpora[old].evict_oldest()
+            if not self.corpora[old].starts:
+                del self.corpora[old]
 
 
 class DraftGate:

@@ -91,10 +91,26 @@ def test_suffix_proposals():
     sp.add_response([1, 2], [3, 4])
     sp.add_response([5, 6], [7, 8])
     assert sp.propose(SuffixIndex(), [0, 1, 2], 2) == [] and sp.propose(SuffixIndex(), [0, 5, 6], 2) == [7, 8]
-    assert len(sp.corpus.tokens) == 5 and sp.starts == [0]  # the evicted response's tokens are gone
+    assert len(sp.corpora[b""].index.tokens) == 5 and sp.corpora[b""].starts == [0]  # the evicted tokens are gone
     none = _suffix(suffix_decoding_max_cached_requests=0)
     none.add_response([1, 2], [3, 4])
     assert none.propose(SuffixIndex(), [0, 1, 2], 2) == []
+
+
+def test_suffix_responses_stay_with_their_tenant():
+    """A cached response drafts only for requests of its tenant (cache_salt and LoRA adapter, as the prefix cache
+    partitions): accepted drafts show in a step's token count, so another tenant would learn what it continued
+    with. The capacity is engine-wide, oldest first, and a tenant whose responses are all evicted leaves nothing."""
+    sp = _suffix(suffix_decoding_max_cached_requests=2)
+    sp.add_response([1, 2], [3, 4], b"alice")
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2, b"alice") == [3, 4]
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2, b"bob") == [] and sp.propose(SuffixIndex(), [0, 1, 2], 2) == []
+    sp.add_response([1, 2], [5, 6], b"bob")
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2, b"bob") == [5, 6]
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2, b"alice") == [3, 4]
+    sp.add_response([7, 8], [9, 9], b"bob")  # a third response: alice's, the oldest, is evicted
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2, b"alice") == [] and set(sp.corpora) == {b"bob"}
+    assert sp.propose(SuffixIndex(), [0, 1, 2], 2, b"bob") == [5, 6] and len(sp.order) == 2
 
 
 def test_accepted_lengths():
@@ -273,7 +289,16 @@ def test_suffix_decoding_drafts_rollouts_from_earlier_answers(engine, monkeypatc
     first, second = rounds
     assert second["spec_decode_num_accepted_tokens"] >= 0.9 * second["spec_decode_num_draft_tokens"] > 40, second
     assert second["decode_steps"] < first["decode_steps"] / 2, rounds
-    assert len(engine.suffix.starts) == 2 * len(prompts)
+    assert len(engine.suffix.order) == 2 * len(prompts)
+    # another cache_salt drafts none of those answers: its round drafts as the first did
+    rids = [engine.add_request(p, greedy[0], cache_salt="other tenant") for p in prompts]
+    before, outs = dict(engine.counters), {}
+    while engine.has_unfinished():
+        outs.update((o.request_id, o.outputs[0].token_ids) for o in engine.step() if o.finished)
+    salted = {k: engine.counters[k] - before[k] for k in before}
+    assert [outs[r] for r in rids] == [p.token_ids for p in plain]
+    for k in ("spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens"):
+        assert salted[k] == first[k], (k, salted, first)
     st = engine.stats()
     assert st["compiles_after_warmup"] == 0
     assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
