@@ -157,7 +157,10 @@ class DisaggregatedAsyncEngine(EngineGroupStatus):
         return [await self.call(fn)]
 
     async def abort_all(self) -> int:
-        """Both phases' requests (one handed over while this runs may still finish: `POST /pause` waits for it)."""
+        """Both phases' requests, and those between them: a request whose prefill has finished but whose stream
+        has not moved to the decode engine yet (the prefill engine has nothing of it to abort) ends there, as
+        `abort` ends it (uncounted: no engine held it)."""
+        self._aborted.update(rid for rid, engine in self._phase.items() if engine is self.prefill)
         return sum(await asyncio.gather(self.prefill.abort_all(), self.decode.abort_all()))
 
     async def reset_prefix_cache(self) -> bool:

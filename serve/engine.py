@@ -921,6 +921,7 @@ class Engine:
         self._weights_stale = False  # woken from level 2 with placeholder weights: update_weights first
         self._stale_written: set = set()  # what update_weights_from_tensor wrote over the placeholders so far
         self._pending_halves: dict = {}  # update_weights_from_tensor: MXFP4 halves waiting for their partner
+        self._written = ""  # update_weights_from_tensor: digest of the writes since the origin last moved
         # One-token decode programs by page-table width: where the paged MLA kernel's work follows each row's
         # own length (GPU), a wider table costs only its entries, so decode compiles at the widest bucket
         # alone (K3 at the default buckets: 7 context buckets -> 1 per decode row count); elsewhere (the
@@ -1985,6 +1986,8 @@ class Engine:
         if failed:
             raise RuntimeError(f"update_weights_from_tensor: process(es) {failed} could not write the tensors (their "
                                f"logs say why); the processes' weights may now differ: write them again") from err
+        if self.prefix_cache is not None and self.prefix_cache.origin:  # (a host store: folded into its origin)
+            self._written = named_weights.digest(items, self._written)
         if flush_cache:
             self._forget_cached("update_weights_from_tensor")
         self.counters["weight_updates"] += 1
@@ -2146,8 +2149,12 @@ class Engine:
             self.routes_store.clear()  # (computed with the old weights)
         if self.prefix_cache is not None and self.prefix_cache.origin and what.startswith("update_weights"):
             # a store shared with engines still on the old weights, which may publish into it: this engine now
-            # serves only entries of its new weights
-            self.prefix_cache.origin = self._store_fingerprint()["weights (sampled)"]
+            # serves only entries of its new weights (named writes chain onto the origin: they may miss the sample)
+            self.prefix_cache.origin = (named_weights.digest([], self.prefix_cache.origin + self._written)
+                                        if what == "update_weights_from_tensor"
+                                        else self._store_fingerprint()["weights (sampled)"])
+        if what.startswith("update_weights"):
+            self._written = ""
         if self.channel is not None:
             self._send_forgotten()
 
@@ -2360,8 +2367,10 @@ class Engine:
         self.held = False
 
     def has_unfinished(self) -> bool:
-        """Requests not finished, or a launched step not read back yet (async scheduling)."""
-        return bool(self._flight) or any(not s.finished for s in self.seqs.values())
+        """Requests not finished, a launched step not read back yet (async scheduling), or outputs owed: a call
+        between steps (`reset_prefix_cache`, `sleep`, ...) read that step back and the next `step()` returns what
+        it produced (the last output of a request it finished, which an `AsyncEngine` stream still waits for)."""
+        return bool(self._flight) or bool(self._landed) or any(not s.finished for s in self.seqs.values())
 
     # ---- the step -------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
 import json
 import re
 from typing import Any, Iterable, Optional
@@ -195,6 +196,17 @@ def as_numpy(value) -> np.ndarray:
             return np.asarray(t.float().numpy()).astype(jnp.bfloat16)
         return np.asarray(t.numpy())
     return np.asarray(value)
+
+
+def digest(items: list[tuple[str, np.ndarray]], prior: str = "") -> str:
+    """What a named write changes, chained after `prior` -> a hex digest: each tensor's name, dtype, shape and a
+    strided sample of its values (at most 4096). Engines sharing a host store tell their weights apart by it
+    (`PrefixCache.origin`): a write of tensors outside the store fingerprint's sampled arrays changes it too."""
+    h = hashlib.sha256(prior.encode())
+    for name, a in items:
+        h.update(json.dumps([name, str(a.dtype), list(a.shape)]).encode())
+        h.update(np.ascontiguousarray(a.flat[np.arange(0, a.size, max(1, -(-a.size // 4096)))]).tobytes())
+    return h.hexdigest()[:16]
 
 
 def pair_expanded(writes: list[tuple[str, NamedWeight, Optional[int], np.ndarray]], group: int, dtypes: list,

@@ -154,7 +154,9 @@ def test_outputs_lag_one_step_and_the_last_step_is_read_back(engines):
 def test_a_request_a_call_between_steps_finishes_keeps_its_output(engines):
     """`AsyncEngine` runs calls (`reset_prefix_cache`, ...) and aborts between steps. A call that reads back the
     step in flight can finish a request there; an abort of another request (which reaps finished ones) must not
-    forget it before the next `step()` returns its last output (its stream would wait forever)."""
+    forget it before the next `step()` returns its last output (its stream would wait forever), and the engine must
+    still report work (`has_unfinished`): an AsyncEngine steps only then, so with no other request left the stream
+    waited forever for that output."""
     _, asyn = engines
     sp = lambda n: SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)  # noqa: E731
     rid, other = asyn.add_request([5, 6, 7], sp(3)), asyn.add_request([8, 9], sp(30))
@@ -164,6 +166,7 @@ def test_a_request_a_call_between_steps_finishes_keeps_its_output(engines):
     asyn.reset_prefix_cache()  # (AsyncEngine's "call"): reads the step back, the request finishes there
     asyn.abort(other)
     asyn._reap()  # (AsyncEngine's "abort")
+    assert asyn.has_unfinished()  # its last output is owed
     outs = {o.request_id: o for o in asyn.step()}
     assert outs[rid].finished and len(outs[rid].outputs[0].token_ids) == 3
     while asyn.has_unfinished():

@@ -247,7 +247,7 @@ def test_pause_aborts_on_every_replica_and_both_phases():
     dp = DataParallelAsyncEngine.__new__(DataParallelAsyncEngine)
     dp.replicas = [Stub(2), Stub(0), Stub(1)]
     pd = DisaggregatedAsyncEngine.__new__(DisaggregatedAsyncEngine)
-    pd.prefill, pd.decode = Stub(1), Stub(4)
+    pd.prefill, pd.decode, pd._phase, pd._aborted = Stub(1), Stub(4), {}, set()
     assert asyncio.run(dp.abort_all()) == 3 and [r.calls for r in dp.replicas] == [1, 1, 1]
     assert asyncio.run(pd.abort_all()) == 5 and pd.prefill.calls == pd.decode.calls == 1
 
@@ -337,6 +337,62 @@ def test_disaggregated_pair_refuses_a_request_id_in_flight():
         assert last.outputs[0].finish_reason == "abort"
         await first.aclose()
         assert not pd._phase
+
+    asyncio.run(main())
+
+
+def test_abort_all_ends_a_request_between_the_pairs_phases():
+    """`abort_all` (POST /pause, `abort_all_requests`) while a request's prefill has finished but its stream has not
+    moved to the decode engine: neither engine holds it then, and it used to go on to decode every token (a pause
+    waited for it); it ends with finish_reason "abort" instead, and the decode engine never runs it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from serve.disaggregated import DisaggregatedAsyncEngine
+    from serve.types import SamplingParams
+
+    def out(reason):
+        return SimpleNamespace(finished=reason is not None,
+                               outputs=[SimpleNamespace(finish_reason=reason, token_ids=[1], text="a")])
+
+    class Phase:
+        """An `AsyncEngine` stand-in whose prefill finishes once `release` is set (its output then on the way)."""
+
+        def __init__(self, prefill):
+            self.prefill, self.runs = prefill, 0
+            self.finished, self.release = asyncio.Event(), asyncio.Event()
+
+        async def generate(self, prompt, params, rid, *args, on_accept=None):
+            self.runs += 1
+            if self.prefill:
+                self.finished.set()
+                await self.release.wait()
+                yield out("length")
+                return
+            for _ in range(50):
+                await asyncio.sleep(0)
+                yield out(None)
+            yield out("length")
+
+        async def abort_all(self):
+            return 0  # (nothing of the request is left on either engine)
+
+    async def main():
+        pd = DisaggregatedAsyncEngine.__new__(DisaggregatedAsyncEngine)
+        pd.prefill, pd.decode, pd._phase, pd._aborted = Phase(True), Phase(False), {}, set()
+        outs = []
+
+        async def read():
+            async for o in pd.generate([1, 2, 3], SamplingParams(max_tokens=50), "x"):
+                outs.append(o)
+
+        task = asyncio.ensure_future(read())
+        await pd.prefill.finished.wait()
+        assert await pd.abort_all() == 0
+        pd.prefill.release.set()
+        await asyncio.wait_for(task, 5)
+        assert [o.outputs[0].finish_reason for o in outs] == ["abort"] and outs[0].outputs[0].token_ids == []
+        assert pd.decode.runs == 0 and not pd._phase and not pd._aborted
 
     asyncio.run(main())
 

@@ -273,6 +273,17 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
     on.update_weights(old)
     run(producer, prompt, n=1)
     assert run(on, prompt).num_cached_tokens == 144
+    # the same by name: a write of one tensor (none of the arrays the store fingerprint samples) moves `on` off the
+    # producer's entries too; once the producer makes the same write they share again
+    name = "language_model.model.layers.0.self_attn.q_proj.weight"
+    changed = [(name, on.get_weights_by_name(name, None) * 2)]
+    on.update_weights_from_tensor(changed)
+    run(producer, toks(32, 150), n=1)
+    assert run(on, toks(32, 150)).num_cached_tokens == 0
+    producer.update_weights_from_tensor(changed)
+    run(producer, toks(33, 150), n=1)
+    assert run(on, toks(33, 150)).num_cached_tokens == 144
+    on.update_weights(old)
     settled(on)
     kv = {"kv_role": "kv_consumer", "store": store}
     with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(sampled\)"):
