@@ -298,7 +298,8 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "topk_group": 1, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
         "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
-        "eos_token_id": cfg.eos_token_ids[0] if cfg.eos_token_ids else None,
+        # every stop id (HF takes an int or a list): only the first one lost the others on a round trip
+        "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids) or None),
     }
     if cfg.family == "kimi_linear":
         return {"architectures": ["KimiLinearForCausalLM"], **text}

@@ -8,11 +8,15 @@ would give a runnable but wrong model (spec §5).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
+
+log = logging.getLogger(__name__)
 
 FAMILIES = ("kimi_k3", "kimi_linear")
 
@@ -98,6 +102,8 @@ class ModelConfig:
         eos = self.eos_token_ids
         if not isinstance(eos, tuple) or any(isinstance(x, bool) or not isinstance(x, int) or x < 0 for x in eos):
             raise ConfigError(f"eos_token_ids must be a tuple of token ids (integers >= 0), got {eos!r}")
+        if any(x >= self.vocab_size for x in eos):
+            raise ConfigError(f"eos_token_ids {eos!r} must be below vocab_size={self.vocab_size}")
         if self.mla_layers and self.num_attention_heads < 1:
             raise ConfigError(f"num_attention_heads must be >= 1 with MLA layers, got {self.num_attention_heads}")
         if len(self.mla_layers) < self.num_hidden_layers and self.kda_num_heads < 1:
@@ -255,13 +261,26 @@ def _one_based_to_zero(layers, key: str, n: int) -> tuple[int, ...]:
     return tuple(sorted(out))
 
 
-def _eos_ids(*vals) -> tuple[int, ...]:
+@functools.lru_cache(maxsize=64)
+def _warn_unreachable_eos(eos: int, vocab_size: int) -> None:
+    """Said once per id and vocabulary (a config is read several times while an engine is built)."""
+    log.warning("config.json: eos_token_id %d is outside the vocabulary (vocab_size=%d): the model cannot generate "
+                "it, it is not used as a stop token", eos, vocab_size)
+
+
+def _eos_ids(vocab_size: int, *vals) -> tuple[int, ...]:
+    """The distinct stop ids of `eos_token_id` values (ints or lists). An id past the vocabulary (HF's
+    KimiLinearConfig defaults eos_token_id to 163586 whatever vocab_size is) can never be generated: it is
+    dropped with a warning, as stopping on it is a no-op (kept, it failed the engine's start: the structured
+    output tokenizer refuses an EOS id out of range)."""
     out: list[int] = []
     for v in vals:
         for x in (v if isinstance(v, (list, tuple)) else [v]):
             if x is not None and (isinstance(x, bool) or not isinstance(x, int) or x < 0):
                 raise ConfigError(f"config.json: eos_token_id entries must be token ids (integers >= 0), got {x!r}")
-            if x is not None and x not in out:
+            if x is not None and x >= vocab_size:
+                _warn_unreachable_eos(x, vocab_size)
+            elif x is not None and x not in out:
                 out.append(x)
     return tuple(out)
 
@@ -283,6 +302,26 @@ def _check_hf_layer_plans(tc: Mapping[str, Any], where: str, mla: tuple[int, ...
                               f"({ours!r})")
 
 
+# HF transformers' KimiLinearConfig.attribute_map: the other name it reads for each key (DeepSeek's / Mixtral's)
+_HF_ALIASES = {"moe_renormalize": "norm_topk_prob", "num_experts": "num_local_experts",
+               "num_experts_per_token": "num_experts_per_tok", "num_shared_experts": "n_shared_experts",
+               "num_expert_group": "n_group"}
+
+
+def _resolve_aliases(tc: Mapping[str, Any], where: str) -> Mapping[str, Any]:
+    """`tc` with each key of `_HF_ALIASES` taken from its alias when only the alias is given, as HF reads
+    them (`norm_topk_prob: false` was ignored: renormalised weights; `n_shared_experts` / `num_experts_per_tok`
+    failed naming tensors or num_experts_per_token=0). Both given with different values: an error naming both."""
+    out = dict(tc)
+    for key, alias in _HF_ALIASES.items():
+        if tc.get(alias) is None:
+            continue
+        if tc.get(key) is not None and tc[key] != tc[alias]:
+            raise ConfigError(f"{where}: {key}={tc[key]!r} and its alias {alias}={tc[alias]!r} disagree")
+        out[key] = tc[alias]
+    return out
+
+
 def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json` (K3 with `text_config`, or flat Kimi-Linear)."""
     if not isinstance(cfg, Mapping):
@@ -299,6 +338,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     else:
         raise ConfigError(f"config.json: model_type {top_type!r} is not 'kimi_k3' or 'kimi_linear'")
 
+    tc = _resolve_aliases(tc, where)
     n = _int(tc, "num_hidden_layers", where)
     lac = _req(tc, "linear_attn_config", where)
     lwhere = f"{where}.linear_attn_config"
@@ -331,7 +371,9 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         mla_layers=mla,
         kda_num_heads=_int(lac, "num_heads", lwhere),
         kda_head_dim=_int(lac, "head_dim", lwhere),
-        short_conv_kernel_size=_int(lac, "short_conv_kernel_size", lwhere, 4),
+        # HF reads linear_conv_kernel_dim (what it writes beside linear_attn_config) when the object has none
+        short_conv_kernel_size=_int(lac, "short_conv_kernel_size", lwhere,
+                                    _int(tc, "linear_conv_kernel_dim", where, 4)),
         num_experts=_int(tc, "num_experts", where, 0),
         num_experts_per_token=_int(tc, "num_experts_per_token", where, 0),
         moe_intermediate_size=_int(tc, "moe_intermediate_size", where, 0),
@@ -391,7 +433,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
             situ_linear_beta=_float(tc, "activation_situ_linear_beta", where),
             attn_res_block_size=_int(tc, "attn_res_block_size", where),
             # K3's tokenizer_config says [EOS]=163585, the configs say <|end_of_msg|>=163586: stop on both.
-            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id"),
+            eos_token_ids=_eos_ids(common["vocab_size"], cfg.get("eos_token_id"), tc.get("eos_token_id"),
                                    *[i for i in (163585, 163586) if i < common["vocab_size"]]),
         )
     if tc.get("quantization_config"):
@@ -403,7 +445,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         gate_lower_bound=_float(lac, "gate_lower_bound", lwhere, None),
         kda_full_rank_output_gate=_bool(lac, "use_full_rank_gate", lwhere, False),
         hidden_act=tc.get("hidden_act", "silu"),
-        eos_token_ids=_eos_ids(cfg.get("eos_token_id"), tc.get("eos_token_id")),
+        eos_token_ids=_eos_ids(common["vocab_size"], cfg.get("eos_token_id"), tc.get("eos_token_id")),
     )
 
 

@@ -49,6 +49,9 @@ def test_full_size_parameter_counts_match_spec(name, total, active, nbytes, rout
 def test_hf_config_roundtrip(name):
     cfg = get_preset(name)
     assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))) == cfg
+    # several stop ids (config.json's eos_token_id as a list): the written config kept only the first
+    cfg = cfg.replace(eos_token_ids=(5, 7, *cfg.eos_token_ids))
+    assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))).eos_token_ids == cfg.eos_token_ids
 
 
 def test_layer_lists_are_one_based():
@@ -142,6 +145,43 @@ def _k3_with(mutate):
 def test_bad_config_values_are_named(d, match):
     with pytest.raises(ConfigError, match=match):
         from_hf_config(d)
+
+
+def test_hf_alias_keys_are_read():
+    """HF transformers reads `norm_topk_prob` / `n_group` / ... (KimiLinearConfig.attribute_map) for
+    moe_renormalize / num_expert_group / ...: k3jax ignored them (renormalised where HF does not; routed over
+    every expert where HF keeps the best group). Both names with different values: an error naming both."""
+    names = dict(norm_topk_prob="moe_renormalize", n_shared_experts="num_shared_experts",
+                 num_experts_per_tok="num_experts_per_token", n_group="num_expert_group")
+
+    def kl(**aliases):
+        d = hf_config_dict(get_preset("tiny-kimi-linear"))
+        for alias in aliases:
+            d.pop(names.get(alias), None)
+        return from_hf_config({**d, **aliases})
+
+    assert kl(norm_topk_prob=False).moe_renormalize is False
+    cfg = kl(n_shared_experts=2, num_experts_per_tok=3)
+    assert (cfg.num_shared_experts, cfg.num_experts_per_token) == (2, 3)
+    with pytest.raises(ConfigError, match="num_expert_group"):
+        kl(n_group=2, topk_group=1)
+    with pytest.raises(ConfigError, match="moe_renormalize=True and its alias norm_topk_prob=False disagree"):
+        from_hf_config(_kl(norm_topk_prob=False))
+    # HF's kernel size when linear_attn_config names none (k3jax took 4: conv weights then "mis-shaped")
+    d = _kl(linear_conv_kernel_dim=3)
+    del d["linear_attn_config"]["short_conv_kernel_size"]
+    assert from_hf_config(d).short_conv_kernel_size == 3
+
+
+def test_eos_ids_past_the_vocabulary_are_dropped():
+    """HF's KimiLinearConfig defaults eos_token_id to 163586 whatever vocab_size is (a tiny checkpoint built
+    from it keeps it): the id can never be generated, and kept as a stop id it failed the engine's start
+    ("EOS token ID 163586 is out of range (vocab_size=320)" from the structured-output tokenizer). It is
+    dropped from config.json's ids; a k3jax config that holds one is an error naming eos_token_ids."""
+    assert from_hf_config(_kl(eos_token_id=[163586, 257])).eos_token_ids == (257,)
+    assert from_hf_config(_kl(eos_token_id=163586)).eos_token_ids == ()
+    with pytest.raises(ConfigError, match="eos_token_ids"):
+        get_preset("tiny-kimi-linear").replace(eos_token_ids=(320,))
 
 
 @pytest.mark.parametrize("key,value", [("pad_token_id", [3]), ("bos_token_id", "x"), ("eos_token_ids", ["a"]),

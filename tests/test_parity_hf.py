@@ -300,6 +300,30 @@ def test_moe_config_variants_match_hf(tmp_path, name, config):
     assert err <= REL_TOL, f"[{name}] rel err {err:.3e}"
 
 
+def test_hf_alias_keys_are_read_as_hf_reads_them(tmp_path):
+    """HF's KimiLinearConfig reads `norm_topk_prob`, `n_shared_experts`, `num_experts_per_tok`,
+    `num_local_experts` (its attribute_map) as moe_renormalize / num_shared_experts / ...: k3jax ignored them,
+    renormalising the routed weights HF leaves raw (rel err ~0.5) or failing on tensors it had no place for."""
+    import json
+
+    import k3jax
+    from transformers import KimiLinearForCausalLM
+
+    path, hf = _variant(tmp_path, "aliases", moe_renormalize=False, num_shared_experts=2, num_experts_per_token=3)
+    f = f"{path}/config.json"
+    cfg = json.load(open(f))
+    for key, alias in [("moe_renormalize", "norm_topk_prob"), ("num_shared_experts", "n_shared_experts"),
+                       ("num_experts_per_token", "num_experts_per_tok"), ("num_experts", "num_local_experts")]:
+        cfg[alias] = cfg.pop(key)
+    json.dump(cfg, open(f, "w"))
+    hf = KimiLinearForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager",
+                                               experts_implementation="eager").eval()
+    assert (hf.config.moe_renormalize, hf.config.num_shared_experts, hf.config.num_experts_per_token) == (False, 2, 3)
+    ids = hfx.make_prompt("a4", 3, batch=1, length=70)
+    err = _rel_err(k3jax.load_model(path, dtype="float32").forward(ids), hfx.hf_logits(hf, ids))
+    assert err <= REL_TOL, f"rel err {err:.3e}"
+
+
 @pytest.mark.parametrize("grouped", [True, None, False])
 def test_group_limited_routing_is_refused_whatever_use_grouped_topk_says(tmp_path, grouped):
     """HF's router keeps only the `topk_group` best of `num_expert_group` expert groups whatever
