@@ -162,9 +162,11 @@ def cache_epoch(engine: Engine) -> int:
 
 
 def _salt(cache_salt: Optional[str], lora_request) -> bytes:
-    """Requests share cached prefixes only with the same salt and adapter (as the engine hashes them)."""
+    """Requests share cached prefixes only with the same salt and adapter (as the engine hashes them; a lone
+    surrogate, JSON's "\\ud800", encoded as such: it raised UnicodeEncodeError)."""
     name = getattr(lora_request, "lora_name", lora_request)
-    return (cache_salt or "").encode() + (b"\0lora:" + str(name).encode() if name is not None else b"")
+    return (cache_salt or "").encode("utf-8", "surrogatepass") + (
+        b"\0lora:" + str(name).encode("utf-8", "surrogatepass") if name is not None else b"")
 
 
 def _num_seqs(params) -> int:

@@ -65,7 +65,7 @@ from serve.multihost import (ADAPTER, ADAPTER_CHUNK, EPLB, FORGET, LORA, LORA_DR
 from serve.page_tables import PageTables
 from serve.profiler import step_annotation
 from serve.prefix_cache import (BRANCH, CHUNK_END, DECODE, PROMPT_END, CkptEntry, Hit, PageEntry, PrefixCache,
-                                PrefixCacheConfig, PrefixHasher)
+                                PrefixCacheConfig, PrefixHasher, prefix_salt)
 from serve.position_rows import PositionRows
 from serve.routed_experts import RoutesStore, SequenceRoutes, ids_dtype
 from serve import generation_config, logits_processors, prompt_embeds
@@ -1532,10 +1532,11 @@ class Engine:
         config_unit = self.config.prefix_hash_unit
         # an adapter changes every cached page and state: its requests share prefixes only among
         # themselves, and only with this load of it (the uid), never with the base model's
-        salt = (cache_salt or "").encode() + (b"\0lora:%d" % adapter.uid if adapter is not None else b"")
-        tenant = salt  # (suffix decoding drafts only from responses of the same salt and adapter)
-        if embeds is not None:  # placeholder ids: the vectors themselves decide what may be shared
-            salt += b"\0embeds:" + prompt_embeds.digest(embeds)
+        # (prompt embeds: placeholder ids, the vectors themselves decide what may be shared)
+        salt = prefix_salt(cache_salt, adapter.uid if adapter is not None else None,
+                           prompt_embeds.digest(embeds) if embeds is not None else None)
+        # suffix decoding drafts only from responses of the same salt and adapter
+        tenant = prefix_salt(cache_salt, adapter.uid if adapter is not None else None, None)
         group = (BeamGroup(beam, len(ids), frozenset() if beam.ignore_eos else frozenset(self.stop_ids), [])
                  if beam is not None else None)
         self.counters["beam_search_requests"] += group is not None

@@ -69,6 +69,18 @@ class PrefixCacheConfig:
     decode_interval: int = 256  # decode checkpoints every this many tokens (rounded to align)
 
 
+def prefix_salt(cache_salt: Optional[str] = None, adapter_uid: Optional[int] = None,
+                embeds_digest: Optional[bytes] = None) -> bytes:
+    """The salt seeding a request's prefix hashes (`PrefixHasher`): its `cache_salt`, the load of its LoRA
+    adapter and its prompt vectors' digest, each tagged and length-prefixed, so no choice of one part reads
+    as another (joined as they were, cache_salt="\\0lora:1" on the base model named adapter 1's cached
+    prefixes). b"" for none (an empty cache_salt too): the unsalted chain. (A lone surrogate, which JSON's "\\ud800" decodes to, is
+    encoded as such: it raised UnicodeEncodeError.)"""
+    parts = ((b"salt", cache_salt.encode("utf-8", "surrogatepass") if cache_salt else None),  # ("": none)
+             (b"lora", None if adapter_uid is None else b"%d" % adapter_uid), (b"embd", embeds_digest))
+    return b"".join(tag + b"%d:" % len(v) + v for tag, v in parts if v is not None)
+
+
 class PrefixHasher:
     """Chained digests of a growing token list at every `unit` boundary. A `salt` (a request's
     `cache_salt`) seeds the chain, so only requests with the same salt share cached prefixes."""

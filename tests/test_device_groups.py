@@ -5,7 +5,7 @@ simulated devices share tests/test_sharding.py's multi-device process (CI time);
 merged statistics and the options."""
 import pytest
 
-from serve.data_parallel import PrefixRouter, merge_stats, replica_devices
+from serve.data_parallel import PrefixRouter, _salt, merge_stats, replica_devices
 from serve.engine import EngineConfig
 
 def test_router_prefers_the_replica_that_cached_the_prefix():
@@ -26,6 +26,7 @@ def test_router_prefers_the_replica_that_cached_the_prefix():
     r.forget()
     assert r.load == [5, 1, 2] and r.route(a) == 1 and r.counters["routed_by_load"] == 6  # least loaded now
     assert r.hashes(a, b"x") != r.hashes(a) and len(r.hashes(a + [1])) == 5
+    assert _salt("\ud800", None) != _salt("\ud801", None)  # (JSON's lone surrogates: it raised UnicodeEncodeError)
 
 
 def test_load_policy_ignores_prefixes():

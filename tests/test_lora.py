@@ -106,12 +106,18 @@ def _run(eng, reqs, max_tokens=GEN, params=None):
     """(prompt, adapter) pairs, greedy (or `params`) -> their finished outputs."""
     sp = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, logprobs=0)
     ids = [eng.add_request(list(map(int, p)), sp, lora_request=lr) for p, lr in reqs]
+    done = _drain(eng)
+    return [done[i] for i in ids]
+
+
+def _drain(eng) -> dict:
+    """Step `eng` until idle -> {request id: finished output}."""
     done = {}
     while eng.has_unfinished():
         for out in eng.step():
             if out.finished:
                 done[out.request_id] = out
-    return [done[i] for i in ids]
+    return done
 
 
 @torch.no_grad()
@@ -199,8 +205,14 @@ def test_prefix_cache_is_per_adapter_load(ab, engine, ref):
     p = hfx.make_prompt(VARIANT, 5, batch=1, length=100)[0]
     first = _run(engine, [(p, "a")], max_tokens=3)[0]
     assert _run(engine, [(p, "a")], max_tokens=3)[0].num_cached_tokens >= 64
-    assert _run(engine, [(p, None)], max_tokens=3)[0].num_cached_tokens == 0
+    base = _run(engine, [(p, None)], max_tokens=3)[0]
+    assert base.num_cached_tokens == 0
     assert _run(engine, [(p, "b")], max_tokens=3)[0].num_cached_tokens == 0
+    # a base-model request whose cache_salt spells the adapter's part of the hash salt (it read "a"'s prefix)
+    rid = engine.add_request(list(map(int, p)), SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True),
+                             cache_salt="\0lora:%d" % engine.loras.get("a").uid)
+    spoof = _drain(engine)[rid]
+    assert spoof.num_cached_tokens == 0 and spoof.outputs[0].token_ids == base.outputs[0].token_ids
     engine.remove_lora("a")
     engine.add_lora(LoRARequest("a", 1, dirs["default"]))
     again = _run(engine, [(p, "a")], max_tokens=3)[0]

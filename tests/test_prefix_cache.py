@@ -433,8 +433,22 @@ def test_cache_salt_keeps_prefixes_apart(engines):
         assert out.outputs[0].token_ids == cold.token_ids
     go(base + [1], None)  # unsalted now cached too: salted requests still do not see it
     assert go(base + [2], "tenant-c").num_cached_tokens == 0
+    surrogate = go(base + [7, 8, 9], "\ud800")  # (JSON's "\\ud800": it raised UnicodeEncodeError)
+    assert surrogate.num_cached_tokens == 0 and surrogate.outputs[0].token_ids == cold.token_ids
     with pytest.raises(Exception, match="cache_salt"):
         on.add_request(base, SamplingParams(max_tokens=1), cache_salt="")
+
+
+def test_cache_salt_never_reads_as_an_adapter_or_prompt_vectors():
+    """The salt of a request's prefix hashes keeps its parts apart (tagged, length-prefixed), as vLLM keeps
+    cache_salt, the LoRA adapter and multimodal hashes apart as extra keys: joined as they were, a base-model
+    request with cache_salt="\\0lora:1" (or "t\\0lora:1") resumed from adapter 1's cached prefixes (of salt
+    "t"), and one spelling the prompt-vectors part could read a prompt_embeds request's."""
+    from serve.prefix_cache import prefix_salt
+    salts = [(s, a, d) for s in (None, "t", "t\0lora:1", "\0lora:1", "\0embeds:x", "lora1:1", "\ud800")
+             for a in (None, 1) for d in (None, b"x")]
+    assert len({prefix_salt(*x) for x in salts}) == len(salts)
+    assert prefix_salt() == b""  # unsalted requests share one chain
 
 
 def test_metrics_and_clear(engines):
