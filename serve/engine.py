@@ -30,7 +30,7 @@ import time
 import weakref
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -50,7 +50,8 @@ from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
 from serve.host_cache import HostCache, HostEntry, Transfers, own_rows
 from serve.latent_codec import canonical as canonical_kv_cache_dtype
-from serve.lora import Adapter, LoRAError, LoRARequest, Registry, factor_leaves, parse_peft, read_peft
+from serve.lora import (Adapter, LoRAError, LoRARequest, Registry, check_peft_dir, factor_leaves, parse_peft,
+                        read_peft)
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, aborted_hypotheses, best, expand
 from serve.buckets import default_buckets, program_shapes
 from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, longest_request, min_units, state_dtype_name
@@ -107,6 +108,17 @@ class StepFailed(RuntimeError):
         super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); ended "
                          f"{len(request_ids)} request(s) it ran: {request_ids[:4]}")
         self.request_ids, self.cause, self.outputs = request_ids, cause, list(outputs)
+
+
+def check_min_tokens_allowed(params: SamplingParams, eos_token_ids) -> None:
+    """`min_tokens` bans the stop tokens (EOS, ignore_eos or not, and `stop_token_ids`, vLLM's
+    `all_stop_token_ids`) until that many tokens are out; `allowed_token_ids` that are all stop tokens leave
+    nothing to sample meanwhile (vLLM samples from an all -inf row: garbage): refused, naming both fields."""
+    allowed = params.allowed_token_ids
+    if params.min_tokens and allowed and set(allowed) <= set(params.stop_token_ids) | set(eos_token_ids):
+        raise RequestError(f"allowed_token_ids: every allowed token is a stop token (EOS or stop_token_ids), "
+                           f"which min_tokens={params.min_tokens} bans until that many tokens are out: nothing "
+                           f"could be sampled; allow another token or drop min_tokens")
 
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer_config["kv_role"]
@@ -1306,6 +1318,7 @@ class Engine:
                 if cmd == EPLB:  # the experts the leader moves before its next step: rows (layer, placement)
                     rows = batch.reshape(-1, 1 + self.eplb.placement.shape[1])
                     self._move_experts({int(r[0]): r[1:].copy() for r in rows}, {})
+                    jax.block_until_ready(self._leaves)
                     continue
                 if cmd == SLEEP:  # (level, weights?, kv_cache?)
                     self._release_device_memory(int(batch[0]), frozenset(
@@ -1497,6 +1510,7 @@ class Engine:
             if params.min_tokens and len(set(params.stop_token_ids) | set(self.stop_ids)) > MIN_TOKENS_STOP_IDS:
                 raise RequestError(f"stop_token_ids: at most {MIN_TOKENS_STOP_IDS} stop tokens (with EOS) when "
                                    f"min_tokens is set")
+            check_min_tokens_allowed(params, self.stop_ids)
             window = self.config.max_model_len
             if len(ids) > window:
                 raise RequestError(f"prompt: {len(ids)} prompt tokens exceed the context window of {window} tokens")
@@ -1643,29 +1657,73 @@ class Engine:
 
     # ---- LoRA adapters ----------------------------------------------------------------------------
     def _resolve_lora(self, lora_request) -> Optional[Adapter]:
+        """A request's adapter: one held, or registered with requests waiting for it, as it is; one to load (a
+        `LoRARequest`'s new directory, or one dropped from host memory) read now where host memory has room,
+        else registered unread (its directory checked) and read when the request is admitted (`max_cpu_loras`
+        holds: vLLM reads adapters when it schedules their requests)."""
         if lora_request is None:
             return None
         if not self.config.max_loras:
             raise RequestError("lora_request: this engine serves no LoRA adapters (start it with max_loras >= 1)")
+        name, path, int_id = lora_request, "", 0
         if isinstance(lora_request, LoRARequest):
-            known = self.loras.by_name.get(lora_request.lora_name)
-            if lora_request.lora_path and (known is None or known.factors is None):
-                try:
-                    return self._read_for_request(lora_request)
-                except LoRAError as e:
-                    raise RequestError(f"lora_request: {e}") from None
-            lora_request = lora_request.lora_name
-        if not isinstance(lora_request, str) or lora_request not in self.loras.by_name:
+            name, path, int_id = lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id
+        known = self.loras.by_name.get(name) if isinstance(name, str) else None
+        if known is not None and (known.factors is not None or (known.requests and path in ("", known.path))):
+            return known
+        if known is None and not path:
             loaded = ", ".join(sorted(self.loras.by_name)) or "none"
-            raise RequestError(f"lora_request: no LoRA adapter {lora_request!r} is loaded (loaded: {loaded})")
-        adapter = self.loras.by_name[lora_request]
-        if adapter.factors is None:  # dropped from host memory to make room for another: read it again
-            try:
-                return self._read_for_request(LoRARequest(adapter.name, adapter.int_id, adapter.path))
-            except LoRAError as e:
-                raise RequestError(f"lora_request: adapter {adapter.name!r} was dropped from host memory "
-                                   f"(max_cpu_loras) and could not be read again: {e}") from None
-        return adapter
+            raise RequestError(f"lora_request: no LoRA adapter {name!r} is loaded (loaded: {loaded})")
+        request = LoRARequest(name, int_id if path else known.int_id, path or known.path)
+        try:
+            if self.loras.has_room(self._running_adapters()):
+                return self._read_for_request(request)
+            return self._register_unread(request)
+        except LoRAError as e:
+            if path:
+                raise RequestError(f"lora_request: {e}") from None
+            raise RequestError(f"lora_request: adapter {name!r} was dropped from host memory (max_cpu_loras) and "
+                               f"could not be read again: {e}") from None
+
+    def _running_adapters(self, internal: bool = False) -> set:
+        """The adapters of the requests admitted and not finished (their rows hold slots), which host memory keeps;
+        `internal`: those of the prefix cache's own rows too (unloading an adapter ends these rows)."""
+        return {s.lora for s in self.seqs.values()
+                if s.lora is not None and s.slot is not None and not s.finished and (internal or not s.internal)}
+
+    def _register_unread(self, request: LoRARequest) -> Adapter:
+        """A request's adapter when host memory has no room now (every held adapter serves running requests): its
+        name and directory checked, registered unread; `_read_admitted` reads it once its request is admitted."""
+        self._lora_room(request.lora_name, request.lora_path, spill=True)
+        if not self.loras.can_ever_hold():
+            raise LoRAError(f"max_cpu_loras={self.loras.capacity} adapters loaded from tensors fill host memory "
+                            f"({', '.join(sorted(a.name for a in self.loras.held()))}); unload one first")
+        check_peft_dir(request.lora_path)
+        self.loras.by_name.pop(request.lora_name, None)  # (a dropped registration of this name: this load's place)
+        return self.loras.add(request.lora_name, request.lora_path, 0, None, request.lora_int_id)
+
+    def _read_admitted(self, adapter: Adapter, running: set) -> None:
+        """Read an adapter not in host memory whose request is being admitted, first dropping held adapters that
+        no running request uses (`running`: the adapters of rows holding slots, the prefix cache's included) to
+        stay within max_cpu_loras. Only when the held ones are all running or loaded from tensors is it held
+        beyond. Raises LoRAError (its directory changed since)."""
+        victim = self.loras.victim(running, spill=True)
+        while victim is not None:
+            self._drop_from_host(victim)
+            victim = self.loras.victim(running, spill=True)
+        adapter.rank, adapter.factors = self._read_adapter(lambda *a: read_peft(adapter.path, *a))
+        if self.channel is not None:
+            self._send_adapter(adapter)
+
+    def _drop_from_host(self, adapter: Adapter) -> None:
+        """`adapter` (no row holding a slot uses it: nothing in flight reads its slot) leaves its slot and host
+        memory; requests waiting for it read it again when admitted (the same load: its cached prefixes stay)."""
+        self.loras.drop(adapter)
+        for rid in [r for r, (_, a) in self._tails.items() if a is adapter]:
+            del self._tails[rid]
+        self.counters["lora_evictions"] += 1
+        if self.channel is not None:
+            self.channel.command(LORA_DROP, np.asarray([adapter.uid], np.int32))
 
     def add_lora(self, lora_request: LoRARequest) -> Adapter:
         """Load a PEFT adapter directory into a free slot (vLLM's `add_lora`): its factors are checked
@@ -1675,9 +1733,7 @@ class Engine:
                                   replace=getattr(lora_request, "load_inplace", False))
 
     def _read_for_request(self, lora_request: LoRARequest) -> Adapter:
-        """`add_lora` for a request naming the adapter: never refused for room (vLLM queues such a request), so
-        when every held adapter serves requests it is held beyond max_cpu_loras, until later loads find them
-        idle and drop them."""
+        """`add_lora` for a request naming the adapter, where host memory has room (`_resolve_lora`)."""
         return self._load_adapter("lora_request", lora_request.lora_name, lora_request.lora_int_id,
                                   lora_request.lora_path, lambda *a: read_peft(lora_request.lora_path, *a), spill=True)
 
@@ -1699,8 +1755,9 @@ class Engine:
 
     def _load_adapter(self, what: str, name, int_id: int, path: str, read, spill: bool = False,
                       replace: bool = False) -> Adapter:
-        """`spill`: a request needs the adapter (`_read_for_request`): held beyond max_cpu_loras when none can go.
-        `replace` (vLLM's load_inplace): the adapter loaded under `name` goes once the new one has been read."""
+        """`spill`: a request needs the adapter (`_read_for_request`): no LoRAError when none can go. `replace`
+        (vLLM's load_inplace): the adapter loaded under `name` goes once the new one has been read. A registration
+        of `name` whose requests wait for it (dropped, or registered unread) takes the factors (the same load)."""
         self._leader_only(what)
         # the weights' adapter slots must be there; the KV cache need not be (an RL loop resumes the weights,
         # syncs its adapter, then resumes the cache); base weights still to be loaded after sleep(2) are fine
@@ -1708,27 +1765,35 @@ class Engine:
         # raises when none can go (unless spill), or the name is in use, before reading anything
         victim = self._lora_room(name, path, spill, replace)
         known = self.loras.by_name.get(name)
-        shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
-                  for t in self._lora_leaves for m in t.modules}  # (out, in)
-        experts = {m: (self.cfg.num_experts, self.config.lora_experts_shared_a)
-                   for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
-        prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
-        rank, factors = read(shapes, self.config.max_lora_rank, prefix, self.config.lora_target_modules, experts)
+        rank, factors = self._read_adapter(read)
         if replace and known is not None:  # read: the old load goes (its cached prefixes with it: a new uid)
             self.remove_lora(name)
-            known, victim = None, self.loras.victim(self._canonical_rids(), spill=True)
+            known, victim = None, self.loras.victim(self._running_adapters(), spill=True)
         while victim is not None:  # (more than one after a spill: back within max_cpu_loras as far as requests allow)
             self._unload_adapter(victim)
             self.counters["lora_evictions"] += 1
-            victim = self.loras.victim(self._canonical_rids(), spill=True)
-        if known is not None:  # a dropped registration of this name: this load takes its place
-            del self.loras.by_name[name]
-        adapter = self.loras.add(name, path, rank, factors, int_id, spill=True)
+            victim = self.loras.victim(self._running_adapters(), spill=True)
+        if known is not None and known.requests:  # its waiting requests' registration: read in place
+            known.rank, known.factors, adapter = rank, factors, known
+        else:
+            if known is not None:  # a dropped registration of this name: this load takes its place
+                del self.loras.by_name[name]
+            adapter = self.loras.add(name, path, rank, factors, int_id, spill=True)
         if self.channel is not None:
             self._send_adapter(adapter)
         if len(self.loras.in_slot) < self.loras.slots:  # a free slot: take it now (else when first needed)
             self._write_lora(self.loras.place(adapter, set()), adapter)
         return adapter
+
+    def _read_adapter(self, read) -> tuple[int, dict]:
+        """`read(shapes, max_rank, prefix, targets, experts)` (`read_peft` / `parse_peft`) against this model's
+        adapter slots -> (rank, factors)."""
+        shapes = {m: (self._leaves[t.b].shape[-1], self._leaves[t.a].shape[-2 if t.experts else -3])
+                  for t in self._lora_leaves for m in t.modules}  # (out, in)
+        experts = {m: (self.cfg.num_experts, self.config.lora_experts_shared_a)
+                   for t in self._lora_leaves if t.experts for m in t.modules}  # (experts, shared A)
+        prefix = "language_model." if self.cfg.family == "kimi_k3" else ""
+        return read(shapes, self.config.max_lora_rank, prefix, self.config.lora_target_modules, experts)
 
     def _lora_room(self, name, path: Optional[str] = None, spill: bool = False,
                    replace: bool = False) -> Optional[Adapter]:
@@ -1749,7 +1814,7 @@ class Engine:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already"
                             + ("" if known.factors is not None else f" (from {known.path!r}, dropped from host "
                                "memory and read again on use): unload it first"))
-        return self.loras.victim(self._canonical_rids(), spill)
+        return self.loras.victim(self._running_adapters(), spill)
 
     def remove_lora(self, name: str) -> None:
         """Unload an adapter (vLLM's `remove_lora`); refused while requests use it. Its slot is zeroed
@@ -1791,18 +1856,29 @@ class Engine:
         return sum(int(np.prod(s)) * np.dtype(d).itemsize for i, (s, d, _) in enumerate(self._leaf_specs)
                    if i in self._lora_indices)
 
-    def _place_adapters(self, admitted: list[str]) -> None:
+    def _place_adapters(self, admitted: list[str]) -> dict[str, LoRAError]:
         """Give the adapters of the requests just admitted a device slot, swapping one in from host memory
-        where needed (the scheduler kept the running requests' adapters within the slots)."""
+        where needed (the scheduler kept the running requests' adapters within the slots), read first where host
+        memory does not hold it (`_read_admitted`). -> {admitted row: the error} of adapters that failed to read."""
         need = [self.seqs[r].lora for r in admitted if self.seqs[r].lora is not None]
         if not need:
-            return
-        busy = {s.lora for s in self.seqs.values() if s.lora is not None and s.slot is not None and not s.finished}
+            return {}
+        busy = self._running_adapters(internal=True)  # (the admitted rows' included: they hold slots)
+        failed: dict[Adapter, LoRAError] = {}
         for adapter in need:
+            if adapter in failed:
+                continue
+            if adapter.factors is None:
+                try:
+                    self._read_admitted(adapter, busy)
+                except LoRAError as e:
+                    failed[adapter] = e
+                    continue
             slot = self.loras.place(adapter, busy)
             if slot is not None:
                 self._write_lora(slot, adapter)
                 self.counters["lora_swaps"] += 1
+        return {r: failed[self.seqs[r].lora] for r in admitted if self.seqs[r].lora in failed}
 
     def _write_lora(self, slot: int, adapter: Optional[Adapter]) -> None:
         """Write one slot of every projection's factors: `adapter`'s (zeros where it has no entry; None: all
@@ -2179,16 +2255,26 @@ class Engine:
         self._weights_present("rebalance_experts", stale_ok=True)  # (placeholders move like weights)
         moves, summary = self.eplb.plan()
         t0 = time.perf_counter()
-        if moves and self.channel is not None and self.warmed_up:  # every process moves the same experts now
-            self.channel.command(EPLB, np.asarray([[layer, *new] for layer, new in moves.items()], np.int32).reshape(-1))
-        self._move_experts(moves, summary)
+        send = None
+        if moves and self.channel is not None and self.warmed_up:  # every process moves the same experts
+            rows = np.asarray([[layer, *new] for layer, new in moves.items()], np.int32).reshape(-1)
+            send = lambda: self.channel.command(EPLB, rows)  # noqa: E731
+        self._move_experts(moves, summary, send)
+        jax.block_until_ready(self._leaves)
         summary["seconds"] = time.perf_counter() - t0
         return summary
 
-    def _move_experts(self, moves: dict[int, np.ndarray], summary: dict) -> None:
+    def _move_experts(self, moves: dict[int, np.ndarray], summary: dict, send: Optional[Callable] = None) -> None:
         """Gather each moved MoE layer's expert weights into their new places ({layer: placement}) and write its
         placement tables. Index and tables go in as numpy values (the same on every process of a multi-process
-        mesh, whose followers run this on the leader's EPLB command)."""
+        mesh, whose followers run this on the leader's EPLB command). Launches only (the caller waits); a move
+        that raises leaves the placement and the weights as they were.
+
+        `send` (a multi-process leader's: the moves to the followers) runs once this process's move is launched
+        (launches are asynchronous), as a step is sent (`_step_fn`): a move that fails on the leader alone is never
+        sent, so no follower waits in its gathers' collectives. XLA:CPU runs a program as cheap as a gather in the
+        caller's thread (its collectives would wait for followers not told yet): there the gathers are compiled
+        first and launched once sent."""
         leaves, at = list(self._leaves), self._leaf_at
         taken: dict[int, dict] = {}  # step leaf -> {group (None: not stacked): gather index}
         for layer, new in moves.items():
@@ -2197,18 +2283,30 @@ class Engine:
                 leaf, group = at[i]
                 taken.setdefault(leaf, {})[group] = index
         host = jax.default_backend() == "cpu"
+        gathers = {}
         for leaf, index in taken.items():  # a scanned run's stacked leaf: every moved group in one gather
             x = leaves[leaf]
             if host and getattr(x, "is_fully_addressable", True):  # XLA:CPU, one process: see eplb.take_on_host
                 leaves[leaf] = eplb.take_on_host(x, index)
             else:
-                leaves[leaf] = (eplb.take_experts(x, index[None]) if None in index
-                                else eplb.take_stacked_experts(x, index))
+                gathers[leaf] = eplb.gather_program(x, index)
+        inline = host and bool(gathers)  # (XLA:CPU: they would run here, waiting for the followers)
+        if send is not None and inline:
+            send()
+        for leaf, launch in gathers.items():
+            leaves[leaf] = launch()
+        before = {layer: self.eplb.placement[layer].copy() for layer in moves}
         self.eplb.applied(moves, summary)
-        self._write_placement_tables(leaves, moves)
-        if moves:
-            self._set_leaves(leaves)
-            jax.block_until_ready(self._leaves)
+        try:
+            self._write_placement_tables(leaves, moves)
+            if moves:
+                self._set_leaves(leaves)
+        except BaseException:
+            for layer, placement in before.items():
+                self.eplb.placement[layer] = placement
+            raise
+        if send is not None and not inline:
+            send()
         self.counters["eplb_rebalances"] += 1
 
     def _write_placement_tables(self, leaves: list, layers) -> None:
@@ -2444,7 +2542,12 @@ class Engine:
             # (also beams parked by a step that failed after reading them back: nothing else selects them)
             ended |= self._select_beams() if self._beams else set()
             return self._step_outputs(touched, ended)  # aborted requests leave even when nothing runs
-        self._place_adapters(plan.admit)
+        unread = self._place_adapters(plan.admit)
+        if unread:  # their adapter could not be read as they were admitted: they end (StepFailed), the rest runs
+            for rid, err in unread.items():
+                self._host_failed(self.seqs[rid].request_id, err)
+            plan.admit = [r for r in plan.admit if r not in unread]
+            plan.prefill = [row for row in plan.prefill if row[0] not in unread]
         now = time.monotonic()
         for rid in plan.admit:
             seq = self.seqs[rid]

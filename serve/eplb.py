@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -250,13 +251,37 @@ def take_experts(weight: jax.Array, index: jax.Array) -> jax.Array:
     return jnp.take(weight, index, axis=0)
 
 
+@jax.jit
+def take_groups_experts(weight: jax.Array, index: jax.Array) -> jax.Array:
+    """weight [G, P, ...] with group g's expert rows gathered by `index[g]` [P]."""
+    return jax.vmap(lambda w, ix: jnp.take(w, ix, axis=0))(weight, index)
+
+
+def stacked_index(shape: tuple, index: dict[int, np.ndarray]) -> np.ndarray:
+    """A scanned run's gather index [G, P] for a stacked weight of `shape` [G, P, ...]: group g's `index[g]`, the
+    other groups' rows where they are."""
+    full = np.tile(np.arange(shape[1], dtype=np.int32), (shape[0], 1))
+    for g, ix in index.items():
+        full[g] = ix
+    return full
+
+
 def take_stacked_experts(weight: jax.Array, index: dict[int, np.ndarray]) -> jax.Array:
     """A scanned run's stacked weight [G, P, ...] with group g's expert rows gathered by `index[g]` [P] (the
     other groups as they are), in one gather."""
-    full = np.tile(np.arange(weight.shape[1], dtype=np.int32), (weight.shape[0], 1))  # [G, P]
-    for g, ix in index.items():
-        full[g] = ix
-    return jax.vmap(take_experts)(weight, jnp.asarray(full))
+    return take_groups_experts(weight, jnp.asarray(stacked_index(weight.shape, index)))
+
+
+def gather_program(weight: jax.Array, index: dict) -> Callable[[], jax.Array]:
+    """`take_experts` ({None: index}) or `take_stacked_experts` ({group: index}) of `weight`, compiled now -> a call
+    that launches it. (A multi-process leader prepares its moves before telling the followers: what fails on it
+    alone fails before any process runs a gather whose collectives would wait for it.)"""
+    if None in index:
+        fn, ix = take_experts, np.asarray(index[None], np.int32)
+    else:
+        fn, ix = take_groups_experts, stacked_index(weight.shape, index)
+    compiled = fn.lower(weight, ix).compile()
+    return lambda: compiled(weight, ix)
 
 
 def take_on_host(weight: jax.Array, index: dict) -> jax.Array:

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
+import numbers
 import os
 from typing import Callable, Optional, Sequence, Union
 
@@ -18,6 +21,8 @@ from serve.lora import LoRARequest
 from serve.profiler import Profiler, ProfilerError
 from serve.tools import plan_tools
 from serve.types import RequestOutput, RequestOutputKind, SamplingParams
+
+log = logging.getLogger(__name__)
 
 Prompt = Union[str, Sequence[int], dict]  # vLLM's prompt dicts: {"prompt": str} or {"prompt_token_ids": [...]}
 # (each with an optional "cache_salt")
@@ -53,6 +58,23 @@ def params_per_prompt(sampling_params, count: int, defaults: Callable[[], Sampli
     return [default if sp is None else sp for sp in sampling_params]
 
 
+def vllm_no_ops(enforce_eager, swap_space) -> list[str]:
+    """vLLM's `LLM(enforce_eager=..., swap_space=...)`, taken for a vLLM script's sake as `k3jax serve` takes
+    `--enforce-eager` / `--swap-space` (serve/cli.py `vllm_notes`) -> a note for each given, saying it changes
+    nothing; a `swap_space` that is no size raises naming it."""
+    if swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, numbers.Real)
+                                   or not 0 <= swap_space < math.inf):
+        raise ValueError(f"swap_space: expected GiB >= 0, got {swap_space!r}")
+    notes = []
+    if enforce_eager:
+        notes.append("enforce_eager=True: accepted, changes nothing: every step program is compiled by XLA before "
+                     "serving (no eager mode, no CUDA graphs); fewer buckets start faster")
+    if swap_space is not None:
+        notes.append(f"swap_space={swap_space:g}: accepted, changes nothing: preempted requests are recomputed (as "
+                     f"in vLLM V1); host memory for cached pages is host_cache_bytes")
+    return notes
+
+
 class LLM:
     """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields (`seed`, as vLLM's, seeds the
     sampling of requests without a seed of their own, and a preset's random weights) plus `dtype` when a path or
@@ -60,7 +82,8 @@ class LLM:
     `data_parallel_size`: that many replicas of the engine, each on its own devices (`len(jax.devices()) / N` of
     them under a `sharding` config, one without), with
     prompts routed by cached prefix and load (`data_parallel_routing="cache_aware"`) or by load alone
-    (`"load"`; serve/data_parallel.py).
+    (`"load"`; serve/data_parallel.py). vLLM's `enforce_eager` and `swap_space` are accepted and change nothing
+    (a logged note says so, as `k3jax serve` does for its flags).
 
     On a mesh over several processes (`k3jax.initialize_distributed`, then `sharding=...`), every
     process builds the same `LLM`; process 0 calls `generate` and finally `close()`, the others call
@@ -70,7 +93,9 @@ class LLM:
 
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "auto", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
-                 **engine_options):
+                 enforce_eager: bool = False, swap_space: Optional[float] = None, **engine_options):
+        for note in vllm_no_ops(enforce_eager, swap_space):
+            log.warning(note)
         # vLLM's `seed` seeds sampling (unseeded requests' seeds are drawn from it); a preset's weights too
         config = EngineConfig(seed=seed, **engine_options)
         if not isinstance(model, Model):  # straight into the (first) engine's shards

@@ -25,10 +25,13 @@ of rank `max_lora_rank` on every projection), allocated at start-up beside the w
 than slots may be registered (`max_cpu_loras`, vLLM's): their factors wait in host memory and are
 written into a slot when a request that uses them is admitted, replacing the least recently used
 adapter that no running request uses (the scheduler keeps the running requests' adapters within the
-slots). Loading one more than `max_cpu_loras` drops the least recently used idle adapter read from a
-directory out of host memory, as vLLM's LRU adapter cache does: it stays registered under its name and
-is read from its directory again when a request next uses it (beyond `max_cpu_loras` when every held adapter
-serves requests, rather than refusing the request; later loads drop the idle ones back).
+slots). Host memory holds at most `max_cpu_loras` adapters, as vLLM's LRU adapter cache: loading one more
+drops the least recently used adapter read from a directory that no running request uses (requests waiting for
+it keep it registered) out of host memory; it stays registered under its name and is read from its directory
+again when a request that uses it is admitted. A request for an adapter not held when every held one serves
+running requests (or was loaded from tensors) is queued with the adapter registered unread (its directory
+checked); the adapter is read when the request is admitted, in place of one whose requests ended meanwhile, as
+vLLM reads adapters when it schedules their requests.
 """
 
 from __future__ import annotations
@@ -84,7 +87,8 @@ class Adapter:
     # to the scheduler)
     rank: int
     factors: Optional[dict[str, tuple[np.ndarray, np.ndarray]]]  # module -> one slot's (lora_a, lora_b)
-    # contents, host; None: dropped from host memory (LRU, `Registry.victim`), read from `path` when next used
+    # contents, host; None: dropped from host memory (LRU, `Registry.victim`) or registered unread, read from
+    # `path` when a request that uses it is admitted
     int_id: int = 0
     slot: Optional[int] = None  # its device slot 1..max_loras (0 is the base model); None: host only
     used: int = 0  # when a request last needed it in its slot (LRU)
@@ -123,6 +127,18 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
               targets: Optional[tuple[str, ...]] = None, experts: Optional[dict[str, tuple[int, bool]]] = None,
               ) -> tuple[int, dict[str, tuple[np.ndarray, np.ndarray]]]:
     """Read a PEFT LoRA directory against the model's projections (`parse_peft`)."""
+    conf, cfg_file, weights = check_peft_dir(path)
+    try:
+        with safe_open(weights, framework="numpy") as f:
+            named = {name: f.get_tensor(name) for name in f.keys()}
+    except (OSError, TypeError, ValueError, SafetensorError) as e:  # a damaged or cut-off file: the adapter's fault
+        raise LoRAError(f"{weights}: not a readable safetensors file ({e})") from None
+    return parse_peft(conf, named, shapes, max_rank, prefix, targets, experts, cfg_file, weights)
+
+
+def check_peft_dir(path: str) -> tuple[dict, str, str]:
+    """A PEFT LoRA directory's config and weights file, without reading its tensors (what a request for an
+    adapter read later is checked against) -> (config, config file, weights file); else a LoRAError."""
     if not os.path.isdir(path):
         raise LoRAError(f"lora_path {path!r}: not a directory")
     cfg_file = os.path.join(path, CONFIG)
@@ -138,12 +154,7 @@ def read_peft(path: str, shapes: dict[str, tuple[int, int]], max_rank: int, pref
         other = [f for f in os.listdir(path) if f.startswith("adapter_model")]
         raise LoRAError(f"lora_path {path!r}: no {WEIGHTS}" + (f" (found {other}: save it with safetensors)"
                                                                    if other else ""))
-    try:
-        with safe_open(weights, framework="numpy") as f:
-            named = {name: f.get_tensor(name) for name in f.keys()}
-    except (OSError, TypeError, ValueError, SafetensorError) as e:  # a damaged or cut-off file: the adapter's fault
-        raise LoRAError(f"{weights}: not a readable safetensors file ({e})") from None
-    return parse_peft(conf, named, shapes, max_rank, prefix, targets, experts, cfg_file, weights)
+    return conf, cfg_file, weights
 
 
 def parse_peft(conf: dict, named: dict, shapes: dict[str, tuple[int, int]], max_rank: int, prefix: str = "",
@@ -437,27 +448,38 @@ class Registry:
         self._clock = itertools.count(1)
 
     def held(self) -> list[Adapter]:
-        """The registered adapters whose factors are in host memory (at most `capacity`, unless requests needed
-        more at once: `victim`'s spill)."""
+        """The registered adapters whose factors are in host memory (at most `capacity`; beyond it only while
+        adapters loaded from tensors fill the rest as a request is admitted: `Engine._read_admitted`)."""
         return [a for a in self.by_name.values() if a.factors is not None]
 
-    def victim(self, serving=frozenset(), spill: bool = False) -> Optional[Adapter]:
+    def victim(self, running=frozenset(), spill: bool = False) -> Optional[Adapter]:
         """Before a load: None while fewer than `capacity` adapters are held, else the one to drop from host
-        memory: the least recently used that was read from a directory (so it can be read again) and that
-        no request uses besides `serving` (request ids the caller may end). When none can go: None with `spill`
-        (a request needs the adapter: it is held beyond `capacity`), else a LoRAError."""
+        memory: the least recently used that was read from a directory (so it can be read again) and that is
+        not in `running` (the adapters of requests admitted and not finished; waiting requests read theirs
+        again when admitted). When none can go: None with `spill` (the caller waits or reads later), else a
+        LoRAError."""
         held = self.held()
         if len(held) < self.capacity:
             return None
-        idle = [a for a in held if a.path and not a.requests - set(serving)]
+        idle = [a for a in held if a.path and a not in running]
         if not idle and spill:
             return None
         if not idle:
             key = "max_cpu_loras" if self.capacity > self.slots else "max_loras"
             raise LoRAError(f"{key}={self.capacity} adapters are loaded ({', '.join(sorted(a.name for a in held))}) "
-                            f"and none can be dropped (each serves requests or was loaded from tensors); "
+                            f"and none can be dropped (each serves running requests or was loaded from tensors); "
                             f"unload one first")
         return min(idle, key=lambda a: a.used)
+
+    def has_room(self, running=frozenset()) -> bool:
+        """Whether one more adapter can be held now (below `capacity`, or one can be dropped: `victim`)."""
+        return len(self.held()) < self.capacity or self.victim(running, spill=True) is not None
+
+    def can_ever_hold(self) -> bool:
+        """Whether an adapter read from a directory can be held at some point: some held one is droppable once
+        its requests end (those loaded from tensors never are)."""
+        held = self.held()
+        return len(held) < self.capacity or any(a.path for a in held)
 
     def drop(self, adapter: Adapter) -> None:
         """`adapter` gives up its slot and host memory; it stays registered (by name and directory)."""
@@ -466,11 +488,13 @@ class Registry:
             adapter.slot = None
         adapter.factors = None
 
-    def add(self, name: str, path: str, rank: int, factors: dict, int_id: int = 0, spill: bool = False) -> Adapter:
-        """Register an adapter held in host memory; `spill`: beyond `capacity` if need be (`victim`'s)."""
+    def add(self, name: str, path: str, rank: int, factors: Optional[dict], int_id: int = 0,
+            spill: bool = False) -> Adapter:
+        """Register an adapter held in host memory (`factors` None: registered unread, read when its requests are
+        admitted); `spill`: beyond `capacity` if need be (`victim`'s)."""
         if name in self.by_name:
             raise LoRAError(f"lora_name {name!r}: an adapter of that name is loaded already")
-        if len(self.held()) >= self.capacity and not spill:  # the engine makes room first (`victim`)
+        if factors is not None and len(self.held()) >= self.capacity and not spill:  # the engine makes room first
             raise RuntimeError(f"no host memory for adapter {name!r}: {self.capacity} adapters are held")
         adapter = Adapter(name, path, next(_LOADS), rank, factors, int_id, used=next(self._clock))
         self.by_name[name] = adapter

@@ -526,7 +526,7 @@ def test_a_request_id_streaming_on_any_replica_is_refused():
 
 def test_an_adapter_is_loaded_on_every_replica_or_none():
     """Past max_cpu_loras each replica drops its own least recently used idle adapter: when one replica has none
-    idle (its requests use every held adapter) the load is refused before any replica loads it. It used to load
+    idle (its running requests use every held adapter) the load is refused before any replica loads it. It used to load
     on the others first, which then served it alone and refused it again as "loaded already"."""
     from types import SimpleNamespace
 
@@ -536,6 +536,7 @@ def test_an_adapter_is_loaded_on_every_replica_or_none():
 
     class Replica(_Replica):
         _lora_room, _canonical_rids, list_loras = Engine._lora_room, Engine._canonical_rids, Engine.list_loras
+        _running_adapters = Engine._running_adapters
 
         def __init__(self):
             super().__init__([])
@@ -550,13 +551,13 @@ def test_an_adapter_is_loaded_on_every_replica_or_none():
             return self.loras.add(req.lora_name, req.lora_path, 4, {})
 
     idle, busy = Replica(), Replica()
-    for name in "ab":
-        busy.loras.get(name).requests.add(f"r-{name}")  # a request in flight on each of its adapters
+    for name in "ab":  # a request running (in a slot) on each of its adapters
+        busy.seqs[f"r-{name}"] = SimpleNamespace(lora=busy.loras.get(name), slot=0, finished=False, internal=False)
     dp = DataParallelEngine([idle, busy], [(0,), (1,)])
     with pytest.raises(LoRAError, match="none can be dropped"):
         dp.add_lora(LoRARequest("c", 3, "/adapters/c"))
     assert idle.list_loras() == ["a", "b"] == busy.list_loras()
     for name in "ab":
-        busy.loras.release(busy.loras.get(name), f"r-{name}")
+        busy.seqs[f"r-{name}"].finished = True
     dp.add_lora(LoRARequest("c", 3, "/adapters/c"))  # now each drops one
     assert idle.list_loras() == ["a", "b", "c"] == busy.list_loras()

@@ -94,6 +94,22 @@ def test_moved_weights_follow_their_experts(redundant):
     np.testing.assert_array_equal(moved, logical[new])
 
 
+def test_compiled_gathers_move_what_the_host_gather_moves():
+    """`gather_program` (what a multi-process engine launches: compiled before the leader sends a move) gathers a
+    layer's experts, or a scanned run's groups in one program, as `take_on_host` does."""
+    import jax.numpy as jnp
+
+    from serve.eplb import gather_program, take_on_host
+
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((12, 3, 5)), jnp.float32)
+    stacked = jnp.asarray(rng.standard_normal((3, 12, 2, 4)), jnp.float32)
+    ix = rng.permutation(12).astype(np.int32)
+    for weight, index in ((w, {None: ix}), (stacked, {0: ix, 2: ix[::-1].copy()})):
+        np.testing.assert_array_equal(np.asarray(gather_program(weight, index)()),
+                                      np.asarray(take_on_host(weight, index)))
+
+
 def test_balancer_window_interval_and_gain():
     b = ExpertBalancer(num_layers=2, num_experts=8, ranks=4, window=32, interval=5)
     assert b.bucket_steps == 2

@@ -744,6 +744,8 @@ def _err(r, status):
     ({"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     ({"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     ({"prompt": "x", "max_tokens": 2, "min_tokens": 3}, "min_tokens"),
+    ({"prompt": "x", "max_tokens": 4, "min_tokens": 2, "allowed_token_ids": [65], "stop_token_ids": [65]},
+     "allowed_token_ids"),  # (nothing but stop tokens under min_tokens: nothing to sample)
     ({"prompt": "x", "bad_words": [" "]}, "bad_words"),
     ({"prompt": [], "max_tokens": 1}, "prompt"),
     ({"prompt": [5, 100000]}, "prompt"),

@@ -295,23 +295,73 @@ def test_loading_past_max_cpu_loras_drops_the_least_recently_used(ab, engine, re
     engine.add_lora(LoRARequest("a", 1, dirs["default"]))  # back to the `ab` state
 
 
-def test_a_request_for_a_dropped_adapter_waits_when_every_held_one_is_busy(ab, engine, ref):
-    """A request naming an adapter dropped from host memory, while every held adapter serves requests, is served
-    (as vLLM queues it), not refused: the adapter is read again beyond max_cpu_loras, and the next load drops
-    the idle ones back to it. It was a RequestError ("... none can be dropped"): with the default max_cpu_loras
-    (= max_loras), any second adapter's request arriving while the first one's ran was a 400."""
+def test_host_memory_holds_at_most_max_cpu_loras_adapters(ab, engine, ref, tmp_path):
+    """vLLM reads an adapter into its LRU cache when it schedules the adapter's requests, so host memory holds at
+    most max_cpu_loras of them. Requests for four adapters at once (max_cpu_loras=3, two slots) get each adapter's
+    own tokens while at most three are held at any point: one whose requests only wait is dropped and read again
+    as they are admitted (they were read at add_request: four held, until a later load). A request arriving while
+    every held adapter serves running requests or came from tensors is queued with its adapter registered unread,
+    and served once a slot frees (one whose directory broke meanwhile ends with the error, the others go on); a
+    request that can never be held (tensors fill host memory) is refused."""
+    import shutil
+
+    from step_failures import drain_through_failures
+
     _, _, dirs = ref
     prompt = list(map(int, hfx.make_prompt(VARIANT, 11, batch=1, length=24)[0]))
     engine.add_lora(LoRARequest("c", 3, dirs["second"]))
     engine.add_lora(LoRARequest("d", 4, dirs["default"]))  # past max_cpu_loras=3: one of a, b, c is dropped
     want = {n: _run(engine, [(prompt, n)], max_tokens=4)[0].outputs[0].token_ids for n in "abcd"}
-    dropped = next(n for n in "abcd" if engine.loras.get(n).factors is None)
-    busy = [n for n in "abcd" if n != dropped]
-    outs = _run(engine, [(prompt, n) for n in busy + [dropped]], max_tokens=4)
-    assert {n: o.outputs[0].token_ids for n, o in zip(busy + [dropped], outs)} == want
-    assert len(engine.loras.held()) == 4  # one beyond max_cpu_loras=3 ...
-    engine.add_lora(LoRARequest("e", 5, dirs["default"]))
-    assert len(engine.loras.held()) == 3 and engine.list_loras() == ["a", "b", "c", "d", "e"]  # ... until a load
+
+    def within_bound(reqs, max_tokens=4):
+        ids = []
+        for lr in reqs:
+            ids.append(engine.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens,
+                                                                 ignore_eos=True), lora_request=lr))
+            assert len(engine.loras.held()) <= 3
+        return ids
+
+    def drain(ids):
+        done = {}
+        while engine.has_unfinished():
+            done.update({o.request_id: o for o in engine.step() if o.finished})
+            assert len(engine.loras.held()) <= 3
+        return [done[i].outputs[0].token_ids for i in ids]
+
+    evictions = engine.counters["lora_evictions"]
+    assert drain(within_bound("abcd")) == [want[n] for n in "abcd"]
+    assert engine.counters["lora_evictions"] > evictions  # (read again as admitted)
+    engine.remove_lora("c")
+    engine.remove_lora("d")
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    tensors = {f"{q}.lora_A.weight": np.ones((2, 96), np.float32), f"{q}.lora_B.weight": np.ones((96, 2), np.float32)}
+    assert drain(within_bound("ab")) == [want["a"], want["b"]]  # both held again
+    engine.load_lora_adapter_from_tensors("t", tensors, {"peft_type": "LORA", "r": 2, "lora_alpha": 2})
+    ids = within_bound("ab", max_tokens=8)
+    engine.step()  # both admitted: every held adapter serves running requests or came from tensors
+    assert {a.name for a in engine._running_adapters()} == {"a", "b"}
+    ids += within_bound([LoRARequest("c", 3, dirs["second"])])
+    assert engine.loras.get("c").factors is None  # registered unread, its request queued
+    toks = drain(ids)
+    assert toks[2] == want["c"] and engine.loras.get("c").factors is not None
+    broken = shutil.copytree(dirs["second"], tmp_path / "e")
+    ids = within_bound("ab", max_tokens=8)
+    engine.step()
+    ids += within_bound([LoRARequest("e", 5, str(broken))])
+    assert engine.loras.get("e").factors is None
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")  # before its request is admitted
+    failures, done = drain_through_failures(engine)
+    assert [f.request_ids for f in failures] == [[ids[2]]] and "not a readable safetensors" in str(failures[0].cause)
+    assert [done[i].outputs[0].token_ids[:4] for i in ids[:2]] == [want["a"], want["b"]]
+    assert len(engine.loras.held()) <= 3
+    engine.remove_lora("c")
+    for name in "uv":
+        engine.load_lora_adapter_from_tensors(name, tensors, {"peft_type": "LORA", "r": 2, "lora_alpha": 2})
+    assert sorted(a.name for a in engine.loras.held()) == ["t", "u", "v"]  # none of them can be dropped
+    with pytest.raises(RequestError, match="max_cpu_loras=3 adapters loaded from tensors fill host memory"):
+        engine.add_request(prompt, SamplingParams(max_tokens=2), lora_request=LoRARequest("c", 3, dirs["second"]))
+    for name in [n for n in engine.list_loras() if n not in "ab"]:
+        engine.remove_lora(name)
 
 
 def _write_adapter(d, tensors: dict, **conf):
@@ -330,10 +380,11 @@ def test_bad_adapters_and_registry_errors(ab, engine, ref, tmp_path):
     q = "base_model.model.model.layers.1.self_attn.q_proj"
     ok = {f"{q}.lora_A.weight": np.ones((2, 96), np.float32), f"{q}.lora_B.weight": np.ones((96, 2), np.float32)}
     assert engine.list_loras() == ["a", "b"]
-    engine.add_lora(LoRARequest("c", 3, dirs["default"]))  # registered in host memory: both slots are taken
-    busy = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=2), lora_request=n) for n in "abc"]
+    engine.load_lora_adapter_from_tensors("c", ok, {"peft_type": "LORA", "r": 2, "lora_alpha": 2})  # (no directory)
+    busy = [engine.add_request([1, 2, 3], SamplingParams(max_tokens=4), lora_request=n) for n in "ab"]
+    engine.step()  # both admitted: their adapters serve running requests
     with pytest.raises(LoRAError, match=r"max_cpu_loras=3 adapters are loaded \(a, b, c\) and none can be dropped"):
-        engine.add_lora(LoRARequest("d", 4, dirs["default"]))  # each serves a request: none can leave
+        engine.add_lora(LoRARequest("d", 4, dirs["default"]))  # each serves a running request or came from tensors
     for rid in busy:
         engine.abort(rid)
     engine.remove_lora("c")

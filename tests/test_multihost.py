@@ -481,6 +481,79 @@ def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
     assert "failed on process" not in out1  # process 1 never ran the step process 0 could not launch
 
 
+# An EPLB move whose expert gather fails on process 0 alone (injected as it is compiled; in life a compile, device
+# memory or an interrupt): process 0 prepares its gathers (and, off XLA:CPU, launches them) before sending the move,
+# so a move it could not make is never sent and process 1 never waits in the gather's collectives for it (both hung,
+# before: the move was sent first). The placement stays as it was on both processes, the outputs do not change; a
+# later move goes through on both alike.
+_LEADER_MOVE_FAILS = textwrap.dedent("""
+    import json, sys
+    import numpy as np
+    import k3jax
+    import serve.eplb
+    from k3jax.runtime import load_model
+    from serve.engine import Engine
+    from serve.types import SamplingParams
+    pid, port = int(sys.argv[1]), sys.argv[2]
+    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    eng = Engine(load_model("tiny-k3", sharding="ep"), async_config("ep"), progress=False)
+    if pid:
+        print("FOLLOWED", eng.follow(), flush=True)
+        sys.exit(0)
+    def run(prompts=("The quick brown fox", "jumps over", "the lazy dog")):
+        ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts]
+        done = {}
+        while eng.has_unfinished():
+            done.update({o.request_id: o for o in eng.step() if o.finished})
+        return [done[i].outputs[0].text for i in ids]
+    def across_processes(plan=eng.eplb.plan):  # (once) layer 0's experts swap processes
+        eng.eplb.plan = plan
+        return {0: np.roll(eng.eplb.placement[0], eng.eplb.placement.shape[1] // 2)}, {}
+    want = run()
+    before = eng.eplb.placement.copy()
+    eng.eplb.plan, gather = across_processes, serve.eplb.take_experts
+    class Broken:  # the expert gather, failing on process 0 alone
+        def __call__(self, *args):
+            raise RuntimeError("injected device failure")
+        lower = __call__
+    serve.eplb.take_experts = Broken()
+    try:
+        eng.rebalance_experts()
+        failed = None
+    except RuntimeError as e:
+        failed = str(e)
+    serve.eplb.take_experts = gather
+    kept = eng.eplb.placement.tolist() == before.tolist()
+    got = run()
+    eng.eplb.plan = across_processes
+    eng.rebalance_experts()
+    moved = eng.eplb.placement[0].tolist() != before[0].tolist()
+    again = run()
+    eng.close()
+    print("RESULT" + json.dumps(dict(want=want, failed=failed, kept=kept, got=got, moved=moved, again=again)),
+          flush=True)
+""")
+
+
+def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step():
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC_CONFIG + _LEADER_MOVE_FAILS, str(pid), str(port)],
+                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for pid in (0, 1)]
+    try:
+        out0, out1 = (p.communicate(timeout=300)[0] for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
+    assert procs[0].returncode == 0 and procs[1].returncode == 0, (out0[-3000:], out1[-3000:])
+    got = json.loads(out0.split("RESULT")[1])
+    assert "injected device failure" in got["failed"] and got["kept"] and got["moved"], got
+    assert got["got"] == got["want"] == got["again"], got
+    assert "failed on process" not in out1  # process 1 never ran the move process 0 could not make
+
+
 # gpu_memory_utilization on two processes whose (simulated) devices differ in size: each plans from its own,
 # both must build the same (smallest) arena or the engine check before compiling refuses them. The step
 # temporaries are a given 1 MiB here (their measurement compiles; tests/test_memory_budget.py measures them).

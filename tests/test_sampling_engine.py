@@ -635,8 +635,9 @@ def test_bad_words_stay_out_of_a_constrained_requests_logprobs_and_all_banned_ro
     """vLLM takes its raw logprobs after the grammar's bitmask but before bad words: a constrained request's
     logprobs are the model's renormalised over what the grammar allows, banned tokens included (the ban was
     written into the grammar's mask, so bad words changed them), while its tokens obey both. A request whose
-    allowed tokens are all banned (allowed_token_ids all bad words, or all stop tokens under min_tokens)
-    sampled the garbage token 0 of an all -inf row: it samples what it allows (the ban gives way)."""
+    allowed tokens are all banned (allowed_token_ids all bad words) sampled the garbage token 0 of an all -inf row:
+    it samples what it allows (the ban gives way); allowed tokens that are all stop tokens under min_tokens are
+    refused (EOS came min_tokens times, a stop that did not stop)."""
     from llguidance.numpy import apply_token_bitmask_inplace
 
     from serve.structured import mask_words
@@ -669,8 +670,13 @@ def test_bad_words_stay_out_of_a_constrained_requests_logprobs_and_all_banned_ro
     for t in (0.0, 1.0):
         r = llm.generate([PROMPT], SP(temperature=t, seed=3, max_tokens=3, allowed_token_ids=[a], bad_words=["a"]))[0]
         assert r.token_ids == [a] * 3
-    r = llm.generate([PROMPT], SP(temperature=0, max_tokens=6, min_tokens=3, allowed_token_ids=[eos]))[0]
-    assert r.token_ids == [eos] * 3 and r.finish_reason == "stop"
+    # allowed tokens that are all stop tokens under min_tokens: nothing may come before min_tokens are out (the
+    # fallback sampled EOS three times, a stop token that did not stop): refused up front, naming both fields
+    for kw in (dict(allowed_token_ids=[eos]), dict(allowed_token_ids=[eos, a], stop_token_ids=[a], ignore_eos=True)):
+        with pytest.raises(RequestError, match="allowed_token_ids: every allowed token is a stop token .* min_tokens=3"):
+            llm.generate([PROMPT], SP(temperature=0, max_tokens=6, min_tokens=3, **kw))
+    r = llm.generate([PROMPT], SP(temperature=0, max_tokens=6, min_tokens=3, allowed_token_ids=[eos, a]))[0]
+    assert r.token_ids[:3] == [a] * 3 and eos not in r.token_ids[:3]
     e = llm.engine
     assert e.counters["structured_output_errors"] == 0 and e.stats()["compiles_after_warmup"] == 0
 
@@ -838,6 +844,29 @@ def test_llm_seed_seeds_the_engines_sampling(monkeypatch):
     for seed, want in ((5, 5), (None, None)):
         k3jax.LLM("tiny-k3", seed=seed, **KW)
         assert built[-1].seed == want
+
+
+def test_llm_takes_vllms_enforce_eager_and_swap_space_as_noted_no_ops(monkeypatch, caplog):
+    """vLLM's `LLM(..., enforce_eager=True, swap_space=4)` raised TypeError (EngineConfig has no such fields) while
+    `k3jax serve` takes both flags as no-ops with a note: the Python API takes them alike, the engine's config
+    unchanged, a note logged for each; a swap space that is no size is refused naming it."""
+    import logging
+    import types
+
+    import k3jax
+    import serve.llm
+
+    built = []
+    monkeypatch.setattr(serve.llm, "Engine", lambda model, config, progress: built.append(config) or
+                        types.SimpleNamespace(layer_scan=None))
+    k3jax.LLM("tiny-k3", **KW)
+    with caplog.at_level(logging.WARNING, logger="serve.llm"):
+        k3jax.LLM("tiny-k3", enforce_eager=True, swap_space=4, **KW)
+    assert built[0] == built[1]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["enforce_eager=True", "swap_space=4"]
+    for bad in (-1, float("inf"), "4", True):
+        with pytest.raises(ValueError, match="swap_space: expected GiB >= 0"):
+            k3jax.LLM("tiny-k3", swap_space=bad, **KW)
 
 
 def test_llm_is_sleeping_as_its_engine_says(monkeypatch):
