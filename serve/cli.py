@@ -41,7 +41,7 @@ DEFAULTS = dict(
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
-    schedule_conservativeness=1.0, prefill_first=False, enable_deterministic_inference=False, compile_threads=None, scan_layers=False, log_level="info",
+    schedule_conservativeness=1.0, prefill_first=False, scheduling_policy="priority", enable_deterministic_inference=False, compile_threads=None, scan_layers=False, log_level="info",
     enable_return_routed_experts=False, enable_return_hidden_states=False,
     coordinator_address=None, num_processes=1, process_id=0, no_reasoning_parser=False, speculative_config=None,
     host_cache_mb=None, kv_offloading_size=None, max_stored_responses=1024, enable_sleep_mode=False,
@@ -206,6 +206,9 @@ def add_serve_arguments(s, server: bool = True) -> None:
     e.add_argument("--prefill-first", action="store_true", default=d["prefill_first"],
                    help="steps with prompt chunks to run do not decode (SGLang's schedule without mixed chunks): "
                         "more tokens per second for batch work, a gap in running streams while prompts prefill")
+    e.add_argument("--scheduling-policy", choices=("priority", "fcfs"), default=d["scheduling_policy"],
+                   help="vLLM's: 'priority' (default) orders the queue and the preemption victims by each request's "
+                        "`priority` (lower first), then arrival; 'fcfs' by arrival alone, refusing a nonzero priority")
     e.add_argument("--async-scheduling", action="store_true", default=d["async_scheduling"],
                    help="launch each step before the one in flight is read back (vLLM's): scheduling and output "
                         "processing run while the device computes; same outputs")
@@ -565,6 +568,7 @@ def engine_config(o: dict):
         mla_decode=o.get("mla_decode", "auto"), kv_cache_dtype=o.get("kv_cache_dtype", "auto"),
         kda_state_dtype=o.get("kda_state_dtype", "float32"),
         schedule_conservativeness=o.get("schedule_conservativeness", 1.0), prefill_first=bool(o.get("prefill_first")),
+        scheduling_policy=o.get("scheduling_policy") or "priority",
         enable_deterministic_inference=bool(o.get("enable_deterministic_inference")),
         compile_threads=o.get("compile_threads"),
         scan_layers=bool(o.get("scan_layers")),

@@ -197,6 +197,10 @@ class EngineConfig:
     # mixed steps' decodes being ~12 % of a wave), longer inter-token gaps while new prompts prefill. False: every
     # step decodes every running request first (vLLM's chunked-prefill policy).
     prefill_first: bool = False
+    # vLLM's --scheduling-policy: "priority" (default; this engine has always honoured `priority`) orders the queue and
+    # the preemption victims by each request's priority, then arrival (serve/scheduler.py); "fcfs" (vLLM's default) is
+    # arrival order alone, and a request with a nonzero priority is refused naming `priority`, as vLLM refuses it.
+    scheduling_policy: str = "priority"
     # Deterministic inference (SGLang's --enable-deterministic-inference, vLLM's batch invariance): a request's
     # logits are the same bits whatever else is in its batch, wherever its row sits, however its prompt's
     # chunks are scheduled, and on a prefix-cache hit (greedy and seeded sampling then repeat exactly: RL
@@ -487,6 +491,8 @@ class EngineConfig:
             if not self.enable_prefix_caching or self.host_cache_bytes:
                 raise ValueError("kv_transfer_config: needs enable_prefix_caching, and the store is the host tier "
                                  "(leave host_cache_bytes at 0)")
+        if self.scheduling_policy not in ("priority", "fcfs"):
+            raise ValueError(f"scheduling_policy={self.scheduling_policy!r}: expected 'priority' or 'fcfs'")
         if not isinstance(self.schedule_conservativeness, (int, float)) or not 0 <= self.schedule_conservativeness <= 10:
             raise ValueError(f"schedule_conservativeness={self.schedule_conservativeness!r}: expected a number in "
                              f"[0, 10] (0: no admission look-ahead)")
@@ -1486,6 +1492,9 @@ class Engine:
                     or abs(priority) >= INTERNAL_PRIORITY):
                 raise RequestError(f"priority: must be an integer of magnitude < {INTERNAL_PRIORITY}, got {priority!r}")
             priority = int(priority)  # (a NumPy integer: LLM.generate(priority=np.array(...)))
+            if priority and self.config.scheduling_policy == "fcfs":
+                raise RequestError(f"priority: got {priority}, but this engine schedules first come, first served "
+                                   f"(scheduling_policy='fcfs'; 'priority' honours it)")
             if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt or len(cache_salt) > 256):
                 raise RequestError("cache_salt: must be a non-empty string of at most 256 characters")
             text, ids, embeds = self._prompt(prompt)

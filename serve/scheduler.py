@@ -17,7 +17,8 @@ are first come, first served):
   the same priority;
   a waiting request that does not fit blocks the ones behind it (no overtaking);
 - a waiting request that does not fit may preempt running requests of a strictly lower priority
-  (the lowest first, newest first among equals) until its first chunk fits, only when it then starts
+  (the lowest first, newest first among equals; for a decode row alone, only ones that hold a row) until
+  its first chunk fits, only when it then starts
   in this step (not held back by the look-ahead below, a prefill row and the token budget left for it);
 - chunk ends sit on multiples of `prefill_chunk` in absolute positions, which is where the prefix
   cache keeps KDA checkpoints; a prefill row also stops at `align_stop` points (prompt ends);
@@ -196,6 +197,8 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
         units, slots, free_rows = free_units, free_slots, rows
         while (need > units or slots < 1 or free_rows < w.rows) and lower:
             v = lower.pop(0)
+            if not v.rows and need <= units and slots >= 1:
+                continue  # only a decode row is short: a row that never decodes (a canonical re-prefill) frees none
             taken.append(v)
             units, slots, free_rows = units + v.pages + cfg.slot_units, slots + 1, free_rows + v.rows
         if need > units or slots < 1 or free_rows < w.rows:

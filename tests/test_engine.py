@@ -44,6 +44,14 @@ def prompts():
     return [rng.integers(0, 256, int(n)).tolist() for n in rng.integers(1, 200, 32)]
 
 
+def model_greedy(model, prompts, n: int) -> list[list[int]]:
+    """The model's own greedy continuation of each prompt, one row at a time (CI time: a batch of rows compiles
+    a prefill and a decode program of its own). One row runs the programs `test_alone_matches_model_generate_greedy`
+    compiles: its decode program (a 256-position cache) wherever prompt + n <= 256, and its prefill programs for
+    prompts of 129-256 tokens (one 256-token chunk) or 17-32 (one of 32)."""
+    return [model.generate_greedy(np.asarray([p]), n)[0].tolist() for p in np.asarray(prompts).tolist()]
+
+
 def run_all(engine, prompts, params=GREEDY):
     ids = [engine.add_request(p, params) for p in prompts]
     done = {}
@@ -189,7 +197,7 @@ def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
     outs = run_all(engine, prompts.tolist(), sp)
     greedy = engine.stats()["preemptions"] - before
     assert greedy > 0
-    ref = model.generate_greedy(prompts, 60).tolist()
+    ref = model_greedy(model, prompts, 60)
     assert [o.token_ids for o in outs] == ref
     s = engine.stats()
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
@@ -237,8 +245,8 @@ def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine
     while engine.has_unfinished():
         step()
     assert order.index(urgent) < min(order.index(r) for r in waiting)
-    ref = model.generate_greedy(prompts, 16)
-    assert [done[r].token_ids for r in low + [urgent]] == ref.tolist()
+    ref = model_greedy(model, prompts, 16)
+    assert [done[r].token_ids for r in low + [urgent]] == ref
     s = engine.stats()
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
     with pytest.raises(RequestError, match="priority"):
@@ -247,6 +255,22 @@ def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine
     assert type(engine.seqs[f"{rid}#0"].priority) is int and engine.seqs[f"{rid}#0"].priority == -2
     assert engine.abort(rid)
     engine.step()
+
+
+def test_fcfs_scheduling_policy_refuses_priorities(model, engine, monkeypatch):
+    """vLLM's scheduling_policy: "fcfs" schedules by arrival alone and refuses a request with a nonzero priority
+    naming `priority` (as vLLM does: the priority would otherwise be silently ignored), taking no memory; priority 0
+    is served. The default ("priority") honours priorities (the test above)."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("request validation is host logic; tiny-k3 covers it")
+    assert engine.config.scheduling_policy == "priority"
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, scheduling_policy="fcfs"))
+    free = engine.allocator.free_units
+    with pytest.raises(RequestError, match="priority: got -1.*fcfs"):
+        engine.add_request([1, 2, 3], GREEDY, priority=-1)
+    assert engine.allocator.free_units == free and not engine.has_unfinished()
+    out = run_all(engine, [[1, 2, 3]], dataclasses.replace(GREEDY, max_tokens=2))[0]
+    assert len(out.outputs[0].token_ids) == 2
 
 
 def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone, monkeypatch):
@@ -262,11 +286,11 @@ def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, al
     assert not serve.engine.decode_work_follows_length()  # CPU: the reference gathers every table entry
     monkeypatch.setattr(serve.engine, "decode_work_follows_length", lambda: True)
     eng = make_engine(model, chunk=256, units=4000, kda_decode="gathered", mla_decode="paged",
-                      decode_buckets=(1, 4, 32), context_buckets=(16, 32))
+                      decode_buckets=(1, 4), context_buckets=(16, 32))  # (CI time: no 32-row program)
     assert engine.kda_in_place and not eng.kda_in_place
     assert eng.mla_paged and not engine.mla_paged
     assert eng.decode_context_buckets == (32,) and engine.decode_context_buckets == engine.context_buckets
-    assert sorted(eng.bucket_shapes()) == [(1, 1, 32), (4, 1, 32), (4, 256, 16), (4, 256, 32), (32, 1, 32)]
+    assert sorted(eng.bucket_shapes()) == [(1, 1, 32), (4, 1, 32), (4, 256, 16), (4, 256, 32)]
     outs = run_all(eng, prompts[:12])
     assert [o.token_ids for o in outs] == alone[:12]
     assert eng.stats()["compiles_after_warmup"] == 0
@@ -319,9 +343,10 @@ def test_step_form_options_are_checked(model):
 @pytest.fixture(scope="module")
 def checkpoint_form(model):
     """An engine unlike `engine` in three ways at once (CI time: one engine, three properties): the weights
-    as the checkpoint ships them, 16-token prefill chunks (`engine`'s: 64), and the prefill-first schedule."""
+    as the checkpoint ships them, 16-token prefill chunks (`engine`'s: 64), and the prefill-first schedule.
+    (CI time, too: its one decode program runs 4 rows, so 4 requests at once.)"""
     return make_engine(model, chunk=16, units=4000, expert_weights="packed", dense_weights="out_in",
-                       prefill_first=True)
+                       prefill_first=True, decode_buckets=(4,))
 
 
 def test_checkpoint_form_weights_are_token_identical(model, engine, checkpoint_form, prompts, alone):
@@ -543,7 +568,7 @@ def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
     ("context_buckets", (2.5,)), ("scan_layers", "false"), ("enable_prefix_caching", None), ("async_scheduling", []),
     ("enable_return_hidden_states", {}), ("measure_moe_time", 1), ("enable_deterministic_inference", "yes"),
     ("generation_config", 1.5), ("generation_config", 10 ** 30), ("generation_config", 0), ("generation_config", "/nowhere"),
-    ("lora_target_modules", 5), ("logits_processors", 5)])
+    ("lora_target_modules", 5), ("logits_processors", 5), ("scheduling_policy", "sjf")])
 def test_sizes_buckets_and_switches_are_checked_naming_the_option(key, bad):
     """Each was a TypeError / OverflowError at construction, or was accepted: max_num_seqs=0 or a 0-row decode or
     prefill bucket left every request waiting forever, decode buckets past max_num_seqs ran more requests at once

@@ -19,10 +19,13 @@ PAGE_SIZE, CHUNK, UNITS = 64, 16, 93  # checkpoints every 16 tokens sit inside 6
 
 
 def config(**kw):
+    """test_prefix_cache's "mid_page" engine options (shared step programs), no MoE timing at warm-up either
+    (a program per step shape that only the metrics read; CI time)."""
     return EngineConfig(max_model_len=384, page_size=PAGE_SIZE, cache_bytes=UNITS * PAGE_SIZE * 40 * 4,
                         max_num_seqs=8, prefill_chunk=CHUNK, max_prefill_seqs=2, max_num_batched_tokens=256,
                         decode_buckets=(8,), prefill_buckets=(2,), context_buckets=(384 // PAGE_SIZE,),
-                        max_logprobs=4, checkpoint_interval=256, decode_checkpoint_interval=32, **kw)
+                        max_logprobs=4, checkpoint_interval=256, decode_checkpoint_interval=32,
+                        measure_moe_time=False, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -1526,6 +1526,18 @@ def test_enforce_eager_and_swap_space_are_accepted_and_noted(tmp_path):
     assert (args.enforce_eager, args.swap_space) == (True, 16.0)
 
 
+def test_scheduling_policy_is_read_as_vllm_reads_it():
+    """vLLM's --scheduling-policy (a launch line enabling priorities carries `--scheduling-policy priority`) was
+    "unrecognized arguments": 'priority' is this server's default, 'fcfs' refuses nonzero priorities (vLLM's)."""
+    from serve.cli import engine_config
+
+    assert engine_config(_serve_options()).scheduling_policy == "priority"
+    assert engine_config(_serve_options("--scheduling-policy", "priority")) == engine_config(_serve_options())
+    assert engine_config(_serve_options("--scheduling-policy", "fcfs")).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        _serve_options("--scheduling-policy", "sjf")
+
+
 def test_max_num_batched_tokens_block_size_and_chat_template():
     """vLLM's --max-num-batched-tokens is the scheduler's token budget per step and --block-size the page size
     (both were "unrecognized arguments"); --chat-template is refused saying why (chat is rendered by the model

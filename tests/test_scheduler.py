@@ -164,6 +164,18 @@ def test_at_most_max_num_seqs_requests_run():
     assert plan.preempt == [] and plan.admit == [] and len(plan.decode) == 4
 
 
+def test_a_request_short_of_a_decode_row_preempts_no_row_that_never_decodes():
+    """A higher-priority request that finds every decode row taken (memory plentiful) preempts a lower-priority
+    request that holds a row, never a canonical re-prefill row (the lowest priority, holding no decode row): that
+    freed nothing it lacked, and its work was lost. Short of memory too, the canonical row may still go first."""
+    full = [run("a", 1, priority=2), run("b", 2, priority=2), run("c", 3, priority=2), run("d", 4, priority=2)]
+    canon = SeqView("k", 5, 112, 64, True, 8, priority=1 << 30, rows=0)
+    plan = schedule(full + [canon, wait("urgent", 6, priority=-1)], Memory(1000, 10), CFG)
+    assert plan.preempt == ["d"] and plan.admit == ["urgent"] and ("k", 64, 16) in plan.prefill
+    plan = schedule(full + [canon, wait("urgent", 6, priority=-1)], Memory(0, 0), CFG)
+    assert plan.preempt == ["k", "d"] and plan.admit == ["urgent"]
+
+
 def test_admission_looks_ahead_at_the_running_requests_growth():
     """SGLang's new-token ratio: a waiting request that fits now is held back while the running ones are
     expected to need the pages (their remaining max_tokens x ratio); ratio 0 admits it; with nothing
