@@ -39,6 +39,7 @@ import base64
 import binascii
 import codecs
 import json
+import logging
 import operator
 import os
 import re
@@ -69,6 +70,8 @@ __all__ = [
     "BYTE_IM_MIDDLE",
     "BYTE_NAMED_SPECIALS",
 ]
+
+log = logging.getLogger(__name__)
 
 AllowSpecial = bool | Set[str]
 KimiFamily = Literal["k3", "kimi_linear"]
@@ -559,6 +562,20 @@ def _eos_ids_from(value: Any) -> list[int]:
     return []
 
 
+def _reachable_eos(ids: list[int], n_vocab: int, where: str) -> list[int]:
+    """The `eos_token_id`s of a config file that are ids of this vocabulary. One past it (HF's KimiLinearConfig
+    defaults to 163586 whatever the vocabulary, and its save writes that to both config files) can never be
+    generated: it is dropped with a warning naming the file, as config.json's reader drops it for the model."""
+    out = []
+    for i in ids:
+        if 0 <= i < n_vocab:
+            out.append(i)
+        else:
+            log.warning("%s: eos_token_id %d is outside the tokenizer's %d ids: it cannot be generated, it is not "
+                        "used as a stop token", where, i, n_vocab)
+    return out
+
+
 class KimiTokenizer(Tokenizer):
     """The Kimi tiktoken BPE (K2 / Kimi-Linear / K3 share the 163,584 base ranks).
 
@@ -643,7 +660,8 @@ class KimiTokenizer(Tokenizer):
         ``<|end_of_msg|>``; Kimi-Linear: ``[EOS]``, ``<|im_end|>``), the config's
         ``eos_token``, and ``eos_token_id`` from ``config.json`` (top level and
         ``text_config``) / ``generation_config.json`` when those files exist.
-        For the real files this gives (163585, 163586) for both families.
+        For the real files this gives (163585, 163586) for both families. An id of those files past the
+        vocabulary is dropped with a warning (it cannot be generated).
         """
         path = os.fspath(path)
         if family not in _FAMILY_MARKERS:
@@ -697,23 +715,24 @@ class KimiTokenizer(Tokenizer):
         cfg_eos = lookup("eos_token", cfg.get("eos_token"))
         if cfg_eos is not None:
             eos.add(cfg_eos)
+        pad_id = len(ranks) + num_reserved_special_tokens - 1
+        if vocab_size is not None:
+            num_reserved_special_tokens = max(num_reserved_special_tokens, vocab_size - len(ranks))
         for extra_name in ("config.json", "generation_config.json"):
             extra_path = os.path.join(path, extra_name)
             if os.path.isfile(extra_path):
                 extra = _read_json(extra_path)
-                eos.update(_eos_ids_from(extra.get("eos_token_id")))
                 text_cfg = extra.get("text_config")
-                if isinstance(text_cfg, Mapping):
-                    eos.update(_eos_ids_from(text_cfg.get("eos_token_id")))
+                ids = _eos_ids_from(extra.get("eos_token_id")) + _eos_ids_from(
+                    text_cfg.get("eos_token_id") if isinstance(text_cfg, Mapping) else None)
+                eos.update(_reachable_eos(ids, len(ranks) + num_reserved_special_tokens, extra_path))
 
         bos = lookup("bos_token", cfg.get("bos_token"))
         if bos is None:
             bos = tmp_name_to_id.get("[BOS]")
         pad = lookup("pad_token", cfg.get("pad_token"))
         if pad is None:
-            pad = tmp_name_to_id.get("[PAD]", len(ranks) + num_reserved_special_tokens - 1)
-        if vocab_size is not None:
-            num_reserved_special_tokens = max(num_reserved_special_tokens, vocab_size - len(ranks))
+            pad = tmp_name_to_id.get("[PAD]", pad_id)
 
         return cls(
             ranks,

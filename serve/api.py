@@ -2640,6 +2640,8 @@ def _chat_request(st: ServerState, body: "ChatCompletionRequest", rid: str, run_
                        param="prompt_logprobs")
     params = _sampling(st, body, max_tokens, n_lp, thinks=_thinks(st, body),
                        constraint=plan.constraint() if plan else None)
+    if plan is not None:  # the answer's text keeps the K2 tool-call markers the calls are read from
+        params = dataclasses.replace(params, skip_special_tokens=False)
     fmt = _ChatFormat(st, rid, params.n, params.logprobs, int(time.time()),
                       prompt_field=body.prompt_logprobs is not None, reasoning=_reasoning_start(st, body),
                       tools=plan, token_ids=body.return_token_ids, prompt_ids=[] if vectors else ids,

@@ -247,6 +247,19 @@ def test_kimi_linear_ids_and_stop(kl_tok):
     assert kl_tok.chat_family == "kimi_linear"
 
 
+def test_config_eos_past_the_vocabulary_is_dropped_not_fatal(tmp_path, caplog):
+    """A small-vocabulary checkpoint saved by HF (KimiLinearConfig's default eos_token_id 163586, written to
+    config.json and generation_config.json) with its tokenizer files: the model's config drops that id with a
+    warning, the tokenizer failed the load with `token id 163586 out of range`, naming neither file nor key."""
+    d = write_tokenizer_dir(tmp_path, synthetic_ranks(), KL_SPECIALS, config_eos=163586)
+    (d / "generation_config.json").write_text(json.dumps({"eos_token_id": [163586, len(synthetic_ranks()) + 2]}))
+    with caplog.at_level("WARNING", logger="k3jax.tokenizer"):
+        tok = load_tokenizer(d, family="kimi_linear", vocab_size=640)
+    base = len(synthetic_ranks())
+    assert tok.eos_token_ids == (base + 1, base + 2)  # [EOS], <|im_end|>
+    assert "generation_config.json: eos_token_id 163586 is outside" in caplog.text
+
+
 def test_real_layout_offsets(tmp_path):
     """A file with the real rank count puts the specials at the spec's ids."""
     tokens = synthetic_ranks()

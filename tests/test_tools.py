@@ -289,6 +289,43 @@ def test_auto_reads_kimi_k2_format_calls_whole_and_streamed(before):
     assert _k2_calls(r["choices"][0]["message"]["tool_calls"]) == want[:1]
 
 
+def test_k2_calls_written_as_kimi_linear_special_tokens_are_read(tmp_path):
+    """A Kimi-Linear checkpoint's tokenizer_config marks the K2 tool-call markers `special: true`: the answer's text
+    kept them only with skip_special_tokens false, so with tools the server asks for that (as vLLM's kimi_k2 parser
+    does). The engine dropped them (the default) and the calls came back as content without their markers."""
+    from test_tokenizer import KL_SPECIALS, synthetic_ranks, write_tokenizer_dir
+
+    from k3jax.tokenizer import KimiTokenizer
+
+    markers = ("<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+               "<|tool_call_argument_begin|>", "<|tool_call_end|>")
+    specials = {**KL_SPECIALS, **{11 + k: (m, True) for k, m in enumerate(markers)}}
+    kl = KimiTokenizer.from_dir(write_tokenizer_dir(tmp_path, synthetic_ranks(), specials), family="kimi_linear")
+    ids = kl.encode("Let me see." + K2_CALLS, allow_special=True)
+    assert all(kl.is_special(kl.token_to_id(m)) for m in markers)
+
+    class Writer(ScriptedEngine):
+        async def generate(self, prompt, params, request_id=None, priority=0, on_accept=None):
+            text = lambda n: kl.decode(ids[:n], skip_special=params.skip_special_tokens)  # noqa: E731 (the engine's)
+            for k, tok in enumerate(ids):
+                done = k == len(ids) - 1
+                yield RequestOutput(request_id, None, list(prompt), [CompletionOutput(
+                    0, text(k + 1)[len(text(k)):], [tok], "stop" if done else None)], done)
+
+    eng = Writer()
+    eng.engine.tokenizer = kl
+    want = [("functions.get_weather:0", "function", "get_weather", '{"city": "paris"}'),
+            ("functions.add:1", "function", "add", '{"a": 1, "b": 2}')]
+    status, r = _chat(eng, [])
+    assert status == 200 and r["choices"][0]["finish_reason"] == "tool_calls", r
+    assert r["choices"][0]["message"]["content"] == "Let me see."
+    assert _k2_calls(r["choices"][0]["message"]["tool_calls"]) == want
+    status, chunks = _chat(eng, [], stream=True)
+    choices = [c["choices"][0] for c in chunks if c["choices"]]
+    assert "".join(c["delta"].get("content") or "" for c in choices) == "Let me see."
+    assert _k2_calls([tc for c in choices for tc in c["delta"].get("tool_calls", [])]) == want
+
+
 def test_auto_k2_section_without_a_whole_call_stays_text():
     """A K2 section marker with no complete call after it (cut short, or text that merely names the marker) is no
     call: the whole answer is content, streamed too (a held tail that turns out not to be a marker is sent)."""
