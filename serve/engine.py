@@ -1677,6 +1677,8 @@ class Engine:
         name, path, int_id = lora_request, "", 0
         if isinstance(lora_request, LoRARequest):
             name, path, int_id = lora_request.lora_name, lora_request.lora_path, lora_request.lora_int_id
+        if path:  # (a registration no request read: this load takes its place)
+            self.loras.forget_unread(name)
         known = self.loras.by_name.get(name) if isinstance(name, str) else None
         if known is not None and (known.factors is not None or (known.requests and path in ("", known.path))):
             return known
@@ -1815,6 +1817,7 @@ class Engine:
             raise LoRAError("this engine serves no LoRA adapters (start it with max_loras >= 1)")
         if not isinstance(name, str) or not name or len(name) > 256:
             raise LoRAError(f"lora_name {name!r}: expected a non-empty string of at most 256 characters")
+        self.loras.forget_unread(name)  # (a registration no request read: this load takes its place)
         known = self.loras.by_name.get(name)
         if known is not None and replace:  # (its victims are found once it is unloaded)
             self.loras.check_unused(name, besides=self._canonical_rids(known))
@@ -2554,9 +2557,13 @@ class Engine:
         unread = self._place_adapters(plan.admit)
         if unread:  # their adapter could not be read as they were admitted: they end (StepFailed), the rest runs
             for rid, err in unread.items():
-                self._host_failed(self.seqs[rid].request_id, err)
+                if self.seqs[rid].internal:  # a canonical row (no request: StepFailed could not end it) is dropped
+                    self._finish(self.seqs[rid], "abort")
+                else:
+                    self._host_failed(self.seqs[rid].request_id, err)
             plan.admit = [r for r in plan.admit if r not in unread]
             plan.prefill = [row for row in plan.prefill if row[0] not in unread]
+            plan.decode = [r for r in plan.decode if r not in unread]  # (`_decode_last_tokens`' admissions)
         now = time.monotonic()
         for rid in plan.admit:
             seq = self.seqs[rid]

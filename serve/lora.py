@@ -481,6 +481,14 @@ class Registry:
         held = self.held()
         return len(held) < self.capacity or any(a.path for a in held)
 
+    def forget_unread(self, name) -> None:
+        """Forget `name`'s registration if it was never read and no request waits for it (registered unread for
+        requests that ended before it was read, or whose read failed): it holds nothing and serves no one, so a
+        load of the name from any directory takes its place (as where it was never registered)."""
+        adapter = self.by_name.get(name) if isinstance(name, str) else None
+        if adapter is not None and adapter.factors is None and not adapter.rank and not adapter.requests:
+            del self.by_name[name]
+
     def drop(self, adapter: Adapter) -> None:
         """`adapter` gives up its slot and host memory; it stays registered (by name and directory)."""
         if adapter.slot is not None:

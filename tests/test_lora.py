@@ -734,3 +734,91 @@ def test_adapters_with_non_finite_or_empty_factors_are_refused(bad, conf, match)
     tensors = {f"{q}.lora_A.weight": a, f"{q}.lora_B.weight": b}
     with pytest.raises(LoRAError, match=match):
         parse_peft({"r": 2, "lora_alpha": 4, **conf}, tensors, {"q_proj": (16, 16)}, 4)
+
+
+def test_a_failed_read_at_admission_ends_a_cached_prompts_request_alone(ab, engine, ref, tmp_path):
+    """A request whose prompt is cached but for its last token is admitted straight into the decode rows; when its
+    adapter (unloaded from host memory while the request waited) cannot be read again, the request ends with that
+    error and the decode rows beside it run on (it used to stay in the decode batch with no adapter slot: the
+    whole decode step failed)."""
+    import shutil
+
+    from step_failures import drain_through_failures
+
+    _, _, dirs = ref
+    unit = engine.config.prefix_hash_unit
+    prompt = list(map(int, hfx.make_prompt(VARIANT, 12, batch=1, length=4 * unit + 1)[0]))
+    broken = shutil.copytree(dirs["second"], tmp_path / "e")
+    engine.add_lora(LoRARequest("e", 5, str(broken)))
+    sp = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    _run(engine, [(prompt, "e")], params=sp)  # its prompt cached, under this load of "e"
+    _run(engine, [(prompt[:9], "a"), (prompt[:9], "b")], params=sp)  # "e" the least recently used now
+    other = engine.add_request(prompt[:20], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True),
+                               lora_request="a")
+    engine.step()  # "a"'s request decodes from now on
+    waiting = engine.add_request(prompt, sp, lora_request="e")
+    engine.add_lora(LoRARequest("d", 4, dirs["default"]))  # past max_cpu_loras: "e" (idle, waited for) goes
+    assert engine.loras.get("e").factors is None
+    (broken / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    failures, done = drain_through_failures(engine)
+    assert [f.request_ids for f in failures] == [[waiting]]
+    assert "not a readable safetensors" in str(failures[0].cause)
+    assert len(done[other].outputs[0].token_ids) == 8
+    for name in "de":
+        engine.remove_lora(name)
+
+
+def test_a_registration_no_request_read_gives_way_to_a_later_load(ab, engine, ref):
+    """An adapter registered unread for a request (every held adapter busy) that ended before it was read (aborted;
+    or its read failed) holds no factors and serves no one: a later request or `add_lora` naming it from another
+    directory takes its place (it was refused as "loaded already", so one bad or abandoned request kept the name
+    until remove_lora, which a request arriving while host memory had room never did)."""
+    import dataclasses
+
+    _, _, dirs = ref
+    q = "base_model.model.model.layers.1.self_attn.q_proj"
+    tensors = {f"{q}.lora_A.weight": np.ones((2, 96), np.float32), f"{q}.lora_B.weight": np.ones((96, 2), np.float32)}
+    prompt = list(map(int, hfx.make_prompt(VARIANT, 13, batch=1, length=24)[0]))
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    want = _run(engine, [(prompt, LoRARequest("f", 6, dirs["default"]))], params=sp)[0].outputs[0].token_ids
+    engine.remove_lora("f")
+    engine.load_lora_adapter_from_tensors("t", tensors, {"peft_type": "LORA", "r": 2, "lora_alpha": 2})
+    busy = [engine.add_request(prompt, dataclasses.replace(sp, max_tokens=8), lora_request=n) for n in "ab"]
+    engine.step()  # every held adapter serves running requests or came from tensors
+    rid = engine.add_request(prompt, sp, lora_request=LoRARequest("c", 3, dirs["second"]))
+    assert engine.loras.get("c").factors is None  # registered unread
+    engine.abort(rid)
+    rid = engine.add_request(prompt, sp, lora_request=LoRARequest("c", 3, dirs["default"]))
+    done = _drain(engine)
+    assert engine.loras.get("c").path == dirs["default"] and done[rid].outputs[0].token_ids == want
+    assert all(done[r].outputs[0].finish_reason == "length" for r in busy)
+    for name in "ct":
+        engine.remove_lora(name)
+
+
+def test_a_canonical_row_whose_adapter_cannot_be_read_again_is_dropped(ab, engine, ref, tmp_path):
+    """A canonical re-prefill row (the prefix cache's own, no request behind it) waiting with an adapter dropped
+    from host memory (`_read_admitted` made room for another) whose directory is gone when the row is admitted: the
+    row is dropped with its memory, as unloading its adapter drops it (it was reported as a failed request of its
+    internal id, which ending could not find: it stayed, holding a row slot, and the next step ran it without an
+    adapter slot)."""
+    import shutil
+
+    from serve.prefix_cache import DECODE
+    from step_failures import drain_through_failures
+
+    _, _, dirs = ref
+    gone = shutil.copytree(dirs["second"], tmp_path / "e")
+    adapter = engine.add_lora(LoRARequest("e", 5, str(gone)))
+    prompt = list(map(int, hfx.make_prompt(VARIANT, 14, batch=1, length=60)[0]))
+    _run(engine, [(prompt, "e")], params=SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+    rid, (h, _) = next((r, t) for r, t in engine._tails.items() if t[1] is adapter)
+    del engine._tails[rid]  # (as `_canonicalize_shared_tails` spawns it when a request continues the tail)
+    free = engine.stats()["arena_free_units"]
+    engine._spawn_canonical_ids(h.tokens, h, (len(h.tokens) - 1) // engine.align * engine.align, DECODE, rid, adapter)
+    engine._drop_from_host(adapter)
+    shutil.rmtree(gone)
+    failures, _ = drain_through_failures(engine, max_steps=50)
+    assert failures == [] and not any(s.internal for s in engine.seqs.values())
+    assert engine.stats()["arena_free_units"] == free  # (its row's memory back)
+    engine.remove_lora("e")
