@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -215,12 +216,34 @@ def load_model(path_or_preset: str | os.PathLike, dtype="auto", seed: int = 0, *
 def _checkpoint_tokenizer(path: str, cfg: ModelConfig):
     """The Kimi tiktoken vocabulary beside the weights, else the byte tokenizer when the vocab fits it;
     None (token ids only) for tiny test checkpoints with neither."""
-    from k3jax.tokenizer import ByteTokenizer, load_tokenizer
+    from k3jax.tokenizer import BYTE_NAMED_SPECIALS, ByteTokenizer, load_tokenizer
 
     if os.path.isfile(os.path.join(path, "tiktoken.model")):
         return load_tokenizer(path, family="k3" if cfg.family == "kimi_k3" else "kimi_linear",
                               vocab_size=cfg.vocab_size)
-    try:
-        return ByteTokenizer(cfg.vocab_size)
-    except ValueError:
+    if cfg.vocab_size < 256 + len(BYTE_NAMED_SPECIALS):
         return None
+    return ByteTokenizer(cfg.vocab_size, eos_token_ids=_fallback_stop_ids(path, cfg))
+
+
+def _fallback_stop_ids(path: str, cfg: ModelConfig) -> tuple[int, ...] | None:
+    """Stop ids of the byte tokenizer standing in for a checkpoint without tokenizer files: the checkpoint's own
+    eos ids (config.json's, and generation_config.json's as HF's `generate` and vLLM add them), since the byte
+    tokenizer's 257 / 261 are ordinary tokens of the model's vocabulary (stopping on them ended answers HF goes
+    on with). None (the byte tokenizer's own, <|im_end|> included) for a checkpoint whose specials are the byte
+    tokenizer's (a preset saved by k3jax, whose chat turns end with <|im_end|>) or that names no eos id."""
+    from k3jax.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_PAD, _eos_ids_from
+
+    if cfg.bos_token_id == BYTE_BOS and cfg.pad_token_id == BYTE_PAD and BYTE_EOS in cfg.eos_token_ids:
+        return None
+    eos = list(cfg.eos_token_ids)
+    gen = os.path.join(path, "generation_config.json")
+    if os.path.isfile(gen):
+        try:
+            with open(gen) as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as e:
+            raise ValueError(f"{gen}: not readable JSON ({e})") from None
+        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
+        eos += [i for i in _eos_ids_from(value) if 0 <= i < cfg.vocab_size]
+    return tuple(dict.fromkeys(eos)) or None

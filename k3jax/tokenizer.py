@@ -312,12 +312,14 @@ class ByteTokenizer(Tokenizer):
 
     Every id >= 256 is special (dropped by ``decode(skip_special=True)``).
     Stop ids: ``<|eos|>`` and ``<|im_end|>`` (the end of an assistant turn in the
-    "byte" chat format).
+    "byte" chat format), or ``eos_token_ids`` when given: a checkpoint without
+    tokenizer files stops on its own eos ids, as HF does (there 257 / 261 may be
+    ordinary tokens).
     """
 
     chat_family = "byte"
 
-    def __init__(self, vocab_size: int = _BYTE_MIN_VOCAB):
+    def __init__(self, vocab_size: int = _BYTE_MIN_VOCAB, eos_token_ids: Iterable[int] | None = None):
         vocab_size = operator.index(vocab_size)
         if vocab_size < _BYTE_MIN_VOCAB:
             raise ValueError(
@@ -326,6 +328,10 @@ class ByteTokenizer(Tokenizer):
             )
         self._vocab_size = vocab_size
         self._byte_table = [bytes([i]) for i in range(256)]
+        self._eos = ((BYTE_EOS, BYTE_IM_END) if eos_token_ids is None
+                     else tuple(sorted(set(self._check_id(e) for e in eos_token_ids))))
+        if not self._eos:
+            raise ValueError("ByteTokenizer: eos_token_ids must name at least one id")
 
     def __repr__(self) -> str:
         return f"ByteTokenizer(vocab_size={self._vocab_size})"
@@ -336,7 +342,7 @@ class ByteTokenizer(Tokenizer):
 
     @property
     def eos_token_ids(self) -> tuple[int, ...]:
-        return (BYTE_EOS, BYTE_IM_END)
+        return self._eos
 
     @property
     def bos_token_id(self) -> int:

@@ -569,6 +569,22 @@ class EngineConfig:
             raise ValueError(f"long_prefill_chunk={n} equals the verify rows' tokens (1 + num_speculative_tokens): "
                              f"the two programs would share a shape; pick another")
 
+    def starved_prompts(self) -> Optional[str]:
+        """Why prompts would start only in waves (None: they do not). A prompt row is cut to multiples of
+        min(prefill_chunk, 64) (KDA's alignment), so a budget that leaves less than that beside max_num_seqs - 1
+        decodes starts no prompt longer than the rest until a running request finishes (vLLM's scheduler fills
+        the rest with a partial chunk). Accepted (the engine runs, as vLLM takes any budget >= max_num_seqs) and
+        said at start-up."""
+        align = min(self.prefill_chunk, KDA_CHUNK)
+        need = self.max_num_seqs - 1 + align
+        if self.max_num_batched_tokens >= need:
+            return None
+        rest = self.max_num_batched_tokens - (self.max_num_seqs - 1)
+        return (f"max_num_batched_tokens={self.max_num_batched_tokens} leaves {rest} tokens beside the decodes of "
+                f"max_num_seqs - 1 = {self.max_num_seqs - 1} running requests, under one prompt row of "
+                f"min(prefill_chunk, {KDA_CHUNK}) = {align} tokens: while they decode, a prompt longer than {rest} "
+                f"tokens waits until one of them finishes; set max_num_batched_tokens >= {need} or lower max_num_seqs")
+
     def long_prefill_tokens(self) -> int:
         """The one-row long prefill program's tokens (`long_prefill_chunk` resolved); 0: none."""
         c = self.prefill_chunk
@@ -627,6 +643,7 @@ class Sequence:
     registered_pages: int = 0
     captures: dict = field(default_factory=dict)  # position -> checkpoint kind
     internal: Optional[str] = None  # set on canonical re-prefill rows: the checkpoint kind they produce
+    home: tuple = ()  # canonical re-prefill rows: their own (priority, order), behind every real request
     reused: bool = False  # its prompt resumed from the prefix cache (part of a reuse chain)
     cached_tokens: Optional[int] = None  # prompt tokens its first admission took from the prefix cache
     preempted: bool = False  # preempted at least once (its readmissions' lookups are not vLLM's prefix queries)
@@ -768,6 +785,8 @@ class Engine:
     def __init__(self, model: Model, config: EngineConfig = EngineConfig(), warmup: bool = True,
                  progress: bool = True):
         config.validate()
+        if (starved := config.starved_prompts()) is not None:
+            log.warning("%s", starved)
         self.generation_defaults = generation_config.resolve(config.generation_config, model.source)
         reference = resolve_backend("auto") == "reference"
         if config.max_loras:  # adapter factors on the dense projections, before the transforms shard them
@@ -2764,10 +2783,16 @@ class Engine:
         c = self.config.schedule_conservativeness
         init, floor = min(0.7 * c, 1.0), min(0.1 * c, 1.0)
         if plan.retracted:
-            self.new_token_ratio = max(self.new_token_ratio, init)
-            self.counters["retractions"] += plan.retracted
+            self._note_retractions(plan.retracted)
         elif not plan.empty:
             self.new_token_ratio = max(floor, self.new_token_ratio - (init - floor) / 600)
+
+    def _note_retractions(self, n: int) -> None:
+        """`n` running requests were preempted because decodes ran out of pages (the scheduler's plan, or a
+        decode that found no room at allocation): count them and raise the admission look-ahead back to its
+        initial ratio, as SGLang does on a retraction."""
+        self.new_token_ratio = max(self.new_token_ratio, min(0.7 * self.config.schedule_conservativeness, 1.0))
+        self.counters["retractions"] += n
 
     @staticmethod
     def _masked_in_flight(seq: Sequence) -> bool:
@@ -2906,9 +2931,13 @@ class Engine:
         priority (a stream of requests between the two would hold it back) is not waited for, and
         a canonical re-prefill row (`_spawn_canonical_ids`; those come first) takes the place in
         the queue (priority, arrival) of the first request that waits for it, so requests that
-        arrive later hold neither back."""
+        arrive later hold neither back. The row's place follows the requests that wait for it now: it goes back
+        to its own once they are gone (an aborted urgent request's priority let it preempt user requests)."""
         if self.prefix_cache is None:
             return set()
+        for s in live:
+            if s.home:
+                s.priority, s.order = s.home
         a, pending, out = self.align, {}, set()
         for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.priority, s.order)):
             if s.slot is None and s.hit is not None:
@@ -3119,8 +3148,9 @@ class Engine:
         ids = all_ids[:pos]
         rid = f"{base}@{pos}"
         params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
-        shadow = Sequence(rid=rid, request_id=rid, index=0, order=CANONICAL_ORDER + next(self._order),
-                          priority=INTERNAL_PRIORITY,
+        order = CANONICAL_ORDER + next(self._order)
+        shadow = Sequence(rid=rid, request_id=rid, index=0, order=order, priority=INTERNAL_PRIORITY,
+                          home=(INTERNAL_PRIORITY, order),
                           prompt_ids=list(ids), params=params, seed=0,
                           checker=StopChecker(params, self.tokenizer, (), 1), metrics=RequestMetrics(time.monotonic()),
                           pages=[[] for _ in range(self.cfg.num_mla_layers)],
@@ -3161,6 +3191,7 @@ class Engine:
                 # the plan's estimate of what preemption frees counts units forked beams share (freed only
                 # with the last of them): a decode that finds no room is preempted instead of failing the step
                 self._preempt(self.seqs[rid])
+                self._note_retractions(1)
                 plan.decode = [r for r in plan.decode if r != rid]
                 plan.prefill = [r for r in plan.prefill if r[0] != rid]
                 plan.grow.pop(rid)

@@ -210,6 +210,32 @@ def test_preempted_and_recomputed_requests_are_token_identical(model, engine):
     assert s["compiles_after_warmup"] == 0 and s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+def test_a_decode_finding_no_room_at_allocation_is_a_retraction(model, engine, prompts, monkeypatch):
+    """The plan's estimate of what a preemption frees counts units forked beams share (freed only with the last of
+    them), so a decode can find no room when its pages are allocated: it is preempted there, and that preemption
+    was neither counted in `retractions` nor raised the admission look-ahead as the scheduler's do."""
+    import sys
+
+    monkeypatch.setattr(engine, "config", dataclasses.replace(engine.config, schedule_conservativeness=1.0))
+    monkeypatch.setattr(engine, "new_token_ratio", 0.1)
+    can_fit, tripped = engine.allocator.can_fit, []
+
+    def no_room_once(units, slots):  # the first growth of a running request this step finds no room
+        if not tripped and slots == 0 and units > 0 and sys._getframe(1).f_code.co_name == "_allocate":
+            tripped.append(units)
+            return False
+        return can_fit(units, slots)
+
+    sp = dataclasses.replace(GREEDY, max_tokens=40)  # (its decodes take new pages)
+    want = run_all(engine, prompts[2:3], sp)[0].token_ids
+    monkeypatch.setattr(engine.allocator, "can_fit", no_room_once)
+    before = dict(engine.counters)
+    assert run_all(engine, prompts[2:3], sp)[0].token_ids == want and tripped
+    assert engine.counters["preemptions"] - before["preemptions"] == 1
+    assert engine.counters["retractions"] - before["retractions"] == 1
+    assert engine.new_token_ratio > 0.6  # back at its initial 0.7, decaying since
+
+
 def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine):
     """With the arena full of low-priority requests, a later high-priority one preempts some of them,
     starts at once and finishes before the low-priority requests that were waiting; every output is still

@@ -2,7 +2,9 @@
 no device-memory statistics, so the engine tests give it a device of a known size whose use is the bytes of
 the live arrays on it, as an accelerator's allocator reports."""
 
+import dataclasses
 import gc
+import re
 
 import jax
 import jax.numpy as jnp
@@ -55,6 +57,18 @@ def test_a_token_budget_under_one_aligned_row_is_refused(chunk, budget):
     with pytest.raises(ValueError, match=f"max_num_batched_tokens={budget}: .* expected at least {min(chunk, 64)}"):
         serve.engine.EngineConfig(max_num_seqs=4, max_num_batched_tokens=budget, prefill_chunk=chunk).validate()
     serve.engine.EngineConfig(max_num_seqs=4, max_num_batched_tokens=min(chunk, 64), prefill_chunk=chunk).validate()
+
+
+def test_a_token_budget_that_starts_prompts_in_waves_is_said_naming_both_options():
+    """A budget of at least max_num_seqs but under max_num_seqs - 1 + min(prefill_chunk, 64): while the other running
+    requests decode, a longer prompt waits for one of them to finish (tests/test_scheduler.py). Accepted, as vLLM
+    takes any budget >= max_num_seqs, and said at start-up naming both options."""
+    cfg = serve.engine.EngineConfig(max_num_seqs=4, max_num_batched_tokens=64, prefill_chunk=64)
+    cfg.validate()
+    assert re.search(r"max_num_batched_tokens=64 leaves 61 tokens .* max_num_batched_tokens >= 67 or lower "
+                     r"max_num_seqs", cfg.starved_prompts())
+    assert dataclasses.replace(cfg, max_num_batched_tokens=67).starved_prompts() is None
+    assert serve.engine.EngineConfig().starved_prompts() is None  # the defaults
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])

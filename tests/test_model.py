@@ -355,3 +355,24 @@ def test_bad_tokenizer_fails_before_the_weights_are_read(model, tmp_path, monkey
     with pytest.raises(FileNotFoundError, match="tokenizer_config.json"):
         k3jax.load_model(path)
     assert reads == []
+
+
+def test_checkpoint_without_tokenizer_files_stops_on_its_own_eos_ids(model, tmp_path):
+    """Without tokenizer files the byte tokenizer stands in, and its specials 257 (<|eos|>) / 261 (<|im_end|>)
+    were stop ids even for a model whose eos is another id (there they are ordinary tokens: generation ended where
+    HF's goes on). The stop ids are the checkpoint's eos ids, config.json's and generation_config.json's; a preset
+    saved as a checkpoint (the byte tokenizer's own specials) keeps <|im_end|>."""
+    from serve.engine import Engine, EngineConfig
+
+    path = str(tmp_path / "ckpt")
+    save_hf_checkpoint(path, model.cfg.replace(bos_token_id=1, eos_token_ids=(2,), pad_token_id=3), model.params)
+    json.dump({"eos_token_id": [2, 300, 9999]}, open(os.path.join(path, "generation_config.json"), "w"))
+    m = k3jax.load_model(path)
+    assert m.tokenizer.eos_token_ids == (2, 300)  # (9999: past the vocabulary, never generated)
+    eng = Engine(m, EngineConfig(max_model_len=32, page_size=16, cache_bytes=60 * 2560, max_num_seqs=1,
+                                 prefill_chunk=16, max_prefill_seqs=1, max_num_batched_tokens=32,
+                                 decode_buckets=(1,), prefill_buckets=(1,), context_buckets=(2,),
+                                 enable_prefix_caching=False, measure_moe_time=False), warmup=False, progress=False)
+    assert set(eng.stop_ids) == {2, 300}
+    save_hf_checkpoint(str(tmp_path / "preset"), model.cfg, model.params)
+    assert k3jax.load_model(str(tmp_path / "preset")).tokenizer.eos_token_ids == (257, 261)

@@ -392,6 +392,31 @@ def test_a_request_does_not_wait_for_a_lower_priority_one_to_checkpoint_their_br
     assert logprobs(out) == logprobs(run(off, high, n=4))
 
 
+def test_a_canonical_row_gives_up_the_priority_of_an_aborted_request_that_waited_for_it(engines):
+    """A waiting canonical row takes the place of the request that waits for it; it kept that place after the
+    request was aborted, so a cache-only row went on ahead of (and could preempt) the user requests behind it."""
+    from serve.engine import INTERNAL_PRIORITY
+
+    on, _ = emptied(engines)
+    system = toks(40, 100)
+    first = run(on, system + toks(41, 20), n=30)  # (no reuse: its tail is canonicalised when reused)
+    blockers = [on.add_request(toks(920 + i, 200), _SHORT, priority=-10) for i in range(2)]  # the prefill rows
+    urgent = on.add_request(system + toks(41, 20) + first.token_ids + toks(42, 9), _SHORT, priority=-5)
+    on.step()
+    rows = [s for s in on.seqs.values() if s.internal and s.slot is None]
+    assert rows and {s.priority for s in rows} == {-5}  # waiting, in the urgent request's place
+    on.abort(urgent)
+    later = on.add_request(toks(43, 50), _SHORT)
+    later_order = on.requests[later].seqs[0].order
+    on.step()
+    assert not any(s.finished for s in rows)
+    assert all(s.priority == INTERNAL_PRIORITY and s.order > later_order for s in rows)  # behind every real request
+    for r in blockers + [later]:
+        on.abort(r)
+    while on.has_unfinished():
+        on.step()
+
+
 def test_single_token_request_shares_its_prompt(engines):
     """A request that finishes on its first token (max_tokens=1) still leaves its prompt pages and
     prompt-end state for the next one."""

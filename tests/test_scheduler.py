@@ -325,3 +325,13 @@ def test_a_waiting_request_held_back_never_stalls_the_running_prompts_behind_it(
     # a waiting request that does not fit at all preempts the lower priorities (step 0), as before
     plan = schedule([low, wait("w", 3, 110)], Memory(2, 0), CFG)
     assert plan.preempt == ["l"] and plan.admit == ["w"]
+
+
+def test_a_budget_under_one_aligned_row_beside_the_decodes_starts_prompts_in_waves():
+    """max_num_batched_tokens 64 with max_num_seqs 4: beside three decodes 61 tokens are left, under one aligned
+    row of 16 * 4, so a longer prompt starts only once a running request finishes (EngineConfig.starved_prompts says
+    so at start-up); a budget of max_num_seqs - 1 + align starts it beside them."""
+    cfg = replace(CFG, align=64, prefill_chunk=64)
+    seqs = [run(f"r{i}", i) for i in range(3)] + [wait("w", 9, 100)]
+    assert schedule(seqs, Memory(100, 4), cfg).prefill == []
+    assert schedule(seqs, Memory(100, 4), replace(cfg, token_budget=3 + 64)).prefill == [("w", 0, 64)]
