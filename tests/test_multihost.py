@@ -461,9 +461,10 @@ _LEADER_FAILS = textwrap.dedent("""
 """)
 
 
-def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
+def _run_pair(script: str) -> tuple[str, str]:
+    """Run `script` as processes 0 and 1 of a two-process cluster -> their outputs (both must exit 0)."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC_CONFIG + _LEADER_FAILS, str(pid), str(port)], cwd=ROOT, env=ENV,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), str(port)], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
     try:
         out0, out1 = (p.communicate(timeout=300)[0] for p in procs)
@@ -473,6 +474,11 @@ def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
                 p.kill()
                 p.wait(10)
     assert procs[0].returncode == 0 and procs[1].returncode == 0, (out0[-3000:], out1[-3000:])
+    return out0, out1
+
+
+def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
+    out0, out1 = _run_pair(_ASYNC_CONFIG + _LEADER_FAILS)
     got = json.loads(out0.split("RESULT")[1])
     assert [len(ids) for ids in got["failed"]] == [1] and got["got"].count(None) == 1, got  # the failed prefill's
     assert [t for t in got["got"] if t is not None] == [t for t, g in zip(got["want"], got["got"]) if g is not None]
@@ -536,18 +542,7 @@ _LEADER_MOVE_FAILS = textwrap.dedent("""
 
 
 def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step():
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC_CONFIG + _LEADER_MOVE_FAILS, str(pid), str(port)],
-                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for pid in (0, 1)]
-    try:
-        out0, out1 = (p.communicate(timeout=300)[0] for p in procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, (out0[-3000:], out1[-3000:])
+    out0, out1 = _run_pair(_ASYNC_CONFIG + _LEADER_MOVE_FAILS)
     got = json.loads(out0.split("RESULT")[1])
     assert "injected device failure" in got["failed"] and got["kept"] and got["moved"], got
     assert got["got"] == got["want"] == got["again"], got
