@@ -54,7 +54,8 @@ from serve.lora import (Adapter, LoRAError, LoRARequest, Registry, check_peft_di
                         read_peft)
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, aborted_hypotheses, best, expand
 from serve.buckets import default_buckets, program_shapes
-from serve.memory import Arena, ArenaLayout, OutOfMemory, UnitRefs, longest_request, min_units, state_dtype_name
+from serve.memory import (Arena, ArenaLayout, OutOfMemory, UnitRefs, concurrency_note, longest_request, min_units,
+                          state_dtype_name)
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
@@ -977,6 +978,8 @@ class Engine:
         if config.gpu_memory_utilization is not None:
             self._size_arena_from_memory(layout_for, bind)
         self._check_holds_one_request()
+        if (few := concurrency_note(self.layout, self.sched_cfg.max_num_seqs, self._budget_name())) is not None:
+            log.warning("%s", few)
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
         self._host_pieces: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # a follower's host copies, by uid
         host = None
@@ -1119,12 +1122,17 @@ class Engine:
         if need <= have:
             return
         longest = longest_request(lay, have, self.cfg.num_mla_layers)
-        budget = (f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization is not None
-                  else f"cache_bytes={cfg.cache_bytes}")
+        budget = self._budget_name()
         raise ValueError(f"max_model_len={cfg.max_model_len}: one request that long needs {need} cache units "
                          f"({need * lay.unit_bytes} bytes: its KDA state slot and MLA pages) but the arena of {budget} "
                          f"holds {have}; the longest request it holds is {longest} tokens: lower max_model_len or "
                          f"give the cache more memory")
+
+    def _budget_name(self) -> str:
+        """The option the arena was sized by, with its value (start-up messages)."""
+        cfg = self.config
+        return (f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization is not None
+                else f"cache_bytes={cfg.cache_bytes}")
 
     def _size_arena_from_memory(self, layout_for, bind) -> None:
         """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device

@@ -108,9 +108,10 @@ class ArenaLayout:
         num_units = budget_bytes // (unit_elems * WORD)
         need = min_units(slot_units)
         if num_units < need:
-            raise ValueError(f"cache budget {budget_bytes} B holds {num_units} units of "
-                             f"{unit_elems * WORD} B; at least {need} are needed (one state slot is "
-                             f"{slot_units} units)")
+            raise ValueError(f"cache_bytes={budget_bytes}: the cache budget holds {num_units} units of "
+                             f"{unit_elems * WORD} B; at least {need} ({need * unit_elems * WORD} bytes) are needed "
+                             f"(the scratch page and slot, one page and one state slot of {slot_units} units): "
+                             f"give the cache more memory")
         return cls(num_units, unit_elems, page_size, lw, codec, cfg.num_mla_layers, lk,
                    state_shape, conv_shape, slot_units, state_ranks, state_dtype, context_ranks)
 
@@ -205,6 +206,18 @@ def longest_request(layout: ArenaLayout, free_units: int, num_mla_layers: int) -
     if not num_mla_layers:
         return sys.maxsize
     return (free_units - layout.slot_units) // num_mla_layers * layout.page_size + 1
+
+
+def concurrency_note(layout: ArenaLayout, max_num_seqs: int, budget: str) -> str | None:
+    """A start-up warning when the arena can never run `max_num_seqs` requests at once (each needs a state slot and
+    a page per MLA layer), else None. vLLM refuses to start when its Mamba state pool holds fewer than max_num_seqs;
+    here slots and pages share one arena, so the engine runs, with fewer requests at once than asked for."""
+    most = layout.sequences_at(1)
+    if most >= max_num_seqs:
+        return None
+    return (f"max_num_seqs={max_num_seqs}: the arena of {budget} holds at most {most} request(s) at once (each a KDA "
+            f"state slot of {layout.slot_units * layout.unit_bytes} bytes and an MLA page per layer); the rest wait: give "
+            f"the cache more memory or lower max_num_seqs")
 
 
 def min_units(slot_units: int) -> int:

@@ -2,6 +2,7 @@
 after warm-up, request validation."""
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -559,6 +560,25 @@ def test_arena_that_cannot_hold_one_max_model_len_request_is_refused_at_start(mo
     naming max_model_len and the longest request it holds (every long prompt would otherwise be refused later)."""
     with pytest.raises(ValueError, match=r"max_model_len=512: .* the longest request it holds is \d+ tokens"):
         make_engine(model, units=30, warmup=False)
+    # under the smallest arena at all: named too (it was "cache budget 7680 B holds 3 units ...")
+    with pytest.raises(ValueError, match=r"cache_bytes=7680: .* at least \d+ \(\d+ bytes\) are needed"):
+        make_engine(model, units=3, warmup=False)
+
+
+def test_an_arena_that_runs_fewer_than_max_num_seqs_requests_is_said_at_start(model, caplog):
+    """vLLM refuses to start when its Mamba state pool holds fewer than max_num_seqs sequences; here slots and pages
+    share the arena, so the engine starts, saying how many requests it can run at once (it said nothing: a
+    max_num_seqs=32 engine silently ran one request at a time)."""
+    with caplog.at_level("WARNING", logger="serve.engine"):
+        small = make_engine(model, units=30, warmup=False, max_model_len=16)
+    most = small.layout.sequences_at(1)
+    assert most < 32
+    assert re.search(f"max_num_seqs=32: the arena of cache_bytes={30 * 2560} holds at most {most} request.* lower "
+                     f"max_num_seqs", caplog.text)
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="serve.engine"):
+        make_engine(model, units=30, warmup=False, max_model_len=16, max_num_seqs=most, decode_buckets=(most,))
+    assert "max_num_seqs" not in caplog.text
 
 
 def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
