@@ -8,9 +8,11 @@ names the tensor and both shapes; so is one whose cast to the model's dtype woul
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import re
 from typing import Any, Callable, Iterable
 
 import jax
@@ -26,6 +28,7 @@ log = logging.getLogger(__name__)
 
 K3JAX_CONFIG = "k3jax_config.json"
 ORBAX_PARAMS = "params"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
 _NO_WEIGHT_SUFFIX = {"A_log", "dt_bias", "e_score_correction_bias"}
 _ATTN_RES = {"self_attention_res", "mlp_res", "output_attn_res"}
 _EXPERT_MATS = {"w1", "w2", "w3"}
@@ -276,6 +279,20 @@ def _fill(abstract: nnx.State, values: dict) -> nnx.State:
 
 # ---- writing HF-format checkpoints ----------------------------------------------------------
 
+def _k3_keys(cfg: ModelConfig) -> tuple[dict, dict]:
+    """K3's own config.json keys: (text_config's, linear_attn_config's)."""
+    return ({"mla_use_output_gate": cfg.mla_use_output_gate, "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
+             "latent_moe_use_norm": cfg.latent_moe_use_norm, "attn_res_block_size": cfg.attn_res_block_size,
+             "activation_situ_beta": cfg.situ_beta, "activation_situ_linear_beta": cfg.situ_linear_beta},
+            {"gate_lower_bound": cfg.gate_lower_bound, "use_full_rank_gate": cfg.kda_full_rank_output_gate})
+
+
+# what `from_hf_config` takes for a kimi_linear config.json without the key
+_KL_DEFAULTS = {"mla_use_output_gate": False, "routed_expert_hidden_size": None, "latent_moe_use_norm": False,
+                "attn_res_block_size": None, "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
+                "gate_lower_bound": None, "use_full_rank_gate": False}
+
+
 def hf_config_dict(cfg: ModelConfig) -> dict:
     """The HF `config.json` for `cfg`: K3 nests its text model under `text_config`; lists are 1-based."""
     one = lambda ls: [l + 1 for l in ls]
@@ -301,17 +318,19 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         # every stop id (HF takes an int or a list): only the first one lost the others on a round trip
         "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids) or None),
     }
+    k3_text, k3_linear = _k3_keys(cfg)
     if cfg.family == "kimi_linear":
+        if cfg.expert_format != "dense":  # (config.json has no quantization_config form for kimi_linear)
+            raise CheckpointError(f"a kimi_linear model with expert_format={cfg.expert_format!r} has no HF config.json "
+                                  f"(MXFP4 experts are K3's: family kimi_k3)")
+        # K3 switches a kimi_linear config may set: written when not their default (the real Kimi-Linear config
+        # names none), else a round trip lost them (gate_lower_bound: another gate, same tensors, no error)
+        keep = lambda keys: {k: v for k, v in keys.items() if v != _KL_DEFAULTS[k]}
+        text.update(keep(k3_text))
+        text["linear_attn_config"].update(keep(k3_linear))
         return {"architectures": ["KimiLinearForCausalLM"], **text}
-    text.update({
-        "mla_use_output_gate": cfg.mla_use_output_gate,
-        "routed_expert_hidden_size": cfg.routed_expert_hidden_size,
-        "latent_moe_use_norm": cfg.latent_moe_use_norm, "attn_res_block_size": cfg.attn_res_block_size,
-        "activation_situ_beta": cfg.situ_beta, "activation_situ_linear_beta": cfg.situ_linear_beta,
-        "topk_method": "noaux_tc", "num_nextn_predict_layers": 0,
-    })
-    text["linear_attn_config"].update(gate_lower_bound=cfg.gate_lower_bound,
-                                      use_full_rank_gate=cfg.kda_full_rank_output_gate)
+    text.update({**k3_text, "topk_method": "noaux_tc", "num_nextn_predict_layers": 0})
+    text["linear_attn_config"].update(k3_linear)
     if cfg.expert_format == "mxfp4":
         text["quantization_config"] = {
             "quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized",
@@ -345,36 +364,82 @@ def hf_tensors(cfg: ModelConfig, params: nnx.State, a_log_pad: int = 0) -> Itera
             yield name, arr
 
 
+def _tied_head(cfg: ModelConfig, params: nnx.State) -> list[tuple[str, np.ndarray]]:
+    """A tied model's head as its own `lm_head.weight` (the embedding): HF's KimiLinearForCausalLM (and vLLM's)
+    never tie, and without it loaded the export with a random head; k3jax reads it back as an untied head of
+    the same values. (Not in `hf_tensors`: the engine's weight names have no tied head.)"""
+    if not cfg.tie_word_embeddings:
+        return []
+    prefix = "language_model." if cfg.family == "kimi_k3" else ""
+    return [(f"{prefix}lm_head.weight", np.asarray(jax.device_get(params["embed_tokens"][...])))]
+
+
 def save_hf_checkpoint(path: str, cfg: ModelConfig, params: nnx.State, *, max_shard_bytes: int | None = None,
                        a_log_pad: int = 0) -> None:
     """Write `config.json` + safetensors in the released HF layout (sharded with an index when
     `max_shard_bytes` is set). Used to make test checkpoints and to export converted weights. config.json's
-    `torch_dtype` is the weights' own, as HF writes it (`dtype="auto"` loads them in it; without it: float32)."""
+    `torch_dtype` is the weights' own, as HF writes it (`dtype="auto"` loads them in it; without it: float32).
+    Saving over an earlier HF save replaces its weight files; a directory holding an Orbax checkpoint is refused."""
     from safetensors.numpy import save_file
 
-    os.makedirs(path, exist_ok=True)
+    if is_orbax_dir(path):  # (load_model reads the Orbax checkpoint first: the export would never be read)
+        raise CheckpointError(f"{path}: holds an Orbax checkpoint ({K3JAX_CONFIG} + {ORBAX_PARAMS}/), which "
+                              f"load_model would read instead of the HF files; write the HF checkpoint to another "
+                              f"directory")
     config = {**hf_config_dict(cfg), "torch_dtype": jnp.dtype(params["embed_tokens"][...].dtype).name}
+    os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f, indent=1)
     shards: list[dict[str, np.ndarray]] = [{}]
     size = 0
-    for name, arr in hf_tensors(cfg, params, a_log_pad):
+    for name, arr in itertools.chain(hf_tensors(cfg, params, a_log_pad), _tied_head(cfg, params)):
         if max_shard_bytes and shards[-1] and size + arr.nbytes > max_shard_bytes:
             shards.append({})
             size = 0
         shards[-1][name] = arr
         size += arr.nbytes
-    if len(shards) == 1:
-        save_file(shards[0], os.path.join(path, "model.safetensors"))
-        return
-    weight_map, total = {}, 0
-    for i, shard in enumerate(shards):
-        fn = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+    names = (["model.safetensors"] if len(shards) == 1 else
+             [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))])
+    for fn, shard in zip(names, shards):
         save_file(shard, os.path.join(path, fn))
-        weight_map.update({k: fn for k in shard})
-        total += sum(a.nbytes for a in shard.values())
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    if len(shards) > 1:
+        weight_map = {k: fn for fn, shard in zip(names, shards) for k in shard}
+        total = sum(a.nbytes for shard in shards for a in shard.values())
+        with open(os.path.join(path, SAFETENSORS_INDEX), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        names.append(SAFETENSORS_INDEX)
+    _remove_stale_weights(path, set(names))
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
+
+
+def _remove_stale_weights(path: str, keep: set[str]) -> None:
+    """Delete the weight files of an earlier save into `path` that this one does not write (as HF's
+    save_pretrained does): a stale index (sharded before, one file now) made load_model read the old weights; a
+    stale model.safetensors beside a new index is what HF reads first."""
+    for fn in os.listdir(path):
+        if fn not in keep and (fn == SAFETENSORS_INDEX or _WEIGHT_FILE.fullmatch(fn)):
+            os.remove(os.path.join(path, fn))
+
+
+TOKENIZER_FILES = ("tiktoken.model", "tokenizer_config.json", "special_tokens_map.json", "tokenization_kimi.py",
+                   "chat_template.jinja", "generation_config.json")
+
+
+def copy_tokenizer_files(src: str, dst: str) -> list[str]:
+    """Copy the tokenizer and generation-config files of checkpoint directory `src` into `dst` (those it has);
+    the names copied. Without them a converted checkpoint loaded with the byte tokenizer and no sampling
+    defaults."""
+    import shutil
+
+    copied = []
+    for fn in TOKENIZER_FILES:
+        s, d = os.path.join(src, fn), os.path.join(dst, fn)
+        if os.path.isfile(s) and not (os.path.exists(d) and os.path.samefile(s, d)):
+            shutil.copyfile(s, d)
+            copied.append(fn)
+    return copied
 
 
 # ---- Orbax ----------------------------------------------------------------------------------

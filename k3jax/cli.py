@@ -23,11 +23,15 @@ def _cmd_generate(args) -> int:
 
 def _cmd_convert(args) -> int:
     from k3jax import load_model
-    from k3jax.checkpoint import save_orbax
+    from k3jax.checkpoint import copy_tokenizer_files, save_orbax
+    from k3jax.config import PRESETS
 
     model = load_model(args.src, dtype=args.dtype)
     save_orbax(args.dst, model.cfg, model.params, model.dtype)
-    print(f"wrote Orbax checkpoint of {model.num_params:,} parameters to {args.dst}")
+    # the tokenizer and sampling defaults travel with the weights (without them DST served with the byte tokenizer)
+    copied = [] if model.source in PRESETS else copy_tokenizer_files(args.src, args.dst)
+    print(f"wrote Orbax checkpoint of {model.num_params:,} parameters to {args.dst}"
+          + (f" (with {', '.join(copied)})" if copied else ""))
     return 0
 
 

@@ -445,6 +445,12 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         gate_lower_bound=_float(lac, "gate_lower_bound", lwhere, None),
         kda_full_rank_output_gate=_bool(lac, "use_full_rank_gate", lwhere, False),
         hidden_act=tc.get("hidden_act", "silu"),
+        # K3's switches, absent from Kimi-Linear's config.json (k3jax's export writes those a model sets)
+        routed_expert_hidden_size=_int(tc, "routed_expert_hidden_size", where, None),
+        latent_moe_use_norm=_bool(tc, "latent_moe_use_norm", where, False),
+        attn_res_block_size=_int(tc, "attn_res_block_size", where, None),
+        situ_beta=_float(tc, "activation_situ_beta", where, 4.0),
+        situ_linear_beta=_float(tc, "activation_situ_linear_beta", where, 25.0),
         eos_token_ids=_eos_ids(common["vocab_size"], cfg.get("eos_token_id"), tc.get("eos_token_id")),
     )
 

@@ -54,6 +54,23 @@ def test_hf_config_roundtrip(name):
     assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))).eos_token_ids == cfg.eos_token_ids
 
 
+@pytest.mark.parametrize("change", [
+    dict(gate_lower_bound=-5.0), dict(kda_full_rank_output_gate=True), dict(mla_use_output_gate=True),
+    dict(hidden_act="situ", situ_beta=2.0, situ_linear_beta=9.0), dict(attn_res_block_size=2),
+    dict(routed_expert_hidden_size=32, latent_moe_use_norm=True)])
+def test_hf_config_roundtrip_keeps_k3_switches_of_a_kimi_linear_model(change):
+    """A kimi_linear model with one of K3's switches (which the reader takes from a kimi_linear config.json too)
+    was written without it: read back as another model (gate_lower_bound: the other KDA gate over the same
+    tensors, no error). The plain Kimi-Linear config still names none of them, as the real one."""
+    cfg = get_preset("tiny-kimi-linear").replace(**change)
+    assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))) == cfg
+    d = hf_config_dict(get_preset("tiny-kimi-linear"))
+    assert not {"mla_use_output_gate", "attn_res_block_size", "activation_situ_beta"} & set(d)
+    assert not {"gate_lower_bound", "use_full_rank_gate"} & set(d["linear_attn_config"])
+    with pytest.raises(ValueError, match="kimi_linear model with expert_format='mxfp4' has no HF config.json"):
+        hf_config_dict(get_preset("tiny-kimi-linear").replace(expert_format="mxfp4"))
+
+
 def test_layer_lists_are_one_based():
     d = hf_config_dict(get_preset("tiny-k3"))
     assert d["text_config"]["linear_attn_config"]["full_attn_layers"] == [4, 7, 8]

@@ -100,6 +100,59 @@ def test_orbax_convert_roundtrip(model, ids, full_logits, tmp_path):
     np.testing.assert_array_equal(m2.forward(ids), full_logits)
 
 
+def _with_embed(model, embed):
+    """`model.params` with `embed_tokens` replaced (another model's weights, to tell two saves apart)."""
+    from flax import nnx
+
+    return nnx.from_flat_state([(k, v.replace(value=jnp.asarray(embed)) if k == ("embed_tokens",) else v)
+                                for k, v in nnx.to_flat_state(model.params)])
+
+
+def test_saving_over_an_earlier_save_replaces_its_weights(model, tmp_path):
+    """A save over an earlier sharded one left its model.safetensors.index.json: load_model read the old shards
+    (the new model.safetensors ignored); over a single-file save, the stale model.safetensors (what HF reads
+    first) stayed beside the new index. A directory holding an Orbax checkpoint (read first) is refused."""
+    path = str(tmp_path / "ckpt")
+    embed = lambda m: np.asarray(m.params["embed_tokens"][...])
+    other = _with_embed(model, embed(model) + 1)
+    save_hf_checkpoint(path, model.cfg, model.params, max_shard_bytes=100_000)
+    save_hf_checkpoint(path, model.cfg, other)
+    assert sorted(os.listdir(path)) == ["config.json", "model.safetensors"]
+    np.testing.assert_array_equal(embed(k3jax.load_model(path)), embed(model) + 1)
+    save_hf_checkpoint(path, model.cfg, model.params, max_shard_bytes=100_000)
+    assert "model.safetensors" not in os.listdir(path)
+    np.testing.assert_array_equal(embed(k3jax.load_model(path)), embed(model))
+    save_orbax(str(tmp_path / "orbax"), model.cfg, model.params, model.dtype)
+    with pytest.raises(CheckpointError, match=r"orbax: holds an Orbax checkpoint"):
+        save_hf_checkpoint(str(tmp_path / "orbax"), model.cfg, other)
+
+
+def test_convert_copies_the_tokenizer_and_generation_config(tmp_path, capsys):
+    """`k3jax convert HF_DIR DST` wrote the weights alone: DST loaded with the byte tokenizer (other token ids,
+    garbage text) and without the checkpoint's sampling defaults."""
+    import dataclasses
+
+    from test_tokenizer import KL_SPECIALS, synthetic_ranks, write_tokenizer_dir
+
+    from k3jax.cli import main
+    from k3jax.config import get_preset
+    from k3jax.runtime import init_model
+    from serve import generation_config
+
+    ranks = synthetic_ranks()
+    cfg = dataclasses.replace(get_preset("tiny-kimi-linear"), vocab_size=len(ranks) + 256, bos_token_id=len(ranks),
+                              eos_token_ids=(len(ranks) + 1,), pad_token_id=len(ranks) + 255)
+    src, dst = tmp_path / "hf", str(tmp_path / "orbax")
+    save_hf_checkpoint(str(src), cfg, init_model(cfg, np.float32, 0)[1])
+    write_tokenizer_dir(src, ranks, KL_SPECIALS)
+    json.dump({"temperature": 0.3}, open(src / "generation_config.json", "w"))
+    assert main(["convert", str(src), dst, "--dtype", "float32"]) == 0
+    assert "with tiktoken.model, tokenizer_config.json, generation_config.json" in capsys.readouterr().out
+    want, got = k3jax.load_model(str(src)).tokenizer, k3jax.load_model(dst).tokenizer
+    assert type(got) is type(want) and got.encode("hello world") == want.encode("hello world")
+    assert generation_config.read(dst) == generation_config.read(str(src)) == {"temperature": 0.3}
+
+
 def _broken_checkpoint(model, tmp_path, mutate):
     from safetensors.numpy import load_file, save_file
 

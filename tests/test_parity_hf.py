@@ -270,6 +270,28 @@ def test_tie_word_embeddings_with_an_lm_head_in_the_checkpoint(tmp_path):
     assert err <= REL_TOL, f"rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_an_exported_checkpoint_loads_in_hf_with_the_same_logits(tmp_path, tied):
+    """save_hf_checkpoint's directory as HF's KimiLinearForCausalLM loads it. A tied model was exported without
+    an `lm_head.weight`, and HF (which never ties this model) served a randomly initialised head."""
+    import k3jax
+    from k3jax.checkpoint import save_hf_checkpoint
+    from k3jax.runtime import Model, init_model
+    from transformers import KimiLinearForCausalLM
+
+    cfg = k3jax.get_preset("tiny-kimi-linear").replace(tie_word_embeddings=tied)
+    graphdef, params = init_model(cfg, np.float32, 0)
+    model = Model(cfg, graphdef, params, np.dtype(np.float32), None)
+    save_hf_checkpoint(str(tmp_path), cfg, params, max_shard_bytes=50_000)
+    hf = KimiLinearForCausalLM.from_pretrained(str(tmp_path), attn_implementation="eager",
+                                               experts_implementation="eager").eval()
+    assert hf.dtype == torch.float32 and hf.config.tie_word_embeddings == tied
+    ids = np.random.default_rng(0).integers(0, 250, (1, 20))
+    err = _rel_err(model.forward(ids), hfx.hf_logits(hf, ids))
+    assert err <= REL_TOL, f"rel err {err:.3e}"
+    np.testing.assert_array_equal(k3jax.load_model(str(tmp_path)).forward(ids), model.forward(ids))
+
+
 def _variant(tmp_path, name: str, seed: int = 26, lac: dict | None = None, **config):
     """A one-off variant of a4 (single file) with `config` / `linear_attn_config` changes -> (path, hf model)."""
     import copy
