@@ -311,8 +311,8 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
         "moe_intermediate_size": cfg.moe_intermediate_size, "num_shared_experts": cfg.num_shared_experts,
         "routed_scaling_factor": cfg.routed_scaling_factor, "moe_renormalize": cfg.moe_renormalize,
         "first_k_dense_replace": cfg.first_k_dense_replace, "moe_layer_freq": cfg.moe_layer_freq,
-        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": 1,
-        "topk_group": 1, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
+        "moe_router_activation_func": "sigmoid", "use_grouped_topk": True, "num_expert_group": cfg.num_expert_group,
+        "topk_group": cfg.topk_group, "hidden_act": cfg.hidden_act, "rms_norm_eps": cfg.rms_norm_eps,
         "tie_word_embeddings": cfg.tie_word_embeddings, "max_position_embeddings": cfg.max_position_embeddings,
         "bos_token_id": cfg.bos_token_id, "pad_token_id": cfg.pad_token_id,
         # every stop id (HF takes an int or a list): only the first one lost the others on a round trip

@@ -58,6 +58,10 @@ class ModelConfig:
     num_shared_experts: int = 0
     routed_scaling_factor: float = 1.0
     moe_renormalize: bool = True
+    # group-limited routing (DeepSeek-V3's): experts split into `num_expert_group` equal groups, only the
+    # `topk_group` best (sum of each group's top-2 biased scores) may be picked; topk_group >= groups: off
+    num_expert_group: int = 1
+    topk_group: int = 1
     first_k_dense_replace: int = 1
     moe_layer_freq: int = 1
     routed_expert_hidden_size: int | None = None  # K3 latent MoE width; None: experts act on hidden
@@ -122,6 +126,8 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_token <= self.num_experts:
             raise ConfigError(
                 f"num_experts_per_token={self.num_experts_per_token} must be in 1..num_experts={self.num_experts}")
+        if self.group_limited:
+            _check_expert_groups(self.num_experts, self.num_expert_group, self.topk_group, self.num_experts_per_token)
         if self.expert_format == "mxfp4":
             for name, width in (("routed expert input", self.expert_in_size), ("moe_intermediate_size", self.moe_intermediate_size)):
                 if width % self.mxfp4_group_size:
@@ -138,6 +144,11 @@ class ModelConfig:
     def is_moe(self, layer: int) -> bool:
         return (self.num_experts > 0 and layer >= self.first_k_dense_replace
                 and layer % self.moe_layer_freq == 0)
+
+    @property
+    def group_limited(self) -> bool:
+        """Routing keeps only the `topk_group` best expert groups (False for one group, K3's and Kimi-Linear's)."""
+        return self.num_experts > 0 and self.topk_group < self.num_expert_group
 
     @property
     def kda_proj_size(self) -> int:
@@ -196,9 +207,22 @@ class ModelConfig:
 
 _POSITIVE = ("vocab_size", "hidden_size", "num_hidden_layers", "intermediate_size", "kv_lora_rank",
              "qk_nope_head_dim", "v_head_dim", "kda_head_dim", "short_conv_kernel_size", "moe_layer_freq",
-             "mxfp4_group_size", "max_position_embeddings")
+             "mxfp4_group_size", "max_position_embeddings", "num_expert_group", "topk_group")
 _NON_NEGATIVE = ("num_attention_heads", "qk_rope_head_dim", "kda_num_heads", "num_experts", "num_experts_per_token",
                  "moe_intermediate_size", "num_shared_experts", "first_k_dense_replace")
+
+
+def _check_expert_groups(experts: int, groups: int, keep: int, top_k: int) -> None:
+    """Group-limited routing needs equal groups of at least 2 experts (a group's score is its top-2 sum; HF's
+    router fails on smaller ones) and at least `top_k` experts in the kept groups."""
+    if experts % groups:
+        raise ConfigError(f"num_experts={experts} must be divisible by num_expert_group={groups}")
+    if experts // groups < 2:
+        raise ConfigError(f"num_expert_group={groups} leaves {experts // groups} expert per group: group-limited "
+                          f"routing scores a group by its top-2 experts, it needs at least 2")
+    if top_k > keep * (experts // groups):
+        raise ConfigError(f"num_experts_per_token={top_k} exceeds the {keep * (experts // groups)} experts of the "
+                          f"topk_group={keep} groups routing keeps")
 
 
 # ---- reading HF config.json ---------------------------------------------------------------
@@ -302,6 +326,29 @@ def _check_hf_layer_plans(tc: Mapping[str, Any], where: str, mla: tuple[int, ...
                               f"({ours!r})")
 
 
+def _hf_layer_types_mla(tc: Mapping[str, Any], where: str, n: int) -> tuple[int, ...]:
+    """The 0-based MLA layers of a Kimi-Linear config without linear_attn_config.full_attn_layers, as HF
+    transformers builds them: `layer_types` ("full_attention" / "linear_attention" per layer), else its
+    default (MLA at 0-based layers 4, 8, ...)."""
+    types = tc.get("layer_types")
+    if types is None:
+        return tuple(l for l in range(n) if l and l % 4 == 0)
+    if (not isinstance(types, (list, tuple)) or len(types) != n
+            or any(t not in ("full_attention", "linear_attention") for t in types)):
+        raise ConfigError(f"{where}: layer_types must name 'full_attention' or 'linear_attention' for each of the "
+                          f"{n} layers, got {types!r}")
+    return tuple(l for l, t in enumerate(types) if t == "full_attention")
+
+
+def _hf_leading_dense(tc: Mapping[str, Any], n: int) -> int:
+    """first_k_dense_replace when config.json has none: the dense layers that lead HF's `mlp_layer_types` (an
+    HF-native config names only that list), else HF's default 1. (_check_hf_layer_plans checks the rest.)"""
+    types = tc.get("mlp_layer_types")
+    if not isinstance(types, (list, tuple)):
+        return 1
+    return next((l for l, t in enumerate(types) if t != "dense"), n)
+
+
 # HF transformers' KimiLinearConfig.attribute_map: the other name it reads for each key (DeepSeek's / Mixtral's)
 _HF_ALIASES = {"moe_renormalize": "norm_topk_prob", "num_experts": "num_local_experts",
                "num_experts_per_token": "num_experts_per_tok", "num_shared_experts": "n_shared_experts",
@@ -322,6 +369,18 @@ def _resolve_aliases(tc: Mapping[str, Any], where: str) -> Mapping[str, Any]:
     return out
 
 
+def _expert_groups(tc: Mapping[str, Any], where: str) -> dict[str, int]:
+    """num_expert_group / topk_group. HF transformers routes group-limited whatever `use_grouped_topk` says,
+    vLLM unless it is false: with it false and groups that limit the routing the two disagree, an error naming
+    the keys (keep every group, topk_group = num_expert_group, for vLLM's routing)."""
+    groups, keep = _int(tc, "num_expert_group", where, 1), _int(tc, "topk_group", where, 1)
+    if 0 < keep < groups and tc.get("use_grouped_topk") is False:
+        raise ConfigError(f"{where}: use_grouped_topk=false with num_expert_group={groups} > topk_group={keep}: "
+                          f"HF transformers routes group-limited, vLLM over every expert; set topk_group="
+                          f"{groups} (every group) or drop use_grouped_topk")
+    return dict(num_expert_group=groups, topk_group=keep)
+
+
 def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
     """Build a ModelConfig from a parsed HF `config.json` (K3 with `text_config`, or flat Kimi-Linear)."""
     if not isinstance(cfg, Mapping):
@@ -340,11 +399,20 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
 
     tc = _resolve_aliases(tc, where)
     n = _int(tc, "num_hidden_layers", where)
-    lac = _req(tc, "linear_attn_config", where)
+    # HF-native Kimi-Linear configs may name only `layer_types` and the `linear_*` keys (K3 needs the object)
+    lac = _req(tc, "linear_attn_config", where) if family == "kimi_k3" else tc.get("linear_attn_config") or {}
     lwhere = f"{where}.linear_attn_config"
     if not isinstance(lac, Mapping):
         raise ConfigError(f"{lwhere}: expected an object, got {lac!r}")
-    mla = _one_based_to_zero(_req(lac, "full_attn_layers", lwhere), "full_attn_layers", n)
+    if family == "kimi_k3" or lac.get("full_attn_layers") is not None:
+        mla = _one_based_to_zero(_req(lac, "full_attn_layers", lwhere), "full_attn_layers", n)
+    else:
+        mla = _hf_layer_types_mla(tc, where, n)
+    if family == "kimi_k3":
+        heads, head_dim = _int(lac, "num_heads", lwhere), _int(lac, "head_dim", lwhere)
+    else:  # HF reads each linear_attn_config key, else the `linear_*` key it writes beside it, else its default
+        heads = _int(lac, "num_heads", lwhere, _int(tc, "linear_num_heads", where, 32))
+        head_dim = _int(lac, "head_dim", lwhere, _int(tc, "linear_head_dim", where, 128))
     if "kda_layers" in lac and lac["kda_layers"] is not None:
         kda = _one_based_to_zero(lac["kda_layers"], "kda_layers", n)
         if set(kda) & set(mla) or len(kda) + len(mla) != n:
@@ -369,8 +437,8 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         qk_rope_head_dim=_int(tc, "qk_rope_head_dim", where),
         v_head_dim=_int(tc, "v_head_dim", where),
         mla_layers=mla,
-        kda_num_heads=_int(lac, "num_heads", lwhere),
-        kda_head_dim=_int(lac, "head_dim", lwhere),
+        kda_num_heads=heads,
+        kda_head_dim=head_dim,
         # HF reads linear_conv_kernel_dim (what it writes beside linear_attn_config) when the object has none
         short_conv_kernel_size=_int(lac, "short_conv_kernel_size", lwhere,
                                     _int(tc, "linear_conv_kernel_dim", where, 4)),
@@ -381,7 +449,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         # HF's KimiLinearConfig defaults (K3 requires both keys, see _K3_REQUIRED_TEXT_KEYS)
         routed_scaling_factor=_float(tc, "routed_scaling_factor", where, 2.446),
         moe_renormalize=_bool(tc, "moe_renormalize", where, True),
-        first_k_dense_replace=_int(tc, "first_k_dense_replace", where, 1),
+        first_k_dense_replace=_int(tc, "first_k_dense_replace", where, _hf_leading_dense(tc, n)),
         moe_layer_freq=_int(tc, "moe_layer_freq", where, 1),
         bos_token_id=_int(cfg, "bos_token_id", "config.json", _int(tc, "bos_token_id", where, None)),
         pad_token_id=_int(cfg, "pad_token_id", "config.json", _int(tc, "pad_token_id", where, None)),
@@ -393,10 +461,7 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
                               common["num_experts"])
     if tc.get("moe_router_activation_func", "sigmoid") != "sigmoid":
         raise ConfigError(f"{where}: moe_router_activation_func must be 'sigmoid'")
-    groups = _int(tc, "num_expert_group", where, 1)
-    if groups > 1 and _int(tc, "topk_group", where, 1) < groups:
-        # HF transformers routes group-limited whatever use_grouped_topk says (vLLM unless it is false)
-        raise ConfigError(f"{where}: group-limited routing (num_expert_group={groups} > topk_group) is not supported")
+    common.update(_expert_groups(tc, where))
 
     if family == "kimi_k3":
         for k in _K3_REQUIRED_TEXT_KEYS:

@@ -147,7 +147,7 @@ def _special_ids(vocab: int) -> dict:
 
 def make_config(variant: str) -> KimiLinearConfig:
     spec = VARIANTS[variant]
-    kw = dict(_REAL_STYLE_EXTRA)
+    kw = {} if spec.get("hf_native") else dict(_REAL_STYLE_EXTRA)  # hf_native: only the keys HF itself names
     kw.update(spec["config"])
     kw.update(_special_ids(kw["vocab_size"]))
     return KimiLinearConfig(**kw)

@@ -52,6 +52,9 @@ def test_hf_config_roundtrip(name):
     # several stop ids (config.json's eos_token_id as a list): the written config kept only the first
     cfg = cfg.replace(eos_token_ids=(5, 7, *cfg.eos_token_ids))
     assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))).eos_token_ids == cfg.eos_token_ids
+    # group-limited routing: the written config said one group
+    cfg = cfg.replace(num_expert_group=4, topk_group=1)
+    assert from_hf_config(json.loads(json.dumps(hf_config_dict(cfg)))) == cfg
 
 
 @pytest.mark.parametrize("change", [
@@ -158,6 +161,13 @@ def _k3_with(mutate):
     (_k3_with(lambda d, tc: tc.update(pad_token_id=[1])), "text_config: pad_token_id must be an integer"),
     # an engine with max_model_len "auto" then said its cache held no request ("give the cache more memory")
     (_kl(max_position_embeddings=0), "max_position_embeddings must be a positive integer"),
+    # group-limited routing HF's router cannot run (uneven or 1-expert groups) or that leaves fewer than
+    # top-k experts to pick (HF then picks masked experts)
+    (_kl(num_expert_group=3, topk_group=1), "num_experts=8 must be divisible by num_expert_group=3"),
+    (_kl(num_expert_group=8, topk_group=4), "num_expert_group=8 leaves 1 expert per group"),
+    (_kl(num_expert_group=4, topk_group=1, num_experts_per_token=3), "num_experts_per_token=3 exceeds the 2"),
+    (_kl(topk_group=0), "topk_group must be a positive integer"),
+    (_kl(linear_attn_config=None, layer_types=["full_attention"] * 2), "layer_types must name"),
 ])
 def test_bad_config_values_are_named(d, match):
     with pytest.raises(ConfigError, match=match):
@@ -180,14 +190,39 @@ def test_hf_alias_keys_are_read():
     assert kl(norm_topk_prob=False).moe_renormalize is False
     cfg = kl(n_shared_experts=2, num_experts_per_tok=3)
     assert (cfg.num_shared_experts, cfg.num_experts_per_token) == (2, 3)
-    with pytest.raises(ConfigError, match="num_expert_group"):
-        kl(n_group=2, topk_group=1)
+    assert (kl(n_group=2, topk_group=1).num_expert_group, kl(n_group=2, topk_group=1).topk_group) == (2, 1)
     with pytest.raises(ConfigError, match="moe_renormalize=True and its alias norm_topk_prob=False disagree"):
         from_hf_config(_kl(norm_topk_prob=False))
     # HF's kernel size when linear_attn_config names none (k3jax took 4: conv weights then "mis-shaped")
     d = _kl(linear_conv_kernel_dim=3)
     del d["linear_attn_config"]["short_conv_kernel_size"]
     assert from_hf_config(d).short_conv_kernel_size == 3
+
+
+@pytest.mark.parametrize("keys", [
+    dict(layer_types=["linear_attention"] * 3 + ["full_attention"], linear_num_heads=4, linear_head_dim=16,
+         linear_conv_kernel_dim=4),
+    dict(linear_num_heads=4, linear_head_dim=16, mlp_layer_types=["dense", "dense", "sparse", "sparse"]),
+    dict(linear_attn_config={"short_conv_kernel_size": 3}, layer_types=["full_attention"] + ["linear_attention"] * 3),
+    dict(num_hidden_layers=9),  # HF's defaults throughout: MLA at 0-based 4 and 8, 32 heads of 128
+])
+def test_hf_native_kimi_linear_config_is_read_as_hf_reads_it(keys):
+    """HF transformers' KimiLinearConfig takes `layer_types` / `mlp_layer_types` / `linear_num_heads` /
+    `linear_head_dim` / `linear_conv_kernel_dim` (what it writes when built from its own keys) for a missing
+    linear_attn_config or missing keys of it: k3jax refused such configs ("required key 'linear_attn_config' is
+    missing"). Layers, KDA sizes and the MLP plan are read as HF builds them."""
+    transformers = pytest.importorskip("transformers")
+    d = hf_config_dict(get_preset("tiny-kimi-linear"))
+    for k in ("linear_attn_config", "first_k_dense_replace", "moe_layer_freq"):
+        del d[k]
+    d.update(keys)
+    hf = transformers.KimiLinearConfig(**d)
+    cfg = from_hf_config(d)
+    assert [("full_attention" if cfg.is_mla(l) else "linear_attention") for l in range(cfg.num_hidden_layers)] \
+        == hf.layer_types
+    assert [("sparse" if cfg.is_moe(l) else "dense") for l in range(cfg.num_hidden_layers)] == hf.mlp_layer_types
+    assert (cfg.kda_num_heads, cfg.kda_head_dim, cfg.short_conv_kernel_size) == (
+        hf.linear_num_heads, hf.linear_head_dim, hf.linear_conv_kernel_dim)
 
 
 def test_eos_ids_past_the_vocabulary_are_dropped():

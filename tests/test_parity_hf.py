@@ -346,12 +346,39 @@ def test_hf_alias_keys_are_read_as_hf_reads_them(tmp_path):
     assert err <= REL_TOL, f"rel err {err:.3e}"
 
 
+@pytest.mark.parametrize("groups, keep", [(4, 2), (4, 1)])
+def test_group_limited_routing_matches_hf(tmp_path, groups, keep):
+    """HF's router keeps only the `topk_group` best of `num_expert_group` expert groups (a group's score: the sum
+    of its two best biased scores), DeepSeek-V3's group-limited routing: k3jax refused such configs. Logits and
+    greedy tokens now equal HF's; routing over every expert instead moves HF's own logits by far more."""
+    import k3jax
+    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
+
+    path, hf = _variant(tmp_path, f"groups{groups}{keep}", num_expert_group=groups, topk_group=keep)
+    ids = hfx.make_prompt("a4", 3, batch=2, length=70)
+    want = hfx.hf_logits(hf, ids)
+    model = k3jax.load_model(path, dtype="float32")
+    assert (model.cfg.num_expert_group, model.cfg.topk_group) == (groups, keep)
+    got = model.forward(ids)
+    err = _rel_err(got, want)
+    assert err <= REL_TOL, f"rel err {err:.3e}\n" + _diagnose(got, want)
+    np.testing.assert_array_equal(model.generate_greedy(ids, 8), hfx.hf_greedy(hf, ids, 8))
+    routers = [m for m in hf.modules() if isinstance(m, KimiLinearTopkRouter)]
+    for m in routers:
+        m.topk_group = m.num_group
+    try:
+        assert _rel_err(hfx.hf_logits(hf, ids), want) > 0.05, "groups barely change HF's routing: a weak test"
+    finally:
+        for m in routers:
+            m.topk_group = keep
+
+
 @pytest.mark.parametrize("grouped", [True, None, False])
-def test_group_limited_routing_is_refused_whatever_use_grouped_topk_says(tmp_path, grouped):
-    """HF's router keeps only the `topk_group` best of `num_expert_group` expert groups whatever
-    `use_grouped_topk` says (vLLM's unless it is false), and HF writes null for it when not given: k3jax
-    refused group-limited routing only with use_grouped_topk true and silently routed over every expert
-    otherwise (rel err ~0.4). It is refused naming the key; groups that keep every expert route as before."""
+def test_group_limited_routing_config_keys(tmp_path, grouped):
+    """Groups read whatever `use_grouped_topk` says when both stacks would route group-limited (true, or null:
+    HF writes null when not given); with it false HF still limits the groups and vLLM does not: an error naming
+    the keys. Groups that keep every expert route as before; attention_bias (HF's q_a / kv_a / o_proj biases)
+    is refused."""
     from k3jax.config import ConfigError, load_hf_config
 
     def config(**kw):
@@ -361,12 +388,46 @@ def test_group_limited_routing_is_refused_whatever_use_grouped_topk_says(tmp_pat
         cfg.save_pretrained(str(tmp_path))
         return load_hf_config(str(tmp_path))
 
-    with pytest.raises(ConfigError, match="num_expert_group"):
-        config(num_expert_group=2, topk_group=1)
-    assert config(num_expert_group=2, topk_group=2).num_experts == 8
-    with pytest.raises(ConfigError, match="attention_bias"):  # HF would add q_a / kv_a / o_proj biases
+    if grouped is False:
+        with pytest.raises(ConfigError, match="use_grouped_topk=false with num_expert_group=2 > topk_group=1"):
+            config(num_expert_group=2, topk_group=1)
+    else:
+        cfg = config(num_expert_group=2, topk_group=1)
+        assert (cfg.num_expert_group, cfg.topk_group, cfg.group_limited) == (2, 1, True)
+    assert not config(num_expert_group=2, topk_group=2).group_limited
+    with pytest.raises(ConfigError, match="attention_bias"):
         config(attention_bias=True)
     assert config(attention_bias=False).num_experts == 8
+
+
+def test_hf_native_config_without_linear_attn_config_matches_hf(tmp_path):
+    """A config as HF transformers writes it when built from its own keys (`layer_types`, `mlp_layer_types`,
+    `linear_num_heads` / `linear_head_dim` / `linear_conv_kernel_dim`, no linear_attn_config and no
+    first_k_dense_replace): HF loads and runs it, k3jax refused it ("required key 'linear_attn_config' is
+    missing"). Read as HF reads it: logits and greedy tokens equal HF's."""
+    import copy
+    import json
+
+    import k3jax
+
+    hfx.VARIANTS["native"] = spec = dict(copy.deepcopy(hfx.VARIANTS["a4"]), sharded=False, hf_native=True)
+    lac = spec["config"].pop("linear_attn_config")
+    spec["config"].update(linear_num_heads=lac["num_heads"], linear_head_dim=lac["head_dim"],
+                          linear_conv_kernel_dim=3, mlp_layer_types=["dense", "dense", "sparse", "sparse"],
+                          layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"])
+    try:
+        path, hf = hfx.make_hf_kimi_linear(tmp_path / "native", "native", hfx.DEFAULT_SEEDS["a4"])
+    finally:
+        del hfx.VARIANTS["native"]
+    saved = json.load(open(f"{path}/config.json"))
+    assert "linear_attn_config" not in saved and "first_k_dense_replace" not in saved
+    model = k3jax.load_model(path, dtype="float32")
+    cfg = model.cfg
+    assert (cfg.mla_layers, cfg.kda_num_heads, cfg.short_conv_kernel_size, cfg.first_k_dense_replace) == ((1,), 4, 3, 2)
+    ids = hfx.make_prompt("a4", 3, batch=2, length=70)
+    err = _rel_err(model.forward(ids), hfx.hf_logits(hf, ids))
+    assert err <= REL_TOL, f"rel err {err:.3e}"
+    np.testing.assert_array_equal(model.generate_greedy(ids, 8), hfx.hf_greedy(hf, ids, 8))
 
 
 @pytest.mark.slow

@@ -41,16 +41,31 @@ def stacked_experts(offset: jax.Array, count: int):
         _WINDOW.reset(token)
 
 
+def keep_best_groups(choice: jax.Array, groups: int, keep: int) -> jax.Array:
+    """choice [N, E] biased scores -> the same with every expert outside the token's `keep` best of `groups`
+    equal expert groups at -inf (DeepSeek-V3's group-limited routing, HF's KimiLinearTopkRouter and vLLM's
+    grouped_topk): a group's score is the sum of its two best biased scores."""
+    n, e = choice.shape
+    per = choice.reshape(n, groups, e // groups)
+    _, best = jax.lax.top_k(jax.lax.top_k(per, 2)[0].sum(-1), keep)  # [N, keep] group ids
+    kept = jnp.any(best[:, :, None] == jnp.arange(groups)[None, None, :], axis=1)  # [N, groups]
+    return jnp.where(kept[:, :, None], per, -jnp.inf).reshape(n, e)
+
+
 def route(x: jax.Array, router_w: jax.Array, bias: jax.Array, top_k: int, renormalize: bool,
-          scaling: float) -> tuple[jax.Array, jax.Array]:
+          scaling: float, groups: int = 1, keep_groups: int = 1) -> tuple[jax.Array, jax.Array]:
     """x [N, H] -> (expert ids [N, k] int32, weights [N, k] fp32).
 
-    Scores are fp32 sigmoids; the correction bias only picks the experts; the weights are the raw
-    scores of the chosen experts, renormalised (top-1 too, to 1.0: HF's and vLLM's), times the scaling factor.
+    Scores are fp32 sigmoids; the correction bias only picks the experts (within the `keep_groups` best of
+    `groups` expert groups when fewer are kept, `keep_best_groups`); the weights are the raw scores of the
+    chosen experts, renormalised (top-1 too, to 1.0: HF's and vLLM's), times the scaling factor.
     """
     logits = jnp.einsum("nh,eh->ne", x.astype(jnp.float32), router_w.astype(jnp.float32))
     scores = jax.nn.sigmoid(logits)
-    _, ids = jax.lax.top_k(scores + bias.astype(jnp.float32)[None, :], top_k)
+    choice = scores + bias.astype(jnp.float32)[None, :]
+    if keep_groups < groups:  # (static: one group, K3's and Kimi-Linear's, traces the plain top-k)
+        choice = keep_best_groups(choice, groups, keep_groups)
+    _, ids = jax.lax.top_k(choice, top_k)
     w = jnp.take_along_axis(scores, ids, axis=-1)
     if renormalize:
         w = w / (jnp.sum(w, axis=-1, keepdims=True) + 1e-20)
@@ -222,7 +237,8 @@ class MoE(nnx.Module):
         xf = x.reshape(b * t, h)
         real = None if valid is None else (jnp.arange(t)[None, :] < valid[:, None]).reshape(-1)  # [B*T]
         ids, w = route(xf, self.gate.weight[...], self.gate.e_score_correction_bias[...],
-                       cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor)
+                       cfg.num_experts_per_token, cfg.moe_renormalize, cfg.routed_scaling_factor,
+                       cfg.num_expert_group, cfg.topk_group)
         if trace is not None:
             trace.append(ids)
         if cfg.routed_expert_hidden_size:
