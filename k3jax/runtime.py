@@ -3,7 +3,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -232,18 +231,12 @@ def _fallback_stop_ids(path: str, cfg: ModelConfig) -> tuple[int, ...] | None:
     tokenizer's 257 / 261 are ordinary tokens of the model's vocabulary (stopping on them ended answers HF goes
     on with). None (the byte tokenizer's own, <|im_end|> included) for a checkpoint whose specials are the byte
     tokenizer's (a preset saved by k3jax, whose chat turns end with <|im_end|>) or that names no eos id."""
-    from k3jax.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_PAD, _eos_ids_from
+    from k3jax.tokenizer import BYTE_BOS, BYTE_EOS, BYTE_PAD, _eos_ids_from, _read_json
 
     if cfg.bos_token_id == BYTE_BOS and cfg.pad_token_id == BYTE_PAD and BYTE_EOS in cfg.eos_token_ids:
         return None
     eos = list(cfg.eos_token_ids)
     gen = os.path.join(path, "generation_config.json")
-    if os.path.isfile(gen):
-        try:
-            with open(gen) as f:
-                raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ValueError(f"{gen}: not readable JSON ({e})") from None
-        value = raw.get("eos_token_id") if isinstance(raw, dict) else None
-        eos += [i for i in _eos_ids_from(value) if 0 <= i < cfg.vocab_size]
+    if os.path.isfile(gen):  # (read as the tokenizer reads it beside tokenizer files)
+        eos += [i for i in _eos_ids_from(_read_json(gen).get("eos_token_id")) if 0 <= i < cfg.vocab_size]
     return tuple(dict.fromkeys(eos)) or None

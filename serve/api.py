@@ -286,7 +286,9 @@ class ChatCompletionRequest(_GenerationFields):
                                                             "continued: a prefilled answer start (vLLM's; needs "
                                                             "add_generation_prompt false)")
     reasoning_effort: Optional[str] = Field(None, description="K3: low | high | max (the thinking effort; "
-                                                              "chat_template_kwargs.thinking_effort)")
+                                                              "chat_template_kwargs.thinking_effort); OpenAI's "
+                                                              "minimal | medium | xhigh are low | high | max, none "
+                                                              "turns thinking off")
     chat_template_kwargs: Optional[dict[str, Any]] = Field(
         None, description="thinking (K3), thinking_effort (K3), default_system; other keys (and K3's for other "
                           "families) are left out (vLLM's)")
@@ -324,7 +326,8 @@ class ResponsesRequest(_Strict):
     parallel_tool_calls: Optional[bool] = None
     text: Optional[dict[str, Any]] = Field(None, description="{'format': {'type': 'text' | 'json_object' | "
                                                              "'json_schema', 'name', 'schema'}}")
-    reasoning: Optional[dict[str, Any]] = Field(None, description="{'effort': K3's low | high | max}")
+    reasoning: Optional[dict[str, Any]] = Field(None, description="{'effort': K3's low | high | max, or OpenAI's "
+                                                                   "minimal | medium | xhigh | none (as reasoning_effort)}")
     previous_response_id: Optional[str] = Field(None, description="continue the conversation of a stored response "
                                                                    "(its instructions are not carried over)")
     store: Optional[bool] = Field(None, description="default true: keep the response in server memory (per API key, "
@@ -618,11 +621,13 @@ class ServerState:
         eng = self.engine
         return {} if eng is None else _read_stats(lambda: dict(eng.stats()), {})
 
-    def replica_stats(self) -> list:
-        """Each data-parallel replica's own statistics (its /metrics series carry its index as `engine`); []
-        for one engine."""
+    def replica_stats(self) -> list | dict:
+        """Each data-parallel replica's own statistics (its /metrics series carry its index as `engine`), or a
+        disaggregated pair's by engine label ({"0": decode, "prefill": prefill}); [] for one engine."""
         each = getattr(self.engine, "replica_stats", None)
-        return [] if each is None else _read_stats(lambda: [dict(s) for s in each()], [])
+        if each is None:
+            return []
+        return _read_stats(lambda: _copied_stats(each()), [])
 
     def _frontend(self) -> dict:
         return {"ready": 1 if self.healthy else 0, "requests_in_flight": self.requests_in_flight,
@@ -1149,6 +1154,13 @@ class _Run:
         self.st.release(self.nseqs)
         if self.st.request_log is not None:
             self.st.request_log(_finished_line(self))
+
+
+def _copied_stats(each):
+    """`replica_stats()`'s list, or mapping by engine label, with each engine's statistics copied."""
+    if isinstance(each, Mapping):
+        return {label: dict(s) for label, s in each.items()}
+    return [dict(s) for s in each]
 
 
 def _engine_index(engine, request_id: str) -> int:
@@ -2589,25 +2601,49 @@ def _completion_prompts(st: ServerState, prompt) -> tuple[list[str], list[list[i
     return texts, ids
 
 
+# OpenAI's reasoning efforts that K3 has no level of, on K3's scale (low < high < max): the K3 level in the same place
+# (medium, OpenAI's and Codex's default: K3's middle, high); none: no thinking (K3's non-thinking prompt)
+OPENAI_EFFORTS = {"minimal": "low", "medium": "high", "xhigh": "max", "none": None}
+
+
+def k3_effort(effort: str) -> Optional[str]:
+    """A request's `reasoning_effort` -> K3's `thinking_effort` (None: thinking off); a ValueError for a name neither
+    K3's (low, high, max) nor OpenAI's (`OPENAI_EFFORTS`)."""
+    from k3jax.chat_template import K3_THINKING_EFFORTS
+
+    if effort in K3_THINKING_EFFORTS:
+        return effort
+    if isinstance(effort, str) and effort in OPENAI_EFFORTS:
+        return OPENAI_EFFORTS[effort]
+    raise ValueError(f"expected one of {', '.join(K3_THINKING_EFFORTS)} (K3's) or {', '.join(OPENAI_EFFORTS)} (OpenAI's: "
+                     f"minimal is low, medium high, xhigh max, none no thinking), got {effort!r}")
+
+
 def _template_kwargs(st: ServerState, body) -> Optional[dict]:
-    """`chat_template_kwargs` with `reasoning_effort` (K3's thinking effort, as vLLM and SGLang take it)."""
+    """`chat_template_kwargs` with `reasoning_effort` (K3's thinking effort, as vLLM and SGLang take it; OpenAI's
+    names mapped by `k3_effort`)."""
     kwargs = body.chat_template_kwargs
     effort = getattr(body, "reasoning_effort", None)
     if effort is None:
         return kwargs
-    from k3jax.chat_template import K3_THINKING_EFFORTS
-
     if st.chat_family != "k3":
         raise APIError(400, f"reasoning_effort: the {st.chat_family!r} chat format has no thinking effort",
                        param="reasoning_effort")
-    if effort not in K3_THINKING_EFFORTS:
-        raise APIError(400, f"reasoning_effort: expected one of {', '.join(K3_THINKING_EFFORTS)}, got {effort!r}",
-                       param="reasoning_effort")
-    given = (kwargs or {}).get("thinking_effort", effort)
-    if given != effort:
-        raise APIError(400, f"reasoning_effort: {effort!r} differs from chat_template_kwargs.thinking_effort "
-                            f"{given!r}", param="reasoning_effort")
-    return {**(kwargs or {}), "thinking_effort": effort}
+    try:
+        mapped = k3_effort(effort)
+    except ValueError as e:
+        raise APIError(400, f"reasoning_effort: {e}", param="reasoning_effort") from None
+    kwargs = kwargs or {}
+    if mapped is None:  # "none": thinking off
+        if kwargs.get("thinking") not in (None, False):  # (null: not given)
+            raise APIError(400, f"reasoning_effort: {effort!r} turns thinking off; chat_template_kwargs.thinking is "
+                                f"{kwargs['thinking']!r}", param="reasoning_effort")
+        return {**kwargs, "thinking": False}
+    given = kwargs.get("thinking_effort", mapped)
+    if given != mapped:
+        raise APIError(400, f"reasoning_effort: {effort!r} (K3's {mapped!r}) differs from "
+                            f"chat_template_kwargs.thinking_effort {given!r}", param="reasoning_effort")
+    return {**kwargs, "thinking_effort": mapped}
 
 
 def _tool_plan(tools, tool_choice=None, parallel_tool_calls=None) -> Optional[ToolPlan]:
@@ -2735,7 +2771,11 @@ def _thinks(st: ServerState, body) -> bool:
 
 
 def _thinking(body) -> bool:
-    """K3's `chat_template_kwargs.thinking`; unset or null is the renderer's default, on."""
+    """K3's `chat_template_kwargs.thinking`; unset or null is the renderer's default, on; off with a
+    `reasoning_effort` that means no thinking (OpenAI's "none", `k3_effort`)."""
+    effort = getattr(body, "reasoning_effort", None)
+    if isinstance(effort, str) and effort in OPENAI_EFFORTS and OPENAI_EFFORTS[effort] is None:
+        return False
     return (body.chat_template_kwargs or {}).get("thinking") is not False
 
 

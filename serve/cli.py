@@ -231,7 +231,7 @@ def add_serve_arguments(s, server: bool = True) -> None:
                         "pays for slicing the stacked weights (CPU: decode 1.2x, prefill 1.4x slower)")
     e.add_argument("--speculative-config", default=d["speculative_config"],
                    help='speculative decoding, vLLM\'s JSON form, e.g. \'{"method": "ngram", "num_speculative_tokens": 3}\' '
-                        '(methods: ngram, suffix)')
+                        '(methods: ngram or [ngram], suffix; num_speculative_tokens 1-32, default 3)')
     e.add_argument("--generation-config", default=d["generation_config"], metavar="auto|vllm|DIR",
                    help="default sampling for requests that leave it unset: 'auto' reads the checkpoint's "
                         "generation_config.json (K3: temperature 1.0, top_p 0.95), 'vllm' ignores it, a directory "
@@ -493,6 +493,7 @@ def engine_config(o: dict):
     import dataclasses
 
     from serve.engine import EngineConfig
+    from serve.speculative import SpeculativeConfig
 
     auto = o["max_model_len"] in ("auto", -1) and not isinstance(o["max_model_len"], bool)
     for flag in ("tool_call_parser", "reasoning_parser"):
@@ -540,7 +541,8 @@ def engine_config(o: dict):
             raise ValueError(f"--speculative-config: not JSON ({e})") from None
         if not isinstance(extra["speculative_config"], dict):
             raise ValueError("--speculative-config: expected a JSON object")
-    drafts = (extra.get("speculative_config") or {}).get("num_speculative_tokens", 3) if spec else 0
+    drafts = (extra.get("speculative_config") or {}).get("num_speculative_tokens") if spec else 0
+    drafts = SpeculativeConfig.num_speculative_tokens if drafts is None else drafts  # (null: the default, as vLLM)
     drafts = drafts if isinstance(drafts, int) and drafts > 0 else 0  # EngineConfig names a bad value
     if o.get("no_prefix_caching") and "enable_prefix_caching" in {f.name for f in dataclasses.fields(EngineConfig)}:
         extra["enable_prefix_caching"] = False

@@ -145,6 +145,12 @@ class DisaggregatedAsyncEngine(EngineGroupStatus):
                                                     "requests_aborted", "mesh") if k in pre}
         return out
 
+    def replica_stats(self) -> dict:
+        """Each engine's own `stats()` by its /metrics `engine` label: the decode engine's under "0" (the requests'
+        outputs: one engine's series keep their labels), the prefill engine's under "prefill" (vLLM labels each
+        engine's series; its P/D instances each serve their own /metrics)."""
+        return {"0": self.decode.stats(), "prefill": self.prefill.stats()}
+
     async def call(self, fn):
         results = await asyncio.gather(self.prefill.call(fn), self.decode.call(fn), return_exceptions=True)
         for res in results:

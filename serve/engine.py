@@ -2303,11 +2303,22 @@ class Engine:
         summary["seconds"] = time.perf_counter() - t0
         return summary
 
+    def _scheduled_rebalance(self) -> None:
+        """`rebalance_experts` every `eplb_step_interval` steps, inside a step's read-back. A move that fails leaves
+        the weights, the placement and the stats as they were (`_move_experts`), and is no request's doing: it is
+        logged and counted (`stats()["eplb"]["failed_moves"]`), the step's outputs and requests go on, and the next
+        plan comes an interval later."""
+        try:
+            self.rebalance_experts()
+        except Exception as e:  # noqa: BLE001 - (an interrupt goes on)
+            self.eplb.failed_moves += 1
+            log.warning("expert move failed, the experts stay where they were: %s: %s", type(e).__name__, e)
+
     def _move_experts(self, moves: dict[int, np.ndarray], summary: dict, send: Optional[Callable] = None) -> None:
         """Gather each moved MoE layer's expert weights into their new places ({layer: placement}) and write its
         placement tables. Index and tables go in as numpy values (the same on every process of a multi-process
         mesh, whose followers run this on the leader's EPLB command). Launches only (the caller waits); a move
-        that raises leaves the placement and the weights as they were.
+        that raises leaves the placement, the weights and the `eplb` stats as they were.
 
         `send` (a multi-process leader's: the moves to the followers) runs once this process's move is launched
         (launches are asynchronous), as a step is sent (`_step_fn`): a move that fails on the leader alone is never
@@ -2334,18 +2345,17 @@ class Engine:
             send()
         for leaf, launch in gathers.items():
             leaves[leaf] = launch()
-        before = {layer: self.eplb.placement[layer].copy() for layer in moves}
-        self.eplb.applied(moves, summary)
+        before = self.eplb.place(moves)
         try:
             self._write_placement_tables(leaves, moves)
             if moves:
                 self._set_leaves(leaves)
         except BaseException:
-            for layer, placement in before.items():
-                self.eplb.placement[layer] = placement
+            self.eplb.place(before)
             raise
         if send is not None and not inline:
             send()
+        self.eplb.applied(moves, summary)  # (stats count only the moves that landed)
         self.counters["eplb_rebalances"] += 1
 
     def _write_placement_tables(self, leaves: list, layers) -> None:
@@ -3349,7 +3359,7 @@ class Engine:
         counts = np.asarray(counts)
         self.expert_counts += counts
         if self.eplb is not None and self.eplb.observe(counts):
-            self.rebalance_experts()
+            self._scheduled_rebalance()
         top_ids, top_lps = np.asarray(res.top_ids), np.asarray(res.top_logprobs)
         verify = tokens.ndim == 2
         accepted = np.asarray(accepted) if verify else None

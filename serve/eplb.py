@@ -190,7 +190,7 @@ class ExpertBalancer:
         self.bucket_steps = max(1, window // BUCKETS)
         self.buckets: deque = deque(maxlen=-(-window // self.bucket_steps))
         self.current, self.in_bucket, self.since = np.zeros((num_layers, num_experts)), 0, 0
-        self.rebalances, self.layers_moved = 0, 0
+        self.rebalances, self.layers_moved, self.failed_moves = 0, 0, 0
         self.last: dict = {}
 
     def tables(self, layer: int) -> tuple[np.ndarray, np.ndarray]:
@@ -228,9 +228,16 @@ class ExpertBalancer:
                        imbalance_after=float(np.mean(after)) if after else 1.0)
         return moves, summary
 
-    def applied(self, moves: dict[int, np.ndarray], summary: dict) -> None:
+    def place(self, moves: dict[int, np.ndarray]) -> dict[int, np.ndarray]:
+        """Set these MoE layers' placements ({layer: `expert_at`}) -> their previous ones (what a move that fails
+        puts back)."""
+        before = {layer: self.placement[layer].copy() for layer in moves}
         for layer, new in moves.items():
             self.placement[layer] = new
+        return before
+
+    def applied(self, moves: dict[int, np.ndarray], summary: dict) -> None:
+        """Count a move that landed (weights and tables written; `place` set its placement) in the stats."""
         self.rebalances += 1
         self.layers_moved += len(moves)
         self.last = summary
@@ -242,7 +249,8 @@ class ExpertBalancer:
     def stats(self) -> dict:
         return dict(ranks=self.ranks, window_size=self.window, step_interval=self.interval,
                     num_redundant_experts=self.redundant, physical_experts=self.placement.shape[1],
-                    rebalances=self.rebalances, layers_moved=self.layers_moved, last=dict(self.last))
+                    rebalances=self.rebalances, layers_moved=self.layers_moved, failed_moves=self.failed_moves,
+                    last=dict(self.last))
 
 
 @jax.jit

@@ -149,9 +149,18 @@ def _sleep_state(level, model: str, engine: str = ENGINE) -> GaugeMetricFamily:
     return g
 
 
+def engine_labels(each) -> list[tuple[str, Any]]:
+    """Engines' statistics -> (`engine` label, statistics) pairs: a list is labelled by index ("0", "1", ...: data-
+    parallel replicas), a mapping by its keys (a disaggregated pair: "0" decode, "prefill")."""
+    if isinstance(each, Mapping):
+        return [(str(label), s) for label, s in each.items()]
+    return [(str(i), s) for i, s in enumerate(each)]
+
+
 class EngineCollector:
-    """Reads the engine's statistics at scrape time (a custom prometheus collector). `each`: each data-parallel
-    replica's own statistics (their series then carry engine "0", "1", ...; [] or None: one engine)."""
+    """Reads the engine's statistics at scrape time (a custom prometheus collector). `each`: each engine's own
+    statistics (data-parallel replicas: a list, their series then carry engine "0", "1", ...; a disaggregated pair:
+    {"0": decode, "prefill": prefill}; [] or None: one engine)."""
 
     def __init__(self, stats: Callable[[], dict], model_name: str, frontend: Callable[[], dict],
                  each: Optional[Callable[[], list]] = None):
@@ -164,8 +173,8 @@ class EngineCollector:
         s = self._stats() or {}
         each = (self._each() if self._each is not None else None) or [s]
         families: dict[str, Any] = {}  # one family per name, its samples every engine's
-        for i, es in enumerate(each):
-            for fam in self._engine_families(es or {}, str(i)):
+        for label, es in engine_labels(each):
+            for fam in self._engine_families(es or {}, label):
                 if fam.name in families:
                     families[fam.name].samples.extend(fam.samples)
                 else:

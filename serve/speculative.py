@@ -39,6 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 
 
+NGRAM_NAMES = ("ngram", "[ngram]")  # vLLM's names of prompt lookup (as `method`, or as `model` in its older form)
+# the widest verify row: 1 + this many tokens (vLLM's suffix default, suffix_decoding_max_tree_depth = 24, fits)
+MAX_DRAFTS = 32
+
+
 def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
@@ -48,8 +53,12 @@ class SpeculativeConfig:
     """vLLM's `speculative_config` for its model-free methods (its field names): `ngram` (prompt lookup) and
     `suffix` (Suffix Decoding: the request's own tokens and the responses of finished requests, `SuffixProposer`)."""
 
-    method: str = "ngram"
-    num_speculative_tokens: int = 3  # drafts per step and row (verify rows carry 1 + this many tokens)
+    method: str = "ngram"  # also vLLM's alias "[ngram]"
+    # the most drafts per step and row: verify rows carry 1 + this many tokens, whatever a draft's length (a
+    # shorter one pads its row). 3 for `suffix` too, where vLLM defaults to suffix_decoding_max_tree_depth (24):
+    # its rows are ragged, ours a fixed-width program (tiny-k3 on 2 CPU cores, 8 rows: a verify step cost 1.9
+    # decode steps at 3, 7.1 at 24, which the draft gate then takes only for near-whole repeated answers)
+    num_speculative_tokens: int = 3
     prompt_lookup_max: int = 4  # longest suffix matched
     prompt_lookup_min: int = 1  # shortest suffix matched
     # no drafts while this many requests or more decode (vLLM v0's speculative_disable_by_batch_size):
@@ -69,19 +78,28 @@ class SpeculativeConfig:
 
     @classmethod
     def from_dict(cls, d: dict) -> "SpeculativeConfig":
+        d = dict(d)
+        if d.get("model") in NGRAM_NAMES and d.get("method") in (None, *NGRAM_NAMES):  # vLLM's older form
+            d.pop("model")
+            d["method"] = "ngram"
         unknown = set(d) - set(cls.__dataclass_fields__)
         if unknown:
             raise ValueError(f"speculative_config: unknown key(s) {sorted(unknown)}; expected "
                              f"{sorted(cls.__dataclass_fields__)}")
-        # vLLM's reading: a bound given as null is not given; a lone bound is both (no default above a lone min,
-        # none below a lone max)
-        d = {k: v for k, v in d.items() if v is not None or k not in ("prompt_lookup_min", "prompt_lookup_max")}
+        # vLLM's reading: a bound or a draft count given as null is not given (vLLM's defaults are null); a lone
+        # bound is both (no default above a lone min, none below a lone max)
+        d = {k: v for k, v in d.items()
+             if v is not None or k not in ("prompt_lookup_min", "prompt_lookup_max", "num_speculative_tokens")}
         lo, hi = d.get("prompt_lookup_min"), d.get("prompt_lookup_max")
         if hi is None and lo is not None:
             d["prompt_lookup_max"] = lo
         elif lo is None and hi is not None:
             d["prompt_lookup_min"] = hi
         return cls(**d)
+
+    def __post_init__(self):
+        if self.method in NGRAM_NAMES:  # vLLM's alias
+            object.__setattr__(self, "method", "ngram")
 
     def validate(self, prefill_chunk: int) -> None:
         if self.method not in ("ngram", "suffix"):
@@ -97,8 +115,10 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config.{key}={x!r}: out of range (depth >= 2, cached requests >= 0, "
                                      f"spec factor > 0, min token prob in [0, 1])")
         k = self.num_speculative_tokens
-        if not _is_int(k) or not 1 <= k <= 16:
-            raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: expected an integer in [1, 16]")
+        if not _is_int(k) or not 1 <= k <= MAX_DRAFTS:
+            raise ValueError(f"speculative_config.num_speculative_tokens={k!r}: expected an integer in [1, {MAX_DRAFTS}] "
+                             f"(the most drafts a step verifies per row; each verify row computes 1 + this many "
+                             f"tokens whatever its draft's length)")
         if not (_is_int(self.prompt_lookup_min) and _is_int(self.prompt_lookup_max)
                 and 1 <= self.prompt_lookup_min <= self.prompt_lookup_max):
             raise ValueError(f"speculative_config.prompt_lookup_min / prompt_lookup_max: expected integers with "

@@ -1,6 +1,8 @@
 """Expert-parallel load balancing (serve/eplb.py): the placement plan, the weight move it implies, and the
 balancer's window. The engine runs it on 4 simulated devices in tests/test_sharding.py."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -122,6 +124,8 @@ def test_balancer_window_interval_and_gain():
     assert list(moves) == [0] and summary["layers_moved"] == 1
     assert summary["imbalance_before"] > summary["imbalance_after"]
     assert not b.observe(hot)  # the interval restarts with a plan
+    before = b.place(moves)  # the placement first (the engine writes its tables), then the stats once it landed
+    assert b.rebalances == 0 and np.array_equal(before[0], np.arange(8))
     b.applied(moves, summary)
     assert b.rebalances == 1 and b.stats()["last"] == summary
     assert not any(0 in held and 1 in held for held in ranks_of(b.placement[0], 4))  # hot pair split
@@ -187,3 +191,66 @@ def test_copies_compute_what_the_original_experts_do():
     physical = np.asarray(layer._physical(ids, layer.expert_slots[...], layer.expert_copies[...]))
     assert np.array_equal(new[physical], np.asarray(ids))  # every slot lands on a copy of its own expert
     assert len(set(physical[np.asarray(ids) == 0].tolist())) == 3  # expert 0's slots use all three copies
+
+
+def test_a_failed_move_counts_in_no_stats_and_ends_no_request():
+    """A move whose weights fail to land (injected as they are placed; in life device memory) leaves the placement
+    and the `eplb` stats (rebalances, layers_moved, last) as they were; the next move counts once. One the engine
+    schedules (every `eplb_step_interval` steps) fails alone: the step's requests go on to the same tokens.
+    (Two CPU devices in a subprocess: expert parallelism needs a mesh; tests/step_failures.py drains the engine.)"""
+    import os
+    import subprocess
+    import sys
+
+    code = """
+import json, sys, numpy as np, k3jax
+sys.path.insert(0, "tests")
+from serve.engine import Engine, EngineConfig
+from serve.types import SamplingParams
+from step_failures import drain_through_failures
+cfg = EngineConfig(max_model_len=128, page_size=16, cache_bytes=64 * 16 * 2560, max_num_seqs=4, decode_buckets=(4,),
+                   prefill_buckets=(1,), context_buckets=(8,), measure_moe_time=False, sharding="ep",
+                   enable_eplb=True, eplb_num_redundant_experts=2)
+engine = Engine(k3jax.load_model("tiny-k3", seed=0), cfg, warmup=False, progress=False)
+start, plan = engine.eplb.placement.copy(), engine.eplb.plan
+engine.eplb.plan = lambda: ({0: start[0][::-1].copy()}, dict(layers_moved=1, imbalance_after=1.0))
+real = engine._set_leaves
+def broken(leaves):
+    raise RuntimeError("injected device failure")
+engine._set_leaves = broken
+try:
+    engine.rebalance_experts()
+    failed = None
+except RuntimeError as e:
+    failed = str(e)
+after_failure = dict(engine.stats()["eplb"], kept=engine.eplb.placement.tolist() == start.tolist(),
+                     counted=engine.counters["eplb_rebalances"])
+engine._set_leaves = real
+engine.rebalance_experts()
+after_move = engine.stats()["eplb"]
+def run():
+    ids = [engine.add_request(x, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+           for x in ("The quick brown fox", "jumps over")]
+    failures, done = drain_through_failures(engine)
+    return [done[i].outputs[0].token_ids for i in ids], [str(f) for f in failures]
+want = run()
+engine._set_leaves, engine.eplb.interval = broken, 2  # scheduled moves, every 2 steps, each failing
+scheduled = run()
+print("RESULT" + json.dumps(dict(failed=failed, after_failure=after_failure, after_move=after_move, want=want,
+                                 scheduled=scheduled, after_scheduled=engine.stats()["eplb"])))
+"""
+    env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
+               JAX_PLATFORMS="cpu")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0 and "RESULT" in out.stdout, out.stderr[-3000:]
+    got = json.loads(out.stdout.split("RESULT")[1])
+    assert got["failed"] == "injected device failure", got
+    failed = got["after_failure"]
+    assert failed["kept"] and (failed["rebalances"], failed["layers_moved"], failed["last"], failed["counted"]) == (0, 0, {}, 0), got
+    moved = got["after_move"]
+    assert (moved["rebalances"], moved["layers_moved"], moved["last"]["layers_moved"]) == (1, 1, 1), got
+    # scheduled moves that fail (inside a step's read-back) end no request: the outputs stand, the moves are counted
+    # as failed, not as rebalances (they ended the requests of the step that planned them)
+    assert got["scheduled"] == got["want"] and got["want"][1] == [], got
+    after = got["after_scheduled"]
+    assert after["failed_moves"] >= 2 and (after["rebalances"], after["layers_moved"]) == (1, 1), got

@@ -161,10 +161,30 @@ def test_reasoning_effort_maps_to_k3_thinking_effort():
     assert _template_kwargs(k3, body(None, {"thinking": True})) == {"thinking": True}
     assert _template_kwargs(k3, body("low", {"thinking": True})) == {"thinking": True, "thinking_effort": "low"}
     assert _template_kwargs(k3, body("max", {"thinking_effort": "max"})) == {"thinking_effort": "max"}
-    for st, b in ((k3, body("medium")), (k3, body("low", {"thinking_effort": "high"})), (byte, body("low"))):
+    for st, b in ((k3, body("extreme")), (k3, body("low", {"thinking_effort": "high"})), (byte, body("low")),
+                  (byte, body("medium")), (k3, body("medium", {"thinking_effort": "max"})),
+                  (k3, body("none", {"thinking": True})), (k3, body(["low"]))):
         with pytest.raises(APIError) as e:
             _template_kwargs(st, b)
         assert e.value.status == 400 and e.value.param == "reasoning_effort"
+
+
+def test_openai_reasoning_efforts_map_onto_k3s():
+    """OpenAI's reasoning efforts (Codex and OpenAI default to medium; Responses' `reasoning.effort` comes here as
+    `reasoning_effort`) on K3's low < high < max: each to the K3 level in its place, none to thinking off. Every
+    one but K3's own three was a 400, so Codex's default request failed on K3."""
+    from types import SimpleNamespace
+
+    from serve.api import _template_kwargs
+
+    k3 = SimpleNamespace(chat_family="k3")
+    body = lambda effort, kw=None: SimpleNamespace(reasoning_effort=effort, chat_template_kwargs=kw)  # noqa: E731
+    for effort, want in (("minimal", "low"), ("low", "low"), ("medium", "high"), ("high", "high"), ("xhigh", "max"),
+                         ("max", "max")):
+        assert _template_kwargs(k3, body(effort)) == {"thinking_effort": want}, effort
+    assert _template_kwargs(k3, body("medium", {"thinking_effort": "high"})) == {"thinking_effort": "high"}
+    assert _template_kwargs(k3, body("none")) == {"thinking": False}
+    assert _template_kwargs(k3, body("none", {"thinking": False})) == {"thinking": False}
 
 
 def test_compile_cache_dir_flag_then_jax_env_then_home():

@@ -113,3 +113,29 @@ def test_k3_reasoning_under_both_names_or_left_out(app):
     assert m["reasoning"] == m["reasoning_content"] and "reasoning" in m
     hidden = _post(app, "/v1/chat/completions", {**body, "include_reasoning": False}).json()["choices"][0]["message"]
     assert "reasoning" not in hidden and "reasoning_content" not in hidden and hidden["content"] == m["content"]
+
+
+def test_openai_reasoning_efforts_on_k3(app):
+    """OpenAI's reasoning efforts on a K3 model: `medium` (OpenAI's and Codex's default, Codex sends it as the
+    Responses API's `reasoning.effort`) renders K3's `high`, `none` the non-thinking prompt; both were a 400."""
+    msgs = [{"role": "user", "content": "Turn the light on?"}]
+    high = _post(app, "/tokenize", {"messages": msgs, "chat_template_kwargs": {"thinking_effort": "high"}}).json()
+    r = _post(app, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "reasoning_effort": "medium",
+                                            "return_token_ids": True, "temperature": 0})
+    assert r.status_code == 200 and r.json()["prompt_token_ids"] == high["tokens"], r.text
+    off = _post(app, "/tokenize", {"messages": msgs, "chat_template_kwargs": OFF}).json()
+    r = _post(app, "/v1/chat/completions", {"messages": msgs, "max_tokens": 2, "reasoning_effort": "none",
+                                            "return_token_ids": True, "temperature": 0})
+    assert r.status_code == 200 and r.json()["prompt_token_ids"] == off["tokens"], r.text
+    # ... and its answer is the response channel's, as with thinking off (not read as reasoning)
+    ask = {"messages": msgs, "max_tokens": 6, "temperature": 0, "ignore_eos": True}
+    plain = _post(app, "/v1/chat/completions", {**ask, "chat_template_kwargs": OFF}).json()["choices"][0]["message"]
+    none = _post(app, "/v1/chat/completions", {**ask, "reasoning_effort": "none"}).json()["choices"][0]["message"]
+    assert none == plain and plain["content"] and not plain.get("reasoning_content"), (none, plain)
+    for effort, want in (("medium", high), ("none", off)):
+        r = _post(app, "/v1/responses", {"input": msgs, "max_output_tokens": 2, "reasoning": {"effort": effort},
+                                         "temperature": 0})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["input_tokens"] == want["count"] and r.json()["reasoning"]["effort"] == effort
+    r = _post(app, "/v1/responses", {"input": "x", "reasoning": {"effort": "extreme"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "reasoning.effort", r.text

@@ -270,3 +270,41 @@ def test_end_to_end_latency_ends_when_the_last_output_arrives_not_when_it_is_rea
     assert r.status_code == 200, r.text
     assert samples[("vllm:e2e_request_latency_seconds_count", ())] == 1
     assert samples[("vllm:e2e_request_latency_seconds_sum", ())] < 5.0
+
+
+class _Phase(Recorder):
+    """One engine of a disaggregated pair as `DisaggregatedAsyncEngine` drives it (an `AsyncEngine`'s names)."""
+
+    def __init__(self, stats: dict):
+        super().__init__(max_model_len=64)
+        self._stats = stats
+
+    def stats(self) -> dict:
+        return self._stats
+
+    async def generate(self, prompt, params, request_id, priority=0, cache_salt=None, lora_request=None,
+                       on_accept=None):
+        async for out in super().generate(prompt, params, request_id, priority, on_accept=on_accept or (lambda: None)):
+            yield out
+
+
+def test_a_disaggregated_pair_exports_both_engines():
+    """A disaggregated pair's /metrics: the decode engine's series (and the requests') as engine="0", as one
+    engine's; the prefill engine's as engine="prefill" (vLLM labels each engine's series). The prefill engine's
+    were in `stats()["prefill_engine"]` alone: a dashboard saw no prefill queue, cache or tokens."""
+    from serve.disaggregated import DisaggregatedAsyncEngine
+
+    pd = DisaggregatedAsyncEngine.__new__(DisaggregatedAsyncEngine)
+    pd.prefill = _Phase({"num_requests_waiting": 3, "prompt_tokens": 40, "kv_cache_usage": 0.5})
+    pd.decode = _Phase({"num_requests_running": 2, "generation_tokens": 7})
+    pd.engine, pd._phase, pd._aborted = pd.decode.engine, {}, set()
+    r, text = post_then_scrape(pd, {"prompt": [1, 2], "max_tokens": 1})
+    assert r.status_code == 200, r.text
+    families = list(text_string_to_metric_families(text))
+    assert len({f.name for f in families}) == len(families)
+    got = {(s.name, s.labels["engine"]): s.value for f in families for s in f.samples if len(s.labels) == 2}
+    assert got["vllm:num_requests_running", "0"] == 2 and got["vllm:generation_tokens_total", "0"] == 7
+    assert got["vllm:num_requests_waiting", "prefill"] == 3 and got["vllm:prompt_tokens_total", "prefill"] == 40
+    assert got["vllm:kv_cache_usage_perc", "prefill"] == 0.5 and got["vllm:num_requests_running", "prefill"] == 0
+    assert got["vllm:time_to_first_token_seconds_count", "0"] == 1 and got["k3jax:engine_ready", "0"] == 1
+    assert not any(e == "prefill" and n.startswith(("vllm:time_to_first", "k3jax:engine_ready")) for n, e in got)

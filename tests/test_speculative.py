@@ -193,6 +193,23 @@ def test_config_errors_name_the_field():
         num_speculative_tokens=2)
 
 
+def test_vllms_ngram_names_and_the_widest_verify_row():
+    """vLLM's other names of prompt lookup ("[ngram]" as the method, or as `model` in its older form) are prompt
+    lookup here too (they were an error); vLLM's suffix default (24 drafts, its tree depth) may be asked for, and
+    the limit's error says what a verify row costs."""
+    for given in ({"method": "[ngram]"}, {"model": "[ngram]"}, {"model": "ngram", "method": "[ngram]"}):
+        cfg = EngineConfig(speculative_config={**given, "num_speculative_tokens": 2})
+        cfg.validate()
+        assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=2), given
+    assert SpeculativeConfig(method="[ngram]").method == "ngram"
+    assert SpeculativeConfig.from_dict({"method": "suffix", "num_speculative_tokens": None}).num_speculative_tokens == 3
+    EngineConfig(speculative_config={"method": "suffix", "num_speculative_tokens": 24}).validate()
+    with pytest.raises(ValueError, match=r"num_speculative_tokens=33: expected an integer in \[1, 32\] .*1 \+ this"):
+        EngineConfig(speculative_config={"method": "suffix", "num_speculative_tokens": 33}).validate()
+    with pytest.raises(ValueError, match="unknown key"):
+        EngineConfig(speculative_config={"model": "some/draft-model"})
+
+
 @pytest.fixture(scope="module")
 def engine():
     model = k3jax.load_model("tiny-k3", dtype="float32", seed=0)
@@ -347,6 +364,10 @@ def test_cli_speculative_config():
     cfg = engine_config(dict(DEFAULTS, speculative_config='{"method": "ngram", "num_speculative_tokens": 4}'))
     assert cfg.speculative_config == SpeculativeConfig(num_speculative_tokens=4)
     assert cfg.max_num_batched_tokens >= cfg.max_num_seqs * 5 + cfg.prefill_chunk
+    wide = dict(DEFAULTS, max_num_seqs=256)  # (the token budget then follows the verify rows: 256 x (1 + 3) + ...)
+    null = engine_config(dict(wide, speculative_config='{"method": "[ngram]", "num_speculative_tokens": null}'))
+    assert null.speculative_config == SpeculativeConfig() and null.max_num_batched_tokens == engine_config(
+        dict(wide, speculative_config='{"method": "ngram"}')).max_num_batched_tokens > 256 * 4  # (null: default 3)
     with pytest.raises(ValueError, match="--speculative-config"):
         engine_config(dict(DEFAULTS, speculative_config="{ngram"))
 
