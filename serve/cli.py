@@ -39,7 +39,7 @@ DEFAULTS = dict(
     context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=20, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=None, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
-    eplb_num_redundant_experts=0,
+    eplb_num_redundant_experts=0, enable_expert_parallel=False,
     kda_decode="auto", mla_decode="auto", kv_cache_dtype="auto", kda_state_dtype="float32",
     schedule_conservativeness=1.0, prefill_first=False, scheduling_policy="priority", enable_deterministic_inference=False, compile_threads=None, scan_layers=False, log_level="info",
     enable_return_routed_experts=False, enable_return_hidden_states=False,
@@ -150,6 +150,10 @@ def add_serve_arguments(s, server: bool = True) -> None:
                    help="vLLM's name for the same budget, in GiB (give one of the two)")
     e.add_argument("--sharding", default=d["sharding"],
                    help="device mesh: a config in sharding_configs/ (e.g. 'tp') or a YAML path (default: one device)")
+    e.add_argument("--enable-expert-parallel", "-ep", action="store_true",
+                   help="vLLM's: the routed experts split over the mesh by expert, as --sharding tp / ep / tp_ep (and "
+                        "-tp N) already do; refused where the mesh does not split them (a config without an `experts` "
+                        "rule, experts that do not divide over its ranks, --data-parallel-size > 1), a no-op on one device")
     e.add_argument("--enable-eplb", action="store_true",
                    help="expert-parallel load balancing: with the routed experts split over the mesh (e.g. --sharding "
                         "ep), re-place each MoE layer's experts every --eplb-step-interval steps so every rank gets "
@@ -564,6 +568,7 @@ def engine_config(o: dict):
         seed=o["seed"], sharding=o.get("sharding"), tensor_parallel_size=o.get("tensor_parallel_size"),
         kda_decode=o.get("kda_decode", "auto"),
         decode_context_parallel_size=o.get("decode_context_parallel_size", 1),
+        enable_expert_parallel=bool(o.get("enable_expert_parallel")),
         enable_eplb=bool(o.get("enable_eplb")), eplb_window_size=o.get("eplb_window_size", 1000),
         eplb_step_interval=o.get("eplb_step_interval", 3000),
         eplb_num_redundant_experts=o.get("eplb_num_redundant_experts", 0),
@@ -908,16 +913,18 @@ def serve_main(args) -> int:
         from serve.multihost import initialize
 
         initialize(o["coordinator_address"], o["num_processes"], o["process_id"])
-    if o["data_parallel_size"] > 1:  # enough devices for the replicas: say so before listening
-        from serve.data_parallel import replica_devices
+    import dataclasses
 
-        replica_devices(o["data_parallel_size"], cfg)
+    from serve.data_parallel import replica_devices
+
     pd = disaggregation(o)
-    if pd is not None:
-        import dataclasses
-
-        for devices in pd:  # the devices exist and fit the sharding config: say so before listening
-            dataclasses.replace(cfg, devices=devices).validate()
+    # each engine's devices exist and fit the sharding config's mesh: say so before listening
+    groups = (pd if pd is not None else replica_devices(o["data_parallel_size"], cfg)[:1]
+              if o["data_parallel_size"] > 1 else (None,))
+    for devices in groups:
+        one = cfg if devices is None else dataclasses.replace(cfg, devices=devices)
+        one.validate()
+        one.check_mesh()
     cache_dir = None if o["no_compile_cache"] else enable_compile_cache(o["compile_cache_dir"])
     if o["process_id"] > 0:
         return _follow(o, cfg)

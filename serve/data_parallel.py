@@ -45,6 +45,11 @@ def replica_devices(size: int, config: EngineConfig) -> list[tuple[int, ...]]:
     split into equal consecutive groups; one device each without a sharding config."""
     if not isinstance(size, int) or isinstance(size, bool) or size < 1:
         raise ValueError(f"data_parallel_size={size!r}: expected an integer >= 1")
+    if config.enable_expert_parallel and size > 1:
+        raise ValueError(f"enable_expert_parallel with data_parallel_size={size}: replicas share nothing, so each "
+                         f"would hold every expert its own mesh does not split (vLLM's expert parallelism spans TP x "
+                         f"DP devices); run one engine whose mesh splits the experts over the devices instead "
+                         f"(sharding 'ep' or 'tp_ep')")
     pool = list(config.devices) if config.devices is not None else list(range(len(jax.devices())))
     if len(set(pool)) != len(pool):
         raise ValueError(f"devices={config.devices!r}: an index appears twice")
@@ -72,6 +77,7 @@ def load_options(config: EngineConfig, data_parallel_size: int = 1, devices=None
     copy theirs from that first one, device to device. `{}` for one engine on the default device."""
     if devices is None and data_parallel_size > 1:
         devices = replica_devices(data_parallel_size, config)[0]
+    (config if devices is None else dataclasses.replace(config, devices=tuple(devices))).check_mesh()
     if devices is None:
         devices = config.mesh_devices()
         if devices is None and not config.sharding:
@@ -250,8 +256,9 @@ def build_replicas(model, config: EngineConfig, size: int, progress: bool = True
         raise ValueError("data_parallel_size: replicas live in one process; a multi-process mesh runs one engine")
     dataclasses.replace(config, devices=None, tensor_parallel_size=None).validate()
     groups = replica_devices(size, config)
-    for g in groups:  # each replica's devices exist
+    for g in groups:  # each replica's devices exist and fit the mesh
         dataclasses.replace(config, devices=g).validate()
+        dataclasses.replace(config, devices=g).check_mesh()
     # built side by side: XLA compiles each replica's programs (its own devices) with the GIL released. Each
     # replica draws its unseeded requests' seeds from a stream of its own (config.seed + its index): with one
     # seed, the k-th unseeded request of every replica sampled the same tokens (duplicated rollouts)

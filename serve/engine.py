@@ -126,7 +126,31 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")  # EngineConfig.kv_transfer
 # EngineConfig's on / off options (a truthy string or list would pass for True, or fail far from the option)
 BOOL_OPTIONS = ("prefill_first", "enable_deterministic_inference", "enable_prefix_caching", "enable_return_routed_experts",
                 "enable_return_hidden_states", "measure_moe_time", "scan_layers", "enable_eplb", "enable_prompt_embeds",
-                "async_scheduling")
+                "async_scheduling", "enable_expert_parallel")
+
+
+def expert_parallel_refusal(sharding: str, rule, mesh_sizes: Optional[dict] = None, num_experts: int = 0,
+                            physical: int = 0) -> Optional[str]:
+    """Why `enable_expert_parallel` cannot hold under the `sharding` config (its `experts` rule `rule`) on a mesh of
+    `mesh_sizes` (None: not known yet) -> the error, or None. The rule must split the routed experts by expert
+    over more than one rank, and those ranks must divide the stacked experts (`physical`: with EPLB's copies),
+    else the experts stay whole on every device (`k3jax.sharding.spec_for`), which is not what was asked for."""
+    key = f"enable_expert_parallel: sharding={sharding!r}"
+    if mesh_sizes is not None and math.prod(mesh_sizes.values()) < 2:
+        return None  # one device: nothing to split (vLLM's EP size 1)
+    if rule is None:
+        return (f"{key} does not split the routed experts (no `experts` rule); use a config that does, e.g. 'tp', "
+                f"'ep' or 'tp_ep'")
+    if mesh_sizes is None:
+        return None
+    ranks = axes_size(rule, mesh_sizes)
+    if ranks < 2:
+        return f"{key} on {math.prod(mesh_sizes.values())} devices: its `experts` rule {rule!r} splits them over 1 rank"
+    if physical % ranks:
+        copies = f" and their copies ({physical})" if physical != num_experts else ""
+        return (f"{key}: the {num_experts} routed experts{copies} do not split evenly over the {ranks} ranks of its "
+                f"`experts` rule {rule!r}")
+    return None
 
 
 def _check_int(key: str, v, low: int, high: Optional[int] = None) -> None:
@@ -325,6 +349,10 @@ class EngineConfig:
     # copies of its hottest experts (E + X stacked experts, (E + X) / R per rank), placed by the same plans;
     # evens out layers whose hottest expert alone outweighs a rank's share. Costs X experts' weights per layer.
     eplb_num_redundant_experts: int = 0
+    # vLLM's --enable-expert-parallel: the routed experts must split over the mesh by expert (the `sharding`
+    # config's `experts` rule: `tp`, `ep` and `tp_ep` do), else the engine refuses to start; on one device it
+    # changes nothing (vLLM's EP size TP x DP is 1). Not with data-parallel replicas: they share no experts.
+    enable_expert_parallel: bool = False
     # Devices the engine runs on, as indices into `jax.devices()`; None: every device under a `sharding`
     # config, the default device without one. Disjoint sets let several engines share a host: data-parallel
     # replicas (serve/data_parallel.py), or a disaggregated prefill engine beside its decode engine. Without
@@ -399,6 +427,22 @@ class EngineConfig:
         if self.tensor_parallel_size is not None and (self.sharding is not None or self.tensor_parallel_size > 1):
             return tuple(range(self.tensor_parallel_size))
         return None
+
+    def check_mesh(self) -> None:
+        """Raise unless the `sharding` config's mesh fits the devices the engine gets (`mesh_devices`; all of them
+        when unset), naming the option that chose them: checked before the weights load (`k3jax serve` says so
+        before it listens), not only once they are placed."""
+        if not self.sharding and self.devices is None:
+            return
+        on = self.mesh_devices()
+        try:
+            load_sharding_config(self.sharding or "single").mesh_shape(len(jax.devices()) if on is None else len(on))
+        except ValueError as e:
+            if self.devices is not None:
+                raise ValueError(f"devices={list(self.devices)!r}: {e}") from None
+            if on is not None:
+                raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size}: {e}") from None
+            raise
 
     def validate(self):
         if self.kda_decode not in ("auto", "in_place", "gathered"):
@@ -511,7 +555,11 @@ class EngineConfig:
         if self.sharding is not None:
             if not isinstance(self.sharding, str) or not self.sharding:
                 raise ValueError(f"sharding={self.sharding!r}: expected a config name in sharding_configs/ or a YAML path")
-            load_sharding_config(self.sharding)  # raises, naming the config key at fault
+            sharding = load_sharding_config(self.sharding)  # raises, naming the config key at fault
+            fixed = dict(sharding.mesh_axes) if -1 not in dict(sharding.mesh_axes).values() else None
+            if self.enable_expert_parallel and (why := expert_parallel_refusal(self.sharding, sharding.rule("experts"),
+                                                                               fixed)):
+                raise ValueError(why)
         f = self.gpu_memory_utilization
         if f is not None and (not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 1):
             raise ValueError(f"gpu_memory_utilization={f!r}: expected a fraction in (0, 1]")
@@ -820,12 +868,8 @@ class Engine:
         if config.sharding or on is not None:
             self.sharding_config = load_sharding_config(config.sharding or "single")
             devices = None if on is None else [jax.devices()[i] for i in on]
-            try:
-                self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config, devices)
-            except ValueError as e:
-                if devices is None:
-                    raise
-                raise ValueError(f"devices={list(on)!r}: {e}") from None
+            config.check_mesh()  # raises, naming the option that chose the devices
+            self.mesh, model, self.sharding_notes = shard_model(model, self.sharding_config, devices)
             axis = state_axis(self.sharding_config, dict(self.mesh.shape), model.cfg.kda_num_heads)
             self.state_split = StateSplit(self.mesh, axis) if axis is not None else None
             heads = self.sharding_config.rule("heads")
@@ -846,6 +890,10 @@ class Engine:
         physical = model.cfg.num_experts + config.eplb_num_redundant_experts
         self._ep_ranks = (axes_size(expert_axis(self.sharding_config, self.mesh, physical),
                                     dict(self.mesh.shape)) if self.mesh is not None else 1)
+        if config.enable_expert_parallel and self.mesh is not None and (why := expert_parallel_refusal(
+                self.sharding_config.name, self.sharding_config.rule("experts"), dict(self.mesh.shape),
+                model.cfg.num_experts, physical)):
+            raise ValueError(why)
         ranks = axes_size(self.sharding_config.rule("experts"), dict(self.mesh.shape)) if self.mesh is not None else 1
         if config.eplb_num_redundant_experts and ranks > 1 and physical % ranks:
             raise ValueError(f"eplb_num_redundant_experts={config.eplb_num_redundant_experts}: the "

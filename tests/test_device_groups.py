@@ -5,6 +5,7 @@ simulated devices share tests/test_sharding.py's multi-device process (CI time);
 merged statistics and the options."""
 import pytest
 
+from k3jax.sharding import load_sharding_config
 from serve.data_parallel import PrefixRouter, _salt, merge_stats, replica_devices
 from serve.engine import EngineConfig
 
@@ -155,6 +156,82 @@ def test_tensor_parallel_size_picks_the_mesh_devices(monkeypatch):
     args = build_parser().parse_args(["serve", "-tp", "2"])
     cfg = engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
     assert cfg.tensor_parallel_size == 2 and cfg.sharding == "tp" and cfg.mesh_devices() == (0, 1)
+
+
+def test_vllms_enable_expert_parallel_is_taken_where_the_mesh_splits_the_experts(tmp_path):
+    """vLLM's `--enable-expert-parallel` / `-ep` (a launch line with it failed: unrecognized argument): taken with
+    -tp N (the `tp` config splits the experts by expert already) and on one device; refused, naming the option, where
+    the experts would stay whole on every device (a config without an `experts` rule, experts that do not divide
+    over its ranks) or spread over data-parallel replicas (which share nothing; vLLM's EP spans TP x DP)."""
+    from k3jax.cli import build_parser
+    from serve.cli import DEFAULTS, engine_config
+    from serve.engine import expert_parallel_refusal
+
+    def cfg(*argv):
+        args = build_parser().parse_args(["serve", *argv])
+        return engine_config({k: getattr(args, k, v) for k, v in DEFAULTS.items()})
+
+    assert not cfg().enable_expert_parallel
+    c = cfg("-tp", "1", "--enable-expert-parallel")
+    assert c.enable_expert_parallel and c.sharding is None
+    c.validate()
+    cfg("-ep", "--sharding", "single").validate()  # one device: nothing to split
+    mine = tmp_path / "dense.yaml"
+    mine.write_text("mesh: {tensor: -1}\nrules: {heads: tensor, mlp: tensor}\n")
+    cfg("--sharding", str(mine)).validate()
+    with pytest.raises(ValueError, match="enable_expert_parallel: sharding=.*dense.yaml.* does not split the routed"):
+        cfg("-ep", "--sharding", str(mine)).validate()
+    with pytest.raises(ValueError, match="enable_expert_parallel with data_parallel_size=2: replicas share nothing"):
+        replica_devices(2, cfg("-ep"))
+    assert replica_devices(1, cfg("-ep")) == [(0,)]
+    tp = load_sharding_config("tp")
+    assert expert_parallel_refusal("tp", tp.rule("experts"), {"tensor": 4}, 8, 8) is None
+    assert expert_parallel_refusal("tp", tp.rule("experts"), {"tensor": 1}, 6, 6) is None
+    assert expert_parallel_refusal("tp", tp.rule("experts"), {"tensor": 4}, 6, 6) == (
+        "enable_expert_parallel: sharding='tp': the 6 routed experts do not split evenly over the 4 ranks of its "
+        "`experts` rule 'tensor'")
+    assert "the 8 routed experts and their copies (11)" in expert_parallel_refusal("ep", "expert", {"expert": 4}, 8, 11)
+    tp_ep = load_sharding_config("tp_ep")
+    assert expert_parallel_refusal("tp_ep", tp_ep.rule("experts"), {"expert": 2, "tensor": 2}, 8, 8) is None
+
+
+def test_a_mesh_that_does_not_fit_the_engines_devices_is_refused_before_loading(monkeypatch, tmp_path, capsys):
+    """`-tp 3 --sharding tp_ep` (a mesh of 2 x N) or a config of fixed size on more devices: refused naming the
+    option that chose the devices, by `LLM` before any weight is read and by `k3jax serve` before it listens (it
+    listened, then said "start-up failed" from the weights' placement, naming no option)."""
+    import jax
+
+    import serve.shutdown
+    from k3jax.cli import main
+    from serve.data_parallel import load_options
+
+    dev = jax.devices()[0]
+    monkeypatch.setattr(jax, "devices", lambda *a: [dev] * 8)
+    EngineConfig(tensor_parallel_size=4, sharding="tp_ep").check_mesh()  # expert 2 x tensor 2
+    EngineConfig().check_mesh()
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=3: sharding config 'tp_ep': mesh .* cannot use 3 "):
+        EngineConfig(tensor_parallel_size=3, sharding="tp_ep").check_mesh()
+    with pytest.raises(ValueError, match=r"^devices=\[0, 1, 2\]: sharding config 'tp_ep'"):
+        EngineConfig(devices=(0, 1, 2), sharding="tp_ep").check_mesh()
+    two = tmp_path / "two.yaml"
+    two.write_text("mesh: {tensor: 2}\nrules: {heads: tensor}\n")
+    with pytest.raises(ValueError, match="needs 2 devices, 8 are available"):
+        EngineConfig(sharding=str(two)).check_mesh()
+    EngineConfig(sharding=str(two), tensor_parallel_size=2).check_mesh()
+    with pytest.raises(ValueError, match=r"^tensor_parallel_size=3: "):  # what LLM reads the weights with
+        load_options(EngineConfig(tensor_parallel_size=3, sharding="tp_ep"))
+    with pytest.raises(ValueError, match=r"^devices=\[0\]: sharding config 'tp_ep'"):  # a replica's group
+        load_options(EngineConfig(sharding="tp_ep", tensor_parallel_size=1), data_parallel_size=2)
+
+    def listened(*a, **k):
+        raise AssertionError("the server listened")
+
+    monkeypatch.setattr(serve.shutdown, "DrainingServer", listened)
+    assert main(["serve", "--model", "tiny-k3", "-tp", "3", "--sharding", "tp_ep", "--no-compile-cache"]) == 2
+    assert "tensor_parallel_size=3: sharding config 'tp_ep'" in capsys.readouterr().err
+    assert main(["serve", "--model", "tiny-k3", "-dp", "2", "-tp", "1", "--sharding", "tp_ep",
+                 "--no-compile-cache"]) == 2
+    assert "devices=[0]: sharding config 'tp_ep'" in capsys.readouterr().err
 
 
 def test_disaggregated_serve_options_name_what_is_wrong():
