@@ -8,7 +8,7 @@ against depth, and what the scan costs a step once compiled.
    blocks of 12) at 48 and 93 layers, unrolled and scanned: the engine's start-up (one decode bucket of
    8 rows, one prefill bucket of 1 x 64 tokens, `compile_threads=1`), each start in a fresh process with no
    persistent compilation cache (benchmarks/startup.py's harness).
-2. Step time. k3-small's width (hidden 512, 16 experts) at 29 layers (6 scanned groups of 4), unrolled and
+2. Step time. k3-small's width (hidden 512, 32 experts) at 29 layers (6 scanned groups of 4), unrolled and
    scanned: the compiled decode program (8 rows x 1 token), prefill program (1 x 64) and speculative verify
    program (8 rows x 4 tokens: 3 drafts; scanned, the accepted tokens are committed by a second scan over the
    groups) called on full rows of random tokens, median of 15 calls after 3 warm ones. Decode on CPU reads

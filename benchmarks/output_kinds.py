@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -37,9 +38,19 @@ from serving import machine_info, med  # noqa: E402
 
 
 def engine_with(rows: int, length: int, logprobs, model) -> tuple[Engine, set[str]]:
-    """An engine (not warmed up) with `rows` requests of `length` generated tokens each."""
-    e = Engine(model, EngineConfig(max_model_len=length + 64, cache_bytes=64 << 20, max_num_seqs=max(rows, 8),
-                                   measure_moe_time=False, max_logprobs=2), warmup=False, progress=False)
+    """An engine (not warmed up) with `rows` requests of `length` generated tokens each. No step runs, so its
+    `max_model_len` may pass the model's max_position_embeddings (tiny-k3: 4096, the longest L here): the
+    engine's refusal of that is lifted while it is built, as K3JAX_ALLOW_LONG_MAX_MODEL_LEN=1 lifts it."""
+    key, before = "K3JAX_ALLOW_LONG_MAX_MODEL_LEN", os.environ.get("K3JAX_ALLOW_LONG_MAX_MODEL_LEN")
+    os.environ[key] = "1"
+    try:
+        e = Engine(model, EngineConfig(max_model_len=length + 64, cache_bytes=64 << 20, max_num_seqs=max(rows, 8),
+                                       measure_moe_time=False, max_logprobs=2), warmup=False, progress=False)
+    finally:
+        if before is None:
+            del os.environ[key]
+        else:
+            os.environ[key] = before
     rng = np.random.default_rng(0)
     rids = set()
     for r in range(rows):

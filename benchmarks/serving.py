@@ -755,7 +755,7 @@ def bench_start(name: str, doc: str, argv=None, extra=None):
     """The common start of a CPU benchmark script -> (args, output path, log, start time, result): the
     `--quick` / `--out` arguments (and any `extra(parser)` adds); `results/<name>-cpu.json` (the temp dir with
     --quick); the result dict with the machine and the memory bandwidth measured now (the roofline's)."""
-    ap = argparse.ArgumentParser(description=doc.split("\n")[0])
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])  # (the first line stops mid-sentence)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--out", default=None)
     if extra is not None:
