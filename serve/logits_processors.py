@@ -41,14 +41,20 @@ from jax import lax
 from serve.types import RequestError, finite_number
 
 
+#: The history's id at a prompt position given as a vector (`{"prompt_embeds": ...}`): no token, so no penalty or
+#: n-gram counts it (HF's `generate(inputs_embeds=...)` gives its processors the generated tokens alone). Past every
+#: vocabulary, so a scatter at it is dropped, not wrapped onto a real token as -1 would be.
+NO_TOKEN = 2 ** 31 - 1
+
+
 class ProcessorContext(NamedTuple):
     """What a processor may read besides the logits and its arguments (all [B] rows of the batch)."""
 
     steps: jax.Array  # [B] i32 index of the token being sampled within its request's output
     prompt_lens: jax.Array  # [B] i32
     # () -> (ids [B, S] i32, positions [B, S] i32): the row's tokens by position; position p holds a prompt
-    # token when p < prompt_lens, an output token when prompt_lens <= p < prompt_lens + steps, and nothing
-    # meaningful beyond (traced only when called)
+    # token when p < prompt_lens (`NO_TOKEN` where the prompt was given as embeddings), an output token when
+    # prompt_lens <= p < prompt_lens + steps, and nothing meaningful beyond (traced only when called)
     history: Callable[[], tuple[jax.Array, jax.Array]]
 
 

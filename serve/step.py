@@ -35,6 +35,7 @@ from k3jax.layers.mla import NEG_INF
 from pallas_kernels.kda import chunk_kda, fused_recurrent_kda
 from pallas_kernels.kda.reference import kda_token_step, round_state
 from pallas_kernels.mla import paged_mla_decode
+from serve.logits_processors import NO_TOKEN
 from serve.memory import (ArenaLayout, gather_states, read_conv, read_layer_states, read_units, scatter_states,
                           update_states_in_place, write_layer_states)
 from serve.sampling import (PromptLogprobs, SampleResult, SamplingBatch, no_prompt_logprobs, prompt_logprobs,
@@ -780,13 +781,16 @@ def carry_samples(carry: jax.Array, samples: jax.Array, offset: int) -> jax.Arra
 
 
 def write_tokens(token_pages: jax.Array, batch: StepBatch) -> jax.Array:
-    """Store the step's tokens at their positions in the rows' first-layer pages: [U, ps] -> [U, ps]."""
+    """Store the step's tokens at their positions in the rows' first-layer pages: [U, ps] -> [U, ps]. A position
+    given as a vector stores `NO_TOKEN`, not its placeholder id 0 (which the penalties' and processors' history
+    would count as a real token 0)."""
     b, t = batch.tokens.shape
+    tokens = batch.tokens if batch.embed_mask is None else jnp.where(batch.embed_mask, NO_TOKEN, batch.tokens)
     ps, p = token_pages.shape[1], batch.page_table.shape[2]
     pos = batch.lengths[:, None] + jnp.arange(t)[None, :]  # [B, T]
     unit = jnp.take_along_axis(batch.page_table[:, 0], jnp.minimum(pos // ps, p - 1), axis=1)  # [B, T]
     unit = jnp.where(jnp.arange(t)[None, :] < batch.valid[:, None], unit, token_pages.shape[0])  # padding: dropped
-    return token_pages.at[unit, pos % ps].set(batch.tokens, mode="drop")
+    return token_pages.at[unit, pos % ps].set(tokens, mode="drop")
 
 
 def token_history(token_pages: jax.Array, page_table: jax.Array) -> tuple[jax.Array, jax.Array]:

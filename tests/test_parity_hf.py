@@ -209,8 +209,9 @@ def test_bf16_forward_as_close_to_fp32_as_hf_bf16(ref):
 def test_prompt_embeds_parity_with_hf_inputs_embeds(ref):
     """Prompts given as vectors (not rows of the embedding table): the forward's logits equal HF's
     `model(inputs_embeds=...)` to 1e-4, and the engine's greedy tokens for `{"prompt_embeds": ...}` (chunked
-    prefill, then decode; serve/prompt_embeds.py) equal HF's `generate(inputs_embeds=...)`. One variant
-    (CI time)."""
+    prefill, then decode; serve/prompt_embeds.py) equal HF's `generate(inputs_embeds=...)`. With
+    `no_repeat_ngram_size` too, which HF applies to the generated tokens alone: the engine's history held the
+    prompt's placeholder ids 0, so token 0 was banned from the first step on. One variant (CI time)."""
     if ref["variant"] != VARIANT_NAMES[0]:
         pytest.skip("one variant covers prompt embeddings")
     import jax
@@ -243,9 +244,27 @@ def test_prompt_embeds_parity_with_hf_inputs_embeds(ref):
     hf_tokens = out[:, -n:].numpy().tolist()
     llm = k3jax.LLM(model, max_model_len=128, cache_bytes=16 << 20, max_num_seqs=2, prefill_chunk=32,
                     max_prefill_seqs=2, decode_buckets=(2,), prefill_buckets=(2,), context_buckets=(8,),
-                    measure_moe_time=False, progress=False, enable_prompt_embeds=True)
+                    measure_moe_time=False, progress=False, enable_prompt_embeds=True,
+                    logits_processors=("no_repeat_ngram",))
     outs = llm.generate([{"prompt_embeds": v} for v in vecs],
                         k3jax.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert [o.token_ids for o in outs] == hf_tokens
+
+    # token 0 made the favourite (HF: sequence_bias, the engine: logit_bias), then no bigram twice
+    with torch.no_grad():
+        saved_eos, hf.generation_config.eos_token_id = hf.generation_config.eos_token_id, None
+        try:
+            out = hf.generate(inputs_embeds=torch.from_numpy(vecs), do_sample=False, no_repeat_ngram_size=2,
+                              sequence_bias={(0,): 50.0}, attention_mask=torch.ones(ids.shape, dtype=torch.long),
+                              max_new_tokens=n, min_new_tokens=0, eos_token_id=None,
+                              pad_token_id=hf.config.pad_token_id)
+        finally:
+            hf.generation_config.eos_token_id = saved_eos
+    hf_tokens = out[:, -n:].numpy().tolist()
+    assert [t[0] for t in hf_tokens] == [0, 0]
+    outs = llm.generate([{"prompt_embeds": v} for v in vecs],
+                        k3jax.SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, logit_bias={0: 50.0},
+                                             extra_args={"no_repeat_ngram_size": 2}))
     assert [o.token_ids for o in outs] == hf_tokens
 
 
