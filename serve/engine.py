@@ -312,7 +312,8 @@ class EngineConfig:
     # dtype) or "bfloat16", which halves a state slot (K3: 414 -> 207 MiB per sequence, the part of a
     # short request's memory that dominates). A bf16 state is rounded wherever it is stored: after
     # every decode token and at every `min(prefill_chunk, 64)`-token boundary of a prefill (also inside
-    # a prefill row), so outputs do not depend on how rows were cut, batched or resumed. Conv windows
+    # a prefill row), so outputs do not depend on how rows were cut, batched or resumed from the prefix cache (a
+    # recompute after preemption rounds its decoded positions at the prefill points instead: README). Conv windows
     # and all arithmetic stay fp32.
     kda_state_dtype: str = "float32"
     # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
@@ -994,8 +995,13 @@ class Engine:
         # what the step programs take: each weight's shape, dtype and placement (sleep / update_weights)
         self._leaf_specs = [(x.shape, x.dtype, x.sharding if self.mesh is not None else None) for x in self._leaves]
         # LoRA: the step programs' (lora_a, lora_b) leaves with their projections, and what is loaded in which slot
-        self._lora_leaves = factor_leaves(model_lora.module_paths(per_layer), self._leaf_at)
+        factor_paths = model_lora.module_paths(per_layer)
+        self._lora_leaves = factor_leaves(factor_paths, self._leaf_at)
         self._lora_indices = {i for t in self._lora_leaves for i in (t.a, t.b)}
+        # the model's own weights among the per-layer leaves (no adapter factors): what a host store's fingerprint
+        # samples, the same whatever adapter slots or layer scan an engine serves them with
+        factors = {i for ab in factor_paths.values() for i in ab}
+        self._weight_leaves = [k for k in range(len(self._param_specs)) if k not in factors]
         self.loras = Registry(config.max_loras, config.max_lora_rank, config.max_cpu_loras)
         # followers of a multi-process engine: the leader's adapters' factors by uid (and chunks still arriving)
         self._adapter_factors: dict[int, dict] = {}
@@ -1356,13 +1362,22 @@ class Engine:
 
     def _store_fingerprint(self) -> dict:
         """What engines sharing a host store (`kv_transfer_config`) must agree on for its entries to mean the
-        same: the model, its weights (a sample of three arrays), the arena layout and the prefix hashing."""
-        leaves = self._leaves
-        pick = [leaves[i] for i in sorted({0, len(leaves) // 2, len(leaves) - 1})]
+        same: the model, its weights (a sample of three arrays), the arena layout and the prefix hashing. The
+        sample is of the per-layer weights, adapter slots left out, so engines that differ only in `max_loras` or
+        `scan_layers` (which change the step programs' leaves, not what an entry holds) share a store."""
+        keep = self._weight_leaves
+        pick = [self._layer_leaf(keep[i]) for i in sorted({0, len(keep) // 2, len(keep) - 1})]
         sample = b"".join(np.asarray(jax.device_get(x.reshape(-1)[:64])).tobytes() for x in pick)
         return {"model": repr(self.cfg), "weights (sampled)": hashlib.sha256(sample).hexdigest()[:16],
                 "arena layout": repr(self.layout),
                 "prefix hashing (unit, alignment)": (self.config.prefix_hash_unit, self.align)}
+
+    def _layer_leaf(self, k: int) -> jax.Array:
+        """Per-layer weight `k` (`jax.tree.flatten` order of the unscanned model) as the engine holds it: its own
+        leaf, or its group's slice of a scanned position's stacked leaf."""
+        leaf, group = self._leaf_at[k]
+        x = self._leaves[leaf]
+        return x if group is None else x[group]
 
     def _fingerprint(self) -> str:
         """What every process of a multi-process engine must agree on (model, config, layout, buckets)."""

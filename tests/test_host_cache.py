@@ -299,6 +299,22 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
         config(kv_transfer_config={"kv_role": "prefill", "store": store}).validate()
 
 
+def test_engines_differing_only_in_adapter_slots_or_layer_scan_share_a_store():
+    """The store's fingerprint samples the model's weights, not the step programs' leaves: an engine with LoRA slots
+    (extra leaves) or a layer scan (stacked leaves) holds the same weights and arena entries, and was refused the
+    store of an engine without them, named as other weights. Other weights are still refused."""
+    model, store = k3jax.load_model("tiny-k3", seed=2), HostCache(1 << 20)
+    producer = Engine(model, config(kv_transfer_config={"kv_role": "kv_producer", "store": store}, max_loras=1,
+                                    max_lora_rank=4), warmup=False)
+    consumer = Engine(model, config(kv_transfer_config={"kv_role": "kv_consumer", "store": store}, scan_layers=True),
+                      warmup=False)
+    assert producer.prefix_cache.origin == consumer.prefix_cache.origin  # each serves the other's entries
+    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(sampled\)"):
+        Engine(k3jax.load_model("tiny-k3", seed=3), config(kv_transfer_config={"kv_role": "kv_consumer",
+                                                                               "store": store}, max_loras=1),
+               warmup=False)
+
+
 def test_a_host_entry_holds_only_its_own_bytes():
     """An eviction round copies every entry it drops to host memory in one read. The entries were views of that
     one copy, so an entry left in the store (the rest evicted by the host tier or restored) kept the whole round's
