@@ -221,7 +221,10 @@ def build_parser() -> argparse.ArgumentParser:
     c = sub.add_parser("convert", help="write an Orbax checkpoint of a loaded model")
     c.add_argument("src")
     c.add_argument("dst")
-    c.add_argument("--dtype", default="bfloat16", type=dtype_arg, help="bfloat16, float32 or auto (the source's)")
+    # auto, as for the other commands: a float32 source converted to bf16 by default was no longer the model
+    # `load_model(DST)` was to restore (a preset's converted copy generated other tokens)
+    c.add_argument("--dtype", default="auto", type=dtype_arg,
+                   help="auto (the default: the source's; presets float32), float32 or bfloat16")
     c.set_defaults(fn=_cmd_convert)
 
     i = sub.add_parser("info", help="parameter and cache sizes (abstract; works for the full K3)")

@@ -1903,11 +1903,11 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         return Response(st.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     def _model_card(adapter=None, name: Optional[str] = None) -> dict:
-        """The base model's card (under one of its names), or a LoRA adapter's (vLLM's: `root` its path,
-        `parent` the base model)."""
+        """The base model's card (under one of its names; vLLM's `root`: the model path served), or a LoRA
+        adapter's (vLLM's: `root` its path, `parent` the base model)."""
         if adapter is None:
             return {"id": name or st.model_name, "object": "model", "created": st.created, "owned_by": "k3jax",
-                    "root": st.model_name, "parent": None, "max_model_len": st.max_model_len}
+                    "root": st.model_path, "parent": None, "max_model_len": st.max_model_len}
         return {"id": adapter.name, "object": "model", "created": st.created, "owned_by": "k3jax",
                 "root": adapter.path, "parent": st.model_name, "max_model_len": st.max_model_len}
 

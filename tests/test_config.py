@@ -263,6 +263,9 @@ def test_info_reads_a_converted_checkpoint(tmp_path, capsys):
     dst = str(tmp_path / "orbax")
     assert main(["convert", "tiny-k3", dst]) == 0
     capsys.readouterr()
+    # the source's dtype by default, as the other commands' (it wrote bf16: a preset's copy generated other tokens)
+    from k3jax.checkpoint import stored_dtype
+    assert stored_dtype(dst) == "float32"
     assert main(["info", "--model", dst]) == 0
     from_dir = json.loads(capsys.readouterr().out)
     assert main(["info", "--model", "tiny-k3"]) == 0

@@ -1426,7 +1426,7 @@ def test_served_model_name_takes_several_names():
     assert served_names(o) == ["kimi", "moonshot/kimi"] and served_names(dict(DEFAULTS)) == ["k3-small"]
     with pytest.raises(ValueError, match="served model's id"):
         lora_modules(dict(o, enable_lora=True, lora_modules=["moonshot/kimi=/x"]))
-    app = create_app(Recorder(max_model_len=64), served_names(o))
+    app = create_app(Recorder(max_model_len=64), served_names(o), model_path="tiny-k3")
 
     async def go():
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
@@ -1437,6 +1437,8 @@ def test_served_model_name_takes_several_names():
     assert alias.status_code == first.status_code == 200 and alias.json()["model"] == "kimi"
     assert other.status_code == 404
     assert [m["id"] for m in models["data"]] == ["kimi", "moonshot/kimi"]
+    # vLLM's cards: each name's `root` is the model served (it was the first name)
+    assert [m["root"] for m in models["data"]] == ["tiny-k3", "tiny-k3"]
 
 
 def test_vllm_config_file_and_underscored_flags(tmp_path):
@@ -1485,7 +1487,7 @@ def test_dtype_takes_vllms_names_and_auto_is_the_checkpoints(tmp_path, capsys):
     from k3jax.runtime import load_model, resolve_dtype
 
     for text, want in (("auto", "auto"), ("float", "float32"), ("float32", "float32"), ("bfloat16", "bfloat16")):
-        for sub in (["serve"], ["run-batch", "-i", "x", "-o", "y"], ["generate", "--prompt", "x"]):
+        for sub in (["serve"], ["run-batch", "-i", "x", "-o", "y"], ["generate", "--prompt", "x"], ["convert", "a", "b"]):
             assert build_parser().parse_args([*sub, "--dtype", text]).dtype == want, (sub, text)
     for text in ("half", "float16"):
         with pytest.raises(SystemExit):
@@ -1515,7 +1517,7 @@ def test_dtype_defaults_to_vllms_auto():
     from serve.cli import DEFAULTS
     from serve.llm import LLM
 
-    for sub in (["serve"], ["run-batch", "-i", "x", "-o", "y"], ["generate", "--prompt", "x"]):
+    for sub in (["serve"], ["run-batch", "-i", "x", "-o", "y"], ["generate", "--prompt", "x"], ["convert", "a", "b"]):
         assert build_parser().parse_args(sub).dtype == "auto", sub
     assert DEFAULTS["dtype"] == "auto"
     for fn in (LLM, load_model):
