@@ -29,8 +29,10 @@ def _llm(**kw):
 
 @pytest.fixture(scope="module")
 def llm():
+    """tests/test_routed_experts.py's engine, option for option (routed experts on too): one set of step programs
+    in the run's compilation cache for both files (CI time)."""
     return _llm(cache_bytes=260_000, max_num_seqs=4, prefill_chunk=16, max_prefill_seqs=2, decode_buckets=(4,),
-                prefill_buckets=(2,), context_buckets=(16,), async_scheduling=True,
+                prefill_buckets=(2,), context_buckets=(16,), async_scheduling=True, enable_return_routed_experts=True,
                 speculative_config={"num_speculative_tokens": 3, "adaptive": False})
 
 

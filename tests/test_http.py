@@ -31,13 +31,17 @@ MAX_MODEL_LEN = 128
 CAPACITY = 8  # largest decode bucket
 # Three step programs (decode 8 rows, its speculative verify form, prefill 1 row x 32 tokens; 8 context
 # pages): fast warm-up. Every request below goes through an engine with n-gram drafts on (outputs must
-# be those of plain decoding; serve/speculative.py). The gate that skips drafts when a measured verify step
-# costs more than they gain is off: on a loaded CI host that measurement decides whether drafts run at all.
-SMALL = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CAPACITY),
+# be those of plain decoding; serve/speculative.py), except the `limited` server's. The gate that skips drafts
+# when a measured verify step costs more than they gain is off: on a loaded CI host that measurement decides
+# whether drafts run at all.
+# PLAIN (the `limited` server's options): no drafts and no logits processor, which none of its tests reads; the
+# one-device engine tests/test_multihost.py compares with (its `reference`), so a run compiles these step programs
+# once for both files (CI time).
+PLAIN = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CAPACITY),
          "--decode-buckets", str(CAPACITY), "--prefill-buckets", "1", "--context-buckets", "8",
-         "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning",
-         "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
-         "--logits-processors", "no_repeat_ngram", "--enable-request-id-headers"]
+         "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning", "--enable-request-id-headers"]
+SMALL = PLAIN + ["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, "adaptive": false}',
+                 "--logits-processors", "no_repeat_ngram"]
 START_TIMEOUT = 300
 
 
@@ -48,11 +52,12 @@ def _free_port() -> int:
 
 
 class Server:
-    def __init__(self, extra: list[str], cache_dir: str, log_path: str, env: dict | None = None):
+    def __init__(self, extra: list[str], cache_dir: str, log_path: str, env: dict | None = None,
+                 options: list[str] = SMALL):
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        cmd = [sys.executable, "-m", "k3jax.cli", "serve", *SMALL, "--port", str(self.port),
+        cmd = [sys.executable, "-m", "k3jax.cli", "serve", *options, "--port", str(self.port),
                "--compile-cache-dir", cache_dir, *extra]
         self.log = open(log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
@@ -1021,7 +1026,7 @@ def limited(server, cache_dir, tmp_path_factory):
     keys.write_text("# team keys\nk-open\nk-rpm rpm=2\nk-tpm tpm=60\n")
     s = Server(["--api-key-file", str(keys), "--max-waiting", "1", "--enable-log-requests"], cache_dir,
                str(d / "limited.log"),
-               env={"K3JAX_API_KEYS": "k-env1,k-env2"})
+               env={"K3JAX_API_KEYS": "k-env1,k-env2"}, options=PLAIN)
     yield s
     s.stop()
 

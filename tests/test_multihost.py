@@ -80,7 +80,8 @@ def cluster(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference():
-    """The same engine on one process, one device."""
+    """The same engine on one process, one device (without the drafts: tests/test_http.py's `limited` server's
+    engine, whose step programs a run compiles once for both files)."""
     from k3jax.runtime import load_model
     from serve.cli import DEFAULTS, engine_config
     from serve.engine import Engine

@@ -55,12 +55,15 @@ def test_routes_store_keeps_whole_granules_by_prefix_and_evicts_the_oldest():
 
 @pytest.fixture(scope="module")
 def llm():
+    """tests/test_hidden_states.py's engine, option for option (hidden states on too): one set of step programs in
+    the run's compilation cache for both files (CI time)."""
     import k3jax
 
     return k3jax.LLM("tiny-k3", max_model_len=PAD, cache_bytes=260_000, max_num_seqs=4, prefill_chunk=16,
                      max_prefill_seqs=2, decode_buckets=(4,), prefill_buckets=(2,), context_buckets=(16,),
                      measure_moe_time=False, progress=False, enable_return_routed_experts=True,
-                     async_scheduling=True, speculative_config={"num_speculative_tokens": 3, "adaptive": False})
+                     enable_return_hidden_states=True, async_scheduling=True,
+                     speculative_config={"num_speculative_tokens": 3, "adaptive": False})
 
 
 @pytest.fixture(scope="module")
