@@ -163,10 +163,11 @@ def _arena_plan(cfg, dtype, args, ranks: int, context_ranks: int = 1) -> dict:
     and how many requests of each `--context` length fit at once (serve/memory.py's layout)."""
     from serve.memory import ArenaLayout
 
-    lay = ArenaLayout.plan(cfg, int(args.cache_gib * (1 << 30)), args.page_size, dtype, ranks, args.kv_cache_dtype,
-                           args.kda_state_dtype, context_ranks)
+    budget = int(args.cache_gib * (1 << 30))
+    lay = ArenaLayout.plan(cfg, budget, args.page_size, dtype, ranks, args.kv_cache_dtype, args.kda_state_dtype,
+                           context_ranks, budget_name=f"--cache-gib {args.cache_gib} ({budget} bytes per rank)")
     contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
-    return {"cache_bytes_per_rank": int(args.cache_gib * (1 << 30)), "kv_cache_dtype": lay.codec.kind,
+    return {"cache_bytes_per_rank": budget, "kv_cache_dtype": lay.codec.kind,
             "kda_state_dtype": lay.state_dtype,
             "page_size": lay.page_size, "kda_state_ranks": ranks, "mla_context_ranks": context_ranks,
             # one rank's bytes: a token's latent is on one rank of `mla_context_ranks`

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -80,6 +81,22 @@ def param_counts(cfg: ModelConfig, params) -> dict[str, int]:
         active, active_b = active - embed, active_b - embed_b
     return {"total": total, "routed_experts": routed, "active_per_token": active, "total_bytes": total_b,
             "routed_experts_bytes": routed_b, "active_bytes_per_token": active_b}
+
+
+def tie_head(model: "Model") -> "Model":
+    """An untied `model` whose own head holds its embedding's values -> the same model tied (one copy, the same
+    logits). A tied model's HF export carries its head as `lm_head.weight` (HF never ties Kimi-Linear), which
+    `load_model` reads as an untied head: tied again, it fits an engine serving the tied model. ValueError naming
+    the head when its values differ (another model's head)."""
+    params = model.params
+    if model.cfg.tie_word_embeddings:
+        return model
+    if not bool(jnp.array_equal(params["lm_head"][...], params["embed_tokens"][...])):
+        raise ValueError("lm_head.weight differs from embed_tokens: the model has a head of its own, not the tied "
+                         "head (tie_word_embeddings) of the model served")
+    cfg = model.cfg.replace(tie_word_embeddings=True)
+    kept = nnx.from_flat_state([(k, v) for k, v in nnx.to_flat_state(params) if k != ("lm_head",)])
+    return dataclasses.replace(model, cfg=cfg, graphdef=abstract_model(cfg, model.dtype)[0], params=kept)
 
 
 def init_model(cfg: ModelConfig, dtype, seed: int) -> tuple[nnx.GraphDef, nnx.State]:

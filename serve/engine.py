@@ -45,7 +45,7 @@ from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_ex
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.layer_scan import LayerScan, split_params
 from k3jax.checkpoint import read_config
-from k3jax.runtime import Model
+from k3jax.runtime import Model, tie_head
 from pallas_kernels.dispatch import resolve_backend
 from pallas_kernels.mla import decode_work_follows_length
 from serve.host_cache import HostCache, HostEntry, Transfers, own_rows
@@ -2279,7 +2279,8 @@ class Engine:
     def _engine_leaves(self, model: Model) -> list:
         """`model`'s weights with the engine's start-up transforms, checked against the engine's -> the leaves
         the step programs take (not placed yet). Raises ValueError naming what differs."""
-        new = model
+        # a tied model's export (save_hf_checkpoint) carries its head, read untied: tied again (`tie_head`)
+        new = tie_head(model) if self.cfg.tie_word_embeddings and not model.cfg.tie_word_embeddings else model
         if self.config.max_loras:  # the same adapter slots; the loaded adapters are written back later
             targets = self.config.lora_target_modules
             new = model_lora.attach(new, self.config.max_loras, self.config.max_lora_rank,

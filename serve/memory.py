@@ -84,11 +84,12 @@ class ArenaLayout:
     @classmethod
     def plan(cls, cfg: ModelConfig, budget_bytes: int, page_size: int, dtype, state_ranks: int = 1,
              kv_cache_dtype: str = "auto", kda_state_dtype: str = "float32",
-             context_ranks: int = 1) -> "ArenaLayout":
+             context_ranks: int = 1, budget_name: str | None = None) -> "ArenaLayout":
         """`budget_bytes` is one rank's arena; with `state_ranks` R > 1 a slot holds N / R KDA heads;
         `kv_cache_dtype` picks the latents' storage format (serve/latent_codec.py), `kda_state_dtype`
         the recurrent states' (`state_dtype_name`); with `context_ranks` C > 1 (the same ranks as the
-        state split) each rank holds every C-th token of each page."""
+        state split) each rank holds every C-th token of each page. `budget_name`: the option that set the
+        budget, as a too-small arena's error names it (default `cache_bytes=<budget_bytes>`)."""
         state_dtype = state_dtype_name(kda_state_dtype)
         lw = cfg.mla_latent_size
         codec = LatentCodec.make(kv_cache_dtype, dtype, lw, cfg.qk_rope_head_dim)
@@ -108,7 +109,8 @@ class ArenaLayout:
         num_units = budget_bytes // (unit_elems * WORD)
         need = min_units(slot_units)
         if num_units < need:
-            raise ValueError(f"cache_bytes={budget_bytes}: the cache budget holds {num_units} units of "
+            where = budget_name or f"cache_bytes={budget_bytes}"
+            raise ValueError(f"{where}: the cache budget holds {num_units} units of "
                              f"{unit_elems * WORD} B; at least {need} ({need * unit_elems * WORD} bytes) are needed "
                              f"(the scratch page and slot, one page and one state slot of {slot_units} units): "
                              f"give the cache more memory")

@@ -277,6 +277,7 @@ def test_info_reads_a_converted_checkpoint(tmp_path, capsys):
 @pytest.mark.parametrize("flags,match", [
     (["--page-size", "0"], "--page-size"), (["--sharding", "tp", "--devices", "0"], "--devices"),
     (["--cache-gib", "1", "--context", "abc"], "--context"), (["--max-loras", "-2"], "--max-loras"),
+    (["--cache-gib", "1e-7"], "--cache-gib 1e-07 (107 bytes per rank): the cache budget holds 0 units"),
 ])
 def test_info_rejects_bad_flags_by_name(flags, match, capsys):
     """`k3jax info` with a flag it cannot plan with: exit 2 naming the flag (was a ZeroDivisionError traceback)."""

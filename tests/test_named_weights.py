@@ -212,6 +212,26 @@ def test_tied_head_reads_and_writes_the_embedding():
     np.testing.assert_array_equal(engine.get_weights_by_name("model.embed_tokens.weight", None), embed * 2)
 
 
+def test_a_tied_models_export_updates_the_engine_serving_it(tmp_path):
+    """save_hf_checkpoint writes a tied model's head as `lm_head.weight` (HF never ties), which load_model reads as
+    an untied head: update_weights_from_disk of that export failed on the engine serving the tied model ("config
+    differs in tie_word_embeddings"). A head that is not the embedding is still refused, naming it."""
+    from k3jax.checkpoint import save_hf_checkpoint
+
+    cfg = k3jax.get_preset("tiny-kimi-linear").replace(tie_word_embeddings=True)
+    engine = make_engine(Model(cfg, *init_model(cfg, jnp.float32, 0), jnp.float32, None))
+    _, new = init_model(cfg, jnp.float32, 1)
+    save_hf_checkpoint(str(tmp_path), cfg, new)
+    engine.update_weights_from_disk(str(tmp_path))
+    np.testing.assert_array_equal(engine.get_weights_by_name("model.embed_tokens.weight", None),
+                                  np.asarray(new["embed_tokens"][...]))
+    untied = k3jax.load_model(str(tmp_path))
+    assert not untied.cfg.tie_word_embeddings
+    untied.params["lm_head"][...] = untied.params["lm_head"][...] + 1
+    with pytest.raises(ValueError, match="lm_head.weight differs from embed_tokens"):
+        engine.update_weights(untied)
+
+
 def test_weights_discarded_by_sleep_come_back_tensor_by_tensor(k3):
     """sleep(level=2) then wake_up(["weights"]): placeholders until every checkpoint tensor is written again
     (the engine says it is sleeping until then); reads refuse placeholders and released weights."""
