@@ -64,7 +64,7 @@ import numpy as np
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse as _JSONResponse, PlainTextResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -108,6 +108,26 @@ class APIError(Exception):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = headers or {}
+
+
+def _json_text(obj, separators=(",", ":")) -> str:
+    """`obj` as JSON text, non-ASCII characters as they are; a lone surrogate a request sent (JSON's "\\ud800", not
+    encodable as UTF-8) echoed back in an error message, a `rid`, a `user` or `metadata` made the response's encode
+    fail (a 500, or a stream cut off): then every non-ASCII character is escaped (the same JSON value)."""
+    text = json.dumps(obj, ensure_ascii=False, allow_nan=False, separators=separators)
+    if not text.isascii():
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            return json.dumps(obj, allow_nan=False, separators=separators)
+    return text
+
+
+class JSONResponse(_JSONResponse):
+    """Starlette's JSONResponse rendered by `_json_text` (lone surrogates escaped)."""
+
+    def render(self, content) -> bytes:
+        return _json_text(content).encode("utf-8")
 
 
 def _error_body(message: str, type: str, param=None, code=None) -> dict:
@@ -757,17 +777,63 @@ _DEPRECATED = {"functions": "OpenAI's deprecated field; give the functions as `t
                "function_call": "OpenAI's deprecated field; use `tool_choice`"}
 
 
+# pydantic's labels of union members in an error's location, besides the generic ones ("list[int]", "dict[str,any]")
+_UNION_TAGS = {"str", "int", "float", "bool", "TextContentPart", "EmbedsContentPart"}
+
+
+def _union_tag(part) -> bool:
+    """Whether a part of an error's location is pydantic's label of a union member, not a field."""
+    return isinstance(part, str) and ("[" in part or part in _UNION_TAGS)
+
+
+def _field_loc(e: dict) -> list:
+    """A validation error's location in the request's body, query or path, without that part's name (a `/sleep?level=x`
+    was a 400 naming `query.level`)."""
+    loc = list(e.get("loc", ()))
+    return loc[1:] if loc and loc[0] in ("body", "query", "path") else loc
+
+
+def _union_at(errs: list[dict], loc: list) -> Optional[list]:
+    """The location of the union field an error (at `loc`) is about, when the error is one of its members': pydantic
+    reports one error per member, labelled at the same place (a dict key such as "str" is not a label); else None."""
+    for at, part in enumerate(loc):
+        if _union_tag(part):
+            labels = {x[at] for x in map(_field_loc, errs) if len(x) > at and x[:at] == loc[:at] and _union_tag(x[at])}
+            if len(labels) > 1:
+                return loc[:at + 1]
+    return None
+
+
+def _union_message(errs: list[dict], loc: list) -> tuple[str, str]:
+    """A value that fits no member of a union field (`loc`: the field's location, then a member's label): the 400
+    names the field, the members it may be, and the most specific error (the field was named "prompt.str" for a
+    `{"prompt": 5}`, and the error was the first member's)."""
+    at = len(loc) - 1
+    field = loc[:at]
+    mine = [(x, e) for x, e in zip(map(_field_loc, errs), errs)
+            if len(x) > at and x[:at] == field and _union_tag(x[at])]
+    kinds = " or ".join(dict.fromkeys(x[at] for x, _ in mine))
+    param = ".".join(map(str, field))
+    where, e = max(mine, key=lambda m: len(m[0]))
+    detail = ".".join(str(p) for p in where if not _union_tag(p))
+    more = f" ({detail}: {e.get('msg', 'invalid value')})" if detail != param else ""
+    return f"{param}: expected {kinds}{more}", param
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, Optional[str]]:
     errs = exc.errors()
     if not errs:
         return "invalid request", None
     e = errs[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in _field_loc(e)]
     if e.get("type") == "json_invalid":
         ctx = e.get("ctx") or {}
         return f"malformed JSON body: {ctx.get('error', e.get('msg', ''))}", None
     if e.get("type") == "missing" and not loc:
         return "a JSON request body is required", None
+    union = _union_at(errs, _field_loc(e))
+    if union is not None:
+        return _union_message(errs, union)
     param = ".".join(loc) or None
     msg = e.get("msg", "invalid value")
     if e.get("type") == "extra_forbidden":
@@ -832,7 +898,7 @@ class SSEResponse(StreamingResponse):
 
 
 def _sse(obj) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False, allow_nan=False)}\n\n"
+    return f"data: {_json_text(obj, None)}\n\n"
 
 
 # ---- one API request's engine runs -----------------------------------------------------------------
@@ -1804,7 +1870,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
     if async_engine is not None:
         st.attach(async_engine)
 
-    app = FastAPI(title="k3jax", version="0.1.0",
+    app = FastAPI(title="k3jax", version="0.1.0", default_response_class=JSONResponse,
                   description="OpenAI-compatible server for Kimi-K3-class hybrid models (k3jax).")
     app.state.k3 = st
     app.add_middleware(_BodyLimit, max_bytes=max_body_bytes)
@@ -2895,7 +2961,7 @@ def _chat_ids(st: ServerState, messages: list, add_generation_prompt: bool, kwar
         return chat_ids(st.tokenizer, st.chat_family, dicts, add_generation_prompt, kwargs, tools,
                         continue_final_message, holes)
     except RequestError as e:
-        param = next((p for p in ("chat_template_kwargs", "continue_final_message") if str(e).startswith(p)),
+        param = next((p for p in ("chat_template_kwargs", "continue_final_message", "tools") if str(e).startswith(p)),
                      "messages")
         raise APIError(400, str(e), param=param) from None
 
@@ -2948,7 +3014,8 @@ def _beam_params(st: ServerState, body: _GenerationFields, params: SamplingParam
         raise APIError(400, "echo: with logprobs (the prompt's scores) not supported with use_beam_search",
                        param="echo")
     for name, value in unsupported:
-        if value:
+        if value:  # (a constraint named by the field that asked for it: response_format, guided_*, tools)
+            name = _constraint_param(body, name)
             raise APIError(400, f"{name}: not supported with use_beam_search", param=name)
     longest = max(map(_prompt_len, prompts))
     max_tokens = params.max_tokens if params.max_tokens is not None else st.max_model_len - longest

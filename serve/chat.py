@@ -63,6 +63,15 @@ def _text(content: Any) -> str:
     return content if isinstance(content, str) else ""
 
 
+def _not_text(value: Any, where: str) -> Optional[str]:
+    """Where in `value` (JSON data at `where`) the first string that is not Unicode text is: a lone surrogate, which
+    JSON's "\\ud800" carries and the tokenizer cannot encode; else None."""
+    if isinstance(value, str):
+        return None if value.isascii() or not any("\ud800" <= c <= "\udfff" for c in value) else where
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    return next((w for k, v in items if (w := _not_text(v, f"{where}.{k}")) is not None), None)
+
+
 def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt: bool = True,
              template_kwargs: Optional[dict] = None, tools: Optional[ToolPlan] = None,
              continue_final_message: bool = False, holes: tuple[str, ...] = ()) -> list[int]:
@@ -79,6 +88,9 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
     try:
         ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt,
                           continue_final_message=continue_final_message, holes=holes, **kwargs)
+    except UnicodeEncodeError as e:  # (before ValueError, its base: the 400 named no field)
+        where = _not_text(messages, "messages") or _not_text(kwargs, "chat_template_kwargs") or "tools"
+        raise RequestError(f"{where}: not valid Unicode text ({e.reason})") from None
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None
     if not ids:

@@ -272,6 +272,26 @@ def test_beam_search_refusing_echo_logprobs_names_echo():
     assert asyncio.run(refusal({"prompt_logprobs": 1})) == "prompt_logprobs"
 
 
+def test_beam_search_refusing_a_constraint_names_the_field_that_asked_for_it():
+    """An output constraint with `use_beam_search` is refused naming the field the request sent (the 400 named
+    `structured_outputs` for a `response_format` or `guided_choice`, a field the request did not send)."""
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(64), "m")
+
+    async def refusal(extra):
+        body = {"prompt": [5, 6], "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json=body)
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["message"].startswith(r.json()["error"]["param"] + ": "), r.text
+        return r.json()["error"]["param"]
+
+    assert asyncio.run(refusal({"response_format": {"type": "json_object"}})) == "response_format"
+    assert asyncio.run(refusal({"guided_choice": ["a", "b"]})) == "guided_choice"
+    assert asyncio.run(refusal({"structured_outputs": {"choice": ["a", "b"]}})) == "structured_outputs"
+
+
 def test_every_serve_option_reaches_the_server():
     """`k3jax serve` reads its options through `DEFAULTS` (serve_main), so a flag without an entry there would
     be parsed and then silently dropped (as --return-tokens-as-token-ids was)."""
@@ -1615,3 +1635,96 @@ def test_completions_and_chat_carry_vllms_system_fingerprint():
             c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"] is not None]
         assert len(final) == 1 and final[0]["system_fingerprint"] == fp, text
         assert all("system_fingerprint" not in c for c in chunks if c is not final[0]), text
+
+
+def test_a_lone_surrogate_echoed_back_is_escaped_not_a_500():
+    """JSON may carry a lone surrogate ("\\ud800"), which UTF-8 cannot encode: echoed back (a 404's model name, an
+    SGLang `rid`, a Responses `user`) it made the response's encode fail, a 500 or a stream cut off before [DONE];
+    it is escaped in the JSON instead (the same value)."""
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(64), "m")
+    lone = "\ud800"
+
+    async def go(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+
+    bad = asyncio.run(go("/v1/completions", {"model": lone, "prompt": [5], "max_tokens": 1}))
+    assert bad.status_code == 404 and lone in bad.json()["error"]["message"], bad.text
+    gen = asyncio.run(go("/generate", {"input_ids": [5], "rid": lone}))
+    assert gen.status_code == 200 and gen.json()["meta_info"]["id"] == lone, gen.text
+    streamed = asyncio.run(go("/generate", {"input_ids": [5], "rid": lone, "stream": True}))
+    assert streamed.status_code == 200 and streamed.text.endswith("data: [DONE]\n\n"), streamed.text
+    assert json.loads(streamed.text.split("\n\n")[0][len("data: "):])["meta_info"]["id"] == lone
+
+
+def test_a_value_of_no_member_of_a_union_field_names_the_field():
+    """A field that takes one of several shapes (`prompt`: text, ids, a list of either) given none of them is a 400
+    naming the field and the shapes (it named pydantic's label of the first shape, `prompt.str`, not a field)."""
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(64), "m")
+
+    async def error(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post(path, json=body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    for path, body, param in (("/v1/completions", {"prompt": 5}, "prompt"),
+                              ("/v1/completions", {"prompt": [1], "stop": 5}, "stop"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+                               "messages.0.content"),
+                              ("/generate", {"input_ids": [1, "a"]}, "input_ids")):
+        err = asyncio.run(error(path, body))
+        assert err["param"] == param and err["message"].startswith(f"{param}: expected "), (body, err)
+    err = asyncio.run(error("/v1/chat/completions", {"messages": [{"role": "user", "content": [{"type": "text"}]}]}))
+    assert err["message"].endswith("(messages.0.content.0.text: Field required)"), err
+    err = asyncio.run(error("/v1/completions", {"prompt": [1], "logit_bias": {"str": "a"}}))  # (a key, not a label)
+    assert err["param"] == "logit_bias.str", err
+
+
+def test_chat_text_that_is_not_unicode_names_where_it_is():
+    """A lone surrogate in a chat message, a tool or `chat_template_kwargs` (valid JSON, no UTF-8 text to tokenize) is
+    a 400 naming where it is, as in a completion's prompt (the message was the codec's, naming no field; a tool's
+    named `messages`)."""
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _TwoSamples()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    user, lone = {"role": "user", "content": "hi"}, "a\ud800"
+    tool = {"type": "function", "function": {"name": "f", "description": lone, "parameters": {"type": "object"}}}
+
+    async def error(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post(path, content=json.dumps(body), headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    for body, param, where in (
+            ({"messages": [user, {"role": "user", "content": [{"type": "text", "text": lone}]}]}, "messages",
+             "messages.1.content.0.text"),
+            ({"messages": [user], "tools": [tool]}, "tools", "tools"),
+            ({"messages": [user], "chat_template_kwargs": {"default_system": lone}}, "chat_template_kwargs",
+             "chat_template_kwargs.default_system")):
+        for path in ("/v1/chat/completions", "/tokenize"):
+            err = asyncio.run(error(path, {**body, "max_tokens": 2} if path != "/tokenize" else body))
+            assert err["param"] == param and err["message"].startswith(f"{where}: not valid Unicode text"), (path, err)
+
+
+def test_a_bad_query_parameter_is_named_as_sent():
+    """A query parameter's 400 names it as the client sent it (`level`, as the route's own check does), not pydantic's
+    `query.level`."""
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(64), "m", enable_sleep_mode=True)
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/sleep", params={"level": "deep"})
+
+    r = asyncio.run(go())
+    assert r.status_code == 400 and r.json()["error"]["param"] == "level", r.text
+    assert r.json()["error"]["message"].startswith("level: "), r.text
