@@ -3014,11 +3014,15 @@ class Engine:
         a canonical re-prefill row (`_spawn_canonical_ids`; those come first) takes the place in
         the queue (priority, arrival) of the first request that waits for it, so requests that
         arrive later hold neither back. The row's place follows the requests that wait for it now: it goes back
-        to its own once they are gone (an aborted urgent request's priority let it preempt user requests)."""
+        to its own once they are gone (an aborted urgent request's priority let it preempt user requests). A
+        running row keeps the place while the request that gave it still waits, even when it no longer plans
+        the capture that request waits for (no slot to keep it): else the waiting row that plans it next takes
+        that place and preempts it, and two such rows preempt each other forever."""
         if self.prefix_cache is None:
             return set()
+        lent = {(s.priority, s.order) for s in live if s.slot is None and s.internal is None}
         for s in live:
-            if s.home:
+            if s.home and not (s.slot is not None and (s.priority, s.order) in lent):
                 s.priority, s.order = s.home
         a, pending, out = self.align, {}, set()
         for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.priority, s.order)):

@@ -417,6 +417,59 @@ def test_a_canonical_row_gives_up_the_priority_of_an_aborted_request_that_waited
         on.step()
 
 
+def _one_slot_run_and(alloc, slot_units, units):
+    """Take the arena but one slot run and at least `units` more free units in runs a page of each breaks: one
+    request's slot and pages fit, no second slot does -> (the slots, the pages) taken."""
+    held = []
+    while alloc._free_slot_bases(1):
+        held.append(alloc.alloc_slot())
+    pages = alloc.alloc_pages(alloc.free_units)
+    runs = -(-units // (slot_units - 1))
+    for b in held[:runs + 1]:  # (the highest: pages are taken from the lowest free units)
+        alloc.free_slot(b)
+    broken = alloc.alloc_pages(runs * slot_units)
+    alloc.free_pages([u for i, u in enumerate(broken) if i % slot_units])
+    return held[runs + 1:], pages + broken[::slot_units]
+
+
+def test_canonical_rows_that_lose_their_capture_do_not_preempt_each_other_forever(engines, monkeypatch):
+    """Two canonical rows past a branch point of cached pages both plan its checkpoint, and a request waits for it:
+    the running row takes that request's place, reaches the point with no slot to keep the checkpoint in and drops
+    it; the waiting row then planned it and took the place. It preempted the running one, which did the same when
+    readmitted: the rows preempted each other forever and the request never ran. (Found by a randomized run
+    with `prefill_first`, priorities and a tight arena.)"""
+    from serve.prefix_cache import DECODE, PrefixHasher
+    from serve.scheduler import units_for
+
+    on, off = emptied(engines)
+    monkeypatch.setattr(on, "_room_to_capture", lambda seq: False)  # no slot to keep a checkpoint in, ever
+    a, shared = on.align, toks(44, 128)
+    run(on, shared + toks(45, 8), n=1)  # pages of the shared prefix, no checkpoint
+    on._tails.clear()  # (its own tail is no canonical row here)
+    for i, n in enumerate((40, 56)):  # both rows plan the branch-point capture at 128
+        ids = shared + toks(46 + i, n)
+        h = PrefixHasher(on.config.prefix_hash_unit)
+        h.extend(ids)
+        on._spawn_canonical_ids(ids, h, len(ids) // a * a, DECODE, f"tail{i}")
+    held, pages = _one_slot_run_and(on.allocator, on.layout.slot_units, units_for(176, on.sched_cfg))
+    try:
+        prompt = shared + toks(48, 9)
+        rid, out = on.add_request(prompt, _SHORT), None
+        for _ in range(100):
+            out = next((o for o in on.step() if o.request_id == rid and o.finished), out)
+            if out is not None:
+                break
+        assert out is not None, f"the request never ran ({on.counters['preemptions']} preemptions)"
+    finally:
+        on.allocator.free_pages(pages)
+        for b in held:
+            on.allocator.free_slot(b)
+    while on.has_unfinished():
+        on.step()
+    assert out.outputs[0].token_ids == run(off, prompt, params=_SHORT).outputs[0].token_ids
+    assert on.allocator.free_units + on._cached_units() == on.allocator.baseline_free_units
+
+
 def test_single_token_request_shares_its_prompt(engines):
     """A request that finishes on its first token (max_tokens=1) still leaves its prompt pages and
     prompt-end state for the next one."""
