@@ -110,7 +110,7 @@ class APIError(Exception):
         self.headers = headers or {}
 
 
-def _json_text(obj, separators=(",", ":")) -> str:
+def json_text(obj, separators=(",", ":")) -> str:
     """`obj` as JSON text, non-ASCII characters as they are; a lone surrogate a request sent (JSON's "\\ud800", not
     encodable as UTF-8) echoed back in an error message, a `rid`, a `user` or `metadata` made the response's encode
     fail (a 500, or a stream cut off): then every non-ASCII character is escaped (the same JSON value)."""
@@ -124,10 +124,10 @@ def _json_text(obj, separators=(",", ":")) -> str:
 
 
 class JSONResponse(_JSONResponse):
-    """Starlette's JSONResponse rendered by `_json_text` (lone surrogates escaped)."""
+    """Starlette's JSONResponse rendered by `json_text` (lone surrogates escaped)."""
 
     def render(self, content) -> bytes:
-        return _json_text(content).encode("utf-8")
+        return json_text(content).encode("utf-8")
 
 
 def _error_body(message: str, type: str, param=None, code=None) -> dict:
@@ -898,7 +898,7 @@ class SSEResponse(StreamingResponse):
 
 
 def _sse(obj) -> str:
-    return f"data: {_json_text(obj, None)}\n\n"
+    return f"data: {json_text(obj, None)}\n\n"
 
 
 # ---- one API request's engine runs -----------------------------------------------------------------

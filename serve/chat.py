@@ -89,7 +89,8 @@ def chat_ids(tokenizer, family: str, messages: list[dict], add_generation_prompt
         ids = encode_chat(tokenizer, msgs, family=family, add_generation_prompt=add_generation_prompt,
                           continue_final_message=continue_final_message, holes=holes, **kwargs)
     except UnicodeEncodeError as e:  # (before ValueError, its base: the 400 named no field)
-        where = _not_text(messages, "messages") or _not_text(kwargs, "chat_template_kwargs") or "tools"
+        where = (_not_text(messages, "messages") or _not_text(kwargs, "chat_template_kwargs")
+                 or ("tools" if tools is not None else "messages"))
         raise RequestError(f"{where}: not valid Unicode text ({e.reason})") from None
     except (ValueError, TypeError) as e:
         raise RequestError(str(e)) from None

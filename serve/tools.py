@@ -225,6 +225,15 @@ def cut_calls(plan: ToolPlan, text: str) -> list[dict]:
     return [calls[i] for i in sorted(calls)]
 
 
+def _is_text(text: str) -> bool:
+    """Whether `text` is Unicode text the tokenizer can encode (no lone surrogate)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def history_message(message: dict, where: str = "messages") -> dict:
     """An assistant message with `tool_calls` -> the same message with the calls as its JSON text. `where`: the
     message's place in the request (`messages[2]`), which a malformed call's RequestError names."""
@@ -244,6 +253,8 @@ def history_message(message: dict, where: str = "messages") -> dict:
             args = json.loads(raw or "{}")
         except json.JSONDecodeError:
             raise RequestError(f"{at}: function.arguments is not JSON") from None
+        if not _is_text(json.dumps(args, ensure_ascii=False)):  # an escaped lone surrogate ("\\ud800"), decoded
+            raise RequestError(f"{at}: function.arguments is not valid Unicode text (a lone surrogate)")
         out.append({"name": f["name"], "parameters": args})
     text = json.dumps(out, ensure_ascii=False)
     content = message.get("content")

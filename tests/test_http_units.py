@@ -1728,3 +1728,28 @@ def test_a_bad_query_parameter_is_named_as_sent():
     r = asyncio.run(go())
     assert r.status_code == 400 and r.json()["error"]["param"] == "level", r.text
     assert r.json()["error"]["message"].startswith("level: "), r.text
+
+
+def test_a_lone_surrogate_escaped_in_tool_call_arguments_names_the_call():
+    """A history tool call's `arguments` is JSON text: `"{\\"\\\\ud800\\": 1}"` is ASCII, and its lone surrogate appears
+    only once parsed; the render failed and the 400 named `tools`, a field the request did not send. It names the
+    call's arguments in `messages`."""
+    from k3jax.tokenizer import ByteTokenizer
+
+    eng = _TwoSamples()
+    eng.engine.tokenizer, eng.engine.cfg.vocab_size = ByteTokenizer(), 512
+    app = create_app(eng, "m")
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps({"a\ud800": 1})}}
+    body = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "tool_call_id": "c1", "content": "ok"}]}
+
+    async def error(path):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post(path, json=body)
+        assert r.status_code == 400, r.text
+        return r.json()["error"]
+
+    for path in ("/v1/chat/completions", "/tokenize"):
+        err = asyncio.run(error(path))
+        assert err["param"] == "messages", (path, err)
+        assert err["message"].startswith("messages[1].tool_calls[0]: function.arguments is not valid Unicode"), err

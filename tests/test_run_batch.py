@@ -193,3 +193,28 @@ def test_run_batch_takes_the_engine_options_and_none_of_the_servers(capsys):
     for n in ("0", "-1"):
         assert main(["run-batch", "-i", "x", "-o", "y", "--max-concurrency", n]) == 2
         assert f"--max-concurrency {n}: expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_a_lone_surrogate_in_a_line_is_answered_not_the_end_of_the_batch():
+    """JSON may carry a lone surrogate ("\\ud800"), which UTF-8 cannot encode: in a line's body, httpx's `json=`
+    raised before sending, and in a `custom_id` (or a body's text echoed back) the UTF-8 output raised: either ended
+    the whole batch with a traceback. The line is sent as its JSON and answered, its record written escaped."""
+    import io
+
+    from recording_engine import Recorder
+
+    from serve.api import create_app
+    from serve.run_batch import run_batch
+
+    lone, body = "a\ud800", {"prompt": [5], "max_tokens": 1}
+    lines = [json.dumps({"custom_id": c, "method": "POST", "url": "/v1/completions", "body": b})
+             for c, b in ((lone, body), ("b", {**body, "model": lone}), ("c", body))]
+    raw = io.BytesIO()
+    out = io.TextIOWrapper(raw, encoding="utf-8")  # (a file's encoding: io.StringIO takes any str)
+    counts = run_batch(create_app(Recorder(64), "m"), lines, out, 1)
+    out.flush()
+    assert (counts["succeeded"], counts["failed"], counts["invalid"]) == (2, 1, 0)
+    by_id = {r["custom_id"]: r for r in map(json.loads, raw.getvalue().decode("utf-8").splitlines())}
+    assert set(by_id) == {lone, "b", "c"}
+    assert by_id[lone]["response"]["status_code"] == 200
+    assert by_id["b"]["response"]["status_code"] == 404 and lone in by_id["b"]["response"]["body"]["error"]["message"]
