@@ -2766,6 +2766,8 @@ class Engine:
             free_units, free_slots = free_units + eu, free_slots + es
         cfg = dataclasses.replace(self.sched_cfg, prefill_first=False) if mixed else self.sched_cfg
         plan = schedule(views, Memory(free_units, free_slots), cfg, self.new_token_ratio)
+        if plan.empty and not plan.preempt and not self._flight and self._beams and self._unpark_for_laggards(True):
+            return self._plan(mixed)  # (a parked beam held what its laggard sibling needs: see there)
         self._adapt_new_token_ratio(plan)
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
@@ -3776,16 +3778,21 @@ class Engine:
         n = seq.beam.params.proposals
         seq.proposals = (np.asarray(top_ids[:n]).tolist(), np.asarray(top_lps[:n]).tolist())
 
-    def _unpark_for_laggards(self) -> None:
+    def _unpark_for_laggards(self, stuck: bool = False) -> bool:
         """A beam search with a beam waiting for memory (preempted, or forked without room) cannot select
         until that beam has computed: its beams that have their proposals give their memory back so the
-        laggard can run (their proposals stay; their continuations recompute)."""
+        laggard can run (their proposals stay; their continuations recompute). `stuck` (the plan runs nothing,
+        nothing in flight): a laggard that holds its slot counts too, since its next row may need the pages a
+        sibling's last decode took before parking, and only that sibling's memory lets it go on -> whether
+        any beam gave its memory back."""
+        released = False
         for req in self._beams.values():
-            if any(s.slot is None and s.proposals is None for s in req.seqs):
+            if any((s.slot is None or stuck) and s.proposals is None for s in req.seqs):
                 for s in req.seqs:
                     if s.proposals is not None and s.slot is not None:
                         self._release(s)
-                        s.computed = 0
+                        s.computed, released = 0, True
+        return released
 
     def _select_beams(self) -> set[str]:
         """One selection round for every beam search whose live beams all have their proposals: keep

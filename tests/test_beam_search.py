@@ -210,6 +210,39 @@ def test_forks_under_memory_pressure_and_abort(engine, prompts):
     assert_idle(engine)
 
 
+def test_a_laggard_beam_holding_its_slot_gets_its_parked_siblings_memory(engine, prompts):
+    """A beam recomputing (preempted) is admitted while its sibling still decodes; the sibling parks (its proposals
+    made, its memory held until the selection) and the laggard's next row finds no pages: nothing else frees any.
+    Only a laggard without a slot took its parked siblings' memory, so the search (and every request queued
+    behind it) stood still forever; the parked beam now gives its memory back, and the result is unchanged."""
+    prompt = prompts[0] + prompts[1]  # 74 tokens: a recompute from scratch is two prefill rows
+    params = BeamSearchParams(2, GEN, ignore_eos=True)
+    roomy = run_beams(engine, [prompt], params)[0]
+    engine.reset_prefix_cache()
+    rid = engine.add_request(prompt, params)
+    while engine.requests[rid].beam.rounds < 2:
+        engine.step()
+    parked, laggard = engine.requests[rid].seqs
+    engine._preempt(laggard)
+    engine.reset_prefix_cache()  # (no cached prefix to resume from: it recomputes from its first token)
+    engine.step()  # the sibling decodes and parks; the laggard's first row
+    assert parked.proposals is not None and parked.slot is not None
+    assert laggard.slot is not None and laggard.proposals is None and laggard.computed < len(laggard.all_ids)
+    hog = engine.allocator.alloc_pages(engine.allocator.free_units)
+    try:
+        for _ in range(3):
+            engine.step()
+        assert engine.requests[rid].beam.rounds > 2  # the laggard computed: the search selected again
+    finally:
+        engine.allocator.free_pages(hog)
+    out = drain(engine)[rid]
+    assert [c.token_ids for c in out.outputs] == [c.token_ids for c in roomy.outputs]
+    np.testing.assert_allclose([c.cumulative_logprob for c in out.outputs],
+                               [c.cumulative_logprob for c in roomy.outputs], atol=1e-4)
+    engine._reap()
+    assert_idle(engine)
+
+
 def test_a_search_whose_selection_raises_ends_alone(engine, prompts, monkeypatch):
     """A beam search whose selection round raises (here: the third round of the one with length_penalty 3) ends
     alone: StepFailed names it, the other search finishes as it does alone, and every beam's memory is freed."""
