@@ -253,43 +253,42 @@ def test_completion_echo_of_token_ids_shows_their_special_tokens():
         assert asyncio.run(echoed({"prompt": prompt, "truncate_prompt_tokens": 2}))[0] == text[1:] + "z", prompt
 
 
+def _beam_refusal(extra: dict) -> dict:
+    """A completions beam search (width 2) with `extra` fields, which must be a 400 -> its error object."""
+    from recording_engine import Recorder
+
+    body = {"prompt": [5, 6], "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
+
+    async def go():
+        app = create_app(Recorder(64), "m")
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", json=body)
+
+    r = asyncio.run(go())
+    assert r.status_code == 400, r.text
+    return r.json()["error"]
+
+
 def test_beam_search_refusing_echo_logprobs_names_echo():
     """`use_beam_search` scores no prompt: completions' echo with logprobs is refused naming `echo` (the 400 named
     `prompt_logprobs`, a field the request did not send); echo alone and vLLM's prompt_logprobs as before."""
-    from recording_engine import Recorder
-
-    app = create_app(Recorder(64), "m")
-
-    async def refusal(extra):
-        body = {"prompt": [5, 6], "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/completions", json=body)
-        assert r.status_code == 400, r.text
-        return r.json()["error"]["param"]
-
-    assert asyncio.run(refusal({"echo": True, "logprobs": 1})) == "echo"
-    assert asyncio.run(refusal({"echo": True, "logprobs": 1, "prompt_logprobs": 1})) == "prompt_logprobs"
-    assert asyncio.run(refusal({"prompt_logprobs": 1})) == "prompt_logprobs"
+    refusal = lambda extra: _beam_refusal(extra)["param"]
+    assert refusal({"echo": True, "logprobs": 1}) == "echo"
+    assert refusal({"echo": True, "logprobs": 1, "prompt_logprobs": 1}) == "prompt_logprobs"
+    assert refusal({"prompt_logprobs": 1}) == "prompt_logprobs"
 
 
 def test_beam_search_refusing_a_constraint_names_the_field_that_asked_for_it():
     """An output constraint with `use_beam_search` is refused naming the field the request sent (the 400 named
     `structured_outputs` for a `response_format` or `guided_choice`, a field the request did not send)."""
-    from recording_engine import Recorder
+    def refusal(extra):
+        error = _beam_refusal(extra)
+        assert error["message"].startswith(error["param"] + ": "), error
+        return error["param"]
 
-    app = create_app(Recorder(64), "m")
-
-    async def refusal(extra):
-        body = {"prompt": [5, 6], "max_tokens": 2, "n": 2, "use_beam_search": True, **extra}
-        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            r = await c.post("/v1/completions", json=body)
-        assert r.status_code == 400, r.text
-        assert r.json()["error"]["message"].startswith(r.json()["error"]["param"] + ": "), r.text
-        return r.json()["error"]["param"]
-
-    assert asyncio.run(refusal({"response_format": {"type": "json_object"}})) == "response_format"
-    assert asyncio.run(refusal({"guided_choice": ["a", "b"]})) == "guided_choice"
-    assert asyncio.run(refusal({"structured_outputs": {"choice": ["a", "b"]}})) == "structured_outputs"
+    assert refusal({"response_format": {"type": "json_object"}}) == "response_format"
+    assert refusal({"guided_choice": ["a", "b"]}) == "guided_choice"
+    assert refusal({"structured_outputs": {"choice": ["a", "b"]}}) == "structured_outputs"
 
 
 def test_every_serve_option_reaches_the_server():
