@@ -8,6 +8,7 @@ names the tensor and both shapes; so is one whose cast to the model's dtype woul
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import logging
@@ -287,10 +288,9 @@ def _k3_keys(cfg: ModelConfig) -> tuple[dict, dict]:
             {"gate_lower_bound": cfg.gate_lower_bound, "use_full_rank_gate": cfg.kda_full_rank_output_gate})
 
 
-# what `from_hf_config` takes for a kimi_linear config.json without the key
-_KL_DEFAULTS = {"mla_use_output_gate": False, "routed_expert_hidden_size": None, "latent_moe_use_norm": False,
-                "attn_res_block_size": None, "activation_situ_beta": 4.0, "activation_situ_linear_beta": 25.0,
-                "gate_lower_bound": None, "use_full_rank_gate": False}
+# the ModelConfig fields `_k3_keys` writes (a kimi_linear config.json without them reads their defaults)
+_K3_FIELDS = ("mla_use_output_gate", "routed_expert_hidden_size", "latent_moe_use_norm", "attn_res_block_size",
+              "situ_beta", "situ_linear_beta", "gate_lower_bound", "kda_full_rank_output_gate")
 
 
 def hf_config_dict(cfg: ModelConfig) -> dict:
@@ -325,9 +325,10 @@ def hf_config_dict(cfg: ModelConfig) -> dict:
                                   f"(MXFP4 experts are K3's: family kimi_k3)")
         # K3 switches a kimi_linear config may set: written when not their default (the real Kimi-Linear config
         # names none), else a round trip lost them (gate_lower_bound: another gate, same tensors, no error)
-        keep = lambda keys: {k: v for k, v in keys.items() if v != _KL_DEFAULTS[k]}
-        text.update(keep(k3_text))
-        text["linear_attn_config"].update(keep(k3_linear))
+        fields = {f.name: f for f in dataclasses.fields(ModelConfig)}
+        plain_text, plain_linear = _k3_keys(cfg.replace(**{k: fields[k].default for k in _K3_FIELDS}))
+        text.update({k: v for k, v in k3_text.items() if v != plain_text[k]})
+        text["linear_attn_config"].update({k: v for k, v in k3_linear.items() if v != plain_linear[k]})
         return {"architectures": ["KimiLinearForCausalLM"], **text}
     text.update({**k3_text, "topk_method": "noaux_tc", "num_nextn_predict_layers": 0})
     text["linear_attn_config"].update(k3_linear)
