@@ -995,6 +995,7 @@ class _Run:
         self.unfinished = set(range(len(prompts)))
         self.accepted: set[int] = set()  # prompts the engine queued (passed its validation)
         self.failed: set[int] = set()  # accepted prompts the engine ended with an error (a failed step)
+        self.refused: set[int] = set()  # prompts the engine refused (a RequestError before accepting them)
         self.closed = False
         # per prompt, the samples whose first token / finish the request histograms have seen: vLLM observes each
         # of a request's n samples as a request of its own (as `vllm:request_success` counts them)
@@ -1084,6 +1085,8 @@ class _Run:
         ends its unfinished samples with vLLM's finish reason "error", not "abort"."""
         if i in self.accepted and not isinstance(err, RequestError):
             self.failed.add(i)
+        elif i not in self.accepted and isinstance(err, RequestError):
+            self.refused.add(i)
         return err
 
     async def items(self):
@@ -1261,7 +1264,13 @@ def _request_line(run: _Run) -> str:
                 + (" structured" if p.structured_outputs is not None else "")
                 + (f" lora={','.join(sorted(set(run.loras) - {None}))}" if any(run.loras) else ""))
     tokens = sum(map(_prompt_len, run.prompts))
-    return f"request {run.response_id}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
+    return f"request {_loggable(run.response_id)}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
+
+
+def _loggable(text: str) -> str:
+    """A client's text (its request id) for a log line: characters that are not printable (newlines, other
+    controls, lone surrogates) escaped, so a request id cannot end the line and forge the next one."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
 
 
 def _read_stats(read: Callable, default):
@@ -1282,9 +1291,9 @@ def _finished_line(run: _Run) -> str:
     u = run.usage()
     reasons = sorted({o.finish_reason or ("error" if i in run.failed else "abort")
                       for i, out in run._whole.items() for o in out.outputs}
-                     | ({"error"} if run.failed else set())
-                     | ({"abort"} if run.unfinished - run.failed and run.tasks else set()))
-    return (f"request {run.response_id} finished ({', '.join(reasons) or 'rejected'}): "
+                     | ({"error"} if run.failed else set()) | ({"rejected"} if run.refused else set())
+                     | ({"abort"} if run.unfinished - run.failed - run.refused and run.tasks else set()))
+    return (f"request {_loggable(run.response_id)} finished ({', '.join(reasons) or 'rejected'}): "
             f"{u['completion_tokens']} tokens, {u['prompt_tokens_details']['cached_tokens']} prompt tokens cached, "
             f"{time.monotonic() - run.arrival:.2f}s")
 
@@ -3144,7 +3153,7 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
             for chunk in fmt.end(run, include_usage):
                 yield fmt.sse(chunk)
         except Exception as e:  # an engine failure mid-stream: report it in the stream
-            log.warning("stream %s failed: %s", fmt.id, e)
+            log.warning("stream %s failed: %s", _loggable(fmt.id), e)
             status = 400 if isinstance(e, RequestError) else 503 if isinstance(e, EngineSleeping) else 500
             for chunk in fmt.failure(str(e), status):
                 yield fmt.sse(chunk)

@@ -52,7 +52,8 @@ DEFAULTS = dict(
     return_tokens_as_token_ids=False, enable_request_id_headers=False, api_key=None, ssl_keyfile=None,
     ssl_certfile=None, ssl_ca_certs=None, ssl_cert_reqs=0, root_path="", allowed_origins=None, allowed_methods="*",
     allowed_headers="*", allow_credentials=False, shutdown_timeout=0.0, disable_log_stats=False,
-    log_stats_interval=10.0, enable_log_requests=False, enable_prompt_embeds=False, profiler_dir=None,
+    log_stats_interval=10.0, enable_log_requests=False, max_log_len=None, disable_uvicorn_access_log=False,
+    enable_prompt_embeds=False, profiler_dir=None,
     async_scheduling=False, enable_chunked_prefill=True, trust_remote_code=False, config=None,
     enable_auto_tool_choice=False, tool_call_parser=None, reasoning_parser=None, chat_template=None,
     enforce_eager=False, swap_space=None,
@@ -62,7 +63,8 @@ SERVER_ONLY = ("host", "port", "api_key", "api_key_file", "rpm", "tpm", "max_wai
                "max_stored_responses", "enable_sleep_mode", "enable_weights_cpu_backup", "enable_request_id_headers",
                "allow_runtime_lora_updating", "ssl_keyfile", "ssl_certfile", "ssl_ca_certs", "ssl_cert_reqs",
                "root_path", "allowed_origins", "allowed_methods", "allowed_headers", "allow_credentials",
-               "shutdown_timeout", "log_stats_interval", "profiler_dir", "log_level", "coordinator_address",
+               "shutdown_timeout", "log_stats_interval", "profiler_dir", "log_level", "disable_uvicorn_access_log",
+               "coordinator_address",
                "num_processes", "process_id")
 
 
@@ -345,12 +347,16 @@ def add_serve_arguments(s, server: bool = True) -> None:
                         "reasons, time; never the prompt or answer text)")
     s.add_argument("--disable-log-requests", dest="enable_log_requests", action="store_false",
                    help="vLLM's older flag: no request lines (the default)")
+    s.add_argument("--max-log-len", type=int, default=d["max_log_len"], metavar="N",
+                   help="vLLM's: accepted, changes nothing: request lines never hold prompt or answer text to cut")
     s.add_argument("--profiler-dir", default=d["profiler_dir"], metavar="DIR",
                    help="serve POST /start_profile and /stop_profile (vLLM's): a jax.profiler trace of the engine "
                         "between the two, written under DIR (TensorBoard / XProf, and a Perfetto trace)")
     s.add_argument("--log-level", "--uvicorn-log-level", default=d["log_level"],
                    choices=["critical", "error", "warning", "info", "debug", "trace"],
                    help="uvicorn's log level (--uvicorn-log-level: vLLM's name)")
+    s.add_argument("--disable-uvicorn-access-log", action="store_true",
+                   help="vLLM's: no uvicorn access line per HTTP request")
     s.add_argument("--trust-remote-code", action="store_true",
                    help="vLLM's: accepted; no checkpoint code is ever run (K3 and Kimi-Linear are built in)")
     # vLLM's Kimi launch lines (`--enable-auto-tool-choice --tool-call-parser kimi_k2 --reasoning-parser kimi_k2`):
@@ -872,6 +878,7 @@ def uvicorn_config(app, o: dict):
     # lifespan off: the app has no start-up or shutdown hooks, and uvicorn's lifespan task, cancelled by Ctrl-C,
     # printed a CancelledError traceback on every interrupted shutdown
     config = uvicorn.Config(app, host=o["host"], port=o["port"], log_level=o["log_level"], lifespan="off",
+                            access_log=not o.get("disable_uvicorn_access_log"),
                             timeout_graceful_shutdown=graceful_timeout(drain), root_path=root, ssl_keyfile=key,
                             ssl_certfile=cert, ssl_ca_certs=ca, ssl_cert_reqs=reqs if cert else ssl.CERT_NONE)
     if cert:

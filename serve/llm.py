@@ -58,10 +58,11 @@ def params_per_prompt(sampling_params, count: int, defaults: Callable[[], Sampli
     return [default if sp is None else sp for sp in sampling_params]
 
 
-def vllm_no_ops(enforce_eager, swap_space) -> list[str]:
-    """vLLM's `LLM(enforce_eager=..., swap_space=...)`, taken for a vLLM script's sake as `k3jax serve` takes
-    `--enforce-eager` / `--swap-space` (serve/cli.py `vllm_notes`) -> a note for each given, saying it changes
-    nothing; a `swap_space` that is no size raises naming it."""
+def vllm_no_ops(enforce_eager, swap_space, disable_log_stats=True) -> list[str]:
+    """vLLM's `LLM(enforce_eager=..., swap_space=..., disable_log_stats=...)`, taken for a vLLM script's sake as
+    `k3jax serve` takes `--enforce-eager` / `--swap-space` (serve/cli.py `vllm_notes`) -> a note for each given
+    that asks for something not done here; a `swap_space` that is no size raises naming it.
+    `disable_log_stats=True` is vLLM's LLM default and what this LLM does: no note."""
     if swap_space is not None and (isinstance(swap_space, bool) or not isinstance(swap_space, numbers.Real)
                                    or not 0 <= swap_space < math.inf):
         raise ValueError(f"swap_space: expected GiB >= 0, got {swap_space!r}")
@@ -72,6 +73,9 @@ def vllm_no_ops(enforce_eager, swap_space) -> list[str]:
     if swap_space is not None:
         notes.append(f"swap_space={swap_space:g}: accepted, changes nothing: preempted requests are recomputed (as "
                      f"in vLLM V1); host memory for cached pages is host_cache_bytes")
+    if not disable_log_stats:
+        notes.append("disable_log_stats=False: accepted, changes nothing: the offline LLM prints no statistics "
+                     "lines (read llm.engine.stats(); `k3jax serve` prints them)")
     return notes
 
 
@@ -93,8 +97,9 @@ class LLM:
 
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "auto", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
-                 enforce_eager: bool = False, swap_space: Optional[float] = None, **engine_options):
-        for note in vllm_no_ops(enforce_eager, swap_space):
+                 enforce_eager: bool = False, swap_space: Optional[float] = None, disable_log_stats: bool = True,
+                 **engine_options):
+        for note in vllm_no_ops(enforce_eager, swap_space, disable_log_stats):
             log.warning(note)
         # vLLM's `seed` seeds sampling (unseeded requests' seeds are drawn from it); a preset's weights too
         config = EngineConfig(seed=seed, **engine_options)
@@ -295,9 +300,12 @@ class LLM:
     def start_profile(self, log_dir: Optional[str] = None) -> str:
         """vLLM's: start a `jax.profiler` trace of what runs until `stop_profile` (each engine step annotated
         `k3jax.step` with its bucket) into `log_dir`, else $K3JAX_PROFILER_DIR -> that directory
-        (serve/profiler.py)."""
-        self._profiler = Profiler(log_dir)
-        return self._profiler.start()
+        (serve/profiler.py). A refused start (one already recording) keeps the recording's handle, so
+        `stop_profile` still ends it."""
+        profiler = Profiler(log_dir)
+        started = profiler.start()
+        self._profiler = profiler
+        return started
 
     def stop_profile(self) -> dict:
         """Stop the trace -> {"dir": the run directory written (TensorBoard / XProf; a Perfetto

@@ -50,9 +50,16 @@ class Profiler:
         with Profiler._lock:
             if Profiler._active is not None:
                 raise ProfilerError("start_profile: a profile is already being recorded (stop_profile first)")
-            Path(d).mkdir(parents=True, exist_ok=True)
+            try:
+                Path(d).mkdir(parents=True, exist_ok=True)
+            except OSError as e:  # a file there, no permission: say so (it was a 500 "internal error")
+                raise ProfilerError(f"start_profile: cannot create the profile directory {d} "
+                                    f"({type(e).__name__}: {e.strerror or e})") from None
             self._before = set(_runs(d))
-            jax.profiler.start_trace(d, create_perfetto_trace=True)
+            try:
+                jax.profiler.start_trace(d, create_perfetto_trace=True)
+            except RuntimeError as e:  # a trace started outside this module (jax.profiler directly)
+                raise ProfilerError(f"start_profile: {e}") from None
             Profiler._active, self.started = self, time.monotonic()
         return d
 
@@ -62,6 +69,7 @@ class Profiler:
             if Profiler._active is not self:
                 raise ProfilerError("stop_profile: no profile is being recorded" if Profiler._active is None else
                                     "stop_profile: the profile being recorded was started elsewhere")
+            _wait_for_a_new_run_name(self.directory())
             try:
                 jax.profiler.stop_trace()
             finally:
@@ -78,6 +86,20 @@ class Profiler:
 def _runs(d: str) -> list[Path]:
     root = Path(d) / "plugins" / "profile"
     return [p for p in root.iterdir() if p.is_dir()] if root.is_dir() else []
+
+
+def _run_name() -> str:
+    """The name the JAX profiler gives the run directory it writes now: its local time, to the second."""
+    return time.strftime("%Y_%m_%d_%H_%M_%S")
+
+
+def _wait_for_a_new_run_name(d: str, limit_s: float = 1.5) -> None:
+    """Wait (under a second) until a trace written now gets a run directory of its own: two recordings
+    stopped within one second went to the same directory, the second overwriting the first's files."""
+    taken = {p.name for p in _runs(d)}
+    deadline = time.monotonic() + limit_s
+    while _run_name() in taken and time.monotonic() < deadline:
+        time.sleep(0.02)
 
 
 def step_annotation(rows: int, tokens: int, pages: int):

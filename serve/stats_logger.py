@@ -21,12 +21,15 @@ _COUNTERS = ("prompt_tokens", "generation_tokens", "spec_decode_num_draft_tokens
 
 
 def snapshot(stats: Mapping) -> dict:
-    """The numbers a stats line needs from `Engine.stats()` (or merged data-parallel stats)."""
+    """The numbers a stats line needs from `Engine.stats()` (or merged data-parallel stats). A disaggregated
+    pair's requests run on its prefill engine, then on its decode engine: running and waiting count both, so
+    the line does not show an idle server (and go quiet) while prompts prefill."""
     pc = stats.get("prefix_cache") or {}
+    pre = stats.get("prefill_engine") or {}
     snap = {k: float(stats.get(k, 0) or 0) for k in _COUNTERS}
     snap.update(query_tokens=float(pc.get("query_tokens", 0) or 0), hit_tokens=float(pc.get("hit_tokens", 0) or 0),
-                running=int(stats.get("num_requests_running", 0) or 0),
-                waiting=int(stats.get("num_requests_waiting", 0) or 0),
+                running=sum(int(s.get("num_requests_running", 0) or 0) for s in (stats, pre)),
+                waiting=sum(int(s.get("num_requests_waiting", 0) or 0) for s in (stats, pre)),
                 usage=float(stats.get("kv_cache_usage", 0.0) or 0.0))
     return snap
 

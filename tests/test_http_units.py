@@ -443,6 +443,17 @@ def test_https_serves_with_the_given_certificate(tmp_path):
             uvicorn_config(create_app(None, "m"), _serve_options(*argv))
 
 
+def test_vllm_logging_flags_of_a_launch_line():
+    """vLLM's `--max-log-len N` (beside --enable-log-requests) was refused as unknown, failing a vLLM launch line:
+    accepted (request lines hold no text to cut); `--disable-uvicorn-access-log` turns uvicorn's access lines off."""
+    from serve.cli import uvicorn_config
+
+    o = _serve_options("--enable-log-requests", "--max-log-len", "100", "--disable-uvicorn-access-log")
+    assert (o["enable_log_requests"], o["max_log_len"]) == (True, 100)
+    assert uvicorn_config(create_app(None, "m"), o).access_log is False
+    assert uvicorn_config(create_app(None, "m"), _serve_options()).access_log is True
+
+
 def test_shutting_down_refuses_new_requests_and_fails_health():
     app = create_app(None, "m", max_model_len=64)
     assert app.state.k3.start_shutdown() == 0  # nothing in flight
@@ -618,7 +629,8 @@ def test_shutdown_drains_or_aborts_the_requests_in_flight(timeout_s, ticks, ends
 
 def test_profiler_routes_record_a_trace(tmp_path):
     """--profiler-dir (vLLM's profiler routes): start, something runs, stop -> a run directory with the
-    trace; a second start while recording and a stop with none are 400s; without the flag, no routes."""
+    trace, a new one for each recording; a second start while recording and a stop with none are 400s;
+    without the flag, no routes."""
     import jax.numpy as jnp
 
     app = create_app(None, "m", profiler_dir=str(tmp_path / "prof"))
@@ -636,8 +648,46 @@ def test_profiler_routes_record_a_trace(tmp_path):
     files = [p.name for p in __import__("pathlib").Path(done["dir"]).iterdir()]
     assert done["status"] == "written" and any(f.endswith(".xplane.pb") for f in files), files
     assert any(f.endswith(".trace.json.gz") for f in files), files
+    # recordings stopped within one second went to one run directory (the last overwrote the one before it,
+    # and stop_profile answered the profile directory itself): each has its own now
+    again = []
+    for _ in range(2):
+        asyncio.run(go("/start_profile"))
+        again.append(asyncio.run(go("/stop_profile")).json()["dir"])
+    assert len({done["dir"], *again}) == 3, (done, again)
+    assert all(any(f.name.endswith(".xplane.pb") for f in __import__("pathlib").Path(d).iterdir()) for d in again)
     plain = create_app(None, "m")
     assert "/start_profile" not in {r.path for r in plain.routes}
+    # a --profiler-dir that cannot be a directory was a 500 "internal error: FileExistsError"
+    (tmp_path / "file").write_text("x")
+    for d in (tmp_path / "file", tmp_path / "file" / "sub"):
+        app = create_app(None, "m", profiler_dir=str(d))
+        r = asyncio.run(go("/start_profile"))
+        assert r.status_code == 400 and r.json()["error"]["message"].startswith(
+            f"start_profile: cannot create the profile directory {d} ("), r.text
+
+
+def test_a_request_id_cannot_forge_request_log_lines():
+    """--enable-log-requests: a client's request id (the `request_id` field, SGLang's `rid`) with a newline
+    started a line of its own in the server log, so a client could forge request lines; it is escaped."""
+    from recording_engine import Recorder
+
+    lines = []
+    app = create_app(Recorder(64), "m", request_log=lines.append)
+    forged = "x\nrequest cmpl-y finished (stop): 1 tokens"
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post("/v1/completions", json={"model": "m", "prompt": [1, 2], "request_id": forged})
+            g = await c.post("/generate", json={"input_ids": [1, 2], "rid": "r\u2028\u0085forged"})
+            return r, g
+
+    r, g = asyncio.run(go())
+    assert r.status_code == 200 and r.json()["id"] == "cmpl-" + forged  # (the answer keeps the id as given)
+    assert g.status_code == 200 and len(lines) == 4, lines
+    assert not any(c in line for line in lines for c in "\n\r\u2028\u0085"), lines
+    assert lines[0].startswith("request cmpl-x\\nrequest cmpl-y finished (stop): 1 tokens: 1 prompt(s)"), lines
+    assert lines[3].startswith("request r\\u2028\\x85forged finished (length)"), lines
 
 
 def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):

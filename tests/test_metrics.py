@@ -31,6 +31,28 @@ def test_a_request_the_engine_refuses_is_no_aborted_request():
     assert samples[("vllm:request_success_total", (("finished_reason", "abort"),))] == 0
 
 
+def test_a_refused_request_is_logged_as_rejected_not_aborted():
+    """--enable-log-requests said "finished (abort)" for a request the engine refused with a 400 (the client aborted
+    nothing): it is "rejected"."""
+    import asyncio
+
+    import httpx
+
+    from serve.api import create_app
+
+    lines = []
+    app = create_app(_Refuses(max_model_len=64), "m", request_log=lines.append)
+
+    async def go(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", json=body)
+
+    for stream in (False, True):
+        r = asyncio.run(go({"prompt": [1, 2], "n": 2, "max_tokens": 2, "stream": stream}))
+        assert r.status_code == 400
+        assert " finished (rejected): 0 tokens" in lines[-1], lines
+
+
 class _TwoSamples(Recorder):
     """Streams an n = 2 request's deltas: both samples' first tokens, then sample 0 ends at its length (2 tokens),
     then sample 1 at a stop (3 tokens)."""

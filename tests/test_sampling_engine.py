@@ -231,7 +231,8 @@ def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
 
 def test_profile_records_the_engine_steps(llm, tmp_path):
     """LLM.start_profile / stop_profile (vLLM's; serve/profiler.py): a jax.profiler trace in which each step
-    call is a `k3jax.step` annotation naming its bucket."""
+    call is a `k3jax.step` annotation naming its bucket. A second start while recording is refused and
+    leaves the recording stoppable (it replaced the LLM's handle: the trace could never be stopped)."""
     import gzip
     import json
     from pathlib import Path
@@ -239,6 +240,8 @@ def test_profile_records_the_engine_steps(llm, tmp_path):
     from serve.profiler import ProfilerError
 
     assert llm.start_profile(str(tmp_path)) == str(tmp_path)
+    with pytest.raises(ProfilerError, match="already being recorded"):
+        llm.start_profile(str(tmp_path / "other"))
     llm.generate([PROMPT[:10]], SP(temperature=0, max_tokens=3))
     done = llm.stop_profile()
     with gzip.open(next(Path(done["dir"]).glob("*.trace.json.gz"))) as f:
@@ -847,9 +850,9 @@ def test_llm_seed_seeds_the_engines_sampling(monkeypatch):
 
 
 def test_llm_takes_vllms_enforce_eager_and_swap_space_as_noted_no_ops(monkeypatch, caplog):
-    """vLLM's `LLM(..., enforce_eager=True, swap_space=4)` raised TypeError (EngineConfig has no such fields) while
-    `k3jax serve` takes both flags as no-ops with a note: the Python API takes them alike, the engine's config
-    unchanged, a note logged for each; a swap space that is no size is refused naming it."""
+    """vLLM's `LLM(..., enforce_eager=True, swap_space=4, disable_log_stats=...)` raised TypeError (EngineConfig has
+    no such fields) while `k3jax serve` takes both flags as no-ops with a note: the Python API takes them alike,
+    the engine's config unchanged, a note logged for each; a swap space that is no size is refused naming it."""
     import logging
     import types
 
@@ -864,6 +867,13 @@ def test_llm_takes_vllms_enforce_eager_and_swap_space_as_noted_no_ops(monkeypatc
         k3jax.LLM("tiny-k3", enforce_eager=True, swap_space=4, **KW)
     assert built[0] == built[1]
     assert [r.getMessage().split(":")[0] for r in caplog.records] == ["enforce_eager=True", "swap_space=4"]
+    # vLLM's disable_log_stats (a TypeError too): True, vLLM's LLM default, is what this LLM does; False is noted
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="serve.llm"):
+        k3jax.LLM("tiny-k3", disable_log_stats=True, **KW)
+        k3jax.LLM("tiny-k3", disable_log_stats=False, **KW)
+    assert built[0] == built[2] == built[3]
+    assert [r.getMessage().split(":")[0] for r in caplog.records] == ["disable_log_stats=False"]
     for bad in (-1, float("inf"), "4", True):
         with pytest.raises(ValueError, match="swap_space: expected GiB >= 0"):
             k3jax.LLM("tiny-k3", swap_space=bad, **KW)

@@ -52,3 +52,18 @@ def test_an_interval_no_thread_can_wait_is_refused(interval):
     at its first wait with an OverflowError traceback and the server logged no statistics."""
     with pytest.raises(ValueError, match="--log-stats-interval: expected seconds > 0"):
         StatsLogger(dict, print, interval_s=interval)
+
+
+def test_a_disaggregated_pair_counts_the_requests_its_prefill_engine_runs():
+    """A disaggregated pair's stats are its decode engine's with the prefill engine's beside them: requests
+    prefilling there were left out, so the line said "running 0 reqs" (and went quiet as idle) while the
+    server worked on long prompts."""
+    pair = dict(_stats(running=1), prefill_engine={"num_requests_running": 2, "num_requests_waiting": 3})
+    cur = snapshot(pair)
+    assert (cur["running"], cur["waiting"]) == (3, 3)
+    said, t = [], [0.0]
+    feed = iter([_stats(), pair, dict(_stats(), prefill_engine={"num_requests_running": 1})])
+    log = StatsLogger(lambda: next(feed), said.append, interval_s=5.0, clock=lambda: t[0])
+    assert log.tick() is None
+    assert "running 3 reqs, waiting 3 reqs" in log.tick()
+    assert "running 1 reqs, waiting 0 reqs" in log.tick()  # still prefilling: busy, not idle
