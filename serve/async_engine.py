@@ -30,6 +30,8 @@ from serve.types import RequestError, RequestOutput, RequestOutputKind, Sampling
 
 log = logging.getLogger(__name__)
 
+IDLE_WAIT_S = 0.05  # the engine thread's longest wait for a command when it has nothing to step
+
 
 class EngineDead(RuntimeError):
     """The async engine was shut down (vLLM's `EngineDeadError`): nothing steps its requests any more."""
@@ -362,8 +364,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if not self.engine.has_unfinished() or getattr(self.engine, "held", False):
                     self.engine.idle()
-                    self._wake.wait(timeout=0.05)
-                    self._wake.clear()
+                    self._wait()
                     if not self.engine.has_unfinished():
                         continue
                     # held (`retract`): a step that runs nothing but hands out what aborts finished
@@ -371,6 +372,7 @@ class AsyncEngine:
                 log.exception("engine bookkeeping failed")  # the thread's end (every stream would hang)
                 self.errors += 1
                 self._fail_all(e)
+                self._wait()  # (one that fails on every pass, an idle task's, spun the thread flooding the log)
                 continue
             try:
                 outs = self.engine.step()
@@ -389,6 +391,11 @@ class AsyncEngine:
                 continue
             for out in outs:
                 self._deliver(out.request_id, out)
+
+    def _wait(self) -> None:
+        """Wait for a command, at most IDLE_WAIT_S."""
+        self._wake.wait(timeout=IDLE_WAIT_S)
+        self._wake.clear()
 
     def _drain_commands(self) -> None:
         while True:

@@ -639,7 +639,7 @@ def check_model(model: str) -> None:
         raise ValueError(f"--model {model!r}: neither a preset ({sorted(PRESETS)}) nor a directory")
     try:
         read_config(model)
-    except ValueError as e:
+    except (ValueError, OSError) as e:  # (OSError: a config.json that cannot be read, such as its permissions)
         raise ValueError(f"--model {model!r}: {e}") from None
 
 
@@ -894,7 +894,7 @@ def serve_main(args) -> int:
     from k3jax.runtime import resolve_dtype
     from serve.api import create_app
     from serve.auth import Limits, load_api_keys
-    from serve.shutdown import DrainingServer, Terminated, sigterm_unwinds
+    from serve.shutdown import DrainingServer, Terminated, exit_during_warmup, sigterm_unwinds
     from serve.stats_logger import StatsLogger
 
     o = {k: getattr(args, k, v) for k, v in DEFAULTS.items()}
@@ -977,15 +977,20 @@ def serve_main(args) -> int:
             server.should_exit = True
 
     _say(f"listening on {url} (/health answers 503 until the engine is warm)")
-    threading.Thread(target=warm, name="k3jax-warmup", daemon=True).start()
+    warmup = threading.Thread(target=warm, name="k3jax-warmup", daemon=True)
+    warmup.start()
+    stopped = False  # the server ran and stopped (a port in use raises SystemExit before any loading)
     try:
         with sigterm_unwinds():
             server.run()
+        stopped = True
     except (KeyboardInterrupt, Terminated):  # SIGINT / SIGTERM: uvicorn has shut down gracefully and re-raised it
-        pass
+        stopped = True
     finally:
         if stats_logger is not None:
             stats_logger.stop()
+        if stopped:  # stopped while the engine still loads or compiles: exit now
+            exit_during_warmup(warmup, 1 if holder.get("failed") else 0, _say)
         if "engine" in holder:
             holder["engine"].shutdown()
     return 1 if holder.get("failed") else 0

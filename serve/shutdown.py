@@ -7,7 +7,8 @@ requests on connections still open answer 503), then either aborts the requests 
 aborted request still gets a whole answer, ending with finish_reason "abort", and its cache memory back.
 A second signal forces the exit (uvicorn's own handling). uvicorn raises the signal again once it has
 shut down; `sigterm_unwinds` turns that SIGTERM into an exception, so the process unwinds (the engine
-shut down) and exits 0 as after Ctrl-C, instead of dying by the signal. For a Kubernetes rolling update, set
+shut down) and exits 0 as after Ctrl-C, instead of dying by the signal; stopped while the engine still loads or
+compiles, the process exits at once (`exit_during_warmup`). For a Kubernetes rolling update, set
 `terminationGracePeriodSeconds` above the time the load balancer takes to stop routing plus the timeout.
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import signal
+import sys
 import threading
 from typing import Callable, Iterator, Optional
 
@@ -82,3 +85,17 @@ def sigterm_unwinds() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def exit_during_warmup(warmup: threading.Thread, code: int, say: Callable[[str], None]) -> None:
+    """The server stopped (SIGTERM, Ctrl-C) while `warmup` still loads or compiles the engine: end the process
+    now with `code`, its output flushed (nothing is in flight to drain). An XLA compile cannot be interrupted, and
+    the interpreter's exit would wait for its compile threads (then say "ready" for a server no longer listening)
+    or abort (SIGABRT) tearing the daemon thread down inside XLA. Returns at once when the warm-up is over."""
+    if not warmup.is_alive():
+        return
+    say("start-up interrupted: exiting without waiting for the engine to load and compile")
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)

@@ -1191,6 +1191,43 @@ def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
         aeng.shutdown()
 
 
+def test_async_engine_waits_between_idle_tasks_that_fail_every_pass():
+    """An engine whose idle task raises on every pass (a multi-process leader pinging followers it lost): the
+    engine thread goes on serving, waiting between passes as when idle. It went round without waiting, tens of
+    thousands of passes a second, each logging its traceback."""
+    import time
+
+    from serve.async_engine import IDLE_WAIT_S, AsyncEngine
+
+    class Unreachable:  # the engine loop's surface: nothing in flight, every idle ping fails
+        held, tokenizer, requests, pings = False, None, {}, 0
+
+        def has_unfinished(self):
+            return False
+
+        def idle(self):
+            self.pings += 1
+            raise RuntimeError("injected: the followers are unreachable")
+
+        def abort(self, rid):
+            return False
+
+        def _reap(self):
+            pass
+
+        def close(self):
+            pass
+
+    engine = Unreachable()
+    aeng = AsyncEngine(engine)
+    try:
+        time.sleep(10 * IDLE_WAIT_S)
+        assert aeng.alive
+    finally:
+        aeng.shutdown()
+    assert 1 <= engine.pings <= 20 and aeng.errors == engine.pings
+
+
 def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):
     """A `call` whose function raises a BaseException (SystemExit) raises it to its caller; the engine thread
     serves on. It used to end the thread: the call and every later request hung."""

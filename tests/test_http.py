@@ -1330,3 +1330,27 @@ def test_sigterm_aborts_the_request_in_flight_by_default(limited):
     assert [e["choices"][0]["finish_reason"] for e in got if e["choices"] and e["choices"][0]["finish_reason"]] == [
         "abort"]
     assert got[-1]["usage"]["completion_tokens"] < (MAX_MODEL_LEN - 8) // 2
+
+
+def test_sigterm_during_warm_up_exits_at_once(tmp_path):
+    """SIGTERM while the engine still compiles (a pod stopped during its start-up): the process exits 0 at once,
+    saying so. It used to die of SIGABRT inside XLA, or finish compiling first and then say "ready: serving" for
+    a server no longer listening."""
+    log_path = tmp_path / "warm.log"
+    cmd = [sys.executable, "-m", "k3jax.cli", "serve", *PLAIN, "--port", str(_free_port()),
+           "--compile-cache-dir", str(tmp_path / "cold")]  # a cold cache: the programs take a while to compile
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+        try:
+            while "compiling" not in log_path.read_text():
+                assert proc.poll() is None, log_path.read_text()
+                time.sleep(0.05)
+            proc.send_signal(signal.SIGTERM)
+            rc = proc.wait(START_TIMEOUT)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(5)
+    tail = log_path.read_text()[-4000:]
+    assert rc == 0, tail
+    assert "start-up interrupted" in tail and "ready: serving" not in tail, tail

@@ -709,6 +709,10 @@ def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "kimi_linear"}')
     with pytest.raises(ValueError, match="--model .*num_hidden_layers"):
         check_model(str(tmp_path))
+    unreadable = tmp_path / "unreadable"
+    (unreadable / "config.json").mkdir(parents=True)  # an OSError reading it (as a file without read permission)
+    with pytest.raises(ValueError, match="--model .*unreadable.*config.json"):  # was an IsADirectoryError traceback
+        check_model(str(unreadable))
     check_model("k3-small")
     for flag, value in (("--port", "70000"), ("--max-waiting", "-1"), ("--rpm", "0"), ("--tpm", "-5")):
         with pytest.raises(ValueError, match=flag):
