@@ -340,6 +340,20 @@ def _hf_layer_types_mla(tc: Mapping[str, Any], where: str, n: int) -> tuple[int,
     return tuple(l for l, t in enumerate(types) if t == "full_attention")
 
 
+def _check_hf_full_attn_layers(tc: Mapping[str, Any], lac: Mapping[str, Any], lwhere: str, mla: tuple[int, ...]) -> None:
+    """HF transformers' KimiLinearConfig builds its layers from full_attn_layers only beside kda_layers; with neither
+    kda_layers nor `layer_types` it builds its default plan (MLA at 0-based layers 4, 8, ...) whatever
+    full_attn_layers says: a full_attn_layers that disagrees describes a model HF would build otherwise, an error
+    naming what to add (the same plan: accepted)."""
+    if "kda_layers" in lac or tc.get("layer_types") is not None:
+        return  # (both kept: HF reads them, and they are checked against full_attn_layers)
+    hf = _hf_layer_types_mla({}, lwhere, tc["num_hidden_layers"])
+    if mla != hf:
+        raise ConfigError(f"{lwhere}: full_attn_layers {[l + 1 for l in mla]} without kda_layers: HF transformers then "
+                          f"ignores it and builds its default full-attention layers {[l + 1 for l in hf]}; give "
+                          f"kda_layers (the other layers) or layer_types")
+
+
 def _hf_leading_dense(tc: Mapping[str, Any], n: int) -> int:
     """first_k_dense_replace when config.json has none: the dense layers that lead HF's `mlp_layer_types` (an
     HF-native config names only that list), else HF's default 1. (_check_hf_layer_plans checks the rest.)"""
@@ -406,6 +420,8 @@ def from_hf_config(cfg: Mapping[str, Any]) -> ModelConfig:
         raise ConfigError(f"{lwhere}: expected an object, got {lac!r}")
     if family == "kimi_k3" or lac.get("full_attn_layers") is not None:
         mla = _one_based_to_zero(_req(lac, "full_attn_layers", lwhere), "full_attn_layers", n)
+        if family == "kimi_linear":
+            _check_hf_full_attn_layers(tc, lac, lwhere, mla)
     else:
         mla = _hf_layer_types_mla(tc, where, n)
     if family == "kimi_k3":

@@ -196,7 +196,7 @@ class _GenerationFields(_Strict):
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     user: Optional[str] = None
     # vLLM extensions
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10, description="1 = off; >1 discourages repeats "
+    repetition_penalty: Optional[float] = Field(None, gt=0, description="1 = off; >1 discourages repeats "
                                                                                 "of prompt and output tokens")
     min_tokens: int = Field(0, ge=0, description="no EOS / stop before this many tokens")
     allowed_token_ids: Optional[list[int]] = Field(None, description="sample only among these tokens")
@@ -387,7 +387,7 @@ class ResponsesRequest(_Strict):
     top_k: Optional[int] = Field(None, ge=-1, description="-1 or 0 disable top-k")
     seed: Optional[int] = Field(None, ge=-2 ** 63, lt=2 ** 63)
     stop: Optional[Union[str, list[str]]] = None
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
     logit_bias: Optional[dict[str, float]] = Field(None, description="token id (as a string) -> bias in [-100, 100]")
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -30,13 +30,15 @@ from typing import Optional
 from serve.types import LOGPROBS_MODES
 
 BODY_BYTES = 1 << 20  # the request body limit's default
+CACHE_MB = 128  # --cache-mb's default (the arena's budget when no option sizes it)
 EMBEDS_BODY_BYTES = 512 << 20  # ... when prompts may be vectors (base64 tensors)
 
 DEFAULTS = dict(
     model="k3-small", host="127.0.0.1", port=8000, dtype="auto", seed=0, served_model_name=None,
     max_model_len=512, max_num_seqs=8, page_size=16, prefill_chunk=64, decode_buckets=None, prefill_buckets="1",
     long_prefill_chunk=0, max_num_batched_tokens=None,
-    context_buckets=None, cache_mb=128, gpu_memory_utilization=None, max_logprobs=20, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
+    context_buckets=None, cache_mb=None, kv_cache_memory_bytes=None, num_gpu_blocks_override=None,
+    gpu_memory_utilization=None, max_logprobs=20, logprobs_mode="raw_logprobs", api_key_file=None, rpm=None, tpm=None, max_waiting=256,
     max_body_bytes=None, compile_cache_dir=None, no_compile_cache=False, no_prefix_caching=False,
     sharding=None, decode_context_parallel_size=1, enable_eplb=False, eplb_window_size=1000, eplb_step_interval=3000,
     eplb_num_redundant_experts=0, enable_expert_parallel=False,
@@ -128,10 +130,18 @@ def add_serve_arguments(s, server: bool = True) -> None:
     e.add_argument("--prefill-buckets", default=d["prefill_buckets"], help="comma-separated rows (default '1')")
     e.add_argument("--context-buckets", default=None,
                    help="comma-separated MLA pages per layer (default: the whole context window)")
-    e.add_argument("--cache-mb", type=int, default=d["cache_mb"], help="cache arena budget (MiB)")
+    e.add_argument("--cache-mb", type=int, default=d["cache_mb"],
+                   help=f"cache arena budget per device (MiB; default {CACHE_MB})")
+    e.add_argument("--kv-cache-memory-bytes", "--kv-cache-memory", type=_human_int, default=None,
+                   help="vLLM's: the cache arena's budget per device in bytes (1G, 512M, ...), in place of --cache-mb; "
+                        "like --cache-mb it wins over --gpu-memory-utilization")
+    e.add_argument("--num-gpu-blocks-override", type=int, default=None,
+                   help="vLLM's: the arena's units (the num_gpu_blocks vllm:cache_config_info reports: each an MLA page "
+                        "of one layer or a share of a KDA state slot), overriding the count the other options give")
     e.add_argument("--gpu-memory-utilization", type=float, default=d["gpu_memory_utilization"],
                    help="vLLM's: the fraction of each device's memory for weights, step temporaries and cache; the "
-                        "arena gets what the weights and the largest steps leave, in place of --cache-mb (GPU, TPU)")
+                        "arena gets what the weights and the largest steps leave (GPU, TPU); an explicit size "
+                        "(--cache-mb, --kv-cache-memory-bytes, --num-gpu-blocks-override) wins over it, as in vLLM")
     e.add_argument("--max-logprobs", type=int, default=d["max_logprobs"],
                    help="most top logprobs a request may ask for (vLLM's; default 20; beam search needs 2 x its width)")
     e.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default=d["logprobs_mode"],
@@ -523,8 +533,9 @@ def engine_config(o: dict):
     if swap is not None and not 0 <= swap < math.inf:
         raise ValueError(f"--swap-space: expected GiB >= 0, got {swap!r}")
     budget = o.get("max_num_batched_tokens")
-    for key in ("page_size", "max_num_seqs", "prefill_chunk", "cache_mb") + (() if auto else ("max_model_len",)) + (
-            () if budget is None else ("max_num_batched_tokens",)):
+    for key in ("page_size", "max_num_seqs", "prefill_chunk") + (() if auto else ("max_model_len",)) + (
+            () if budget is None else ("max_num_batched_tokens",)) + tuple(
+                k for k in ("cache_mb", "kv_cache_memory_bytes", "num_gpu_blocks_override") if o.get(k) is not None):
         v = o[key]
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"--{key.replace('_', '-')}: expected an integer >= 1, got {v!r}")
@@ -564,13 +575,12 @@ def engine_config(o: dict):
     if mb or gib:
         extra["host_cache_bytes"] = int(mb) << 20 if mb else int(gib * (1 << 30))
     return EngineConfig(
-        **extra, max_model_len="auto" if auto else o["max_model_len"], page_size=o["page_size"], cache_bytes=o["cache_mb"] << 20,
+        **extra, **cache_size(o), max_model_len="auto" if auto else o["max_model_len"], page_size=o["page_size"],
         max_num_seqs=decode[-1], prefill_chunk=o["prefill_chunk"], max_prefill_seqs=prefill[-1],
         max_num_batched_tokens=budget or max(512, decode[-1] * (1 + drafts) + max(
             prefill[-1] * o["prefill_chunk"], o.get("long_prefill_chunk") or 0)),
         decode_buckets=decode, prefill_buckets=prefill, context_buckets=context, max_logprobs=o["max_logprobs"],
         logprobs_mode=o.get("logprobs_mode", "raw_logprobs"),
-        gpu_memory_utilization=o.get("gpu_memory_utilization"),
         seed=o["seed"], sharding=o.get("sharding"), tensor_parallel_size=o.get("tensor_parallel_size"),
         kda_decode=o.get("kda_decode", "auto"),
         decode_context_parallel_size=o.get("decode_context_parallel_size", 1),
@@ -598,10 +608,38 @@ def engine_config(o: dict):
         async_scheduling=bool(o.get("async_scheduling")))
 
 
+def cache_size(o: dict) -> dict:
+    """The options that size the arena -> EngineConfig's `cache_bytes`, `gpu_memory_utilization` and
+    `num_gpu_blocks_override`. An explicit size (--cache-mb, vLLM's --kv-cache-memory-bytes, or its
+    --num-gpu-blocks-override, which wins over both as vLLM's overrides its computed count) leaves
+    --gpu-memory-utilization out, as vLLM's --kv-cache-memory-bytes ignores it (`vllm_notes` says so)."""
+    mb, size = o.get("cache_mb"), o.get("kv_cache_memory_bytes")
+    if mb is not None and size is not None:
+        raise ValueError("--cache-mb and --kv-cache-memory-bytes set the same budget: give one")
+    blocks = o.get("num_gpu_blocks_override")
+    explicit = mb is not None or size is not None or blocks is not None
+    return dict(cache_bytes=size if size is not None else (CACHE_MB if mb is None else mb) << 20,
+                gpu_memory_utilization=None if explicit else o.get("gpu_memory_utilization"),
+                num_gpu_blocks_override=blocks)
+
+
+def _size_flags(o: dict) -> list[str]:
+    """The flags given that set the arena's size explicitly."""
+    return [f"--{k.replace('_', '-')}" for k in ("cache_mb", "kv_cache_memory_bytes", "num_gpu_blocks_override")
+            if o.get(k) is not None]
+
+
 def vllm_notes(o: dict) -> list[str]:
     """What the vLLM options accepted for a launch line's sake but meaning nothing here were given for: a line
     each, said at start-up (so no one tunes them expecting an effect)."""
     notes = []
+    sized = _size_flags(o)
+    if o.get("gpu_memory_utilization") is not None and sized:
+        notes.append(f"--gpu-memory-utilization {o['gpu_memory_utilization']:g}: ignored, {' and '.join(sized)} "
+                     f"sets the cache's size (as vLLM's --kv-cache-memory-bytes ignores it)")
+    if o.get("num_gpu_blocks_override") is not None and len(sized) > 1:
+        notes.append(f"--num-gpu-blocks-override {o['num_gpu_blocks_override']}: the arena has that many units, "
+                     f"whatever {sized[0]} gives (as vLLM's overrides its computed count)")
     if o.get("enforce_eager"):
         notes.append("--enforce-eager: accepted, changes nothing: every step program is compiled by XLA before "
                      "serving (no eager mode, no CUDA graphs); fewer buckets start faster")
@@ -755,6 +793,7 @@ def start_engine(model, cfg, o: dict, adapters: list, cache_dir: Optional[str] =
         _say(f"gpu_memory_utilization {mp.utilization}: cache arena {mp.cache_bytes / 2**30:.2f} GiB per device beside "
              f"{mp.bytes_in_use / 2**30:.2f} GiB of weights and {mp.step_temp_bytes / 2**30:.2f} GiB of step temporaries "
              f"(device limit {mp.bytes_limit / 2**30:.2f} GiB)")
+    _say(eng.arena_summary())  # (vLLM's "Maximum concurrency for N tokens per request")
     for proc in eng.logits_processors:
         _say(f"logits processor {proc.name!r} (vllm_xargs: {', '.join(proc.arg_names) or 'every request'})")
     replicas = (f" on each of {size} replicas (devices {', '.join(map(str, map(list, groups)))})" if size > 1 else

@@ -54,8 +54,8 @@ from serve.lora import (Adapter, LoRAError, LoRARequest, Registry, check_peft_di
                         read_peft)
 from serve.beam_search import BeamGroup, BeamSearchParams, Hypothesis, aborted_hypotheses, best, expand
 from serve.buckets import default_buckets, program_shapes
-from serve.memory import (Arena, ArenaLayout, OutOfMemory, UnitRefs, concurrency_note, longest_request, min_units,
-                          state_dtype_name)
+from serve.memory import (Arena, ArenaLayout, OutOfMemory, UnitRefs, arena_summary, concurrency_note, longest_request,
+                          min_units, state_dtype_name)
 from serve.memory_budget import (MemoryPlan, device_memory, largest_programs, plan_cache_bytes,
                                  step_temp_bytes)
 from serve.moe_timing import compile_moe_blocks, time_moe_blocks
@@ -193,6 +193,10 @@ class EngineConfig:
     # largest step programs leave (serve/memory_budget.py), in place of `cache_bytes`. Needs a backend
     # that reports device memory (GPU, TPU). None: `cache_bytes`.
     gpu_memory_utilization: Optional[float] = None
+    # vLLM's num_gpu_blocks_override: the arena's units (what vLLM's cache_config_info reports as num_gpu_blocks
+    # here: each an MLA page of one layer or a share of a KDA state slot), overriding the count `cache_bytes` or
+    # `gpu_memory_utilization` would give (as vLLM's overrides its profiled count). None: theirs.
+    num_gpu_blocks_override: Optional[int] = None
     max_num_seqs: int = 32  # requests running at once = rows of the largest decode bucket (vLLM's meaning)
     prefill_chunk: int = 64  # tokens per prefill row; KDA checkpoints align to it
     max_prefill_seqs: int = 4  # prefill rows per step
@@ -248,7 +252,8 @@ class EngineConfig:
     # What logprobs (sampled, top-n and prompt) hold (vLLM's --logprobs-mode; serve/sampling.py): "raw_logprobs"
     # (log_softmax of the model's logits), "raw_logits", "processed_logprobs" (log of the distribution the token
     # was drawn from: after bias, penalties, processors, temperature, top-k/top-p/min-p; what RL importance ratios
-    # need) or "processed_logits". Prompt positions are never processed: raw values of the mode's kind.
+    # need) or "processed_logits". Prompt positions are scored, never processed: log_softmax of the model's
+    # logits in every mode (vLLM's).
     logprobs_mode: str = "raw_logprobs"
     seed: int = 0
     enable_prefix_caching: bool = True
@@ -496,7 +501,7 @@ class EngineConfig:
         if self.dense_weights not in ("auto", "out_in", "in_out"):
             raise ValueError(f"dense_weights={self.dense_weights!r}: expected 'auto', 'out_in' or 'in_out'")
         if self.max_model_len == "auto":
-            if self.gpu_memory_utilization is not None:
+            if self.sizes_from_memory:
                 raise ValueError("max_model_len='auto': the longest request the arena holds needs the arena's size "
                                  "first; under gpu_memory_utilization that size follows the step programs, whose "
                                  "widths follow max_model_len: give max_model_len, or cache_bytes in place of "
@@ -507,6 +512,8 @@ class EngineConfig:
                     "checkpoint_interval", "decode_checkpoint_interval") + (
                         ("cache_bytes",) if self.gpu_memory_utilization is None else ()):
             _check_int(key, getattr(self, key), 1)
+        if self.num_gpu_blocks_override is not None:
+            _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
         _check_int("prefix_hash_unit", self.prefix_hash_unit, 1, 128)
         if self.seed is not None:
             _check_int("seed", self.seed, 0)
@@ -618,6 +625,20 @@ class EngineConfig:
         if n and self.speculative_config is not None and self.speculative_config.verify_tokens == n:
             raise ValueError(f"long_prefill_chunk={n} equals the verify rows' tokens (1 + num_speculative_tokens): "
                              f"the two programs would share a shape; pick another")
+
+    @property
+    def sizes_from_memory(self) -> bool:
+        """Whether the arena is sized from device memory (`gpu_memory_utilization`, not overridden by
+        `num_gpu_blocks_override`)."""
+        return self.gpu_memory_utilization is not None and self.num_gpu_blocks_override is None
+
+    def overridden_budget(self) -> Optional[str]:
+        """A start-up note when `num_gpu_blocks_override` sets the arena beside `gpu_memory_utilization`, which it
+        then ignores (vLLM overrides the count profiling gives); else None."""
+        if self.num_gpu_blocks_override is None or self.gpu_memory_utilization is None:
+            return None
+        return (f"gpu_memory_utilization={self.gpu_memory_utilization}: ignored, num_gpu_blocks_override="
+                f"{self.num_gpu_blocks_override} sets the arena's units")
 
     def starved_prompts(self) -> Optional[str]:
         """Why prompts would start only in waves (None: they do not). A prompt row is cut to multiples of
@@ -837,6 +858,8 @@ class Engine:
         config.validate()
         if (starved := config.starved_prompts()) is not None:
             log.warning("%s", starved)
+        if (overridden := config.overridden_budget()) is not None:
+            log.warning("%s", overridden)
         self.generation_defaults = generation_config.resolve(config.generation_config, model.source)
         reference = resolve_backend("auto") == "reference"
         if config.max_loras:  # adapter factors on the dense projections, before the transforms shard them
@@ -909,10 +932,15 @@ class Engine:
                              f"({self.cfg.kda_num_heads} KDA heads, heads rule {self.sharding_config.rule('heads')!r})")
         layout_for = lambda budget: ArenaLayout.plan(  # noqa: E731
             self.cfg, budget, config.page_size, model.dtype, ranks, config.kv_cache_dtype, config.kda_state_dtype, dcp)
-        if config.gpu_memory_utilization is None:
+        unsized = layout_for(1 << 60)  # (a layout is arithmetic: nothing is allocated)
+        if config.num_gpu_blocks_override is not None:
+            blocks = config.num_gpu_blocks_override
+            self.layout = ArenaLayout.plan(self.cfg, blocks * unsized.unit_bytes, config.page_size, model.dtype, ranks,
+                                           config.kv_cache_dtype, config.kda_state_dtype, dcp,
+                                           budget_name=f"num_gpu_blocks_override={blocks}")
+        elif config.gpu_memory_utilization is None:
             self.layout = layout_for(config.cache_bytes)
         else:  # the smallest arena for now; _size_arena_from_memory replaces it
-            unsized = layout_for(1 << 60)  # (a layout is arithmetic: nothing is allocated)
             self.layout = layout_for(min_units(unsized.slot_units) * unsized.unit_bytes)
         self.config = config = self._resolve_max_model_len(config)
         self.kda_in_place = config.kda_decode == "in_place" or (config.kda_decode == "auto" and reference)
@@ -1029,9 +1057,10 @@ class Engine:
             long_prefill_chunk=config.long_prefill_tokens())
         self.align = self.sched_cfg.align
         self.memory_plan: Optional[MemoryPlan] = None
-        if config.gpu_memory_utilization is not None:
+        if config.sizes_from_memory:
             self._size_arena_from_memory(layout_for, bind)
         self._check_holds_one_request()
+        log.info("%s", self.arena_summary())
         if (few := concurrency_note(self.layout, self.sched_cfg.max_num_seqs, self._budget_name())) is not None:
             log.warning("%s", few)
         self.host_transfers = None  # the host tier's jitted copies (serve/host_cache.py)
@@ -1154,10 +1183,10 @@ class Engine:
         if config.max_model_len == "auto":
             n = min(limit, longest_request(self.layout, Arena(self.layout).baseline_free_units, self.cfg.num_mla_layers))
             if n < 2:
-                raise ValueError(f"max_model_len='auto': the arena of cache_bytes={config.cache_bytes} holds no "
+                raise ValueError(f"max_model_len='auto': the arena of {self._budget_name()} holds no "
                                  f"request (its longest is {n} tokens): give the cache more memory")
             log.info("max_model_len='auto': %d tokens (%s)", n, "the model's max_position_embeddings" if n == limit
-                     else f"the longest request the arena of cache_bytes={config.cache_bytes} holds")
+                     else f"the longest request the arena of {self._budget_name()} holds")
             return dataclasses.replace(config, max_model_len=n)
         allow = {os.environ.get(k, "").strip().lower() for k in ("K3JAX_ALLOW_LONG_MAX_MODEL_LEN",
                                                                  "VLLM_ALLOW_LONG_MAX_MODEL_LEN")}
@@ -1182,10 +1211,15 @@ class Engine:
                          f"holds {have}; the longest request it holds is {longest} tokens: lower max_model_len or "
                          f"give the cache more memory")
 
+    def arena_summary(self) -> str:
+        """What the arena holds, said at start-up: its units and vLLM's maximum concurrency at max_model_len."""
+        return arena_summary(self.layout, self.config.max_model_len, self._budget_name())
+
     def _budget_name(self) -> str:
         """The option the arena was sized by, with its value (start-up messages)."""
         cfg = self.config
-        return (f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization is not None
+        return (f"num_gpu_blocks_override={cfg.num_gpu_blocks_override}" if cfg.num_gpu_blocks_override is not None
+                else f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization is not None
                 else f"cache_bytes={cfg.cache_bytes}")
 
     def _size_arena_from_memory(self, layout_for, bind) -> None:
@@ -3968,7 +4002,7 @@ class Engine:
         return {"block_size": c.page_size, "num_gpu_blocks": lay.num_units, "unit_bytes": lay.unit_bytes,
                 "kda_slot_units": lay.slot_units, "cache_dtype": lay.codec.kind, "kda_state_dtype": lay.state_dtype,
                 "enable_prefix_caching": bool(c.enable_prefix_caching), "host_cache_bytes": c.host_cache_bytes,
-                "gpu_memory_utilization": c.gpu_memory_utilization}
+                "gpu_memory_utilization": c.gpu_memory_utilization if c.sizes_from_memory else None}
 
     def stats(self) -> dict:
         live = [s for s in self.seqs.values() if not s.finished and not s.internal]

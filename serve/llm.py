@@ -79,6 +79,24 @@ def vllm_no_ops(enforce_eager, swap_space, disable_log_stats=True) -> list[str]:
     return notes
 
 
+def cache_options(engine_options: dict, kv_cache_memory_bytes: Optional[int]) -> tuple[dict, list[str]]:
+    """vLLM's `LLM(kv_cache_memory_bytes=...)` as `cache_bytes`; an explicit size (either, or
+    `num_gpu_blocks_override`) beside `gpu_memory_utilization` wins, as vLLM's `kv_cache_memory_bytes` ignores the
+    fraction (as `k3jax serve` does for its flags) -> (the engine options, a note when the fraction is dropped)."""
+    opts = dict(engine_options)
+    if kv_cache_memory_bytes is not None:
+        if "cache_bytes" in opts:
+            raise ValueError("kv_cache_memory_bytes and cache_bytes set the same budget: give one")
+        opts["cache_bytes"] = kv_cache_memory_bytes
+    if (opts.get("gpu_memory_utilization") is None or opts.get("cache_bytes") is None
+            or opts.get("num_gpu_blocks_override") is not None):  # (that override: the engine says it wins)
+        return opts, []
+    note = (f"gpu_memory_utilization={opts['gpu_memory_utilization']}: ignored, "
+            f"{'kv_cache_memory_bytes' if kv_cache_memory_bytes is not None else 'cache_bytes'} sets the cache's size "
+            f"(as vLLM's kv_cache_memory_bytes ignores it)")
+    return {**opts, "gpu_memory_utilization": None}, [note]
+
+
 class LLM:
     """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields (`seed`, as vLLM's, seeds the
     sampling of requests without a seed of their own, and a preset's random weights) plus `dtype` when a path or
@@ -87,7 +105,8 @@ class LLM:
     them under a `sharding` config, one without), with
     prompts routed by cached prefix and load (`data_parallel_routing="cache_aware"`) or by load alone
     (`"load"`; serve/data_parallel.py). vLLM's `enforce_eager` and `swap_space` are accepted and change nothing
-    (a logged note says so, as `k3jax serve` does for its flags).
+    (a logged note says so, as `k3jax serve` does for its flags); its `kv_cache_memory_bytes` is `cache_bytes`, and
+    an explicit cache size wins over `gpu_memory_utilization` (`cache_options`).
 
     On a mesh over several processes (`k3jax.initialize_distributed`, then `sharding=...`), every
     process builds the same `LLM`; process 0 calls `generate` and finally `close()`, the others call
@@ -98,8 +117,9 @@ class LLM:
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "auto", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
                  enforce_eager: bool = False, swap_space: Optional[float] = None, disable_log_stats: bool = True,
-                 **engine_options):
-        for note in vllm_no_ops(enforce_eager, swap_space, disable_log_stats):
+                 kv_cache_memory_bytes: Optional[int] = None, **engine_options):
+        engine_options, notes = cache_options(engine_options, kv_cache_memory_bytes)
+        for note in vllm_no_ops(enforce_eager, swap_space, disable_log_stats) + notes:
             log.warning(note)
         # vLLM's `seed` seeds sampling (unseeded requests' seeds are drawn from it); a preset's weights too
         config = EngineConfig(seed=seed, **engine_options)

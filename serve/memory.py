@@ -210,6 +210,22 @@ def longest_request(layout: ArenaLayout, free_units: int, num_mla_layers: int) -
     return (free_units - layout.slot_units) // num_mla_layers * layout.page_size + 1
 
 
+def max_concurrency(layout: ArenaLayout, tokens: int) -> float:
+    """Requests of `tokens` tokens the arena holds at once (vLLM's start-up "Maximum concurrency for N tokens per
+    request: X.XXx"): its free units (all but the scratch page and slot) over one request's, a state slot and the
+    pages of every position but the last (sampled, never cached), as the start-up check counts them."""
+    need = layout.slot_units + layout.pages_for(max(0, tokens - 1))
+    return (layout.num_units - 1 - layout.slot_units) / need
+
+
+def arena_summary(layout: ArenaLayout, max_model_len: int, budget: str) -> str:
+    """The start-up line that says what the arena holds (vLLM's KV cache size and maximum concurrency lines)."""
+    return (f"cache arena of {budget}: {layout.num_units} units of {layout.unit_bytes} B "
+            f"({layout.num_units * layout.unit_bytes / 2**20:.1f} MiB; a KDA state slot is {layout.slot_units} units, "
+            f"a page {layout.page_size} tokens of one MLA layer); maximum concurrency for {max_model_len:,} tokens per "
+            f"request: {max_concurrency(layout, max_model_len):.2f}x")
+
+
 def concurrency_note(layout: ArenaLayout, max_num_seqs: int, budget: str) -> str | None:
     """A start-up warning when the arena can never run `max_num_seqs` requests at once (each needs a state slot and
     a page per MLA layer), else None. vLLM refuses to start when its Mamba state pool holds fewer than max_num_seqs;

@@ -37,6 +37,7 @@ import json
 import uuid
 from typing import Any, Optional
 
+from serve.chat import _not_text
 from serve.reasoning import ChannelSplitter
 from serve.types import RequestError
 
@@ -110,6 +111,8 @@ def to_chat(body, previous: Optional[list[dict]] = None, skip: int = 0) -> dict:
     `previous`: the conversation of the response named by `previous_response_id` (its items come first);
     `skip`: how many of the conversation's first items to leave out (a `turn_starts` index)."""
     check_fields(body)
+    if body.instructions and _not_text(body.instructions, "instructions"):  # (its system message would name `input`)
+        raise RequestError("instructions: not valid Unicode text (a lone surrogate)")
     msgs: list[dict] = [{"role": "system", "content": body.instructions}] if body.instructions else []
     if not input_items(body):
         raise RequestError("input: must not be empty")

@@ -267,20 +267,17 @@ def check_logprobs_mode(mode: str) -> None:
 
 
 def prompt_logprobs(logits_fn: Callable[[jax.Array], jax.Array], hidden: jax.Array, targets: jax.Array,
-                    num_top_logprobs: int, logprobs_mode: str = "raw_logprobs") -> PromptLogprobs:
+                    num_top_logprobs: int) -> PromptLogprobs:
     """hidden [B, T, H] -> the raw logprob and rank of targets [B, T] (-1: not asked) and the top-n.
-    Prompt positions are scored, not sampled, so nothing processes their logits: the `*_logits` modes
-    give the logits, the `*_logprobs` modes their log_softmax (vLLM's).
+    Prompt positions are scored, not sampled: the log_softmax of the model's logits in every `logprobs_mode`,
+    as vLLM's model runners compute them (`Sampler.compute_logprobs`; the mode applies to sampled tokens only).
 
     The [B, T, V] logits are only computed (`lax.cond`) when some position asks."""
-    check_logprobs_mode(logprobs_mode)
     b, t = targets.shape
     n = int(num_top_logprobs)
 
     def compute(h):
-        lp = logits_fn(h).astype(jnp.float32)  # [B, T, V]
-        if logprobs_mode.endswith("_logprobs"):
-            lp = jax.nn.log_softmax(lp, axis=-1)
+        lp = jax.nn.log_softmax(logits_fn(h).astype(jnp.float32), axis=-1)  # [B, T, V]
         chosen = jnp.take_along_axis(lp, jnp.maximum(targets, 0)[..., None], axis=-1)  # [B, T, 1]
         rank = _rank(lp, chosen)
         if n:

@@ -70,7 +70,7 @@ class GenerateSamplingParams(BaseModel):
     min_p: Optional[float] = Field(None, ge=0, le=1)
     frequency_penalty: float = Field(0.0, ge=-2, le=2)
     presence_penalty: float = Field(0.0, ge=-2, le=2)
-    repetition_penalty: Optional[float] = Field(None, gt=0, le=10)
+    repetition_penalty: Optional[float] = Field(None, gt=0)
     n: int = Field(1, ge=1, le=16)
     ignore_eos: bool = False
     skip_special_tokens: bool = True

@@ -697,7 +697,7 @@ def _engine_step(graphdef, layout: ArenaLayout, params, arena: jax.Array, token_
     if layout.num_kda_layers and not in_place and not tiled and not view.layered:
         arena = _scatter_view_states(arena, layout, split, batch.write_base, view)
     # decode and verify rows never score prompt tokens (verify logits are the sampled positions' own)
-    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs, options.logprobs_mode)
+    prompt = (prompt_logprobs(model.logits, hidden[0], batch.targets, num_top_logprobs)
               if not (decode or verify)
               else no_prompt_logprobs(batch.targets.shape, num_top_logprobs))
     carry = None

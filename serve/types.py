@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Optional, Union
 if TYPE_CHECKING:
     import numpy as np
 
+FLOAT32_MAX = 3.4028234663852886e38  # the largest finite float32 (penalties are applied in float32)
 #: vLLM's `logprobs_mode`s, what an engine's logprobs hold (serve/sampling.py says what each means).
 LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")
 
@@ -209,8 +210,11 @@ class SamplingParams:
             v = getattr(self, name)
             if not finite_number(v) or not -2 <= v <= 2:
                 bad(name, f"must be in [-2, 2], got {v!r}")
-        if not finite_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= 10:
-            bad("repetition_penalty", f"must be in (0, 10] (1 is off), got {self.repetition_penalty!r}")
+        # vLLM takes any finite penalty > 0; past float32's largest the penalty would be inf where it is applied (a
+        # zero logit times inf: NaN)
+        if not finite_number(self.repetition_penalty) or not 0 < self.repetition_penalty <= FLOAT32_MAX:
+            bad("repetition_penalty", f"must be a number > 0 (1 is off) that float32 holds, got "
+                                      f"{self.repetition_penalty!r}")
         if not isinstance(self.min_tokens, int) or self.min_tokens < 0 or (
                 self.max_tokens is not None and self.min_tokens > self.max_tokens):
             bad("min_tokens", f"must be an integer in [0, max_tokens], got {self.min_tokens!r}")

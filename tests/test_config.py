@@ -168,6 +168,11 @@ def _k3_with(mutate):
     (_kl(num_expert_group=4, topk_group=1, num_experts_per_token=3), "num_experts_per_token=3 exceeds the 2"),
     (_kl(topk_group=0), "topk_group must be a positive integer"),
     (_kl(linear_attn_config=None, layer_types=["full_attention"] * 2), "layer_types must name"),
+    # HF builds full_attn_layers' plan only beside kda_layers, else its default (no full-attention layer of 4): k3jax
+    # built layer 4 as MLA, a model HF does not build from this config
+    (_kl(linear_attn_config={"num_heads": 4, "head_dim": 16, "short_conv_kernel_size": 4, "full_attn_layers": [4]}),
+     r"full_attn_layers \[4\] without kda_layers: HF transformers then ignores it and builds its default "
+     r"full-attention layers \[\]; give kda_layers"),
 ])
 def test_bad_config_values_are_named(d, match):
     with pytest.raises(ConfigError, match=match):
@@ -205,6 +210,8 @@ def test_hf_alias_keys_are_read():
     dict(linear_num_heads=4, linear_head_dim=16, mlp_layer_types=["dense", "dense", "sparse", "sparse"]),
     dict(linear_attn_config={"short_conv_kernel_size": 3}, layer_types=["full_attention"] + ["linear_attention"] * 3),
     dict(num_hidden_layers=9),  # HF's defaults throughout: MLA at 0-based 4 and 8, 32 heads of 128
+    dict(num_hidden_layers=9, linear_attn_config={"full_attn_layers": [5, 9]}),  # (HF's default plan: no kda_layers needed)
+    dict(linear_attn_config={"full_attn_layers": [2], "kda_layers": [1, 3, 4]}),
 ])
 def test_hf_native_kimi_linear_config_is_read_as_hf_reads_it(keys):
     """HF transformers' KimiLinearConfig takes `layer_types` / `mlp_layer_types` / `linear_num_heads` /

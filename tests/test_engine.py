@@ -581,6 +581,38 @@ def test_an_arena_that_runs_fewer_than_max_num_seqs_requests_is_said_at_start(mo
     assert "max_num_seqs" not in caplog.text
 
 
+def test_num_gpu_blocks_override_sets_the_arena_and_the_start_up_line_counts_concurrency(model, caplog):
+    """vLLM's num_gpu_blocks_override (it was refused): the arena has that many units, whatever cache_bytes or
+    gpu_memory_utilization would give (the fraction is ignored, said at start-up; on CPU it would be an error),
+    and cache_config_info reports it as num_gpu_blocks. The start-up summary gives vLLM's "maximum concurrency":
+    free units over one max_model_len request's (a slot and the pages of its positions but the last), exactly 1.0
+    for the smallest arena the start-up check accepts."""
+    from serve.memory import max_concurrency
+
+    probe = make_engine(model, units=30, warmup=False, max_model_len=16)
+    lay = probe.layout
+    one = lay.slot_units + lay.pages_for(63)  # a 64-token request
+    smallest = 1 + lay.slot_units + one  # the scratch page and slot, and one request
+    with caplog.at_level("WARNING", logger="serve.engine"):
+        eng = make_engine(model, warmup=False, max_model_len=64, context_buckets=None, max_num_seqs=4,
+                          decode_buckets=(4,), num_gpu_blocks_override=smallest, gpu_memory_utilization=0.9)
+    assert eng.layout.num_units == eng.cache_config()["num_gpu_blocks"] == smallest
+    assert eng.memory_plan is None and eng.cache_config()["gpu_memory_utilization"] is None
+    assert "gpu_memory_utilization=0.9: ignored, num_gpu_blocks_override" in caplog.text
+    assert max_concurrency(eng.layout, 64) == 1.0
+    assert eng.arena_summary().endswith("maximum concurrency for 64 tokens per request: 1.00x")
+    assert f"num_gpu_blocks_override={smallest}" in eng.arena_summary()
+    with pytest.raises(ValueError, match=f"max_model_len=64: .* the arena of num_gpu_blocks_override={smallest - 1}"):
+        make_engine(model, warmup=False, max_model_len=64, context_buckets=None, num_gpu_blocks_override=smallest - 1)
+    big = make_engine(model, warmup=False, max_model_len=64, context_buckets=None, num_gpu_blocks_override=10 * smallest)
+    assert max_concurrency(big.layout, 64) == (10 * smallest - 1 - lay.slot_units) / one
+    auto = make_engine(model, warmup=False, max_model_len="auto", context_buckets=None, num_gpu_blocks_override=smallest,
+                       gpu_memory_utilization=0.9)  # (its arena's size is known: "auto" holds)
+    assert auto.config.max_model_len >= 64
+    with pytest.raises(ValueError, match="num_gpu_blocks_override=0: expected"):
+        EngineConfig(num_gpu_blocks_override=0).validate()
+
+
 def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
     """vLLM's `max_model_len="auto"` (or -1): the longest request the arena holds, at most the model's
     max_position_embeddings; an explicit value past max_position_embeddings is refused unless allowed."""

@@ -314,6 +314,35 @@ def test_every_serve_option_reaches_the_server():
         parser.parse_args(["--logprobs-mode", "processed"])
 
 
+def test_vllm_cache_size_flags_and_their_precedence_over_gpu_memory_utilization():
+    """vLLM's --kv-cache-memory-bytes (--kv-cache-memory) and --num-gpu-blocks-override were refused as unknown; they
+    size the arena (bytes per device; its units). An explicit size beside --gpu-memory-utilization wins, as vLLM's
+    --kv-cache-memory-bytes ignores the fraction, said at start-up (--cache-mb beside it was silently ignored)."""
+    from serve.cli import engine_config, vllm_notes
+
+    def sized(*argv):
+        cfg = engine_config(o := _serve_options(*argv))
+        return (cfg.cache_bytes, cfg.gpu_memory_utilization, cfg.num_gpu_blocks_override), vllm_notes(o)
+
+    assert sized() == ((128 << 20, None, None), [])
+    assert sized("--kv-cache-memory-bytes", "64M") == ((64 << 20, None, None), [])
+    assert sized("--kv-cache-memory", "1G")[0] == (1 << 30, None, None)
+    assert sized("--gpu-memory-utilization", "0.8") == ((128 << 20, 0.8, None), [])
+    for flag, value, bytes_ in (("--cache-mb", "32", 32 << 20), ("--kv-cache-memory-bytes", "2G", 2 << 30)):
+        got, notes = sized(flag, value, "--gpu-memory-utilization", "0.9")
+        assert got == (bytes_, None, None)
+        assert notes == [f"--gpu-memory-utilization 0.9: ignored, {flag} sets the cache's size (as vLLM's "
+                         f"--kv-cache-memory-bytes ignores it)"]
+    got, notes = sized("--num-gpu-blocks-override", "400", "--cache-mb", "16", "--gpu-memory-utilization", "0.9")
+    assert got == (16 << 20, None, 400) and len(notes) == 2
+    assert notes[1].startswith("--num-gpu-blocks-override 400: the arena has that many units, whatever --cache-mb")
+    with pytest.raises(ValueError, match="--cache-mb and --kv-cache-memory-bytes set the same budget"):
+        sized("--cache-mb", "32", "--kv-cache-memory-bytes", "1G")
+    for flag in ("--kv-cache-memory-bytes", "--num-gpu-blocks-override"):
+        with pytest.raises(ValueError, match=f"{flag}: expected an integer >= 1"):
+            sized(flag, "0")
+
+
 def _serve_options(*argv):
     import argparse
 
@@ -1765,6 +1794,10 @@ def test_chat_text_that_is_not_unicode_names_where_it_is():
         for path in ("/v1/chat/completions", "/tokenize"):
             err = asyncio.run(error(path, {**body, "max_tokens": 2} if path != "/tokenize" else body))
             assert err["param"] == param and err["message"].startswith(f"{where}: not valid Unicode text"), (path, err)
+    # a Responses request's `instructions` (its system message) was reported as `input`, a field sent as text
+    for body, param in (({"input": "hi", "instructions": lone}, "instructions"), ({"input": lone}, "input")):
+        err = asyncio.run(error("/v1/responses", {**body, "max_output_tokens": 2}))
+        assert err["param"] == param and err["message"].startswith(f"{param}: not valid Unicode text"), err
 
 
 def test_a_bad_query_parameter_is_named_as_sent():

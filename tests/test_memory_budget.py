@@ -44,6 +44,23 @@ def test_cpu_devices_report_no_memory():
         k3jax.LLM("tiny-k3", gpu_memory_utilization=0.9, progress=False, **SMALL)
 
 
+def test_an_explicit_cache_size_wins_over_the_fraction():
+    """vLLM's `LLM(kv_cache_memory_bytes=...)` is the arena's bytes (it was refused as an unknown EngineConfig field),
+    and an explicit size beside gpu_memory_utilization wins with a note, as vLLM's ignores the fraction (cache_bytes
+    beside it was silently ignored)."""
+    from serve.llm import cache_options
+
+    assert cache_options({"gpu_memory_utilization": 0.9}, None) == ({"gpu_memory_utilization": 0.9}, [])
+    assert cache_options({}, 1 << 30) == ({"cache_bytes": 1 << 30}, [])
+    opts, notes = cache_options({"gpu_memory_utilization": 0.9}, 1 << 30)
+    assert opts == {"cache_bytes": 1 << 30, "gpu_memory_utilization": None}
+    assert notes == ["gpu_memory_utilization=0.9: ignored, kv_cache_memory_bytes sets the cache's size (as vLLM's "
+                     "kv_cache_memory_bytes ignores it)"]
+    assert cache_options({"cache_bytes": 8 << 20, "gpu_memory_utilization": 0.5}, None)[0]["gpu_memory_utilization"] is None
+    with pytest.raises(ValueError, match="kv_cache_memory_bytes and cache_bytes set the same budget"):
+        cache_options({"cache_bytes": 8 << 20}, 1 << 30)
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, "0.9", True])
 def test_bad_fraction_is_named(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization="):

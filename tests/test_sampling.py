@@ -503,18 +503,17 @@ def test_logprobs_mode_is_checked():
         sample(logits, batch, 2, logprobs_mode="raw")
 
 
-@pytest.mark.parametrize("mode", ["raw_logits", "processed_logprobs"])
-def test_prompt_positions_are_scored_raw_in_every_mode(mode):
-    """Prompt logprobs: the `*_logits` modes give the logits, the `*_logprobs` ones their log_softmax; ranks
-    and the top-n are the same either way (prompt tokens are scored, never processed)."""
+def test_prompt_positions_are_scored_raw_in_every_mode():
+    """Prompt logprobs are the log_softmax of the model's logits whatever the engine's logprobs_mode: vLLM's model
+    runner scores prompt tokens with `Sampler.compute_logprobs` (log_softmax) in every mode; the `*_logits`
+    modes returned the raw logits here. Ranks and the top-n are those of the same values."""
     from serve.sampling import prompt_logprobs
 
     x = _random_logits(6, vocab=VB, seed=23).reshape(2, 3, VB)
     targets = np.array([[4, -1, 900], [17, 3, 0]], np.int32)
-    got = jax.device_get(prompt_logprobs(lambda h: h, jnp.asarray(x), jnp.asarray(targets), 3, mode))
+    got = jax.device_get(prompt_logprobs(lambda h: h, jnp.asarray(x), jnp.asarray(targets), 3))
     want = x.astype(np.float64)
-    if mode.endswith("_logprobs"):
-        want = want - np.log(np.sum(np.exp(want), axis=-1, keepdims=True))
+    want = want - np.log(np.sum(np.exp(want), axis=-1, keepdims=True))
     safe = np.maximum(targets, 0)
     np.testing.assert_allclose(got.logprob, np.take_along_axis(want, safe[..., None], -1)[..., 0], rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(got.rank, np.sum(x >= np.take_along_axis(x, safe[..., None], -1), -1))

@@ -87,6 +87,12 @@ def test_sampling_params_validate_penalties():
                        (dict(logit_bias={i: 1.0 for i in range(301)}), "logit_bias")):
         with pytest.raises(RequestError, match=field):
             SP(**bad).validate(512)
+    # vLLM takes any finite repetition_penalty > 0 (it was capped at 10); past float32's range it would be inf
+    SP(repetition_penalty=50.0).validate(512)
+    SP(repetition_penalty=1e38).validate(512)
+    for big in (1e39, float("inf")):
+        with pytest.raises(RequestError, match="repetition_penalty: must be a number > 0"):
+            SP(repetition_penalty=big).validate(512)
 
 
 # ---- the engine ----------------------------------------------------------------------------------
@@ -807,6 +813,27 @@ def test_processed_logprobs_follow_every_sampling_path(llm, forward_logits):
                     warmup=False, progress=False)  # (refused before anything compiles)
     with pytest.raises(RequestError, match="logprobs_mode"):
         logits.add_request(PROMPT[:10], BeamSearchParams(beam_width=1, max_tokens=2))
+
+
+def test_prompt_logprobs_are_logprobs_under_a_logits_mode(llm):
+    """vLLM's model runner scores prompt tokens with log_softmax whatever `logprobs_mode` says (the mode applies to
+    sampled tokens): an engine in raw_logits mode answered prompt_logprobs with raw logits. Its prompt logprobs
+    (values, ranks, top-n) are the raw_logprobs engine's; its sampled token's value is still a logit."""
+    from serve.engine import Engine
+
+    e = Engine(llm.engine.model, dataclasses.replace(llm.engine.config, logprobs_mode="raw_logits"), warmup=False,
+               progress=False)  # (not warmed: compiles only the programs this request runs)
+    p = SP(temperature=0, max_tokens=2, logprobs=1, prompt_logprobs=2)
+    rid = e.add_request(PROMPT[:20], p)
+    got = [o for _ in range(64) if e.has_unfinished() for o in e.step() if o.finished and o.request_id == rid][0]
+    raw = llm.generate([PROMPT[:20]], p)[0]
+    assert got.token_ids == raw.token_ids
+    for g, r in zip(got.prompt_logprobs[1:], raw.prompt_logprobs[1:]):
+        assert g.chosen.logprob == pytest.approx(r.chosen.logprob, abs=1e-5) and g.chosen.rank == r.chosen.rank
+        assert [(t.token_id, t.rank) for t in g.top] == [(t.token_id, t.rank) for t in r.top]
+        np.testing.assert_allclose([t.logprob for t in g.top], [t.logprob for t in r.top], atol=1e-5)
+    assert max(c.chosen.logprob for c in got.prompt_logprobs[1:]) <= 0
+    assert got.outputs[0].logprobs[0].chosen.logprob != pytest.approx(raw.outputs[0].logprobs[0].chosen.logprob)
 
 
 def test_beam_search_text_leaves_out_the_eos_that_ended_a_hypothesis(llm):
