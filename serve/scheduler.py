@@ -149,12 +149,14 @@ def _plan_rows(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token
     prompt alone computes all its rows in one program and a prefix-cache resume of it runs the same
     program as its cold prefill), else when it computes more prompt tokens."""
     plan = _plan(seqs, mem, cfg, new_token_ratio, decode)
-    if not plan.decode and not plan.prefill and not plan.preempt and any(s.running for s in seqs):
-        # nothing would run: the running prompts behind a waiting request held back go on (see `_plan`)
+    past_held = not plan.decode and not plan.prefill and not plan.preempt and any(s.running for s in seqs)
+    if past_held:  # nothing would run: the running prompts behind a waiting request held back go on (see `_plan`)
         plan = _plan(seqs, mem, cfg, new_token_ratio, decode, past_held=True)
     if cfg.long_prefill_chunk and plan.prefill and (len(plan.prefill) == 1
                                                      or _prompt_tokens(plan) < cfg.long_prefill_chunk):
-        long = _plan(seqs, mem, cfg, new_token_ratio, decode, row_tokens=cfg.long_prefill_chunk)
+        # (the same rule as the plan it may replace: else a prompt going on past a held-back request kept rows
+        # of prefill_chunk in the long program)
+        long = _plan(seqs, mem, cfg, new_token_ratio, decode, row_tokens=cfg.long_prefill_chunk, past_held=past_held)
         if _prompt_tokens(long) > _prompt_tokens(plan) or (len(plan.prefill) == 1 and long.prefill):
             return long
     return plan
@@ -279,7 +281,8 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
                 break
         units = max(0, units_for(start + length, cfg) - s.pages)
         slots = 0 if s.running else 1
-        while row_tokens and length > cfg.prefill_chunk and units + slots * cfg.slot_units > free_units:
+        held = reserved.get(s.rid, 0)  # (step 0 held memory for it, given back to it below: the long row may use it)
+        while row_tokens and length > cfg.prefill_chunk and units + slots * cfg.slot_units > free_units + held:
             length = (start + length - 1) // cfg.prefill_chunk * cfg.prefill_chunk - start  # the long row, shorter
             units = max(0, units_for(start + length, cfg) - s.pages)
         if slots and not fits_adapter(s):

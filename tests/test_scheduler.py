@@ -335,3 +335,32 @@ def test_a_budget_under_one_aligned_row_beside_the_decodes_starts_prompts_in_wav
     seqs = [run(f"r{i}", i) for i in range(3)] + [wait("w", 9, 100)]
     assert schedule(seqs, Memory(100, 4), cfg).prefill == []
     assert schedule(seqs, Memory(100, 4), replace(cfg, token_budget=3 + 64)).prefill == [("w", 0, 64)]
+
+
+@settings(max_examples=25, deadline=None)
+@given(done=st.integers(0, 6), left=st.integers(2, 120), free=st.integers(6, 40), canonical=st.booleans())
+def test_a_prompt_going_on_past_a_held_back_request_takes_the_long_row(done, left, free, canonical):
+    """A running prompt of a lower priority that goes on while a waiting request is held back (the look-ahead,
+    or memory) gets the long row, as it would alone. Before, the long plan was made without that rule, found
+    nothing to run and the prompt kept rows of prefill_chunk (in the long program: a third of its tokens)."""
+    cfg = replace(CFG, long_prefill_chunk=48)
+    p = SeqView("p", 1, done * 16 + left, done * 16, True, units_for(done * 16, cfg), priority=1 << 30 if canonical
+                else 5, rows=0 if canonical else 1)
+    w = SeqView("w", 2, 110, 0, False, 0, limit=10_000)
+    plan = schedule([p, w], Memory(free, 2), cfg, new_token_ratio=0.7)
+    if plan.admit or plan.preempt:
+        return
+    assert plan.prefill == schedule([p], Memory(free, 2), cfg, new_token_ratio=0.7).prefill
+
+
+@settings(max_examples=25, deadline=None)
+@given(prompt=st.integers(17, 120), free=st.integers(5, 30))
+def test_memory_held_for_a_higher_priority_request_counts_for_its_long_row(prompt, free):
+    """Step 0 holds memory for a waiting request that has lower priorities to preempt; its long row may use that
+    memory as a request with no one to preempt would. Before, the row was cut to fit what was left beside the
+    memory held for it, so a higher priority got a shorter long row (32 tokens of 48 with 12 units free here)."""
+    cfg = replace(CFG, long_prefill_chunk=48)
+    w = wait("w", 2, prompt)
+    plans = [schedule([run("r", 1, priority=p), w], Memory(free, 2), cfg) for p in (5, 0)]
+    if not plans[0].preempt:
+        assert plans[0].prefill == plans[1].prefill
