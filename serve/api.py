@@ -57,6 +57,7 @@ import os
 import time
 import uuid
 from collections import Counter, deque
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Literal, Mapping, Optional, Sequence, Union
 
 import jax.numpy as jnp
@@ -585,6 +586,7 @@ class ServerState:
         self.requests_in_flight = 0
         self.seqs_in_flight = 0
         self.runs: dict[str, list] = {}  # response id -> the _Runs in flight under it (ids may repeat)
+        self.grammar_pool: Optional[ThreadPoolExecutor] = None  # (`compile_constraint`)
         self.last_output = -math.inf  # monotonic time of the latest engine output a request received
         self.shutting_down = False  # SIGTERM / SIGINT: no new requests; those in flight drain or are aborted
         self.request_log: Optional[Callable[[str], None]] = None  # vLLM's --enable-log-requests: says a line
@@ -715,7 +717,11 @@ class ServerState:
         while self.requests_in_flight:
             await asyncio.sleep(0.02)
 
-    def admit(self, key: str, seqs: int, tokens: int):
+    def admit(self, key: str, seqs: int, tokens: int, charge: bool = True):
+        """Admit a request of `seqs` sequences reserving `tokens` (a rate-limit ticket), or raise 429 / 503; `charge`
+        False: only refuse one that admission would refuse whatever it asks (the key's window or the queue is
+        full), which the generation routes check first, before the costly work of tokenizing its prompt or
+        compiling its constraint (seconds of CPU a refused burst made the server do anyway)."""
         if self.shutting_down:
             self.check_ready()
         if self.sleeping:
@@ -731,14 +737,24 @@ class ServerState:
                                 f"({self.capacity} running + {self.max_waiting} waiting); retry later",
                            "server_overloaded", code="queue_full", headers={"Retry-After": "1"})
         try:
-            ticket = self.limiter.admit(key, tokens)
+            ticket = self.limiter.admit(key, tokens, charge=charge)
         except RateLimited as e:
             self.metrics.rejected("rate_limit")
             raise APIError(429, e.message, "rate_limit_error", code="rate_limit_exceeded",
                            headers={"Retry-After": str(e.retry_after)}) from None
-        self.seqs_in_flight += seqs
-        self.requests_in_flight += 1
+        if charge:
+            self.seqs_in_flight += seqs
+            self.requests_in_flight += 1
         return ticket
+
+    async def compile_constraint(self, grammars, constraint: StructuredOutputsParams) -> None:
+        """Compile a request's output constraint off the engine's thread, on vLLM's pool of (CPUs + 1) // 2
+        threads: a flood of schemas that take seconds each (thousands of properties) then holds half the host's
+        CPUs at most, not every thread of asyncio's default pool (CPUs + 4), which starved the engine's."""
+        if self.grammar_pool is None:
+            self.grammar_pool = ThreadPoolExecutor(max(1, ((os.cpu_count() or 1) + 1) // 2),
+                                                   thread_name_prefix="k3jax-grammar")
+        await asyncio.get_running_loop().run_in_executor(self.grammar_pool, grammars.compile, constraint)
 
     def release(self, seqs: int) -> None:
         self.seqs_in_flight -= seqs
@@ -2088,6 +2104,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
                           _r: None = Depends(ready)):
         arrival = time.monotonic()
         st.check_model(body.model)
+        st.admit(key, 1, 1, charge=False)  # a full rate window or queue: refused before tokenizing
         if body.suffix:
             raise APIError(400, "suffix is not supported", param="suffix")
         if body.best_of is not None and body.best_of != body.n:
@@ -2126,6 +2143,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
                                _r: None = Depends(ready)):
         arrival = time.monotonic()
         st.check_model(body.model)
+        st.admit(key, 1, 1, charge=False)  # a full rate window or queue: refused before rendering the chat
         rid, run_id = _response_id(request, body, "chatcmpl-")
         ids, params, fmt = _chat_request(st, body, rid, run_id)
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
@@ -2138,6 +2156,8 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
             raw = json.loads(await request.body())
         except ValueError as e:
             raise APIError(400, f"malformed JSON body: {e}") from None
+        except RecursionError:  # (nested past the interpreter's recursion limit: it was a 500)
+            raise APIError(400, "malformed JSON body: arrays and objects nested too deeply") from None
         if not isinstance(raw, dict) or not ({"messages", "prompt", "prompt_embeds"} & set(raw)):
             raise APIError(400, "invocations: expected a chat completion (with messages) or a completion (with "
                                 "prompt) request body", param="messages")
@@ -2161,6 +2181,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         """OpenAI's Responses API over the chat machinery (serve/responses.py)."""
         arrival = time.monotonic()
         st.check_model(body.model)
+        st.admit(key, 1, 1, charge=False)  # a full rate window or queue: refused before rendering the chat
         if body.stream_options is not None and not body.stream:
             raise APIError(400, "stream_options is only allowed with stream: true", param="stream_options")
         previous: list[dict] = []
@@ -3089,8 +3110,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     for constraint in (p.structured_outputs for p in params_each or [params]):
         if constraint is None or grammars is None:
             continue
-        try:  # compile here, off the engine thread; the engine finds it cached (a repeat too)
-            await asyncio.to_thread(grammars.compile, constraint)
+        try:  # compile here, off the engine thread, which copies the matcher the constraint now carries
+            await st.compile_constraint(grammars, constraint)
         except RequestError as e:
             field = _param_of(str(e))
             name = _constraint_param(body, field)

@@ -140,8 +140,9 @@ class RateLimiter:
         return Limits(own.rpm if own.rpm is not None else self.default.rpm,
                       own.tpm if own.tpm is not None else self.default.tpm)
 
-    def admit(self, key: str, tokens: int, now: Optional[float] = None) -> Ticket:
-        """Charge one request of `tokens` (reserved) to `key`, or raise `RateLimited`."""
+    def admit(self, key: str, tokens: int, now: Optional[float] = None, charge: bool = True) -> Ticket:
+        """Charge one request of `tokens` (reserved) to `key`, or raise `RateLimited`; `charge` False: only
+        whether it would be admitted (the server asks with one token before a request's costly work)."""
         lim = self.limits_for(key)
         if lim.rpm is None and lim.tpm is None:
             return Ticket(self, None)
@@ -165,9 +166,12 @@ class RateLimiter:
                         if excess <= 0:
                             wait = t + WINDOW_S - now
                             break
+                    needs = f", this request needs {tokens}" if charge else ""
                     raise RateLimited(f"rate limit reached: {lim.tpm} tokens per minute for this key "
-                                      f"({used} used in the last minute, this request needs {tokens}); "
+                                      f"({used} used in the last minute{needs}); "
                                       f"retry in {math.ceil(wait)} s", math.ceil(wait))
+            if not charge:
+                return Ticket(self, None)
             event = [now, int(tokens)]
             w.events.append(event)
         return Ticket(self, event)

@@ -400,6 +400,7 @@ class GenerateFormat(api._Format):
 async def generate(st: "api.ServerState", request: Request, key: str, body: GenerateRequest):
     """The route's work: the shared admission, engine run and streaming path with SGLang's shapes."""
     arrival = time.monotonic()
+    st.admit(key, 1, 1, charge=False)  # a full rate window or queue: refused before tokenizing
     prompts, batch, field = prompts_of(st, body)
     if body.model_of_each is not None and len(body.model_of_each) != len(prompts):
         raise api.APIError(400, f"lora_path: a list of {len(body.model_of_each)} adapters for {len(prompts)} "

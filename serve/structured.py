@@ -38,7 +38,10 @@ __all__ = ["StructuredOutputsParams", "GrammarCompiler", "Guide", "banned_tokens
 
 #: A bitmask word with every token allowed.
 ALLOW_ALL = -1
-_CACHE_SIZE = 256  # compiled grammars kept per engine (repeated schemas skip validation)
+_CACHE_SIZE = 256  # compiled grammars kept per engine (repeated schemas skip compiling)
+#: Grammar text of the cached ones, in all: their matchers hold lexer states, up to ~300x that (tens of MB for a
+#: schema of thousands of properties), so a client sending many such schemas cannot fill the host's memory.
+_CACHE_TEXT = 1 << 20
 #: JSON whitespace allowed between two tokens of the value (unless disable_any_whitespace). Bounded:
 #: with an unbounded pattern a model can loop on whitespace until max_tokens (a known failure of
 #: grammar-constrained JSON); 20 still fits a newline and nine levels of two-space indentation.
@@ -196,17 +199,18 @@ class _TokenTable:
 
 
 class GrammarCompiler:
-    """Per-engine: the llguidance tokenizer (built at warm-up) and a cache of validated grammars.
+    """Per-engine: the llguidance tokenizer (built at warm-up) and a cache of compiled grammars (their matchers).
 
     Thread-safe: the HTTP server compiles a request's constraint on a worker thread before handing the
-    request to the engine thread, which then finds it cached (a complex schema never stalls a step)."""
+    request to the engine thread, which copies the matcher the request carries (a complex schema never stalls
+    a step)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_ids: Sequence[int]):
         self.tokenizer = tokenizer
         self.vocab_size = int(vocab_size)
         self.stop_ids = [int(t) for t in stop_ids]
         self._ll = None
-        self._cache: OrderedDict[str, str] = OrderedDict()
+        self._cache: OrderedDict[str, tuple[str, Any]] = OrderedDict()  # key -> (grammar, template)
         self._lock = threading.Lock()
 
     def prepare(self) -> bool:
@@ -231,7 +235,15 @@ class GrammarCompiler:
             return self._ll
 
     def compile(self, params: StructuredOutputsParams) -> str:
-        """The validated grammar of `params`; RequestError naming the field when it is invalid."""
+        """The validated grammar of `params`; RequestError naming the field when it is invalid. `params` keeps
+        the compiled matcher, which `guide` copies: building it is the expensive part (seconds for a schema of
+        thousands of properties or a long choice list), and the HTTP server compiles on a worker thread, while
+        `guide` runs on the engine thread, where a build would stall every request's steps."""
+        grammar, params._compiled = self._compiled(params)
+        return grammar
+
+    def _compiled(self, params: StructuredOutputsParams) -> tuple[str, Any]:
+        """(grammar, template matcher with its first mask computed) of `params`, cached."""
         if not isinstance(params, StructuredOutputsParams):
             raise RequestError(f"structured_outputs: expected StructuredOutputsParams, got {type(params).__name__}")
         if self.tokenizer is None:
@@ -252,33 +264,33 @@ class GrammarCompiler:
 
         try:
             grammar = grammar_text(params)
-            is_error, messages = llg.LLMatcher.validate_grammar_with_warnings(grammar, self.ll_tokenizer)
+            template = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+            if not template.is_error():
+                template.compute_bitmask()  # (its lexer states: copies start with them)
         except RequestError:
             raise
         except Exception as e:  # llguidance's own errors on odd input: still the request's fault
             raise RequestError(f"structured_outputs.{params.kind()}: {e}") from None
-        if is_error:
-            raise RequestError(f"structured_outputs.{params.kind()}: {messages[0] if messages else 'invalid'}")
+        if template.is_error():
+            raise RequestError(f"structured_outputs.{params.kind()}: {template.get_error() or 'invalid'}")
         with self._lock:
-            self._cache[key] = grammar
-            while len(self._cache) > _CACHE_SIZE:
+            self._cache[key] = grammar, template
+            while len(self._cache) > _CACHE_SIZE or sum(len(g) for g, _ in self._cache.values()) > _CACHE_TEXT:
                 self._cache.popitem(last=False)
-        return grammar
+        return grammar, template
 
     def guide(self, params: StructuredOutputsParams) -> "Guide":
-        """A fresh matcher for one sequence (each of a request's n samples has its own)."""
-        import llguidance as llg
-
-        grammar = self.compile(params)
+        """A fresh matcher for one sequence (each of a request's n samples has its own): a copy of the one
+        `compile` left on `params` (or of the cached one, compiled now if it is not)."""
+        template = getattr(params, "_compiled", None)
+        if template is None:
+            template = self._compiled(params)[1]
         after = ()
         if params.reasoning_end is not None:
             if not isinstance(params.reasoning_end, str) or not params.reasoning_end:
                 raise RequestError("structured_outputs.reasoning_end: must be a non-empty string")
             after = self.tokenizer.encode(params.reasoning_end, allow_special=True)
-        matcher = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise RequestError(f"structured_outputs.{params.kind()}: {matcher.get_error()}")
-        return Guide(matcher, tuple(int(t) for t in after))
+        return Guide(template.deep_copy(), tuple(int(t) for t in after))
 
 
 def banned_tokens(words: Sequence[tuple[int, ...]], output: Sequence[int]) -> list[int]:

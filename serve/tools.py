@@ -151,7 +151,7 @@ def parse_calls(plan: ToolPlan, text: str) -> Optional[list[dict]]:
     re-serialised, which would write it as `Infinity`; a forced call keeps its text as written, `cut_calls`)."""
     try:
         value = json.loads(text, parse_constant=_not_json, parse_float=_finite)
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, RecursionError):  # (an answer nested past the recursion limit is no call either)
         return None
     if plan.mode == _NAMED:
         calls = [{"name": plan.name, "parameters": value}] if isinstance(value, dict) else None
@@ -251,9 +251,12 @@ def history_message(message: dict, where: str = "messages") -> dict:
             raise RequestError(f"{at}: function.arguments must be a JSON string")
         try:
             args = json.loads(raw or "{}")
+            text = json.dumps(args, ensure_ascii=False)
         except json.JSONDecodeError:
             raise RequestError(f"{at}: function.arguments is not JSON") from None
-        if not _is_text(json.dumps(args, ensure_ascii=False)):  # an escaped lone surrogate ("\\ud800"), decoded
+        except RecursionError:  # ("[[[...]]]" past the interpreter's recursion limit: it was a 500)
+            raise RequestError(f"{at}: function.arguments nests arrays and objects too deeply") from None
+        if not _is_text(text):  # an escaped lone surrogate ("\\ud800"), decoded
             raise RequestError(f"{at}: function.arguments is not valid Unicode text (a lone surrogate)")
         out.append({"name": f["name"], "parameters": args})
     text = json.dumps(out, ensure_ascii=False)

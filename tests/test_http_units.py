@@ -1839,3 +1839,142 @@ def test_a_lone_surrogate_escaped_in_tool_call_arguments_names_the_call():
         err = asyncio.run(error(path))
         assert err["param"] == "messages", (path, err)
         assert err["message"].startswith("messages[1].tool_calls[0]: function.arguments is not valid Unicode"), err
+
+
+def test_stop_lists_are_bounded_before_the_engine_searches_them():
+    """Each stop string is searched for after every token, on the engine's thread: 50,000 of them (a 700 KB body,
+    accepted) took 90 ms a token, every other request's steps waiting. More than 128 are a 400 naming `stop`, on
+    every route that takes them."""
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+    from serve.types import MAX_STOP
+
+    eng = Recorder(max_model_len=64, tokenizer=ByteTokenizer(320))
+    app = create_app(eng, "m")
+    many = [f"s{i}" for i in range(50000)]
+    bodies = [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+              ("/v1/responses", {"input": "hi", "max_output_tokens": 1})]
+
+    async def go(stop):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return [await c.post(path, json={**body, "stop": stop}) for path, body in bodies]
+
+    for r in asyncio.run(go(many)) + asyncio.run(go(many[:MAX_STOP + 1])):
+        assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text
+        assert f"at most {MAX_STOP} stop strings" in r.json()["error"]["message"]
+    for r in asyncio.run(go(many[:MAX_STOP])):
+        assert r.status_code == 200, r.text
+    assert eng.params[-1].stop == many[:MAX_STOP]
+
+
+def test_a_key_over_its_rate_limit_is_refused_before_its_prompt_is_tokenized():
+    """A key whose window is full got its 429 only after its prompt was tokenized, its chat rendered and its
+    constraint compiled (seconds of CPU for a large schema): a burst from a limited key made the server do all of
+    that work anyway. The generation routes refuse such a request first; a full queue's 503 alike."""
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+
+    class Counting(ByteTokenizer):
+        calls = 0
+
+        def encode(self, *a, **kw):
+            Counting.calls += 1
+            return super().encode(*a, **kw)
+
+    eng = Recorder(max_model_len=64, tokenizer=Counting(320))
+    app = create_app(eng, "m", api_keys={"k": Limits(rpm=1)}, max_waiting=0)
+    auth = {"Authorization": "Bearer k"}
+    bodies = [("/v1/completions", {"prompt": "hi", "max_tokens": 1}),
+              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}),
+              ("/v1/responses", {"input": "hi", "max_output_tokens": 1}),
+              ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 1}}),
+              ("/invocations", {"prompt": "hi", "max_tokens": 1})]
+
+    async def go(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json=body, headers=auth)
+
+    assert asyncio.run(go(*bodies[0])).status_code == 200
+    seen = Counting.calls
+    for path, body in bodies:
+        r = asyncio.run(go(path, body))
+        assert r.status_code == 429 and r.headers["retry-after"], (path, r.text)
+    assert Counting.calls == seen
+    st = app.state.k3  # a full queue (4 running, none waiting): a 503, before tokenizing too
+    st.limiter.per_key.clear()
+    st.seqs_in_flight = 4
+    for path, body in bodies:
+        r = asyncio.run(go(path, body))
+        assert r.status_code == 503 and r.json()["error"]["code"] == "queue_full", (path, r.text)
+    assert Counting.calls == seen
+
+
+def test_json_nested_past_the_recursion_limit_is_a_400_not_a_500():
+    """JSON text the server parses itself, nested past the interpreter's recursion limit, raised RecursionError (a 500):
+    a history tool call's `arguments` (chat, /tokenize, a Responses `function_call` item) and SageMaker's /invocations
+    body. Each is a 400 naming its field."""
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+
+    app = create_app(Recorder(max_model_len=64, tokenizer=ByteTokenizer(320)), "m")
+    deep = "[" * 100000 + "]" * 100000
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": deep}}
+    history = [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    items = [{"role": "user", "content": "hi"}, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": deep},
+             {"type": "function_call_output", "call_id": "c1", "output": "ok"}]
+    cases = [("/v1/chat/completions", {"messages": history, "max_tokens": 1}, "messages"),
+             ("/tokenize", {"messages": history}, "messages"),
+             ("/v1/responses", {"input": items, "max_output_tokens": 1}, "input"),
+             ("/invocations", '{"prompt": "hi", "vllm_xargs": {"a": ' + deep + "}}", None)]
+
+    async def go(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app, raise_app_exceptions=False),
+                                     base_url="http://t") as c:
+            if isinstance(body, str):
+                return await c.post(path, content=body, headers={"content-type": "application/json"})
+            return await c.post(path, json=body)
+
+    for path, body, param in cases:
+        r = asyncio.run(go(path, body))
+        assert r.status_code == 400, (path, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "too deeply" in err["message"], (path, err)
+
+
+def test_constraints_compile_on_a_pool_of_half_the_cpus(monkeypatch):
+    """A request's constraint compiles off the engine's thread, on vLLM's pool of (CPUs + 1) // 2 threads: on
+    asyncio's default pool (CPUs + 4 threads) a flood of schemas that take seconds each (thousands of properties)
+    held every CPU, starving the engine's thread. Here one thread (2 CPUs): three requests compile one at a time."""
+    import threading
+    import time as _time
+
+    from recording_engine import Recorder
+
+    monkeypatch.setattr("serve.api.os.cpu_count", lambda: 2)
+
+    class Grammars:
+        active = most = calls = 0
+        lock = threading.Lock()
+
+        def compile(self, constraint):
+            with self.lock:
+                Grammars.active += 1
+                Grammars.calls += 1
+                Grammars.most = max(Grammars.most, Grammars.active)
+            _time.sleep(0.05)  # (long enough for the others to overlap it, on a pool that lets them)
+            with self.lock:
+                Grammars.active -= 1
+
+    eng = Recorder(max_model_len=64)
+    eng.engine.grammars = Grammars()
+    app = create_app(eng, "m")
+    body = {"prompt": [1, 2], "max_tokens": 1, "response_format": {"type": "json_object"}}
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await asyncio.gather(*[c.post("/v1/completions", json=body) for _ in range(3)])
+
+    assert [r.status_code for r in asyncio.run(go())] == [200] * 3
+    assert Grammars.calls == 3 and Grammars.most == 1

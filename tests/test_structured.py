@@ -176,6 +176,39 @@ def test_grammars_are_cached(compiler):
     assert compiler.compile(SO(json={"type": "integer"}, disable_any_whitespace=True)) is not a
 
 
+def test_guide_copies_the_matcher_compile_built_instead_of_building_one(monkeypatch):
+    """The HTTP server compiles a constraint on a worker thread, then the engine thread takes its guides: building
+    a matcher is the expensive part (seconds for a schema of thousands of properties, which stalled every request's
+    steps), so the engine's guides copy the one compile built, even once the cache evicted it (a client sending
+    many large schemas), and only a constraint never compiled is built there."""
+    import llguidance
+
+    built = []
+
+    class Counting:
+        def __call__(self, *a, **kw):
+            built.append(1)
+            return real(*a, **kw)
+
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+    real = llguidance.LLMatcher
+    monkeypatch.setattr(llguidance, "LLMatcher", Counting())
+    gc = GrammarCompiler(TOK, V, STOPS)
+    big = SO(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(60)}},
+             disable_any_whitespace=True)
+    gc.compile(big)
+    assert len(built) == 1
+    monkeypatch.setattr("serve.structured._CACHE_TEXT", 0)  # every later compile evicts everything
+    gc.compile(SO(regex="x"))
+    rng = np.random.default_rng(0)
+    outs = [TOK.decode([t for t in _walk(gc, big, rng, 2000) if t not in STOPS]) for _ in range(3)]  # (n = 3)
+    assert len(built) == 2 and all(json.loads(o).keys() <= {f"p{i}" for i in range(60)} for o in outs)
+    _walk(gc, SO(choice=["on"]), rng)
+    assert len(built) == 3
+
+
 def test_cached_grammars_keep_each_schemas_property_order(compiler):
     """Properties are generated in the schema's order (what a chain-of-thought field first relies on): a
     schema listing the same properties in another order must not reuse the first one's cached grammar."""

@@ -452,6 +452,11 @@ def test_history_keeps_assistant_text_parts_beside_calls():
 def test_history_message_rejects_bad_calls():
     with pytest.raises(RequestError, match=r"^messages\.tool_calls\[0\]: function\.arguments is not JSON"):
         history_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{"}}]})
+    # nested past the interpreter's recursion limit: a RecursionError (a 500) from the history, and from an answer
+    deep = "[" * 100000 + "]" * 100000
+    with pytest.raises(RequestError, match=r"^messages\.tool_calls\[0\]: function\.arguments nests .* too deeply"):
+        history_message({"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": deep}}]})
+    assert parse_calls(plan_tools(TOOLS, "auto", None), deep) is None
     assert history_message({"role": "user", "content": "x"}) == {"role": "user", "content": "x"}
 
 
