@@ -23,6 +23,7 @@ import logging
 import queue
 import threading
 import uuid
+import weakref
 from typing import AsyncIterator, Iterable, Optional, Union
 
 from serve.engine import Engine, EngineSleeping, StepFailed
@@ -163,8 +164,21 @@ class EngineGroupStatus:
         return self.parts[0].engine.tokenizer
 
 
+def running_driver(engine) -> Optional["AsyncEngine"]:
+    """The AsyncEngine whose thread steps `engine` now (None: none, or it was shut down or its thread died)."""
+    ref = getattr(engine, "_async_driver", None)
+    driver = ref() if ref is not None else None
+    return driver if driver is not None and driver.is_running else None
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
+        if running_driver(engine) is not None:
+            # two engine threads stepping one engine corrupt it, and a stream's outputs went to the other's thread
+            # (its consumer waited forever): a notebook cell building an AsyncEngine run twice did that
+            raise RuntimeError("engine: another AsyncEngine's thread steps this engine; shut it down first "
+                               "(serve.async_engine.running_driver(engine).shutdown(), if it is no longer at hand) "
+                               "or keep using it")
         self.engine = engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}
@@ -178,6 +192,7 @@ class AsyncEngine:
         self.errors = 0
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
+        engine._async_driver = weakref.ref(self)
 
     @property
     def tokenizer(self):

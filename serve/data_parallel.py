@@ -325,13 +325,16 @@ class DataParallelEngine:
         seqs = _num_seqs(params)
         self.router.sync([cache_epoch(e) for e in self.replicas])
         r = self.router.route(_prompt_ids(self.replicas[0], prompt), _salt(cache_salt, lora_request), seqs)
+        self._where[request_id] = (r, seqs)  # (before the replica queues it: a Ctrl-C in between, abort finds it)
         try:
             self.replicas[r].add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
                                          lora_request=lora_request)
-        except BaseException:
-            self.router.done(r, seqs)
+        except BaseException as e:
+            if self._where.pop(request_id, None) is not None:
+                self.router.done(r, seqs)
+            if not isinstance(e, Exception):  # a Ctrl-C inside it: what the replica queued goes too
+                self.replicas[r].abort(request_id)
             raise
-        self._where[request_id] = (r, seqs)
         return request_id
 
     def abort(self, request_id: str) -> bool:

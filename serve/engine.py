@@ -1704,15 +1704,21 @@ class Engine:
                                             ids_dtype(self.cfg.num_experts), len(ids) + 16)
             if params.return_hidden_states:
                 seq.hidden = PositionRows((self.cfg.hidden_size,), np.float32, np.nan, len(ids) + 16)
-            if adapter is not None:
-                adapter.requests.add(seq.rid)
             seqs.append(seq)
-            self.seqs[seq.rid] = seq
-        self.requests[request_id] = Request(request_id, text, list(ids), params, seqs, metrics, group,
-                                            embeds is not None)
-        if group is not None:
-            self._beams[request_id] = self.requests[request_id]
+        self._register(Request(request_id, text, list(ids), params, seqs, metrics, group, embeds is not None))
         return request_id
+
+    def _register(self, req: Request) -> None:
+        """Make a built request known: the request first, then its sequences, so that a Ctrl-C between any two
+        of these lines leaves nothing `abort(request_id)` misses (a sequence without its request was scheduled,
+        and its output's lookup failed every later step)."""
+        self.requests[req.request_id] = req
+        for seq in req.seqs:
+            if seq.lora is not None:
+                seq.lora.requests.add(seq.rid)
+            self.seqs[seq.rid] = seq
+        if req.beam is not None:
+            self._beams[req.request_id] = req
 
     def _bad_word_ids(self, words: list[str]) -> tuple[tuple[int, ...], ...]:
         """vLLM's tokenisation of bad words: each as written (left-stripped) and, when that makes
@@ -3756,8 +3762,9 @@ class Engine:
         the next `step()` returns their outputs)."""
         owed = {self.seqs[r].request_id for r in self._landed if r in self.seqs}
         for rid in [r for r, q in self.requests.items() if q.finished and r not in owed]:
-            for s in self.requests.pop(rid).seqs:
+            for s in self.requests[rid].seqs:  # (its sequences first: a Ctrl-C here leaves the request to reap)
                 self.seqs.pop(s.rid, None)
+            del self.requests[rid]
 
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:

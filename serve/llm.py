@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import itertools
 import logging
 import math
 import numbers
 import os
+import signal
+import threading
 from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
@@ -97,6 +101,38 @@ def cache_options(engine_options: dict, kv_cache_memory_bytes: Optional[int]) ->
     return {**opts, "gpu_memory_utilization": None}, [note]
 
 
+@contextlib.contextmanager
+def interrupts_between_steps():
+    """Hold back Ctrl-C (SIGINT) while the engine is called -> `check()`, which raises the KeyboardInterrupt held
+    back; call it between engine calls. Python raises KeyboardInterrupt at whatever line runs, and a line of the
+    engine's bookkeeping cut in half (a slot freed, its pages not yet) leaked cache memory for good; held back,
+    the interrupt comes out where the engine is consistent and `generate` withdraws its requests. A second
+    Ctrl-C raises at once (a step that never returns). Only in the main thread, under Python's own handler
+    (a notebook's, too); a handler of the caller's is left alone."""
+    if (threading.current_thread() is not threading.main_thread()
+            or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield lambda: None
+        return
+    held = []
+
+    def hold(signum, frame):
+        if held:
+            raise KeyboardInterrupt
+        held.append(signum)
+
+    def check():
+        if held:
+            held.clear()
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, hold)
+    try:
+        yield check
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    check()
+
+
 class LLM:
     """`LLM(model_or_path, **engine_options)`; options are `EngineConfig` fields (`seed`, as vLLM's, seeds the
     sampling of requests without a seed of their own, and a preset's random weights) plus `dtype` when a path or
@@ -113,6 +149,8 @@ class LLM:
     `follow()`, which returns when process 0 closes."""
 
     progress: bool = True  # progress bars (warm-up, and `use_tqdm`'s default)
+    _request_ids = itertools.count()  # request ids, numbered as vLLM's LLM numbers them (unique in the process)
+    _caller: Optional[int] = None  # the thread in `generate`
 
     def __init__(self, model: Union[Model, str] = "tiny-k3", *, dtype: str = "auto", seed: int = 0,
                  progress: bool = True, data_parallel_size: int = 1, data_parallel_routing: str = "cache_aware",
@@ -175,13 +213,45 @@ class LLM:
         loras = lora_request if isinstance(lora_request, list) else [lora_request] * len(prompts)
         if len(loras) != len(prompts):
             raise ValueError(f"got {len(loras)} lora_requests for {len(prompts)} prompts")
+        with self._one_call_at_a_time(), interrupts_between_steps() as check_interrupt:
+            return self._run(prompts, sampling_params, priority, loras, cache_salt, use_tqdm, check_interrupt)
+
+    @contextlib.contextmanager
+    def _one_call_at_a_time(self):
+        """Calls of `generate` from several threads run one after another: two stepping the engine at once
+        corrupted it (donated buffers used twice, KeyErrors) and both failed. One made from inside another
+        (a progress-bar callback) would wait forever, and so does an `AsyncEngine` stepping this engine: both
+        raise instead."""
+        from serve.async_engine import running_driver
+
+        if self._caller == threading.get_ident():
+            raise RuntimeError("generate: called from inside a generate call of this LLM (a use_tqdm callback?)")
+        if any(running_driver(e) is not None for e in getattr(self.engine, "replicas", [self.engine])):
+            raise RuntimeError("generate: an AsyncEngine's thread steps this LLM's engine; shut it down first "
+                               "(serve.async_engine.running_driver(llm.engine).shutdown()) or generate through it")
+        with self.__dict__.setdefault("_generating", threading.Lock()):
+            self._caller = threading.get_ident()
+            try:
+                yield
+            finally:
+                self._caller = None
+
+    def _run(self, prompts, sampling_params, priority, loras, cache_salt, use_tqdm, check_interrupt) -> list:
+        """`generate`'s requests queued and stepped to completion -> their final outputs, in order; on any error
+        or interrupt every request of the call is withdrawn and the engine left empty and usable."""
         ids: list[str] = []
+        adding = None  # the id being queued: ours before the engine sees it (a Ctrl-C inside add_request withdraws it)
         try:
             for p, sp, pr, lr in zip(prompts, sampling_params, priority, loras):
                 p, salt = prompt_cache_salt(p, cache_salt)
-                ids.append(self.engine.add_request(p, sp, priority=pr, cache_salt=salt, lora_request=lr))
-        except BaseException:  # a rejected prompt or Ctrl-C: the ones already queued are withdrawn, nothing runs
-            for rid in ids:
+                adding = str(next(self._request_ids))
+                self.engine.add_request(p, sp, adding, priority=pr, cache_salt=salt, lora_request=lr)
+                ids.append(adding)
+                adding = None
+                check_interrupt()
+        except BaseException as e:  # a rejected prompt or Ctrl-C: the ones already queued are withdrawn, nothing runs
+            # (a rejected one was never queued: its id may be someone else's request)
+            for rid in ids + ([adding] if adding is not None and not isinstance(e, Exception) else []):
                 self.engine.abort(rid)
             self.engine._reap()
             raise
@@ -195,6 +265,7 @@ class LLM:
                         done[out.request_id] = out
                         if bar is not None:
                             bar.update(1)
+                check_interrupt()
         except BaseException:  # a failed step or Ctrl-C: withdraw the rest, leave the engine empty and usable
             for rid in ids:
                 self.engine.abort(rid)

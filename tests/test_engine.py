@@ -1084,6 +1084,38 @@ def test_async_engine_survives_a_closed_consumer_loop(model, engine):
     assert s["arena_free_units"] == s["arena_baseline_free_units"]
 
 
+def test_a_second_async_engine_over_an_engine_still_stepped_is_refused(model, engine):
+    """An `AsyncEngine` built over an engine another AsyncEngine's thread still steps (a notebook cell run twice):
+    both threads stepped it and a stream's outputs could go to the other's thread, its consumer waiting forever.
+    Refused now, as is `LLM.generate` on that engine; once the first is shut down, a new one serves."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import AsyncEngine, running_driver
+    from serve.llm import LLM
+
+    first = AsyncEngine(engine)
+    try:
+        with pytest.raises(RuntimeError, match="shutdown"):
+            AsyncEngine(engine)
+        assert running_driver(engine) is first  # (how to reach one whose name was rebound)
+        llm = LLM.__new__(LLM)
+        llm.engine, llm.progress = engine, False
+        with pytest.raises(RuntimeError, match="AsyncEngine"):
+            llm.generate([[5, 6, 7, 8]], GREEDY)
+    finally:
+        first.shutdown()
+    assert running_driver(engine) is None
+    second = AsyncEngine(engine)
+    try:
+        outs = asyncio.run(asyncio.wait_for(_collect(second.generate([5, 6, 7, 8], GREEDY)), 60))
+        assert outs[-1].finished and len(outs[-1].token_ids) == GREEDY.max_tokens
+    finally:
+        second.shutdown()
+    assert not engine.requests
+
+
 def test_shared_step_cache_is_bounded(model):
     """Engines over the same model and layout share a bound step, but the process-wide table is
     an LRU: a process that builds engine after engine does not keep every old one's compiled

@@ -6,6 +6,8 @@ full forward; and prompt logprobs (serve/sampling.py `prompt_logprobs`) against 
 from __future__ import annotations
 
 import dataclasses
+import signal
+import threading
 from collections import Counter
 
 import jax
@@ -552,6 +554,97 @@ def test_llm_generate_owns_its_batch_through_ctrl_c_foreign_requests_and_salted_
     with pytest.raises(ValueError, match="cache_salt"):
         llm.generate([PROMPT, salted[0]], p, cache_salt="b")
     assert not e.has_unfinished()
+
+
+def test_llm_generate_holds_ctrl_c_back_until_the_engine_is_consistent(llm, monkeypatch):
+    """Ctrl-C raised KeyboardInterrupt at whatever line of the engine ran: one landing while a finished request's
+    state slot was being freed leaked that slot's cache for good (the arena never came back to its baseline,
+    each interrupt shrinking it), and one inside `add_request` left a sequence without its request, which
+    failed every later `generate` (KeyError). The interrupt now comes out between engine calls."""
+    import serve.engine as engine_module
+
+    e = llm.engine
+    p = SP(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:20]]
+    want = [o.token_ids for o in llm.generate(prompts, p)]
+
+    def settled():
+        while e.has_unfinished():  # (the engine's own re-prefills of shared prefixes)
+            e.step()
+        return not e.requests and e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
+
+    free_slot = e.allocator.free_slot
+
+    def ctrl_c_in_free_slot(base):  # Ctrl-C while a finished request's slot is freed
+        monkeypatch.setattr(e.allocator, "free_slot", free_slot)
+        signal.raise_signal(signal.SIGINT)
+        free_slot(base)
+    monkeypatch.setattr(e.allocator, "free_slot", ctrl_c_in_free_slot)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, p)
+    assert settled()
+    checker = engine_module.StopChecker
+
+    def ctrl_c_in_add_request(*a, **k):  # Ctrl-C while the second of a request's two samples is built
+        if ctrl_c_in_add_request.calls == 1:
+            signal.raise_signal(signal.SIGINT)
+        ctrl_c_in_add_request.calls += 1
+        return checker(*a, **k)
+    ctrl_c_in_add_request.calls = 0
+    monkeypatch.setattr(engine_module, "StopChecker", ctrl_c_in_add_request)
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(prompts, dataclasses.replace(p, n=2))
+    monkeypatch.undo()
+    assert settled() and not e.seqs
+    assert [o.token_ids for o in llm.generate(prompts, p)] == want
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    from serve.llm import interrupts_between_steps
+
+    reached = []
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C (a step that never returns) raises at once
+        with interrupts_between_steps():
+            signal.raise_signal(signal.SIGINT)
+            reached.append(1)
+            signal.raise_signal(signal.SIGINT)
+            reached.append(2)
+    assert reached == [1] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+def test_llm_generate_from_two_threads_runs_the_calls_one_after_another(llm):
+    """vLLM's `LLM` is not thread-safe; here two threads calling `generate` at once stepped the engine together:
+    donated buffers used twice, KeyErrors, both calls failed and the engine kept a step's debris. The calls now
+    take turns; a `generate` from inside one (a progress-bar callback), which would wait forever, raises."""
+    e = llm.engine
+    p = SP(temperature=0, max_tokens=6, ignore_eos=True)
+    prompts = [PROMPT, PROMPT[:30], PROMPT[:20]]
+    want = [o.token_ids for o in llm.generate(prompts, p)]
+    got, errors = [], []
+
+    def run():
+        try:
+            for _ in range(2):
+                got.append([o.token_ids for o in llm.generate(prompts, p)])
+        except Exception as ex:
+            errors.append(ex)
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors and got == [want] * 4
+
+    class Bar:  # a progress bar generating from its callback
+        def __init__(self, total, desc):
+            pass
+
+        def update(self, k):
+            llm.generate(prompts[:1], p)
+
+        def close(self):
+            pass
+    with pytest.raises(RuntimeError, match="inside a generate call"):
+        llm.generate(prompts[:1], p, use_tqdm=Bar)
+    assert not e.requests and e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
 
 def _raise(exc):
