@@ -2596,6 +2596,8 @@ _RESPONSES_NAMES = {"reasoning_effort": "reasoning.effort", "response_format": "
 def _constraint_param(body, param: Optional[str]) -> Optional[str]:
     """The request field an output constraint's error (`structured_outputs.<key>`: what `_structured` made of
     it) came from: `response_format`, a `guided_*` field, or the tools of a forced call."""
+    if param == "structured_outputs.whitespace_pattern" and getattr(body, "guided_whitespace_pattern", None):
+        return "guided_whitespace_pattern"  # (it replaces structured_outputs' own: _structured)
     if not param or not param.startswith("structured_outputs") or getattr(body, "structured_outputs", None):
         return param
     rf = getattr(body, "response_format", None)

@@ -107,6 +107,25 @@ def _close_objects(schema: Any) -> Any:
     return out
 
 
+def rebase_refs(schema: Any, base: str) -> Any:
+    """`schema` to be placed at JSON pointer `base` (`"#/items/0"`) inside another schema: its local `$ref`s
+    (`"#"`, `"#/$defs/X"`) are relative to its own root, so each becomes `base` + the pointer (the maps of named
+    sub-schemas are walked, literal data is left alone, as `_close_objects` walks them)."""
+    if isinstance(schema, list):
+        return [rebase_refs(s, base) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {}
+    for k, v in schema.items():
+        if k == "$ref" and isinstance(v, str) and (v == "#" or v.startswith("#/")):  # (not "#name" anchors)
+            out[k] = base + v[1:]
+        elif k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: rebase_refs(sub, base) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else rebase_refs(v, base)
+    return out
+
+
 def grammar_text(params: StructuredOutputsParams) -> str:
     """The llguidance grammar of a constraint (not yet validated against a tokenizer); with
     `answer_prefix`, the constraint's grammars become a sub-grammar after that optional text."""
@@ -122,6 +141,23 @@ def grammar_text(params: StructuredOutputsParams) -> str:
     inner["grammars"][0]["name"] = "constraint"
     wrap = {"name": "answer", "lark_grammar": f"start: PREFIX? @constraint\nPREFIX: {json.dumps(params.answer_prefix)}"}
     return json.dumps({**inner, "grammars": [wrap] + inner["grammars"]})
+
+
+def _whitespace_pattern(pattern: Optional[str]) -> str:
+    """The regex of what may stand between two JSON tokens: the bounded default when `pattern` is None; an
+    empty pattern allows no whitespace (outlines' reading: it is not "unset"). A pattern llguidance cannot
+    parse is refused naming `whitespace_pattern` (it surfaced later as an error of `json`)."""
+    import llguidance as llg
+
+    if pattern is None:
+        return JSON_WHITESPACE
+    if not isinstance(pattern, str):
+        raise RequestError("structured_outputs.whitespace_pattern: must be a regular expression string")
+    error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_regex(pattern))
+    if error:
+        why = next((line for line in error.splitlines() if line.startswith("error: ")), "error: " + error)
+        raise RequestError(f"structured_outputs.whitespace_pattern: not a valid regular expression ({why})")
+    return pattern
 
 
 def _constraint_grammar(params: StructuredOutputsParams) -> str:
@@ -150,10 +186,8 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
         check_schema_depth(schema, field_)
         if params.disable_additional_properties and kind == "json":  # json_object stays any object (vLLM's)
             schema = _close_objects(schema)
-        if params.whitespace_pattern is not None and not isinstance(params.whitespace_pattern, str):
-            raise RequestError("structured_outputs.whitespace_pattern: must be a regular expression string")
         options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
-                   {"whitespace_flexible": True, "whitespace_pattern": params.whitespace_pattern or JSON_WHITESPACE})
+                   {"whitespace_flexible": True, "whitespace_pattern": _whitespace_pattern(params.whitespace_pattern)})
         try:
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except (ValueError, TypeError) as e:

@@ -33,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from serve.structured import rebase_refs
 from serve.types import RequestError, StructuredOutputsParams
 
 __all__ = ["ToolPlan", "plan_tools", "tools_system_message", "parse_calls", "parse_k2_calls", "split_k2_section",
@@ -61,9 +62,12 @@ class ToolPlan:
         if self.mode == _NAMED:
             return StructuredOutputsParams(json=_parameters(self._function(self.name)),
                                            whitespace_pattern=CALL_WHITESPACE)
-        if self.mode == _REQUIRED:
-            calls = [{"type": "object", "properties": {"name": {"const": f["name"]}, "parameters": _parameters(f)},
-                      "required": ["name", "parameters"], "additionalProperties": False} for f in self.functions]
+        if self.mode == _REQUIRED:  # (each schema's own "#/$defs/..." refs now point into its call's place)
+            calls = [{"type": "object", "properties": {
+                "name": {"const": f["name"]},
+                "parameters": rebase_refs(_parameters(f), f"#/items/anyOf/{i}/properties/parameters")},
+                "required": ["name", "parameters"], "additionalProperties": False}
+                for i, f in enumerate(self.functions)]
             schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
             if not self.parallel:
                 schema["maxItems"] = 1

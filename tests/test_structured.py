@@ -152,10 +152,23 @@ def test_a_token_outside_the_mask_breaks_the_guide(compiler):
     (SO(grammar="start: \"a\"", disable_additional_properties=True), r"disable_additional_properties: applies"),
     (SO(json_object="yes"), r"structured_outputs\.json_object: expected true or false"),
     (SO(json={"type": "object"}, disable_any_whitespace=1), r"disable_any_whitespace: expected true or false"),
+    # a pattern llguidance cannot parse: named as itself (it surfaced as an error of structured_outputs.json)
+    (SO(json={"type": "object"}, whitespace_pattern="("), r"structured_outputs\.whitespace_pattern: not a valid"),
 ])
 def test_bad_constraints_name_the_field(compiler, params, field):
     with pytest.raises(RequestError, match=field):
         compiler.guide(params)
+
+
+def test_an_empty_whitespace_pattern_allows_no_whitespace(compiler):
+    """whitespace_pattern="" is a pattern (outlines' reading), not "unset": no whitespace between JSON tokens
+    (it fell back to the default, up to 20 whitespace characters per gap)."""
+    row = np.zeros(mask_words(V), np.int32)
+    for pattern, spaced in (("", False), (" ?", True), (None, True)):
+        g = compiler.guide(SO(json={"type": "object"}, whitespace_pattern=pattern))
+        assert g.advance(TOK.encode("{")[0])
+        g.fill(row)
+        assert (TOK.encode(" ")[0] in _allowed(row)) == spaced, pattern
 
 
 def test_sampling_params_validation():
@@ -298,6 +311,11 @@ def test_api_constraint_sources():
                        thinks=False).whitespace_pattern == " "
     with pytest.raises(APIError, match="guided_whitespace_pattern: applies to a JSON constraint, not to guided_regex"):
         _structured(body(guided_regex="a+", guided_whitespace_pattern=" "), thinks=False)
+    # a compile error of the whitespace pattern names the field the client sent
+    from serve.api import _constraint_param
+    assert _constraint_param(body(guided_json={}, guided_whitespace_pattern="("),
+                             "structured_outputs.whitespace_pattern") == "guided_whitespace_pattern"
+    assert _constraint_param(body(guided_json={}), "structured_outputs.json") == "guided_json"
 
 
 def test_schemas_nested_too_deep_are_refused_naming_the_field(compiler):

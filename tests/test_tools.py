@@ -436,6 +436,36 @@ def test_required_constraint_random_walks_parse_as_valid_calls():
                 assert set(args) == {"a", "b"} and all(type(v) is int for v in args.values())
 
 
+def test_required_calls_resolve_each_functions_own_refs():
+    """Parameters with local `$ref`s (pydantic's `$defs`, a tree's `"#"`), placed inside the `required` array's
+    schema, still point into their own function's schema: the constraint compiled ("Pointer '/$defs/Item' does
+    not exist", a 400 naming tools), and two functions may reuse a def name for different schemas."""
+    def fn(name, params):
+        return {"type": "function", "function": {"name": name, "parameters": params}}
+    item = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+            "additionalProperties": False}
+    tools = [fn("add", {"$defs": {"Item": item}, "type": "object", "properties": {"item": {"$ref": "#/$defs/Item"}},
+                        "required": ["item"], "additionalProperties": False}),
+             fn("tag", {"$defs": {"Item": {"enum": ["x", "y"]}}, "type": "object",
+                        "properties": {"item": {"$ref": "#/$defs/Item"}, "sub": {"$ref": "#"},
+                                       "const": {"const": {"$ref": "#/literal"}}},
+                        "required": ["item"], "additionalProperties": False})]
+    gc = GrammarCompiler(TOK, 320, TOK.eos_token_ids)
+    row = np.zeros(mask_words(320), np.int32)
+
+    def accepts(text):
+        g = gc.guide(plan_tools(tools, "required", None).constraint())
+        for tok in TOK.encode(text):
+            g.fill(row)
+            if not (row.view(np.uint32)[tok >> 5] >> (tok & 31)) & 1 or not g.advance(tok):
+                return False
+        return g.done
+    assert accepts('[{"name":"add","parameters":{"item":{"k":1}}},'
+                   '{"name":"tag","parameters":{"item":"x","sub":{"item":"y","const":{"$ref":"#/literal"}}}}]')
+    assert not accepts('[{"name":"add","parameters":{"item":"x"}}]')  # tag's Item, not add's
+    assert not accepts('[{"name":"tag","parameters":{"item":{"k":1}}}]')
+
+
 def test_history_keeps_assistant_text_parts_beside_calls():
     """An assistant message whose content is a list of text parts keeps that text beside its calls, as a string
     content does (the parts were dropped: the model saw only the calls)."""
