@@ -75,7 +75,7 @@ from serve.reasoning import RESPONSE_START, THINK_END, ChannelSplitter, reasonin
 from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
-from serve.async_engine import merge_delta
+from serve.async_engine import EngineDead, merge_delta
 from serve.engine import EngineSleeping
 from serve.named_weights import WeightNameError
 from serve.profiler import Profiler, ProfilerError
@@ -632,7 +632,13 @@ class ServerState:
     def healthy(self) -> bool:
         if not self.ready or self.engine is None or self.shutting_down:
             return False
-        return bool(getattr(self.engine, "alive", True))
+        return bool(getattr(self.engine, "alive", True)) and not getattr(self.engine, "errored", False)
+
+    def engine_stopped(self) -> str:
+        """Why an attached engine serves no more (its `dead_error`: shut down, or dead after failing step after
+        step), for /health and the 503s."""
+        dead = getattr(self.engine, "dead_error", None) if getattr(self.engine, "errored", False) else None
+        return str(dead) if dead is not None else "the engine stopped"
 
     def token_embeddings(self, ids: list[int]) -> "np.ndarray":
         """Rows of the served model's embedding table [len(ids), H] in the prompt-embeddings dtype."""
@@ -661,7 +667,7 @@ class ServerState:
         if self.shutting_down:
             raise APIError(503, "the server is shutting down", "server_unavailable", code="shutting_down")
         if not self.healthy:
-            msg = self.error or ("the engine stopped" if self.ready else "the model is still loading/compiling")
+            msg = self.error or (self.engine_stopped() if self.ready else "the model is still loading/compiling")
             raise APIError(503, f"server not ready: {msg}", "server_unavailable", code="not_ready",
                            headers={"Retry-After": "5"})
 
@@ -1924,7 +1930,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
-        log.exception("unhandled error")
+        # (no log here: Starlette raises `e` on to the server after this answer, and the server logs its traceback)
         return JSONResponse(_error_body(f"internal error: {type(e).__name__}", "internal_error"), status_code=500)
 
     # ---- dependencies ----
@@ -1947,7 +1953,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
     async def health():
         if st.healthy:
             return {"status": "ok", "model": st.model_name}
-        msg = "shutting down" if st.shutting_down else st.error or ("engine stopped" if st.ready else "loading")
+        msg = "shutting down" if st.shutting_down else st.error or (st.engine_stopped() if st.ready else "loading")
         return JSONResponse({"status": "unavailable", "detail": msg}, status_code=503)
 
     @app.get("/health_generate", responses={503: {"model": ErrorResponse}})
@@ -2348,7 +2354,9 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
 
         for path, route in (("/release_memory_occupation", release_memory_occupation),
                             ("/resume_memory_occupation", resume_memory_occupation)):
-            app.add_api_route(path, route, methods=["GET", "POST"], responses=_ERRORS)
+            for method in ("GET", "POST"):  # (one route per method: unique OpenAPI operation ids, as /ping's)
+                app.add_api_route(path, route, methods=[method], responses=_ERRORS,
+                                  operation_id=f"{path.strip('/')}_{method.lower()}")
 
         @app.post("/wake_up", responses=_ERRORS)
         async def wake_up(tags: Optional[list[str]] = Query(None), key: str = Depends(authenticate),
@@ -2408,7 +2416,9 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
                      for v in values]
             return lists[0] if len(lists) == 1 else lists
 
-        app.add_api_route("/get_weights_by_name", get_weights_by_name, methods=["GET", "POST"], responses=_ERRORS)
+        for method in ("GET", "POST"):
+            app.add_api_route("/get_weights_by_name", get_weights_by_name, methods=[method], responses=_ERRORS,
+                              operation_id=f"get_weights_by_name_{method.lower()}")
 
         @app.post("/update_weights_from_tensor", responses=_ERRORS)
         async def update_weights_from_tensor(body: UpdateWeightsFromTensorRequest, key: str = Depends(authenticate),
@@ -2607,6 +2617,17 @@ def _constraint_param(body, param: Optional[str]) -> Optional[str]:
         if getattr(body, f"guided_{name}", None) is not None:
             return f"guided_{name}"
     return "tools" if getattr(body, "tools", None) else param
+
+
+def engine_failure(e: Exception) -> APIError:
+    """What answers a request the engine ended with `e` after accepting it (a failed step: 500; the engine asleep or
+    stopped: 503), naming what failed, as a stream's error event does. (Raised as an APIError, the app's handler for
+    unexpected errors does not answer it with a bare "internal error: RuntimeError" and a traceback logged twice.)"""
+    if isinstance(e, EngineSleeping):
+        return APIError(503, str(e), "server_unavailable", code="engine_sleeping", headers={"Retry-After": "5"})
+    if isinstance(e, EngineDead):
+        return APIError(503, str(e), "server_unavailable", code="engine_dead")
+    return APIError(500, str(e), "internal_error")
 
 
 def _param_of(message: str) -> Optional[str]:
@@ -3155,6 +3176,14 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
         if beam is not None and msg.startswith("beam_width"):  # the engine's name of use_beam_search's n
             raise APIError(400, "n" + msg[len("beam_width"):], param="n") from None
         raise APIError(400, msg, param=_param_of(msg)) from None
+    except APIError:
+        raise
+    except Exception as e:
+        if not (run.failed or isinstance(e, (EngineDead, EngineSleeping))):
+            raise  # a bug of ours: the app's handler answers it, the server logs its traceback
+        # the engine failed a request it accepted (a failed step; its traceback is logged there), or stopped
+        log.warning("request %s failed: %s", _loggable(fmt.id), e)
+        raise engine_failure(e) from None
     finally:
         if not handed_off:
             run.close()
@@ -3177,8 +3206,8 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
                 yield fmt.sse(chunk)
         except Exception as e:  # an engine failure mid-stream: report it in the stream
             log.warning("stream %s failed: %s", _loggable(fmt.id), e)
-            status = 400 if isinstance(e, RequestError) else 503 if isinstance(e, EngineSleeping) else 500
-            for chunk in fmt.failure(str(e), status):
+            failure = APIError(400, str(e)) if isinstance(e, RequestError) else engine_failure(e)
+            for chunk in fmt.failure(failure.message, failure.status):
                 yield fmt.sse(chunk)
         if fmt.done_marker:
             yield "data: [DONE]\n\n"

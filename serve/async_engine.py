@@ -9,9 +9,12 @@ All engine mutations happen on the engine thread; the event loop only enqueues c
 outputs. A request that fails validation raises `RequestError` from `generate` before taking memory;
 an unexpected error inside a step fails the requests that step ran (`StepFailed`; the others keep their
 place and run next, recomputed if the failure consumed the cache) and the engine keeps serving; an error in
-the engine's own bookkeeping, outside the compiled call, fails every request in flight. `shutdown()` ends the
+the engine's own bookkeeping, outside the compiled call, fails every request in flight. An engine that cannot
+recover -- DEAD_AFTER_FAILURES failed steps in a row, or as many failed idle passes (a multi-process leader whose
+followers are gone), with no success between -- is dead, as vLLM's after its engine core dies. `shutdown()` ends the
 requests in flight (their streams raise `EngineDead`, their cache is freed); later requests raise it at once, as
-they do if the engine thread ever dies (`errored`, `dead_error`, `check_health()`: vLLM's `AsyncLLM` names).
+they do once the engine is dead or if its thread ever dies (`errored`, `dead_error`, `check_health()`: vLLM's
+`AsyncLLM` names).
 Outputs a consumer has not read yet coalesce (`_Stream`), as vLLM's do.
 """
 
@@ -32,6 +35,10 @@ from serve.types import RequestError, RequestOutput, RequestOutputKind, Sampling
 log = logging.getLogger(__name__)
 
 IDLE_WAIT_S = 0.05  # the engine thread's longest wait for a command when it has nothing to step
+# failed steps (or failed idle / bookkeeping passes) in a row, with no success between, after which the engine is
+# dead: one failure ends only the requests it ran (a bad request fails alone); this many say the engine cannot
+# recover (a lost device, lost follower processes), where serving on would fail every request behind a /health 200
+DEAD_AFTER_FAILURES = 3
 
 
 class EngineDead(RuntimeError):
@@ -190,6 +197,8 @@ class AsyncEngine:
         self._stop = False
         self._dead: Optional[str] = None  # why requests are refused (shut down, or the thread died)
         self.errors = 0
+        self._failed_steps = 0  # (engine thread) failed steps since the last that ran (DEAD_AFTER_FAILURES)
+        self._failed_passes = 0  # (engine thread) failed idle / bookkeeping passes since the last that did not fail
         self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
         self._thread.start()
         engine._async_driver = weakref.ref(self)
@@ -211,12 +220,12 @@ class AsyncEngine:
     # vLLM's `AsyncLLM` names
     @property
     def is_running(self) -> bool:
-        """The engine serves requests: not shut down, and its thread did not die."""
+        """The engine serves requests: not shut down nor dead (DEAD_AFTER_FAILURES), and its thread did not die."""
         return not self._stop and self._thread.is_alive()
 
     @property
     def errored(self) -> bool:
-        """Requests fail with `dead_error` (shut down, or the engine thread died)."""
+        """Requests fail with `dead_error` (shut down, dead, or the engine thread died)."""
         return not self.is_running
 
     @property
@@ -379,6 +388,7 @@ class AsyncEngine:
                 self._drain_commands()
                 if not self.engine.has_unfinished() or getattr(self.engine, "held", False):
                     self.engine.idle()
+                    self._failed_passes = 0
                     self._wait()
                     if not self.engine.has_unfinished():
                         continue
@@ -387,8 +397,13 @@ class AsyncEngine:
                 log.exception("engine bookkeeping failed")  # the thread's end (every stream would hang)
                 self.errors += 1
                 self._fail_all(e)
+                self._failed_passes += 1
+                if self._failed_passes >= DEAD_AFTER_FAILURES:
+                    return self._give_up(f"{self._failed_passes} idle / bookkeeping passes failed in a row, the "
+                                         f"last with {type(e).__name__}: {e}")
                 self._wait()  # (one that fails on every pass, an idle task's, spun the thread flooding the log)
                 continue
+            self._failed_passes = 0
             try:
                 outs = self.engine.step()
             except StepFailed as e:  # never take the engine down: the step's requests end with the error
@@ -398,14 +413,45 @@ class AsyncEngine:
                 for rid in e.request_ids:
                     self._deliver(rid, RuntimeError(str(e)))
                 self.engine._reap()
+                if self._step_failed(e, ran=bool(e.outputs)):
+                    return
                 continue
             except Exception as e:  # bookkeeping in an unknown state: fail everything in flight, keep serving
                 log.exception("engine step failed")
                 self.errors += 1
                 self._fail_all(e)
+                if self._step_failed(e, ran=False):
+                    return
                 continue
+            self._failed_steps = 0
             for out in outs:
                 self._deliver(out.request_id, out)
+
+    def _step_failed(self, err: Exception, ran: bool) -> bool:
+        """Count a failed step (`ran`: part of it produced outputs, which is a success) -> whether the engine is
+        dead now: DEAD_AFTER_FAILURES failed in a row (`_give_up`)."""
+        self._failed_steps = 0 if ran else self._failed_steps + 1
+        if self._failed_steps < DEAD_AFTER_FAILURES:
+            return False
+        cause = getattr(err, "cause", err)  # (a StepFailed's: what the step raised)
+        self._give_up(f"{self._failed_steps} steps failed in a row, the last with {type(cause).__name__}: {cause}")
+        return True
+
+    def _give_up(self, why: str) -> None:
+        """(engine thread) The engine cannot recover: refuse requests from now on (`errored`; an HTTP server's /health
+        answers 503 naming `why`), end those in flight and every open stream with `EngineDead(why)`; the thread
+        ends (`shutdown()` still closes the engine)."""
+        log.error("the engine is dead: %s", why)
+        with self._lock:
+            self._stop = True
+            self._dead = self._dead or f"the engine is dead: {why}"
+        try:
+            for rid in list(self.engine.requests):
+                self.engine.abort(rid)
+            self.engine._reap()
+        except Exception:  # (it is failing already: the streams must end all the same)
+            log.exception("freeing the requests of a dead engine failed")
+        self._end_waiting(self._dead)
 
     def _wait(self) -> None:
         """Wait for a command, at most IDLE_WAIT_S."""

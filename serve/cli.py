@@ -1000,6 +1000,7 @@ def serve_main(args) -> int:
             time.sleep(0.02)
         if server.should_exit:
             return
+        _say(f"listening on {url} (/health answers 503 until the engine is warm)")  # bound (a port in use: exit 3)
         try:
             _say(f"loading {o['model']} ({o['dtype']}) ...")
             model = load_served_model(o, cfg)
@@ -1015,7 +1016,6 @@ def serve_main(args) -> int:
             holder["failed"] = True
             server.should_exit = True
 
-    _say(f"listening on {url} (/health answers 503 until the engine is warm)")
     warmup = threading.Thread(target=warm, name="k3jax-warmup", daemon=True)
     warmup.start()
     stopped = False  # the server ran and stopped (a port in use raises SystemExit before any loading)

@@ -525,6 +525,9 @@ class EngineConfig:
         if self.decode_buckets is not None and max(self.decode_buckets) > self.max_num_seqs:
             raise ValueError(f"decode_buckets={self.decode_buckets!r}: the largest is the requests running at once, "
                              f"at most max_num_seqs={self.max_num_seqs}")
+        if self.prefill_buckets is not None and max(self.prefill_buckets) > self.max_prefill_seqs:
+            raise ValueError(f"prefill_buckets={self.prefill_buckets!r}: the largest is the prompts prefilled in one "
+                             f"step, at most max_prefill_seqs={self.max_prefill_seqs}")
         g = self.generation_config  # (an int was taken for a file descriptor: os.path.isdir(0) reads stdin's)
         if g is not None and (not isinstance(g, str) or g not in ("auto", "vllm") and not os.path.isdir(g)):
             raise ValueError(f"generation_config={g!r}: expected 'auto', 'vllm' or a directory")
@@ -2876,7 +2879,7 @@ class Engine:
         holding cache state lost it: those are preempted (recomputed from their tokens, like any
         preemption), the prefix cache is emptied and a fresh arena takes the old one's place, so the next
         step runs as on a cold engine. -> the error to raise (its `request_ids` are the ended requests)."""
-        log.error("engine step failed: %s: %s", type(err).__name__, err)
+        log.error("engine step failed: %s: %s", type(err).__name__, err, exc_info=err)  # (its one traceback)
         self.counters["failed_steps"] += 1
         ended = sorted({self.seqs[r].request_id for r in rids if r in self.seqs})
         self._end_failed(ended)

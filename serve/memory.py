@@ -210,6 +210,16 @@ def longest_request(layout: ArenaLayout, free_units: int, num_mla_layers: int) -
     return (free_units - layout.slot_units) // num_mla_layers * layout.page_size + 1
 
 
+def cache_tokens(num_units: int, slot_units: int, page_size: int, num_mla_layers: int) -> int | None:
+    """Tokens an arena of `num_units` holds in its MLA cache (SGLang's `max_total_num_tokens`): a unit is a page of
+    one MLA layer, so a token takes a unit's share in every MLA layer; the scratch page and slot and one request's
+    KDA state slot are set aside (`longest_request`'s count, less the sampled position). None without MLA layers
+    (no token takes cache)."""
+    if not num_mla_layers:
+        return None
+    return max(0, num_units - 1 - 2 * slot_units) // num_mla_layers * page_size
+
+
 def max_concurrency(layout: ArenaLayout, tokens: int) -> float:
     """Requests of `tokens` tokens the arena holds at once (vLLM's start-up "Maximum concurrency for N tokens per
     request: X.XXx"): its free units (all but the scratch page and slot) over one request's, a state slot and the

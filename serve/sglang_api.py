@@ -41,6 +41,7 @@ from fastapi import Depends, FastAPI, Request
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 
 from serve import api, prompt_embeds
+from serve.memory import cache_tokens
 from serve.routed_experts import to_base64
 from serve.types import RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
@@ -440,6 +441,17 @@ def model_info(st: "api.ServerState") -> dict:
             "served_model_name": st.model_name}
 
 
+def max_total_num_tokens(cache: dict, num_mla_layers: int, replicas: int = 1) -> Optional[int]:
+    """The tokens the engine's arenas hold (`cache`: its `cache_config()`, units summed over `replicas` data-parallel
+    replicas, as `max_running_requests`' rows are): not units x page size -- a unit is one MLA layer's page, so that
+    counted each token once per MLA layer. None before the engine reports, or without MLA layers."""
+    if not cache.get("num_gpu_blocks"):
+        return None
+    each = cache_tokens(cache["num_gpu_blocks"] // replicas, cache.get("kda_slot_units", 0), cache["block_size"],
+                        num_mla_layers)
+    return None if each is None else each * replicas
+
+
 def server_info(st: "api.ServerState") -> dict:
     """SGLang's `/get_server_info`: the serving limits and the scheduler's state now (`internal_states`)."""
     from k3jax import __version__
@@ -450,9 +462,9 @@ def server_info(st: "api.ServerState") -> dict:
     reclaimable = stats.get("arena_free_units", 0) + stats.get("arena_cached_units", 0)  # cached pages: evictable
     return {"version": __version__, "model_path": st.model_path, "served_model_name": st.model_name,
             "context_length": st.max_model_len, "max_running_requests": st.capacity,
-            # tokens the arena holds if every unit is an MLA page (KDA state slots take units too)
             "page_size": cache.get("block_size"),
-            "max_total_num_tokens": cache.get("num_gpu_blocks", 0) * cache.get("block_size", 0) or None,
+            "max_total_num_tokens": max_total_num_tokens(cache, getattr(st.cfg, "num_mla_layers", 0),
+                                                         stats.get("data_parallel_size", 1)),
             "internal_states": [{"num_running_reqs": stats.get("num_requests_running", 0),
                                  "num_waiting_reqs": stats.get("num_requests_waiting", 0),
                                  "token_usage": round(1.0 - reclaimable / base, 4) if base else 0.0,

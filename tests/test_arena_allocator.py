@@ -58,3 +58,21 @@ def test_a_double_free_is_refused():
     with pytest.raises(AssertionError, match="double free"):
         a.free_pages(got[:1])
     assert a.free_units == a.baseline_free_units
+
+
+@pytest.mark.parametrize("preset", ["tiny-k3", "tiny-kimi-linear"])
+def test_cache_tokens_fill_the_arena_beside_one_state_slot(preset):
+    """`cache_tokens` (SGLang's max_total_num_tokens) is what the arena's free units hold: one request's state slot
+    and a page of every MLA layer per page of tokens, the longest request less its sampled position; a page more
+    does not fit."""
+    from serve.memory import cache_tokens, longest_request
+
+    cfg = k3jax.get_preset(preset)
+    layout = ArenaLayout.plan(cfg, 3000 * 16 * 40 * 4, 16, np.float32)
+    arena = Arena(layout)
+    tokens = cache_tokens(layout.num_units, layout.slot_units, layout.page_size, cfg.num_mla_layers)
+    assert tokens == longest_request(layout, arena.baseline_free_units, cfg.num_mla_layers) - 1
+    assert tokens < layout.num_units * layout.page_size  # (units x page size counted a token once per MLA layer)
+    arena.alloc_slot()
+    arena.alloc_pages(layout.pages_for(tokens))
+    assert not arena.can_fit(cfg.num_mla_layers, 0)

@@ -655,6 +655,14 @@ def test_sizes_buckets_and_switches_are_checked_naming_the_option(key, bad):
         EngineConfig(**{key: bad}).validate()
 
 
+def test_prefill_buckets_past_max_prefill_seqs_are_refused_naming_both():
+    """As decode buckets past max_num_seqs are: prefill_buckets=(4,) with max_prefill_seqs=2 prefilled 4 prompts a
+    step, silently (the scheduler takes the largest prefill bucket for its limit)."""
+    with pytest.raises(ValueError, match=r"prefill_buckets=\(4,\).*max_prefill_seqs=2"):
+        EngineConfig(max_prefill_seqs=2, prefill_buckets=(4,)).validate()
+    EngineConfig(max_prefill_seqs=4, prefill_buckets=(1, 4)).validate()
+
+
 def test_max_model_len_takes_a_numpy_integer_as_the_other_sizes():
     """A NumPy integer (what arithmetic on NumPy lengths gives) was refused as "expected an integer" since 'auto'
     came in, while max_num_seqs / page_size of the same kind are taken; it is held as a Python int (JSON-safe)."""
@@ -1255,34 +1263,40 @@ def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
         aeng.shutdown()
 
 
-def test_async_engine_waits_between_idle_tasks_that_fail_every_pass():
-    """An engine whose idle task raises on every pass (a multi-process leader pinging followers it lost): the
-    engine thread goes on serving, waiting between passes as when idle. It went round without waiting, tens of
-    thousands of passes a second, each logging its traceback."""
+class _Unreachable:
+    """The engine loop's surface: nothing in flight, every idle ping fails (a multi-process leader pinging
+    followers it lost)."""
+
+    held, tokenizer, requests, pings = False, None, {}, 0
+
+    def has_unfinished(self):
+        return False
+
+    def idle(self):
+        self.pings += 1
+        raise RuntimeError("injected: the followers are unreachable")
+
+    def abort(self, rid):
+        return False
+
+    def _reap(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_async_engine_waits_between_idle_tasks_that_fail_every_pass(monkeypatch):
+    """An engine whose idle task raises on every pass: the engine thread waits between passes as when idle
+    (until DEAD_AFTER_FAILURES of them, raised here). It went round without waiting, tens of thousands of passes a
+    second, each logging its traceback."""
     import time
 
+    from serve import async_engine
     from serve.async_engine import IDLE_WAIT_S, AsyncEngine
 
-    class Unreachable:  # the engine loop's surface: nothing in flight, every idle ping fails
-        held, tokenizer, requests, pings = False, None, {}, 0
-
-        def has_unfinished(self):
-            return False
-
-        def idle(self):
-            self.pings += 1
-            raise RuntimeError("injected: the followers are unreachable")
-
-        def abort(self, rid):
-            return False
-
-        def _reap(self):
-            pass
-
-        def close(self):
-            pass
-
-    engine = Unreachable()
+    monkeypatch.setattr(async_engine, "DEAD_AFTER_FAILURES", 1000)
+    engine = _Unreachable()
     aeng = AsyncEngine(engine)
     try:
         time.sleep(10 * IDLE_WAIT_S)
@@ -1290,6 +1304,116 @@ def test_async_engine_waits_between_idle_tasks_that_fail_every_pass():
     finally:
         aeng.shutdown()
     assert 1 <= engine.pings <= 20 and aeng.errors == engine.pings
+
+
+def test_async_engine_whose_idle_task_fails_pass_after_pass_is_dead():
+    """DEAD_AFTER_FAILURES failed idle passes in a row (a leader whose followers are gone): the engine is dead, as
+    vLLM's once its engine core dies (`errored`, `dead_error` naming why, requests refused with `EngineDead`). It
+    stayed "running" (/health 200) while it could never serve again."""
+    import asyncio
+    import time
+
+    from serve.async_engine import DEAD_AFTER_FAILURES, AsyncEngine, EngineDead
+
+    engine = _Unreachable()
+    aeng = AsyncEngine(engine)
+    try:
+        deadline = time.monotonic() + 30
+        while aeng.is_running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert aeng.errored and not aeng.alive and engine.pings == DEAD_AFTER_FAILURES
+        assert re.search(r"idle .* failed in a row.*followers are unreachable", str(aeng.dead_error))
+        with pytest.raises(EngineDead, match="followers are unreachable"):
+            asyncio.run(aeng.check_health())
+        with pytest.raises(EngineDead):
+            asyncio.run(_collect(aeng.generate([1], GREEDY, "late")))
+    finally:
+        aeng.shutdown()
+
+
+class _Scripted:
+    """The engine loop's surface: each step either fails, ending the first request (StepFailed), or finishes every
+    request, as `script` says in turn ("ok" once it runs out)."""
+
+    held, tokenizer = False, None
+
+    def __init__(self, script: list[str]):
+        self.script, self.requests = list(script), {}
+
+    def has_unfinished(self):
+        return bool(self.requests)
+
+    def idle(self):
+        pass
+
+    def add_request(self, prompt, params, rid, **kw):
+        self.requests[rid] = prompt
+
+    def step(self):
+        from serve.engine import StepFailed
+        from serve.types import CompletionOutput, RequestOutput
+
+        if (self.script.pop(0) if self.script else "ok") == "fail":
+            first = sorted(self.requests)[0]
+            del self.requests[first]
+            raise StepFailed([first], RuntimeError("injected device failure"))
+        done, self.requests = sorted(self.requests), {}
+        return [RequestOutput(r, None, [1], [CompletionOutput(0, "", [2], "length")], finished=True) for r in done]
+
+    def abort(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def _reap(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_async_engine_that_fails_step_after_step_is_dead():
+    """A failed step ends only its requests; DEAD_AFTER_FAILURES in a row with no step that ran between mark the
+    engine dead: the failing step's request gets its error, the other streams open end with `EngineDead` naming
+    why, later requests are refused with it (an HTTP server: 503, /health too). A step that ran resets the count.
+    Every request used to fail while the engine stayed "running" (/health 200)."""
+    import asyncio
+    import time
+
+    from serve.async_engine import DEAD_AFTER_FAILURES, AsyncEngine, EngineDead
+
+    assert DEAD_AFTER_FAILURES == 3
+    engine = _Scripted(["fail", "fail", "ok", "fail", "fail", "fail"])
+    aeng = AsyncEngine(engine)
+
+    async def fails(rid):
+        with pytest.raises(RuntimeError, match="injected device failure") as e:
+            await _collect(aeng.generate([1], GREEDY, rid))
+        assert not isinstance(e.value, EngineDead)
+
+    async def main():
+        await fails("a")
+        await fails("b")
+        assert (await _collect(aeng.generate([1], GREEDY, "ran")))[-1].finished  # resets the count
+        await fails("c")
+        await fails("d")
+        assert aeng.is_running
+        busy = asyncio.ensure_future(aeng.call(lambda e: time.sleep(0.2)))  # x and y queue behind it: one step
+        await asyncio.sleep(0.05)
+        x = asyncio.ensure_future(_collect(aeng.generate([1], GREEDY, "x")))
+        y = asyncio.ensure_future(_collect(aeng.generate([1], GREEDY, "y")))
+        await busy
+        with pytest.raises(RuntimeError, match="injected device failure"):
+            await asyncio.wait_for(x, 10)
+        with pytest.raises(EngineDead, match="3 steps failed in a row, the last with RuntimeError: injected device"):
+            await asyncio.wait_for(y, 10)
+        assert aeng.errored and not aeng.is_running
+        with pytest.raises(EngineDead, match="steps failed in a row"):
+            await _collect(aeng.generate([1], GREEDY, "late"))
+
+    try:
+        asyncio.run(asyncio.wait_for(main(), 60))
+    finally:
+        aeng.shutdown()
+    assert not engine.requests and aeng.errors == 5
 
 
 def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):

@@ -151,6 +151,24 @@ def test_app_before_warmup_answers_503_everywhere_but_metrics():
     assert s.status_code == 200 and "/v1/chat/completions" in s.json()["paths"]
 
 
+def test_openapi_operation_ids_are_unique_with_every_optional_route_group(tmp_path):
+    """Routes served under GET and POST (/release_memory_occupation, /resume_memory_occupation,
+    /get_weights_by_name) shared one operation id, which FastAPI warned about and OpenAPI client generators
+    refuse: each method has its own, as /ping's and /flush_cache's."""
+    import collections
+    import warnings
+
+    app = create_app(None, "m", enable_sleep_mode=True, allow_runtime_lora_updating=True,
+                     profiler_dir=str(tmp_path), enable_request_id_headers=True, allowed_origins=["*"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        schema = app.openapi()
+    ids = [op["operationId"] for ops in schema["paths"].values() for op in ops.values()]
+    assert not [k for k, n in collections.Counter(ids).items() if n > 1]
+    assert not [w for w in caught if "Operation ID" in str(w.message)]
+    assert {"get", "post"} <= set(schema["paths"]["/release_memory_occupation"])
+
+
 def test_reasoning_effort_maps_to_k3_thinking_effort():
     from types import SimpleNamespace
 
@@ -483,6 +501,28 @@ def test_vllm_logging_flags_of_a_launch_line():
     assert uvicorn_config(create_app(None, "m"), _serve_options()).access_log is True
 
 
+def test_a_dead_engine_fails_health_and_refuses_requests_naming_why():
+    """An engine marked dead (serve/async_engine.py DEAD_AFTER_FAILURES failed steps in a row; its thread ended):
+    /health answers 503 naming why, new requests 503. /health answered 200 while every request failed."""
+    from recording_engine import Recorder
+
+    from serve.async_engine import EngineDead
+
+    eng = Recorder(max_model_len=64)
+    app = create_app(eng, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.get("/health"), await c.post("/v1/completions", json={"prompt": [1], "max_tokens": 1})
+
+    health, r = asyncio.run(go())
+    assert health.status_code == r.status_code == 200
+    eng.alive, eng.errored, eng.dead_error = False, True, EngineDead("the engine is dead: 3 steps failed in a row")
+    health, r = asyncio.run(go())
+    assert health.status_code == 503 and "3 steps failed in a row" in health.json()["detail"]
+    assert r.status_code == 503 and "3 steps failed in a row" in r.json()["error"]["message"]
+
+
 def test_shutting_down_refuses_new_requests_and_fails_health():
     app = create_app(None, "m", max_model_len=64)
     assert app.state.k3.start_shutdown() == 0  # nothing in flight
@@ -552,6 +592,42 @@ def test_health_generate_runs_one_token_unless_output_is_recent(monkeypatch, eng
     assert asyncio.run(go()).status_code == 200 and len(engine.calls) == 1
     app.state.k3.start_shutdown()
     assert asyncio.run(go()).status_code == 503
+
+
+@pytest.mark.parametrize("error, status, message", [
+    (RuntimeError("engine step failed (RuntimeError: injected device failure); ended 1 request(s) it ran"), 500,
+     "engine step failed (RuntimeError: injected device failure)"),
+    (__import__("serve.async_engine").async_engine.EngineDead("the engine failed 3 steps in a row"), 503,
+     "the engine failed 3 steps in a row"),
+])
+def test_a_failed_step_answers_a_request_that_does_not_stream_naming_what_failed(caplog, error, status, message):
+    """A request the engine accepted, then failed (a failed step, the engine stopping): not the app's bare 500
+    "internal error: RuntimeError" with its traceback logged twice (the handler's, then the server's: Starlette
+    raises the error on), but what failed, as a stream's error event says it, in one log line."""
+    from recording_engine import Recorder
+
+    class Failing(Recorder):
+        async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **kw):
+            on_accept()
+            raise error
+            yield
+
+    app = create_app(Failing(max_model_len=64), "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": [1, 2], "max_tokens": 2}
+            plain = await c.post("/v1/completions", json=body)
+            async with c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+                events = [json.loads(line[6:]) for line in [x async for x in s.aiter_lines()]
+                          if line.startswith("data: {")]
+            return plain, events
+
+    with caplog.at_level("WARNING"):
+        plain, events = asyncio.run(go())
+    assert plain.status_code == status and message in plain.json()["error"]["message"], plain.text
+    assert events[-1]["status"] == status and events[-1]["error"]["message"] == plain.json()["error"]["message"]
+    assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
 
 
 def test_abort_request_takes_sglangs_empty_rid_with_abort_all():
@@ -749,6 +825,40 @@ def test_serve_rejects_bad_sizes_and_models_before_listening(tmp_path):
     check_server_flags(_serve_options("--port", "0"))
     with pytest.raises(ValueError, match="max_logprobs"):
         engine_config(_serve_options("--max-logprobs", "-1")).validate()
+
+
+def test_serve_says_listening_only_once_bound_and_a_port_in_use_exits_3():
+    """`k3jax serve` said "listening on ..." before uvicorn bound its port: on a port in use it said so, then failed.
+    It says so once bound; a port in use exits with uvicorn's start-up failure code 3, the line never said."""
+    import socket
+    import subprocess
+    import sys
+
+    def serve(port: int) -> subprocess.Popen:
+        argv = ["serve", "--model", "tiny-k3", "--host", "127.0.0.1", "--port", str(port)]
+        return subprocess.Popen([sys.executable, "-m", "k3jax.cli", *argv],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = serve(taken.getsockname()[1])
+        _, err = busy.communicate(timeout=300)
+    assert busy.returncode == 3 and "address already in use" in err and "listening on" not in err, err
+    with socket.socket() as free:
+        free.bind(("127.0.0.1", 0))
+        port = free.getsockname()[1]
+    bound = serve(port)
+    try:
+        for line in bound.stderr:  # (the line comes before the model loads)
+            if "listening on" in line or "loading" in line:
+                break
+        with socket.create_connection(("127.0.0.1", port), timeout=10):  # it listens when it says so
+            pass
+    finally:
+        bound.kill()
+        bound.communicate(timeout=60)
+    assert f"listening on http://127.0.0.1:{port}" in line, line
 
 
 def test_serve_rejects_bad_process_ids_and_offloading_sizes_before_listening():
@@ -1017,6 +1127,32 @@ def test_sglang_weight_version_and_model_info_routes():
     version, info, old = asyncio.run(go())
     assert version.status_code == 200 and version.json() == {"weight_version": "default"}
     assert info.status_code == 200 and info.json() == old.json() and info.json()["weight_version"] == "default"
+
+
+def test_sglang_server_info_max_total_num_tokens_counts_each_token_once():
+    """/get_server_info's `max_total_num_tokens` is the tokens the arena holds: a unit is one MLA layer's page, so
+    units x page size counted each token once per MLA layer (4x here); the scratch page and slot and a request's
+    KDA state slot hold no token."""
+    from recording_engine import Recorder
+
+    class Arena(Recorder):
+        replicas = 1
+
+        def stats(self):  # (data-parallel replicas' units are summed, as their running rows are)
+            return {"cache_config": {"num_gpu_blocks": 1000 * self.replicas, "block_size": 16, "kda_slot_units": 10},
+                    **({"data_parallel_size": self.replicas} if self.replicas > 1 else {})}
+
+    eng = Arena(max_model_len=64)
+    eng.engine.cfg.num_mla_layers = 4
+    app = create_app(eng, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return (await c.get("/get_server_info")).json()
+
+    assert asyncio.run(go())["max_total_num_tokens"] == (1000 - 1 - 2 * 10) // 4 * 16
+    eng.replicas = 2
+    assert asyncio.run(go())["max_total_num_tokens"] == 2 * ((1000 - 1 - 2 * 10) // 4 * 16)
 
 
 def _unread(state) -> bool:
