@@ -317,8 +317,8 @@ class EngineConfig:
     # dtype) or "bfloat16", which halves a state slot (K3: 414 -> 207 MiB per sequence, the part of a
     # short request's memory that dominates). A bf16 state is rounded wherever it is stored: after
     # every decode token and at every `min(prefill_chunk, 64)`-token boundary of a prefill (also inside
-    # a prefill row), so outputs do not depend on how rows were cut, batched or resumed from the prefix cache (a
-    # recompute after preemption rounds its decoded positions at the prefill points instead: README). Conv windows
+    # a prefill row), so outputs do not depend on how rows were cut, batched, resumed from the prefix cache or
+    # preempted (a recompute runs its decoded tokens again as decode rows: `Engine._replay_total`). Conv windows
     # and all arithmetic stay fp32.
     kda_state_dtype: str = "float32"
     # Routed MXFP4 experts: "packed" keeps them packed (the Pallas grouped matmul dequantises in the
@@ -2798,7 +2798,7 @@ class Engine:
                                        [s.spec_p for s in drafting]):
                     for s in decoding:
                         s.draft = []
-        views = [SeqView(s.rid, s.order, self._view_total(s), self._view_computed(s), s.slot is not None,
+        views = [SeqView(s.rid, s.order, self._replay_total(s), self._view_computed(s), s.slot is not None,
                          self._held_units(s), self._next_stop(s), s.priority, len(s.draft),
                          len(s.prompt_ids) + s.checker.max_tokens, s.lora.uid if s.lora is not None else 0,
                          self._decode_rows(s))
@@ -2823,6 +2823,17 @@ class Engine:
         n = len(seq.all_ids) + seq.pending
         last = seq.checker.max_tokens is not None and len(seq.output_ids) + seq.pending >= seq.checker.max_tokens
         return n - 1 if seq.pending and last else n
+
+    def _replay_total(self, seq: Sequence) -> int:
+        """`_view_total`, cut where a recompute with bf16 KDA states stops prefilling: at the prompt's end, then
+        one token past its computed positions, so the tokens it had decoded run again as decode rows (one a
+        step, their samples dropped; `_land`) and its state is rounded after each of them as when they were
+        decoded (prompt rows round at the prefill points only), which keeps the recompute bit-identical to the
+        request alone. fp32 states (exact) recompute them as prompt rows."""
+        total = self._view_total(seq)
+        if self.layout.state_dtype == "float32" or seq.internal:
+            return total
+        return min(total, max(len(seq.prompt_ids), self._view_computed(seq) + 1))
 
     @staticmethod
     def _view_computed(seq: Sequence) -> int:
@@ -2995,7 +3006,9 @@ class Engine:
         # they are all in
         scored = ((seq.prompt_lps is not None and any(x is None for x in seq.prompt_lps[1:]))
                   or (seq.hidden is not None and seq.hidden.end < len(ids) - 1))
-        hit = Hit(0, None, [], None, 0) if scored else self.prefix_cache.match(seq.hasher, len(ids))
+        # (a recompute with bf16 states resumes at most from its prompt's end: `_replay_total`)
+        reach = len(ids) if self.layout.state_dtype == "float32" else min(len(ids), len(seq.prompt_ids) + 1)
+        hit = Hit(0, None, [], None, 0) if scored else self.prefix_cache.match(seq.hasher, reach)
         if hit.pos and not self._hit_fits(seq, hit):  # (a request near the arena's size) it starts cold instead
             hit = Hit(0, None, [], None, 0)
         seq.hit_routes = None
@@ -3361,7 +3374,7 @@ class Engine:
         short of the end), decode it: a cold prefill whose rows end there decodes it too (a running request with
         one token left decodes), and a one-token prefill row rounds differently from a decode row."""
         last = [r for r in plan.prefill if r[0] in plan.admit and r[1] > 0 and r[2] == 1
-                and r[1] + 1 == len(self.seqs[r[0]].all_ids) and not self.seqs[r[0]].internal]
+                and r[1] + 1 == self._replay_total(self.seqs[r[0]]) and not self.seqs[r[0]].internal]
         if last:
             plan.prefill = [r for r in plan.prefill if r not in last]
             plan.decode += [rid for rid, _, _ in last]

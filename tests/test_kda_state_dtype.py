@@ -182,6 +182,68 @@ def test_rounding_points_do_not_depend_on_rows_batches_or_the_cache(engines):
         assert e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
 
+def _drain(engine, ids):
+    outs = {}
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    return [outs[r] for r in ids]
+
+
+def test_recompute_after_preemption_is_bit_identical(engines, monkeypatch):
+    """A preempted request recomputes its prompt as prompt rows and the tokens it had decoded as decode rows
+    (their samples dropped), so its state is rounded where the run that decoded them rounded it: retracted
+    mid-decode, preempted for memory and forked beams that found no memory all end with the tokens and the
+    logprobs (bits) of the request alone."""
+    import dataclasses
+
+    from serve.beam_search import BeamSearchParams
+    from serve.scheduler import units_for
+
+    on, off = engines[0], engines[1]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=4)
+    prompts = [toks(80 + i, 30 + 50 * i) for i in range(3)]
+    alone = [logprobs(run(off, p, params=sp)) for p in prompts]
+    ids = [on.add_request(p, sp) for p in prompts]  # (with the prefix cache: it resumes at most at the prompt end)
+    for _ in range(9):
+        on.step()
+    assert on.retract() == 3
+    on.continue_generation()
+    assert [logprobs(o) for o in _drain(on, ids)] == alone
+
+    # room for the prompts, 3 units short of their last tokens, admitted without look-ahead: decodes preempt
+    monkeypatch.setattr(off, "config", dataclasses.replace(off.config, schedule_conservativeness=0.0))
+    monkeypatch.setattr(off, "new_token_ratio", 0.0)
+    prompts = [toks(90 + i, 40 + 20 * i) for i in range(4)]
+    sp = dataclasses.replace(sp, max_tokens=40)
+    alone = [logprobs(run(off, p, params=sp)) for p in prompts]
+    room = sum(off.layout.slot_units + units_for(len(p) + 40, off.sched_cfg) for p in prompts) - 3
+    before = off.stats()["preemptions"]
+    hog = off.allocator.alloc_pages(off.allocator.free_units - room)
+    try:
+        outs = _drain(off, [off.add_request(p, sp) for p in prompts])
+    finally:
+        off.allocator.free_pages(hog)
+    assert off.stats()["preemptions"] > before
+    assert [logprobs(o) for o in outs] == alone
+
+    bp, p = BeamSearchParams(2, 10, ignore_eos=True), toks(99, 37)
+    roomy = _drain(off, [off.add_request(p, bp)])[0]
+    hog = off.allocator.alloc_pages(off.allocator.free_units - off.layout.slot_units
+                                    - off.layout.pages_for(len(p) + 10) * off.cfg.num_mla_layers - 2)
+    before = off.counters["beam_fork_recomputes"]
+    try:
+        tight = _drain(off, [off.add_request(p, bp)])[0]
+    finally:
+        off.allocator.free_pages(hog)
+    assert off.counters["beam_fork_recomputes"] > before
+    assert [(c.token_ids, c.cumulative_logprob) for c in tight.outputs] == \
+        [(c.token_ids, c.cumulative_logprob) for c in roomy.outputs]
+    for e in (on, off):
+        st = e.stats()
+        assert st["compiles_after_warmup"] == 0
+        assert st["arena_free_units"] + st["arena_cached_units"] == st["arena_baseline_free_units"]
+
+
 def test_bf16_decode_step_updates_the_arena_in_place(engines):
     """The in-place decode loop decodes and re-encodes each row's bf16 state inside the loop; the compiled
     step still never copies the arena (as tests/test_engine.py checks for fp32 states)."""
