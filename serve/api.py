@@ -979,6 +979,13 @@ class _Unread:
         text.clear()
 
 
+def constraint_failed(why) -> str:
+    """The error a request gets when its output constraint failed mid-generation (the engine's finish reason
+    "error", `why` llguidance's message): the output so far is not in the constraint's language."""
+    return (f"structured_outputs: the constraint failed during generation ({why}); it is too complex for the "
+            f"grammar engine: simplify it (fewer optional properties or alternatives, smaller repetition counts)")
+
+
 class _Run:
     """The engine requests of one API request (one per prompt), merged into one stream of
     (prompt index, RequestOutput); `close()` cancels them (aborting unfinished ones) and releases the
@@ -1089,6 +1096,9 @@ class _Run:
         if isinstance(item, BaseException):
             raise self._failed(i, item)
         self._observe(i, item)
+        failed = next((o for o in item.outputs if o.finish_reason == "error"), None)
+        if failed is not None:  # vLLM answers its finish reason "error" with an error, never a 200 "stop"
+            raise RequestError(constraint_failed(failed.stop_reason))
         return i, item
 
     async def prime(self) -> None:
@@ -2118,7 +2128,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         echo_only = body.max_tokens == 0  # OpenAI's echo without generation: the engine samples one, not shown
         if echo_only and not body.echo:
             raise APIError(400, "max_tokens: must be at least 1 (0 only with echo)", param="max_tokens")
-        texts, prompts = await _completion_inputs(st, body)
+        texts, prompts = await _completion_inputs(st, body, request)
         each = [1] * len(prompts) if echo_only else _default_max_tokens(
             st, prompts, body.max_tokens, _truncation(st, body.truncate_prompt_tokens))
         params = _sampling(st, body, _run_max_tokens(each), body.logprobs)
@@ -2151,7 +2161,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         st.check_model(body.model)
         st.admit(key, 1, 1, charge=False)  # a full rate window or queue: refused before rendering the chat
         rid, run_id = _response_id(request, body, "chatcmpl-")
-        ids, params, fmt = _chat_request(st, body, rid, run_id)
+        ids, params, fmt = await _off_loop(request, _chat_request, st, body, rid, run_id)
         return await _serve(st, request, key, [ids], params, body, fmt, arrival, "messages")
 
     @app.post("/invocations", responses=_ERRORS)
@@ -2224,11 +2234,11 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
         rid = body.request_id or f"resp_{uuid.uuid4().hex}"
         run_id = f"{rid}-{uuid.uuid4().hex[:8]}" if body.request_id else rid  # (a client's id may repeat)
         try:
-            ids, params, chat_fmt = _chat_request(st, chat, rid, run_id)
+            ids, params, chat_fmt = await _off_loop(request, _chat_request, st, chat, rid, run_id)
             if body.truncation == "auto" and not _fits(st, ids, body.max_output_tokens):
-                chat, (ids, params, chat_fmt) = _drop_turns(
-                    st, turn_starts(body, previous), chat_of, lambda c: _chat_request(st, c, rid, run_id),
-                    body.max_output_tokens)
+                chat, (ids, params, chat_fmt) = await _off_loop(
+                    request, _drop_turns, st, turn_starts(body, previous), chat_of,
+                    lambda c: _chat_request(st, c, rid, run_id), body.max_output_tokens)
             body = body.model_copy(update={"temperature": params.temperature, "top_p": params.top_p})  # as sampled
             keep = None
             if body.store is not False and st.responses.max_entries:
@@ -2549,16 +2559,17 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
             return {"is_paused": st.paused}
 
     @app.post("/tokenize", responses=_ERRORS)
-    async def tokenize(body: TokenizeRequest, key: str = Depends(authenticate), _r: None = Depends(ready)):
+    async def tokenize(body: TokenizeRequest, request: Request, key: str = Depends(authenticate),
+                       _r: None = Depends(ready)):
         st.check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise APIError(400, "give exactly one of prompt or messages", param="prompt")
         if body.prompt is not None:  # (`add_special_tokens` adds nothing: no Kimi tokenizer prepends [BOS])
-            ids = _encode(st, body.prompt, "prompt")
+            ids = await _off_loop(request, _encode, st, body.prompt, "prompt")
         else:
-            ids = _chat_ids(st, body.messages, body.add_generation_prompt, body.chat_template_kwargs,
-                            _tool_plan(body.tools),
-                            continue_final_message=body.continue_final_message)
+            ids = await _off_loop(request, lambda: _chat_ids(
+                st, body.messages, body.add_generation_prompt, body.chat_template_kwargs, _tool_plan(body.tools),
+                continue_final_message=body.continue_final_message))
         strs = [st.tokenizer.token_str(t) for t in ids] if body.return_token_strs else None
         return {"count": len(ids), "max_model_len": st.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -2643,6 +2654,23 @@ def _check_ids(st: ServerState, ids: list[int], param: str) -> None:
             raise APIError(400, f"{param}: token id {t} is outside [0, {st.vocab_size})", param=param)
 
 
+#: Request bodies at most this long (bytes) are tokenized (the chat rendered) on the event loop; a longer one on a
+#: worker thread, as vLLM tokenizes off its loop: a 1 MiB prompt took ~0.4 s, every stream stalled meanwhile.
+OFF_LOOP_BYTES = 1 << 15
+
+
+async def _off_loop(request: Request, fn, *args):
+    """`fn(*args)` (tokenizing or rendering a request's prompt): on a worker thread when the request's body is longer
+    than `OFF_LOOP_BYTES` or of unknown length, so it never stalls the other requests' streams; inline otherwise."""
+    try:
+        size = int(request.headers.get("content-length", ""))
+    except ValueError:
+        size = None
+    if size is not None and size <= OFF_LOOP_BYTES:
+        return fn(*args)
+    return await asyncio.to_thread(fn, *args)
+
+
 def _encode(st: ServerState, text: str, param: str) -> list[int]:
     if st.tokenizer is None:
         raise APIError(400, f"{param}: this model has no tokenizer; pass token ids", param=param)
@@ -2653,14 +2681,15 @@ def _encode(st: ServerState, text: str, param: str) -> list[int]:
                        param=param) from None
 
 
-async def _completion_inputs(st: ServerState, body: "CompletionRequest") -> tuple[list[str], list]:
+async def _completion_inputs(st: ServerState, body: "CompletionRequest",
+                             request: Request) -> tuple[list[str], list]:
     """The request's prompts -> (texts for the echo, engine prompts): first each of `prompt_embeds`
     ({"prompt_embeds": [L, H]}, decoded off the event loop), then each of `prompt` (token ids); with
     embeddings an empty `prompt` ("" or omitted) adds nothing (OpenAI's client needs the field)."""
     if body.prompt_embeds is None:
         if body.prompt is None:
             raise APIError(400, "prompt: required (or prompt_embeds)", param="prompt")
-        return _completion_prompts(st, body.prompt)
+        return await _off_loop(request, _completion_prompts, st, body.prompt)
     if st.embeds_dtype is None:
         raise APIError(400, "prompt_embeds: this server was started without --enable-prompt-embeds",
                        param="prompt_embeds")
@@ -2675,7 +2704,7 @@ async def _completion_inputs(st: ServerState, body: "CompletionRequest") -> tupl
         raise APIError(400, str(e), param="prompt_embeds") from None
     texts, prompts = [""] * len(vectors), [{"prompt_embeds": v} for v in vectors]
     if body.prompt not in (None, "", [], [""]):
-        more_texts, more = _completion_prompts(st, body.prompt)
+        more_texts, more = await _off_loop(request, _completion_prompts, st, body.prompt)
         texts, prompts = texts + more_texts, prompts + more
         if len(prompts) > MAX_BATCH:
             raise APIError(400, f"prompt: at most {MAX_BATCH} prompts per request with prompt_embeds, got "
@@ -3175,6 +3204,9 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
             raise APIError(400, "vllm_xargs" + msg[len("extra_args"):], param="vllm_xargs") from None
         if beam is not None and msg.startswith("beam_width"):  # the engine's name of use_beam_search's n
             raise APIError(400, "n" + msg[len("beam_width"):], param="n") from None
+        if msg.startswith("structured_outputs"):  # (a constraint that failed mid-generation: the request's field)
+            name = _constraint_param(body, _param_of(msg))
+            raise APIError(400, f"{name}:{msg.partition(':')[2]}", param=name) from None
         raise APIError(400, msg, param=_param_of(msg)) from None
     except APIError:
         raise

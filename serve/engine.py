@@ -80,9 +80,9 @@ from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_sample, bind_step
 from serve.stop_checker import StopChecker
 from serve.structured import (GrammarCompiler, Guide, allowed_tokens, banned_tokens, clear_bits, count_allowed,
-                              fill_masks, mask_words)
-from serve.types import (MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics, RequestOutput,
-                         RequestOutputKind, SamplingParams, TokenLogprobs)
+                              fill_masks, first_line, mask_words)
+from serve.types import (MAX_BAD_WORD_TOKENS, MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics,
+                         RequestOutput, RequestOutputKind, SamplingParams, TokenLogprobs)
 
 log = logging.getLogger(__name__)
 
@@ -1738,6 +1738,10 @@ class Engine:
             spaced = tuple(self.tokenizer.encode(" " + w.lstrip()))
             if spaced and plain and spaced[0] != plain[0] and len(spaced) == len(plain):
                 out.append(spaced)
+        tokens = sum(map(len, out))
+        if tokens > MAX_BAD_WORD_TOKENS:
+            raise RequestError(f"bad_words: at most {MAX_BAD_WORD_TOKENS} tokens in all (each word's leading-space "
+                               f"variant included), got {tokens}")
         return tuple(w for w in out if w)
 
     def _prompt(self, prompt) -> tuple[Optional[str], list[int], Optional[np.ndarray]]:
@@ -3702,16 +3706,18 @@ class Engine:
             seq.logprobs.append(TokenLogprobs(Logprob(tok, lp, dec(tok), rank),
                                               _alternatives(top_ids, top_lps, n, dec)))
             seq.cum_logprob += lp
-        last = False
+        last, failed = False, None
         if seq.guide is not None:
-            if not seq.guide.advance(tok):  # cannot happen with the mask applied; never silently continue
+            if not seq.guide.advance(tok):  # a limit of llguidance's hit mid-way (or a bug): never "stop"
+                failed = first_line(seq.guide.error) or f"token {tok} is outside the constraint"
                 log.error("request %s: token %d broke its structured-output constraint: %s", seq.request_id, tok,
-                          seq.guide.error)
+                          failed)
                 self.counters["structured_output_errors"] += 1
-                last = True
-            last = last or seq.guide.done
+            last = failed is not None or seq.guide.done
         r = seq.checker.append(tok, last=last)
-        if r.finished:
+        if failed is not None:  # vLLM's FINISHED_ERROR: the output is not in the language
+            self._finish(seq, "error", failed)
+        elif r.finished:
             self._finish(seq, r.finish_reason, r.stop_reason)
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:

@@ -402,7 +402,7 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
     """The route's work: the shared admission, engine run and streaming path with SGLang's shapes."""
     arrival = time.monotonic()
     st.admit(key, 1, 1, charge=False)  # a full rate window or queue: refused before tokenizing
-    prompts, batch, field = prompts_of(st, body)
+    prompts, batch, field = await api._off_loop(request, prompts_of, st, body)
     if body.model_of_each is not None and len(body.model_of_each) != len(prompts):
         raise api.APIError(400, f"lora_path: a list of {len(body.model_of_each)} adapters for {len(prompts)} "
                                 f"prompts; give one per prompt (null: the base model), or one name for all",

@@ -11,7 +11,9 @@ vLLM, which masks the logits before its sampler, a constrained request's (raw) l
 renormalised over the tokens the grammar allows. After the step the sampled token advances the request's
 matcher; when the grammar cannot continue (complete and nothing may follow), the request finishes with
 `finish_reason="stop"`. While the grammar is complete but could continue (a number, `[0-9]+`), the stop
-tokens are allowed too.
+tokens are allowed too. A constraint llguidance gives up on (its limits on Earley rows and lexer states, met lazily)
+is refused when compiled if it fails within its first tokens (`probe`), else the request ends with vLLM's
+`finish_reason="error"`.
 
 `reasoning_end` delays the constraint until the output contains that text's tokens, so a thinking
 model reasons freely and the constraint applies to its answer; `answer_prefix` lets the answer start
@@ -47,6 +49,11 @@ _CACHE_TEXT = 1 << 20
 #: grammar-constrained JSON); 20 still fits a newline and nine levels of two-space indentation.
 JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,20}"
 
+
+#: Tokens a compiled constraint is walked at compile time (`probe`): llguidance builds its lexer and Earley rows
+#: lazily, so a constraint past its limits (a schema of ~700 optional properties: "row has 2807 items; max is 2000";
+#: `a{1000000}`: "lexer too complex") compiled, then failed on the first token (output `{`, finish_reason "stop").
+PROBE_TOKENS = 4
 
 #: Levels of nested objects and arrays a JSON schema may have: llguidance parses the grammar that holds it with
 #: serde_json's limit of 128 levels, 3 of them its own (deeper, it answered "recursion limit exceeded at line 1
@@ -188,6 +195,7 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
             schema = _close_objects(schema)
         options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
                    {"whitespace_flexible": True, "whitespace_pattern": _whitespace_pattern(params.whitespace_pattern)})
+        options["coerce_one_of"] = True  # `oneOf` read as `anyOf`, as vLLM's default backend (xgrammar) reads it
         try:
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except (ValueError, TypeError) as e:
@@ -301,12 +309,17 @@ class GrammarCompiler:
             template = llg.LLMatcher(self.ll_tokenizer, grammar, log_level=0)
             if not template.is_error():
                 template.compute_bitmask()  # (its lexer states: copies start with them)
+                failed = probe(template, self.stop_ids)
+                if failed:
+                    raise RequestError(f"structured_outputs.{params.kind()}: too complex for the grammar engine "
+                                       f"({failed}); simplify it (fewer optional properties or alternatives, "
+                                       f"smaller repetition counts)")
         except RequestError:
             raise
         except Exception as e:  # llguidance's own errors on odd input: still the request's fault
             raise RequestError(f"structured_outputs.{params.kind()}: {e}") from None
         if template.is_error():
-            raise RequestError(f"structured_outputs.{params.kind()}: {template.get_error() or 'invalid'}")
+            raise RequestError(f"structured_outputs.{params.kind()}: {first_line(template.get_error()) or 'invalid'}")
         with self._lock:
             self._cache[key] = grammar, template
             while len(self._cache) > _CACHE_SIZE or sum(len(g) for g, _ in self._cache.values()) > _CACHE_TEXT:
@@ -325,6 +338,29 @@ class GrammarCompiler:
                 raise RequestError("structured_outputs.reasoning_end: must be a non-empty string")
             after = self.tokenizer.encode(params.reasoning_end, allow_special=True)
         return Guide(template.deep_copy(), tuple(int(t) for t in after))
+
+
+def first_line(error: Optional[str]) -> str:
+    """llguidance's error without the parser state it appends (lines of JSON after the message)."""
+    return (error or "").split("\n<state>", 1)[0].strip()
+
+
+def probe(template, stop_ids: Sequence[int], tokens: int = PROBE_TOKENS) -> Optional[str]:
+    """Walk a copy of `template` (a matcher, its first mask computed) a few tokens, each the lowest allowed id that
+    is not a stop token -> llguidance's error when one fails: a constraint that compiles but fails at its first
+    tokens (its limits on Earley rows and lexer states are hit lazily) is then refused, not failed mid-generation."""
+    m = template.deep_copy()
+    stops = set(stop_ids)
+    for _ in range(tokens):
+        if m.is_stopped():
+            return None
+        bits = np.unpackbits(np.frombuffer(m.compute_bitmask(), np.uint8), bitorder="little")
+        tok = next((int(t) for t in np.flatnonzero(bits) if int(t) not in stops), None)
+        if tok is None:
+            return None
+        if not m.consume_token(tok):
+            return first_line(m.get_error()) or "invalid"
+    return None
 
 
 def banned_tokens(words: Sequence[tuple[int, ...]], output: Sequence[int]) -> list[int]:

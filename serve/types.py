@@ -245,6 +245,9 @@ class SamplingParams:
             if (not isinstance(self.bad_words, (list, tuple)) or len(self.bad_words) > MAX_BAD_WORDS
                     or not all(isinstance(w, str) and w.strip() for w in self.bad_words)):
                 bad("bad_words", f"must be a list of at most {MAX_BAD_WORDS} non-blank strings")
+            chars = sum(map(len, self.bad_words))
+            if chars > MAX_BAD_WORDS_CHARS:  # (before the engine's thread tokenizes them)
+                bad("bad_words", f"at most {MAX_BAD_WORDS_CHARS} characters in all, got {chars}")
         if self.extra_args is not None and (not isinstance(self.extra_args, dict)
                                             or not all(isinstance(k, str) for k in self.extra_args)):
             bad("extra_args", "must be a mapping of string keys to values")
@@ -269,6 +272,11 @@ class SamplingParams:
 
 MAX_LOGIT_BIAS = 300  # tokens per request (OpenAI's limit)
 MAX_BAD_WORDS = 1000
+#: Characters and tokens of a request's bad words, in all: they are tokenized on the engine's thread and every word is
+#: matched against the output after every token (1,000 words of ~900 tokens took 0.3 s, then ~18 ms a step); the
+#: tokens count each word's leading-space variant too (vLLM's model runner takes 1,024 tokens of at most 128 words).
+MAX_BAD_WORDS_CHARS = 1 << 14
+MAX_BAD_WORD_TOKENS = 4096
 #: Stop strings per request: each is searched for in the new text after every token, on the engine's thread, where
 #: 50,000 of them (a 700 KB body) took 90 ms a token, every other request's steps waiting (vLLM takes OpenAI's 4).
 MAX_STOP = 128
@@ -334,8 +342,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: Optional[str] = None  # "stop" | "length" | "abort" | None while running
-    stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it
+    # "stop" | "length" | "abort" | None while running; "error" (vLLM's): its structured-output constraint failed
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | str] = None  # the stop token id or stop string that ended it (with "error": why)
     # per generated token (vLLM's shape): token id -> Logprob, the sampled token first, then the top-N
     # alternatives by rank (TokenLogprobs; `.chosen` / `.top` for convenience)
     logprobs: Optional[list[TokenLogprobs]] = None

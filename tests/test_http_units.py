@@ -271,6 +271,42 @@ def test_completion_echo_of_token_ids_shows_their_special_tokens():
         assert asyncio.run(echoed({"prompt": prompt, "truncate_prompt_tokens": 2}))[0] == text[1:] + "z", prompt
 
 
+def test_long_prompts_are_tokenized_off_the_event_loop():
+    """A long prompt's tokenizing (and chat rendering) ran on the event loop: a 1 MiB prompt stalled every stream
+    for ~0.4 s. As vLLM tokenizes off its loop, a body past 32 KiB is tokenized on a worker thread on every route
+    that takes text (a short one stays on the loop: no thread hop)."""
+    import threading
+
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+
+    class Tok(ByteTokenizer):
+        threads: list = []
+
+        def encode(self, text, *args, **kwargs):
+            self.threads.append(threading.current_thread() is threading.main_thread())  # (asyncio.run's loop)
+            return super().encode(text, *args, **kwargs)
+
+    tok = Tok(320)
+    app = create_app(Recorder(1 << 17, tok, vocab_size=320, token=97, text="z"), "m")
+    long = "word " * 20_000
+
+    async def go(path, body):
+        tok.threads.clear()
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            r = await c.post(path, json=body)
+        assert r.status_code == 200, (path, r.text)
+        return set(tok.threads)
+
+    chat = {"max_tokens": 1, "messages": [{"role": "user", "content": long}]}
+    for path, body in (("/v1/completions", {"prompt": long, "max_tokens": 1}), ("/v1/chat/completions", chat),
+                       ("/v1/responses", {"input": long, "max_output_tokens": 1}),
+                       ("/generate", {"text": long, "sampling_params": {"max_new_tokens": 1}}),
+                       ("/tokenize", {"prompt": long}), ("/tokenize", {"messages": chat["messages"]})):
+        assert asyncio.run(go(path, body)) == {False}, path  # only ever on a worker thread
+    assert asyncio.run(go("/v1/completions", {"prompt": "short", "max_tokens": 1})) == {True}
+
+
 def _beam_refusal(extra: dict) -> dict:
     """A completions beam search (width 2) with `extra` fields, which must be a 400 -> its error object."""
     from recording_engine import Recorder
@@ -1263,6 +1299,43 @@ def test_request_histograms_observe_each_of_n_samples():
     assert samples[("vllm:request_prompt_tokens_sum", None)] == 6
     assert samples[("vllm:request_generation_tokens_sum", None)] == 4
     assert samples[("vllm:request_success_total", "length")] == samples[("vllm:request_success_total", "stop")] == 1
+
+
+class _ConstraintFails(_OneToken):
+    """A stand-in AsyncEngine whose request's constraint fails after one token (the engine's finish reason "error",
+    stop_reason llguidance's message)."""
+
+    def stats(self):
+        return {}
+
+    async def generate(self, prompt, params, request_id, priority=0, on_accept=None, **extra):
+        from serve.types import CompletionOutput, RequestMetrics, RequestOutput
+
+        on_accept()
+        out = CompletionOutput(0, "{", [1], "error", "Parser Error: Current row has 2807 items; max is 2000")
+        yield RequestOutput(request_id, None, list(prompt), [out], finished=True,
+                            metrics=RequestMetrics(arrival_time=0.0))
+
+
+def test_a_constraint_that_fails_mid_generation_is_an_error_not_a_stop():
+    """vLLM ends a request whose grammar rejects a token with finish reason "error" and answers an error: the output
+    (`{`) is not in the constraint's language, so never a 200 with finish_reason "stop" (it was); streamed, the
+    error is the stream's last event; `vllm:request_success` counts it as "error"."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from recording_engine import post_then_scrape
+
+    body = {"prompt": [5, 6], "max_tokens": 4, "response_format": {"type": "json_object"}}
+    r, text = post_then_scrape(_ConstraintFails(), body)
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["param"] == "response_format", r.text  # the field the client sent
+    assert "failed during generation" in err["message"] and "2807 items" in err["message"], err
+    assert next(s.value for f in text_string_to_metric_families(text) for s in f.samples
+                if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "error") == 1
+    r, _ = post_then_scrape(_ConstraintFails(), {**body, "stream": True})
+    events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
+    assert events[-1]["error"]["message"].startswith("structured_outputs: the constraint failed"), events
+    assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", ())), events
 
 
 class _TimedSamples(_OneToken):

@@ -697,6 +697,47 @@ def test_structured_rows_survive_preemption(llm, forward_logits):
     assert done.token_ids == want and e.counters["structured_output_errors"] == 0
 
 
+class _FailsOnSecondToken:
+    """A matcher that takes one token, then fails as llguidance does past its limits (an error state)."""
+
+    def __init__(self, matcher):
+        self.m, self.taken, self.failed = matcher, 0, False
+
+    def consume_token(self, tok):
+        self.taken += 1
+        self.failed = self.failed or self.taken > 1
+        return not self.failed and self.m.consume_token(tok)
+
+    def is_error(self):
+        return self.failed
+
+    def get_error(self):
+        return "Parser Error: Current row has 2807 items; max is 2000\n<state>\n{...}"
+
+    def __getattr__(self, name):
+        return getattr(self.m, name)
+
+
+def test_a_constraint_that_fails_mid_generation_finishes_with_error(llm):
+    """A constraint llguidance gives up on mid-way (its row and lexer limits) ended the request with finish_reason
+    "stop" and an output outside the language; as vLLM's FINISHED_ERROR it is "error", stop_reason the reason."""
+    from serve.types import StructuredOutputsParams as SO
+
+    e = llm.engine
+    before = e.counters["structured_output_errors"]
+    rid = e.add_request(PROMPT[:20], SP(temperature=0, max_tokens=8, structured_outputs=SO(regex=r"[a-f]{6}")))
+    seq = e.requests[rid].seqs[0]
+    seq.guide.matcher = _FailsOnSecondToken(seq.guide.matcher)
+    done = None
+    while done is None:
+        done = next((o for o in e.step() if o.request_id == rid and o.finished), None)
+    o = done.outputs[0]
+    assert (o.finish_reason, o.stop_reason, len(o.token_ids)) == (
+        "error", "Parser Error: Current row has 2807 items; max is 2000", 2)
+    assert e.counters["structured_output_errors"] == before + 1 and not e.has_unfinished()
+    e.counters["structured_output_errors"] = before  # (the shared engine's later tests count their own: none)
+
+
 def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logits):
     """Greedy with bad words equals the full forward's argmax with vLLM's ban applied on the host: a
     one-token word never appears; a two-token word's last token is banned right after its first. A bias

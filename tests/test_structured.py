@@ -171,6 +171,33 @@ def test_an_empty_whitespace_pattern_allows_no_whitespace(compiler):
         assert (TOK.encode(" ")[0] in _allowed(row)) == spaced, pattern
 
 
+def test_constraints_past_llguidances_limits_are_refused_when_compiled(compiler):
+    """llguidance builds its Earley rows and lexer states lazily: a schema of 700 optional properties ("row has 2807
+    items; max is 2000") or `a{1000000}` ("too many expressions") compiled, then failed on the first token (output
+    `{`, finish_reason "stop"). The compile walks a few tokens: refused there, naming the field; 300 pass."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(700)}}
+    for so, field in ((SO(json=wide), "json"), (SO(regex="a{1000000}"), "regex")):
+        with pytest.raises(RequestError, match=rf"^structured_outputs\.{field}: too complex for the grammar engine"):
+            compiler.compile(so)
+    narrower = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(300)}}
+    text = TOK.decode(_walk(compiler, SO(json=narrower, disable_any_whitespace=True), np.random.default_rng(0)))
+    assert set(json.loads(text)) <= set(narrower["properties"])
+
+
+def test_one_of_with_overlapping_branches_is_read_as_any_of(compiler):
+    """`oneOf` whose branches overlap (an integer is a number too) was refused with llguidance's "Enable
+    'coerce_one_of'", an option the API does not have; vLLM's default backend (xgrammar) reads it as `anyOf`."""
+    schema = {"type": "object", "properties": {
+        "v": {"oneOf": [{"type": "integer"}, {"type": "string", "maxLength": 3}]},
+        "w": {"oneOf": [{"type": "integer"}, {"type": "number"}]}},
+        "required": ["v", "w"], "additionalProperties": False}
+    for seed in range(3):
+        v = json.loads(TOK.decode(_walk(compiler, SO(json=schema, disable_any_whitespace=True),
+                                        np.random.default_rng(seed))))
+        assert isinstance(v["v"], int) or (isinstance(v["v"], str) and len(v["v"]) <= 3), v
+        assert isinstance(v["w"], (int, float)) and not isinstance(v["w"], bool), v
+
+
 def test_sampling_params_validation():
     with pytest.raises(RequestError, match="temperature"):  # an int past float's range: an error naming it, not
         SamplingParams(temperature=10 ** 400).validate(V)  # math.isfinite's OverflowError
@@ -181,6 +208,25 @@ def test_sampling_params_validation():
     SamplingParams(structured_outputs=SO(regex="a")).validate(V)
     with pytest.raises(RequestError, match="tokenizer"):
         GrammarCompiler(None, V, STOPS).guide(SO(regex="a"))
+
+
+def test_bad_words_are_bounded_in_characters_then_tokens():
+    """1,000 bad words of ~900 tokens were taken (0.3 s tokenizing on the engine's thread, then ~18 ms a step matching
+    them): at most 16,384 characters (checked before tokenizing) and 4,096 tokens in all, 400s naming bad_words;
+    a list of 1,000 short words still passes."""
+    from types import SimpleNamespace as NS
+
+    from serve.engine import Engine
+
+    with pytest.raises(RequestError, match=r"^bad_words: at most 16384 characters in all, got 18000"):
+        SamplingParams(bad_words=["x" * 9000, "y" * 9000]).validate(V)
+    words = [f"w{i:04d}" * 2 for i in range(500)]  # 5,000 characters, one byte token each
+    SamplingParams(bad_words=words).validate(V)
+    with pytest.raises(RequestError, match=r"^bad_words: at most 4096 tokens in all .* got 5000"):
+        Engine._bad_word_ids(NS(tokenizer=TOK), words)
+    short = [f"{i:03d}" for i in range(1000)]
+    SamplingParams(bad_words=short).validate(V)
+    assert len(Engine._bad_word_ids(NS(tokenizer=TOK), short)) == 1000
 
 
 def test_grammars_are_cached(compiler):
