@@ -14,7 +14,8 @@ recover -- DEAD_AFTER_FAILURES failed steps in a row, or as many failed idle pas
 followers are gone), with no success between -- is dead, as vLLM's after its engine core dies. `shutdown()` ends the
 requests in flight (their streams raise `EngineDead`, their cache is freed); later requests raise it at once, as
 they do once the engine is dead or if its thread ever dies (`errored`, `dead_error`, `check_health()`: vLLM's
-`AsyncLLM` names).
+`AsyncLLM` names). An AsyncEngine dropped without `shutdown()` is collected: its thread frees the requests it left
+and ends (`_drive`).
 Outputs a consumer has not read yet coalesce (`_Stream`), as vLLM's do.
 """
 
@@ -178,6 +179,34 @@ def running_driver(engine) -> Optional["AsyncEngine"]:
     return driver if driver is not None and driver.is_running else None
 
 
+def _drive(ref: "weakref.ref[AsyncEngine]", engine, wake: threading.Event) -> None:
+    """The engine thread: `AsyncEngine._turn` after turn until `shutdown()`. Between turns it holds the AsyncEngine
+    only weakly, so one dropped without `shutdown()` (a notebook cell run again) is collected, as vLLM's `AsyncLLM`
+    shuts down in `__del__`: the thread then frees the requests left in the engine (no stream can read them: a
+    stream keeps its AsyncEngine alive) and ends, releasing the engine and, with it, its device memory."""
+    step_only = False
+    while True:
+        driver = ref()
+        if driver is None or driver._stop:
+            break
+        try:
+            wait, step_only = driver._turn(step_only)
+        except BaseException as e:
+            driver._died(e)
+            return
+        del driver  # (the last reference, if the AsyncEngine was dropped meanwhile: it goes here)
+        if wait:  # nothing to step: wait for a command, at most IDLE_WAIT_S
+            wake.wait(timeout=IDLE_WAIT_S)
+            wake.clear()
+    if driver is None:  # dropped (`shutdown()` frees the requests itself, after joining this thread)
+        try:
+            for rid in list(engine.requests):
+                engine.abort(rid)
+            engine._reap()
+        except Exception:
+            log.exception("could not free the requests of an AsyncEngine dropped without shutdown()")
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine):
         if running_driver(engine) is not None:
@@ -199,7 +228,10 @@ class AsyncEngine:
         self.errors = 0
         self._failed_steps = 0  # (engine thread) failed steps since the last that ran (DEAD_AFTER_FAILURES)
         self._failed_passes = 0  # (engine thread) failed idle / bookkeeping passes since the last that did not fail
-        self._thread = threading.Thread(target=self._loop, name="k3jax-engine", daemon=True)
+        # the thread holds this AsyncEngine weakly (`_drive`); its collection wakes the thread, which then ends
+        ref = weakref.ref(self, lambda _, wake=self._wake: wake.set())
+        self._thread = threading.Thread(target=_drive, args=(ref, engine, self._wake), name="k3jax-engine",
+                                        daemon=True)
         self._thread.start()
         engine._async_driver = weakref.ref(self)
 
@@ -372,75 +404,73 @@ class AsyncEngine:
             _post(loop, q.put, EngineDead(why))
 
     # ---- engine thread ------------------------------------------------------------------------
-    def _loop(self) -> None:
-        try:
-            self._serve()
-        except BaseException as e:  # (an error while handling an error): nothing steps the requests any more --
-            log.exception("engine thread died")  # end them and refuse new ones (EngineDead), never a hang
-            with self._lock:
-                self._stop = True
-                self._dead = self._dead or f"the engine thread died: {type(e).__name__}: {e}"
-            self._end_waiting(self._dead)
+    def _died(self, e: BaseException) -> None:
+        """(engine thread, an error while handling an error) Nothing steps the requests any more: end them and
+        refuse new ones (EngineDead), never a hang."""
+        log.exception("engine thread died")
+        with self._lock:
+            self._stop = True
+            self._dead = self._dead or f"the engine thread died: {type(e).__name__}: {e}"
+        self._end_waiting(self._dead)
 
-    def _serve(self) -> None:
-        while not self._stop:
-            try:
+    def _turn(self, step_only: bool) -> tuple[bool, bool]:
+        """One turn of the engine thread: the commands, then a step -> (wait for a command before the next turn,
+        the next turn only steps). It never waits itself: `_drive` does, holding this AsyncEngine only weakly."""
+        try:
+            if step_only:
+                if not self.engine.has_unfinished():
+                    return False, False
+            else:
                 self._drain_commands()
                 if not self.engine.has_unfinished() or getattr(self.engine, "held", False):
                     self.engine.idle()
                     self._failed_passes = 0
-                    self._wait()
-                    if not self.engine.has_unfinished():
-                        continue
-                    # held (`retract`): a step that runs nothing but hands out what aborts finished
-            except Exception as e:  # an abort or an idle task failed: as a failed step's bookkeeping, never
-                log.exception("engine bookkeeping failed")  # the thread's end (every stream would hang)
-                self.errors += 1
-                self._fail_all(e)
-                self._failed_passes += 1
-                if self._failed_passes >= DEAD_AFTER_FAILURES:
-                    return self._give_up(f"{self._failed_passes} idle / bookkeeping passes failed in a row, the "
-                                         f"last with {type(e).__name__}: {e}")
-                self._wait()  # (one that fails on every pass, an idle task's, spun the thread flooding the log)
-                continue
-            self._failed_passes = 0
-            try:
-                outs = self.engine.step()
-            except StepFailed as e:  # never take the engine down: the step's requests end with the error
-                self.errors += 1
-                for out in e.outputs:  # what the step's other part produced
-                    self._deliver(out.request_id, out)
-                for rid in e.request_ids:
-                    self._deliver(rid, RuntimeError(str(e)))
-                self.engine._reap()
-                if self._step_failed(e, ran=bool(e.outputs)):
-                    return
-                continue
-            except Exception as e:  # bookkeeping in an unknown state: fail everything in flight, keep serving
-                log.exception("engine step failed")
-                self.errors += 1
-                self._fail_all(e)
-                if self._step_failed(e, ran=False):
-                    return
-                continue
-            self._failed_steps = 0
-            for out in outs:
+                    # held (`retract`): then a step that runs nothing but hands out what aborts finished
+                    return True, self.engine.has_unfinished()
+        except Exception as e:  # an abort or an idle task failed: as a failed step's bookkeeping, never
+            log.exception("engine bookkeeping failed")  # the thread's end (every stream would hang)
+            self.errors += 1
+            self._fail_all(e)
+            self._failed_passes += 1
+            if self._failed_passes >= DEAD_AFTER_FAILURES:
+                self._give_up(f"{self._failed_passes} idle / bookkeeping passes failed in a row, the last with "
+                              f"{type(e).__name__}: {e}")
+            return not self._stop, False  # (one that fails on every pass, an idle task's, spun the thread)
+        self._failed_passes = 0
+        try:
+            outs = self.engine.step()
+        except StepFailed as e:  # never take the engine down: the step's requests end with the error
+            self.errors += 1
+            for out in e.outputs:  # what the step's other part produced
                 self._deliver(out.request_id, out)
+            for rid in e.request_ids:
+                self._deliver(rid, RuntimeError(str(e)))
+            self.engine._reap()
+            self._step_failed(e, ran=bool(e.outputs))
+            return False, False
+        except Exception as e:  # bookkeeping in an unknown state: fail everything in flight, keep serving
+            log.exception("engine step failed")
+            self.errors += 1
+            self._fail_all(e)
+            self._step_failed(e, ran=False)
+            return False, False
+        self._failed_steps = 0
+        for out in outs:
+            self._deliver(out.request_id, out)
+        return False, False
 
-    def _step_failed(self, err: Exception, ran: bool) -> bool:
-        """Count a failed step (`ran`: part of it produced outputs, which is a success) -> whether the engine is
-        dead now: DEAD_AFTER_FAILURES failed in a row (`_give_up`)."""
+    def _step_failed(self, err: Exception, ran: bool) -> None:
+        """Count a failed step (`ran`: part of it produced outputs, which is a success); DEAD_AFTER_FAILURES failed
+        in a row: the engine is dead (`_give_up`)."""
         self._failed_steps = 0 if ran else self._failed_steps + 1
-        if self._failed_steps < DEAD_AFTER_FAILURES:
-            return False
-        cause = getattr(err, "cause", err)  # (a StepFailed's: what the step raised)
-        self._give_up(f"{self._failed_steps} steps failed in a row, the last with {type(cause).__name__}: {cause}")
-        return True
+        if self._failed_steps >= DEAD_AFTER_FAILURES:
+            cause = getattr(err, "cause", err)  # (a StepFailed's: what the step raised)
+            self._give_up(f"{self._failed_steps} steps failed in a row, the last with {type(cause).__name__}: {cause}")
 
     def _give_up(self, why: str) -> None:
         """(engine thread) The engine cannot recover: refuse requests from now on (`errored`; an HTTP server's /health
         answers 503 naming `why`), end those in flight and every open stream with `EngineDead(why)`; the thread
-        ends (`shutdown()` still closes the engine)."""
+        ends at its next turn (`_drive` sees `_stop`; `shutdown()` still closes the engine)."""
         log.error("the engine is dead: %s", why)
         with self._lock:
             self._stop = True
@@ -452,11 +482,6 @@ class AsyncEngine:
         except Exception:  # (it is failing already: the streams must end all the same)
             log.exception("freeing the requests of a dead engine failed")
         self._end_waiting(self._dead)
-
-    def _wait(self) -> None:
-        """Wait for a command, at most IDLE_WAIT_S."""
-        self._wake.wait(timeout=IDLE_WAIT_S)
-        self._wake.clear()
 
     def _drain_commands(self) -> None:
         while True:

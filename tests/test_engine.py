@@ -1124,6 +1124,46 @@ def test_a_second_async_engine_over_an_engine_still_stepped_is_refused(model, en
     assert not engine.requests
 
 
+def test_an_async_engine_dropped_without_shutdown_is_collected(model):
+    """An `AsyncEngine` dropped without `shutdown()` (a notebook cell run again): its thread held it, polled on
+    and kept the engine and its device memory for good; now it is collected, its thread ends and the engine
+    goes too. A request left in flight is freed; a new AsyncEngine over a still-held engine serves, and an open
+    stream keeps its AsyncEngine alive while read."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+    import gc
+    import weakref
+
+    from serve.async_engine import AsyncEngine, running_driver
+
+    eng = make_engine(model)  # the module engine's layout: its compiled programs are shared
+    aeng = AsyncEngine(eng)
+    long = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    outs = asyncio.run(asyncio.wait_for(_collect(aeng.generate([5, 6, 7, 8], GREEDY, "a")), 60))
+    assert outs[-1].finished
+    asyncio.run(aeng.call(lambda e: e.add_request([5, 6, 7, 8], long, "left")))  # in flight, read by no stream
+    thread, dropped = aeng._thread, weakref.ref(aeng)
+    del aeng, outs
+    gc.collect()
+    thread.join(10)
+    assert dropped() is None and not thread.is_alive() and running_driver(eng) is None
+    s = eng.stats()
+    assert not eng.requests and s["arena_free_units"] == s["arena_baseline_free_units"]
+    again = AsyncEngine(eng)  # the engine kept: a new one steps it, a stream keeping it alive while read
+    stream, thread, engine_ref = again.generate([5, 6, 7, 8], GREEDY), again._thread, weakref.ref(eng)
+    del again, eng
+    gc.collect()
+    outs = asyncio.run(asyncio.wait_for(_collect(stream), 60))
+    assert outs[-1].finished and len(outs[-1].token_ids) == GREEDY.max_tokens
+    del stream
+    gc.collect()
+    thread.join(10)
+    gc.collect()
+    assert not thread.is_alive() and engine_ref() is None
+
+
 def test_shared_step_cache_is_bounded(model):
     """Engines over the same model and layout share a bound step, but the process-wide table is
     an LRU: a process that builds engine after engine does not keep every old one's compiled
@@ -1319,7 +1359,7 @@ def test_async_engine_whose_idle_task_fails_pass_after_pass_is_dead():
     aeng = AsyncEngine(engine)
     try:
         deadline = time.monotonic() + 30
-        while aeng.is_running and time.monotonic() < deadline:
+        while aeng.alive and time.monotonic() < deadline:  # (the thread ends once the engine is dead)
             time.sleep(0.01)
         assert aeng.errored and not aeng.alive and engine.pings == DEAD_AFTER_FAILURES
         assert re.search(r"idle .* failed in a row.*followers are unreachable", str(aeng.dead_error))
