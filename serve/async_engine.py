@@ -173,10 +173,12 @@ class EngineGroupStatus:
 
 
 def running_driver(engine) -> Optional["AsyncEngine"]:
-    """The AsyncEngine whose thread steps `engine` now (None: none, or it was shut down or its thread died)."""
+    """The AsyncEngine whose thread steps `engine` now (None: none, or its thread ended: shut down or died). One
+    shut down while its thread was still in a step (`shutdown` waits 10 s for it) counts until that step returns:
+    a second thread stepping the engine meanwhile corrupted it as well."""
     ref = getattr(engine, "_async_driver", None)
     driver = ref() if ref is not None else None
-    return driver if driver is not None and driver.is_running else None
+    return driver if driver is not None and driver.alive else None
 
 
 def _drive(ref: "weakref.ref[AsyncEngine]", engine, wake: threading.Event) -> None:
@@ -213,8 +215,8 @@ class AsyncEngine:
             # two engine threads stepping one engine corrupt it, and a stream's outputs went to the other's thread
             # (its consumer waited forever): a notebook cell building an AsyncEngine run twice did that
             raise RuntimeError("engine: another AsyncEngine's thread steps this engine; shut it down first "
-                               "(serve.async_engine.running_driver(engine).shutdown(), if it is no longer at hand) "
-                               "or keep using it")
+                               "(serve.async_engine.running_driver(engine).shutdown(), if it is no longer at hand; "
+                               "one shut down already is still in a step: wait for it) or keep using it")
         self.engine = engine
         self._commands: "queue.Queue[tuple]" = queue.Queue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, _Stream]] = {}

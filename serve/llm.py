@@ -89,6 +89,9 @@ def cache_options(engine_options: dict, kv_cache_memory_bytes: Optional[int]) ->
     fraction (as `k3jax serve` does for its flags) -> (the engine options, a note when the fraction is dropped)."""
     opts = dict(engine_options)
     if kv_cache_memory_bytes is not None:
+        if (isinstance(kv_cache_memory_bytes, bool) or not isinstance(kv_cache_memory_bytes, numbers.Integral)
+                or kv_cache_memory_bytes < 1):  # (named as given: the engine would name its cache_bytes)
+            raise ValueError(f"kv_cache_memory_bytes={kv_cache_memory_bytes!r}: expected an integer >= 1 (bytes)")
         if "cache_bytes" in opts:
             raise ValueError("kv_cache_memory_bytes and cache_bytes set the same budget: give one")
         opts["cache_bytes"] = kv_cache_memory_bytes
@@ -226,9 +229,12 @@ class LLM:
 
         if self._caller == threading.get_ident():
             raise RuntimeError("generate: called from inside a generate call of this LLM (a use_tqdm callback?)")
-        if any(running_driver(e) is not None for e in getattr(self.engine, "replicas", [self.engine])):
-            raise RuntimeError("generate: an AsyncEngine's thread steps this LLM's engine; shut it down first "
-                               "(serve.async_engine.running_driver(llm.engine).shutdown()) or generate through it")
+        replicas = getattr(self.engine, "replicas", None)
+        driven = [i for i, e in enumerate(replicas or [self.engine]) if running_driver(e) is not None]
+        if driven:  # (with data-parallel replicas the AsyncEngine steps one of them: named so, its handle is there)
+            where = "llm.engine" if replicas is None else f"llm.engine.replicas[{driven[0]}]"
+            raise RuntimeError(f"generate: an AsyncEngine's thread steps this LLM's engine; shut it down first "
+                               f"(serve.async_engine.running_driver({where}).shutdown()) or generate through it")
         with self.__dict__.setdefault("_generating", threading.Lock()):
             self._caller = threading.get_ident()
             try:

@@ -184,10 +184,18 @@ class ArenaLayout:
         """Units needed to hold `tokens` tokens of MLA cache (every MLA layer)."""
         return -(-tokens // self.page_size) * self.num_mla_layers
 
+    @property
+    def usable_units(self) -> int:
+        """Units requests may hold: all but the scratch page and the scratch slot."""
+        return self.num_units - 1 - self.slot_units
+
+    def request_units(self, tokens: int) -> int:
+        """Units one request holds with `tokens` tokens cached: its state slot and every MLA layer's pages."""
+        return self.slot_units + self.pages_for(tokens)
+
     def sequences_at(self, tokens: int) -> int:
-        """Requests of `tokens` tokens the arena holds at once (a state slot + every MLA layer's pages each;
-        the scratch page and scratch slot excluded)."""
-        return (self.num_units - 1 - self.slot_units) // (self.slot_units + self.pages_for(tokens))
+        """Requests of `tokens` cached tokens the arena holds at once (`usable_units` over `request_units`)."""
+        return self.usable_units // self.request_units(tokens)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -224,8 +232,7 @@ def max_concurrency(layout: ArenaLayout, tokens: int) -> float:
     """Requests of `tokens` tokens the arena holds at once (vLLM's start-up "Maximum concurrency for N tokens per
     request: X.XXx"): its free units (all but the scratch page and slot) over one request's, a state slot and the
     pages of every position but the last (sampled, never cached), as the start-up check counts them."""
-    need = layout.slot_units + layout.pages_for(max(0, tokens - 1))
-    return (layout.num_units - 1 - layout.slot_units) / need
+    return layout.usable_units / layout.request_units(max(0, tokens - 1))  # (`sequences_at(tokens - 1)`, unrounded)
 
 
 def arena_summary(layout: ArenaLayout, max_model_len: int, budget: str) -> str:

@@ -117,10 +117,12 @@ def _close_objects(schema: Any) -> Any:
 def rebase_refs(schema: Any, base: str) -> Any:
     """`schema` to be placed at JSON pointer `base` (`"#/items/0"`) inside another schema: its local `$ref`s
     (`"#"`, `"#/$defs/X"`) are relative to its own root, so each becomes `base` + the pointer (the maps of named
-    sub-schemas are walked, literal data is left alone, as `_close_objects` walks them)."""
+    sub-schemas are walked, literal data is left alone, as `_close_objects` walks them). A (sub-)schema with an
+    `$id` of its own is a resource whose local refs resolve against that `$id` wherever it is placed: it is left
+    as it is (rebased, its refs pointed past its own root)."""
     if isinstance(schema, list):
         return [rebase_refs(s, base) for s in schema]
-    if not isinstance(schema, dict):
+    if not isinstance(schema, dict) or _own_resource(schema):
         return schema
     out = {}
     for k, v in schema.items():
@@ -131,6 +133,12 @@ def rebase_refs(schema: Any, base: str) -> Any:
         else:
             out[k] = v if k in _DATA else rebase_refs(v, base)
     return out
+
+
+def _own_resource(schema: dict) -> bool:
+    """Whether `schema` sets a base URI of its own (an `$id` that is not a plain-name `#anchor`)."""
+    sid = schema.get("$id")
+    return isinstance(sid, str) and not sid.startswith("#")
 
 
 def grammar_text(params: StructuredOutputsParams) -> str:

@@ -1456,6 +1456,59 @@ def test_async_engine_that_fails_step_after_step_is_dead():
     assert not engine.requests and aeng.errors == 5
 
 
+def test_an_async_engine_shut_down_mid_step_still_steps_its_engine_until_the_step_returns():
+    """`shutdown` waits 10 s for the engine thread; a step still running then (a compile) goes on in that thread.
+    `running_driver` said None at once, so a new AsyncEngine (or `LLM.generate`) stepped the engine beside it: two
+    threads in one engine's step. It names the old driver until its step returns."""
+    import threading
+
+    from serve.async_engine import AsyncEngine, running_driver
+
+    class Slow:  # the engine loop's surface: one request in flight whose step takes until `release`
+        held, tokenizer, requests = False, None, {}
+
+        def __init__(self):
+            self.release, self.entered, self.inside, self.most = threading.Event(), threading.Event(), 0, 0
+
+        def has_unfinished(self):
+            return not self.release.is_set()
+
+        def step(self):
+            self.inside += 1
+            self.most = max(self.most, self.inside)
+            self.entered.set()
+            self.release.wait(60)
+            self.inside -= 1
+            return []
+
+        def idle(self):
+            pass
+
+        def abort(self, rid):
+            return False
+
+        def _reap(self):
+            pass
+
+        def close(self):
+            pass
+
+    engine = Slow()
+    first = AsyncEngine(engine)
+    assert engine.entered.wait(30)
+    first._thread.join = lambda timeout=None: threading.Thread.join(first._thread, 0.1)  # (shutdown gives up)
+    first.shutdown()
+    try:
+        assert first.alive and running_driver(engine) is first
+        with pytest.raises(RuntimeError, match="still in a step"):
+            AsyncEngine(engine)
+    finally:
+        engine.release.set()
+        threading.Thread.join(first._thread, 30)
+    assert running_driver(engine) is None and engine.most == 1
+    AsyncEngine(engine).shutdown()
+
+
 def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):
     """A `call` whose function raises a BaseException (SystemExit) raises it to its caller; the engine thread
     serves on. It used to end the thread: the call and every later request hung."""

@@ -61,6 +61,16 @@ def test_an_explicit_cache_size_wins_over_the_fraction():
         cache_options({"cache_bytes": 8 << 20}, 1 << 30)
 
 
+@pytest.mark.parametrize("bad", [0, -1, 2.5, "8G", True])
+def test_a_bad_kv_cache_memory_bytes_is_named_as_given(bad):
+    """`LLM(kv_cache_memory_bytes=0)` (or "8G", vLLM's CLI spelling) was refused as `cache_bytes=0`, an option the
+    caller never gave; the error names kv_cache_memory_bytes."""
+    from serve.llm import cache_options
+
+    with pytest.raises(ValueError, match=r"^kv_cache_memory_bytes="):
+        cache_options({}, bad)
+
+
 @pytest.mark.parametrize("bad", [0, 1.5, "0.9", True])
 def test_bad_fraction_is_named(bad):
     with pytest.raises(ValueError, match="gpu_memory_utilization="):

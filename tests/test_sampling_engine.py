@@ -647,6 +647,30 @@ def test_llm_generate_from_two_threads_runs_the_calls_one_after_another(llm):
     assert not e.requests and e.allocator.free_units + e._cached_units() == e.allocator.baseline_free_units
 
 
+def test_llm_generate_refused_beside_an_async_engine_names_the_replica_it_steps():
+    """With data-parallel replicas an AsyncEngine steps one replica: the refusal told the user to call
+    `running_driver(llm.engine).shutdown()`, which finds none there (None.shutdown(): AttributeError). It names
+    the replica whose driver it found."""
+    import weakref
+    from types import SimpleNamespace
+
+    from serve.async_engine import running_driver
+    from serve.llm import LLM
+
+    class Driver:  # (an AsyncEngine whose thread runs)
+        alive = True
+    driver = Driver()
+    replicas = [SimpleNamespace(), SimpleNamespace(_async_driver=weakref.ref(driver))]
+    llm = LLM.__new__(LLM)
+    llm.engine, llm.progress = SimpleNamespace(replicas=replicas), False
+    with pytest.raises(RuntimeError, match=r"running_driver\(llm\.engine\.replicas\[1\]\)\.shutdown\(\)"):
+        llm.generate([[5, 6, 7]], SP(max_tokens=1))
+    assert running_driver(llm.engine) is None and running_driver(llm.engine.replicas[1]) is driver
+    llm.engine = replicas[1]  # one engine: named llm.engine, as before
+    with pytest.raises(RuntimeError, match=r"running_driver\(llm\.engine\)\.shutdown\(\)"):
+        llm.generate([[5, 6, 7]], SP(max_tokens=1))
+
+
 def _raise(exc):
     raise exc
 

@@ -466,6 +466,29 @@ def test_required_calls_resolve_each_functions_own_refs():
     assert not accepts('[{"name":"tag","parameters":{"item":{"k":1}}}]')
 
 
+def test_required_calls_keep_the_refs_of_a_schema_with_its_own_id():
+    """A schema with an `$id` (its own, or a sub-schema's) is a resource: its local refs resolve against that `$id`
+    wherever it is placed. Rebased into the `required` array they pointed past its root ("Pointer
+    '/items/anyOf/0/properties/parameters/$defs/Item' does not exist", a 400), which named tool_choice and each
+    schema alone compiled."""
+    item = {"type": "object", "properties": {"k": {"type": "integer"}}, "required": ["k"],
+            "additionalProperties": False}
+    own = {"$id": "https://example.com/add.json", "$defs": {"Item": item}, "type": "object",
+           "properties": {"item": {"$ref": "#/$defs/Item"}}, "required": ["item"], "additionalProperties": False}
+    inner = {"type": "object", "properties": {"item": {**own, "$id": "https://example.com/inner.json"},
+                                              "n": {"$ref": "#/$defs/N"}},
+             "$defs": {"N": {"type": "integer"}}, "required": ["item", "n"], "additionalProperties": False}
+    gc = GrammarCompiler(TOK, 320, TOK.eos_token_ids)
+    row = np.zeros(mask_words(320), np.int32)
+    for params, text in ((own, '{"item":{"k":1}}'), (inner, '{"item":{"item":{"k":1}},"n":2}')):
+        tools = [{"type": "function", "function": {"name": "add", "parameters": params}}]
+        g = gc.guide(plan_tools(tools, "required", None).constraint())
+        for tok in TOK.encode(f'[{{"name":"add","parameters":{text}}}]'):
+            g.fill(row)
+            assert (row.view(np.uint32)[tok >> 5] >> (tok & 31)) & 1 and g.advance(tok)
+        assert g.done
+
+
 def test_history_keeps_assistant_text_parts_beside_calls():
     """An assistant message whose content is a list of text parts keeps that text beside its calls, as a string
     content does (the parts were dropped: the model saw only the calls)."""
