@@ -200,13 +200,14 @@ def _drive(ref: "weakref.ref[AsyncEngine]", engine, wake: threading.Event) -> No
         if wait:  # nothing to step: wait for a command, at most IDLE_WAIT_S
             wake.wait(timeout=IDLE_WAIT_S)
             wake.clear()
-    if driver is None:  # dropped (`shutdown()` frees the requests itself, after joining this thread)
-        try:
-            for rid in list(engine.requests):
-                engine.abort(rid)
-            engine._reap()
-        except Exception:
-            log.exception("could not free the requests of an AsyncEngine dropped without shutdown()")
+    # dropped, or shut down (`shutdown()` frees them too once it joined this thread; a step it stopped waiting for
+    # left them to this thread, and a later driver stepped them to completion for no one)
+    try:
+        for rid in list(engine.requests):
+            engine.abort(rid)
+        engine._reap()
+    except Exception:
+        log.exception("could not free the requests left in the engine by a dropped or shut down AsyncEngine")
 
 
 class AsyncEngine:

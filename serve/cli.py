@@ -1028,8 +1028,9 @@ def serve_main(args) -> int:
     finally:
         if stats_logger is not None:
             stats_logger.stop()
-        if stopped:  # stopped while the engine still loads or compiles: exit now
-            exit_during_warmup(warmup, 1 if holder.get("failed") else 0, _say)
+        if stopped and not holder.get("failed"):  # stopped while the engine still loads or compiles: exit now
+            # (a failed start-up stops the server itself and has said why: its thread is ending, no "interrupted")
+            exit_during_warmup(warmup, 0, _say)
         if "engine" in holder:
             holder["engine"].shutdown()
     return 1 if holder.get("failed") else 0

@@ -330,7 +330,9 @@ class GrammarCompiler:
             raise RequestError(f"structured_outputs.{params.kind()}: {first_line(template.get_error()) or 'invalid'}")
         with self._lock:
             self._cache[key] = grammar, template
-            while len(self._cache) > _CACHE_SIZE or sum(len(g) for g, _ in self._cache.values()) > _CACHE_TEXT:
+            # (the newest stays, even past the text cap: evicted at once, each guide of its n samples rebuilt it)
+            while len(self._cache) > 1 and (len(self._cache) > _CACHE_SIZE
+                                            or sum(len(g) for g, _ in self._cache.values()) > _CACHE_TEXT):
                 self._cache.popitem(last=False)
         return grammar, template
 

@@ -235,6 +235,16 @@ def test_grammars_are_cached(compiler):
     assert compiler.compile(SO(json={"type": "integer"}, disable_any_whitespace=True)) is not a
 
 
+def test_a_grammar_past_the_caches_text_cap_stays_cached_until_the_next(compiler, monkeypatch):
+    """The cache's text cap evicts the oldest grammars; one grammar longer than the cap alone evicted itself, so
+    each guide of an offline request's n samples built its matcher again, on the engine's thread."""
+    monkeypatch.setattr("serve.structured._CACHE_TEXT", 0)  # every grammar is past the cap
+    big = SO(json={"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(20)}})
+    assert compiler.compile(big) is compiler.compile(SO(json=big.json))
+    x = compiler.compile(SO(regex="x"))  # the next evicts it
+    assert len(compiler._cache) == 1 and compiler.compile(SO(regex="x")) is x
+
+
 def test_guide_copies_the_matcher_compile_built_instead_of_building_one(monkeypatch):
     """The HTTP server compiles a constraint on a worker thread, then the engine thread takes its guides: building
     a matcher is the expensive part (seconds for a schema of thousands of properties, which stalled every request's
