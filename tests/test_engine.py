@@ -1269,26 +1269,9 @@ def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
     from serve.engine import EngineSleeping
     from serve.types import SamplingParams
 
-    class Asleep:  # the engine loop's surface: nothing in flight, every request refused as asleep
-        held, tokenizer, requests = False, None, {}
-
-        def has_unfinished(self):
-            return False
-
-        def idle(self):
-            pass
-
+    class Asleep(_LoopSurface):  # every request refused as asleep
         def add_request(self, *args, **kwargs):
             raise EngineSleeping("add_request: the engine is asleep (weights and kv_cache released): wake_up first")
-
-        def abort(self, rid):
-            return False
-
-        def _reap(self):
-            pass
-
-        def close(self):
-            pass
 
     aeng = AsyncEngine(Asleep())
 
@@ -1303,27 +1286,39 @@ def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
         aeng.shutdown()
 
 
-class _Unreachable:
-    """The engine loop's surface: nothing in flight, every idle ping fails (a multi-process leader pinging
-    followers it lost)."""
+class _LoopSurface:
+    """The surface of an engine the AsyncEngine's thread drives, for stand-ins: nothing in flight, idle passes
+    that do nothing; `abort` frees a request the stand-in keeps in `requests`."""
 
-    held, tokenizer, requests, pings = False, None, {}, 0
+    held, tokenizer = False, None
+
+    def __init__(self):
+        self.requests = {}
 
     def has_unfinished(self):
         return False
 
     def idle(self):
-        self.pings += 1
-        raise RuntimeError("injected: the followers are unreachable")
+        pass
 
     def abort(self, rid):
-        return False
+        return self.requests.pop(rid, None) is not None
 
     def _reap(self):
         pass
 
     def close(self):
         pass
+
+
+class _Unreachable(_LoopSurface):
+    """Every idle ping fails (a multi-process leader pinging followers it lost)."""
+
+    pings = 0
+
+    def idle(self):
+        self.pings += 1
+        raise RuntimeError("injected: the followers are unreachable")
 
 
 def test_async_engine_waits_between_idle_tasks_that_fail_every_pass(monkeypatch):
@@ -1371,20 +1366,16 @@ def test_async_engine_whose_idle_task_fails_pass_after_pass_is_dead():
         aeng.shutdown()
 
 
-class _Scripted:
-    """The engine loop's surface: each step either fails, ending the first request (StepFailed), or finishes every
-    request, as `script` says in turn ("ok" once it runs out)."""
-
-    held, tokenizer = False, None
+class _Scripted(_LoopSurface):
+    """Each step either fails, ending the first request (StepFailed), or finishes every request, as `script` says
+    in turn ("ok" once it runs out)."""
 
     def __init__(self, script: list[str]):
-        self.script, self.requests = list(script), {}
+        super().__init__()
+        self.script = list(script)
 
     def has_unfinished(self):
         return bool(self.requests)
-
-    def idle(self):
-        pass
 
     def add_request(self, prompt, params, rid, **kw):
         self.requests[rid] = prompt
@@ -1399,15 +1390,6 @@ class _Scripted:
             raise StepFailed([first], RuntimeError("injected device failure"))
         done, self.requests = sorted(self.requests), {}
         return [RequestOutput(r, None, [1], [CompletionOutput(0, "", [2], "length")], finished=True) for r in done]
-
-    def abort(self, rid):
-        return self.requests.pop(rid, None) is not None
-
-    def _reap(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_async_engine_that_fails_step_after_step_is_dead():
@@ -1464,9 +1446,7 @@ def test_an_async_engine_shut_down_mid_step_still_steps_its_engine_until_the_ste
 
     from serve.async_engine import AsyncEngine, running_driver
 
-    class Slow:  # the engine loop's surface: one request in flight whose step takes until `release`
-        held, tokenizer, requests = False, None, {}
-
+    class Slow(_LoopSurface):  # one request in flight whose step takes until `release`
         def __init__(self):
             self.release, self.entered, self.inside, self.most = threading.Event(), threading.Event(), 0, 0
             self.requests = {"left": object()}  # (what the timed-out shutdown could not free)
@@ -1481,18 +1461,6 @@ def test_an_async_engine_shut_down_mid_step_still_steps_its_engine_until_the_ste
             self.release.wait(60)
             self.inside -= 1
             return []
-
-        def idle(self):
-            pass
-
-        def abort(self, rid):
-            return self.requests.pop(rid, None) is not None
-
-        def _reap(self):
-            pass
-
-        def close(self):
-            pass
 
     engine = Slow()
     first = AsyncEngine(engine)
