@@ -449,7 +449,7 @@ class AsyncEngine:
             for rid in e.request_ids:
                 self._deliver(rid, RuntimeError(str(e)))
             self.engine._reap()
-            self._step_failed(e, ran=bool(e.outputs))
+            self._step_failed(e, ran=bool(e.outputs) or e.own)
             return False, False
         except Exception as e:  # bookkeeping in an unknown state: fail everything in flight, keep serving
             log.exception("engine step failed")
@@ -463,8 +463,8 @@ class AsyncEngine:
         return False, False
 
     def _step_failed(self, err: Exception, ran: bool) -> None:
-        """Count a failed step (`ran`: part of it produced outputs, which is a success); DEAD_AFTER_FAILURES failed
-        in a row: the engine is dead (`_give_up`)."""
+        """Count a failed step (`ran`: part of it produced outputs, or only its requests' own host-side work failed,
+        `StepFailed.own`: a success); DEAD_AFTER_FAILURES failed in a row: the engine is dead (`_give_up`)."""
         self._failed_steps = 0 if ran else self._failed_steps + 1
         if self._failed_steps >= DEAD_AFTER_FAILURES:
             cause = getattr(err, "cause", err)  # (a StepFailed's: what the step raised)

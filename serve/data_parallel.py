@@ -368,7 +368,8 @@ class DataParallelEngine:
             if rid in self._where:
                 self.router.done(*self._where.pop(rid))
         if failed:
-            raise StepFailed([rid for f in failed for rid in f.request_ids], failed[0].cause, outs)
+            raise StepFailed([rid for f in failed for rid in f.request_ids], failed[0].cause, outs,
+                             own=all(f.own for f in failed))
         return outs
 
     def _all(self, fn: Callable[[Engine], object]) -> list:

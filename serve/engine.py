@@ -103,12 +103,14 @@ class StepFailed(RuntimeError):
     """A step raised. `request_ids`: the requests that part of the step ran, now ended (aborted, their memory
     freed); every other request stays queued and runs on the next step (recomputed if the failure consumed
     the cache). `outputs`: what the step's other part produced before the failure (a decode that ran before
-    a failed prefill), to be delivered like a step's return value."""
+    a failed prefill), to be delivered like a step's return value. `own`: only those requests' own host-side work
+    failed (their adapter's read, their bookkeeping) while the step ran: no sign of an engine that cannot recover
+    (`AsyncEngine` counts the other failures towards DEAD_AFTER_FAILURES)."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException, outputs: tuple = ()):
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: tuple = (), own: bool = False):
         super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); ended "
                          f"{len(request_ids)} request(s) it ran: {request_ids[:4]}")
-        self.request_ids, self.cause, self.outputs = request_ids, cause, list(outputs)
+        self.request_ids, self.cause, self.outputs, self.own = request_ids, cause, list(outputs), own
 
 
 def check_min_tokens_allowed(params: SamplingParams, eos_token_ids) -> None:
@@ -2654,7 +2656,7 @@ class Engine:
         first = self._host_failures[0][1]
         self.counters["failed_steps"] += 1
         ended = self._end_host_failures()
-        err = StepFailed(ended, first, [o for o in outs if o.request_id not in ended])
+        err = StepFailed(ended, first, [o for o in outs if o.request_id not in ended], own=True)
         raise err from first
 
     def _end_host_failures(self) -> list[str]:

@@ -304,6 +304,11 @@ def test_a_failed_replica_step_loses_no_other_replicas_outputs():
         dp.step()
     assert e.value.request_ids == ["b"] and sorted(o.request_id for o in e.value.outputs) == ["a", "c", "d"]
     assert dp.router.load == [1, 0] and list(dp._where) == ["c"]  # only c still runs
+    assert not e.value.own  # (a device failure: it counts towards an AsyncEngine's DEAD_AFTER_FAILURES)
+    r0.script, r1.script = [StepFailed(["c"], ValueError("its bookkeeping"), own=True)], [[]]
+    with pytest.raises(StepFailed, match="its bookkeeping") as e:
+        dp.step()
+    assert e.value.own  # only requests' own host-side work failed, on every failed replica
 
 
 def test_pause_aborts_on_every_replica_and_both_phases():

@@ -1479,6 +1479,42 @@ def test_an_async_engine_shut_down_mid_step_still_steps_its_engine_until_the_ste
     AsyncEngine(engine).shutdown()
 
 
+def test_requests_failing_alone_in_their_own_bookkeeping_leave_the_engine_alive(model, engine, monkeypatch):
+    """Requests that each fail alone in their own host-side work (here their token's bookkeeping; an adapter that
+    cannot be read again ends its request the same way) while the step itself ran (`StepFailed.own`) say nothing of
+    the engine: DEAD_AFTER_FAILURES of them in a row, one at a time, leave it serving. They marked it dead (every
+    later request refused, /health 503): three bad requests in a row on an idle server sufficed."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+
+    from serve.async_engine import DEAD_AFTER_FAILURES, AsyncEngine
+
+    real = engine._append
+
+    def append(seq, *args):
+        if seq.request_id.startswith("bad"):
+            raise ValueError("injected bookkeeping failure")
+        return real(seq, *args)
+
+    monkeypatch.setattr(engine, "_append", append)
+    sp = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    aeng = AsyncEngine(engine)
+
+    async def main():
+        for i in range(DEAD_AFTER_FAILURES + 1):
+            with pytest.raises(RuntimeError, match="injected bookkeeping failure"):
+                await _collect(aeng.generate([5, 6, 7, i], sp, f"bad{i}"))
+        assert aeng.is_running and not aeng.errored
+        return (await _collect(aeng.generate([5, 6, 7, 8], sp, "good")))[-1]
+
+    try:
+        last = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        aeng.shutdown()
+    assert last.finished and len(last.outputs[0].token_ids) == 3 and not engine.requests
+
+
 def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):
     """A `call` whose function raises a BaseException (SystemExit) raises it to its caller; the engine thread
     serves on. It used to end the thread: the call and every later request hung."""
