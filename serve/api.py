@@ -76,7 +76,7 @@ from serve.beam_search import BeamSearchParams
 from serve.chat import chat_ids
 from serve import prompt_embeds
 from serve.async_engine import EngineDead, merge_delta
-from serve.engine import EngineSleeping
+from serve.engine import EngineSleeping, StepFailed
 from serve.named_weights import WeightNameError
 from serve.profiler import Profiler, ProfilerError
 from serve.lora import LoRAError, LoRARequest
@@ -85,7 +85,7 @@ from serve.responses import (LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, fl
                              response_object, to_chat, turn_starts)
 from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, parse_k2_calls, plan_tools, split_k2_section
 from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
-                         StructuredOutputsParams, TokenLogprobs)
+                         StructuredOutputsParams, TokenLogprobs, loggable)
 
 log = logging.getLogger(__name__)
 
@@ -979,11 +979,21 @@ class _Unread:
         text.clear()
 
 
-def constraint_failed(why) -> str:
+def constraint_failed(why, field: str = "structured_outputs") -> str:
     """The error a request gets when its output constraint failed mid-generation (the engine's finish reason
-    "error", `why` llguidance's message): the output so far is not in the constraint's language."""
-    return (f"structured_outputs: the constraint failed during generation ({why}); it is too complex for the "
+    "error", `why` llguidance's message): the output so far is not in the constraint's language. `field`: the
+    constraint's (`constraint_field`), which the routes turn into the request's own field."""
+    return (f"{field}: the constraint failed during generation ({why}); it is too complex for the "
             f"grammar engine: simplify it (fewer optional properties or alternatives, smaller repetition counts)")
+
+
+def constraint_field(constraint: Optional[StructuredOutputsParams]) -> str:
+    """`structured_outputs.<kind>` of a request's constraint (`structured_outputs` without one): what the routes map
+    to the client's field (`_constraint_param`; SGLang's `sampling_params.json_schema`, `.regex`, `.ebnf`)."""
+    try:
+        return f"structured_outputs.{constraint.kind()}" if constraint is not None else "structured_outputs"
+    except RequestError:
+        return "structured_outputs"
 
 
 class _Run:
@@ -1098,7 +1108,8 @@ class _Run:
         self._observe(i, item)
         failed = next((o for o in item.outputs if o.finish_reason == "error"), None)
         if failed is not None:  # vLLM answers its finish reason "error" with an error, never a 200 "stop"
-            raise RequestError(constraint_failed(failed.stop_reason))
+            params = self.params_each[i] if self.params_each is not None else self.params
+            raise RequestError(constraint_failed(failed.stop_reason, constraint_field(params.structured_outputs)))
         return i, item
 
     async def prime(self) -> None:
@@ -1296,13 +1307,7 @@ def _request_line(run: _Run) -> str:
                 + (" structured" if p.structured_outputs is not None else "")
                 + (f" lora={','.join(sorted(set(run.loras) - {None}))}" if any(run.loras) else ""))
     tokens = sum(map(_prompt_len, run.prompts))
-    return f"request {_loggable(run.response_id)}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
-
-
-def _loggable(text: str) -> str:
-    """A client's text (its request id) for a log line: characters that are not printable (newlines, other
-    controls, lone surrogates) escaped, so a request id cannot end the line and forge the next one."""
-    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+    return f"request {loggable(run.response_id)}: {len(run.prompts)} prompt(s), {tokens} prompt tokens, {sampling}"
 
 
 def _read_stats(read: Callable, default):
@@ -1325,7 +1330,7 @@ def _finished_line(run: _Run) -> str:
                       for i, out in run._whole.items() for o in out.outputs}
                      | ({"error"} if run.failed else set()) | ({"rejected"} if run.refused else set())
                      | ({"abort"} if run.unfinished - run.failed - run.refused and run.tasks else set()))
-    return (f"request {_loggable(run.response_id)} finished ({', '.join(reasons) or 'rejected'}): "
+    return (f"request {loggable(run.response_id)} finished ({', '.join(reasons) or 'rejected'}): "
             f"{u['completion_tokens']} tokens, {u['prompt_tokens_details']['cached_tokens']} prompt tokens cached, "
             f"{time.monotonic() - run.arrival:.2f}s")
 
@@ -1360,9 +1365,15 @@ class _Format:
         return [self.usage_chunk(run)] if include_usage else []
 
     @staticmethod
-    def failure(message: str, status: int) -> list[dict]:
-        """The stream's last chunk when the engine failed mid-stream: an error object with its HTTP status."""
-        return [_error_body(message, _STATUS_TYPES.get(status, "internal_error")) | {"status": status}]
+    def failure(message: str, status: int, param: Optional[str] = None) -> list[dict]:
+        """The stream's last chunk when the engine failed mid-stream: an error object with its HTTP status (and
+        the request field it is about, as the 400 of a request that does not stream names it)."""
+        return [_error_body(message, _STATUS_TYPES.get(status, "internal_error"), param) | {"status": status}]
+
+    @staticmethod
+    def named(e: APIError) -> APIError:
+        """A 400 under this API's field names (the engine's and vLLM's here; SGLang's format renames them)."""
+        return e
 
     @staticmethod
     def sse(obj) -> str:
@@ -1770,9 +1781,14 @@ class _ResponsesFormat:
             self.keep(events[-1]["response"])  # response.completed / .incomplete
         return events
 
-    def failure(self, message: str, status: int) -> list[dict]:
+    def failure(self, message: str, status: int, param: Optional[str] = None) -> list[dict]:
         """OpenAI's `error` and `response.failed` events (typed, numbered in the stream's sequence)."""
-        return self.events.fail(message, "invalid_prompt" if status == 400 else "server_error")
+        return self.events.fail(message, "invalid_prompt" if status == 400 else "server_error", param)
+
+    @staticmethod
+    def named(e: APIError) -> APIError:
+        """A 400 naming a chat request's field under the Responses request's name (`response_format`: `text.format`)."""
+        return _responses_named(e)
 
     @staticmethod
     def sse(obj) -> str:
@@ -2247,11 +2263,7 @@ def create_app(async_engine=None, model_name: Union[str, Sequence[str]] = "k3jax
             fmt = _ResponsesFormat(chat_fmt, body, st.check_model(body.model) or st.model_name, keep)
             return await _serve(st, request, key, [ids], params, chat, fmt, arrival, "input")
         except APIError as e:  # the chat request's field names -> the Responses request's
-            name = _RESPONSES_NAMES.get((e.param or "").split(".")[0])
-            if e.status != 400 or name is None:
-                raise
-            why = e.message.partition(": ")[2] or e.message
-            raise APIError(400, f"{name}: {why}", param=name, code=e.code) from None
+            raise _responses_named(e) from None
 
     @app.get("/v1/responses/{response_id}", responses=_ERRORS)
     async def get_response(response_id: str, key: str = Depends(authenticate)):
@@ -2614,6 +2626,15 @@ _RESPONSES_NAMES = {"reasoning_effort": "reasoning.effort", "response_format": "
                     "logprobs": "top_logprobs"}
 
 
+def _responses_named(e: APIError) -> APIError:
+    """A 400 naming a chat request's field -> the same under the Responses request's name (others: `e`)."""
+    name = _RESPONSES_NAMES.get((e.param or "").split(".")[0])
+    if e.status != 400 or name is None:
+        return e
+    why = e.message.partition(": ")[2] or e.message
+    return APIError(400, f"{name}: {why}", param=name, code=e.code)
+
+
 def _constraint_param(body, param: Optional[str]) -> Optional[str]:
     """The request field an output constraint's error (`structured_outputs.<key>`: what `_structured` made of
     it) came from: `response_format`, a `guided_*` field, or the tools of a forced call."""
@@ -2630,10 +2651,28 @@ def _constraint_param(body, param: Optional[str]) -> Optional[str]:
     return "tools" if getattr(body, "tools", None) else param
 
 
+def _refusal(body, beam: bool, e: RequestError) -> APIError:
+    """The 400 of a request the engine refused or ended (`e`: "field: why"), naming the request's field: vllm_xargs
+    for the engine's extra_args, n for a beam search's (`beam`) beam_width, a constraint's own field (one that failed
+    mid-generation too: `_constraint_param`)."""
+    msg = str(e)
+    if msg.startswith("extra_args"):  # the engine's name of the request's vllm_xargs
+        return APIError(400, "vllm_xargs" + msg[len("extra_args"):], param="vllm_xargs")
+    if beam and msg.startswith("beam_width"):  # the engine's name of use_beam_search's n
+        return APIError(400, "n" + msg[len("beam_width"):], param="n")
+    if msg.startswith("structured_outputs"):
+        name = _constraint_param(body, _param_of(msg))
+        return APIError(400, f"{name}:{msg.partition(':')[2]}", param=name)
+    return APIError(400, msg, param=_param_of(msg))
+
+
 def engine_failure(e: Exception) -> APIError:
     """What answers a request the engine ended with `e` after accepting it (a failed step: 500; the engine asleep or
     stopped: 503), naming what failed, as a stream's error event does. (Raised as an APIError, the app's handler for
-    unexpected errors does not answer it with a bare "internal error: RuntimeError" and a traceback logged twice.)"""
+    unexpected errors does not answer it with a bare "internal error: RuntimeError" and a traceback logged twice.)
+    A `StepFailed` is named by its `summary`: its message lists the step's requests, other clients' ids among them."""
+    if isinstance(e, StepFailed):
+        return APIError(500, e.summary, "internal_error")
     if isinstance(e, EngineSleeping):
         return APIError(503, str(e), "server_unavailable", code="engine_sleeping", headers={"Retry-After": "5"})
     if isinstance(e, EngineDead):
@@ -3199,22 +3238,14 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
     except _ClientGone:
         return Response(status_code=499)
     except RequestError as e:
-        msg = str(e)
-        if msg.startswith("extra_args"):  # the engine's name of the request's vllm_xargs
-            raise APIError(400, "vllm_xargs" + msg[len("extra_args"):], param="vllm_xargs") from None
-        if beam is not None and msg.startswith("beam_width"):  # the engine's name of use_beam_search's n
-            raise APIError(400, "n" + msg[len("beam_width"):], param="n") from None
-        if msg.startswith("structured_outputs"):  # (a constraint that failed mid-generation: the request's field)
-            name = _constraint_param(body, _param_of(msg))
-            raise APIError(400, f"{name}:{msg.partition(':')[2]}", param=name) from None
-        raise APIError(400, msg, param=_param_of(msg)) from None
+        raise _refusal(body, beam is not None, e) from None
     except APIError:
         raise
     except Exception as e:
         if not (run.failed or isinstance(e, (EngineDead, EngineSleeping))):
             raise  # a bug of ours: the app's handler answers it, the server logs its traceback
         # the engine failed a request it accepted (a failed step; its traceback is logged there), or stopped
-        log.warning("request %s failed: %s", _loggable(fmt.id), e)
+        log.warning("request %s failed: %s", loggable(fmt.id), e)
         raise engine_failure(e) from None
     finally:
         if not handed_off:
@@ -3237,9 +3268,10 @@ async def _serve(st: ServerState, request: Request, key: str, prompts: list[list
             for chunk in fmt.end(run, include_usage):
                 yield fmt.sse(chunk)
         except Exception as e:  # an engine failure mid-stream: report it in the stream
-            log.warning("stream %s failed: %s", _loggable(fmt.id), e)
-            failure = APIError(400, str(e)) if isinstance(e, RequestError) else engine_failure(e)
-            for chunk in fmt.failure(failure.message, failure.status):
+            log.warning("stream %s failed: %s", loggable(fmt.id), e)
+            failure = fmt.named(_refusal(body, beam is not None, e)) if isinstance(e, RequestError) \
+                else engine_failure(e)
+            for chunk in fmt.failure(failure.message, failure.status, failure.param):
                 yield fmt.sse(chunk)
         if fmt.done_marker:
             yield "data: [DONE]\n\n"

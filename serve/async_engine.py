@@ -31,7 +31,7 @@ import weakref
 from typing import AsyncIterator, Iterable, Optional, Union
 
 from serve.engine import Engine, EngineSleeping, StepFailed
-from serve.types import RequestError, RequestOutput, RequestOutputKind, SamplingParams
+from serve.types import RequestError, RequestOutput, RequestOutputKind, SamplingParams, loggable
 
 log = logging.getLogger(__name__)
 
@@ -446,8 +446,10 @@ class AsyncEngine:
             self.errors += 1
             for out in e.outputs:  # what the step's other part produced
                 self._deliver(out.request_id, out)
+            log.warning("%s; ended %d request(s): %s", e.summary, len(e.request_ids),
+                        ", ".join(map(loggable, e.request_ids)))  # (the ids for the log only: see StepFailed)
             for rid in e.request_ids:
-                self._deliver(rid, RuntimeError(str(e)))
+                self._deliver(rid, RuntimeError(e.summary))
             self.engine._reap()
             self._step_failed(e, ran=bool(e.outputs) or e.own)
             return False, False

@@ -82,7 +82,7 @@ from serve.stop_checker import StopChecker
 from serve.structured import (GrammarCompiler, Guide, allowed_tokens, banned_tokens, clear_bits, count_allowed,
                               fill_masks, first_line, mask_words)
 from serve.types import (MAX_BAD_WORD_TOKENS, MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics,
-                         RequestOutput, RequestOutputKind, SamplingParams, TokenLogprobs)
+                         RequestOutput, RequestOutputKind, SamplingParams, TokenLogprobs, loggable)
 
 log = logging.getLogger(__name__)
 
@@ -105,11 +105,12 @@ class StepFailed(RuntimeError):
     the cache). `outputs`: what the step's other part produced before the failure (a decode that ran before
     a failed prefill), to be delivered like a step's return value. `own`: only those requests' own host-side work
     failed (their adapter's read, their bookkeeping) while the step ran: no sign of an engine that cannot recover
-    (`AsyncEngine` counts the other failures towards DEAD_AFTER_FAILURES)."""
+    (`AsyncEngine` counts the other failures towards DEAD_AFTER_FAILURES). `summary`: what failed, without the
+    ended requests' ids, for their clients (the ids may be other clients' X-Request-Id values)."""
 
     def __init__(self, request_ids: list[str], cause: BaseException, outputs: tuple = (), own: bool = False):
-        super().__init__(f"engine step failed ({type(cause).__name__}: {cause}); ended "
-                         f"{len(request_ids)} request(s) it ran: {request_ids[:4]}")
+        self.summary = f"engine step failed ({type(cause).__name__}: {cause})"
+        super().__init__(f"{self.summary}; ended {len(request_ids)} request(s) it ran: {request_ids[:4]}")
         self.request_ids, self.cause, self.outputs, self.own = request_ids, cause, list(outputs), own
 
 
@@ -2674,7 +2675,7 @@ class Engine:
                 self.counters["requests_failed"] += 1
 
     def _host_failed(self, request_id: str, err: Exception) -> None:
-        log.error("request %s failed in the engine's bookkeeping", request_id, exc_info=err)
+        log.error("request %s failed in the engine's bookkeeping", loggable(request_id), exc_info=err)
         self._host_failures.append((request_id, err))
 
     def _run_step(self) -> list[RequestOutput]:
@@ -3712,8 +3713,8 @@ class Engine:
         if seq.guide is not None:
             if not seq.guide.advance(tok):  # a limit of llguidance's hit mid-way (or a bug): never "stop"
                 failed = first_line(seq.guide.error) or f"token {tok} is outside the constraint"
-                log.error("request %s: token %d broke its structured-output constraint: %s", seq.request_id, tok,
-                          failed)
+                log.error("request %s: token %d broke its structured-output constraint: %s",
+                          loggable(seq.request_id), tok, failed)
                 self.counters["structured_output_errors"] += 1
             last = failed is not None or seq.guide.done
         r = seq.checker.append(tok, last=last)

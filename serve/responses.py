@@ -505,12 +505,12 @@ class ResponseEvents:
                       _usage({"usage": chat_usage}, reasoning_tokens), reason, self.stored)
         return ev + [self._event(_TERMINAL[status], response=r)]
 
-    def fail(self, message: str, code: str = "server_error") -> list[dict]:
-        """The engine failed mid-stream: OpenAI's `error` event, then `response.failed` with the items so far (each
-        event typed and numbered in the stream's sequence)."""
+    def fail(self, message: str, code: str = "server_error", param: Optional[str] = None) -> list[dict]:
+        """The engine failed mid-stream: OpenAI's `error` event (`param`: the request field it is about), then
+        `response.failed` with the items so far (each event typed and numbered in the stream's sequence)."""
         r = _envelope(self.rid, self.created, self.body, self.model, "failed", self.items, stored=False,
                       error={"code": code, "message": message})
-        return [self._event("error", code=code, message=message, param=None),
+        return [self._event("error", code=code, message=message, param=param),
                 self._event(_TERMINAL["failed"], response=r)]
 
 

@@ -305,10 +305,16 @@ def _error(e: RequestError) -> "api.APIError":
     return api.APIError(400, f"{name}: {why}" if why else str(e), param=name)
 
 
+def _named(e: "api.APIError") -> "api.APIError":
+    """A 400 naming an engine's (vLLM's) field -> the same naming SGLang's (others: `e`)."""
+    return _error(RequestError(e.message)) if e.status == 400 and e.param in _NAMES else e
+
+
 class GenerateFormat(api._Format):
     """SGLang's objects, whole and streamed (see the module docstring)."""
 
     budget_field = "max_new_tokens"  # (what a context error names)
+    named = staticmethod(_named)  # (a stream's error event names SGLang's fields, as a 400 does)
 
     def __init__(self, st, rid: str, run_id: str, params: SamplingParams, body: GenerateRequest, prompts: list,
                  batch: bool, arrival: float, asks: list[LogprobAsk], rids: Optional[list[str]] = None):
@@ -428,9 +434,7 @@ async def generate(st: "api.ServerState", request: Request, key: str, body: Gene
         return await api._serve(st, request, key, prompts, params, body, fmt, arrival, field,
                                 max_tokens=max_tokens, params_each=params_each)
     except api.APIError as e:  # the engine's refusals name its fields: say SGLang's
-        if e.status == 400 and e.param in _NAMES:
-            raise _error(RequestError(e.message)) from None
-        raise
+        raise _named(e) from None
 
 
 def model_info(st: "api.ServerState") -> dict:

@@ -282,6 +282,12 @@ MAX_BAD_WORD_TOKENS = 4096
 MAX_STOP = 128
 
 
+def loggable(text: str) -> str:
+    """A client's text (its request id) for a log line: characters that are not printable (newlines, other
+    controls, lone surrogates) escaped, so a request id cannot end the line and forge the next one."""
+    return text if text.isprintable() else "".join(c if c.isprintable() else ascii(c)[1:-1] for c in text)
+
+
 def finite_number(x) -> bool:
     """A real number (not a bool) that is finite; False for an int beyond float's range (on which
     `math.isfinite` raises OverflowError)."""

@@ -1260,6 +1260,17 @@ def test_async_engine_coalesces_what_a_slow_consumer_has_not_read(model, engine,
         assert [list(d.items()) for d in c.logprobs] == [list(d.items()) for d in w.logprobs]
 
 
+def test_a_request_id_cannot_forge_engine_log_lines(caplog):
+    """The engine's log lines naming a request (its bookkeeping failed) print a client's id (an X-Request-Id, SGLang's
+    rid) with its line breaks escaped, as the server's request lines do: a newline in it forged a log line."""
+    from types import SimpleNamespace
+
+    with caplog.at_level("ERROR"):
+        Engine._host_failed(SimpleNamespace(_host_failures=[]), "r\nINFO forged\u2028", ValueError("boom"))
+    line = caplog.records[-1].getMessage()
+    assert line == "request r\\nINFO forged\\u2028 failed in the engine's bookkeeping", line
+
+
 def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
     """A request reaching an engine asleep (sleep mode) raises the engine's `EngineSleeping` through the async
     engine, as through `Engine.add_request` (it came back as a RequestError, a client's bad request)."""

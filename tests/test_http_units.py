@@ -666,6 +666,83 @@ def test_a_failed_step_answers_a_request_that_does_not_stream_naming_what_failed
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
 
 
+class _FailsItsStep:
+    """A stand-in engine for a real AsyncEngine: once two requests are in, their step fails (a `StepFailed` ending
+    both, as a device failure does)."""
+
+    held, tokenizer, decode_buckets, generation_defaults = False, None, [4], {}
+
+    def __init__(self):
+        from types import SimpleNamespace as NS
+
+        self.cfg = NS(vocab_size=512, family="byte", hidden_size=4)
+        self.config = NS(max_model_len=64, max_logprobs=5, generation_config="auto")
+        self.sched_cfg, self.requests = NS(max_num_seqs=4), {}
+
+    def stats(self):
+        return {}
+
+    def add_request(self, prompt, params, request_id, **kw):
+        self.requests[request_id] = prompt
+
+    def has_unfinished(self):
+        return len(self.requests) >= 2
+
+    def step(self):
+        from serve.engine import StepFailed
+
+        ids, self.requests = sorted(self.requests), {}
+        raise StepFailed(ids, RuntimeError("injected device failure"))
+
+    def abort(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def idle(self):
+        pass
+
+    def _reap(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_a_failed_step_tells_each_client_its_own_failure_without_the_others_ids(caplog):
+    """A step that failed two clients' requests: each client gets what failed, not the step's list of ended
+    requests (it named the other client's X-Request-Id, in the 500's body and the stream's error event); the
+    server log keeps the ids."""
+    from serve.async_engine import AsyncEngine
+
+    aeng = AsyncEngine(_FailsItsStep())
+    app = create_app(aeng, "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            body = {"prompt": [1, 2], "max_tokens": 2}
+
+            async def streamed():
+                async with c.stream("POST", "/v1/completions", json={**body, "stream": True},
+                                    headers={"X-Request-Id": "bob-id"}) as s:
+                    return [json.loads(line[6:]) for line in [x async for x in s.aiter_lines()]
+                            if line.startswith("data: {")]
+            plain = c.post("/v1/completions", json=body, headers={"X-Request-Id": "alice-id"})
+            return await asyncio.wait_for(asyncio.gather(plain, streamed()), 60)
+
+    try:
+        with caplog.at_level("WARNING"):
+            plain, events = asyncio.run(go())
+    finally:
+        aeng.shutdown()
+    said = "engine step failed (RuntimeError: injected device failure)"
+    assert plain.status_code == 500 and plain.json()["error"]["message"] == said, plain.text
+    assert events[-1]["status"] == 500 and events[-1]["error"]["message"] == said, events
+    assert any("alice-id" in r.getMessage() and "bob-id" in r.getMessage() for r in caplog.records)
+    from serve.api import engine_failure
+    from serve.engine import StepFailed
+
+    assert engine_failure(StepFailed(["alice-id"], RuntimeError("injected device failure"))).message == said
+
+
 def test_abort_request_takes_sglangs_empty_rid_with_abort_all():
     """SGLang's clients send /abort_request {"rid": "", "abort_all": true} (AbortReq's default rid): every request
     of the caller is aborted (was a 400 on the empty rid); an empty rid alone names nothing (400 naming rid)."""
@@ -1334,8 +1411,31 @@ def test_a_constraint_that_fails_mid_generation_is_an_error_not_a_stop():
                 if s.name == "vllm:request_success_total" and s.labels.get("finished_reason") == "error") == 1
     r, _ = post_then_scrape(_ConstraintFails(), {**body, "stream": True})
     events = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")]
-    assert events[-1]["error"]["message"].startswith("structured_outputs: the constraint failed"), events
+    assert events[-1]["error"]["message"].startswith("response_format: the constraint failed"), events
+    assert events[-1]["error"]["param"] == "response_format", events  # (as the 400 of a request that does not stream)
     assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", ())), events
+
+
+@pytest.mark.parametrize("key, field", [("json_schema", "sampling_params.json_schema"),
+                                        ("regex", "sampling_params.regex"), ("ebnf", "sampling_params.ebnf")])
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_constraint_that_fails_mid_generation_names_sglangs_field(key, field, stream):
+    """On SGLang's /generate, a constraint failing mid-generation names the client's field, streamed or not: the 400
+    named `sampling_params` (which of json_schema, regex, ebnf?), the stream's error event the engine's
+    `structured_outputs` and no `param`."""
+    value = {"json_schema": '{"type": "object"}', "regex": "a+", "ebnf": 'root ::= "a"'}[key]
+    app = create_app(_ConstraintFails(), "m")
+
+    async def go():
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/generate", json={"input_ids": [5, 6], "stream": stream,
+                                                   "sampling_params": {"max_new_tokens": 4, key: value}})
+
+    r = asyncio.run(go())
+    err = [json.loads(line[6:]) for line in r.text.splitlines() if line.startswith("data: {")][-1] if stream \
+        else r.json()
+    assert (r.status_code, err.get("status", 400)) == ((200, 400) if stream else (400, 400)), r.text
+    assert err["error"]["param"] == field and err["error"]["message"].startswith(f"{field}: the constraint failed")
 
 
 class _TimedSamples(_OneToken):
