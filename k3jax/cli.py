@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -26,6 +27,8 @@ def _cmd_convert(args) -> int:
     from k3jax.checkpoint import copy_tokenizer_files, save_orbax
     from k3jax.config import PRESETS
 
+    if os.path.exists(args.dst) and not os.path.isdir(args.dst):  # before the weights load, not after
+        raise ValueError(f"DST {args.dst!r}: exists and is not a directory (the Orbax checkpoint is a directory)")
     model = load_model(args.src, dtype=args.dtype)
     save_orbax(args.dst, model.cfg, model.params, model.dtype)
     # the tokenizer and sampling defaults travel with the weights (without them DST served with the byte tokenizer)
@@ -46,12 +49,12 @@ def _cmd_info(args) -> int:
     if args.page_size is None:
         args.page_size = _engine_page_size()
     for flag in ("devices", "page_size", "max_num_seqs", "max_model_len", "max_prefill_seqs", "prefill_chunk",
-                 "max_lora_rank"):
+                 "max_lora_rank", "decode_context_parallel_size"):
         if getattr(args, flag) is not None and getattr(args, flag) < 1:
             raise ValueError(f"--{flag.replace('_', '-')}: expected an integer >= 1, got {getattr(args, flag)}")
     if args.max_loras < 0:
         raise ValueError(f"--max-loras: expected an integer >= 0, got {args.max_loras}")
-    if args.cache_gib is not None and not args.cache_gib > 0:
+    if args.cache_gib is not None and not (args.cache_gib > 0 and math.isfinite(args.cache_gib)):
         raise ValueError(f"--cache-gib: expected a positive size, got {args.cache_gib}")
     try:
         contexts = [int(c) for c in str(args.context).split(",") if c.strip()]
@@ -100,6 +103,7 @@ def _cmd_info(args) -> int:
         from k3jax.lora import slot_bytes, split_targets
 
         targets = tuple(args.lora_target_modules) if args.lora_target_modules else None
+        _check_lora_targets(cfg, targets)
         dense_targets = split_targets(targets)[0]
         per = slot_bytes(cfg, dtype, args.max_lora_rank, targets, args.lora_experts_shared_a)
         dense = slot_bytes(cfg, dtype, args.max_lora_rank, ("all-linear",) if dense_targets is None else
@@ -117,6 +121,18 @@ def _cmd_info(args) -> int:
                                     info.get("sharding", {}).get("mla_context_ranks", 1))
     print(json.dumps(info, indent=1))
     return 0
+
+
+def _check_lora_targets(cfg, targets) -> None:
+    """`--lora-target-modules` names this model's projections, as the engine refuses any other (info planned 0
+    bytes for an unknown name instead)."""
+    from k3jax.lora import projection_names
+
+    known = projection_names(cfg) if targets else set()
+    unknown = sorted(set(targets or ()) - known)
+    if unknown:
+        raise ValueError(f"--lora-target-modules: this model has no projection named {unknown[0]!r} "
+                         f"(it has {', '.join(sorted(known))})")
 
 
 def _engine_page_size() -> int | None:

@@ -2,6 +2,7 @@
 
 import copy
 import json
+import os
 
 import pytest
 
@@ -285,6 +286,11 @@ def test_info_reads_a_converted_checkpoint(tmp_path, capsys):
     (["--page-size", "0"], "--page-size"), (["--sharding", "tp", "--devices", "0"], "--devices"),
     (["--cache-gib", "1", "--context", "abc"], "--context"), (["--max-loras", "-2"], "--max-loras"),
     (["--cache-gib", "1e-7"], "--cache-gib 1e-07 (107 bytes per rank): the cache budget holds 0 units"),
+    (["--cache-gib", "inf"], "--cache-gib"),  # (an OverflowError traceback)
+    (["--sharding", "tp", "--devices", "4", "-dcp", "0"], "--decode-context-parallel-size"),  # (ZeroDivisionError)
+    (["--sharding", "tp", "--devices", "4", "-dcp", "-1", "--cache-gib", "1"], "--decode-context-parallel-size"),
+    # (planned 0 bytes for a name the engine refuses)
+    (["--max-loras", "1", "--lora-target-modules", "q_prj"], "--lora-target-modules: this model has no projection"),
 ])
 def test_info_rejects_bad_flags_by_name(flags, match, capsys):
     """`k3jax info` with a flag it cannot plan with: exit 2 naming the flag (was a ZeroDivisionError traceback)."""
@@ -292,3 +298,24 @@ def test_info_rejects_bad_flags_by_name(flags, match, capsys):
 
     assert main(["info", "--model", "tiny-k3", *flags]) == 2
     assert match in capsys.readouterr().err
+
+
+def test_convert_refuses_a_file_as_dst_before_loading(tmp_path, capsys):
+    """`k3jax convert SRC FILE`: exit 2 naming DST (a FileExistsError traceback after the weights had loaded)."""
+    from k3jax.cli import main
+
+    dst = tmp_path / "afile"
+    dst.write_text("x")
+    assert main(["convert", "tiny-k3", str(dst)]) == 2
+    assert "DST" in capsys.readouterr().err and dst.read_text() == "x"
+
+
+def test_python_dash_m_k3jax_runs_the_cli():
+    """`python -m k3jax` is the `k3jax` command (it was "No module named k3jax.__main__")."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    r = subprocess.run([sys.executable, "-m", "k3jax", "info", "--model", "tiny-k3", "--page-size", "0"],
+                       capture_output=True, text=True, cwd=root, env={**os.environ, "PYTHONPATH": root})
+    assert r.returncode == 2 and "--page-size" in r.stderr, r.stderr
