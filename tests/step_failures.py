@@ -38,3 +38,28 @@ def drain_through_failures(engine, max_steps: int = 100_000) -> tuple[list[StepF
         done.update({o.request_id: o for o in outs if o.finished})
     assert not engine.has_unfinished(), f"still unfinished after {max_steps} steps"
     return failures, done
+
+
+class LoopSurface:
+    """The surface of an engine the AsyncEngine's thread drives, for stand-ins: nothing in flight, idle passes
+    that do nothing; `abort` frees a request the stand-in keeps in `requests`."""
+
+    held, tokenizer = False, None
+
+    def __init__(self):
+        self.requests = {}
+
+    def has_unfinished(self):
+        return False
+
+    def idle(self):
+        pass
+
+    def abort(self, rid):
+        return self.requests.pop(rid, None) is not None
+
+    def _reap(self):
+        pass
+
+    def close(self):
+        pass

@@ -13,6 +13,7 @@ import k3jax
 from serve.engine import Engine, EngineConfig
 from serve.beam_search import BeamSearchParams
 from serve.types import RequestError, SamplingParams
+from step_failures import LoopSurface
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 
@@ -1280,7 +1281,7 @@ def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
     from serve.engine import EngineSleeping
     from serve.types import SamplingParams
 
-    class Asleep(_LoopSurface):  # every request refused as asleep
+    class Asleep(LoopSurface):  # every request refused as asleep
         def add_request(self, *args, **kwargs):
             raise EngineSleeping("add_request: the engine is asleep (weights and kv_cache released): wake_up first")
 
@@ -1297,32 +1298,7 @@ def test_async_engine_request_to_a_sleeping_engine_raises_engine_sleeping():
         aeng.shutdown()
 
 
-class _LoopSurface:
-    """The surface of an engine the AsyncEngine's thread drives, for stand-ins: nothing in flight, idle passes
-    that do nothing; `abort` frees a request the stand-in keeps in `requests`."""
-
-    held, tokenizer = False, None
-
-    def __init__(self):
-        self.requests = {}
-
-    def has_unfinished(self):
-        return False
-
-    def idle(self):
-        pass
-
-    def abort(self, rid):
-        return self.requests.pop(rid, None) is not None
-
-    def _reap(self):
-        pass
-
-    def close(self):
-        pass
-
-
-class _Unreachable(_LoopSurface):
+class _Unreachable(LoopSurface):
     """Every idle ping fails (a multi-process leader pinging followers it lost)."""
 
     pings = 0
@@ -1377,7 +1353,7 @@ def test_async_engine_whose_idle_task_fails_pass_after_pass_is_dead():
         aeng.shutdown()
 
 
-class _Scripted(_LoopSurface):
+class _Scripted(LoopSurface):
     """Each step either fails, ending the first request (StepFailed), or finishes every request, as `script` says
     in turn ("ok" once it runs out)."""
 
@@ -1457,7 +1433,7 @@ def test_an_async_engine_shut_down_mid_step_still_steps_its_engine_until_the_ste
 
     from serve.async_engine import AsyncEngine, running_driver
 
-    class Slow(_LoopSurface):  # one request in flight whose step takes until `release`
+    class Slow(LoopSurface):  # one request in flight whose step takes until `release`
         def __init__(self):
             self.release, self.entered, self.inside, self.most = threading.Event(), threading.Event(), 0, 0
             self.requests = {"left": object()}  # (what the timed-out shutdown could not free)

@@ -10,6 +10,7 @@ from serve.api import create_app
 from serve.auth import KeyStore, Limits, RateLimited, RateLimiter, load_api_keys, parse_key_file
 from serve.cli import compile_cache_path
 from serve.metrics import NAMES, ServerMetrics
+from step_failures import LoopSurface
 
 
 def test_rate_limiter_requests_per_minute_and_retry_after():
@@ -666,11 +667,11 @@ def test_a_failed_step_answers_a_request_that_does_not_stream_naming_what_failed
     assert not [r for r in caplog.records if r.exc_info], [r.getMessage() for r in caplog.records]
 
 
-class _FailsItsStep:
+class _FailsItsStep(LoopSurface):
     """A stand-in engine for a real AsyncEngine: once two requests are in, their step fails (a `StepFailed` ending
     both, as a device failure does)."""
 
-    held, tokenizer, decode_buckets, generation_defaults = False, None, [4], {}
+    decode_buckets, generation_defaults = [4], {}
 
     def __init__(self):
         from types import SimpleNamespace as NS
@@ -693,18 +694,6 @@ class _FailsItsStep:
 
         ids, self.requests = sorted(self.requests), {}
         raise StepFailed(ids, RuntimeError("injected device failure"))
-
-    def abort(self, rid):
-        return self.requests.pop(rid, None) is not None
-
-    def idle(self):
-        pass
-
-    def _reap(self):
-        pass
-
-    def close(self):
-        pass
 
 
 def test_a_failed_step_tells_each_client_its_own_failure_without_the_others_ids(caplog):
