@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,10 @@ TOL = 1e-5
 B, H, K, V = 2, 2, 16, 32
 VARIANTS = ["tpu", "gpu"]
 naive = jax.jit(ref.naive_recurrent_kda)
+# the other references jitted too: one program each, not one per primitive of an eager call (same computation; CI time)
+chunk_reference = jax.jit(ref.chunk_kda_reference, static_argnames=("scale", "output_final_state", "chunk_size",
+                                                                     "return_chunk_states", "state_dtype"))
+pool_reference = jax.jit(ref.fused_recurrent_kda_pool_reference, static_argnames="scale")
 
 
 @pytest.fixture(scope="module")
@@ -81,8 +87,8 @@ def varlen_case():
     cu = jnp.asarray(np.concatenate([[0], np.cumsum(lens)]), jnp.int32)
     x = make_inputs(131, 1, T, H, K, V, gate="kimi")
     init = make_state(132, len(lens), H, K, V)
-    expect = ref.chunk_kda_reference(*x, initial_state=init, output_final_state=True,
-                                     cu_seqlens=cu, chunk_size=16, return_chunk_states=True)
+    expect = chunk_reference(*x, initial_state=init, output_final_state=True,
+                             cu_seqlens=cu, chunk_size=16, return_chunk_states=True)
     return cu, x, init, expect
 
 
@@ -137,7 +143,7 @@ def test_pool_decode(pool_inputs, variant, case):
     slots = jnp.asarray(POOL_CASES[case], jnp.int32)
     o, new_pool = fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True,
                                                   variant=variant)
-    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*x, pool, slots)
+    o_ref, pool_ref = pool_reference(*x, pool, slots)
     assert o.shape == (5, 1, H, V)
     assert rel_err(o, o_ref) <= TOL if float(jnp.abs(o_ref).max()) > 0 else True
     touched = {s for s in POOL_CASES[case] if 0 <= s < pool.shape[0]}
@@ -158,7 +164,7 @@ def test_pool_multi_token_donated(variant):
     pool = make_state(161, S, H, K, V)
     x = make_inputs(162, 3, 3, H, K, V, gate="k3_floor")
     slots = jnp.asarray([2, 0, -1], jnp.int32)
-    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*x, pool, slots)
+    o_ref, pool_ref = pool_reference(*x, pool, slots)
     step = jax.jit(lambda p, *a: fused_recurrent_kda_pool_pallas(*a, p, slots, interpret=True,
                                                                 variant=variant)[::-1],
                    donate_argnums=0)
@@ -182,7 +188,7 @@ def test_ops_dispatch_interpret(monkeypatch, varlen_case):
     pool = make_state(171, 3, H, K, V)
     xd = [a[:, :2].reshape((2, 1) + a.shape[2:]) for a in x]
     o, p = fused_recurrent_kda_pool(*xd, pool, jnp.asarray([1, -1], jnp.int32))
-    o_r, p_r = ref.fused_recurrent_kda_pool_reference(*xd, pool, jnp.asarray([1, -1]))
+    o_r, p_r = pool_reference(*xd, pool, jnp.asarray([1, -1]))
     assert rel_err(o, o_r) <= TOL and rel_err(p, p_r) <= TOL
 
 
@@ -351,7 +357,7 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
 
     pool, x = pool_inputs
     slots = jnp.asarray(POOL_CASES[list(POOL_CASES)[0]], jnp.int32)
-    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*x, pool, slots)
+    o_ref, pool_ref = pool_reference(*x, pool, slots)
     o, new_pool = fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="gpu",
                                                   block_v=block_v, num_warps=num_warps)
     assert rel_err(o, o_ref) <= TOL and rel_err(new_pool, pool_ref) <= TOL
@@ -371,6 +377,34 @@ def test_gpu_program_shape_options(pool_inputs, block_v, num_warps):
         fused_recurrent_kda_pool_pallas(*x, pool, slots, interpret=True, variant="tpu", num_warps=2)
 
 
+# The three computations of the test below, each jitted whole and once for every gate: one program apiece, not one
+# per primitive of an eager call (CI time).
+@functools.partial(jax.jit, static_argnames="C")
+def _xla_split_prep(q, k, v, g, beta, C):
+    from pallas_kernels.kda import pallas_kda as pk
+
+    return pk._split_prep(q, k, v, g, beta, C)
+
+
+@functools.partial(jax.jit, static_argnames="C")
+def _fused_chunk_prep(q, k, v, g, beta, C):
+    """The fused kernel's per-chunk terms, chunk by chunk: [H, NB*C, D] inputs -> [H, NB, ...] terms."""
+    from pallas_kernels.kda import pallas_kda as pk
+
+    per_chunk = lambda t: t.reshape((t.shape[0], -1, C) + t.shape[2:])
+    return jax.vmap(jax.vmap(functools.partial(pk._chunk_prep, prec="highest")))(
+        *map(per_chunk, (q, k, v, g, beta)))
+
+
+@functools.partial(jax.jit, static_argnames=("C", "cols"))
+def _kernel_split_prep(q, k, v, g, beta, C, cols):
+    """The prep kernels on the caller's token-major operands (q unscaled: the kernels scale it)."""
+    from pallas_kernels.kda import pallas_kda as pk
+
+    return pk._call_gpu_prep(*(jnp.moveaxis(t, 0, 1) for t in (q / K ** -0.5, k, v, g, beta)),
+                             C=C, scale=K ** -0.5, prec="highest", interpret=True, cols=cols)
+
+
 @pytest.mark.parametrize("gate", ["k3", "kimi", "k3_floor"])
 def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     """The split / staged forms' chunk terms -- XLA's batched prep (the reference's block form: A_qk
@@ -378,8 +412,6 @@ def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     tiles on chip, the block triangular solve, the columns in one or two K-blocks; from the caller's
     token-major bf16-or-fp32 operands, q scaled inside) -- equal the fused kernel's per-chunk terms
     (full-size masked products) for every chunk and head, the gate at its floor included."""
-    import functools
-
     from pallas_kernels.kda import pallas_kda as pk
 
     Hh, C, NB = 2, 64, 2
@@ -387,12 +419,9 @@ def test_split_prep_blocks_match_the_fused_chunk_terms(gate):
     heads = lambda t: jnp.moveaxis(t[0].astype(jnp.float32), 1, 0)      # [H, NB*C, D]
     q, k, v, g = map(heads, x[:4])
     beta = heads(x[4])[..., None]
-    got = pk._split_prep(q, k, v, g, beta, C)
-    per_chunk = lambda t: t.reshape((Hh, NB, C) + t.shape[2:])
-    want = jax.vmap(jax.vmap(functools.partial(pk._chunk_prep, prec="highest")))(
-        *map(per_chunk, (q, k, v, g, beta)))
-    kernel = lambda cols: pk._call_gpu_prep(*(jnp.moveaxis(t, 0, 1) for t in (q / K ** -0.5, k, v, g, beta)),
-                                            C=C, scale=K ** -0.5, prec="highest", interpret=True, cols=cols)
+    got = _xla_split_prep(q, k, v, g, beta, C)
+    want = _fused_chunk_prep(q, k, v, g, beta, C)
+    kernel = lambda cols: _kernel_split_prep(q, k, v, g, beta, C, cols)
     assert pk.prep_col_blocks(K, V, 8) == 2 and pk.prep_col_blocks(K, V) == 1 and pk.prep_col_blocks(24, 32, 8) == 1
     for name, a, c, c2, b in zip(("W", "U", "Q", "Aqk", "Kd", "decay"), got, kernel(None), kernel(8), want):
         b = b.reshape((Hh, NB * b.shape[2]) + b.shape[3:])
@@ -412,7 +441,7 @@ def test_gpu_kernels_read_the_callers_layout(pool_inputs):
     xb = [a.astype(jnp.bfloat16) for a in x]
     slots = jnp.asarray(POOL_CASES["mixed"], jnp.int32)
     o, new_pool = fused_recurrent_kda_pool_pallas(*xb, pool, slots, interpret=True, variant="gpu")
-    o_ref, pool_ref = ref.fused_recurrent_kda_pool_reference(*xb, pool, slots)
+    o_ref, pool_ref = pool_reference(*xb, pool, slots)
     assert o.dtype == jnp.bfloat16 and rel_err(o.astype(jnp.float32), o_ref.astype(jnp.float32)) <= 1e-2
     assert rel_err(new_pool, pool_ref) <= TOL
     assert not bool(jnp.any(o[jnp.asarray(POOL_CASES["mixed"]) < 0].astype(jnp.float32)))

@@ -261,9 +261,10 @@ def test_speculative_verify_rounds_like_decoding():
     """Verify rows round the state after every position, as plain decoding stores it, so drafts accepted
     or rejected leave the plain decoder's tokens and logprobs."""
     model = k3jax.load_model("tiny-kimi-linear", dtype="float32", seed=0)
-    cfg = EngineConfig(max_model_len=128, cache_bytes=16 << 20, max_num_seqs=4, prefill_chunk=32, page_size=16,
-                       decode_buckets=(4,), prefill_buckets=(4,), context_buckets=(8,), measure_moe_time=False,
-                       kda_state_dtype="bfloat16", speculative_config={"num_speculative_tokens": 3, "adaptive": False})
+    # the `engines` fixture's bf16 engine with the prefix cache (`on`), option for option, plus the drafts: its decode
+    # and prefill programs come from the run's compilation cache, only the verify program is new (CI time)
+    cfg = config(64, 64, 6000 // 64, kda_state_dtype="bfloat16",
+                 speculative_config={"num_speculative_tokens": 3, "adaptive": False})
     engine = Engine(model, cfg, progress=False)
     rng = np.random.default_rng(12)
     prompts = [[int(x) for x in rng.integers(3, 200, size=int(rng.integers(5, 40)))] for _ in range(4)]
