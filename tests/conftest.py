@@ -1,6 +1,7 @@
 import gc
 import os
 import shutil
+import sys
 import tempfile
 import warnings
 
@@ -135,6 +136,18 @@ def pytest_collection_modifyitems(session, config, items):
 def session_tmp_dir(tmp_path_factory):
     """One temporary directory shared by the whole test session (e.g. for generated checkpoints)."""
     return tmp_path_factory.mktemp("k3jax_session")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """The HF / PEFT references (torch CPU) on one intra-op thread in each worker: their models are tiny, so more
+    threads only add overhead, and idle OpenMP workers spin against the other xdist worker and XLA's compiles
+    (a 150-token forward of a tiny Kimi-Linear took 3.6 CPU s on two threads of a busy 2-core host, 0.15 s on
+    one). Test files import torch at collection, before this runs."""
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        torch.set_num_threads(1)
+    yield
 
 
 @pytest.fixture(autouse=True, scope="module")

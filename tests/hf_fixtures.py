@@ -15,8 +15,7 @@ Public API
 make_hf_kimi_linear(out_dir, variant, seed) -> (path, hf_model)
 hf_logits(hf_model, ids) -> np.float32 [B, T, V]
 hf_greedy(hf_model, ids, n) -> np.int64 [B, n]        (model.generate, greedy, with cache)
-hf_greedy_full_forward(hf_model, ids, n) -> np.int64   (manual loop of full forwards, no cache)
-router_min_margin(hf_model, ids) -> float              (smallest k-th vs (k+1)-th selection gap)
+hf_logits_and_router_stats(hf_model, ids) -> (logits, router min margin, bias fraction)   (one forward)
 logit_top2_margin(logits) -> float
 make_prompt(variant, seed, batch, length) -> np.int64 [B, T]
 VARIANTS: dict of variant name -> spec
@@ -293,51 +292,20 @@ def hf_greedy(hf_model, ids, n: int) -> np.ndarray:
 
 
 @torch.no_grad()
-def hf_greedy_full_forward(hf_model, ids, n: int) -> np.ndarray:
-    """Greedy by a manual loop of full (cache-free, chunked-KDA) forwards (HF self-consistency check)."""
-    cur = torch.as_tensor(np.asarray(ids), dtype=torch.long)
-    outs = []
-    for _ in range(n):
-        logits = hf_model(input_ids=cur, use_cache=False).logits[:, -1]
-        nxt = logits.argmax(-1)
-        outs.append(nxt)
-        cur = torch.cat([cur, nxt[:, None]], dim=1)
-    return torch.stack(outs, 1).numpy().astype(np.int64)
-
-
-@torch.no_grad()
-def router_min_margin(hf_model, ids) -> float:
-    """Smallest gap, over all MoE layers and tokens, between the k-th and (k+1)-th largest selection score
-    (sigmoid(logit) + e_score_correction_bias). Recomputed from each router's input via forward hooks."""
+def hf_logits_and_router_stats(hf_model, ids) -> tuple[np.ndarray, float, float]:
+    """One cache-free forward of `ids` with forward hooks on every router -> (float32 logits as `hf_logits`
+    gives them, the smallest gap over all MoE layers and tokens between the k-th and (k+1)-th largest selection
+    score sigmoid(logit) + e_score_correction_bias, the fraction of (layer, token) decisions whose expert set
+    differs with vs without the correction bias)."""
     from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
 
-    gaps = []
-
-    def hook(mod, inp, _out):
-        x = inp[0].reshape(-1, mod.hidden_dim).float()
-        s = torch.sigmoid(x @ mod.weight.float().T) + mod.e_score_correction_bias.float()
-        top = torch.topk(s, mod.top_k + 1, dim=-1).values
-        gaps.append((top[:, mod.top_k - 1] - top[:, mod.top_k]).min().item())
-
-    hs = [m.register_forward_hook(hook) for m in hf_model.modules() if isinstance(m, KimiLinearTopkRouter)]
-    try:
-        hf_model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long), use_cache=False)
-    finally:
-        for h in hs:
-            h.remove()
-    return float(min(gaps))
-
-
-@torch.no_grad()
-def bias_changes_selection_fraction(hf_model, ids) -> float:
-    """Fraction of (layer, token) router decisions whose expert set differs with vs without the correction bias."""
-    from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearTopkRouter
-
-    diff, tot = [0], [0]
+    gaps, diff, tot = [], [0], [0]
 
     def hook(mod, inp, _out):
         x = inp[0].reshape(-1, mod.hidden_dim).float()
         s = torch.sigmoid(x @ mod.weight.float().T)
+        top = torch.topk(s + mod.e_score_correction_bias.float(), mod.top_k + 1, dim=-1).values
+        gaps.append((top[:, mod.top_k - 1] - top[:, mod.top_k]).min().item())
         a = torch.topk(s + mod.e_score_correction_bias, mod.top_k, -1).indices.sort(-1).values
         b = torch.topk(s, mod.top_k, -1).indices.sort(-1).values
         diff[0] += int((a != b).any(-1).sum())
@@ -345,11 +313,11 @@ def bias_changes_selection_fraction(hf_model, ids) -> float:
 
     hs = [m.register_forward_hook(hook) for m in hf_model.modules() if isinstance(m, KimiLinearTopkRouter)]
     try:
-        hf_model(input_ids=torch.as_tensor(np.asarray(ids), dtype=torch.long), use_cache=False)
+        logits = hf_logits(hf_model, ids)
     finally:
         for h in hs:
             h.remove()
-    return diff[0] / max(tot[0], 1)
+    return logits, float(min(gaps)), diff[0] / max(tot[0], 1)
 
 
 def logit_top2_margin(logits) -> float:

@@ -206,19 +206,24 @@ def test_update_weights_and_sleep_keep_the_stacked_form(engine, reference, unrol
     assert engine.compiles_after_warmup == 0 and _arena_back(engine)
 
 
-@pytest.mark.parametrize("options", [dict(kda_state_dtype="bfloat16", kda_decode="gathered", mla_decode="paged"),
-                                     dict(kv_cache_dtype="fp8", host_cache_bytes=8 << 20, cache_bytes=2 << 20)],
-                         ids=["bf16-states-paged", "fp8-latents-host-tier"])
-def test_scan_with_the_arena_codecs_matches_the_unrolled_engine(options):
-    """The arena's other storage forms under the scan: KDA states kept in bf16 (the batched op rounds per
-    chunk, per rank), fp8 latents with a small arena whose evicted prefixes go to the host tier and come
-    back. Scanned and unrolled engines give the same tokens, also for resumed prompts."""
+def test_scan_with_the_arena_codecs_matches_the_unrolled_engine(unrolled):
+    """The arena's other storage forms under the scan, in one engine form: KDA states kept in bf16 (the batched
+    op rounds per chunk, per rank) with the gathered KDA and paged MLA decode, fp8 latents, and a host tier
+    beside a 2 MiB arena (1927 units, a state slot 20 of them: these prompts evict nothing, so the tier runs
+    only its warm-up copies, as it did in the fp8 form of its own that this replaces). Scanned and
+    unrolled engines give the same tokens, also for resumed prompts.
+
+    (One form, not one per codec: CI time. fp8 latents under the other decode ops, the in-place KDA decode
+    and the gathered MLA one: the scan runs the same view code as the unrolled step
+    (serve/step.py), which test_kv_cache_dtype.py's fp8 engines check unrolled, and the in_place-gathered
+    `engine` above checks under the scan.)"""
     import k3jax
 
-    kw = {**KW, **options, "progress": False}
+    kw = {**KW, "kda_state_dtype": "bfloat16", "kda_decode": "gathered", "mla_decode": "paged",
+          "kv_cache_dtype": "fp8", "host_cache_bytes": 8 << 20, "cache_bytes": 2 << 20, "progress": False}
     runs = {}
     for scan in (False, True):
-        llm = k3jax.LLM("tiny-k3", **{**kw, "scan_layers": scan})
+        llm = k3jax.LLM(unrolled, **{**kw, "scan_layers": scan})
         first = llm.generate(PROMPTS, GREEDY)
         again = llm.generate(PROMPTS[::-1], GREEDY)
         runs[scan] = ([o.token_ids for o in first], [o.token_ids for o in again], [o.num_cached_tokens for o in again],
@@ -265,7 +270,18 @@ def _adapter(model, path, seed, modules):
     return str(path), nnx.from_flat_state(list(flat.items()))
 
 
-def test_scanned_engine_serves_adapters_and_drafts(unrolled, reference, tmp_path):
+@pytest.fixture(scope="module")
+def lora_engine(unrolled):
+    """A scanned engine with adapter slots on the dense projections and on the routed experts (one A per expert)
+    and ngram drafts: test_scanned_engine_serves_adapters_and_drafts and the own-A case of
+    test_scanned_engine_serves_expert_adapters share it (one engine's programs compiled, not two; CI time)."""
+    return Engine(unrolled, EngineConfig(**KW, max_loras=1, max_lora_rank=4, max_cpu_loras=3,
+                                         lora_target_modules=("all-linear", "experts"),
+                                         speculative_config={"num_speculative_tokens": 3, "adaptive": False}),
+                  progress=False)
+
+
+def test_scanned_engine_serves_adapters_and_drafts(lora_engine, unrolled, reference, tmp_path, monkeypatch):
     """LoRA and speculative decoding under the scan: two adapters (projections of an unrolled layer and of
     both groups of the scanned run, one group left out by the second) take turns in one slot; each request's
     greedy tokens are those of the unrolled model's full forward with its adapter merged into the weights,
@@ -277,10 +293,8 @@ def test_scanned_engine_serves_adapters_and_drafts(unrolled, reference, tmp_path
                   (3, ("block_sparse_moe", "shared_experts", "down_proj"))],
             "y": [(2, ("self_attn", "v_proj")), (6, ("block_sparse_moe", "shared_experts", "up_proj"))]}
     adapters = {n: _adapter(unrolled, tmp_path / n, seed, m) for seed, (n, m) in enumerate(mods.items())}
-    e = Engine(unrolled, EngineConfig(**KW, max_loras=1, max_lora_rank=4, max_cpu_loras=2,
-                                      speculative_config={"num_speculative_tokens": 3, "adaptive": False}),
-               progress=False)
-    assert e.layer_scan == LayerScan(1, 3, 2) and any(t.stacked for t in e._lora_leaves)
+    e = lora_engine
+    assert e.layer_scan == LayerScan(1, 3, 2) and any(t.stacked and not t.experts for t in e._lora_leaves)
     for uid, (name, (path, _)) in enumerate(adapters.items(), 1):
         e.add_lora(LoRARequest(name, uid, path))
     jobs = [(p, name) for p in PROMPTS for name in (None, "x", "y")]  # the adapters alternate in the slot
@@ -292,7 +306,7 @@ def test_scanned_engine_serves_adapters_and_drafts(unrolled, reference, tmp_path
         kind = int(seq.request_id[1:]) // 3
         return d if kind == 0 else d[:1] + [t + 1 for t in d[1:]] if kind == 1 else [t + 1 for t in d]
 
-    e._propose = propose
+    monkeypatch.setattr(e, "_propose", propose)  # (the engine's own ngram drafts again after this test)
     done = {}
     for wave in (range(len(jobs)), [1]):  # then "x" once more, after "y" took the slot
         for i in wave:
@@ -341,16 +355,13 @@ def _expert_adapter(dense, path, seed, layers, shared):
     return str(path), nnx.from_flat_state(list(flat.items()))
 
 
-@pytest.mark.parametrize("shared", [False, True], ids=["own-A", "shared-A"])
-def test_scanned_engine_serves_expert_adapters(unrolled, tmp_path, shared):
-    """Adapters on K3's routed experts (latent MoE, MXFP4 experts) in both groups of the scanned run and in
-    the unrolled last layer: each request's greedy tokens and logprobs are those of the unrolled model's full
-    forward with the adapter merged into its (dequantized) experts, beside base rows in the same batch."""
+@pytest.fixture(scope="module")
+def dense_reference(unrolled):
+    """`unrolled` with its experts dequantized, and greedy tokens and their logprobs from its full forward with
+    the given weights (one compile for both cases below)."""
     from k3jax.dequantize import dequantize_experts
-    from serve.lora import LoRARequest
 
     dense = dequantize_experts(unrolled)
-    path, merged = _expert_adapter(dense, tmp_path / "experts", 5, (1, 5, 7), shared)
     fn = jax.jit(lambda params, ids: jax.nn.log_softmax(nnx.merge(dense.graphdef, params)(ids)[0], -1))
 
     def reference(prompt, params):
@@ -362,21 +373,38 @@ def test_scanned_engine_serves_expert_adapters(unrolled, tmp_path, shared):
             seq.append(int(np.argmax(row)))
             lps.append(float(row[seq[-1]]))
         return seq[len(prompt):], lps
+    return dense, reference
 
-    e = Engine(unrolled, EngineConfig(**KW, max_loras=1, max_lora_rank=4, lora_target_modules=("experts",),
-                                      lora_experts_shared_a=shared), progress=False)
+
+@pytest.mark.parametrize("shared", [False, True], ids=["own-A", "shared-A"])
+def test_scanned_engine_serves_expert_adapters(unrolled, dense_reference, tmp_path, shared, request):
+    """Adapters on K3's routed experts (latent MoE, MXFP4 experts) in both groups of the scanned run and in
+    the unrolled last layer: each request's greedy tokens and logprobs are those of the unrolled model's full
+    forward with the adapter merged into its (dequantized) experts, beside base rows in the same batch.
+    Own A per expert: on `lora_engine` (its dense slots unused, its ngram drafts verified as they come; the
+    tokens stay the greedy ones); one A for all experts (`lora_experts_shared_a`): an engine of its own with
+    expert slots only."""
+    from serve.lora import LoRARequest
+
+    dense, reference = dense_reference
+    path, merged = _expert_adapter(dense, tmp_path / "experts", 5, (1, 5, 7), shared)
+    if shared:
+        e = Engine(unrolled, EngineConfig(**KW, max_loras=1, max_lora_rank=4, lora_target_modules=("experts",),
+                                          lora_experts_shared_a=True), progress=False)
+    else:
+        e = request.getfixturevalue("lora_engine")
     assert e.layer_scan == LayerScan(1, 3, 2) and any(t.stacked and t.experts for t in e._lora_leaves)
-    e.add_lora(LoRARequest("experts", 1, path))
+    e.add_lora(LoRARequest("experts", 9, path))
     jobs = [(p, lr) for p in PROMPTS[:2] for lr in (None, "experts")]
     for i, (p, lr) in enumerate(jobs):
-        e.add_request(p, GREEDY, request_id=f"r{i}", lora_request=lr)
+        e.add_request(p, GREEDY, request_id=f"e{i}", lora_request=lr)
     done = {}
     while e.has_unfinished():
         done.update({o.request_id: o for o in e.step() if o.finished})
     for i, (p, lr) in enumerate(jobs):
         tokens, lps = reference(p, merged if lr else dense.params)
-        c = done[f"r{i}"].outputs[0]
+        c = done[f"e{i}"].outputs[0]
         assert c.token_ids == tokens, (i, lr)
         _close([lp.chosen.logprob for lp in c.logprobs], lps, 1e-3)
-    assert done["r0"].outputs[0].token_ids != done["r1"].outputs[0].token_ids
+    assert done["e0"].outputs[0].token_ids != done["e1"].outputs[0].token_ids
     assert e.compiles_after_warmup == 0 and _arena_back(e)

@@ -638,17 +638,26 @@ def test_random_sharing_trees_match_caching_off(engines, data):
     assert on.stats()["arena_free_units"] == on.stats()["arena_baseline_free_units"]
 
 
-def test_a_state_slot_evicts_only_the_entries_of_one_run():
-    """A new state slot needs one slot-aligned run of units, and pages (from the arena's low end) reach
-    into the slot region once the cache is full: eviction then drops exactly the cache entries holding
-    the units of the cheapest run (and the deeper pages of their chains), not whatever the LRU / depth
-    order reaches first until some run happens to be free (when a branch point's capture needed the slot,
-    that dropped 82 entries, the shared prefix's pages with them), and the engine answers as before."""
+@pytest.fixture(scope="module")
+def full_arena():
+    """tiny-k3 (page-aligned layout) whose prefix cache holds the pages of 40 unrelated 200-token prompts: a
+    full arena, and an engine without caching beside it. Shared by the two tests below (one fill, one engine
+    pair; CI time); the first leaves it still full of old pages (it drops the checkpoints and one run's entries)."""
     model = k3jax.load_model("tiny-k3", seed=2)
     page, chunk = LAYOUTS["page_aligned"]
     on = Engine(model, config(page, chunk, 6000 // page), progress=False)
     for i in range(40):  # unrelated prompts fill the arena with cached pages
         run(on, toks(1000 + i, 200), n=4)
+    return on, Engine(model, config(page, chunk, 6000 // page, enable_prefix_caching=False), progress=False)
+
+
+def test_a_state_slot_evicts_only_the_entries_of_one_run(full_arena):
+    """A new state slot needs one slot-aligned run of units, and pages (from the arena's low end) reach
+    into the slot region once the cache is full: eviction then drops exactly the cache entries holding
+    the units of the cheapest run (and the deeper pages of their chains), not whatever the LRU / depth
+    order reaches first until some run happens to be free (when a branch point's capture needed the slot,
+    that dropped 82 entries, the shared prefix's pages with them), and the engine answers as before."""
+    on, off = full_arena
     pc, alloc, su = on.prefix_cache, on.allocator, on.layout.slot_units
     for c in list(pc.ckpts.values()):  # no checkpoint slot to give up: pages must go
         pc._drop_ckpt(c)
@@ -668,21 +677,15 @@ def test_a_state_slot_evicts_only_the_entries_of_one_run():
         return False
 
     assert all(below(k) for k in gone)
-    off = Engine(model, config(page, chunk, 6000 // page, enable_prefix_caching=False), progress=False)
     p = toks(1000, 200) + toks(7, 9)
     assert logprobs(run(on, p)) == logprobs(run(off, p))
 
 
-def test_a_fresh_checkpoint_outlives_old_pages_in_a_full_arena():
+def test_a_fresh_checkpoint_outlives_old_pages_in_a_full_arena(full_arena):
     """Eviction is least recently used over checkpoints and pages together: in an arena full of old
     prompts' pages, a branch point seen twice is captured and then hit (evicting checkpoints before any
     page, it was dropped by the next admission and the third request missed)."""
-    model = k3jax.load_model("tiny-k3", seed=2)
-    page, chunk = LAYOUTS["page_aligned"]
-    on = Engine(model, config(page, chunk, 6000 // page), progress=False)
-    off = Engine(model, config(page, chunk, 6000 // page, enable_prefix_caching=False), progress=False)
-    for i in range(40):
-        run(on, toks(1000 + i, 200), n=4)
+    on, off = full_arena
     system = toks(5, 150)
     run(on, system + toks(6, 30))
     run(on, system + toks(7, 30))  # the second sighting captures the branch point at 128
