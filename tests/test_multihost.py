@@ -92,6 +92,13 @@ def reference():
     return Engine(load_model("tiny-k3"), dataclasses.replace(cfg, measure_moe_time=False), progress=False)
 
 
+@pytest.fixture(scope="module")
+def reference_outputs(reference):
+    """`reference`'s outputs for PROMPTS and the last one again (its prefix then cached), computed once for the
+    tests that compare with them (the async runs read the first len(PROMPTS))."""
+    return _reference_outputs(reference, PROMPTS + PROMPTS[-1:])
+
+
 def _reference_outputs(engine, prompts):
     from serve.types import SamplingParams, StructuredOutputsParams
 
@@ -161,7 +168,7 @@ def test_two_processes_take_prompt_vectors_and_refuse_them_in_chat(cluster):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
 
 
-def test_two_processes_serve_like_one_device(cluster, reference):
+def test_two_processes_serve_like_one_device(cluster, reference_outputs):
     """Greedy and seeded completions over HTTP from the 2-process mesh equal one device's (texts;
     logprobs to fp32 rounding), prefix-cache reuse included; idle pings keep the follower alive
     between requests; SIGINT to process 0 ends both processes cleanly."""
@@ -173,7 +180,7 @@ def test_two_processes_serve_like_one_device(cluster, reference):
             got.append(r.json())
             if i == 1:
                 time.sleep(1.0)  # idle: the leader pings the follower (keepalive 0.3 s here)
-    want = _reference_outputs(reference, PROMPTS + PROMPTS[-1:])
+    want = reference_outputs
     for g, w in zip(got, want):
         c = g["choices"][0]
         assert c["text"] == w.outputs[0].text
@@ -198,8 +205,9 @@ def test_two_processes_serve_like_one_device(cluster, reference):
 # parallel, then sleep mode, weight updates from disk and a LoRA adapter loaded at runtime, which every process
 # applies to its own devices; or expert parallel with load balancing (every 3 steps, 4 redundant experts: the
 # leader's EPLB command makes every process move the same experts).
-# The engine options of the async scheduling runs below (`async_config(form)`, pasted into their scripts): the
-# failing-step run takes tp's too, so that its programs come from the run's compilation cache (CI time).
+# The engine options of the async scheduling runs below (`async_config(form)`, pasted into their scripts). Each
+# form's processes then go on to a failing-step scenario on the same engine (`_LEADER_FAILS` under tp,
+# `_LEADER_MOVE_FAILS` under ep, read by their own tests): one start and one warm-up for both (CI time).
 _ASYNC_CONFIG = textwrap.dedent("""
     def async_config(form):
         import dataclasses
@@ -300,7 +308,6 @@ _ASYNC = textwrap.dedent("""
     read_other = reads_back(other)
     eng.update_weights_from_tensor(list(base.items()))
     again += [bool(read_other and reads_back(base)), run()[0]]
-    eng.close()
     print("RESULT" + json.dumps(dict(
         texts=texts, logprobs=logprobs, again=again, ahead=c["steps_launched_ahead"], steps=c["steps"],
         compiles=st["compiles_after_warmup"], free=st["arena_free_units"] + st["arena_cached_units"],
@@ -309,8 +316,45 @@ _ASYNC = textwrap.dedent("""
 """)
 
 
+@pytest.fixture(scope="module")
+def async_pair(tmp_path_factory):
+    """form -> [(exit status, output)] of processes 0 and 1 running `_ASYNC` under that form and then, on the same
+    engine, its failing-step scenario (`_LEADER_FAILS` under tp, `_LEADER_MOVE_FAILS` under ep): one pair of
+    processes per form, started by the first test that asks for it and read by both of that form's tests."""
+    runs = {}
+
+    def run(form):
+        if form not in runs:
+            runs[form] = _async_pair(form, tmp_path_factory.mktemp(f"async-{form}"))
+        return runs[form]
+
+    return run
+
+
+def _async_pair(form: str, tmp_path) -> list[tuple[int, str]]:
+    import k3jax
+
+    if form == "tp":  # the weights (as a checkpoint directory), an adapter and its merged weights the tp part loads
+        from k3jax.checkpoint import save_hf_checkpoint
+
+        model = k3jax.load_model("tiny-k3")  # the script's weights, as a checkpoint directory
+        save_hf_checkpoint(str(tmp_path / "ckpt"), model.cfg, model.params)
+        os.symlink(tmp_path / "ckpt", tmp_path / "ckpt-leader-only")  # the follower's script cannot read this one
+        os.symlink(tmp_path / "ckpt", tmp_path / "ckpt-corrupt")  # ... nor all of this one's tensors
+        _lora_and_merged(model, tmp_path / "adapter", tmp_path / "merged")
+    script = _ASYNC_CONFIG + _ASYNC + (_LEADER_FAILS if form == "tp" else _LEADER_MOVE_FAILS)
+    return _two_processes(script, json.dumps(PROMPTS), form, *(str(tmp_path / d) for d in ("ckpt", "adapter", "merged")),
+                          timeout=900)  # (the two tests' 600 + 300 s)
+
+
+def _result(out: str, tag: str) -> dict:
+    """The JSON a script printed on the line starting with `tag`."""
+    assert tag in out, out[-4000:]
+    return json.loads(out.split(tag, 1)[1].splitlines()[0])
+
+
 @pytest.mark.parametrize("form", ["tp", "ep"])
-def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path):
+def test_two_processes_schedule_async_like_one_device(reference_outputs, async_pair, form):
     """async_scheduling on a 2-process mesh: greedy, seeded, structured-output (its masks sent with the deferred
     sample) and logit-bias requests, in one batch, give one synchronous device's texts (logprobs to fp32
     rounding) while most steps are launched before the one in flight is read back; the follower replays every
@@ -321,27 +365,11 @@ def test_two_processes_schedule_async_like_one_device(reference, form, tmp_path)
     `ep` the experts are also re-placed every 3 steps (EPLB), on both processes alike, without changing an
     output. Both: other weights written by checkpoint name (every process writing its own shards) read back
     across the processes, and the originals written back give the first texts."""
-    import json
-
-    from k3jax.checkpoint import save_hf_checkpoint
-
-    import k3jax
-
-    model = k3jax.load_model("tiny-k3")  # the script's weights, as a checkpoint directory
-    save_hf_checkpoint(str(tmp_path / "ckpt"), model.cfg, model.params)
-    os.symlink(tmp_path / "ckpt", tmp_path / "ckpt-leader-only")  # the follower's script cannot read this one
-    os.symlink(tmp_path / "ckpt", tmp_path / "ckpt-corrupt")  # ... nor all of this one's tensors
-    _lora_and_merged(model, tmp_path / "adapter", tmp_path / "merged")
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", _ASYNC_CONFIG + _ASYNC, str(pid), str(port), json.dumps(PROMPTS), form,
-                               *(str(tmp_path / d) for d in ("ckpt", "adapter", "merged"))],
-                              cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for pid in (0, 1)]
-    (out0, out1) = (p.communicate(timeout=600)[0] for p in procs)
-    assert procs[0].returncode == 0, out0[-4000:]
-    assert procs[1].returncode == 0 and "failed on process" not in out1, out1[-4000:]
-    got = json.loads(out0.split("RESULT")[1])
-    want = _reference_outputs(reference, PROMPTS)
+    (code0, out0), (code1, out1) = async_pair(form)
+    assert code0 == 0, out0[-4000:]
+    assert code1 == 0 and "failed on process" not in out1, out1[-4000:]
+    got = _result(out0, "RESULT")
+    want = reference_outputs[:len(PROMPTS)]
     assert got["texts"] == [w.outputs[0].text for w in want]
     for g, w in zip(got["logprobs"], want):
         np.testing.assert_allclose(g, [lp.chosen.logprob for lp in w.outputs[0].logprobs], atol=2e-4)
@@ -396,6 +424,9 @@ def _lora_and_merged(model, adapter, merged):
     save_hf_checkpoint(str(merged), model.cfg, nnx.from_flat_state(list(flat.items())))
 
 
+# Processes that build different engines (here max_model_len) are refused by the engine check before compiling.
+# The same processes then go on to `_MEMORY` (one start for both tests, CI time), which they reach only once both
+# were refused: a process that built its engine stops there (exit status 3).
 _MISMATCH = textwrap.dedent("""
     import sys
     import k3jax
@@ -407,42 +438,47 @@ _MISMATCH = textwrap.dedent("""
                   context_buckets=(8,), measure_moe_time=False, progress=False)
     except RuntimeError as e:
         print("ERROR", e, flush=True)
+    else:
         sys.exit(3)
 """)
 
 
-def _two_processes(script: str) -> list[tuple[int, str]]:
-    """Run `script` as processes 0 and 1 of one cluster -> each one's (exit status, output)."""
+@pytest.fixture(scope="module")
+def mismatch_then_memory():
+    """[(exit status, output)] of processes 0 and 1 running `_MISMATCH`, then `_MEMORY`."""
+    return _two_processes(_MISMATCH + _MEMORY)
+
+
+def _two_processes(script: str, *args: str, timeout: float = 300) -> list[tuple[int, str]]:
+    """Run `script` as processes 0 and 1 of one cluster (argv: process id, coordinator port, `args`) -> each
+    one's (exit status, output)."""
     port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), str(port)], cwd=ROOT, env=ENV,
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), str(port), *args], cwd=ROOT, env=ENV,
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=300)[0]) for p in procs)]
+    try:
+        return [(p.returncode, out) for p, out in ((p, p.communicate(timeout=timeout)[0]) for p in procs)]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait(10)
 
 
-def test_processes_that_build_different_engines_are_told_before_compiling():
-    for code, out in _two_processes(_MISMATCH):
-        assert code == 3, out[-3000:]
-        assert "process(es) [1] built a different engine than process 0" in out
+def test_processes_that_build_different_engines_are_told_before_compiling(mismatch_then_memory):
+    for code, out in mismatch_then_memory:
+        assert code != 3, out[-3000:]
+        assert "process(es) [1] built a different engine than process 0" in out, out[-3000:]
 
 
 # A step whose launch raises on process 0 alone (an injected device failure; in life device memory, an
 # interrupt): process 0 sends a step only once its own launch returned, so process 1 never runs a program whose
 # collectives would wait for process 0 (both hung, before). The failed prefill's request ends; the others answer as
 # before, and so does everything after. Once closed, process 0 refuses requests up front.
+# Process 0's part, run by `_ASYNC`'s tp processes once that test's part is done (its engine, back on the original
+# weights; process 1 follows on).
 _LEADER_FAILS = textwrap.dedent("""
-    import json, sys
     sys.path.insert(0, "tests")
-    import k3jax
-    from k3jax.runtime import load_model
-    from serve.engine import Engine
-    from serve.types import SamplingParams
     from step_failures import FailingPrefill, drain_through_failures
-    pid, port = int(sys.argv[1]), sys.argv[2]
-    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-    eng = Engine(load_model("tiny-k3", sharding="tp"), async_config("tp"), progress=False)  # (cached programs)
-    if pid:
-        print("FOLLOWED", eng.follow(), flush=True)
-        sys.exit(0)
     def run(prompts):
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts]
         failures, done = drain_through_failures(eng)
@@ -458,29 +494,14 @@ _LEADER_FAILS = textwrap.dedent("""
         closed = eng.add_request("after close", SamplingParams(max_tokens=2))
     except RuntimeError as e:
         closed = str(e)
-    print("RESULT" + json.dumps(dict(want=want, got=got, failed=failed, again=again, closed=closed)), flush=True)
+    print("FAILED_STEP" + json.dumps(dict(want=want, got=got, failed=failed, again=again, closed=closed)), flush=True)
 """)
 
 
-def _run_pair(script: str) -> tuple[str, str]:
-    """Run `script` as processes 0 and 1 of a two-process cluster -> their outputs (both must exit 0)."""
-    port = _free_port()
-    procs = [subprocess.Popen([sys.executable, "-c", script, str(pid), str(port)], cwd=ROOT, env=ENV,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for pid in (0, 1)]
-    try:
-        out0, out1 = (p.communicate(timeout=300)[0] for p in procs)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait(10)
-    assert procs[0].returncode == 0 and procs[1].returncode == 0, (out0[-3000:], out1[-3000:])
-    return out0, out1
-
-
-def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
-    out0, out1 = _run_pair(_ASYNC_CONFIG + _LEADER_FAILS)
-    got = json.loads(out0.split("RESULT")[1])
+def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step(async_pair):
+    (code0, out0), (code1, out1) = async_pair("tp")
+    assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
+    got = _result(out0, "FAILED_STEP")
     assert [len(ids) for ids in got["failed"]] == [1] and got["got"].count(None) == 1, got  # the failed prefill's
     assert [t for t in got["got"] if t is not None] == [t for t, g in zip(got["want"], got["got"]) if g is not None]
     assert got["again"] == got["want"], got
@@ -493,20 +514,9 @@ def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step():
 # so a move it could not make is never sent and process 1 never waits in the gather's collectives for it (both hung,
 # before: the move was sent first). The placement stays as it was on both processes, the outputs do not change; a
 # later move goes through on both alike.
+# Process 0's part, run by `_ASYNC`'s ep processes once that test's part is done (its engine; process 1 follows on).
 _LEADER_MOVE_FAILS = textwrap.dedent("""
-    import json, sys
-    import numpy as np
-    import k3jax
     import serve.eplb
-    from k3jax.runtime import load_model
-    from serve.engine import Engine
-    from serve.types import SamplingParams
-    pid, port = int(sys.argv[1]), sys.argv[2]
-    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
-    eng = Engine(load_model("tiny-k3", sharding="ep"), async_config("ep"), progress=False)
-    if pid:
-        print("FOLLOWED", eng.follow(), flush=True)
-        sys.exit(0)
     def run(prompts=("The quick brown fox", "jumps over", "the lazy dog")):
         ids = [eng.add_request(p, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)) for p in prompts]
         done = {}
@@ -537,14 +547,15 @@ _LEADER_MOVE_FAILS = textwrap.dedent("""
     moved = eng.eplb.placement[0].tolist() != before[0].tolist()
     again = run()
     eng.close()
-    print("RESULT" + json.dumps(dict(want=want, failed=failed, kept=kept, got=got, moved=moved, again=again)),
+    print("FAILED_MOVE" + json.dumps(dict(want=want, failed=failed, kept=kept, got=got, moved=moved, again=again)),
           flush=True)
 """)
 
 
-def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step():
-    out0, out1 = _run_pair(_ASYNC_CONFIG + _LEADER_MOVE_FAILS)
-    got = json.loads(out0.split("RESULT")[1])
+def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step(async_pair):
+    (code0, out0), (code1, out1) = async_pair("ep")
+    assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
+    got = _result(out0, "FAILED_MOVE")
     assert "injected device failure" in got["failed"] and got["kept"] and got["moved"], got
     assert got["got"] == got["want"] == got["again"], got
     assert "failed on process" not in out1  # process 1 never ran the move process 0 could not make
@@ -553,14 +564,14 @@ def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step(
 # gpu_memory_utilization on two processes whose (simulated) devices differ in size: each plans from its own,
 # both must build the same (smallest) arena or the engine check before compiling refuses them. The step
 # temporaries are a given 1 MiB here (their measurement compiles; tests/test_memory_budget.py measures them).
+# Run by `_MISMATCH`'s processes once their engines were refused (nothing of them left on the devices).
 _MEMORY = textwrap.dedent("""
-    import sys
+    import gc
     import jax
-    import k3jax
     import serve.engine
     from serve.engine import Engine, EngineConfig
-    pid, port = int(sys.argv[1]), sys.argv[2]
-    k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
+    gc.collect()
+    assert not jax.live_arrays(), [x.shape for x in jax.live_arrays()]  # (the refused engine's arrays are gone)
     limit = (48 << 20) if pid == 0 else (40 << 20)
     used = lambda d: sum(s.data.nbytes for x in jax.live_arrays() for s in x.addressable_shards if s.device == d)
     serve.engine.device_memory = lambda devices: [dict(bytes_limit=limit, bytes_in_use=used(d)) for d in devices]
@@ -577,9 +588,9 @@ _MEMORY = textwrap.dedent("""
 """)
 
 
-def test_processes_size_one_arena_from_their_device_memory():
+def test_processes_size_one_arena_from_their_device_memory(mismatch_then_memory):
     got = []
-    for code, out in _two_processes(_MEMORY):
+    for code, out in mismatch_then_memory:
         assert code == 0, out[-3000:]
         got.append([int(x) for x in out.split("UNITS ")[1].split()[:2]])
     (units0, limit0), (units1, limit1) = got
