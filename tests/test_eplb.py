@@ -197,7 +197,10 @@ def test_a_failed_move_counts_in_no_stats_and_ends_no_request():
     """A move whose weights fail to land (injected as they are placed; in life device memory) leaves the placement
     and the `eplb` stats (rebalances, layers_moved, last) as they were; the next move counts once. One the engine
     schedules (every `eplb_step_interval` steps) fails alone: the step's requests go on to the same tokens.
-    (Two CPU devices in a subprocess: expert parallelism needs a mesh; tests/step_failures.py drains the engine.)"""
+    (Two CPU devices in a subprocess: expert parallelism needs a mesh; tests/step_failures.py drains the engine.
+    tiny-kimi-linear: half tiny-k3's layers, so its two step programs compile in half the time; the bookkeeping is
+    the model's either way, and on CPU the engine holds tiny-k3's MXFP4 experts expanded, so both move dense
+    expert weights. tests/test_sharding.py runs EPLB's moves on tiny-k3.)"""
     import os
     import subprocess
     import sys
@@ -211,7 +214,7 @@ from step_failures import drain_through_failures
 cfg = EngineConfig(max_model_len=128, page_size=16, cache_bytes=64 * 16 * 2560, max_num_seqs=4, decode_buckets=(4,),
                    prefill_buckets=(1,), context_buckets=(8,), measure_moe_time=False, sharding="ep",
                    enable_eplb=True, eplb_num_redundant_experts=2)
-engine = Engine(k3jax.load_model("tiny-k3", seed=0), cfg, warmup=False, progress=False)
+engine = Engine(k3jax.load_model("tiny-kimi-linear", seed=0), cfg, warmup=False, progress=False)
 start, plan = engine.eplb.placement.copy(), engine.eplb.plan
 engine.eplb.plan = lambda: ({0: start[0][::-1].copy()}, dict(layers_moved=1, imbalance_after=1.0))
 real = engine._set_leaves

@@ -981,7 +981,9 @@ def test_prompt_logprobs_are_logprobs_under_a_logits_mode(llm):
 
     e = Engine(llm.engine.model, dataclasses.replace(llm.engine.config, logprobs_mode="raw_logits"), warmup=False,
                progress=False)  # (not warmed: compiles only the programs this request runs)
-    p = SP(temperature=0, max_tokens=2, logprobs=1, prompt_logprobs=2)
+    # one token: sampled by the prefill program that scores the prompt, so no decode program compiles (the
+    # modes' values out of the sample function: tests/test_sampling.py)
+    p = SP(temperature=0, max_tokens=1, logprobs=1, prompt_logprobs=2)
     rid = e.add_request(PROMPT[:20], p)
     got = [o for _ in range(64) if e.has_unfinished() for o in e.step() if o.finished and o.request_id == rid][0]
     raw = llm.generate([PROMPT[:20]], p)[0]
