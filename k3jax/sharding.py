@@ -212,9 +212,9 @@ def shard_params(params, mesh: Mesh, config: ShardingConfig):
     specs, notes = plan_param_specs(params, config, dict(mesh.shape))
 
     def put(var, spec):
-        var = var.copy() if hasattr(var, "copy") else var
-        var.value = jax.device_put(var[...], NamedSharding(mesh, spec))
-        return var
+        # A new Variable holding the placed array: flax 0.12 deprecates the `.value` setter, and `var[...] = x`
+        # would keep (or fail to reconcile with) the old placement.
+        return var.replace(value=jax.device_put(var[...], NamedSharding(mesh, spec)))
 
     placed = jax.tree.map(put, params, specs, is_leaf=_is_var)
     return placed, notes
