@@ -187,15 +187,19 @@ _MULTI = textwrap.dedent("""
     for model in sys.argv[1:]:
         # tiny-kimi-linear: tensor-parallel (its experts split over the 4 devices too); expert parallelism alone,
         # the mesh forms' mix and the accelerator's decode forms are the same code, run on tiny-k3 (CI time)
-        forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"), ("tp", "paged"),
-                  ("tp", "dcp"), ("tp", "dcp_paged"), ("ep", "eplb_scan"), ("tp", "scan"), ("tp", "scan_dcp_paged"))
+        forms = (((None, "gathered"), ("tp", "gathered"), ("tp_ep", "gathered"), ("ep", "gathered"),
+                  ("tp", "dcp_paged"), ("ep", "eplb_scan"), ("tp", "scan_paged"), ("tp", "scan_dcp"))
                  if model == "tiny-k3" else ((None, "gathered"), ("tp", "gathered")))
         for sh, mla in forms:
-            # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states);
-            # "dcp": decode context parallelism (the MLA pages split by position over the 4 ranks too), with the
-            # CPU's decode forms or ("dcp_paged") the accelerator's; "scan": the layers' repeating group scanned over
-            # (k3jax/layer_scan.py), with the CPU's decode forms or ("scan_dcp_paged") the accelerator's and decode
-            # context parallelism
+            # "paged": the accelerator's decode forms (paged MLA kernel, batched KDA op on gathered states); "dcp":
+            # decode context parallelism (the MLA pages split by position over the 4 ranks too); "scan": the layers'
+            # repeating group scanned over (k3jax/layer_scan.py). Each tensor-parallel form mixes two of them, so
+            # that every branch of serve/step.py's arena code runs on the heads-split arena with 3 engines
+            # (compiles: CI time) where 6 ran every pair: "scan_paged" (the paged kernel per rank on its query
+            # heads; prefill's gathered MLA and the batched KDA op writing back layer by layer), "dcp_paged"
+            # (unscanned: prefill's context-parallel shares kept for the step's end, decode through the kernel's
+            # log-sum-exp), "scan_dcp" (the CPU's decode forms: a one-token decode through the context-parallel
+            # shares too, written back layer by layer; the in-place KDA states under the scan)
             kda = "gathered" if mla.endswith("paged") else "auto"
             dcp = 4 if "dcp" in mla else 1
             # "eplb_scan": expert-parallel load balancing, re-placing the experts every 3 steps while generating,
@@ -305,8 +309,8 @@ _GROUPS = textwrap.dedent("""
         rest = [o async for o in gen]
         return last.outputs[0].finish_reason, len(rest), len(last.outputs[0].token_ids)
 
-    # data-parallel: two one-device replicas on devices 1 and 0, generating (device 0's programs are those of
-    # the unsharded engine above: the compilation cache has them)
+    # data-parallel: two one-device replicas on devices 1 and 0, generating (each compiles its own programs: a
+    # replica's are one-device-mesh programs, not the unsharded engine's, and XLA:CPU's are keyed by device)
     dp = k3jax.LLM("tiny-k3", data_parallel_size=2, devices=(1, 0), **kw)
     res = dp.generate(prompts, sps)
     again = dp.generate(later, sps[:2])
@@ -515,8 +519,7 @@ def test_engine_on_a_mesh_matches_one_device(multi_device, model):
     one = multi_device[f"{model}/None"]
     assert one["mesh"] is None and one["exchange"] == 0 and not any(one["expert_parallel"])
     for sh, mesh in (("tp", {"tensor": 4}), ("tp_ep", {"expert": 2, "tensor": 2}), ("ep", {"expert": 4}),
-                     ("tp/paged", {"tensor": 4}), ("tp/dcp", {"tensor": 4}), ("tp/dcp_paged", {"tensor": 4}),
-                     ("tp/scan", {"tensor": 4}), ("tp/scan_dcp_paged", {"tensor": 4})):
+                     ("tp/dcp_paged", {"tensor": 4}), ("tp/scan_paged", {"tensor": 4}), ("tp/scan_dcp", {"tensor": 4})):
         if f"{model}/{sh}" not in multi_device:
             assert model != "tiny-k3"  # tiny-k3 runs every form
             continue
@@ -560,19 +563,19 @@ def test_arena_state_slots_split_by_kda_heads(multi_device, model):
     # every arena access runs on the rank's own part: no copy of it and no collective over it, also
     # when decode stores latents and runs the paged MLA kernel per rank (on its query heads); the compiled
     # programs are inspected on tiny-k3 only (the same arena code for both models; CI time)
-    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/paged", f"{model}/tp/scan", f"{model}/tp/scan_dcp_paged")
+    for tp in (multi_device[k] for k in (f"{model}/tp", f"{model}/tp/scan_paged", f"{model}/tp/scan_dcp")
                if model == "tiny-k3"):
         assert tp["arena_ops"] >= 4 and tp["arena_bad_ops"] == 0
 
 
-@pytest.mark.parametrize("form", ["dcp", "dcp_paged", "scan_dcp_paged"])
+@pytest.mark.parametrize("form", ["dcp_paged", "scan_dcp"])
 def test_decode_context_parallel_splits_the_pages_by_position(multi_device, form):
     """decode_context_parallel_size=4 under tp on 4 devices: each rank holds every 4th token of each page, so a
     unit is a quarter of a page and the same per-rank budget holds 4x the units; prefill and decode attend
-    over each rank's share with the partial softmaxes combined (at decode also through the paged MLA kernel's
-    log-sum-exp: `dcp_paged`; also with the layers scanned, each MLA layer's shares written back as it runs:
-    `scan_dcp_paged`), the same tokens and prefix-cache reuse as one device (checked above), no arena copy or
-    collective, and no all-gather rebuilds a context."""
+    over each rank's share with the partial softmaxes combined (at decode through the paged MLA kernel's
+    log-sum-exp: `dcp_paged`, or as prefill does, with the layers scanned, each MLA layer's shares written back
+    as it runs: `scan_dcp`), the same tokens and prefix-cache reuse as one device (checked above), no arena copy
+    or collective, and no all-gather rebuilds a context."""
     tp, dcp = multi_device["tiny-k3/tp"], multi_device[f"tiny-k3/tp/{form}"]
     assert tp["context_ranks"] == 1 and dcp["context_ranks"] == 4 and dcp["state_ranks"] == 4
     assert tp["mla_form"] == "gathered"
