@@ -556,12 +556,17 @@ def test_llm_generate_owns_its_batch_through_ctrl_c_foreign_requests_and_salted_
     assert not e.has_unfinished()
 
 
-def test_llm_generate_holds_ctrl_c_back_until_the_engine_is_consistent(llm, monkeypatch):
+def test_llm_generate_holds_ctrl_c_back_until_the_engine_is_consistent(llm, monkeypatch, request):
     """Ctrl-C raised KeyboardInterrupt at whatever line of the engine ran: one landing while a finished request's
     state slot was being freed leaked that slot's cache for good (the arena never came back to its baseline,
     each interrupt shrinking it), and one inside `add_request` left a sequence without its request, which
     failed every later `generate` (KeyError). The interrupt now comes out between engine calls."""
     import serve.engine as engine_module
+
+    # Python's own Ctrl-C handler, as a terminal or notebook has it (a shell that starts pytest in the background
+    # ignores SIGINT, and `LLM` leaves an ignored or custom handler alone)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    request.addfinalizer(lambda: signal.signal(signal.SIGINT, previous))
 
     e = llm.engine
     p = SP(temperature=0, max_tokens=6, ignore_eos=True)
