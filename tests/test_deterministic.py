@@ -12,9 +12,10 @@ import k3jax
 from serve.engine import Engine, EngineConfig
 from serve.types import SamplingParams
 
-# decode rows 1, 4, 16, 32 -> tiles of 8: programs of 16 and 32 rows; prefill 4 rows only; context 1, 4, 16, 32 pages
-KW = dict(max_model_len=512, page_size=16, cache_bytes=64 << 20, max_num_seqs=32, max_prefill_seqs=4,
-          prefill_chunk=16, measure_moe_time=False, max_logprobs=1)
+# decode rows 1, 4, 16, 32 -> tiles of 8: programs of 16 and 32 rows; prefill 4 rows only; context 4 and 16 pages (CI
+# time: two widths, not the four 1, 4, 16, 32 of max_model_len 512; each width costs three programs)
+KW = dict(max_model_len=256, page_size=16, cache_bytes=64 << 20, max_num_seqs=32, max_prefill_seqs=4,
+          prefill_chunk=16, measure_moe_time=False, max_logprobs=1, context_buckets=(4, 16))
 RNG = np.random.default_rng(5)
 TARGET = [int(x) for x in RNG.integers(3, 300, 40)]  # three prefill chunks; 4 context pages alone
 OTHERS = [[int(x) for x in RNG.integers(3, 300, n)] for n in (17, 64, 130, 40, 75) * 6]
@@ -48,7 +49,7 @@ def test_a_request_is_the_same_bits_in_any_batch(engine, kind):
     """Alone: the 16-row decode program (one tile), 4 context pages. First of 31: the 32-row program (four
     tiles), 16 pages (130-token neighbours). Last of 6 with staggered arrivals:
     another tile and row, chunks beside others'. Then from the prefix cache."""
-    assert (engine.decode_buckets, engine.prefill_buckets, engine.context_buckets) == ((16, 32), (4,), (1, 4, 16, 32))
+    assert (engine.decode_buckets, engine.prefill_buckets, engine.context_buckets) == ((16, 32), (4,), (4, 16))
     sp = PARAMS[kind]
     engine.reset_prefix_cache()
     alone = _run(engine, [TARGET], sp, 0)

@@ -301,26 +301,24 @@ def test_fcfs_scheduling_policy_refuses_priorities(model, engine, monkeypatch):
     assert len(out.outputs[0].token_ids) == 2
 
 
-def test_accelerator_decode_forms_are_token_identical(model, engine, prompts, alone, monkeypatch):
+def test_accelerator_decode_forms_are_token_identical(model, engine, other_forms, prompts, alone):
     """The accelerator's decode forms (KDA: the batched op on gathered states; MLA: the token's latent
     stored in its page and the paged MLA kernel run over the arena through the page tables) give the
     CPU defaults' greedy tokens (per-row in-place state update; attention over gathered pages) for a
-    mixed batch, here with 256-token prefill chunks (the defaults': 64). As on a GPU, whose paged kernel
-    works in proportion to each row's length, one-token decodes compile only at the widest context
-    bucket (a short context runs with a wider page table) while prefill chunks compile at each; no
-    compile after warm-up, and these forms' step programs never copy the arena either."""
+    mixed batch, here with 16-token prefill chunks (the defaults': 64; `other_forms`). As on a GPU, whose
+    paged kernel works in proportion to each row's length, one-token decodes compile only at the widest
+    context bucket (a short context runs with a wider page table) while prefill chunks compile at each;
+    no compile after warm-up, and these forms' step programs never copy the arena either."""
     import serve.engine
 
     assert not serve.engine.decode_work_follows_length()  # CPU: the reference gathers every table entry
-    monkeypatch.setattr(serve.engine, "decode_work_follows_length", lambda: True)
-    eng = make_engine(model, chunk=256, units=4000, kda_decode="gathered", mla_decode="paged",
-                      decode_buckets=(1, 4), context_buckets=(16, 32))  # (CI time: no 32-row program)
+    eng = other_forms
     assert engine.kda_in_place and not eng.kda_in_place
     assert eng.mla_paged and not engine.mla_paged
     assert eng.decode_context_buckets == (32,) and engine.decode_context_buckets == engine.context_buckets
-    assert sorted(eng.bucket_shapes()) == [(1, 1, 32), (4, 1, 32), (4, 256, 16), (4, 256, 32)]
-    outs = run_all(eng, prompts[:12])
-    assert [o.token_ids for o in outs] == alone[:12]
+    assert sorted(eng.bucket_shapes()) == [(1, 1, 32), (4, 1, 32), (4, 16, 16), (4, 16, 32)]
+    outs = run_all(eng, prompts[20:32])
+    assert [o.token_ids for o in outs] == alone[20:32]
     assert eng.stats()["compiles_after_warmup"] == 0
     if model.cfg.family == "kimi_k3":  # the arena's reads and writes are the same code for both models
         _assert_step_never_copies_the_arena(eng, [(1, 1, 32), (4, 1, 32)])
@@ -369,20 +367,28 @@ def test_step_form_options_are_checked(model):
 
 
 @pytest.fixture(scope="module")
-def checkpoint_form(model):
-    """An engine unlike `engine` in three ways at once (CI time: one engine, three properties): the weights
-    as the checkpoint ships them, 16-token prefill chunks (`engine`'s: 64), and the prefill-first schedule.
-    (CI time, too: its one decode program runs 4 rows, so 4 requests at once.)"""
-    return make_engine(model, chunk=16, units=4000, expert_weights="packed", dense_weights="out_in",
-                       prefill_first=True, decode_buckets=(4,))
+def other_forms(model):
+    """An engine unlike `engine` in five ways at once (CI time: one engine, five properties): the accelerator's
+    decode forms (the batched KDA op on gathered states, paged MLA; they change the decode programs only, the
+    prefill programs run the same code either way), the weights as the checkpoint ships them, 16-token prefill
+    chunks (`engine`'s: 64), and the prefill-first schedule. Built as on a GPU, whose paged kernel works in
+    proportion to each row's length (`decode_work_follows_length`, read when the engine picks its decode
+    programs' widths). (CI time, too: decode programs of 1 and 4 rows, no 32-row one: 4 requests at once.)"""
+    import serve.engine
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(serve.engine, "decode_work_follows_length", lambda: True)
+        return make_engine(model, chunk=16, units=4000, kda_decode="gathered", mla_decode="paged",
+                           expert_weights="packed", dense_weights="out_in", prefill_first=True,
+                           decode_buckets=(1, 4), context_buckets=(16, 32))
 
 
-def test_checkpoint_form_weights_are_token_identical(model, engine, checkpoint_form, prompts, alone):
+def test_checkpoint_form_weights_are_token_identical(model, engine, other_forms, prompts, alone):
     """On CPU the engine expands MXFP4 experts once at start-up (`expert_weights="auto"`) and holds
     dense weights transposed (`dense_weights="auto"`); the weights as the checkpoint ships them
     (experts packed and dequantised inside every step, projections [out, in]) give the same greedy
-    tokens, here with 16-token prefill chunks."""
-    eng = checkpoint_form
+    tokens, here with 16-token prefill chunks (and the accelerator's decode forms: `other_forms`)."""
+    eng = other_forms
     assert eng.stats()["expert_format"] == model.cfg.expert_format
     assert engine.stats()["expert_format"] == "dense"
     assert (eng.stats()["dense_weight_layout"], engine.stats()["dense_weight_layout"]) == ("out_in", "in_out")
@@ -390,12 +396,12 @@ def test_checkpoint_form_weights_are_token_identical(model, engine, checkpoint_f
     assert [o.token_ids for o in outs] == alone[:12]
 
 
-def test_prefill_first_is_token_identical_and_never_mixes(model, checkpoint_form, prompts, alone):
+def test_prefill_first_is_token_identical_and_never_mixes(model, other_forms, prompts, alone):
     """`prefill_first`: no step both prefills and decodes; the greedy tokens are those of the default
     (decode-first) schedule, with no compile after warm-up."""
     with pytest.raises(ValueError, match="prefill_first"):
         make_engine(model, warmup=False, prefill_first="yes")
-    eng = checkpoint_form
+    eng = other_forms
     outs = run_all(eng, prompts[12:24])
     assert [o.token_ids for o in outs] == alone[12:24]
     c = eng.counters
