@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 
 import k3jax  # noqa: E402
 from k3jax.config import PRESETS  # noqa: E402
-from kv_cache_dtype import against_hf, engine_for, hf_reference, hf_summary, teacher_forced  # noqa: E402
+from kv_cache_dtype import against_hf, engine_for, hf_reference, hf_summary, layout_capacity, teacher_forced  # noqa: E402
 from serve.memory import ArenaLayout  # noqa: E402
 from serve.types import SamplingParams  # noqa: E402
 from serving import bench_start, med, run_wave, track_peak_running, write_result  # noqa: E402
@@ -49,9 +49,7 @@ def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]
     for kv in ("auto", "fp8"):
         for st in STATES:
             lay = ArenaLayout.plan(cfg, budget, page, dtype, ranks, kv, st)
-            out[f"{st}_states_{kv}_latents"] = dict(
-                slot_bytes=lay.slot_units * lay.unit_bytes, mla_bytes_per_token=lay.latent_words * 4 * lay.num_mla_layers,
-                sequences={str(c): lay.sequences_at(c) for c in contexts})
+            out[f"{st}_states_{kv}_latents"] = layout_capacity(lay, contexts)
     return out
 
 

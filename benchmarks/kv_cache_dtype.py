@@ -47,15 +47,21 @@ from serving import bench_start, build_kimi_linear, hf_generate, med, run_wave, 
 KINDS = ("auto", "fp8")
 
 
+def layout_capacity(lay: ArenaLayout, contexts: list[int]) -> dict:
+    """What one arena layout costs a request (its state slot, its latent bytes per token over every MLA layer) and
+    how many requests of each context length it holds: the capacity rows of this benchmark and kda_state_dtype.py."""
+    return dict(slot_bytes=lay.slot_units * lay.unit_bytes,
+                mla_bytes_per_token=lay.latent_words * 4 * lay.num_mla_layers,
+                sequences={str(c): lay.sequences_at(c) for c in contexts})
+
+
 def capacity(cfg, dtype, budget: int, page: int, ranks: int, contexts: list[int]) -> dict:
     """Sequences of each context length one rank's arena holds (a slot + every MLA layer's pages each)."""
     out = {}
     for kind in KINDS:
         lay = ArenaLayout.plan(cfg, budget, page, dtype, ranks, kind)
-        out[kind] = dict(
-            bytes_per_token_per_layer=lay.latent_words * 4, mla_bytes_per_token=lay.latent_words * 4 * lay.num_mla_layers,
-            slot_bytes=lay.slot_units * lay.unit_bytes, units=lay.num_units,
-            sequences={str(c): lay.sequences_at(c) for c in contexts})
+        out[kind] = dict(bytes_per_token_per_layer=lay.latent_words * 4, units=lay.num_units,
+                         **layout_capacity(lay, contexts))
     out["token_ratio"] = out["auto"]["bytes_per_token_per_layer"] / out["fp8"]["bytes_per_token_per_layer"]
     return out
 

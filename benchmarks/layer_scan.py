@@ -21,7 +21,6 @@ Results: `results/layer_scan-cpu.json`.
 from __future__ import annotations
 
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from serving import bench_start, med, write_result  # noqa: E402
-from startup import in_fresh_process  # noqa: E402
+from startup import in_fresh_process, script_main  # noqa: E402
 
 
 def step_times(spec: dict) -> dict:
@@ -103,7 +102,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--one":
-        print("RESULT" + json.dumps(step_times(json.loads(sys.argv[2]))), flush=True)
-    else:
-        main()
+    script_main(step_times, main)

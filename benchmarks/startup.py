@@ -27,6 +27,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -82,6 +83,15 @@ def in_fresh_process(spec: dict, script: str = __file__) -> dict:
     return json.loads(line[0][len("RESULT"):])
 
 
+def script_main(one: Callable[[dict], dict], main: Callable[[], Any]) -> None:
+    """A script's entry: `--one SPEC` (a child of `in_fresh_process`) prints `one(SPEC)` on the line it reads,
+    anything else runs `main()`."""
+    if len(sys.argv) > 2 and sys.argv[1] == "--one":
+        print("RESULT" + json.dumps(one(json.loads(sys.argv[2]))), flush=True)
+    else:
+        main()
+
+
 def default_programs(max_num_seqs: int, max_model_len: int, page_size: int = 16) -> dict:
     """The step programs an engine compiles with the default buckets (no speculative decoding), and how many
     where one-token decodes need only the widest context bucket (a GPU's paged MLA decode kernel)."""
@@ -131,7 +141,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) > 2 and sys.argv[1] == "--one":
-        print("RESULT" + json.dumps(one_start(json.loads(sys.argv[2]))), flush=True)
-    else:
-        main()
+    script_main(one_start, main)

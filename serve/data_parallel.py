@@ -192,6 +192,14 @@ def _prompt_ids(engine: Engine, prompt) -> list[int]:
         return []
 
 
+def _route(router: PrefixRouter, engines: list[Engine], prompt, cache_salt: Optional[str], lora_request,
+           seqs: int) -> int:
+    """The replica a new request of `seqs` sequences goes to (the router first learns which replicas' prefix
+    caches were cleared since it last looked)."""
+    router.sync([cache_epoch(e) for e in engines])
+    return router.route(_prompt_ids(engines[0], prompt), _salt(cache_salt, lora_request), seqs)
+
+
 # ---- stats --------------------------------------------------------------------------------------
 
 # the same on every replica (configuration, or the replica's own mesh): reported once, not summed
@@ -249,6 +257,12 @@ def merge_stats(stats: list[dict], devices: list[tuple[int, ...]], router: Prefi
 
 # ---- replicas, and driving them for LLM ----------------------------------------------------------
 
+def _first_replica(name: str) -> property:
+    """A read-only attribute of a replica group that is its first replica's `name` (one that every replica
+    holds alike)."""
+    return property(lambda self: getattr(self.replicas[0], name), doc=f"The first replica's `{name}`.")
+
+
 def build_replicas(model, config: EngineConfig, size: int, progress: bool = True,
                    warmup: bool = True) -> tuple[list[Engine], list[tuple[int, ...]]]:
     """`size` engines of `config`, each on its own device group -> (engines, their device indices)."""
@@ -291,30 +305,13 @@ class DataParallelEngine:
         PrefixRouter(1, 1, policy=routing)  # a bad policy fails before anything compiles
         return cls(*build_replicas(model, config, size, progress), routing=routing)
 
-    # what LLM reads of an engine
-    @property
-    def tokenizer(self):
-        return self.replicas[0].tokenizer
-
-    @property
-    def cfg(self):
-        return self.replicas[0].cfg
-
-    @property
-    def generation_defaults(self) -> dict:
-        return self.replicas[0].generation_defaults
-
-    @property
-    def config(self) -> EngineConfig:
-        return self.replicas[0].config
-
-    @property
-    def model(self):
-        return self.replicas[0].model
-
-    @property
-    def sleep_level(self) -> int:
-        return self.replicas[0].sleep_level
+    # what LLM reads of an engine: the first replica's (they share model, configuration and sleep level)
+    tokenizer = _first_replica("tokenizer")
+    cfg = _first_replica("cfg")
+    generation_defaults = _first_replica("generation_defaults")
+    config = _first_replica("config")
+    model = _first_replica("model")
+    sleep_level = _first_replica("sleep_level")
 
     def add_request(self, prompt, params=None, request_id: Optional[str] = None, priority: int = 0,
                     cache_salt: Optional[str] = None, lora_request=None) -> str:
@@ -323,8 +320,7 @@ class DataParallelEngine:
             raise ValueError(f"request_id: {request_id!r} is already in use")
         params = params or SamplingParams()
         seqs = _num_seqs(params)
-        self.router.sync([cache_epoch(e) for e in self.replicas])
-        r = self.router.route(_prompt_ids(self.replicas[0], prompt), _salt(cache_salt, lora_request), seqs)
+        r = _route(self.router, self.replicas, prompt, cache_salt, lora_request, seqs)
         self._where[request_id] = (r, seqs)  # (before the replica queues it: a Ctrl-C in between, abort finds it)
         try:
             self.replicas[r].add_request(prompt, params, request_id, priority=priority, cache_salt=cache_salt,
@@ -486,8 +482,7 @@ class DataParallelAsyncEngine(EngineGroupStatus):
         if request_id in self._where:  # (on another replica its stream would run beside the first, whose abort
             raise RequestError(f"request_id: {request_id!r} is already in use")  # would then miss it)
         seqs = _num_seqs(params or SamplingParams())
-        self.router.sync([cache_epoch(a.engine) for a in self.replicas])
-        r = self.router.route(_prompt_ids(self.engine, prompt), _salt(cache_salt, lora_request), seqs)
+        r = _route(self.router, [a.engine for a in self.replicas], prompt, cache_salt, lora_request, seqs)
         self._where[request_id] = r
         stream = self.replicas[r].generate(prompt, params, request_id, priority, cache_salt, lora_request,
                                            on_accept=on_accept)

@@ -149,6 +149,22 @@ def _sleep_state(level, model: str, engine: str = ENGINE) -> GaugeMetricFamily:
     return g
 
 
+def _one_sample_families(label_values: list) -> tuple[Callable, Callable]:
+    """The collector's `gauge(name, doc, value, labels=None, extra_values=None)` and `counter(name, doc, value)`:
+    a family of one sample, `value` read as `_num` reads it, labelled `LABELS` = `label_values` (then `labels` =
+    `extra_values` where given)."""
+    def gauge(name, doc, value, labels=None, extra_values=None):
+        g = GaugeMetricFamily(name, doc, labels=LABELS + (labels or []))
+        g.add_metric(label_values + (extra_values or []), _num(value))
+        return g
+
+    def counter(name, doc, value):
+        c = CounterMetricFamily(name, doc, labels=LABELS)
+        c.add_metric(label_values, _num(value))
+        return c
+    return gauge, counter
+
+
 def engine_labels(each) -> list[tuple[str, Any]]:
     """Engines' statistics -> (`engine` label, statistics) pairs: a list is labelled by index ("0", "1", ...: data-
     parallel replicas), a mapping by its keys (a disaggregated pair: "0" decode, "prefill")."""
@@ -186,16 +202,7 @@ class EngineCollector:
         """The series of one engine's statistics, labelled with its index."""
         m, L = self._model, LABELS
         mv = [m, engine]  # the values of L
-
-        def gauge(name, doc, value, labels=None, label_values=None):
-            g = GaugeMetricFamily(name, doc, labels=L + (labels or []))
-            g.add_metric(mv + (label_values or []), _num(value))
-            return g
-
-        def counter(name, doc, value):
-            c = CounterMetricFamily(name, doc, labels=L)
-            c.add_metric(mv, _num(value))
-            return c
+        gauge, counter = _one_sample_families(mv)
 
         yield gauge("vllm:num_requests_running", "Sequences holding a state slot (prefilling or decoding).",
                     s.get("num_requests_running", 0))
@@ -344,11 +351,7 @@ class EngineCollector:
         """The router's and the HTTP front end's series (engine "0"): `s` is the merged statistics."""
         m, L = self._model, LABELS
         mv = [m, ENGINE]
-
-        def gauge(name, doc, value):
-            g = GaugeMetricFamily(name, doc, labels=L)
-            g.add_metric(mv, _num(value))
-            return g
+        gauge, _ = _one_sample_families(mv)
 
         # Data-parallel replicas (serve/data_parallel.py): each replica's gauges, and how the router chose.
         reps = s.get("replicas") or []

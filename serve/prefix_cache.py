@@ -129,6 +129,13 @@ class PageEntry:
 _NEVER = np.iinfo(np.int64).max  # the last use of a free row: after every entry
 
 
+def _row_view(name: str, what: str) -> property:
+    """`EntryRows`' read-only view of its array `name` cut to the rows handed out so far (`len(entries)`, free
+    rows included): `add` may grow the array, so the view is valid until then."""
+    return property(lambda self: getattr(self, name)[:len(self.entries)],
+                    doc=f"{what} (a view: valid until the next `add`).")
+
+
 class EntryRows:
     """The page entries as rows of arrays (units, one per MLA layer; the slot runs those units fall in; page
     index; order of caching; last use), kept as entries come and go or are used: the slot-run screening and
@@ -154,27 +161,11 @@ class EntryRows:
         self.in_run: list[set[int]] = [set() for _ in range(num_runs)]
         self.run_rows = np.zeros(num_runs, np.int64)
 
-    @property
-    def units(self) -> np.ndarray:
-        """[rows, layers] int32 (a view: valid until the next `add`)."""
-        return self._units[:len(self.entries)]
-
-    @property
-    def runs(self) -> np.ndarray:
-        """[rows, layers] int32 (a view: valid until the next `add`)."""
-        return self._runs[:len(self.entries)]
-
-    @property
-    def index(self) -> np.ndarray:
-        return self._index[:len(self.entries)]
-
-    @property
-    def last_used(self) -> np.ndarray:
-        return self._last_used[:len(self.entries)]
-
-    @property
-    def added(self) -> np.ndarray:
-        return self._added[:len(self.entries)]
+    units = _row_view("_units", "[rows, layers] int32")
+    runs = _row_view("_runs", "[rows, layers] int32")
+    index = _row_view("_index", "[rows] int64")
+    last_used = _row_view("_last_used", "[rows] int64")
+    added = _row_view("_added", "[rows] int64")
 
     def add(self, e: PageEntry) -> None:
         if self._free:

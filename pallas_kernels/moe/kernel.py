@@ -72,6 +72,15 @@ def _round_up(a, b):
 
 
 # ----------------------------------------------------------------------------- metadata
+def _group_rows(group_sizes: jax.Array, m_pad: int):
+    """Each group's row range ``[starts, ends)`` in the sorted rows (int32 [G] each): negative sizes count as
+    empty, and the ranges are clipped to the ``m_pad`` rows there are (both metadata forms read them)."""
+    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
+    ends = jnp.minimum(jnp.cumsum(sizes), m_pad).astype(jnp.int32)
+    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    return starts, ends
+
+
 def make_group_metadata(group_sizes: jax.Array, m_pad: int, tm: int):
     """Work-item metadata for the megablox-style kernel (traceable, static shapes).
 
@@ -82,9 +91,7 @@ def make_group_metadata(group_sizes: jax.Array, m_pad: int, tm: int):
     """
     g = group_sizes.shape[0]
     tiles_m = m_pad // tm
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m_pad).astype(jnp.int32)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    starts, ends = _group_rows(group_sizes, m_pad)
     nonempty = ends > starts
     first = starts // tm
     last = (ends - 1) // tm
@@ -117,9 +124,7 @@ def make_tile_group_ranges(group_sizes: jax.Array, m_pad: int, tm: int):
     """
     g = group_sizes.shape[0]
     tiles_m = m_pad // tm
-    sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
-    ends = jnp.minimum(jnp.cumsum(sizes), m_pad).astype(jnp.int32)
-    starts = jnp.concatenate([jnp.zeros((1,), jnp.int32), ends[:-1]])
+    starts, ends = _group_rows(group_sizes, m_pad)
     ne = ends > starts
     rank = jnp.cumsum(ne.astype(jnp.int32)) - 1
     slot = jnp.where(ne, rank, g)
