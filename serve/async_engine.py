@@ -449,7 +449,7 @@ class AsyncEngine:
             log.warning("%s; ended %d request(s): %s", e.summary, len(e.request_ids),
                         ", ".join(map(loggable, e.request_ids)))  # (the ids for the log only: see StepFailed)
             for rid in e.request_ids:
-                self._deliver(rid, RuntimeError(e.summary))
+                self._deliver(rid, RuntimeError(e.summary_of(rid)))  # (its own failure's, when it had one)
             self.engine._reap()
             self._step_failed(e, ran=bool(e.outputs) or e.own)
             return False, False

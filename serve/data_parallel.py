@@ -365,7 +365,8 @@ class DataParallelEngine:
                 self.router.done(*self._where.pop(rid))
         if failed:
             raise StepFailed([rid for f in failed for rid in f.request_ids], failed[0].cause, outs,
-                             own=all(f.own for f in failed))
+                             own=all(f.own for f in failed),
+                             causes={rid: f.causes.get(rid, f.cause) for f in failed for rid in f.request_ids})
         return outs
 
     def _all(self, fn: Callable[[Engine], object]) -> list:

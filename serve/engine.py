@@ -106,12 +106,27 @@ class StepFailed(RuntimeError):
     a failed prefill), to be delivered like a step's return value. `own`: only those requests' own host-side work
     failed (their adapter's read, their bookkeeping) while the step ran: no sign of an engine that cannot recover
     (`AsyncEngine` counts the other failures towards DEAD_AFTER_FAILURES). `summary`: what failed, without the
-    ended requests' ids, for their clients (the ids may be other clients' X-Request-Id values)."""
+    ended requests' ids, for their clients (the ids may be other clients' X-Request-Id values). `causes`: the
+    error of each request that failed in its own host-side work, where it is not `cause` (several such requests in
+    one step each end with their own error, not the first's); `summary_of(request_id)`: what that request's client
+    is told."""
 
-    def __init__(self, request_ids: list[str], cause: BaseException, outputs: tuple = (), own: bool = False):
-        self.summary = f"engine step failed ({type(cause).__name__}: {cause})"
+    def __init__(self, request_ids: list[str], cause: BaseException, outputs: tuple = (), own: bool = False,
+                 causes: Optional[dict] = None):
+        self.summary = failure_summary(cause)
         super().__init__(f"{self.summary}; ended {len(request_ids)} request(s) it ran: {request_ids[:4]}")
         self.request_ids, self.cause, self.outputs, self.own = request_ids, cause, list(outputs), own
+        self.causes: dict[str, BaseException] = dict(causes or {})
+
+    def summary_of(self, request_id: str) -> str:
+        """The summary of what ended `request_id`: its own failure's when it had one, else the step's."""
+        cause = self.causes.get(request_id)
+        return self.summary if cause is None or cause is self.cause else failure_summary(cause)
+
+
+def failure_summary(cause: BaseException) -> str:
+    """What a client whose request a failed step ended is told (no other request's id in it)."""
+    return f"engine step failed ({type(cause).__name__}: {cause})"
 
 
 def check_min_tokens_allowed(params: SamplingParams, eos_token_ids) -> None:
@@ -2649,6 +2664,7 @@ class Engine:
         except StepFailed as e:  # (already counted as a failed step)
             if self._host_failures:
                 more = self._end_host_failures()
+                e.causes.update({rid: err for rid, err in more.items() if rid not in e.request_ids})  # (their own)
                 e.request_ids = sorted(set(e.request_ids) | set(more))
                 e.outputs = [o for o in e.outputs if o.request_id not in more]
             raise
@@ -2656,17 +2672,21 @@ class Engine:
             return outs
         first = self._host_failures[0][1]
         self.counters["failed_steps"] += 1
-        ended = self._end_host_failures()
-        err = StepFailed(ended, first, [o for o in outs if o.request_id not in ended], own=True)
+        causes = self._end_host_failures()
+        err = StepFailed(sorted(causes), first, [o for o in outs if o.request_id not in causes], own=True,
+                         causes=causes)
         raise err from first
 
-    def _end_host_failures(self) -> list[str]:
-        """End the requests in `_host_failures` -> their ids."""
-        ended = sorted({rid for rid, _ in self._host_failures})
+    def _end_host_failures(self) -> dict[str, Exception]:
+        """End the requests in `_host_failures` -> {request id: the first error of its own} (each request's
+        client is told its own error, not another request's)."""
+        causes: dict[str, Exception] = {}
+        for rid, err in self._host_failures:
+            causes.setdefault(rid, err)
         self._host_failures = []
-        self._end_failed(ended)
+        self._end_failed(sorted(causes))
         self._reap()
-        return ended
+        return causes
 
     def _end_failed(self, request_ids: list[str]) -> None:
         """End requests a failure took with it: aborted (their memory freed), counted as failed, not aborted."""

@@ -12,8 +12,9 @@ renormalised over the tokens the grammar allows. After the step the sampled toke
 matcher; when the grammar cannot continue (complete and nothing may follow), the request finishes with
 `finish_reason="stop"`. While the grammar is complete but could continue (a number, `[0-9]+`), the stop
 tokens are allowed too. A constraint llguidance gives up on (its limits on Earley rows and lexer states, met lazily)
-is refused when compiled if it fails within its first tokens (`probe`), else the request ends with vLLM's
-`finish_reason="error"`.
+is refused when compiled if it fails within its first tokens (`probe`) or, for a JSON schema, within the first
+tokens of one of its large sub-schemas walked on its own (`probe_sub_schemas`: a too-wide object below the root);
+else the request ends with vLLM's `finish_reason="error"`.
 
 `reasoning_end` delays the constraint until the output contains that text's tokens, so a thinking
 model reasons freely and the constraint applies to its answer; `answer_prefix` lets the answer start
@@ -175,6 +176,179 @@ def _whitespace_pattern(pattern: Optional[str]) -> str:
     return pattern
 
 
+def json_constraint(params: StructuredOutputsParams) -> tuple[Any, dict]:
+    """(the JSON schema, llguidance's JSON compile options) of a `json` or `json_object` constraint, the schema
+    parsed, checked and closed as `disable_additional_properties` asks."""
+    kind = params.kind()
+    field_ = f"structured_outputs.{kind}"
+    schema = {"type": "object"} if kind == "json_object" else params.json
+    if isinstance(schema, str):
+        try:
+            schema = json.loads(schema)
+        except json.JSONDecodeError as e:
+            raise RequestError(f"{field_}: not valid JSON: {e}") from None
+        except RecursionError:  # nested past the interpreter's recursion limit
+            raise _too_deep(field_) from None
+    if not isinstance(schema, (dict, bool)):
+        raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
+    check_schema_depth(schema, field_)
+    if params.disable_additional_properties and kind == "json":  # json_object stays any object (vLLM's)
+        schema = _close_objects(schema)
+    options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
+               {"whitespace_flexible": True, "whitespace_pattern": _whitespace_pattern(params.whitespace_pattern)})
+    options["coerce_one_of"] = True  # `oneOf` read as `anyOf`, as vLLM's default backend (xgrammar) reads it
+    return schema, options
+
+
+def _pointer(parts: Sequence[str]) -> str:
+    """A JSON pointer (RFC 6901) of a path of keys and indices."""
+    return "".join("/" + str(p).replace("~", "~0").replace("/", "~1") for p in parts)
+
+
+#: Keywords whose sub-schemas are merged with the schema that holds them (they mean something else alone).
+_MERGED = ("allOf", "not", "if", "then", "else", "dependentSchemas")
+#: JSON text from which a sub-schema may hold enough properties or alternatives for llguidance's limit of 2,000
+#: items in an Earley row (~500 optional properties, 2,000 `anyOf` branches: many KiB).
+PROBE_SUB_SCHEMA_TEXT = 1024
+#: Sub-schemas of a JSON schema `probe_sub_schemas` compiles and walks on their own (the largest first): bounds the
+#: compile time of a schema of thousands of large distinct sub-schemas.
+MAX_SUB_PROBES = 256
+
+
+def _children(x: Any):
+    """(key, sub-schema or list of them) of a schema (`_close_objects`' walk: literal data is left alone)."""
+    if isinstance(x, list):
+        yield from enumerate(x)
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            if k in _SCHEMA_MAPS and isinstance(v, dict):
+                yield from (((k, name), sub) for name, sub in v.items())
+            elif k not in _DATA:
+                yield k, v
+
+
+def _text_sizes(schema: Any) -> dict[int, int]:
+    """id -> the length of the JSON text of every dict and list in `schema` (about), in one pass."""
+    sizes: dict[int, int] = {}
+    stack = [(schema, False)]
+    while stack:
+        x, done = stack.pop()
+        if not isinstance(x, (dict, list)) or id(x) in sizes:
+            continue
+        kids = list(x.values()) if isinstance(x, dict) else x
+        if not done:
+            stack.append((x, True))
+            stack.extend((k, False) for k in kids)
+            continue
+        keys = sum(len(str(k)) + 4 for k in x) if isinstance(x, dict) else 0
+        sizes[id(x)] = 2 + keys + sum(sizes[id(k)] if isinstance(k, (dict, list)) else len(json.dumps(k)) + 2
+                                      for k in kids)
+    return sizes
+
+
+def _shallow(x: Any, sizes: dict[int, int], top: bool = True) -> Any:
+    """`x` with each large sub-schema below it (`PROBE_SUB_SCHEMA_TEXT`) replaced by `{}`: each is walked on its own,
+    and where the output enters `x` only `x`'s own alternatives count (every part of a schema is in one probe)."""
+    if isinstance(x, dict) and not top and sizes.get(id(x), 0) >= PROBE_SUB_SCHEMA_TEXT:
+        return {}
+    if isinstance(x, list):
+        return [_shallow(v, sizes, False) for v in x]
+    if not isinstance(x, dict):
+        return x
+    out = {}
+    for k, v in x.items():
+        if k in _SCHEMA_MAPS and isinstance(v, dict):
+            out[k] = {name: _shallow(sub, sizes, False) for name, sub in v.items()}
+        else:
+            out[k] = v if k in _DATA else _shallow(v, sizes, False)
+    return out
+
+
+def _local_refs(x: Any) -> Optional[set[str]]:
+    """The `$defs` / `definitions` entries (`"#/$defs/X"`) the local `$ref`s of `x` name; None when one points
+    elsewhere (`"#"`, `"#/properties/a"`: `x` would mean something else as a root)."""
+    refs, stack = set(), [x]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, dict):
+            ref = y.get("$ref")
+            if isinstance(ref, str) and ref.startswith("#"):
+                parts = ref[2:].split("/")
+                if len(parts) != 2 or parts[0] not in ("$defs", "definitions"):
+                    return None
+                refs.add(ref)
+        stack.extend(v for _, v in _children(y))
+    return refs
+
+
+def sub_schemas(schema: Any) -> list[tuple[str, dict]]:
+    """(JSON pointer, a root schema of it) of each distinct sub-schema of `schema` that may meet one of llguidance's
+    lazy limits where the output enters it: large ones (`PROBE_SUB_SCHEMA_TEXT`), or ones with a regular
+    expression of their own (`pattern`, `patternProperties`), largest first. Each is `_shallow` (linear in all),
+    next to the root's definitions its `$ref`s name (shallow too). Not those merged with their parent (`_MERGED`),
+    definitions no `$ref` names, or ones whose `$ref`s point elsewhere than the root's definitions (an `$id`
+    resource is taken as it is)."""
+    if not isinstance(schema, dict):
+        return []
+    sizes, text = _text_sizes(schema), json.dumps(schema)
+    defs = {f"#/{k}/{_pointer([name])[1:]}": sub for k in ("$defs", "definitions")
+            if isinstance(schema.get(k), dict) for name, sub in schema[k].items()}
+    found: dict[str, tuple[int, str, dict]] = {}
+    stack: list[tuple[tuple, Any]] = [((), schema)]
+    while stack:
+        path, x = stack.pop()
+        for k, v in _children(x):
+            sub = path + (k if isinstance(k, tuple) else (k,))
+            if isinstance(k, tuple) and k[0] in ("$defs", "definitions") and f'{_pointer(k)}"' not in text:
+                continue  # (a definition no $ref names: unused)
+            stack.append((sub, v))
+        merged = len(path) > 1 and (path[-1] in _MERGED or path[-2] in _MERGED)
+        if not path or merged or not isinstance(x, dict) or not (
+                sizes.get(id(x), 0) >= PROBE_SUB_SCHEMA_TEXT or "pattern" in x or "patternProperties" in x):
+            continue
+        alone = _shallow(x, sizes)
+        named, todo = {}, ([] if _own_resource(x) else [alone])  # (an `$id` resource's refs are its own)
+        while todo:  # the definitions its $refs name, theirs too
+            refs = _local_refs(todo.pop())
+            if refs is None or not refs <= defs.keys() | named.keys():
+                break
+            for ref in refs - named.keys():
+                named[ref] = _shallow(defs[ref], sizes)
+                todo.append(named[ref])
+        else:
+            for ref, d in named.items():
+                kind, name = ref[2:].split("/")
+                alone.setdefault(kind, {})[name.replace("~1", "/").replace("~0", "~")] = d
+            key = json.dumps(alone, sort_keys=True)
+            if key not in found:
+                found[key] = sizes[id(x)], _pointer(path), alone
+    return [(where, alone) for _, where, alone in sorted(found.values(), key=lambda f: -f[0])]
+
+
+def probe_sub_schemas(params: StructuredOutputsParams, ll_tokenizer, stop_ids: Sequence[int]) -> Optional[str]:
+    """`probe` each `sub_schemas` of a JSON constraint on its own -> "at POINTER: llguidance's error" of the first
+    that fails at its first tokens. llguidance meets its limits lazily, where the output enters a part of the
+    grammar: a too-wide object (or `anyOf`, or a lexer-heavy `pattern`) below the root's first tokens compiled, and
+    the request ran, then ended with finish_reason "error" mid-generation. One that does not compile alone is
+    skipped (the whole schema compiled)."""
+    import llguidance as llg
+
+    schema, options = json_constraint(params)
+    for where, alone in sub_schemas(schema)[:MAX_SUB_PROBES]:
+        try:
+            m = llg.LLMatcher(ll_tokenizer, llg.LLMatcher.grammar_from_json_schema(json.dumps(alone),
+                                                                                   overrides=options), log_level=0)
+        except Exception:  # noqa: BLE001 - (llguidance's own errors on odd input) not this probe's to report
+            continue
+        if m.is_error():
+            continue
+        m.compute_bitmask()
+        failed = first_line(m.get_error()) if m.is_error() else probe(m, stop_ids)
+        if failed:
+            return f"at {where}: {failed}"
+    return None
+
+
 def _constraint_grammar(params: StructuredOutputsParams) -> str:
     import llguidance as llg
 
@@ -188,22 +362,7 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
     if kind not in ("json", "json_object") and json_only:  # (vLLM ignores them there)
         raise RequestError(f"structured_outputs.{json_only[0]}: applies to a JSON constraint, not to {kind}")
     if kind in ("json", "json_object"):
-        schema = {"type": "object"} if kind == "json_object" else params.json
-        if isinstance(schema, str):
-            try:
-                schema = json.loads(schema)
-            except json.JSONDecodeError as e:
-                raise RequestError(f"{field_}: not valid JSON: {e}") from None
-            except RecursionError:  # nested past the interpreter's recursion limit
-                raise _too_deep(field_) from None
-        if not isinstance(schema, (dict, bool)):
-            raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
-        check_schema_depth(schema, field_)
-        if params.disable_additional_properties and kind == "json":  # json_object stays any object (vLLM's)
-            schema = _close_objects(schema)
-        options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
-                   {"whitespace_flexible": True, "whitespace_pattern": _whitespace_pattern(params.whitespace_pattern)})
-        options["coerce_one_of"] = True  # `oneOf` read as `anyOf`, as vLLM's default backend (xgrammar) reads it
+        schema, options = json_constraint(params)
         try:
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except (ValueError, TypeError) as e:
@@ -318,6 +477,8 @@ class GrammarCompiler:
             if not template.is_error():
                 template.compute_bitmask()  # (its lexer states: copies start with them)
                 failed = probe(template, self.stop_ids)
+                if not failed and params.kind() == "json":
+                    failed = probe_sub_schemas(params, self.ll_tokenizer, self.stop_ids)
                 if failed:
                     raise RequestError(f"structured_outputs.{params.kind()}: too complex for the grammar engine "
                                        f"({failed}); simplify it (fewer optional properties or alternatives, "

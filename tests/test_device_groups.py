@@ -309,6 +309,16 @@ def test_a_failed_replica_step_loses_no_other_replicas_outputs():
     with pytest.raises(StepFailed, match="its bookkeeping") as e:
         dp.step()
     assert e.value.own  # only requests' own host-side work failed, on every failed replica
+    # both fail in one step, differently: each replica's requests are told their own error, not the first's
+    own = KeyError("f's own bookkeeping")
+    r0.script = [StepFailed(["e"], RuntimeError("device lost on 0"))]
+    r1.script = [StepFailed(["f", "g"], RuntimeError("device lost on 1"), causes={"f": own})]
+    with pytest.raises(StepFailed) as e:
+        dp.step()
+    assert sorted(e.value.request_ids) == ["e", "f", "g"]
+    assert [e.value.summary_of(r) for r in "efg"] == [
+        "engine step failed (RuntimeError: device lost on 0)", "engine step failed (KeyError: \"f's own bookkeeping\")",
+        "engine step failed (RuntimeError: device lost on 1)"]
 
 
 def test_pause_aborts_on_every_replica_and_both_phases():

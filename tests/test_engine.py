@@ -1508,6 +1508,53 @@ def test_requests_failing_alone_in_their_own_bookkeeping_leave_the_engine_alive(
     assert last.finished and len(last.outputs[0].token_ids) == 3 and not engine.requests
 
 
+def test_requests_failing_in_one_step_each_get_their_own_error(model, engine, monkeypatch):
+    """Two requests failing their own bookkeeping differently in one step each end with their own error (an HTTP
+    client's 500 names it), and the request beside them runs on to its end. Every failing request of the step got
+    the first one's error."""
+    if model.cfg.num_mla_layers < 2:
+        pytest.skip("host logic, the same for both models; tiny-k3 covers it")
+    import asyncio
+    import time
+
+    from serve.async_engine import AsyncEngine
+
+    real = engine._append
+    errors = {"bad-a": ValueError("bad-a's own failure"), "bad-b": KeyError("bad-b's own failure")}
+
+    def append(seq, *args):
+        if seq.request_id in errors and seq.output_ids:  # their second tokens, in one decode step
+            raise errors[seq.request_id]
+        return real(seq, *args)
+
+    monkeypatch.setattr(engine, "_append", append)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    aeng = AsyncEngine(engine)
+
+    async def fails(rid):
+        with pytest.raises(RuntimeError) as e:
+            await _collect(aeng.generate([5, 6, 7], sp, rid))
+        return str(e.value)
+
+    async def main():
+        busy = asyncio.ensure_future(aeng.call(lambda e: time.sleep(0.2)))  # the three queue behind it: one step
+        await asyncio.sleep(0.05)
+        runs = [asyncio.ensure_future(fails("bad-a")), asyncio.ensure_future(fails("bad-b")),
+                asyncio.ensure_future(_collect(aeng.generate([5, 6, 8], sp, "good")))]
+        await busy
+        return await asyncio.gather(*runs)
+
+    failed_steps = engine.counters["failed_steps"]
+    try:
+        a, b, good = asyncio.run(asyncio.wait_for(main(), 120))
+    finally:
+        aeng.shutdown()
+    assert engine.counters["failed_steps"] == failed_steps + 1  # (one step failed them both)
+    assert "ValueError: bad-a's own failure" in a and "bad-b" not in a, a
+    assert "KeyError" in b and "bad-b's own failure" in b and "bad-a" not in b, b
+    assert good[-1].finished and len(good[-1].outputs[0].token_ids) == 4 and not engine.requests
+
+
 def test_async_engine_call_raising_system_exit_fails_only_that_call(model, engine):
     """A `call` whose function raises a BaseException (SystemExit) raises it to its caller; the engine thread
     serves on. It used to end the thread: the call and every later request hung."""

@@ -1405,6 +1405,39 @@ def test_a_constraint_that_fails_mid_generation_is_an_error_not_a_stop():
     assert not any(c.get("finish_reason") == "stop" for e in events for c in e.get("choices", ())), events
 
 
+def test_a_schema_past_llguidances_limits_deep_inside_is_a_400_before_it_runs():
+    """A schema whose too-wide object sits below its first tokens compiled, ran, and ended mid-generation (a 400 after
+    the tokens were spent, or a stream's error event after its chunks): refused before it runs, naming the field the
+    client sent and where in the schema."""
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+    from serve.structured import GrammarCompiler
+
+    tok = ByteTokenizer(320)
+    eng = Recorder(max_model_len=64, tokenizer=tok)
+    eng.engine.grammars = GrammarCompiler(tok, 512, tok.eos_token_ids)
+    app = create_app(eng, "m")
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(700)}}
+    schema = {"type": "object", "properties": {"id": {"type": "string"}, "data": wide}, "required": ["id", "data"]}
+    cases = [("/v1/completions", {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
+                                                                                           schema}}}, "response_format"),
+             ("/v1/completions", {"guided_json": schema}, "guided_json"),
+             ("/v1/completions", {"structured_outputs": {"json": schema}, "stream": True}, "structured_outputs.json"),
+             ("/generate", {"sampling_params": {"json_schema": json.dumps(schema)}}, "sampling_params.json_schema")]
+
+    async def go(path, body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post(path, json={"prompt": [5, 6], "max_tokens": 4, **body} if path == "/v1/completions"
+                                else {"input_ids": [5, 6], **body})
+
+    for path, body, param in cases:
+        r = asyncio.run(go(path, body))
+        assert r.status_code == 400, (param, r.text)
+        err = r.json()["error"]
+        assert err["param"] == param and "too complex for the grammar engine (at /properties/data: " in err["message"], err
+    assert eng.params == []  # none ran
+
+
 @pytest.mark.parametrize("key, field", [("json_schema", "sampling_params.json_schema"),
                                         ("regex", "sampling_params.regex"), ("ebnf", "sampling_params.ebnf")])
 @pytest.mark.parametrize("stream", [False, True])

@@ -765,6 +765,12 @@ def test_a_constraint_that_fails_mid_generation_finishes_with_error(llm):
         "error", "Parser Error: Current row has 2807 items; max is 2000", 2)
     assert e.counters["structured_output_errors"] == before + 1 and not e.has_unfinished()
     e.counters["structured_output_errors"] = before  # (the shared engine's later tests count their own: none)
+    # a schema too wide where the output enters an inner object (`{"id": "...", "data": {`) ran and ended so: refused
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(700)}}
+    schema = {"type": "object", "properties": {"id": {"type": "string"}, "data": wide}, "required": ["id", "data"]}
+    with pytest.raises(RequestError, match=r"^structured_outputs\.json: too complex .* \(at /properties/data: "):
+        llm.generate([PROMPT], SP(max_tokens=64, structured_outputs=SO(json=schema)))
+    assert not e.has_unfinished() and e.counters["structured_output_errors"] == before
 
 
 def test_bad_words_follow_vllms_rule_against_a_reference_loop(llm, forward_logits):

@@ -184,6 +184,29 @@ def test_constraints_past_llguidances_limits_are_refused_when_compiled(compiler)
     assert set(json.loads(text)) <= set(narrower["properties"])
 
 
+def test_constraints_past_llguidances_limits_deep_inside_a_schema_are_refused_when_compiled(compiler):
+    """A too-wide object (or a lexer-heavy pattern) below the schema's first tokens compiled: the request ran and
+    ended with finish_reason "error" once the output reached it (`{"data": {`). Each large sub-schema (and each with a
+    pattern) is walked on its own: refused when compiled, naming the field and where (a JSON pointer); a `$ref`'d
+    definition is walked at its `$defs` entry. One no `$ref` names, and many small fields, are not refused."""
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(700)}}
+    cases = [({"type": "object", "properties": {"id": {"type": "string"}, "data": wide}, "required": ["id", "data"]},
+              "/properties/data", "2807 items"),
+             ({"type": "array", "items": {"type": "object", "properties": {
+                 "a": {"type": "string", "pattern": "^a{1000000}$"}}}}, "/items/properties/a", "lexer error"),
+             ({"type": "object", "$defs": {"Big": {"type": "object", "properties": {"in": wide}}},
+               "properties": {"x": {"$ref": "#/$defs/Big"}}}, "/$defs/Big/properties/in", "2807 items")]
+    for schema, where, why in cases:
+        with pytest.raises(RequestError, match=rf"^structured_outputs\.json: too complex for the grammar engine "
+                                               rf"\(at {re.escape(where)}: .*{why}"):
+            compiler.compile(SO(json=schema))
+    unused = {"type": "object", "$defs": {"Big": wide}, "properties": {"x": {"type": "integer"}}}
+    many = {"type": "object", "properties": {f"p{i}": {"type": "integer", "description": f"field {i}"}
+                                             for i in range(300)}}
+    for schema in (unused, many):
+        compiler.compile(SO(json=schema))
+
+
 def test_one_of_with_overlapping_branches_is_read_as_any_of(compiler):
     """`oneOf` whose branches overlap (an integer is a number too) was refused with llguidance's "Enable
     'coerce_one_of'", an option the API does not have; vLLM's default backend (xgrammar) reads it as `anyOf`."""
