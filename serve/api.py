@@ -84,8 +84,8 @@ from serve.routed_experts import to_base64
 from serve.responses import (LOGPROBS_INCLUDE, ResponseEvents, ResponseStore, flat_tool, input_items,
                              response_object, to_chat, turn_starts)
 from serve.tools import CallStream, ToolPlan, cut_calls, parse_calls, parse_k2_calls, plan_tools, split_k2_section
-from serve.types import (CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind, SamplingParams,
-                         StructuredOutputsParams, TokenLogprobs, loggable)
+from serve.types import (MAX_STOP, CompletionOutput, Logprob, RequestError, RequestOutput, RequestOutputKind,
+                         SamplingParams, StructuredOutputsParams, TokenLogprobs, loggable)
 
 log = logging.getLogger(__name__)
 
@@ -3113,8 +3113,8 @@ def _sampling(st: ServerState, body: _GenerationFields, max_tokens: Optional[int
         truncate_prompt_tokens=_truncation(st, body.truncate_prompt_tokens), prompt_logprobs=body.prompt_logprobs,
         structured_outputs=_structured(body, thinks, constraint), bad_words=body.bad_words,
         extra_args=body.vllm_xargs)
-    try:
-        params.validate(st.vocab_size, st.max_logprobs)
+    try:  # (a client's stop list bounded here: the Python API takes any number)
+        params.validate(st.vocab_size, st.max_logprobs, max_stop=MAX_STOP)
     except RequestError as e:
         raise APIError(400, str(e), param=_param_of(str(e))) from None
     return params

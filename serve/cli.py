@@ -618,9 +618,10 @@ def cache_size(o: dict) -> dict:
         raise ValueError("--cache-mb and --kv-cache-memory-bytes set the same budget: give one")
     blocks = o.get("num_gpu_blocks_override")
     explicit = mb is not None or size is not None or blocks is not None
-    return dict(cache_bytes=size if size is not None else (CACHE_MB if mb is None else mb) << 20,
-                gpu_memory_utilization=None if explicit else o.get("gpu_memory_utilization"),
-                num_gpu_blocks_override=blocks)
+    fraction = None if explicit else o.get("gpu_memory_utilization")
+    if size is None and fraction is None:  # (with the fraction, none: a cache_bytes given would win over it)
+        size = (CACHE_MB if mb is None else mb) << 20
+    return dict(cache_bytes=size, gpu_memory_utilization=fraction, num_gpu_blocks_override=blocks)
 
 
 def _size_flags(o: dict) -> list[str]:

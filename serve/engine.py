@@ -93,6 +93,7 @@ CANONICAL_ORDER = 1 << 50  # internal re-prefill rows sort behind every real req
 INTERNAL_PRIORITY = 1 << 30  # ... whatever its priority
 MAX_TAILS = 64  # finished first-of-their-kind conversations remembered for _canonicalize_shared_tails
 LATENCY_SAMPLES = 1 << 16  # latencies `Engine.latency` keeps of each kind (the latest)
+DEFAULT_CACHE_BYTES = 256 << 20  # EngineConfig.cache_bytes when neither it nor gpu_memory_utilization is given
 
 
 class EngineSleeping(RuntimeError):
@@ -205,11 +206,14 @@ class EngineConfig:
     # arena is sized from step programs whose widths follow max_model_len)
     max_model_len: Union[int, str] = 1024
     page_size: int = 16
-    cache_bytes: int = 256 << 20  # the one budget for MLA pages and KDA state slots
+    # the one budget for MLA pages and KDA state slots (vLLM's kv_cache_memory_bytes). None: sized by
+    # `gpu_memory_utilization` when that is set, else DEFAULT_CACHE_BYTES (`arena_bytes`); a size given wins
+    cache_bytes: Optional[int] = None
     # vLLM's gpu_memory_utilization: the fraction of each device's memory (its allocator's limit) the engine
     # may use for weights, step temporaries and cache together; the arena gets what the weights and the
-    # largest step programs leave (serve/memory_budget.py), in place of `cache_bytes`. Needs a backend
-    # that reports device memory (GPU, TPU). None: `cache_bytes`.
+    # largest step programs leave (serve/memory_budget.py). Needs a backend that reports device memory (GPU,
+    # TPU). Ignored, with a start-up note, beside an explicit `cache_bytes` or `num_gpu_blocks_override`, as
+    # vLLM's kv_cache_memory_bytes ignores it. None: `cache_bytes`.
     gpu_memory_utilization: Optional[float] = None
     # vLLM's num_gpu_blocks_override: the arena's units (what vLLM's cache_config_info reports as num_gpu_blocks
     # here: each an MLA page of one layer or a share of a KDA state slot), overriding the count `cache_bytes` or
@@ -528,7 +532,7 @@ class EngineConfig:
             raise ValueError(f"max_model_len={self.max_model_len!r}: expected an integer >= 2, 'auto' or -1")
         for key in ("page_size", "prefill_chunk", "max_num_seqs", "max_prefill_seqs", "max_num_batched_tokens",
                     "checkpoint_interval", "decode_checkpoint_interval") + (
-                        ("cache_bytes",) if self.gpu_memory_utilization is None else ()):
+                        ("cache_bytes",) if self.cache_bytes is not None else ()):
             _check_int(key, getattr(self, key), 1)
         if self.num_gpu_blocks_override is not None:
             _check_int("num_gpu_blocks_override", self.num_gpu_blocks_override, 1)
@@ -649,17 +653,25 @@ class EngineConfig:
 
     @property
     def sizes_from_memory(self) -> bool:
-        """Whether the arena is sized from device memory (`gpu_memory_utilization`, not overridden by
-        `num_gpu_blocks_override`)."""
-        return self.gpu_memory_utilization is not None and self.num_gpu_blocks_override is None
+        """Whether the arena is sized from device memory (`gpu_memory_utilization`, not overridden by an explicit
+        `cache_bytes` or `num_gpu_blocks_override`)."""
+        return (self.gpu_memory_utilization is not None and self.cache_bytes is None
+                and self.num_gpu_blocks_override is None)
+
+    @property
+    def arena_bytes(self) -> int:
+        """The arena's byte budget when no device-memory fraction sizes it: `cache_bytes`, or its default."""
+        return self.cache_bytes if self.cache_bytes is not None else DEFAULT_CACHE_BYTES
 
     def overridden_budget(self) -> Optional[str]:
-        """A start-up note when `num_gpu_blocks_override` sets the arena beside `gpu_memory_utilization`, which it
-        then ignores (vLLM overrides the count profiling gives); else None."""
-        if self.num_gpu_blocks_override is None or self.gpu_memory_utilization is None:
+        """A start-up note when an explicit size (`num_gpu_blocks_override`, or `cache_bytes`) sets the arena beside
+        `gpu_memory_utilization`, which it then ignores (as vLLM's kv_cache_memory_bytes and its overridden block
+        count do); else None."""
+        if self.gpu_memory_utilization is None or self.sizes_from_memory:
             return None
-        return (f"gpu_memory_utilization={self.gpu_memory_utilization}: ignored, num_gpu_blocks_override="
-                f"{self.num_gpu_blocks_override} sets the arena's units")
+        by = (f"num_gpu_blocks_override={self.num_gpu_blocks_override} sets the arena's units"
+              if self.num_gpu_blocks_override is not None else f"cache_bytes={self.cache_bytes} sets the cache's size")
+        return f"gpu_memory_utilization={self.gpu_memory_utilization}: ignored, {by}"
 
     def starved_prompts(self) -> Optional[str]:
         """Why prompts would start only in waves (None: they do not). A prompt row is cut to multiples of
@@ -959,8 +971,8 @@ class Engine:
             self.layout = ArenaLayout.plan(self.cfg, blocks * unsized.unit_bytes, config.page_size, model.dtype, ranks,
                                            config.kv_cache_dtype, config.kda_state_dtype, dcp,
                                            budget_name=f"num_gpu_blocks_override={blocks}")
-        elif config.gpu_memory_utilization is None:
-            self.layout = layout_for(config.cache_bytes)
+        elif not config.sizes_from_memory:
+            self.layout = layout_for(config.arena_bytes)
         else:  # the smallest arena for now; _size_arena_from_memory replaces it
             self.layout = layout_for(min_units(unsized.slot_units) * unsized.unit_bytes)
         self.config = config = self._resolve_max_model_len(config)
@@ -1107,7 +1119,7 @@ class Engine:
             True, config.prefix_hash_unit, config.checkpoint_interval, config.decode_checkpoint_interval),
             host, self._read_units) if config.enable_prefix_caching else None)
         if fingerprint is not None:  # (a store may be shared: see HostEntry.origin)
-            self.prefix_cache.origin = fingerprint["weights (sampled)"]
+            self.prefix_cache.origin = fingerprint["weights (checksum)"]
         # holders of MLA units: prefix-cache entries and requests, or (without a cache) requests and forked beams
         self.refs = self.prefix_cache if self.prefix_cache is not None else UnitRefs(self.allocator)
         self._frozen: list[_FrozenSlot] = []  # forked beams' parents, until their children have read them
@@ -1240,8 +1252,8 @@ class Engine:
         """The option the arena was sized by, with its value (start-up messages)."""
         cfg = self.config
         return (f"num_gpu_blocks_override={cfg.num_gpu_blocks_override}" if cfg.num_gpu_blocks_override is not None
-                else f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.gpu_memory_utilization is not None
-                else f"cache_bytes={cfg.cache_bytes}")
+                else f"gpu_memory_utilization={cfg.gpu_memory_utilization}" if cfg.sizes_from_memory
+                else f"cache_bytes={cfg.arena_bytes}")
 
     def _size_arena_from_memory(self, layout_for, bind) -> None:
         """Replace the provisional (smallest) arena by the largest that `gpu_memory_utilization` of each device
@@ -1417,22 +1429,26 @@ class Engine:
 
     def _store_fingerprint(self) -> dict:
         """What engines sharing a host store (`kv_transfer_config`) must agree on for its entries to mean the
-        same: the model, its weights (a sample of three arrays), the arena layout and the prefix hashing. The
-        sample is of the per-layer weights, adapter slots left out, so engines that differ only in `max_loras` or
-        `scan_layers` (which change the step programs' leaves, not what an entry holds) share a store."""
-        keep = self._weight_leaves
-        pick = [self._layer_leaf(keep[i]) for i in sorted({0, len(keep) // 2, len(keep) - 1})]
-        sample = b"".join(np.asarray(jax.device_get(x.reshape(-1)[:64])).tobytes() for x in pick)
-        return {"model": repr(self.cfg), "weights (sampled)": hashlib.sha256(sample).hexdigest()[:16],
+        same: the model, its weights (`_weights_digest`), the arena layout and the prefix hashing."""
+        return {"model": repr(self.cfg), "weights (checksum)": self._weights_digest(),
                 "arena layout": repr(self.layout),
                 "prefix hashing (unit, alignment)": (self.config.prefix_hash_unit, self.align)}
 
-    def _layer_leaf(self, k: int) -> jax.Array:
-        """Per-layer weight `k` (`jax.tree.flatten` order of the unscanned model) as the engine holds it: its own
-        leaf, or its group's slice of a scanned position's stacked leaf."""
-        leaf, group = self._leaf_at[k]
-        x = self._leaves[leaf]
-        return x if group is None else x[group]
+    def _weights_digest(self) -> str:
+        """The weights a host store's entries are computed with (its fingerprint, `PrefixCache.origin`): a checksum
+        of every per-layer weight's whole content (`named_weights.checksum`, on the devices: one read of the weights),
+        adapter slots left out, so engines that differ only in `max_loras`, `scan_layers` or sharding (which change
+        the step programs' leaves, not what an entry holds) share a store, and any change of any weight (a sample
+        of three arrays missed most) tells the weights apart."""
+        sums = []
+        for k in self._weight_leaves:
+            leaf, group = self._leaf_at[k]
+            x = self._leaves[leaf]
+            # (read back one by one: a mesh's sums are all-reduces, and on CPU's devices a few hundred of them in
+            # flight at once deadlocked)
+            sums.append((tuple(x.shape[group is not None:]), str(x.dtype),
+                         int(named_weights.checksum(x, None if group is None else np.int32(group)))))
+        return hashlib.sha256(repr(sums).encode()).hexdigest()[:16]
 
     def _fingerprint(self) -> str:
         """What every process of a multi-process engine must agree on (model, config, layout, buckets)."""
@@ -2394,10 +2410,9 @@ class Engine:
             self.routes_store.clear()  # (computed with the old weights)
         if self.prefix_cache is not None and self.prefix_cache.origin and what.startswith("update_weights"):
             # a store shared with engines still on the old weights, which may publish into it: this engine now
-            # serves only entries of its new weights (named writes chain onto the origin: they may miss the sample)
+            # serves only entries of its new weights (named writes chain onto the origin; a whole update is summed)
             self.prefix_cache.origin = (named_weights.digest([], self.prefix_cache.origin + self._written)
-                                        if what == "update_weights_from_tensor"
-                                        else self._store_fingerprint()["weights (sampled)"])
+                                        if what == "update_weights_from_tensor" else self._weights_digest())
         if what.startswith("update_weights"):
             self._written = ""
         if self.channel is not None:

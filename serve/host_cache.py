@@ -17,7 +17,7 @@ Several engines of one process may share one store (disaggregated prefill: `kv_t
 serve/engine.py): a producer engine publishes each finished prompt's pages and deepest checkpoint into
 it, and a consumer engine resumes that prompt from it like from its own host tier. Entries are only
 meaningful between engines that lay out and compute them identically, so the first engine binds the
-store to its fingerprint (model, weights sample, arena layout, prefix hashing) and any other must match.
+store to its fingerprint (model, weights checksum, arena layout, prefix hashing) and any other must match.
 
 Host entries are evicted least recently used first when the host budget is full; entries a request
 is about to restore are pinned. Transfers go through two small jitted programs of a fixed row count

@@ -201,12 +201,33 @@ def as_numpy(value) -> np.ndarray:
 def digest(items: list[tuple[str, np.ndarray]], prior: str = "") -> str:
     """What a named write changes, chained after `prior` -> a hex digest: each tensor's name, dtype, shape and a
     strided sample of its values (at most 4096). Engines sharing a host store tell their weights apart by it
-    (`PrefixCache.origin`): a write of tensors outside the store fingerprint's sampled arrays changes it too."""
+    (`PrefixCache.origin`, chained onto the weights' checksum `Engine._weights_digest`): each write changes it."""
     h = hashlib.sha256(prior.encode())
     for name, a in items:
         h.update(json.dumps([name, str(a.dtype), list(a.shape)]).encode())
         h.update(np.ascontiguousarray(a.flat[np.arange(0, a.size, max(1, -(-a.size // 4096)))]).tobytes())
     return h.hexdigest()[:16]
+
+
+@jax.jit
+def checksum(x: jax.Array, group: Optional[jax.Array] = None) -> jax.Array:
+    """A weight's whole content -> a uint32 checksum (group: that slice of a layer scan's stacked leaf): each
+    element's bits mixed with its index in the weight's own shape, then a wrapping sum. Exact whatever the
+    sharding, order or stacking of the values, so engines holding the same weights differently agree; one read of
+    the weight on its devices (no transfer but the result). A host store's entries are tagged by it
+    (`Engine._weights_digest`): a sample missed updates of the weights outside it."""
+    if group is not None:
+        x = jax.lax.dynamic_index_in_dim(x, group, 0, keepdims=False)
+    bits = jnp.finfo(x.dtype).bits if jnp.issubdtype(x.dtype, jnp.floating) else (
+        8 if x.dtype == jnp.bool_ else jnp.iinfo(x.dtype).bits)
+    if bits not in (8, 16, 32, 64):  # (sub-byte types: their values, widened)
+        x, bits = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32), 32
+    u = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    u = jax.lax.bitcast_convert_type(u, {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}[bits])
+    v = u.astype(jnp.uint32) ^ (jax.lax.iota(jnp.uint32, u.size).reshape(u.shape) * jnp.uint32(0x9E3779B9))
+    v = (v ^ (v >> 16)) * jnp.uint32(0x85EBCA6B)  # (murmur3's finaliser: a change of any bit spreads)
+    v = (v ^ (v >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(v ^ (v >> 16), dtype=jnp.uint32)
 
 
 def pair_expanded(writes: list[tuple[str, NamedWeight, Optional[int], np.ndarray]], group: int, dtypes: list,

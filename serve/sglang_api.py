@@ -43,7 +43,7 @@ from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, field_validator
 from serve import api, prompt_embeds
 from serve.memory import cache_tokens
 from serve.routed_experts import to_base64
-from serve.types import RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
+from serve.types import MAX_STOP, RequestError, RequestOutput, SamplingParams, StructuredOutputsParams
 
 # the engine's (vLLM's) names of SGLang's fields, for error messages
 _NAMES = {"max_tokens": "max_new_tokens", "min_tokens": "min_new_tokens", "seed": "sampling_seed",
@@ -286,7 +286,7 @@ def sampling_of(st: "api.ServerState", body: GenerateRequest, prompts: list,
         raise api.APIError(400, "return_hidden_states: this server was started without --enable-return-hidden-states",
                            param="return_hidden_states")
     try:
-        params.validate(st.vocab_size, st.max_logprobs)
+        params.validate(st.vocab_size, st.max_logprobs, max_stop=MAX_STOP)
     except RequestError as e:
         raise _error(e) from None
     return params

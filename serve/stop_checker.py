@@ -33,6 +33,7 @@ only the token-id rules and ``max_tokens`` apply.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
@@ -77,6 +78,12 @@ class StopChecker:
             stop_ids.update(int(t) for t in eos_token_ids)
         self._stop_ids = frozenset(stop_ids)
         self._stops: tuple[str, ...] = tuple(s for s in params.stop if s) if tokenizer is not None else ()
+        # the stop strings indexed so a token's checks cost the distinct lengths, not the number of strings (the
+        # Python API takes any number, as vLLM's): by length, longest first; sorted, for the prefix search
+        self._by_length = by_length(self._stops)
+        self._sorted = tuple(sorted(set(self._stops)))
+        self._firsts = frozenset(s[0] for s in self._stops)
+        self._longest = self._by_length[0][0] if self._by_length else 0
         self._detok = (
             IncrementalDetokenizer(tokenizer, skip_special=params.skip_special_tokens)
             if tokenizer is not None
@@ -194,25 +201,32 @@ class StopChecker:
 
     def _find_stop(self, checked: int) -> Optional[tuple[int, int, str]]:
         """Earliest-completing stop string that ends in ``_pending[checked:]`` (it cannot start
-        before ``_pending``: a possible start is always held back)."""
-        best: Optional[tuple[int, int, str]] = None
+        before ``_pending``: a possible start is always held back); of those ending at the same
+        place, the longest (the one starting first)."""
         text = self._pending
-        for stop in self._stops:
-            i = text.find(stop, max(0, checked - len(stop) + 1))
-            if i < 0:
-                continue
-            end = i + len(stop)
-            if best is None or (end, i) < (best[1], best[0]):
-                best = (i, end, stop)
-        return best
+        for end in range(checked + 1, len(text) + 1):
+            for n, strings in self._by_length:
+                if n <= end and text[end - n:end] in strings:
+                    return end - n, end, text[end - n:end]
+        return None
 
     def _held_back_len(self) -> int:
-        """Length of the longest suffix of ``_pending`` that is a proper prefix of a stop string."""
-        text = self._pending
-        longest = 0
-        for stop in self._stops:
-            for n in range(min(len(stop) - 1, len(text)), longest, -1):
-                if text.endswith(stop[:n]):
-                    longest = n
-                    break
-        return longest
+        """Length of the longest suffix of ``_pending`` that is a proper prefix of a stop string: the first
+        string sorted after a suffix starts with it if any longer string does."""
+        text, strings = self._pending, self._sorted
+        for start in range(max(0, len(text) - self._longest + 1), len(text)):
+            if text[start] not in self._firsts:
+                continue
+            tail = text[start:]
+            i = bisect.bisect_right(strings, tail)
+            if i < len(strings) and strings[i].startswith(tail):
+                return len(text) - start
+        return 0
+
+
+def by_length(stops) -> tuple[tuple[int, frozenset], ...]:
+    """Stop strings grouped by length, longest first."""
+    groups: dict[int, set] = {}
+    for s in stops:
+        groups.setdefault(len(s), set()).add(s)
+    return tuple((n, frozenset(g)) for n, g in sorted(groups.items(), reverse=True))

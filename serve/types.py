@@ -163,7 +163,9 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, dict):
             raise RequestError(f"logit_bias: must be a mapping of token id to bias, got {type(self.logit_bias).__name__}")
 
-    def validate(self, vocab_size: int, max_logprobs: int = 20) -> None:
+    def validate(self, vocab_size: int, max_logprobs: int = 20, max_stop: Optional[int] = None) -> None:
+        """Raise RequestError naming the first invalid field. `max_stop`: the most stop strings taken (the HTTP
+        server passes MAX_STOP to bound a client's work per request; None: any number, as vLLM's offline LLM)."""
         def bad(name, why):
             raise RequestError(f"{name}: {why}")
 
@@ -184,8 +186,8 @@ class SamplingParams:
             bad("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
         if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
             bad("stop", "must be a non-empty string or a list of them")
-        if len(self.stop) > MAX_STOP:  # each is searched for after every token, on the engine's thread
-            bad("stop", f"at most {MAX_STOP} stop strings, got {len(self.stop)}")
+        if max_stop is not None and len(self.stop) > max_stop:
+            bad("stop", f"at most {max_stop} stop strings, got {len(self.stop)}")
         if not isinstance(self.stop_token_ids, list):
             bad("stop_token_ids", f"must be a list of token ids, got {type(self.stop_token_ids).__name__}")
         if not isinstance(self.spaces_between_special_tokens, bool):
@@ -277,8 +279,10 @@ MAX_BAD_WORDS = 1000
 #: tokens count each word's leading-space variant too (vLLM's model runner takes 1,024 tokens of at most 128 words).
 MAX_BAD_WORDS_CHARS = 1 << 14
 MAX_BAD_WORD_TOKENS = 4096
-#: Stop strings per request: each is searched for in the new text after every token, on the engine's thread, where
-#: 50,000 of them (a 700 KB body) took 90 ms a token, every other request's steps waiting (vLLM takes OpenAI's 4).
+#: Stop strings per HTTP request (`validate(max_stop=...)`): a client's list is matched on the engine's thread, every
+#: other request's steps waiting, so the server bounds it (OpenAI takes 4). The Python API takes any number, as vLLM's
+#: SamplingParams does: serve/stop_checker.py's cost per token follows the distinct lengths of the strings, not their
+#: number (50,000 cost 90 ms a token when each was searched for in turn).
 MAX_STOP = 128
 
 

@@ -645,7 +645,7 @@ def test_max_model_len_auto_and_the_models_position_limit(model, monkeypatch):
 
 @pytest.mark.parametrize("key,bad", [
     ("max_num_seqs", 0), ("max_num_seqs", None), ("page_size", 1.5), ("page_size", "16"), ("prefill_chunk", None),
-    ("max_prefill_seqs", None), ("max_prefill_seqs", 1.5), ("max_num_batched_tokens", "512"), ("cache_bytes", None),
+    ("max_prefill_seqs", None), ("max_prefill_seqs", 1.5), ("max_num_batched_tokens", "512"), ("cache_bytes", 1.5),
     ("cache_bytes", 0), ("checkpoint_interval", None), ("decode_checkpoint_interval", "x"), ("prefix_hash_unit", "x"),
     ("prefix_hash_unit", 0), ("seed", 1.5), ("seed", -1), ("host_cache_bytes", True),
     ("decode_buckets", (0,)), ("decode_buckets", (-1, 4)), ("decode_buckets", 4), ("decode_buckets", ()),
@@ -697,6 +697,7 @@ def test_valid_sizes_and_buckets_still_construct():
     EngineConfig(seed=None, generation_config=None, decode_buckets=[1, 4], prefill_buckets=(4, 1),
                  max_num_seqs=np.int64(4), page_size=np.int32(16), context_buckets=(64,)).validate()
     EngineConfig(gpu_memory_utilization=0.5, cache_bytes=None).validate()  # the budget comes from the fraction
+    EngineConfig(cache_bytes=None).validate()  # the default budget (EngineConfig.arena_bytes)
 
 
 def test_request_that_just_fits_is_accepted_and_runs(model):

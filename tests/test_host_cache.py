@@ -276,8 +276,8 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
     on.update_weights(old)
     run(producer, prompt, n=1)
     assert run(on, prompt).num_cached_tokens == 144
-    # the same by name: a write of one tensor (none of the arrays the store fingerprint samples) moves `on` off the
-    # producer's entries too; once the producer makes the same write they share again
+    # the same by name: a write of one tensor moves `on` off the producer's entries too; once the producer makes the
+    # same write they share again
     name = "language_model.model.layers.0.self_attn.q_proj.weight"
     changed = [(name, on.get_weights_by_name(name, None) * 2)]
     on.update_weights_from_tensor(changed)
@@ -289,7 +289,7 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
     on.update_weights(old)
     settled(on)
     kv = {"kv_role": "kv_consumer", "store": store}
-    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(sampled\)"):
+    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(checksum\)"):
         Engine(k3jax.load_model("tiny-k3", seed=3), config(kv_transfer_config=kv), warmup=False)
     with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* arena layout"):
         Engine(model, config(kv_transfer_config=kv, kv_cache_dtype="fp8"), warmup=False)
@@ -300,7 +300,7 @@ def test_disaggregated_prefill_through_a_shared_store(engines):
 
 
 def test_engines_differing_only_in_adapter_slots_or_layer_scan_share_a_store():
-    """The store's fingerprint samples the model's weights, not the step programs' leaves: an engine with LoRA slots
+    """The store's fingerprint sums the model's weights, not the step programs' leaves: an engine with LoRA slots
     (extra leaves) or a layer scan (stacked leaves) holds the same weights and arena entries, and was refused the
     store of an engine without them, named as other weights. Other weights are still refused."""
     model, store = k3jax.load_model("tiny-k3", seed=2), HostCache(1 << 20)
@@ -309,10 +309,41 @@ def test_engines_differing_only_in_adapter_slots_or_layer_scan_share_a_store():
     consumer = Engine(model, config(kv_transfer_config={"kv_role": "kv_consumer", "store": store}, scan_layers=True),
                       warmup=False)
     assert producer.prefix_cache.origin == consumer.prefix_cache.origin  # each serves the other's entries
-    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(sampled\)"):
+    with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(checksum\)"):
         Engine(k3jax.load_model("tiny-k3", seed=3), config(kv_transfer_config={"kv_role": "kv_consumer",
                                                                                "store": store}, max_loras=1),
                warmup=False)
+
+
+def test_any_weight_change_moves_a_shared_store_origin():
+    """A whole `update_weights` tagged a shared store's entries (`PrefixCache.origin`) by a sample of three arrays'
+    first 64 values, and engines bound the store by it: new weights that differ elsewhere kept the tag, so an engine
+    sharing the store would resume from KV computed under other weights (and one started from them was given the
+    store). The tag is a checksum of every weight now: one element changed, in any weight, moves it (and refuses
+    the store to an engine started from those weights); the old weights bring it back."""
+    import dataclasses
+
+    import jax
+
+    model, store = k3jax.load_model("tiny-k3", seed=2), HostCache(1 << 20)
+    kv = lambda role: config(kv_transfer_config={"kv_role": role, "store": store})  # noqa: E731
+    producer = Engine(model, kv("kv_producer"), warmup=False, progress=False)
+    consumer = Engine(model, kv("kv_consumer"), warmup=False, progress=False)
+    origin = producer.prefix_cache.origin
+    assert consumer.prefix_cache.origin == origin
+    flat, treedef = jax.tree.flatten(model.params)
+    big = [k for k, a in enumerate(flat) if a.size > 1000]
+    for k in (big[0], big[len(big) // 2], big[-1]):
+        changed = np.array(flat[k])
+        changed.flat[changed.size // 2 + 1] += 1  # one element mid-weight
+        leaves = flat[:k] + [jax.numpy.asarray(changed)] + flat[k + 1:]
+        other = dataclasses.replace(model, params=jax.tree.unflatten(treedef, leaves))
+        consumer.update_weights(other)
+        assert consumer.prefix_cache.origin != origin, k
+        with pytest.raises(ValueError, match=r"kv_transfer_config.store: .* weights \(checksum\)"):
+            Engine(other, kv("kv_consumer"), warmup=False, progress=False)
+        consumer.update_weights(model)
+        assert consumer.prefix_cache.origin == origin
 
 
 def test_a_host_entry_holds_only_its_own_bytes():

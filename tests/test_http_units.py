@@ -382,7 +382,7 @@ def test_vllm_cache_size_flags_and_their_precedence_over_gpu_memory_utilization(
     assert sized() == ((128 << 20, None, None), [])
     assert sized("--kv-cache-memory-bytes", "64M") == ((64 << 20, None, None), [])
     assert sized("--kv-cache-memory", "1G")[0] == (1 << 30, None, None)
-    assert sized("--gpu-memory-utilization", "0.8") == ((128 << 20, 0.8, None), [])
+    assert sized("--gpu-memory-utilization", "0.8") == ((None, 0.8, None), [])  # (a cache_bytes given would win)
     for flag, value, bytes_ in (("--cache-mb", "32", 32 << 20), ("--kv-cache-memory-bytes", "2G", 2 << 30)):
         got, notes = sized(flag, value, "--gpu-memory-utilization", "0.9")
         assert got == (bytes_, None, None)
@@ -2175,7 +2175,7 @@ def test_a_lone_surrogate_escaped_in_tool_call_arguments_names_the_call():
 def test_stop_lists_are_bounded_before_the_engine_searches_them():
     """Each stop string is searched for after every token, on the engine's thread: 50,000 of them (a 700 KB body,
     accepted) took 90 ms a token, every other request's steps waiting. More than 128 are a 400 naming `stop`, on
-    every route that takes them."""
+    every route that takes them (SGLang's /generate too; the Python API takes any number, as vLLM's)."""
     from k3jax.tokenizer import ByteTokenizer
     from recording_engine import Recorder
     from serve.types import MAX_STOP
@@ -2189,7 +2189,8 @@ def test_stop_lists_are_bounded_before_the_engine_searches_them():
 
     async def go(stop):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
-            return [await c.post(path, json={**body, "stop": stop}) for path, body in bodies]
+            return [await c.post(path, json={**body, "stop": stop}) for path, body in bodies] + [
+                await c.post("/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 1, "stop": stop}})]
 
     for r in asyncio.run(go(many)) + asyncio.run(go(many[:MAX_STOP + 1])):
         assert r.status_code == 400 and r.json()["error"]["param"] == "stop", r.text

@@ -61,6 +61,30 @@ def test_an_explicit_cache_size_wins_over_the_fraction():
         cache_options({"cache_bytes": 8 << 20}, 1 << 30)
 
 
+def test_an_explicit_cache_bytes_wins_over_the_fraction_in_engine_config_too(caplog):
+    """`EngineConfig` could not tell an explicit `cache_bytes` from its default, so built directly (not through `LLM`
+    or the CLI) the fraction won over a size given: on CPU the engine failed for want of memory statistics, and on
+    a GPU the arena ignored the size. A size given now wins everywhere, said at start-up; unset, the fraction sizes
+    the arena, and without either it is 256 MiB (the former default)."""
+    cfg = serve.engine.EngineConfig
+    assert cfg().cache_bytes is None and cfg().arena_bytes == serve.engine.DEFAULT_CACHE_BYTES == 256 << 20
+    fraction = cfg(gpu_memory_utilization=0.5)
+    assert fraction.sizes_from_memory and fraction.overridden_budget() is None
+    sized = cfg(cache_bytes=8 << 20, gpu_memory_utilization=0.5)
+    assert not sized.sizes_from_memory and sized.arena_bytes == 8 << 20
+    assert sized.overridden_budget() == "gpu_memory_utilization=0.5: ignored, cache_bytes=8388608 sets the cache's size"
+    assert cfg(num_gpu_blocks_override=9, cache_bytes=8 << 20, gpu_memory_utilization=0.5).overridden_budget() == (
+        "gpu_memory_utilization=0.5: ignored, num_gpu_blocks_override=9 sets the arena's units")
+    with pytest.raises(ValueError, match="cache_bytes=0: expected an integer >= 1"):
+        cfg(cache_bytes=0, gpu_memory_utilization=0.5).validate()
+    with caplog.at_level("WARNING", logger="serve.engine"):
+        eng = serve.engine.Engine(k3jax.load_model("tiny-k3"), dataclasses.replace(
+            sized, measure_moe_time=False, **SMALL), warmup=False, progress=False)
+    assert eng.memory_plan is None and eng.layout.num_units * eng.layout.unit_bytes <= 8 << 20
+    assert eng.cache_config()["gpu_memory_utilization"] is None
+    assert "gpu_memory_utilization=0.5: ignored, cache_bytes=8388608" in caplog.text
+
+
 @pytest.mark.parametrize("bad", [0, -1, 2.5, "8G", True])
 def test_a_bad_kv_cache_memory_bytes_is_named_as_given(bad):
     """`LLM(kv_cache_memory_bytes=0)` (or "8G", vLLM's CLI spelling) was refused as `cache_bytes=0`, an option the

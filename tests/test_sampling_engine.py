@@ -198,6 +198,18 @@ def _run_requests(e, requests):
     return [outs[r] for r in rids]
 
 
+def test_generate_takes_any_number_of_stop_strings(llm):
+    """`LLM.generate` refused more than 128 stop strings (the HTTP server's bound, serve/types.py MAX_STOP); vLLM's
+    offline LLM takes any number. Among 1,000 others, the string that matches ends the completion as alone."""
+    base = dict(temperature=0, max_tokens=12, ignore_eos=True)
+    text = llm.generate([PROMPT], SP(**base))[0].outputs[0].text
+    stop = text[3:5]
+    many = [f"never{i}" for i in range(1000)] + [stop]
+    want, got = (llm.generate([PROMPT], SP(**base, stop=s))[0].outputs[0] for s in ([stop], many))
+    assert (got.text, got.token_ids, got.stop_reason) == (want.text, want.token_ids, stop)
+    assert want.finish_reason == "stop" and len(want.token_ids) < 12
+
+
 def test_output_kinds_delta_and_final_only_carry_the_cumulative_outputs(llm):
     """vLLM's RequestOutputKind: DELTA outputs concatenate to the CUMULATIVE request's last output (text,
     ids, logprobs; with n = 2 sampled and a stop string that holds text back), each one new, the finish

@@ -324,3 +324,28 @@ def test_deltas_concatenate_to_final_text_with_everything():
     res = feed(chk, ids_of(text) + [BYTE_EOS])
     assert deltas(res) == chk.text == "Grüße, 世界! STOP? no: S T O P... "
     assert chk.stop_reason == "STOP here"
+
+
+def test_any_number_of_stop_strings_offline_and_the_server_bound():
+    """`SamplingParams.validate` refused more than 128 stop strings everywhere, the Python API too (vLLM's
+    SamplingParams takes any number); the bound is the HTTP server's (`max_stop`). With thousands of strings
+    the checker (indexed by length, and sorted for the held-back prefix) stops, holds back and names the
+    string exactly as with only the strings that matter."""
+    from serve.types import MAX_STOP, RequestError
+
+    rng = random.Random(3)
+    decoys = sorted({"".join(rng.choice("xyzé") for _ in range(rng.randint(1, 9))) + "q" for _ in range(20000)})
+    SamplingParams(stop=decoys).validate(320)
+    with pytest.raises(RequestError, match=f"stop: at most {MAX_STOP} stop strings, got {len(decoys)}"):
+        SamplingParams(stop=decoys).validate(320, max_stop=MAX_STOP)
+    for text, few in (("abc STOP here", ["STOP", "OP h"]), ("abc ST", ["STOP"]), ("a xy", ["xyzzy", "y"])):
+        for include in (False, True):
+            want = checker(stop=few, include_stop_str_in_output=include)
+            got = checker(stop=decoys + few, include_stop_str_in_output=include)
+            assert feed(got, ids_of(text)) == feed(want, ids_of(text)), (text, few)
+            assert (got.text, got.held_text, got.stop_reason) == (want.text, want.held_text, want.stop_reason)
+    text = "ab xyzé"  # held back: the longest suffix that begins a longer string
+    longest = max(n for n in range(len(text)) if any(s.startswith(text[len(text) - n:]) and len(s) > n for s in decoys))
+    chk = checker(stop=decoys)
+    feed(chk, ids_of(text))
+    assert longest > 1 and (chk.text, chk.held_text) == (text[:-longest], text[-longest:])
