@@ -23,6 +23,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax.config import ModelConfig
+from k3jax.sharding import put
 
 
 @dataclass(frozen=True)
@@ -135,7 +136,7 @@ def split_params(params, scan: LayerScan):
             return x
         sh = getattr(x, "sharding", None)  # on a mesh, placed on it like every weight (weight writes re-place
         zero = jnp.zeros((), x.dtype)      # every leaf where it was: the programs must see the same placement)
-        return jax.device_put(zero, NamedSharding(sh.mesh, P())) if isinstance(sh, NamedSharding) else zero
+        return put(zero, NamedSharding(sh.mesh, P())) if isinstance(sh, NamedSharding) else zero
 
     return jax.tree_util.tree_map_with_path(hollow, params), stacked
 

@@ -206,7 +206,7 @@ def load_model(path_or_preset: str | os.PathLike, dtype="auto", seed: int = 0, *
     dt = parse_dtype(resolve_dtype(dtype, path_or_preset))
     place = None
     if sharding is not None or devices is not None:
-        from k3jax.sharding import load_sharding_config, placement
+        from k3jax.sharding import load_sharding_config, placement, put
 
         place = placement(load_sharding_config(sharding or "single"),
                           None if devices is None else [jax.devices()[i] for i in devices])
@@ -217,7 +217,7 @@ def load_model(path_or_preset: str | os.PathLike, dtype="auto", seed: int = 0, *
                              f"(k3jax.runtime.abstract_model), it cannot be materialised with random weights here")
         graphdef, params = init_model(cfg, dt, seed)
         if place is not None:
-            params = nnx.from_flat_state([(k, v.replace(value=jax.device_put(v[...], place(v))))
+            params = nnx.from_flat_state([(k, v.replace(value=put(v[...], place(v))))
                                           for k, v in nnx.to_flat_state(params)])
         tok = load_tokenizer(None, family="byte", vocab_size=cfg.vocab_size)
         return Model(cfg, graphdef, params, dt, tok, source=path_or_preset)

@@ -207,16 +207,34 @@ def placement(config: ShardingConfig, devices=None):
     return lambda var: NamedSharding(mesh, param_spec(var, config, sizes)[0])
 
 
+def put(x, sharding):
+    """`jax.device_put(x, sharding)` of one array, without a cross-process check of host values.
+
+    `device_put` of a host value (a NumPy array, or a jax array not committed to a device) on a sharding that spans
+    processes first checks that every process passed the same value: an all-gather and a compile per shape (a
+    2-process tiny-k3 load ran 248, about a second). Every caller's value is the same on every process by
+    construction (seeded weights, the adapter factors the leader sent, the same tables), so such a value is built
+    from this process's own shards (`jax.make_array_from_callback`: no check, no device holds another process's
+    shard) with the dtype `device_put` gives it. Anything else (a sharding of this process's devices, a committed
+    array) goes to `device_put` as before."""
+    if (not isinstance(sharding, jax.sharding.Sharding) or sharding.is_fully_addressable
+            or (isinstance(x, jax.Array) and x.committed)):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    host = host.astype(jax.dtypes.canonicalize_dtype(host.dtype), copy=False)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index], dtype=host.dtype)
+
+
 def shard_params(params, mesh: Mesh, config: ShardingConfig):
     """-> (params placed on `mesh` by the rules, {param path: replicated-dim notes})."""
     specs, notes = plan_param_specs(params, config, dict(mesh.shape))
 
-    def put(var, spec):
+    def place(var, spec):
         # A new Variable holding the placed array: flax 0.12 deprecates the `.value` setter, and `var[...] = x`
         # would keep (or fail to reconcile with) the old placement.
-        return var.replace(value=jax.device_put(var[...], NamedSharding(mesh, spec)))
+        return var.replace(value=put(var[...], NamedSharding(mesh, spec)))
 
-    placed = jax.tree.map(put, params, specs, is_leaf=_is_var)
+    placed = jax.tree.map(place, params, specs, is_leaf=_is_var)
     return placed, notes
 
 

@@ -40,8 +40,8 @@ from tqdm.auto import tqdm
 
 from k3jax import layer_scan, lora as model_lora
 from k3jax.dequantize import dequantize_experts
-from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, replicated, state_axis,
-                            shard_model)
+from k3jax.sharding import (axes_size, expert_axis, load_sharding_config, moe_exchange_bytes, put, replicated,
+                            shard_model, state_axis)
 from k3jax.weight_layout import transpose_dense_weights
 from k3jax.layer_scan import LayerScan, split_params
 from k3jax.checkpoint import read_config
@@ -2072,7 +2072,7 @@ class Engine:
 
     def _write_lora_factors(self, slot: int, factors: dict) -> None:
         if self.mesh is not None:  # one replicated value on every device of the mesh (every process: the same)
-            factors = {m: tuple(jax.device_put(x, replicated(self.mesh)) for x in pair) for m, pair in factors.items()}
+            factors = {m: tuple(put(x, replicated(self.mesh)) for x in pair) for m, pair in factors.items()}
         leaves = list(self._leaves)
         for t in self._lora_leaves:
             pairs = [factors.get(m, (None, None)) for m in t.modules]
@@ -2516,7 +2516,7 @@ class Engine:
         def place(a, sh):
             if isinstance(a, HostCopy):
                 a = a.restore(sh)
-            return jax.device_put(a, sh if sh is not None else self._one_device)
+            return put(a, sh) if sh is not None else jax.device_put(a, self._one_device)
         self._leaves = [place(a, sh) for a, (_, _, sh) in zip(leaves, self._leaf_specs)]
         params = self._step_params()
         self.model = dataclasses.replace(self.model, params=params if self.layer_scan is None else params[0])

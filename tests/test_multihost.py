@@ -232,8 +232,20 @@ _ASYNC = textwrap.dedent("""
     pid, port = int(sys.argv[1]), sys.argv[2]
     k3jax.initialize_distributed(f"127.0.0.1:{port}", 2, pid)
     form, checkpoint, adapter, merged = sys.argv[4:8]
+    from jax.experimental import multihost_utils
+    checks, assert_equal = [], multihost_utils.assert_equal
+    def counted(*a, **kw):  # device_put's check that a host value is the same on every process (a gather, a compile)
+        checks.append(1)
+        return assert_equal(*a, **kw)
+    multihost_utils.assert_equal = counted
     cfg = async_config(form)
-    eng = Engine(load_model("tiny-k3", sharding=form), cfg, progress=False)
+    # tp: the weights read straight into their shards; ep: whole, then placed by the engine (`shard_params`)
+    eng = Engine(load_model("tiny-k3", **(dict(sharding=form) if form == "tp" else {})), cfg, progress=False)
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec
+    loaded = len(checks)
+    jax.device_put(np.zeros(2, np.float32), NamedSharding(eng.mesh, PartitionSpec()))  # one check: it is counted
+    control = len(checks) - loaded
     if eng.is_follower:
         import k3jax.checkpoint as ck
         read, read_tensor, seen = serve.engine.read_config, ck._read, []
@@ -247,7 +259,7 @@ _ASYNC = textwrap.dedent("""
                 raise ck.CheckpointError(f"tensor {name}: unreadable on this host")
             return read_tensor(st, name, *a, **kw)
         serve.engine.read_config, ck._read = only_the_leader_has, corrupt_here
-        print("FOLLOWED", eng.follow(), flush=True)
+        print("FOLLOWED", eng.follow(), "CHECKS" + json.dumps([control, len(checks) - control]), flush=True)
         sys.exit(0)
 
     def run(lora=None):
@@ -311,7 +323,7 @@ _ASYNC = textwrap.dedent("""
     print("RESULT" + json.dumps(dict(
         texts=texts, logprobs=logprobs, again=again, ahead=c["steps_launched_ahead"], steps=c["steps"],
         compiles=st["compiles_after_warmup"], free=st["arena_free_units"] + st["arena_cached_units"],
-        baseline=st["arena_baseline_free_units"], eplb=st.get("eplb"),
+        baseline=st["arena_baseline_free_units"], eplb=st.get("eplb"), checks=[control, len(checks) - control],
         placement=eng.eplb.placement.tolist() if eng.eplb is not None else None)), flush=True)
 """)
 
@@ -364,7 +376,9 @@ def test_two_processes_schedule_async_like_one_device(reference_outputs, async_p
     its tensors (after reading others: no process is left waiting in a load program), then succeeds; an adapter loaded at runtime gives the texts of its weights merged into the checkpoint. Under
     `ep` the experts are also re-placed every 3 steps (EPLB), on both processes alike, without changing an
     output. Both: other weights written by checkpoint name (every process writing its own shards) read back
-    across the processes, and the originals written back give the first texts."""
+    across the processes, and the originals written back give the first texts. Neither process places a host
+    value with `device_put`'s cross-process equality check (tp loads the weights into their shards, ep whole and
+    the engine places them: `k3jax.sharding.put`)."""
     (code0, out0), (code1, out1) = async_pair(form)
     assert code0 == 0, out0[-4000:]
     assert code1 == 0 and "failed on process" not in out1, out1[-4000:]
@@ -375,6 +389,10 @@ def test_two_processes_schedule_async_like_one_device(reference_outputs, async_p
         np.testing.assert_allclose(g, [lp.chosen.logprob for lp in w.outputs[0].logprobs], atol=2e-4)
     assert got["ahead"] > got["steps"] // 2 and got["compiles"] == 0 and got["free"] == got["baseline"]
     assert int(out1.split("FOLLOWED")[1].split()[0]) >= max(kw["max_tokens"] for _, kw in PROMPTS)
+    # no host value was placed with device_put's cross-process equality check (a gather and a compile each: one
+    # per weight in the load, before), in the load, the engine's placement or anything after (LoRA factors, EPLB
+    # tables); the one placed on purpose shows the checks are counted
+    assert got["checks"] == _result(out1, "CHECKS") == [1, 0], (got["checks"], out1[-2000:])
     import re
     assert re.fullmatch("(cat|dog)-[0-9]{2}", got["texts"][3])
     if form == "tp":
