@@ -1485,7 +1485,6 @@ class Engine:
                 if cmd == EPLB:  # the experts the leader moves before its next step: rows (layer, placement)
                     rows = batch.reshape(-1, 1 + self.eplb.placement.shape[1])
                     self._move_experts({int(r[0]): r[1:].copy() for r in rows}, {})
-                    jax.block_until_ready(self._leaves)
                     continue
                 if cmd == SLEEP:  # (level, weights?, kv_cache?)
                     self._release_device_memory(int(batch[0]), frozenset(
@@ -2443,7 +2442,6 @@ class Engine:
             rows = np.asarray([[layer, *new] for layer, new in moves.items()], np.int32).reshape(-1)
             send = lambda: self.channel.command(EPLB, rows)  # noqa: E731
         self._move_experts(moves, summary, send)
-        jax.block_until_ready(self._leaves)
         summary["seconds"] = time.perf_counter() - t0
         return summary
 
@@ -2459,16 +2457,19 @@ class Engine:
             log.warning("expert move failed, the experts stay where they were: %s: %s", type(e).__name__, e)
 
     def _move_experts(self, moves: dict[int, np.ndarray], summary: dict, send: Optional[Callable] = None) -> None:
-        """Gather each moved MoE layer's expert weights into their new places ({layer: placement}) and write its
-        placement tables. Index and tables go in as numpy values (the same on every process of a multi-process
-        mesh, whose followers run this on the leader's EPLB command). Launches only (the caller waits); a move
-        that raises leaves the placement, the weights and the `eplb` stats as they were.
+        """Gather each moved MoE layer's expert weights into their new places ({layer: placement}), write its
+        placement tables and wait until they landed; only then count the move. Index and tables go in as numpy
+        values (the same on every process of a multi-process mesh, whose followers run this on the leader's EPLB
+        command). A move that raises leaves the weights, the placement and the `eplb` stats as they were.
 
         `send` (a multi-process leader's: the moves to the followers) runs once this process's move is launched
-        (launches are asynchronous), as a step is sent (`_step_fn`): a move that fails on the leader alone is never
-        sent, so no follower waits in its gathers' collectives. XLA:CPU runs a program as cheap as a gather in the
-        caller's thread (its collectives would wait for followers not told yet): there the gathers are compiled
-        first and launched once sent."""
+        (launches are asynchronous), as a step is sent (`_step_fn`): a move that fails on the leader alone before
+        it is sent is never sent, so no follower waits in its gathers' collectives. XLA:CPU runs a program as cheap
+        as a gather in the caller's thread (its collectives would wait for followers not told yet): there the
+        gathers are compiled first and launched once sent. Once sent, every process waits for its own gathers and
+        all exchange their verdicts (vLLM's EPLB likewise switches its expert maps only after the weight exchange
+        completed): the move is kept on every process or on none (a failure that surfaces only as the gathers
+        finish, e.g. device memory, would otherwise have moved the others and left this one's weights broken)."""
         leaves, at = list(self._leaves), self._leaf_at
         taken: dict[int, dict] = {}  # step leaf -> {group (None: not stacked): gather index}
         for layer, new in moves.items():
@@ -2476,29 +2477,48 @@ class Engine:
             for i in self._eplb_leaves[layer][2]:
                 leaf, group = at[i]
                 taken.setdefault(leaf, {})[group] = index
-        host = jax.default_backend() == "cpu"
-        gathers = {}
-        for leaf, index in taken.items():  # a scanned run's stacked leaf: every moved group in one gather
-            x = leaves[leaf]
-            if host and getattr(x, "is_fully_addressable", True):  # XLA:CPU, one process: see eplb.take_on_host
-                leaves[leaf] = eplb.take_on_host(x, index)
-            else:
-                gathers[leaf] = eplb.gather_program(x, index)
-        inline = host and bool(gathers)  # (XLA:CPU: they would run here, waiting for the followers)
-        if send is not None and inline:
-            send()
-        for leaf, launch in gathers.items():
-            leaves[leaf] = launch()
+        together = self.is_follower  # whether the processes decide the move's fate together (a follower: always)
+        err, kept = None, (self._leaves, self.model)
         before = self.eplb.place(moves)
         try:
+            host = jax.default_backend() == "cpu"
+            gathers = {}
+            for leaf, index in taken.items():  # a scanned run's stacked leaf: every moved group in one gather
+                x = leaves[leaf]
+                if host and getattr(x, "is_fully_addressable", True):  # XLA:CPU, one process: see eplb.take_on_host
+                    leaves[leaf] = eplb.take_on_host(x, index)
+                else:
+                    gathers[leaf] = eplb.gather_program(x, index)
+            inline = host and bool(gathers)  # (XLA:CPU: they would run here, waiting for the followers)
+            if send is not None and inline:
+                send()
+                together = True  # (only once sent: a follower never told would not join the verdicts)
+            for leaf, launch in gathers.items():
+                leaves[leaf] = launch()
             self._write_placement_tables(leaves, moves)
             if moves:
                 self._set_leaves(leaves)
-        except BaseException:
+            if send is not None and not inline:
+                send()
+                together = True
+            jax.block_until_ready(self._leaves)  # landed (a failure on the devices surfaces here)
+        except BaseException as e:  # noqa: BLE001 - the move is undone below, then raised (or reported)
+            err = e
+        failed = self._processes_failed(err is None) if together else ([] if err is None else [0])
+        if failed:
+            self._leaves, self.model = kept
             self.eplb.place(before)
-            raise
-        if send is not None and not inline:
-            send()
+            if err is not None and not isinstance(err, Exception):
+                raise err  # (an interrupt: the verdicts were exchanged first)
+            if self.is_follower:
+                if err is not None:
+                    log.error("expert move: process %d could not move its experts (the experts stay where they "
+                              "were on every process): %s: %s", self.channel.process, type(err).__name__, err)
+                return
+            if err is not None:
+                raise err
+            raise RuntimeError(f"expert move: process(es) {failed} could not move their experts (their logs say "
+                               f"why); the experts stay where they were on every process")
         self.eplb.applied(moves, summary)  # (stats count only the moves that landed)
         self.counters["eplb_rebalances"] += 1
 

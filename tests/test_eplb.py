@@ -194,9 +194,10 @@ def test_copies_compute_what_the_original_experts_do():
 
 
 def test_a_failed_move_counts_in_no_stats_and_ends_no_request():
-    """A move whose weights fail to land (injected as they are placed; in life device memory) leaves the placement
-    and the `eplb` stats (rebalances, layers_moved, last) as they were; the next move counts once. One the engine
-    schedules (every `eplb_step_interval` steps) fails alone: the step's requests go on to the same tokens.
+    """A move whose weights fail to land (injected as they are placed, then as they finish; in life device memory)
+    leaves the placement and the `eplb` stats (rebalances, layers_moved, last) as they were; the next move counts
+    once. One the engine schedules (every `eplb_step_interval` steps) fails alone: the step's requests go on to the
+    same tokens.
     (Two CPU devices in a subprocess: expert parallelism needs a mesh; tests/step_failures.py drains the engine.
     tiny-kimi-linear: half tiny-k3's layers, so its two step programs compile in half the time; the bookkeeping is
     the model's either way, and on CPU the engine holds tiny-k3's MXFP4 experts expanded, so both move dense
@@ -206,7 +207,7 @@ def test_a_failed_move_counts_in_no_stats_and_ends_no_request():
     import sys
 
     code = """
-import json, sys, numpy as np, k3jax
+import json, sys, jax, numpy as np, k3jax
 sys.path.insert(0, "tests")
 from serve.engine import Engine, EngineConfig
 from serve.types import SamplingParams
@@ -229,6 +230,14 @@ except RuntimeError as e:
 after_failure = dict(engine.stats()["eplb"], kept=engine.eplb.placement.tolist() == start.tolist(),
                      counted=engine.counters["eplb_rebalances"])
 engine._set_leaves = real
+wait = jax.block_until_ready
+def late(x):  # the devices fail as the gathers finish (after the move was launched)
+    jax.block_until_ready = wait
+    raise RuntimeError("injected late device failure")
+jax.block_until_ready = late
+engine._scheduled_rebalance()
+after_late = dict(engine.stats()["eplb"], kept=engine.eplb.placement.tolist() == start.tolist(),
+                  counted=engine.counters["eplb_rebalances"])
 engine.rebalance_experts()
 after_move = engine.stats()["eplb"]
 def run():
@@ -239,7 +248,8 @@ def run():
 want = run()
 engine._set_leaves, engine.eplb.interval = broken, 2  # scheduled moves, every 2 steps, each failing
 scheduled = run()
-print("RESULT" + json.dumps(dict(failed=failed, after_failure=after_failure, after_move=after_move, want=want,
+print("RESULT" + json.dumps(dict(failed=failed, after_failure=after_failure, after_late=after_late,
+                                 after_move=after_move, want=want,
                                  scheduled=scheduled, after_scheduled=engine.stats()["eplb"])))
 """
     env = dict(os.environ, XLA_FLAGS=f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count=2",
@@ -250,6 +260,10 @@ print("RESULT" + json.dumps(dict(failed=failed, after_failure=after_failure, aft
     assert got["failed"] == "injected device failure", got
     failed = got["after_failure"]
     assert failed["kept"] and (failed["rebalances"], failed["layers_moved"], failed["last"], failed["counted"]) == (0, 0, {}, 0), got
+    # one that fails late, as its gathers finish: undone too, and counted once, as failed (it counted as a
+    # rebalance as well, and stayed, broken weights and all)
+    late = got["after_late"]
+    assert late["kept"] and (late["rebalances"], late["failed_moves"], late["counted"]) == (0, 1, 0), got
     moved = got["after_move"]
     assert (moved["rebalances"], moved["layers_moved"], moved["last"]["layers_moved"]) == (1, 1, 1), got
     # scheduled moves that fail (inside a step's read-back) end no request: the outputs stand, the moves are counted

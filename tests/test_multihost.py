@@ -220,6 +220,7 @@ _ASYNC_CONFIG = textwrap.dedent("""
         return dataclasses.replace(engine_config(o), measure_moe_time=False)
 """)
 _ASYNC = textwrap.dedent("""
+    _MARK = [7, 6, 5, 4, 3, 2, 1, 0, 3, 2, 1, 0]  # a layer placement the planner never makes (process 1 fails it)
     import dataclasses, json, sys
     import numpy as np
     import k3jax
@@ -259,7 +260,14 @@ _ASYNC = textwrap.dedent("""
                 raise ck.CheckpointError(f"tensor {name}: unreadable on this host")
             return read_tensor(st, name, *a, **kw)
         serve.engine.read_config, ck._read = only_the_leader_has, corrupt_here
+        wait = jax.block_until_ready
+        def fails_moving_to_mark(x):  # (ep) this host's devices fail the move to `_MARK` as its gathers finish
+            if eng.eplb is not None and eng.eplb.placement[0].tolist() == _MARK:
+                raise RuntimeError("injected device failure on process 1")
+            return wait(x)
+        jax.block_until_ready = fails_moving_to_mark
         print("FOLLOWED", eng.follow(), "CHECKS" + json.dumps([control, len(checks) - control]), flush=True)
+        print("PLACEMENT" + json.dumps(eng.eplb.placement.tolist() if eng.eplb is not None else None), flush=True)
         sys.exit(0)
 
     def run(lora=None):
@@ -531,7 +539,10 @@ def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step(async_pa
 # memory or an interrupt): process 0 prepares its gathers (and, off XLA:CPU, launches them) before sending the move,
 # so a move it could not make is never sent and process 1 never waits in the gather's collectives for it (both hung,
 # before: the move was sent first). The placement stays as it was on both processes, the outputs do not change; a
-# later move goes through on both alike.
+# later move goes through on both alike. Then moves that fail late, as the gathers finish (after the move was sent),
+# on process 0 alone and on process 1 alone: the processes exchange verdicts, so neither keeps the move (before,
+# the leader counted it both as a rebalance and as failed, and the processes could disagree on the placement);
+# requests after them answer as before.
 # Process 0's part, run by `_ASYNC`'s ep processes once that test's part is done (its engine; process 1 follows on).
 _LEADER_MOVE_FAILS = textwrap.dedent("""
     import serve.eplb
@@ -564,9 +575,27 @@ _LEADER_MOVE_FAILS = textwrap.dedent("""
     eng.rebalance_experts()
     moved = eng.eplb.placement[0].tolist() != before[0].tolist()
     again = run()
+    import jax
+    placed, counted, plan = eng.eplb.placement.copy(), eng.stats()["eplb"]["rebalances"], eng.eplb.plan
+    wait, late = jax.block_until_ready, []
+    def fails_once(x):  # process 0's devices fail as the gathers finish
+        jax.block_until_ready = wait
+        raise RuntimeError("injected late device failure")
+    for mark, here in ((np.roll(placed[0], 3), True), (np.asarray(_MARK), False)):
+        eng.eplb.plan = lambda mark=mark: ({0: mark.astype(np.int32)}, {})
+        jax.block_until_ready = fails_once if here else wait
+        try:
+            eng.rebalance_experts()
+            late.append(None)
+        except RuntimeError as e:
+            late.append(str(e))
+    jax.block_until_ready, eng.eplb.plan = wait, plan
+    late_kept = eng.eplb.placement.tolist() == placed.tolist() and eng.stats()["eplb"]["rebalances"] == counted
+    after_late = run()
     eng.close()
-    print("FAILED_MOVE" + json.dumps(dict(want=want, failed=failed, kept=kept, got=got, moved=moved, again=again)),
-          flush=True)
+    print("FAILED_MOVE" + json.dumps(dict(want=want, failed=failed, kept=kept, got=got, moved=moved, again=again,
+                                          late=late, late_kept=late_kept, after_late=after_late,
+                                          placement=eng.eplb.placement.tolist())), flush=True)
 """)
 
 
@@ -575,8 +604,11 @@ def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step(
     assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
     got = _result(out0, "FAILED_MOVE")
     assert "injected device failure" in got["failed"] and got["kept"] and got["moved"], got
-    assert got["got"] == got["want"] == got["again"], got
+    assert got["got"] == got["want"] == got["again"] == got["after_late"], got
     assert "failed on process" not in out1  # process 1 never ran the move process 0 could not make
+    # late failures (process 0's, then process 1's): the move stands nowhere, counted as no rebalance
+    assert got["late"][0] == "injected late device failure" and "process(es) [1] could not move" in got["late"][1], got
+    assert got["late_kept"] and _result(out1, "PLACEMENT") == got["placement"], got
 
 
 # gpu_memory_utilization on two processes whose (simulated) devices differ in size: each plans from its own,
