@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import threading
+import urllib.parse
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
@@ -78,6 +79,57 @@ def check_schema_depth(schema: Any, field_: str = "structured_outputs.json") -> 
     """RequestError naming `field_` when `schema` nests deeper than `MAX_SCHEMA_DEPTH`."""
     if schema_depth(schema) > MAX_SCHEMA_DEPTH:
         raise _too_deep(field_)
+
+
+#: Levels of nested objects and arrays a JSON schema's compile may recurse through, its `$ref`s followed: llguidance
+#: compiles a definition where a `$ref` first names it, recursing into it, and a chain of ~900 definitions each naming
+#: the next in one property (60 KB of JSON) overflowed its thread's stack: a segfault, the server gone. 1,000 levels
+#: are ~330 such definitions, about a third of the depth that crashed.
+MAX_REF_DEPTH = 1000
+
+
+def _resolve(root: Any, ref: str) -> Any:
+    """The value a local `$ref` (`"#"`, `"#/$defs/A"`, `"#/items/0"`) names in `root`; None when it names none."""
+    if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
+        return None
+    x = root
+    for part in ref[2:].split("/") if len(ref) > 1 else ():
+        part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
+        if isinstance(x, dict) and part in x:
+            x = x[part]
+        elif isinstance(x, list) and part.isdigit() and int(part) < len(x):
+            x = x[int(part)]
+        else:
+            return None
+    return x
+
+
+def ref_depth(schema: Any, limit: int = MAX_REF_DEPTH) -> int:
+    """Levels of nested dicts and lists met walking `schema` from its root as a compiler does: definitions
+    (`$defs`, `definitions`) only where a local `$ref` first names them, each value a `$ref` names entered once
+    (counted without recursion, and at most `limit + 1`)."""
+    depth, entered, stack = 0, {id(schema)}, [(schema, 1)]
+    while stack:
+        x, d = stack.pop()
+        if not isinstance(x, (dict, list)) or depth > limit:
+            continue
+        depth = max(depth, d)
+        if isinstance(x, list):
+            stack.extend((y, d + 1) for y in x)
+            continue
+        stack.extend((y, d + 1) for k, y in x.items() if k not in ("$defs", "definitions"))
+        target = _resolve(schema, x["$ref"]) if isinstance(x.get("$ref"), str) else None
+        if isinstance(target, (dict, list)) and id(target) not in entered:
+            entered.add(id(target))
+            stack.append((target, d + 1))
+    return min(depth, limit + 1)
+
+
+def check_ref_depth(schema: Any, field_: str) -> None:
+    """RequestError naming `field_` when compiling `schema` would recurse past `MAX_REF_DEPTH` levels."""
+    if ref_depth(schema) > MAX_REF_DEPTH:
+        raise RequestError(f"{field_}: the schema nests objects and arrays more than {MAX_REF_DEPTH} levels deep "
+                           f"through its $refs (a chain of definitions each naming the next); flatten it")
 
 
 def _too_deep(field_: str) -> RequestError:
@@ -192,6 +244,7 @@ def json_constraint(params: StructuredOutputsParams) -> tuple[Any, dict]:
     if not isinstance(schema, (dict, bool)):
         raise RequestError(f"{field_}: a JSON schema must be an object, got {type(schema).__name__}")
     check_schema_depth(schema, field_)
+    check_ref_depth(schema, field_)
     if params.disable_additional_properties and kind == "json":  # json_object stays any object (vLLM's)
         schema = _close_objects(schema)
     options = ({"whitespace_flexible": False} if params.disable_any_whitespace else
@@ -246,21 +299,22 @@ def _text_sizes(schema: Any) -> dict[int, int]:
     return sizes
 
 
-def _shallow(x: Any, sizes: dict[int, int], top: bool = True) -> Any:
+def _shallow(x: Any, sizes: dict[int, int], top: bool = True, refs: bool = True) -> Any:
     """`x` with each large sub-schema below it (`PROBE_SUB_SCHEMA_TEXT`) replaced by `{}`: each is walked on its own,
-    and where the output enters `x` only `x`'s own alternatives count (every part of a schema is in one probe)."""
+    and where the output enters `x` only `x`'s own alternatives count (every part of a schema is in one probe).
+    `refs=False`: its `$ref`s left out too (each then stands for any value)."""
     if isinstance(x, dict) and not top and sizes.get(id(x), 0) >= PROBE_SUB_SCHEMA_TEXT:
         return {}
     if isinstance(x, list):
-        return [_shallow(v, sizes, False) for v in x]
+        return [_shallow(v, sizes, False, refs) for v in x]
     if not isinstance(x, dict):
         return x
     out = {}
     for k, v in x.items():
         if k in _SCHEMA_MAPS and isinstance(v, dict):
-            out[k] = {name: _shallow(sub, sizes, False) for name, sub in v.items()}
-        else:
-            out[k] = v if k in _DATA else _shallow(v, sizes, False)
+            out[k] = {name: _shallow(sub, sizes, False, refs) for name, sub in v.items()}
+        elif k != "$ref" or refs:
+            out[k] = v if k in _DATA else _shallow(v, sizes, False, refs)
     return out
 
 
@@ -281,48 +335,66 @@ def _local_refs(x: Any) -> Optional[set[str]]:
     return refs
 
 
-def sub_schemas(schema: Any) -> list[tuple[str, dict]]:
+def _ref_targets(schema: Any) -> set[str]:
+    """The last two segments of every `$ref` in `schema` (`"$defs/X"` of `"#/$defs/X"`): the definitions in use."""
+    found, stack = set(), [schema]
+    while stack:
+        y = stack.pop()
+        if isinstance(y, dict) and isinstance(y.get("$ref"), str):
+            found.add("/".join(y["$ref"].rsplit("/", 2)[-2:]))
+        stack.extend(v for _, v in _children(y))
+    return found
+
+
+def _alone(x: dict, sizes: dict[int, int], defs: dict[str, Any]) -> Optional[dict]:
+    """`x` as a root schema of its own: `_shallow`, next to the root's definitions its `$ref`s name, shallow with
+    their own `$ref`s left out (each definition is walked at its own entry: following their `$ref`s on made each of
+    a chain of N definitions carry the rest, N^2 in all: 300 OpenAPI components took 8 s to compile). None when a
+    `$ref` points elsewhere than the root's definitions (an `$id` resource is taken as it is)."""
+    alone = _shallow(x, sizes)
+    if _own_resource(x):  # (its refs are its own)
+        return alone
+    refs = _local_refs(alone)
+    if refs is None or not refs <= defs.keys():
+        return None
+    for ref in refs:
+        kind, name = ref[2:].split("/")
+        alone.setdefault(kind, {})[name.replace("~1", "/").replace("~0", "~")] = _shallow(defs[ref], sizes, refs=False)
+    return alone
+
+
+def sub_schemas(schema: Any, limit: Optional[int] = None) -> list[tuple[str, dict]]:
     """(JSON pointer, a root schema of it) of each distinct sub-schema of `schema` that may meet one of llguidance's
     lazy limits where the output enters it: large ones (`PROBE_SUB_SCHEMA_TEXT`), or ones with a regular
-    expression of their own (`pattern`, `patternProperties`), largest first. Each is `_shallow` (linear in all),
-    next to the root's definitions its `$ref`s name (shallow too). Not those merged with their parent (`_MERGED`),
-    definitions no `$ref` names, or ones whose `$ref`s point elsewhere than the root's definitions (an `$id`
-    resource is taken as it is)."""
+    expression of their own (`pattern`, `patternProperties`), largest first (the first `limit`). Each is `_alone`
+    (about linear in all). Not those merged with their parent (`_MERGED`), definitions no `$ref` names, or ones
+    whose `$ref`s point elsewhere than the root's definitions."""
     if not isinstance(schema, dict):
         return []
-    sizes, text = _text_sizes(schema), json.dumps(schema)
+    sizes, used = _text_sizes(schema), _ref_targets(schema)
     defs = {f"#/{k}/{_pointer([name])[1:]}": sub for k in ("$defs", "definitions")
             if isinstance(schema.get(k), dict) for name, sub in schema[k].items()}
-    found: dict[str, tuple[int, str, dict]] = {}
+    candidates: list[tuple[int, str, dict]] = []
     stack: list[tuple[tuple, Any]] = [((), schema)]
     while stack:
         path, x = stack.pop()
         for k, v in _children(x):
             sub = path + (k if isinstance(k, tuple) else (k,))
-            if isinstance(k, tuple) and k[0] in ("$defs", "definitions") and f'{_pointer(k)}"' not in text:
+            if isinstance(k, tuple) and k[0] in ("$defs", "definitions") and _pointer(k)[1:] not in used:
                 continue  # (a definition no $ref names: unused)
             stack.append((sub, v))
         merged = len(path) > 1 and (path[-1] in _MERGED or path[-2] in _MERGED)
-        if not path or merged or not isinstance(x, dict) or not (
+        if path and not merged and isinstance(x, dict) and (
                 sizes.get(id(x), 0) >= PROBE_SUB_SCHEMA_TEXT or "pattern" in x or "patternProperties" in x):
-            continue
-        alone = _shallow(x, sizes)
-        named, todo = {}, ([] if _own_resource(x) else [alone])  # (an `$id` resource's refs are its own)
-        while todo:  # the definitions its $refs name, theirs too
-            refs = _local_refs(todo.pop())
-            if refs is None or not refs <= defs.keys() | named.keys():
-                break
-            for ref in refs - named.keys():
-                named[ref] = _shallow(defs[ref], sizes)
-                todo.append(named[ref])
-        else:
-            for ref, d in named.items():
-                kind, name = ref[2:].split("/")
-                alone.setdefault(kind, {})[name.replace("~1", "/").replace("~0", "~")] = d
-            key = json.dumps(alone, sort_keys=True)
-            if key not in found:
-                found[key] = sizes[id(x)], _pointer(path), alone
-    return [(where, alone) for _, where, alone in sorted(found.values(), key=lambda f: -f[0])]
+            candidates.append((sizes[id(x)], _pointer(path), x))
+    found: dict[str, tuple[str, dict]] = {}
+    for _, where, x in sorted(candidates, key=lambda c: -c[0]):
+        if limit is not None and len(found) >= limit:
+            break
+        alone = _alone(x, sizes, defs)
+        if alone is not None:
+            found.setdefault(json.dumps(alone, sort_keys=True), (where, alone))
+    return list(found.values())
 
 
 def probe_sub_schemas(params: StructuredOutputsParams, ll_tokenizer, stop_ids: Sequence[int]) -> Optional[str]:
@@ -334,7 +406,7 @@ def probe_sub_schemas(params: StructuredOutputsParams, ll_tokenizer, stop_ids: S
     import llguidance as llg
 
     schema, options = json_constraint(params)
-    for where, alone in sub_schemas(schema)[:MAX_SUB_PROBES]:
+    for where, alone in sub_schemas(schema, MAX_SUB_PROBES):
         try:
             m = llg.LLMatcher(ll_tokenizer, llg.LLMatcher.grammar_from_json_schema(json.dumps(alone),
                                                                                    overrides=options), log_level=0)

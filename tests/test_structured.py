@@ -17,7 +17,7 @@ import pytest
 from k3jax.tokenizer import ByteTokenizer
 from serve.penalties import apply_bitmask
 from serve.stop_checker import StopChecker
-from serve.structured import GrammarCompiler, mask_words
+from serve.structured import GrammarCompiler, mask_words, sub_schemas
 from serve.types import RequestError, SamplingParams, StructuredOutputsParams as SO
 
 TOK = ByteTokenizer(320)
@@ -205,6 +205,48 @@ def test_constraints_past_llguidances_limits_deep_inside_a_schema_are_refused_wh
                                              for i in range(300)}}
     for schema in (unused, many):
         compiler.compile(SO(json=schema))
+
+
+def test_sub_schema_probes_of_a_chain_of_definitions_stay_linear(compiler):
+    """Each probed sub-schema carried the definitions its `$ref`s name, theirs too: in a chain of N OpenAPI-style
+    components (each 1 KiB, each naming the next) every probe held the rest of the chain, N^2 in all (300 took 8 s to
+    compile, 2,000 over 5 minutes in `sub_schemas` alone). A probe holds the definitions its sub-schema names, their
+    own `$ref`s left out (each is walked at its own entry): the probes' text stays within a few times the schema's,
+    the schema compiles, and a too-wide object at the chain's end is still refused, named where it is."""
+    def chain(n, last):
+        defs = {f"D{i}": {"type": "object", "description": "x" * 1000, "properties": {
+            "a": {"type": "string", "pattern": "^[a-z]+$"}, "next": {"$ref": f"#/$defs/D{i + 1}"}}} for i in range(n)}
+        return {"$defs": {**defs, f"D{n}": last}, "type": "object", "properties": {"x": {"$ref": "#/$defs/D0"}}}
+
+    schema = chain(200, {"type": "string"})
+    probes = sub_schemas(schema)
+    assert len(probes) >= 200 and all(len(alone.get("$defs", {})) <= 1 for _, alone in probes)
+    assert sum(len(json.dumps(alone)) for _, alone in probes) < 4 * len(json.dumps(schema))
+    compiler.compile(SO(json=schema))
+    wide = {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(700)}}
+    with pytest.raises(RequestError, match=r"too complex for the grammar engine \(at /\$defs/D30: .*2807 items"):
+        compiler.compile(SO(json=chain(30, wide)))
+
+
+def test_a_chain_of_definitions_too_deep_to_compile_is_refused_naming_the_field(compiler):
+    """llguidance compiles a definition where a `$ref` first names it, recursing into it: a chain of 1,000
+    definitions each naming the next in a property (60 KB of JSON, nested 3 levels) overflowed the compiling thread's
+    stack, a segfault that took the server with it. Past `MAX_REF_DEPTH` levels through its `$refs` a schema is
+    refused naming the field; a chain of 300, and recursive schemas (each definition entered once), compile."""
+    from serve.structured import MAX_REF_DEPTH, ref_depth
+
+    def chain(n):
+        defs = {f"D{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/D{i + 1}"}}} for i in range(n)}
+        return {"$defs": {**defs, f"D{n}": {"type": "string"}}, "$ref": "#/$defs/D0"}
+    tree = {"type": "object", "properties": {"kids": {"type": "array", "items": {"$ref": "#"}},
+                                             "n": {"$ref": "#/$defs/N"}}, "$defs": {"N": {"$ref": "#/$defs/N2"},
+                                                                                  "N2": {"type": "integer"}}}
+    assert ref_depth(chain(300)) == 902 and ref_depth(tree) == 5
+    for schema in (chain(300), tree):
+        compiler.compile(SO(json=schema))
+    with pytest.raises(RequestError, match=rf"^structured_outputs\.json: .* more than {MAX_REF_DEPTH} levels deep "
+                                           r"through its \$refs"):
+        compiler.compile(SO(json=chain(1000)))
 
 
 def test_one_of_with_overlapping_branches_is_read_as_any_of(compiler):
