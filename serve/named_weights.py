@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import re
@@ -209,25 +210,47 @@ def digest(items: list[tuple[str, np.ndarray]], prior: str = "") -> str:
     return h.hexdigest()[:16]
 
 
-@jax.jit
-def checksum(x: jax.Array, group: Optional[jax.Array] = None) -> jax.Array:
+def _bits(x: jax.Array) -> jax.Array:
+    """A weight's values as unsigned integers of their width (sub-byte types: their values widened to 32 bits)."""
+    bits = jnp.finfo(x.dtype).bits if jnp.issubdtype(x.dtype, jnp.floating) else (
+        8 if x.dtype == jnp.bool_ else jnp.iinfo(x.dtype).bits)
+    if bits not in (8, 16, 32, 64):
+        x, bits = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32), 32
+    u = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
+    return jax.lax.bitcast_convert_type(u, {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}[bits])
+
+
+def _mixed_sum(u: jax.Array, start) -> jax.Array:
+    """Each element's bits mixed with its index (`start` + its place in `u`), then a wrapping uint32 sum."""
+    idx = jax.lax.iota(jnp.uint32, u.size).reshape(u.shape) + jnp.asarray(start, jnp.uint32)
+    v = u.astype(jnp.uint32) ^ (idx * jnp.uint32(0x9E3779B9))
+    v = (v ^ (v >> 16)) * jnp.uint32(0x85EBCA6B)  # (murmur3's finaliser: a change of any bit spreads)
+    v = (v ^ (v >> 13)) * jnp.uint32(0xC2B2AE35)
+    return jnp.sum(v ^ (v >> 16), dtype=jnp.uint32)
+
+
+@functools.partial(jax.jit, static_argnames="by_rows")
+def checksum(x: jax.Array, group: Optional[jax.Array] = None, by_rows: bool = False) -> jax.Array:
     """A weight's whole content -> a uint32 checksum (group: that slice of a layer scan's stacked leaf): each
     element's bits mixed with its index in the weight's own shape, then a wrapping sum. Exact whatever the
     sharding, order or stacking of the values, so engines holding the same weights differently agree; one read of
     the weight on its devices (no transfer but the result). A host store's entries are tagged by it
-    (`Engine._weights_digest`): a sample missed updates of the weights outside it."""
+    (`Engine._weights_digest`): a sample missed updates of the weights outside it.
+
+    `by_rows`: the same sum, one leading-axis row at a time. XLA:CPU does not fuse the mixing into the reduction:
+    it held the whole weight as uint32 beside it (twice a bf16 weight's bytes, four times a packed MXFP4 one's); row
+    by row at most one copy of the weight's bits (GPU and TPU reductions fuse the mixing: no copy)."""
     if group is not None:
         x = jax.lax.dynamic_index_in_dim(x, group, 0, keepdims=False)
-    bits = jnp.finfo(x.dtype).bits if jnp.issubdtype(x.dtype, jnp.floating) else (
-        8 if x.dtype == jnp.bool_ else jnp.iinfo(x.dtype).bits)
-    if bits not in (8, 16, 32, 64):  # (sub-byte types: their values, widened)
-        x, bits = x.astype(jnp.float32 if jnp.issubdtype(x.dtype, jnp.floating) else jnp.int32), 32
-    u = x.astype(jnp.uint8) if x.dtype == jnp.bool_ else x
-    u = jax.lax.bitcast_convert_type(u, {8: jnp.uint8, 16: jnp.uint16, 32: jnp.uint32, 64: jnp.uint32}[bits])
-    v = u.astype(jnp.uint32) ^ (jax.lax.iota(jnp.uint32, u.size).reshape(u.shape) * jnp.uint32(0x9E3779B9))
-    v = (v ^ (v >> 16)) * jnp.uint32(0x85EBCA6B)  # (murmur3's finaliser: a change of any bit spreads)
-    v = (v ^ (v >> 13)) * jnp.uint32(0xC2B2AE35)
-    return jnp.sum(v ^ (v >> 16), dtype=jnp.uint32)
+    u = _bits(x)
+    if not by_rows or x.ndim < 2:
+        return _mixed_sum(u, 0)
+    per = x.size // x.shape[0]
+
+    def row(i, total):
+        return total + _mixed_sum(jax.lax.dynamic_index_in_dim(u, i, 0, keepdims=False),
+                                  i.astype(jnp.uint32) * jnp.uint32(per))
+    return jax.lax.fori_loop(0, x.shape[0], row, jnp.uint32(0))
 
 
 def pair_expanded(writes: list[tuple[str, NamedWeight, Optional[int], np.ndarray]], group: int, dtypes: list,

@@ -346,6 +346,25 @@ def test_any_weight_change_moves_a_shared_store_origin():
         assert consumer.prefix_cache.origin == origin
 
 
+@pytest.mark.parametrize("dtype", ["bfloat16", "uint8", "bool", "float32"])
+def test_the_weights_checksum_is_the_same_row_by_row_and_for_a_stacked_slice(dtype):
+    """`named_weights.checksum` row by row (XLA:CPU: it held the whole weight as uint32 beside it otherwise) and of
+    a layer scan's stacked slice equals the one-pass sum of the weight alone, and one element moves it."""
+    import jax.numpy as jnp
+
+    from serve.named_weights import checksum
+
+    x = np.random.default_rng(3).normal(size=(5, 7, 3)) * 4
+    x = jnp.asarray(x > 0 if dtype == "bool" else x.astype(np.float32)).astype(dtype)
+    other = jnp.logical_not(x) if dtype == "bool" else x + 1
+    want = int(checksum(x))
+    assert int(checksum(x, by_rows=True)) == want
+    stacked = jnp.stack([other, x])
+    assert int(checksum(stacked, np.int32(1), by_rows=True)) == int(checksum(stacked, np.int32(1))) == want
+    moved = x.at[3, 6, 2].set(other[3, 6, 2])
+    assert int(checksum(moved, by_rows=True)) == int(checksum(moved)) != want
+
+
 def test_a_host_entry_holds_only_its_own_bytes():
     """An eviction round copies every entry it drops to host memory in one read. The entries were views of that
     one copy, so an entry left in the store (the rest evicted by the host tier or restored) kept the whole round's
