@@ -243,7 +243,7 @@ def checksum(x: jax.Array, group: Optional[jax.Array] = None, by_rows: bool = Fa
     if group is not None:
         x = jax.lax.dynamic_index_in_dim(x, group, 0, keepdims=False)
     u = _bits(x)
-    if not by_rows or x.ndim < 2:
+    if not by_rows or x.ndim < 2 or not x.shape[0]:  # (no rows: no element to sum a row of)
         return _mixed_sum(u, 0)
     per = x.size // x.shape[0]
 

@@ -107,21 +107,29 @@ def _resolve(root: Any, ref: str) -> Any:
 def ref_depth(schema: Any, limit: int = MAX_REF_DEPTH) -> int:
     """Levels of nested dicts and lists met walking `schema` from its root as a compiler does: definitions
     (`$defs`, `definitions`) only where a local `$ref` first names them, each value a `$ref` names entered once
-    (counted without recursion, and at most `limit + 1`)."""
+    (counted without recursion, and at most `limit + 1`). llguidance walks a schema's parts in their order (`anyOf`
+    branches, properties): walked in reverse only, a chain of definitions named at its start by a first property and
+    in its middle by later ones was entered from its middle (a quarter as deep) and crashed the compile. Walked in
+    both orders, the deeper counts (not the longest way through the definitions: a compile never goes that deep,
+    and 3,000 OpenAPI components each naming earlier ones compile)."""
+    forward = _ref_walk(schema, limit, True)
+    return forward if forward > limit else max(forward, _ref_walk(schema, limit, False))
+
+
+def _ref_walk(schema: Any, limit: int, in_order: bool) -> int:
+    """`ref_depth` walking each dict's and list's items in their order (`in_order`) or in reverse."""
     depth, entered, stack = 0, {id(schema)}, [(schema, 1)]
     while stack:
         x, d = stack.pop()
         if not isinstance(x, (dict, list)) or depth > limit:
             continue
         depth = max(depth, d)
-        if isinstance(x, list):
-            stack.extend((y, d + 1) for y in x)
-            continue
-        stack.extend((y, d + 1) for k, y in x.items() if k not in ("$defs", "definitions"))
-        target = _resolve(schema, x["$ref"]) if isinstance(x.get("$ref"), str) else None
+        items = x if isinstance(x, list) else [y for k, y in x.items() if k not in ("$defs", "definitions")]
+        target = _resolve(schema, x["$ref"]) if isinstance(x, dict) and isinstance(x.get("$ref"), str) else None
         if isinstance(target, (dict, list)) and id(target) not in entered:
             entered.add(id(target))
-            stack.append((target, d + 1))
+            items = [*items, target] if not in_order else [target, *items]
+        stack.extend((y, d + 1) for y in (reversed(items) if in_order else items))
     return min(depth, limit + 1)
 
 

@@ -365,6 +365,20 @@ def test_the_weights_checksum_is_the_same_row_by_row_and_for_a_stacked_slice(dty
     assert int(checksum(moved, by_rows=True)) == int(checksum(moved)) != want
 
 
+@pytest.mark.parametrize("shape", [(), (1, 4), (0, 4), (3, 0), (2, 0, 4)])
+def test_the_weights_checksum_row_by_row_of_odd_shapes(shape):
+    """Row by row, a weight with no rows divided by zero (`ZeroDivisionError` tracing it, a stacked leaf's
+    empty slice too): every shape sums as in one pass."""
+    import jax.numpy as jnp
+
+    from serve.named_weights import checksum
+
+    x = jnp.arange(int(np.prod(shape)), dtype=jnp.float32).reshape(shape) + 1
+    assert int(checksum(x, by_rows=True)) == int(checksum(x))
+    stacked = jnp.stack([x, x])
+    assert int(checksum(stacked, np.int32(1), by_rows=True)) == int(checksum(stacked, np.int32(1)))
+
+
 def test_a_host_entry_holds_only_its_own_bytes():
     """An eviction round copies every entry it drops to host memory in one read. The entries were views of that
     one copy, so an entry left in the store (the rest evicted by the host tier or restored) kept the whole round's

@@ -249,6 +249,32 @@ def test_a_chain_of_definitions_too_deep_to_compile_is_refused_naming_the_field(
         compiler.compile(SO(json=chain(1000)))
 
 
+def test_a_chain_of_definitions_named_in_its_middle_too_is_walked_in_the_schemas_order(compiler):
+    """`ref_depth` walked a schema's parts in reverse: properties naming a chain of 1,000 definitions at its start
+    and at 250, 500 and 750 entered it from its end, four walks of 250 (754 levels), while llguidance compiles the
+    first property first, down the whole chain (3,000 levels): a segfault past the check (78 KB of JSON). Walked in
+    the schema's order too, it is refused; 3,000 OpenAPI components each naming earlier ones (no compile goes
+    through their longest way) are not."""
+    import random
+
+    from serve.structured import MAX_REF_DEPTH, ref_depth
+
+    def entered_at(n, k):
+        defs = {f"D{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/D{i + 1}"}}} for i in range(n)}
+        return {"$defs": {**defs, f"D{n}": {"type": "string"}}, "type": "object",
+                "properties": {f"p{j}": {"$ref": f"#/$defs/D{j * n // k}"} for j in range(k)}}
+    assert ref_depth(entered_at(1000, 4)) > MAX_REF_DEPTH  # (checked first: compiling it crashed the process)
+    assert ref_depth(entered_at(300, 4)) == 904
+    compiler.compile(SO(json=entered_at(300, 4)))
+    with pytest.raises(RequestError, match=rf"more than {MAX_REF_DEPTH} levels deep through its \$refs"):
+        compiler.compile(SO(json=entered_at(1000, 4)))
+    pick = random.Random(0).randrange
+    components = {f"C{i}": {"type": "object", "properties": {f"f{j}": {"$ref": f"#/$defs/C{pick(max(i - 50, 0), i)}"}
+                                                             for j in range(3)}} for i in range(1, 3000)}
+    components["C0"] = {"type": "string"}
+    assert ref_depth({"$defs": components, "$ref": "#/$defs/C2999"}) < MAX_REF_DEPTH
+
+
 def test_one_of_with_overlapping_branches_is_read_as_any_of(compiler):
     """`oneOf` whose branches overlap (an integer is a number too) was refused with llguidance's "Enable
     'coerce_one_of'", an option the API does not have; vLLM's default backend (xgrammar) reads it as `anyOf`."""
