@@ -27,6 +27,7 @@ A step with no constrained row carries all-ones rows and skips the masking (`lax
 from __future__ import annotations
 
 import json
+import re
 import threading
 import urllib.parse
 from collections import OrderedDict
@@ -88,12 +89,15 @@ def check_schema_depth(schema: Any, field_: str = "structured_outputs.json") -> 
 MAX_REF_DEPTH = 1000
 
 
-def _resolve(root: Any, ref: str) -> Any:
-    """The value a local `$ref` (`"#"`, `"#/$defs/A"`, `"#/items/0"`) names in `root`; None when it names none."""
-    if not ref.startswith("#") or (len(ref) > 1 and not ref.startswith("#/")):
-        return None
-    x = root
-    for part in ref[2:].split("/") if len(ref) > 1 else ():
+#: The base URI of a schema without an `$id` of its own (hierarchical, so relative `$id`s and `$ref`s resolve on it).
+_ROOT_URI = "http://k3jax.invalid/schema.json"
+
+
+def _pointer_target(doc: Any, pointer: str) -> Any:
+    """The value a JSON pointer (`""`, `"/$defs/A"`, `"/items/0"`; percent-encoded too) names in `doc`; None when
+    it names none."""
+    x = doc
+    for part in pointer[1:].split("/") if pointer else ():
         part = urllib.parse.unquote(part).replace("~1", "/").replace("~0", "~")
         if isinstance(x, dict) and part in x:
             x = x[part]
@@ -104,32 +108,77 @@ def _resolve(root: Any, ref: str) -> Any:
     return x
 
 
+def schema_resources(schema: Any) -> tuple[dict[int, str], dict[str, list]]:
+    """(id of each dict -> the base URI its `$ref`s resolve against, URI -> the schemas it names: the root's, each
+    `$id`'s resource, each `$anchor`'s `uri#name`) of a JSON schema, URIs resolved as RFC 3986 (and llguidance) do,
+    each enclosing `$id` the base of those inside it (walked without recursion)."""
+    bases: dict[int, str] = {}
+    named: dict[str, list] = {_ROOT_URI: [schema]}
+    stack = [(schema, _ROOT_URI)]
+    while stack:
+        x, base = stack.pop()
+        if isinstance(x, list):
+            stack.extend((y, base) for y in x)
+        if not isinstance(x, dict) or id(x) in bases:
+            continue
+        sid = x.get("$id")
+        if isinstance(sid, str) and not sid.startswith("#"):
+            base = urllib.parse.urldefrag(urllib.parse.urljoin(base, sid))[0]
+            named.setdefault(base, []).append(x)
+        bases[id(x)] = base
+        if isinstance(x.get("$anchor"), str):
+            named.setdefault(f"{base}#{x['$anchor']}", []).append(x)
+        stack.extend((y, base) for y in x.values())
+    return bases, named
+
+
+def ref_targets(ref: str, base: str, named: dict[str, list]) -> list:
+    """The schemas a `$ref` found under `base` may name (`schema_resources`): a JSON pointer into a resource, or an
+    `$anchor`; [] when it names none here."""
+    uri, fragment = urllib.parse.urldefrag(urllib.parse.urljoin(base, ref))
+    if fragment and not fragment.startswith("/"):
+        return named.get(f"{uri}#{fragment}", [])
+    found = (_pointer_target(doc, fragment) for doc in named.get(uri, ()))
+    return [x for x in found if isinstance(x, (dict, list))]
+
+
 def ref_depth(schema: Any, limit: int = MAX_REF_DEPTH) -> int:
     """Levels of nested dicts and lists met walking `schema` from its root as a compiler does: definitions
-    (`$defs`, `definitions`) only where a local `$ref` first names them, each value a `$ref` names entered once
-    (counted without recursion, and at most `limit + 1`). llguidance walks a schema's parts in their order (`anyOf`
-    branches, properties): walked in reverse only, a chain of definitions named at its start by a first property and
-    in its middle by later ones was entered from its middle (a quarter as deep) and crashed the compile. Walked in
-    both orders, the deeper counts (not the longest way through the definitions: a compile never goes that deep,
-    and 3,000 OpenAPI components each naming earlier ones compile)."""
-    forward = _ref_walk(schema, limit, True)
-    return forward if forward > limit else max(forward, _ref_walk(schema, limit, False))
+    (`$defs`, `definitions`) only where a `$ref` first names them (a JSON pointer, an `$id`'s URI, an `$anchor`),
+    each value a `$ref` names entered once (counted without recursion, and at most `limit + 1`). A `$ref` is read
+    against the `$id` around it, the last `$id` the walk entered (llguidance's reading: a definition reached through
+    `uri#/pointer` takes the base it was reached from) and the root, the names of all three followed (a bound).
+    llguidance walks a schema's parts in their order (`anyOf` branches, properties): walked in reverse only, a chain
+    of definitions named at its start by a first property and in its middle by later ones was entered from its
+    middle (a quarter as deep) and crashed the compile. Walked in both orders, the deeper counts (not the longest way
+    through the definitions: a compile never goes that deep, and 3,000 OpenAPI components each naming earlier ones
+    compile)."""
+    resources = schema_resources(schema)
+    forward = _ref_walk(schema, limit, True, *resources)
+    return forward if forward > limit else max(forward, _ref_walk(schema, limit, False, *resources))
 
 
-def _ref_walk(schema: Any, limit: int, in_order: bool) -> int:
+def _ref_walk(schema: Any, limit: int, in_order: bool, bases: dict, named: dict) -> int:
     """`ref_depth` walking each dict's and list's items in their order (`in_order`) or in reverse."""
-    depth, entered, stack = 0, {id(schema)}, [(schema, 1)]
+    depth, entered, stack = 0, {id(schema)}, [(schema, 1, _ROOT_URI)]
     while stack:
-        x, d = stack.pop()
+        x, d, walked = stack.pop()
         if not isinstance(x, (dict, list)) or depth > limit:
             continue
         depth = max(depth, d)
-        items = x if isinstance(x, list) else [y for k, y in x.items() if k not in ("$defs", "definitions")]
-        target = _resolve(schema, x["$ref"]) if isinstance(x, dict) and isinstance(x.get("$ref"), str) else None
-        if isinstance(target, (dict, list)) and id(target) not in entered:
-            entered.add(id(target))
-            items = [*items, target] if not in_order else [target, *items]
-        stack.extend((y, d + 1) for y in (reversed(items) if in_order else items))
+        items = list(x) if isinstance(x, list) else [y for k, y in x.items() if k not in ("$defs", "definitions")]
+        if isinstance(x, dict):
+            if isinstance(x.get("$id"), str) and not x["$id"].startswith("#"):
+                walked = urllib.parse.urldefrag(urllib.parse.urljoin(walked, x["$id"]))[0]
+            ref, targets = x.get("$ref"), []
+            for base in (dict.fromkeys((bases.get(id(x), _ROOT_URI), walked, _ROOT_URI)) if isinstance(ref, str)
+                         else ()):
+                for target in ref_targets(ref, base, named):
+                    if id(target) not in entered:
+                        entered.add(id(target))
+                        targets.append(target)
+            items = [*targets, *items] if in_order else [*items, *targets]
+        stack.extend((y, d + 1, walked) for y in (reversed(items) if in_order else items))
     return min(depth, limit + 1)
 
 
@@ -138,6 +187,110 @@ def check_ref_depth(schema: Any, field_: str) -> None:
     if ref_depth(schema) > MAX_REF_DEPTH:
         raise RequestError(f"{field_}: the schema nests objects and arrays more than {MAX_REF_DEPTH} levels deep "
                            f"through its $refs (a chain of definitions each naming the next); flatten it")
+
+
+#: Levels llguidance's Lark compile may recurse through: it compiles a rule or terminal where another first names it,
+#: recursing into it and into each group (`(...)`, `[...]`) the name stands in, and a chain of ~2,700 rules each
+#: naming the next (30 KB of grammar; 250 rules naming the next inside 20 groups) overflowed the compiling thread's
+#: stack: a segfault, the server gone. 1,000 levels are about a third of the depth that crashed.
+MAX_GRAMMAR_DEPTH = 1000
+
+#: A rule's or terminal's definition (`?name.2[attrs]:`), or a statement (`%ignore`), at a line's start: a new node.
+_LARK_HEAD = re.compile(r"[ \t]*(?:[?!]?([A-Za-z_]\w*)(?:\.-?\d+)?(?=[ \t]*(?:\[[^\]\n]*\])?[ \t]*:)"
+                        r"|(%\w+)\b(?![ \t]*\{))")
+#: The pieces of Lark text told apart: strings, comments and regexes (which may span lines) skipped, a `%` keyword
+#: before JSON (`%json`, `%llguidance`, `%regex`), names, brackets and line ends; anything else in runs. An
+#: unterminated string or regex runs to its end of line or text (llguidance refuses it; matched again from each of
+#: its quotes, a line of `"\` repeated took seconds per 40 KB).
+_LARK_PIECE = re.compile(r'"(?:[^"\\\n]|\\.)*"?|//[^\n]*|#[^\n]*|/(?:[^/\\]|\\.)+/?|(%\w+)[ \t]*(?=\{)'
+                         r'|[A-Za-z_]\w*|[()\[\]\n]|[^"/#%A-Za-z_()\[\]\n]+|.', re.S)
+
+
+def lark_parts(text: str) -> tuple[dict[str, int], dict[str, list[str]], list[Any]]:
+    """(name -> 1 + the deepest group a name stands in within its definition, name -> the defined names it uses,
+    the JSON schemas of its `%json`s) of Lark `text`, read as llguidance reads it where it matters for its compile's
+    depth (statements are nodes of their own)."""
+    weights: dict[str, int] = {"%": 1}
+    uses: dict[str, list[str]] = {}
+    schemas: list[Any] = []
+    node, depth, pos, line_start = "%", 0, 0, True
+    decoder = json.JSONDecoder()
+    while pos < len(text):
+        if line_start and (head := _LARK_HEAD.match(text, pos)) and (head.group(1) or head.group(2)):
+            node, depth, pos = head.group(1) or head.group(2), 0, head.end()
+            weights.setdefault(node, 1)
+        line_start = False
+        piece = _LARK_PIECE.match(text, pos)
+        pos, word = piece.end(), piece.group()
+        if word == "\n":
+            line_start = True
+        elif word in ("(", "["):
+            depth += 1
+        elif word in (")", "]"):
+            depth = max(0, depth - 1)
+        elif piece.group(1):  # `%json {...}`: its JSON read whole (its schema is checked as a JSON schema's)
+            try:
+                value, pos = decoder.raw_decode(text, text.index("{", pos))
+            except (ValueError, RecursionError):
+                continue
+            if piece.group(1) == "%json":
+                schemas.append(value)
+        elif word[0].isalpha() or word[0] == "_":
+            weights[node] = max(weights[node], depth + 1)
+            uses.setdefault(node, []).append(word)
+    return weights, {n: list(dict.fromkeys(u for u in used if u in weights)) for n, used in uses.items()}, schemas
+
+
+def heaviest_path(weights: dict[str, int], edges: dict[str, list[str]]) -> int:
+    """The weight of the heaviest path through a graph (Tarjan's components, without recursion), the nodes of a cycle
+    (a strongly connected component) all counted: a bound on any depth-first walk's that enters each node once."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    component: dict[str, int] = {}
+    best: list[int] = []
+    stack: list[str] = []
+    for root in weights:
+        if root in index:
+            continue
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        work = [(root, iter(edges.get(root, ())))]
+        while work:
+            v, rest = work[-1]
+            for w in rest:
+                if w not in index:
+                    index[w] = low[w] = len(index)
+                    stack.append(w)
+                    work.append((w, iter(edges.get(w, ()))))
+                    break
+                if w not in component:  # (on the stack)
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:  # v's component is complete: every one it reaches outside is done
+                    members, c = [], len(best)
+                    while not members or members[-1] != v:
+                        members.append(stack.pop())
+                        component[members[-1]] = c
+                    after = max((best[component[w]] for m in members for w in edges.get(m, ()) if component[w] != c),
+                                default=0)
+                    best.append(sum(weights[m] for m in members) + after)
+    return max(best, default=0)
+
+
+def check_grammar_depth(text: str, field_: str) -> None:
+    """RequestError naming `field_` when compiling Lark `text` could recurse past `MAX_GRAMMAR_DEPTH` levels, or when
+    one of its `%json` schemas nests too deep (`check_schema_depth`, `check_ref_depth`)."""
+    weights, edges, schemas = lark_parts(text)
+    if heaviest_path(weights, edges) > MAX_GRAMMAR_DEPTH:
+        raise RequestError(f"{field_}: the grammar's rules and terminals nest more than {MAX_GRAMMAR_DEPTH} levels "
+                           f"deep (a chain of rules each naming the next, each group a name stands in one level "
+                           f"more); flatten it")
+    for schema in schemas:
+        check_schema_depth(schema, field_)
+        check_ref_depth(schema, field_)
 
 
 def _too_deep(field_: str) -> RequestError:
@@ -459,9 +612,11 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
     if not isinstance(params.grammar, str) or not params.grammar.strip():
         raise RequestError(f"{field_}: must be a non-empty grammar (Lark or GBNF)")
     try:
-        return llg.grammar_from("grammar", params.grammar)
+        text = llg.grammar_from("grammar", params.grammar)
     except ValueError as e:
         raise RequestError(f"{field_}: {e}") from None
+    check_grammar_depth(text, field_)
+    return text
 
 
 class _TokenTable:

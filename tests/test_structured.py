@@ -275,6 +275,92 @@ def test_a_chain_of_definitions_named_in_its_middle_too_is_walked_in_the_schemas
     assert ref_depth({"$defs": components, "$ref": "#/$defs/C2999"}) < MAX_REF_DEPTH
 
 
+_COMPILE_EACH = r"""
+import json, sys
+from k3jax.tokenizer import ByteTokenizer
+from serve.structured import GrammarCompiler
+from serve.types import RequestError, StructuredOutputsParams as SO
+
+tok = ByteTokenizer(320)
+compiler = GrammarCompiler(tok, 352, tok.eos_token_ids)
+for params in json.load(sys.stdin):
+    try:
+        compiler.compile(SO(**params))
+        print("compiled")
+    except RequestError as e:
+        print(str(e).replace("\n", " "))
+"""
+
+
+def _compile_in_a_subprocess(cases: list[dict]) -> list[str]:
+    """What compiling each constraint (`StructuredOutputsParams` fields) says, "compiled" or its RequestError, in a
+    process of its own: a case that crashes llguidance ends it, not the tests."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _COMPILE_EACH], input=json.dumps(cases), capture_output=True,
+                         text=True, timeout=300)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    return run.stdout.splitlines()
+
+
+def test_grammars_too_deep_to_compile_are_refused_naming_the_field(compiler):
+    """llguidance compiles a Lark rule or terminal where another first names it, recursing into it (and into each
+    group the name stands in): a chain of 3,000 rules each naming the next (33 KB), or 250 naming the next inside 20
+    groups, overflowed the compiling thread's stack, a segfault that took the server with it; so did a `%json` schema
+    whose `$ref` chain `MAX_REF_DEPTH` refuses in `json` (it was not checked inside a grammar). Refused naming the
+    field (compiled in a subprocess: without the bound it crashes); a chain of 900 rules and real grammars compile."""
+    from serve.structured import MAX_GRAMMAR_DEPTH, heaviest_path, lark_parts
+
+    chain = "\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(3000)), 'r3000: "a"'])
+    grouped = "\n".join(["start: r0", *(f'r{i}: "x" ' + "(" * 20 + f"r{i + 1}" + ")" * 20 for i in range(250)),
+                         'r250: "a"'])
+    defs = {f"D{i}": {"type": "object", "properties": {"next": {"$ref": f"#/$defs/D{i + 1}"}}} for i in range(1000)}
+    embedded = "start: %json " + json.dumps({"$defs": {**defs, "D1000": {"type": "string"}}, "$ref": "#/$defs/D0"})
+    lines = _compile_in_a_subprocess([{"grammar": g} for g in (chain, grouped, embedded)])
+    assert len(lines) == 3 and all(line.startswith("structured_outputs.grammar: ") for line in lines), lines
+    assert all(f"more than {MAX_GRAMMAR_DEPTH} levels deep" in line for line in lines[:2])
+    assert "through its $refs" in lines[2]
+    compiler.compile(SO(grammar="\n".join(["start: r0", *(f"r{i}: r{i + 1}" for i in range(900)), 'r900: "a"'])))
+    # strings, regexes (across lines too) and comments name nothing; a cycle counts each of its rules once
+    text = ('start: expr\n?expr: term (("+" | "-") (term))*  // expr "term"\nterm: NUMBER | "(" expr ")" # factor\n'
+            'NUMBER: /[0-9]+\nfactor/\nfactor: term\n%ignore " "')
+    weights, edges, _ = lark_parts(text)
+    assert edges == {"start": ["expr"], "expr": ["term"], "term": ["NUMBER", "expr"], "factor": ["term"]}
+    assert weights["expr"] == 3 and heaviest_path(weights, edges) == 1 + 3 + 1 + 1  # start, (expr, term), NUMBER
+    compiler.compile(SO(grammar=text))
+
+
+def test_a_chain_of_definitions_named_by_anchor_or_id_is_bounded_too(compiler):
+    """`MAX_REF_DEPTH` followed only `#/pointer` refs: a chain of 1,000 definitions each naming the next by an
+    `$anchor` (`"#A1"`) or an `$id` URI (absolute or relative) compiled past it and segfaulted the server as the
+    pointer chain had. Such `$ref`s are followed too (each read against the `$id` around it, the one the walk came
+    through and the root): refused naming the field (compiled in a subprocess: without the bound it crashes), and a
+    chain of 300 of each compiles."""
+    from serve.structured import ref_depth
+
+    def chain(n, how):
+        names = {"anchor": ("$anchor", "A{}", "#A{}"), "uri": ("$id", "http://x.test/d{}", "http://x.test/d{}"),
+                 "relative": ("$id", "d{}.json", "d{}.json")}[how]
+        defs = {f"D{i}": {names[0]: names[1].format(i), "type": "object",
+                          "properties": {"next": {"$ref": names[2].format(i + 1)}}} for i in range(n)}
+        defs[f"D{n}"] = {names[0]: names[1].format(n), "type": "string"}
+        return {"$defs": defs, "$ref": names[2].format(0)}
+
+    hows = ("anchor", "uri", "relative")
+    assert [ref_depth(chain(300, how)) for how in hows] == [902] * 3
+    lines = _compile_in_a_subprocess([{"json": chain(1000, how)} for how in hows])
+    assert len(lines) == 3 and all(re.match(r"structured_outputs\.json: .* through its \$refs", line) for line in lines)
+    for how in hows:
+        compiler.compile(SO(json=chain(300, how)))
+    # a pointer inside an `$id` resource is read in it; one reached through `uri#/pointer` is read from the root too
+    inner = {"$defs": {"R": {"$id": "http://y.test/r", "$defs": chain(400, "anchor")["$defs"]}},
+             "$ref": "http://y.test/r#A0"}
+    through = {"$defs": {"D1": chain(400, "uri"), "R": {"$id": "http://y.test/r", "$defs": {
+        "D0": {"type": "object", "properties": {"a": {"$ref": "#/$defs/D1"}}}}}}, "$ref": "http://y.test/r#/$defs/D0"}
+    assert ref_depth(inner) > 1000 and ref_depth(through) > 1000
+
+
 def test_one_of_with_overlapping_branches_is_read_as_any_of(compiler):
     """`oneOf` whose branches overlap (an integer is a number too) was refused with llguidance's "Enable
     'coerce_one_of'", an option the API does not have; vLLM's default backend (xgrammar) reads it as `anyOf`."""
