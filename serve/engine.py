@@ -13,6 +13,7 @@ Decode programs then return their logits and a sample program, launched once the
 from __future__ import annotations
 
 import atexit
+import bisect
 import collections
 import collections.abc
 import dataclasses
@@ -74,7 +75,7 @@ from serve import generation_config, logits_processors, prompt_embeds
 from serve.sampling import SamplingBatch, ban_in_bias, check_logprobs_mode
 from serve.speculative import DraftGate, NgramIndex, SpeculativeConfig, SuffixIndex, SuffixProposer
 from serve.series import ITERATION_TOKEN_BUCKETS, BucketCounts, Recent
-from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, chunk_end, schedule, units_for
+from serve.scheduler import Memory, SchedulerConfig, SeqView, StepPlan, chunk_end, schedule, units_for, waiting_cut
 from serve import eplb
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_sample, bind_step
@@ -788,6 +789,7 @@ class Sequence:
     table_row: int = field(default=-1, repr=False, compare=False)
     table_sent: int = field(default=0, repr=False, compare=False)
     table_sent_gen: int = field(default=-1, repr=False, compare=False)
+    place: int = field(default=0, repr=False, compare=False)  # its entry's number in `Engine.seqs` (their order)
 
     @property
     def all_ids(self) -> list[int]:
@@ -1173,6 +1175,15 @@ class Engine:
         self.moe_dispatch_seconds = 0.0
         self.inter_rank_bytes = 0  # expert-parallel all-reduce traffic (see _moe_exchange_bytes)
         self._canonical_pending: dict[str, bytes] = {}  # internal re-prefill rid -> checkpoint key
+        self._waiting_head: list[Sequence] = []  # the waiting sequences the last plan saw (`_queue_head`)
+        self._ended: set[str] = set()  # ids of requests a sequence of which ended since the last `_reap`
+        # the sequences that may wait, as (priority, arrival, place, seq) in that order (`_waiting`: those that no
+        # longer wait are dropped when met), their places; and the sequences holding a state slot, by id: so a step
+        # finds its running and first waiting sequences without walking every request queued
+        self._queue: list[tuple] = []
+        self._queued: set[int] = set()
+        self._running: dict[str, Sequence] = {}
+        self._places = itertools.count(1)
         # finished conversations never reused yet, with their adapter
         self._tails: collections.OrderedDict[str, tuple[PrefixHasher, Optional[Adapter]]] = collections.OrderedDict()
         self.warmed_up = False
@@ -1753,7 +1764,7 @@ class Engine:
         for seq in req.seqs:
             if seq.lora is not None:
                 seq.lora.requests.add(seq.rid)
-            self.seqs[seq.rid] = seq
+            self._seat(seq)
         if req.beam is not None:
             self._beams[req.request_id] = req
 
@@ -2106,6 +2117,7 @@ class Engine:
         if req.beam is not None:
             g = req.beam  # (a failed search, count False, reports nothing: its hypotheses may be what failed)
             g.final, g.aborted = aborted_hypotheses(g, [s.hyp for s in req.seqs]) if count else [], True
+            self._ended.add(request_id)
             for s in req.seqs:
                 self._drop_beam(s)
             req.seqs = []
@@ -2834,16 +2846,11 @@ class Engine:
         its positions computed and the token it samples (their next row takes that token on the device).
         `mixed`: plan the decodes even with `prefill_first`."""
         self._unpark_for_laggards()
-        live = [s for s in self.seqs.values() if not s.finished and s.proposals is None]
-        for s in live:
-            if s.slot is None:
-                self._match(s)
-        if self._canonicalize_shared_tails(live):
-            live = [s for s in self.seqs.values() if not s.finished and s.proposals is None]
-            for s in live:
-                if s.slot is None and s.hit is None:
-                    self._match(s)
-        deferred = self._deferred(live)
+        free_units, free_slots = self.allocator.free_units, self._free_slots()
+        if self.prefix_cache:
+            eu, es = self.prefix_cache.evictable()
+            free_units, free_slots = free_units + eu, free_slots + es
+        live, deferred = self._queue_head(free_slots)
         if self.spec:
             decoding = [s for s in live if self._decodes_next(s)]
             off = self._drafting_off(len(decoding))
@@ -2866,10 +2873,6 @@ class Engine:
                          len(s.prompt_ids) + s.checker.max_tokens, s.lora.uid if s.lora is not None else 0,
                          self._decode_rows(s))
                  for s in live if s.rid not in deferred]
-        free_units, free_slots = self.allocator.free_units, self._free_slots()
-        if self.prefix_cache:
-            eu, es = self.prefix_cache.evictable()
-            free_units, free_slots = free_units + eu, free_slots + es
         cfg = dataclasses.replace(self.sched_cfg, prefill_first=False) if mixed else self.sched_cfg
         plan = schedule(views, Memory(free_units, free_slots), cfg, self.new_token_ratio)
         if plan.empty and not plan.preempt and not self._flight and self._beams and self._unpark_for_laggards(True):
@@ -2878,6 +2881,48 @@ class Engine:
         for rid in plan.preempt:
             self._preempt(self.seqs[rid])
         return plan
+
+    def _queue_head(self, free_slots: int) -> tuple[list[Sequence], set[str]]:
+        """The sequences the scheduler sees this step, each waiting one matched against the prefix cache ->
+        (them, in `self.seqs`' order; the waiting ones among them that sit out: `_deferred`). Every running
+        sequence and canonical row, and as many waiting requests, in the scheduler's order (priority, arrival), as
+        the scheduler may look at (`waiting_cut`; those that sit out do not count). The requests behind them are
+        not matched or viewed until they move up (their prefix-cache plans are not kept from eviction, nor do they
+        start a canonical row meanwhile). Running sequences and waiting ones come from `_running` and the ordered
+        queue (`_waiting`): walking, matching and viewing every request queued every step made an offline batch of
+        N prompts cost host time quadratic in N."""
+        def fixed() -> list[Sequence]:  # the running sequences and the canonical rows
+            rows = [self.seqs[r] for r in self._canonical_pending if r in self.seqs and self.seqs[r].slot is None]
+            return [s for s in list(self._running.values()) + rows if not s.finished and s.proposals is None]
+
+        def shown(n: int) -> list[Sequence]:  # in `self.seqs`' order
+            return sorted(held + [e[3] for e in self._waiting(n)], key=operator.attrgetter("place"))
+
+        held = fixed()
+        running = [(s.priority, s.lora.uid if s.lora is not None else 0) for s in held if s.slot is not None]
+        # (only a running canonical row's borrowed place is checked against the waiting requests': see `_deferred`)
+        lent = ({(p, o) for p, o, _, _ in self._waiting(len(self._queue))}
+                if any(s.home and s.slot is not None for s in held) else set())
+        first = self._waiting(1)
+        n = waiting_cut(self.sched_cfg, free_slots, running, itertools.repeat((first[0][0], 0, True))) if first else 1
+        while True:
+            head = shown(n)
+            for s in head:
+                if s.slot is None:
+                    self._match(s)
+            if self._canonicalize_shared_tails(head):
+                held = fixed()  # (with the rows spawned)
+                head = shown(n)
+                for s in head:
+                    if s.slot is None and s.hit is None:
+                        self._match(s)
+            deferred = self._deferred(head, lent)
+            queue = self._waiting(n)
+            cut = ((s.priority, s.lora.uid if s.lora is not None else 0, s.rid not in deferred) for *_, s in queue)
+            if len(queue) < n or waiting_cut(self.sched_cfg, free_slots, running, cut) is not None:
+                self._waiting_head = [s for s in head if s.slot is None]
+                return head, deferred
+            n *= 2
 
     @staticmethod
     def _view_total(seq: Sequence) -> int:
@@ -3118,7 +3163,7 @@ class Engine:
                     spawned = True
         return spawned
 
-    def _deferred(self, live: list[Sequence]) -> set[str]:
+    def _deferred(self, live: list[Sequence], lent: set) -> set[str]:
         """Waiting requests that should sit out this step because another request is about to
         checkpoint a deeper point of their prefix.
 
@@ -3138,10 +3183,10 @@ class Engine:
         to its own once they are gone (an aborted urgent request's priority let it preempt user requests). A
         running row keeps the place while the request that gave it still waits, even when it no longer plans
         the capture that request waits for (no slot to keep it): else the waiting row that plans it next takes
-        that place and preempts it, and two such rows preempt each other forever."""
+        that place and preempts it, and two such rows preempt each other forever. `lent`: the places (priority,
+        arrival) of every waiting request (`_queue_head` gives `live` fewer of them)."""
         if self.prefix_cache is None:
             return set()
-        lent = {(s.priority, s.order) for s in live if s.slot is None and s.internal is None}
         for s in live:
             if s.home and not (s.slot is not None and (s.priority, s.order) in lent):
                 s.priority, s.order = s.home
@@ -3186,6 +3231,7 @@ class Engine:
         plan grows it by). Host parts to write before the step are appended to `restore` as (units, host
         entry)."""
         seq.slot = self.allocator.alloc_slot()
+        self._running[seq.rid] = seq
         hit, pc = seq.hit, self.prefix_cache
         if seq.cached_tokens is None:  # a preempted sequence's recompute does not change what it reports
             seq.cached_tokens = hit.pos if hit is not None else 0
@@ -3364,7 +3410,7 @@ class Engine:
                           hasher=hasher.fresh(), internal=kind, lora=adapter, embeds=embeds)
         if adapter is not None:
             adapter.requests.add(rid)
-        self.seqs[rid] = shadow
+        self._seat(shadow)
         self._canonical_pending[rid] = key
         self.counters["canonical_rows"] += 1
 
@@ -3443,8 +3489,9 @@ class Engine:
             plan.decode += [rid for rid, _, _ in last]
 
     def _wanted(self) -> set[bytes]:
-        """Checkpoints that waiting requests plan to resume from (evicted last)."""
-        return {s.hit.ckpt.key for s in self.seqs.values()
+        """Checkpoints that the waiting requests the last plan saw (`_queue_head`) plan to resume from (evicted
+        last)."""
+        return {s.hit.ckpt.key for s in self._waiting_head
                 if s.slot is None and not s.finished and s.hit is not None and s.hit.ckpt is not None}
 
     def _grow(self, seq: Sequence, units: int) -> None:
@@ -3781,6 +3828,7 @@ class Engine:
 
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.finished, seq.finish_reason, seq.stop_reason = True, reason, stop_reason
+        self._ended.add(seq.request_id)
         seq.metrics.finished_time = time.monotonic()
         self._release(seq)
         if seq.lora is not None:
@@ -3822,10 +3870,12 @@ class Engine:
         if seq.slot is not None:
             self.allocator.free_slot(seq.slot)
             seq.slot = None
+        self._running.pop(seq.rid, None)  # (a forked beam's parent gave its slot to `_FrozenSlot` before)
         for p in seq.pages:
             self.refs.unref(p)
             p.clear()
         seq.pages_changed()
+        self._enqueue(seq)  # (one finished, or a beam awaiting its selection, is dropped when met)
 
     def _preempt(self, seq: Sequence, counted: bool = True) -> None:
         """Free everything; the request is recomputed (prompt + outputs so far) when readmitted. `counted`:
@@ -3840,12 +3890,46 @@ class Engine:
 
     def _reap(self) -> None:
         """Forget requests whose outputs were delivered (not those a step read back outside `step()` finished:
-        the next `step()` returns their outputs)."""
+        the next `step()` returns their outputs). Only the requests a sequence of which ended since (`_ended`)
+        are looked at: walking every request after every step cost host time growing with the queue."""
         owed = {self.seqs[r].request_id for r in self._landed if r in self.seqs}
-        for rid in [r for r, q in self.requests.items() if q.finished and r not in owed]:
-            for s in self.requests[rid].seqs:  # (its sequences first: a Ctrl-C here leaves the request to reap)
-                self.seqs.pop(s.rid, None)
-            del self.requests[rid]
+        for rid in [r for r in self._ended if r not in owed]:
+            req = self.requests.get(rid)
+            if req is not None and req.finished:
+                for s in req.seqs:  # (its sequences first: a Ctrl-C here leaves the request to reap)
+                    self.seqs.pop(s.rid, None)
+                del self.requests[rid]
+            self._ended.discard(rid)  # (one of several samples ended: the last one's end names it again)
+        if not self.seqs:  # (what the queue still holds of requests aborted while waiting goes with them)
+            self._queue.clear()
+            self._queued.clear()
+
+    def _seat(self, seq: Sequence) -> None:
+        """Enter a new sequence into `self.seqs` (its place: the scheduler's order among equals) and the queue."""
+        seq.place = next(self._places)
+        self.seqs[seq.rid] = seq
+        self._enqueue(seq)
+
+    def _enqueue(self, seq: Sequence) -> None:
+        """Queue a request's sequence that may wait (new, or its memory given back) in (priority, arrival) order."""
+        if seq.internal is None and not seq.finished and seq.place not in self._queued:
+            bisect.insort(self._queue, (seq.priority, seq.order, seq.place, seq))
+            self._queued.add(seq.place)
+
+    def _waiting(self, n: int) -> list[tuple]:
+        """The first `n` entries (priority, arrival, place, seq) of the waiting requests' sequences in that order
+        (all when fewer wait); the entries met of sequences that no longer wait (admitted, finished, awaiting a
+        beam selection) leave the queue."""
+        q, out, i = self._queue, [], 0
+        while i < len(q) and len(out) < n:
+            s = q[i][3]
+            if s.slot is None and not s.finished and s.proposals is None and self.seqs.get(s.rid) is s:
+                out.append(q[i])
+            else:
+                self._queued.discard(s.place)
+            i += 1
+        q[:i] = out
+        return out
 
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:
@@ -3954,6 +4038,7 @@ class Engine:
         self.counters["generation_tokens"] += len(beams)
         if g.rounds >= p.max_tokens or not survivors:
             g.final = best(g.completed + [h for _, h in survivors], p.beam_width, g.prompt_len, p.length_penalty)
+            self._ended.add(rid)
             for s in beams:
                 self._drop_beam(s)
             req.seqs = []
@@ -3971,6 +4056,8 @@ class Engine:
         for s, mine in zip(beams, chosen):
             if len(mine) == 1:
                 s.hyp, s.proposals = mine[0][1], None
+                if s.slot is None:  # (its memory went to a laggard sibling: it waits again)
+                    self._enqueue(s)
                 s.output_ids.append(s.hyp.tokens[-1])
                 ranked.append((mine[0][0], s))
             elif mine:
@@ -4010,7 +4097,7 @@ class Engine:
                 self.counters["beam_fork_recomputes"] += 1
             if c.lora is not None:
                 c.lora.requests.add(c.rid)
-            self.seqs[c.rid] = c
+            self._seat(c)
             kids.append(c)
         if frozen is not None:
             self._frozen.append(frozen)
@@ -4028,6 +4115,7 @@ class Engine:
         if not self.allocator.can_fit(fresh, 1):
             return False
         child.slot = self.allocator.alloc_slot()
+        self._running[child.rid] = child
         new = self.allocator.alloc_pages(fresh)
         self.refs.ref(new)
         for l in range(lm):
@@ -4043,6 +4131,7 @@ class Engine:
         """A beam that no continuation needs: free what it holds and forget it."""
         self._release(seq)
         seq.finished, seq.finish_reason, seq.proposals = True, "beam", None
+        self._ended.add(seq.request_id)
         if seq.lora is not None:
             self.loras.release(seq.lora, seq.rid)
         self.seqs.pop(seq.rid, None)

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,31 @@ def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -
     tokens it may still generate."""
     limit = max(s.total, s.limit if s.limit is not None else s.total)
     return max(0, units_for(s.total + math.ceil(ratio * (limit - s.total)), cfg) - held)
+
+
+def waiting_cut(cfg: SchedulerConfig, free_slots: int, running: list[tuple[int, int]],
+                waiting: Iterable[tuple[int, int, bool]]) -> Optional[int]:
+    """How many of the waiting requests `schedule` may look at -> that many of `waiting` (their (priority, adapter,
+    shown) in (priority, arrival) order; shown False: left out of the plan), None: all. `running`: the running
+    requests' (priority, adapter). A shown request whose adapter cannot be one too many (all the adapters up to it
+    fit the LoRA slots) is one the scheduler, meeting it, admits into a prefill row, holds a state slot for by
+    preempting (step 0 of `_plan`, only while a running request has a lower priority), or stops the admissions at;
+    once that many met every one, those behind change nothing. So the engine views (and matches against the prefix
+    cache) only those: a step's host work must not grow with a queue of thousands."""
+    adapters, want, takers = {a for _, a in running if a}, 0, 0
+    for i, (priority, adapter, shown) in enumerate(waiting):
+        if not want:
+            want = cfg.max_prefill_seqs + 1
+            if any(p > priority for p, _ in running):  # (the first request's priority: the highest)
+                want += free_slots + len(running)
+        if not shown:
+            continue
+        if adapter:
+            adapters.add(adapter)
+        takers += not adapter or len(adapters) <= cfg.max_loras
+        if takers >= want:
+            return i + 1
+    return None
 
 
 def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float = 0.0) -> StepPlan:

@@ -9,7 +9,7 @@ from dataclasses import replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule, units_for
+from serve.scheduler import Memory, SchedulerConfig, SeqView, schedule, units_for, waiting_cut
 
 CFG = SchedulerConfig(max_num_seqs=4, max_prefill_seqs=2, prefill_chunk=16, align=16, token_budget=64,
                       page_size=16, num_mla_layers=2, slot_units=3)
@@ -364,3 +364,31 @@ def test_memory_held_for_a_higher_priority_request_counts_for_its_long_row(promp
     plans = [schedule([run("r", 1, priority=p), w], Memory(free, 2), cfg) for p in (5, 0)]
     if not plans[0].preempt:
         assert plans[0].prefill == plans[1].prefill
+
+
+_RUNNING = st.tuples(st.integers(1, 90), st.integers(0, 89), st.integers(0, 2), st.integers(0, 2), st.booleans(),
+                     st.integers(0, 3))  # (total, computed, priority, adapter, canonical, drafts)
+_WAITING = st.tuples(st.integers(1, 90), st.integers(0, 2), st.integers(0, 2), st.integers(0, 200))
+
+
+@settings(max_examples=300, deadline=None)
+@given(running=st.lists(_RUNNING, max_size=5), waiting=st.lists(_WAITING, max_size=40),
+       free=st.integers(0, 200), slots=st.integers(0, 12), ratio=st.sampled_from([0.0, 0.6]),
+       form=st.sampled_from(["plain", "lora", "lora2", "long", "prefill_first"]))
+def test_the_waiting_requests_behind_waiting_cut_change_no_plan(running, waiting, free, slots, ratio, form):
+    """The engine shows the scheduler only the waiting requests up to `waiting_cut`: with thousands queued, viewing
+    and matching every one every step made an offline batch's host time quadratic in its size. The plan over them is
+    the plan over all: priorities, preemptions, look-ahead, LoRA slots, the long row and prefill-first included."""
+    cfg = {"plain": CFG, "lora": replace(CFG, max_loras=1), "lora2": replace(CFG, max_loras=2),
+           "long": replace(CFG, long_prefill_chunk=48), "prefill_first": replace(CFG, prefill_first=True)}[form]
+    adapters = form.startswith("lora")
+    seqs = [SeqView(f"r{i}", i, t, min(c, t - 1), True, units_for(min(c, t - 1), cfg), priority=1 << 30 if canon else p,
+                    adapter=a if adapters and not canon else 0, rows=0 if canon else 1, draft=d, limit=t + 20)
+            for i, (t, c, p, a, canon, d) in enumerate(running[:cfg.max_num_seqs])]
+    queue = sorted((SeqView(f"w{i}", 10 + i, t, 0, False, 0, priority=p, adapter=a if adapters else 0, limit=t + g)
+                    for i, (t, p, a, g) in enumerate(waiting)), key=lambda s: (s.priority, s.order))
+    cut = waiting_cut(cfg, slots, [(s.priority, s.adapter) for s in seqs],
+                      [(s.priority, s.adapter, True) for s in queue])
+    mem = Memory(free, slots)
+    plan = schedule(seqs + queue, mem, cfg, ratio)
+    assert schedule(seqs + queue[:cut], mem, cfg, ratio) == plan
