@@ -2917,6 +2917,8 @@ class Engine:
                     if s.slot is None and s.hit is None:
                         self._match(s)
             deferred = self._deferred(head, lent)
+            # (as the scheduler sees them: `_deferred` moved a canonical row to a place it borrows, or back to its own)
+            running = [(s.priority, s.lora.uid if s.lora is not None else 0) for s in held if s.slot is not None]
             queue = self._waiting(n)
             cut = ((s.priority, s.lora.uid if s.lora is not None else 0, s.rid not in deferred) for *_, s in queue)
             if len(queue) < n or waiting_cut(self.sched_cfg, free_slots, running, cut) is not None:
@@ -3898,6 +3900,7 @@ class Engine:
             if req is not None and req.finished:
                 for s in req.seqs:  # (its sequences first: a Ctrl-C here leaves the request to reap)
                     self.seqs.pop(s.rid, None)
+                    self._unqueue(s)
                 del self.requests[rid]
             self._ended.discard(rid)  # (one of several samples ended: the last one's end names it again)
         if not self.seqs:  # (what the queue still holds of requests aborted while waiting goes with them)
@@ -3915,6 +3918,16 @@ class Engine:
         if seq.internal is None and not seq.finished and seq.place not in self._queued:
             bisect.insort(self._queue, (seq.priority, seq.order, seq.place, seq))
             self._queued.add(seq.place)
+
+    def _unqueue(self, seq: Sequence) -> None:
+        """Take a sequence that leaves `self.seqs` out of the queue now: its entry, left for `_waiting` to meet,
+        kept an aborted waiting request (its prompt, grammar, embeddings) alive for as long as requests ahead of
+        it waited (under a steady stream of higher-priority requests: forever, one more per abort)."""
+        if seq.place in self._queued:
+            i = bisect.bisect_left(self._queue, (seq.priority, seq.order, seq.place))  # (places are unique)
+            if i < len(self._queue) and self._queue[i][2] == seq.place:
+                del self._queue[i]
+            self._queued.discard(seq.place)
 
     def _waiting(self, n: int) -> list[tuple]:
         """The first `n` entries (priority, arrival, place, seq) of the waiting requests' sequences in that order
@@ -4135,6 +4148,7 @@ class Engine:
         if seq.lora is not None:
             self.loras.release(seq.lora, seq.rid)
         self.seqs.pop(seq.rid, None)
+        self._unqueue(seq)  # (`_release` queued it: it was not finished yet)
 
     def _sweep_frozen(self) -> None:
         """Free the frozen parents every child has read (or given up on)."""

@@ -285,6 +285,30 @@ def test_higher_priority_request_preempts_and_everyone_stays_exact(model, engine
     engine.step()
 
 
+def test_requests_aborted_while_others_wait_ahead_of_them_are_freed(model, engine):
+    """The engine's queue of waiting sequences (`Engine._queue`, in priority order) dropped an aborted request's
+    entry only when a step's walk of its head met it: behind a steady stream of higher-priority requests, never, so
+    every abort of a starved request (a client's timeout, a retry) kept its sequence (prompt, grammar, embeddings)
+    alive. (Host bookkeeping: no step runs.)"""
+    import gc
+    import weakref
+
+    params = SamplingParams(temperature=0.0, max_tokens=2)
+    ahead = [engine.add_request([1, 2, 3], params) for _ in range(8)]
+    gone = [engine.add_request([5] * 40, params, priority=1) for _ in range(20)]
+    refs = [weakref.ref(engine.requests[r].seqs[0]) for r in gone]
+    for r in gone:
+        engine.abort(r)
+    engine._reap()
+    gc.collect()
+    assert engine._waiting(2) and len(engine._queue) == len(ahead)
+    assert all(r() is None for r in refs)
+    for r in ahead:
+        engine.abort(r)
+    engine._reap()
+    assert not engine._queue and not engine.seqs
+
+
 def test_fcfs_scheduling_policy_refuses_priorities(model, engine, monkeypatch):
     """vLLM's scheduling_policy: "fcfs" schedules by arrival alone and refuses a request with a nonzero priority
     naming `priority` (as vLLM does: the priority would otherwise be silently ignored), taking no memory; priority 0

@@ -417,6 +417,41 @@ def test_a_canonical_row_gives_up_the_priority_of_an_aborted_request_that_waited
         on.step()
 
 
+def test_the_waiting_cut_counts_a_running_canonical_row_back_in_its_own_place(engines, monkeypatch):
+    """A running canonical row holding the place of a request that waited for it goes back to its own (behind every
+    request) once that request is gone (`_deferred`). How far the scheduler may look into the queue (`waiting_cut`)
+    was counted with the place it held before: the scheduler, which may then preempt the row and hold memory for as
+    many waiting requests as there are free slots, saw only `max_prefill_seqs + 1` of them, and its plan could
+    differ from the plan over the whole queue (those reservations weigh on the admission look-ahead, the long row)."""
+    import serve.engine as engine_module
+    from serve.engine import INTERNAL_PRIORITY
+
+    on, _ = emptied(engines)
+    system = toks(40, 100)
+    first = run(on, system + toks(41, 20), n=100)  # (no reuse: its tail is canonicalised when reused)
+    blocker = on.add_request(toks(920, 200), _SHORT, priority=-10)  # a prefill row: the canonical one's are short
+    urgent = on.add_request(system + toks(41, 20) + first.token_ids + toks(42, 9), _SHORT, priority=-5)
+    on.step()
+    rows = [s for s in on.seqs.values() if s.internal and s.slot is not None]
+    assert rows and {s.priority for s in rows} == {-5}  # running, in the urgent request's place
+    on.abort(urgent)
+    later = [on.add_request(toks(50 + i, 40), _SHORT) for i in range(6)]
+    cuts, views = [], []
+    cut, schedule = engine_module.waiting_cut, engine_module.schedule
+    monkeypatch.setattr(engine_module, "waiting_cut", lambda cfg, slots, running, waiting: (
+        cuts.append(sorted(running)), cut(cfg, slots, running, waiting))[1])
+    monkeypatch.setattr(engine_module, "schedule", lambda seqs, *a: (
+        views.append(sorted((s.priority, s.adapter) for s in seqs if s.running)), schedule(seqs, *a))[1])
+    on.step()
+    monkeypatch.undo()
+    assert (INTERNAL_PRIORITY, 0) in views[-1]  # back in its own place
+    assert cuts[-1] == views[-1]  # the running requests the cut counted are the scheduler's
+    for r in later + [blocker]:
+        on.abort(r)
+    while on.has_unfinished():
+        on.step()
+
+
 def _one_slot_run_and(alloc, slot_units, units):
     """Take the arena but one slot run and at least `units` more free units in runs a page of each breaks: one
     request's slot and pages fit, no second slot does -> (the slots, the pages) taken."""
