@@ -80,8 +80,8 @@ from serve import eplb
 from serve.state_split import StateSplit
 from serve.step import StepBatch, StepOptions, bind_sample, bind_step
 from serve.stop_checker import StopChecker
-from serve.structured import (GrammarCompiler, Guide, allowed_tokens, banned_tokens, clear_bits, count_allowed,
-                              fill_masks, first_line, mask_words)
+from serve.structured import (GrammarCompiler, Guide, allowed_tokens, banned_tokens, check_text, clear_bits,
+                              count_allowed, fill_masks, first_line, mask_words)
 from serve.types import (MAX_BAD_WORD_TOKENS, MAX_LOGIT_BIAS, CompletionOutput, Logprob, RequestError, RequestMetrics,
                          RequestOutput, RequestOutputKind, SamplingParams, TokenLogprobs, loggable)
 
@@ -1829,6 +1829,7 @@ class Engine:
             # a prompt's text is the caller's whole input, often a chat rendered by the client: the text of a
             # special token is that token, as the Kimi tokenizers (and vLLM with them) read it; chat messages are
             # encoded by serve/chat.py, which keeps such text in a message's content plain
+            check_text(prompt, "prompt")  # (a lone surrogate: UnicodeEncodeError, naming no field)
             ids = self.tokenizer.encode(prompt, allow_special=True)
             text = prompt
         elif isinstance(prompt, (list, tuple, np.ndarray)):

@@ -154,22 +154,69 @@ def ref_depth(schema: Any, limit: int = MAX_REF_DEPTH) -> int:
     through the definitions: a compile never goes that deep, and 3,000 OpenAPI components each naming earlier ones
     compile)."""
     resources = schema_resources(schema)
-    forward = _ref_walk(schema, limit, True, *resources)
-    return forward if forward > limit else max(forward, _ref_walk(schema, limit, False, *resources))
+    heights = _plain_heights(schema, limit)
+    forward = _ref_walk(schema, limit, True, *resources, heights)
+    return forward if forward > limit else max(forward, _ref_walk(schema, limit, False, *resources, heights))
 
 
-def _ref_walk(schema: Any, limit: int, in_order: bool, bases: dict, named: dict) -> int:
-    """`ref_depth` walking each dict's and list's items in their order (`in_order`) or in reverse."""
+def _plain_items(x: Any) -> list:
+    """What `_ref_walk` enters below a dict or list besides `$ref` targets: a list's items, a dict's values but its
+    definitions."""
+    return list(x) if isinstance(x, list) else [y for k, y in x.items() if k not in ("$defs", "definitions")]
+
+
+def _plain_heights(schema: Any, limit: int) -> dict[int, tuple[int, bool]]:
+    """id -> (levels of nested dicts and lists in it, `$ref`s not followed, at most `limit + 1`; whether a `$ref` is
+    in it), both through `_plain_items`, of every dict and list in `schema`, each once (without recursion; a dict that
+    contains itself is `limit + 1` levels)."""
+    out: dict[int, tuple[int, bool]] = {}
+    stack: list[Any] = [schema]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, tuple):  # (x,): its parts are done
+            x = x[0]
+            height, refs = 1, isinstance(x, dict) and isinstance(x.get("$ref"), str)
+            for k, y in x.items() if isinstance(x, dict) else enumerate(x):
+                if isinstance(y, (dict, list)) and k != "$defs" and k != "definitions":
+                    h, r = out[id(y)]
+                    height, refs = max(height, h + 1), refs or r
+            out[id(x)] = min(height, limit + 1), refs
+        elif id(x) not in out:
+            out[id(x)] = (limit + 1, True)  # (until done: what a cycle back to it finds)
+            stack.append((x,))
+            stack.extend(y for y in (x.values() if isinstance(x, dict) else x)  # (definitions too)
+                         if isinstance(y, (dict, list)) and id(y) not in out)
+    return out
+
+
+def _ref_walk(schema: Any, limit: int, in_order: bool, bases: dict, named: dict,
+              heights: dict[int, tuple[int, bool]]) -> int:
+    """`ref_depth` walking each dict's and list's items in their order (`in_order`) or in reverse. A part with no
+    `$ref`, or one walked before from the same base (the last `$id` entered), is not walked (again): each `$ref` in
+    it named what it names then, so it adds its own levels only (`heights`). Walked again each time, a part below N
+    nested `$ref`s to parts around it was walked N times (a 5 MB schema with 55: 23 s; llguidance refuses it in 0.8)."""
     depth, entered, stack = 0, {id(schema)}, [(schema, 1, _ROOT_URI)]
+    walked_once: dict[tuple, bool] = {}  # (id, base) -> whether its walk is complete (False: under way)
     while stack:
         x, d, walked = stack.pop()
+        if x is _WALKED:
+            walked_once[d] = True
+            continue
         if not isinstance(x, (dict, list)) or depth > limit:
             continue
+        if isinstance(x, dict) and isinstance(x.get("$id"), str) and not x["$id"].startswith("#"):
+            walked = urllib.parse.urldefrag(urllib.parse.urljoin(walked, x["$id"]))[0]
+        height, has_refs = heights.get(id(x), (limit + 1, True))
+        key = (id(x), walked)
+        if not has_refs or walked_once.get(key):
+            depth = max(depth, d + height - 1)
+            continue
         depth = max(depth, d)
-        items = list(x) if isinstance(x, list) else [y for k, y in x.items() if k not in ("$defs", "definitions")]
+        if key not in walked_once:
+            walked_once[key] = False
+            stack.append((_WALKED, key, walked))
+        items = _plain_items(x)
         if isinstance(x, dict):
-            if isinstance(x.get("$id"), str) and not x["$id"].startswith("#"):
-                walked = urllib.parse.urldefrag(urllib.parse.urljoin(walked, x["$id"]))[0]
             ref, targets = x.get("$ref"), []
             for base in (dict.fromkeys((bases.get(id(x), _ROOT_URI), walked, _ROOT_URI)) if isinstance(ref, str)
                          else ()):
@@ -180,6 +227,9 @@ def _ref_walk(schema: Any, limit: int, in_order: bool, bases: dict, named: dict)
             items = [*targets, *items] if in_order else [*items, *targets]
         stack.extend((y, d + 1, walked) for y in (reversed(items) if in_order else items))
     return min(depth, limit + 1)
+
+
+_WALKED = object()  # (`_ref_walk`'s marker: the part below it on the stack is walked)
 
 
 def check_ref_depth(schema: Any, field_: str) -> None:
@@ -298,6 +348,43 @@ def _too_deep(field_: str) -> RequestError:
                         f"(or contains itself); flatten it or use $defs and $ref for recursive structures")
 
 
+def _not_utf8(value: str) -> Optional[UnicodeEncodeError]:
+    """The error encoding `value` as UTF-8 raises (it holds a lone surrogate), None when it encodes."""
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return e
+    return None
+
+
+def check_text(value: str, field_: str, item: Optional[int] = None) -> None:
+    """RequestError naming `field_` (and the list's `item`) when `value` is not Unicode text: a lone surrogate, which
+    JSON's "\\ud800" decodes to and the Python API takes as it is; neither the tokenizer nor llguidance, which read
+    UTF-8, can (a UnicodeEncodeError on the engine's thread, or an error of llguidance's naming no field)."""
+    if (e := _not_utf8(value)) is not None:
+        where = f"in item {item}, " if item is not None else ""
+        raise RequestError(f"{field_}: not valid Unicode text (a lone surrogate {where}at position {e.start})")
+
+
+def lone_surrogate_at(value: Any) -> Optional[str]:
+    """The JSON pointer of the first string (a key or a value) in JSON data `value` that holds a lone surrogate
+    (`check_text`), `""` for `value` itself; None when there is none (walked without recursion)."""
+    stack: list[tuple[Any, tuple]] = [(value, ())]
+    while stack:
+        x, path = stack.pop()
+        if isinstance(x, str) and _not_utf8(x) is not None:
+            return _pointer(path)
+        if isinstance(x, dict):
+            bad = next((k for k in x if isinstance(k, str) and _not_utf8(k) is not None), None)
+            if bad is not None:
+                return _pointer((*path, bad))
+            stack.extend((v, (*path, k)) for k, v in reversed(list(x.items())))
+        elif isinstance(x, (list, tuple)):
+            stack.extend((v, (*path, i)) for i, v in reversed(list(enumerate(x))))
+    return None
+
+
 def mask_words(vocab_size: int) -> int:
     """int32 words in one row of the allowed-token bitmask."""
     return (int(vocab_size) + 31) // 32
@@ -363,6 +450,7 @@ def grammar_text(params: StructuredOutputsParams) -> str:
         return text
     if not isinstance(params.answer_prefix, str):
         raise RequestError("structured_outputs.answer_prefix: must be a string")
+    check_text(params.answer_prefix, "structured_outputs.answer_prefix")
     try:
         inner = json.loads(text)
     except json.JSONDecodeError:  # Lark text
@@ -382,6 +470,7 @@ def _whitespace_pattern(pattern: Optional[str]) -> str:
         return JSON_WHITESPACE
     if not isinstance(pattern, str):
         raise RequestError("structured_outputs.whitespace_pattern: must be a regular expression string")
+    check_text(pattern, "structured_outputs.whitespace_pattern")
     error = llg.LLMatcher.validate_grammar(llg.LLMatcher.grammar_from_regex(pattern))
     if error:
         why = next((line for line in error.splitlines() if line.startswith("error: ")), "error: " + error)
@@ -599,24 +688,39 @@ def _constraint_grammar(params: StructuredOutputsParams) -> str:
         try:
             return llg.LLMatcher.grammar_from_json_schema(json.dumps(schema), overrides=options)
         except (ValueError, TypeError) as e:
+            where = lone_surrogate_at(schema)  # (llguidance said "unexpected end of hex escape at line 1 column N")
+            if where is not None:  # (named escaped: the message is text too)
+                where = where.encode("utf-8", "backslashreplace").decode("utf-8")
+                raise RequestError(f"{field_}: not valid Unicode text (a lone surrogate at {where})") from None
             raise RequestError(f"{field_}: {e}") from None
     if kind == "regex":
         if not isinstance(params.regex, str) or not params.regex:
             raise RequestError(f"{field_}: must be a non-empty string")
+        check_text(params.regex, field_)
         return llg.LLMatcher.grammar_from_regex(params.regex)
     if kind == "choice":
         choices = params.choice
         if not isinstance(choices, (list, tuple)) or not choices or not all(isinstance(c, str) and c for c in choices):
             raise RequestError(f"{field_}: must be a non-empty list of non-empty strings")
-        return llg.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in choices))
+        for i, c in enumerate(choices):
+            check_text(c, field_, i)
+        return llg.LLMatcher.grammar_from_lark(choice_lark(choices))
     if not isinstance(params.grammar, str) or not params.grammar.strip():
         raise RequestError(f"{field_}: must be a non-empty grammar (Lark or GBNF)")
+    check_text(params.grammar, field_)
     try:
         text = llg.grammar_from("grammar", params.grammar)
     except ValueError as e:
         raise RequestError(f"{field_}: {e}") from None
     check_grammar_depth(text, field_)
     return text
+
+
+def choice_lark(choices: Sequence[str]) -> str:
+    """The Lark grammar whose language is exactly `choices`: one terminal, their alternation, matched by the lexer
+    (as a rule of one string each, every choice was an item of one Earley row: past 2,000 choices, 3,000 country
+    names, it was refused as too complex)."""
+    return "start: CHOICE\nCHOICE: " + " | ".join(json.dumps(c) for c in choices)
 
 
 class _TokenTable:
@@ -742,6 +846,7 @@ class GrammarCompiler:
         if params.reasoning_end is not None:
             if not isinstance(params.reasoning_end, str) or not params.reasoning_end:
                 raise RequestError("structured_outputs.reasoning_end: must be a non-empty string")
+            check_text(params.reasoning_end, "structured_outputs.reasoning_end")
             after = self.tokenizer.encode(params.reasoning_end, allow_special=True)
         return Guide(template.deep_copy(), tuple(int(t) for t in after))
 

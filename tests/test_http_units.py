@@ -1438,6 +1438,33 @@ def test_a_schema_past_llguidances_limits_deep_inside_is_a_400_before_it_runs():
     assert eng.params == []  # none ran
 
 
+def test_a_constraint_with_a_lone_surrogate_is_a_400_naming_the_clients_field():
+    """JSON's "\\ud800" in a constraint's text (a choice, a schema's string) is no UTF-8 text for llguidance: the 400
+    said "unexpected end of hex escape at line 1 column N" (or a codec's message); it names the field the client sent
+    and where the surrogate is."""
+    from k3jax.tokenizer import ByteTokenizer
+    from recording_engine import Recorder
+    from serve.structured import GrammarCompiler
+
+    tok = ByteTokenizer(320)
+    eng = Recorder(max_model_len=64, tokenizer=tok)
+    eng.engine.grammars = GrammarCompiler(tok, 512, tok.eos_token_ids)
+    app = create_app(eng, "m")
+
+    async def go(body):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://t") as c:
+            return await c.post("/v1/completions", content=json.dumps({"prompt": [5], "max_tokens": 2, **body}),
+                                headers={"content-type": "application/json"})
+
+    for body, param, where in (({"guided_choice": ["a", "b\ud800"]}, "guided_choice", "in item 1, at position 1"),
+                               ({"guided_json": {"enum": ["\udc00"]}}, "guided_json", "at /enum/0")):
+        r = asyncio.run(go(body))
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, r.text
+        assert err["message"] == f"{param}: not valid Unicode text (a lone surrogate {where})", err
+    assert eng.params == []  # none ran
+
+
 @pytest.mark.parametrize("key, field", [("json_schema", "sampling_params.json_schema"),
                                         ("regex", "sampling_params.regex"), ("ebnf", "sampling_params.ebnf")])
 @pytest.mark.parametrize("stream", [False, True])

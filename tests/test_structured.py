@@ -160,6 +160,40 @@ def test_bad_constraints_name_the_field(compiler, params, field):
         compiler.guide(params)
 
 
+_LONE = "ok \ud800"  # a lone surrogate: what JSON's "\\ud800" decodes to, or a Python API caller passes
+
+
+@pytest.mark.parametrize("params, where", [
+    (SO(choice=["x"], reasoning_end=_LONE), r"reasoning_end: .*at position 3"),  # (a UnicodeEncodeError)
+    (SO(choice=["x"], answer_prefix=_LONE), r"answer_prefix: .*at position 3"),  # (named structured_outputs.choice)
+    (SO(choice=["x", _LONE]), r"choice: .*in item 1, at position 3"),
+    (SO(regex=_LONE), r"regex: .*at position 3"),
+    (SO(grammar=f'start: "{_LONE}"'), r"grammar: .*at position 11"),
+    (SO(json={"type": "object"}, whitespace_pattern=_LONE), r"whitespace_pattern: "),  # (named json)
+    (SO(json={"type": "object", "properties": {"a": {"const": _LONE}}}), r"json: .* at /properties/a/const\)"),
+    (SO(json={"type": "object", "properties": {_LONE: {}}}), r"json: .* at /properties/ok \\ud800\)"),
+    (SO(json='{"enum": ["a", "\\udc00"]}'), r"json: .* at /enum/1\)"),  # (llguidance: "unexpected end of hex")
+])
+def test_text_fields_with_a_lone_surrogate_are_refused_naming_the_field(compiler, params, where):
+    """Text the tokenizer or llguidance reads as UTF-8 with a lone surrogate in it: `reasoning_end` raised
+    UnicodeEncodeError from the tokenizer (through the Python API: no RequestError), the others llguidance's
+    "unexpected end of hex escape at line 1 column 19" or a codec's message, some naming another field. Each is a
+    RequestError naming its field and where the surrogate is."""
+    with pytest.raises(RequestError, match=rf"^structured_outputs\.{where}.*"):
+        compiler.guide(params)
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_naming_it():
+    """The engine's text prompt (the Python API's; the HTTP server names its own) raised the tokenizer's
+    UnicodeEncodeError from `add_request`."""
+    from types import SimpleNamespace as NS
+
+    from serve.engine import Engine
+
+    with pytest.raises(RequestError, match=r"^prompt: not valid Unicode text \(a lone surrogate at position 3\)"):
+        Engine._prompt_ids(NS(tokenizer=TOK), _LONE)
+
+
 def test_an_empty_whitespace_pattern_allows_no_whitespace(compiler):
     """whitespace_pattern="" is a pattern (outlines' reading), not "unset": no whitespace between JSON tokens
     (it fell back to the default, up to 20 whitespace characters per gap)."""
@@ -359,6 +393,41 @@ def test_a_chain_of_definitions_named_by_anchor_or_id_is_bounded_too(compiler):
     through = {"$defs": {"D1": chain(400, "uri"), "R": {"$id": "http://y.test/r", "$defs": {
         "D0": {"type": "object", "properties": {"a": {"$ref": "#/$defs/D1"}}}}}}, "$ref": "http://y.test/r#/$defs/D0"}
     assert ref_depth(inner) > 1000 and ref_depth(through) > 1000
+
+
+def test_ref_depth_walks_each_part_once_below_nested_refs_into_sub_paths(monkeypatch):
+    """`ref_depth` walked a part again below every `$ref` that named a part around it: 55 nested properties each
+    naming the next by its JSON pointer, over 60,000 small schemas (5 MB), took 23 s (llguidance refuses it in 0.8 s).
+    A part walked once from the same base adds its own levels only; one with no `$ref` is not walked: the `$ref`s
+    read stay about as many as the schema has (counted, not timed), and the depth is the one walked the long way."""
+    import serve.structured as st
+
+    levels, leaves = 55, 1000
+    node = {"type": "object", "properties": {"rows": {"anyOf": [{"$ref": "#/$defs/S"} for _ in range(leaves)]}}}
+    for i in range(levels, 0, -1):
+        node = {"type": "object", "properties": {"next": node, "again": {"$ref": "#" + "/properties/next" * i}}}
+    schema = {**node, "$defs": {"S": {"type": "string"}}}
+    reads = []
+    real = st.ref_targets
+    monkeypatch.setattr(st, "ref_targets", lambda *a: reads.append(1) or real(*a))
+    assert st.ref_depth(schema) == 3 * levels + 6  # (each level entered through its `$ref` first: 3 levels down)
+    assert len(reads) <= 2 * (levels + leaves), len(reads)  # once per `$ref` in each order (it was 115,080)
+
+
+def test_thousands_of_choices_compile_and_each_output_is_one_of_them(compiler):
+    """Each choice was one string rule, all of them items of one Earley row: past 2,000 (3,000 country names) the
+    choice was refused as "too complex for the grammar engine". One lexer terminal holds them all: 3,000 compile, an
+    output is exactly one of them (one a prefix of another ends there or goes on), quotes and escapes kept."""
+    choices = [f'Country "{i}" \\ of {i % 7}' for i in range(3000)] + ["a", "ab", "b\n\u00e9"]
+    compiler.compile(SO(choice=choices))
+    rng = np.random.default_rng(0)
+    for _ in range(4):
+        assert TOK.decode([t for t in _walk(compiler, SO(choice=choices), rng) if t not in STOPS]) in choices
+    row = np.zeros(mask_words(V), np.int32)
+    g = compiler.guide(SO(choice=choices))
+    assert g.advance(TOK.encode("a")[0])
+    g.fill(row)
+    assert set(_allowed(row)) == {TOK.encode("b")[0], *STOPS}  # "a" ends here, or "ab" goes on
 
 
 def test_one_of_with_overlapping_branches_is_read_as_any_of(compiler):
