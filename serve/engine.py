@@ -1627,6 +1627,15 @@ class Engine:
             raise RuntimeError(f"{what}: this multi-process engine was closed (close() released its follower "
                                f"processes); build a new one")
 
+    def _warmed_together(self, what: str) -> None:
+        """Refuse, on a multi-process leader not warmed up yet, what runs device programs every process must run
+        alike (a step, an expert move, a weight update or read and its verdicts): the followers replay them only
+        from `follow()`, after their own warm-up, so one run before would run on the leader alone (its collectives
+        waiting for processes still compiling, or its experts placed apart from theirs)."""
+        if self.channel is not None and self.channel.leader and not self.warmed_up:
+            raise RuntimeError(f"{what}: this multi-process engine is not warmed up; call warmup() first (every "
+                               f"process warms up, then process 0 serves and the others follow)")
+
     # ---- requests -----------------------------------------------------------------------------
     def add_request(self, prompt, params: Optional[SamplingParams] = None, request_id: Optional[str] = None,
                     arrival_time: Optional[float] = None, priority: int = 0, cache_salt: Optional[str] = None,
@@ -2163,6 +2172,7 @@ class Engine:
         that they can read its config, then load together; the weights change only if every process
         loaded them, else the leader raises naming the processes that failed (their logs say why)."""
         self._leader_only("update_weights_from_disk")
+        self._warmed_together("update_weights_from_disk")
         self._check_idle("update_weights_from_disk")
         path = os.path.abspath(path)
         read_config(path)  # a missing or unreadable directory here raises before any process is told
@@ -2188,6 +2198,7 @@ class Engine:
         Names as `load_model` reads them (serve/named_weights.py); an unknown name raises `WeightNameError`
         naming it and its neighbours. On a multi-process mesh every process reads its own shards of it."""
         self._leader_only("get_weights_by_name")
+        self._warmed_together("get_weights_by_name")
         if truncate_size is not None and (isinstance(truncate_size, bool) or not isinstance(truncate_size, int)
                                           or truncate_size < 0):
             raise ValueError(f"truncate_size: expected an integer >= 0 or None, got {truncate_size!r}")
@@ -2236,6 +2247,7 @@ class Engine:
         multi-process mesh the leader sends the tensors to every process, each writes its own shards, and the
         leader raises naming any process that could not."""
         self._leader_only("update_weights_from_tensor")
+        self._warmed_together("update_weights_from_tensor")
         self._check_idle("update_weights_from_tensor")
         self._weights_present("update_weights_from_tensor", stale_ok=True)
         items = list(named_tensors.items()) if isinstance(named_tensors, dict) else list(named_tensors)
@@ -2448,11 +2460,12 @@ class Engine:
         self._leader_only("rebalance_experts")
         if self.eplb is None:
             raise RuntimeError("rebalance_experts: the engine was built without enable_eplb")
+        self._warmed_together("rebalance_experts")
         self._weights_present("rebalance_experts", stale_ok=True)  # (placeholders move like weights)
         moves, summary = self.eplb.plan()
         t0 = time.perf_counter()
         send = None
-        if moves and self.channel is not None and self.warmed_up:  # every process moves the same experts
+        if moves and self.channel is not None:  # every process moves the same experts
             rows = np.asarray([[layer, *new] for layer, new in moves.items()], np.int32).reshape(-1)
             send = lambda: self.channel.command(EPLB, rows)  # noqa: E731
         self._move_experts(moves, summary, send)
@@ -2707,6 +2720,7 @@ class Engine:
         beam search's selection) ends alone: StepFailed names it and carries every other output; the rest of
         the step is processed as usual."""
         self._leader_only("step")
+        self._warmed_together("step")
         self._host_failures = []
         try:
             outs = self._run_step()

@@ -15,8 +15,10 @@ reads them locally.
 
 Start-up is symmetric: every process builds the engine from the same model and config and compiles
 the same buckets (the leader checks a fingerprint of the config and bucket set against each
-follower's before the first step and names the difference). The leader's `Engine.close()` (also run
-at interpreter exit) releases the followers.
+follower's before the first step and names the difference). The followers replay only from `follow()`, once
+warmed up, so the leader refuses a step, an expert move or a weight update or read before its own warm-up (it
+would run there alone, its collectives waiting for processes still compiling). The
+leader's `Engine.close()` (also run at interpreter exit) releases the followers.
 
 The host tier of the prefix cache (serve/host_cache.py) keeps process-local copies: before its copy
 programs run on the leader, a SPILL / RESTORE command names the units and entries (uids) so every

@@ -197,7 +197,8 @@ def test_a_failed_move_counts_in_no_stats_and_ends_no_request():
     """A move whose weights fail to land (injected as they are placed, then as they finish; in life device memory)
     leaves the placement and the `eplb` stats (rebalances, layers_moved, last) as they were; the next move counts
     once. One the engine schedules (every `eplb_step_interval` steps) fails alone: the step's requests go on to the
-    same tokens.
+    same tokens. A multi-process leader (its channel faked) not warmed up yet refuses a move, a step and weight
+    updates and reads, sending nothing: its followers replay them only from `follow()`, after their own warm-up.
     (Two CPU devices in a subprocess: expert parallelism needs a mesh; tests/step_failures.py drains the engine.
     tiny-kimi-linear: half tiny-k3's layers, so its two step programs compile in half the time; the bookkeeping is
     the model's either way, and on CPU the engine holds tiny-k3's MXFP4 experts expanded, so both move dense
@@ -218,6 +219,22 @@ cfg = EngineConfig(max_model_len=128, page_size=16, cache_bytes=64 * 16 * 2560, 
 engine = Engine(k3jax.load_model("tiny-kimi-linear", seed=0), cfg, warmup=False, progress=False)
 start, plan = engine.eplb.placement.copy(), engine.eplb.plan
 engine.eplb.plan = lambda: ({0: start[0][::-1].copy()}, dict(layers_moved=1, imbalance_after=1.0))
+class Leader:  # a multi-process leader's channel, before warm-up: what it would send the followers
+    leader, closed, sent = True, False, []
+    def command(self, cmd, payload):
+        self.sent.append(cmd)
+name = next(n for n in engine.weight_names.names() if "q_proj" in n)  # (a small dense weight)
+held = engine.get_weights_by_name(name, None)
+engine.channel, cold = Leader(), []
+for call in (engine.rebalance_experts, engine.step, lambda: engine.update_weights_from_disk("/nowhere"),
+             lambda: engine.update_weights_from_tensor([(name, held)]), lambda: engine.get_weights_by_name(name)):
+    try:
+        call()
+        cold.append(None)
+    except Exception as e:
+        cold.append(str(e))
+cold = dict(errors=cold, sent=engine.channel.sent, kept=engine.eplb.placement.tolist() == start.tolist())
+engine.channel = None
 real = engine._set_leaves
 def broken(leaves):
     raise RuntimeError("injected device failure")
@@ -248,7 +265,7 @@ def run():
 want = run()
 engine._set_leaves, engine.eplb.interval = broken, 2  # scheduled moves, every 2 steps, each failing
 scheduled = run()
-print("RESULT" + json.dumps(dict(failed=failed, after_failure=after_failure, after_late=after_late,
+print("RESULT" + json.dumps(dict(cold=cold, failed=failed, after_failure=after_failure, after_late=after_late,
                                  after_move=after_move, want=want,
                                  scheduled=scheduled, after_scheduled=engine.stats()["eplb"])))
 """
@@ -257,6 +274,13 @@ print("RESULT" + json.dumps(dict(failed=failed, after_failure=after_failure, aft
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0 and "RESULT" in out.stdout, out.stderr[-3000:]
     got = json.loads(out.stdout.split("RESULT")[1])
+    # a multi-process leader not warmed up refuses a move, a step and weight updates and reads (its followers replay
+    # them only from follow(), after their own warm-up): nothing moved, nothing sent
+    cold = got["cold"]
+    assert all(e and "not warmed up; call warmup() first" in e for e in cold["errors"]), got
+    assert [e.split(":")[0] for e in cold["errors"]] == ["rebalance_experts", "step", "update_weights_from_disk",
+                                                        "update_weights_from_tensor", "get_weights_by_name"], got
+    assert cold["kept"] and cold["sent"] == [], got
     assert got["failed"] == "injected device failure", got
     failed = got["after_failure"]
     assert failed["kept"] and (failed["rebalances"], failed["layers_moved"], failed["last"], failed["counted"]) == (0, 0, {}, 0), got

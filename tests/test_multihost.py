@@ -535,6 +535,8 @@ def test_a_step_failing_on_process_0_alone_leaves_the_processes_in_step(async_pa
     assert "failed on process" not in out1  # process 1 never ran the step process 0 could not launch
 
 
+# An EPLB move asked of process 0 before warm-up (simulated) is refused: process 1 replays moves only from follow(),
+# so process 0 moved alone (its gathers waiting for process 1, or its experts placed apart from process 1's).
 # An EPLB move whose expert gather fails on process 0 alone (injected as it is compiled; in life a compile, device
 # memory or an interrupt): process 0 prepares its gathers (and, off XLA:CPU, launches them) before sending the move,
 # so a move it could not make is never sent and process 1 never waits in the gather's collectives for it (both hung,
@@ -558,6 +560,13 @@ _LEADER_MOVE_FAILS = textwrap.dedent("""
     want = run()
     before = eng.eplb.placement.copy()
     eng.eplb.plan, gather = across_processes, serve.eplb.take_experts
+    eng.warmed_up = False  # as before warm-up: process 1 would never join the move
+    try:
+        eng.rebalance_experts()
+        cold = None
+    except RuntimeError as e:
+        cold = str(e)
+    eng.warmed_up = True
     class Broken:  # the expert gather, failing on process 0 alone
         def __call__(self, *args):
             raise RuntimeError("injected device failure")
@@ -593,8 +602,8 @@ _LEADER_MOVE_FAILS = textwrap.dedent("""
     late_kept = eng.eplb.placement.tolist() == placed.tolist() and eng.stats()["eplb"]["rebalances"] == counted
     after_late = run()
     eng.close()
-    print("FAILED_MOVE" + json.dumps(dict(want=want, failed=failed, kept=kept, got=got, moved=moved, again=again,
-                                          late=late, late_kept=late_kept, after_late=after_late,
+    print("FAILED_MOVE" + json.dumps(dict(want=want, cold=cold, failed=failed, kept=kept, got=got, moved=moved,
+                                          again=again, late=late, late_kept=late_kept, after_late=after_late,
                                           placement=eng.eplb.placement.tolist())), flush=True)
 """)
 
@@ -603,6 +612,9 @@ def test_an_expert_move_failing_on_process_0_alone_leaves_the_processes_in_step(
     (code0, out0), (code1, out1) = async_pair("ep")
     assert code0 == 0 and code1 == 0, (out0[-3000:], out1[-3000:])
     got = _result(out0, "FAILED_MOVE")
+    # a move asked of process 0 before warm-up is refused (it ran there alone: its gathers' collectives waited for
+    # process 1, which replays moves only from follow(), after its own warm-up)
+    assert got["cold"] and "not warmed up; call warmup() first" in got["cold"], got
     assert "injected device failure" in got["failed"] and got["kept"] and got["moved"], got
     assert got["got"] == got["want"] == got["again"] == got["after_late"], got
     assert "failed on process" not in out1  # process 1 never ran the move process 0 could not make

@@ -424,6 +424,22 @@ _LOADS = textwrap.dedent("""
         return arr
 
     checkpoint.SafetensorsDir.get = counted
+    from serve.named_weights import checksum
+
+    def split_checksum(a):  # `checksum` (a host store's weight tag) of `a`, split over the mesh, against one
+        # device's copy (row by row, as `Engine._weights_digest` sums there), then with one bit of one element of its
+        # last shard flipped (every copy of that shard)
+        one = lambda x: jax.device_put(np.asarray(x), jax.devices()[0])
+        want = int(checksum(one(a), by_rows=True))
+        last = a.addressable_shards[-1]
+        data = np.array(last.data)
+        data.view(np.uint8).flat[data.nbytes // 2] ^= 1
+        changed = jax.make_array_from_single_device_arrays(a.shape, a.sharding, [
+            jax.device_put(data, s.device) if s.index == last.index else s.data for s in a.addressable_shards])
+        return dict(dtype=str(a.dtype), split=len({repr(s.index) for s in a.addressable_shards}),
+                    same=int(checksum(a)) == want, moved=int(checksum(changed)) != want,
+                    moved_alike=int(checksum(changed)) == int(checksum(one(changed), by_rows=True)))
+
     whole = load_model(d + "/hf")
     ref = {k: np.asarray(v[...]) for k, v in nnx.to_flat_state(whole.params)}
     out["whole"] = dict(bytes=sum(b for _, b, _ in reads), partial=sum(b < full for _, b, full in reads))
@@ -445,6 +461,9 @@ _LOADS = textwrap.dedent("""
                 # tensors read in slices: each slice once, the slices adding up to the tensor
                 sliced=sum(e[2] > 1 for e in per.values()),
                 sliced_whole=all(e[1] == e[0] for name, e in per.items() if e[2] > 1 and "A_log" not in name))
+            if form == "hf":  # the largest weight split over the mesh
+                out[f"{form}/{sh}"]["checksum"] = split_checksum(max(
+                    (a for _, a, _ in flat if not a.sharding.is_fully_replicated), key=lambda a: a.size))
             if form == "hf" and sh == "ep":  # the engine's own placement of these arrays is a no-op
                 eng = Engine(m, EngineConfig(sharding=sh, expert_weights="packed", dense_weights="out_in",
                                              cache_bytes=4 << 20, max_model_len=64), warmup=False)
@@ -496,6 +515,16 @@ def test_weights_load_straight_into_their_shards(sharded_loads, form, sh):
         assert whole["partial"] == 0 and r["partial"] > 0 and r["sliced"] > 0 and r["sliced_whole"]
         # every tensor byte read once, not once per device (A_log, fixed before slicing, is read whole per slice)
         assert whole["bytes"] <= r["bytes"] <= whole["bytes"] * 1.01
+
+
+@pytest.mark.parametrize("sh", ["tp", "ep"])
+def test_the_weights_checksum_of_a_split_weight_is_one_devices(sharded_loads, sh):
+    """`named_weights.checksum`, which tags a host store's entries by the weights (`Engine._weights_digest`): a
+    weight split over 4 devices (tp: a float32 matrix by rows; ep: the packed uint8 experts) sums to what one
+    device's copy sums row by row, so engines sharded differently share a store; one bit of one shard moves it."""
+    got = sharded_loads[f"hf/{sh}"]["checksum"]
+    assert got["split"] == 4 and got["same"] and got["moved"] and got["moved_alike"], got
+    assert got["dtype"] == ("float32" if sh == "tp" else "uint8"), got
 
 
 def test_the_engine_keeps_weights_loaded_into_its_placement(sharded_loads):
