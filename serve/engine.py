@@ -790,10 +790,38 @@ class Sequence:
     table_sent: int = field(default=0, repr=False, compare=False)
     table_sent_gen: int = field(default=-1, repr=False, compare=False)
     place: int = field(default=0, repr=False, compare=False)  # its entry's number in `Engine.seqs` (their order)
+    # `ids()`: the tokens read so far, and the lists they were read from
+    _ids: Optional[list] = field(default=None, repr=False, compare=False)
+    _ids_of: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def all_ids(self) -> list[int]:
+        """Prompt + output tokens, a new list per read (the caller's to keep or change); per-step paths use
+        `num_ids`, `id_at` or `ids` instead (each read copied the whole sequence)."""
         return self.prompt_ids + self.output_ids
+
+    @property
+    def num_ids(self) -> int:
+        """len(all_ids), without building it."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def id_at(self, i: int) -> int:
+        """all_ids[i] for 0 <= i < num_ids, without building it."""
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    def ids(self) -> list[int]:
+        """all_ids kept between reads and extended by the tokens appended since: a read costs what was appended,
+        not the whole sequence. Read-only and shared (a prefix hasher holds it): holders see it only grow, as
+        output tokens are only ever appended. Lists replaced, or shorter than what was read, are read again into
+        a new list."""
+        ids, of = self._ids, self._ids_of
+        n, k = len(self.prompt_ids), len(self.output_ids)
+        if ids is None or of[0] is not self.prompt_ids or of[1] is not self.output_ids or not n <= len(ids) <= n + k:
+            self._ids, self._ids_of = self.prompt_ids + self.output_ids, (self.prompt_ids, self.output_ids)
+        elif len(ids) < n + k:
+            ids += self.output_ids[len(ids) - n:]
+        return self._ids
 
     def page_table(self) -> np.ndarray:
         """`pages` as an array [MLA layers, pages] int32, kept across steps and extended by the pages added
@@ -1178,10 +1206,12 @@ class Engine:
         self._waiting_head: list[Sequence] = []  # the waiting sequences the last plan saw (`_queue_head`)
         self._ended: set[str] = set()  # ids of requests a sequence of which ended since the last `_reap`
         # the sequences that may wait, as (priority, arrival, place, seq) in that order (`_waiting`: those that no
-        # longer wait are dropped when met), their places; and the sequences holding a state slot, by id: so a step
-        # finds its running and first waiting sequences without walking every request queued
+        # longer wait are dropped when met), their places with their adapters (uid, 0: none) and the entries of each
+        # adapter (`waiting_cut`'s `queued`); and the sequences holding a state slot, by id: so a step finds its
+        # running and first waiting sequences without walking every request queued
         self._queue: list[tuple] = []
-        self._queued: set[int] = set()
+        self._queued: dict[int, int] = {}
+        self._queued_loras: collections.Counter = collections.Counter()
         self._running: dict[str, Sequence] = {}
         self._places = itertools.count(1)
         # finished conversations never reused yet, with their adapter
@@ -1890,8 +1920,10 @@ class Engine:
 
     def _running_adapters(self, internal: bool = False) -> set:
         """The adapters of the requests admitted and not finished (their rows hold slots), which host memory keeps;
-        `internal`: those of the prefix cache's own rows too (unloading an adapter ends these rows)."""
-        return {s.lora for s in self.seqs.values()
+        `internal`: those of the prefix cache's own rows too (unloading an adapter ends these rows). From `_running`
+        (every row holding a slot): walking every request queued made each LoRA admission cost host time growing
+        with the queue."""
+        return {s.lora for s in self._running.values()
                 if s.lora is not None and s.slot is not None and not s.finished and (internal or not s.internal)}
 
     def _register_unread(self, request: LoRARequest) -> Adapter:
@@ -2915,9 +2947,6 @@ class Engine:
 
         held = fixed()
         running = [(s.priority, s.lora.uid if s.lora is not None else 0) for s in held if s.slot is not None]
-        # (only a running canonical row's borrowed place is checked against the waiting requests': see `_deferred`)
-        lent = ({(p, o) for p, o, _, _ in self._waiting(len(self._queue))}
-                if any(s.home and s.slot is not None for s in held) else set())
         first = self._waiting(1)
         n = waiting_cut(self.sched_cfg, free_slots, running, itertools.repeat((first[0][0], 0, True))) if first else 1
         while True:
@@ -2931,12 +2960,12 @@ class Engine:
                 for s in head:
                     if s.slot is None and s.hit is None:
                         self._match(s)
-            deferred = self._deferred(head, lent)
+            deferred = self._deferred(head, self._waits_at)
             # (as the scheduler sees them: `_deferred` moved a canonical row to a place it borrows, or back to its own)
             running = [(s.priority, s.lora.uid if s.lora is not None else 0) for s in held if s.slot is not None]
             queue = self._waiting(n)
             cut = ((s.priority, s.lora.uid if s.lora is not None else 0, s.rid not in deferred) for *_, s in queue)
-            if len(queue) < n or waiting_cut(self.sched_cfg, free_slots, running, cut) is not None:
+            if len(queue) < n or waiting_cut(self.sched_cfg, free_slots, running, cut, self._queued_loras) is not None:
                 self._waiting_head = [s for s in head if s.slot is None]
                 return head, deferred
             n *= 2
@@ -2945,7 +2974,7 @@ class Engine:
     def _view_total(seq: Sequence) -> int:
         """Tokens of `seq` once every launched step is read back, less a last token in flight that ends it at
         max_tokens: it runs (holding its memory, row and adapter) with nothing left to compute."""
-        n = len(seq.all_ids) + seq.pending
+        n = seq.num_ids + seq.pending
         last = seq.checker.max_tokens is not None and len(seq.output_ids) + seq.pending >= seq.checker.max_tokens
         return n - 1 if seq.pending and last else n
 
@@ -3074,7 +3103,7 @@ class Engine:
 
     def _decodes_next(self, seq: Sequence) -> bool:
         """Whether `seq`'s next row is a decode: its last token (on the host or in flight) is all it has left."""
-        return seq.slot is not None and self._view_computed(seq) == len(seq.all_ids) + seq.pending - 1
+        return seq.slot is not None and self._view_computed(seq) == seq.num_ids + seq.pending - 1
 
     def _drafting_off(self, decoding: int) -> bool:
         cap = self.spec.disable_by_batch_size
@@ -3097,7 +3126,7 @@ class Engine:
             seq.guess = None
             return []
         k = min(self.spec.num_speculative_tokens, seq.checker.max_tokens - len(seq.output_ids) - ahead - 1,
-                self.config.max_model_len - len(seq.all_ids) - ahead)
+                self.config.max_model_len - seq.num_ids - ahead)
         d = self._propose(seq, k + ahead)[:k + ahead] if k > 0 else []
         seq.guess = d[0] if ahead and len(d) > 1 else None
         d = d[ahead:]
@@ -3110,10 +3139,10 @@ class Engine:
         if self.spec.method == "suffix":
             if seq.ngrams is None:
                 seq.ngrams = SuffixIndex()
-            return self.suffix.propose(seq.ngrams, seq.all_ids, k, seq.tenant)
+            return self.suffix.propose(seq.ngrams, seq.ids(), k, seq.tenant)
         if seq.ngrams is None:
             seq.ngrams = NgramIndex(self.spec.prompt_lookup_min, self.spec.prompt_lookup_max)
-        return seq.ngrams.propose(seq.all_ids, k)
+        return seq.ngrams.propose(seq.ids(), k)
 
     def _free_slots(self) -> int:
         return len(self.allocator._free_slot_bases(self.sched_cfg.max_num_seqs + self.sched_cfg.max_prefill_seqs))
@@ -3121,7 +3150,7 @@ class Engine:
     # ---- prefix cache ---------------------------------------------------------------------------
     def _match(self, seq: Sequence) -> None:
         """Plan a waiting request's start from the deepest cached prefix, and its capture points."""
-        ids = seq.all_ids
+        ids = seq.ids()
         seq.captures = {}
         seq.hit, seq.computed = None, 0
         if self.prefix_cache is None:
@@ -3180,7 +3209,7 @@ class Engine:
                     spawned = True
         return spawned
 
-    def _deferred(self, live: list[Sequence], lent: set) -> set[str]:
+    def _deferred(self, live: list[Sequence], lent: Callable[[tuple], bool]) -> set[str]:
         """Waiting requests that should sit out this step because another request is about to
         checkpoint a deeper point of their prefix.
 
@@ -3200,17 +3229,17 @@ class Engine:
         to its own once they are gone (an aborted urgent request's priority let it preempt user requests). A
         running row keeps the place while the request that gave it still waits, even when it no longer plans
         the capture that request waits for (no slot to keep it): else the waiting row that plans it next takes
-        that place and preempts it, and two such rows preempt each other forever. `lent`: the places (priority,
-        arrival) of every waiting request (`_queue_head` gives `live` fewer of them)."""
+        that place and preempts it, and two such rows preempt each other forever. `lent`: whether a waiting request
+        has a place (priority, arrival) (`_waits_at`: `_queue_head` gives `live` fewer of them)."""
         if self.prefix_cache is None:
             return set()
         for s in live:
-            if s.home and not (s.slot is not None and (s.priority, s.order) in lent):
+            if s.home and not (s.slot is not None and lent((s.priority, s.order))):
                 s.priority, s.order = s.home
         a, pending, out = self.align, {}, set()
         for s in sorted(live, key=lambda s: (s.slot is None, s.internal is None, s.priority, s.order)):
             if s.slot is None and s.hit is not None:
-                n = len(s.all_ids) - 1
+                n = s.num_ids - 1
                 owners = {pending.get(s.hasher.key(b"K", p), s.rid) for p in range(n // a * a, s.computed + a - 1, -a)}
                 ahead = [o for o in map(self.seqs.get, owners - {s.rid}) if o.internal or o.priority <= s.priority]
                 for o in ahead:
@@ -3255,7 +3284,7 @@ class Engine:
         if pc is None or hit is None:
             return 0
         if not seq.internal:
-            pc.record_query(len(seq.all_ids), hit, preempted=seq.preempted)
+            pc.record_query(seq.num_ids, hit, preempted=seq.preempted)
         if hit.pos == 0:
             seq.hit = None
             return 0
@@ -3349,7 +3378,7 @@ class Engine:
         if seq.hit is not None:
             pc.unpin(seq.hit)
             seq.hit = None
-        seq.hasher.extend(seq.all_ids + list(ahead))
+        seq.hasher.extend(seq.ids() + list(ahead) if ahead else seq.ids())
         if decoded:
             # Decode writes latents and states through the token-by-token recurrence, which rounds
             # differently from the chunked prefill a cold request runs; none of it is shared.
@@ -3383,7 +3412,7 @@ class Engine:
         """Whether `seq` can still run its next row after a capture: the checkpoint keeps its slot, pinned until
         that row has read it, and `seq` takes a new one. A request that nearly fills the arena would otherwise
         wait forever for memory only its own next step frees."""
-        n = len(seq.all_ids)
+        n = seq.num_ids
         if seq.computed < n:  # a prompt chunk next
             end = chunk_end(seq.computed, n, self.sched_cfg)
         else:  # a decode next, unless the token sampled now is its last
@@ -3394,7 +3423,7 @@ class Engine:
     def _hit_fits(self, seq: Sequence, hit: Hit) -> bool:
         """Whether `seq` can ever be admitted resuming from `hit`: the hit's checkpoint slot and partial page on
         the device stay pinned until its first row has read them."""
-        end = chunk_end(hit.pos, len(seq.all_ids), self.sched_cfg)
+        end = chunk_end(hit.pos, seq.num_ids, self.sched_cfg)
         return self._fits_beside(end, (self.layout.slot_units if isinstance(hit.ckpt, CkptEntry) else 0)
                                  + (self.cfg.num_mla_layers if isinstance(hit.partial, PageEntry) else 0))
 
@@ -3542,7 +3571,7 @@ class Engine:
         for i, (seq, (_, start, n)) in enumerate(zip(seqs, rows)):
             seq.read_slot = seq.read_pin = None
             seq.copies = []
-            sampled = start + n >= len(seq.all_ids) + seq.pending  # the row's last position is the sequence's
+            sampled = start + n >= seq.num_ids + seq.pending  # the row's last position is the sequence's
             if sampled:
                 seq.pending += 1
                 seq.carry_at = offset + i
@@ -3589,7 +3618,7 @@ class Engine:
         sequence's slot (a KDA checkpoint taken at `end`) or ends an internal row."""
         masks = self._sample is None and (seq.guide is not None or bool(seq.bad_words))  # else: `_complete`
         return (not masks and seq.beam is None and not seq.draft
-                and end not in seq.captures and not (seq.internal and end >= len(seq.all_ids)))
+                and end not in seq.captures and not (seq.internal and end >= seq.num_ids))
 
     def _land(self, f: "_Flight", touched: set[str]) -> None:
         """Read a launched step's results back: advance its sequences, append their tokens, share pages and
@@ -3641,7 +3670,7 @@ class Engine:
                     self._count_drafts(seq, n - 1, a)
                     if seq.guess is not None and n > 1:  # its drafts followed a guess of its input token
                         self.counters["spec_decode_num_guessed_drafts"] += 1
-                        self.counters["spec_decode_num_guesses_right"] += seq.all_ids[start] == seq.guess
+                        self.counters["spec_decode_num_guesses_right"] += seq.id_at(start) == seq.guess
                     seq.guess = None
                     seq.computed = start + 1 + a
                     self._record_positions(seq, start, routes, hidden, i, 1 + a, ahead=seq.draft[:a])
@@ -3659,16 +3688,16 @@ class Engine:
                 self._record_positions(seq, start, routes, hidden, i, n)
                 if seq.internal:
                     self._after_row(seq, decoded=False)
-                    if seq.computed == len(seq.all_ids):
+                    if seq.computed == seq.num_ids:
                         self._finish(seq, "canonical")
                     continue
                 # Share pages and capture states before the sampled token is appended: a request that
                 # finishes on this token (max_tokens=1, a stop) releases its memory in `_append`.
                 if seq.slot is not None:
                     self._after_row(seq, decoded=t == 1)
-                if not seq.finished and seq.computed == len(seq.all_ids) and seq.beam is not None:
+                if not seq.finished and seq.computed == seq.num_ids and seq.beam is not None:
                     self._park(seq, top_ids[i], top_lps[i])
-                elif not seq.finished and seq.computed == len(seq.all_ids):
+                elif not seq.finished and seq.computed == seq.num_ids:
                     touched.add(seq.rid)
                     self._append(seq, int(tokens[i]), float(lps[i]), int(ranks[i]), top_ids[i], top_lps[i], now)
             except Exception as e:  # this request's bookkeeping only: it ends, the others go on
@@ -3687,7 +3716,7 @@ class Engine:
         seq.routes.write(start, routes[row, :n])
         store = self.routes_store
         if store is not None and seq.hasher is not None and (start + n) // store.granule > start // store.granule:
-            seq.hasher.extend(seq.all_ids + list(ahead))
+            seq.hasher.extend(seq.ids() + list(ahead) if ahead else seq.ids())
             store.put(seq.hasher, seq.routes.ids, start, start + n)
 
     def _record_prompt_logprobs(self, seqs: list[Sequence], rows, targets: np.ndarray, prompt) -> None:
@@ -3730,7 +3759,7 @@ class Engine:
             embeds = np.zeros((rows, t, self.cfg.hidden_size), self.model.dtype)
             embed_mask = np.zeros((rows, t), bool)
         for i, (seq, start, n) in enumerate(items):
-            ids = seq.all_ids
+            ids = seq.ids()
             if seq.embeds is not None and start < len(seq.embeds):
                 k = min(n, len(seq.embeds) - start)
                 embeds[i, :k], embed_mask[i, :k] = seq.embeds[start:start + k], True
@@ -3784,7 +3813,7 @@ class Engine:
         that find no room there into the mask. A constraint whose every continuation is banned keeps them (the
         output stays valid: the constraint wins over the bans, as `sample` makes it win over min_tokens')."""
         guided = [(seq.guide, i * pos) for i, seq, start, n in rows
-                  if seq.guide is not None and start + n >= len(seq.all_ids)]  # this row samples the next token
+                  if seq.guide is not None and start + n >= seq.num_ids]  # this row samples the next token
         constrained = np.zeros(allowed.shape[0] // pos, bool)
         for g, i in guided:
             constrained[i // pos] = g.active
@@ -3860,7 +3889,7 @@ class Engine:
         # (not for prompts given as embeddings: a tail would keep the request's vectors alive after it ends)
         if self.prefix_cache is not None and reason != "abort" and not seq.reused and seq.embeds is None:
             h = seq.hasher.fresh()
-            h.extend(list(seq.all_ids))
+            h.extend(seq.all_ids)
             self._tails[seq.rid] = (h, seq.lora)  # see _canonicalize_shared_tails
             while len(self._tails) > MAX_TAILS:
                 self._tails.popitem(last=False)
@@ -3921,6 +3950,7 @@ class Engine:
         if not self.seqs:  # (what the queue still holds of requests aborted while waiting goes with them)
             self._queue.clear()
             self._queued.clear()
+            self._queued_loras.clear()
 
     def _seat(self, seq: Sequence) -> None:
         """Enter a new sequence into `self.seqs` (its place: the scheduler's order among equals) and the queue."""
@@ -3932,7 +3962,8 @@ class Engine:
         """Queue a request's sequence that may wait (new, or its memory given back) in (priority, arrival) order."""
         if seq.internal is None and not seq.finished and seq.place not in self._queued:
             bisect.insort(self._queue, (seq.priority, seq.order, seq.place, seq))
-            self._queued.add(seq.place)
+            self._queued[seq.place] = uid = seq.lora.uid if seq.lora is not None else 0
+            self._queued_loras[uid] += 1
 
     def _unqueue(self, seq: Sequence) -> None:
         """Take a sequence that leaves `self.seqs` out of the queue now: its entry, left for `_waiting` to meet,
@@ -3942,7 +3973,7 @@ class Engine:
             i = bisect.bisect_left(self._queue, (seq.priority, seq.order, seq.place))  # (places are unique)
             if i < len(self._queue) and self._queue[i][2] == seq.place:
                 del self._queue[i]
-            self._queued.discard(seq.place)
+            self._dequeued(seq.place)
 
     def _waiting(self, n: int) -> list[tuple]:
         """The first `n` entries (priority, arrival, place, seq) of the waiting requests' sequences in that order
@@ -3951,13 +3982,38 @@ class Engine:
         q, out, i = self._queue, [], 0
         while i < len(q) and len(out) < n:
             s = q[i][3]
-            if s.slot is None and not s.finished and s.proposals is None and self.seqs.get(s.rid) is s:
+            if self._waits(s):
                 out.append(q[i])
             else:
-                self._queued.discard(s.place)
+                self._dequeued(s.place)
             i += 1
         q[:i] = out
         return out
+
+    def _waits(self, seq: Sequence) -> bool:
+        """Whether a queued sequence still waits (not admitted, finished, awaiting a beam selection or forgotten)."""
+        return seq.slot is None and not seq.finished and seq.proposals is None and self.seqs.get(seq.rid) is seq
+
+    def _waits_at(self, place: tuple) -> bool:
+        """Whether a waiting sequence has this place (priority, arrival) in the queue: a bisection of `_queue`
+        (a running canonical row keeps a place while the request that lent it waits, `_deferred`); the walk of
+        every waiting request it replaces cost every step host time growing with the queue while such a row ran."""
+        q = self._queue
+        i = bisect.bisect_left(q, place)
+        while i < len(q) and q[i][:2] == place:
+            if self._waits(q[i][3]):
+                return True
+            i += 1
+        return False
+
+    def _dequeued(self, place: int) -> None:
+        """Forget the queue entry of the sequence at `place` (taken out of `_queue`)."""
+        uid = self._queued.pop(place, None)
+        if uid is None:
+            return
+        self._queued_loras[uid] -= 1
+        if not self._queued_loras[uid]:
+            del self._queued_loras[uid]
 
     def _output(self, req: Request) -> RequestOutput:
         if req.beam is not None:

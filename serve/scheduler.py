@@ -132,28 +132,66 @@ def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -
 
 
 def waiting_cut(cfg: SchedulerConfig, free_slots: int, running: list[tuple[int, int]],
-                waiting: Iterable[tuple[int, int, bool]]) -> Optional[int]:
+                waiting: Iterable[tuple[int, int, bool]], queued: Optional[dict] = None) -> Optional[int]:
     """How many of the waiting requests `schedule` may look at -> that many of `waiting` (their (priority, adapter,
     shown) in (priority, arrival) order; shown False: left out of the plan), None: all. `running`: the running
     requests' (priority, adapter). A shown request whose adapter cannot be one too many (all the adapters up to it
     fit the LoRA slots) is one the scheduler, meeting it, admits into a prefill row, holds a state slot for by
     preempting (step 0 of `_plan`, only while a running request has a lower priority), or stops the admissions at;
     once that many met every one, those behind change nothing. So the engine views (and matches against the prefix
-    cache) only those: a step's host work must not grow with a queue of thousands."""
+    cache) only those: a step's host work must not grow with a queue of thousands.
+
+    `queued` (adapter -> requests of it in the whole queue, `waiting` included; more is fine) bounds a queue of
+    more adapters than `max_loras` too (`_adapters_settled`), where the requests counted above run out."""
     adapters, want, takers = {a for _, a in running if a}, 0, 0
+    fixed = frozenset(adapters | {0})  # (the running requests' adapters, and the base model)
+    seen: dict[int, int] = {}  # adapter -> requests of it in `waiting` so far
+    met: dict[int, int] = {}  # adapter -> shown requests of it so far
+    first: list[int] = []  # the shown requests' adapters not in `fixed`, in the order they first come
+    step0 = False
     for i, (priority, adapter, shown) in enumerate(waiting):
         if not want:
             want = cfg.max_prefill_seqs + 1
-            if any(p > priority for p, _ in running):  # (the first request's priority: the highest)
+            step0 = any(p > priority for p, _ in running)  # (the first request's priority: the highest)
+            if step0:
                 want += free_slots + len(running)
+        seen[adapter] = seen.get(adapter, 0) + 1
         if not shown:
             continue
+        met[adapter] = met.get(adapter, 0) + 1
+        if adapter not in fixed and adapter not in first:
+            first.append(adapter)
         if adapter:
             adapters.add(adapter)
         takers += not adapter or len(adapters) <= cfg.max_loras
         if takers >= want:
             return i + 1
+        if queued is not None and _adapters_settled(cfg, fixed, first, seen, met, queued, want, i + 1, step0):
+            return i + 1
     return None
+
+
+def _adapters_settled(cfg: SchedulerConfig, fixed: frozenset, first: list[int], seen: dict, met: dict,
+                      queued: dict, want: int, n: int, step0: bool) -> bool:
+    """Whether the requests behind the first `n` of the queue change no plan, however many adapters it holds.
+    The adapters that can pass `_plan`'s LoRA check in its prefill rows are the running ones' (`fixed`) and the
+    first `max_loras` others in queue order (`first`): the check admits new ones in that order while a slot is
+    free and never again once none is (a running adapter whose requests are preempted becomes a new one). An
+    adapter that passes it passes it for every request of it met. So once each such adapter has `want` requests
+    shown (its requests alone stop the scheduler) or none left behind (`queued`: those of the whole queue), the
+    requests behind are all skipped; and unless every adapter fills the slots (`first` is short), none of them may
+    be of an adapter not seen yet. Step 0 (preemption) takes every adapter while the running ones leave a slot
+    free: then `want` requests shown, or none left, bound it too."""
+    left = lambda a: queued.get(a, 0) - seen.get(a, 0)  # noqa: E731
+    if step0 and len(fixed) - 1 < cfg.max_loras and sum(met.values()) < want and sum(queued.values()) > n:
+        return False
+    possible = list(fixed) + first[:cfg.max_loras]
+    if any(left(a) > 0 and met.get(a, 0) < want for a in possible):
+        return False
+    if len(first) < cfg.max_loras:  # an adapter not met yet may take a slot: only those met may be left
+        if sum(queued.values()) - n > sum(max(0, left(a)) for a in possible):
+            return False
+    return True
 
 
 def schedule(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_ratio: float = 0.0) -> StepPlan:

@@ -238,6 +238,7 @@ def test_more_adapters_than_slots(ab, engine, ref):
                 done[out.request_id] = out.outputs[0].token_ids
         running = {s.lora.name for s in engine.seqs.values() if s.lora is not None and s.slot is not None}
         most = max(most, len(running))
+        assert {a.name for a in engine._running_adapters(internal=True)} == running  # (read from `_running`)
         assert all(engine.seqs[r].lora.slot is not None for r in engine.seqs if engine.seqs[r].slot is not None
                    and engine.seqs[r].lora is not None)
     assert most == 2 and engine.counters["lora_swaps"] > swaps
@@ -246,6 +247,25 @@ def test_more_adapters_than_slots(ab, engine, ref):
     assert toks[2] == _run(engine, [(prompts[2], "b")], max_tokens=6)[0].outputs[0].token_ids
     assert toks[0] == _run(engine, [(prompts[0], "a")], max_tokens=6)[0].outputs[0].token_ids  # swapped back in
     engine.remove_lora("c")
+
+
+def test_running_adapters_are_read_from_the_running_rows_alone():
+    """`Engine._running_adapters` (every LoRA admission, every request naming an adapter not read yet) walked every
+    request queued: with thousands waiting, each cost host time growing with the queue. It reads `_running`."""
+    from types import SimpleNamespace
+
+    class Queue(dict):
+        def values(self):
+            raise AssertionError("walked every request")
+
+    a, b, c = "abc"  # (adapters)
+    row = lambda lora, slot=0, internal=None, finished=False: SimpleNamespace(  # noqa: E731
+        lora=lora, slot=slot, internal=internal, finished=finished)
+    running = {"r1": row(a), "r2": row(None), "r3": row(b, internal="canonical"), "r4": row(c, finished=True),
+               "r5": row(c, slot=None)}  # (a forked beam's parent gave its slot away before it leaves)
+    eng = SimpleNamespace(seqs=Queue({f"w{i}": row(c, slot=None) for i in range(1000)}), _running=running)
+    assert Engine._running_adapters(eng) == {a}
+    assert Engine._running_adapters(eng, internal=True) == {a, b}
 
 
 def test_swap_evicts_the_least_recently_used_adapter(ab, engine, ref):

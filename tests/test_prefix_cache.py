@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 import k3jax
 from serve.beam_search import BeamSearchParams
-from serve.engine import Engine, EngineConfig, Request
+from serve.engine import Engine, EngineConfig, Request, Sequence
 from serve.types import SamplingParams
 
 # (page_size, prefill_chunk): checkpoints sit on multiples of min(prefill_chunk, 64)
@@ -436,16 +436,20 @@ def test_the_waiting_cut_counts_a_running_canonical_row_back_in_its_own_place(en
     assert rows and {s.priority for s in rows} == {-5}  # running, in the urgent request's place
     on.abort(urgent)
     later = [on.add_request(toks(50 + i, 40), _SHORT) for i in range(6)]
-    cuts, views = [], []
-    cut, schedule = engine_module.waiting_cut, engine_module.schedule
-    monkeypatch.setattr(engine_module, "waiting_cut", lambda cfg, slots, running, waiting: (
-        cuts.append(sorted(running)), cut(cfg, slots, running, waiting))[1])
+    later += [on.add_request(toks(60 + i, 40), _SHORT, priority=1) for i in range(60)]
+    cuts, views, walks = [], [], []
+    cut, schedule, waiting = engine_module.waiting_cut, engine_module.schedule, on._waiting
+    # (nor was the queue walked whole every step while the row ran, to find whether its place was still lent)
+    monkeypatch.setattr(on, "_waiting", lambda n: (walks.append(n >= len(on._queue)), waiting(n))[1])
+    monkeypatch.setattr(engine_module, "waiting_cut", lambda cfg, slots, running, waiting, *queued: (
+        cuts.append(sorted(running)), cut(cfg, slots, running, waiting, *queued))[1])
     monkeypatch.setattr(engine_module, "schedule", lambda seqs, *a: (
         views.append(sorted((s.priority, s.adapter) for s in seqs if s.running)), schedule(seqs, *a))[1])
     on.step()
     monkeypatch.undo()
     assert (INTERNAL_PRIORITY, 0) in views[-1]  # back in its own place
     assert cuts[-1] == views[-1]  # the running requests the cut counted are the scheduler's
+    assert walks and not any(walks)
     for r in later + [blocker]:
         on.abort(r)
     while on.has_unfinished():
@@ -636,6 +640,41 @@ def test_a_long_queue_is_matched_and_reaped_at_its_head_only(engines, monkeypatc
     assert not on.requests and not on.seqs and not on._queue
     monkeypatch.undo()
     assert [outs[i] for i in ids] == [run(off, p, n=2).outputs[0].token_ids for p in prompts]
+
+
+def test_steps_do_not_copy_a_sequences_tokens(engines, monkeypatch):
+    """`Sequence.all_ids` builds prompt + output anew on every read; the step paths read it for every row of every
+    step (lengths, the row's tokens, the prefix hasher's list: O(context) host work per row per step). They read
+    `num_ids`, `id_at` and the list `ids()` keeps, so a request's reads do not grow with the tokens it generates
+    (one is left: its tail's hasher when it finishes); the outputs are those without the cache."""
+    on, off = emptied(engines)
+    reads = []
+    all_ids = Sequence.all_ids
+    monkeypatch.setattr(Sequence, "all_ids", property(lambda s: (reads.append(s.rid), all_ids.fget(s))[1]))
+    counts, outs = [], []
+    for n in (3, 40):
+        reads.clear()
+        outs.append(run(on, toks(7100 + n, 37), n=n).outputs[0].token_ids)
+        counts.append(len(reads))
+    assert counts[0] == counts[1] <= 1
+    monkeypatch.undo()
+    assert outs == [run(off, toks(7100 + n, 37), n=n).outputs[0].token_ids for n in (3, 40)]
+
+
+def test_sequence_ids_grow_with_the_outputs_and_follow_replaced_lists():
+    """`Sequence.ids()`: the list holders (a prefix hasher) keep grows in place as tokens are appended; lists
+    replaced or shorter than what was read are read into a new list (the old one left as it was)."""
+    seq = Sequence(rid="r", request_id="r", index=0, order=0, prompt_ids=[1, 2, 3], params=_SHORT, seed=0,
+                   checker=None, metrics=None)
+    ids = seq.ids()
+    assert ids == [1, 2, 3] and seq.num_ids == 3
+    seq.output_ids += [4, 5]
+    assert seq.ids() is ids and ids == [1, 2, 3, 4, 5] and seq.id_at(3) == 4 and seq.id_at(0) == 1
+    seq.output_ids = [9]
+    fresh = seq.ids()
+    assert fresh == [1, 2, 3, 9] and ids == [1, 2, 3, 4, 5] and fresh == seq.all_ids
+    seq.output_ids.clear()
+    assert seq.ids() == [1, 2, 3] and fresh == [1, 2, 3, 9]
 
 
 def test_beam_search_forks_with_and_without_the_cache(engines):

@@ -392,3 +392,62 @@ def test_the_waiting_requests_behind_waiting_cut_change_no_plan(running, waiting
     mem = Memory(free, slots)
     plan = schedule(seqs + queue, mem, cfg, ratio)
     assert schedule(seqs + queue[:cut], mem, cfg, ratio) == plan
+
+
+_MANY = st.integers(0, 5)  # adapters, 0: the base model
+_RUNNING_MANY = st.tuples(st.integers(1, 90), st.integers(0, 89), st.integers(0, 2), _MANY, st.booleans(),
+                          st.integers(0, 3))  # (total, computed, priority, adapter, canonical, drafts)
+_WAITING_MANY = st.tuples(st.integers(1, 90), st.integers(0, 2), _MANY, st.integers(0, 200))
+
+
+@settings(max_examples=200, deadline=None)
+@given(running=st.lists(_RUNNING_MANY, max_size=5), waiting=st.lists(_WAITING_MANY, max_size=40),
+       free=st.integers(0, 200), slots=st.integers(0, 12), ratio=st.sampled_from([0.0, 0.6]),
+       loras=st.integers(1, 3), extra=st.dictionaries(_MANY, st.integers(0, 3)), hidden=st.sets(st.integers(0, 39)),
+       long=st.booleans())
+def test_a_queue_of_more_adapters_than_lora_slots_is_cut_without_changing_plans(running, waiting, free, slots, ratio,
+                                                                                  loras, extra, hidden, long):
+    """A queue whose requests use more adapters than `max_loras` made `waiting_cut` see the whole queue (its requests
+    of adapters past the slots never count). Given how many requests of each adapter the queue holds (`queued`, an
+    upper bound: the engine's count keeps entries it has not dropped yet), it stops once the adapters that can take
+    a slot are settled: the plan over the cut is still the plan over all, those sitting out (`shown` False) too."""
+    cfg = replace(CFG, max_loras=loras, long_prefill_chunk=48 if long else 0)
+    seqs = [SeqView(f"r{i}", i, t, min(c, t - 1), True, units_for(min(c, t - 1), cfg), priority=1 << 30 if canon else p,
+                    adapter=0 if canon else a, rows=0 if canon else 1, draft=d, limit=t + 20)
+            for i, (t, c, p, a, canon, d) in enumerate(running[:cfg.max_num_seqs])]
+    active = {s.adapter for s in seqs if s.adapter}
+    while len(active) > loras:  # (the scheduler keeps the running requests within the slots)
+        gone = active.pop()
+        seqs = [replace(s, adapter=0) if s.adapter == gone else s for s in seqs]
+    queue = sorted((SeqView(f"w{i}", 10 + i, t, 0, False, 0, priority=p, adapter=a, limit=t + g)
+                    for i, (t, p, a, g) in enumerate(waiting)), key=lambda s: (s.priority, s.order))
+    queued = {}
+    for s in queue:
+        queued[s.adapter] = queued.get(s.adapter, 0) + 1
+    for a, k in extra.items():
+        queued[a] = queued.get(a, 0) + k
+    cut = waiting_cut(cfg, slots, [(s.priority, s.adapter) for s in seqs],
+                      [(s.priority, s.adapter, i not in hidden) for i, s in enumerate(queue)], queued)
+    shown = [s for i, s in enumerate(queue) if i not in hidden]
+    mem = Memory(free, slots)
+    plan = schedule(seqs + shown, mem, cfg, ratio)
+    assert schedule(seqs + [s for s in queue[:cut] if s in shown], mem, cfg, ratio) == plan
+
+
+def test_waiting_cut_of_a_queue_cycling_through_more_adapters_than_slots():
+    """3,000 waiting requests cycling through 6 adapters, 2 LoRA slots held by two running requests: without the
+    queue's counts each step saw all of them; with them, as many as it takes each adapter that may get a slot to show
+    the requests that stop the scheduler."""
+    cfg = replace(CFG, max_loras=2)
+    running = [(0, 1), (0, 2)]
+    waiting = [(0, 1 + i % 6, True) for i in range(3000)]
+    queued = {a: 500 for a in range(1, 7)}
+    assert waiting_cut(cfg, 4, running, waiting) is None
+    cut = waiting_cut(cfg, 4, running, waiting, queued)
+    assert cut is not None and cut <= 6 * (cfg.max_prefill_seqs + 1)
+    # a base-model request at the very end may still be admitted: the whole queue
+    assert waiting_cut(cfg, 4, running, waiting + [(0, 0, True)], {**queued, 0: 1}) == 3001
+    # one running adapter leaves a slot free: an adapter met after the base model's last request may take it
+    assert waiting_cut(cfg, 4, [(0, 1)], [(0, 0, True), (0, 2, True), (0, 2, True)], {0: 1, 2: 2}) == 3
+    # only requests of an adapter not running: it takes a slot if a running request is preempted
+    assert waiting_cut(cfg, 4, running, [(0, 3, True)] * 10, {3: 10}) == cfg.max_prefill_seqs + 1
