@@ -35,8 +35,8 @@ CAPACITY = 8  # largest decode bucket
 # when a measured verify step costs more than they gain is off: on a loaded CI host that measurement decides
 # whether drafts run at all.
 # PLAIN (the `limited` server's options): no drafts and no logits processor, which none of its tests reads; the
-# one-device engine tests/test_multihost.py compares with (its `reference`), so a run compiles these step programs
-# once for both files (CI time).
+# one-device engine tests/test_multihost.py compares with (its `reference`) and tests/test_run_batch.py's batch, so a
+# run compiles these step programs once for the three files (CI time).
 PLAIN = ["--model", MODEL, "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(CAPACITY),
          "--decode-buckets", str(CAPACITY), "--prefill-buckets", "1", "--context-buckets", "8",
          "--prefill-chunk", "32", "--cache-mb", "32", "--log-level", "warning", "--enable-request-id-headers"]
@@ -63,7 +63,11 @@ class Server:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
                                      env={**os.environ, **(env or {})})
         self.health_seen: list[int] = []
-        self.startup_s = self._wait_ready()
+        try:
+            self.startup_s = self._wait_ready()
+        except BaseException:  # not ready in time: stopped, not left warming beside the tests that follow
+            self.stop()
+            raise
 
     def _wait_ready(self) -> float:
         t0 = time.monotonic()
@@ -144,8 +148,60 @@ def http(server):
         yield c
 
 
+@pytest.fixture(scope="module")
+def full_forward():
+    """seq -> (routed expert ids [T - 1, MoE layers, k], final hidden states after the norm [T - 1, H]) of a full
+    forward over every position of `seq` but the last, with the server's weights (same preset and seed).
+
+    One jitted program for every sequence the tests check (padded to a multiple of 32 positions; later positions
+    never reach earlier ones): run eagerly, each new length dispatched and compiled the model op by op again
+    (28-40 s a length on a loaded 2-core host: 120 s for the routed-experts test; CI time)."""
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from k3jax.cache import FreshView
+    from k3jax.runtime import load_model
+
+    model = load_model(MODEL)
+
+    @jax.jit
+    def run(params, ids, n):  # ids [1, T] (n real), n [] int32
+        m = nnx.merge(model.graphdef, params)
+        trace, hidden = [], []
+        m.run(ids, FreshView(model.cfg, ids.shape[1]), n[None], False, trace=trace, hidden=hidden)
+        return jnp.stack(trace, 1), m.norm(hidden[0])[0]  # [T, layers, k] (tokens flat), [T, H]
+
+    def forward(seq):
+        n = len(seq) - 1
+        ids = np.zeros((1, -(-n // 32) * 32), np.int32)
+        ids[0, :n] = seq[:-1]
+        routed, hidden = run(model.params, jnp.asarray(ids), jnp.asarray(n, jnp.int32))
+        return np.asarray(routed)[:n], np.asarray(hidden)[:n]
+
+    forward.cfg = model.cfg
+    return forward
+
+
 def n_tokens(http, text: str) -> int:
     return http.post("/tokenize", json={"prompt": text}).json()["count"]
+
+
+def test_a_server_not_ready_in_time_is_stopped(tmp_path, monkeypatch):
+    """A server that misses START_TIMEOUT (a loaded CI host) fails its fixture and is stopped: it was left running,
+    still compiling beside the tests that followed (and the next server, started for them, came up slower)."""
+    started, popen = [], subprocess.Popen
+
+    def never_ready(cmd, **kw):  # a process that never answers /health (and ends on SIGINT, also where it is ignored)
+        code = "import signal, time; signal.signal(signal.SIGINT, signal.default_int_handler); time.sleep(120)"
+        started.append(popen([sys.executable, "-c", code], **kw))
+        return started[-1]
+
+    monkeypatch.setattr(subprocess, "Popen", never_ready)
+    monkeypatch.setattr(sys.modules[__name__], "START_TIMEOUT", 0.5)
+    with pytest.raises(RuntimeError, match="not ready after"):
+        Server([], str(tmp_path), str(tmp_path / "server.log"))
+    assert started and started[0].poll() is not None
 
 
 # ---- health, models, tokenize ---------------------------------------------------------------------
@@ -351,31 +407,21 @@ def test_completion_prompt_embeds(client, http, limited):
     assert got.status_code == 400 and "--enable-prompt-embeds" in got.json()["error"]["message"]
 
 
-def test_hidden_states_over_generate(http):
+def test_hidden_states_over_generate(http, full_forward):
     """`return_hidden_states` (the server started with --enable-return-hidden-states): SGLang's list in
     `meta_info.hidden_states` once finished -- the prompt positions' rows as one [P, H] list, then one [H] row per
     generated token but the last -- equal to a full forward's final hidden states after the norm; streamed, in
     the finishing object only; absent unless asked."""
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from k3jax.cache import FreshView
-    from k3jax.runtime import load_model
-
-    model = load_model(MODEL)
-    m = nnx.merge(model.graphdef, model.params)
+    width = full_forward.cfg.hidden_size
     prompt = [72, 105, 33, 7, 90]
     sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
     r = http.post("/generate", json={"input_ids": prompt, "sampling_params": sp, "return_hidden_states": True})
     assert r.status_code == 200, r.text
     g = r.json()
     hs = g["meta_info"]["hidden_states"]
-    assert len(hs) == 1 + len(g["output_ids"]) - 1 and np.shape(hs[0]) == (len(prompt), model.cfg.hidden_size)
-    got = np.concatenate([np.asarray(hs[0]), np.asarray(hs[1:]).reshape(-1, model.cfg.hidden_size)])
-    seq = prompt + g["output_ids"]
-    hidden, ids = [], jnp.asarray([seq[:-1]], jnp.int32)
-    m.run(ids, FreshView(model.cfg, ids.shape[1]), jnp.asarray([ids.shape[1]]), False, hidden=hidden)
-    np.testing.assert_allclose(got, np.asarray(m.norm(hidden[0])[0]), atol=1e-4)
+    assert len(hs) == 1 + len(g["output_ids"]) - 1 and np.shape(hs[0]) == (len(prompt), width)
+    got = np.concatenate([np.asarray(hs[0]), np.asarray(hs[1:]).reshape(-1, width)])
+    np.testing.assert_allclose(got, full_forward(prompt + g["output_ids"])[1], atol=1e-4)
     assert "hidden_states" not in http.post("/generate", json={"input_ids": prompt, "sampling_params": sp}
                                             ).json()["meta_info"]
     body = {"input_ids": prompt, "stream": True, "sampling_params": sp, "return_hidden_states": True}
@@ -385,7 +431,7 @@ def test_hidden_states_over_generate(http):
     np.testing.assert_allclose(chunks[-1]["meta_info"]["hidden_states"][0], hs[0], atol=1e-5)
 
 
-def test_routed_experts_over_generate_completions_and_chat(http, limited):
+def test_routed_experts_over_generate_completions_and_chat(http, limited, full_forward):
     """`return_routed_experts` (the server started with --enable-return-routed-experts): base64 of the int32 ids
     [positions, MoE layers, k] of each finished sequence, = a full forward's. /generate: `meta_info.routed_experts`;
     /v1/completions and /v1/chat/completions: each finished choice's `sgl_ext.routed_experts` (SGLang's); from
@@ -393,25 +439,14 @@ def test_routed_experts_over_generate_completions_and_chat(http, limited):
     off or with beam search."""
     import base64
 
-    import jax.numpy as jnp
-    from flax import nnx
-
-    from k3jax.cache import FreshView
-    from k3jax.runtime import load_model
-
-    model = load_model(MODEL)
-    cfg = model.cfg
-    m = nnx.merge(model.graphdef, model.params)
+    cfg = full_forward.cfg
     layers = sum(cfg.is_moe(l) for l in range(cfg.num_hidden_layers))
 
     def decode(b64):
         return np.frombuffer(base64.b64decode(b64), "<i4").reshape(-1, layers, cfg.num_experts_per_token)
 
     def forward(seq):  # every position but the last, through a full forward: [T - 1, layers, k]
-        trace = []
-        ids = jnp.asarray([seq[:-1]], jnp.int32)
-        m.run(ids, FreshView(cfg, ids.shape[1]), jnp.asarray([ids.shape[1]]), False, trace=trace)
-        return np.stack([np.asarray(t) for t in trace], 1)
+        return full_forward(seq)[0]
 
     prompt = [72, 105, 33, 7]
     sp = {"max_new_tokens": 5, "temperature": 0, "ignore_eos": True}

@@ -79,9 +79,12 @@ def batch_run(tmp_path_factory):
     # as an editor may save it: a byte-order mark, CRLF endings, non-ASCII text unescaped
     src.write_text("\ufeff" + "\r\n".join(json.dumps(x, ensure_ascii=False) for x in lines) + "\r\n",
                    encoding="utf-8", newline="")
+    # the engine options of tests/test_http.py's `limited` server (PLAIN) and tests/test_multihost.py's `reference`:
+    # two step programs (decode 8 rows, prefill 1 row x 32 tokens; 8 context pages), compiled once in a run for the
+    # three files (the run's shared compilation cache, tests/conftest.py; CI time)
     rc = main(["run-batch", "-i", str(src), "-o", str(dst), "--model", "tiny-k3", "--max-model-len", "128",
-               "--max-num-seqs", "4", "--cache-mb", "16", "--page-size", "16", "--prefill-chunk", "32",
-               "--no-compile-cache", "--max-concurrency", "3"])
+               "--max-num-seqs", "8", "--decode-buckets", "8", "--prefill-buckets", "1", "--context-buckets", "8",
+               "--prefill-chunk", "32", "--cache-mb", "32", "--no-compile-cache", "--max-concurrency", "3"])
     out = [json.loads(x) for x in dst.read_text().splitlines()]
     return rc, {o["custom_id"]: o for o in out}, out
 
