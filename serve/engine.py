@@ -2963,9 +2963,11 @@ class Engine:
             deferred = self._deferred(head, self._waits_at)
             # (as the scheduler sees them: `_deferred` moved a canonical row to a place it borrows, or back to its own)
             running = [(s.priority, s.lora.uid if s.lora is not None else 0) for s in held if s.slot is not None]
+            pending = [s.lora.uid for s in held if s.slot is None and s.lora is not None]  # (canonical rows)
             queue = self._waiting(n)
             cut = ((s.priority, s.lora.uid if s.lora is not None else 0, s.rid not in deferred) for *_, s in queue)
-            if len(queue) < n or waiting_cut(self.sched_cfg, free_slots, running, cut, self._queued_loras) is not None:
+            if len(queue) < n or waiting_cut(self.sched_cfg, free_slots, running, cut, self._queued_loras,
+                                             pending) is not None:
                 self._waiting_head = [s for s in head if s.slot is None]
                 return head, deferred
             n *= 2

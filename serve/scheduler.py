@@ -40,8 +40,8 @@ are first come, first served):
   generations does not fill the arena with requests that would preempt each other (each preemption
   recomputes). With nothing running, the first request is admitted regardless;
 - LoRA adapters (serve/lora.py): the running requests use at most `max_loras` distinct adapters (the
-  device slots); a waiting request whose adapter would be one too many is skipped (others of loaded
-  adapters may go ahead of it, as in vLLM) until a running adapter's requests finish;
+  device slots); a waiting request whose adapter would be one too many is skipped, holding back no one
+  (others of loaded adapters may go ahead of it, as in vLLM) until a running adapter's requests finish;
 - speculative drafts (serve/speculative.py) ride on decodes: a decode with d drafts computes 1 + d
   tokens and needs pages for them; drafts are optional and are the first thing dropped when pages or
   the token budget run short.
@@ -132,7 +132,8 @@ def expected_growth(s: SeqView, held: int, ratio: float, cfg: SchedulerConfig) -
 
 
 def waiting_cut(cfg: SchedulerConfig, free_slots: int, running: list[tuple[int, int]],
-                waiting: Iterable[tuple[int, int, bool]], queued: Optional[dict] = None) -> Optional[int]:
+                waiting: Iterable[tuple[int, int, bool]], queued: Optional[dict] = None,
+                pending: Iterable[int] = ()) -> Optional[int]:
     """How many of the waiting requests `schedule` may look at -> that many of `waiting` (their (priority, adapter,
     shown) in (priority, arrival) order; shown False: left out of the plan), None: all. `running`: the running
     requests' (priority, adapter). A shown request whose adapter cannot be one too many (all the adapters up to it
@@ -142,9 +143,15 @@ def waiting_cut(cfg: SchedulerConfig, free_slots: int, running: list[tuple[int, 
     cache) only those: a step's host work must not grow with a queue of thousands.
 
     `queued` (adapter -> requests of it in the whole queue, `waiting` included; more is fine) bounds a queue of
-    more adapters than `max_loras` too (`_adapters_settled`), where the requests counted above run out."""
+    more adapters than `max_loras` too (`_adapters_settled`), where the requests counted above run out.
+
+    `pending`: the adapters of waiting rows the scheduler sees beside `waiting` (the prefix cache's canonical rows
+    not admitted yet, at places they borrow): admitted ahead of requests of `waiting`, each may take a LoRA slot, so
+    they count as taken (left out, a request of such an adapter behind the cut was not admitted with it)."""
     adapters, want, takers = {a for _, a in running if a}, 0, 0
-    fixed = frozenset(adapters | {0})  # (the running requests' adapters, and the base model)
+    free_lora = len(adapters) < cfg.max_loras  # (step 0 checks the running requests' adapters alone)
+    adapters |= {a for a in pending if a}
+    fixed = frozenset(adapters | {0})  # (the running requests' and pending rows' adapters, and the base model)
     seen: dict[int, int] = {}  # adapter -> requests of it in `waiting` so far
     met: dict[int, int] = {}  # adapter -> shown requests of it so far
     first: list[int] = []  # the shown requests' adapters not in `fixed`, in the order they first come
@@ -166,24 +173,25 @@ def waiting_cut(cfg: SchedulerConfig, free_slots: int, running: list[tuple[int, 
         takers += not adapter or len(adapters) <= cfg.max_loras
         if takers >= want:
             return i + 1
-        if queued is not None and _adapters_settled(cfg, fixed, first, seen, met, queued, want, i + 1, step0):
+        if queued is not None and _adapters_settled(cfg, fixed, first, seen, met, queued, want, i + 1,
+                                                   step0 and free_lora):
             return i + 1
     return None
 
 
 def _adapters_settled(cfg: SchedulerConfig, fixed: frozenset, first: list[int], seen: dict, met: dict,
-                      queued: dict, want: int, n: int, step0: bool) -> bool:
+                      queued: dict, want: int, n: int, open_step0: bool) -> bool:
     """Whether the requests behind the first `n` of the queue change no plan, however many adapters it holds.
-    The adapters that can pass `_plan`'s LoRA check in its prefill rows are the running ones' (`fixed`) and the
-    first `max_loras` others in queue order (`first`): the check admits new ones in that order while a slot is
-    free and never again once none is (a running adapter whose requests are preempted becomes a new one). An
+    The adapters that can pass `_plan`'s LoRA check in its prefill rows are the running and pending rows' (`fixed`)
+    and the first `max_loras` others in queue order (`first`): the check admits new ones in that order while a slot
+    is free and never again once none is (a running adapter whose requests are preempted becomes a new one). An
     adapter that passes it passes it for every request of it met. So once each such adapter has `want` requests
     shown (its requests alone stop the scheduler) or none left behind (`queued`: those of the whole queue), the
     requests behind are all skipped; and unless every adapter fills the slots (`first` is short), none of them may
     be of an adapter not seen yet. Step 0 (preemption) takes every adapter while the running ones leave a slot
-    free: then `want` requests shown, or none left, bound it too."""
+    free (`open_step0`): then `want` requests shown, or none left, bound it too."""
     left = lambda a: queued.get(a, 0) - seen.get(a, 0)  # noqa: E731
-    if step0 and len(fixed) - 1 < cfg.max_loras and sum(met.values()) < want and sum(queued.values()) > n:
+    if open_step0 and sum(met.values()) < want and sum(queued.values()) > n:
         return False
     possible = list(fixed) + first[:cfg.max_loras]
     if any(left(a) > 0 and met.get(a, 0) < want for a in possible):
@@ -332,6 +340,8 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
             if s.rid in reserved:  # (step 0 held memory for it: the running ones may use it this step)
                 free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + s.rows
             continue
+        if not s.running and not fits_adapter(s):  # (before the token budget: one it cut short stopped those behind)
+            continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         start = s.computed
         # rows end on multiples of prefill_chunk: the next one, or the last within the long row
         aligned_end = ((start + row_tokens) // cfg.prefill_chunk if row_tokens else start // cfg.prefill_chunk + 1
@@ -349,8 +359,6 @@ def _plan(seqs: list[SeqView], mem: Memory, cfg: SchedulerConfig, new_token_rati
         while row_tokens and length > cfg.prefill_chunk and units + slots * cfg.slot_units > free_units + held:
             length = (start + length - 1) // cfg.prefill_chunk * cfg.prefill_chunk - start  # the long row, shorter
             units = max(0, units_for(start + length, cfg) - s.pages)
-        if slots and not fits_adapter(s):
-            continue  # its adapter would be one too many: skipped until a running adapter frees its slot
         if s.rid in reserved:  # step 0 held its memory and row
             free_units, free_slots, rows = free_units + reserved.pop(s.rid), free_slots + 1, rows + s.rows
         # a prompt under way goes before the waiting requests behind it: it takes their reservations first

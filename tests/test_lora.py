@@ -268,6 +268,31 @@ def test_running_adapters_are_read_from_the_running_rows_alone():
     assert Engine._running_adapters(eng, internal=True) == {a, b}
 
 
+def test_the_waiting_cut_counts_a_pending_canonical_rows_adapter():
+    """A prefix-cache canonical row not admitted yet is a waiting row the scheduler admits first, its adapter taking
+    a LoRA slot. `_queue_head` left it out of the waiting cut: with 2 slots and a queue [a, b x 5, c, c] the cut
+    counted a and the bs as taking rows (the bs are skipped: c holds the second slot) and hid the requests of c,
+    which the plan over the whole queue admits with the row."""
+    from types import SimpleNamespace
+
+    from serve.scheduler import SchedulerConfig
+
+    cfg = SchedulerConfig(max_num_seqs=6, max_prefill_seqs=4, prefill_chunk=16, align=16, token_budget=64,
+                          page_size=16, num_mla_layers=2, slot_units=1, max_loras=2)
+    adapter = {n: SimpleNamespace(uid=i + 1) for i, n in enumerate("abc")}
+    row = lambda rid, place, name, internal=None: SimpleNamespace(  # noqa: E731
+        rid=rid, place=place, priority=0, order=place, lora=adapter[name], slot=None, hit=None, internal=internal,
+        finished=False, proposals=None)
+    canon = row("canon", 1, "c", internal="prompt_end")
+    queue = [(0, 2 + i, 2 + i, row(f"w{i}", 2 + i, n)) for i, n in enumerate("abbbbbcc")]
+    eng = SimpleNamespace(
+        seqs={"canon": canon, **{e[3].rid: e[3] for e in queue}}, _canonical_pending={"canon"}, _running={},
+        _waiting=lambda n: queue[:n], _match=lambda s: None, _canonicalize_shared_tails=lambda head: False,
+        _deferred=lambda head, lent: set(), _waits_at=None, sched_cfg=cfg, _queued_loras={1: 1, 2: 5, 3: 2})
+    head, _ = Engine._queue_head(eng, 8)
+    assert {"w6", "w7"} <= {s.rid for s in head}, [s.rid for s in head]  # (the plan over all admits them)
+
+
 def test_swap_evicts_the_least_recently_used_adapter(ab, engine, ref):
     """The adapter swapped out is the one whose requests ended longest ago, not the one admitted first: "a"'s
     request outlives "b"'s (both admitted in one step), so "c" takes "b"'s slot (it used to take "a"'s)."""

@@ -451,3 +451,37 @@ def test_waiting_cut_of_a_queue_cycling_through_more_adapters_than_slots():
     assert waiting_cut(cfg, 4, [(0, 1)], [(0, 0, True), (0, 2, True), (0, 2, True)], {0: 1, 2: 2}) == 3
     # only requests of an adapter not running: it takes a slot if a running request is preempted
     assert waiting_cut(cfg, 4, running, [(0, 3, True)] * 10, {3: 10}) == cfg.max_prefill_seqs + 1
+
+
+def test_waiting_cut_counts_the_adapters_of_pending_canonical_rows():
+    """A canonical row not admitted yet (the prefix cache's, at a place it borrows) is a waiting row the scheduler
+    admits ahead of the queue, and its adapter takes a LoRA slot. Left out of the cut, requests of that adapter behind
+    it were not admitted with it: the queue's counts cut [A, B, C, C] after [A, B] (both settled), the requests'
+    takers cut [A, B, B, B, C] after the Bs (counted as taking the second slot, the canonical row's)."""
+    canon = SeqView("c", 9, 32, 0, False, 0, adapter=3, rows=0)
+    mem = Memory(200, 8)
+    for adapters, rows in (([1, 2, 3, 3], 4), ([1, 2, 2, 2, 3], 3)):
+        cfg = replace(CFG, max_num_seqs=6, max_prefill_seqs=rows, max_loras=2)
+        queue = [SeqView(f"w{i}", 10 + i, 16, 0, False, 0, adapter=a) for i, a in enumerate(adapters)]
+        queued = {a: adapters.count(a) for a in adapters}
+        cut = waiting_cut(cfg, 8, [], [(0, a, True) for a in adapters], queued, pending=[3])
+        plan = schedule([canon] + queue, mem, cfg)
+        assert f"w{adapters.index(3)}" in plan.admit  # (a request of the row's adapter goes with it)
+        assert schedule([canon] + queue[:cut], mem, cfg) == plan
+
+
+def test_a_request_skipped_for_its_adapter_holds_back_no_one_at_the_token_budget():
+    """A waiting request whose adapter is one too many is skipped; met when the token budget left cuts its row to
+    nothing, it stopped the prefill rows there, holding back a prompt under way behind it whose row still fits. The
+    plan then depended on such a request (the waiting cut leaves those behind it out: the plan over the cut ran the
+    prompt, the plan over the whole queue did not); it is skipped before the budget is looked at."""
+    cfg = replace(CFG, max_num_seqs=6, max_prefill_seqs=5, max_loras=1)
+    decoding = SeqView("d", 0, 11, 10, True, units_for(10, cfg), adapter=1)
+    prompt = SeqView("p", 1, 40, 32, True, units_for(32, cfg), priority=5)  # 8 tokens left
+    queue = [SeqView(f"w{i}", 10 + i, t, 0, False, 0, adapter=a) for i, (a, t) in
+             enumerate([(1, 16), (1, 16), (1, 16), (3, 8), (2, 16)])]  # (adapters 3 and 2 skipped; 2: 16 > 15 left)
+    cut = waiting_cut(cfg, 8, [(0, 1), (5, 0)], [(0, s.adapter, True) for s in queue], {1: 3, 2: 1, 3: 1})
+    mem = Memory(200, 8)
+    plan = schedule([decoding, prompt] + queue, mem, cfg)
+    assert ("p", 32, 8) in plan.prefill
+    assert cut == 4 and schedule([decoding, prompt] + queue[:cut], mem, cfg) == plan
