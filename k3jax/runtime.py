@@ -140,7 +140,9 @@ class Model:
 
     def generate_greedy(self, token_ids, max_new_tokens: int) -> np.ndarray:
         """Greedy continuation: chunked prefill, then recurrent decode through the explicit cache (its length
-        rounded up to a multiple of 256, so that prompts of nearby lengths share the compiled programs)."""
+        rounded up to a multiple of 256, so that prompts of nearby lengths share the compiled programs). Each
+        token is the argmax of `steps.decode_step`'s logits, on device: the decode program that `decode_step`'s
+        callers compile too, not one of its own."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         ids = self._ids(token_ids)
@@ -148,7 +150,8 @@ class Model:
         tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
         out = [tok]
         for _ in range(max_new_tokens - 1):
-            tok, cache = steps.greedy_decode_step(self.graphdef, self.params, cache, tok)
+            logits, cache = steps.decode_step(self.graphdef, self.params, cache, tok)
+            tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             out.append(tok)
         return np.asarray(jnp.stack(out, axis=1))
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from functools import partial
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from k3jax.cache import ModelCache
@@ -40,10 +39,3 @@ def decode_step(graphdef, params, cache: ModelCache, tokens: jax.Array):
     """tokens [B] -> (logits [B, V], cache) for one new token per row."""
     logits, cache = _merge(graphdef, params)(tokens[:, None], cache, None, last_only=True)
     return logits, cache
-
-
-@partial(jax.jit, static_argnums=(0,), donate_argnums=(2,))
-def greedy_decode_step(graphdef, params, cache: ModelCache, tokens: jax.Array):
-    """Decode one token per row and pick the argmax on device: tokens [B] -> (next [B], cache)."""
-    logits, cache = _merge(graphdef, params)(tokens[:, None], cache, None, last_only=True)
-    return jnp.argmax(logits, axis=-1).astype(jnp.int32), cache

@@ -56,20 +56,22 @@ def test_prefill_then_decode_equals_forward(model, ids, full_logits):
 
 
 def test_ragged_rows_match_their_own_forward(model, ids, full_logits):
-    """Two rows with different real lengths in one padded prefill chunk."""
+    """Two rows with different real lengths in one padded prefill chunk (the [2, 32] chunk that
+    `test_prefill_then_decode_equals_forward` compiles: a chunk of another length is a program of its own)."""
+    chunk, short = model.prefill_chunk, 20
     cache = init_cache(model.cfg, 2, MAX_LEN, model.dtype)
-    valid = jnp.array([T, 40], jnp.int32)
-    piece = ids.copy()
-    piece[1, 40:] = 7  # garbage after the real tokens must not matter
+    valid = jnp.array([chunk, short], jnp.int32)
+    piece = ids[:, :chunk].copy()
+    piece[1, short:] = 7  # garbage after the real tokens must not matter
     logits, cache = steps.prefill_step(model.graphdef, model.params, cache, jnp.asarray(piece), valid)
-    assert rel(logits[0], full_logits[0, T - 1]) < 1e-5
-    # row 1's reference: the whole forward at its 40th token (causal: what a forward over its 40 tokens gives;
+    assert rel(logits[0], full_logits[0, chunk - 1]) < 1e-5
+    # row 1's reference: the whole forward at its 20th token (causal: what a forward over its 20 tokens gives;
     # no program of another shape to compile)
-    assert rel(logits[1], full_logits[1, 39]) < 1e-5
+    assert rel(logits[1], full_logits[1, short - 1]) < 1e-5
     # decode continues each row from its own length
-    nxt = jnp.asarray([ids[0, 0], ids[1, 40]])
+    nxt = jnp.asarray([ids[0, chunk], ids[1, short]])
     logits, cache = steps.decode_step(model.graphdef, model.params, cache, nxt)
-    assert rel(logits[1], full_logits[1, 40]) < 1e-5
+    assert rel(logits[0], full_logits[0, chunk]) < 1e-5 and rel(logits[1], full_logits[1, short]) < 1e-5
 
 
 def test_generate_greedy_matches_forward_argmax(model, ids):

@@ -451,8 +451,8 @@ def _lora_and_merged(model, adapter, merged):
 
 
 # Processes that build different engines (here max_model_len) are refused by the engine check before compiling.
-# The same processes then go on to `_MEMORY` (one start for both tests, CI time), which they reach only once both
-# were refused: a process that built its engine stops there (exit status 3).
+# The same processes then go on to `_MEMORY` and `_HOST_COPY` (one start for the three tests, CI time), which they
+# reach only once both were refused: a process that built its engine stops there (exit status 3).
 _MISMATCH = textwrap.dedent("""
     import sys
     import k3jax
@@ -471,8 +471,8 @@ _MISMATCH = textwrap.dedent("""
 
 @pytest.fixture(scope="module")
 def mismatch_then_memory():
-    """[(exit status, output)] of processes 0 and 1 running `_MISMATCH`, then `_MEMORY`."""
-    return _two_processes(_MISMATCH + _MEMORY)
+    """[(exit status, output)] of processes 0 and 1 running `_MISMATCH`, then `_MEMORY` and `_HOST_COPY`."""
+    return _two_processes(_MISMATCH + _MEMORY + _HOST_COPY + _LEAVE)
 
 
 def _two_processes(script: str, *args: str, timeout: float = 300) -> list[tuple[int, str]]:
@@ -643,6 +643,9 @@ _MEMORY = textwrap.dedent("""
                               prefill_chunk=16, max_prefill_seqs=1, decode_buckets=(4,), prefill_buckets=(1,),
                               context_buckets=(4,), measure_moe_time=False), warmup=False, progress=False)
     print("UNITS", eng.layout.num_units, eng.memory_plan.bytes_limit, flush=True)
+""")
+# The end of `mismatch_then_memory`'s script, after `_HOST_COPY`.
+_LEAVE = textwrap.dedent("""
     from jax.experimental import multihost_utils
     import os
     multihost_utils.sync_global_devices("sized")  # both built: leave without serving (no warm-up, no close)
@@ -659,19 +662,21 @@ def test_processes_size_one_arena_from_their_device_memory(mismatch_then_memory)
     assert (limit0, limit1) == (48 << 20, 40 << 20) and units0 == units1  # process 1's smaller device decides
 
 
-def test_serve_multihost_options_are_checked():
+def test_serve_multihost_options_are_checked(capsys):
     """Multi-host flags without a mesh (or a coordinator), or with disaggregated prefill, fail at once, saying
-    what is missing or in the way."""
-    out = subprocess.run([sys.executable, "-m", "k3jax.cli", "serve", "--num-processes", "2"], cwd=ROOT,
-                         capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0
-    assert "--coordinator-address" in out.stderr and "--sharding" in out.stderr
+    what is missing or in the way (`k3jax serve`'s own entry point, in this process: both are refused before
+    the process would join a cluster; CI time)."""
+    from k3jax.cli import main
+
+    assert main(["serve", "--num-processes", "2"]) != 0
+    err = capsys.readouterr().err
+    assert "--coordinator-address" in err and "--sharding" in err, err
     # disaggregated prefill's two engines live in one process: refused before joining the cluster (process 1 would
     # build the one engine over every process's devices and wait for process 0 forever)
-    out = subprocess.run([sys.executable, "-m", "k3jax.cli", "serve", "--num-processes", "2", "--sharding", "tp",
-                          "--coordinator-address", f"127.0.0.1:{_free_port()}", "--prefill-devices", "0",
-                          "--decode-devices", "1"], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert out.returncode != 0 and "--prefill-devices" in out.stderr and "multi-host" in out.stderr, out.stderr
+    assert main(["serve", "--num-processes", "2", "--sharding", "tp", "--coordinator-address",
+                 f"127.0.0.1:{_free_port()}", "--prefill-devices", "0", "--decode-devices", "1"]) != 0
+    err = capsys.readouterr().err
+    assert "--prefill-devices" in err and "multi-host" in err, err
 
 
 def test_step_batch_packing_roundtrip():
@@ -687,11 +692,13 @@ def test_step_batch_packing_roundtrip():
         unpack(pack(leaves)[:-1], leaves)
 
 
+# A sleeping engine's host copies, on a mesh of a process's own 2 devices: run by `mismatch_then_memory`'s processes
+# after `_MEMORY` (a process of its own cost a Python and JAX start; CI time).
 _HOST_COPY = textwrap.dedent("""
     import jax, numpy as np
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
     from serve.multihost import HostCopy
-    mesh = Mesh(np.array(jax.devices()[:2]), ("x",))
+    mesh = Mesh(np.array(jax.local_devices()[:2]), ("x",))
     x = np.random.default_rng(0).standard_normal((4, 6)).astype(np.float32)
     for spec, kept in ((P("x"), 2), (P(), 1)):
         a = jax.device_put(x, NamedSharding(mesh, spec))
@@ -702,14 +709,14 @@ _HOST_COPY = textwrap.dedent("""
         assert b.sharding == NamedSharding(mesh, spec) and np.array_equal(np.asarray(b), x)
     one = HostCopy.of(jax.numpy.asarray(x))
     assert np.array_equal(np.asarray(one.restore(None)), x)
-    print("OK")
+    print("HOST_COPIES_OK", flush=True)
 """)
 
 
-def test_command_payloads_and_host_copies_roundtrip():
+def test_command_payloads_and_host_copies_roundtrip(mismatch_then_memory):
     """Bytes and text in int32 command payloads (every length mod 4, non-ASCII); a sleeping engine's host copy
-    of a sharded and of a replicated array (2 devices) comes back with its values and sharding, a replicated
-    one kept once."""
+    of a sharded and of a replicated array (a process's 2 devices, in each process of `mismatch_then_memory`)
+    comes back with its values and sharding, a replicated one kept once."""
     from serve.multihost import bytes_payload, payload_bytes, payload_text, text_payload
 
     for n in range(9):
@@ -717,9 +724,8 @@ def test_command_payloads_and_host_copies_roundtrip():
         p = bytes_payload([7, -1, n], raw)
         assert p.dtype == np.int32 and payload_bytes(p, 3) == ([7, -1, n], raw)
     assert payload_text(text_payload("/ckpt/K3 — étape 2")) == "/ckpt/K3 — étape 2"
-    out = subprocess.run([sys.executable, "-c", _HOST_COPY], cwd=ROOT, env=ENV, capture_output=True, text=True,
-                         timeout=120)
-    assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]
+    for code, out in mismatch_then_memory:
+        assert code == 0 and "HOST_COPIES_OK" in out, out[-3000:]
 
 
 class _Tape:
