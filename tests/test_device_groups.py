@@ -632,7 +632,8 @@ def test_an_adapter_is_loaded_on_every_replica_or_none():
 
         def __init__(self):
             super().__init__([])
-            self.config, self.seqs, self.loras = SimpleNamespace(max_loras=1), {}, Registry(1, 4, 2)
+            self.config, self.loras = SimpleNamespace(max_loras=1), Registry(1, 4, 2)
+            self.seqs = self._running = {}  # (every request here runs: in a slot)
             for name in "ab":
                 self.loras.add(name, f"/adapters/{name}", 4, {})
 
